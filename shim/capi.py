@@ -1,0 +1,123 @@
+"""ctypes bindings of the C API in native/include/gpuvisor.h.
+
+The shared region's layout belongs to the C library; Python reaches the
+region only through these gv_* functions.  Loading libgpuvisor.so with
+ctypes (RTLD_LOCAL) interposes nothing in this process: the library does
+no CUDA work at load time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+from typing import Any
+
+from .loader import library_path
+
+API_VERSION = 1
+UNLIMITED = (1 << 64) - 1  # GV_UNLIMITED
+
+ERROR_NAMES = {
+    0: "GV_OK",
+    -1: "GV_EINVAL",
+    -2: "GV_ENOENT",
+    -3: "GV_ENOMEM",
+    -4: "GV_EIO",
+    -5: "GV_ECORRUPT",
+    -6: "GV_EFULL",
+    -7: "GV_ENOTATTACHED",
+}
+GV_EINVAL = -1
+GV_ENOENT = -2
+GV_ENOMEM = -3
+GV_EIO = -4
+GV_ECORRUPT = -5
+GV_EFULL = -6
+GV_ENOTATTACHED = -7
+
+
+class GpuvisorError(RuntimeError):
+    """A gv_* call failed; carries the GV_E* code and gv_last_error()."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+    @property
+    def code_name(self) -> str:
+        return ERROR_NAMES.get(self.code, f"GV_E({self.code})")
+
+    def __str__(self) -> str:
+        return f"{self.message} ({self.code_name})"
+
+
+_u64 = ctypes.c_uint64
+_pu64 = ctypes.POINTER(ctypes.c_uint64)
+_i32p = ctypes.POINTER(ctypes.c_int32)
+
+# name -> (restype, argtypes), one line per function of gpuvisor.h.
+_SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
+    "gv_api_version": (ctypes.c_int, []),
+    "gv_last_error": (ctypes.c_char_p, []),
+    "gv_region_attach": (ctypes.c_int, [ctypes.c_char_p]),
+    "gv_region_path": (ctypes.c_char_p, []),
+    "gv_parse_memory_limit": (ctypes.c_int, [ctypes.c_char_p, _u64, _pu64]),
+    "gv_device_count": (ctypes.c_int, []),
+    "gv_device_uuid": (ctypes.c_int, [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]),
+    "gv_device_register": (ctypes.c_int, [ctypes.c_char_p, _u64, _u64]),
+    "gv_device_get_limit": (ctypes.c_int, [ctypes.c_int, _pu64]),
+    "gv_device_set_limit": (ctypes.c_int, [ctypes.c_int, _u64]),
+    "gv_device_get_used": (ctypes.c_int, [ctypes.c_int, _pu64]),
+    "gv_device_get_physical_total": (ctypes.c_int, [ctypes.c_int, _pu64]),
+    "gv_device_get_oom_count": (ctypes.c_int, [ctypes.c_int, _pu64]),
+    "gv_process_list": (ctypes.c_int, [_i32p, ctypes.c_int]),
+    "gv_process_get_used": (ctypes.c_int, [ctypes.c_int32, ctypes.c_int, _pu64]),
+    "gv_reclaim_dead": (ctypes.c_int, []),
+}
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded libgpuvisor.so, with every signature declared and the API version checked."""
+    global _lib
+    with _lock:
+        if _lib is None:
+            path = library_path()
+            handle = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
+            for name, (restype, argtypes) in _SIGNATURES.items():
+                func = getattr(handle, name)
+                func.restype = restype
+                func.argtypes = argtypes
+            version = handle.gv_api_version()
+            if version != API_VERSION:
+                raise GpuvisorError(
+                    GV_EINVAL,
+                    f"gpuvisor: {path} has API version {version}, expected {API_VERSION}",
+                )
+            _lib = handle
+        return _lib
+
+
+def last_error() -> str:
+    raw = lib().gv_last_error()
+    return raw.decode(errors="replace") if raw else "gpuvisor: unknown error"
+
+
+def check(rc: int, what: str) -> int:
+    """Raise GpuvisorError for a negative return code; return rc otherwise."""
+    if rc < 0:
+        message = last_error() or f"gpuvisor: {what} failed"
+        raise GpuvisorError(rc, message)
+    return rc
+
+
+def encode_text(value: str | Path, field: str) -> bytes:
+    """Encode a str for a C string argument; NUL bytes are a clear error."""
+    text = str(value)
+    if "\0" in text:
+        raise GpuvisorError(GV_EINVAL, f"gpuvisor: {field}={text!r} contains a NUL byte")
+    return text.encode()

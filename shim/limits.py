@@ -1,0 +1,28 @@
+"""Memory-limit values, parsed by the C library (the single parser)."""
+
+from __future__ import annotations
+
+import ctypes
+
+from .capi import GV_EINVAL, UNLIMITED, GpuvisorError, encode_text, last_error, lib
+
+
+def parse_memory_limit(text: str, physical_total: int = 0) -> int:
+    """Bytes for a CUDA_DEVICE_MEMORY_LIMIT value ("4g", "512MiB", "25%", ...).
+
+    physical_total resolves percentages.  Raises GpuvisorError (GV_EINVAL)
+    for anything malformed, zero or overflowing.
+    """
+    if (
+        isinstance(physical_total, bool)
+        or not isinstance(physical_total, int)
+        or not (0 <= physical_total <= UNLIMITED)
+    ):
+        raise GpuvisorError(GV_EINVAL, f"gpuvisor: physical_total={physical_total!r} is invalid")
+    out = ctypes.c_uint64()
+    rc = lib().gv_parse_memory_limit(
+        encode_text(text, "memory limit"), physical_total, ctypes.byref(out)
+    )
+    if rc < 0:
+        raise GpuvisorError(rc, last_error() or f"gpuvisor: invalid memory limit {text!r}")
+    return out.value

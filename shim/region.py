@@ -1,0 +1,129 @@
+"""The container's shared accounting region, through the C API.
+
+One region per process: the library attaches to a single region file and
+attaching to another path in the same process fails (GV_EINVAL).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from .capi import GV_EINVAL, UNLIMITED, GpuvisorError, check, encode_text, lib
+
+
+@dataclass(frozen=True)
+class DeviceUsage:
+    """One device entry of the region."""
+
+    index: int
+    uuid: str
+    limit: int | None  # None: no limit (GV_UNLIMITED)
+    used: int
+    physical_total: int
+    oom_count: int
+
+
+def _u64_out(func_name: str, dev: int) -> int:
+    value = ctypes.c_uint64()
+    check(getattr(lib(), func_name)(dev, ctypes.byref(value)), func_name)
+    return value.value
+
+
+def _limit_arg(limit: int | None, field: str) -> int:
+    if limit is None:
+        return UNLIMITED
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 0 < limit < UNLIMITED:
+        raise GpuvisorError(GV_EINVAL, f"gpuvisor: {field}={limit!r} is not a positive byte count")
+    return limit
+
+
+class Region:
+    """Handle on the attached region; create it with Region.attach()."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @classmethod
+    def attach(cls, path: str | os.PathLike[str] | None = None) -> Region:
+        """Attach to (creating if missing) the region at path.
+
+        path=None: $CUDA_DEVICE_MEMORY_SHARED_CACHE, else the library default.
+        """
+        arg = None if path is None else encode_text(os.fspath(path), "region path")
+        check(lib().gv_region_attach(arg), "gv_region_attach")
+        raw = lib().gv_region_path()
+        if not raw:
+            raise GpuvisorError(GV_EINVAL, "gpuvisor: attached region has no path")
+        return cls(Path(raw.decode()))
+
+    def device_count(self) -> int:
+        return check(lib().gv_device_count(), "gv_device_count")
+
+    def device_uuid(self, dev: int) -> str:
+        buf = ctypes.create_string_buffer(96)
+        check(lib().gv_device_uuid(dev, buf, len(buf)), "gv_device_uuid")
+        return buf.value.decode()
+
+    def device(self, dev: int) -> DeviceUsage:
+        limit = _u64_out("gv_device_get_limit", dev)
+        return DeviceUsage(
+            index=dev,
+            uuid=self.device_uuid(dev),
+            limit=None if limit == UNLIMITED else limit,
+            used=_u64_out("gv_device_get_used", dev),
+            physical_total=_u64_out("gv_device_get_physical_total", dev),
+            oom_count=_u64_out("gv_device_get_oom_count", dev),
+        )
+
+    def devices(self) -> list[DeviceUsage]:
+        return [self.device(i) for i in range(self.device_count())]
+
+    def register_device(self, uuid: str, physical_total: int, limit: int | None) -> int:
+        """Register (or find) the entry for uuid ("GPU-..."); returns its index."""
+        if isinstance(physical_total, bool) or not isinstance(physical_total, int):
+            raise GpuvisorError(
+                GV_EINVAL, f"gpuvisor: physical_total={physical_total!r} is not an integer"
+            )
+        if not 0 <= physical_total < UNLIMITED:
+            raise GpuvisorError(
+                GV_EINVAL, f"gpuvisor: physical_total={physical_total} is out of range"
+            )
+        return check(
+            lib().gv_device_register(
+                encode_text(uuid, "uuid"), physical_total, _limit_arg(limit, "limit")
+            ),
+            "gv_device_register",
+        )
+
+    def get_limit(self, dev: int) -> int | None:
+        limit = _u64_out("gv_device_get_limit", dev)
+        return None if limit == UNLIMITED else limit
+
+    def set_limit(self, dev: int, limit: int | None) -> None:
+        """Set the device's quota in bytes (None: unlimited); applies to the next allocation."""
+        check(lib().gv_device_set_limit(dev, _limit_arg(limit, "limit")), "gv_device_set_limit")
+
+    def used(self, dev: int) -> int:
+        return _u64_out("gv_device_get_used", dev)
+
+    def processes(self) -> list[int]:
+        """PIDs registered in the region."""
+        cap = 64
+        while True:
+            pids = (ctypes.c_int32 * cap)()
+            total = check(lib().gv_process_list(pids, cap), "gv_process_list")
+            if total <= cap:
+                return list(pids[:total])
+            cap = total
+
+    def process_used(self, pid: int, dev: int) -> int:
+        value = ctypes.c_uint64()
+        check(lib().gv_process_get_used(pid, dev, ctypes.byref(value)), "gv_process_get_used")
+        return value.value
+
+    def reclaim_dead(self) -> int:
+        """Reclaim the slots of dead processes; returns how many."""
+        return check(lib().gv_reclaim_dead(), "gv_reclaim_dead")

@@ -1,0 +1,49 @@
+"""Fixtures shared by every test module.
+
+- repo_root, build_dir: the checkout and its make outputs (fails with
+  "run make first" when they are missing);
+- node: a fresh simulated node (own state and region files under tmp_path);
+- run_py: run Python code in a child process with a given environment;
+- the `gpu` marker skips tests when no real GPU is present.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from gpuvisor.shim.hardware import real_gpu_present
+
+from tests.helpers import BUILD_DIR, REPO_ROOT, SimNode, missing_build_outputs
+from tests.helpers import run_py as _run_py
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def build_dir() -> Path:
+    missing = missing_build_outputs()
+    if missing:
+        pytest.fail(f"run make first: missing {', '.join(str(p) for p in missing)}", pytrace=False)
+    return BUILD_DIR
+
+
+@pytest.fixture
+def node(tmp_path: Path, build_dir: Path) -> SimNode:
+    """A fresh simulated node with two 16 GiB devices (GPUVISOR_SIM_DEVICES=2x16g)."""
+    return SimNode.create(tmp_path)
+
+
+@pytest.fixture(scope="session")
+def run_py() -> Callable[..., subprocess.CompletedProcess[str]]:
+    return _run_py
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("gpu") is not None and not real_gpu_present():
+        pytest.skip("no real GPU (nvidia-smi missing or failing, or no libcuda.so.1)")

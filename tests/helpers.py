@@ -1,0 +1,111 @@
+"""Helpers shared by the test modules (the fixtures are in conftest.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+BUILD_DIR = REPO_ROOT / "build"
+LIBRARY = BUILD_DIR / "libgpuvisor.so"
+SIM_DIR = BUILD_DIR / "sim"
+SIM_LIBS = (SIM_DIR / "libcuda.so.1", SIM_DIR / "libnvidia-ml.so.1")
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+# Variables of the host environment that would change what a test sees.
+_SCRUBBED_PREFIXES = ("CUDA_", "GPUVISOR_", "LIBCUDA_", "NVIDIA_")
+_SCRUBBED = {"LD_PRELOAD", "LD_LIBRARY_PATH"}
+
+
+def missing_build_outputs() -> list[Path]:
+    return [p for p in (LIBRARY, *SIM_LIBS) if not p.is_file()]
+
+
+def clean_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """os.environ without the variables gpuvisor, CUDA or the loader read."""
+    env = dict(os.environ if base is None else base)
+    for key in list(env):
+        if key in _SCRUBBED or key.startswith(_SCRUBBED_PREFIXES):
+            del env[key]
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@dataclass
+class SimNode:
+    """A fresh simulated node: its own state file and region file under dir."""
+
+    dir: Path
+    env: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, directory: Path, devices: str = "2x16g") -> SimNode:
+        env = clean_env()
+        env.update(
+            {
+                "LD_LIBRARY_PATH": str(SIM_DIR),
+                "GPUVISOR_SIM_STATE": str(directory / "sim.state"),
+                "GPUVISOR_SIM_DEVICES": devices,
+                "CUDA_DEVICE_MEMORY_SHARED_CACHE": str(directory / "region.shr"),
+            }
+        )
+        return cls(dir=directory, env=env)
+
+    @property
+    def state(self) -> Path:
+        return Path(self.env["GPUVISOR_SIM_STATE"])
+
+    @property
+    def region(self) -> Path:
+        return Path(self.env["CUDA_DEVICE_MEMORY_SHARED_CACHE"])
+
+    def shimmed(self, **extra: str) -> dict[str, str]:
+        """The node's env with libgpuvisor.so preloaded, plus extra variables."""
+        env = dict(self.env)
+        env["LD_PRELOAD"] = str(LIBRARY)
+        env.update(extra)
+        return env
+
+
+def run_py(
+    code: str, env: Mapping[str, str], timeout: float = 60, *, args: list[str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run `python -c code` (dedented) in env; return the finished process."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *(args or [])],
+        env=dict(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=REPO_ROOT,
+    )
+
+
+def run_json(code: str, env: Mapping[str, str], timeout: float = 60) -> Any:
+    """Run code that prints one JSON document as its last stdout line; return it.
+
+    Fails the test with the process's output when it exits non-zero or
+    prints no JSON.
+    """
+    proc = run_py(code, env, timeout)
+    lines = proc.stdout.strip().splitlines()
+    if proc.returncode != 0 or not lines:
+        raise AssertionError(
+            f"child exited {proc.returncode}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+        )
+    try:
+        return json.loads(lines[-1])
+    except json.JSONDecodeError as exc:
+        raise AssertionError(
+            f"child printed no JSON: {exc}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
+        ) from exc
