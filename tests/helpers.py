@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -109,3 +110,71 @@ def run_json(code: str, env: Mapping[str, str], timeout: float = 60) -> Any:
         raise AssertionError(
             f"child printed no JSON: {exc}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}"
         ) from exc
+
+
+class Holder:
+    """A child process that sets something up, reports READY, and holds it.
+
+    The code must end by calling tests.cuclient.hold(**values); entering the
+    context returns those values; leaving it releases and reaps the child.
+    """
+
+    def __init__(self, code: str, env: Mapping[str, str], timeout: float = 60) -> None:
+        self.code = textwrap.dedent(code)
+        self.env = dict(env)
+        self.timeout = timeout
+        self.proc: subprocess.Popen[str] | None = None
+        # A file, not a pipe: a chatty child must never block on stderr.
+        self.stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in __exit__)
+
+    def __enter__(self) -> Any:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", self.code],
+            env=self.env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+            cwd=REPO_ROOT,
+        )
+        assert self.proc.stdout is not None
+        seen: list[str] = []
+        for line in self.proc.stdout:
+            if line.startswith("READY "):
+                return json.loads(line[len("READY ") :])
+            seen.append(line)
+        self.proc.wait(self.timeout)
+        self.stderr.seek(0)
+        err = self.stderr.read()
+        raise AssertionError(
+            f"holder exited {self.proc.returncode} before READY\n--- stdout\n"
+            f"{''.join(seen)}--- stderr\n{err}"
+        )
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def kill(self) -> None:
+        """SIGKILL the holder (it leaves its slot behind) and reap it."""
+        assert self.proc is not None
+        self.proc.kill()
+        self.proc.wait(self.timeout)
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write("\n")
+                self.proc.stdin.flush()
+                self.proc.wait(self.timeout)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait(self.timeout)
+        for stream in (self.proc.stdin, self.proc.stdout):
+            if stream is not None:
+                stream.close()
+        self.stderr.close()

@@ -1,0 +1,263 @@
+"""A small CUDA client on cuda-python (cuda-bindings), run in child processes.
+
+Test code imports it as ``from tests.cuclient import *`` inside a process
+that has the shim preloaded; it talks to the driver exactly as any
+cuda-python program does.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from cuda.bindings import driver as cu
+
+GiB = 1 << 30
+MiB = 1 << 20
+SUCCESS = cu.CUresult.CUDA_SUCCESS
+
+
+class CudaError(Exception):
+    def __init__(self, func: str, err: Any) -> None:
+        super().__init__(f"{func} -> {err.name}")
+        self.func = func
+        self.err = err
+
+
+def call(fn: Callable[..., Any], *args: Any) -> tuple[Any, Any]:
+    """(CUresult, value) of a cuda-bindings call; value is None/one/tuple."""
+    res = fn(*args)
+    err, vals = res[0], res[1:]
+    if not vals:
+        return err, None
+    return err, vals[0] if len(vals) == 1 else tuple(vals)
+
+
+def ok(fn: Callable[..., Any], *args: Any) -> Any:
+    err, value = call(fn, *args)
+    if err != SUCCESS:
+        raise CudaError(fn.__name__, err)
+    return value
+
+
+def init(ordinal: int = 0, *, create: bool = False) -> Any:
+    """cuInit, then make a context on ordinal current (primary by default)."""
+    ok(cu.cuInit, 0)
+    dev = ok(cu.cuDeviceGet, ordinal)
+    if create:
+        return ok(cu.cuCtxCreate, None, 0, dev)
+    ctx = ok(cu.cuDevicePrimaryCtxRetain, dev)
+    ok(cu.cuCtxSetCurrent, ctx)
+    return ctx
+
+
+def mem_info() -> tuple[int, int]:
+    free, total = ok(cu.cuMemGetInfo)
+    return int(free), int(total)
+
+
+def used() -> int:
+    free, total = mem_info()
+    return total - free
+
+
+def uuid(ordinal: int) -> str:
+    """The "GPU-xxxxxxxx-xxxx-..." form NVML uses."""
+    raw = bytes(ok(cu.cuDeviceGetUuid, ok(cu.cuDeviceGet, ordinal)).bytes)
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def emit(**values: Any) -> None:
+    """Print one JSON line (the test reads the last one)."""
+    print(json.dumps(values, default=str), flush=True)
+
+
+def hold(**values: Any) -> None:
+    """Report READY with values, then wait until the parent writes a line."""
+    print("READY " + json.dumps(values, default=str), flush=True)
+    sys.stdin.readline()
+
+
+# --- every allocation API: alloc(nbytes, device) -> handle, free(handle) ----
+
+
+def _array_desc(nbytes: int) -> Any:
+    # UINT32 x 4 channels = 16 bytes per element; 8192 x (nbytes / 128 KiB) rows.
+    desc = cu.CUDA_ARRAY_DESCRIPTOR()
+    desc.Width = 8192
+    desc.Height = nbytes // (8192 * 16)
+    desc.Format = cu.CUarray_format.CU_AD_FORMAT_UNSIGNED_INT32
+    desc.NumChannels = 4
+    return desc
+
+
+def _array3d_desc(nbytes: int, *, depth: bool = True) -> Any:
+    desc = cu.CUDA_ARRAY3D_DESCRIPTOR()
+    desc.Width = 1024 if depth else 8192
+    desc.Height = 1024 if depth else nbytes // (8192 * 16)
+    desc.Depth = nbytes // (1024 * 1024 * 16) if depth else 0
+    desc.Format = cu.CUarray_format.CU_AD_FORMAT_UNSIGNED_INT32
+    desc.NumChannels = 4
+    desc.Flags = 0
+    return desc
+
+
+def _device_location(dev: int) -> Any:
+    loc = cu.CUmemLocation()
+    loc.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    loc.id = dev
+    return loc
+
+
+def _vmm_prop(dev: int) -> Any:
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location = _device_location(dev)
+    return prop
+
+
+class Allocator:
+    """One allocation API.  alloc returns (CUresult, handle)."""
+
+    name = ""
+
+    def __init__(self, dev: int = 0) -> None:
+        self.dev = dev
+
+    def alloc(self, nbytes: int) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def free(self, handle: Any) -> None:
+        raise NotImplementedError
+
+
+class MemAlloc(Allocator):
+    name = "cuMemAlloc"
+
+    def alloc(self, nbytes: int) -> tuple[Any, Any]:
+        return call(cu.cuMemAlloc, nbytes)
+
+    def free(self, handle: Any) -> None:
+        ok(cu.cuMemFree, handle)
+
+
+class MemAllocPitch(Allocator):
+    name = "cuMemAllocPitch"
+
+    def alloc(self, nbytes: int) -> tuple[Any, Any]:
+        err, value = call(cu.cuMemAllocPitch, MiB, nbytes // MiB, 4)
+        return err, None if value is None else value[0]
+
+    def free(self, handle: Any) -> None:
+        ok(cu.cuMemFree, handle)
+
+
+class MemAllocManaged(Allocator):
+    name = "cuMemAllocManaged"
+
+    def alloc(self, nbytes: int) -> tuple[Any, Any]:
+        return call(cu.cuMemAllocManaged, nbytes, cu.CUmemAttach_flags.CU_MEM_ATTACH_GLOBAL)
+
+    def free(self, handle: Any) -> None:
+        ok(cu.cuMemFree, handle)
+
+
+class ArrayCreate(Allocator):
+    name = "cuArrayCreate"
+
+    def alloc(self, nbytes: int) -> tuple[Any, Any]:
+        return call(cu.cuArrayCreate, _array_desc(nbytes))
+
+    def free(self, handle: Any) -> None:
+        ok(cu.cuArrayDestroy, handle)
+
+
+class Array3DCreate(Allocator):
+    name = "cuArray3DCreate"
+
+    def alloc(self, nbytes: int) -> tuple[Any, Any]:
+        return call(cu.cuArray3DCreate, _array3d_desc(nbytes))
+
+    def free(self, handle: Any) -> None:
+        ok(cu.cuArrayDestroy, handle)
+
+
+class MipmappedArrayCreate(Allocator):
+    name = "cuMipmappedArrayCreate"
+
+    def alloc(self, nbytes: int) -> tuple[Any, Any]:
+        return call(cu.cuMipmappedArrayCreate, _array3d_desc(nbytes, depth=False), 1)
+
+    def free(self, handle: Any) -> None:
+        ok(cu.cuMipmappedArrayDestroy, handle)
+
+
+class MemCreate(Allocator):
+    name = "cuMemCreate"
+
+    def alloc(self, nbytes: int) -> tuple[Any, Any]:
+        return call(cu.cuMemCreate, nbytes, _vmm_prop(self.dev), 0)
+
+    def free(self, handle: Any) -> None:
+        ok(cu.cuMemRelease, handle)
+
+
+class MemAllocAsync(Allocator):
+    name = "cuMemAllocAsync"
+
+    def __init__(self, dev: int = 0) -> None:
+        super().__init__(dev)
+        self.stream = ok(cu.cuStreamCreate, 0)
+
+    def alloc(self, nbytes: int) -> tuple[Any, Any]:
+        err, ptr = call(cu.cuMemAllocAsync, nbytes, self.stream)
+        if err == SUCCESS:
+            ok(cu.cuStreamSynchronize, self.stream)
+        return err, ptr
+
+    def free(self, handle: Any) -> None:
+        ok(cu.cuMemFreeAsync, handle, self.stream)
+        ok(cu.cuStreamSynchronize, self.stream)
+
+
+class MemAllocFromPoolAsync(Allocator):
+    name = "cuMemAllocFromPoolAsync"
+
+    def __init__(self, dev: int = 0) -> None:
+        super().__init__(dev)
+        self.stream = ok(cu.cuStreamCreate, 0)
+        props = cu.CUmemPoolProps()
+        props.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        props.handleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+        props.location = _device_location(dev)
+        self.pool = ok(cu.cuMemPoolCreate, props)
+
+    def alloc(self, nbytes: int) -> tuple[Any, Any]:
+        err, ptr = call(cu.cuMemAllocFromPoolAsync, nbytes, self.pool, self.stream)
+        if err == SUCCESS:
+            ok(cu.cuStreamSynchronize, self.stream)
+        return err, ptr
+
+    def free(self, handle: Any) -> None:
+        ok(cu.cuMemFreeAsync, handle, self.stream)
+        ok(cu.cuStreamSynchronize, self.stream)
+        ok(cu.cuMemPoolTrimTo, self.pool, 0)
+
+
+ALLOCATORS: dict[str, type[Allocator]] = {
+    cls.name: cls
+    for cls in (
+        MemAlloc,
+        MemAllocPitch,
+        MemAllocManaged,
+        ArrayCreate,
+        Array3DCreate,
+        MipmappedArrayCreate,
+        MemCreate,
+        MemAllocAsync,
+        MemAllocFromPoolAsync,
+    )
+}

@@ -1,0 +1,319 @@
+"""End-to-end: real clients (cuda-python, nvidia-ml-py) under the shim on the
+simulated GPU.  Every test runs its clients in child processes with
+libgpuvisor.so preloaded and a fresh simulated node (2 x 16 GiB)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.helpers import GiB, Holder, MiB, SimNode, run_json, run_py
+
+SIM_CONTEXT = 32 * MiB  # what the simulator charges for one context
+PRELUDE = "from tests.cuclient import *\n"
+NOT_PERMITTED = "CUDA_ERROR_NOT_PERMITTED"
+OOM = "CUDA_ERROR_OUT_OF_MEMORY"
+
+
+def client(node: SimNode, code: str, **env: str) -> Any:
+    return run_json(PRELUDE + code, node.shimmed(**env))
+
+
+# --- cuMemGetInfo / cuDeviceTotalMem show the quota --------------------------
+
+
+@pytest.mark.parametrize("create", [False, True], ids=["primary-ctx", "cuCtxCreate"])
+def test_mem_get_info_shows_quota(node, create):
+    out = client(
+        node,
+        f"""
+init(0, create={create})
+free, total = mem_info()
+emit(free=free, total=total, devtotal=ok(cu.cuDeviceTotalMem, ok(cu.cuDeviceGet, 0)))
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+    )
+    assert out["total"] == 4 * GiB
+    assert out["devtotal"] == 4 * GiB
+    # The context's charge (physical-free delta measured by the library).
+    assert out["free"] == 4 * GiB - SIM_CONTEXT
+
+
+def test_alloc_past_quota_is_oom_and_free_restores(node):
+    out = client(
+        node,
+        """
+init()
+base = used()
+too_big, _ = call(cu.cuMemAlloc, 4 * GiB)
+ptr = ok(cu.cuMemAlloc, 3 * GiB)
+after = used()
+one_more, _ = call(cu.cuMemAlloc, 1 * GiB)
+ok(cu.cuMemFree, ptr)
+freed = used()
+again = ok(cu.cuMemAlloc, 3 * GiB)
+emit(base=base, too_big=too_big.name, after=after, one_more=one_more.name, freed=freed)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+    )
+    assert out["too_big"] == OOM
+    assert out["after"] == out["base"] + 3 * GiB
+    assert out["one_more"] == OOM
+    assert out["freed"] == out["base"]
+
+
+# --- every allocation API is counted and refused past the quota --------------
+
+ALLOCATION_APIS = [
+    "cuMemAlloc",
+    "cuMemAllocPitch",
+    "cuMemAllocManaged",
+    "cuArrayCreate",
+    "cuArray3DCreate",
+    "cuMipmappedArrayCreate",
+    "cuMemCreate",
+    "cuMemAllocAsync",
+    "cuMemAllocFromPoolAsync",
+]
+
+
+@pytest.mark.parametrize("api", ALLOCATION_APIS)
+def test_allocation_api_is_counted_and_limited(node, api):
+    out = client(
+        node,
+        f"""
+init()
+a = ALLOCATORS[{api!r}]()
+base = used()
+err, h = a.alloc(1 * GiB)
+assert err == SUCCESS, err
+grown = used()
+over, h2 = a.alloc(4 * GiB)
+if over == SUCCESS:
+    a.free(h2)
+a.free(h)
+emit(base=base, grown=grown, over=over.name, after=used())
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+    )
+    assert out["grown"] >= out["base"] + 1 * GiB, out
+    assert out["grown"] < out["base"] + 1 * GiB + 64 * MiB, out
+    assert out["over"] == OOM
+    assert out["after"] == out["base"]
+
+
+# --- which limit applies to which device --------------------------------------
+
+TOTALS = """
+ok(cu.cuInit, 0)
+n = ok(cu.cuDeviceGetCount)
+emit(
+    totals=[ok(cu.cuDeviceTotalMem, ok(cu.cuDeviceGet, i)) for i in range(n)],
+    uuids=[uuid(i) for i in range(n)],
+)
+"""
+
+
+def test_per_device_limit_overrides_global(node):
+    out = client(node, TOTALS, CUDA_DEVICE_MEMORY_LIMIT="4g", CUDA_DEVICE_MEMORY_LIMIT_1="2g")
+    assert out["totals"] == [4 * GiB, 2 * GiB]
+    out = client(
+        node,
+        "init(1)\nfree, total = mem_info()\nemit(free=free, total=total)",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+        CUDA_DEVICE_MEMORY_LIMIT_1="2g",
+    )
+    assert out["total"] == 2 * GiB
+    assert out["free"] == 2 * GiB - SIM_CONTEXT
+
+
+def test_visible_devices_reorder_limits(node):
+    plain = client(node, TOTALS)
+    assert plain["totals"] == [16 * GiB, 16 * GiB]
+    out = client(
+        node,
+        TOTALS,
+        CUDA_VISIBLE_DEVICES="1,0",
+        CUDA_DEVICE_MEMORY_LIMIT_0="2g",
+        CUDA_DEVICE_MEMORY_LIMIT_1="3g",
+    )
+    # Ordinal 0 is node device 1: limit _0 applies to it.
+    assert out["uuids"] == [plain["uuids"][1], plain["uuids"][0]]
+    assert out["totals"] == [2 * GiB, 3 * GiB]
+
+
+def test_percentage_limit(node):
+    out = client(node, TOTALS, CUDA_DEVICE_MEMORY_LIMIT="25%")
+    assert out["totals"] == [4 * GiB, 4 * GiB]
+
+
+def test_disable_control_passes_through(node):
+    out = client(
+        node,
+        """
+init()
+free, total = mem_info()
+err, _ = call(cu.cuMemAlloc, 5 * GiB)
+emit(total=total, big=err.name)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+        CUDA_DISABLE_CONTROL="true",
+    )
+    assert out["total"] == 16 * GiB
+    assert out["big"] == "CUDA_SUCCESS"
+
+
+# --- NVML (nvidia-ml-py) -------------------------------------------------------
+
+NVML = """
+import pynvml
+pynvml.nvmlInit()
+def nvml_mem(index, v2=False):
+    h = pynvml.nvmlDeviceGetHandleByIndex(index)
+    m = pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2) if v2 else \\
+        pynvml.nvmlDeviceGetMemoryInfo(h)
+    u = pynvml.nvmlDeviceGetUUID(h)
+    return dict(total=m.total, used=m.used, free=m.free,
+                uuid=u.decode() if isinstance(u, bytes) else u)
+"""
+
+
+@pytest.mark.parametrize("v2", [False, True], ids=["v1", "v2"])
+def test_nvml_shows_quota_and_container_usage(node, v2):
+    out = client(
+        node,
+        NVML
+        + f"""
+init()
+ptr = ok(cu.cuMemAlloc, 1 * GiB)
+emit(cuda_used=used(), mem=[nvml_mem(i, {v2}) for i in range(2)], uuid0=uuid(0))
+""",
+        CUDA_DEVICE_MEMORY_LIMIT_0="4g",
+    )
+    limited, other = out["mem"]
+    assert limited["uuid"] == out["uuid0"]
+    assert limited["total"] == 4 * GiB
+    assert limited["used"] == out["cuda_used"] == SIM_CONTEXT + 1 * GiB
+    if not v2:
+        assert limited["free"] == limited["total"] - limited["used"]
+    # Device 1 has no limit: physical numbers pass through.
+    assert other["total"] == 16 * GiB
+
+
+def test_nvml_matches_devices_by_uuid(node):
+    """CUDA_VISIBLE_DEVICES=1: the container's ordinal 0 is NVML index 1."""
+    out = client(
+        node,
+        NVML + "emit(mem=[nvml_mem(i) for i in range(2)])",
+        CUDA_VISIBLE_DEVICES="1",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+    )
+    invisible, visible = out["mem"]
+    assert visible["total"] == 4 * GiB
+    assert invisible["total"] == 16 * GiB
+
+
+def test_nvml_in_second_process_sees_first_process_usage(node):
+    env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g")
+    with Holder(PRELUDE + "init()\np = ok(cu.cuMemAlloc, 1 * GiB)\nhold(used=used())", env) as a:
+        out = run_json(PRELUDE + NVML + "emit(mem=nvml_mem(0))", env)
+    assert out["mem"]["total"] == 4 * GiB
+    assert out["mem"]["used"] == a["used"] == SIM_CONTEXT + 1 * GiB
+
+
+# --- several processes of one container share the quota ------------------------
+
+
+def test_second_process_sees_first_process_usage(node):
+    env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g")
+    with Holder(PRELUDE + "init()\np = ok(cu.cuMemAlloc, 1 * GiB)\nhold(used=used())", env):
+        out = run_json(
+            PRELUDE + "init()\nfree, total = mem_info()\nemit(free=free, total=total)", env
+        )
+    assert out["total"] == 4 * GiB
+    assert out["free"] == 4 * GiB - 2 * SIM_CONTEXT - 1 * GiB
+
+
+def test_two_processes_share_one_quota(node):
+    env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g")
+    with Holder(PRELUDE + "init()\np = ok(cu.cuMemAlloc, 3 * GiB)\nhold()", env):
+        out = run_json(
+            PRELUDE
+            + """
+init()
+big, _ = call(cu.cuMemAlloc, 2 * GiB)
+small, _ = call(cu.cuMemAlloc, 512 * MiB)
+emit(big=big.name, small=small.name)
+""",
+            env,
+        )
+    assert out == {"big": OOM, "small": "CUDA_SUCCESS"}
+
+
+# --- fail closed ---------------------------------------------------------------
+
+BAD_LIMITS = [
+    ("CUDA_DEVICE_MEMORY_LIMIT", "abc"),
+    ("CUDA_DEVICE_MEMORY_LIMIT", "-1"),
+    ("CUDA_DEVICE_MEMORY_LIMIT", "0"),
+    ("CUDA_DEVICE_MEMORY_LIMIT", "12q"),
+    ("CUDA_DEVICE_MEMORY_LIMIT", "150%"),
+    ("CUDA_DEVICE_MEMORY_LIMIT", "1.5.5g"),
+    ("CUDA_DEVICE_MEMORY_LIMIT_1", "abc"),
+    ("CUDA_DEVICE_MEMORY_LIMIT_x", "1g"),
+    ("CUDA_DEVICE_MEMORY_LIMIT_", "1g"),
+]
+
+TRY_EVERYTHING = """
+res = {"init": call(cu.cuInit, 0)[0].name}
+allocs = []
+err, dev = call(cu.cuDeviceGet, 0)
+if err == SUCCESS:
+    err, ctx = call(cu.cuDevicePrimaryCtxRetain, dev)
+    if err == SUCCESS:
+        call(cu.cuCtxSetCurrent, ctx)
+allocs.append(call(cu.cuMemAlloc, 1 * MiB)[0].name)
+allocs.append(call(cu.cuMemAllocManaged, 1 * MiB, 1)[0].name)
+res["allocs"] = allocs
+emit(**res)
+"""
+
+
+@pytest.mark.parametrize(("var", "value"), BAD_LIMITS, ids=[f"{v}={x}" for v, x in BAD_LIMITS])
+def test_bad_limit_fails_closed(node, var, value):
+    proc = run_py(PRELUDE + TRY_EVERYTHING, node.shimmed(**{var: value}))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["init"] == NOT_PERMITTED
+    assert "CUDA_SUCCESS" not in out["allocs"]
+    naming = [line for line in proc.stderr.splitlines() if var in line and value in line]
+    assert len(naming) == 1, proc.stderr
+
+
+def test_bad_limit_fails_closed_in_nvml(node):
+    out = client(
+        node,
+        NVML
+        + """
+h = pynvml.nvmlDeviceGetHandleByIndex(0)
+try:
+    pynvml.nvmlDeviceGetMemoryInfo(h)
+    emit(error=None)
+except pynvml.NVMLError as e:
+    emit(error=e.value)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="abc",
+    )
+    assert out["error"] == 4  # NVML_ERROR_NO_PERMISSION
+
+
+def test_corrupt_region_fails_closed(node):
+    node.region.write_bytes(b"this is not a gpuvisor region\n" * 100)
+    proc = run_py(PRELUDE + TRY_EVERYTHING, node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g"))
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["init"] == NOT_PERMITTED
+    assert "CUDA_SUCCESS" not in out["allocs"]
+    assert str(node.region) in proc.stderr
