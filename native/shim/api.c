@@ -1,0 +1,305 @@
+/*
+ * api.c - the exported C API (native/include/gpuvisor.h) and the
+ * process-global attached region (gv_shared_region, region.h).
+ */
+#include "gpuvisor.h"
+
+#include "limits.h"
+#include "log.h"
+#include "region.h"
+
+#include <ctype.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#define ERR_MAX 512
+
+static _Thread_local char t_err[ERR_MAX];
+
+static _Atomic(gv_region *) g_region;
+static pthread_mutex_t g_attach_lock = PTHREAD_MUTEX_INITIALIZER;
+static int g_lazy_failed;               /* under g_attach_lock */
+static pthread_once_t g_fork_once = PTHREAD_ONCE_INIT;
+
+static void fork_prepare(void) { pthread_mutex_lock(&g_attach_lock); }
+static void fork_parent(void) { pthread_mutex_unlock(&g_attach_lock); }
+static void fork_child(void) { pthread_mutex_unlock(&g_attach_lock); }
+static void register_fork(void) { pthread_atfork(fork_prepare, fork_parent, fork_child); }
+
+static int fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static int fail(int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(t_err, sizeof t_err, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+static const char *default_path(void)
+{
+    const char *p = getenv("CUDA_DEVICE_MEMORY_SHARED_CACHE");
+    return (p != NULL && p[0] != '\0') ? p : GV_DEFAULT_REGION_PATH;
+}
+
+static int same_file(const char *a, const char *b)
+{
+    if (strcmp(a, b) == 0)
+        return 1;
+    struct stat sa, sb;
+    return stat(a, &sa) == 0 && stat(b, &sb) == 0 && sa.st_dev == sb.st_dev &&
+           sa.st_ino == sb.st_ino;
+}
+
+/* Attach under the lock.  Returns 0 or a GV_E* code with t_err set. */
+static int attach_locked(const char *path)
+{
+    gv_region *cur = atomic_load(&g_region);
+    if (cur != NULL) {
+        if (same_file(region_path(cur), path))
+            return GV_OK;
+        return fail(GV_EINVAL, "gpuvisor: already attached to region %s, cannot attach to %s",
+                    region_path(cur), path);
+    }
+    gv_region *r;
+    int rc = region_open(path, &r, t_err, sizeof t_err);
+    if (rc != GV_OK)
+        return rc;
+    atomic_store(&g_region, r);
+    return GV_OK;
+}
+
+gv_region *gv_shared_region(void)
+{
+    gv_region *r = atomic_load(&g_region);
+    if (r != NULL)
+        return r;
+    pthread_once(&g_fork_once, register_fork);
+    pthread_mutex_lock(&g_attach_lock);
+    if (atomic_load(&g_region) == NULL && !g_lazy_failed) {
+        if (attach_locked(default_path()) != GV_OK) {
+            g_lazy_failed = 1;          /* fail closed, and say so once */
+            gv_log(GV_LOG_ERROR, "%s", t_err);
+        }
+    }
+    r = atomic_load(&g_region);
+    pthread_mutex_unlock(&g_attach_lock);
+    return r;
+}
+
+GV_EXPORT int gv_api_version(void)
+{
+    return GV_API_VERSION;
+}
+
+GV_EXPORT const char *gv_last_error(void)
+{
+    return t_err;
+}
+
+GV_EXPORT int gv_region_attach(const char *path)
+{
+    pthread_once(&g_fork_once, register_fork);
+    if (path == NULL)
+        path = default_path();
+    if (path[0] == '\0')
+        return fail(GV_EINVAL, "gpuvisor: gv_region_attach: empty path");
+    pthread_mutex_lock(&g_attach_lock);
+    int rc = attach_locked(path);
+    pthread_mutex_unlock(&g_attach_lock);
+    return rc;
+}
+
+GV_EXPORT const char *gv_region_path(void)
+{
+    gv_region *r = atomic_load(&g_region);
+    return r != NULL ? region_path(r) : NULL;
+}
+
+/* The attached region, or NULL with t_err set. */
+static gv_region *need_region(const char *fn)
+{
+    gv_region *r = atomic_load(&g_region);
+    if (r == NULL)
+        fail(GV_ENOTATTACHED, "gpuvisor: %s: no region attached (call gv_region_attach first)", fn);
+    return r;
+}
+
+/* Validates dev against the region; returns 0 or GV_ENOENT with t_err set. */
+static int check_dev(gv_region *r, int dev, const char *fn)
+{
+    int count = region_device_count(r);
+    if (dev < 0 || dev >= count)
+        return fail(GV_ENOENT, "gpuvisor: %s: no device %d (the region has %d)", fn, dev, count);
+    if (!region_device_ready(r, dev))
+        return fail(GV_ENOENT, "gpuvisor: %s: device %d is not initialised", fn, dev);
+    return GV_OK;
+}
+
+#define NEED(fn)                                   \
+    gv_region *r = need_region(fn);                \
+    if (r == NULL)                                 \
+        return GV_ENOTATTACHED
+
+#define NEED_DEV(fn, dev)                          \
+    NEED(fn);                                      \
+    do {                                           \
+        int rc_ = check_dev(r, dev, fn);           \
+        if (rc_ != GV_OK)                          \
+            return rc_;                            \
+    } while (0)
+
+#define NONNULL(fn, p)                             \
+    do {                                           \
+        if ((p) == NULL)                           \
+            return fail(GV_EINVAL, "gpuvisor: %s: %s is NULL", fn, #p); \
+    } while (0)
+
+GV_EXPORT int gv_device_count(void)
+{
+    NEED("gv_device_count");
+    return region_device_count(r);
+}
+
+GV_EXPORT int gv_device_uuid(int dev, char *buf, size_t len)
+{
+    NONNULL("gv_device_uuid", buf);
+    NEED_DEV("gv_device_uuid", dev);
+    unsigned char u[16];
+    region_device_uuid(r, dev, u);
+    char tmp[48];
+    snprintf(tmp, sizeof tmp,
+             "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+             u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11],
+             u[12], u[13], u[14], u[15]);
+    if (len < strlen(tmp) + 1)
+        return fail(GV_EINVAL, "gpuvisor: gv_device_uuid: buffer of %zu bytes, need %zu",
+                    len, strlen(tmp) + 1);
+    memcpy(buf, tmp, strlen(tmp) + 1);
+    return GV_OK;
+}
+
+static int hexval(int c)
+{
+    if (c >= '0' && c <= '9')
+        return c - '0';
+    c = tolower(c);
+    return (c >= 'a' && c <= 'f') ? c - 'a' + 10 : -1;
+}
+
+/* "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx" -> 16 bytes. */
+static int parse_uuid(const char *s, unsigned char out[16])
+{
+    if (strncmp(s, "GPU-", 4) != 0)
+        return -1;
+    s += 4;
+    static const int groups[] = {4, 2, 2, 2, 6};
+    int k = 0;
+    for (int g = 0; g < 5; g++) {
+        if (g > 0 && *s++ != '-')
+            return -1;
+        for (int i = 0; i < groups[g]; i++) {
+            int hi = hexval((unsigned char)s[0]);
+            int lo = hi < 0 ? -1 : hexval((unsigned char)s[1]);
+            if (lo < 0)
+                return -1;
+            out[k++] = (unsigned char)(hi << 4 | lo);
+            s += 2;
+        }
+    }
+    return *s == '\0' ? 0 : -1;
+}
+
+GV_EXPORT int gv_device_register(const char *uuid, uint64_t physical_total, uint64_t limit)
+{
+    NONNULL("gv_device_register", uuid);
+    NEED("gv_device_register");
+    unsigned char u[16];
+    if (parse_uuid(uuid, u) != 0)
+        return fail(GV_EINVAL, "gpuvisor: gv_device_register: \"%.64s\" is not a GPU UUID "
+                    "(GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)", uuid);
+    if (limit == 0)
+        return fail(GV_EINVAL, "gpuvisor: gv_device_register: a limit of 0 bytes "
+                    "(use GV_UNLIMITED for none)");
+    int rc = region_device_lookup(r, u, physical_total, limit);
+    if (rc < 0)
+        return fail(rc, "gpuvisor: gv_device_register: region %s has no free device entry "
+                    "(%d in use)", region_path(r), GV_MAX_DEVICES);
+    return rc;
+}
+
+GV_EXPORT int gv_device_get_limit(int dev, uint64_t *bytes)
+{
+    NONNULL("gv_device_get_limit", bytes);
+    NEED_DEV("gv_device_get_limit", dev);
+    *bytes = region_limit(r, dev);
+    return GV_OK;
+}
+
+GV_EXPORT int gv_device_set_limit(int dev, uint64_t bytes)
+{
+    NEED_DEV("gv_device_set_limit", dev);
+    if (bytes == 0)
+        return fail(GV_EINVAL, "gpuvisor: gv_device_set_limit: a limit of 0 bytes "
+                    "(use GV_UNLIMITED for none)");
+    region_set_limit(r, dev, bytes);
+    return GV_OK;
+}
+
+GV_EXPORT int gv_device_get_used(int dev, uint64_t *bytes)
+{
+    NONNULL("gv_device_get_used", bytes);
+    NEED_DEV("gv_device_get_used", dev);
+    *bytes = region_used(r, dev);
+    return GV_OK;
+}
+
+GV_EXPORT int gv_device_get_physical_total(int dev, uint64_t *bytes)
+{
+    NONNULL("gv_device_get_physical_total", bytes);
+    NEED_DEV("gv_device_get_physical_total", dev);
+    *bytes = region_device_physical_total(r, dev);
+    return GV_OK;
+}
+
+GV_EXPORT int gv_device_get_oom_count(int dev, uint64_t *count)
+{
+    NONNULL("gv_device_get_oom_count", count);
+    NEED_DEV("gv_device_get_oom_count", dev);
+    *count = region_oom_count(r, dev);
+    return GV_OK;
+}
+
+GV_EXPORT int gv_process_list(int32_t *pids, int cap)
+{
+    if (cap < 0 || (pids == NULL && cap > 0))
+        return fail(GV_EINVAL, "gpuvisor: gv_process_list: bad buffer (pids %p, cap %d)",
+                    (void *)pids, cap);
+    NEED("gv_process_list");
+    return region_process_list(r, pids, cap);
+}
+
+GV_EXPORT int gv_process_get_used(int32_t pid, int dev, uint64_t *bytes)
+{
+    NONNULL("gv_process_get_used", bytes);
+    if (pid <= 0)
+        return fail(GV_EINVAL, "gpuvisor: gv_process_get_used: bad pid %d", (int)pid);
+    NEED_DEV("gv_process_get_used", dev);
+    int slot = region_slot_of_pid(r, pid);
+    if (slot < 0)
+        return fail(GV_ENOENT, "gpuvisor: gv_process_get_used: pid %d is not registered "
+                    "in region %s", (int)pid, region_path(r));
+    *bytes = region_slot_used(r, dev, slot);
+    return GV_OK;
+}
+
+GV_EXPORT int gv_reclaim_dead(void)
+{
+    NEED("gv_reclaim_dead");
+    return region_reclaim_dead(r);
+}

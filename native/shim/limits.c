@@ -1,0 +1,252 @@
+/* limits.c - see limits.h. */
+#include "limits.h"
+
+#include "gpuvisor.h"
+#include "log.h"
+
+#include <ctype.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+typedef unsigned __int128 u128;
+
+#define MAX_FRAC_UNIT 18
+#define MAX_FRAC_PCT 6
+#define WHY_SYNTAX "not a memory size (use bytes, a number with k/m/g/t, or a percentage like 50%)"
+
+static uint64_t pow10u(int e)
+{
+    uint64_t p = 1;
+    while (e-- > 0)
+        p *= 10;
+    return p;
+}
+
+int limits_parse(const char *text, uint64_t physical_total, uint64_t *bytes,
+                 const char **why)
+{
+    const char *dummy;
+    if (why == NULL)
+        why = &dummy;
+    *why = WHY_SYNTAX;
+    if (text == NULL || bytes == NULL) {
+        *why = "missing value";
+        return GV_EINVAL;
+    }
+    const char *p = text;
+    while (isspace((unsigned char)*p))
+        p++;
+    const char *end = p + strlen(p);
+    while (end > p && isspace((unsigned char)end[-1]))
+        end--;
+    if (p == end)
+        return GV_EINVAL;
+
+    /* Integer part: at least one digit. */
+    u128 ip = 0;
+    int ndig = 0;
+    while (p < end && isdigit((unsigned char)*p)) {
+        ip = ip * 10 + (unsigned)(*p - '0');
+        if (ip > UINT64_MAX) {
+            *why = "too large (more than 2^64-1 bytes)";
+            return GV_EINVAL;
+        }
+        p++;
+        ndig++;
+    }
+    if (ndig == 0)
+        return GV_EINVAL;
+
+    /* Optional fraction: at least one digit after the point. */
+    uint64_t frac = 0;
+    int nfrac = 0, has_point = 0;
+    if (p < end && *p == '.') {
+        has_point = 1;
+        p++;
+        while (p < end && isdigit((unsigned char)*p)) {
+            if (nfrac == MAX_FRAC_UNIT)
+                return GV_EINVAL;
+            frac = frac * 10 + (unsigned)(*p - '0');
+            nfrac++;
+            p++;
+        }
+        if (nfrac == 0)
+            return GV_EINVAL;
+    }
+
+    size_t rest = (size_t)(end - p);
+    u128 result;
+    if (rest == 1 && *p == '%') {
+        if (nfrac > MAX_FRAC_PCT)
+            return GV_EINVAL;
+        uint64_t scale = pow10u(nfrac);
+        u128 pct = ip * scale + frac;           /* percent * scale */
+        if (pct < (u128)scale || pct > (u128)100 * scale) {
+            *why = "percentage must be between 1% and 100%";
+            return GV_EINVAL;
+        }
+        if (physical_total == 0) {
+            *why = "a percentage needs the device's total memory, which is unknown";
+            return GV_EINVAL;
+        }
+        result = (u128)physical_total * pct / ((u128)100 * scale);
+    } else {
+        int shift = 0;
+        if (rest > 0) {
+            switch (tolower((unsigned char)*p)) {
+            case 'k': shift = 10; break;
+            case 'm': shift = 20; break;
+            case 'g': shift = 30; break;
+            case 't': shift = 40; break;
+            default: return GV_EINVAL;
+            }
+            const char *s = p + 1;
+            size_t sl = rest - 1;
+            if (!(sl == 0 || (sl == 1 && (tolower((unsigned char)s[0]) == 'i' ||
+                                          tolower((unsigned char)s[0]) == 'b')) ||
+                  (sl == 2 && tolower((unsigned char)s[0]) == 'i' &&
+                   tolower((unsigned char)s[1]) == 'b')))
+                return GV_EINVAL;
+        } else if (has_point) {
+            return GV_EINVAL;                   /* no fractional bytes */
+        }
+        result = (ip << shift) + (((u128)frac << shift) / pow10u(nfrac));
+    }
+    if (result > UINT64_MAX) {
+        *why = "too large (more than 2^64-1 bytes)";
+        return GV_EINVAL;
+    }
+    if (result == 0) {
+        *why = "must be greater than zero";
+        return GV_EINVAL;
+    }
+    *bytes = (uint64_t)result;
+    return GV_OK;
+}
+
+GV_EXPORT int gv_parse_memory_limit(const char *text, uint64_t physical_total,
+                                    uint64_t *bytes)
+{
+    uint64_t v;
+    if (bytes == NULL)
+        return GV_EINVAL;
+    int rc = limits_parse(text, physical_total, &v, NULL);
+    if (rc == GV_OK)
+        *bytes = v;
+    return rc;
+}
+
+static void set_err(char *err, size_t errlen, const char *name,
+                    const char *value, const char *why)
+{
+    if (err != NULL && errlen > 0)
+        snprintf(err, errlen, "gpuvisor: %s=\"%.80s\": %s", name, value, why);
+}
+
+int limits_memory_for_ordinal(int ordinal, uint64_t physical_total,
+                              uint64_t *bytes, char *err, size_t errlen)
+{
+    char name[64];
+    const char *value = NULL;
+    if (bytes == NULL)
+        return GV_EINVAL;
+    if (ordinal >= 0) {
+        snprintf(name, sizeof name, GV_ENV_LIMIT "_%d", ordinal);
+        value = getenv(name);
+    }
+    if (value == NULL || value[0] == '\0') {
+        snprintf(name, sizeof name, GV_ENV_LIMIT);
+        value = getenv(name);
+    }
+    if (value == NULL || value[0] == '\0') {
+        *bytes = GV_UNLIMITED;
+        return GV_OK;
+    }
+    const char *why;
+    if (limits_parse(value, physical_total, bytes, &why) != GV_OK) {
+        set_err(err, errlen, name, value, why);
+        return GV_EINVAL;
+    }
+    return GV_OK;
+}
+
+/* 1 if s (up to '=') is a valid ordinal suffix: digits, no leading zero. */
+static int ordinal_ok(const char *s, size_t len)
+{
+    if (len == 0 || len > 6 || (len > 1 && s[0] == '0'))
+        return 0;
+    for (size_t i = 0; i < len; i++)
+        if (!isdigit((unsigned char)s[i]))
+            return 0;
+    return 1;
+}
+
+extern char **environ;
+
+int limits_check_env(char *err, size_t errlen)
+{
+    const size_t plen = strlen(GV_ENV_LIMIT);
+    for (char **e = environ; e != NULL && *e != NULL; e++) {
+        const char *kv = *e;
+        if (strncmp(kv, GV_ENV_LIMIT, plen) != 0)
+            continue;
+        const char *eq = strchr(kv, '=');
+        if (eq == NULL)
+            continue;
+        size_t nlen = (size_t)(eq - kv);
+        char name[96];
+        snprintf(name, sizeof name, "%.*s", (int)(nlen < 90 ? nlen : 90), kv);
+        const char *value = eq + 1;
+        if (nlen != plen &&
+            !(kv[plen] == '_' && ordinal_ok(kv + plen + 1, nlen - plen - 1))) {
+            if (err != NULL && errlen > 0)
+                snprintf(err, errlen,
+                         "gpuvisor: %s=\"%.80s\": unknown variable (use "
+                         GV_ENV_LIMIT " or " GV_ENV_LIMIT "_<device ordinal>)",
+                         name, value);
+            return GV_EINVAL;
+        }
+        if (value[0] == '\0')
+            continue;
+        uint64_t bytes;
+        const char *why;
+        /* Percentages: the device size is not known yet; check syntax. */
+        if (limits_parse(value, UINT64_C(1) << 40, &bytes, &why) != GV_OK) {
+            set_err(err, errlen, name, value, why);
+            return GV_EINVAL;
+        }
+    }
+    return GV_OK;
+}
+
+int limits_control_disabled(void)
+{
+    const char *v = getenv(GV_ENV_DISABLE);
+    if (v == NULL)
+        return 0;
+    char buf[16];
+    const char *p = v;
+    while (isspace((unsigned char)*p))
+        p++;
+    size_t n = strlen(p);
+    while (n > 0 && isspace((unsigned char)p[n - 1]))
+        n--;
+    if (n < sizeof buf) {
+        memcpy(buf, p, n);
+        buf[n] = '\0';
+        static const char *const yes[] = {"true", "1", "yes", "on"};
+        static const char *const no[] = {"false", "0", "no", "off", ""};
+        for (size_t i = 0; i < sizeof yes / sizeof yes[0]; i++)
+            if (strcasecmp(buf, yes[i]) == 0)
+                return 1;
+        for (size_t i = 0; i < sizeof no / sizeof no[0]; i++)
+            if (strcasecmp(buf, no[i]) == 0)
+                return 0;
+    }
+    gv_log(GV_LOG_ERROR,
+           GV_ENV_DISABLE "=\"%.64s\": not a boolean (use true/false, 1/0, yes/no, "
+           "on/off); memory limits stay enforced", v);
+    return 0;
+}

@@ -1,0 +1,47 @@
+/*
+ * limits.h - the one parser for memory limits and control switches.
+ *
+ * Accepted memory sizes (gv_parse_memory_limit, exported in gpuvisor.h):
+ *   1073741824          plain bytes (an integer)
+ *   1g 1G 1Gi 1GiB 1gb  k, m, g or t (binary: 1k = 1024), case-insensitive,
+ *                       optionally followed by i, b or ib
+ *   1.5g                decimals are accepted with a unit (rounded down
+ *                       to whole bytes, at most 18 fraction digits)
+ *   50%  12.5%          a percentage (1..100, at most 6 fraction digits)
+ *                       of the device's physical memory
+ * Surrounding whitespace is ignored.  Everything else is GV_EINVAL: empty,
+ * signs, zero, exponents, spaces inside, unknown units, more than 2^64-1.
+ *
+ * These run at process initialisation, not on the allocation path; they
+ * read the environment every time (nothing is cached).
+ */
+#ifndef GV_LIMITS_H
+#define GV_LIMITS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define GV_ENV_LIMIT "CUDA_DEVICE_MEMORY_LIMIT"
+#define GV_ENV_DISABLE "CUDA_DISABLE_CONTROL"
+
+/* Like gv_parse_memory_limit, and on failure *why gets a short reason
+ * ("not a memory size ...", "must be greater than zero", ...). */
+int limits_parse(const char *text, uint64_t physical_total, uint64_t *bytes,
+                 const char **why);
+
+/* Limit for device ordinal: CUDA_DEVICE_MEMORY_LIMIT_<ordinal>, else
+ * CUDA_DEVICE_MEMORY_LIMIT.  Unset or empty -> GV_UNLIMITED and 0.
+ * Malformed -> GV_EINVAL and one line in err naming variable and value. */
+int limits_memory_for_ordinal(int ordinal, uint64_t physical_total,
+                              uint64_t *bytes, char *err, size_t errlen);
+
+/* Validate every CUDA_DEVICE_MEMORY_LIMIT* variable in the environment
+ * (names and values; percentages are syntax-checked only).  0 when all are
+ * fine, else GV_EINVAL with the first problem in err (one line). */
+int limits_check_env(char *err, size_t errlen);
+
+/* CUDA_DISABLE_CONTROL: 1 for true/1/yes/on, 0 for false/0/no/off/unset.
+ * Anything else is reported (one line) and gives 0: keep enforcing. */
+int limits_control_disabled(void);
+
+#endif /* GV_LIMITS_H */

@@ -1,0 +1,117 @@
+/*
+ * region.h - the container-wide shared accounting region (internal).
+ *
+ * One file per container, mmap'ed MAP_SHARED by every process of the
+ * container.  The layout is private to region.c.
+ *
+ * Accounting model (lock-free, crash-safe):
+ *  - Each process owns one slot.  Its usage per device is a counter that
+ *    only the owner changes (atomic add/sub); anyone may read it.
+ *  - A reservation publishes the amount into the owner's counter first,
+ *    then sums every slot's counter for that device.  If the sum exceeds
+ *    the limit, the reservation is withdrawn.  With sequentially consistent
+ *    atomics two racing reservations cannot both miss each other, so the
+ *    sum never passes the limit by a single byte.
+ *  - A dead process's slot is reclaimed by zeroing its counters; because
+ *    the counters are the only truth, nothing else needs repair.
+ *  - Slot owners are identified by (pid, process start time), which
+ *    guards against PID reuse.
+ */
+#ifndef GV_REGION_H
+#define GV_REGION_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define GV_REGION_MAGIC 0x31485356504756ULL   /* "GVPVSH1" little-endian-ish tag */
+#define GV_REGION_VERSION 1u
+#define GV_MAX_SLOTS 1024
+#define GV_MAX_DEVICES 16
+#define GV_DEFAULT_REGION_PATH "/tmp/gpuvisor-region.shr"
+
+typedef struct gv_region gv_region;   /* process-local handle */
+
+/* Open path, creating and initialising it atomically if it does not
+ * exist.  On failure returns a GV_E* code and writes a one-line message
+ * naming the file into err. */
+int region_open(const char *path, gv_region **out, char *err, size_t errlen);
+void region_close(gv_region *r);
+const char *region_path(const gv_region *r);
+
+/* --- process slots --------------------------------------------------- */
+
+/* The calling process's slot, registering it on first use (also after
+ * fork: the child gets its own slot).  A stale slot with the same pid and
+ * start time (left by the image before an exec) is reset and reused.
+ * Returns the slot index, or a negative GV_E* code. */
+int region_self_slot(gv_region *r);
+
+/* Reclaim the slots of dead processes.  Returns the number reclaimed. */
+int region_reclaim_dead(gv_region *r);
+
+/* Registered processes: writes up to cap pids, returns the total. */
+int region_process_list(gv_region *r, int32_t *pids, int cap);
+/* Slot index of pid, or GV_ENOENT. */
+int region_slot_of_pid(gv_region *r, int32_t pid);
+
+/* --- devices ----------------------------------------------------------- */
+
+/* Find the entry for uuid, or claim a new one initialised with
+ * physical_total and limit.  Returns the entry index or GV_EFULL. */
+int region_device_lookup(gv_region *r, const unsigned char uuid[16],
+                         uint64_t physical_total, uint64_t limit);
+/* Find without creating: index or GV_ENOENT. */
+int region_device_find(gv_region *r, const unsigned char uuid[16]);
+int region_device_count(gv_region *r);
+/* 1 if entry dev is initialised (READY), else 0. */
+int region_device_ready(gv_region *r, int dev);
+void region_device_uuid(gv_region *r, int dev, unsigned char uuid[16]);
+uint64_t region_device_physical_total(gv_region *r, int dev);
+
+uint64_t region_limit(gv_region *r, int dev);
+void region_set_limit(gv_region *r, int dev, uint64_t limit);
+
+/* --- accounting ------------------------------------------------------ */
+
+/* Reserve n bytes on dev for slot.  Returns 0, or GV_ENOMEM when the
+ * container would pass its limit (dead slots are reclaimed and the
+ * reservation retried before giving up; the device's OOM counter is
+ * incremented on refusal). */
+int region_reserve(gv_region *r, int dev, int slot, uint64_t n);
+/* Give back n bytes previously reserved by slot. */
+void region_release(gv_region *r, int dev, int slot, uint64_t n);
+
+uint64_t region_used(gv_region *r, int dev);                 /* all slots */
+uint64_t region_slot_used(gv_region *r, int dev, int slot);
+uint64_t region_oom_count(gv_region *r, int dev);
+
+/* --- helpers shared with the rest of the library ----------------------- */
+
+/* Start time of pid in clock ticks since boot (field 22 of /proc/pid/stat),
+ * or 0 when it cannot be read. */
+uint64_t gv_proc_start_time(int32_t pid);
+/* 1 if pid is a live (non-zombie) process whose start time is start. */
+int gv_proc_alive(int32_t pid, uint64_t start);
+
+/* The process's attached region (api.c): attaches lazily, once and
+ * thread-safely, to $CUDA_DEVICE_MEMORY_SHARED_CACHE or the default path
+ * unless gv_region_attach() already did.  NULL on failure, after logging
+ * the one-line reason (callers then fail closed). */
+gv_region *gv_shared_region(void);
+
+/* --- test-only hooks (used by native/tests/t_region_*.c) ---------------- */
+
+/* Claim a free slot for an arbitrary (pid, start) owner, e.g. a live pid
+ * with a bogus start time to fake PID reuse.  Returns the slot or GV_EFULL. */
+int region_test_claim_slot(gv_region *r, int32_t pid, uint64_t start);
+/* Put slot into the "being reclaimed by (pid, start)" state, as if that
+ * reclaimer had died half-way.  Returns 0 or GV_EINVAL. */
+int region_test_mark_reclaiming(gv_region *r, int slot, int32_t pid, uint64_t start);
+/* Sleep this many microseconds in the middle of each slot reclaim and of
+ * each device-entry initialisation (widens the windows a SIGKILL can hit).
+ * Process-wide; 0 (the default) disables it. */
+void region_test_set_delay_us(unsigned us);
+/* Raw in-flight total of dev (sum of the retry-refinement counters). */
+uint64_t region_test_inflight(gv_region *r, int dev);
+
+#endif /* GV_REGION_H */
