@@ -1,0 +1,271 @@
+"""gpuvisor.shim's Python API (ctypes over gpuvisor.h) against real region files.
+
+The library attaches one region per process, so every test that attaches
+runs its code in a child process with its own region under tmp_path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from gpuvisor.shim import (
+    GpuvisorError,
+    NativeLibraryNotFound,
+    library_path,
+    parse_memory_limit,
+    preload_env,
+    simulator_dir,
+)
+from gpuvisor.shim.capi import API_VERSION, GV_EINVAL, lib
+
+from tests.helpers import GiB, Holder, MiB, SimNode, run_json
+
+SIM_CONTEXT = 32 * MiB  # what the simulator charges for one context
+
+API = "import json\nfrom gpuvisor.shim import *\nfrom tests.cuclient import emit\n"
+UUID0 = "GPU-00000000-1111-2222-3333-444444444444"
+UUID1 = "GPU-55555555-6666-7777-8888-999999999999"
+
+
+# --- loader -------------------------------------------------------------------
+
+
+def test_library_found_in_build_dir(build_dir: Path) -> None:
+    assert library_path() == build_dir / "libgpuvisor.so"
+    assert simulator_dir() == build_dir / "sim"
+    assert lib().gv_api_version() == API_VERSION
+
+
+def test_native_dir_override_must_hold_the_library(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("GPUVISOR_NATIVE_DIR", str(tmp_path))
+    with pytest.raises(NativeLibraryNotFound, match="GPUVISOR_NATIVE_DIR"):
+        library_path()
+
+
+def test_preload_env_prepends_and_keeps_entries(build_dir: Path) -> None:
+    env = preload_env(
+        {"LD_PRELOAD": "/x/liba.so /x/libb.so", "LD_LIBRARY_PATH": "/opt/lib", "K": "v"},
+        simulate=True,
+    )
+    assert env["LD_PRELOAD"] == f"{build_dir / 'libgpuvisor.so'}:/x/liba.so:/x/libb.so"
+    assert env["LD_LIBRARY_PATH"] == f"{build_dir / 'sim'}:/opt/lib"
+    assert env["K"] == "v"
+    plain = preload_env({"LD_PRELOAD": str(build_dir / "libgpuvisor.so")})
+    assert plain["LD_PRELOAD"] == str(build_dir / "libgpuvisor.so")
+    assert "LD_LIBRARY_PATH" not in plain
+
+
+# --- parse_memory_limit (the C parser, through ctypes) ------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "physical", "expected"),
+    [
+        ("1", 0, 1),
+        ("1048576", 0, MiB),
+        ("1k", 0, 1024),
+        ("1K", 0, 1024),
+        ("512m", 0, 512 * MiB),
+        ("512MiB", 0, 512 * MiB),
+        ("512mb", 0, 512 * MiB),
+        ("512Mi", 0, 512 * MiB),
+        ("4g", 0, 4 * GiB),
+        ("4G", 0, 4 * GiB),
+        ("4gib", 0, 4 * GiB),
+        ("1t", 0, 1 << 40),
+        ("25%", 16 * GiB, 4 * GiB),
+        ("100%", 16 * GiB, 16 * GiB),
+    ],
+)
+def test_parse_memory_limit(build_dir, text, physical, expected) -> None:
+    assert parse_memory_limit(text, physical) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "abc", "-1", "0", "12q", "150%", "1.5.5g", "g", "99999999999999999999", "20000000t"],
+)
+def test_parse_memory_limit_rejects(build_dir, text) -> None:
+    with pytest.raises(GpuvisorError) as info:
+        parse_memory_limit(text, 16 * GiB)
+    assert info.value.code == GV_EINVAL
+    assert info.value.message
+
+
+def test_parse_memory_limit_rejects_nul(build_dir) -> None:
+    with pytest.raises(GpuvisorError, match="NUL"):
+        parse_memory_limit("4g\0junk")
+
+
+# --- the region ---------------------------------------------------------------
+
+
+def api(node: SimNode, code: str):
+    return run_json(API + code, node.env)
+
+
+def test_attach_register_and_limits(node) -> None:
+    out = api(
+        node,
+        f"""
+r = Region.attach({str(node.region)!r})
+i0 = r.register_device({UUID0!r}, 16 << 30, 4 << 30)
+i1 = r.register_device({UUID1!r}, 24 << 30, None)
+again = r.register_device({UUID0!r}, 16 << 30, 4 << 30)
+before = [d.__dict__ for d in r.devices()]
+r.set_limit(0, 8 << 30)
+r.set_limit(1, 2 << 30)
+mid = (r.get_limit(0), r.get_limit(1))
+r.set_limit(0, None)
+emit(path=str(r.path), i=[i0, i1, again], before=before, mid=mid,
+     after=r.get_limit(0), used=r.used(0), procs=r.processes())
+""",
+    )
+    assert out["path"] == str(node.region)
+    assert node.region.is_file()
+    assert out["i"] == [0, 1, 0]
+    assert out["before"] == [
+        {
+            "index": 0,
+            "uuid": UUID0,
+            "limit": 4 * GiB,
+            "used": 0,
+            "physical_total": 16 * GiB,
+            "oom_count": 0,
+        },
+        {
+            "index": 1,
+            "uuid": UUID1,
+            "limit": None,
+            "used": 0,
+            "physical_total": 24 * GiB,
+            "oom_count": 0,
+        },
+    ]
+    assert out["mid"] == [8 * GiB, 2 * GiB]
+    assert out["after"] is None
+    assert out["used"] == 0
+
+
+def test_attach_default_path_from_env(node) -> None:
+    out = api(node, "emit(path=str(Region.attach().path))")
+    assert out["path"] == str(node.region)
+
+
+def test_attach_elsewhere_is_refused(node, tmp_path) -> None:
+    out = api(
+        node,
+        f"""
+Region.attach({str(node.region)!r})
+Region.attach({str(node.region)!r})  # same path again: fine
+try:
+    Region.attach({str(tmp_path / "other.shr")!r})
+    emit(code=None)
+except GpuvisorError as e:
+    emit(code=e.code_name)
+""",
+    )
+    assert out["code"] == "GV_EINVAL"
+
+
+def test_bad_arguments_raise(node) -> None:
+    out = api(
+        node,
+        f"""
+r = Region.attach()
+r.register_device({UUID0!r}, 16 << 30, None)
+errors = {{}}
+for name, call in {{
+    "no-device": lambda: r.device(5),
+    "limit-no-device": lambda: r.set_limit(7, 1 << 30),
+    "limit-zero": lambda: r.set_limit(0, 0),
+    "bad-uuid": lambda: r.register_device("not-a-uuid", 1 << 30, None),
+    "no-pid": lambda: r.process_used(999999999, 0),
+}}.items():
+    try:
+        call()
+        errors[name] = None
+    except GpuvisorError as e:
+        errors[name] = [e.code_name, str(e)]
+emit(**errors)
+""",
+    )
+    for name, err in out.items():
+        assert err is not None, f"{name} did not raise"
+        assert err[1], name
+    assert out["limit-zero"][0] == "GV_EINVAL"
+    assert out["no-device"][0] in ("GV_ENOENT", "GV_EINVAL")
+
+
+def test_attach_bad_path_names_it(node, tmp_path) -> None:
+    bad = tmp_path / "no-such-dir" / "region.shr"
+    out = api(
+        node,
+        f"""
+try:
+    Region.attach({str(bad)!r})
+    emit(err=None)
+except GpuvisorError as e:
+    emit(err=[e.code_name, str(e)])
+""",
+    )
+    assert out["err"][0] == "GV_EIO"
+    assert str(bad) in out["err"][1]
+
+
+@pytest.mark.parametrize(
+    "content",
+    [b"garbage" * 1000, b"", b"\0" * 4096, b"GVPVSH1\0" + b"\xff" * 64],
+    ids=["garbage", "empty", "zeros", "short"],
+)
+def test_attach_corrupt_region_names_it(node, content) -> None:
+    node.region.write_bytes(content)
+    out = api(
+        node,
+        """
+try:
+    Region.attach()
+    emit(err=None)
+except GpuvisorError as e:
+    emit(err=[e.code_name, str(e)])
+""",
+    )
+    assert out["err"] is not None
+    assert out["err"][0] == "GV_ECORRUPT"
+    assert str(node.region) in out["err"][1]
+
+
+def test_processes_usage_and_reclaim(node) -> None:
+    holder_code = """
+from tests.cuclient import *
+init()
+p = ok(cu.cuMemAlloc, 1 * GiB)
+hold(used=used())
+"""
+    query = """
+r = Region.attach()
+pids = r.processes()
+emit(pids=pids, devs=[d.__dict__ for d in r.devices()],
+     per_pid={p: r.process_used(p, 0) for p in pids})
+"""
+    holder = Holder(holder_code, node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g"))
+    with holder as held:
+        live = api(node, query)
+        holder.kill()  # SIGKILL: its slot stays behind until reclaimed
+        dead = api(node, query)
+        reclaimed = api(
+            node,
+            "r = Region.attach()\nn = r.reclaim_dead()\n"
+            "emit(n=n, pids=r.processes(), used=r.used(0))",
+        )
+    assert held["used"] == SIM_CONTEXT + 1 * GiB
+    assert live["pids"] == [holder.pid]
+    dev = live["devs"][0]
+    assert dev["limit"] == 4 * GiB
+    assert dev["physical_total"] == 16 * GiB
+    assert dev["used"] == held["used"]
+    assert live["per_pid"] == {str(holder.pid): held["used"]}
+    # Nothing reclaims a dead slot behind the caller's back.
+    assert dead["pids"] == [holder.pid]
+    assert reclaimed == {"n": 1, "pids": [], "used": 0}
