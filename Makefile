@@ -1,0 +1,101 @@
+# gpuvisor build.  `make` builds the interposer and the simulated driver
+# with nothing but gcc and make.  See README.md for the two main commands.
+
+CC      ?= gcc
+BUILD   ?= build
+PYTHON  ?= python3
+VENV    ?= .venv
+
+WARN    := -Wall -Wextra -Werror
+BASEFL  := -std=c11 -D_GNU_SOURCE -fPIC -pthread -fvisibility=hidden -Inative/include -iquote native/shim
+OPT     ?= -O2 -g
+CFLAGS_ALL = $(BASEFL) $(WARN) $(OPT) $(EXTRA_CFLAGS)
+LDLIBS_ALL = -ldl -pthread $(EXTRA_LDFLAGS)
+
+SHIM_SRCS := $(sort $(wildcard native/shim/*.c))
+SIMCUDA_SRCS := $(sort $(wildcard native/sim/cuda_*.c native/sim/state_*.c))
+SIMNVML_SRCS := $(sort $(wildcard native/sim/nvml_*.c native/sim/state_*.c))
+SIM_HDRS := $(wildcard native/sim/*.h)
+SHIM_HDRS := $(wildcard native/shim/*.h) $(wildcard native/include/*.h)
+CTEST_SRCS := $(sort $(wildcard native/tests/t_*.c))
+CTESTS := $(patsubst native/tests/%.c,$(BUILD)/tests/%,$(CTEST_SRCS))
+CTEST_HDRS := $(wildcard native/tests/*.h)
+
+LIB      := $(BUILD)/libgpuvisor.so
+SIMCUDA  := $(BUILD)/sim/libcuda.so.1
+SIMNVML  := $(BUILD)/sim/libnvidia-ml.so.1
+
+.PHONY: all lib sim ctests asan tsan venv test test-fast bench demo lint clean
+all: lib sim ctests
+
+lib: $(LIB)
+sim: $(SIMCUDA) $(SIMNVML)
+ctests: $(CTESTS)
+
+$(LIB): $(SHIM_SRCS) $(SHIM_HDRS)
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS_ALL) -shared -Wl,-soname,libgpuvisor.so -o $@ $(SHIM_SRCS) $(LDLIBS_ALL)
+
+# The simulated driver is linked like the real one: -Bsymbolic, so its own
+# internal calls never reach an interposer.
+$(SIMCUDA): $(SIMCUDA_SRCS) $(SIM_HDRS) native/include/gv_cuda.h
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS_ALL) -Inative/sim -shared -Wl,-Bsymbolic -Wl,-soname,libcuda.so.1 -o $@ $(SIMCUDA_SRCS) $(LDLIBS_ALL) -lrt
+	ln -sf libcuda.so.1 $(BUILD)/sim/libcuda.so
+
+$(SIMNVML): $(SIMNVML_SRCS) $(SIM_HDRS) native/include/gv_cuda.h
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS_ALL) -Inative/sim -shared -Wl,-Bsymbolic -Wl,-soname,libnvidia-ml.so.1 -o $@ $(SIMNVML_SRCS) $(LDLIBS_ALL) -lrt
+	ln -sf libnvidia-ml.so.1 $(BUILD)/sim/libnvidia-ml.so
+
+# C test programs.  Programs named t_link_* link against the (simulated)
+# driver with -lcuda -lnvidia-ml, like an ordinary CUDA program; the rest
+# dlopen what they need.
+$(BUILD)/tests/t_link_%: native/tests/t_link_%.c $(CTEST_HDRS) $(SIMCUDA) $(SIMNVML)
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS_ALL) -Inative/tests -o $@ $< -L$(BUILD)/sim -lcuda -lnvidia-ml $(LDLIBS_ALL)
+
+# Unit tests of the region code link its sources directly.
+$(BUILD)/tests/t_region_%: native/tests/t_region_%.c $(CTEST_HDRS) $(SHIM_SRCS) $(SHIM_HDRS)
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS_ALL) -Inative/tests -o $@ $< native/shim/region.c native/shim/log.c native/shim/limits.c $(LDLIBS_ALL)
+
+$(BUILD)/tests/t_%: native/tests/t_%.c $(CTEST_HDRS)
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS_ALL) -Inative/tests -o $@ $< $(LDLIBS_ALL)
+
+# Sanitizer builds: same sources, separate trees.
+asan:
+	$(MAKE) all BUILD=build-asan OPT="-O1 -g -fno-omit-frame-pointer" \
+	  EXTRA_CFLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined" \
+	  EXTRA_LDFLAGS="-fsanitize=address,undefined"
+tsan:
+	$(MAKE) $(patsubst $(BUILD)/%,build-tsan/%,$(filter $(BUILD)/tests/t_region_%,$(CTESTS))) BUILD=build-tsan OPT="-O1 -g" \
+	  EXTRA_CFLAGS="-fsanitize=thread" EXTRA_LDFLAGS="-fsanitize=thread"
+
+# --- Python side -------------------------------------------------------
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[test]'
+	touch $@
+venv: $(VENV)/.installed
+
+test: all asan tsan venv
+	$(VENV)/bin/python -m pytest -n auto -q tests
+
+test-fast: all venv
+	$(VENV)/bin/python -m pytest -n auto -q -m "not slow" tests
+
+bench: all venv
+	$(VENV)/bin/python -m tests.bench.memory_bench --write docs/benchmarks.md
+
+demo: all venv
+	$(VENV)/bin/python -m gpuvisor.shim.demo
+
+lint: venv
+	$(VENV)/bin/ruff check shim supervisor tests
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf build build-asan build-tsan

@@ -1,0 +1,82 @@
+/*
+ * gpuvisor.h - the C API that libgpuvisor.so exports for the supervisor
+ * and for gpuvisor.shim (Python, through ctypes).
+ *
+ * The shared region's layout is private to the library; callers see it
+ * only through these functions.  Every function is thread-safe.
+ *
+ * Return convention: 0 (or a non-negative count) on success, a negative
+ * GV_E* code on failure.  gv_last_error() then describes the failure in
+ * one line (thread-local).
+ */
+#ifndef GPUVISOR_H
+#define GPUVISOR_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define GV_API_VERSION 1
+
+enum {
+    GV_OK = 0,
+    GV_EINVAL = -1,     /* bad argument or malformed value */
+    GV_ENOENT = -2,     /* no such device / process */
+    GV_ENOMEM = -3,     /* quota exceeded */
+    GV_EIO = -4,        /* could not open, create or map the region file */
+    GV_ECORRUPT = -5,   /* region file has a bad magic, version or size */
+    GV_EFULL = -6,      /* no free process or device slot left */
+    GV_ENOTATTACHED = -7 /* no region attached yet */
+};
+
+/* Value meaning "no limit" for a device's memory quota. */
+#define GV_UNLIMITED UINT64_MAX
+
+/* Version of this API (GV_API_VERSION). */
+int gv_api_version(void);
+
+/* One-line description of the last failure in this thread. */
+const char *gv_last_error(void);
+
+/* Attach to (creating it if missing) the container's shared region.
+ * path == NULL: $CUDA_DEVICE_MEMORY_SHARED_CACHE, else the default
+ * GV_DEFAULT_REGION_PATH.  Attaching again to the same path is a no-op;
+ * attaching to another path while attached fails with GV_EINVAL. */
+int gv_region_attach(const char *path);
+
+/* Path of the attached region; NULL when none. */
+const char *gv_region_path(void);
+
+/* Parse a memory-limit value as CUDA_DEVICE_MEMORY_LIMIT accepts it.
+ * physical_total resolves percentages.  Returns GV_EINVAL for anything
+ * malformed, zero, or overflowing. */
+int gv_parse_memory_limit(const char *text, uint64_t physical_total, uint64_t *bytes);
+
+/* Device entries of the region, in the order processes first used them.
+ * Indices run 0 .. gv_device_count()-1. */
+int gv_device_count(void);
+int gv_device_uuid(int dev, char *buf, size_t len);        /* "GPU-xxxxxxxx-..." */
+/* Register a device entry ahead of any CUDA process (e.g. the supervisor).
+ * uuid is the "GPU-..." string; returns the entry index. */
+int gv_device_register(const char *uuid, uint64_t physical_total, uint64_t limit);
+int gv_device_get_limit(int dev, uint64_t *bytes);          /* GV_UNLIMITED when none */
+int gv_device_set_limit(int dev, uint64_t bytes);           /* applies to the next allocation */
+int gv_device_get_used(int dev, uint64_t *bytes);           /* container-wide */
+int gv_device_get_physical_total(int dev, uint64_t *bytes);
+int gv_device_get_oom_count(int dev, uint64_t *count);      /* refused allocations */
+
+/* Processes registered in the region.  Writes up to cap PIDs and returns
+ * how many are registered (may be more than cap). */
+int gv_process_list(int32_t *pids, int cap);
+int gv_process_get_used(int32_t pid, int dev, uint64_t *bytes);
+
+/* Reclaim the slots of processes that have died; returns how many. */
+int gv_reclaim_dead(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* GPUVISOR_H */

@@ -1,0 +1,112 @@
+/* charge.c - reserving quota around a real allocation. */
+#include <string.h>
+
+#include "alloc_table.h"
+#include "core.h"
+#include "log.h"
+
+static int self_slot(void)
+{
+    int slot = region_self_slot(gv_core_region());
+    if (slot < 0)
+        gv_log(GV_LOG_ERROR, "region %s: cannot register this process (%d)",
+               region_path(gv_core_region()), slot);
+    return slot;
+}
+
+static int reserve(int dev, uint64_t n)
+{
+    int slot = self_slot();
+    if (slot < 0)
+        return -1;
+    gv_region *r = gv_core_region();
+    if (region_reserve(r, dev, slot, n) == 0)
+        return 0;
+    /* Pools may have released memory since we last looked: refresh, retry. */
+    gv_pools_refresh();
+    if (region_reserve(r, dev, slot, n) == 0)
+        return 0;
+    gv_log(GV_LOG_INFO, "refused %llu bytes on entry %d: used %llu of %llu",
+           (unsigned long long)n, dev, (unsigned long long)region_used(r, dev),
+           (unsigned long long)region_limit(r, dev));
+    return 1;
+}
+
+CUresult gv_charge_begin(gv_charge *c, int ordinal, CUcontext ctx, uint64_t bytes)
+{
+    memset(c, 0, sizeof *c);
+    const gv_devinfo *d;
+    CUresult rc = gv_device(ordinal, &d);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    uint64_t n = gv_round_up(bytes, d->granularity);
+    int r = reserve(d->region_dev, n);
+    if (r < 0)
+        return GV_FAIL_CUDA;
+    if (r > 0)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    c->active = 1;
+    c->ordinal = ordinal;
+    c->dev = d->region_dev;
+    c->bytes = n;
+    c->ctx = ctx;
+    return CUDA_SUCCESS;
+}
+
+CUresult gv_charge_begin_current(gv_charge *c, uint64_t bytes)
+{
+    int ordinal;
+    CUcontext ctx;
+    memset(c, 0, sizeof *c);
+    if (gv_current(&ordinal, &ctx) != CUDA_SUCCESS)
+        return CUDA_SUCCESS;   /* let the driver report the missing context */
+    return gv_charge_begin(c, ordinal, ctx, bytes);
+}
+
+CUresult gv_charge_resize(gv_charge *c, uint64_t bytes)
+{
+    if (!c->active)
+        return CUDA_SUCCESS;
+    const gv_devinfo *d;
+    if (gv_device(c->ordinal, &d) != CUDA_SUCCESS)
+        return GV_FAIL_CUDA;
+    uint64_t n = gv_round_up(bytes, d->granularity);
+    if (n > c->bytes) {
+        int r = reserve(c->dev, n - c->bytes);
+        if (r != 0)
+            return r < 0 ? GV_FAIL_CUDA : CUDA_ERROR_OUT_OF_MEMORY;
+    } else if (n < c->bytes) {
+        gv_uncharge(c->dev, c->bytes - n);
+    }
+    c->bytes = n;
+    return CUDA_SUCCESS;
+}
+
+void gv_charge_cancel(gv_charge *c)
+{
+    if (c->active && c->bytes)
+        gv_uncharge(c->dev, c->bytes);
+    c->active = 0;
+    c->bytes = 0;
+}
+
+void gv_charge_commit(const gv_charge *c, int kind, uint64_t key, uint64_t aux)
+{
+    if (!c->active)
+        return;
+    gv_alloc a = { .key = key, .kind = (uint32_t)kind, .dev = c->dev,
+                   .bytes = c->bytes, .aux = aux, .ctx = c->ctx };
+    if (gv_table_put(&a) != 0)
+        gv_log(GV_LOG_ERROR, "out of host memory tracking an allocation; "
+               "its %llu bytes stay charged until the process exits",
+               (unsigned long long)c->bytes);
+}
+
+void gv_uncharge(int dev, uint64_t bytes)
+{
+    if (bytes == 0)
+        return;
+    int slot = self_slot();
+    if (slot >= 0)
+        region_release(gv_core_region(), dev, slot, bytes);
+}

@@ -1,0 +1,97 @@
+/*
+ * core.h - process-wide state shared by the hook families.
+ *
+ *  mode      whether the library enforces, passes through, or fails closed
+ *  devices   per-process view of the CUDA ordinals the process sees
+ *  charges   reserving quota around a real allocation
+ */
+#ifndef GV_CORE_H
+#define GV_CORE_H
+
+#include <stdint.h>
+#include "gpuvisor.h"
+#include "gv_cuda.h"
+#include "region.h"
+#include "real.h"
+
+enum gv_mode {
+    GV_MODE_ENFORCE = 1,      /* quotas enforced */
+    GV_MODE_PASSTHROUGH = 2,  /* CUDA_DISABLE_CONTROL: pure pass-through */
+    GV_MODE_FAILED = 3        /* misconfigured: fail closed */
+};
+
+/* Errors returned while failing closed (documented in docs/environment.md). */
+#define GV_FAIL_CUDA CUDA_ERROR_NOT_PERMITTED
+#define GV_FAIL_NVML NVML_ERROR_NO_PERMISSION
+
+/* The mode, initialising the library on first use (thread-safe). */
+int gv_mode(void);
+/* The attached region; valid only in GV_MODE_ENFORCE. */
+gv_region *gv_core_region(void);
+/* Switch to fail-closed after a fatal misconfiguration found later. */
+void gv_core_fail(void);
+
+/* ---- devices (devices.c) ---- */
+typedef struct gv_devinfo {
+    int region_dev;           /* entry in the shared region */
+    uint64_t granularity;     /* allocation granularity, bytes */
+    uint64_t physical_total;  /* physical memory of the device */
+    unsigned char uuid[16];
+    char uuid_str[48];        /* NVML form, "GPU-xxxxxxxx-..." */
+} gv_devinfo;
+
+/* UUID text form (NVML's) <-> raw bytes (CUDA's). */
+void gv_uuid_format(const unsigned char uuid[16], char *buf, size_t len);
+int gv_uuid_parse(const char *text, unsigned char uuid[16]);
+
+#define GV_MAX_ORDINALS 64
+
+/* Per-ordinal info, set up on first use. CUDA_SUCCESS or an error to return. */
+CUresult gv_device(int ordinal, const gv_devinfo **out);
+/* Ordinal and context current on this thread. */
+CUresult gv_current(int *ordinal, CUcontext *ctx);
+/* Ordinal that ctx belongs to (ctx must be a live context). */
+CUresult gv_ordinal_of_ctx(CUcontext ctx, int *ordinal);
+/* Ordinal of the device a stream runs on. */
+CUresult gv_ordinal_of_stream(CUstream stream, int *ordinal, CUcontext *ctx);
+/* CUDA ordinal the process sees for a device UUID; -1 when invisible. */
+int gv_ordinal_of_uuid(const unsigned char uuid[16]);
+
+/* ---- memory pools (hooks_pool.c) ---- */
+/* Re-read the reserve of every pool the process holds (uncontended ones). */
+void gv_pools_refresh(void);
+
+/* ---- charging (charge.c) ---- */
+typedef struct gv_charge {
+    int active;        /* 0: nothing reserved (pass-through) */
+    int ordinal;
+    int dev;           /* region device entry */
+    uint64_t bytes;    /* reserved so far */
+    CUcontext ctx;
+} gv_charge;
+
+static inline uint64_t gv_round_up(uint64_t n, uint64_t g)
+{
+    if (g <= 1)
+        return n;
+    uint64_t r = n % g;
+    return (r == 0 || n > UINT64_MAX - (g - r)) ? n : n + (g - r);
+}
+
+/* Reserve bytes (rounded up to the device granularity) on ordinal.
+ * Returns CUDA_SUCCESS, CUDA_ERROR_OUT_OF_MEMORY, or GV_FAIL_CUDA. */
+CUresult gv_charge_begin(gv_charge *c, int ordinal, CUcontext ctx, uint64_t bytes);
+/* Same, for the ordinal and context current on this thread.  When there is
+ * no current context it returns CUDA_SUCCESS with c->active == 0 so the
+ * real call can report its own error. */
+CUresult gv_charge_begin_current(gv_charge *c, uint64_t bytes);
+/* Move the reservation to exactly bytes (the driver's real footprint). */
+CUresult gv_charge_resize(gv_charge *c, uint64_t bytes);
+/* Give the reservation back (the real call failed). */
+void gv_charge_cancel(gv_charge *c);
+/* Record the reservation against an object the driver returned. */
+void gv_charge_commit(const gv_charge *c, int kind, uint64_t key, uint64_t aux);
+/* Release a charge taken earlier on region device dev. */
+void gv_uncharge(int dev, uint64_t bytes);
+
+#endif /* GV_CORE_H */

@@ -1,0 +1,269 @@
+/* devices.c - the CUDA ordinals this process sees, and their quota entries. */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "core.h"
+#include "limits.h"
+#include "log.h"
+
+enum { DEV_UNSET = 0, DEV_READY = 1, DEV_FAILED = 2 };
+
+static struct {
+    atomic_int state;
+    gv_devinfo info;
+} devs[GV_MAX_ORDINALS];
+static pthread_mutex_t init_lock = PTHREAD_MUTEX_INITIALIZER;
+
+void gv_uuid_format(const unsigned char u[16], char *buf, size_t len)
+{
+    snprintf(buf, len,
+             "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+             u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11],
+             u[12], u[13], u[14], u[15]);
+}
+
+static int hexval(char c)
+{
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    if (c >= 'A' && c <= 'F') return c - 'A' + 10;
+    return -1;
+}
+
+int gv_uuid_parse(const char *t, unsigned char u[16])
+{
+    if (!t || strncmp(t, "GPU-", 4) != 0)
+        return -1;
+    t += 4;
+    int n = 0;
+    while (*t && n < 32) {
+        if (*t == '-') { t++; continue; }
+        int hi = hexval(t[0]), lo = hi < 0 ? -1 : hexval(t[1]);
+        if (hi < 0 || lo < 0)
+            return -1;
+        u[n / 2] = (unsigned char)(hi << 4 | lo);
+        n += 2;
+        t += 2;
+    }
+    return (n == 32 && *t == '\0') ? 0 : -1;
+}
+
+static CUresult device_uuid(int ordinal, unsigned char out[16])
+{
+    CUuuid u;
+    CUresult rc = CUDA_ERROR_NOT_FOUND;
+    if (gv_real_sym(GV_SYM_cuDeviceGetUuid_v2))
+        rc = GV_REAL(cuDeviceGetUuid_v2, CUresult (*)(CUuuid *, CUdevice))(&u, ordinal);
+    if (rc == CUDA_ERROR_NOT_FOUND)
+        rc = GV_REAL(cuDeviceGetUuid, CUresult (*)(CUuuid *, CUdevice))(&u, ordinal);
+    if (rc == CUDA_SUCCESS)
+        memcpy(out, u.bytes, 16);
+    return rc;
+}
+
+static uint64_t device_granularity(int ordinal)
+{
+    CUmemAllocationProp prop;
+    memset(&prop, 0, sizeof prop);
+    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    prop.location.id = ordinal;
+    size_t g = 0;
+    CUresult rc = GV_REAL(cuMemGetAllocationGranularity,
+                          CUresult (*)(size_t *, const CUmemAllocationProp *, int))(
+        &g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+    /* Real GPUs map device memory in 2 MiB pages; assume that if unknown. */
+    return (rc == CUDA_SUCCESS && g > 0) ? g : (2u << 20);
+}
+
+static CUresult device_init(int ordinal)
+{
+    gv_devinfo info;
+    memset(&info, 0, sizeof info);
+    CUresult rc = device_uuid(ordinal, info.uuid);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    size_t total = 0;
+    rc = GV_REAL(cuDeviceTotalMem_v2, CUresult (*)(size_t *, CUdevice))(&total, ordinal);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    gv_uuid_format(info.uuid, info.uuid_str, sizeof info.uuid_str);
+    info.physical_total = total;
+    info.granularity = device_granularity(ordinal);
+
+    uint64_t limit = GV_UNLIMITED;
+    char err[512];
+    if (limits_memory_for_ordinal(ordinal, total, &limit, err, sizeof err) != 0) {
+        gv_log(GV_LOG_ERROR, "%s; CUDA calls fail with CUDA_ERROR_NOT_PERMITTED", err);
+        atomic_store(&devs[ordinal].state, DEV_FAILED);
+        gv_core_fail();
+        return GV_FAIL_CUDA;
+    }
+    int dev = region_device_lookup(gv_core_region(), info.uuid, total, limit);
+    if (dev < 0) {
+        gv_log(GV_LOG_ERROR, "region %s: no free device entry for %s (%d)",
+               region_path(gv_core_region()), info.uuid_str, dev);
+        atomic_store(&devs[ordinal].state, DEV_FAILED);
+        return GV_FAIL_CUDA;
+    }
+    info.region_dev = dev;
+    devs[ordinal].info = info;
+    atomic_store_explicit(&devs[ordinal].state, DEV_READY, memory_order_release);
+    gv_log(GV_LOG_INFO, "device %d is %s: %llu bytes physical, limit %llu, entry %d",
+           ordinal, info.uuid_str, (unsigned long long)total, (unsigned long long)region_limit(gv_core_region(), dev), dev);
+    return CUDA_SUCCESS;
+}
+
+CUresult gv_device(int ordinal, const gv_devinfo **out)
+{
+    if (ordinal < 0 || ordinal >= GV_MAX_ORDINALS)
+        return CUDA_ERROR_INVALID_DEVICE;
+    int st = atomic_load_explicit(&devs[ordinal].state, memory_order_acquire);
+    if (__builtin_expect(st == DEV_UNSET, 0)) {
+        pthread_mutex_lock(&init_lock);
+        st = atomic_load(&devs[ordinal].state);
+        CUresult rc = st == DEV_UNSET ? device_init(ordinal) : CUDA_SUCCESS;
+        pthread_mutex_unlock(&init_lock);
+        if (rc != CUDA_SUCCESS)
+            return rc;
+        st = atomic_load_explicit(&devs[ordinal].state, memory_order_acquire);
+    }
+    if (st != DEV_READY)
+        return GV_FAIL_CUDA;
+    *out = &devs[ordinal].info;
+    return CUDA_SUCCESS;
+}
+
+CUresult gv_current(int *ordinal, CUcontext *ctx)
+{
+    CUcontext c = NULL;
+    CUresult rc = GV_REAL(cuCtxGetCurrent, CUresult (*)(CUcontext *))(&c);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (!c)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    CUdevice d = 0;
+    rc = GV_REAL(cuCtxGetDevice, CUresult (*)(CUdevice *))(&d);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    *ordinal = d;
+    if (ctx)
+        *ctx = c;
+    return CUDA_SUCCESS;
+}
+
+CUresult gv_ordinal_of_ctx(CUcontext ctx, int *ordinal)
+{
+    CUcontext cur = NULL;
+    GV_REAL(cuCtxGetCurrent, CUresult (*)(CUcontext *))(&cur);
+    if (ctx == cur)
+        return gv_current(ordinal, NULL);
+    CUresult rc = GV_REAL(cuCtxPushCurrent_v2, CUresult (*)(CUcontext))(ctx);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    CUdevice d = 0;
+    rc = GV_REAL(cuCtxGetDevice, CUresult (*)(CUdevice *))(&d);
+    CUcontext popped;
+    GV_REAL(cuCtxPopCurrent_v2, CUresult (*)(CUcontext *))(&popped);
+    if (rc == CUDA_SUCCESS)
+        *ordinal = d;
+    return rc;
+}
+
+CUresult gv_ordinal_of_stream(CUstream stream, int *ordinal, CUcontext *ctx)
+{
+    if (stream == NULL || stream == GV_CU_STREAM_LEGACY || stream == GV_CU_STREAM_PER_THREAD)
+        return gv_current(ordinal, ctx);
+    CUcontext c = NULL;
+    CUresult rc = GV_REAL(cuStreamGetCtx, CUresult (*)(CUstream, CUcontext *))(stream, &c);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (ctx)
+        *ctx = c;
+    return gv_ordinal_of_ctx(c, ordinal);
+}
+
+/* ---- UUID -> ordinal, for NVML callers ---------------------------------- */
+
+static pthread_once_t visible_once = PTHREAD_ONCE_INIT;
+static int visible_count = -1;
+static unsigned char visible[GV_MAX_ORDINALS][16];
+
+/* Without a usable CUDA driver, follow CUDA_VISIBLE_DEVICES over NVML's list
+ * (NVML order is PCI order, which CUDA also uses unless told otherwise). */
+static void visible_from_nvml(void)
+{
+    typedef nvmlReturn_t (*count_fn)(unsigned int *);
+    typedef nvmlReturn_t (*handle_fn)(unsigned int, nvmlDevice_t *);
+    typedef nvmlReturn_t (*uuid_fn)(nvmlDevice_t, char *, unsigned int);
+    unsigned int n = 0;
+    if (GV_REAL(nvmlInit_v2, nvmlReturn_t (*)(void))() != NVML_SUCCESS ||
+        GV_REAL(nvmlDeviceGetCount_v2, count_fn)(&n) != NVML_SUCCESS)
+        return;
+    char uuids[GV_MAX_ORDINALS][NVML_DEVICE_UUID_V2_BUFFER_SIZE];
+    if (n > GV_MAX_ORDINALS)
+        n = GV_MAX_ORDINALS;
+    for (unsigned int i = 0; i < n; i++) {
+        nvmlDevice_t h;
+        uuids[i][0] = '\0';
+        if (GV_REAL(nvmlDeviceGetHandleByIndex_v2, handle_fn)(i, &h) == NVML_SUCCESS)
+            GV_REAL(nvmlDeviceGetUUID, uuid_fn)(h, uuids[i], sizeof uuids[i]);
+    }
+    const char *cvd = getenv("CUDA_VISIBLE_DEVICES");
+    int count = 0;
+    if (!cvd) {
+        for (unsigned int i = 0; i < n; i++)
+            if (gv_uuid_parse(uuids[i], visible[count]) == 0)
+                count++;
+        visible_count = count;
+        return;
+    }
+    char buf[1024];
+    snprintf(buf, sizeof buf, "%s", cvd);
+    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok && count < GV_MAX_ORDINALS;
+         tok = strtok_r(NULL, ",", &save)) {
+        while (*tok == ' ') tok++;
+        int found = -1;
+        if (strncmp(tok, "GPU-", 4) == 0) {
+            for (unsigned int i = 0; i < n; i++)
+                if (strncmp(uuids[i], tok, strlen(tok)) == 0) { found = (int)i; break; }
+        } else {
+            char *end;
+            long v = strtol(tok, &end, 10);
+            if (end != tok && *end == '\0' && v >= 0 && (unsigned long)v < n)
+                found = (int)v;
+        }
+        if (found < 0 || gv_uuid_parse(uuids[found], visible[count]) != 0)
+            break;   /* like CUDA: the list ends at the first invalid entry */
+        count++;
+    }
+    visible_count = count;
+}
+
+static void visible_init(void)
+{
+    int n = 0;
+    if (GV_REAL(cuInit, CUresult (*)(unsigned int))(0) == CUDA_SUCCESS &&
+        GV_REAL(cuDeviceGetCount, CUresult (*)(int *))(&n) == CUDA_SUCCESS) {
+        if (n > GV_MAX_ORDINALS)
+            n = GV_MAX_ORDINALS;
+        for (int i = 0; i < n; i++)
+            if (device_uuid(i, visible[i]) != CUDA_SUCCESS)
+                n = i;
+        visible_count = n;
+        return;
+    }
+    visible_from_nvml();
+}
+
+int gv_ordinal_of_uuid(const unsigned char uuid[16])
+{
+    pthread_once(&visible_once, visible_init);
+    for (int i = 0; i < visible_count; i++)
+        if (memcmp(visible[i], uuid, 16) == 0)
+            return i;
+    return -1;
+}

@@ -1,0 +1,224 @@
+/*
+ * dispatch.c - how callers reach the hooks.
+ *
+ *  1. Exported symbols: programs linked with -lcuda / -lnvidia-ml bind to
+ *     the hooks because LD_PRELOAD puts this library first.
+ *  2. dlsym: clients that dlopen the driver and look names up on that
+ *     handle (nvidia-ml-py, cuda-python, nvidia-smi) get the hooks from
+ *     this library's dlsym, which wraps the C library's.
+ *  3. cuGetProcAddress(_v2): the CUDA runtime and cuda-python ask the
+ *     driver for entry points by base name and ABI version.  The real
+ *     driver answers; if its answer is an entry point we hook, the caller
+ *     gets our hook for exactly that ABI variant.
+ */
+#include <dlfcn.h>
+#include <link.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "hooks.h"
+#include "log.h"
+
+/* ---- the hook table -------------------------------------------------- */
+
+static gv_hook *table;
+static size_t table_len;
+static pthread_once_t table_once = PTHREAD_ONCE_INIT;
+
+static int by_name(const void *a, const void *b)
+{
+    return strcmp(((const gv_hook *)a)->name, ((const gv_hook *)b)->name);
+}
+
+static void table_build(void)
+{
+    const gv_hook *families[] = { gv_hooks_memory, gv_hooks_array, gv_hooks_vmm, gv_hooks_pool,
+                                  gv_hooks_context, gv_hooks_info, gv_hooks_nvml,
+                                  gv_hooks_procaddr };
+    size_t n = 0;
+    for (size_t f = 0; f < sizeof families / sizeof *families; f++)
+        for (const gv_hook *h = families[f]; h->name; h++)
+            n++;
+    table = calloc(n, sizeof *table);
+    if (!table)
+        return;
+    for (size_t f = 0; f < sizeof families / sizeof *families; f++)
+        for (const gv_hook *h = families[f]; h->name; h++)
+            table[table_len++] = *h;
+    qsort(table, table_len, sizeof *table, by_name);
+}
+
+void *gv_hook_for(const char *name)
+{
+    if (!name || !((name[0] == 'c' && name[1] == 'u') || strncmp(name, "nvml", 4) == 0))
+        return NULL;
+    pthread_once(&table_once, table_build);
+    gv_hook key = { name, NULL };
+    const gv_hook *h = table ? bsearch(&key, table, table_len, sizeof *table, by_name) : NULL;
+    return h ? h->fn : NULL;
+}
+
+/* ---- dlsym ------------------------------------------------------------ */
+
+/* RTLD_NEXT means "after the caller", which the C library would compute
+ * from *our* return address.  Walk the link map from the caller instead. */
+static void *next_after(const void *caller, const char *name)
+{
+    Dl_info info;
+    struct link_map *me = NULL;
+    if (!dladdr1(caller, &info, (void **)&me, RTLD_DL_LINKMAP) || !me)
+        return NULL;
+    for (struct link_map *l = me->l_next; l; l = l->l_next) {
+        void *h = dlopen(l->l_name && l->l_name[0] ? l->l_name : NULL, RTLD_LAZY | RTLD_NOLOAD);
+        if (!h)
+            continue;
+        void *s = gv_real_dlsym(h, name);
+        dlclose(h);
+        struct link_map *owner = NULL;
+        Dl_info si;
+        if (s && dladdr1(s, &si, (void **)&owner, RTLD_DL_LINKMAP) && owner == l)
+            return s;
+    }
+    return NULL;
+}
+
+GV_EXPORT void *dlsym(void *handle, const char *name)
+{
+    if (handle == RTLD_NEXT)
+        return next_after(__builtin_return_address(0), name);
+    void *r = gv_real_dlsym(handle, name);
+    if (!r)
+        return r;
+    void *hook = gv_hook_for(name);
+    if (!hook || hook == r)
+        return r;
+    int id = gv_real_find(name);
+    if (id >= 0)
+        gv_real_learn((enum gv_sym)id, r);   /* the caller's driver is the real one */
+    return hook;
+}
+
+/* ---- cuGetProcAddress --------------------------------------------------- */
+
+/* ABI variants of the entry points we hook: the symbol a given CUDA version
+ * binds to (the highest min_version not above it), and the per-thread
+ * default-stream variant. */
+typedef struct variant {
+    const char *base;
+    struct { int min_version; const char *symbol; } by_version[4];
+    const char *ptsz;
+} variant;
+
+static const variant variants[] = {
+    { "cuArray3DCreate", { { 0, "cuArray3DCreate" }, { 3020, "cuArray3DCreate_v2" } }, NULL },
+    { "cuArrayCreate", { { 0, "cuArrayCreate" }, { 3020, "cuArrayCreate_v2" } }, NULL },
+    { "cuArrayDestroy", { { 0, "cuArrayDestroy" } }, NULL },
+    { "cuCtxCreate", { { 0, "cuCtxCreate" }, { 3020, "cuCtxCreate_v2" }, { 11040, "cuCtxCreate_v3" },
+                       { 12050, "cuCtxCreate_v4" } }, NULL },
+    { "cuCtxDestroy", { { 0, "cuCtxDestroy" }, { 4000, "cuCtxDestroy_v2" } }, NULL },
+    { "cuDevicePrimaryCtxRelease", { { 0, "cuDevicePrimaryCtxRelease" },
+                                     { 11000, "cuDevicePrimaryCtxRelease_v2" } }, NULL },
+    { "cuDevicePrimaryCtxReset", { { 0, "cuDevicePrimaryCtxReset" },
+                                   { 11000, "cuDevicePrimaryCtxReset_v2" } }, NULL },
+    { "cuDevicePrimaryCtxRetain", { { 0, "cuDevicePrimaryCtxRetain" } }, NULL },
+    { "cuDeviceTotalMem", { { 0, "cuDeviceTotalMem" }, { 3020, "cuDeviceTotalMem_v2" } }, NULL },
+    { "cuGetProcAddress", { { 0, "cuGetProcAddress" }, { 12000, "cuGetProcAddress_v2" } }, NULL },
+    { "cuInit", { { 0, "cuInit" } }, NULL },
+    { "cuMemAlloc", { { 0, "cuMemAlloc" }, { 3020, "cuMemAlloc_v2" } }, NULL },
+    { "cuMemAllocAsync", { { 0, "cuMemAllocAsync" } }, "cuMemAllocAsync_ptsz" },
+    { "cuMemAllocFromPoolAsync", { { 0, "cuMemAllocFromPoolAsync" } }, "cuMemAllocFromPoolAsync_ptsz" },
+    { "cuMemAllocManaged", { { 0, "cuMemAllocManaged" } }, NULL },
+    { "cuMemAllocPitch", { { 0, "cuMemAllocPitch" }, { 3020, "cuMemAllocPitch_v2" } }, NULL },
+    { "cuMemCreate", { { 0, "cuMemCreate" } }, NULL },
+    { "cuMemFree", { { 0, "cuMemFree" }, { 3020, "cuMemFree_v2" } }, NULL },
+    { "cuMemFreeAsync", { { 0, "cuMemFreeAsync" } }, "cuMemFreeAsync_ptsz" },
+    { "cuMemGetInfo", { { 0, "cuMemGetInfo" }, { 3020, "cuMemGetInfo_v2" } }, NULL },
+    { "cuMemMap", { { 0, "cuMemMap" } }, NULL },
+    { "cuMemPoolCreate", { { 0, "cuMemPoolCreate" } }, NULL },
+    { "cuMemPoolDestroy", { { 0, "cuMemPoolDestroy" } }, NULL },
+    { "cuMemPoolTrimTo", { { 0, "cuMemPoolTrimTo" } }, NULL },
+    { "cuMemRelease", { { 0, "cuMemRelease" } }, NULL },
+    { "cuMemUnmap", { { 0, "cuMemUnmap" } }, NULL },
+    { "cuMipmappedArrayCreate", { { 0, "cuMipmappedArrayCreate" } }, NULL },
+    { "cuMipmappedArrayDestroy", { { 0, "cuMipmappedArrayDestroy" } }, NULL },
+};
+
+static const variant *variant_of(const char *base)
+{
+    size_t lo = 0, hi = sizeof variants / sizeof *variants;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        int c = strcmp(base, variants[mid].base);
+        if (c == 0)
+            return &variants[mid];
+        if (c < 0)
+            hi = mid;
+        else
+            lo = mid + 1;
+    }
+    return NULL;
+}
+
+/* Which exported symbol the driver's answer is.  Prefer identity with one
+ * of the variants' exported addresses; otherwise apply the version rule. */
+static const char *answered_symbol(const variant *v, void *fn, int version, cuuint64_t flags)
+{
+    void *h = gv_real_cuda_handle();
+    if (h) {
+        if (v->ptsz && gv_real_dlsym(h, v->ptsz) == fn)
+            return v->ptsz;
+        for (int i = 0; i < 4 && v->by_version[i].symbol; i++)
+            if (gv_real_dlsym(h, v->by_version[i].symbol) == fn)
+                return v->by_version[i].symbol;
+    }
+    if (v->ptsz && (flags & CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM))
+        return v->ptsz;
+    const char *best = NULL;
+    for (int i = 0; i < 4 && v->by_version[i].symbol; i++)
+        if (v->by_version[i].min_version <= version)
+            best = v->by_version[i].symbol;
+    return best;
+}
+
+static void substitute(const char *symbol, void **pfn, int version, cuuint64_t flags)
+{
+    const variant *v = symbol ? variant_of(symbol) : NULL;
+    if (!v || !pfn || !*pfn)
+        return;
+    const char *exact = answered_symbol(v, *pfn, version, flags);
+    void *hook = exact ? gv_hook_for(exact) : NULL;
+    if (!hook)
+        return;
+    int id = gv_real_find(exact);
+    if (id >= 0)
+        gv_real_learn((enum gv_sym)id, *pfn);
+    *pfn = hook;
+}
+
+typedef CUresult (*gpa_v1_fn)(const char *, void **, int, cuuint64_t);
+typedef CUresult (*gpa_v2_fn)(const char *, void **, int, cuuint64_t,
+                              CUdriverProcAddressQueryResult *);
+
+GV_EXPORT CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int version,
+                                       cuuint64_t flags, CUdriverProcAddressQueryResult *status)
+{
+    CUresult rc = GV_REAL(cuGetProcAddress_v2, gpa_v2_fn)(symbol, pfn, version, flags, status);
+    if (rc == CUDA_SUCCESS)
+        substitute(symbol, pfn, version, flags);
+    return rc;
+}
+
+GV_EXPORT CUresult cuGetProcAddress(const char *symbol, void **pfn, int version, cuuint64_t flags)
+{
+    CUresult rc = GV_REAL(cuGetProcAddress, gpa_v1_fn)(symbol, pfn, version, flags);
+    if (rc == CUDA_SUCCESS)
+        substitute(symbol, pfn, version, flags);
+    return rc;
+}
+
+const gv_hook gv_hooks_procaddr[] = {
+    { "cuGetProcAddress", (void *)cuGetProcAddress },
+    { "cuGetProcAddress_v2", (void *)cuGetProcAddress_v2 },
+    { NULL, NULL }
+};

@@ -1,0 +1,47 @@
+/*
+ * hooks.h - shared by the hook families (hooks_*.c) and the dispatcher.
+ */
+#ifndef GV_HOOKS_H
+#define GV_HOOKS_H
+
+#include "alloc_table.h"
+#include "core.h"
+
+/* At the top of an allocating hook: outside enforce mode either pass the
+ * call through untouched or fail closed. */
+#define GV_ENFORCING_OR(passcall)                                           \
+    do {                                                                    \
+        int m_ = gv_mode();                                                 \
+        if (__builtin_expect(m_ != GV_MODE_ENFORCE, 0))                     \
+            return m_ == GV_MODE_PASSTHROUGH ? (passcall) : GV_FAIL_CUDA;   \
+    } while (0)
+
+/* For hooks that release: nothing to release outside enforce mode. */
+#define GV_ENFORCING_ELSE_PASS(passcall)                                    \
+    do {                                                                    \
+        if (__builtin_expect(gv_mode() != GV_MODE_ENFORCE, 0))              \
+            return (passcall);                                              \
+    } while (0)
+
+/* hooks_pool.c: a stream-ordered block of pool `pool` was freed by some
+ * other path (cuMemFree); re-read that pool's reserve. */
+void gv_pool_after_free(uint64_t pool);
+
+/* hooks_context.c: release everything charged against a context that the
+ * driver destroyed together with the context. */
+void gv_release_ctx_objects(CUcontext ctx);
+
+/* The hook table (dispatch.c). */
+typedef struct gv_hook {
+    const char *name;   /* exported symbol name, e.g. "cuMemAlloc_v2" */
+    void *fn;           /* our replacement */
+} gv_hook;
+
+/* Each hook family lists its hooks, NULL-terminated. */
+extern const gv_hook gv_hooks_memory[], gv_hooks_array[], gv_hooks_vmm[], gv_hooks_pool[],
+    gv_hooks_context[], gv_hooks_info[], gv_hooks_nvml[], gv_hooks_procaddr[];
+
+/* Replacement for an exported driver symbol name, or NULL. */
+void *gv_hook_for(const char *name);
+
+#endif /* GV_HOOKS_H */

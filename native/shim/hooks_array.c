@@ -1,0 +1,189 @@
+/* hooks_array.c - CUDA arrays and mipmapped arrays. */
+#include "hooks.h"
+
+typedef CUresult (*arr_v2_fn)(CUarray *, const CUDA_ARRAY_DESCRIPTOR *);
+typedef CUresult (*arr_v1_fn)(CUarray *, const CUDA_ARRAY_DESCRIPTOR_v1 *);
+typedef CUresult (*arr3d_v2_fn)(CUarray *, const CUDA_ARRAY3D_DESCRIPTOR *);
+typedef CUresult (*arr3d_v1_fn)(CUarray *, const CUDA_ARRAY3D_DESCRIPTOR_v1 *);
+typedef CUresult (*arr_destroy_fn)(CUarray);
+typedef CUresult (*mip_fn)(CUmipmappedArray *, const CUDA_ARRAY3D_DESCRIPTOR *, unsigned int);
+typedef CUresult (*mip_destroy_fn)(CUmipmappedArray);
+typedef CUresult (*arr_req_fn)(CUDA_ARRAY_MEMORY_REQUIREMENTS *, CUarray, CUdevice);
+typedef CUresult (*mip_req_fn)(CUDA_ARRAY_MEMORY_REQUIREMENTS *, CUmipmappedArray, CUdevice);
+
+static uint64_t format_bytes(CUarray_format f)
+{
+    switch (f) {
+    case CU_AD_FORMAT_UNSIGNED_INT8: case CU_AD_FORMAT_SIGNED_INT8: return 1;
+    case CU_AD_FORMAT_UNSIGNED_INT16: case CU_AD_FORMAT_SIGNED_INT16:
+    case CU_AD_FORMAT_HALF: return 2;
+    default: return 4;  /* estimate; settled below from the driver's figure */
+    }
+}
+
+/* Bytes of a w x h x d array, rows padded to 512 bytes; 0 on overflow. */
+static uint64_t array_bytes(uint64_t w, uint64_t h, uint64_t d, CUarray_format f, unsigned ch)
+{
+    uint64_t row = w * format_bytes(f) * (ch ? ch : 1);
+    if (w && row / w != format_bytes(f) * (ch ? ch : 1))
+        return 0;
+    row = gv_round_up(row, 512);
+    h = h ? h : 1;
+    d = d ? d : 1;
+    if (row && h > UINT64_MAX / row)
+        return 0;
+    if (row != 0 && d > UINT64_MAX / (row * h))
+        return 0;
+    return row * h * d;
+}
+
+/* Reserve the estimate, create, then settle on the driver's own figure. */
+static CUresult settle_array(gv_charge *c, CUarray a)
+{
+    CUDA_ARRAY_MEMORY_REQUIREMENTS req;
+    CUresult rc = GV_REAL(cuArrayGetMemoryRequirements, arr_req_fn)(&req, a, c->ordinal);
+    if (rc == CUDA_SUCCESS && req.size > 0 && gv_charge_resize(c, req.size) != CUDA_SUCCESS) {
+        GV_REAL(cuArrayDestroy, arr_destroy_fn)(a);
+        gv_charge_cancel(c);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    gv_charge_commit(c, GV_K_ARRAY, (uint64_t)(uintptr_t)a, 0);
+    return CUDA_SUCCESS;
+}
+
+#define ARRAY_HOOK_BODY(real, call, estimate)                    \
+    GV_ENFORCING_OR(call);                                       \
+    if (!p || !desc)                                             \
+        return call;                                             \
+    uint64_t est = (estimate);                                   \
+    if (est == 0)                                                \
+        return call;     /* the driver rejects it */             \
+    gv_charge c;                                                 \
+    CUresult rc = gv_charge_begin_current(&c, est);              \
+    if (rc != CUDA_SUCCESS)                                      \
+        return rc;                                               \
+    rc = call;                                                   \
+    if (rc != CUDA_SUCCESS) {                                    \
+        gv_charge_cancel(&c);                                    \
+        return rc;                                               \
+    }                                                            \
+    return c.active ? settle_array(&c, *p) : rc
+
+GV_EXPORT CUresult cuArrayCreate_v2(CUarray *p, const CUDA_ARRAY_DESCRIPTOR *desc)
+{
+    arr_v2_fn real = GV_REAL(cuArrayCreate_v2, arr_v2_fn);
+    ARRAY_HOOK_BODY(real, real(p, desc),
+                    array_bytes(desc->Width, desc->Height, 1, desc->Format, desc->NumChannels));
+}
+
+GV_EXPORT CUresult cuArrayCreate(CUarray *p, const CUDA_ARRAY_DESCRIPTOR_v1 *desc)
+{
+    arr_v1_fn real = GV_REAL(cuArrayCreate, arr_v1_fn);
+    ARRAY_HOOK_BODY(real, real(p, desc),
+                    array_bytes(desc->Width, desc->Height, 1, desc->Format, desc->NumChannels));
+}
+
+GV_EXPORT CUresult cuArray3DCreate_v2(CUarray *p, const CUDA_ARRAY3D_DESCRIPTOR *desc)
+{
+    arr3d_v2_fn real = GV_REAL(cuArray3DCreate_v2, arr3d_v2_fn);
+    ARRAY_HOOK_BODY(real, real(p, desc),
+                    array_bytes(desc->Width, desc->Height, desc->Depth, desc->Format,
+                                desc->NumChannels));
+}
+
+GV_EXPORT CUresult cuArray3DCreate(CUarray *p, const CUDA_ARRAY3D_DESCRIPTOR_v1 *desc)
+{
+    arr3d_v1_fn real = GV_REAL(cuArray3DCreate, arr3d_v1_fn);
+    ARRAY_HOOK_BODY(real, real(p, desc),
+                    array_bytes(desc->Width, desc->Height, desc->Depth, desc->Format,
+                                desc->NumChannels));
+}
+
+GV_EXPORT CUresult cuArrayDestroy(CUarray a)
+{
+    arr_destroy_fn real = GV_REAL(cuArrayDestroy, arr_destroy_fn);
+    GV_ENFORCING_ELSE_PASS(real(a));
+    gv_alloc e;
+    if (!gv_table_take(GV_K_ARRAY, (uint64_t)(uintptr_t)a, &e))
+        return real(a);
+    CUresult rc = real(a);
+    if (rc == CUDA_SUCCESS)
+        gv_uncharge(e.dev, e.bytes);
+    else
+        gv_table_put(&e);
+    return rc;
+}
+
+/* Every level halves each extent (never below 1). */
+static uint64_t mipmap_bytes(const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned int levels)
+{
+    uint64_t w = d->Width, h = d->Height, z = d->Depth, sum = 0;
+    for (unsigned int i = 0; i < (levels ? levels : 1); i++) {
+        uint64_t b = array_bytes(w, h, z, d->Format, d->NumChannels);
+        if (b == 0 || sum > UINT64_MAX - b)
+            return 0;
+        sum += b;
+        w = w > 1 ? w / 2 : 1;
+        h = h > 1 ? h / 2 : h;
+        z = z > 1 ? z / 2 : z;
+    }
+    return sum;
+}
+
+GV_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *p, const CUDA_ARRAY3D_DESCRIPTOR *desc,
+                                          unsigned int levels)
+{
+    mip_fn real = GV_REAL(cuMipmappedArrayCreate, mip_fn);
+    GV_ENFORCING_OR(real(p, desc, levels));
+    if (!p || !desc)
+        return real(p, desc, levels);
+    uint64_t est = mipmap_bytes(desc, levels);
+    if (est == 0)
+        return real(p, desc, levels);
+    gv_charge c;
+    CUresult rc = gv_charge_begin_current(&c, est);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    rc = real(p, desc, levels);
+    if (rc != CUDA_SUCCESS) {
+        gv_charge_cancel(&c);
+        return rc;
+    }
+    if (!c.active)
+        return rc;
+    CUDA_ARRAY_MEMORY_REQUIREMENTS req;
+    if (GV_REAL(cuMipmappedArrayGetMemoryRequirements, mip_req_fn)(&req, *p, c.ordinal) == CUDA_SUCCESS &&
+        req.size > 0 && gv_charge_resize(&c, req.size) != CUDA_SUCCESS) {
+        GV_REAL(cuMipmappedArrayDestroy, mip_destroy_fn)(*p);
+        gv_charge_cancel(&c);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    gv_charge_commit(&c, GV_K_MIPMAP, (uint64_t)(uintptr_t)*p, 0);
+    return CUDA_SUCCESS;
+}
+
+GV_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray a)
+{
+    mip_destroy_fn real = GV_REAL(cuMipmappedArrayDestroy, mip_destroy_fn);
+    GV_ENFORCING_ELSE_PASS(real(a));
+    gv_alloc e;
+    if (!gv_table_take(GV_K_MIPMAP, (uint64_t)(uintptr_t)a, &e))
+        return real(a);
+    CUresult rc = real(a);
+    if (rc == CUDA_SUCCESS)
+        gv_uncharge(e.dev, e.bytes);
+    else
+        gv_table_put(&e);
+    return rc;
+}
+
+const gv_hook gv_hooks_array[] = {
+    { "cuArrayCreate", (void *)cuArrayCreate },
+    { "cuArrayCreate_v2", (void *)cuArrayCreate_v2 },
+    { "cuArray3DCreate", (void *)cuArray3DCreate },
+    { "cuArray3DCreate_v2", (void *)cuArray3DCreate_v2 },
+    { "cuArrayDestroy", (void *)cuArrayDestroy },
+    { "cuMipmappedArrayCreate", (void *)cuMipmappedArrayCreate },
+    { "cuMipmappedArrayDestroy", (void *)cuMipmappedArrayDestroy },
+    { NULL, NULL }
+};

@@ -1,0 +1,302 @@
+/*
+ * hooks_context.c - memory that contexts take.
+ *
+ * A context reserves device memory of its own (hundreds of MiB on real
+ * GPUs).  The driver does not say how much, so it is measured: NVML's
+ * per-process usage of this process (or, if the process is not listed, the
+ * device's used memory) before and after the context is created.  The
+ * measured cost is charged to the quota; if it does not fit, the context
+ * is destroyed again and the call fails with CUDA_ERROR_OUT_OF_MEMORY.
+ *
+ * Destroying a context also frees every allocation made in it, so those
+ * charges are released with it.
+ */
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "hooks.h"
+#include "log.h"
+
+#define MAX_CTX_COST (16ULL << 30)   /* a larger delta is noise from others */
+
+typedef struct { int ok; int proc_seen; uint64_t dev_used; uint64_t proc_used; } snapshot;
+
+static pthread_once_t nvml_once = PTHREAD_ONCE_INIT;
+static int nvml_ok;
+
+static void nvml_init(void)
+{
+    nvml_ok = GV_REAL(nvmlInit_v2, nvmlReturn_t (*)(void))() == NVML_SUCCESS;
+    if (!nvml_ok)
+        gv_log(GV_LOG_WARN, "NVML unavailable: context memory is not measured");
+}
+
+static void snap(const gv_devinfo *d, snapshot *s)
+{
+    typedef nvmlReturn_t (*by_uuid_fn)(const char *, nvmlDevice_t *);
+    typedef nvmlReturn_t (*mem_fn)(nvmlDevice_t, nvmlMemory_t *);
+    typedef nvmlReturn_t (*procs_fn)(nvmlDevice_t, unsigned int *, nvmlProcessInfo_t *);
+    memset(s, 0, sizeof *s);
+    pthread_once(&nvml_once, nvml_init);
+    nvmlDevice_t h;
+    nvmlMemory_t m;
+    if (!nvml_ok || GV_REAL(nvmlDeviceGetHandleByUUID, by_uuid_fn)(d->uuid_str, &h) != NVML_SUCCESS ||
+        GV_REAL(nvmlDeviceGetMemoryInfo, mem_fn)(h, &m) != NVML_SUCCESS)
+        return;
+    s->ok = 1;
+    s->dev_used = m.used;
+    nvmlProcessInfo_t infos[256];
+    unsigned int n = 256;
+    if (GV_REAL(nvmlDeviceGetComputeRunningProcesses_v3, procs_fn)(h, &n, infos) != NVML_SUCCESS)
+        return;
+    unsigned int me = (unsigned int)getpid();
+    for (unsigned int i = 0; i < n && i < 256; i++) {
+        if (infos[i].pid == me && infos[i].usedGpuMemory != NVML_VALUE_NOT_AVAILABLE) {
+            s->proc_seen = 1;
+            s->proc_used = infos[i].usedGpuMemory;
+        }
+    }
+}
+
+static uint64_t cost(const snapshot *before, const snapshot *after)
+{
+    uint64_t c = 0;
+    if (!before->ok || !after->ok)
+        return 0;
+    if (after->proc_seen) {
+        uint64_t b = before->proc_seen ? before->proc_used : 0;
+        c = after->proc_used > b ? after->proc_used - b : 0;
+    } else {
+        c = after->dev_used > before->dev_used ? after->dev_used - before->dev_used : 0;
+    }
+    return c > MAX_CTX_COST ? MAX_CTX_COST : c;
+}
+
+/* ---- releasing what a destroyed context took -------------------------- */
+
+static int owned_by(const gv_alloc *a, void *ctx)
+{
+    return a->ctx == ctx && a->kind != GV_K_VMM && a->kind != GV_K_MAP;
+}
+
+static void release_entry(const gv_alloc *a, void *unused)
+{
+    (void)unused;
+    gv_uncharge(a->dev, a->bytes);
+}
+
+void gv_release_ctx_objects(CUcontext ctx)
+{
+    if (ctx)
+        gv_table_take_all(owned_by, release_entry, ctx);
+}
+
+/* ---- created contexts --------------------------------------------------- */
+
+static CUresult charge_new_ctx(CUresult rc, CUcontext *pctx, int ordinal, const snapshot *before,
+                               const gv_devinfo *d)
+{
+    if (rc != CUDA_SUCCESS || !pctx)
+        return rc;
+    snapshot after;
+    snap(d, &after);
+    gv_charge c;
+    rc = gv_charge_begin(&c, ordinal, *pctx, cost(before, &after));
+    if (rc != CUDA_SUCCESS) {
+        GV_REAL(cuCtxDestroy_v2, CUresult (*)(CUcontext))(*pctx);
+        *pctx = NULL;
+        return rc;
+    }
+    gv_charge_commit(&c, GV_K_CTX, (uint64_t)(uintptr_t)*pctx, 0);
+    return CUDA_SUCCESS;
+}
+
+/* Prepare: device info and the "before" snapshot.  Non-zero: pass through. */
+static int ctx_prepare(int ordinal, const gv_devinfo **d, snapshot *before, CUresult *err)
+{
+    *err = gv_device(ordinal, d);
+    if (*err == CUDA_SUCCESS)
+        snap(*d, before);
+    return *err != CUDA_SUCCESS;
+}
+
+#define CTX_CREATE_BODY(call, pctx, dev)                                       \
+    GV_ENFORCING_OR(call);                                                     \
+    const gv_devinfo *d;                                                       \
+    snapshot before;                                                           \
+    CUresult err;                                                              \
+    if (ctx_prepare(dev, &d, &before, &err))                                   \
+        return err == GV_FAIL_CUDA ? err : call;                               \
+    return charge_new_ctx(call, pctx, dev, &before, d)
+
+typedef CUresult (*create_v2_fn)(CUcontext *, unsigned int, CUdevice);
+typedef CUresult (*create_v3_fn)(CUcontext *, CUexecAffinityParam *, int, unsigned int, CUdevice);
+typedef CUresult (*create_v4_fn)(CUcontext *, CUctxCreateParams *, unsigned int, CUdevice);
+typedef CUresult (*destroy_fn)(CUcontext);
+
+GV_EXPORT CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice dev)
+{
+    CTX_CREATE_BODY(GV_REAL(cuCtxCreate, create_v2_fn)(pctx, flags, dev), pctx, dev);
+}
+
+GV_EXPORT CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags, CUdevice dev)
+{
+    CTX_CREATE_BODY(GV_REAL(cuCtxCreate_v2, create_v2_fn)(pctx, flags, dev), pctx, dev);
+}
+
+GV_EXPORT CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *params, int n,
+                                  unsigned int flags, CUdevice dev)
+{
+    CTX_CREATE_BODY(GV_REAL(cuCtxCreate_v3, create_v3_fn)(pctx, params, n, flags, dev), pctx, dev);
+}
+
+GV_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *params, unsigned int flags,
+                                  CUdevice dev)
+{
+    CTX_CREATE_BODY(GV_REAL(cuCtxCreate_v4, create_v4_fn)(pctx, params, flags, dev), pctx, dev);
+}
+
+static CUresult destroy(destroy_fn real, CUcontext ctx)
+{
+    GV_ENFORCING_ELSE_PASS(real(ctx));
+    CUresult rc = real(ctx);
+    if (rc == CUDA_SUCCESS) {
+        gv_alloc a;
+        if (gv_table_take(GV_K_CTX, (uint64_t)(uintptr_t)ctx, &a))
+            gv_uncharge(a.dev, a.bytes);
+        gv_release_ctx_objects(ctx);
+    }
+    return rc;
+}
+
+GV_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx) { return destroy(GV_REAL(cuCtxDestroy_v2, destroy_fn), ctx); }
+GV_EXPORT CUresult cuCtxDestroy(CUcontext ctx) { return destroy(GV_REAL(cuCtxDestroy, destroy_fn), ctx); }
+
+/* ---- primary contexts --------------------------------------------------- */
+
+static struct primary {
+    pthread_mutex_t lock;
+    int refs;
+    uint64_t charged;       /* 0 until measured */
+    int dev;
+    CUcontext ctx;
+} prim[GV_MAX_ORDINALS];
+static pthread_once_t prim_once = PTHREAD_ONCE_INIT;
+
+static void prim_child(void)
+{
+    for (int i = 0; i < GV_MAX_ORDINALS; i++) {
+        pthread_mutex_init(&prim[i].lock, NULL);
+        prim[i].refs = 0;
+        prim[i].charged = 0;
+        prim[i].ctx = NULL;
+    }
+}
+
+static void prim_setup(void)
+{
+    for (int i = 0; i < GV_MAX_ORDINALS; i++)
+        pthread_mutex_init(&prim[i].lock, NULL);
+    pthread_atfork(NULL, NULL, prim_child);
+}
+
+GV_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
+{
+    typedef CUresult (*fn)(CUcontext *, CUdevice);
+    fn real = GV_REAL(cuDevicePrimaryCtxRetain, fn);
+    GV_ENFORCING_OR(real(pctx, dev));
+    const gv_devinfo *d;
+    CUresult rc = gv_device(dev, &d);
+    if (rc != CUDA_SUCCESS || !pctx)
+        return rc == GV_FAIL_CUDA ? rc : real(pctx, dev);
+    pthread_once(&prim_once, prim_setup);
+    struct primary *p = &prim[dev];
+    pthread_mutex_lock(&p->lock);
+    snapshot before;
+    int measure = p->charged == 0;
+    if (measure)
+        snap(d, &before);
+    rc = real(pctx, dev);
+    if (rc == CUDA_SUCCESS) {
+        p->refs++;
+        p->ctx = *pctx;
+        if (measure) {
+            snapshot after;
+            snap(d, &after);
+            gv_charge c;
+            uint64_t n = cost(&before, &after);
+            if (n && gv_charge_begin(&c, dev, *pctx, n) != CUDA_SUCCESS) {
+                GV_REAL(cuDevicePrimaryCtxRelease_v2, CUresult (*)(CUdevice))(dev);
+                p->refs--;
+                rc = CUDA_ERROR_OUT_OF_MEMORY;
+            } else if (n) {
+                p->charged = c.bytes;
+                p->dev = c.dev;
+            }
+        }
+    }
+    pthread_mutex_unlock(&p->lock);
+    return rc;
+}
+
+/* The primary context's memory is gone: release its charge and objects. */
+static void prim_drop(struct primary *p)
+{
+    if (p->charged)
+        gv_uncharge(p->dev, p->charged);
+    p->charged = 0;
+    gv_release_ctx_objects(p->ctx);
+}
+
+static CUresult prim_release(CUresult (*real)(CUdevice), CUdevice dev)
+{
+    GV_ENFORCING_ELSE_PASS(real(dev));
+    if (dev < 0 || dev >= GV_MAX_ORDINALS)
+        return real(dev);
+    pthread_once(&prim_once, prim_setup);
+    struct primary *p = &prim[dev];
+    pthread_mutex_lock(&p->lock);
+    CUresult rc = real(dev);
+    if (rc == CUDA_SUCCESS && p->refs > 0 && --p->refs == 0)
+        prim_drop(p);
+    pthread_mutex_unlock(&p->lock);
+    return rc;
+}
+
+static CUresult prim_reset(CUresult (*real)(CUdevice), CUdevice dev)
+{
+    GV_ENFORCING_ELSE_PASS(real(dev));
+    if (dev < 0 || dev >= GV_MAX_ORDINALS)
+        return real(dev);
+    pthread_once(&prim_once, prim_setup);
+    struct primary *p = &prim[dev];
+    pthread_mutex_lock(&p->lock);
+    CUresult rc = real(dev);
+    if (rc == CUDA_SUCCESS)
+        prim_drop(p);       /* the next retain measures it again */
+    pthread_mutex_unlock(&p->lock);
+    return rc;
+}
+
+typedef CUresult (*dev_fn)(CUdevice);
+GV_EXPORT CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev) { return prim_release(GV_REAL(cuDevicePrimaryCtxRelease_v2, dev_fn), dev); }
+GV_EXPORT CUresult cuDevicePrimaryCtxRelease(CUdevice dev) { return prim_release(GV_REAL(cuDevicePrimaryCtxRelease, dev_fn), dev); }
+GV_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) { return prim_reset(GV_REAL(cuDevicePrimaryCtxReset_v2, dev_fn), dev); }
+GV_EXPORT CUresult cuDevicePrimaryCtxReset(CUdevice dev) { return prim_reset(GV_REAL(cuDevicePrimaryCtxReset, dev_fn), dev); }
+
+const gv_hook gv_hooks_context[] = {
+    { "cuCtxCreate", (void *)cuCtxCreate },
+    { "cuCtxCreate_v2", (void *)cuCtxCreate_v2 },
+    { "cuCtxCreate_v3", (void *)cuCtxCreate_v3 },
+    { "cuCtxCreate_v4", (void *)cuCtxCreate_v4 },
+    { "cuCtxDestroy", (void *)cuCtxDestroy },
+    { "cuCtxDestroy_v2", (void *)cuCtxDestroy_v2 },
+    { "cuDevicePrimaryCtxRetain", (void *)cuDevicePrimaryCtxRetain },
+    { "cuDevicePrimaryCtxRelease", (void *)cuDevicePrimaryCtxRelease },
+    { "cuDevicePrimaryCtxRelease_v2", (void *)cuDevicePrimaryCtxRelease_v2 },
+    { "cuDevicePrimaryCtxReset", (void *)cuDevicePrimaryCtxReset },
+    { "cuDevicePrimaryCtxReset_v2", (void *)cuDevicePrimaryCtxReset_v2 },
+    { NULL, NULL }
+};

@@ -1,0 +1,135 @@
+/*
+ * hooks_info.c - what the process is told about memory, and cuInit.
+ *
+ * With a quota Q and container usage U on a device with physical free F:
+ *   total = min(Q, physical total)
+ *   free  = min(total - U, F), and 0 when U >= total (never wraps)
+ * Devices without a quota report the driver's own figures.
+ */
+#include <limits.h>
+
+#include "hooks.h"
+
+typedef CUresult (*init_fn)(unsigned int);
+typedef CUresult (*info_v2_fn)(size_t *, size_t *);
+typedef CUresult (*info_v1_fn)(unsigned int *, unsigned int *);
+typedef CUresult (*total_v2_fn)(size_t *, CUdevice);
+typedef CUresult (*total_v1_fn)(unsigned int *, CUdevice);
+
+GV_EXPORT CUresult cuInit(unsigned int flags)
+{
+    init_fn real = GV_REAL(cuInit, init_fn);
+    GV_ENFORCING_OR(real(flags));
+    return real(flags);
+}
+
+/* Quota view of a device, given the driver's physical figures. */
+static void quota_view(int ordinal, uint64_t *free_b, uint64_t *total_b)
+{
+    const gv_devinfo *d;
+    if (gv_device(ordinal, &d) != CUDA_SUCCESS)
+        return;
+    gv_region *r = gv_core_region();
+    uint64_t limit = region_limit(r, d->region_dev);
+    if (limit == GV_UNLIMITED)
+        return;
+    gv_pools_refresh();
+    uint64_t used = region_used(r, d->region_dev);
+    uint64_t total = limit < *total_b ? limit : *total_b;
+    uint64_t avail = used < total ? total - used : 0;
+    *total_b = total;
+    *free_b = avail < *free_b ? avail : *free_b;
+}
+
+static CUresult mem_info(uint64_t *free_b, uint64_t *total_b)
+{
+    size_t f = 0, t = 0;
+    CUresult rc = GV_REAL(cuMemGetInfo_v2, info_v2_fn)(&f, &t);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    *free_b = f;
+    *total_b = t;
+    int ordinal;
+    if (gv_current(&ordinal, NULL) == CUDA_SUCCESS)
+        quota_view(ordinal, free_b, total_b);
+    return gv_mode() == GV_MODE_FAILED ? GV_FAIL_CUDA : CUDA_SUCCESS;
+}
+
+GV_EXPORT CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total_b)
+{
+    info_v2_fn real = GV_REAL(cuMemGetInfo_v2, info_v2_fn);
+    GV_ENFORCING_OR(real(free_b, total_b));
+    if (!free_b || !total_b)
+        return real(free_b, total_b);
+    uint64_t f, t;
+    CUresult rc = mem_info(&f, &t);
+    if (rc == CUDA_SUCCESS) {
+        *free_b = f;
+        *total_b = t;
+    }
+    return rc;
+}
+
+static unsigned int clamp32(uint64_t v) { return v > UINT_MAX ? UINT_MAX : (unsigned int)v; }
+
+GV_EXPORT CUresult cuMemGetInfo(unsigned int *free_b, unsigned int *total_b)
+{
+    info_v1_fn real = GV_REAL(cuMemGetInfo, info_v1_fn);
+    GV_ENFORCING_OR(real(free_b, total_b));
+    if (!free_b || !total_b)
+        return real(free_b, total_b);
+    uint64_t f, t;
+    CUresult rc = mem_info(&f, &t);
+    if (rc == CUDA_SUCCESS) {
+        *free_b = clamp32(f);
+        *total_b = clamp32(t);
+    }
+    return rc;
+}
+
+static CUresult total_mem(CUdevice dev, uint64_t *out)
+{
+    size_t t = 0;
+    CUresult rc = GV_REAL(cuDeviceTotalMem_v2, total_v2_fn)(&t, dev);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    uint64_t total = t, free_b = t;
+    quota_view(dev, &free_b, &total);
+    *out = total;
+    return gv_mode() == GV_MODE_FAILED ? GV_FAIL_CUDA : CUDA_SUCCESS;
+}
+
+GV_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
+{
+    total_v2_fn real = GV_REAL(cuDeviceTotalMem_v2, total_v2_fn);
+    GV_ENFORCING_OR(real(bytes, dev));
+    if (!bytes)
+        return real(bytes, dev);
+    uint64_t t;
+    CUresult rc = total_mem(dev, &t);
+    if (rc == CUDA_SUCCESS)
+        *bytes = t;
+    return rc;
+}
+
+GV_EXPORT CUresult cuDeviceTotalMem(unsigned int *bytes, CUdevice dev)
+{
+    total_v1_fn real = GV_REAL(cuDeviceTotalMem, total_v1_fn);
+    GV_ENFORCING_OR(real(bytes, dev));
+    if (!bytes)
+        return real(bytes, dev);
+    uint64_t t;
+    CUresult rc = total_mem(dev, &t);
+    if (rc == CUDA_SUCCESS)
+        *bytes = clamp32(t);
+    return rc;
+}
+
+const gv_hook gv_hooks_info[] = {
+    { "cuInit", (void *)cuInit },
+    { "cuMemGetInfo", (void *)cuMemGetInfo },
+    { "cuMemGetInfo_v2", (void *)cuMemGetInfo_v2 },
+    { "cuDeviceTotalMem", (void *)cuDeviceTotalMem },
+    { "cuDeviceTotalMem_v2", (void *)cuDeviceTotalMem_v2 },
+    { NULL, NULL }
+};

@@ -1,0 +1,178 @@
+/* hooks_memory.c - linear device memory: cuMemAlloc, Pitch, Managed, Free. */
+#include "hooks.h"
+#include "log.h"
+
+typedef CUresult (*alloc_v2_fn)(CUdeviceptr *, size_t);
+typedef CUresult (*alloc_v1_fn)(CUdeviceptr_v1 *, unsigned int);
+typedef CUresult (*pitch_v2_fn)(CUdeviceptr *, size_t *, size_t, size_t, unsigned int);
+typedef CUresult (*pitch_v1_fn)(CUdeviceptr_v1 *, unsigned int *, unsigned int, unsigned int, unsigned int);
+typedef CUresult (*managed_fn)(CUdeviceptr *, size_t, unsigned int);
+typedef CUresult (*free_v2_fn)(CUdeviceptr);
+typedef CUresult (*free_v1_fn)(CUdeviceptr_v1);
+
+GV_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
+{
+    alloc_v2_fn real = GV_REAL(cuMemAlloc_v2, alloc_v2_fn);
+    GV_ENFORCING_OR(real(dptr, bytesize));
+    if (!dptr || bytesize == 0)
+        return real(dptr, bytesize);
+    gv_charge c;
+    CUresult rc = gv_charge_begin_current(&c, bytesize);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    rc = real(dptr, bytesize);
+    if (rc != CUDA_SUCCESS)
+        gv_charge_cancel(&c);
+    else
+        gv_charge_commit(&c, GV_K_PTR, *dptr, 0);
+    return rc;
+}
+
+GV_EXPORT CUresult cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int bytesize)
+{
+    alloc_v1_fn real = GV_REAL(cuMemAlloc, alloc_v1_fn);
+    GV_ENFORCING_OR(real(dptr, bytesize));
+    if (!dptr || bytesize == 0)
+        return real(dptr, bytesize);
+    gv_charge c;
+    CUresult rc = gv_charge_begin_current(&c, bytesize);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    rc = real(dptr, bytesize);
+    if (rc != CUDA_SUCCESS)
+        gv_charge_cancel(&c);
+    else
+        gv_charge_commit(&c, GV_K_PTR, *dptr, 0);
+    return rc;
+}
+
+/* Pitched allocations: reserve an estimate (rows padded to 512 bytes), then
+ * settle on what the driver chose: pitch x height. */
+static CUresult settle_pitch(gv_charge *c, uint64_t pitch, uint64_t height,
+                             CUdeviceptr ptr, free_v2_fn real_free)
+{
+    CUresult rc = gv_charge_resize(c, pitch * height);
+    if (rc != CUDA_SUCCESS) {
+        real_free(ptr);
+        gv_charge_cancel(c);
+        return rc;
+    }
+    gv_charge_commit(c, GV_K_PTR, ptr, 0);
+    return CUDA_SUCCESS;
+}
+
+GV_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width,
+                                      size_t height, unsigned int elem)
+{
+    pitch_v2_fn real = GV_REAL(cuMemAllocPitch_v2, pitch_v2_fn);
+    GV_ENFORCING_OR(real(dptr, pitch, width, height, elem));
+    if (!dptr || !pitch || width == 0 || height == 0)
+        return real(dptr, pitch, width, height, elem);
+    if (width > UINT64_MAX / height)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    gv_charge c;
+    CUresult rc = gv_charge_begin_current(&c, gv_round_up(width, 512) * height);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    rc = real(dptr, pitch, width, height, elem);
+    if (rc != CUDA_SUCCESS) {
+        gv_charge_cancel(&c);
+        return rc;
+    }
+    if (!c.active)
+        return rc;
+    return settle_pitch(&c, *pitch, height, *dptr, GV_REAL(cuMemFree_v2, free_v2_fn));
+}
+
+static CUresult free_v1_as_v2(CUdeviceptr p)
+{
+    return GV_REAL(cuMemFree, free_v1_fn)((CUdeviceptr_v1)p);
+}
+
+GV_EXPORT CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pitch, unsigned int width,
+                                   unsigned int height, unsigned int elem)
+{
+    pitch_v1_fn real = GV_REAL(cuMemAllocPitch, pitch_v1_fn);
+    GV_ENFORCING_OR(real(dptr, pitch, width, height, elem));
+    if (!dptr || !pitch || width == 0 || height == 0)
+        return real(dptr, pitch, width, height, elem);
+    gv_charge c;
+    CUresult rc = gv_charge_begin_current(&c, gv_round_up(width, 512) * height);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    rc = real(dptr, pitch, width, height, elem);
+    if (rc != CUDA_SUCCESS) {
+        gv_charge_cancel(&c);
+        return rc;
+    }
+    if (!c.active)
+        return rc;
+    return settle_pitch(&c, *pitch, height, *dptr, free_v1_as_v2);
+}
+
+GV_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
+{
+    managed_fn real = GV_REAL(cuMemAllocManaged, managed_fn);
+    GV_ENFORCING_OR(real(dptr, bytesize, flags));
+    if (!dptr || bytesize == 0)
+        return real(dptr, bytesize, flags);
+    /* Managed memory may live on the device: it counts against the quota. */
+    gv_charge c;
+    CUresult rc = gv_charge_begin_current(&c, bytesize);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    rc = real(dptr, bytesize, flags);
+    if (rc != CUDA_SUCCESS)
+        gv_charge_cancel(&c);
+    else
+        gv_charge_commit(&c, GV_K_PTR, *dptr, 0);
+    return rc;
+}
+
+/* Frees: the entry leaves the table before the driver frees the address, so
+ * a concurrent allocation that gets the same address back cannot collide. */
+static CUresult tracked_free(CUdeviceptr p, CUresult (*real)(CUdeviceptr))
+{
+    gv_alloc a;
+    if (gv_table_take(GV_K_PTR, p, &a)) {
+        CUresult rc = real(p);
+        if (rc == CUDA_SUCCESS)
+            gv_uncharge(a.dev, a.bytes);
+        else
+            gv_table_put(&a);
+        return rc;
+    }
+    if (gv_table_take(GV_K_POOLPTR, p, &a)) {
+        CUresult rc = real(p);
+        if (rc == CUDA_SUCCESS)
+            gv_pool_after_free(a.aux);
+        else
+            gv_table_put(&a);
+        return rc;
+    }
+    return real(p);     /* not ours: untouched */
+}
+
+GV_EXPORT CUresult cuMemFree_v2(CUdeviceptr p)
+{
+    free_v2_fn real = GV_REAL(cuMemFree_v2, free_v2_fn);
+    GV_ENFORCING_ELSE_PASS(real(p));
+    return tracked_free(p, real);
+}
+
+GV_EXPORT CUresult cuMemFree(CUdeviceptr_v1 p)
+{
+    GV_ENFORCING_ELSE_PASS(GV_REAL(cuMemFree, free_v1_fn)(p));
+    return tracked_free(p, free_v1_as_v2);
+}
+
+const gv_hook gv_hooks_memory[] = {
+    { "cuMemAlloc", (void *)cuMemAlloc },
+    { "cuMemAlloc_v2", (void *)cuMemAlloc_v2 },
+    { "cuMemAllocPitch", (void *)cuMemAllocPitch },
+    { "cuMemAllocPitch_v2", (void *)cuMemAllocPitch_v2 },
+    { "cuMemAllocManaged", (void *)cuMemAllocManaged },
+    { "cuMemFree", (void *)cuMemFree },
+    { "cuMemFree_v2", (void *)cuMemFree_v2 },
+    { NULL, NULL }
+};

@@ -1,0 +1,104 @@
+/*
+ * hooks_nvml.c - NVML's memory queries show the container's quota.
+ *
+ * An NVML handle is matched to the container's device by UUID (NVML
+ * indices differ from CUDA ordinals, and CUDA_VISIBLE_DEVICES may hide or
+ * reorder devices).  Devices the container does not see, and devices
+ * without a quota, keep the driver's figures.
+ */
+#include <string.h>
+
+#include "hooks.h"
+#include "limits.h"
+#include "log.h"
+
+typedef nvmlReturn_t (*mem_fn)(nvmlDevice_t, nvmlMemory_t *);
+typedef nvmlReturn_t (*mem_v2_fn)(nvmlDevice_t, nvmlMemory_v2_t *);
+typedef nvmlReturn_t (*uuid_fn)(nvmlDevice_t, char *, unsigned int);
+
+/* Region entry for an NVML device, registering it if the container sees
+ * it but no CUDA process has used it yet.  -1: not ours. */
+static int entry_for(nvmlDevice_t dev, uint64_t physical_total)
+{
+    char text[NVML_DEVICE_UUID_V2_BUFFER_SIZE];
+    unsigned char uuid[16];
+    if (GV_REAL(nvmlDeviceGetUUID, uuid_fn)(dev, text, sizeof text) != NVML_SUCCESS ||
+        gv_uuid_parse(text, uuid) != 0)
+        return -1;
+    gv_region *r = gv_core_region();
+    int e = region_device_find(r, uuid);
+    if (e >= 0)
+        return e;
+    int ordinal = gv_ordinal_of_uuid(uuid);
+    if (ordinal < 0)
+        return -1;
+    uint64_t limit;
+    char err[512];
+    if (limits_memory_for_ordinal(ordinal, physical_total, &limit, err, sizeof err) != 0) {
+        gv_log(GV_LOG_ERROR, "%s; NVML memory queries fail with NVML_ERROR_NO_PERMISSION", err);
+        gv_core_fail();
+        return -2;
+    }
+    e = region_device_lookup(r, uuid, physical_total, limit);
+    return e >= 0 ? e : -2;
+}
+
+/* Apply the quota to total/free/used; returns an NVML status. */
+static nvmlReturn_t quota_view(nvmlDevice_t dev, unsigned long long *total,
+                               unsigned long long *free_b, unsigned long long *used)
+{
+    int e = entry_for(dev, *total);
+    if (e == -2)
+        return GV_FAIL_NVML;
+    if (e < 0)
+        return NVML_SUCCESS;
+    gv_region *r = gv_core_region();
+    uint64_t limit = region_limit(r, e);
+    if (limit == GV_UNLIMITED)
+        return NVML_SUCCESS;
+    uint64_t u = region_used(r, e);
+    uint64_t t = limit < *total ? limit : *total;
+    uint64_t avail = u < t ? t - u : 0;
+    *total = t;
+    *used = u < t ? u : t;
+    *free_b = avail < *free_b ? avail : *free_b;
+    return NVML_SUCCESS;
+}
+
+GV_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t dev, nvmlMemory_t *mem)
+{
+    mem_fn real = GV_REAL(nvmlDeviceGetMemoryInfo, mem_fn);
+    int m = gv_mode();
+    if (m == GV_MODE_PASSTHROUGH)
+        return real(dev, mem);
+    if (m == GV_MODE_FAILED)
+        return GV_FAIL_NVML;
+    nvmlReturn_t rc = real(dev, mem);
+    if (rc != NVML_SUCCESS || !mem)
+        return rc;
+    return quota_view(dev, &mem->total, &mem->free, &mem->used);
+}
+
+GV_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t dev, nvmlMemory_v2_t *mem)
+{
+    mem_v2_fn real = GV_REAL(nvmlDeviceGetMemoryInfo_v2, mem_v2_fn);
+    int m = gv_mode();
+    if (m == GV_MODE_PASSTHROUGH)
+        return real(dev, mem);
+    if (m == GV_MODE_FAILED)
+        return GV_FAIL_NVML;
+    nvmlReturn_t rc = real(dev, mem);
+    if (rc != NVML_SUCCESS || !mem)
+        return rc;
+    unsigned long long before = mem->total;
+    rc = quota_view(dev, &mem->total, &mem->free, &mem->used);
+    if (rc == NVML_SUCCESS && mem->total != before)
+        mem->reserved = 0;   /* the quota view has no driver reserve: total = used + free */
+    return rc;
+}
+
+const gv_hook gv_hooks_nvml[] = {
+    { "nvmlDeviceGetMemoryInfo", (void *)nvmlDeviceGetMemoryInfo },
+    { "nvmlDeviceGetMemoryInfo_v2", (void *)nvmlDeviceGetMemoryInfo_v2 },
+    { NULL, NULL }
+};

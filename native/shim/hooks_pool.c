@@ -1,0 +1,374 @@
+/*
+ * hooks_pool.c - the stream-ordered allocator (memory pools).
+ *
+ * A pool holds physical memory (its reserve) beyond what is allocated from
+ * it, and keeps it after cuMemFreeAsync until a synchronisation or a trim
+ * gives it back.  So the quota is charged with each pool's reserve, read
+ * from the driver (CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT), not with the
+ * sizes of the blocks: nothing the driver really holds goes uncounted.
+ *
+ * Pools are found in a fixed table without a global lock (CAS to claim a
+ * record); each record has its own mutex, held across the driver call that
+ * may grow or shrink that pool.
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <string.h>
+
+#include "hooks.h"
+#include "log.h"
+
+#define MAX_POOLS 256
+
+typedef struct pool_rec {
+    _Atomic(uintptr_t) pool;     /* 0 = free record */
+    atomic_int ready;
+    pthread_mutex_t lock;
+    int ordinal;
+    int dev;                     /* region device entry */
+    uint64_t charged;            /* reserve charged to the quota */
+} pool_rec;
+
+static pool_rec pools[MAX_POOLS];
+static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
+
+typedef CUresult (*getattr_fn)(CUmemoryPool, CUmemPool_attribute, void *);
+typedef CUresult (*alloc_async_fn)(CUdeviceptr *, size_t, CUstream);
+typedef CUresult (*alloc_pool_fn)(CUdeviceptr *, size_t, CUmemoryPool, CUstream);
+typedef CUresult (*free_async_fn)(CUdeviceptr, CUstream);
+
+static void child_reset(void)
+{
+    /* A forked child holds no pools of its own. */
+    for (int i = 0; i < MAX_POOLS; i++) {
+        pthread_mutex_init(&pools[i].lock, NULL);
+        atomic_store(&pools[i].pool, 0);
+        atomic_store(&pools[i].ready, 0);
+        pools[i].charged = 0;
+    }
+}
+
+static void setup(void)
+{
+    for (int i = 0; i < MAX_POOLS; i++)
+        pthread_mutex_init(&pools[i].lock, NULL);
+    pthread_atfork(NULL, NULL, child_reset);
+}
+
+static uint64_t pool_attr(CUmemoryPool p, CUmemPool_attribute attr)
+{
+    cuuint64_t v = 0;
+    if (GV_REAL(cuMemPoolGetAttribute, getattr_fn)(p, attr, &v) != CUDA_SUCCESS)
+        return UINT64_MAX;
+    return v;
+}
+
+static pool_rec *find(CUmemoryPool p)
+{
+    for (int i = 0; i < MAX_POOLS; i++)
+        if (atomic_load_explicit(&pools[i].pool, memory_order_acquire) == (uintptr_t)p &&
+            atomic_load_explicit(&pools[i].ready, memory_order_acquire))
+            return &pools[i];
+    return NULL;
+}
+
+/* Record for pool p on ordinal, claiming one if new. */
+static pool_rec *rec_for(CUmemoryPool p, int ordinal)
+{
+    pthread_once(&setup_once, setup);
+    pool_rec *r = find(p);
+    if (r)
+        return r;
+    const gv_devinfo *d;
+    if (gv_device(ordinal, &d) != CUDA_SUCCESS)
+        return NULL;
+    for (int i = 0; i < MAX_POOLS; i++) {
+        uintptr_t expected = 0;
+        if (atomic_compare_exchange_strong(&pools[i].pool, &expected, (uintptr_t)p)) {
+            pools[i].ordinal = ordinal;
+            pools[i].dev = d->region_dev;
+            pools[i].charged = 0;
+            atomic_store_explicit(&pools[i].ready, 1, memory_order_release);
+            return &pools[i];
+        }
+        if (expected == (uintptr_t)p) {      /* another thread just claimed it */
+            while (!atomic_load_explicit(&pools[i].ready, memory_order_acquire))
+                ;
+            return &pools[i];
+        }
+    }
+    gv_log(GV_LOG_ERROR, "more than %d memory pools; further pools are not tracked", MAX_POOLS);
+    return NULL;
+}
+
+/* Bring the charge in line with the driver's reserve (lock held). */
+static void settle(pool_rec *r)
+{
+    uint64_t reserved = pool_attr((CUmemoryPool)atomic_load(&r->pool),
+                                  CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
+    if (reserved == UINT64_MAX || reserved == r->charged)
+        return;
+    if (reserved < r->charged) {
+        gv_uncharge(r->dev, r->charged - reserved);
+        r->charged = reserved;
+        return;
+    }
+    gv_charge c;
+    if (gv_charge_begin(&c, r->ordinal, NULL, reserved - r->charged) == CUDA_SUCCESS) {
+        r->charged += c.bytes;
+    } else {
+        gv_log(GV_LOG_WARN, "pool reserve grew to %llu bytes past the quota",
+               (unsigned long long)reserved);
+    }
+}
+
+void gv_pools_refresh(void)
+{
+    for (int i = 0; i < MAX_POOLS; i++) {
+        pool_rec *r = &pools[i];
+        if (!atomic_load(&r->pool) || !atomic_load(&r->ready))
+            continue;
+        if (pthread_mutex_trylock(&r->lock) == 0) {
+            settle(r);
+            pthread_mutex_unlock(&r->lock);
+        }
+    }
+}
+
+void gv_pool_after_free(uint64_t pool)
+{
+    pool_rec *r = find((CUmemoryPool)(uintptr_t)pool);
+    if (!r)
+        return;
+    pthread_mutex_lock(&r->lock);
+    settle(r);
+    pthread_mutex_unlock(&r->lock);
+}
+
+/* Allocate n bytes from pool record r through `call`; lock held by caller.
+ * Charges the growth the pool may need first, then settles on the driver's
+ * reserve afterwards. */
+static CUresult pool_alloc(pool_rec *r, size_t n, CUdeviceptr *dptr, CUstream stream,
+                           CUresult rc_call(void *), void *arg, free_async_fn real_free)
+{
+    CUmemoryPool p = (CUmemoryPool)atomic_load(&r->pool);
+    settle(r);
+    uint64_t reserved = pool_attr(p, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
+    uint64_t used = pool_attr(p, CU_MEMPOOL_ATTR_USED_MEM_CURRENT);
+    uint64_t spare = (reserved != UINT64_MAX && used != UINT64_MAX && reserved > used)
+                     ? reserved - used : 0;
+    gv_charge c;
+    memset(&c, 0, sizeof c);
+    if (n > spare) {
+        CUresult rc = gv_charge_begin(&c, r->ordinal, NULL, n - spare);
+        if (rc != CUDA_SUCCESS)
+            return rc;
+    }
+    CUresult rc = rc_call(arg);
+    if (c.active) {
+        r->charged += c.bytes;       /* settle() below trims it to the truth */
+        c.active = 0;
+    }
+    if (rc != CUDA_SUCCESS) {
+        settle(r);
+        return rc;
+    }
+    uint64_t before = r->charged;
+    settle(r);
+    uint64_t now = pool_attr(p, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
+    if (now != UINT64_MAX && now > r->charged) {
+        /* The pool grew past what the quota could take: undo. */
+        real_free(*dptr, stream);
+        GV_REAL(cuMemPoolTrimTo, CUresult (*)(CUmemoryPool, size_t))(p, 0);
+        settle(r);
+        (void)before;
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    gv_alloc a = { .key = *dptr, .kind = GV_K_POOLPTR, .dev = r->dev, .bytes = 0,
+                   .aux = (uint64_t)(uintptr_t)p, .ctx = NULL };
+    gv_table_put(&a);
+    return CUDA_SUCCESS;
+}
+
+struct async_args {
+    void *real;
+    CUdeviceptr *dptr;
+    size_t n;
+    CUmemoryPool pool;
+    CUstream stream;
+};
+
+static CUresult call_alloc_async(void *v)
+{
+    struct async_args *a = v;
+    return ((alloc_async_fn)a->real)(a->dptr, a->n, a->stream);
+}
+
+static CUresult call_alloc_pool(void *v)
+{
+    struct async_args *a = v;
+    return ((alloc_pool_fn)a->real)(a->dptr, a->n, a->pool, a->stream);
+}
+
+static CUresult alloc_async(alloc_async_fn real, free_async_fn real_free,
+                            CUdeviceptr *dptr, size_t n, CUstream stream)
+{
+    GV_ENFORCING_OR(real(dptr, n, stream));
+    int ordinal;
+    CUmemoryPool pool = NULL;
+    if (!dptr || n == 0 || gv_ordinal_of_stream(stream, &ordinal, NULL) != CUDA_SUCCESS ||
+        GV_REAL(cuDeviceGetMemPool, CUresult (*)(CUmemoryPool *, CUdevice))(&pool, ordinal) != CUDA_SUCCESS)
+        return real(dptr, n, stream);
+    pool_rec *r = rec_for(pool, ordinal);
+    if (!r)
+        return real(dptr, n, stream);
+    struct async_args a = { (void *)real, dptr, n, pool, stream };
+    pthread_mutex_lock(&r->lock);
+    CUresult rc = pool_alloc(r, n, dptr, stream, call_alloc_async, &a, real_free);
+    pthread_mutex_unlock(&r->lock);
+    return rc;
+}
+
+static CUresult alloc_from_pool(alloc_pool_fn real, free_async_fn real_free, CUdeviceptr *dptr,
+                                size_t n, CUmemoryPool pool, CUstream stream)
+{
+    GV_ENFORCING_OR(real(dptr, n, pool, stream));
+    if (!dptr || n == 0 || !pool)
+        return real(dptr, n, pool, stream);
+    pthread_once(&setup_once, setup);
+    pool_rec *r = find(pool);
+    int ordinal;
+    if (!r && gv_ordinal_of_stream(stream, &ordinal, NULL) == CUDA_SUCCESS)
+        r = rec_for(pool, ordinal);
+    if (!r)
+        return real(dptr, n, pool, stream);
+    struct async_args a = { (void *)real, dptr, n, pool, stream };
+    pthread_mutex_lock(&r->lock);
+    CUresult rc = pool_alloc(r, n, dptr, stream, call_alloc_pool, &a, real_free);
+    pthread_mutex_unlock(&r->lock);
+    return rc;
+}
+
+static CUresult free_async(free_async_fn real, CUdeviceptr p, CUstream stream)
+{
+    GV_ENFORCING_ELSE_PASS(real(p, stream));
+    gv_alloc a;
+    if (!gv_table_take(GV_K_POOLPTR, p, &a)) {
+        /* A plain allocation may also be freed stream-ordered. */
+        if (!gv_table_take(GV_K_PTR, p, &a))
+            return real(p, stream);
+        CUresult rc = real(p, stream);
+        if (rc == CUDA_SUCCESS)
+            gv_uncharge(a.dev, a.bytes);
+        else
+            gv_table_put(&a);
+        return rc;
+    }
+    pool_rec *r = find((CUmemoryPool)(uintptr_t)a.aux);
+    if (r)
+        pthread_mutex_lock(&r->lock);
+    CUresult rc = real(p, stream);
+    if (rc != CUDA_SUCCESS)
+        gv_table_put(&a);
+    if (r) {
+        settle(r);
+        pthread_mutex_unlock(&r->lock);
+    }
+    return rc;
+}
+
+GV_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t n, CUstream s)
+{
+    return alloc_async(GV_REAL(cuMemAllocAsync, alloc_async_fn),
+                       GV_REAL(cuMemFreeAsync, free_async_fn), dptr, n, s);
+}
+
+GV_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t n, CUstream s)
+{
+    return alloc_async(GV_REAL(cuMemAllocAsync_ptsz, alloc_async_fn),
+                       GV_REAL(cuMemFreeAsync_ptsz, free_async_fn), dptr, n, s);
+}
+
+GV_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t n, CUmemoryPool p, CUstream s)
+{
+    return alloc_from_pool(GV_REAL(cuMemAllocFromPoolAsync, alloc_pool_fn),
+                           GV_REAL(cuMemFreeAsync, free_async_fn), dptr, n, p, s);
+}
+
+GV_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t n, CUmemoryPool p,
+                                                CUstream s)
+{
+    return alloc_from_pool(GV_REAL(cuMemAllocFromPoolAsync_ptsz, alloc_pool_fn),
+                           GV_REAL(cuMemFreeAsync_ptsz, free_async_fn), dptr, n, p, s);
+}
+
+GV_EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s)
+{
+    return free_async(GV_REAL(cuMemFreeAsync, free_async_fn), p, s);
+}
+
+GV_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s)
+{
+    return free_async(GV_REAL(cuMemFreeAsync_ptsz, free_async_fn), p, s);
+}
+
+GV_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props)
+{
+    typedef CUresult (*fn)(CUmemoryPool *, const CUmemPoolProps *);
+    fn real = GV_REAL(cuMemPoolCreate, fn);
+    GV_ENFORCING_OR(real(pool, props));
+    CUresult rc = real(pool, props);
+    if (rc == CUDA_SUCCESS && props && props->location.type == CU_MEM_LOCATION_TYPE_DEVICE)
+        rec_for(*pool, props->location.id);
+    return rc;
+}
+
+GV_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep)
+{
+    typedef CUresult (*fn)(CUmemoryPool, size_t);
+    fn real = GV_REAL(cuMemPoolTrimTo, fn);
+    GV_ENFORCING_ELSE_PASS(real(pool, keep));
+    pthread_once(&setup_once, setup);
+    pool_rec *r = find(pool);
+    if (!r)
+        return real(pool, keep);
+    pthread_mutex_lock(&r->lock);
+    CUresult rc = real(pool, keep);
+    settle(r);
+    pthread_mutex_unlock(&r->lock);
+    return rc;
+}
+
+GV_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
+{
+    typedef CUresult (*fn)(CUmemoryPool);
+    fn real = GV_REAL(cuMemPoolDestroy, fn);
+    GV_ENFORCING_ELSE_PASS(real(pool));
+    pthread_once(&setup_once, setup);
+    pool_rec *r = find(pool);
+    if (!r)
+        return real(pool);
+    pthread_mutex_lock(&r->lock);
+    CUresult rc = real(pool);
+    if (rc == CUDA_SUCCESS) {
+        gv_uncharge(r->dev, r->charged);
+        r->charged = 0;
+        atomic_store(&r->ready, 0);
+        atomic_store(&r->pool, 0);
+    }
+    pthread_mutex_unlock(&r->lock);
+    return rc;
+}
+
+const gv_hook gv_hooks_pool[] = {
+    { "cuMemAllocAsync", (void *)cuMemAllocAsync },
+    { "cuMemAllocAsync_ptsz", (void *)cuMemAllocAsync_ptsz },
+    { "cuMemAllocFromPoolAsync", (void *)cuMemAllocFromPoolAsync },
+    { "cuMemAllocFromPoolAsync_ptsz", (void *)cuMemAllocFromPoolAsync_ptsz },
+    { "cuMemFreeAsync", (void *)cuMemFreeAsync },
+    { "cuMemFreeAsync_ptsz", (void *)cuMemFreeAsync_ptsz },
+    { "cuMemPoolCreate", (void *)cuMemPoolCreate },
+    { "cuMemPoolTrimTo", (void *)cuMemPoolTrimTo },
+    { "cuMemPoolDestroy", (void *)cuMemPoolDestroy },
+    { NULL, NULL }
+};

@@ -1,0 +1,116 @@
+/*
+ * hooks_vmm.c - virtual memory management: cuMemCreate / cuMemRelease.
+ *
+ * Physical memory of a handle is freed only once it is released AND no
+ * longer mapped, so the charge stays until both are true.  GV_K_VMM
+ * entries keep the number of live mappings in aux, with RELEASED_BIT set
+ * once cuMemRelease succeeded.
+ */
+#include "hooks.h"
+
+#define RELEASED_BIT (1ULL << 63)
+
+typedef CUresult (*create_fn)(CUmemGenericAllocationHandle *, size_t,
+                              const CUmemAllocationProp *, unsigned long long);
+typedef CUresult (*release_fn)(CUmemGenericAllocationHandle);
+typedef CUresult (*map_fn)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                           unsigned long long);
+typedef CUresult (*unmap_fn)(CUdeviceptr, size_t);
+
+GV_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
+                               const CUmemAllocationProp *prop, unsigned long long flags)
+{
+    create_fn real = GV_REAL(cuMemCreate, create_fn);
+    GV_ENFORCING_OR(real(handle, size, prop, flags));
+    if (!handle || !prop || size == 0 || prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+        return real(handle, size, prop, flags);     /* host memory is not ours */
+    gv_charge c;
+    CUresult rc = gv_charge_begin(&c, prop->location.id, NULL, size);
+    if (rc != CUDA_SUCCESS)
+        return rc == CUDA_ERROR_INVALID_DEVICE ? real(handle, size, prop, flags) : rc;
+    rc = real(handle, size, prop, flags);
+    if (rc != CUDA_SUCCESS)
+        gv_charge_cancel(&c);
+    else
+        gv_charge_commit(&c, GV_K_VMM, *handle, 0);
+    return rc;
+}
+
+struct edit { int64_t maps_delta; int release; uint64_t result; };
+
+static void edit_handle(gv_alloc *a, void *arg)
+{
+    struct edit *e = arg;
+    uint64_t maps = a->aux & ~RELEASED_BIT;
+    if (e->maps_delta < 0 && maps > 0)
+        maps--;
+    else if (e->maps_delta > 0)
+        maps++;
+    a->aux = maps | (a->aux & RELEASED_BIT) | (e->release ? RELEASED_BIT : 0);
+    e->result = a->aux;
+}
+
+/* Drop the charge of handle h if it is released and unmapped. */
+static void maybe_free(CUmemGenericAllocationHandle h, uint64_t state)
+{
+    gv_alloc a;
+    if (state == RELEASED_BIT && gv_table_take(GV_K_VMM, h, &a))
+        gv_uncharge(a.dev, a.bytes);
+}
+
+GV_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h)
+{
+    release_fn real = GV_REAL(cuMemRelease, release_fn);
+    GV_ENFORCING_ELSE_PASS(real(h));
+    CUresult rc = real(h);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    struct edit e = { 0, 1, 0 };
+    if (gv_table_modify(GV_K_VMM, h, edit_handle, &e))
+        maybe_free(h, e.result);
+    return rc;
+}
+
+GV_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
+                            CUmemGenericAllocationHandle h, unsigned long long flags)
+{
+    map_fn real = GV_REAL(cuMemMap, map_fn);
+    GV_ENFORCING_ELSE_PASS(real(ptr, size, offset, h, flags));
+    CUresult rc = real(ptr, size, offset, h, flags);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    struct edit e = { 1, 0, 0 };
+    if (gv_table_modify(GV_K_VMM, h, edit_handle, &e)) {
+        gv_alloc m = { .key = ptr, .kind = GV_K_MAP, .dev = -1, .bytes = size, .aux = h };
+        gv_table_put(&m);
+    }
+    return rc;
+}
+
+GV_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
+{
+    unmap_fn real = GV_REAL(cuMemUnmap, unmap_fn);
+    GV_ENFORCING_ELSE_PASS(real(ptr, size));
+    CUresult rc = real(ptr, size);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    /* The range may cover several consecutive mappings. */
+    for (CUdeviceptr p = ptr; p < ptr + size;) {
+        gv_alloc m;
+        if (!gv_table_take(GV_K_MAP, p, &m) || m.bytes == 0)
+            break;
+        struct edit e = { -1, 0, 0 };
+        if (gv_table_modify(GV_K_VMM, m.aux, edit_handle, &e))
+            maybe_free(m.aux, e.result);
+        p += m.bytes;
+    }
+    return rc;
+}
+
+const gv_hook gv_hooks_vmm[] = {
+    { "cuMemCreate", (void *)cuMemCreate },
+    { "cuMemRelease", (void *)cuMemRelease },
+    { "cuMemMap", (void *)cuMemMap },
+    { "cuMemUnmap", (void *)cuMemUnmap },
+    { NULL, NULL }
+};

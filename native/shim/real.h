@@ -1,0 +1,86 @@
+/*
+ * real.h - the real driver libraries behind the hooks.
+ *
+ * The interposer never links against libcuda or libnvidia-ml.  It opens
+ * them at run time (GPUVISOR_REAL_LIBCUDA / GPUVISOR_REAL_LIBNVML, default
+ * the sonames) and resolves each real entry point once, lazily, with the
+ * real dlsym.  Every resolved pointer is cached in an atomic slot, so the
+ * fast path is one relaxed load.
+ */
+#ifndef GV_REAL_H
+#define GV_REAL_H
+
+#include <stdatomic.h>
+#include "gv_cuda.h"
+
+#ifndef GV_EXPORT
+#define GV_EXPORT __attribute__((visibility("default")))
+#endif
+
+/* Real CUDA entry points the library calls. */
+#define GV_CUDA_SYMS(X) \
+    X(cuInit) X(cuGetProcAddress) X(cuGetProcAddress_v2) \
+    X(cuDeviceGetCount) X(cuDeviceGetUuid) X(cuDeviceGetUuid_v2) \
+    X(cuDeviceTotalMem) X(cuDeviceTotalMem_v2) \
+    X(cuCtxGetCurrent) X(cuCtxSetCurrent) X(cuCtxGetDevice) \
+    X(cuCtxPushCurrent_v2) X(cuCtxPopCurrent_v2) X(cuStreamGetCtx) \
+    X(cuMemGetInfo) X(cuMemGetInfo_v2) \
+    X(cuMemAlloc) X(cuMemAlloc_v2) X(cuMemAllocPitch) X(cuMemAllocPitch_v2) \
+    X(cuMemAllocManaged) X(cuMemFree) X(cuMemFree_v2) \
+    X(cuMemGetAllocationGranularity) \
+    X(cuArrayCreate) X(cuArrayCreate_v2) X(cuArray3DCreate) X(cuArray3DCreate_v2) \
+    X(cuArrayDestroy) X(cuArrayGetMemoryRequirements) \
+    X(cuMipmappedArrayCreate) X(cuMipmappedArrayDestroy) \
+    X(cuMipmappedArrayGetMemoryRequirements) \
+    X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) \
+    X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz) \
+    X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz) \
+    X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) \
+    X(cuMemPoolCreate) X(cuMemPoolDestroy) X(cuMemPoolTrimTo) \
+    X(cuMemPoolGetAttribute) X(cuDeviceGetMemPool) \
+    X(cuCtxCreate) X(cuCtxCreate_v2) X(cuCtxCreate_v3) X(cuCtxCreate_v4) \
+    X(cuCtxDestroy) X(cuCtxDestroy_v2) \
+    X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) \
+    X(cuDevicePrimaryCtxRelease_v2) X(cuDevicePrimaryCtxReset) \
+    X(cuDevicePrimaryCtxReset_v2)
+
+/* Real NVML entry points the library calls. */
+#define GV_NVML_SYMS(X) \
+    X(nvmlInit_v2) X(nvmlDeviceGetHandleByUUID) X(nvmlDeviceGetUUID) \
+    X(nvmlDeviceGetMemoryInfo) X(nvmlDeviceGetMemoryInfo_v2) \
+    X(nvmlDeviceGetComputeRunningProcesses_v3) X(nvmlDeviceGetCount_v2) \
+    X(nvmlDeviceGetHandleByIndex_v2)
+
+#define GV_ENUM_ITEM(name) GV_SYM_##name,
+enum gv_sym {
+    GV_CUDA_SYMS(GV_ENUM_ITEM)
+    GV_SYM_CUDA_END,
+    GV_NVML_SYMS(GV_ENUM_ITEM)
+    GV_SYM_COUNT
+};
+#undef GV_ENUM_ITEM
+
+/* Resolve a real entry point (NULL when the driver lacks it). */
+void *gv_real_sym(enum gv_sym id);
+/* Record a pointer learned from the real cuGetProcAddress for a symbol the
+ * library could not dlsym (drivers need not export every variant). */
+void gv_real_learn(enum gv_sym id, void *fn);
+/* Name of a symbol id. */
+const char *gv_real_name(enum gv_sym id);
+/* Find the id of a real symbol name, or -1. */
+int gv_real_find(const char *name);
+
+/* Handles of the real libraries (NULL if they cannot be opened). */
+void *gv_real_cuda_handle(void);
+void *gv_real_nvml_handle(void);
+
+/* The C library's dlsym, bypassing the library's own override. */
+void *gv_real_dlsym(void *handle, const char *name);
+
+/* Call a real entry point with its type spelled at the call site:
+ *   GV_REAL(cuMemAlloc_v2, CUresult (*)(CUdeviceptr *, size_t))(p, n)
+ * A missing entry point yields a stub that returns CUDA_ERROR_NOT_FOUND. */
+#define GV_REAL(name, type) ((type)gv_real_or_missing(GV_SYM_##name))
+void *gv_real_or_missing(enum gv_sym id);
+
+#endif /* GV_REAL_H */
