@@ -1,0 +1,290 @@
+/*
+ * cuda_array.c - CUDA arrays and mipmapped arrays.  An array charges
+ *   roundup2M( roundup512(width * channels * bpe) * max(h,1) * max(d,1) )
+ * and a mipmapped array the sum of its levels (each level halves every
+ * non-zero dimension, minimum 1) rounded up to 2 MiB once.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "sim.h"
+
+#define ARRAY_MAGIC 0x41525259u
+#define MIPMAP_MAGIC 0x4d49504du
+
+struct CUarray_st {
+    uint32_t magic;
+    int node;
+    uint64_t size;
+    CUDA_ARRAY3D_DESCRIPTOR d;
+};
+
+struct CUmipmappedArray_st {
+    uint32_t magic;
+    int node;
+    uint64_t size;
+    unsigned levels;
+    CUDA_ARRAY3D_DESCRIPTOR d;
+};
+
+static unsigned bpe(CUarray_format f)
+{
+    switch (f) {
+    case CU_AD_FORMAT_UNSIGNED_INT8: case CU_AD_FORMAT_SIGNED_INT8: return 1;
+    case CU_AD_FORMAT_UNSIGNED_INT16: case CU_AD_FORMAT_SIGNED_INT16:
+    case CU_AD_FORMAT_HALF: return 2;
+    case CU_AD_FORMAT_UNSIGNED_INT32: case CU_AD_FORMAT_SIGNED_INT32:
+    case CU_AD_FORMAT_FLOAT: return 4;
+    default: return 0;
+    }
+}
+
+/* unrounded byte size of one level; 0 if the descriptor is invalid */
+static uint64_t level_bytes(size_t w, size_t h, size_t d, CUarray_format f,
+                            unsigned ch)
+{
+    unsigned b = bpe(f);
+    if (!b || !w || (ch != 1 && ch != 2 && ch != 4) || (d && !h))
+        return 0;
+    if (w > (1ULL << 30) || h > (1ULL << 30) || d > (1ULL << 30))
+        return 0;
+    uint64_t row = sim_round_up((uint64_t)w * ch * b, SIM_ALIGN);
+    return row * (h ? h : 1) * (d ? d : 1);
+}
+
+static CUresult charge_new(uint64_t raw, int *node, uint64_t *size)
+{
+    struct CUctx_st *c;
+    CUresult rc = sim_current(&c);
+    if (rc)
+        return rc;
+    if (!raw)
+        return CUDA_ERROR_INVALID_VALUE;
+    *size = sim_round_up(raw, SIM_GRAN);
+    if (sim_fault_alloc() || sim_charge(c->node, *size) < 0)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *node = c->node;
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuArray3DCreate_v2(CUarray *pa, const CUDA_ARRAY3D_DESCRIPTOR *d)
+{
+    if (!pa || !d)
+        return sim_check_init() ? sim_check_init() : CUDA_ERROR_INVALID_VALUE;
+    uint64_t raw = level_bytes(d->Width, d->Height, d->Depth, d->Format,
+                               d->NumChannels);
+    int node;
+    uint64_t size;
+    CUresult rc = charge_new(raw, &node, &size);
+    if (rc)
+        return rc;
+    struct CUarray_st *a = calloc(1, sizeof *a);
+    if (!a) {
+        sim_uncharge(node, size);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    a->magic = ARRAY_MAGIC;
+    a->node = node;
+    a->size = size;
+    a->d = *d;
+    pthread_mutex_lock(&sim_mu);
+    sim_reg_add(a);
+    pthread_mutex_unlock(&sim_mu);
+    *pa = a;
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuArray3DCreate(CUarray *pa, const CUDA_ARRAY3D_DESCRIPTOR_v1 *d)
+{
+    if (!d)
+        return cuArray3DCreate_v2(pa, NULL);
+    CUDA_ARRAY3D_DESCRIPTOR v2 = {d->Width, d->Height, d->Depth, d->Format,
+                                  d->NumChannels, d->Flags};
+    return cuArray3DCreate_v2(pa, &v2);
+}
+
+SIM_API CUresult cuArrayCreate_v2(CUarray *pa, const CUDA_ARRAY_DESCRIPTOR *d)
+{
+    if (!d)
+        return cuArray3DCreate_v2(pa, NULL);
+    CUDA_ARRAY3D_DESCRIPTOR v3 = {d->Width, d->Height, 0, d->Format,
+                                  d->NumChannels, 0};
+    return cuArray3DCreate_v2(pa, &v3);
+}
+
+SIM_API CUresult cuArrayCreate(CUarray *pa, const CUDA_ARRAY_DESCRIPTOR_v1 *d)
+{
+    if (!d)
+        return cuArray3DCreate_v2(pa, NULL);
+    CUDA_ARRAY3D_DESCRIPTOR v3 = {d->Width, d->Height, 0, d->Format,
+                                  d->NumChannels, 0};
+    return cuArray3DCreate_v2(pa, &v3);
+}
+
+static struct CUarray_st *array_of(CUarray a)
+{
+    return a && sim_reg_has(a) && a->magic == ARRAY_MAGIC ? a : NULL;
+}
+
+SIM_API CUresult cuArrayDestroy(CUarray arr)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    pthread_mutex_lock(&sim_mu);
+    struct CUarray_st *a = array_of(arr);
+    if (a) {
+        sim_reg_del(a);
+        a->magic = 0;
+    }
+    pthread_mutex_unlock(&sim_mu);
+    if (!a)
+        return CUDA_ERROR_INVALID_HANDLE;
+    sim_uncharge(a->node, a->size);
+    free(a);
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuArrayGetDescriptor_v2(CUDA_ARRAY_DESCRIPTOR *out, CUarray arr)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!out)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_mu);
+    struct CUarray_st *a = array_of(arr);
+    if (a) {
+        out->Width = a->d.Width;
+        out->Height = a->d.Height;
+        out->Format = a->d.Format;
+        out->NumChannels = a->d.NumChannels;
+    }
+    pthread_mutex_unlock(&sim_mu);
+    return a ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+SIM_API CUresult cuArrayGetDescriptor(CUDA_ARRAY_DESCRIPTOR_v1 *out, CUarray arr)
+{
+    CUDA_ARRAY_DESCRIPTOR d;
+    if (!out)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = cuArrayGetDescriptor_v2(&d, arr);
+    if (rc == CUDA_SUCCESS) {
+        out->Width = (unsigned)d.Width;
+        out->Height = (unsigned)d.Height;
+        out->Format = d.Format;
+        out->NumChannels = d.NumChannels;
+    }
+    return rc;
+}
+
+static void fill_req(CUDA_ARRAY_MEMORY_REQUIREMENTS *r, uint64_t size)
+{
+    memset(r, 0, sizeof *r);
+    r->size = size;
+    r->alignment = SIM_ALIGN;
+}
+
+SIM_API CUresult cuArrayGetMemoryRequirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *r,
+                                              CUarray arr, CUdevice dev)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!r)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (sim_ord_node(dev) < 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&sim_mu);
+    struct CUarray_st *a = array_of(arr);
+    if (a)
+        fill_req(r, a->size);
+    pthread_mutex_unlock(&sim_mu);
+    return a ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+/* ---- mipmapped arrays ------------------------------------------------ */
+
+SIM_API CUresult cuMipmappedArrayCreate(CUmipmappedArray *pm,
+                                        const CUDA_ARRAY3D_DESCRIPTOR *d,
+                                        unsigned int levels)
+{
+    if (!pm || !d || !levels)
+        return sim_check_init() ? sim_check_init() : CUDA_ERROR_INVALID_VALUE;
+    uint64_t raw = 0;
+    size_t w = d->Width, h = d->Height, z = d->Depth;
+    for (unsigned l = 0; l < levels; l++) {
+        uint64_t b = level_bytes(w, h, z, d->Format, d->NumChannels);
+        if (!b) {
+            raw = 0;
+            break;
+        }
+        raw += b;
+        w = w > 1 ? w / 2 : 1;
+        h = h > 1 ? h / 2 : h;
+        z = z > 1 ? z / 2 : z;
+    }
+    int node;
+    uint64_t size;
+    CUresult rc = charge_new(raw, &node, &size);
+    if (rc)
+        return rc;
+    struct CUmipmappedArray_st *m = calloc(1, sizeof *m);
+    if (!m) {
+        sim_uncharge(node, size);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    m->magic = MIPMAP_MAGIC;
+    m->node = node;
+    m->size = size;
+    m->levels = levels;
+    m->d = *d;
+    pthread_mutex_lock(&sim_mu);
+    sim_reg_add(m);
+    pthread_mutex_unlock(&sim_mu);
+    *pm = m;
+    return CUDA_SUCCESS;
+}
+
+static struct CUmipmappedArray_st *mip_of(CUmipmappedArray m)
+{
+    return m && sim_reg_has(m) && m->magic == MIPMAP_MAGIC ? m : NULL;
+}
+
+SIM_API CUresult cuMipmappedArrayDestroy(CUmipmappedArray mm)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    pthread_mutex_lock(&sim_mu);
+    struct CUmipmappedArray_st *m = mip_of(mm);
+    if (m) {
+        sim_reg_del(m);
+        m->magic = 0;
+    }
+    pthread_mutex_unlock(&sim_mu);
+    if (!m)
+        return CUDA_ERROR_INVALID_HANDLE;
+    sim_uncharge(m->node, m->size);
+    free(m);
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuMipmappedArrayGetMemoryRequirements(
+    CUDA_ARRAY_MEMORY_REQUIREMENTS *r, CUmipmappedArray mm, CUdevice dev)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!r)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (sim_ord_node(dev) < 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&sim_mu);
+    struct CUmipmappedArray_st *m = mip_of(mm);
+    if (m)
+        fill_req(r, m->size);
+    pthread_mutex_unlock(&sim_mu);
+    return m ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}

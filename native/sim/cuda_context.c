@@ -1,0 +1,371 @@
+/*
+ * cuda_context.c - contexts: created contexts, primary contexts and the
+ * per-thread current-context stack.  Every live context charges its
+ * device's ctx size to this process's physical usage.  Context objects are
+ * never freed (a destroyed one stays "dead"), so stale handles held by
+ * other threads fail cleanly instead of touching freed memory.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "sim.h"
+
+#define STACK_MAX 64
+static __thread struct CUctx_st *t_stack[STACK_MAX];
+static __thread int t_depth;
+static struct CUctx_st g_primary[SIM_MAX_DEV];   /* by CUDA ordinal */
+static pthread_mutex_t g_prim_mu = PTHREAD_MUTEX_INITIALIZER;
+
+int sim_ctx_valid(struct CUctx_st *c)
+{
+    int ok;
+    pthread_mutex_lock(&sim_mu);
+    ok = c && sim_reg_has(c) && c->magic == SIM_CTX_MAGIC && c->alive;
+    pthread_mutex_unlock(&sim_mu);
+    return ok;
+}
+
+CUresult sim_current(struct CUctx_st **out)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    struct CUctx_st *c = t_depth ? t_stack[t_depth - 1] : NULL;
+    if (!c || !sim_ctx_valid(c))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    *out = c;
+    return CUDA_SUCCESS;
+}
+
+static void drop_from_stack(struct CUctx_st *c)
+{
+    for (int i = 0; i < t_depth; i++)
+        if (t_stack[i] == c) {
+            memmove(&t_stack[i], &t_stack[i + 1],
+                    (size_t)(t_depth - i - 1) * sizeof t_stack[0]);
+            t_depth--;
+            i--;
+        }
+}
+
+/* charge and mark alive; caller fills ordinal/node */
+static CUresult ctx_activate(struct CUctx_st *c)
+{
+    uint64_t sz = sim_dev(c->node)->ctx_size;
+    if (sz && sim_charge(c->node, sz) < 0)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&sim_mu);
+    c->charged = sz;
+    c->magic = SIM_CTX_MAGIC;
+    c->alive = 1;
+    if (!sim_reg_has(c))
+        sim_reg_add(c);
+    pthread_mutex_unlock(&sim_mu);
+    return CUDA_SUCCESS;
+}
+
+static void ctx_deactivate(struct CUctx_st *c)
+{
+    pthread_mutex_lock(&sim_mu);
+    int was = c->alive;
+    c->alive = 0;
+    uint64_t ch = c->charged;
+    c->charged = 0;
+    pthread_mutex_unlock(&sim_mu);
+    if (!was)
+        return;
+    sim_ctx_release_allocs(c);
+    sim_uncharge(c->node, ch);
+}
+
+SIM_API CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags,
+                                CUdevice dev)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    int node = sim_ord_node(dev);
+    if (node < 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    struct CUctx_st *c = calloc(1, sizeof *c);
+    if (!c)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    c->ordinal = dev;
+    c->node = node;
+    c->flags = flags;
+    rc = ctx_activate(c);
+    if (rc) {
+        free(c);
+        return rc;
+    }
+    if (t_depth < STACK_MAX)
+        t_stack[t_depth++] = c;
+    *pctx = c;
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice dev)
+{
+    return cuCtxCreate_v2(pctx, flags, dev);
+}
+
+SIM_API CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *p,
+                                int n, unsigned int flags, CUdevice dev)
+{
+    if (n < 0 || (n > 0 && !p))
+        return CUDA_ERROR_INVALID_VALUE;
+    return cuCtxCreate_v2(pctx, flags, dev);
+}
+
+SIM_API CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *p,
+                                unsigned int flags, CUdevice dev)
+{
+    if (p && p->numExecAffinityParams < 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    return cuCtxCreate_v2(pctx, flags, dev);
+}
+
+SIM_API CUresult cuCtxDestroy_v2(CUcontext ctx)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!sim_ctx_valid(ctx) || ctx->primary)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    drop_from_stack(ctx);
+    ctx_deactivate(ctx);
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuCtxDestroy(CUcontext ctx)
+{
+    return cuCtxDestroy_v2(ctx);
+}
+
+SIM_API CUresult cuCtxGetCurrent(CUcontext *pctx)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    *pctx = t_depth ? t_stack[t_depth - 1] : NULL;
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuCtxSetCurrent(CUcontext ctx)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!ctx) {
+        if (t_depth)
+            t_depth--;
+        return CUDA_SUCCESS;
+    }
+    if (!sim_ctx_valid(ctx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (t_depth)
+        t_stack[t_depth - 1] = ctx;
+    else
+        t_stack[t_depth++] = ctx;
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuCtxPushCurrent_v2(CUcontext ctx)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!sim_ctx_valid(ctx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (t_depth >= STACK_MAX)
+        return CUDA_ERROR_INVALID_VALUE;
+    t_stack[t_depth++] = ctx;
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuCtxPushCurrent(CUcontext ctx)
+{
+    return cuCtxPushCurrent_v2(ctx);
+}
+
+SIM_API CUresult cuCtxPopCurrent_v2(CUcontext *pctx)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!t_depth)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    struct CUctx_st *c = t_stack[--t_depth];
+    if (pctx)
+        *pctx = c;
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuCtxPopCurrent(CUcontext *pctx)
+{
+    return cuCtxPopCurrent_v2(pctx);
+}
+
+/* CUDA 13 form: explicit context, NULL = current */
+SIM_API CUresult cuCtxGetDevice_v2(CUdevice *dev, CUcontext ctx)
+{
+    struct CUctx_st *c = ctx;
+    CUresult rc = ctx ? sim_check_init() : sim_current(&c);
+    if (rc)
+        return rc;
+    if (!dev)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_ctx_valid(c))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    *dev = c->ordinal;
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuCtxGetDevice(CUdevice *dev)
+{
+    return cuCtxGetDevice_v2(dev, NULL);
+}
+
+SIM_API CUresult cuCtxSynchronize_v2(CUcontext ctx)
+{
+    struct CUctx_st *c = ctx;
+    CUresult rc = ctx ? sim_check_init() : sim_current(&c);
+    if (rc)
+        return rc;
+    if (!sim_ctx_valid(c))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    sim_pools_sync(c->ordinal);
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuCtxSynchronize(void)
+{
+    return cuCtxSynchronize_v2(NULL);
+}
+
+SIM_API CUresult cuCtxGetApiVersion(CUcontext ctx, unsigned int *v)
+{
+    struct CUctx_st *c = ctx;
+    CUresult rc = ctx ? sim_check_init() : sim_current(&c);
+    if (rc)
+        return rc;
+    if (!v)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!sim_ctx_valid(c))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    *v = 3020;
+    return CUDA_SUCCESS;
+}
+
+/* ---- primary contexts ------------------------------------------------ */
+
+SIM_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!pctx)
+        return CUDA_ERROR_INVALID_VALUE;
+    int node = sim_ord_node(dev);
+    if (node < 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    struct CUctx_st *c = &g_primary[dev];
+    pthread_mutex_lock(&g_prim_mu);
+    if (!c->alive) {
+        c->ordinal = dev;
+        c->node = node;
+        c->primary = 1;
+        c->refcount = 0;
+        rc = ctx_activate(c);
+    }
+    if (rc == CUDA_SUCCESS)
+        c->refcount++;
+    pthread_mutex_unlock(&g_prim_mu);
+    if (rc)
+        return rc;
+    *pctx = c;
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (sim_ord_node(dev) < 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    struct CUctx_st *c = &g_primary[dev];
+    pthread_mutex_lock(&g_prim_mu);
+    if (!c->alive || c->refcount <= 0) {
+        pthread_mutex_unlock(&g_prim_mu);
+        return CUDA_ERROR_INVALID_CONTEXT;
+    }
+    if (--c->refcount == 0)
+        ctx_deactivate(c);
+    pthread_mutex_unlock(&g_prim_mu);
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuDevicePrimaryCtxRelease(CUdevice dev)
+{
+    return cuDevicePrimaryCtxRelease_v2(dev);
+}
+
+SIM_API CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (sim_ord_node(dev) < 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    struct CUctx_st *c = &g_primary[dev];
+    pthread_mutex_lock(&g_prim_mu);
+    c->refcount = 0;
+    ctx_deactivate(c);
+    pthread_mutex_unlock(&g_prim_mu);
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuDevicePrimaryCtxReset(CUdevice dev)
+{
+    return cuDevicePrimaryCtxReset_v2(dev);
+}
+
+SIM_API CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags,
+                                            int *active)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (sim_ord_node(dev) < 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    if (!flags || !active)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_mu);
+    *flags = g_primary[dev].flags;
+    *active = g_primary[dev].alive;
+    pthread_mutex_unlock(&sim_mu);
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned int fl)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (sim_ord_node(dev) < 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&sim_mu);
+    g_primary[dev].flags = fl;
+    pthread_mutex_unlock(&sim_mu);
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuDevicePrimaryCtxSetFlags(CUdevice dev, unsigned int fl)
+{
+    return cuDevicePrimaryCtxSetFlags_v2(dev, fl);
+}

@@ -1,0 +1,324 @@
+/*
+ * cuda_init.c - cuInit, versions, error strings, CUDA_VISIBLE_DEVICES,
+ * the allocation fault-injection counter and the handle registry.
+ */
+#include <ctype.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <strings.h>
+
+#include "sim.h"
+
+pthread_mutex_t sim_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+static CUresult g_init_rc = CUDA_ERROR_NOT_INITIALIZED;
+static volatile int g_inited;
+static int g_nvis;
+static int g_vis[SIM_MAX_DEV];          /* CUDA ordinal -> node index */
+static unsigned long long g_fail_at, g_fail_every;
+static unsigned long long g_alloc_calls;
+
+/* One CUDA_VISIBLE_DEVICES token -> node index, -1 if invalid. */
+static int vis_token(const char *t, int ndev)
+{
+    while (isspace((unsigned char)*t))
+        t++;
+    size_t len = strlen(t);
+    while (len && isspace((unsigned char)t[len - 1]))
+        len--;
+    if (!len)
+        return -1;
+    if (isdigit((unsigned char)t[0])) {
+        long v = 0;
+        for (size_t i = 0; i < len; i++) {
+            if (!isdigit((unsigned char)t[i]))
+                return -1;
+            v = v * 10 + (t[i] - '0');
+            if (v > 1000)
+                return -1;
+        }
+        return v < ndev ? (int)v : -1;
+    }
+    int found = -1;
+    for (int i = 0; i < ndev; i++) {
+        if (strncasecmp(sim_dev(i)->uuid, t, len) == 0) {
+            if (found >= 0)
+                return -1;              /* ambiguous prefix */
+            found = i;
+        }
+    }
+    return found;
+}
+
+static void parse_visible(void)
+{
+    int ndev = sim_ndev();
+    const char *v = getenv("CUDA_VISIBLE_DEVICES");
+    g_nvis = 0;
+    if (!v) {
+        for (int i = 0; i < ndev; i++)
+            g_vis[g_nvis++] = i;
+        return;
+    }
+    char buf[1024];
+    snprintf(buf, sizeof buf, "%s", v);
+    char *p = buf;
+    while (p && g_nvis < SIM_MAX_DEV) {
+        char *comma = strchr(p, ',');
+        if (comma)
+            *comma = 0;
+        int node = vis_token(p, ndev);
+        if (node < 0)
+            break;                      /* list stops at an invalid token */
+        for (int i = 0; i < g_nvis; i++)
+            if (g_vis[i] == node)
+                node = -1;
+        if (node < 0)
+            break;
+        g_vis[g_nvis++] = node;
+        p = comma ? comma + 1 : NULL;
+    }
+}
+
+static void do_init(void)
+{
+    int rc = sim_state_open();
+    if (rc != SIM_OK) {
+        g_init_rc = rc == SIM_ERR_SPEC ? CUDA_ERROR_INVALID_VALUE
+                                       : CUDA_ERROR_OPERATING_SYSTEM;
+        return;
+    }
+    if (sim_knob_uint("GPUVISOR_SIM_FAIL_ALLOC_AT", &g_fail_at) <= 0)
+        g_fail_at = 0;
+    if (sim_knob_uint("GPUVISOR_SIM_FAIL_ALLOC_EVERY", &g_fail_every) <= 0)
+        g_fail_every = 0;
+    parse_visible();
+    if (g_nvis == 0) {
+        g_init_rc = CUDA_ERROR_NO_DEVICE;
+        return;
+    }
+    g_init_rc = CUDA_SUCCESS;
+    __atomic_store_n(&g_inited, 1, __ATOMIC_RELEASE);
+}
+
+SIM_API CUresult cuInit(unsigned int flags)
+{
+    if (flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_once(&g_once, do_init);
+    return g_init_rc;
+}
+
+CUresult sim_check_init(void)
+{
+    if (__atomic_load_n(&g_inited, __ATOMIC_ACQUIRE))
+        return CUDA_SUCCESS;
+    return CUDA_ERROR_NOT_INITIALIZED;
+}
+
+int sim_nvisible(void)
+{
+    return g_nvis;
+}
+
+int sim_ord_node(int ordinal)
+{
+    if (ordinal < 0 || ordinal >= g_nvis)
+        return -1;
+    return g_vis[ordinal];
+}
+
+int sim_fault_alloc(void)
+{
+    unsigned long long n = __atomic_add_fetch(&g_alloc_calls, 1,
+                                              __ATOMIC_RELAXED);
+    if (g_fail_at && n == g_fail_at)
+        return 1;
+    if (g_fail_every && n % g_fail_every == 0)
+        return 1;
+    return 0;
+}
+
+SIM_API CUresult cuDriverGetVersion(int *v)
+{
+    if (!v)
+        return CUDA_ERROR_INVALID_VALUE;
+    *v = SIM_DRIVER_VERSION;
+    return CUDA_SUCCESS;
+}
+
+/* ---- error strings --------------------------------------------------- */
+
+static const struct { CUresult rc; const char *name, *text; } g_err[] = {
+    {CUDA_SUCCESS, "CUDA_SUCCESS", "no error"},
+    {CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
+    {CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+    {CUDA_ERROR_NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED",
+     "initialization error"},
+    {CUDA_ERROR_DEINITIALIZED, "CUDA_ERROR_DEINITIALIZED",
+     "driver shutting down"},
+    {CUDA_ERROR_STUB_LIBRARY, "CUDA_ERROR_STUB_LIBRARY",
+     "CUDA driver is a stub library"},
+    {CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE",
+     "no CUDA-capable device is detected"},
+    {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE",
+     "invalid device ordinal"},
+    {CUDA_ERROR_INVALID_IMAGE, "CUDA_ERROR_INVALID_IMAGE",
+     "device kernel image is invalid"},
+    {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT",
+     "invalid device context"},
+    {CUDA_ERROR_CONTEXT_ALREADY_IN_USE, "CUDA_ERROR_CONTEXT_ALREADY_IN_USE",
+     "context already in use"},
+    {CUDA_ERROR_INVALID_SOURCE, "CUDA_ERROR_INVALID_SOURCE",
+     "device kernel image is invalid"},
+    {CUDA_ERROR_FILE_NOT_FOUND, "CUDA_ERROR_FILE_NOT_FOUND",
+     "file not found"},
+    {CUDA_ERROR_OPERATING_SYSTEM, "CUDA_ERROR_OPERATING_SYSTEM",
+     "OS call failed or operation not supported on this OS"},
+    {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE",
+     "invalid resource handle"},
+    {CUDA_ERROR_ILLEGAL_STATE, "CUDA_ERROR_ILLEGAL_STATE",
+     "the operation cannot be performed in the present state"},
+    {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
+    {CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready"},
+    {CUDA_ERROR_ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS",
+     "an illegal memory access was encountered"},
+    {CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES, "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES",
+     "too many resources requested for launch"},
+    {CUDA_ERROR_LAUNCH_TIMEOUT, "CUDA_ERROR_LAUNCH_TIMEOUT",
+     "the launch timed out and was terminated"},
+    {CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE, "CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE",
+     "primary context active"},
+    {CUDA_ERROR_CONTEXT_IS_DESTROYED, "CUDA_ERROR_CONTEXT_IS_DESTROYED",
+     "context is destroyed"},
+    {CUDA_ERROR_LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED",
+     "unspecified launch failure"},
+    {CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE,
+     "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE",
+     "too many blocks in cooperative launch"},
+    {CUDA_ERROR_NOT_PERMITTED, "CUDA_ERROR_NOT_PERMITTED",
+     "operation not permitted"},
+    {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED",
+     "operation not supported"},
+    {CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED,
+     "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+     "operation not permitted when stream is capturing"},
+    {CUDA_ERROR_STREAM_CAPTURE_INVALIDATED,
+     "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+     "operation failed due to a previous error during capture"},
+    {CUDA_ERROR_STREAM_CAPTURE_UNMATCHED,
+     "CUDA_ERROR_STREAM_CAPTURE_UNMATCHED", "capture was not ended"},
+    {CUDA_ERROR_STREAM_CAPTURE_UNJOINED, "CUDA_ERROR_STREAM_CAPTURE_UNJOINED",
+     "capturing stream has unjoined work"},
+    {CUDA_ERROR_STREAM_CAPTURE_IMPLICIT, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT",
+     "operation would make the legacy stream depend on a capturing stream"},
+    {CUDA_ERROR_CAPTURED_EVENT, "CUDA_ERROR_CAPTURED_EVENT",
+     "operation not permitted on an event last recorded in a capturing "
+     "stream"},
+    {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
+};
+
+SIM_API CUresult cuGetErrorName(CUresult rc, const char **out)
+{
+    if (!out)
+        return CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; i < sizeof g_err / sizeof g_err[0]; i++)
+        if (g_err[i].rc == rc) {
+            *out = g_err[i].name;
+            return CUDA_SUCCESS;
+        }
+    *out = NULL;
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+SIM_API CUresult cuGetErrorString(CUresult rc, const char **out)
+{
+    if (!out)
+        return CUDA_ERROR_INVALID_VALUE;
+    for (size_t i = 0; i < sizeof g_err / sizeof g_err[0]; i++)
+        if (g_err[i].rc == rc) {
+            *out = g_err[i].text;
+            return CUDA_SUCCESS;
+        }
+    *out = NULL;
+    return CUDA_ERROR_INVALID_VALUE;
+}
+
+/* ---- handle registry: open-addressing pointer set (sim_mu held) ------ */
+
+static const void **g_reg;
+static size_t g_reg_cap, g_reg_n;
+#define REG_TOMB ((const void *)1)
+
+static size_t reg_hash(const void *p, size_t cap)
+{
+    uint64_t x = (uint64_t)(uintptr_t)p;
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    return (size_t)x & (cap - 1);
+}
+
+static void reg_grow(void)
+{
+    size_t live = 0;
+    for (size_t i = 0; i < g_reg_cap; i++)
+        live += g_reg[i] && g_reg[i] != REG_TOMB;
+    size_t ncap = g_reg_cap < 256 ? 256 : g_reg_cap;
+    while ((live + 1) * 4 > ncap)
+        ncap *= 2;
+    g_reg_n = live;
+    const void **n = calloc(ncap, sizeof *n);
+    if (!n)
+        return;
+    for (size_t i = 0; i < g_reg_cap; i++) {
+        const void *p = g_reg[i];
+        if (!p || p == REG_TOMB)
+            continue;
+        size_t h = reg_hash(p, ncap);
+        while (n[h])
+            h = (h + 1) & (ncap - 1);
+        n[h] = p;
+    }
+    free(g_reg);
+    g_reg = n;
+    g_reg_cap = ncap;
+}
+
+void sim_reg_add(const void *p)
+{
+    if ((g_reg_n + 1) * 2 > g_reg_cap)
+        reg_grow();
+    size_t h = reg_hash(p, g_reg_cap);
+    while (g_reg[h] && g_reg[h] != REG_TOMB)
+        h = (h + 1) & (g_reg_cap - 1);
+    g_reg[h] = p;
+    g_reg_n++;                          /* tombstones count until regrow */
+}
+
+static size_t reg_slot(const void *p)
+{
+    if (!g_reg_cap || !p)
+        return (size_t)-1;
+    size_t h = reg_hash(p, g_reg_cap);
+    for (size_t i = 0; i < g_reg_cap && g_reg[h]; i++) {
+        if (g_reg[h] == p)
+            return h;
+        h = (h + 1) & (g_reg_cap - 1);
+    }
+    return (size_t)-1;
+}
+
+void sim_reg_del(const void *p)
+{
+    size_t s = reg_slot(p);
+    if (s != (size_t)-1)
+        g_reg[s] = REG_TOMB;
+}
+
+int sim_reg_has(const void *p)
+{
+    return reg_slot(p) != (size_t)-1;
+}

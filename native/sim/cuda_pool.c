@@ -1,0 +1,348 @@
+/*
+ * cuda_pool.c - the stream-ordered allocator.  A pool holds `reserved`
+ * physical memory (charged to this process) of which `used` is handed out.
+ *   alloc:  grow reserved by the shortfall rounded up to 2 MiB
+ *   free:   used shrinks, reserved stays
+ *   sync:   reserved shrinks to roundup2M(max(used, release threshold))
+ *   trim:   reserved shrinks to roundup2M(max(used, keep))
+ * Blocks are 512-byte aligned; they live in the allocation table as
+ * SIM_K_POOL entries pointing at their pool.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "sim.h"
+
+#define POOL_MAGIC 0x504f4f4cu
+
+static struct CUmemPoolHandle_st g_def[SIM_MAX_DEV];    /* by ordinal */
+static struct CUmemPoolHandle_st *g_cur[SIM_MAX_DEV];
+static struct CUmemPoolHandle_st *g_pools;              /* all pools */
+
+static void pool_init(struct CUmemPoolHandle_st *p, int ord, int def)
+{
+    memset(p, 0, sizeof *p);
+    p->magic = POOL_MAGIC;
+    p->ordinal = ord;
+    p->node = sim_ord_node(ord);
+    p->is_default = def;
+    for (int i = 0; i < 4; i++)
+        p->reuse[i] = 1;
+    p->next = g_pools;
+    g_pools = p;
+    sim_reg_add(p);
+}
+
+/* default pool of ordinal; sim_mu held */
+static struct CUmemPoolHandle_st *def_pool(int ord)
+{
+    if (!g_def[ord].magic)
+        pool_init(&g_def[ord], ord, 1);
+    return &g_def[ord];
+}
+
+static struct CUmemPoolHandle_st *cur_pool(int ord)
+{
+    return g_cur[ord] ? g_cur[ord] : def_pool(ord);
+}
+
+static int pool_ok(struct CUmemPoolHandle_st *p)
+{
+    return p && sim_reg_has(p) && p->magic == POOL_MAGIC && !p->destroyed;
+}
+
+/* shrink reserved to roundup2M(max(used, keep)); sim_mu held */
+static void pool_shrink(struct CUmemPoolHandle_st *p, uint64_t keep)
+{
+    uint64_t want = p->used > keep ? p->used : keep;
+    if (want >= p->reserved)
+        return;
+    want = sim_round_up(want, SIM_GRAN);
+    if (want >= p->reserved)
+        return;
+    uint64_t give = p->reserved - want;
+    p->reserved = want;
+    sim_uncharge(p->node, give);
+}
+
+void sim_pools_sync(int ordinal)
+{
+    pthread_mutex_lock(&sim_mu);
+    for (struct CUmemPoolHandle_st *p = g_pools; p; p = p->next)
+        if (ordinal < 0 || p->ordinal == ordinal)
+            pool_shrink(p, p->destroyed ? 0 : p->threshold);
+    pthread_mutex_unlock(&sim_mu);
+}
+
+void sim_pool_block_free_locked(sim_alloc *a)
+{
+    struct CUmemPoolHandle_st *p = a->pool;
+    p->used -= a->size < p->used ? a->size : p->used;
+    sim_tab_remove(a->addr);
+    if (p->destroyed)
+        pool_shrink(p, 0);
+}
+
+static CUresult pool_alloc(struct CUmemPoolHandle_st *p, CUdeviceptr *out,
+                           size_t size)
+{
+    if (sim_fault_alloc())
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    uint64_t bs = sim_round_up(size, SIM_ALIGN);
+    CUresult rc = CUDA_SUCCESS;
+    pthread_mutex_lock(&sim_mu);
+    uint64_t avail = p->reserved - p->used, grow = 0;
+    if (bs > avail) {
+        grow = sim_round_up(bs - avail, SIM_GRAN);
+        if ((p->max_size && p->reserved + grow > p->max_size) ||
+            sim_charge(p->node, grow) < 0) {
+            rc = CUDA_ERROR_OUT_OF_MEMORY;
+            goto out;
+        }
+    }
+    sim_alloc a = {0};
+    a.addr = sim_va_next(p->node, bs, 0);
+    a.size = bs;
+    a.node = p->node;
+    a.kind = SIM_K_POOL;
+    a.pool = p;
+    if (!a.addr || sim_tab_insert(&a) < 0) {
+        sim_uncharge(p->node, grow);
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
+        goto out;
+    }
+    p->reserved += grow;
+    p->used += bs;
+    if (p->reserved > p->reserved_high)
+        p->reserved_high = p->reserved;
+    if (p->used > p->used_high)
+        p->used_high = p->used;
+    *out = a.addr;
+out:
+    pthread_mutex_unlock(&sim_mu);
+    return rc;
+}
+
+SIM_API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t size,
+                                         CUmemoryPool pool, CUstream s)
+{
+    struct CUctx_st *c;
+    CUresult rc = sim_stream_ctx(s, &c);
+    if (rc)
+        return rc;
+    if (!dptr || !size)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_mu);
+    int ok = pool_ok(pool);
+    pthread_mutex_unlock(&sim_mu);
+    if (!ok)
+        return CUDA_ERROR_INVALID_VALUE;
+    return pool_alloc(pool, dptr, size);
+}
+
+SIM_API CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t size, CUstream s)
+{
+    struct CUctx_st *c;
+    CUresult rc = sim_stream_ctx(s, &c);
+    if (rc)
+        return rc;
+    if (!dptr || !size)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_mu);
+    struct CUmemPoolHandle_st *p = cur_pool(c->ordinal);
+    pthread_mutex_unlock(&sim_mu);
+    return pool_alloc(p, dptr, size);
+}
+
+SIM_API CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream s)
+{
+    struct CUctx_st *c;
+    CUresult rc = sim_stream_ctx(s, &c);
+    if (rc)
+        return rc;
+    pthread_mutex_lock(&sim_mu);
+    sim_alloc *a = sim_tab_find(dptr);
+    if (a)
+        sim_free_entry_locked(a);
+    pthread_mutex_unlock(&sim_mu);
+    return a ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+SIM_API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *d, size_t n, CUstream s)
+{
+    return cuMemAllocAsync(d, n, s);
+}
+
+SIM_API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *d, size_t n,
+                                              CUmemoryPool p, CUstream s)
+{
+    return cuMemAllocFromPoolAsync(d, n, p, s);
+}
+
+SIM_API CUresult cuMemFreeAsync_ptsz(CUdeviceptr d, CUstream s)
+{
+    return cuMemFreeAsync(d, s);
+}
+
+/* ---- pool objects ---------------------------------------------------- */
+
+SIM_API CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *pr)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!pool || !pr || pr->allocType != CU_MEM_ALLOCATION_TYPE_PINNED)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (pr->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    if (sim_ord_node(pr->location.id) < 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    struct CUmemPoolHandle_st *p = malloc(sizeof *p);
+    if (!p)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&sim_mu);
+    pool_init(p, pr->location.id, 0);
+    p->max_size = pr->maxSize;
+    pthread_mutex_unlock(&sim_mu);
+    *pool = p;
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuMemPoolDestroy(CUmemoryPool pool)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    pthread_mutex_lock(&sim_mu);
+    if (!pool_ok(pool) || pool->is_default) {
+        pthread_mutex_unlock(&sim_mu);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    if (g_cur[pool->ordinal] == pool)
+        g_cur[pool->ordinal] = NULL;
+    pool->destroyed = 1;                /* outstanding blocks release later */
+    sim_reg_del(pool);
+    pool_shrink(pool, 0);
+    pthread_mutex_unlock(&sim_mu);
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    pthread_mutex_lock(&sim_mu);
+    int ok = pool_ok(pool);
+    if (ok)
+        pool_shrink(pool, keep);
+    pthread_mutex_unlock(&sim_mu);
+    return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+SIM_API CUresult cuMemPoolSetAttribute(CUmemoryPool pool,
+                                       CUmemPool_attribute attr, void *v)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!v)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_mu);
+    rc = CUDA_SUCCESS;
+    if (!pool_ok(pool)) {
+        rc = CUDA_ERROR_INVALID_VALUE;
+    } else if (attr >= 1 && attr <= 3) {
+        pool->reuse[attr] = *(int *)v;
+    } else if (attr == CU_MEMPOOL_ATTR_RELEASE_THRESHOLD) {
+        pool->threshold = *(cuuint64_t *)v;
+    } else if (attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH && !*(cuuint64_t *)v) {
+        pool->reserved_high = pool->reserved;
+    } else if (attr == CU_MEMPOOL_ATTR_USED_MEM_HIGH && !*(cuuint64_t *)v) {
+        pool->used_high = pool->used;
+    } else {
+        rc = CUDA_ERROR_INVALID_VALUE;
+    }
+    pthread_mutex_unlock(&sim_mu);
+    return rc;
+}
+
+SIM_API CUresult cuMemPoolGetAttribute(CUmemoryPool pool,
+                                       CUmemPool_attribute attr, void *v)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!v)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_mu);
+    rc = CUDA_SUCCESS;
+    if (!pool_ok(pool))
+        rc = CUDA_ERROR_INVALID_VALUE;
+    else if (attr >= 1 && attr <= 3)
+        *(int *)v = pool->reuse[attr];
+    else if (attr == CU_MEMPOOL_ATTR_RELEASE_THRESHOLD)
+        *(cuuint64_t *)v = pool->threshold;
+    else if (attr == CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT)
+        *(cuuint64_t *)v = pool->reserved;
+    else if (attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH)
+        *(cuuint64_t *)v = pool->reserved_high;
+    else if (attr == CU_MEMPOOL_ATTR_USED_MEM_CURRENT)
+        *(cuuint64_t *)v = pool->used;
+    else if (attr == CU_MEMPOOL_ATTR_USED_MEM_HIGH)
+        *(cuuint64_t *)v = pool->used_high;
+    else
+        rc = CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_unlock(&sim_mu);
+    return rc;
+}
+
+/* ---- device <-> pool ------------------------------------------------- */
+
+SIM_API CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice dev)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!pool)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (sim_ord_node(dev) < 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&sim_mu);
+    *pool = def_pool(dev);
+    pthread_mutex_unlock(&sim_mu);
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!pool)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (sim_ord_node(dev) < 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&sim_mu);
+    *pool = cur_pool(dev);
+    pthread_mutex_unlock(&sim_mu);
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (sim_ord_node(dev) < 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&sim_mu);
+    if (pool == &g_def[dev])
+        def_pool(dev);
+    if (!pool_ok(pool) || pool->ordinal != dev)
+        rc = CUDA_ERROR_INVALID_VALUE;
+    else
+        g_cur[dev] = pool;
+    pthread_mutex_unlock(&sim_mu);
+    return rc;
+}

@@ -1,0 +1,221 @@
+/*
+ * nvml_device.c - NVML device handles and queries.  NVML ignores
+ * CUDA_VISIBLE_DEVICES: it lists every node device in node order, and a
+ * handle is simply a pointer into a per-node table.
+ */
+#include <stdio.h>
+#include <string.h>
+#include <strings.h>
+
+#include "sim.h"
+
+static struct nvmlDevice_st g_dev[SIM_MAX_DEV] = {
+    {0}, {1}, {2}, {3}, {4}, {5}, {6}, {7},
+    {8}, {9}, {10}, {11}, {12}, {13}, {14}, {15},
+};
+
+int sim_nvml_node(nvmlDevice_t d)
+{
+    if (!d || d < &g_dev[0] || d >= &g_dev[sim_ndev()])
+        return -1;
+    return d->node;
+}
+
+#define DEV_ENTRY(fn, dev, node)                 \
+    NVML_ENTRY(fn);                              \
+    int node = sim_nvml_node(dev);               \
+    if (node < 0)                                \
+        return NVML_ERROR_INVALID_ARGUMENT
+
+SIM_API nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *n)
+{
+    NVML_ENTRY("nvmlDeviceGetCount_v2");
+    if (!n)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *n = (unsigned)sim_ndev();
+    return NVML_SUCCESS;
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetCount(unsigned int *n)
+{
+    return nvmlDeviceGetCount_v2(n);
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int i,
+                                                   nvmlDevice_t *d)
+{
+    NVML_ENTRY("nvmlDeviceGetHandleByIndex_v2");
+    if (!d || i >= (unsigned)sim_ndev())
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *d = &g_dev[i];
+    return NVML_SUCCESS;
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int i, nvmlDevice_t *d)
+{
+    return nvmlDeviceGetHandleByIndex_v2(i, d);
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid,
+                                               nvmlDevice_t *d)
+{
+    NVML_ENTRY("nvmlDeviceGetHandleByUUID");
+    if (!uuid || !d)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    for (int i = 0; i < sim_ndev(); i++)
+        if (!strcasecmp(sim_dev(i)->uuid, uuid)) {
+            *d = &g_dev[i];
+            return NVML_SUCCESS;
+        }
+    return NVML_ERROR_NOT_FOUND;
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetHandleByPciBusId_v2(const char *bus,
+                                                      nvmlDevice_t *d)
+{
+    NVML_ENTRY("nvmlDeviceGetHandleByPciBusId_v2");
+    if (!bus || !d)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    unsigned dom = 0, b = 0, dv = 0, fn = 0;
+    char extra;
+    if (sscanf(bus, "%x:%x:%x.%x%c", &dom, &b, &dv, &fn, &extra) != 4) {
+        dom = 0;
+        if (sscanf(bus, "%x:%x.%x%c", &b, &dv, &fn, &extra) != 3)
+            return NVML_ERROR_INVALID_ARGUMENT;
+    }
+    if (dom != 0 || dv != 0 || fn != 0 || b >= (unsigned)sim_ndev())
+        return NVML_ERROR_NOT_FOUND;
+    *d = &g_dev[b];
+    return NVML_SUCCESS;
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetHandleByPciBusId(const char *bus,
+                                                   nvmlDevice_t *d)
+{
+    return nvmlDeviceGetHandleByPciBusId_v2(bus, d);
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t dev, unsigned int *i)
+{
+    DEV_ENTRY("nvmlDeviceGetIndex", dev, node);
+    if (!i)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *i = (unsigned)node;
+    return NVML_SUCCESS;
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t dev, unsigned int *m)
+{
+    DEV_ENTRY("nvmlDeviceGetMinorNumber", dev, node);
+    if (!m)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *m = (unsigned)node;
+    return NVML_SUCCESS;
+}
+
+static nvmlReturn_t put_str(char *buf, unsigned int len, const char *s)
+{
+    if (!buf)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (strlen(s) + 1 > len)
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    memcpy(buf, s, strlen(s) + 1);
+    return NVML_SUCCESS;
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t dev, char *buf,
+                                       unsigned int len)
+{
+    DEV_ENTRY("nvmlDeviceGetUUID", dev, node);
+    return put_str(buf, len, sim_dev(node)->uuid);
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t dev, char *buf,
+                                       unsigned int len)
+{
+    DEV_ENTRY("nvmlDeviceGetName", dev, node);
+    return put_str(buf, len, sim_dev(node)->name);
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t dev, nvmlPciInfo_t *p)
+{
+    DEV_ENTRY("nvmlDeviceGetPciInfo_v3", dev, node);
+    if (!p)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    memset(p, 0, sizeof *p);
+    snprintf(p->busIdLegacy, sizeof p->busIdLegacy, "0000:%02X:00.0",
+             (unsigned)node & 0xffu);
+    snprintf(p->busId, sizeof p->busId, "00000000:%02X:00.0", (unsigned)node & 0xffu);
+    p->domain = 0;
+    p->bus = (unsigned)node;
+    p->device = 0;
+    p->pciDeviceId = 0x233010de;
+    p->pciSubSystemId = 0x16c110de;
+    return NVML_SUCCESS;
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t dev, nvmlPciInfo_t *p)
+{
+    return nvmlDeviceGetPciInfo_v3(dev, p);
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t dev, nvmlPciInfo_t *p)
+{
+    return nvmlDeviceGetPciInfo_v3(dev, p);
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t dev,
+                                                        int *major, int *minor)
+{
+    DEV_ENTRY("nvmlDeviceGetCudaComputeCapability", dev, node);
+    (void)node;
+    if (!major || !minor)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *major = 9;
+    *minor = 0;
+    return NVML_SUCCESS;
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t dev, nvmlMemory_t *m)
+{
+    DEV_ENTRY("nvmlDeviceGetMemoryInfo", dev, node);
+    if (!m)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    uint64_t total = sim_dev(node)->total, used = sim_used(node);
+    if (used > total)
+        used = total;
+    m->total = total;
+    m->used = used;
+    m->free = total - used;
+    return NVML_SUCCESS;
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t dev,
+                                                nvmlMemory_v2_t *m)
+{
+    DEV_ENTRY("nvmlDeviceGetMemoryInfo_v2", dev, node);
+    if (!m)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (m->version != nvmlMemory_v2)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    uint64_t total = sim_dev(node)->total, used = sim_used(node);
+    if (used > total)
+        used = total;
+    m->total = total;
+    m->reserved = 0;
+    m->used = used;
+    m->free = total - used;
+    return NVML_SUCCESS;
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t dev,
+                                                   nvmlUtilization_t *u)
+{
+    DEV_ENTRY("nvmlDeviceGetUtilizationRates", dev, node);
+    (void)node;
+    if (!u)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    u->gpu = 0;
+    u->memory = 0;
+    return NVML_SUCCESS;
+}

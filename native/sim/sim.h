@@ -1,0 +1,217 @@
+/*
+ * sim.h - private declarations of gpuvisor's simulated GPU driver
+ * (build/sim/libcuda.so.1 and build/sim/libnvidia-ml.so.1).
+ *
+ * Two layers:
+ *   state_*.c  node state shared by every process through a mmap'd file
+ *              (devices, per-process physical usage, robust mutex), the
+ *              device-spec parser and the fault-injection knobs.  Linked
+ *              into both libraries.
+ *   cuda_*.c   the driver API, with process-local objects (contexts,
+ *   nvml_*.c   allocation table, pools, streams, VMM) / the NVML API.
+ */
+#ifndef GV_SIM_H
+#define GV_SIM_H
+
+#include <pthread.h>
+#include <stdint.h>
+#include <stddef.h>
+#include "gv_cuda.h"
+
+#define SIM_API __attribute__((visibility("default")))
+#define SIM_HIDDEN __attribute__((visibility("hidden")))
+
+#define SIM_MAX_DEV 16
+#define SIM_MAX_ROWS 512
+#define SIM_NAME_LEN 96
+#define SIM_UUID_LEN 48
+#define SIM_SPEC_LEN 512
+
+#define SIM_MIB (1024ULL * 1024ULL)
+#define SIM_GIB (1024ULL * SIM_MIB)
+#define SIM_GRAN (2ULL * SIM_MIB)       /* physical page granularity */
+#define SIM_ALIGN 512ULL                /* address alignment */
+
+#define SIM_DRIVER_VERSION 13000
+#define SIM_DRIVER_STRING "580.65.06"
+
+static inline uint64_t sim_round_up(uint64_t v, uint64_t a)
+{
+    return (v + a - 1) / a * a;
+}
+
+/* ---- shared state file (state_file.c) ------------------------------- */
+
+#define SIM_MAGIC 0x47565349u           /* "GVSI" */
+#define SIM_VERSION 1u
+
+typedef struct sim_devinfo {
+    uint64_t total;                     /* bytes */
+    uint64_t ctx_size;                  /* bytes a context takes */
+    int32_t sms;
+    int32_t pad;
+    char name[SIM_NAME_LEN];
+    char uuid[SIM_UUID_LEN];            /* "GPU-xxxxxxxx-xxxx-..." */
+} sim_devinfo;
+
+/* One row per process that ever charged memory.  A row is owned while
+ * pid != 0; claiming zeroes used[] first and stores pid last, releasing is
+ * the single store pid = 0.  used[] values are only changed by their owner,
+ * each change a single 8-byte store under the lock, so a process killed at
+ * any instruction leaves usage attributable to its (dead) pid only. */
+typedef struct sim_row {
+    volatile int32_t pid;
+    int32_t pad;
+    uint64_t start;                     /* /proc/<pid>/stat field 22 */
+    volatile uint64_t used[SIM_MAX_DEV];
+} sim_row;
+
+typedef struct sim_shared {
+    uint32_t magic;
+    uint32_t version;
+    uint64_t size;
+    pthread_mutex_t lock;               /* process-shared, robust */
+    uint32_t ndev;
+    uint32_t pad;
+    char spec[SIM_SPEC_LEN];            /* spec the file was created from */
+    sim_devinfo dev[SIM_MAX_DEV];
+    sim_row rows[SIM_MAX_ROWS];
+} sim_shared;
+
+enum { SIM_OK = 0, SIM_ERR_SPEC = 1, SIM_ERR_FILE = 2 };
+
+typedef struct sim_proc {
+    unsigned int pid;
+    uint64_t used;
+} sim_proc;
+
+SIM_HIDDEN int sim_state_open(void);                 /* once; SIM_OK/ERR */
+SIM_HIDDEN int sim_ndev(void);
+SIM_HIDDEN const sim_devinfo *sim_dev(int node);
+SIM_HIDDEN int sim_charge(int node, uint64_t bytes); /* 0 or -1 (OOM) */
+SIM_HIDDEN void sim_uncharge(int node, uint64_t bytes);
+SIM_HIDDEN uint64_t sim_used(int node);              /* reaps the dead */
+SIM_HIDDEN int sim_procs(int node, sim_proc *out, int max);
+SIM_HIDDEN uint64_t sim_proc_start(int pid);         /* 0 if unknown */
+
+/* ---- spec, knobs, log (state_spec.c) -------------------------------- */
+
+typedef struct sim_spec {
+    int ndev;
+    sim_devinfo dev[SIM_MAX_DEV];
+} sim_spec;
+
+SIM_HIDDEN void sim_log(const char *fmt, ...)
+    __attribute__((format(printf, 1, 2)));
+SIM_HIDDEN int sim_parse_size(const char *s, uint64_t *out);
+SIM_HIDDEN int sim_parse_spec(const char *s, sim_spec *out); /* 0 / -1 */
+SIM_HIDDEN int sim_uuid_bytes(const char *uuid, unsigned char out[16]);
+SIM_HIDDEN void sim_default_uuid(int index, char *buf, size_t len);
+SIM_HIDDEN int sim_knob_uint(const char *var, unsigned long long *out);
+
+/* ---- CUDA side, process local (cuda_*.c) ---------------------------- */
+
+#define SIM_CTX_MAGIC 0x43545831u
+
+struct CUctx_st {
+    uint32_t magic;
+    int alive;
+    int ordinal;                        /* CUDA ordinal */
+    int node;                           /* node device index */
+    unsigned flags;
+    int primary;
+    int refcount;                       /* primary: retain count */
+    uint64_t charged;
+};
+
+enum sim_kind { SIM_K_ALLOC = 1, SIM_K_POOL = 2, SIM_K_LOW = 3 };
+
+typedef struct sim_alloc {
+    CUdeviceptr addr;
+    uint64_t size;                      /* as requested (rounded to 512) */
+    uint64_t charged;                   /* physical bytes charged */
+    int node;
+    int kind;
+    struct CUctx_st *ctx;
+    struct CUmemPoolHandle_st *pool;
+} sim_alloc;
+
+struct CUmemPoolHandle_st {
+    uint32_t magic;
+    int ordinal;
+    int node;
+    int is_default;
+    int destroyed;
+    uint64_t reserved, reserved_high;
+    uint64_t used, used_high;
+    uint64_t threshold;
+    uint64_t max_size;                  /* 0 = unlimited */
+    int reuse[4];
+    struct CUmemPoolHandle_st *next;
+};
+
+struct CUstream_st {
+    uint32_t magic;
+    struct CUctx_st *ctx;
+    unsigned flags;
+    int priority;
+};
+
+extern SIM_HIDDEN pthread_mutex_t sim_mu;   /* guards all process state */
+
+SIM_HIDDEN CUresult sim_check_init(void);
+SIM_HIDDEN int sim_nvisible(void);
+SIM_HIDDEN int sim_ord_node(int ordinal);   /* -1 if invalid */
+SIM_HIDDEN CUresult sim_current(struct CUctx_st **out);
+SIM_HIDDEN int sim_ctx_valid(struct CUctx_st *c);
+SIM_HIDDEN int sim_fault_alloc(void);       /* 1: this allocation fails */
+
+/* handle registry: membership test for opaque handles */
+SIM_HIDDEN void sim_reg_add(const void *p);
+SIM_HIDDEN void sim_reg_del(const void *p);
+SIM_HIDDEN int sim_reg_has(const void *p);
+
+/* allocation table (cuda_table.c); callers hold sim_mu */
+SIM_HIDDEN int sim_tab_insert(const sim_alloc *a);
+SIM_HIDDEN sim_alloc *sim_tab_find(CUdeviceptr addr);      /* exact */
+SIM_HIDDEN sim_alloc *sim_tab_range(CUdeviceptr addr);     /* contains */
+SIM_HIDDEN void sim_tab_remove(CUdeviceptr addr);
+SIM_HIDDEN sim_alloc *sim_tab_next_ctx(struct CUctx_st *c);
+SIM_HIDDEN CUdeviceptr sim_va_next(int node, uint64_t size, int low);
+
+/* allocate/free device memory of kind ALLOC/LOW (cuda_memory.c) */
+SIM_HIDDEN CUresult sim_dev_alloc(CUdeviceptr *out, uint64_t size, int low);
+SIM_HIDDEN void sim_free_entry_locked(sim_alloc *a);
+SIM_HIDDEN void sim_ctx_release_allocs(struct CUctx_st *c);
+
+/* VMM mappings (cuda_vmm.c): range of the mapping containing p */
+SIM_HIDDEN int sim_vmm_range(CUdeviceptr p, CUdeviceptr *base, uint64_t *size);
+
+/* streams (cuda_stream.c): context a stream belongs to; NULL, legacy and
+ * per-thread handles mean the current context */
+SIM_HIDDEN CUresult sim_stream_ctx(CUstream s, struct CUctx_st **out);
+
+/* pools (cuda_pool.c) */
+SIM_HIDDEN void sim_pools_sync(int ordinal);   /* -1: all devices */
+SIM_HIDDEN void sim_pool_block_free_locked(sim_alloc *a);
+
+/* ---- NVML side (nvml_*.c) -------------------------------------------- */
+
+struct nvmlDevice_st { int node; };
+
+/* GPUVISOR_SIM_NVML_FAIL knob: the code fn must fail with, or 0 */
+SIM_HIDDEN nvmlReturn_t sim_nvml_fail(const char *fn);
+SIM_HIDDEN int sim_nvml_ready(void);
+SIM_HIDDEN int sim_nvml_node(nvmlDevice_t d);         /* -1 if invalid */
+
+/* every NVML entry point starts with this */
+#define NVML_ENTRY(fn)                              \
+    do {                                            \
+        nvmlReturn_t fr_ = sim_nvml_fail(fn);       \
+        if (fr_)                                    \
+            return fr_;                             \
+        if (!sim_nvml_ready())                      \
+            return NVML_ERROR_UNINITIALIZED;        \
+    } while (0)
+
+#endif /* GV_SIM_H */
