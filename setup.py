@@ -13,7 +13,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Distribution, setup
 from setuptools.command.bdist_wheel import bdist_wheel
 from setuptools.command.build_py import build_py
 
@@ -48,16 +48,22 @@ class BuildPyWithNative(build_py):
             os.chmod(dest / name, 0o755)
 
 
-class PlatformWheel(bdist_wheel):
-    """The wheel carries ELF libraries: tag it for this platform, any Python 3."""
+class NativeDistribution(Distribution):
+    """Ships ELF libraries: install into platlib, build a platform wheel."""
 
-    def finalize_options(self) -> None:
-        super().finalize_options()
-        self.root_is_pure = False
+    def has_ext_modules(self) -> bool:
+        return True
+
+
+class PlatformWheel(bdist_wheel):
+    """Tag the wheel for this platform and any Python 3 (no CPython ABI used)."""
 
     def get_tag(self) -> tuple[str, str, str]:
         _, _, plat = super().get_tag()
         return "py3", "none", plat
 
 
-setup(cmdclass={"build_py": BuildPyWithNative, "bdist_wheel": PlatformWheel})
+setup(
+    distclass=NativeDistribution,
+    cmdclass={"build_py": BuildPyWithNative, "bdist_wheel": PlatformWheel},
+)

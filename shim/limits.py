@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 
-from .capi import GV_EINVAL, UNLIMITED, GpuvisorError, encode_text, last_error, lib
+from .capi import GV_EINVAL, UNLIMITED, GpuvisorError, encode_text, lib
 
 
 def parse_memory_limit(text: str, physical_total: int = 0) -> int:
@@ -24,5 +24,9 @@ def parse_memory_limit(text: str, physical_total: int = 0) -> int:
         encode_text(text, "memory limit"), physical_total, ctypes.byref(out)
     )
     if rc < 0:
-        raise GpuvisorError(rc, last_error() or f"gpuvisor: invalid memory limit {text!r}")
+        # gv_parse_memory_limit does not set gv_last_error(), so the reason
+        # would be stale: name the value ourselves.
+        raise GpuvisorError(
+            rc, f"gpuvisor: invalid memory limit {text!r} (use bytes, k/m/g/t, or N%)"
+        )
     return out.value

@@ -130,7 +130,8 @@ def test_per_device_limit_overrides_global(node):
 
 
 def test_visible_devices_reorder_limits(node):
-    plain = client(node, TOTALS)
+    # Node order and UUIDs, from the simulator without the shim.
+    plain = run_json(PRELUDE + TOTALS, node.env)
     assert plain["totals"] == [16 * GiB, 16 * GiB]
     out = client(
         node,
