@@ -113,9 +113,9 @@ def _run(role: str, env: dict[str, str]) -> None:
 def _region_table(path: Path, pids: dict[int, str]) -> None:
     region = Region.attach(path)
     reclaimed = region.reclaim_dead()
-    click.echo(
-        f"region {path} (read through the C API; {reclaimed} exited process slot(s) reclaimed):"
-    )
+    click.echo(f"region {path} (read through the C API):")
+    if reclaimed:
+        click.echo(f"  ({reclaimed} slot(s) of exited processes reclaimed)")
     for dev in region.devices():
         limit = "unlimited" if dev.limit is None else _gib(dev.limit)
         click.echo(

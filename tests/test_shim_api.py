@@ -6,6 +6,7 @@ runs its code in a child process with its own region under tmp_path.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -19,7 +20,7 @@ from gpuvisor.shim import (
 )
 from gpuvisor.shim.capi import API_VERSION, GV_EINVAL, lib
 
-from tests.helpers import GiB, Holder, MiB, SimNode, run_json
+from tests.helpers import GiB, Holder, MiB, SimNode, run_json, run_py
 
 SIM_CONTEXT = 32 * MiB  # what the simulator charges for one context
 
@@ -269,3 +270,38 @@ emit(pids=pids, devs=[d.__dict__ for d in r.devices()],
     # Nothing reclaims a dead slot behind the caller's back.
     assert dead["pids"] == [holder.pid]
     assert reclaimed == {"n": 1, "pids": [], "used": 0}
+
+
+def test_oom_count_counts_each_refused_allocation(node) -> None:
+    out = run_json(
+        """
+from tests.cuclient import *
+from gpuvisor.shim import Region
+init()
+errs = [call(cu.cuMemAlloc, 8 * GiB)[0].name for _ in range(3)]
+emit(errs=errs, oom=Region.attach().device(0).oom_count)
+""",
+        node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g"),
+    )
+    assert out == {"errs": ["CUDA_ERROR_OUT_OF_MEMORY"] * 3, "oom": 3}
+
+
+def test_shim_info_cli(node) -> None:
+    cli = "from gpuvisor.shim.cli import main; main()"
+    missing = run_py(cli, node.env, args=["shim-info", "--json"])
+    assert missing.returncode == 0, missing.stderr
+    assert json.loads(missing.stdout)["region_exists"] is False
+    assert not node.region.exists()  # reading never creates the region
+    api(node, f"Region.attach().register_device({UUID0!r}, 16 << 30, 4 << 30); emit()")
+    proc = run_py(cli, node.env, args=["shim-info", "--json"])
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert info["region"] == str(node.region)
+    assert info["library"].endswith("libgpuvisor.so")
+    assert [(d["uuid"], d["limit"], d["used"]) for d in info["devices"]] == [(UUID0, 4 * GiB, 0)]
+    table = run_py(cli, node.env, args=["shim-info"])
+    assert UUID0 in table.stdout
+    node.region.write_bytes(b"garbage" * 100)
+    bad = run_py(cli, node.env, args=["shim-info"])
+    assert bad.returncode != 0
+    assert str(node.region) in bad.stderr
