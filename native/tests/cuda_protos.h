@@ -1,0 +1,49 @@
+/*
+ * cuda_protos.h - prototypes of the driver and NVML entry points the C
+ * test programs call directly (our own declarations, over gv_cuda.h).
+ */
+#ifndef GV_TEST_CUDA_PROTOS_H
+#define GV_TEST_CUDA_PROTOS_H
+
+#include <stdio.h>
+#include <stdlib.h>
+#include "gv_cuda.h"
+
+CUresult cuInit(unsigned int);
+CUresult cuDeviceGet(CUdevice *, int);
+CUresult cuDeviceGetCount(int *);
+CUresult cuDeviceTotalMem_v2(size_t *, CUdevice);
+CUresult cuCtxCreate_v2(CUcontext *, unsigned int, CUdevice);
+CUresult cuCtxDestroy_v2(CUcontext);
+CUresult cuCtxSetCurrent(CUcontext);
+CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
+CUresult cuDevicePrimaryCtxRelease_v2(CUdevice);
+CUresult cuMemGetInfo_v2(size_t *, size_t *);
+CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
+CUresult cuMemFree_v2(CUdeviceptr);
+CUresult cuGetProcAddress_v2(const char *, void **, int, cuuint64_t, CUdriverProcAddressQueryResult *);
+CUresult cuGetProcAddress(const char *, void **, int, cuuint64_t);
+nvmlReturn_t nvmlInit_v2(void);
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *);
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int, nvmlDevice_t *);
+nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t, nvmlMemory_t *);
+
+static int gv_test_failures __attribute__((unused));
+
+#define CHECK(cond, ...)                                                      \
+    do {                                                                      \
+        if (!(cond)) {                                                        \
+            fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond);   \
+            fprintf(stderr, __VA_ARGS__);                                     \
+            fputc('\n', stderr);                                              \
+            gv_test_failures++;                                               \
+        }                                                                     \
+    } while (0)
+
+#define CHECK_CU(call)                                                        \
+    do {                                                                      \
+        CUresult rc_ = (call);                                                \
+        CHECK(rc_ == CUDA_SUCCESS, "%s returned %d", #call, rc_);             \
+    } while (0)
+
+#endif
