@@ -242,8 +242,8 @@ static int read_stat(int32_t pid, char *state, uint64_t *start)
     }
     *state = p[2];
     p += 3;
-    /* p now at field 4; skip to field 22. */
-    for (int field = 4; field < 22; field++) {
+    /* p is at the space that ends field 3; step to field 22. */
+    for (int field = 3; field < 22; field++) {
         p = strchr(p, ' ');
         if (p == NULL) {
             errno = EINVAL;

@@ -165,7 +165,8 @@ static void race(int procs, int threads, int ms)
             kids[p] = fork();
             CHECK(kids[p] >= 0);
             if (kids[p] == 0) {
-                alarm(60);
+                setvbuf(stdout, NULL, _IOLBF, 0);
+    alarm(60);
                 g_r = t_open_region(g_path);      /* each process attaches itself */
                 run_threads(threads, worker, (long)p * threads + 1);
                 _exit(0);

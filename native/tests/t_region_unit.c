@@ -1,0 +1,590 @@
+/*
+ * t_region_unit - unit tests of the region, the limit parser and the
+ * liveness helpers.
+ *
+ *   t_region_unit DIR          (DIR: an empty scratch directory)
+ *   t_region_unit --exec-child PATH SLOT   (internal: the exec-reuse test)
+ */
+#include "region_test.h"
+
+#include "limits.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+
+#define MIB (UINT64_C(1) << 20)
+#define GIB (UINT64_C(1) << 30)
+
+static char g_dir[256];
+static int g_checks;
+
+static const char *path_in(const char *name)
+{
+    static char buf[4][512];
+    static int k;
+    k = (k + 1) % 4;
+    snprintf(buf[k], sizeof buf[k], "%s/%s", g_dir, name);
+    return buf[k];
+}
+
+/* ---- limit parser ---------------------------------------------------------- */
+
+struct good { const char *text; uint64_t phys; uint64_t want; };
+static const struct good goods[] = {
+    {"1073741824", 0, GIB},
+    {"1g", 0, GIB}, {"1G", 0, GIB}, {"1Gi", 0, GIB}, {"1GiB", 0, GIB},
+    {"1gb", 0, GIB}, {"1gib", 0, GIB}, {"1GB", 0, GIB},
+    {"  1g \t\n", 0, GIB},
+    {"1k", 0, 1024}, {"1K", 0, 1024}, {"1kb", 0, 1024}, {"512m", 0, 512 * MIB},
+    {"2t", 0, UINT64_C(2) << 40}, {"1TiB", 0, UINT64_C(1) << 40},
+    {"1.5g", 0, GIB + GIB / 2}, {"0.5k", 0, 512}, {"1.0001k", 0, 1024},
+    {"50%", 16 * GIB, 8 * GIB}, {"100%", 16 * GIB, 16 * GIB}, {"1%", 100, 1},
+    {"12.5%", 8 * GIB, GIB}, {"33.3%", 1000, 333},
+    {"1", 0, 1}, {"18446744073709551615", 0, UINT64_MAX},
+    {"16777215t", 0, UINT64_C(16777215) << 40},
+};
+
+struct bad { const char *text; uint64_t phys; };
+static const struct bad bads[] = {
+    {"", 0}, {"   ", 0}, {"-1", 0}, {"-1g", 0}, {"+1g", 0}, {"0", 0}, {"0g", 0},
+    {"0.0g", 0}, {"1.5.5g", 0}, {"10x", 0}, {"g", 0}, {"1e9", 0},
+    {"18446744073709551616", 0}, {"16777216t", 0}, {"99999999999999999999999", 0},
+    {"150%", 16 * GIB}, {"0%", 16 * GIB}, {"0.5%", 16 * GIB}, {"50%", 0},
+    {"1 g", 0}, {"1gg", 0}, {"1gibb", 0}, {"1bi", 0}, {"1.5", 0}, {"1.g", 0},
+    {".5g", 0}, {"1b", 0}, {"0x10", 0}, {"1%%", GIB}, {"%", GIB}, {"50 %", GIB},
+    {"1.1234567%", GIB}, {"1\n2", 0}, {"1.0000000000000000001g", 0},
+};
+
+static void test_parser(void)
+{
+    for (size_t i = 0; i < sizeof goods / sizeof goods[0]; i++) {
+        uint64_t v = 0;
+        int rc = gv_parse_memory_limit(goods[i].text, goods[i].phys, &v);
+        if (rc != 0 || v != goods[i].want)
+            fprintf(stderr, "parse \"%s\": rc %d value %llu, want %llu\n", goods[i].text,
+                    rc, (unsigned long long)v, (unsigned long long)goods[i].want);
+        CHECK(rc == 0 && v == goods[i].want);
+        g_checks++;
+    }
+    for (size_t i = 0; i < sizeof bads / sizeof bads[0]; i++) {
+        uint64_t v = 12345;
+        int rc = gv_parse_memory_limit(bads[i].text, bads[i].phys, &v);
+        if (rc != GV_EINVAL)
+            fprintf(stderr, "parse \"%s\" should fail, got rc %d value %llu\n",
+                    bads[i].text, rc, (unsigned long long)v);
+        CHECK_EQ(rc, GV_EINVAL);
+        CHECK_EQ(v, 12345);
+        g_checks++;
+    }
+    uint64_t v;
+    CHECK_EQ(gv_parse_memory_limit(NULL, 0, &v), GV_EINVAL);
+    CHECK_EQ(gv_parse_memory_limit("1g", 0, NULL), GV_EINVAL);
+    printf("parser: %zu good, %zu bad values\n", sizeof goods / sizeof goods[0],
+           sizeof bads / sizeof bads[0]);
+}
+
+static void clear_limit_env(void)
+{
+    extern char **environ;
+    for (;;) {
+        char name[128] = "";
+        for (char **e = environ; *e != NULL; e++)
+            if (strncmp(*e, GV_ENV_LIMIT, strlen(GV_ENV_LIMIT)) == 0) {
+                snprintf(name, sizeof name, "%.*s", (int)strcspn(*e, "="), *e);
+                break;
+            }
+        if (name[0] == '\0')
+            return;
+        unsetenv(name);
+    }
+}
+
+static void test_env(void)
+{
+    char err[256];
+    uint64_t v;
+    clear_limit_env();
+    CHECK_EQ(limits_memory_for_ordinal(0, GIB, &v, err, sizeof err), 0);
+    CHECK(v == GV_UNLIMITED);
+    CHECK_EQ(limits_check_env(err, sizeof err), 0);
+
+    setenv("CUDA_DEVICE_MEMORY_LIMIT", "2g", 1);
+    setenv("CUDA_DEVICE_MEMORY_LIMIT_1", "50%", 1);
+    CHECK_EQ(limits_memory_for_ordinal(0, 8 * GIB, &v, err, sizeof err), 0);
+    CHECK(v == 2 * GIB);
+    CHECK_EQ(limits_memory_for_ordinal(1, 8 * GIB, &v, err, sizeof err), 0);
+    CHECK(v == 4 * GIB);
+    CHECK_EQ(limits_check_env(err, sizeof err), 0);
+    /* A percentage without a known device size. */
+    err[0] = '\0';
+    CHECK_EQ(limits_memory_for_ordinal(1, 0, &v, err, sizeof err), GV_EINVAL);
+    CHECK(strstr(err, "CUDA_DEVICE_MEMORY_LIMIT_1=\"50%\"") != NULL);
+
+    setenv("CUDA_DEVICE_MEMORY_LIMIT_1", "12q", 1);
+    CHECK_EQ(limits_memory_for_ordinal(1, 8 * GIB, &v, err, sizeof err), GV_EINVAL);
+    CHECK(strcmp(err, "gpuvisor: CUDA_DEVICE_MEMORY_LIMIT_1=\"12q\": not a memory size "
+                      "(use bytes, a number with k/m/g/t, or a percentage like 50%)") == 0);
+    CHECK(strchr(err, '\n') == NULL);
+    CHECK_EQ(limits_check_env(err, sizeof err), GV_EINVAL);
+    CHECK(strstr(err, "CUDA_DEVICE_MEMORY_LIMIT_1=\"12q\"") != NULL);
+    /* Empty per-device value falls back to the global one. */
+    setenv("CUDA_DEVICE_MEMORY_LIMIT_1", "", 1);
+    CHECK_EQ(limits_memory_for_ordinal(1, 8 * GIB, &v, err, sizeof err), 0);
+    CHECK(v == 2 * GIB);
+    CHECK_EQ(limits_check_env(err, sizeof err), 0);
+    setenv("CUDA_DEVICE_MEMORY_LIMIT", "0", 1);
+    CHECK_EQ(limits_memory_for_ordinal(3, 8 * GIB, &v, err, sizeof err), GV_EINVAL);
+    CHECK(strstr(err, "CUDA_DEVICE_MEMORY_LIMIT=\"0\"") != NULL);
+    clear_limit_env();
+
+    static const char *badnames[] = {"CUDA_DEVICE_MEMORY_LIMIT_x", "CUDA_DEVICE_MEMORY_LIMIT_",
+                                     "CUDA_DEVICE_MEMORY_LIMITS", "CUDA_DEVICE_MEMORY_LIMIT_01",
+                                     "CUDA_DEVICE_MEMORY_LIMIT_1a"};
+    for (size_t i = 0; i < sizeof badnames / sizeof badnames[0]; i++) {
+        setenv(badnames[i], "1g", 1);
+        err[0] = '\0';
+        CHECK_EQ(limits_check_env(err, sizeof err), GV_EINVAL);
+        CHECK(strstr(err, badnames[i]) != NULL);
+        unsetenv(badnames[i]);
+    }
+    setenv("CUDA_DEVICE_MEMORY_LIMIT_12", "150%", 1);
+    CHECK_EQ(limits_check_env(err, sizeof err), GV_EINVAL);
+    setenv("CUDA_DEVICE_MEMORY_LIMIT_12", "99.5%", 1);
+    CHECK_EQ(limits_check_env(err, sizeof err), 0);
+    clear_limit_env();
+
+    static const char *on[] = {"true", "1", "yes", "on", "TRUE", "Yes", " on "};
+    static const char *off[] = {"false", "0", "no", "off", "", "OFF"};
+    for (size_t i = 0; i < sizeof on / sizeof on[0]; i++) {
+        setenv("CUDA_DISABLE_CONTROL", on[i], 1);
+        CHECK_EQ(limits_control_disabled(), 1);
+    }
+    for (size_t i = 0; i < sizeof off / sizeof off[0]; i++) {
+        setenv("CUDA_DISABLE_CONTROL", off[i], 1);
+        CHECK_EQ(limits_control_disabled(), 0);
+    }
+    setenv("CUDA_DISABLE_CONTROL", "maybe", 1);   /* reported; fail closed */
+    CHECK_EQ(limits_control_disabled(), 0);
+    unsetenv("CUDA_DISABLE_CONTROL");
+    CHECK_EQ(limits_control_disabled(), 0);
+    printf("env: ok\n");
+}
+
+/* ---- open / corrupt files ---------------------------------------------------- */
+
+static void write_file(const char *path, const void *data, size_t n, off_t size)
+{
+    int fd = open(path, O_RDWR | O_CREAT | O_TRUNC, 0644);
+    CHECK(fd >= 0);
+    if (n > 0)
+        CHECK(write(fd, data, n) == (ssize_t)n);
+    if (size >= 0)
+        CHECK(ftruncate(fd, size) == 0);
+    close(fd);
+}
+
+static void expect_open(const char *path, int want, const char *msg)
+{
+    char err[512] = "";
+    gv_region *r = NULL;
+    int rc = region_open(path, &r, err, sizeof err);
+    if (rc != want || strstr(err, msg) == NULL || strstr(err, path) == NULL)
+        fprintf(stderr, "open %s: rc %d err \"%s\"; want %d and \"%s\"\n", path, rc, err,
+                want, msg);
+    CHECK_EQ(rc, want);
+    CHECK(strstr(err, msg) != NULL && strstr(err, path) != NULL);
+    CHECK(strchr(err, '\n') == NULL);
+    CHECK(r == NULL);
+    printf("  %s\n", err);
+}
+
+static void test_open(void)
+{
+    const char *p = path_in("fresh.shr");
+    gv_region *r = t_fresh_region(p);
+    struct stat st;
+    CHECK(stat(p, &st) == 0);
+    size_t size = (size_t)st.st_size;
+    CHECK(size > 4096);
+    CHECK(strcmp(region_path(r), p) == 0);
+    gv_region *r2 = t_open_region(p);           /* reopen the existing file */
+    region_close(r2);
+
+    /* Copy the good header to forge bad ones. */
+    unsigned char hdr[64];
+    int fd = open(p, O_RDONLY);
+    CHECK(fd >= 0 && read(fd, hdr, sizeof hdr) == (ssize_t)sizeof hdr);
+    close(fd);
+    region_close(r);
+
+    printf("corrupt files:\n");
+    const char *q = path_in("bad.shr");
+    write_file(q, "", 0, 0);
+    expect_open(q, GV_ECORRUPT, "truncated");
+    write_file(q, "hello world, this is not a region file at all........", 54, -1);
+    expect_open(q, GV_ECORRUPT, "bad magic 0x");
+    write_file(q, hdr, sizeof hdr, -1);             /* good header, no body */
+    expect_open(q, GV_ECORRUPT, "expected");
+    write_file(q, hdr, sizeof hdr, (off_t)size - 8);
+    expect_open(q, GV_ECORRUPT, "truncated?");
+    write_file(q, hdr, 12, -1);                      /* header cut short */
+    expect_open(q, GV_ECORRUPT, "truncated header");
+    unsigned char h2[64];
+    memcpy(h2, hdr, sizeof h2);
+    uint32_t v7 = 7;
+    memcpy(h2 + 8, &v7, 4);                          /* version */
+    write_file(q, h2, sizeof h2, (off_t)size);
+    expect_open(q, GV_ECORRUPT, "version 7, this library speaks 1");
+    memcpy(h2, hdr, sizeof h2);
+    uint32_t slots = 8;
+    memcpy(h2 + 24, &slots, 4);                      /* max_slots */
+    write_file(q, h2, sizeof h2, (off_t)size);
+    expect_open(q, GV_ECORRUPT, "layout mismatch");
+    unsigned char junk[4096];
+    uint64_t seed = 42;
+    for (size_t i = 0; i < sizeof junk; i++)
+        junk[i] = (unsigned char)t_rand(&seed);
+    write_file(q, junk, sizeof junk, (off_t)size);
+    expect_open(q, GV_ECORRUPT, "not a gpuvisor region");
+    expect_open(g_dir, GV_EIO, "Is a directory");
+    expect_open(path_in("no/such/dir/r.shr"), GV_EIO, "No such file or directory");
+    CHECK(chmod(q, 0) == 0);
+    if (geteuid() != 0)
+        expect_open(q, GV_EIO, "Permission denied");
+    unlink(q);
+}
+
+/* ---- devices, reservations, limits --------------------------------------------- */
+
+static void test_accounting(void)
+{
+    gv_region *r = t_fresh_region(path_in("acct.shr"));
+    unsigned char u[16], u2[16], got[16];
+    t_uuid(u, 1);
+    t_uuid(u2, 2);
+    CHECK_EQ(region_device_count(r), 0);
+    CHECK_EQ(region_device_find(r, u), GV_ENOENT);
+    int d = region_device_lookup(r, u, 0, 100 * MIB);
+    CHECK_EQ(d, 0);
+    CHECK_EQ(region_device_lookup(r, u, 16 * GIB, 5), 0);     /* existing: first wins */
+    CHECK(region_limit(r, d) == 100 * MIB);
+    CHECK(region_device_physical_total(r, d) == 16 * GIB);   /* unknown size filled in */
+    CHECK_EQ(region_device_lookup(r, u2, GIB, GV_UNLIMITED), 1);
+    CHECK_EQ(region_device_count(r), 2);
+    CHECK_EQ(region_device_find(r, u2), 1);
+    region_device_uuid(r, 1, got);
+    CHECK(memcmp(got, u2, 16) == 0);
+    CHECK(region_device_ready(r, 1) && !region_device_ready(r, 2) && !region_device_ready(r, -1));
+
+    int s = region_self_slot(r);
+    CHECK(s >= 0);
+    CHECK_EQ(region_self_slot(r), s);
+    CHECK_EQ(region_slot_of_pid(r, getpid()), s);
+    CHECK_EQ(region_reserve(r, d, s, 0), 0);
+    CHECK_EQ(region_reserve(r, d, s, 60 * MIB), 0);
+    CHECK_EQ(region_reserve(r, d, s, 40 * MIB), 0);           /* exactly the limit */
+    CHECK_EQ(region_reserve(r, d, s, 1), GV_ENOMEM);          /* one byte over */
+    CHECK_EQ(region_oom_count(r, d), 1);
+    CHECK(region_used(r, d) == 100 * MIB);
+    CHECK(region_slot_used(r, d, s) == 100 * MIB);
+    region_release(r, d, s, 40 * MIB);
+    CHECK_EQ(region_reserve(r, d, s, UINT64_MAX), GV_ENOMEM); /* no wrap */
+    CHECK_EQ(region_reserve(r, d, s, UINT64_MAX - 30 * MIB), GV_ENOMEM);
+    CHECK_EQ(region_reserve(r, 1, s, UINT64_MAX), GV_ENOMEM); /* even unlimited */
+    CHECK(region_used(r, d) == 60 * MIB);
+    CHECK_EQ(region_reserve(r, 5, s, 1), GV_ENOENT);          /* entry not in use */
+    CHECK_EQ(region_reserve(r, 99, s, 1), GV_EINVAL);
+    CHECK_EQ(region_reserve(r, d, GV_MAX_SLOTS, 1), GV_EINVAL);
+
+    /* Live limit changes apply to the next reservation. */
+    region_set_limit(r, d, 50 * MIB);                         /* below current usage */
+    CHECK_EQ(region_reserve(r, d, s, 1), GV_ENOMEM);
+    region_release(r, d, s, 5 * MIB);                         /* releases always work */
+    CHECK_EQ(region_reserve(r, d, s, 1), GV_ENOMEM);          /* still 55 > 50 */
+    region_set_limit(r, d, 70 * MIB);
+    CHECK_EQ(region_reserve(r, d, s, 15 * MIB), 0);
+    CHECK_EQ(region_reserve(r, d, s, 1), GV_ENOMEM);
+    region_set_limit(r, d, GV_UNLIMITED);
+    CHECK_EQ(region_reserve(r, d, s, 10 * GIB), 0);
+    region_release(r, d, s, 10 * GIB);
+    CHECK(region_used(r, d) == 70 * MIB);
+    /* Releasing more than held clamps at zero (and logs once). */
+    region_release(r, d, s, 80 * MIB);
+    CHECK_EQ(region_used(r, d), 0);
+    CHECK_EQ(region_test_inflight(r, d), 0);
+
+    /* Device table exhaustion. */
+    for (int k = 2; k < GV_MAX_DEVICES; k++) {
+        unsigned char x[16];
+        t_uuid(x, 100 + k);
+        CHECK_EQ(region_device_lookup(r, x, GIB, GIB), k);
+    }
+    unsigned char x[16];
+    t_uuid(x, 99);
+    CHECK_EQ(region_device_lookup(r, x, GIB, GIB), GV_EFULL);
+    CHECK_EQ(region_device_lookup(r, u2, GIB, GIB), 1);       /* existing still found */
+    region_close(r);
+    printf("accounting: ok\n");
+}
+
+/* ---- processes: fork, pid reuse, dead owners and reclaimers, exec ------------- */
+
+static pid_t spawn_sleeper(void)
+{
+    pid_t p = fork();
+    CHECK(p >= 0);
+    if (p == 0) {
+        prctl(PR_SET_NAME, "a) b (c) ", 0, 0, 0);  /* hostile comm for /proc parsing */
+        for (;;)
+            pause();
+    }
+    return p;
+}
+
+static void test_processes(const char *self_exe)
+{
+    const char *p = path_in("procs.shr");
+    gv_region *r = t_fresh_region(p);
+    unsigned char u[16];
+    t_uuid(u, 3);
+    int d = region_device_lookup(r, u, GIB, 100 * MIB);
+    int me = region_self_slot(r);
+    CHECK(me >= 0);
+    uint64_t my_start = gv_proc_start_time(getpid());
+    CHECK(my_start > 0);
+    CHECK(gv_proc_alive(getpid(), my_start));
+    CHECK(!gv_proc_alive(getpid(), my_start + 1));
+    CHECK(!gv_proc_alive(-1, 0) && !gv_proc_alive(0, 0));
+
+    /* /proc parsing survives a comm with spaces and parentheses; zombies are dead. */
+    pid_t sl = spawn_sleeper();
+    usleep(20000);
+    uint64_t sl_start = gv_proc_start_time(sl);
+    CHECK(sl_start >= my_start);
+    CHECK(gv_proc_alive(sl, sl_start));
+    kill(sl, SIGKILL);
+    usleep(20000);                              /* a zombie until we reap it */
+    CHECK(!gv_proc_alive(sl, sl_start));
+    waitpid(sl, NULL, 0);
+    CHECK(!gv_proc_alive(sl, sl_start));
+
+    /* A forked child registers its own slot and holds memory; once it has
+     * exited (zombie, then reaped), its slot is reclaimed. */
+    int fds[2];
+    CHECK(pipe(fds) == 0);
+    pid_t c = fork();
+    CHECK(c >= 0);
+    if (c == 0) {
+        int s = region_self_slot(r);
+        if (s < 0 || s == me || region_reserve(r, d, s, 30 * MIB) != 0)
+            _exit(3);
+        CHECK(write(fds[1], &s, sizeof s) == (ssize_t)sizeof s);
+        _exit(0);
+    }
+    int cs = -1;
+    CHECK(read(fds[0], &cs, sizeof cs) == (ssize_t)sizeof cs);
+    int st;
+    CHECK(waitpid(c, &st, 0) == c && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    CHECK(cs >= 0 && cs != me);
+    CHECK(region_used(r, d) == 30 * MIB);
+    int32_t pids[8];
+    CHECK_EQ(region_process_list(r, pids, 8), 2);
+    CHECK_EQ(region_reserve(r, d, me, 80 * MIB), 0);          /* reclaims the dead child */
+    CHECK(region_used(r, d) == 80 * MIB);
+    CHECK_EQ(region_process_list(r, pids, 8), 1);
+    CHECK_EQ(pids[0], getpid());
+    region_release(r, d, me, 80 * MIB);
+
+    /* PID reuse: a slot carrying our live pid with a wrong start time. */
+    int fake = region_test_claim_slot(r, getpid(), my_start + 12345);
+    CHECK(fake >= 0 && fake != me);
+    CHECK_EQ(region_reserve(r, d, fake, 10 * MIB), 0);
+    CHECK_EQ(region_slot_of_pid(r, getpid()), me);           /* exact match preferred */
+    int live = region_test_claim_slot(r, getppid(), gv_proc_start_time(getppid()));
+    CHECK(live >= 0);
+    CHECK_EQ(region_reserve(r, d, live, 5 * MIB), 0);
+    CHECK_EQ(region_reclaim_dead(r), 1);                     /* the fake one only */
+    CHECK(region_used(r, d) == 5 * MIB);
+    CHECK(region_slot_used(r, d, live) == 5 * MIB);
+
+    /* A reclaimer that died half-way is taken over; a live one is not. */
+    int half = region_test_claim_slot(r, 1, 1);               /* placeholder owner */
+    CHECK(half >= 0);
+    CHECK_EQ(region_reserve(r, d, half, 7 * MIB), 0);
+    CHECK_EQ(region_test_mark_reclaiming(r, half, sl, sl_start), 0);   /* dead */
+    CHECK_EQ(region_test_mark_reclaiming(r, live, getppid(), gv_proc_start_time(getppid())), 0);
+    CHECK_EQ(region_reclaim_dead(r), 1);
+    CHECK(region_used(r, d) == 5 * MIB);                      /* the live one untouched */
+    CHECK_EQ(region_test_mark_reclaiming(r, live, sl, sl_start), 0);
+    CHECK_EQ(region_reclaim_dead(r), 1);
+    CHECK_EQ(region_used(r, d), 0);
+
+    /* exec keeps pid and start time: the new image reuses and resets the slot. */
+    CHECK_EQ(region_reserve(r, d, me, 3 * MIB), 0);
+    c = fork();
+    CHECK(c >= 0);
+    if (c == 0) {
+        gv_region *cr = t_open_region(p);
+        int s = region_self_slot(cr);
+        if (s < 0 || region_reserve(cr, d, s, 9 * MIB) != 0)
+            _exit(3);
+        char sbuf[16];
+        snprintf(sbuf, sizeof sbuf, "%d", s);
+        execl(self_exe, self_exe, "--exec-child", p, sbuf, (char *)NULL);
+        _exit(4);
+    }
+    CHECK(waitpid(c, &st, 0) == c);
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
+        fprintf(stderr, "exec child status 0x%x\n", st);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    region_reclaim_dead(r);
+    CHECK(region_used(r, d) == 3 * MIB);
+    region_release(r, d, me, 3 * MIB);
+    region_close(r);
+    printf("processes: ok\n");
+}
+
+static int exec_child(const char *path, int old_slot)
+{
+    gv_region *r = t_open_region(path);
+    unsigned char u[16];
+    t_uuid(u, 3);
+    int d = region_device_find(r, u);
+    int s = region_self_slot(r);
+    if (d < 0 || s != old_slot) {
+        fprintf(stderr, "exec child: slot %d, expected %d\n", s, old_slot);
+        return 1;
+    }
+    if (region_slot_used(r, d, s) != 0) {       /* the old image's 9 MiB are gone */
+        fprintf(stderr, "exec child: slot not reset\n");
+        return 1;
+    }
+    /* A second handle in the same image shares the slot without reset. */
+    if (region_reserve(r, d, s, MIB) != 0)
+        return 1;
+    gv_region *r2 = t_open_region(path);
+    if (region_self_slot(r2) != s || region_slot_used(r2, d, s) != MIB)
+        return 1;
+    region_release(r, d, s, MIB);
+    return 0;
+}
+
+/* ---- concurrent device claims, slot exhaustion, dead initialiser --------------- */
+
+static void test_device_race(void)
+{
+    const char *p = path_in("devrace.shr");
+    gv_region *r = t_fresh_region(p);
+    _Atomic int *go = t_shared(sizeof *go);
+    enum { N = 16 };
+    pid_t kids[N];
+    for (int i = 0; i < N; i++) {
+        kids[i] = fork();
+        CHECK(kids[i] >= 0);
+        if (kids[i] == 0) {
+            setvbuf(stdout, NULL, _IOLBF, 0);
+    alarm(20);
+            gv_region *cr = t_open_region(p);
+            while (!atomic_load(go))
+                sched_yield();
+            unsigned char u[16];
+            t_uuid(u, 10 + (i & 1));             /* two uuids, eight claimers each */
+            int d = region_device_lookup(cr, u, GIB, GIB);
+            _exit(d < 0 ? 100 : d);
+        }
+    }
+    atomic_store(go, 1);
+    int seen[2] = {-1, -1};
+    for (int i = 0; i < N; i++) {
+        int st;
+        CHECK(waitpid(kids[i], &st, 0) == kids[i] && WIFEXITED(st));
+        int d = WEXITSTATUS(st);
+        CHECK(d < 2);
+        if (seen[i & 1] < 0)
+            seen[i & 1] = d;
+        CHECK_EQ(seen[i & 1], d);               /* one entry per uuid */
+    }
+    CHECK(seen[0] != seen[1]);
+    CHECK_EQ(region_device_count(r), 2);
+
+    /* An initialiser killed half-way is taken over. */
+    unsigned char u[16];
+    t_uuid(u, 20);
+    pid_t c = fork();
+    CHECK(c >= 0);
+    if (c == 0) {
+        region_test_set_delay_us(5 * 1000 * 1000);
+        region_device_lookup(r, u, GIB, 7 * MIB);
+        _exit(0);
+    }
+    usleep(100000);
+    CHECK_EQ(region_device_count(r), 3);         /* entry 2 is being initialised */
+    CHECK(!region_device_ready(r, 2));
+    kill(c, SIGKILL);
+    waitpid(c, NULL, 0);
+    uint64_t t0 = t_now_ms();
+    CHECK_EQ(region_device_lookup(r, u, GIB, 9 * MIB), 2);
+    CHECK(t_now_ms() - t0 < 2000);
+    CHECK(region_limit(r, 2) == 9 * MIB);
+    region_close(r);
+
+    /* Slot table exhaustion. */
+    p = path_in("full.shr");
+    r = t_fresh_region(p);
+    uint64_t start = gv_proc_start_time(getpid());
+    for (int i = 0; i < GV_MAX_SLOTS; i++)
+        CHECK_EQ(region_test_claim_slot(r, getpid(), start + 1 + (uint64_t)i * 0), i);
+    c = fork();
+    CHECK(c >= 0);
+    if (c == 0) {
+        /* All owners carry our pid with a wrong start: all are stale. */
+        _exit(region_self_slot(r) == 0 ? 0 : 1);
+    }
+    int st;
+    CHECK(waitpid(c, &st, 0) == c && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    region_close(r);
+    r = t_fresh_region(p);
+    for (int i = 0; i < GV_MAX_SLOTS; i++)
+        CHECK_EQ(region_test_claim_slot(r, getpid(), start), i);   /* live owners */
+    CHECK_EQ(region_test_claim_slot(r, getpid(), start), GV_EFULL);
+    c = fork();
+    CHECK(c >= 0);
+    if (c == 0)
+        _exit(region_self_slot(r) == GV_EFULL ? 0 : 1);
+    CHECK(waitpid(c, &st, 0) == c && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    region_close(r);
+    unlink(p);
+    printf("device race, dead initialiser, slot exhaustion: ok\n");
+}
+
+int main(int argc, char **argv)
+{
+    if (argc == 4 && strcmp(argv[1], "--exec-child") == 0)
+        return exec_child(argv[2], atoi(argv[3]));
+    if (argc < 2) {
+        fprintf(stderr, "usage: %s SCRATCH_DIR\n", argv[0]);
+        return 2;
+    }
+    snprintf(g_dir, sizeof g_dir, "%s", argv[1]);
+    mkdir(g_dir, 0755);
+    alarm(60);
+    char exe[512];
+    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
+    CHECK(n > 0);
+    exe[n] = '\0';
+
+    test_parser();
+    test_env();
+    test_open();
+    test_accounting();
+    test_processes(exe);
+    test_device_race();
+    printf("t_region_unit: OK (%d table checks)\n", g_checks);
+    return 0;
+}
