@@ -1,0 +1,167 @@
+/*
+ * t_region_kill - SIGKILL storm.  Workers reserve/release in tight loops,
+ * reclaim dead slots (slowed down so kills land mid-reclaim) and claim new
+ * device entries (slowed down so kills land mid-initialisation); the parent
+ * SIGKILLs random workers at random times and replaces them.  After each
+ * round: nobody hung (workers run under alarm()), everything is reclaimed,
+ * usage is exactly 0 and the full limit can be reserved again.
+ *
+ *   t_region_kill PATH [--rounds 20] [--workers 6] [--round-ms 150]
+ */
+#include "region_test.h"
+
+#include <errno.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <sys/wait.h>
+
+#define MIB (UINT64_C(1) << 20)
+#define LIMIT (32 * MIB)
+#define EXTRA_UUIDS 4           /* device entries claimed under fire */
+
+static gv_region *g_r;
+static int g_dev;
+static _Atomic uint64_t *g_ops;
+
+static void worker(int id, int round)
+{
+    alarm(10);                  /* a hung worker dies of SIGALRM: reported */
+    uint64_t seed = ((uint64_t)getpid() << 16) ^ (uint64_t)id * 0x9E3779B97F4A7C15ULL;
+    int slot = region_self_slot(g_r);
+    if (slot < 0)
+        _exit(3);
+    if (id % 3 == 0)
+        region_test_set_delay_us(300);   /* slow reclaims and device inits */
+    if (round < EXTRA_UUIDS && id % 2 == 0) {
+        unsigned char u[16];
+        t_uuid(u, 50 + round);
+        if (region_device_lookup(g_r, u, MIB, MIB) < 0)
+            _exit(4);
+    }
+    uint64_t held[8];
+    int n = 0;
+    for (uint64_t it = 0;; it++) {
+        uint64_t x = t_rand(&seed);
+        if (n < 8 && (n == 0 || (x & 1))) {
+            uint64_t sz = 1 + (x >> 20) % (LIMIT / 6);
+            int rc = region_reserve(g_r, g_dev, slot, sz);
+            if (rc == 0)
+                held[n++] = sz;
+            else if (rc != GV_ENOMEM)
+                _exit(5);
+        } else {
+            region_release(g_r, g_dev, slot, held[--n]);
+        }
+        if ((x & 0xff) == 0)
+            region_reclaim_dead(g_r);
+        atomic_fetch_add(g_ops, 1);
+    }
+}
+
+static pid_t spawn(int id, int round)
+{
+    pid_t p = fork();
+    CHECK(p >= 0);
+    if (p == 0)
+        worker(id, round);
+    return p;
+}
+
+static void reap(pid_t p, int *hung)
+{
+    int st;
+    pid_t w;
+    while ((w = waitpid(p, &st, 0)) < 0 && errno == EINTR)
+        ;
+    CHECK(w == p);
+    if (WIFSIGNALED(st) && WTERMSIG(st) == SIGKILL)
+        return;
+    fprintf(stderr, "worker %d: status 0x%x (%s)\n", (int)p, st,
+            WIFSIGNALED(st) && WTERMSIG(st) == SIGALRM ? "hung" : "failed");
+    (*hung)++;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        fprintf(stderr, "usage: %s PATH [--rounds N] [--workers N] [--round-ms N]\n", argv[0]);
+        return 2;
+    }
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    const char *path = argv[1];
+    int rounds = (int)t_opt(argc, argv, "--rounds", 20);
+    int nw = (int)t_opt(argc, argv, "--workers", 6);
+    int round_ms = (int)t_opt(argc, argv, "--round-ms", 150);
+    CHECK(nw > 0 && nw <= 64);
+    uint64_t t0 = t_now_ms();
+    g_ops = t_shared(sizeof *g_ops);
+    g_r = t_fresh_region(path);
+    unsigned char u[16];
+    t_uuid(u, 7);
+    g_dev = region_device_lookup(g_r, u, 4 * LIMIT, LIMIT);
+    CHECK(g_dev >= 0);
+    int me = region_self_slot(g_r);
+    CHECK(me >= 0);
+    uint64_t seed = (uint64_t)getpid() * 0x9E3779B97F4A7C15ULL;
+    uint64_t kills = 0, reclaimed = 0;
+    int hung = 0;
+    pid_t w[64];
+
+    for (int round = 0; round < rounds; round++) {
+        for (int i = 0; i < nw; i++)
+            w[i] = spawn(i, round);
+        uint64_t end = t_now_ms() + (uint64_t)round_ms;
+        while (t_now_ms() < end) {
+            usleep((useconds_t)(t_rand(&seed) % 3000));
+            int i = (int)(t_rand(&seed) % (uint64_t)nw);
+            kill(w[i], SIGKILL);
+            kills++;
+            reap(w[i], &hung);      /* killed workers are reaped, or left as */
+            w[i] = spawn(i, round); /* zombies below: both must count as dead */
+        }
+        for (int i = 0; i < nw; i++) {
+            kill(w[i], SIGKILL);
+            kills++;
+        }
+        usleep(1000);
+        alarm(20);
+        /* Reclaim while the last victims are still zombies, then reap. */
+        reclaimed += (uint64_t)region_reclaim_dead(g_r);
+        for (int i = 0; i < nw; i++)
+            reap(w[i], &hung);
+        reclaimed += (uint64_t)region_reclaim_dead(g_r);
+        uint64_t used = region_used(g_r, g_dev), infl = region_test_inflight(g_r, g_dev);
+        if (used != 0 || infl != 0 || hung != 0)
+            fprintf(stderr, "round %d: used %llu in flight %llu hung %d\n", round,
+                    (unsigned long long)used, (unsigned long long)infl, hung);
+        CHECK_EQ(hung, 0);
+        CHECK_EQ(used, 0);
+        CHECK_EQ(infl, 0);
+        int32_t pids[8];
+        CHECK_EQ(region_process_list(g_r, pids, 8), 1);     /* only us */
+        CHECK_EQ(region_reserve(g_r, g_dev, me, LIMIT), 0);
+        region_release(g_r, g_dev, me, LIMIT);
+        /* Device entries claimed under fire: each uuid exactly once, ready. */
+        for (int k = 0; k <= round && k < EXTRA_UUIDS; k++) {
+            unsigned char x[16], y[16];
+            t_uuid(x, 50 + k);
+            int d = region_device_lookup(g_r, x, MIB, MIB);
+            CHECK(d >= 0);
+            for (int j = 0; j < region_device_count(g_r); j++) {
+                region_device_uuid(g_r, j, y);
+                CHECK(j == d || memcmp(x, y, 16) != 0);
+            }
+        }
+        alarm(0);
+    }
+    printf("kill: rounds=%d workers=%d kills=%llu reclaimed=%llu ops=%llu hung=%d "
+           "devices=%d final_used=%llu ms=%llu\n", rounds, nw, (unsigned long long)kills,
+           (unsigned long long)reclaimed, (unsigned long long)atomic_load(g_ops), hung,
+           region_device_count(g_r), (unsigned long long)region_used(g_r, g_dev),
+           (unsigned long long)(t_now_ms() - t0));
+    region_close(g_r);
+    unlink(path);
+    printf("t_region_kill: OK\n");
+    return 0;
+}
