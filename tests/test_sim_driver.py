@@ -1,0 +1,417 @@
+"""The simulated GPU driver (build/sim/libcuda.so.1, libnvidia-ml.so.1) as
+real NVIDIA clients see it: cuda-python, nvidia-ml-py and raw ctypes, each
+in a child process with its own state file."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.simhelp import (
+    CTYPES_PRELUDE,
+    T_SIM_BASIC,
+    GiB,
+    MiB,
+    has_cuda_bindings,
+    ok,
+    run_py,
+    sim_env,
+    spawn_py,
+)
+
+needs_cuda_python = pytest.mark.skipif(not has_cuda_bindings(), reason="cuda-python missing")
+
+H100_SPEC = (
+    "2x80g:name=NVIDIA H100 80GB HBM3:sms=132,24g:uuid=GPU-12345678-1234-1234-1234-123456789abc"
+)
+
+
+def test_c_basic(tmp_path: Path) -> None:
+    env = sim_env(tmp_path, TMPDIR=str(tmp_path))
+    cp = subprocess.run([str(T_SIM_BASIC)], env=env, capture_output=True, text=True, timeout=60)
+    assert cp.returncode == 0 and cp.stdout.strip().endswith("OK"), cp.stdout + cp.stderr
+    assert not list(tmp_path.glob("gv-t-sim-basic-*")), "t_sim_basic left its state file"
+
+
+@needs_cuda_python
+def test_cuda_python_devices(tmp_path: Path) -> None:
+    out = ok(
+        run_py(
+            """
+            from cuda.bindings import driver as d
+            R = d.CUresult.CUDA_SUCCESS
+            assert d.cuDeviceGetCount()[0] == d.CUresult.CUDA_ERROR_NOT_INITIALIZED
+            assert d.cuInit(0)[0] == R
+            err, n = d.cuDeviceGetCount(); assert err == R
+            print("count", n)
+            for i in range(n):
+                err, name = d.cuDeviceGetName(128, i); assert err == R
+                err, tot = d.cuDeviceTotalMem(i); assert err == R
+                err, u = d.cuDeviceGetUuid(i); assert err == R
+                err, sms = d.cuDeviceGetAttribute(
+                    d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT, i)
+                print(i, name.split(b"\\0")[0].decode(), tot, bytes(u.bytes).hex(), sms)
+            """,
+            sim_env(tmp_path, H100_SPEC),
+        )
+    )
+    lines = out.splitlines()
+    assert lines[0] == "count 3"
+    assert lines[1].startswith("0 NVIDIA H100 80GB HBM3 85899345920 ")
+    assert lines[1].endswith(" 132")
+    assert lines[3] == ("2 gpuvisor simulated GPU 25769803776 12345678123412341234123456789abc 108")
+    assert lines[1].split()[-2] != lines[2].split()[-2]  # default UUIDs differ
+
+
+@needs_cuda_python
+def test_cuda_python_alloc_free_oom_meminfo(tmp_path: Path) -> None:
+    ok(
+        run_py(
+            f"""
+            from cuda.bindings import driver as d
+            R = d.CUresult.CUDA_SUCCESS
+            assert d.cuInit(0)[0] == R
+            assert d.cuMemGetInfo()[0] == d.CUresult.CUDA_ERROR_INVALID_CONTEXT
+            err, ctx = d.cuCtxCreate(None, 0, 0); assert err == R, err
+            err, free0, total = d.cuMemGetInfo(); assert err == R
+            assert total == 4 * {GiB} and free0 == total - 32 * {MiB}, (free0, total)
+            err, p = d.cuMemAlloc({GiB}); assert err == R
+            err, free1, _ = d.cuMemGetInfo()
+            assert free1 == free0 - {GiB}
+            err, q = d.cuMemAlloc(free1 + 1)
+            assert err == d.CUresult.CUDA_ERROR_OUT_OF_MEMORY, err
+            err, q = d.cuMemAlloc(1); assert err == R   # charges 2 MiB
+            assert d.cuMemGetInfo()[1] == free1 - 2 * {MiB}
+            assert d.cuMemFree(p)[0] == R and d.cuMemFree(q)[0] == R
+            assert d.cuMemFree(p)[0] == d.CUresult.CUDA_ERROR_INVALID_VALUE
+            assert d.cuMemGetInfo()[1] == free0
+            # stream-ordered allocator: RESERVED_MEM_CURRENT is exact
+            err, s = d.cuStreamCreate(0); assert err == R
+            err, a = d.cuMemAllocAsync(3 * {MiB}, s); assert err == R
+            err, pool = d.cuDeviceGetMemPool(0); assert err == R
+            A = d.CUmemPool_attribute.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT
+            assert int(d.cuMemPoolGetAttribute(pool, A)[1]) == 4 * {MiB}
+            assert d.cuMemFreeAsync(a, s)[0] == R
+            assert int(d.cuMemPoolGetAttribute(pool, A)[1]) == 4 * {MiB}
+            assert d.cuStreamSynchronize(s)[0] == R
+            assert int(d.cuMemPoolGetAttribute(pool, A)[1]) == 0
+            assert d.cuCtxDestroy(ctx)[0] == R
+            print("done")
+            """,
+            sim_env(tmp_path, "4g"),
+        )
+    )
+
+
+def test_pynvml_basics_and_ignores_cuda_visible_devices(tmp_path: Path) -> None:
+    out = ok(
+        run_py(
+            """
+            import pynvml as n
+            n.nvmlInit()
+            print(n.nvmlDeviceGetCount())
+            for i in range(n.nvmlDeviceGetCount()):
+                h = n.nvmlDeviceGetHandleByIndex(i)
+                m = n.nvmlDeviceGetMemoryInfo(h)
+                m2 = n.nvmlDeviceGetMemoryInfo(h, version=n.nvmlMemory_v2)
+                print(n.nvmlDeviceGetName(h), n.nvmlDeviceGetUUID(h), m.total, m.used,
+                      m2.total, m2.free, len(n.nvmlDeviceGetComputeRunningProcesses(h)))
+            print(n.nvmlSystemGetDriverVersion())
+            n.nvmlShutdown()
+            try:
+                n.nvmlDeviceGetCount()
+            except n.NVMLError_Uninitialized:
+                print("uninit")
+            """,
+            sim_env(tmp_path, H100_SPEC, CUDA_VISIBLE_DEVICES="1"),
+        )
+    )
+    lines = out.splitlines()
+    assert lines[0] == "3"
+    assert lines[1].startswith("NVIDIA H100 80GB HBM3 GPU-")
+    assert lines[1].endswith(" 85899345920 0 85899345920 85899345920 0")
+    assert lines[3] == (
+        "gpuvisor simulated GPU GPU-12345678-1234-1234-1234-123456789abc "
+        "25769803776 0 25769803776 25769803776 0"
+    )
+    assert lines[-1] == "uninit"
+
+
+HOLDER = (
+    CTYPES_PRELUDE
+    + """
+c = ctx(int(os.environ.get("DEV", "0")))
+rc, p = alloc(int(os.environ["HOLD"]))
+chk(rc, "alloc")
+print("READY", os.getpid(), flush=True)
+sys.stdin.readline()
+"""
+)
+
+
+def _nvml_snapshot(env: dict[str, str]) -> dict[str, object]:
+    out = ok(
+        run_py(
+            """
+            import json, pynvml as n
+            n.nvmlInit()
+            h = n.nvmlDeviceGetHandleByIndex(0)
+            m = n.nvmlDeviceGetMemoryInfo(h)
+            procs = {p.pid: p.usedGpuMemory for p in n.nvmlDeviceGetComputeRunningProcesses(h)}
+            print(json.dumps({"used": m.used, "free": m.free, "procs": procs}))
+            """,
+            env,
+        )
+    )
+    import json
+
+    return json.loads(out)
+
+
+def test_two_processes_see_same_usage_and_nvml_lists_pids(tmp_path: Path) -> None:
+    env = sim_env(tmp_path, "8g")
+    a = spawn_py(HOLDER, {**env, "HOLD": str(GiB)})
+    b = spawn_py(HOLDER, {**env, "HOLD": str(3 * MiB)})
+    try:
+        pa = int(a.stdout.readline().split()[1])  # type: ignore[union-attr]
+        pb = int(b.stdout.readline().split()[1])  # type: ignore[union-attr]
+        snap = _nvml_snapshot(env)
+        assert snap["procs"] == {str(pa): 32 * MiB + GiB, str(pb): 32 * MiB + 4 * MiB}
+        assert snap["used"] == 64 * MiB + GiB + 4 * MiB
+        # a third process's cuMemGetInfo sees both, plus its own context
+        out = ok(run_py(CTYPES_PRELUDE + "ctx(); print(*meminfo())", env))
+        free, total = map(int, out.split())
+        assert total == 8 * GiB and free == total - (96 * MiB + GiB + 4 * MiB)
+    finally:
+        for p in (a, b):
+            p.communicate("\n", timeout=30)
+    assert a.returncode == 0 and b.returncode == 0
+    assert _nvml_snapshot(env) == {"used": 0, "free": 8 * GiB, "procs": {}}
+
+
+def test_sigkilled_process_memory_is_released(tmp_path: Path) -> None:
+    env = sim_env(tmp_path, "4g")
+    a = spawn_py(HOLDER, {**env, "HOLD": str(3 * GiB)})
+    pid = int(a.stdout.readline().split()[1])  # type: ignore[union-attr]
+    assert _nvml_snapshot(env)["procs"] == {str(pid): 3 * GiB + 32 * MiB}
+    # while it lives, the device is full for others
+    code = CTYPES_PRELUDE + "ctx(); print(alloc(1 << 30)[0])"
+    assert ok(run_py(code, env)).strip() == "2"
+    os.kill(pid, signal.SIGKILL)
+    a.wait(timeout=30)
+    assert _nvml_snapshot(env) == {"used": 0, "free": 4 * GiB, "procs": {}}
+    assert ok(run_py(code, env)).strip() == "0"
+
+
+def test_random_sigkill_inside_driver_never_leaks_or_deadlocks(tmp_path: Path) -> None:
+    """Workers hammer alloc/free/meminfo; SIGKILL lands at random instructions."""
+    env = sim_env(tmp_path, "2g")
+    worker = (
+        CTYPES_PRELUDE
+        + """
+c = ctx()
+print("GO", flush=True)
+live = []
+while True:
+    rc, p = alloc(3 << 20)
+    if rc == 0:
+        live.append(p)
+    if len(live) > 20 or rc != 0:
+        for q in live:
+            chk(free(q), "free")
+        live = []
+    meminfo()
+"""
+    )
+    rng = random.Random(1234)
+    for _ in range(4):
+        procs = [spawn_py(worker, env) for _ in range(4)]
+        for p in procs:
+            assert p.stdout.readline().strip() == "GO"  # type: ignore[union-attr]
+        time.sleep(rng.uniform(0.02, 0.15))
+        for p in procs:
+            time.sleep(rng.uniform(0, 0.01))
+            p.kill()
+        for p in procs:
+            p.wait(timeout=30)
+            assert p.returncode == -signal.SIGKILL, p.stderr.read()  # type: ignore[union-attr]
+            p.stdout.close()  # type: ignore[union-attr]
+            p.stderr.close()  # type: ignore[union-attr]
+            p.stdin.close()  # type: ignore[union-attr]
+    # nobody is left: usage must be exactly zero, and the lock must be free
+    assert _nvml_snapshot(env) == {"used": 0, "free": 2 * GiB, "procs": {}}
+    out = ok(run_py(CTYPES_PRELUDE + "ctx(); print(alloc(1900 << 20)[0])", env, timeout=20))
+    assert out.strip() == "0"
+
+
+def test_concurrent_first_use_creates_one_state(tmp_path: Path) -> None:
+    env = sim_env(tmp_path, "16g")
+    code = HOLDER
+    procs = [spawn_py(code, {**env, "HOLD": str(GiB)}) for _ in range(6)]
+    try:
+        for p in procs:
+            assert p.stdout.readline().startswith("READY")  # type: ignore[union-attr]
+        snap = _nvml_snapshot(env)
+        assert len(snap["procs"]) == 6  # type: ignore[arg-type]
+        assert snap["used"] == 6 * (GiB + 32 * MiB)
+    finally:
+        for p in procs:
+            p.communicate("\n", timeout=30)
+    assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]
+
+
+def test_fail_alloc_at_and_every(tmp_path: Path) -> None:
+    code = CTYPES_PRELUDE + "ctx(); print(*[alloc(1 << 20)[0] for _ in range(6)])"
+    out = ok(run_py(code, sim_env(tmp_path, "4g", GPUVISOR_SIM_FAIL_ALLOC_AT="3")))
+    assert out.split() == ["0", "0", "2", "0", "0", "0"]
+    out = ok(run_py(code, sim_env(tmp_path, "4g", GPUVISOR_SIM_FAIL_ALLOC_EVERY="2")))
+    assert out.split() == ["0", "2", "0", "2", "0", "2"]
+
+
+def test_nvml_fail_knob(tmp_path: Path) -> None:
+    code = """
+        import pynvml as n
+        n.nvmlInit()
+        h = n.nvmlDeviceGetHandleByIndex(0)
+        print(n.nvmlDeviceGetName(h))
+        for f in (lambda: n.nvmlDeviceGetMemoryInfo(h),
+                  lambda: n.nvmlDeviceGetMemoryInfo(h, version=n.nvmlMemory_v2)):
+            try:
+                f(); print("ok")
+            except n.NVMLError as e:
+                print("err", e.value)
+        """
+    env = sim_env(tmp_path, GPUVISOR_SIM_NVML_FAIL="nvmlDeviceGetMemoryInfo")
+    assert ok(run_py(code, env)).split("\n")[1:3] == ["err 999", "err 999"]
+    env = sim_env(
+        tmp_path,
+        GPUVISOR_SIM_NVML_FAIL="nvmlDeviceGetMemoryInfo_v2,nvmlShutdown",
+        GPUVISOR_SIM_NVML_FAIL_CODE="3",
+    )
+    assert ok(run_py(code, env)).split("\n")[1:3] == ["ok", "err 3"]
+    env = sim_env(tmp_path, GPUVISOR_SIM_NVML_FAIL="all")
+    cp = run_py("import pynvml as n\nn.nvmlInit()", env)
+    assert cp.returncode != 0 and "Unknown Error" in cp.stderr
+
+
+def _one_line_error(stderr: str, *needles: str) -> None:
+    lines = [ln for ln in stderr.splitlines() if ln.startswith("gpuvisor-sim:")]
+    assert len(lines) == 1, stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "banana",
+        "2x",
+        "0g",
+        "4g:sms=0",
+        "4g:color=red",
+        "17x1g",
+        "4g,,4g",
+        "2x4g:uuid=GPU-12345678-1234-1234-1234-123456789abc",
+    ],
+)
+def test_malformed_spec_fails_init_with_one_line(tmp_path: Path, spec: str) -> None:
+    env = sim_env(tmp_path, spec)
+    cp = run_py(CTYPES_PRELUDE + "print(cu.cuInit(0))", env)
+    assert cp.returncode == 0 and cp.stdout.strip() != "0"
+    _one_line_error(cp.stderr, "GPUVISOR_SIM_DEVICES", spec)
+    cp = run_py("import pynvml as n\nn.nvmlInit()", env)
+    assert cp.returncode != 0
+    assert "GPUVISOR_SIM_DEVICES" in cp.stderr
+
+
+def test_size_units_in_spec(tmp_path: Path) -> None:
+    code = """
+        import pynvml as n
+        n.nvmlInit()
+        print(*[n.nvmlDeviceGetMemoryInfo(n.nvmlDeviceGetHandleByIndex(i)).total
+                for i in range(n.nvmlDeviceGetCount())])
+        """
+    out = ok(run_py(code, sim_env(tmp_path, "1073741824,512MiB,2GB,1t,3k")))
+    assert out.split() == [str(GiB), str(512 * MiB), str(2 * GiB), str(1 << 40), "3072"]
+
+
+@pytest.mark.parametrize("var", ["GPUVISOR_SIM_FAIL_ALLOC_AT", "GPUVISOR_SIM_FAIL_ALLOC_EVERY"])
+def test_malformed_knob_is_reported_and_ignored(tmp_path: Path, var: str) -> None:
+    env = sim_env(tmp_path, "4g", **{var: "often"})
+    cp = run_py(CTYPES_PRELUDE + "ctx(); print(*[alloc(1 << 20)[0] for _ in range(4)])", env)
+    assert ok(cp).split() == ["0"] * 4
+    _one_line_error(cp.stderr, var, "often")
+
+
+def test_malformed_nvml_fail_code(tmp_path: Path) -> None:
+    env = sim_env(
+        tmp_path, GPUVISOR_SIM_NVML_FAIL="nvmlDeviceGetCount", GPUVISOR_SIM_NVML_FAIL_CODE="x1"
+    )
+    cp = run_py("import pynvml as n\nn.nvmlInit()\nprint(n.nvmlDeviceGetCount())", env)
+    assert cp.returncode != 0 and "Unknown Error" in cp.stderr
+    _one_line_error(cp.stderr, "GPUVISOR_SIM_NVML_FAIL_CODE", "x1")
+
+
+def test_later_process_with_other_spec_warns_and_uses_file(tmp_path: Path) -> None:
+    code = "import pynvml as n\nn.nvmlInit()\nprint(n.nvmlDeviceGetCount())"
+    cp = run_py(code, sim_env(tmp_path, "3x8g"))
+    assert ok(cp).strip() == "3" and cp.stderr == ""
+    cp = run_py(code, sim_env(tmp_path, "1x4g"))
+    assert ok(cp).strip() == "3"
+    _one_line_error(cp.stderr, "GPUVISOR_SIM_DEVICES", "1x4g")
+    cp = run_py(code, sim_env(tmp_path, None))  # unset: silently the file's
+    assert ok(cp).strip() == "3" and cp.stderr == ""
+
+
+def test_default_is_one_16g_device(tmp_path: Path) -> None:
+    code = """
+        import pynvml as n
+        n.nvmlInit()
+        h = n.nvmlDeviceGetHandleByIndex(0)
+        print(n.nvmlDeviceGetCount(), n.nvmlDeviceGetMemoryInfo(h).total, n.nvmlDeviceGetName(h))
+        """
+    assert ok(run_py(code, sim_env(tmp_path, None))).strip() == (
+        f"1 {16 * GiB} gpuvisor simulated GPU"
+    )
+
+
+def test_corrupt_state_file_fails_init_naming_file(tmp_path: Path) -> None:
+    env = sim_env(tmp_path)
+    Path(env["GPUVISOR_SIM_STATE"]).write_bytes(b"not a state file" * 100)
+    cp = run_py(CTYPES_PRELUDE + "print(cu.cuInit(0))", env)
+    assert ok(cp).strip() == "304"  # CUDA_ERROR_OPERATING_SYSTEM
+    _one_line_error(cp.stderr, env["GPUVISOR_SIM_STATE"])
+
+
+def test_cuda_visible_devices_orders_and_filters(tmp_path: Path) -> None:
+    code = (
+        CTYPES_PRELUDE
+        + """
+rc = cu.cuInit(0)
+n = ctypes.c_int(-1)
+cu.cuDeviceGetCount(ctypes.byref(n))
+bus = []
+for i in range(max(n.value, 0)):
+    v = ctypes.c_int()
+    chk(cu.cuDeviceGetAttribute(ctypes.byref(v), 33, i))
+    bus.append(v.value)
+print(rc, n.value, *bus)
+"""
+    )
+    spec = "3x1g,1g:uuid=GPU-abcdef00-1234-1234-1234-123456789abc"
+    cases = {
+        "3,1": "0 2 3 1",
+        "GPU-abc": "0 1 3",
+        "2,x,0": "0 1 2",
+        "": "100 -1",
+        "9": "100 -1",
+    }
+    for value, want in cases.items():
+        out = ok(run_py(code, sim_env(tmp_path, spec, CUDA_VISIBLE_DEVICES=value)))
+        assert out.strip() == want, (value, out)
