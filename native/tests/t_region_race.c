@@ -165,7 +165,6 @@ static void race(int procs, int threads, int ms)
             kids[p] = fork();
             CHECK(kids[p] >= 0);
             if (kids[p] == 0) {
-                setvbuf(stdout, NULL, _IOLBF, 0);
     alarm(60);
                 g_r = t_open_region(g_path);      /* each process attaches itself */
                 run_threads(threads, worker, (long)p * threads + 1);
@@ -311,6 +310,7 @@ int main(int argc, char **argv)
         return 2;
     }
     g_path = argv[1];
+    setvbuf(stdout, NULL, _IOLBF, 0);
     int procs = (int)t_opt(argc, argv, "--procs", 16);
     int threads = (int)t_opt(argc, argv, "--threads", 4);
     int ms = (int)t_opt(argc, argv, "--ms", 2000);

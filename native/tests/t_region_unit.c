@@ -472,6 +472,8 @@ static int exec_child(const char *path, int old_slot)
     if (region_self_slot(r2) != s || region_slot_used(r2, d, s) != MIB)
         return 1;
     region_release(r, d, s, MIB);
+    region_close(r2);
+    region_close(r);
     return 0;
 }
 
@@ -488,7 +490,6 @@ static void test_device_race(void)
         kids[i] = fork();
         CHECK(kids[i] >= 0);
         if (kids[i] == 0) {
-            setvbuf(stdout, NULL, _IOLBF, 0);
     alarm(20);
             gv_region *cr = t_open_region(p);
             while (!atomic_load(go))
@@ -572,6 +573,7 @@ int main(int argc, char **argv)
         return 2;
     }
     snprintf(g_dir, sizeof g_dir, "%s", argv[1]);
+    setvbuf(stdout, NULL, _IOLBF, 0);
     mkdir(g_dir, 0755);
     alarm(60);
     char exe[512];
