@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import GiB, Holder, MiB, SimNode, run_json, run_py
+from tests.helpers import LIBRARY, GiB, Holder, MiB, SimNode, clean_env, run_json, run_py
 
 SIM_CONTEXT = 32 * MiB  # what the simulator charges for one context
 PRELUDE = "from tests.cuclient import *\n"
@@ -318,3 +318,34 @@ def test_corrupt_region_fails_closed(node):
     assert out["init"] == NOT_PERMITTED
     assert "CUDA_SUCCESS" not in out["allocs"]
     assert str(node.region) in proc.stderr
+
+
+# --- the same on a real GPU (skipped without one) --------------------------------
+
+
+@pytest.mark.gpu
+def test_real_gpu_quota(tmp_path):
+    env = clean_env()
+    env.update(
+        LD_PRELOAD=str(LIBRARY),
+        CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "region.shr"),
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+    )
+    out = run_json(
+        PRELUDE
+        + """
+init()
+free, total = mem_info()
+over, _ = call(cu.cuMemAlloc, 5 * GiB)
+p = ok(cu.cuMemAlloc, 1 * GiB)
+grown = used()
+ok(cu.cuMemFree, p)
+emit(free=free, total=total, over=over.name, grown=grown, after=used())
+""",
+        env,
+    )
+    assert out["total"] == 4 * GiB
+    assert 0 < out["free"] < 4 * GiB  # the context's real charge is counted
+    assert out["over"] == OOM
+    assert out["grown"] >= 4 * GiB - out["free"] + 1 * GiB
+    assert out["after"] == 4 * GiB - out["free"]
