@@ -1,0 +1,130 @@
+"""Runs the C tests of the shared accounting region (native/tests/t_region_*).
+
+Each binary runs in its own temporary directory with its own region file, so
+the module is safe under ``pytest -n auto``.  The plain build must exist
+(``make``); the sanitizer variants are skipped, with the reason, when their
+build directory is missing (``make asan`` / ``make tsan``).  Rounds and
+durations are chosen to keep the whole module well under a minute on two
+cores.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+# build dir -> how it is made
+BUILDS = {"build": "make", "build-asan": "make asan", "build-tsan": "make tsan"}
+
+# (program, extra arguments per build, timeout seconds)
+RACE_ARGS = {
+    "build": ["--ms", "1500", "--hot-ms", "1000", "--duel-rounds", "200"],
+    "build-asan": ["--ms", "800", "--hot-ms", "600", "--duel-rounds", "100"],
+    # ThreadSanitizer does not follow forked children: threads only.
+    "build-tsan": ["--threads-only", "--ms", "500", "--hot-ms", "400", "--duel-rounds", "60"],
+}
+KILL_ARGS = {
+    "build": ["--rounds", "12", "--workers", "6", "--round-ms", "120"],
+    "build-asan": ["--rounds", "6", "--workers", "6", "--round-ms", "100"],
+    "build-tsan": ["--rounds", "4", "--workers", "4", "--round-ms", "100"],
+}
+
+SANITIZER_ENV = {
+    "ASAN_OPTIONS": "detect_leaks=1:abort_on_error=0:exitcode=23",
+    "UBSAN_OPTIONS": "halt_on_error=1:print_stacktrace=1",
+    "TSAN_OPTIONS": "halt_on_error=1:exitcode=66:second_deadlock_stack=1",
+    "LIBCUDA_LOG_LEVEL": "1",
+}
+SANITIZER_MARKERS = (
+    "ERROR: AddressSanitizer",
+    "ERROR: LeakSanitizer",
+    "runtime error:",
+    "WARNING: ThreadSanitizer",
+)
+
+
+def binary(build: str, name: str) -> Path:
+    path = REPO / build / "tests" / name
+    if not path.exists():
+        if build == "build":
+            pytest.fail(f"run make first: missing {path}", pytrace=False)
+        if not (REPO / build).is_dir():
+            pytest.skip(f"{build}/ is missing: run `{BUILDS[build]}` to test this variant")
+        pytest.fail(
+            f"{path} is missing although {build}/ exists: run `{BUILDS[build]}`", pytrace=False
+        )
+    return path
+
+
+def run(build: str, name: str, args: list[str], tmp_path: Path, timeout: float) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CUDA_DEVICE_MEMORY")}
+    env.update(SANITIZER_ENV)
+    proc = subprocess.run(
+        [str(binary(build, name)), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"{build}/tests/{name} exited {proc.returncode}:\n{out[-4000:]}"
+    for marker in SANITIZER_MARKERS:
+        assert marker not in out, f"{build}/tests/{name}: sanitizer report:\n{out[-4000:]}"
+    return out
+
+
+def overshoots(out: str) -> list[int]:
+    return [int(v) for v in re.findall(r"^overshoot=(\d+) bytes$", out, re.MULTILINE)]
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_region_unit(build: str, tmp_path: Path) -> None:
+    out = run(build, "t_region_unit", [str(tmp_path / "scratch")], tmp_path, timeout=60)
+    assert "t_region_unit: OK" in out
+    # The corrupt-file messages are one line each and name the file.
+    assert "version 7, this library speaks 1" in out
+    assert re.search(r"bad magic 0x[0-9a-f]{16}, not a gpuvisor region", out)
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_region_race(build: str, tmp_path: Path) -> None:
+    out = run(
+        build,
+        "t_region_race",
+        [str(tmp_path / "race.shr"), *RACE_ARGS[build]],
+        tmp_path,
+        timeout=60,
+    )
+    figures = overshoots(out)
+    assert len(figures) == 2, out  # wide phase and hot phase
+    assert figures == [0, 0], out
+    duel = re.search(r"several_winners=(\d+)", out)
+    assert duel is not None, out
+    assert duel.group(1) == "0", out
+    assert "t_region_race: OK" in out
+    assert not (tmp_path / "race.shr").exists()
+
+
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_region_kill(build: str, tmp_path: Path) -> None:
+    out = run(
+        build,
+        "t_region_kill",
+        [str(tmp_path / "kill.shr"), *KILL_ARGS[build]],
+        tmp_path,
+        timeout=90,
+    )
+    m = re.search(r"kill: rounds=(\d+) .*kills=(\d+) .*hung=(\d+) .*final_used=(\d+)", out)
+    assert m is not None, out
+    assert int(m.group(2)) > 0, out  # kills happened
+    assert m.group(3) == "0", out  # nobody hung
+    assert m.group(4) == "0", out  # everything reclaimed
+    assert "t_region_kill: OK" in out
