@@ -16,6 +16,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 SIM_DIR = REPO / "build" / "sim"
 T_SIM_BASIC = REPO / "build" / "tests" / "t_sim_basic"
+T_SIM_KILL = REPO / "build" / "tests" / "t_sim_kill"
+T_LINK_SIM = REPO / "build" / "tests" / "t_link_sim"
 MiB = 1 << 20
 GiB = 1 << 30
 

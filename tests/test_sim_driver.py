@@ -15,7 +15,9 @@ import pytest
 
 from tests.simhelp import (
     CTYPES_PRELUDE,
+    T_LINK_SIM,
     T_SIM_BASIC,
+    T_SIM_KILL,
     GiB,
     MiB,
     has_cuda_bindings,
@@ -37,6 +39,20 @@ def test_c_basic(tmp_path: Path) -> None:
     cp = subprocess.run([str(T_SIM_BASIC)], env=env, capture_output=True, text=True, timeout=60)
     assert cp.returncode == 0 and cp.stdout.strip().endswith("OK"), cp.stdout + cp.stderr
     assert not list(tmp_path.glob("gv-t-sim-basic-*")), "t_sim_basic left its state file"
+
+
+def test_c_kill_stress(tmp_path: Path) -> None:
+    """C workers SIGKILLed mid-call: no deadlock, no leaked usage."""
+    env = sim_env(tmp_path, TMPDIR=str(tmp_path))
+    cp = subprocess.run([str(T_SIM_KILL)], env=env, capture_output=True, text=True, timeout=60)
+    assert cp.returncode == 0 and cp.stdout.strip().endswith("OK"), cp.stdout + cp.stderr
+
+
+def test_c_linked_program(tmp_path: Path) -> None:
+    """-lcuda -lnvidia-ml binds to the exported names; both libraries share state."""
+    env = sim_env(tmp_path, "2g")
+    cp = subprocess.run([str(T_LINK_SIM)], env=env, capture_output=True, text=True, timeout=60)
+    assert cp.returncode == 0 and cp.stdout.strip() == "OK", cp.stdout + cp.stderr
 
 
 @needs_cuda_python
