@@ -37,7 +37,8 @@ H100_SPEC = (
 def test_c_basic(tmp_path: Path) -> None:
     env = sim_env(tmp_path, TMPDIR=str(tmp_path))
     cp = subprocess.run([str(T_SIM_BASIC)], env=env, capture_output=True, text=True, timeout=60)
-    assert cp.returncode == 0 and cp.stdout.strip().endswith("OK"), cp.stdout + cp.stderr
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    assert cp.stdout.strip().endswith("OK"), cp.stdout + cp.stderr
     assert not list(tmp_path.glob("gv-t-sim-basic-*")), "t_sim_basic left its state file"
 
 
@@ -45,14 +46,16 @@ def test_c_kill_stress(tmp_path: Path) -> None:
     """C workers SIGKILLed mid-call: no deadlock, no leaked usage."""
     env = sim_env(tmp_path, TMPDIR=str(tmp_path))
     cp = subprocess.run([str(T_SIM_KILL)], env=env, capture_output=True, text=True, timeout=60)
-    assert cp.returncode == 0 and cp.stdout.strip().endswith("OK"), cp.stdout + cp.stderr
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    assert cp.stdout.strip().endswith("OK"), cp.stdout + cp.stderr
 
 
 def test_c_linked_program(tmp_path: Path) -> None:
     """-lcuda -lnvidia-ml binds to the exported names; both libraries share state."""
     env = sim_env(tmp_path, "2g")
     cp = subprocess.run([str(T_LINK_SIM)], env=env, capture_output=True, text=True, timeout=60)
-    assert cp.returncode == 0 and cp.stdout.strip() == "OK", cp.stdout + cp.stderr
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    assert cp.stdout.strip() == "OK", cp.stdout + cp.stderr
 
 
 @needs_cuda_python
@@ -203,11 +206,13 @@ def test_two_processes_see_same_usage_and_nvml_lists_pids(tmp_path: Path) -> Non
         # a third process's cuMemGetInfo sees both, plus its own context
         out = ok(run_py(CTYPES_PRELUDE + "ctx(); print(*meminfo())", env))
         free, total = map(int, out.split())
-        assert total == 8 * GiB and free == total - (96 * MiB + GiB + 4 * MiB)
+        assert total == 8 * GiB
+        assert free == total - (96 * MiB + GiB + 4 * MiB)
     finally:
         for p in (a, b):
             p.communicate("\n", timeout=30)
-    assert a.returncode == 0 and b.returncode == 0
+    assert a.returncode == 0
+    assert b.returncode == 0
     assert _nvml_snapshot(env) == {"used": 0, "free": 8 * GiB, "procs": {}}
 
 
@@ -313,7 +318,8 @@ def test_nvml_fail_knob(tmp_path: Path) -> None:
     assert ok(run_py(code, env)).split("\n")[1:3] == ["ok", "err 3"]
     env = sim_env(tmp_path, GPUVISOR_SIM_NVML_FAIL="all")
     cp = run_py("import pynvml as n\nn.nvmlInit()", env)
-    assert cp.returncode != 0 and "Unknown Error" in cp.stderr
+    assert cp.returncode != 0
+    assert "Unknown Error" in cp.stderr
 
 
 def _one_line_error(stderr: str, *needles: str) -> None:
@@ -339,7 +345,8 @@ def _one_line_error(stderr: str, *needles: str) -> None:
 def test_malformed_spec_fails_init_with_one_line(tmp_path: Path, spec: str) -> None:
     env = sim_env(tmp_path, spec)
     cp = run_py(CTYPES_PRELUDE + "print(cu.cuInit(0))", env)
-    assert cp.returncode == 0 and cp.stdout.strip() != "0"
+    assert cp.returncode == 0
+    assert cp.stdout.strip() != "0"
     _one_line_error(cp.stderr, "GPUVISOR_SIM_DEVICES", spec)
     cp = run_py("import pynvml as n\nn.nvmlInit()", env)
     assert cp.returncode != 0
@@ -370,19 +377,22 @@ def test_malformed_nvml_fail_code(tmp_path: Path) -> None:
         tmp_path, GPUVISOR_SIM_NVML_FAIL="nvmlDeviceGetCount", GPUVISOR_SIM_NVML_FAIL_CODE="x1"
     )
     cp = run_py("import pynvml as n\nn.nvmlInit()\nprint(n.nvmlDeviceGetCount())", env)
-    assert cp.returncode != 0 and "Unknown Error" in cp.stderr
+    assert cp.returncode != 0
+    assert "Unknown Error" in cp.stderr
     _one_line_error(cp.stderr, "GPUVISOR_SIM_NVML_FAIL_CODE", "x1")
 
 
 def test_later_process_with_other_spec_warns_and_uses_file(tmp_path: Path) -> None:
     code = "import pynvml as n\nn.nvmlInit()\nprint(n.nvmlDeviceGetCount())"
     cp = run_py(code, sim_env(tmp_path, "3x8g"))
-    assert ok(cp).strip() == "3" and cp.stderr == ""
+    assert ok(cp).strip() == "3"
+    assert cp.stderr == ""
     cp = run_py(code, sim_env(tmp_path, "1x4g"))
     assert ok(cp).strip() == "3"
     _one_line_error(cp.stderr, "GPUVISOR_SIM_DEVICES", "1x4g")
     cp = run_py(code, sim_env(tmp_path, None))  # unset: silently the file's
-    assert ok(cp).strip() == "3" and cp.stderr == ""
+    assert ok(cp).strip() == "3"
+    assert cp.stderr == ""
 
 
 def test_default_is_one_16g_device(tmp_path: Path) -> None:
