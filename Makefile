@@ -87,8 +87,15 @@ test: all asan tsan venv
 test-fast: all venv
 	$(VENV)/bin/python -m pytest -n auto -q -m "not slow" tests
 
-bench: all venv
-	$(VENV)/bin/python -m tests.bench.memory_bench --write docs/benchmarks.md
+# Per-call cost of the memory hooks (native/tests/bench_memory.c); writes its
+# section of docs/benchmarks.md.
+BENCH_MEMORY := $(BUILD)/bench/bench_memory
+$(BENCH_MEMORY): native/tests/bench_memory.c native/include/gpuvisor.h native/include/gv_cuda.h
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS_ALL) -o $@ $< $(LDLIBS_ALL)
+
+bench: all $(BENCH_MEMORY)
+	$(BENCH_MEMORY) --write docs/benchmarks.md
 
 demo: all venv
 	$(VENV)/bin/python -m gpuvisor.shim.demo
