@@ -20,10 +20,13 @@ static int reserve(int dev, uint64_t n)
     if (slot < 0)
         return -1;
     gv_region *r = gv_core_region();
-    if (region_reserve(r, dev, slot, n) == 0)
-        return 0;
-    /* Pools may have released memory since we last looked: refresh, retry. */
-    gv_pools_refresh();
+    /* Pools may have given memory back since we last looked; when the
+     * request looks tight, re-read them first (one refusal counts once). */
+    if (gv_pools_active()) {
+        uint64_t used = region_used(r, dev), limit = region_limit(r, dev);
+        if (limit != GV_UNLIMITED && (used > limit || n > limit - used))
+            gv_pools_refresh();
+    }
     if (region_reserve(r, dev, slot, n) == 0)
         return 0;
     gv_log(GV_LOG_INFO, "refused %llu bytes on entry %d: used %llu of %llu",

@@ -60,6 +60,8 @@ int gv_ordinal_of_uuid(const unsigned char uuid[16]);
 /* ---- memory pools (hooks_pool.c) ---- */
 /* Re-read the reserve of every pool the process holds (uncontended ones). */
 void gv_pools_refresh(void);
+/* Whether the process holds any tracked pool. */
+int gv_pools_active(void);
 
 /* ---- charging (charge.c) ---- */
 typedef struct gv_charge {

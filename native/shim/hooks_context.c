@@ -53,9 +53,11 @@ static void snap(const gv_devinfo *d, snapshot *s)
         return;
     unsigned int me = (unsigned int)getpid();
     for (unsigned int i = 0; i < n && i < 256; i++) {
+        /* A process may be listed more than once (one row per context
+         * or instance): add them up. */
         if (infos[i].pid == me && infos[i].usedGpuMemory != NVML_VALUE_NOT_AVAILABLE) {
             s->proc_seen = 1;
-            s->proc_used = infos[i].usedGpuMemory;
+            s->proc_used += infos[i].usedGpuMemory;
         }
     }
 }

@@ -30,6 +30,7 @@ typedef struct pool_rec {
 } pool_rec;
 
 static pool_rec pools[MAX_POOLS];
+static atomic_int active;        /* records in use */
 static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
 
 typedef CUresult (*getattr_fn)(CUmemoryPool, CUmemPool_attribute, void *);
@@ -46,6 +47,7 @@ static void child_reset(void)
         atomic_store(&pools[i].ready, 0);
         pools[i].charged = 0;
     }
+    atomic_store(&active, 0);
 }
 
 static void setup(void)
@@ -88,6 +90,7 @@ static pool_rec *rec_for(CUmemoryPool p, int ordinal)
             pools[i].ordinal = ordinal;
             pools[i].dev = d->region_dev;
             pools[i].charged = 0;
+            atomic_fetch_add(&active, 1);
             atomic_store_explicit(&pools[i].ready, 1, memory_order_release);
             return &pools[i];
         }
@@ -122,8 +125,12 @@ static void settle(pool_rec *r)
     }
 }
 
+int gv_pools_active(void) { return atomic_load_explicit(&active, memory_order_relaxed) > 0; }
+
 void gv_pools_refresh(void)
 {
+    if (!gv_pools_active())
+        return;
     for (int i = 0; i < MAX_POOLS; i++) {
         pool_rec *r = &pools[i];
         if (!atomic_load(&r->pool) || !atomic_load(&r->ready))
@@ -355,6 +362,7 @@ GV_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
         r->charged = 0;
         atomic_store(&r->ready, 0);
         atomic_store(&r->pool, 0);
+        atomic_fetch_sub(&active, 1);
     }
     pthread_mutex_unlock(&r->lock);
     return rc;

@@ -21,23 +21,26 @@ static _Atomic(void *) cuda_handle;
 static _Atomic(void *) nvml_handle;
 static atomic_int cuda_tried, nvml_tried;
 
-typedef void *(*dlsym_fn)(void *, const char *);
-static _Atomic(dlsym_fn) libc_dlsym;
+static _Atomic(gv_dlsym_fn) libc_dlsym;
 
-void *gv_real_dlsym(void *handle, const char *name)
+GV_NO_SANITIZE gv_dlsym_fn gv_libc_dlsym(void)
 {
-    dlsym_fn fn = atomic_load_explicit(&libc_dlsym, memory_order_acquire);
+    gv_dlsym_fn fn = atomic_load_explicit(&libc_dlsym, memory_order_acquire);
     if (!fn) {
         /* dlvsym is not overridden, so it reaches the C library's own
          * dlsym: libdl merged into libc at 2.34, older glibc has 2.2.5. */
-        fn = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
+        fn = (gv_dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
         if (!fn)
-            fn = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
-        if (!fn)
-            return NULL;
+            fn = (gv_dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
         atomic_store_explicit(&libc_dlsym, fn, memory_order_release);
     }
-    return fn(handle, name);
+    return fn;
+}
+
+GV_NO_SANITIZE void *gv_real_dlsym(void *handle, const char *name)
+{
+    gv_dlsym_fn fn = gv_libc_dlsym();
+    return fn ? fn(handle, name) : NULL;
 }
 
 static void *open_lib(_Atomic(void *) *slot, atomic_int *tried,

@@ -17,6 +17,10 @@
 #define GV_EXPORT __attribute__((visibility("default")))
 #endif
 
+/* For code that may run before a sanitizer runtime has initialised: the
+ * sanitizers' own start-up calls dlsym(RTLD_NEXT, ...), which is ours. */
+#define GV_NO_SANITIZE __attribute__((no_sanitize_address, no_sanitize_undefined, no_sanitize_thread))
+
 /* Real CUDA entry points the library calls. */
 #define GV_CUDA_SYMS(X) \
     X(cuInit) X(cuGetProcAddress) X(cuGetProcAddress_v2) \
@@ -75,7 +79,9 @@ void *gv_real_cuda_handle(void);
 void *gv_real_nvml_handle(void);
 
 /* The C library's dlsym, bypassing the library's own override. */
-void *gv_real_dlsym(void *handle, const char *name);
+GV_NO_SANITIZE void *gv_real_dlsym(void *handle, const char *name);
+typedef void *(*gv_dlsym_fn)(void *, const char *);
+GV_NO_SANITIZE gv_dlsym_fn gv_libc_dlsym(void);
 
 /* Call a real entry point with its type spelled at the call site:
  *   GV_REAL(cuMemAlloc_v2, CUresult (*)(CUdeviceptr *, size_t))(p, n)
