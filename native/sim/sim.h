@@ -43,7 +43,7 @@ static inline uint64_t sim_round_up(uint64_t v, uint64_t a)
 /* ---- shared state file (state_file.c) ------------------------------- */
 
 #define SIM_MAGIC 0x47565349u           /* "GVSI" */
-#define SIM_VERSION 1u
+#define SIM_VERSION 2u
 
 typedef struct sim_devinfo {
     uint64_t total;                     /* bytes */
@@ -63,6 +63,7 @@ typedef struct sim_row {
     volatile int32_t pid;
     int32_t pad;
     uint64_t start;                     /* /proc/<pid>/stat field 22 */
+    uint64_t image;                     /* which exec image of the pid */
     volatile uint64_t used[SIM_MAX_DEV];
 } sim_row;
 

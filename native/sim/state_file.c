@@ -18,6 +18,8 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <sys/auxv.h>
+
 #include "sim.h"
 
 static sim_shared *S;
@@ -144,6 +146,34 @@ out:
     return rc;
 }
 
+static void lock(void);
+static void unlock(void);
+
+/* Identity of this exec image: the kernel's per-exec random bytes
+ * (AT_RANDOM), the same for both simulated libraries in one image. */
+static uint64_t image_id(void)
+{
+    const unsigned char *r = (const unsigned char *)getauxval(AT_RANDOM);
+    uint64_t id = 0;
+    if (r)
+        memcpy(&id, r, sizeof id);
+    return id;
+}
+
+/* A row with our pid and start time but another image belongs to the
+ * image this process replaced with exec: like the real driver, that
+ * image's memory died with it, so the row goes as soon as we attach. */
+static void drop_replaced_image(void)
+{
+    pid_t me = getpid();
+    uint64_t start = sim_proc_start(me), image = image_id();
+    lock();
+    for (int i = 0; i < SIM_MAX_ROWS; i++)
+        if (S->rows[i].pid == me && S->rows[i].start == start && S->rows[i].image != image)
+            S->rows[i].pid = 0;         /* single store releases the row */
+    unlock();
+}
+
 static void do_open(void)
 {
     const char *env = getenv("GPUVISOR_SIM_DEVICES");
@@ -197,6 +227,7 @@ static void do_open(void)
     if (env && *env && strcmp(env, S->spec) != 0)
         sim_log("GPUVISOR_SIM_DEVICES=%s differs from state file %s (%s); "
                 "using the file's devices", env, path, S->spec);
+    drop_replaced_image();
     g_open_rc = SIM_OK;
 }
 
@@ -241,6 +272,7 @@ static int my_row(void)
             for (int d = 0; d < SIM_MAX_DEV; d++)
                 r->used[d] = 0;
             r->start = start;
+            r->image = image_id();
             __atomic_store_n(&r->pid, me, __ATOMIC_RELEASE);
             g_row = i;
             g_row_pid = me;
