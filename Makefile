@@ -74,14 +74,14 @@ tsan:
 	  EXTRA_CFLAGS="-fsanitize=thread" EXTRA_LDFLAGS="-fsanitize=thread"
 
 # --- Python side -------------------------------------------------------
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
 	$(VENV)/bin/pip install -q -e '.[test]'
 	touch $@
 venv: $(VENV)/.installed
 
-test: all asan tsan venv
+test: all asan tsan lint
 	$(VENV)/bin/python -m pytest -n auto -q tests
 
 test-fast: all venv
@@ -101,7 +101,7 @@ demo: all venv
 	$(VENV)/bin/python -m gpuvisor.shim.demo
 
 lint: venv
-	$(VENV)/bin/ruff check shim supervisor tests
+	$(VENV)/bin/ruff check shim tests setup.py $(wildcard supervisor)
 	$(VENV)/bin/mypy
 
 clean:

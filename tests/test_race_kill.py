@@ -62,7 +62,8 @@ def start_churn(
 def wait_ready(proc: subprocess.Popen[str]) -> None:
     assert proc.stdout is not None
     line = proc.stdout.readline()
-    assert line.strip() == "ready", f"churn not ready: {line!r} {proc.stderr.read() if proc.stderr else ''}"
+    err = proc.stderr.read() if proc.stderr and not line else ""
+    assert line.strip() == "ready", f"churn not ready: {line!r} {err}"
 
 
 def go(procs: list[subprocess.Popen[str]]) -> None:
@@ -79,7 +80,8 @@ def region_usage(node: SimNode) -> dict[str, int]:
         r = Region.attach({str(node.region)!r})
         r.reclaim_dead()
         d = r.devices()[0]
-        print(json.dumps({{"used": d.used, "limit": d.limit, "procs": len(r.processes()), "oom": d.oom_count}}))
+        print(json.dumps({{"used": d.used, "limit": d.limit,
+                          "procs": len(r.processes()), "oom": d.oom_count}}))
     """
     result: dict[str, int] = run_json(code, node.env)
     return result
@@ -112,10 +114,13 @@ def test_race_never_overshoots(node: SimNode, build_dir: Path, tmp_path: Path) -
         ok += int(fields["ok"])
         oom += int(fields["oom"])
     overshoot = max(0, seen["peak"] - limit)
-    print(f"allocations={ok} refusals={oom} samples={seen['samples']} "
-          f"peak={seen['peak']} overshoot={overshoot}")
+    print(
+        f"allocations={ok} refusals={oom} samples={seen['samples']} "
+        f"peak={seen['peak']} overshoot={overshoot}"
+    )
     assert seen["samples"] > 10
-    assert ok > 100 and oom > 100, "the race must actually contend for the quota"
+    assert ok > 100, "the race must make progress"
+    assert oom > 100, "the race must actually contend for the quota"
     assert overshoot == 0
     after = region_usage(node)
     assert after["used"] == 0
@@ -153,6 +158,10 @@ def test_sigkill_storm(node: SimNode, build_dir: Path, rounds: int) -> None:
     # After the storm the whole quota is usable again (minus the context).
     proc = subprocess.run(
         [str(build_dir / "tests" / "t_link_churn"), "0.3", "1", "900", "7"],
-        env=env, capture_output=True, text=True, timeout=60, check=False,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert proc.returncode == 0, proc.stderr

@@ -190,7 +190,8 @@ def _nvml_snapshot(env: dict[str, str]) -> dict[str, object]:
     )
     import json
 
-    return json.loads(out)
+    result: dict[str, object] = json.loads(out)
+    return result
 
 
 def test_two_processes_see_same_usage_and_nvml_lists_pids(tmp_path: Path) -> None:

@@ -1,0 +1,104 @@
+"""The interposer under AddressSanitizer + UndefinedBehaviorSanitizer.
+
+`make asan` builds the library, the simulator and the C tests with
+-fsanitize=address,undefined into build-asan/ (`make test` always does).
+Any report makes the sanitized program exit non-zero.  The region code's
+ThreadSanitizer runs are in test_region_native.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import pytest
+
+from tests.helpers import REPO_ROOT, SimNode
+
+ASAN_DIR = REPO_ROOT / "build-asan"
+
+
+def asan_runtime() -> str:
+    out = subprocess.run(
+        ["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    return out if out.startswith("/") else ""
+
+
+@pytest.fixture
+def asan_env(node: SimNode) -> dict[str, str]:
+    if not (ASAN_DIR / "libgpuvisor.so").is_file():
+        pytest.skip("build-asan/ missing: run `make asan` (make test does)")
+    env = dict(node.env)
+    env.update(
+        LD_LIBRARY_PATH=str(ASAN_DIR / "sim"),
+        LD_PRELOAD=str(ASAN_DIR / "libgpuvisor.so"),
+        # The sanitized C programs load the runtime themselves, after the
+        # preloaded library; that order is fine for a library that only
+        # interposes driver symbols.
+        ASAN_OPTIONS="verify_asan_link_order=0:abort_on_error=0:exitcode=86",
+        UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:exitcode=87",
+        CUDA_DEVICE_MEMORY_LIMIT="1g",
+    )
+    return env
+
+
+def run(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=120, check=False, cwd=REPO_ROOT
+    )
+
+
+def test_interception_paths_under_asan(asan_env: dict[str, str]) -> None:
+    proc = run([str(ASAN_DIR / "tests" / "t_link_intercept")], asan_env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ERROR: AddressSanitizer" not in proc.stderr
+
+
+def test_threads_and_processes_under_asan(asan_env: dict[str, str]) -> None:
+    churn = str(ASAN_DIR / "tests" / "t_link_churn")
+    procs = [
+        subprocess.Popen(
+            [churn, "1", "4", "64", str(seed)],
+            env=asan_env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed in range(4)
+    ]
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        assert "ok=" in out
+
+
+CLIENT = """
+from tests.cuclient import *
+init()
+for name, kind in ALLOCATORS.items():
+    a = kind()
+    base = used()
+    err, h = a.alloc(64 * MiB)
+    assert err == SUCCESS, (name, err)
+    assert used() > base, name
+    over, h2 = a.alloc(2 * GiB)
+    assert over != SUCCESS, name
+    a.free(h)
+    assert used() == base, name
+print("clean")
+"""
+
+
+def test_python_client_every_allocation_api_under_asan(asan_env: dict[str, str]) -> None:
+    runtime = asan_runtime()
+    if not runtime:
+        pytest.skip("gcc has no libasan.so")
+    env = dict(asan_env)
+    # Python itself is not sanitized: the runtime must be loaded first.
+    env["LD_PRELOAD"] = f"{runtime}:{asan_env['LD_PRELOAD']}"
+    env["ASAN_OPTIONS"] = "detect_leaks=0:exitcode=86"
+    proc = run([sys.executable, "-c", textwrap.dedent(CLIENT)], env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().endswith("clean")
