@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+
 import pytest
 
 from tests.helpers import REPO_ROOT, SimNode
