@@ -60,17 +60,21 @@ def test_threads_and_processes_under_asan(asan_env: dict[str, str]) -> None:
     churn = str(ASAN_DIR / "tests" / "t_link_churn")
     procs = [
         subprocess.Popen(
-            [churn, "1", "4", "64", str(seed)],
+            [churn, "1", "4", "64", str(seed), "wait"],
             env=asan_env,
-            stdin=subprocess.DEVNULL,
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
         for seed in range(4)
     ]
+    # Every context exists before anyone allocates (contexts count too).
     for p in procs:
-        out, err = p.communicate(timeout=120)
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == "ready"
+    for p in procs:
+        out, err = p.communicate("go\n", timeout=120)
         assert p.returncode == 0, err
         assert "ok=" in out
 

@@ -52,8 +52,10 @@ struct gv_dev {
     _Atomic uint64_t physical_total;
     _Atomic uint64_t oom_count;
     unsigned char uuid[16];                       /* valid once READY */
+    _Alignas(CACHELINE) _Atomic uint64_t total;   /* sum of used[]: see below */
+    _Alignas(CACHELINE) _Atomic uint64_t gate;    /* 0 open, else closer|FLAG_BIT */
     _Alignas(CACHELINE) _Atomic uint64_t used[GV_MAX_SLOTS];
-    _Alignas(CACHELINE) _Atomic uint64_t inflight[GV_MAX_SLOTS];
+    _Alignas(CACHELINE) _Atomic uint64_t inside[GV_MAX_SLOTS];  /* ops in progress */
 };
 
 struct gv_shm {
@@ -460,13 +462,7 @@ static void raise_hwm(gv_region *r, uint32_t to)
         ;
 }
 
-static void zero_slot_counters(gv_region *r, int slot)
-{
-    for (int d = 0; d < GV_MAX_DEVICES; d++) {
-        atomic_store(&r->m->dev[d].used[slot], 0);
-        atomic_store(&r->m->dev[d].inflight[slot], 0);
-    }
-}
+static void forget_slot(gv_region *r, int slot);
 
 /* Claim the lowest free slot for owner word w (hwm is raised first, so a
  * claimer killed right after its CAS still leaves a reclaimable slot). */
@@ -493,7 +489,7 @@ static int claim_self_slot(gv_region *r)
         /* Ours already: another handle of this image shares it; a slot of
          * the image before exec() (same pid and start) is reset. */
         if (atomic_load(&r->m->image[i]) != img) {
-            zero_slot_counters(r, (int)i);
+            forget_slot(r, (int)i);
             atomic_store(&r->m->image[i], img);
         }
         return (int)i;
@@ -548,7 +544,7 @@ static int reclaim(gv_region *r, int dev)
         if (o == 0 || o == self)
             continue;
         if (dev >= 0 && atomic_load(&r->m->dev[dev].used[i]) == 0 &&
-            atomic_load(&r->m->dev[dev].inflight[i]) == 0)
+            atomic_load(&r->m->dev[dev].inside[i]) == 0)
             continue;
         if (o & FLAG_BIT) {
             /* Being reclaimed: by a live thread (not this one) -> leave it. */
@@ -560,13 +556,8 @@ static int reclaim(gv_region *r, int dev)
         uint64_t mine = thread_owner() | FLAG_BIT;
         if (!atomic_compare_exchange_strong(&r->m->owner[i], &o, mine))
             continue;
-        /* Exclusive now; zeroing is idempotent if we die and are taken over. */
-        for (int d = 0; d < GV_MAX_DEVICES; d++) {
-            atomic_store(&r->m->dev[d].used[i], 0);
-            if (d == 0)
-                test_delay();
-            atomic_store(&r->m->dev[d].inflight[i], 0);
-        }
+        /* Exclusive now; forgetting is idempotent if we die and are taken over. */
+        forget_slot(r, (int)i);
         atomic_store(&r->m->image[i], 0);
         atomic_compare_exchange_strong(&r->m->owner[i], &mine, 0);
         n++;
@@ -639,8 +630,10 @@ static void init_device(struct gv_dev *d, const unsigned char uuid[16],
     atomic_store(&d->oom_count, 0);
     for (int i = 0; i < GV_MAX_SLOTS; i++) {
         atomic_store_explicit(&d->used[i], 0, memory_order_relaxed);
-        atomic_store_explicit(&d->inflight[i], 0, memory_order_relaxed);
+        atomic_store_explicit(&d->inside[i], 0, memory_order_relaxed);
     }
+    atomic_store(&d->total, 0);
+    atomic_store(&d->gate, 0);
 }
 
 int region_device_lookup(gv_region *r, const unsigned char uuid[16],
@@ -739,7 +732,26 @@ uint64_t region_oom_count(gv_region *r, int dev)
     return dev_ok(r, dev) ? atomic_load(&r->m->dev[dev].oom_count) : 0;
 }
 
-/* ---- accounting -------------------------------------------------------------- */
+/* ---- accounting -------------------------------------------------------------- *
+ *
+ * Each device keeps a running total of what its slots hold, so checking a
+ * reservation and reading usage cost the same whatever the number of
+ * processes.  A reservation is one fetch_add on the total: the value it
+ * returns is the exact sum including every earlier reservation, so two
+ * racers for the last bytes cannot both fit, and a refused one is taken
+ * back at once.  The slot's own counter is the truth for that process.
+ *
+ * The total and a slot's counter are two words, so a process killed between
+ * updating one and the other would leave the total wrong.  Every update is
+ * therefore made "inside a gate": the slot's inside[] counter is raised
+ * first and lowered last.  Whoever reclaims a dead slot closes the gate (one
+ * CAS on a word naming the closer), waits until no live slot is inside, and
+ * recomputes the total from the slots' counters, leaving the dead one out.
+ * Nobody can be half-way through an update then, whatever a dead process
+ * was doing.  A closer that dies is taken over by the next process that
+ * finds the gate shut.  The gate is only ever closed to reclaim a dead
+ * process, so the fast path never waits on it in normal operation.
+ */
 
 static uint64_t sat_add(uint64_t a, uint64_t b)
 {
@@ -747,25 +759,107 @@ static uint64_t sat_add(uint64_t a, uint64_t b)
     return s < a ? UINT64_MAX : s;
 }
 
-static uint64_t sum_used(const struct gv_dev *d, uint32_t hwm)
+static void recompute(gv_region *r, int dev, int forget);
+
+/* Wait for an open gate; take over a gate whose closer died. */
+static void wait_gate(gv_region *r, int dev)
 {
-    uint64_t sum = 0;
-    for (uint32_t k = 0; k < hwm; k++)
-        sum = sat_add(sum, atomic_load(&d->used[k]));
-    return sum;
+    struct gv_dev *d = &r->m->dev[dev];
+    for (unsigned waits = 1;; waits++) {
+        uint64_t g = atomic_load(&d->gate);
+        if (g == 0)
+            return;
+        if (waits % 64 == 0 && !owner_alive(g)) {
+            recompute(r, dev, -1);       /* finish the dead closer's work */
+            continue;
+        }
+        sched_yield();
+    }
 }
 
-/* Usage that is not merely in flight (approximate: not a snapshot). */
-static uint64_t sum_committed(const struct gv_dev *d, uint32_t hwm)
+static void enter(gv_region *r, int dev, int slot)
 {
-    uint64_t sum = 0;
-    for (uint32_t k = 0; k < hwm; k++) {
-        uint64_t f = atomic_load(&d->inflight[k]);
-        uint64_t u = atomic_load(&d->used[k]);
-        if (u > f)
-            sum = sat_add(sum, u - f);
+    struct gv_dev *d = &r->m->dev[dev];
+    for (;;) {
+        atomic_fetch_add(&d->inside[slot], 1);
+        if (atomic_load(&d->gate) == 0)
+            return;
+        atomic_fetch_sub(&d->inside[slot], 1);
+        wait_gate(r, dev);
     }
-    return sum;
+}
+
+static void leave(gv_region *r, int dev, int slot)
+{
+    atomic_fetch_sub(&r->m->dev[dev].inside[slot], 1);
+}
+
+/* Close dev's gate for the calling thread (taking over a dead closer). */
+static void close_gate(gv_region *r, int dev)
+{
+    struct gv_dev *d = &r->m->dev[dev];
+    uint64_t mine = thread_owner() | FLAG_BIT;
+    for (unsigned waits = 1;; waits++) {
+        uint64_t g = atomic_load(&d->gate);
+        if (g == mine)
+            return;
+        if (g == 0 || (waits % 64 == 0 && !owner_alive(g))) {
+            if (atomic_compare_exchange_strong(&d->gate, &g, mine))
+                return;
+            continue;
+        }
+        sched_yield();
+    }
+}
+
+/* Wait until no live slot other than `forget` is inside dev's gate. */
+static void wait_outside(gv_region *r, int dev, int forget)
+{
+    struct gv_dev *d = &r->m->dev[dev];
+    uint32_t hwm = hwm_of(r);
+    for (uint32_t k = 0; k < hwm; k++) {
+        for (unsigned waits = 1; (int)k != forget && atomic_load(&d->inside[k]) != 0; waits++) {
+            /* A dead process stays inside for ever: its counter is left
+             * out of the total below, so it does not matter where it died. */
+            uint64_t o = atomic_load(&r->m->owner[k]);
+            if (waits % 16 == 0 && (o == 0 || !owner_alive(o)))
+                break;
+            sched_yield();
+        }
+    }
+}
+
+/* With the gate closed: drop slot `forget` (if >= 0) and set the total to
+ * the sum of the slots' counters; then open the gate. */
+static void recompute(gv_region *r, int dev, int forget)
+{
+    struct gv_dev *d = &r->m->dev[dev];
+    close_gate(r, dev);
+    wait_outside(r, dev, forget);
+    if (forget >= 0) {
+        atomic_store(&d->used[forget], 0);
+        test_delay();
+        atomic_store(&d->inside[forget], 0);
+    }
+    uint64_t sum = 0;
+    uint32_t hwm = hwm_of(r);
+    for (uint32_t k = 0; k < hwm; k++)
+        sum = sat_add(sum, atomic_load(&d->used[k]));
+    atomic_store(&d->total, sum);
+    atomic_store(&d->gate, 0);
+}
+
+/* Remove a slot's holdings from every device (its process is gone). */
+static void forget_slot(gv_region *r, int slot)
+{
+    for (int dev = 0; dev < GV_MAX_DEVICES; dev++) {
+        struct gv_dev *d = &r->m->dev[dev];
+        if (atomic_load(&d->state) != DEV_READY)
+            continue;
+        if (atomic_load(&d->used[slot]) != 0 || atomic_load(&d->inside[slot]) != 0 ||
+            atomic_load(&d->gate) != 0)
+            recompute(r, dev, slot);
+    }
 }
 
 static int refuse(struct gv_dev *d)
@@ -788,25 +882,20 @@ int region_reserve(gv_region *r, int dev, int slot, uint64_t n)
     int tries = 0, reclaimed = 0;
     for (;;) {
         uint64_t limit = atomic_load(&d->limit);
-        if (limit == GV_UNLIMITED) {
-            atomic_fetch_add(&d->used[slot], n);
-            return GV_OK;
-        }
-        if (n > limit)
+        if (limit != GV_UNLIMITED && n > limit)
             return refuse(d);
-        /* Publish, then sum: of two racers the later one sees the earlier. */
-        atomic_fetch_add(&d->inflight[slot], n);
-        atomic_fetch_add(&d->used[slot], n);
-        uint32_t hwm = hwm_of(r);
-        if (sum_used(d, hwm) <= limit) {
-            atomic_fetch_sub(&d->inflight[slot], n);
+        enter(r, dev, slot);
+        uint64_t total = atomic_fetch_add(&d->total, n) + n;
+        if (limit == GV_UNLIMITED || total <= limit) {
+            atomic_fetch_add(&d->used[slot], n);
+            leave(r, dev, slot);
             return GV_OK;
         }
-        atomic_fetch_sub(&d->used[slot], n);
-        atomic_fetch_sub(&d->inflight[slot], n);
-        /* Would it fit if nothing were in flight?  Then we only collided
-         * with racers that may yet withdraw: back off and retry. */
-        if (sum_committed(d, hwm) <= limit - n && ++tries < RESERVE_TRIES) {
+        atomic_fetch_sub(&d->total, n);
+        leave(r, dev, slot);
+        /* Room now?  Then we only collided with racers that took theirs
+         * back: retry after a short random wait. */
+        if (atomic_load(&d->total) <= limit - n && ++tries < RESERVE_TRIES) {
             backoff(slot, tries);
             continue;
         }
@@ -823,10 +912,14 @@ void region_release(gv_region *r, int dev, int slot, uint64_t n)
 {
     if (!dev_ok(r, dev) || slot < 0 || slot >= GV_MAX_SLOTS || n == 0)
         return;
-    _Atomic uint64_t *c = &r->m->dev[dev].used[slot];
+    struct gv_dev *d = &r->m->dev[dev];
+    enter(r, dev, slot);
+    _Atomic uint64_t *c = &d->used[slot];
     uint64_t old = atomic_load(c);
     while (!atomic_compare_exchange_weak(c, &old, old >= n ? old - n : 0))
         ;
+    atomic_fetch_sub(&d->total, old >= n ? n : old);
+    leave(r, dev, slot);
     if (old < n && !atomic_exchange(&g_release_underflow_logged, 1))
         gv_log(GV_LOG_ERROR,
                "region %s: device %d slot %d released %llu bytes but held only %llu "
@@ -838,17 +931,15 @@ uint64_t region_used(gv_region *r, int dev)
 {
     if (!dev_ok(r, dev))
         return 0;
-    return sum_committed(&r->m->dev[dev], hwm_of(r));
+    /* May briefly include a reservation that is about to be refused. */
+    return atomic_load(&r->m->dev[dev].total);
 }
 
 uint64_t region_slot_used(gv_region *r, int dev, int slot)
 {
     if (!dev_ok(r, dev) || slot < 0 || slot >= GV_MAX_SLOTS)
         return 0;
-    const struct gv_dev *d = &r->m->dev[dev];
-    uint64_t f = atomic_load(&d->inflight[slot]);
-    uint64_t u = atomic_load(&d->used[slot]);
-    return u > f ? u - f : 0;
+    return atomic_load(&r->m->dev[dev].used[slot]);
 }
 
 /* ---- test hooks ------------------------------------------------------------ */
@@ -874,13 +965,24 @@ void region_test_set_delay_us(unsigned us)
     atomic_store(&g_test_delay_us, us);
 }
 
-uint64_t region_test_inflight(gv_region *r, int dev)
+uint64_t region_test_inside(gv_region *r, int dev)
 {
     if (!dev_ok(r, dev))
         return 0;
     uint64_t sum = 0;
     uint32_t hwm = hwm_of(r);
     for (uint32_t k = 0; k < hwm; k++)
-        sum = sat_add(sum, atomic_load(&r->m->dev[dev].inflight[k]));
+        sum = sat_add(sum, atomic_load(&r->m->dev[dev].inside[k]));
+    return sum;
+}
+
+uint64_t region_test_slot_sum(gv_region *r, int dev)
+{
+    if (!dev_ok(r, dev))
+        return 0;
+    uint64_t sum = 0;
+    uint32_t hwm = hwm_of(r);
+    for (uint32_t k = 0; k < hwm; k++)
+        sum = sat_add(sum, atomic_load(&r->m->dev[dev].used[k]));
     return sum;
 }

@@ -4,16 +4,20 @@
  * One file per container, mmap'ed MAP_SHARED by every process of the
  * container.  The layout is private to region.c.
  *
- * Accounting model (lock-free, crash-safe):
+ * Accounting model (no lock on the fast path, crash-safe):
  *  - Each process owns one slot.  Its usage per device is a counter that
  *    only the owner changes (atomic add/sub); anyone may read it.
- *  - A reservation publishes the amount into the owner's counter first,
- *    then sums every slot's counter for that device.  If the sum exceeds
- *    the limit, the reservation is withdrawn.  With sequentially consistent
- *    atomics two racing reservations cannot both miss each other, so the
- *    sum never passes the limit by a single byte.
- *  - A dead process's slot is reclaimed by zeroing its counters; because
- *    the counters are the only truth, nothing else needs repair.
+ *  - Each device also keeps a running total.  A reservation is a single
+ *    fetch_add on the total, whose result is the exact sum with every
+ *    earlier reservation: if it passes the limit it is taken back, so two
+ *    racers for the last bytes cannot both succeed and the total never
+ *    passes the limit by a single byte.  Cost does not grow with the
+ *    number of processes.
+ *  - Total and slot counter change "inside a gate" (a per-slot counter of
+ *    operations in progress).  Reclaiming a dead process closes the gate,
+ *    waits for the live processes to be outside, drops the dead slot and
+ *    recomputes the total from the slot counters, so a process killed
+ *    between two updates cannot leave the total wrong.
  *  - Slot owners are identified by (pid, process start time), which
  *    guards against PID reuse.
  */
@@ -24,7 +28,7 @@
 #include <stdint.h>
 
 #define GV_REGION_MAGIC 0x31485356504756ULL   /* "GVPVSH1" little-endian-ish tag */
-#define GV_REGION_VERSION 1u
+#define GV_REGION_VERSION 2u
 #define GV_MAX_SLOTS 1024
 #define GV_MAX_DEVICES 16
 #define GV_DEFAULT_REGION_PATH "/tmp/gpuvisor-region.shr"
@@ -111,7 +115,9 @@ int region_test_mark_reclaiming(gv_region *r, int slot, int32_t pid, uint64_t st
  * each device-entry initialisation (widens the windows a SIGKILL can hit).
  * Process-wide; 0 (the default) disables it. */
 void region_test_set_delay_us(unsigned us);
-/* Raw in-flight total of dev (sum of the retry-refinement counters). */
-uint64_t region_test_inflight(gv_region *r, int dev);
+/* Sum of dev's inside[] counters (operations in progress, 0 when idle). */
+uint64_t region_test_inside(gv_region *r, int dev);
+/* Sum of dev's per-slot counters (equals region_used when idle). */
+uint64_t region_test_slot_sum(gv_region *r, int dev);
 
 #endif /* GV_REGION_H */

@@ -131,12 +131,15 @@ int main(int argc, char **argv)
         for (int i = 0; i < nw; i++)
             reap(w[i], &hung);
         reclaimed += (uint64_t)region_reclaim_dead(g_r);
-        uint64_t used = region_used(g_r, g_dev), infl = region_test_inflight(g_r, g_dev);
-        if (used != 0 || infl != 0 || hung != 0)
-            fprintf(stderr, "round %d: used %llu in flight %llu hung %d\n", round,
-                    (unsigned long long)used, (unsigned long long)infl, hung);
+        uint64_t used = region_used(g_r, g_dev), infl = region_test_inside(g_r, g_dev);
+        uint64_t slots = region_test_slot_sum(g_r, g_dev);
+        if (used != 0 || infl != 0 || slots != 0 || hung != 0)
+            fprintf(stderr, "round %d: used %llu slots %llu inside %llu hung %d\n", round,
+                    (unsigned long long)used, (unsigned long long)slots,
+                    (unsigned long long)infl, hung);
         CHECK_EQ(hung, 0);
         CHECK_EQ(used, 0);
+        CHECK_EQ(slots, 0);
         CHECK_EQ(infl, 0);
         int32_t pids[8];
         CHECK_EQ(region_process_list(g_r, pids, 8), 1);     /* only us */

@@ -188,7 +188,8 @@ static void race(int procs, int threads, int ms)
     uint64_t worst = lmax > o.max ? lmax : o.max;
     uint64_t overshoot = worst > g_limit ? worst - g_limit : 0;
     uint64_t final_used = region_used(g_r, g_dev);
-    uint64_t final_inflight = region_test_inflight(g_r, g_dev);
+    uint64_t final_inflight = region_test_inside(g_r, g_dev);
+    uint64_t final_slots = region_test_slot_sum(g_r, g_dev);
     printf("race: mode=%s procs=%d threads=%d ms=%llu limit=%llu ok=%llu refused=%llu "
            "released=%llu ledger_max=%llu observed_max=%llu quiescent_samples=%llu/%llu "
            "final_used=%llu\n",
@@ -203,6 +204,7 @@ static void race(int procs, int threads, int ms)
     CHECK_EQ(overshoot, 0);
     CHECK_EQ(final_used, 0);
     CHECK_EQ(final_inflight, 0);
+    CHECK_EQ(final_slots, 0);
     CHECK_EQ(atomic_load(&S->ledger), 0);
     CHECK(atomic_load(&S->ok) > 0);
     CHECK(atomic_load(&S->refused) > 0);   /* we really were at the limit */
