@@ -63,10 +63,12 @@ def test_live_limit_change(node: SimNode) -> None:
         text=True,
         cwd=REPO_ROOT,
     )
-    assert proc.stdin is not None and proc.stdout is not None
+    assert proc.stdin is not None
+    assert proc.stdout is not None
 
     def step(cmd: str | None = None) -> dict[str, object]:
-        assert proc.stdin is not None and proc.stdout is not None
+        assert proc.stdin is not None
+        assert proc.stdout is not None
         if cmd:
             proc.stdin.write(cmd + "\n")
             proc.stdin.flush()
