@@ -16,6 +16,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <sys/auxv.h>
@@ -86,9 +87,25 @@ static int row_alive(const sim_row *r)
 
 static void lock(void)
 {
-    int r = pthread_mutex_lock(&S->lock);
-    if (r == EOWNERDEAD)                /* every update is a single store */
-        pthread_mutex_consistent(&S->lock);
+    /* Robust, so a holder killed at any instruction hands the lock on
+     * (EOWNERDEAD; every update is a single store, so the state is whole).
+     * Waits are bounded and retried: a wake-up lost when a process dies in
+     * the middle of the futex hand-over must not leave a waiter asleep on a
+     * free lock. */
+    for (;;) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += 50 * 1000 * 1000;
+        if (ts.tv_nsec >= 1000000000L) {
+            ts.tv_sec++;
+            ts.tv_nsec -= 1000000000L;
+        }
+        int r = pthread_mutex_timedlock(&S->lock, &ts);
+        if (r == EOWNERDEAD)
+            pthread_mutex_consistent(&S->lock);
+        if (r != ETIMEDOUT)
+            return;
+    }
 }
 
 static void unlock(void)
