@@ -105,6 +105,28 @@ void gv_charge_commit(const gv_charge *c, int kind, uint64_t key, uint64_t aux)
                (unsigned long long)c->bytes);
 }
 
+CUresult gv_charge_settle(gv_charge *c, CUresult rc, int kind, uint64_t key)
+{
+    if (rc == CUDA_SUCCESS)
+        gv_charge_commit(c, kind, key, 0);
+    else
+        gv_charge_cancel(c);
+    return rc;
+}
+
+int gv_untrack(uint32_t kind, uint64_t key, gv_destroy_fn destroy, void *arg, CUresult *rc)
+{
+    gv_alloc a;
+    if (!gv_table_take(kind, key, &a))
+        return 0;
+    *rc = destroy(key, arg);
+    if (*rc == CUDA_SUCCESS)
+        gv_uncharge(a.dev, a.bytes);
+    else
+        gv_table_put(&a);
+    return 1;
+}
+
 void gv_uncharge(int dev, uint64_t bytes)
 {
     if (bytes == 0)

@@ -93,7 +93,18 @@ CUresult gv_charge_resize(gv_charge *c, uint64_t bytes);
 void gv_charge_cancel(gv_charge *c);
 /* Record the reservation against an object the driver returned. */
 void gv_charge_commit(const gv_charge *c, int kind, uint64_t key, uint64_t aux);
+/* Finish a charged driver call: record the object on success, give the
+ * reservation back on failure.  Returns rc. */
+CUresult gv_charge_settle(gv_charge *c, CUresult rc, int kind, uint64_t key);
 /* Release a charge taken earlier on region device dev. */
 void gv_uncharge(int dev, uint64_t bytes);
+
+/* Free a charged object through the driver.  If (kind, key) is tracked, its
+ * entry is taken out first (so a concurrent allocation reusing the address
+ * cannot collide), destroy(key, arg) frees it, and the charge is released
+ * (or the entry put back when the driver refuses); *rc gets the driver's
+ * answer and 1 is returned.  Untracked: 0, nothing done. */
+typedef CUresult (*gv_destroy_fn)(uint64_t key, void *arg);
+int gv_untrack(uint32_t kind, uint64_t key, gv_destroy_fn destroy, void *arg, CUresult *rc);
 
 #endif /* GV_CORE_H */

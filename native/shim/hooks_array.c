@@ -99,19 +99,22 @@ GV_EXPORT CUresult cuArray3DCreate(CUarray *p, const CUDA_ARRAY3D_DESCRIPTOR_v1 
                                 desc->NumChannels));
 }
 
+static CUresult destroy_array(uint64_t a, void *real)
+{
+    return ((arr_destroy_fn)real)((CUarray)(uintptr_t)a);
+}
+
+static CUresult destroy_mipmap(uint64_t a, void *real)
+{
+    return ((mip_destroy_fn)real)((CUmipmappedArray)(uintptr_t)a);
+}
+
 GV_EXPORT CUresult cuArrayDestroy(CUarray a)
 {
     arr_destroy_fn real = GV_REAL(cuArrayDestroy, arr_destroy_fn);
     GV_ENFORCING_ELSE_PASS(real(a));
-    gv_alloc e;
-    if (!gv_table_take(GV_K_ARRAY, (uint64_t)(uintptr_t)a, &e))
-        return real(a);
-    CUresult rc = real(a);
-    if (rc == CUDA_SUCCESS)
-        gv_uncharge(e.dev, e.bytes);
-    else
-        gv_table_put(&e);
-    return rc;
+    CUresult rc;
+    return gv_untrack(GV_K_ARRAY, (uint64_t)(uintptr_t)a, destroy_array, (void *)real, &rc) ? rc : real(a);
 }
 
 /* Every level halves each extent (never below 1). */
@@ -166,15 +169,8 @@ GV_EXPORT CUresult cuMipmappedArrayDestroy(CUmipmappedArray a)
 {
     mip_destroy_fn real = GV_REAL(cuMipmappedArrayDestroy, mip_destroy_fn);
     GV_ENFORCING_ELSE_PASS(real(a));
-    gv_alloc e;
-    if (!gv_table_take(GV_K_MIPMAP, (uint64_t)(uintptr_t)a, &e))
-        return real(a);
-    CUresult rc = real(a);
-    if (rc == CUDA_SUCCESS)
-        gv_uncharge(e.dev, e.bytes);
-    else
-        gv_table_put(&e);
-    return rc;
+    CUresult rc;
+    return gv_untrack(GV_K_MIPMAP, (uint64_t)(uintptr_t)a, destroy_mipmap, (void *)real, &rc) ? rc : real(a);
 }
 
 const gv_hook gv_hooks_array[] = {

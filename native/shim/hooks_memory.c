@@ -21,11 +21,7 @@ GV_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
     if (rc != CUDA_SUCCESS)
         return rc;
     rc = real(dptr, bytesize);
-    if (rc != CUDA_SUCCESS)
-        gv_charge_cancel(&c);
-    else
-        gv_charge_commit(&c, GV_K_PTR, *dptr, 0);
-    return rc;
+    return gv_charge_settle(&c, rc, GV_K_PTR, rc == CUDA_SUCCESS ? *dptr : 0);
 }
 
 GV_EXPORT CUresult cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int bytesize)
@@ -39,11 +35,7 @@ GV_EXPORT CUresult cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int bytesize)
     if (rc != CUDA_SUCCESS)
         return rc;
     rc = real(dptr, bytesize);
-    if (rc != CUDA_SUCCESS)
-        gv_charge_cancel(&c);
-    else
-        gv_charge_commit(&c, GV_K_PTR, *dptr, 0);
-    return rc;
+    return gv_charge_settle(&c, rc, GV_K_PTR, rc == CUDA_SUCCESS ? *dptr : 0);
 }
 
 /* Pitched allocations: reserve an estimate (rows padded to 512 bytes), then
@@ -122,26 +114,22 @@ GV_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigne
     if (rc != CUDA_SUCCESS)
         return rc;
     rc = real(dptr, bytesize, flags);
-    if (rc != CUDA_SUCCESS)
-        gv_charge_cancel(&c);
-    else
-        gv_charge_commit(&c, GV_K_PTR, *dptr, 0);
-    return rc;
+    return gv_charge_settle(&c, rc, GV_K_PTR, rc == CUDA_SUCCESS ? *dptr : 0);
 }
 
 /* Frees: the entry leaves the table before the driver frees the address, so
  * a concurrent allocation that gets the same address back cannot collide. */
+static CUresult call_free(uint64_t p, void *real)
+{
+    return ((CUresult (*)(CUdeviceptr))real)(p);
+}
+
 static CUresult tracked_free(CUdeviceptr p, CUresult (*real)(CUdeviceptr))
 {
-    gv_alloc a;
-    if (gv_table_take(GV_K_PTR, p, &a)) {
-        CUresult rc = real(p);
-        if (rc == CUDA_SUCCESS)
-            gv_uncharge(a.dev, a.bytes);
-        else
-            gv_table_put(&a);
+    CUresult rc;
+    if (gv_untrack(GV_K_PTR, p, call_free, (void *)real, &rc))
         return rc;
-    }
+    gv_alloc a;
     if (gv_table_take(GV_K_POOLPTR, p, &a)) {
         CUresult rc = real(p);
         if (rc == CUDA_SUCCESS)

@@ -29,11 +29,7 @@ GV_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size
     if (rc != CUDA_SUCCESS)
         return rc == CUDA_ERROR_INVALID_DEVICE ? real(handle, size, prop, flags) : rc;
     rc = real(handle, size, prop, flags);
-    if (rc != CUDA_SUCCESS)
-        gv_charge_cancel(&c);
-    else
-        gv_charge_commit(&c, GV_K_VMM, *handle, 0);
-    return rc;
+    return gv_charge_settle(&c, rc, GV_K_VMM, rc == CUDA_SUCCESS ? *handle : 0);
 }
 
 struct edit { int64_t maps_delta; int release; uint64_t result; };
