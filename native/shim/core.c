@@ -2,6 +2,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <time.h>
 
 #include "core.h"
 #include "limits.h"
@@ -43,5 +44,26 @@ int gv_mode(void)
 }
 
 gv_region *gv_core_region(void) { return region; }
+
+/* At exit, give the slot back so the rest of the container sees this
+ * process's memory gone at once (destructors of a preloaded library run
+ * after the program's atexit handlers, so the driver's own clean-up has
+ * already gone through the hooks). */
+__attribute__((destructor)) static void at_exit(void)
+{
+    if (atomic_load(&mode) == GV_MODE_ENFORCE && region)
+        region_leave(region);
+}
+
+void gv_core_tidy(void)
+{
+    static atomic_long last;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+    long seen = atomic_load_explicit(&last, memory_order_relaxed);
+    if (ts.tv_sec - seen < 1 || !atomic_compare_exchange_strong(&last, &seen, ts.tv_sec))
+        return;
+    region_reclaim_dead(region);
+}
 
 void gv_core_fail(void) { atomic_store(&mode, GV_MODE_FAILED); }

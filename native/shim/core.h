@@ -28,6 +28,10 @@ enum gv_mode {
 int gv_mode(void);
 /* The attached region; valid only in GV_MODE_ENFORCE. */
 gv_region *gv_core_region(void);
+/* At most once a second: reclaim the slots of processes that died, so
+ * usage reports never keep a dead process's memory (called by the memory
+ * info hooks; enforce mode only). */
+void gv_core_tidy(void);
 /* Switch to fail-closed after a fatal misconfiguration found later. */
 void gv_core_fail(void);
 

@@ -56,6 +56,7 @@ static nvmlReturn_t quota_view(nvmlDevice_t dev, unsigned long long *total,
     uint64_t limit = region_limit(r, e);
     if (limit == GV_UNLIMITED)
         return NVML_SUCCESS;
+    gv_core_tidy();
     uint64_t u = region_used(r, e);
     uint64_t t = limit < *total ? limit : *total;
     uint64_t avail = u < t ? t - u : 0;

@@ -462,7 +462,11 @@ static void raise_hwm(gv_region *r, uint32_t to)
         ;
 }
 
+/* Accounting internals (defined with the accounting code below). */
 static void forget_slot(gv_region *r, int slot);
+static void recompute_locked(gv_region *r, int dev);
+static void close_gate(gv_region *r, int dev);
+static void wait_outside(gv_region *r, int dev, int forget);
 
 /* Claim the lowest free slot for owner word w (hwm is raised first, so a
  * claimer killed right after its CAS still leaves a reclaimable slot). */
@@ -497,6 +501,9 @@ static int claim_self_slot(gv_region *r)
     for (int attempt = 0; attempt < 2; attempt++) {
         int s = claim_free_slot(r, me);
         if (s >= 0) {
+            /* A free slot holds nothing; if a straggler of its last owner
+             * wrote to it after it was given up, drop that. */
+            forget_slot(r, s);
             atomic_store(&r->m->image[s], img);
             return s;
         }
@@ -531,6 +538,40 @@ int region_self_slot(gv_region *r)
     int s = claim_self_slot(r);
     atomic_store(&r->slot_cache, gen << 32 | (s >= 0 ? (uint32_t)s + 1 : SLOT_NONE));
     return s;
+}
+
+/* Give up this process's slot when it exits, so that others see its memory
+ * gone at once rather than at the next reclaim.  Only when no thread of ours
+ * is inside an accounting operation; otherwise the slot is left for the
+ * reclaim of dead processes. */
+int region_leave(gv_region *r)
+{
+    if (r == NULL)
+        return GV_EINVAL;
+    uint64_t gen = atomic_load(&g_fork_gen);
+    uint64_t c = atomic_load(&r->slot_cache);
+    uint32_t cs = (uint32_t)c;
+    if ((c >> 32) != gen || cs == SLOT_NONE || cs == SLOT_CLAIMING)
+        return GV_ENOENT;
+    int slot = (int)cs - 1;
+    for (int dev = 0; dev < GV_MAX_DEVICES; dev++) {
+        struct gv_dev *d = &r->m->dev[dev];
+        if (atomic_load(&d->state) != DEV_READY || atomic_load(&d->used[slot]) == 0)
+            continue;
+        close_gate(r, dev);
+        if (atomic_load(&d->inside[slot]) != 0) {     /* a thread of ours is busy */
+            atomic_store(&d->gate, 0);
+            return GV_EINVAL;
+        }
+        wait_outside(r, dev, slot);
+        atomic_store(&d->used[slot], 0);
+        recompute_locked(r, dev);
+    }
+    atomic_store(&r->slot_cache, gen << 32 | SLOT_NONE);
+    atomic_store(&r->m->image[slot], 0);
+    uint64_t me = self_owner();
+    atomic_compare_exchange_strong(&r->m->owner[slot], &me, 0);
+    return GV_OK;
 }
 
 /* Reclaim dead slots; dev >= 0 looks only at slots holding memory there. */
@@ -841,6 +882,13 @@ static void recompute(gv_region *r, int dev, int forget)
         test_delay();
         atomic_store(&d->inside[forget], 0);
     }
+    recompute_locked(r, dev);
+}
+
+/* Gate closed by us, nobody live inside: set the total, open the gate. */
+static void recompute_locked(gv_region *r, int dev)
+{
+    struct gv_dev *d = &r->m->dev[dev];
     uint64_t sum = 0;
     uint32_t hwm = hwm_of(r);
     for (uint32_t k = 0; k < hwm; k++)

@@ -50,6 +50,12 @@ const char *region_path(const gv_region *r);
  * Returns the slot index, or a negative GV_E* code. */
 int region_self_slot(gv_region *r);
 
+/* Give up the calling process's slot (at exit), releasing what it holds.
+ * GV_OK, GV_ENOENT (no slot), or GV_EINVAL when a thread of the process is
+ * in the middle of an accounting operation (the slot is then left to be
+ * reclaimed once the process is dead). */
+int region_leave(gv_region *r);
+
 /* Reclaim the slots of dead processes.  Returns the number reclaimed. */
 int region_reclaim_dead(gv_region *r);
 
