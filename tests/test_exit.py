@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 
-from tests.helpers import GiB, MiB, Holder, SimNode, run_json
+from tests.helpers import GiB, Holder, MiB, SimNode, run_json
 
 USAGE = """
 import json
