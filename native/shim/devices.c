@@ -117,12 +117,20 @@ static CUresult device_init(int ordinal)
     return CUDA_SUCCESS;
 }
 
+/* A fork while another thread sets a device up must not leave the child
+ * with the lock held: the child gets a fresh lock, and a device whose
+ * setup was cut short is still DEV_UNSET, so it is set up again. */
+static void init_lock_child(void) { pthread_mutex_init(&init_lock, NULL); }
+static void register_atfork(void) { pthread_atfork(NULL, NULL, init_lock_child); }
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
 CUresult gv_device(int ordinal, const gv_devinfo **out)
 {
     if (ordinal < 0 || ordinal >= GV_MAX_ORDINALS)
         return CUDA_ERROR_INVALID_DEVICE;
     int st = atomic_load_explicit(&devs[ordinal].state, memory_order_acquire);
     if (__builtin_expect(st == DEV_UNSET, 0)) {
+        pthread_once(&atfork_once, register_atfork);
         pthread_mutex_lock(&init_lock);
         st = atomic_load(&devs[ordinal].state);
         CUresult rc = st == DEV_UNSET ? device_init(ordinal) : CUDA_SUCCESS;
