@@ -24,9 +24,5 @@ def parse_memory_limit(text: str, physical_total: int = 0) -> int:
         encode_text(text, "memory limit"), physical_total, ctypes.byref(out)
     )
     if rc < 0:
-        # gv_parse_memory_limit does not set gv_last_error(), so the reason
-        # would be stale: name the value ourselves.
-        raise GpuvisorError(
-            rc, f"gpuvisor: invalid memory limit {text!r} (use bytes, k/m/g/t, or N%)"
-        )
+        raise GpuvisorError(rc, lib().gv_last_error().decode())
     return out.value

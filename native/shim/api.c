@@ -97,6 +97,20 @@ GV_EXPORT int gv_api_version(void)
     return GV_API_VERSION;
 }
 
+GV_EXPORT int gv_parse_memory_limit(const char *text, uint64_t physical_total, uint64_t *bytes)
+{
+    uint64_t v;
+    const char *why = NULL;
+    if (bytes == NULL)
+        return fail(GV_EINVAL, "gpuvisor: gv_parse_memory_limit: bytes is NULL");
+    int rc = limits_parse(text, physical_total, &v, &why);
+    if (rc != GV_OK)
+        return fail(rc, "gpuvisor: memory limit \"%s\": %s", text ? text : "(null)",
+                    why ? why : "invalid");
+    *bytes = v;
+    return GV_OK;
+}
+
 GV_EXPORT const char *gv_last_error(void)
 {
     return t_err;

@@ -126,17 +126,6 @@ int limits_parse(const char *text, uint64_t physical_total, uint64_t *bytes,
     return GV_OK;
 }
 
-GV_EXPORT int gv_parse_memory_limit(const char *text, uint64_t physical_total,
-                                    uint64_t *bytes)
-{
-    uint64_t v;
-    if (bytes == NULL)
-        return GV_EINVAL;
-    int rc = limits_parse(text, physical_total, &v, NULL);
-    if (rc == GV_OK)
-        *bytes = v;
-    return rc;
-}
 
 static void set_err(char *err, size_t errlen, const char *name,
                     const char *value, const char *why)
