@@ -44,7 +44,8 @@ def run_torch(code: str, env: dict[str, str], timeout: float = 300) -> dict[str,
         cwd=REPO_ROOT,
     )
     lines = proc.stdout.strip().splitlines()
-    assert proc.returncode == 0 and lines, proc.stdout + proc.stderr
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert lines, proc.stderr
     result: dict[str, object] = json.loads(lines[-1])
     return result
 
@@ -52,7 +53,7 @@ def run_torch(code: str, env: dict[str, str], timeout: float = 300) -> dict[str,
 @pytest.fixture(autouse=True)
 def _needs_torch() -> None:
     try:
-        import torch  # noqa: F401
+        import torch  # type: ignore[import-not-found]  # noqa: F401
     except ImportError:
         pytest.skip("PyTorch is not installed")
 
@@ -75,8 +76,10 @@ def test_torch_sees_quota_and_gets_oom(tmp_path: Path) -> None:
     out = run_torch(MEM, torch_env(tmp_path, CUDA_DEVICE_MEMORY_LIMIT="4g"))
     print("GPU-CHECK memory:", json.dumps(out))
     assert out["total"] == 4 * GiB
-    assert isinstance(out["free"], int) and 3 * GiB < out["free"] < 4 * GiB
-    assert isinstance(out["free_after_2g"], int) and out["free_after_2g"] <= out["free"] - 2 * GiB
+    assert isinstance(out["free"], int)
+    assert 3 * GiB < out["free"] < 4 * GiB
+    assert isinstance(out["free_after_2g"], int)
+    assert out["free_after_2g"] <= out["free"] - 2 * GiB
     assert out["error"] == "OutOfMemoryError"
 
 
@@ -122,7 +125,8 @@ def test_two_processes_share_one_quota(tmp_path: Path) -> None:
         holder.wait(timeout=60)
     print("GPU-CHECK shared:", json.dumps(out))
     assert out["total"] == 4 * GiB
-    assert isinstance(out["free"], int) and out["free"] < 1 * GiB
+    assert isinstance(out["free"], int)
+    assert out["free"] < 1 * GiB
     assert out["big"] == "OutOfMemoryError"
 
 
