@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from tests.helpers import GiB, MiB, Holder, SimNode, run_json
+from tests.helpers import GiB, Holder, MiB, SimNode, run_json
 
 VIEW = """
 import pynvml
