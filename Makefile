@@ -58,7 +58,7 @@ $(BUILD)/tests/t_link_%: native/tests/t_link_%.c $(CTEST_HDRS) $(SIMCUDA) $(SIMN
 # Unit tests of the region code link its sources directly.
 $(BUILD)/tests/t_region_%: native/tests/t_region_%.c $(CTEST_HDRS) $(SHIM_SRCS) $(SHIM_HDRS)
 	@mkdir -p $(@D)
-	$(CC) $(CFLAGS_ALL) -Inative/tests -o $@ $< native/shim/region.c native/shim/log.c native/shim/limits.c native/shim/api.c $(LDLIBS_ALL)
+	$(CC) $(CFLAGS_ALL) -Inative/tests -o $@ $< $(wildcard native/shim/region_*.c) native/shim/log.c native/shim/limits.c native/shim/api.c $(LDLIBS_ALL)
 
 $(BUILD)/tests/t_%: native/tests/t_%.c $(CTEST_HDRS)
 	@mkdir -p $(@D)

@@ -2,7 +2,7 @@
  * region.h - the container-wide shared accounting region (internal).
  *
  * One file per container, mmap'ed MAP_SHARED by every process of the
- * container.  The layout is private to region.c.
+ * container.  The layout is private to region_*.c (region_impl.h).
  *
  * Accounting model (no lock on the fast path, crash-safe):
  *  - Each process owns one slot.  Its usage per device is a counter that

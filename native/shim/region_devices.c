@@ -1,0 +1,123 @@
+/* region_devices.c - device entries and their limits. */
+#include "region_impl.h"
+
+#include "gpuvisor.h"
+#include "log.h"
+
+#include <string.h>
+
+/* ---- devices ---------------------------------------------------------------- */
+
+
+
+static void init_device(struct gv_dev *d, const unsigned char uuid[16],
+                        uint64_t physical_total, uint64_t limit)
+{
+    memcpy(d->uuid, uuid, 16);
+    rg_test_delay();
+    atomic_store(&d->limit, limit);
+    atomic_store(&d->physical_total, physical_total);
+    atomic_store(&d->oom_count, 0);
+    for (int i = 0; i < GV_MAX_SLOTS; i++) {
+        atomic_store_explicit(&d->used[i], 0, memory_order_relaxed);
+        atomic_store_explicit(&d->inside[i], 0, memory_order_relaxed);
+    }
+    atomic_store(&d->total, 0);
+    atomic_store(&d->gate, 0);
+}
+
+int region_device_lookup(gv_region *r, const unsigned char uuid[16],
+                         uint64_t physical_total, uint64_t limit)
+{
+    if (r == NULL || uuid == NULL)
+        return GV_EINVAL;
+    for (int i = 0; i < GV_MAX_DEVICES; i++) {
+        struct gv_dev *d = &r->m->dev[i];
+        unsigned waits = 0;
+        for (;;) {
+            uint64_t s = atomic_load(&d->state);
+            if (s == DEV_READY) {
+                if (memcmp(d->uuid, uuid, 16) != 0)
+                    break;
+                uint64_t zero = 0;
+                if (physical_total != 0)
+                    atomic_compare_exchange_strong(&d->physical_total, &zero, physical_total);
+                return i;
+            }
+            if (s != DEV_FREE && !(s & FLAG_BIT))
+                break;                      /* garbage state: skip the entry */
+            if (s != DEV_FREE && s != (rg_thread_owner() | FLAG_BIT)) {
+                /* Someone is initialising it; wait unless they died.  The
+                 * liveness check reads /proc, so do it only now and then. */
+                if (++waits % 16 != 0 || rg_owner_alive(s)) {
+                    sched_yield();
+                    continue;
+                }
+            }
+            uint64_t mine = rg_thread_owner() | FLAG_BIT;
+            if (!atomic_compare_exchange_strong(&d->state, &s, mine))
+                continue;
+            init_device(d, uuid, physical_total, limit);
+            atomic_store(&d->state, DEV_READY);
+            return i;
+        }
+    }
+    return GV_EFULL;
+}
+
+int region_device_find(gv_region *r, const unsigned char uuid[16])
+{
+    if (r == NULL || uuid == NULL)
+        return GV_EINVAL;
+    for (int i = 0; i < GV_MAX_DEVICES; i++)
+        if (dev_ready(r, i) && memcmp(r->m->dev[i].uuid, uuid, 16) == 0)
+            return i;
+    return GV_ENOENT;
+}
+
+int region_device_ready(gv_region *r, int dev)
+{
+    return dev_ready(r, dev);
+}
+
+int region_device_count(gv_region *r)
+{
+    if (r == NULL)
+        return 0;
+    int n = 0;
+    for (int i = 0; i < GV_MAX_DEVICES; i++)
+        if (atomic_load(&r->m->dev[i].state) != DEV_FREE)
+            n = i + 1;
+    return n;
+}
+
+void region_device_uuid(gv_region *r, int dev, unsigned char uuid[16])
+{
+    if (uuid == NULL)
+        return;
+    if (dev_ready(r, dev))
+        memcpy(uuid, r->m->dev[dev].uuid, 16);
+    else
+        memset(uuid, 0, 16);
+}
+
+uint64_t region_device_physical_total(gv_region *r, int dev)
+{
+    return dev_ok(r, dev) ? atomic_load(&r->m->dev[dev].physical_total) : 0;
+}
+
+uint64_t region_limit(gv_region *r, int dev)
+{
+    return dev_ok(r, dev) ? atomic_load(&r->m->dev[dev].limit) : GV_UNLIMITED;
+}
+
+void region_set_limit(gv_region *r, int dev, uint64_t limit)
+{
+    if (dev_ok(r, dev))
+        atomic_store(&r->m->dev[dev].limit, limit);
+}
+
+uint64_t region_oom_count(gv_region *r, int dev)
+{
+    return dev_ok(r, dev) ? atomic_load(&r->m->dev[dev].oom_count) : 0;
+}

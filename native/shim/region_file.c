@@ -1,0 +1,168 @@
+/* region_file.c - creating, validating and mapping the region file. */
+#include "region_impl.h"
+
+#include "gpuvisor.h"
+#include "log.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+/* ---- open / close ------------------------------------------------------- */
+
+static int io_error(const char *path, const char *what, char *err, size_t errlen)
+{
+    rg_set_err(err, errlen, "gpuvisor: region %s: %s: %s", path, what, strerror(errno));
+    return GV_EIO;
+}
+
+/* Create path atomically: a fully initialised temp file linked into place.
+ * Returns 0 when the file now exists (ours or someone else's). */
+static int create_file(const char *path, char *err, size_t errlen)
+{
+    size_t len = strlen(path);
+    char *tmpl = malloc(len + 8);
+    if (tmpl == NULL)
+        return io_error(path, "out of memory", err, errlen);
+    memcpy(tmpl, path, len);
+    memcpy(tmpl + len, ".XXXXXX", 8);
+    int fd = mkostemp(tmpl, O_CLOEXEC);
+    if (fd < 0) {
+        int rc = io_error(path, "cannot create temporary file", err, errlen);
+        free(tmpl);
+        return rc;
+    }
+    struct gv_header h;
+    memset(&h, 0, sizeof h);
+    h.magic = GV_REGION_MAGIC;
+    h.version = GV_REGION_VERSION;
+    h.header_size = sizeof(struct gv_header);
+    h.total_size = sizeof(struct gv_shm);
+    h.max_slots = GV_MAX_SLOTS;
+    h.max_devices = GV_MAX_DEVICES;
+    h.created_unix = (uint64_t)time(NULL);
+    int rc = 0;
+    /* Shared by every user of the container. */
+    if (fchmod(fd, 0666) != 0 || ftruncate(fd, (off_t)sizeof(struct gv_shm)) != 0 ||
+        pwrite(fd, &h, sizeof h, 0) != (ssize_t)sizeof h)
+        rc = io_error(path, "cannot initialise temporary file", err, errlen);
+    close(fd);
+    if (rc == 0 && link(tmpl, path) != 0 && errno != EEXIST)
+        rc = io_error(path, "cannot link into place", err, errlen);
+    unlink(tmpl);
+    free(tmpl);
+    return rc;
+}
+
+static int validate(int fd, const char *path, char *err, size_t errlen)
+{
+    struct stat st;
+    if (fstat(fd, &st) != 0)
+        return io_error(path, "fstat", err, errlen);
+    const char *pre = "gpuvisor: region";
+    if (!S_ISREG(st.st_mode)) {
+        rg_set_err(err, errlen, "%s %s: not a regular file, not a gpuvisor region", pre, path);
+        return GV_ECORRUPT;
+    }
+    struct gv_header h;
+    memset(&h, 0, sizeof h);
+    ssize_t n = pread(fd, &h, sizeof h, 0);
+    if (n < 0)
+        return io_error(path, "read", err, errlen);
+    if (n < (ssize_t)sizeof h.magic) {
+        rg_set_err(err, errlen, "%s %s: truncated (%lld bytes), not a gpuvisor region",
+                pre, path, (long long)st.st_size);
+        return GV_ECORRUPT;
+    }
+    if (h.magic != GV_REGION_MAGIC) {
+        rg_set_err(err, errlen, "%s %s: bad magic 0x%016llx, not a gpuvisor region",
+                pre, path, (unsigned long long)h.magic);
+        return GV_ECORRUPT;
+    }
+    if (n < (ssize_t)sizeof h) {
+        rg_set_err(err, errlen, "%s %s: truncated header (%lld bytes)", pre, path,
+                (long long)st.st_size);
+        return GV_ECORRUPT;
+    }
+    if (h.version != GV_REGION_VERSION) {
+        rg_set_err(err, errlen, "%s %s: version %u, this library speaks %u", pre, path,
+                h.version, GV_REGION_VERSION);
+        return GV_ECORRUPT;
+    }
+    if (h.header_size != sizeof h || h.total_size != sizeof(struct gv_shm) ||
+        h.max_slots != GV_MAX_SLOTS || h.max_devices != GV_MAX_DEVICES) {
+        rg_set_err(err, errlen,
+                "%s %s: layout mismatch (header %u bytes, %u slots, %u devices, %llu "
+                "total; expected %zu, %u, %u, %zu)", pre, path, h.header_size,
+                h.max_slots, h.max_devices, (unsigned long long)h.total_size,
+                sizeof h, GV_MAX_SLOTS, GV_MAX_DEVICES, sizeof(struct gv_shm));
+        return GV_ECORRUPT;
+    }
+    if ((uint64_t)st.st_size != h.total_size) {
+        rg_set_err(err, errlen, "%s %s: file is %lld bytes, expected %llu (truncated?)",
+                pre, path, (long long)st.st_size, (unsigned long long)h.total_size);
+        return GV_ECORRUPT;
+    }
+    return GV_OK;
+}
+
+int region_open(const char *path, gv_region **out, char *err, size_t errlen)
+{
+    if (out == NULL || path == NULL || path[0] == '\0') {
+        rg_set_err(err, errlen, "gpuvisor: region: no path given");
+        return GV_EINVAL;
+    }
+    pthread_once(&rg_atfork_once, rg_register_atfork);
+    int fd = -1;
+    for (int attempt = 0; attempt < 16; attempt++) {
+        fd = open(path, O_RDWR | O_CLOEXEC);
+        if (fd >= 0 || errno != ENOENT)
+            break;
+        int rc = create_file(path, err, errlen);
+        if (rc != 0)
+            return rc;
+    }
+    if (fd < 0)
+        return io_error(path, "open", err, errlen);
+    int rc = validate(fd, path, err, errlen);
+    if (rc != GV_OK) {
+        close(fd);
+        return rc;
+    }
+    void *p = mmap(NULL, sizeof(struct gv_shm), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+        rc = io_error(path, "mmap", err, errlen);
+        close(fd);
+        return rc;
+    }
+    close(fd);
+    size_t len = strlen(path);
+    gv_region *r = malloc(sizeof *r + len + 1);
+    if (r == NULL) {
+        munmap(p, sizeof(struct gv_shm));
+        errno = ENOMEM;
+        return io_error(path, "allocate handle", err, errlen);
+    }
+    r->m = p;
+    atomic_init(&r->slot_cache, 0);
+    memcpy(r->path, path, len + 1);
+    *out = r;
+    return GV_OK;
+}
+
+void region_close(gv_region *r)
+{
+    if (r == NULL)
+        return;
+    munmap(r->m, sizeof(struct gv_shm));
+    free(r);
+}
+
+const char *region_path(const gv_region *r)
+{
+    return r != NULL ? r->path : NULL;
+}

@@ -1,0 +1,127 @@
+/*
+ * region_impl.h - layout of the shared region and the helpers its parts
+ * share.  Private to region_*.c; everything else uses region.h.
+ *
+ *   region_proc.c     identities (pid/tid + start time), liveness, back-off
+ *   region_file.c     creating, validating and mapping the file
+ *   region_slots.c    process slots: claim, leave, reclaim the dead
+ *   region_devices.c  device entries and their limits
+ *   region_account.c  reserve / release / usage, the gate, recomputation
+ */
+#ifndef GV_REGION_IMPL_H
+#define GV_REGION_IMPL_H
+
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "gpuvisor.h"
+#include "region.h"
+
+/* ---- layout ------------------------------------------------------------ */
+
+#define CACHELINE 64
+
+struct gv_header {
+    uint64_t magic;
+    uint32_t version;
+    uint32_t header_size;      /* sizeof(struct gv_header) */
+    uint64_t total_size;       /* sizeof(struct gv_shm) == file size */
+    uint32_t max_slots;
+    uint32_t max_devices;
+    _Atomic uint32_t slot_hwm; /* slots [0, hwm) have ever been claimed */
+    uint32_t reserved0;
+    uint64_t created_unix;
+    uint64_t reserved[2];
+};
+
+struct gv_dev {
+    _Alignas(CACHELINE) _Atomic uint64_t state;   /* DEV_FREE/READY/INIT|owner */
+    _Atomic uint64_t limit;                       /* GV_UNLIMITED: none */
+    _Atomic uint64_t physical_total;
+    _Atomic uint64_t oom_count;
+    unsigned char uuid[16];                       /* valid once READY */
+    _Alignas(CACHELINE) _Atomic uint64_t total;   /* sum of used[]: see below */
+    _Alignas(CACHELINE) _Atomic uint64_t gate;    /* 0 open, else closer|FLAG_BIT */
+    _Alignas(CACHELINE) _Atomic uint64_t used[GV_MAX_SLOTS];
+    _Alignas(CACHELINE) _Atomic uint64_t inside[GV_MAX_SLOTS];  /* ops in progress */
+};
+
+struct gv_shm {
+    struct gv_header hdr;
+    _Alignas(CACHELINE) _Atomic uint64_t owner[GV_MAX_SLOTS];
+    _Alignas(CACHELINE) _Atomic uint64_t image[GV_MAX_SLOTS];
+    struct gv_dev dev[GV_MAX_DEVICES];
+};
+
+struct gv_region {
+    struct gv_shm *m;
+    _Atomic uint64_t slot_cache;   /* fork generation << 32 | slot state */
+    char path[];
+};
+
+/* Owner words: start time << 22 | pid.  Bit 63 marks "being reclaimed by"
+ * for slots and "being initialised by" for device entries. */
+#define PID_BITS 22
+#define PID_MASK ((UINT64_C(1) << PID_BITS) - 1)
+#define START_MASK ((UINT64_C(1) << 41) - 1)
+#define FLAG_BIT (UINT64_C(1) << 63)
+#define DEV_FREE UINT64_C(0)
+#define DEV_READY UINT64_C(1)
+
+#define SLOT_NONE 0u
+#define SLOT_CLAIMING 0xffffffffu
+
+#define MAX_RESERVE (UINT64_C(1) << 62)   /* bigger requests: GV_ENOMEM */
+#define RESERVE_TRIES 200
+
+/* ---- shared between the parts ------------------------------------------- */
+
+extern _Atomic uint32_t rg_fork_gen;      /* bumped in every fork child */
+extern pthread_once_t rg_atfork_once;
+void rg_register_atfork(void);
+
+uint64_t rg_make_owner(int32_t pid, uint64_t start);
+int rg_owner_alive(uint64_t w);
+uint64_t rg_self_owner(void);
+uint64_t rg_thread_owner(void);
+uint64_t rg_image_id(void);
+void rg_test_delay(void);
+void rg_backoff(int slot, int tries);
+void rg_set_err(char *err, size_t errlen, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+void rg_raise_hwm(gv_region *r, uint32_t to);
+int rg_claim_free_slot(gv_region *r, uint64_t w);
+int rg_reclaim(gv_region *r, int dev);
+
+void rg_forget_slot(gv_region *r, int slot);
+void rg_close_gate(gv_region *r, int dev);
+void rg_wait_outside(gv_region *r, int dev, int forget);
+void rg_recompute_locked(gv_region *r, int dev);
+
+static inline uint32_t hwm_of(const gv_region *r)
+{
+    uint32_t h = atomic_load(&r->m->hdr.slot_hwm);
+    return h > GV_MAX_SLOTS ? GV_MAX_SLOTS : h;
+}
+
+static inline int dev_ok(const gv_region *r, int dev)
+{
+    return r != NULL && dev >= 0 && dev < GV_MAX_DEVICES;
+}
+
+static inline int dev_ready(const gv_region *r, int dev)
+{
+    return dev_ok(r, dev) && atomic_load(&r->m->dev[dev].state) == DEV_READY;
+}
+
+static inline uint64_t sat_add(uint64_t a, uint64_t b)
+{
+    uint64_t s = a + b;
+    return s < a ? UINT64_MAX : s;
+}
+
+#endif /* GV_REGION_IMPL_H */

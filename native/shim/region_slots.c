@@ -1,0 +1,198 @@
+/* region_slots.c - process slots: claim, leave, reclaim the dead. */
+#include "region_impl.h"
+
+#include "gpuvisor.h"
+#include "log.h"
+
+
+/* ---- slots ---------------------------------------------------------------- */
+
+
+void rg_raise_hwm(gv_region *r, uint32_t to)
+{
+    uint32_t h = atomic_load(&r->m->hdr.slot_hwm);
+    while (h < to && !atomic_compare_exchange_weak(&r->m->hdr.slot_hwm, &h, to))
+        ;
+}
+
+
+/* Claim the lowest free slot for owner word w (hwm is raised first, so a
+ * claimer killed right after its CAS still leaves a reclaimable slot). */
+int rg_claim_free_slot(gv_region *r, uint64_t w)
+{
+    for (int i = 0; i < GV_MAX_SLOTS; i++) {
+        if (atomic_load(&r->m->owner[i]) != 0)
+            continue;
+        rg_raise_hwm(r, (uint32_t)i + 1);
+        uint64_t zero = 0;
+        if (atomic_compare_exchange_strong(&r->m->owner[i], &zero, w))
+            return i;
+    }
+    return GV_EFULL;
+}
+
+static int claim_self_slot(gv_region *r)
+{
+    uint64_t me = rg_self_owner(), img = rg_image_id();
+    uint32_t hwm = hwm_of(r);
+    for (uint32_t i = 0; i < hwm; i++) {
+        if (atomic_load(&r->m->owner[i]) != me)
+            continue;
+        /* Ours already: another handle of this image shares it; a slot of
+         * the image before exec() (same pid and start) is reset. */
+        if (atomic_load(&r->m->image[i]) != img) {
+            rg_forget_slot(r, (int)i);
+            atomic_store(&r->m->image[i], img);
+        }
+        return (int)i;
+    }
+    for (int attempt = 0; attempt < 2; attempt++) {
+        int s = rg_claim_free_slot(r, me);
+        if (s >= 0) {
+            /* A free slot holds nothing; if a straggler of its last owner
+             * wrote to it after it was given up, drop that. */
+            rg_forget_slot(r, s);
+            atomic_store(&r->m->image[s], img);
+            return s;
+        }
+        if (region_reclaim_dead(r) == 0)
+            break;
+    }
+    gv_log(GV_LOG_ERROR, "region %s: all %d process slots are in use", r->path,
+           GV_MAX_SLOTS);
+    return GV_EFULL;
+}
+
+int region_self_slot(gv_region *r)
+{
+    if (r == NULL)
+        return GV_EINVAL;
+    uint64_t gen = atomic_load_explicit(&rg_fork_gen, memory_order_relaxed);
+    uint64_t c = atomic_load_explicit(&r->slot_cache, memory_order_acquire);
+    for (;;) {
+        if ((c >> 32) == gen) {
+            uint32_t s = (uint32_t)c;
+            if (s != SLOT_NONE && s != SLOT_CLAIMING)
+                return (int)s - 1;
+            if (s == SLOT_CLAIMING) {       /* another thread is registering */
+                sched_yield();
+                c = atomic_load(&r->slot_cache);
+                continue;
+            }
+        }
+        if (atomic_compare_exchange_weak(&r->slot_cache, &c, gen << 32 | SLOT_CLAIMING))
+            break;
+    }
+    int s = claim_self_slot(r);
+    atomic_store(&r->slot_cache, gen << 32 | (s >= 0 ? (uint32_t)s + 1 : SLOT_NONE));
+    return s;
+}
+
+/* Give up this process's slot when it exits, so that others see its memory
+ * gone at once rather than at the next rg_reclaim.  Only when no thread of ours
+ * is inside an accounting operation; otherwise the slot is left for the
+ * rg_reclaim of dead processes. */
+int region_leave(gv_region *r)
+{
+    if (r == NULL)
+        return GV_EINVAL;
+    uint64_t gen = atomic_load(&rg_fork_gen);
+    uint64_t c = atomic_load(&r->slot_cache);
+    uint32_t cs = (uint32_t)c;
+    if ((c >> 32) != gen || cs == SLOT_NONE || cs == SLOT_CLAIMING)
+        return GV_ENOENT;
+    int slot = (int)cs - 1;
+    for (int dev = 0; dev < GV_MAX_DEVICES; dev++) {
+        struct gv_dev *d = &r->m->dev[dev];
+        if (atomic_load(&d->state) != DEV_READY || atomic_load(&d->used[slot]) == 0)
+            continue;
+        rg_close_gate(r, dev);
+        if (atomic_load(&d->inside[slot]) != 0) {     /* a thread of ours is busy */
+            atomic_store(&d->gate, 0);
+            return GV_EINVAL;
+        }
+        rg_wait_outside(r, dev, slot);
+        atomic_store(&d->used[slot], 0);
+        rg_recompute_locked(r, dev);
+    }
+    atomic_store(&r->slot_cache, gen << 32 | SLOT_NONE);
+    atomic_store(&r->m->image[slot], 0);
+    uint64_t me = rg_self_owner();
+    atomic_compare_exchange_strong(&r->m->owner[slot], &me, 0);
+    return GV_OK;
+}
+
+/* Reclaim dead slots; dev >= 0 looks only at slots holding memory there. */
+int rg_reclaim(gv_region *r, int dev)
+{
+    int n = 0;
+    uint32_t hwm = hwm_of(r);
+    uint64_t self = rg_self_owner();
+    for (uint32_t i = 0; i < hwm; i++) {
+        uint64_t o = atomic_load(&r->m->owner[i]);
+        if (o == 0 || o == self)
+            continue;
+        if (dev >= 0 && atomic_load(&r->m->dev[dev].used[i]) == 0 &&
+            atomic_load(&r->m->dev[dev].inside[i]) == 0)
+            continue;
+        if (o & FLAG_BIT) {
+            /* Being reclaimed: by a live thread (not this one) -> leave it. */
+            if (o != (rg_thread_owner() | FLAG_BIT) && rg_owner_alive(o))
+                continue;
+        } else if (rg_owner_alive(o)) {
+            continue;
+        }
+        uint64_t mine = rg_thread_owner() | FLAG_BIT;
+        if (!atomic_compare_exchange_strong(&r->m->owner[i], &o, mine))
+            continue;
+        /* Exclusive now; forgetting is idempotent if we die and are taken over. */
+        rg_forget_slot(r, (int)i);
+        atomic_store(&r->m->image[i], 0);
+        atomic_compare_exchange_strong(&r->m->owner[i], &mine, 0);
+        n++;
+    }
+    if (n > 0)
+        gv_log(GV_LOG_INFO, "region %s: reclaimed %d slot(s) of dead processes", r->path, n);
+    return n;
+}
+
+int region_reclaim_dead(gv_region *r)
+{
+    return r != NULL ? rg_reclaim(r, -1) : 0;
+}
+
+int region_process_list(gv_region *r, int32_t *pids, int cap)
+{
+    if (r == NULL)
+        return GV_EINVAL;
+    int n = 0;
+    uint32_t hwm = hwm_of(r);
+    for (uint32_t i = 0; i < hwm; i++) {
+        uint64_t o = atomic_load(&r->m->owner[i]);
+        if (o == 0 || (o & FLAG_BIT))
+            continue;
+        if (pids != NULL && n < cap)
+            pids[n] = (int32_t)(o & PID_MASK);
+        n++;
+    }
+    return n;
+}
+
+int region_slot_of_pid(gv_region *r, int32_t pid)
+{
+    if (r == NULL || pid <= 0)
+        return GV_EINVAL;
+    uint64_t exact = rg_make_owner(pid, gv_proc_start_time(pid));
+    int any = GV_ENOENT;
+    uint32_t hwm = hwm_of(r);
+    for (uint32_t i = 0; i < hwm; i++) {
+        uint64_t o = atomic_load(&r->m->owner[i]);
+        if (o == 0 || (o & FLAG_BIT) || (int32_t)(o & PID_MASK) != pid)
+            continue;
+        if (o == exact)
+            return (int)i;
+        if (any < 0)
+            any = (int)i;     /* a stale entry of an older process */
+    }
+    return any;
+}
