@@ -238,6 +238,7 @@ SIM_API CUresult cuCtxSynchronize_v2(CUcontext ctx)
         return rc;
     if (!sim_ctx_valid(c))
         return CUDA_ERROR_INVALID_CONTEXT;
+    sim_ctx_sync_wait(c);               /* every stream's queued work */
     sim_pools_sync(c->ordinal);
     return CUDA_SUCCESS;
 }

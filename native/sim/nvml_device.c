@@ -208,14 +208,4 @@ SIM_API nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t dev,
     return NVML_SUCCESS;
 }
 
-SIM_API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t dev,
-                                                   nvmlUtilization_t *u)
-{
-    DEV_ENTRY("nvmlDeviceGetUtilizationRates", dev, node);
-    (void)node;
-    if (!u)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    u->gpu = 0;
-    u->memory = 0;
-    return NVML_SUCCESS;
-}
+/* utilization: nvml_util.c */

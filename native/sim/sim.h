@@ -43,7 +43,7 @@ static inline uint64_t sim_round_up(uint64_t v, uint64_t a)
 /* ---- shared state file (state_file.c) ------------------------------- */
 
 #define SIM_MAGIC 0x47565349u           /* "GVSI" */
-#define SIM_VERSION 2u
+#define SIM_VERSION 3u
 
 typedef struct sim_devinfo {
     uint64_t total;                     /* bytes */
@@ -67,6 +67,30 @@ typedef struct sim_row {
     volatile uint64_t used[SIM_MAX_DEV];
 } sim_row;
 
+/* Kernel timeline of one device (state_timeline.c).  The device runs one
+ * kernel at a time in launch order across all processes: a launch starts at
+ * max(now, busy_until, its stream's dependencies).  ring[] keeps the most
+ * recent intervals (CLOCK_MONOTONIC ns) for NVML utilization; back-to-back
+ * kernels of one pid merge into one interval.  Updates are ordered so that
+ * a process killed at any instruction leaves a consistent timeline: the
+ * entry is written before head is bumped, evicted_until is raised before an
+ * entry is overwritten. */
+#define SIM_TL_RING 8192
+
+typedef struct sim_interval {
+    int32_t pid;
+    int32_t pad;
+    uint64_t start, end;
+} sim_interval;
+
+typedef struct sim_timeline {
+    volatile uint64_t busy_until;       /* end of the last queued kernel */
+    volatile uint64_t head;             /* intervals ever written */
+    volatile uint64_t evicted_until;    /* history before this is lost */
+    uint64_t launches;                  /* kernels ever queued */
+    sim_interval ring[SIM_TL_RING];
+} sim_timeline;
+
 typedef struct sim_shared {
     uint32_t magic;
     uint32_t version;
@@ -77,6 +101,7 @@ typedef struct sim_shared {
     char spec[SIM_SPEC_LEN];            /* spec the file was created from */
     sim_devinfo dev[SIM_MAX_DEV];
     sim_row rows[SIM_MAX_ROWS];
+    sim_timeline tl[SIM_MAX_DEV];
 } sim_shared;
 
 enum { SIM_OK = 0, SIM_ERR_SPEC = 1, SIM_ERR_FILE = 2 };
@@ -94,6 +119,20 @@ SIM_HIDDEN void sim_uncharge(int node, uint64_t bytes);
 SIM_HIDDEN uint64_t sim_used(int node);              /* reaps the dead */
 SIM_HIDDEN int sim_procs(int node, sim_proc *out, int max);
 SIM_HIDDEN uint64_t sim_proc_start(int pid);         /* 0 if unknown */
+SIM_HIDDEN sim_shared *sim_state(void);              /* NULL if not open */
+SIM_HIDDEN void sim_state_lock(void);
+SIM_HIDDEN void sim_state_unlock(void);
+
+/* ---- kernel timeline (state_timeline.c) ----------------------------- */
+
+SIM_HIDDEN uint64_t sim_now_ns(void);                /* CLOCK_MONOTONIC */
+SIM_HIDDEN void sim_sleep_until(uint64_t t_ns);      /* CLOCK_MONOTONIC */
+/* queue a kernel of dur_ns on node, not before dep_ns; returns its end */
+SIM_HIDDEN uint64_t sim_tl_launch(int node, uint64_t dep_ns, uint64_t dur_ns);
+/* copy the intervals that end after from_ns (oldest first) into out (at
+ * most max); *known = start of the history still held */
+SIM_HIDDEN int sim_tl_history(int node, uint64_t from_ns, sim_interval *out,
+                              int max, uint64_t *known);
 
 /* ---- spec, knobs, log (state_spec.c) -------------------------------- */
 
@@ -113,6 +152,7 @@ SIM_HIDDEN int sim_knob_uint(const char *var, unsigned long long *out);
 /* ---- CUDA side, process local (cuda_*.c) ---------------------------- */
 
 #define SIM_CTX_MAGIC 0x43545831u
+#define SIM_QUEUE_DEPTH 1024            /* pending launches per context */
 
 struct CUctx_st {
     uint32_t magic;
@@ -123,6 +163,12 @@ struct CUctx_st {
     int primary;
     int refcount;                       /* primary: retain count */
     uint64_t charged;
+    /* kernel timeline (cuda_launch.c), CLOCK_MONOTONIC ns, under sim_mu */
+    uint64_t legacy_end;                /* work in the legacy stream */
+    uint64_t blocking_end;              /* legacy + blocking streams */
+    uint64_t all_end;                   /* everything in the context */
+    uint64_t pend_head;                 /* launches ever queued */
+    uint64_t pend[SIM_QUEUE_DEPTH];     /* end times of the last launches */
 };
 
 enum sim_kind { SIM_K_ALLOC = 1, SIM_K_POOL = 2, SIM_K_LOW = 3 };
@@ -156,7 +202,46 @@ struct CUstream_st {
     struct CUctx_st *ctx;
     unsigned flags;
     int priority;
+    uint64_t ready;                     /* completion of its work so far */
+    int capture;                        /* CUstreamCaptureStatus */
+    int cap_mode;
+    struct CUgraph_st *cap_graph;
+    unsigned long long cap_id;
 };
+
+/* a resolved stream: s == NULL is the context's legacy default stream;
+ * the per-thread default stream is a thread-local stream object */
+typedef struct sim_sref {
+    struct CUctx_st *ctx;
+    struct CUstream_st *s;
+} sim_sref;
+
+#define SIM_FUNC_MAGIC 0x46554e43u
+#define SIM_MOD_MAGIC 0x4d4f4431u
+#define SIM_FUNC_NAME 256
+
+struct CUfunc_st {
+    uint32_t magic;
+    int spin;                           /* named "spin": param 0 = us */
+    struct CUmod_st *mod;
+    struct CUfunc_st *next;
+    char name[SIM_FUNC_NAME];
+};
+
+struct CUmod_st {
+    uint32_t magic;
+    int library;                        /* made by cuLibraryLoadData */
+    struct CUctx_st *ctx;
+    struct CUfunc_st *funcs;
+};
+
+/* one kernel ready to run: its duration is fixed when it is launched or
+ * added to a graph (parameters are read then, as the driver copies them) */
+typedef struct sim_kern {
+    struct CUfunc_st *f;
+    uint64_t dur_ns;
+    unsigned grid[3], block[3], shmem;
+} sim_kern;
 
 extern SIM_HIDDEN pthread_mutex_t sim_mu;   /* guards all process state */
 
@@ -191,6 +276,24 @@ SIM_HIDDEN int sim_vmm_range(CUdeviceptr p, CUdeviceptr *base, uint64_t *size);
 /* streams (cuda_stream.c): context a stream belongs to; NULL, legacy and
  * per-thread handles mean the current context */
 SIM_HIDDEN CUresult sim_stream_ctx(CUstream s, struct CUctx_st **out);
+
+/* streams with the timeline (cuda_stream.c, cuda_launch.c).  ptsz: the
+ * call came through a _ptsz entry point, so NULL means per-thread. */
+SIM_HIDDEN CUresult sim_stream_ref(CUstream h, int ptsz, sim_sref *out);
+SIM_HIDDEN uint64_t sim_sref_ready_locked(const sim_sref *r);
+SIM_HIDDEN void sim_sref_after_locked(const sim_sref *r, uint64_t t);
+SIM_HIDDEN CUresult sim_sref_sync(const sim_sref *r);
+SIM_HIDDEN void sim_ctx_sync_wait(struct CUctx_st *c);
+/* validate a function and compute its duration */
+SIM_HIDDEN CUresult sim_kern_make(sim_kern *k, CUfunction f, const unsigned grid[3],
+                                  const unsigned block[3], unsigned shmem,
+                                  void **params, void **extra);
+/* run (or capture) kernels on a stream, in order */
+SIM_HIDDEN CUresult sim_launch(const sim_sref *r, const sim_kern *k, int n);
+/* graphs (cuda_graph.c): capture appends to the stream's graph */
+SIM_HIDDEN CUresult sim_graph_append_locked(struct CUgraph_st *g, const sim_kern *k);
+SIM_HIDDEN struct CUgraph_st *sim_graph_new(void);
+SIM_HIDDEN void sim_graph_free(struct CUgraph_st *g);
 
 /* pools (cuda_pool.c) */
 SIM_HIDDEN void sim_pools_sync(int ordinal);   /* -1: all devices */

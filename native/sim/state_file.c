@@ -380,3 +380,20 @@ int sim_procs(int node, sim_proc *out, int max)
     unlock();
     return n;
 }
+
+/* ---- access for the other state_*.c files ------------------------------ */
+
+sim_shared *sim_state(void)
+{
+    return S;
+}
+
+void sim_state_lock(void)
+{
+    lock();
+}
+
+void sim_state_unlock(void)
+{
+    unlock();
+}

@@ -1,0 +1,218 @@
+/*
+ * cuda_event.c - events on the simulated timeline.  Recording an event
+ * stores the completion time of the work queued before it in its stream
+ * (or now, for an idle stream); the event is complete once the clock has
+ * passed that time.  cuStreamWaitEvent makes later work in a stream start
+ * no earlier than the event.  Recording into a capturing stream records
+ * nothing (the capture graph has kernel nodes only).
+ */
+#include <stdlib.h>
+
+#include "sim.h"
+
+#define EVENT_MAGIC 0x45564e54u
+
+struct CUevent_st {
+    uint32_t magic;
+    struct CUctx_st *ctx;
+    unsigned flags;
+    int recorded;
+    uint64_t t;                         /* completion time, monotonic ns */
+};
+
+/* validate under sim_mu */
+static int ev_ok_locked(struct CUevent_st *e)
+{
+    return e && sim_reg_has(e) && e->magic == EVENT_MAGIC;
+}
+
+SIM_API CUresult cuEventCreate(CUevent *pe, unsigned int flags)
+{
+    struct CUctx_st *c;
+    CUresult rc = sim_current(&c);
+    if (rc)
+        return rc;
+    if (!pe || (flags & ~0xfu))
+        return CUDA_ERROR_INVALID_VALUE;
+    if ((flags & CU_EVENT_INTERPROCESS) && !(flags & CU_EVENT_DISABLE_TIMING))
+        return CUDA_ERROR_INVALID_VALUE;
+    struct CUevent_st *e = calloc(1, sizeof *e);
+    if (!e)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    e->magic = EVENT_MAGIC;
+    e->ctx = c;
+    e->flags = flags;
+    pthread_mutex_lock(&sim_mu);
+    sim_reg_add(e);
+    pthread_mutex_unlock(&sim_mu);
+    *pe = e;
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuEventDestroy_v2(CUevent e)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    pthread_mutex_lock(&sim_mu);
+    int ok = ev_ok_locked(e);
+    if (ok) {
+        sim_reg_del(e);
+        e->magic = 0;
+    }
+    pthread_mutex_unlock(&sim_mu);
+    if (!ok)
+        return CUDA_ERROR_INVALID_HANDLE;
+    free(e);
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuEventDestroy(CUevent e)
+{
+    return cuEventDestroy_v2(e);
+}
+
+static CUresult record(CUevent e, CUstream hs, unsigned flags, int ptsz)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (flags & ~(unsigned)CU_EVENT_RECORD_EXTERNAL)
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_sref r;
+    rc = sim_stream_ref(hs, ptsz, &r);
+    if (rc)
+        return rc;
+    pthread_mutex_lock(&sim_mu);
+    if (!ev_ok_locked(e)) {
+        pthread_mutex_unlock(&sim_mu);
+        return CUDA_ERROR_INVALID_HANDLE;
+    }
+    if (r.s && r.s->capture != CU_STREAM_CAPTURE_STATUS_NONE) {
+        pthread_mutex_unlock(&sim_mu);
+        return CUDA_SUCCESS;
+    }
+    uint64_t t = sim_sref_ready_locked(&r), now = sim_now_ns();
+    if (t < now)
+        t = now;
+    e->t = t;
+    e->recorded = 1;
+    sim_sref_after_locked(&r, t);
+    pthread_mutex_unlock(&sim_mu);
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuEventRecord(CUevent e, CUstream s)
+{
+    return record(e, s, 0, 0);
+}
+
+SIM_API CUresult cuEventRecord_ptsz(CUevent e, CUstream s)
+{
+    return record(e, s, 0, 1);
+}
+
+SIM_API CUresult cuEventRecordWithFlags(CUevent e, CUstream s,
+                                        unsigned int flags)
+{
+    return record(e, s, flags, 0);
+}
+
+SIM_API CUresult cuEventRecordWithFlags_ptsz(CUevent e, CUstream s,
+                                             unsigned int flags)
+{
+    return record(e, s, flags, 1);
+}
+
+/* completion time of e (0: never recorded, complete) */
+static CUresult ev_time(CUevent e, uint64_t *t)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    pthread_mutex_lock(&sim_mu);
+    int ok = ev_ok_locked(e);
+    *t = ok && e->recorded ? e->t : 0;
+    pthread_mutex_unlock(&sim_mu);
+    return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+SIM_API CUresult cuEventQuery(CUevent e)
+{
+    uint64_t t;
+    CUresult rc = ev_time(e, &t);
+    if (rc)
+        return rc;
+    return t > sim_now_ns() ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuEventSynchronize(CUevent e)
+{
+    uint64_t t;
+    CUresult rc = ev_time(e, &t);
+    if (rc)
+        return rc;
+    sim_sleep_until(t);
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuEventElapsedTime_v2(float *ms, CUevent a, CUevent b)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!ms)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_mu);
+    int ok = ev_ok_locked(a) && ev_ok_locked(b);
+    int timed = ok && !((a->flags | b->flags) & CU_EVENT_DISABLE_TIMING) &&
+                a->recorded && b->recorded;
+    uint64_t ta = timed ? a->t : 0, tb = timed ? b->t : 0;
+    pthread_mutex_unlock(&sim_mu);
+    if (!timed)
+        return CUDA_ERROR_INVALID_HANDLE;
+    uint64_t now = sim_now_ns();
+    if (ta > now || tb > now)
+        return CUDA_ERROR_NOT_READY;
+    *ms = (float)((double)((int64_t)(tb - ta)) / 1e6);
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuEventElapsedTime(float *ms, CUevent a, CUevent b)
+{
+    return cuEventElapsedTime_v2(ms, a, b);
+}
+
+static CUresult wait_event(CUstream hs, CUevent e, unsigned flags, int ptsz)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (flags & ~1u)                    /* CU_EVENT_WAIT_EXTERNAL */
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_sref r;
+    rc = sim_stream_ref(hs, ptsz, &r);
+    if (rc)
+        return rc;
+    pthread_mutex_lock(&sim_mu);
+    if (!ev_ok_locked(e)) {
+        pthread_mutex_unlock(&sim_mu);
+        return CUDA_ERROR_INVALID_HANDLE;
+    }
+    int capturing = r.s && r.s->capture != CU_STREAM_CAPTURE_STATUS_NONE;
+    if (e->recorded && !capturing)
+        sim_sref_after_locked(&r, e->t);
+    pthread_mutex_unlock(&sim_mu);
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuStreamWaitEvent(CUstream s, CUevent e, unsigned int flags)
+{
+    return wait_event(s, e, flags, 0);
+}
+
+SIM_API CUresult cuStreamWaitEvent_ptsz(CUstream s, CUevent e,
+                                        unsigned int flags)
+{
+    return wait_event(s, e, flags, 1);
+}

@@ -1,0 +1,525 @@
+/*
+ * cuda_graph.c - CUDA graphs with kernel (and empty) nodes, and stream
+ * capture.  A graph is a list of nodes in the order they were added (a
+ * valid topological order for graphs built through the API, since a node's
+ * dependencies must exist before it); edges are checked but otherwise
+ * ignored, as the device runs one kernel at a time anyway.  Instantiation
+ * copies the kernels; cuGraphLaunch queues them in order on its stream
+ * (cuda_launch.c), or appends them to the graph if that stream is
+ * capturing.  Kernels launched into a capturing stream are appended to the
+ * capture graph instead of running.
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "sim.h"
+
+#define GRAPH_MAGIC 0x47524148u
+#define NODE_MAGIC 0x4e4f4445u
+#define EXEC_MAGIC 0x47455845u
+
+struct CUgraphNode_st {
+    uint32_t magic;
+    int type;                           /* CUgraphNodeType */
+    struct CUgraph_st *g;
+    sim_kern k;
+};
+
+struct CUgraph_st {
+    uint32_t magic;
+    int n, cap;
+    struct CUgraphNode_st **nodes;
+};
+
+struct CUgraphExec_st {
+    uint32_t magic;
+    int n;
+    sim_kern *k;
+};
+
+static __thread CUstreamCaptureMode t_mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
+static unsigned long long g_capture_ids;
+
+struct CUgraph_st *sim_graph_new(void)
+{
+    struct CUgraph_st *g = calloc(1, sizeof *g);
+    if (!g)
+        return NULL;
+    g->magic = GRAPH_MAGIC;
+    sim_reg_add(g);                     /* caller holds sim_mu */
+    return g;
+}
+
+void sim_graph_free(struct CUgraph_st *g)
+{
+    for (int i = 0; i < g->n; i++) {
+        sim_reg_del(g->nodes[i]);
+        g->nodes[i]->magic = 0;
+        free(g->nodes[i]);
+    }
+    sim_reg_del(g);
+    g->magic = 0;
+    free(g->nodes);
+    free(g);
+}
+
+static int graph_ok_locked(struct CUgraph_st *g)
+{
+    return g && sim_reg_has(g) && g->magic == GRAPH_MAGIC;
+}
+
+static struct CUgraphNode_st *add_node_locked(struct CUgraph_st *g, int type,
+                                              const sim_kern *k)
+{
+    if (g->n == g->cap) {
+        int cap = g->cap ? g->cap * 2 : 16;
+        void *p = realloc(g->nodes, (size_t)cap * sizeof *g->nodes);
+        if (!p)
+            return NULL;
+        g->nodes = p;
+        g->cap = cap;
+    }
+    struct CUgraphNode_st *nd = calloc(1, sizeof *nd);
+    if (!nd)
+        return NULL;
+    nd->magic = NODE_MAGIC;
+    nd->type = type;
+    nd->g = g;
+    if (k)
+        nd->k = *k;
+    g->nodes[g->n++] = nd;
+    sim_reg_add(nd);
+    return nd;
+}
+
+CUresult sim_graph_append_locked(struct CUgraph_st *g, const sim_kern *k)
+{
+    return add_node_locked(g, CU_GRAPH_NODE_TYPE_KERNEL, k)
+               ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+SIM_API CUresult cuGraphCreate(CUgraph *pg, unsigned int flags)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!pg || flags)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_mu);
+    struct CUgraph_st *g = sim_graph_new();
+    pthread_mutex_unlock(&sim_mu);
+    if (!g)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    *pg = g;
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuGraphDestroy(CUgraph g)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    pthread_mutex_lock(&sim_mu);
+    int ok = graph_ok_locked(g);
+    if (ok)
+        sim_graph_free(g);
+    pthread_mutex_unlock(&sim_mu);
+    return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* deps must be nodes of g */
+static int deps_ok_locked(struct CUgraph_st *g, const CUgraphNode *deps,
+                          size_t n)
+{
+    if (n && !deps)
+        return 0;
+    for (size_t i = 0; i < n; i++)
+        if (!deps[i] || !sim_reg_has(deps[i]) ||
+            deps[i]->magic != NODE_MAGIC || deps[i]->g != g)
+            return 0;
+    return 1;
+}
+
+static CUresult add_node(CUgraphNode *out, CUgraph g, const CUgraphNode *deps,
+                         size_t ndeps, int type, const sim_kern *k)
+{
+    if (!out)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_mu);
+    CUresult rc = CUDA_SUCCESS;
+    if (!graph_ok_locked(g) || !deps_ok_locked(g, deps, ndeps))
+        rc = CUDA_ERROR_INVALID_VALUE;
+    struct CUgraphNode_st *nd = rc ? NULL : add_node_locked(g, type, k);
+    if (!rc && !nd)
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_unlock(&sim_mu);
+    if (!rc)
+        *out = nd;
+    return rc;
+}
+
+static CUresult kernel_node(CUgraphNode *out, CUgraph g,
+                            const CUgraphNode *deps, size_t ndeps,
+                            CUfunction f, const unsigned grid[3],
+                            const unsigned block[3], unsigned shmem,
+                            void **params, void **extra)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    sim_kern k;
+    rc = sim_kern_make(&k, f, grid, block, shmem, params, extra);
+    if (rc)
+        return rc == CUDA_ERROR_INVALID_HANDLE ? CUDA_ERROR_INVALID_VALUE : rc;
+    return add_node(out, g, deps, ndeps, CU_GRAPH_NODE_TYPE_KERNEL, &k);
+}
+
+SIM_API CUresult cuGraphAddKernelNode_v2(CUgraphNode *out, CUgraph g,
+                                         const CUgraphNode *deps, size_t n,
+                                         const CUDA_KERNEL_NODE_PARAMS_v2 *p)
+{
+    if (!p)
+        return CUDA_ERROR_INVALID_VALUE;
+    const unsigned grid[3] = {p->gridDimX, p->gridDimY, p->gridDimZ};
+    const unsigned block[3] = {p->blockDimX, p->blockDimY, p->blockDimZ};
+    CUfunction f = p->func ? p->func : (CUfunction)p->kern;
+    return kernel_node(out, g, deps, n, f, grid, block, p->sharedMemBytes,
+                       p->kernelParams, p->extra);
+}
+
+SIM_API CUresult cuGraphAddKernelNode(CUgraphNode *out, CUgraph g,
+                                      const CUgraphNode *deps, size_t n,
+                                      const CUDA_KERNEL_NODE_PARAMS_v1 *p)
+{
+    if (!p)
+        return CUDA_ERROR_INVALID_VALUE;
+    const unsigned grid[3] = {p->gridDimX, p->gridDimY, p->gridDimZ};
+    const unsigned block[3] = {p->blockDimX, p->blockDimY, p->blockDimZ};
+    return kernel_node(out, g, deps, n, p->func, grid, block,
+                       p->sharedMemBytes, p->kernelParams, p->extra);
+}
+
+SIM_API CUresult cuGraphAddEmptyNode(CUgraphNode *out, CUgraph g,
+                                     const CUgraphNode *deps, size_t n)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    return add_node(out, g, deps, n, CU_GRAPH_NODE_TYPE_EMPTY, NULL);
+}
+
+SIM_API CUresult cuGraphAddDependencies_v2(CUgraph g, const CUgraphNode *from,
+                                           const CUgraphNode *to,
+                                           const CUgraphEdgeData *edges,
+                                           size_t n)
+{
+    (void)edges;
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    pthread_mutex_lock(&sim_mu);
+    int ok = graph_ok_locked(g) && deps_ok_locked(g, from, n) &&
+             deps_ok_locked(g, to, n);
+    for (size_t i = 0; ok && i < n; i++)
+        ok = from[i] != to[i];
+    pthread_mutex_unlock(&sim_mu);
+    return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+SIM_API CUresult cuGraphAddDependencies(CUgraph g, const CUgraphNode *from,
+                                        const CUgraphNode *to, size_t n)
+{
+    return cuGraphAddDependencies_v2(g, from, to, NULL, n);
+}
+
+SIM_API CUresult cuGraphGetNodes(CUgraph g, CUgraphNode *nodes, size_t *n)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!n)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_mu);
+    if (!graph_ok_locked(g)) {
+        pthread_mutex_unlock(&sim_mu);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    if (nodes) {
+        size_t m = *n < (size_t)g->n ? *n : (size_t)g->n;
+        for (size_t i = 0; i < m; i++)
+            nodes[i] = g->nodes[i];
+        for (size_t i = m; i < *n; i++)
+            nodes[i] = NULL;
+        *n = m;
+    } else {
+        *n = (size_t)g->n;
+    }
+    pthread_mutex_unlock(&sim_mu);
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuGraphNodeGetType(CUgraphNode nd, CUgraphNodeType *type)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!type)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_mu);
+    int ok = nd && sim_reg_has(nd) && nd->magic == NODE_MAGIC;
+    if (ok)
+        *type = (CUgraphNodeType)nd->type;
+    pthread_mutex_unlock(&sim_mu);
+    return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* ---- executable graphs ------------------------------------------------ */
+
+SIM_API CUresult cuGraphInstantiateWithFlags(CUgraphExec *pe, CUgraph g,
+                                             unsigned long long flags)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!pe || (flags & ~0xfULL))
+        return CUDA_ERROR_INVALID_VALUE;
+    struct CUgraphExec_st *e = calloc(1, sizeof *e);
+    if (!e)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&sim_mu);
+    if (!graph_ok_locked(g)) {
+        pthread_mutex_unlock(&sim_mu);
+        free(e);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    e->k = calloc((size_t)g->n + 1, sizeof *e->k);
+    if (!e->k) {
+        pthread_mutex_unlock(&sim_mu);
+        free(e);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    for (int i = 0; i < g->n; i++)
+        if (g->nodes[i]->type == CU_GRAPH_NODE_TYPE_KERNEL)
+            e->k[e->n++] = g->nodes[i]->k;
+    e->magic = EXEC_MAGIC;
+    sim_reg_add(e);
+    pthread_mutex_unlock(&sim_mu);
+    *pe = e;
+    return CUDA_SUCCESS;
+}
+
+/* pre-CUDA-12 form (cuGraphInstantiate / _v2) */
+SIM_API CUresult cuGraphInstantiate_v2(CUgraphExec *pe, CUgraph g,
+                                       CUgraphNode *err, char *log,
+                                       size_t logsz)
+{
+    if (err)
+        *err = NULL;
+    if (log && logsz)
+        log[0] = 0;
+    return cuGraphInstantiateWithFlags(pe, g, 0);
+}
+
+SIM_API CUresult cuGraphInstantiate(CUgraphExec *pe, CUgraph g,
+                                    CUgraphNode *err, char *log, size_t logsz)
+{
+    return cuGraphInstantiate_v2(pe, g, err, log, logsz);
+}
+
+static int exec_ok(struct CUgraphExec_st *e)
+{
+    pthread_mutex_lock(&sim_mu);
+    int ok = e && sim_reg_has(e) && e->magic == EXEC_MAGIC;
+    pthread_mutex_unlock(&sim_mu);
+    return ok;
+}
+
+SIM_API CUresult cuGraphExecDestroy(CUgraphExec e)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    pthread_mutex_lock(&sim_mu);
+    int ok = e && sim_reg_has(e) && e->magic == EXEC_MAGIC;
+    if (ok) {
+        sim_reg_del(e);
+        e->magic = 0;
+    }
+    pthread_mutex_unlock(&sim_mu);
+    if (!ok)
+        return CUDA_ERROR_INVALID_VALUE;
+    free(e->k);
+    free(e);
+    return CUDA_SUCCESS;
+}
+
+static CUresult graph_launch(CUgraphExec e, CUstream hs, int ptsz, int run)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    sim_sref r;
+    rc = sim_stream_ref(hs, ptsz, &r);
+    if (rc)
+        return rc;
+    if (!exec_ok(e))
+        return CUDA_ERROR_INVALID_VALUE;
+    return run ? sim_launch(&r, e->k, e->n) : CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuGraphLaunch(CUgraphExec e, CUstream s)
+{
+    return graph_launch(e, s, 0, 1);
+}
+
+SIM_API CUresult cuGraphLaunch_ptsz(CUgraphExec e, CUstream s)
+{
+    return graph_launch(e, s, 1, 1);
+}
+
+SIM_API CUresult cuGraphUpload(CUgraphExec e, CUstream s)
+{
+    return graph_launch(e, s, 0, 0);
+}
+
+SIM_API CUresult cuGraphUpload_ptsz(CUgraphExec e, CUstream s)
+{
+    return graph_launch(e, s, 1, 0);
+}
+
+/* ---- stream capture ---------------------------------------------------- */
+
+static CUresult begin_capture(CUstream hs, int mode, int ptsz)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (mode < CU_STREAM_CAPTURE_MODE_GLOBAL ||
+        mode > CU_STREAM_CAPTURE_MODE_RELAXED)
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_sref r;
+    rc = sim_stream_ref(hs, ptsz, &r);
+    if (rc)
+        return rc;
+    if (!r.s)
+        return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;   /* legacy stream */
+    pthread_mutex_lock(&sim_mu);
+    if (r.s->capture != CU_STREAM_CAPTURE_STATUS_NONE) {
+        pthread_mutex_unlock(&sim_mu);
+        return CUDA_ERROR_ILLEGAL_STATE;
+    }
+    struct CUgraph_st *g = sim_graph_new();
+    if (g) {
+        r.s->cap_graph = g;
+        r.s->cap_mode = mode;
+        r.s->cap_id = ++g_capture_ids;
+        r.s->capture = CU_STREAM_CAPTURE_STATUS_ACTIVE;
+    }
+    pthread_mutex_unlock(&sim_mu);
+    return g ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+SIM_API CUresult cuStreamBeginCapture_v2(CUstream s, CUstreamCaptureMode mode)
+{
+    return begin_capture(s, (int)mode, 0);
+}
+
+SIM_API CUresult cuStreamBeginCapture_v2_ptsz(CUstream s,
+                                              CUstreamCaptureMode mode)
+{
+    return begin_capture(s, (int)mode, 1);
+}
+
+SIM_API CUresult cuStreamBeginCapture(CUstream s)
+{
+    return begin_capture(s, CU_STREAM_CAPTURE_MODE_GLOBAL, 0);
+}
+
+SIM_API CUresult cuStreamBeginCapture_ptsz(CUstream s)
+{
+    return begin_capture(s, CU_STREAM_CAPTURE_MODE_GLOBAL, 1);
+}
+
+static CUresult end_capture(CUstream hs, CUgraph *pg, int ptsz)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!pg)
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_sref r;
+    rc = sim_stream_ref(hs, ptsz, &r);
+    if (rc)
+        return rc;
+    if (!r.s)
+        return CUDA_ERROR_ILLEGAL_STATE;
+    pthread_mutex_lock(&sim_mu);
+    int st = r.s->capture;
+    struct CUgraph_st *g = r.s->cap_graph;
+    r.s->capture = CU_STREAM_CAPTURE_STATUS_NONE;
+    r.s->cap_graph = NULL;
+    if (st == CU_STREAM_CAPTURE_STATUS_INVALIDATED && g) {
+        sim_graph_free(g);
+        g = NULL;
+    }
+    pthread_mutex_unlock(&sim_mu);
+    *pg = g;
+    if (st == CU_STREAM_CAPTURE_STATUS_NONE)
+        return CUDA_ERROR_ILLEGAL_STATE;
+    if (st == CU_STREAM_CAPTURE_STATUS_INVALIDATED)
+        return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuStreamEndCapture(CUstream s, CUgraph *pg)
+{
+    return end_capture(s, pg, 0);
+}
+
+SIM_API CUresult cuStreamEndCapture_ptsz(CUstream s, CUgraph *pg)
+{
+    return end_capture(s, pg, 1);
+}
+
+static CUresult is_capturing(CUstream hs, CUstreamCaptureStatus *st, int ptsz)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!st)
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_sref r;
+    rc = sim_stream_ref(hs, ptsz, &r);
+    if (rc)
+        return rc;
+    pthread_mutex_lock(&sim_mu);
+    *st = r.s ? (CUstreamCaptureStatus)r.s->capture
+              : CU_STREAM_CAPTURE_STATUS_NONE;
+    pthread_mutex_unlock(&sim_mu);
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuStreamIsCapturing(CUstream s, CUstreamCaptureStatus *st)
+{
+    return is_capturing(s, st, 0);
+}
+
+SIM_API CUresult cuStreamIsCapturing_ptsz(CUstream s,
+                                          CUstreamCaptureStatus *st)
+{
+    return is_capturing(s, st, 1);
+}
+
+SIM_API CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *mode)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!mode || *mode < CU_STREAM_CAPTURE_MODE_GLOBAL ||
+        *mode > CU_STREAM_CAPTURE_MODE_RELAXED)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUstreamCaptureMode old = t_mode;
+    t_mode = *mode;
+    *mode = old;
+    return CUDA_SUCCESS;
+}

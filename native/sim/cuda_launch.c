@@ -1,0 +1,237 @@
+/*
+ * cuda_launch.c - kernel launches on the simulated timeline.
+ *
+ * A launch is asynchronous: it computes the kernel's duration, queues it on
+ * its device's node-wide timeline (state_timeline.c: one kernel at a time,
+ * in launch order, across every process) after the work its stream depends
+ * on, and returns.  The stream, its context and the context's queue of
+ * pending launches remember the end time.  A context holds at most
+ * SIM_QUEUE_DEPTH pending (not yet completed) launches: the next launch
+ * sleeps until the oldest completes.  A kernel launched into a capturing
+ * stream is appended to the capture graph instead (cuda_graph.c).
+ *
+ * Durations: a function named "spin" runs for kernelParams[0] (a uint32)
+ * microseconds; any other function 1 us per block of its grid.
+ */
+#include <string.h>
+
+#include "sim.h"
+
+#define NS_PER_US 1000ULL
+#define MAX_DUR_US (1ULL << 40)         /* ~12 days: keeps ns in range */
+
+static uint64_t spin_arg(void **params, void **extra, int *ok)
+{
+    uint32_t v = 0;
+    *ok = 0;
+    if (params && params[0]) {
+        memcpy(&v, params[0], sizeof v);
+        *ok = 1;
+    } else if (extra) {
+        const void *buf = NULL;
+        size_t size = 0;
+        for (int i = 0; i < 16 && extra[i] != GV_CU_LAUNCH_PARAM_END; i += 2) {
+            if (extra[i] == GV_CU_LAUNCH_PARAM_BUFFER_POINTER)
+                buf = extra[i + 1];
+            else if (extra[i] == GV_CU_LAUNCH_PARAM_BUFFER_SIZE && extra[i + 1])
+                size = *(const size_t *)extra[i + 1];
+            else
+                break;
+        }
+        if (buf && size >= sizeof v) {
+            memcpy(&v, buf, sizeof v);
+            *ok = 1;
+        }
+    }
+    return v;
+}
+
+CUresult sim_kern_make(sim_kern *k, CUfunction f, const unsigned grid[3],
+                       const unsigned block[3], unsigned shmem,
+                       void **params, void **extra)
+{
+    pthread_mutex_lock(&sim_mu);
+    int ok = f && sim_reg_has(f) && f->magic == SIM_FUNC_MAGIC;
+    int spin = ok ? f->spin : 0;
+    pthread_mutex_unlock(&sim_mu);
+    if (!ok)
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (params && extra)
+        return CUDA_ERROR_INVALID_VALUE;
+    for (int i = 0; i < 3; i++)
+        if (!grid[i] || !block[i])
+            return CUDA_ERROR_INVALID_VALUE;
+    if (grid[1] > 65535 || grid[2] > 65535 || block[2] > 64 ||
+        (uint64_t)block[0] * block[1] * block[2] > 1024 ||
+        shmem > 227 * 1024)
+        return CUDA_ERROR_INVALID_VALUE;
+    uint64_t us;
+    if (spin) {
+        int have;
+        us = spin_arg(params, extra, &have);
+        if (!have)
+            return CUDA_ERROR_INVALID_VALUE;
+    } else {
+        us = (uint64_t)grid[0] * grid[1] * grid[2];
+        if (us > MAX_DUR_US)
+            us = MAX_DUR_US;
+    }
+    k->f = f;
+    k->dur_ns = us * NS_PER_US;
+    memcpy(k->grid, grid, sizeof k->grid);
+    memcpy(k->block, block, sizeof k->block);
+    k->shmem = shmem;
+    return CUDA_SUCCESS;
+}
+
+CUresult sim_launch(const sim_sref *r, const sim_kern *k, int n)
+{
+    struct CUctx_st *c = r->ctx;
+    for (int i = 0; i < n; i++) {
+        for (;;) {
+            pthread_mutex_lock(&sim_mu);
+            if (r->s && r->s->capture == CU_STREAM_CAPTURE_STATUS_ACTIVE) {
+                CUresult rc = sim_graph_append_locked(r->s->cap_graph, &k[i]);
+                pthread_mutex_unlock(&sim_mu);
+                if (rc)
+                    return rc;
+                break;
+            }
+            if (r->s && r->s->capture == CU_STREAM_CAPTURE_STATUS_INVALIDATED) {
+                pthread_mutex_unlock(&sim_mu);
+                return CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
+            }
+            uint64_t *slot = &c->pend[c->pend_head % SIM_QUEUE_DEPTH];
+            uint64_t oldest = *slot;
+            if (oldest > sim_now_ns()) {
+                /* queue full: wait for the oldest pending launch */
+                pthread_mutex_unlock(&sim_mu);
+                sim_sleep_until(oldest);
+                continue;
+            }
+            uint64_t end = sim_tl_launch(c->node, sim_sref_ready_locked(r),
+                                         k[i].dur_ns);
+            *slot = end;
+            c->pend_head++;
+            sim_sref_after_locked(r, end);
+            pthread_mutex_unlock(&sim_mu);
+            break;
+        }
+    }
+    return CUDA_SUCCESS;
+}
+
+void sim_ctx_sync_wait(struct CUctx_st *c)
+{
+    pthread_mutex_lock(&sim_mu);
+    uint64_t t = c->all_end;
+    pthread_mutex_unlock(&sim_mu);
+    sim_sleep_until(t);
+}
+
+/* ---- entry points ---------------------------------------------------- */
+
+static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
+                       unsigned bx, unsigned by, unsigned bz, unsigned shmem,
+                       CUstream hs, void **params, void **extra, int ptsz,
+                       int coop)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    sim_sref r;
+    rc = sim_stream_ref(hs, ptsz, &r);
+    if (rc)
+        return rc;
+    const unsigned grid[3] = {gx, gy, gz}, block[3] = {bx, by, bz};
+    sim_kern k;
+    rc = sim_kern_make(&k, f, grid, block, shmem, params, extra);
+    if (rc)
+        return rc;
+    if (coop) {
+        /* all blocks must be resident at once: sms x blocks per SM
+         * (2048 threads, at most 32 blocks, per SM) */
+        uint64_t threads = (uint64_t)bx * by * bz;
+        uint64_t per_sm = 2048 / threads;
+        if (per_sm > 32)
+            per_sm = 32;
+        uint64_t max = per_sm * (uint64_t)sim_dev(r.ctx->node)->sms;
+        if ((uint64_t)gx * gy * gz > max)
+            return CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE;
+    }
+    return sim_launch(&r, &k, 1);
+}
+
+SIM_API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy,
+                                unsigned gz, unsigned bx, unsigned by,
+                                unsigned bz, unsigned shmem, CUstream s,
+                                void **params, void **extra)
+{
+    return launch(f, gx, gy, gz, bx, by, bz, shmem, s, params, extra, 0, 0);
+}
+
+SIM_API CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy,
+                                     unsigned gz, unsigned bx, unsigned by,
+                                     unsigned bz, unsigned shmem, CUstream s,
+                                     void **params, void **extra)
+{
+    return launch(f, gx, gy, gz, bx, by, bz, shmem, s, params, extra, 1, 0);
+}
+
+SIM_API CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned gx,
+                                           unsigned gy, unsigned gz,
+                                           unsigned bx, unsigned by,
+                                           unsigned bz, unsigned shmem,
+                                           CUstream s, void **params)
+{
+    return launch(f, gx, gy, gz, bx, by, bz, shmem, s, params, NULL, 0, 1);
+}
+
+SIM_API CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned gx,
+                                                unsigned gy, unsigned gz,
+                                                unsigned bx, unsigned by,
+                                                unsigned bz, unsigned shmem,
+                                                CUstream s, void **params)
+{
+    return launch(f, gx, gy, gz, bx, by, bz, shmem, s, params, NULL, 1, 1);
+}
+
+static CUresult launch_ex(const CUlaunchConfig *cfg, CUfunction f,
+                          void **params, void **extra, int ptsz)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!cfg || (cfg->numAttrs && !cfg->attrs))
+        return CUDA_ERROR_INVALID_VALUE;
+    int coop = 0;
+    for (unsigned i = 0; i < cfg->numAttrs; i++) {
+        const CUlaunchAttribute *a = &cfg->attrs[i];
+        if (a->id == CU_LAUNCH_ATTRIBUTE_COOPERATIVE)
+            coop = a->value.cooperative != 0;
+        else if (a->id == CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION) {
+            unsigned cx = a->value.clusterDim.x, cy = a->value.clusterDim.y,
+                     cz = a->value.clusterDim.z;
+            if (!cx || !cy || !cz || cfg->gridDimX % cx ||
+                cfg->gridDimY % cy || cfg->gridDimZ % cz)
+                return CUDA_ERROR_INVALID_VALUE;
+        }
+    }
+    return launch(f, cfg->gridDimX, cfg->gridDimY, cfg->gridDimZ,
+                  cfg->blockDimX, cfg->blockDimY, cfg->blockDimZ,
+                  cfg->sharedMemBytes, cfg->hStream, params, extra, ptsz,
+                  coop);
+}
+
+SIM_API CUresult cuLaunchKernelEx(const CUlaunchConfig *cfg, CUfunction f,
+                                  void **params, void **extra)
+{
+    return launch_ex(cfg, f, params, extra, 0);
+}
+
+SIM_API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *cfg,
+                                       CUfunction f, void **params,
+                                       void **extra)
+{
+    return launch_ex(cfg, f, params, extra, 1);
+}

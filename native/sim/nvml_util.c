@@ -1,0 +1,201 @@
+/*
+ * nvml_util.c - GPU and per-process utilization from the node's kernel
+ * timeline (state_timeline.c).
+ *
+ * nvmlDeviceGetUtilizationRates: percent of the last second during which a
+ * kernel ran (memory utilization is 0).
+ *
+ * Per-process samples: the driver samples every SAMPLE_NS on a fixed grid
+ * of CLOCK_MONOTONIC; a sample's timestamp is the CPU time (us since the
+ * epoch) of its end, and only complete samples exist.  A query returns
+ * one entry per process that ran kernels in the samples newer than
+ * lastSeenTimeStamp (at most the last HISTORY_NS, and only as far back as
+ * the timeline still holds): smUtil = percent of those samples' time that
+ * the process's kernels ran, timeStamp = the newest sample's.
+ */
+#include <stdlib.h>
+#include <time.h>
+
+#include "sim.h"
+
+#define NS_PER_US 1000ULL
+#define NS_PER_S 1000000000ULL
+#define SAMPLE_NS (100ULL * 1000 * 1000)        /* 100 ms */
+#define HISTORY_NS (10ULL * NS_PER_S)
+#define UTIL_WINDOW_NS NS_PER_S
+#define MAX_PIDS 256
+
+static uint64_t overlap(const sim_interval *e, uint64_t lo, uint64_t hi)
+{
+    uint64_t a = e->start > lo ? e->start : lo;
+    uint64_t b = e->end < hi ? e->end : hi;
+    return b > a ? b - a : 0;
+}
+
+static unsigned pct(uint64_t part, uint64_t whole)
+{
+    if (!whole)
+        return 0;
+    uint64_t p = (part * 100 + whole / 2) / whole;
+    return p > 100 ? 100 : (unsigned)p;
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t dev,
+                                                   nvmlUtilization_t *u)
+{
+    NVML_ENTRY("nvmlDeviceGetUtilizationRates");
+    int node = sim_nvml_node(dev);
+    if (node < 0 || !u)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    sim_interval *iv = malloc(SIM_TL_RING * sizeof *iv);
+    if (!iv)
+        return NVML_ERROR_MEMORY;
+    uint64_t now = sim_now_ns();
+    uint64_t lo = now > UTIL_WINDOW_NS ? now - UTIL_WINDOW_NS : 0, known;
+    int n = sim_tl_history(node, lo, iv, SIM_TL_RING, &known);
+    if (known > lo && known < now)
+        lo = known;                     /* the ring wrapped: what is known */
+    uint64_t busy = 0;
+    for (int i = 0; i < n; i++)
+        busy += overlap(&iv[i], lo, now);
+    free(iv);
+    u->gpu = pct(busy, now - lo);
+    u->memory = 0;
+    return NVML_SUCCESS;
+}
+
+typedef struct pid_util {
+    unsigned pid;
+    unsigned sm;
+    unsigned long long ts;
+} pid_util;
+
+/* one entry per pid that ran in the samples newer than last_seen */
+static nvmlReturn_t proc_samples(int node, unsigned long long last_seen,
+                                 pid_util *out, int *nout)
+{
+    *nout = 0;
+    struct timespec rt;
+    clock_gettime(CLOCK_REALTIME, &rt);
+    uint64_t now = sim_now_ns();
+    uint64_t rt_ns = (uint64_t)rt.tv_sec * NS_PER_S + (uint64_t)rt.tv_nsec;
+    int64_t mono_to_rt = (int64_t)(rt_ns - now);
+    /* complete samples: [k*S, (k+1)*S) with (k+1)*S <= now */
+    uint64_t hi = now / SAMPLE_NS * SAMPLE_NS;
+    uint64_t lo = hi > HISTORY_NS ? hi - HISTORY_NS : 0;
+    /* samples whose timestamp is newer than last_seen */
+    uint64_t seen_ns = last_seen * NS_PER_US;
+    if (seen_ns > (uint64_t)mono_to_rt) {
+        /* + 1 ms: the monotonic/realtime offset jitters between calls,
+         * so a timestamp handed back must not select its sample again */
+        uint64_t seen_mono = seen_ns - (uint64_t)mono_to_rt + 1000000ULL;
+        /* first sample end > seen_mono: start = floor(seen_mono/S)*S */
+        uint64_t first = seen_mono / SAMPLE_NS * SAMPLE_NS;
+        if (first > lo)
+            lo = first;
+    }
+    sim_interval *iv = malloc(SIM_TL_RING * sizeof *iv);
+    if (!iv)
+        return NVML_ERROR_MEMORY;
+    uint64_t known;
+    int n = sim_tl_history(node, lo, iv, SIM_TL_RING, &known);
+    if (known > lo)
+        lo = (known + SAMPLE_NS - 1) / SAMPLE_NS * SAMPLE_NS;
+    if (lo >= hi) {
+        free(iv);
+        return NVML_SUCCESS;
+    }
+    uint64_t busy[MAX_PIDS];
+    unsigned pids[MAX_PIDS];
+    int np = 0;
+    for (int i = 0; i < n; i++) {
+        uint64_t b = overlap(&iv[i], lo, hi);
+        if (!b)
+            continue;
+        int j;
+        for (j = 0; j < np && pids[j] != (unsigned)iv[i].pid; j++)
+            ;
+        if (j == np) {
+            if (np == MAX_PIDS)
+                continue;
+            pids[np] = (unsigned)iv[i].pid;
+            busy[np++] = 0;
+        }
+        busy[j] += b;
+    }
+    free(iv);
+    unsigned long long ts = (hi + (uint64_t)mono_to_rt) / NS_PER_US;
+    for (int j = 0; j < np; j++) {
+        out[j].pid = pids[j];
+        out[j].sm = pct(busy[j], hi - lo);
+        out[j].ts = ts;
+    }
+    *nout = np;
+    return NVML_SUCCESS;
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetProcessUtilization(
+    nvmlDevice_t dev, nvmlProcessUtilizationSample_t *util,
+    unsigned int *count, unsigned long long last_seen)
+{
+    NVML_ENTRY("nvmlDeviceGetProcessUtilization");
+    int node = sim_nvml_node(dev);
+    if (node < 0 || !count)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    pid_util s[MAX_PIDS];
+    int n;
+    nvmlReturn_t rc = proc_samples(node, last_seen, s, &n);
+    if (rc)
+        return rc;
+    if (!n) {
+        *count = 0;
+        return NVML_ERROR_NOT_FOUND;
+    }
+    if (!util || *count < (unsigned)n) {
+        *count = (unsigned)n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    for (int i = 0; i < n; i++) {
+        util[i].pid = s[i].pid;
+        util[i].timeStamp = s[i].ts;
+        util[i].smUtil = s[i].sm;
+        util[i].memUtil = 0;
+        util[i].encUtil = 0;
+        util[i].decUtil = 0;
+    }
+    *count = (unsigned)n;
+    return NVML_SUCCESS;
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(
+    nvmlDevice_t dev, nvmlProcessesUtilizationInfo_t *info)
+{
+    NVML_ENTRY("nvmlDeviceGetProcessesUtilizationInfo");
+    int node = sim_nvml_node(dev);
+    if (node < 0 || !info)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (info->version != nvmlProcessesUtilizationInfo_v1)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    pid_util s[MAX_PIDS];
+    int n;
+    nvmlReturn_t rc = proc_samples(node, info->lastSeenTimeStamp, s, &n);
+    if (rc)
+        return rc;
+    if (!n) {
+        info->processSamplesCount = 0;
+        return NVML_ERROR_NOT_FOUND;
+    }
+    if (!info->procUtilArray || info->processSamplesCount < (unsigned)n) {
+        info->processSamplesCount = (unsigned)n;
+        return NVML_ERROR_INSUFFICIENT_SIZE;
+    }
+    for (int i = 0; i < n; i++) {
+        nvmlProcessUtilizationInfo_v1_t *p = &info->procUtilArray[i];
+        p->timeStamp = s[i].ts;
+        p->pid = s[i].pid;
+        p->smUtil = s[i].sm;
+        p->memUtil = p->encUtil = p->decUtil = p->jpgUtil = p->ofaUtil = 0;
+    }
+    info->processSamplesCount = (unsigned)n;
+    return NVML_SUCCESS;
+}
