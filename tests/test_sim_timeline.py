@@ -1,0 +1,285 @@
+"""The simulated kernel timeline (native/sim/cuda_launch.c, state_timeline.c,
+nvml_util.c) as real clients see it: cuda-python launching kernels, several
+processes time-slicing one simulated device, and nvidia-ml-py reading device
+and per-process utilization.  Each test has its own state file, so the
+device is idle when it starts.  Timing tolerances are wide (+-10 points) for
+loaded 2-core CI machines."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.simhelp import REPO, has_cuda_bindings, ok, run_py, sim_env, spawn_py
+
+needs_cuda_python = pytest.mark.skipif(not has_cuda_bindings(), reason="cuda-python missing")
+
+T_SIM_TIMELINE = REPO / "build" / "tests" / "t_sim_timeline"
+
+# cuda-python child prelude: a context, a module and the kernels
+CUDA_PRELUDE = """
+import ctypes, json, sys, time
+from cuda.bindings import driver as cu
+R = cu.CUresult.CUDA_SUCCESS
+def chk(res):
+    err = res[0] if isinstance(res, tuple) else res
+    assert err == R, err
+    return res[1] if isinstance(res, tuple) and len(res) == 2 else res
+chk(cu.cuInit(0))
+ctx = chk(cu.cuDevicePrimaryCtxRetain(0))
+chk(cu.cuCtxSetCurrent(ctx))
+mod = chk(cu.cuModuleLoadData(b"not really a cubin"))
+spin = chk(cu.cuModuleGetFunction(mod, b"spin"))
+blocks = chk(cu.cuModuleGetFunction(mod, b"vector_add"))
+def spin_args(us):
+    return ((us,), (ctypes.c_uint32,))
+def launch_spin(stream, us):
+    chk(cu.cuLaunchKernel(spin, 1, 1, 1, 128, 1, 1, 0, stream, spin_args(us), 0))
+"""
+
+
+def with_prelude(body: str) -> str:
+    return CUDA_PRELUDE + textwrap.dedent(body)
+
+
+def test_c_timeline(tmp_path: Path) -> None:
+    env = sim_env(tmp_path, TMPDIR=str(tmp_path))
+    cp = subprocess.run([str(T_SIM_TIMELINE)], env=env, capture_output=True, text=True, timeout=60)
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    assert cp.stdout.strip().endswith("OK"), cp.stdout + cp.stderr
+    assert not list(tmp_path.glob("gv-t-sim-timeline-*")), "t_sim_timeline left its state file"
+
+
+@needs_cuda_python
+def test_cuda_python_launch_paths(tmp_path: Path) -> None:
+    """cuLaunchKernel (kernelParams as (values, types)), cuLaunchKernelEx,
+    cooperative launch, explicit and captured graphs, events and queries."""
+    out = ok(
+        run_py(
+            with_prelude(
+                """
+            s = chk(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+            e0, e1 = chk(cu.cuEventCreate(0)), chk(cu.cuEventCreate(0))
+            def timed(fn):
+                chk(cu.cuEventRecord(e0, s)); fn(); chk(cu.cuEventRecord(e1, s))
+                chk(cu.cuEventSynchronize(e1))
+                return chk(cu.cuEventElapsedTime(e0, e1))
+            res = {}
+            t0 = time.monotonic()
+            launch_spin(s, 100000)
+            res["launch_s"] = time.monotonic() - t0
+            res["query"] = int(cu.cuStreamQuery(s)[0])
+            chk(cu.cuStreamSynchronize(s))
+            res["sync_s"] = time.monotonic() - t0
+            res["query_after"] = int(cu.cuStreamQuery(s)[0])
+            res["spin"] = timed(lambda: launch_spin(s, 20000))
+            res["blocks"] = timed(lambda: chk(cu.cuLaunchKernel(
+                blocks, 100, 10, 10, 256, 1, 1, 0, s, 0, 0)))
+            cfg = cu.CUlaunchConfig()
+            cfg.gridDimX = cfg.gridDimY = cfg.gridDimZ = 1
+            cfg.blockDimX = cfg.blockDimY = cfg.blockDimZ = 1
+            cfg.hStream = s
+            res["ex"] = timed(lambda: chk(cu.cuLaunchKernelEx(cfg, spin, spin_args(15000), 0)))
+            res["coop"] = timed(lambda: chk(cu.cuLaunchCooperativeKernel(
+                spin, 1, 1, 1, 32, 1, 1, 0, s, spin_args(5000))))
+            # captured graph: nothing runs during capture
+            chk(cu.cuStreamBeginCapture(s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+            for _ in range(3):
+                launch_spin(s, 10000)
+            res["capturing"] = int(chk(cu.cuStreamIsCapturing(s)))
+            g = chk(cu.cuStreamEndCapture(s))
+            res["query_captured"] = int(cu.cuStreamQuery(s)[0])
+            ge = chk(cu.cuGraphInstantiate(g, 0))
+            res["captured"] = timed(lambda: chk(cu.cuGraphLaunch(ge, s)))
+            # explicit graph: two dependent kernel nodes
+            g2 = chk(cu.cuGraphCreate(0))
+            p = cu.CUDA_KERNEL_NODE_PARAMS()
+            p.func = spin
+            p.gridDimX = p.gridDimY = p.gridDimZ = 1
+            p.blockDimX = p.blockDimY = p.blockDimZ = 1
+            p.kernelParams = spin_args(7000)
+            n1 = chk(cu.cuGraphAddKernelNode(g2, None, 0, p))
+            chk(cu.cuGraphAddKernelNode(g2, [n1], 1, p))
+            ge2 = chk(cu.cuGraphInstantiate(g2, 0))
+            res["explicit"] = timed(lambda: chk(cu.cuGraphLaunch(ge2, s)))
+            for x in (ge, ge2):
+                chk(cu.cuGraphExecDestroy(x))
+            for x in (g, g2):
+                chk(cu.cuGraphDestroy(x))
+            chk(cu.cuCtxSynchronize())
+            chk(cu.cuModuleUnload(mod))
+            print(json.dumps(res))
+            """
+            ),
+            sim_env(tmp_path, "1x8g"),
+        )
+    )
+    r = json.loads(out.splitlines()[-1])
+    assert r["launch_s"] < 0.05, r  # asynchronous
+    assert r["query"] == 600, r  # NOT_READY
+    assert r["query_after"] == 0, r  # then SUCCESS
+    assert 0.095 < r["sync_s"] < 0.5, r
+    assert 19.9 < r["spin"] < 30, r
+    assert 9.9 < r["blocks"] < 15, r  # 10000 blocks x 1 us
+    assert 14.9 < r["ex"] < 25, r
+    assert 4.9 < r["coop"] < 10, r
+    assert r["capturing"] == 1, r
+    assert r["query_captured"] == 0, r
+    assert 29.9 < r["captured"] < 45, r
+    assert 13.9 < r["explicit"] < 25, r
+
+
+# A worker: back-to-back 1 ms spin kernels, two in flight, for RUN_S seconds
+# after "go" on stdin.
+WORKER = with_prelude(
+    """
+    RUN_S = float(sys.argv[1]) if len(sys.argv) > 1 else 1.6
+    s = chk(cu.cuStreamCreate(0))
+    ev = [chk(cu.cuEventCreate(0)) for _ in range(2)]
+    print("ready", flush=True)
+    sys.stdin.readline()
+    t0 = time.monotonic()
+    i = 0
+    while time.monotonic() - t0 < RUN_S:
+        chk(cu.cuEventSynchronize(ev[i % 2]))   # launch i-2 has completed
+        launch_spin(s, 1000)
+        chk(cu.cuEventRecord(ev[i % 2], s))
+        i += 1
+    chk(cu.cuCtxSynchronize())
+    print("launched", i, flush=True)
+    """
+)
+
+NVML_QUERY = """
+import json, sys, time
+import pynvml as n
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+since = int(sys.argv[1])
+u = n.nvmlDeviceGetUtilizationRates(h)
+a = {s.pid: [s.smUtil, s.timeStamp] for s in n.nvmlDeviceGetProcessUtilization(h, since)}
+b = {s.pid: [s.smUtil, s.timeStamp] for s in n.nvmlDeviceGetProcessesUtilizationInfo(h, since)}
+print(json.dumps({"gpu": u.gpu, "mem": u.memory, "a": a, "b": b, "now": time.time()}))
+"""
+
+
+@needs_cuda_python
+def test_two_processes_time_slice(tmp_path: Path) -> None:
+    """Two processes saturating one device each get about half of it; NVML
+    sees the device 100% busy and each pid at about 50%."""
+    env = sim_env(tmp_path, "1x8g")
+    workers = [spawn_py(WORKER, env) for _ in range(2)]
+    try:
+        for w in workers:
+            assert w.stdout is not None
+            assert w.stdout.readline().strip() == "ready"
+        for w in workers:
+            assert w.stdin is not None
+            w.stdin.write("go\n")
+            w.stdin.flush()
+        time.sleep(0.3)  # let both reach steady state
+        since_us = int(time.time() * 1e6)
+        time.sleep(1.0)
+        q = json.loads(ok(subprocess_py(NVML_QUERY, env, str(since_us))).splitlines()[-1])
+        outs = [w.communicate(timeout=30) for w in workers]
+    finally:
+        for w in workers:
+            if w.poll() is None:
+                w.kill()
+    for w, (o, e) in zip(workers, outs, strict=True):
+        assert w.returncode == 0, o + e
+    pids = {str(w.pid) for w in workers}
+    assert q["gpu"] >= 90, q
+    assert q["mem"] == 0, q
+    for key in ("a", "b"):
+        assert set(q[key]) == pids, q
+        for util, ts in q[key].values():
+            assert 40 <= util <= 60, q
+            assert since_us < ts <= q["now"] * 1e6, q
+
+
+def subprocess_py(code: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@needs_cuda_python
+def test_duty_cycle_utilization(tmp_path: Path) -> None:
+    """One process busy half the time: device and per-process utilization
+    about 50%; the sample API's lastSeenTimeStamp and NOT_FOUND semantics."""
+    out = ok(
+        run_py(
+            with_prelude(
+                """
+            import pynvml as n
+            n.nvmlInit()
+            h = n.nvmlDeviceGetHandleByIndex(0)
+            res = {"idle": n.nvmlDeviceGetUtilizationRates(h).gpu}
+            try:
+                n.nvmlDeviceGetProcessUtilization(h, 0)
+                res["idle_samples"] = "found"
+            except n.NVMLError_NotFound:
+                res["idle_samples"] = "not found"
+            s = chk(cu.cuStreamCreate(0))
+            period = 0.010
+            t0 = time.monotonic()
+            k = 0
+            since = None
+            while True:
+                t = time.monotonic() - t0
+                if t > 1.35:
+                    break
+                if since is None and t > 0.25:
+                    since = int(time.time() * 1e6)
+                launch_spin(s, 5000)        # 5 ms of every 10 ms
+                k += 1
+                time.sleep(max(0.0, t0 + k * period - time.monotonic()))
+            res["gpu"] = n.nvmlDeviceGetUtilizationRates(h).gpu
+            samples = n.nvmlDeviceGetProcessUtilization(h, since)
+            res["samples"] = [[x.pid, x.smUtil, x.timeStamp] for x in samples]
+            info = n.nvmlDeviceGetProcessesUtilizationInfo(h, since)
+            res["info"] = [[x.pid, x.smUtil, x.timeStamp] for x in info]
+            res["since"] = since
+            res["now"] = int(time.time() * 1e6)
+            last = max(x.timeStamp for x in samples)
+            try:
+                newer = n.nvmlDeviceGetProcessUtilization(h, last)
+                res["newer_ok"] = all(x.timeStamp > last for x in newer)
+            except n.NVMLError_NotFound:
+                res["newer_ok"] = True
+            try:
+                n.nvmlDeviceGetProcessUtilization(h, res["now"] + 10**7)
+                res["future"] = "found"
+            except n.NVMLError_NotFound:
+                res["future"] = "not found"
+            res["pid"] = __import__("os").getpid()
+            chk(cu.cuCtxSynchronize())
+            print(json.dumps(res))
+            """
+            ),
+            sim_env(tmp_path, "1x8g"),
+        )
+    )
+    r = json.loads(out.splitlines()[-1])
+    assert r["idle"] == 0, r
+    assert r["idle_samples"] == "not found", r
+    assert 40 <= r["gpu"] <= 60, r
+    for key in ("samples", "info"):
+        assert len(r[key]) == 1, r
+        pid, util, ts = r[key][0]
+        assert pid == r["pid"], r
+        assert 40 <= util <= 60, r
+        assert r["since"] < ts <= r["now"], r
+    assert r["newer_ok"], r
+    assert r["future"] == "not found", r
