@@ -1,8 +1,9 @@
 /*
  * cuda_event.c - events on the simulated timeline.  Recording an event
- * stores the completion time of the work queued before it in its stream
- * (or now, for an idle stream); the event is complete once the clock has
- * passed that time.  cuStreamWaitEvent makes later work in a stream start
+ * stores the time the work queued before it is done: its stream's work, and
+ * the kernels other processes queued on the device before it (contexts
+ * time-slice the device), or now when both are done; the event is complete
+ * once the clock has passed that time.  cuStreamWaitEvent makes later work in a stream start
  * no earlier than the event.  Recording into a capturing stream records
  * nothing (the capture graph has kernel nodes only).
  */
@@ -92,9 +93,16 @@ static CUresult record(CUevent e, CUstream hs, unsigned flags, int ptsz)
         pthread_mutex_unlock(&sim_mu);
         return CUDA_SUCCESS;
     }
+    /* Streams of one context are independent queues, but contexts of
+     * different processes time-slice the device: an event is reached once
+     * its stream's earlier work is done and the device has finished what
+     * other processes queued before it. */
     uint64_t t = sim_sref_ready_locked(&r), now = sim_now_ns();
+    uint64_t others = sim_tl_others_until(r.ctx->node);
     if (t < now)
         t = now;
+    if (t < others)
+        t = others;
     e->t = t;
     e->recorded = 1;
     sim_sref_after_locked(&r, t);

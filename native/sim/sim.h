@@ -129,6 +129,8 @@ SIM_HIDDEN uint64_t sim_now_ns(void);                /* CLOCK_MONOTONIC */
 SIM_HIDDEN void sim_sleep_until(uint64_t t_ns);      /* CLOCK_MONOTONIC */
 /* queue a kernel of dur_ns on node, not before dep_ns; returns its end */
 SIM_HIDDEN uint64_t sim_tl_launch(int node, uint64_t dep_ns, uint64_t dur_ns);
+/* when the kernels other processes have queued on node will be done */
+SIM_HIDDEN uint64_t sim_tl_others_until(int node);
 /* copy the intervals that end after from_ns (oldest first) into out (at
  * most max); *known = start of the history still held */
 SIM_HIDDEN int sim_tl_history(int node, uint64_t from_ns, sim_interval *out,

@@ -90,3 +90,24 @@ int sim_tl_history(int node, uint64_t from, sim_interval *out, int max,
     sim_state_unlock();
     return n;
 }
+
+uint64_t sim_tl_others_until(int node)
+{
+    sim_shared *S = sim_state();
+    if (!S || node < 0 || node >= (int)S->ndev)
+        return 0;
+    int32_t pid = (int32_t)getpid();
+    sim_timeline *t = &S->tl[node];
+    uint64_t until = 0;
+    sim_state_lock();
+    /* Back-to-back kernels of one process share an interval, so the latest
+     * few intervals hold every kernel still queued. */
+    uint64_t h = t->head;
+    for (uint64_t i = 0; i < 64 && i < h && i < SIM_TL_RING; i++) {
+        const sim_interval *e = &t->ring[(h - 1 - i) % SIM_TL_RING];
+        if (e->pid != pid && e->end > until)
+            until = e->end;
+    }
+    sim_state_unlock();
+    return until;
+}
