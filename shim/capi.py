@@ -56,6 +56,7 @@ class GpuvisorError(RuntimeError):
 _u64 = ctypes.c_uint64
 _pu64 = ctypes.POINTER(ctypes.c_uint64)
 _i32p = ctypes.POINTER(ctypes.c_int32)
+_pu32 = ctypes.POINTER(ctypes.c_uint32)
 
 # name -> (restype, argtypes), one line per function of gpuvisor.h.
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
@@ -72,6 +73,10 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "gv_device_get_used": (ctypes.c_int, [ctypes.c_int, _pu64]),
     "gv_device_get_physical_total": (ctypes.c_int, [ctypes.c_int, _pu64]),
     "gv_device_get_oom_count": (ctypes.c_int, [ctypes.c_int, _pu64]),
+    "gv_device_get_sm": (ctypes.c_int, [ctypes.c_int, _pu32, _pu32, _pu32, _pu32]),
+    "gv_device_get_sm_usage": (ctypes.c_int, [ctypes.c_int, _pu64, _pu64, _pu64]),
+    "gv_device_set_sm_limit": (ctypes.c_int, [ctypes.c_int, ctypes.c_uint32]),
+    "gv_device_set_sm_yield": (ctypes.c_int, [ctypes.c_int, ctypes.c_int]),
     "gv_process_list": (ctypes.c_int, [_i32p, ctypes.c_int]),
     "gv_process_get_used": (ctypes.c_int, [ctypes.c_int32, ctypes.c_int, _pu64]),
     "gv_reclaim_dead": (ctypes.c_int, []),

@@ -26,6 +26,22 @@ class DeviceUsage:
     oom_count: int
 
 
+SM_POLICIES = ("fixed-share", "burst-share", "best-effort")
+
+
+@dataclass(frozen=True)
+class SmState:
+    """SM-time quota of one device entry."""
+
+    limit: int | None  # percent; None: no limit
+    share: float  # percent the launch gate enforces now (0: paused, 100: whole GPU)
+    policy: str
+    priority: int  # CUDA_TASK_PRIORITY: 0 high, 1 low
+    busy_ns: int  # GPU time measured for the container's kernels
+    wait_ns: int  # time launches waited at the gate
+    launches: int
+
+
 def _u64_out(func_name: str, dev: int) -> int:
     value = ctypes.c_uint64()
     check(getattr(lib(), func_name)(dev, ctypes.byref(value)), func_name)
@@ -108,6 +124,46 @@ class Region:
 
     def used(self, dev: int) -> int:
         return _u64_out("gv_device_get_used", dev)
+
+    def sm(self, dev: int) -> SmState:
+        limit, share, policy, priority = (ctypes.c_uint32() for _ in range(4))
+        check(
+            lib().gv_device_get_sm(
+                dev,
+                ctypes.byref(limit),
+                ctypes.byref(share),
+                ctypes.byref(policy),
+                ctypes.byref(priority),
+            ),
+            "gv_device_get_sm",
+        )
+        busy, wait, launches = (ctypes.c_uint64() for _ in range(3))
+        check(
+            lib().gv_device_get_sm_usage(
+                dev, ctypes.byref(busy), ctypes.byref(wait), ctypes.byref(launches)
+            ),
+            "gv_device_get_sm_usage",
+        )
+        return SmState(
+            limit=limit.value or None,
+            share=share.value / 100,
+            policy=SM_POLICIES[policy.value] if policy.value < len(SM_POLICIES) else "?",
+            priority=priority.value,
+            busy_ns=busy.value,
+            wait_ns=wait.value,
+            launches=launches.value,
+        )
+
+    def set_sm_limit(self, dev: int, percent: int | None) -> None:
+        """Change the SM limit live (None: no limit); applies to the next launches."""
+        value = 0 if percent is None else percent
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 100:
+            raise GpuvisorError(GV_EINVAL, f"gpuvisor: sm limit={percent!r} is not 0..100")
+        check(lib().gv_device_set_sm_limit(dev, value), "gv_device_set_sm_limit")
+
+    def set_sm_yield(self, dev: int, yield_: bool) -> None:
+        """Pause (True) or resume (False) the container's launches on dev."""
+        check(lib().gv_device_set_sm_yield(dev, 1 if yield_ else 0), "gv_device_set_sm_yield")
 
     def processes(self) -> list[int]:
         """PIDs registered in the region."""

@@ -68,6 +68,22 @@ int gv_device_get_used(int dev, uint64_t *bytes);           /* container-wide */
 int gv_device_get_physical_total(int dev, uint64_t *bytes);
 int gv_device_get_oom_count(int dev, uint64_t *count);      /* refused allocations */
 
+/* SM-time quota of a device entry.
+ * limit_pct: CUDA_DEVICE_SM_LIMIT (1..100; 0 = none); share_bp: the share
+ * the launch gate enforces right now, in 1/100 % (10000 = whole GPU, 0 =
+ * paused); policy: 0 fixed-share, 1 burst-share, 2 best-effort; priority:
+ * CUDA_TASK_PRIORITY (0 high, 1 low). */
+int gv_device_get_sm(int dev, uint32_t *limit_pct, uint32_t *share_bp, uint32_t *policy,
+                     uint32_t *priority);
+/* Cumulative GPU time measured for the container's kernels, time its
+ * launches waited at the gate, and launches through the gate. */
+int gv_device_get_sm_usage(int dev, uint64_t *busy_ns, uint64_t *wait_ns, uint64_t *launches);
+/* Change the SM limit live (0: none); applies to the next launches. */
+int gv_device_set_sm_limit(int dev, uint32_t pct);
+/* Pause (1) or resume (0) the container's launches on dev: set while a
+ * higher-priority container is active (the supervisor decides). */
+int gv_device_set_sm_yield(int dev, int yield);
+
 /* Processes registered in the region.  Writes up to cap PIDs and returns
  * how many are registered (may be more than cap). */
 int gv_process_list(int32_t *pids, int cap);

@@ -281,6 +281,54 @@ GV_EXPORT int gv_device_get_physical_total(int dev, uint64_t *bytes)
     return GV_OK;
 }
 
+/* ---- SM-time quota -------------------------------------------------------- */
+
+GV_EXPORT int gv_device_get_sm(int dev, uint32_t *limit_pct, uint32_t *share_bp,
+                               uint32_t *policy, uint32_t *priority)
+{
+    NONNULL("gv_device_get_sm", limit_pct);
+    NONNULL("gv_device_get_sm", share_bp);
+    NONNULL("gv_device_get_sm", policy);
+    NONNULL("gv_device_get_sm", priority);
+    NEED_DEV("gv_device_get_sm", dev);
+    struct gv_sm *sm = region_sm(r, dev);
+    *limit_pct = atomic_load(&sm->limit);
+    *share_bp = atomic_load(&sm->share);
+    *policy = atomic_load(&sm->policy);
+    *priority = atomic_load(&sm->priority);
+    return GV_OK;
+}
+
+GV_EXPORT int gv_device_get_sm_usage(int dev, uint64_t *busy_ns, uint64_t *wait_ns,
+                                     uint64_t *launches)
+{
+    NONNULL("gv_device_get_sm_usage", busy_ns);
+    NONNULL("gv_device_get_sm_usage", wait_ns);
+    NONNULL("gv_device_get_sm_usage", launches);
+    NEED_DEV("gv_device_get_sm_usage", dev);
+    struct gv_sm *sm = region_sm(r, dev);
+    *busy_ns = atomic_load(&sm->busy_ns);
+    *wait_ns = atomic_load(&sm->wait_ns);
+    *launches = atomic_load(&sm->launches);
+    return GV_OK;
+}
+
+GV_EXPORT int gv_device_set_sm_limit(int dev, uint32_t pct)
+{
+    NEED_DEV("gv_device_set_sm_limit", dev);
+    if (pct > 100)
+        return fail(GV_EINVAL, "gpuvisor: gv_device_set_sm_limit: %u%% is not 0..100", pct);
+    region_sm_set_limit(r, dev, pct);
+    return GV_OK;
+}
+
+GV_EXPORT int gv_device_set_sm_yield(int dev, int yield)
+{
+    NEED_DEV("gv_device_set_sm_yield", dev);
+    atomic_store(&region_sm(r, dev)->yield, yield ? 1u : 0u);
+    return GV_OK;
+}
+
 GV_EXPORT int gv_device_get_oom_count(int dev, uint64_t *count)
 {
     NONNULL("gv_device_get_oom_count", count);

@@ -20,7 +20,7 @@ static void init(void)
         return;
     }
     char err[512];
-    if (limits_check_env(err, sizeof err) != 0) {
+    if (limits_check_env(err, sizeof err) != 0 || limits_sm_check_env(err, sizeof err) != 0) {
         gv_log(GV_LOG_ERROR, "%s; CUDA calls fail with CUDA_ERROR_NOT_PERMITTED", err);
         atomic_store(&mode, GV_MODE_FAILED);
         return;

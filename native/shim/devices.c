@@ -109,6 +109,16 @@ static CUresult device_init(int ordinal)
         atomic_store(&devs[ordinal].state, DEV_FAILED);
         return GV_FAIL_CUDA;
     }
+    unsigned sm = 0;
+    if (limits_sm_for_ordinal(ordinal, &sm, err, sizeof err) != 0) {
+        gv_log(GV_LOG_ERROR, "%s; CUDA calls fail with CUDA_ERROR_NOT_PERMITTED", err);
+        atomic_store(&devs[ordinal].state, DEV_FAILED);
+        gv_core_fail();
+        return GV_FAIL_CUDA;
+    }
+    int policy = limits_sm_policy();
+    region_sm_configure(gv_core_region(), dev, policy < 0 ? 0 : sm, policy < 0 ? 0 : (unsigned)policy,
+                        limits_task_priority());
     info.region_dev = dev;
     devs[ordinal].info = info;
     atomic_store_explicit(&devs[ordinal].state, DEV_READY, memory_order_release);

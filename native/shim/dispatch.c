@@ -37,7 +37,7 @@ static void table_build(void)
 {
     const gv_hook *families[] = { gv_hooks_memory, gv_hooks_array, gv_hooks_vmm, gv_hooks_pool,
                                   gv_hooks_context, gv_hooks_info, gv_hooks_nvml,
-                                  gv_hooks_procaddr };
+                                  gv_hooks_procaddr, gv_hooks_launch };
     size_t n = 0;
     for (size_t f = 0; f < sizeof families / sizeof *families; f++)
         for (const gv_hook *h = families[f]; h->name; h++)
@@ -118,7 +118,11 @@ static const variant variants[] = {
     { "cuDevicePrimaryCtxRetain", { { 0, "cuDevicePrimaryCtxRetain" } }, NULL },
     { "cuDeviceTotalMem", { { 0, "cuDeviceTotalMem" }, { 3020, "cuDeviceTotalMem_v2" } }, NULL },
     { "cuGetProcAddress", { { 0, "cuGetProcAddress" }, { 12000, "cuGetProcAddress_v2" } }, NULL },
+    { "cuGraphLaunch", { { 0, "cuGraphLaunch" } }, "cuGraphLaunch_ptsz" },
     { "cuInit", { { 0, "cuInit" } }, NULL },
+    { "cuLaunchCooperativeKernel", { { 0, "cuLaunchCooperativeKernel" } }, "cuLaunchCooperativeKernel_ptsz" },
+    { "cuLaunchKernel", { { 0, "cuLaunchKernel" } }, "cuLaunchKernel_ptsz" },
+    { "cuLaunchKernelEx", { { 0, "cuLaunchKernelEx" } }, "cuLaunchKernelEx_ptsz" },
     { "cuMemAlloc", { { 0, "cuMemAlloc" }, { 3020, "cuMemAlloc_v2" } }, NULL },
     { "cuMemAllocAsync", { { 0, "cuMemAllocAsync" } }, "cuMemAllocAsync_ptsz" },
     { "cuMemAllocFromPoolAsync", { { 0, "cuMemAllocFromPoolAsync" } }, "cuMemAllocFromPoolAsync_ptsz" },

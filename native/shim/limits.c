@@ -239,3 +239,115 @@ int limits_control_disabled(void)
            "on/off); memory limits stay enforced", v);
     return 0;
 }
+
+/* ---- SM-time quota ---------------------------------------------------------- */
+
+/* A whole number 0..100 (surrounding spaces allowed); -1 otherwise. */
+static int parse_pct(const char *v)
+{
+    while (isspace((unsigned char)*v))
+        v++;
+    if (!isdigit((unsigned char)*v))
+        return -1;
+    long n = 0;
+    while (isdigit((unsigned char)*v) && n <= 100)
+        n = n * 10 + (*v++ - '0');
+    while (isspace((unsigned char)*v))
+        v++;
+    return (*v != '\0' || n > 100) ? -1 : (int)n;
+}
+
+int limits_sm_for_ordinal(int ordinal, unsigned *pct, char *err, size_t errlen)
+{
+    char name[64];
+    const char *value = NULL;
+    if (pct == NULL)
+        return GV_EINVAL;
+    if (ordinal >= 0) {
+        snprintf(name, sizeof name, GV_ENV_SM_LIMIT "_%d", ordinal);
+        value = getenv(name);
+    }
+    if (value == NULL || value[0] == '\0') {
+        snprintf(name, sizeof name, GV_ENV_SM_LIMIT);
+        value = getenv(name);
+    }
+    *pct = 0;
+    if (value == NULL || value[0] == '\0')
+        return GV_OK;
+    int n = parse_pct(value);
+    if (n < 0) {
+        set_err(err, errlen, name, value, "not a whole percentage from 0 to 100 (0: no limit)");
+        return GV_EINVAL;
+    }
+    *pct = (unsigned)n;
+    return GV_OK;
+}
+
+static int word_index(const char *v, const char *const *words, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (strcasecmp(v, words[i]) == 0)
+            return i;
+    return -1;
+}
+
+static const char *const sm_policies[] = { "fixed-share", "burst-share", "best-effort" };
+static const char *const core_policies[] = { "default", "force", "disable" };
+
+int limits_sm_check_env(char *err, size_t errlen)
+{
+    const size_t plen = strlen(GV_ENV_SM_LIMIT);
+    for (char **e = environ; e != NULL && *e != NULL; e++) {
+        const char *kv = *e;
+        const char *eq = strchr(kv, '=');
+        if (strncmp(kv, GV_ENV_SM_LIMIT, plen) != 0 || eq == NULL)
+            continue;
+        size_t nlen = (size_t)(eq - kv);
+        char name[96];
+        snprintf(name, sizeof name, "%.*s", (int)(nlen < 90 ? nlen : 90), kv);
+        if (nlen != plen && !(kv[plen] == '_' && ordinal_ok(kv + plen + 1, nlen - plen - 1))) {
+            set_err(err, errlen, name, eq + 1,
+                    "unknown variable (use " GV_ENV_SM_LIMIT " or " GV_ENV_SM_LIMIT "_<device ordinal>)");
+            return GV_EINVAL;
+        }
+        if (eq[1] != '\0' && parse_pct(eq + 1) < 0) {
+            set_err(err, errlen, name, eq + 1, "not a whole percentage from 0 to 100 (0: no limit)");
+            return GV_EINVAL;
+        }
+    }
+    const char *v = getenv(GV_ENV_SM_POLICY);
+    if (v != NULL && v[0] != '\0' && word_index(v, sm_policies, 3) < 0) {
+        set_err(err, errlen, GV_ENV_SM_POLICY, v, "use fixed-share, burst-share or best-effort");
+        return GV_EINVAL;
+    }
+    v = getenv(GV_ENV_CORE_POLICY);
+    if (v != NULL && v[0] != '\0' && word_index(v, core_policies, 3) < 0) {
+        set_err(err, errlen, GV_ENV_CORE_POLICY, v, "use default, force or disable");
+        return GV_EINVAL;
+    }
+    v = getenv(GV_ENV_PRIORITY);
+    if (v != NULL && v[0] != '\0' && strcmp(v, "0") != 0 && strcmp(v, "1") != 0) {
+        set_err(err, errlen, GV_ENV_PRIORITY, v, "use 0 (high) or 1 (low)");
+        return GV_EINVAL;
+    }
+    return GV_OK;
+}
+
+int limits_sm_policy(void)
+{
+    const char *core = getenv(GV_ENV_CORE_POLICY);
+    int c = (core != NULL && core[0] != '\0') ? word_index(core, core_policies, 3) : 0;
+    if (c == 2)
+        return -1;                       /* disable */
+    if (c == 1)
+        return 0;                        /* force: the limit is a hard cap */
+    const char *p = getenv(GV_ENV_SM_POLICY);
+    int i = (p != NULL && p[0] != '\0') ? word_index(p, sm_policies, 3) : 0;
+    return i < 0 ? 0 : i;
+}
+
+unsigned limits_task_priority(void)
+{
+    const char *v = getenv(GV_ENV_PRIORITY);
+    return (v != NULL && strcmp(v, "1") == 0) ? 1u : 0u;
+}

@@ -44,4 +44,29 @@ int limits_check_env(char *err, size_t errlen);
  * Anything else is reported (one line) and gives 0: keep enforcing. */
 int limits_control_disabled(void);
 
+/* ---- SM-time quota ------------------------------------------------------
+ *
+ * CUDA_DEVICE_SM_LIMIT, CUDA_DEVICE_SM_LIMIT_<ordinal>: a whole number of
+ * percent, 1..100; 0 or unset means no limit.  GPUVISOR_SM_POLICY:
+ * fixed-share (default), burst-share, best-effort.  GPU_CORE_UTILIZATION_POLICY
+ * (HAMi's): default (GPUVISOR_SM_POLICY decides), force (fixed-share whatever
+ * GPUVISOR_SM_POLICY says), disable (SM limits are ignored).
+ * CUDA_TASK_PRIORITY: 0 high (default), 1 low.  Anything else is reported
+ * and fails closed, like a bad memory limit.
+ */
+#define GV_ENV_SM_LIMIT "CUDA_DEVICE_SM_LIMIT"
+#define GV_ENV_SM_POLICY "GPUVISOR_SM_POLICY"
+#define GV_ENV_CORE_POLICY "GPU_CORE_UTILIZATION_POLICY"
+#define GV_ENV_PRIORITY "CUDA_TASK_PRIORITY"
+
+/* Percent for ordinal (0: no limit).  GV_EINVAL with one line in err. */
+int limits_sm_for_ordinal(int ordinal, unsigned *pct, char *err, size_t errlen);
+/* Validate every SM-related variable; 0 or GV_EINVAL with one line in err. */
+int limits_sm_check_env(char *err, size_t errlen);
+/* The policy (enum gv_sm_policy), or -1 when SM limits are disabled.
+ * Call after limits_sm_check_env succeeded. */
+int limits_sm_policy(void);
+/* CUDA_TASK_PRIORITY: 0 or 1. */
+unsigned limits_task_priority(void);
+
 #endif /* GV_LIMITS_H */

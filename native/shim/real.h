@@ -46,14 +46,20 @@
     X(cuCtxDestroy) X(cuCtxDestroy_v2) \
     X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) \
     X(cuDevicePrimaryCtxRelease_v2) X(cuDevicePrimaryCtxReset) \
-    X(cuDevicePrimaryCtxReset_v2)
+    X(cuDevicePrimaryCtxReset_v2) \
+    X(cuLaunchKernel) X(cuLaunchKernel_ptsz) X(cuLaunchKernelEx) X(cuLaunchKernelEx_ptsz) \
+    X(cuLaunchCooperativeKernel) X(cuLaunchCooperativeKernel_ptsz) \
+    X(cuGraphLaunch) X(cuGraphLaunch_ptsz) \
+    X(cuEventCreate) X(cuEventDestroy_v2) X(cuEventRecord) X(cuEventRecord_ptsz) \
+    X(cuEventQuery) X(cuEventElapsedTime) X(cuEventElapsedTime_v2) \
+    X(cuStreamIsCapturing) X(cuStreamIsCapturing_ptsz)
 
 /* Real NVML entry points the library calls. */
 #define GV_NVML_SYMS(X) \
     X(nvmlInit_v2) X(nvmlDeviceGetHandleByUUID) X(nvmlDeviceGetUUID) \
     X(nvmlDeviceGetMemoryInfo) X(nvmlDeviceGetMemoryInfo_v2) \
     X(nvmlDeviceGetComputeRunningProcesses_v3) X(nvmlDeviceGetCount_v2) \
-    X(nvmlDeviceGetHandleByIndex_v2)
+    X(nvmlDeviceGetHandleByIndex_v2) X(nvmlDeviceGetUtilizationRates)
 
 #define GV_ENUM_ITEM(name) GV_SYM_##name,
 enum gv_sym {

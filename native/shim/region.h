@@ -28,7 +28,7 @@
 #include <stdint.h>
 
 #define GV_REGION_MAGIC 0x31485356504756ULL   /* "GVPVSH1" little-endian-ish tag */
-#define GV_REGION_VERSION 2u
+#define GV_REGION_VERSION 3u
 #define GV_MAX_SLOTS 1024
 #define GV_MAX_DEVICES 16
 #define GV_DEFAULT_REGION_PATH "/tmp/gpuvisor-region.shr"
@@ -80,6 +80,36 @@ uint64_t region_device_physical_total(gv_region *r, int dev);
 
 uint64_t region_limit(gv_region *r, int dev);
 void region_set_limit(gv_region *r, int dev, uint64_t limit);
+
+/* --- SM-time quota ----------------------------------------------------- */
+
+enum gv_sm_policy { GV_SM_FIXED = 0, GV_SM_BURST = 1, GV_SM_BEST_EFFORT = 2 };
+
+/* The SM-time quota state of one device entry, shared by the container's
+ * processes.  All fields are atomics, changed without locks. */
+struct gv_sm {
+    _Atomic uint64_t tat;        /* pacing: theoretical arrival time, CLOCK_MONOTONIC ns */
+    _Atomic uint32_t limit;      /* percent 1..100; 0 = no limit */
+    _Atomic uint32_t share;      /* share enforced now, 1/100 % (0 = paused) */
+    _Atomic uint32_t policy;     /* enum gv_sm_policy */
+    _Atomic uint32_t priority;   /* CUDA_TASK_PRIORITY: 0 high, 1 low */
+    _Atomic uint32_t yield;      /* set from outside: a higher-priority container is active */
+    _Atomic uint32_t configured; /* 1 once limit, policy and priority are set */
+    _Atomic uint64_t busy_ns;    /* measured GPU time of the container's kernels */
+    _Atomic uint64_t wait_ns;    /* time launches waited at the gate */
+    _Atomic uint64_t launches;   /* launches through the gate */
+};
+
+/* Whether any device entry has ever had an SM limit (one load: the launch
+ * hooks' fast path). */
+int region_sm_any(gv_region *r);
+/* Change an entry's SM limit live (0: none). */
+void region_sm_set_limit(gv_region *r, int dev, unsigned limit);
+/* SM state of device entry dev (NULL if dev is not a valid entry). */
+struct gv_sm *region_sm(gv_region *r, int dev);
+/* Set limit, policy and priority if no process has yet (first one wins,
+ * like the memory limit); share starts at the limit. */
+void region_sm_configure(gv_region *r, int dev, unsigned limit, unsigned policy, unsigned priority);
 
 /* --- accounting ------------------------------------------------------ */
 

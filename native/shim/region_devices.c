@@ -24,6 +24,7 @@ static void init_device(struct gv_dev *d, const unsigned char uuid[16],
     }
     atomic_store(&d->total, 0);
     atomic_store(&d->gate, 0);
+    memset(&d->sm, 0, sizeof d->sm);
 }
 
 int region_device_lookup(gv_region *r, const unsigned char uuid[16],
@@ -120,4 +121,42 @@ void region_set_limit(gv_region *r, int dev, uint64_t limit)
 uint64_t region_oom_count(gv_region *r, int dev)
 {
     return dev_ok(r, dev) ? atomic_load(&r->m->dev[dev].oom_count) : 0;
+}
+
+struct gv_sm *region_sm(gv_region *r, int dev)
+{
+    return dev_ok(r, dev) ? &r->m->dev[dev].sm : NULL;
+}
+
+void region_sm_configure(gv_region *r, int dev, unsigned limit, unsigned policy, unsigned priority)
+{
+    struct gv_sm *sm = region_sm(r, dev);
+    if (sm == NULL || atomic_load(&sm->configured))
+        return;
+    atomic_store(&sm->limit, limit > 100 ? 100 : limit);
+    atomic_store(&sm->policy, policy);
+    atomic_store(&sm->priority, priority);
+    atomic_store(&sm->share, (limit == 0 || limit > 100 ? 100 : limit) * 100);
+    atomic_store(&sm->configured, 1);
+    if (limit > 0)
+        atomic_store(&r->m->hdr.sm_any, 1);
+}
+
+void region_sm_set_limit(gv_region *r, int dev, unsigned limit)
+{
+    struct gv_sm *sm = region_sm(r, dev);
+    if (sm == NULL)
+        return;
+    if (limit > 100)
+        limit = 100;
+    atomic_store(&sm->limit, limit);
+    if (atomic_load(&sm->policy) == GV_SM_FIXED)
+        atomic_store(&sm->share, (limit == 0 ? 100 : limit) * 100);
+    if (limit > 0)
+        atomic_store(&r->m->hdr.sm_any, 1);
+}
+
+int region_sm_any(gv_region *r)
+{
+    return r != NULL && atomic_load_explicit(&r->m->hdr.sm_any, memory_order_relaxed) != 0;
 }

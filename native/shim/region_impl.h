@@ -32,7 +32,7 @@ struct gv_header {
     uint32_t max_slots;
     uint32_t max_devices;
     _Atomic uint32_t slot_hwm; /* slots [0, hwm) have ever been claimed */
-    uint32_t reserved0;
+    _Atomic uint32_t sm_any;   /* 1 once any device entry has an SM limit */
     uint64_t created_unix;
     uint64_t reserved[2];
 };
@@ -47,6 +47,7 @@ struct gv_dev {
     _Alignas(CACHELINE) _Atomic uint64_t gate;    /* 0 open, else closer|FLAG_BIT */
     _Alignas(CACHELINE) _Atomic uint64_t used[GV_MAX_SLOTS];
     _Alignas(CACHELINE) _Atomic uint64_t inside[GV_MAX_SLOTS];  /* ops in progress */
+    _Alignas(CACHELINE) struct gv_sm sm;          /* SM-time quota */
 };
 
 struct gv_shm {

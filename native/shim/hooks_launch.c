@@ -1,0 +1,102 @@
+/*
+ * hooks_launch.c - every way to launch work goes through the SM gate:
+ * cuLaunchKernel, cuLaunchKernelEx, cuLaunchCooperativeKernel and
+ * cuGraphLaunch, each with its per-thread-default-stream (_ptsz) variant.
+ *
+ * Fast path: without any SM limit in the container the hook costs two
+ * loads and a call.  With one, the launch is paced and measured (sm.h).
+ */
+#include "hooks.h"
+#include "sm.h"
+
+typedef CUresult (*launch_fn)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
+                              unsigned, unsigned, CUstream, void **, void **);
+typedef CUresult (*coop_fn)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
+                            unsigned, unsigned, CUstream, void **);
+typedef CUresult (*launch_ex_fn)(const CUlaunchConfig *, CUfunction, void **, void **);
+typedef CUresult (*graph_fn)(CUgraphExec, CUstream);
+
+/* Graph executions and functions share the estimate table: tag graphs. */
+#define GRAPH_KEY(g) ((uintptr_t)(g) | 1u)
+
+#define GATED(stream, ptsz, key, call)                                       \
+    do {                                                                     \
+        gv_sm_launch l_;                                                     \
+        if (__builtin_expect(!gv_sm_maybe(), 1) ||                           \
+            !gv_sm_begin(&l_, (stream), (ptsz), (key)))                      \
+            return call;                                                     \
+        CUresult rc_ = call;                                                 \
+        gv_sm_end(&l_, rc_);                                                 \
+        return rc_;                                                          \
+    } while (0)
+
+GV_EXPORT CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                                  unsigned by, unsigned bz, unsigned shmem, CUstream s,
+                                  void **params, void **extra)
+{
+    launch_fn real = GV_REAL(cuLaunchKernel, launch_fn);
+    GATED(s, 0, (uintptr_t)f, real(f, gx, gy, gz, bx, by, bz, shmem, s, params, extra));
+}
+
+GV_EXPORT CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
+                                       unsigned bx, unsigned by, unsigned bz, unsigned shmem,
+                                       CUstream s, void **params, void **extra)
+{
+    launch_fn real = GV_REAL(cuLaunchKernel_ptsz, launch_fn);
+    GATED(s, 1, (uintptr_t)f, real(f, gx, gy, gz, bx, by, bz, shmem, s, params, extra));
+}
+
+GV_EXPORT CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
+                                             unsigned bx, unsigned by, unsigned bz,
+                                             unsigned shmem, CUstream s, void **params)
+{
+    coop_fn real = GV_REAL(cuLaunchCooperativeKernel, coop_fn);
+    GATED(s, 0, (uintptr_t)f, real(f, gx, gy, gz, bx, by, bz, shmem, s, params));
+}
+
+GV_EXPORT CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned gx, unsigned gy,
+                                                  unsigned gz, unsigned bx, unsigned by,
+                                                  unsigned bz, unsigned shmem, CUstream s,
+                                                  void **params)
+{
+    coop_fn real = GV_REAL(cuLaunchCooperativeKernel_ptsz, coop_fn);
+    GATED(s, 1, (uintptr_t)f, real(f, gx, gy, gz, bx, by, bz, shmem, s, params));
+}
+
+GV_EXPORT CUresult cuLaunchKernelEx(const CUlaunchConfig *cfg, CUfunction f, void **params,
+                                    void **extra)
+{
+    launch_ex_fn real = GV_REAL(cuLaunchKernelEx, launch_ex_fn);
+    GATED(cfg ? cfg->hStream : NULL, 0, (uintptr_t)f, real(cfg, f, params, extra));
+}
+
+GV_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *cfg, CUfunction f, void **params,
+                                         void **extra)
+{
+    launch_ex_fn real = GV_REAL(cuLaunchKernelEx_ptsz, launch_ex_fn);
+    GATED(cfg ? cfg->hStream : NULL, 1, (uintptr_t)f, real(cfg, f, params, extra));
+}
+
+GV_EXPORT CUresult cuGraphLaunch(CUgraphExec g, CUstream s)
+{
+    graph_fn real = GV_REAL(cuGraphLaunch, graph_fn);
+    GATED(s, 0, GRAPH_KEY(g), real(g, s));
+}
+
+GV_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec g, CUstream s)
+{
+    graph_fn real = GV_REAL(cuGraphLaunch_ptsz, graph_fn);
+    GATED(s, 1, GRAPH_KEY(g), real(g, s));
+}
+
+const gv_hook gv_hooks_launch[] = {
+    { "cuLaunchKernel", (void *)cuLaunchKernel },
+    { "cuLaunchKernel_ptsz", (void *)cuLaunchKernel_ptsz },
+    { "cuLaunchCooperativeKernel", (void *)cuLaunchCooperativeKernel },
+    { "cuLaunchCooperativeKernel_ptsz", (void *)cuLaunchCooperativeKernel_ptsz },
+    { "cuLaunchKernelEx", (void *)cuLaunchKernelEx },
+    { "cuLaunchKernelEx_ptsz", (void *)cuLaunchKernelEx_ptsz },
+    { "cuGraphLaunch", (void *)cuGraphLaunch },
+    { "cuGraphLaunch_ptsz", (void *)cuGraphLaunch_ptsz },
+    { NULL, NULL }
+};

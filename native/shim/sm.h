@@ -1,0 +1,54 @@
+/*
+ * sm.h - the SM-time quota: pacing (sm_gate.c), measurement and policies
+ * (sm_meter.c), used by the launch hooks (hooks_launch.c).
+ */
+#ifndef GV_SM_H
+#define GV_SM_H
+
+#include <stdint.h>
+
+#include "core.h"
+#include "region.h"
+
+uint64_t gv_mono_ns(void);
+
+/* Expected GPU time of a launch of key (a function or a graph), in ns. */
+uint64_t gv_sm_estimate(uintptr_t key);
+/* Record a measured GPU time for key. */
+void gv_sm_learn(uintptr_t key, uint64_t ns);
+/* Wait until the container may start cost_ns more of GPU work, and charge
+ * it; returns the share (1/100 %) it was charged at. */
+uint32_t gv_sm_admit(struct gv_sm *sm, uint64_t cost_ns);
+/* A launch charged charged_ns at share turned out to take actual_ns. */
+void gv_sm_settle(struct gv_sm *sm, uint32_t share, uint64_t charged_ns, uint64_t actual_ns);
+/* Change the enforced share, rescaling the debt run up at the old one. */
+void gv_sm_set_share(struct gv_sm *sm, uint32_t share);
+/* Reset process-local gate state in a forked child. */
+void gv_sm_fork_child(void);
+
+/* A launch going through the gate. */
+typedef struct gv_sm_launch {
+    int gated;              /* 0: launch untouched */
+    struct gv_sm *sm;
+    int dev;                /* region device entry */
+    CUcontext ctx;
+    CUstream stream;
+    int ptsz;               /* per-thread default stream semantics */
+    uintptr_t key;
+    uint64_t est;
+    uint32_t share;         /* the share the launch was charged at */
+    CUevent begin, end;     /* NULL when they could not be made */
+} gv_sm_launch;
+
+/* Could any launch of this process be gated?  Two loads: the fast path. */
+static inline int gv_sm_maybe(void)
+{
+    return gv_mode() == GV_MODE_ENFORCE && region_sm_any(gv_core_region());
+}
+
+/* Before the real launch: 1 if gated (paced, begin event recorded). */
+int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key);
+/* After the real launch. */
+void gv_sm_end(gv_sm_launch *l, CUresult rc);
+
+#endif /* GV_SM_H */

@@ -1,0 +1,179 @@
+/*
+ * sm_gate.c - pacing kernel launches to the container's share of GPU time.
+ *
+ * Each device entry of the region carries a pacing clock, `tat` (the
+ * "theoretical arrival time" of the generic cell-rate algorithm).  A launch
+ * whose kernel is expected to run c ns on a container with share s (1/100 %)
+ * moves the clock c * 10000 / s ns forward: the container may only be
+ * `TOLERANCE_NS` ahead of wall-clock time, so over any interval its kernels
+ * get at most s of the GPU, plus that small tolerance.  Idle time earns no
+ * credit (the clock never runs behind "now" when a launch is admitted), so
+ * the share is a cap even on an idle GPU.  The clock is one 64-bit word
+ * changed by CAS: no lock, and a process killed at any point leaves it valid.
+ *
+ * The cost c comes from measurement (sm_meter.c): before a kernel's time is
+ * known the launch is charged an estimate (the function's recent average),
+ * and when its events complete the difference is settled on the clock.
+ */
+#include <stdatomic.h>
+#include <time.h>
+
+#include "core.h"
+#include "sm.h"
+
+#define TOLERANCE_NS (4ULL * 1000 * 1000)
+#define MAX_SLEEP_NS (20ULL * 1000 * 1000)
+#define DEFAULT_ESTIMATE_NS 20000ULL
+#define MAX_INFLIGHT_NS (10ULL * 1000 * 1000)
+#define EST_SLOTS 4096u
+
+uint64_t gv_mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+static void sleep_ns(uint64_t ns)
+{
+    struct timespec ts = { (time_t)(ns / 1000000000ULL), (long)(ns % 1000000000ULL) };
+    nanosleep(&ts, NULL);
+}
+
+/* ---- estimates: the recent cost of each function or graph ---------------- */
+
+static _Atomic(uintptr_t) est_key[EST_SLOTS];
+static _Atomic uint64_t est_ns[EST_SLOTS];
+static _Atomic uint64_t est_any = DEFAULT_ESTIMATE_NS;   /* over all kernels */
+
+static unsigned est_home(uintptr_t key)
+{
+    uint64_t h = (uint64_t)key * 0x9e3779b97f4a7c15ULL;
+    return (unsigned)(h >> 40) & (EST_SLOTS - 1);
+}
+
+uint64_t gv_sm_estimate(uintptr_t key)
+{
+    unsigned i = est_home(key);
+    for (unsigned n = 0; n < 16; n++, i = (i + 1) & (EST_SLOTS - 1)) {
+        uintptr_t k = atomic_load_explicit(&est_key[i], memory_order_acquire);
+        if (k == key) {
+            uint64_t v = atomic_load_explicit(&est_ns[i], memory_order_relaxed);
+            if (v)
+                return v;
+            break;
+        }
+        if (k == 0)
+            break;
+    }
+    return atomic_load_explicit(&est_any, memory_order_relaxed);
+}
+
+static void ewma(_Atomic uint64_t *slot, uint64_t sample)
+{
+    uint64_t old = atomic_load_explicit(slot, memory_order_relaxed);
+    uint64_t nv = old ? old - old / 4 + sample / 4 : sample;
+    atomic_store_explicit(slot, nv ? nv : 1, memory_order_relaxed);
+}
+
+void gv_sm_learn(uintptr_t key, uint64_t ns)
+{
+    ewma(&est_any, ns);
+    unsigned i = est_home(key);
+    for (unsigned n = 0; n < 16; n++, i = (i + 1) & (EST_SLOTS - 1)) {
+        uintptr_t k = atomic_load_explicit(&est_key[i], memory_order_acquire);
+        if (k == 0) {
+            uintptr_t zero = 0;
+            if (!atomic_compare_exchange_strong(&est_key[i], &zero, key) && zero != key)
+                continue;
+            k = key;
+        }
+        if (k == key) {
+            ewma(&est_ns[i], ns);
+            return;
+        }
+    }
+    /* Table crowded here: the global average stands in for this key. */
+}
+
+/* ---- the pacing clock ------------------------------------------------------ */
+
+/* Estimated GPU time this process has launched and not yet seen finish. */
+static _Atomic uint64_t inflight_ns;
+
+uint32_t gv_sm_admit(struct gv_sm *sm, uint64_t cost_ns)
+{
+    uint64_t start = 0;
+    uint32_t share;
+    for (;;) {
+        share = atomic_load_explicit(&sm->share, memory_order_relaxed);
+        if (share > 10000)
+            share = 10000;
+        /* Even with the whole GPU lent (share 100 %), pace: that keeps the
+         * work queued ahead of the device short, so a lower share takes
+         * effect at once instead of after a deep queue drains. */
+        uint64_t now = gv_mono_ns();
+        if (!start)
+            start = now;
+        if (share == 0) {                           /* paused: yielding */
+            sleep_ns(1000000);
+            continue;
+        }
+        /* Work admitted but stuck behind other containers' kernels would
+         * run later at more than the share: bound what is in flight. */
+        uint64_t queued = atomic_load_explicit(&inflight_ns, memory_order_relaxed);
+        if (queued > 0 && queued + cost_ns > MAX_INFLIGHT_NS) {
+            sleep_ns(200000);
+            continue;
+        }
+        uint64_t inc = cost_ns * 10000 / share;
+        uint64_t t = atomic_load(&sm->tat);
+        uint64_t base = t > now ? t : now;
+        if (base > now + TOLERANCE_NS) {
+            uint64_t ahead = base - now - TOLERANCE_NS;
+            sleep_ns(ahead < MAX_SLEEP_NS ? ahead : MAX_SLEEP_NS);
+            continue;
+        }
+        if (atomic_compare_exchange_weak(&sm->tat, &t, base + inc))
+            break;
+    }
+    atomic_fetch_add_explicit(&inflight_ns, cost_ns, memory_order_relaxed);
+    uint64_t waited = gv_mono_ns() - start;
+    if (waited > 1000)
+        atomic_fetch_add_explicit(&sm->wait_ns, waited, memory_order_relaxed);
+    atomic_fetch_add_explicit(&sm->launches, 1, memory_order_relaxed);
+    return share;
+}
+
+void gv_sm_settle(struct gv_sm *sm, uint32_t share, uint64_t charged_ns, uint64_t actual_ns)
+{
+    atomic_fetch_sub_explicit(&inflight_ns, charged_ns, memory_order_relaxed);
+    atomic_fetch_add_explicit(&sm->busy_ns, actual_ns, memory_order_relaxed);
+    /* The charge was made at the share of that moment: settle at it too. */
+    if (share == 0 || actual_ns == charged_ns)
+        return;
+    if (actual_ns > charged_ns) {
+        atomic_fetch_add(&sm->tat, (actual_ns - charged_ns) * 10000 / share);
+        return;
+    }
+    uint64_t back = (charged_ns - actual_ns) * 10000 / share;
+    uint64_t t = atomic_load(&sm->tat);
+    while (!atomic_compare_exchange_weak(&sm->tat, &t, t > back ? t - back : 0))
+        ;
+}
+
+void gv_sm_set_share(struct gv_sm *sm, uint32_t share)
+{
+    uint32_t old = atomic_exchange(&sm->share, share);
+    if (old == share || old == 0 || share == 0)
+        return;
+    /* Debt run up at the old share is paid at the new one. */
+    uint64_t now = gv_mono_ns(), t = atomic_load(&sm->tat);
+    while (t > now) {
+        uint64_t nt = now + (t - now) * (old > 10000 ? 10000 : old) / (share > 10000 ? 10000 : share);
+        if (atomic_compare_exchange_weak(&sm->tat, &t, nt))
+            break;
+    }
+}
+
+void gv_sm_fork_child(void) { atomic_store(&inflight_ns, 0); }

@@ -1,0 +1,323 @@
+/*
+ * sm_meter.c - measuring the GPU time of gated launches, and the policies.
+ *
+ * A gated launch is bracketed by two events on its stream.  A meter thread
+ * (one per process, started with the first gated launch) waits for the end
+ * event, reads the elapsed time, teaches the estimate table and settles
+ * the difference between what was charged and what the kernel took on the
+ * pacing clock (sm_gate.c).  Only real driver APIs are used: events and,
+ * for the policies, NVML device utilisation.
+ *
+ * Every 100 ms the meter also sets the share the gate enforces:
+ *   fixed-share  the limit, even when the GPU is idle;
+ *   burst-share  the limit, or more while the rest of the GPU is idle;
+ *   best-effort  what the rest of the GPU leaves idle (at least 1 %);
+ * Lending adapts: alone on the device a container may use all of it; while
+ * others work it grows into a quarter of what the device leaves idle every
+ * 100 ms, and backs off by a fifth whenever the device is (nearly) full.
+ * and 0 (paused) while the region's yield flag is set (a higher-priority
+ * container is active; set by the supervisor).  "The rest of the GPU" is
+ * NVML's device utilisation minus this container's own measured share,
+ * both over the last second, so capacity lent by burst-share comes back
+ * within about a second after another container starts working.
+ */
+#include <pthread.h>
+#include <signal.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "log.h"
+#include "sm.h"
+
+#define POLICY_PERIOD_NS (100ULL * 1000 * 1000)
+#define WINDOW_SAMPLES 10                   /* x 100 ms: NVML's 1 s window */
+#define OTHERS_ACTIVE 300                   /* 3 %: someone else is working */
+#define FULL 9000                           /* 90 %: the device is (nearly) full */
+
+struct rec {
+    struct rec *next;
+    CUcontext ctx;
+    CUevent begin, end;
+    struct gv_sm *sm;
+    uintptr_t key;
+    uint64_t est;
+    uint32_t share;
+};
+
+static _Atomic(struct rec *) inbox;
+static atomic_int started;
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+/* Devices this process has gated launches on, for the policy updates. */
+static struct watched {
+    _Atomic(const gv_devinfo *) info;
+    struct gv_sm *sm;
+    nvmlDevice_t nvml;
+    int have_nvml;
+    uint64_t t[WINDOW_SAMPLES], busy[WINDOW_SAMPLES];
+    unsigned n;
+    uint32_t adaptive;                      /* lent share (burst/best-effort) */
+} watched[GV_MAX_DEVICES];
+
+typedef CUresult (*ev_create_fn)(CUevent *, unsigned int);
+typedef CUresult (*ev_destroy_fn)(CUevent);
+typedef CUresult (*ev_record_fn)(CUevent, CUstream);
+typedef CUresult (*ev_query_fn)(CUevent);
+typedef CUresult (*ev_elapsed_fn)(float *, CUevent, CUevent);
+typedef CUresult (*capturing_fn)(CUstream, int *);
+
+static void fork_child(void)
+{
+    /* The meter thread does not survive fork; the child starts its own. */
+    atomic_store(&inbox, NULL);
+    atomic_store(&started, 0);
+    gv_sm_fork_child();
+    for (int i = 0; i < GV_MAX_DEVICES; i++)
+        atomic_store(&watched[i].info, NULL);
+}
+
+static void register_atfork(void) { pthread_atfork(NULL, NULL, fork_child); }
+
+/* ---- the meter thread ------------------------------------------------------ */
+
+static CUresult elapsed(float *ms, CUevent a, CUevent b)
+{
+    if (gv_real_sym(GV_SYM_cuEventElapsedTime_v2))
+        return GV_REAL(cuEventElapsedTime_v2, ev_elapsed_fn)(ms, a, b);
+    return GV_REAL(cuEventElapsedTime, ev_elapsed_fn)(ms, a, b);
+}
+
+static void drop(struct rec *r)
+{
+    ev_destroy_fn destroy = GV_REAL(cuEventDestroy_v2, ev_destroy_fn);
+    destroy(r->begin);
+    destroy(r->end);
+    free(r);
+}
+
+/* Settle r if its kernel has finished; 0 if it is still running. */
+static int try_settle(struct rec *r, CUcontext *current)
+{
+    if (*current != r->ctx) {
+        GV_REAL(cuCtxSetCurrent, CUresult (*)(CUcontext))(r->ctx);
+        *current = r->ctx;
+    }
+    CUresult q = GV_REAL(cuEventQuery, ev_query_fn)(r->end);
+    if (q == CUDA_ERROR_NOT_READY)
+        return 0;
+    float ms = 0;
+    if (q == CUDA_SUCCESS && elapsed(&ms, r->begin, r->end) == CUDA_SUCCESS && ms >= 0) {
+        uint64_t ns = (uint64_t)((double)ms * 1e6);
+        gv_sm_learn(r->key, ns);
+        gv_sm_settle(r->sm, r->share, r->est, ns);
+    } else {
+        gv_sm_settle(r->sm, r->share, r->est, r->est);   /* unknown: keep the estimate */
+    }
+    drop(r);
+    return 1;
+}
+
+static void update_share(struct watched *w, uint64_t now)
+{
+    struct gv_sm *sm = w->sm;
+    uint32_t limit = atomic_load(&sm->limit);
+    uint32_t policy = atomic_load(&sm->policy);
+    uint64_t busy = atomic_load(&sm->busy_ns);
+    unsigned k = w->n % WINDOW_SAMPLES, oldest = w->n >= WINDOW_SAMPLES ? k : 0;
+    uint64_t t0 = w->n ? w->t[oldest] : now, b0 = w->n ? w->busy[oldest] : busy;
+    w->t[k] = now;
+    w->busy[k] = busy;
+    w->n++;
+    uint32_t share;
+    if (limit == 0) {
+        share = 10000;
+    } else if (atomic_load(&sm->yield)) {
+        share = 0;
+    } else if (policy == GV_SM_FIXED || !w->have_nvml) {
+        share = limit * 100;
+    } else {
+        /* Lend idle capacity: grow into what the device leaves idle, back
+         * off quickly while the device is full and someone else works. */
+        nvmlUtilization_t u = { 0, 0 };
+        typedef nvmlReturn_t (*util_fn)(nvmlDevice_t, nvmlUtilization_t *);
+        uint64_t own = now > t0 ? (busy - b0) * 10000 / (now - t0) : 0;
+        uint64_t device = 0;
+        if (GV_REAL(nvmlDeviceGetUtilizationRates, util_fn)(w->nvml, &u) == NVML_SUCCESS)
+            device = (uint64_t)u.gpu * 100;
+        uint64_t others = device > own ? device - own : 0;
+        uint64_t floor = policy == GV_SM_BURST ? (uint64_t)limit * 100 : 100;
+        uint64_t a = w->adaptive ? w->adaptive : 10000;
+        if (others < OTHERS_ACTIVE)
+            a = 10000;                              /* alone: the whole GPU */
+        else if (device >= FULL)
+            a = a * 4 / 5;                          /* contended: give back */
+        else
+            a += (10000 - device) / 4;              /* idle capacity: take a quarter */
+        a = a < floor ? floor : (a > 10000 ? 10000 : a);
+        w->adaptive = (uint32_t)a;
+        share = (uint32_t)a;
+    }
+    gv_sm_set_share(sm, share);
+}
+
+static void policies(uint64_t now)
+{
+    static int nvml_tried;
+    if (!nvml_tried) {
+        nvml_tried = 1;
+        GV_REAL(nvmlInit_v2, nvmlReturn_t (*)(void))();
+    }
+    for (int i = 0; i < GV_MAX_DEVICES; i++) {
+        struct watched *w = &watched[i];
+        const gv_devinfo *info = atomic_load(&w->info);
+        if (!info)
+            continue;
+        if (!w->have_nvml) {
+            typedef nvmlReturn_t (*by_uuid_fn)(const char *, nvmlDevice_t *);
+            w->have_nvml = GV_REAL(nvmlDeviceGetHandleByUUID, by_uuid_fn)(info->uuid_str, &w->nvml) ==
+                           NVML_SUCCESS;
+        }
+        update_share(w, now);
+    }
+}
+
+static void *meter(void *unused)
+{
+    (void)unused;
+    struct rec *head = NULL, **tail = &head;
+    CUcontext current = NULL;
+    uint64_t next_policy = 0;
+    for (;;) {
+        struct rec *got = atomic_exchange(&inbox, NULL);
+        struct rec *rev = NULL;
+        while (got) {                       /* the inbox is LIFO: restore order */
+            struct rec *n = got->next;
+            got->next = rev;
+            rev = got;
+            got = n;
+        }
+        for (; rev; rev = rev->next) {
+            *tail = rev;
+            tail = &rev->next;
+        }
+        *tail = NULL;
+        while (head) {
+            struct rec *next = head->next;
+            if (!try_settle(head, &current))      /* frees head when settled */
+                break;
+            head = next;
+            if (!head)
+                tail = &head;
+        }
+        uint64_t now = gv_mono_ns();
+        if (now >= next_policy) {
+            policies(now);
+            next_policy = now + POLICY_PERIOD_NS;
+        }
+        struct timespec ts = { 0, head ? 100000 : 1000000 };
+        nanosleep(&ts, NULL);
+    }
+    return NULL;
+}
+
+static void start_meter(void)
+{
+    int expected = 0;
+    if (atomic_load(&started) || !atomic_compare_exchange_strong(&started, &expected, 1))
+        return;
+    pthread_once(&atfork_once, register_atfork);
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);   /* signals go to the program's threads */
+    pthread_attr_t a;
+    pthread_attr_init(&a);
+    pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
+    pthread_t t;
+    if (pthread_create(&t, &a, meter, NULL) != 0) {
+        gv_log(GV_LOG_ERROR, "cannot start the SM meter thread; launches are paced on estimates");
+        atomic_store(&started, 0);
+    }
+    pthread_attr_destroy(&a);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+}
+
+/* ---- the launch side ---------------------------------------------------------- */
+
+int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
+{
+    memset(l, 0, sizeof *l);
+    int ordinal;
+    CUcontext ctx = NULL;
+    const gv_devinfo *d;
+    if (gv_ordinal_of_stream(stream, &ordinal, &ctx) != CUDA_SUCCESS ||
+        gv_device(ordinal, &d) != CUDA_SUCCESS)
+        return 0;
+    struct gv_sm *sm = region_sm(gv_core_region(), d->region_dev);
+    if (!sm || atomic_load_explicit(&sm->limit, memory_order_relaxed) == 0)
+        return 0;
+    int capturing = 0;     /* recorded into a graph, not run: nothing to pace */
+    if (ptsz)
+        GV_REAL(cuStreamIsCapturing_ptsz, capturing_fn)(stream, &capturing);
+    else
+        GV_REAL(cuStreamIsCapturing, capturing_fn)(stream, &capturing);
+    if (capturing)
+        return 0;
+    if (!atomic_load_explicit(&watched[d->region_dev].info, memory_order_relaxed)) {
+        watched[d->region_dev].sm = sm;
+        atomic_store(&watched[d->region_dev].info, d);
+    }
+    start_meter();
+    if (!ctx)
+        GV_REAL(cuCtxGetCurrent, CUresult (*)(CUcontext *))(&ctx);
+    l->gated = 1;
+    l->sm = sm;
+    l->dev = d->region_dev;
+    l->ctx = ctx;
+    l->stream = stream;
+    l->ptsz = ptsz;
+    l->key = key;
+    l->est = gv_sm_estimate(key);
+    l->share = gv_sm_admit(sm, l->est);
+    ev_create_fn create = GV_REAL(cuEventCreate, ev_create_fn);
+    if (create(&l->begin, 0) != CUDA_SUCCESS || create(&l->end, 0) != CUDA_SUCCESS) {
+        if (l->begin)
+            GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->begin);
+        l->begin = l->end = NULL;
+        return 1;
+    }
+    ev_record_fn record = ptsz ? GV_REAL(cuEventRecord_ptsz, ev_record_fn)
+                               : GV_REAL(cuEventRecord, ev_record_fn);
+    record(l->begin, stream);
+    return 1;
+}
+
+void gv_sm_end(gv_sm_launch *l, CUresult rc)
+{
+    if (!l->gated)
+        return;
+    if (rc != CUDA_SUCCESS || !l->begin) {
+        /* Not launched: give the charge back.  Unmeasured: keep it. */
+        gv_sm_settle(l->sm, l->share, l->est, rc != CUDA_SUCCESS ? 0 : l->est);
+        if (l->begin) {
+            GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->begin);
+            GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->end);
+        }
+        return;
+    }
+    ev_record_fn record = l->ptsz ? GV_REAL(cuEventRecord_ptsz, ev_record_fn)
+                                  : GV_REAL(cuEventRecord, ev_record_fn);
+    record(l->end, l->stream);
+    struct rec *r = malloc(sizeof *r);
+    if (!r) {
+        gv_sm_settle(l->sm, l->share, l->est, l->est);
+        GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->begin);
+        GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->end);
+        return;
+    }
+    *r = (struct rec){ NULL, l->ctx, l->begin, l->end, l->sm, l->key, l->est, l->share };
+    r->next = atomic_load(&inbox);
+    while (!atomic_compare_exchange_weak(&inbox, &r->next, r))
+        ;
+}

@@ -1,0 +1,314 @@
+"""The SM-time quota: launches are paced to the container's share of the GPU.
+
+Workers launch `spin` kernels of 20 us to 5 ms (log-uniform, with grid sizes
+that do not predict the duration) on the simulated device, whose kernel
+timeline runs one kernel at a time across every process of the node.  A
+worker's share is the GPU time of its kernels over the wall time of its run
+(the simulated kernel really takes its parameter in microseconds); NVML's
+per-process utilisation, computed by the simulator from its timeline, is the
+independent witness for windows.  Bounds are looser than the benchmark's
+(make bench-sm) to stay stable on a loaded 2-core CI machine: +-5 points.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO_ROOT, SimNode
+
+WORKER = """
+import ctypes, json, random, sys, time
+from cuda.bindings import driver as cu
+R = cu.CUresult.CUDA_SUCCESS
+def chk(res):
+    err = res[0] if isinstance(res, tuple) else res
+    if err != R:
+        print(json.dumps({"error": err.name}), flush=True)
+        sys.exit(3)
+    return res[1] if isinstance(res, tuple) and len(res) == 2 else res
+path, seconds, seed = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
+chk(cu.cuInit(0))
+ctx = chk(cu.cuDevicePrimaryCtxRetain(0))
+chk(cu.cuCtxSetCurrent(ctx))
+mod = chk(cu.cuModuleLoadData(b"any image"))
+spin = chk(cu.cuModuleGetFunction(mod, b"spin"))
+s = chk(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+rng = random.Random(seed)
+def us():
+    return int(10 ** rng.uniform(1.3, 3.7))
+def args(n):
+    return ((n,), (ctypes.c_uint32,))
+cfg = cu.CUlaunchConfig()
+cfg.gridDimY = cfg.gridDimZ = cfg.blockDimY = cfg.blockDimZ = 1
+cfg.blockDimX = 128
+cfg.hStream = s
+graphs = []
+if path == "graph":                      # a few graphs of 1-4 kernels each
+    for _ in range(6):
+        g = chk(cu.cuGraphCreate(0))
+        total, prev = 0, None
+        for _ in range(rng.randint(1, 4)):
+            p = cu.CUDA_KERNEL_NODE_PARAMS()
+            p.func = spin
+            p.gridDimX = rng.randint(1, 64)
+            p.gridDimY = p.gridDimZ = p.blockDimY = p.blockDimZ = 1
+            p.blockDimX = 128
+            n = us()
+            p.kernelParams = args(n)
+            prev = chk(cu.cuGraphAddKernelNode(g, [prev] if prev else None, 1 if prev else 0, p))
+            total += n
+        graphs.append((chk(cu.cuGraphInstantiate(g, 0)), total))
+print("ready", flush=True)
+sys.stdin.readline()
+t0 = time.monotonic()
+gpu = 0
+while time.monotonic() - t0 < seconds:
+    if path == "graph":
+        ge, n = graphs[rng.randrange(len(graphs))]
+        chk(cu.cuGraphLaunch(ge, s))
+    else:
+        n = us()
+        grid = rng.randint(1, 64)
+        if path == "kernel":
+            chk(cu.cuLaunchKernel(spin, grid, 1, 1, 128, 1, 1, 0, s, args(n), 0))
+        elif path == "ex":
+            cfg.gridDimX = grid
+            chk(cu.cuLaunchKernelEx(cfg, spin, args(n), 0))
+        else:
+            chk(cu.cuLaunchCooperativeKernel(spin, 1, 1, 1, 128, 1, 1, 0, s, args(n)))
+    gpu += n
+chk(cu.cuStreamSynchronize(s))
+wall = time.monotonic() - t0
+print(json.dumps({"share": gpu / 1e6 / wall * 100, "wall": wall}), flush=True)
+"""
+
+NVML_SHARES = """
+import json, sys
+import pynvml as n
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+try:
+    samples = n.nvmlDeviceGetProcessUtilization(h, int(sys.argv[1]))
+except n.NVMLError:
+    samples = []
+print(json.dumps({str(s.pid): s.smUtil for s in samples}))
+"""
+
+
+def start(env: dict[str, str], path: str, seconds: float, seed: int) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(WORKER), path, str(seconds), str(seed)],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.strip() == "ready", line + (proc.stderr.read() if proc.stderr else "")
+    return proc
+
+
+def go(*procs: subprocess.Popen[str]) -> None:
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
+
+
+def finish(proc: subprocess.Popen[str]) -> float:
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out + err
+    share: float = json.loads(out.strip().splitlines()[-1])["share"]
+    return share
+
+
+def run_container(
+    env: dict[str, str], path: str = "kernel", procs: int = 1, seconds: float = 2.5
+) -> float:
+    workers = [start(env, path, seconds, seed) for seed in range(procs)]
+    go(*workers)
+    return sum(finish(w) for w in workers)
+
+
+def nvml_shares(node: SimNode, since_us: int) -> dict[str, int]:
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(NVML_SHARES), str(since_us)],
+        env=node.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    shares: dict[str, int] = json.loads(out)
+    return shares
+
+
+def region_call(node: SimNode, code: str) -> None:
+    subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from gpuvisor.shim.region import Region\nr = Region.attach()\n" + code,
+        ],
+        env=node.env,
+        check=True,
+        timeout=60,
+        cwd=REPO_ROOT,
+    )
+
+
+@pytest.mark.parametrize("limit", [30, 70])
+def test_fixed_share_holds(node: SimNode, limit: int) -> None:
+    share = run_container(node.shimmed(CUDA_DEVICE_SM_LIMIT=str(limit)))
+    print(f"limit={limit} achieved={share:.1f}")
+    assert abs(share - limit) <= 5
+
+
+def test_processes_of_one_container_share_one_budget(node: SimNode) -> None:
+    share = run_container(node.shimmed(CUDA_DEVICE_SM_LIMIT="40"), procs=2)
+    print(f"two processes, limit=40: achieved={share:.1f}")
+    assert abs(share - 40) <= 5
+
+
+@pytest.mark.parametrize("path", ["ex", "coop", "graph"])
+def test_every_launch_path_is_gated(node: SimNode, path: str) -> None:
+    share = run_container(node.shimmed(CUDA_DEVICE_SM_LIMIT="25"), path=path)
+    print(f"{path}: achieved={share:.1f}")
+    assert abs(share - 25) <= 5
+
+
+def test_no_limit_runs_free(node: SimNode) -> None:
+    share = run_container(node.shimmed(), seconds=1.5)
+    assert share >= 90
+
+
+def test_disable_policy_ignores_the_limit(node: SimNode) -> None:
+    env = node.shimmed(CUDA_DEVICE_SM_LIMIT="30", GPU_CORE_UTILIZATION_POLICY="disable")
+    assert run_container(env, seconds=1.5) >= 90
+
+
+def test_live_limit_change(node: SimNode) -> None:
+    env = node.shimmed(CUDA_DEVICE_SM_LIMIT="20")
+    w = start(env, "kernel", 4.0, 1)
+    go(w)
+    time.sleep(1.5)
+    region_call(node, "r.set_sm_limit(0, 80)")
+    time.sleep(0.5)
+    since = int(time.time() * 1e6)
+    time.sleep(1.5)
+    shares = nvml_shares(node, since)
+    finish(w)
+    print(f"after raising 20 -> 80: {shares}")
+    assert abs(shares[str(w.pid)] - 80) <= 6
+
+
+def test_yield_pauses_and_resumes(node: SimNode) -> None:
+    """The supervisor's priority decision: a low-priority container's
+    launches stop while its yield flag is set."""
+    env = node.shimmed(CUDA_DEVICE_SM_LIMIT="50", CUDA_TASK_PRIORITY="1")
+    w = start(env, "kernel", 3.5, 2)
+    go(w)
+    time.sleep(0.8)
+    region_call(node, "r.set_sm_yield(0, True)\nassert r.sm(0).priority == 1")
+    time.sleep(0.4)  # queued work drains
+    since = int(time.time() * 1e6)
+    time.sleep(1.0)
+    paused = nvml_shares(node, since).get(str(w.pid), 0)
+    region_call(node, "r.set_sm_yield(0, False)")
+    time.sleep(0.3)
+    since = int(time.time() * 1e6)
+    time.sleep(0.8)
+    resumed = nvml_shares(node, since).get(str(w.pid), 0)
+    finish(w)
+    print(f"paused={paused} resumed={resumed}")
+    assert paused <= 2
+    assert abs(resumed - 50) <= 8
+
+
+def test_burst_share_lends_idle_time_and_gives_it_back(node: SimNode, tmp_path: Path) -> None:
+    """Container A (burst-share, 30 %) alone uses the idle GPU; once
+    container B (its own region, allowed the whole GPU: limit 100) wants all
+    of it, A is back at its guaranteed 30 % within a second and B gets the
+    rest.  (A container with no SM limit at all is not paced, so on the
+    simulator's launch-order device its deep queue would crowd everyone.)"""
+    a_env = node.shimmed(CUDA_DEVICE_SM_LIMIT="30", GPUVISOR_SM_POLICY="burst-share")
+    b_env = node.shimmed(
+        CUDA_DEVICE_SM_LIMIT="100", CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "b.shr")
+    )
+    a = start(a_env, "kernel", 5.0, 3)
+    b = start(b_env, "kernel", 3.0, 4)
+    go(a)
+    time.sleep(1.0)
+    since = int(time.time() * 1e6)
+    time.sleep(0.8)
+    alone = nvml_shares(node, since).get(str(a.pid), 0)
+    go(b)
+    time.sleep(1.0)  # the promise: capacity comes back within 1 s
+    since = int(time.time() * 1e6)
+    time.sleep(1.5)
+    shared = nvml_shares(node, since)
+    finish(b)
+    finish(a)
+    print(f"A alone={alone} A with B={shared.get(str(a.pid))} B={shared.get(str(b.pid))}")
+    assert alone >= 80
+    assert abs(shared.get(str(a.pid), 0) - 30) <= 6
+    assert shared.get(str(b.pid), 0) >= 60
+
+
+def test_best_effort_yields_to_others(node: SimNode, tmp_path: Path) -> None:
+    a_env = node.shimmed(CUDA_DEVICE_SM_LIMIT="30", GPUVISOR_SM_POLICY="best-effort")
+    b_env = node.shimmed(
+        CUDA_DEVICE_SM_LIMIT="70", CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "b.shr")
+    )
+    a = start(a_env, "kernel", 4.0, 5)
+    b = start(b_env, "kernel", 4.0, 6)
+    go(a, b)
+    time.sleep(1.5)
+    since = int(time.time() * 1e6)
+    time.sleep(1.5)
+    shares = nvml_shares(node, since)
+    finish(a)
+    finish(b)
+    print(f"best-effort A={shares.get(str(a.pid))} fixed 70 B={shares.get(str(b.pid))}")
+    assert abs(shares.get(str(b.pid), 0) - 70) <= 6  # B gets its share
+    assert shares.get(str(a.pid), 0) <= 30  # A takes only what is left
+
+
+BAD = [
+    ("CUDA_DEVICE_SM_LIMIT", "abc"),
+    ("CUDA_DEVICE_SM_LIMIT", "101"),
+    ("CUDA_DEVICE_SM_LIMIT", "-5"),
+    ("CUDA_DEVICE_SM_LIMIT", "12.5"),
+    ("CUDA_DEVICE_SM_LIMIT_x", "30"),
+    ("GPUVISOR_SM_POLICY", "fair"),
+    ("GPU_CORE_UTILIZATION_POLICY", "sometimes"),
+    ("CUDA_TASK_PRIORITY", "2"),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), BAD)
+def test_bad_values_fail_closed(node: SimNode, name: str, value: str) -> None:
+    code = "from cuda.bindings import driver as cu\nprint(cu.cuInit(0)[0].name)"
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env=node.shimmed(**{name: value}),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.stdout.strip() == "CUDA_ERROR_NOT_PERMITTED"
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1, proc.stderr
+    assert name in lines[0]
+    assert value in lines[0]
