@@ -107,3 +107,35 @@ def test_python_client_every_allocation_api_under_asan(asan_env: dict[str, str])
     proc = run([sys.executable, "-c", textwrap.dedent(CLIENT)], env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().endswith("clean")
+
+
+LAUNCHES = """
+import ctypes
+from cuda.bindings import driver as cu
+def chk(res):
+    err = res[0] if isinstance(res, tuple) else res
+    assert err == cu.CUresult.CUDA_SUCCESS, err
+    return res[1] if isinstance(res, tuple) and len(res) == 2 else res
+chk(cu.cuInit(0))
+ctx = chk(cu.cuDevicePrimaryCtxRetain(0))
+chk(cu.cuCtxSetCurrent(ctx))
+spin = chk(cu.cuModuleGetFunction(chk(cu.cuModuleLoadData(b"x")), b"spin"))
+s = chk(cu.cuStreamCreate(0))
+for i in range(300):
+    chk(cu.cuLaunchKernel(spin, 1, 1, 1, 32, 1, 1, 0, s, ((50 + i,), (ctypes.c_uint32,)), 0))
+chk(cu.cuStreamSynchronize(s))
+print("clean")
+"""
+
+
+def test_sm_gate_and_meter_under_asan(asan_env: dict[str, str]) -> None:
+    """Paced launches, the meter thread and its event handling, sanitized."""
+    runtime = asan_runtime()
+    if not runtime:
+        pytest.skip("gcc has no libasan.so")
+    env = dict(asan_env, CUDA_DEVICE_SM_LIMIT="50")
+    env["LD_PRELOAD"] = f"{runtime}:{asan_env['LD_PRELOAD']}"
+    env["ASAN_OPTIONS"] = "detect_leaks=0:exitcode=86"
+    proc = run([sys.executable, "-c", textwrap.dedent(LAUNCHES)], env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().endswith("clean")

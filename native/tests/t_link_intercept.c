@@ -57,6 +57,8 @@ static void dlsym_path(void)
     void *hook = ours("cuMemAlloc_v2");
     void *seen = dlsym(drv, "cuMemAlloc_v2");
     CHECK(hook && seen == hook, "dlsym(libcuda, cuMemAlloc_v2) = %p, hook %p", seen, hook);
+    CHECK(dlsym(drv, "cuLaunchKernel") == ours("cuLaunchKernel"), "dlsym(cuLaunchKernel) not hooked");
+    CHECK(dlsym(drv, "cuGraphLaunch_ptsz") == ours("cuGraphLaunch_ptsz"), "dlsym(cuGraphLaunch_ptsz) not hooked");
     CHECK(lives_in(seen, "libgpuvisor"), "dlsym answer is not the interposer's");
     void *nv = dlopen("libnvidia-ml.so.1", RTLD_NOW);
     CHECK(nv != NULL, "dlopen libnvidia-ml: %s", dlerror());
@@ -119,6 +121,13 @@ static void procaddr_path(void)
         { "cuGetProcAddress", 12000, 0, "cuGetProcAddress_v2" },
         { "cuGetProcAddress", 11030, 0, "cuGetProcAddress" },
         { "cuInit", 2000, 0, "cuInit" },
+        { "cuLaunchKernel", 4000, 0, "cuLaunchKernel" },
+        { "cuLaunchKernel", 7000, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, "cuLaunchKernel_ptsz" },
+        { "cuLaunchKernelEx", 11060, 0, "cuLaunchKernelEx" },
+        { "cuLaunchKernelEx", 12000, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, "cuLaunchKernelEx_ptsz" },
+        { "cuLaunchCooperativeKernel", 9000, 0, "cuLaunchCooperativeKernel" },
+        { "cuGraphLaunch", 10000, 0, "cuGraphLaunch" },
+        { "cuGraphLaunch", 10000, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, "cuGraphLaunch_ptsz" },
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         void *fn = gpa(cases[i].base, cases[i].version, cases[i].flags, &rc, &st);
