@@ -65,6 +65,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "gv_region_attach": (ctypes.c_int, [ctypes.c_char_p]),
     "gv_region_path": (ctypes.c_char_p, []),
     "gv_parse_memory_limit": (ctypes.c_int, [ctypes.c_char_p, _u64, _pu64]),
+    "gv_validate_env": (ctypes.c_int, []),
     "gv_device_count": (ctypes.c_int, []),
     "gv_device_uuid": (ctypes.c_int, [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]),
     "gv_device_register": (ctypes.c_int, [ctypes.c_char_p, _u64, _u64]),

@@ -26,3 +26,16 @@ def parse_memory_limit(text: str, physical_total: int = 0) -> int:
     if rc < 0:
         raise GpuvisorError(rc, lib().gv_last_error().decode())
     return out.value
+
+
+def validate_environment() -> None:
+    """Check this process's environment exactly as libgpuvisor.so will.
+
+    Covers CUDA_DEVICE_MEMORY_LIMIT*, CUDA_DEVICE_SM_LIMIT*,
+    GPUVISOR_SM_POLICY, GPU_CORE_UTILIZATION_POLICY and CUDA_TASK_PRIORITY.
+    Raises GpuvisorError whose message is one line naming the variable and
+    the value.
+    """
+    rc = lib().gv_validate_env()
+    if rc < 0:
+        raise GpuvisorError(rc, lib().gv_last_error().decode())

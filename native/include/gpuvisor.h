@@ -55,6 +55,12 @@ const char *gv_region_path(void);
  * malformed, zero, or overflowing. */
 int gv_parse_memory_limit(const char *text, uint64_t physical_total, uint64_t *bytes);
 
+/* Check the calling process's environment as the interposer will: every
+ * CUDA_DEVICE_MEMORY_LIMIT*, CUDA_DEVICE_SM_LIMIT*, GPUVISOR_SM_POLICY,
+ * GPU_CORE_UTILIZATION_POLICY and CUDA_TASK_PRIORITY.  GV_EINVAL with the
+ * one-line reason (naming the variable and the value) in gv_last_error(). */
+int gv_validate_env(void);
+
 /* Device entries of the region, in the order processes first used them.
  * Indices run 0 .. gv_device_count()-1. */
 int gv_device_count(void);

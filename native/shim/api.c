@@ -111,6 +111,14 @@ GV_EXPORT int gv_parse_memory_limit(const char *text, uint64_t physical_total, u
     return GV_OK;
 }
 
+GV_EXPORT int gv_validate_env(void)
+{
+    char err[512];
+    if (limits_check_env(err, sizeof err) != GV_OK || limits_sm_check_env(err, sizeof err) != GV_OK)
+        return fail(GV_EINVAL, "%s", err);
+    return GV_OK;
+}
+
 GV_EXPORT const char *gv_last_error(void)
 {
     return t_err;
