@@ -1,0 +1,240 @@
+"""The node usage socket protocol, version 1 (documented in docs/protocol.md).
+
+Newline-delimited JSON over a Unix stream socket.  The supervisor of each
+container sends `report` messages; the node agent answers each with an `ack`
+(which may carry instructions: yield flags and limit changes) or an
+`error`.  Every message is one JSON object on one line of at most
+MAX_MESSAGE_BYTES bytes, with "v" (the protocol version) and "type".
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+PROTOCOL_VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024
+MAX_DEVICES = 16
+MAX_PIDS = 1024
+POLICIES = ("fixed-share", "burst-share", "best-effort")
+
+
+class ProtocolError(ValueError):
+    """A message that breaks the protocol; the text names the field."""
+
+
+@dataclass(frozen=True)
+class ContainerId:
+    cgroup: str  # the container's cgroup path, as /proc/<pid>/cgroup shows it
+    pod: str | None = None
+    namespace: str | None = None
+    container: str | None = None
+
+    @property
+    def key(self) -> str:
+        """Stable key of the container on the node."""
+        return "|".join([self.cgroup, self.namespace or "", self.pod or "", self.container or ""])
+
+
+@dataclass(frozen=True)
+class DeviceReport:
+    uuid: str
+    index: int
+    memory_used: int
+    memory_limit: int | None  # None: no limit
+    memory_physical: int
+    oom_refusals: int
+    sm_share: float  # achieved percent of the GPU's time since the last report
+    sm_limit: int | None  # percent; None: no limit
+    sm_enforced: float  # percent the launch gate enforces now
+    throttled: bool  # launches waited at the gate since the last report
+
+
+@dataclass(frozen=True)
+class Report:
+    seq: int
+    ts: float
+    container: ContainerId
+    policy: str
+    priority: int
+    pids: list[int] = field(default_factory=list)
+    devices: list[DeviceReport] = field(default_factory=list)
+    final: bool = False
+
+
+@dataclass(frozen=True)
+class Instructions:
+    """What the agent asks a container to change (in an ack)."""
+
+    yield_devices: dict[str, bool] = field(default_factory=dict)  # uuid -> pause launches
+    memory_limits: dict[str, int | None] = field(default_factory=dict)  # uuid -> bytes
+    sm_limits: dict[str, int | None] = field(default_factory=dict)  # uuid -> percent
+
+
+def encode(obj: dict[str, Any]) -> bytes:
+    line = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode() + b"\n"
+    if len(line) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(line)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    return line
+
+
+def report_message(report: Report) -> dict[str, Any]:
+    body = asdict(report)
+    body.update(v=PROTOCOL_VERSION, type="report")
+    return body
+
+
+def ack_message(seq: int, instructions: Instructions | None = None) -> dict[str, Any]:
+    msg: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": "ack", "seq": seq}
+    if instructions is not None:
+        msg["yield"] = dict(instructions.yield_devices)
+        msg["limits"] = {
+            uuid: {
+                "memory": instructions.memory_limits.get(uuid),
+                "sm": instructions.sm_limits.get(uuid),
+            }
+            for uuid in sorted(set(instructions.memory_limits) | set(instructions.sm_limits))
+        }
+    return msg
+
+
+def error_message(seq: int | None, error: str) -> dict[str, Any]:
+    return {"v": PROTOCOL_VERSION, "type": "error", "seq": seq, "error": error}
+
+
+# ---- validation --------------------------------------------------------------
+
+
+def _get(obj: dict[str, Any], key: str, where: str) -> Any:
+    if key not in obj:
+        raise ProtocolError(f"{where}{key}: missing")
+    return obj[key]
+
+
+def _int(value: Any, name: str, lo: int = 0, hi: int = 2**64 - 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ProtocolError(f"{name}={value!r}: expected an integer in [{lo}, {hi}]")
+    return value
+
+
+def _opt_int(value: Any, name: str, lo: int = 0, hi: int = 2**64 - 1) -> int | None:
+    return None if value is None else _int(value, name, lo, hi)
+
+
+def _num(value: Any, name: str, lo: float, hi: float) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ProtocolError(f"{name}={value!r}: expected a number")
+    v = float(value)
+    if not math.isfinite(v) or not lo <= v <= hi:
+        raise ProtocolError(f"{name}={value!r}: expected a number in [{lo}, {hi}]")
+    return v
+
+
+def _str(value: Any, name: str, maxlen: int = 1024, optional: bool = False) -> str | None:
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or len(value) > maxlen:
+        raise ProtocolError(f"{name}={value!r}: expected a string of at most {maxlen} characters")
+    return value
+
+
+def _bool(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ProtocolError(f"{name}={value!r}: expected true or false")
+    return value
+
+
+def decode(line: bytes) -> dict[str, Any]:
+    """Parse one line; checks size, JSON, object-ness, version and type."""
+    if len(line) > MAX_MESSAGE_BYTES:
+        raise ProtocolError(f"message of {len(line)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        obj = json.loads(line)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"not JSON: {exc}") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("message: expected a JSON object")
+    version = _get(obj, "v", "")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"v={version!r}: this agent speaks version {PROTOCOL_VERSION}")
+    _str(_get(obj, "type", ""), "type", 32)
+    return obj
+
+
+def parse_report(obj: dict[str, Any]) -> Report:
+    """Validate a decoded `report` message; ProtocolError names the bad field."""
+    if obj.get("type") != "report":
+        raise ProtocolError(f"type={obj.get('type')!r}: expected 'report'")
+    c = _get(obj, "container", "")
+    if not isinstance(c, dict):
+        raise ProtocolError(f"container={c!r}: expected an object")
+    container = ContainerId(
+        cgroup=str(_str(_get(c, "cgroup", "container."), "container.cgroup", 4096)),
+        pod=_str(c.get("pod"), "container.pod", 253, optional=True),
+        namespace=_str(c.get("namespace"), "container.namespace", 253, optional=True),
+        container=_str(c.get("container"), "container.container", 253, optional=True),
+    )
+    policy = _str(_get(obj, "policy", ""), "policy", 32)
+    if policy not in POLICIES:
+        raise ProtocolError(f"policy={policy!r}: expected one of {', '.join(POLICIES)}")
+    pids = _get(obj, "pids", "")
+    if not isinstance(pids, list) or len(pids) > MAX_PIDS:
+        raise ProtocolError(f"pids: expected a list of at most {MAX_PIDS} PIDs")
+    devices_raw = _get(obj, "devices", "")
+    if not isinstance(devices_raw, list) or len(devices_raw) > MAX_DEVICES:
+        raise ProtocolError(f"devices: expected a list of at most {MAX_DEVICES} devices")
+    devices = []
+    for i, d in enumerate(devices_raw):
+        w = f"devices[{i}]."
+        if not isinstance(d, dict):
+            raise ProtocolError(f"devices[{i}]: expected an object")
+        devices.append(
+            DeviceReport(
+                uuid=str(_str(_get(d, "uuid", w), w + "uuid", 96)),
+                index=_int(_get(d, "index", w), w + "index", 0, 1023),
+                memory_used=_int(_get(d, "memory_used", w), w + "memory_used"),
+                memory_limit=_opt_int(_get(d, "memory_limit", w), w + "memory_limit"),
+                memory_physical=_int(_get(d, "memory_physical", w), w + "memory_physical"),
+                oom_refusals=_int(_get(d, "oom_refusals", w), w + "oom_refusals"),
+                sm_share=_num(_get(d, "sm_share", w), w + "sm_share", 0.0, 100.0),
+                sm_limit=_opt_int(_get(d, "sm_limit", w), w + "sm_limit", 1, 100),
+                sm_enforced=_num(_get(d, "sm_enforced", w), w + "sm_enforced", 0.0, 100.0),
+                throttled=_bool(_get(d, "throttled", w), w + "throttled"),
+            )
+        )
+    return Report(
+        seq=_int(_get(obj, "seq", ""), "seq"),
+        ts=_num(_get(obj, "ts", ""), "ts", 0.0, 1e12),
+        container=container,
+        policy=policy,
+        priority=_int(_get(obj, "priority", ""), "priority", 0, 1),
+        pids=[_int(p, f"pids[{i}]", 1, 2**31 - 1) for i, p in enumerate(pids)],
+        devices=devices,
+        final=_bool(obj.get("final", False), "final"),
+    )
+
+
+def parse_ack(obj: dict[str, Any]) -> Instructions:
+    """Validate an `ack` (supervisor side)."""
+    if obj.get("type") != "ack":
+        raise ProtocolError(f"type={obj.get('type')!r}: expected 'ack'")
+    y = obj.get("yield", {})
+    limits = obj.get("limits", {})
+    if not isinstance(y, dict) or not isinstance(limits, dict):
+        raise ProtocolError("yield/limits: expected objects")
+    mem: dict[str, int | None] = {}
+    sm: dict[str, int | None] = {}
+    for uuid, lim in limits.items():
+        if not isinstance(lim, dict):
+            raise ProtocolError(f"limits.{uuid}: expected an object")
+        if "memory" in lim:
+            mem[uuid] = _opt_int(lim["memory"], f"limits.{uuid}.memory", 1)
+        if "sm" in lim:
+            sm[uuid] = _opt_int(lim["sm"], f"limits.{uuid}.sm", 0, 100)
+    return Instructions(
+        yield_devices={str(k): _bool(v, f"yield.{k}") for k, v in y.items()},
+        memory_limits=mem,
+        sm_limits=sm,
+    )
