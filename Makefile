@@ -97,6 +97,23 @@ $(BENCH_MEMORY): native/tests/bench_memory.c native/include/gpuvisor.h native/in
 bench: all $(BENCH_MEMORY)
 	$(BENCH_MEMORY) --write docs/benchmarks.md
 
+# SM-quota benchmark (make bench-sm): accuracy of the quota on the simulated
+# kernel timeline (tests/bench/sm_bench.py driving build/bench/bench_sm_worker,
+# a -lcuda program) and per-launch cost (native/tests/bench_launch.c); writes
+# its sections of docs/benchmarks.md.
+.PHONY: bench-sm
+BENCH_SM_WORKER := $(BUILD)/bench/bench_sm_worker
+BENCH_LAUNCH := $(BUILD)/bench/bench_launch
+$(BENCH_SM_WORKER): native/tests/bench_sm_worker.c native/include/gv_cuda.h $(SIMCUDA) $(SIMNVML)
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS_ALL) -o $@ $< -L$(BUILD)/sim -lcuda -lm $(LDLIBS_ALL)
+$(BENCH_LAUNCH): native/tests/bench_launch.c native/include/gpuvisor.h native/include/gv_cuda.h
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS_ALL) -o $@ $< $(LDLIBS_ALL)
+
+bench-sm: all venv $(BENCH_SM_WORKER) $(BENCH_LAUNCH)
+	$(VENV)/bin/python -m tests.bench.sm_bench --write docs/benchmarks.md
+
 demo: all venv
 	$(VENV)/bin/python -m gpuvisor.shim.demo
 

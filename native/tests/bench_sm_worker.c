@@ -1,0 +1,218 @@
+/*
+ * bench_sm_worker.c - the workload of the SM-quota benchmark (make bench-sm,
+ * tests/bench/sm_bench.py).  Linked with -lcuda like an ordinary CUDA
+ * program; run with libgpuvisor.so preloaded.
+ *
+ * usage: bench_sm_worker SECONDS SEED [PHASE_MS]
+ *
+ * Sets up (cuInit, primary context, a non-blocking stream, three modules
+ * each with a `spin` function, eight CUDA graphs of 1-4 spin kernels),
+ * prints "ready", waits for a line on stdin, then launches back to back for
+ * SECONDS: about 80 % cuLaunchKernel, 10 % cuLaunchKernelEx, 10 %
+ * cuGraphLaunch.  Every kernel runs log-uniform 20 us .. 5 ms on the
+ * simulated device (spin's first parameter); grid sizes are random and
+ * independent of the duration, and the function (module) is picked at
+ * random, so neither predicts what a launch costs.  The worker always has
+ * work queued: what it gets is what its quota allows.
+ *
+ * PHASE_MS > 0: alternate idle and busy phases of PHASE_MS each, idle first
+ * (the side of a burst-share pair that is idle half the time).
+ *
+ * At the end: synchronize, print one JSON line (pid, t0_ns = CLOCK_MONOTONIC
+ * at "go", launch counts, requested GPU time).  Exit 0, or 3 with
+ * {"error": ...} on a driver error.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "gv_cuda.h"
+
+/* our own prototypes (gv_cuda.h declares types only) */
+CUresult cuInit(unsigned int);
+CUresult cuDeviceGet(CUdevice *, int);
+CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
+CUresult cuCtxSetCurrent(CUcontext);
+CUresult cuModuleLoadData(CUmodule *, const void *);
+CUresult cuModuleGetFunction(CUfunction *, CUmodule, const char *);
+CUresult cuStreamCreate(CUstream *, unsigned int);
+CUresult cuStreamSynchronize(CUstream);
+CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                        unsigned, CUstream, void **, void **);
+CUresult cuLaunchKernelEx(const CUlaunchConfig *, CUfunction, void **, void **);
+CUresult cuGraphCreate(CUgraph *, unsigned int);
+CUresult cuGraphAddKernelNode_v2(CUgraphNode *, CUgraph, const CUgraphNode *, size_t,
+                                 const CUDA_KERNEL_NODE_PARAMS *);
+CUresult cuGraphInstantiateWithFlags(CUgraphExec *, CUgraph, unsigned long long);
+CUresult cuGraphLaunch(CUgraphExec, CUstream);
+
+#define NFUNCS 3
+#define NGRAPHS 8
+#define MAX_NODES 4
+#define CU_STREAM_NON_BLOCKING_FLAG 0x1
+
+static void fail(const char *what, CUresult rc)
+{
+    printf("{\"error\": \"%s returned %d\"}\n", what, (int)rc);
+    fflush(stdout);
+    exit(3);
+}
+
+#define OK(call)                                                             \
+    do {                                                                     \
+        CUresult rc_ = (call);                                               \
+        if (rc_ != CUDA_SUCCESS)                                             \
+            fail(#call, rc_);                                                \
+    } while (0)
+
+/* xorshift64*: a small, seedable generator */
+static uint64_t rng_state;
+static uint64_t rnd(void)
+{
+    rng_state ^= rng_state >> 12;
+    rng_state ^= rng_state << 25;
+    rng_state ^= rng_state >> 27;
+    return rng_state * 0x2545F4914F6CDD1DULL;
+}
+static double unit(void) { return (double)(rnd() >> 11) / 9007199254740992.0; }
+
+/* log-uniform 20 us .. 5 ms */
+static uint32_t duration_us(void)
+{
+    double lo = 20.0, hi = 5000.0;
+    double v = lo * exp(unit() * log(hi / lo));
+    return (uint32_t)(v + 0.5);
+}
+
+static unsigned grid(void) { return 1 + (unsigned)(rnd() % 1024); }
+
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+static void sleep_until(uint64_t t)
+{
+    struct timespec ts = { (time_t)(t / 1000000000ULL), (long)(t % 1000000000ULL) };
+    while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &ts, NULL) != 0)
+        ;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 3 || argc > 4) {
+        fprintf(stderr, "usage: bench_sm_worker SECONDS SEED [PHASE_MS]\n");
+        return 2;
+    }
+    double seconds = atof(argv[1]);
+    rng_state = (uint64_t)strtoull(argv[2], NULL, 10) * 0x9E3779B97F4A7C15ULL + 88172645463325252ULL;
+    uint64_t phase_ns = argc == 4 ? (uint64_t)(atof(argv[3]) * 1e6) : 0;
+
+    CUdevice dev;
+    CUcontext ctx;
+    CUstream s;
+    OK(cuInit(0));
+    OK(cuDeviceGet(&dev, 0));
+    OK(cuDevicePrimaryCtxRetain(&ctx, dev));
+    OK(cuCtxSetCurrent(ctx));
+    OK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING_FLAG));
+    CUfunction fn[NFUNCS];
+    for (int i = 0; i < NFUNCS; i++) {
+        CUmodule m;
+        char image[32];
+        snprintf(image, sizeof image, "bench module %d", i);
+        OK(cuModuleLoadData(&m, image));
+        OK(cuModuleGetFunction(&fn[i], m, "spin"));
+    }
+
+    /* Graphs: 1-4 spin nodes each, in a chain; durations fixed at creation. */
+    CUgraphExec graphs[NGRAPHS];
+    uint64_t graph_us[NGRAPHS];
+    static uint32_t node_us[NGRAPHS][MAX_NODES];
+    static void *node_params[NGRAPHS][MAX_NODES][1];
+    for (int g = 0; g < NGRAPHS; g++) {
+        CUgraph graph;
+        OK(cuGraphCreate(&graph, 0));
+        int nodes = 1 + (int)(rnd() % MAX_NODES);
+        CUgraphNode prev = NULL;
+        graph_us[g] = 0;
+        for (int k = 0; k < nodes; k++) {
+            node_us[g][k] = duration_us();
+            node_params[g][k][0] = &node_us[g][k];
+            CUDA_KERNEL_NODE_PARAMS p;
+            memset(&p, 0, sizeof p);
+            p.func = fn[rnd() % NFUNCS];
+            p.gridDimX = grid();
+            p.gridDimY = p.gridDimZ = 1;
+            p.blockDimX = 128;
+            p.blockDimY = p.blockDimZ = 1;
+            p.kernelParams = node_params[g][k];
+            CUgraphNode node;
+            OK(cuGraphAddKernelNode_v2(&node, graph, prev ? &prev : NULL, prev ? 1 : 0, &p));
+            prev = node;
+            graph_us[g] += node_us[g][k];
+        }
+        OK(cuGraphInstantiateWithFlags(&graphs[g], graph, 0));
+    }
+
+    CUlaunchConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.gridDimY = cfg.gridDimZ = 1;
+    cfg.blockDimX = 256;
+    cfg.blockDimY = cfg.blockDimZ = 1;
+    cfg.hStream = s;
+
+    printf("ready\n");
+    fflush(stdout);
+    char line[64];
+    if (!fgets(line, sizeof line, stdin))
+        return 0;                                /* told to go away */
+
+    uint64_t t0 = mono_ns(), end = t0 + (uint64_t)(seconds * 1e9);
+    uint64_t n_kernel = 0, n_ex = 0, n_graph = 0, gpu_us = 0;
+    for (;;) {
+        uint64_t now = mono_ns();
+        if (now >= end)
+            break;
+        if (phase_ns && ((now - t0) / phase_ns) % 2 == 0) {   /* idle phase */
+            uint64_t next = t0 + ((now - t0) / phase_ns + 1) * phase_ns;
+            sleep_until(next < end ? next : end);
+            continue;
+        }
+        double r = unit();
+        if (r < 0.10) {
+            int g = (int)(rnd() % NGRAPHS);
+            OK(cuGraphLaunch(graphs[g], s));
+            gpu_us += graph_us[g];
+            n_graph++;
+            continue;
+        }
+        uint32_t us = duration_us();
+        void *params[] = { &us };
+        CUfunction f = fn[rnd() % NFUNCS];
+        if (r < 0.20) {
+            cfg.gridDimX = grid();
+            OK(cuLaunchKernelEx(&cfg, f, params, NULL));
+            n_ex++;
+        } else {
+            OK(cuLaunchKernel(f, grid(), 1, 1, 128, 1, 1, 0, s, params, NULL));
+            n_kernel++;
+        }
+        gpu_us += us;
+    }
+    OK(cuStreamSynchronize(s));
+    uint64_t t1 = mono_ns();
+    printf("{\"pid\": %d, \"t0_ns\": %llu, \"wall_s\": %.4f, \"launch_kernel\": %llu, "
+           "\"launch_ex\": %llu, \"graph_launch\": %llu, \"gpu_us\": %llu}\n",
+           (int)getpid(), (unsigned long long)t0, (double)(t1 - t0) / 1e9,
+           (unsigned long long)n_kernel, (unsigned long long)n_ex,
+           (unsigned long long)n_graph, (unsigned long long)gpu_us);
+    fflush(stdout);
+    return 0;
+}

@@ -1,0 +1,591 @@
+"""SM-quota benchmark (make bench-sm): how closely CUDA_DEVICE_SM_LIMIT holds.
+
+Everything runs on the simulated driver, whose kernel timeline runs one
+kernel at a time per device across every process of the node and reports
+per-process utilisation through NVML.  Each scenario gets a fresh directory
+(simulator state, one region file per container).  The workload is
+build/bench/bench_sm_worker (native/tests/bench_sm_worker.c): saturating
+launches of `spin` kernels of 20 us to 5 ms, log-uniform, random grid sizes,
+~10 % cuLaunchKernelEx and ~10 % graph launches.  A sampler process reads
+nvmlDeviceGetProcessUtilization once per 100 ms sample of the simulator's
+grid (lastSeenTimeStamp = the end of the previous sample), so every
+container gets a series of 100 ms windows: the sum of its processes' smUtil.
+
+Run as `python -m tests.bench.sm_bench [--write docs/benchmarks.md]`; the
+per-launch cost table comes from build/bench/bench_launch
+(native/tests/bench_launch.c).  `--quick` is the smoke test's tiny
+configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+BUILD = REPO_ROOT / "build"
+LIBRARY = BUILD / "libgpuvisor.so"
+SIM_DIR = BUILD / "sim"
+WORKER = BUILD / "bench" / "bench_sm_worker"
+LAUNCH_BENCH = BUILD / "bench" / "bench_launch"
+
+ACCURACY = "## SM quota: accuracy (make bench-sm)"
+COST = "## SM quota: per-launch cost (make bench-sm)"
+
+SAMPLE_NS = 100_000_000
+GOAL_ERROR = 2.0  # points, achieved share
+GOAL_SETTLE = 1.0  # seconds
+GOAL_WINDOW = 5.0  # points, every 100 ms window
+ROLLING = 5  # windows: the 500 ms rolling mean of the settling rule
+
+_SCRUBBED_PREFIXES = ("CUDA_", "GPUVISOR_", "LIBCUDA_", "NVIDIA_")
+
+
+# --- the sampler (a child process: it needs the simulator's NVML) ----------
+
+SAMPLER = r"""
+import json, sys, time
+import pynvml as n
+S = 100_000_000
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+windows = int(sys.argv[1])
+print("ready", flush=True)
+t_go = int(sys.stdin.readline())
+prev = t_go                                  # end of the last sample read (monotonic ns)
+end = t_go + windows * S
+out = []
+while prev < end:
+    wake = prev + S + 30_000_000             # 30 ms after the next sample completes
+    d = wake - time.monotonic_ns()
+    if d > 0:
+        time.sleep(d / 1e9)
+    off = time.time_ns() - time.monotonic_ns()
+    before = time.monotonic_ns()
+    seen = (prev + off) // 1000
+    for _ in range(5):
+        try:
+            got = n.nvmlDeviceGetProcessUtilization(h, seen)
+            break
+        except n.NVMLError_NotFound:
+            got = []
+            break
+        except n.NVMLError_InsufficientSize:   # a sample completed between the two calls
+            continue
+    else:
+        got = []
+    if got:
+        hi = (got[0].timeStamp * 1000 - off + S // 2) // S * S
+    else:
+        hi = before // S * S
+    if hi <= prev:
+        continue
+    out.append([prev - t_go, hi - t_go, {str(s.pid): s.smUtil for s in got}])
+    prev = hi
+print(json.dumps(out), flush=True)
+"""
+
+
+def clean_env() -> dict[str, str]:
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(_SCRUBBED_PREFIXES) and k not in ("LD_PRELOAD", "LD_LIBRARY_PATH")
+    }
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+@dataclass
+class Container:
+    name: str
+    limit: int
+    procs: int
+    policy: str = "fixed-share"
+    phase_ms: int = 0  # > 0: idle/busy phases of this length, idle first
+    pids: list[int] = field(default_factory=list)
+    series: list[float] = field(default_factory=list)
+    reports: list[dict[str, float]] = field(default_factory=list)
+
+
+def node_env(tmp: Path) -> dict[str, str]:
+    env = clean_env()
+    env.update(
+        {
+            "LD_LIBRARY_PATH": str(SIM_DIR),
+            "GPUVISOR_SIM_STATE": str(tmp / "sim.state"),
+            "GPUVISOR_SIM_DEVICES": "1x80g",
+        }
+    )
+    return env
+
+
+def run_scenario(containers: Sequence[Container], seconds: float, seed: int) -> int:
+    """Run the containers together for `seconds` from a common start on a
+    100 ms sample boundary; fill each container's 100 ms series.  Returns
+    how many sampler reads covered more than one 100 ms sample."""
+    with tempfile.TemporaryDirectory(prefix="gvbench-sm.") as d:
+        tmp = Path(d)
+        env = node_env(tmp)
+        workers: list[tuple[Container, subprocess.Popen[str]]] = []
+        try:
+            for c in containers:
+                cenv = dict(env)
+                cenv.update(
+                    {
+                        "LD_PRELOAD": str(LIBRARY),
+                        "CUDA_DEVICE_MEMORY_SHARED_CACHE": str(tmp / f"{c.name}.shr"),
+                        "CUDA_DEVICE_SM_LIMIT": str(c.limit),
+                        "GPUVISOR_SM_POLICY": c.policy,
+                    }
+                )
+                for i in range(c.procs):
+                    args = [str(WORKER), f"{seconds + 0.3:.3f}", str(seed * 100 + len(workers))]
+                    if c.phase_ms:
+                        args.append(str(c.phase_ms))
+                    p = subprocess.Popen(
+                        args,
+                        env=cenv,
+                        stdin=subprocess.PIPE,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                    )
+                    workers.append((c, p))
+                    del i
+            windows = round(seconds * 1e9 / SAMPLE_NS)
+            sampler = subprocess.Popen(
+                [sys.executable, "-c", SAMPLER, str(windows)],
+                env=env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for _, p in [*workers, (None, sampler)]:
+                assert p.stdout is not None
+                line = p.stdout.readline()
+                if line.strip() != "ready":
+                    err = p.stderr.read() if p.stderr else ""
+                    raise RuntimeError(f"a benchmark process failed to start: {line}{err}")
+            # Start on a sample boundary, at least 50 ms from now.
+            t_go = (time.monotonic_ns() + 50_000_000) // SAMPLE_NS * SAMPLE_NS + SAMPLE_NS
+            assert sampler.stdin is not None
+            sampler.stdin.write(f"{t_go}\n")
+            sampler.stdin.flush()
+            time.sleep(max(0.0, (t_go - time.monotonic_ns()) / 1e9))
+            for _, p in workers:
+                assert p.stdin is not None
+                p.stdin.write("go\n")
+                p.stdin.flush()
+            reports = []
+            for c, p in workers:
+                out, err = p.communicate(timeout=seconds + 60)
+                if p.returncode != 0:
+                    raise RuntimeError(f"worker of {c.name} failed ({p.returncode}): {out}{err}")
+                rep = json.loads(out.strip().splitlines()[-1])
+                c.pids.append(int(rep["pid"]))
+                c.reports.append(rep)
+                reports.append(rep)
+            out, err = sampler.communicate(timeout=60)
+            if sampler.returncode != 0:
+                raise RuntimeError(f"sampler failed: {err}")
+        finally:
+            for _, p in workers:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
+        raw = json.loads(out.strip().splitlines()[-1])
+        late = max(abs(r["t0_ns"] - t_go) for r in reports)
+        if late > 20_000_000:
+            print(f"sm_bench: a worker started {late / 1e6:.1f} ms late", file=sys.stderr)
+        merged = 0
+        for c in containers:
+            c.series = [0.0] * windows
+        for lo, hi, util in raw:
+            k0, k1 = lo // SAMPLE_NS, hi // SAMPLE_NS
+            if k1 - k0 > 1:
+                merged += 1
+            for c in containers:
+                v = float(sum(util.get(str(pid), 0) for pid in c.pids))
+                for k in range(k0, min(k1, windows)):
+                    c.series[k] = v
+        return merged
+
+
+# --- analysis ----------------------------------------------------------------
+
+
+def settling(series: Sequence[float], target: float) -> float | None:
+    """Seconds from the start until the 500 ms rolling mean stays within
+    +-GOAL_ERROR points of target to the end of the run (None: never)."""
+    last_bad = -1
+    for k in range(len(series)):
+        win = series[max(0, k + 1 - ROLLING) : k + 1]
+        if abs(sum(win) / len(win) - target) > GOAL_ERROR:
+            last_bad = k
+    if last_bad == len(series) - 1:
+        return None
+    return (last_bad + 2) * SAMPLE_NS / 1e9  # end of the first good window
+
+
+@dataclass
+class Accuracy:
+    target: float
+    achieved: float
+    settle: float | None
+    measured_s: float
+    worst: float  # signed: the window furthest from target, minus target
+
+    @property
+    def error(self) -> float:
+        return self.achieved - self.target
+
+
+def accuracy(series: Sequence[float], target: float, allowance: float) -> Accuracy:
+    settle = settling(series, target)
+    # A fixed window: starting it at the settling time instead would pick,
+    # by the settling rule's own definition, the tail that looks good.
+    k0 = round(allowance * 1e9 / SAMPLE_NS)
+    part = list(series[k0:]) or list(series)
+    worst = max(part, key=lambda v: abs(v - target)) - target
+    return Accuracy(
+        target=target,
+        achieved=sum(part) / len(part),
+        settle=settle,
+        measured_s=len(part) * SAMPLE_NS / 1e9,
+        worst=worst,
+    )
+
+
+def fmt_settle(s: float | None) -> str:
+    return "never" if s is None else f"{s:.1f} s"
+
+
+def single_container(
+    quotas: Sequence[int], procs: Sequence[int], seconds: float, allowance: float
+) -> tuple[list[str], list[Accuracy], int]:
+    rows, results, merged = [], [], 0
+    for i, (q, n) in enumerate(zip(quotas, procs, strict=True)):
+        c = Container("c", q, n)
+        merged += run_scenario([c], seconds, seed=i + 1)
+        a = accuracy(c.series, q, allowance)
+        results.append(a)
+        launches = sum(r["launch_kernel"] + r["launch_ex"] + r["graph_launch"] for r in c.reports)
+        graphs = sum(r["graph_launch"] for r in c.reports)
+        ok = (
+            abs(a.error) <= GOAL_ERROR
+            and abs(a.worst) <= GOAL_WINDOW
+            and (a.settle is not None and a.settle <= GOAL_SETTLE)
+        )
+        rows.append(
+            f"| {q} % | {n} | {launches} ({graphs} graph) | {a.achieved:.2f} % | "
+            f"{a.error:+.2f} | {fmt_settle(a.settle)} | {a.measured_s:.1f} s | "
+            f"{a.worst:+.0f} | {'yes' if ok else 'no'} |"
+        )
+        print(rows[-1], file=sys.stderr)
+    return rows, results, merged
+
+
+def two_fixed(
+    splits: Sequence[tuple[int, int]], seconds: float, allowance: float
+) -> tuple[list[str], list[Accuracy], int]:
+    rows, results, merged = [], [], 0
+    for i, (qa, qb) in enumerate(splits):
+        a, b = Container("a", qa, 1), Container("b", qb, 2)
+        merged += run_scenario([a, b], seconds, seed=50 + i)
+        cells = []
+        for c in (a, b):
+            r = accuracy(c.series, c.limit, allowance)
+            results.append(r)
+            cells.append(
+                f"{r.achieved:.2f} % ({r.error:+.2f}) | {fmt_settle(r.settle)} | {r.worst:+.0f}"
+            )
+        rows.append(f"| {qa}:{qb} | {cells[0]} | {cells[1]} |")
+        print(rows[-1], file=sys.stderr)
+    return rows, results, merged
+
+
+def mean(v: Sequence[float]) -> float:
+    return sum(v) / len(v) if v else float("nan")
+
+
+def two_burst(
+    splits: Sequence[tuple[int, int]], seconds: float, phase_ms: int
+) -> tuple[list[str], list[float], int]:
+    """A saturates; B is idle and busy in turn (phase_ms each, idle first).
+    Per B-busy phase: A's and B's mean share, and how long until A is back
+    within its quota + 5 points (first window at or under it, measured at the
+    window's end) and B at its quota - 5.  Per B-idle phase (not the first,
+    when A starts too): A's mean share."""
+    rows, backs, merged = [], [], 0
+    per = phase_ms * 1_000_000 // SAMPLE_NS
+    for i, (qa, qb) in enumerate(splits):
+        a = Container("a", qa, 1, policy="burst-share")
+        b = Container("b", qb, 1, policy="burst-share", phase_ms=phase_ms)
+        merged += run_scenario([a, b], seconds, seed=80 + i)
+        n = len(a.series)
+        busy_a, busy_b, idle_a, back_a, back_b = [], [], [], [], []
+        for p0 in range(per, n - per + 1, per):
+            phase = range(p0, p0 + per)
+            if (p0 // per) % 2 == 1:  # B busy
+                busy_a += [a.series[k] for k in phase]
+                busy_b += [b.series[k] for k in phase]
+                ka = next((k for k in phase if a.series[k] <= qa + GOAL_WINDOW), None)
+                kb = next((k for k in phase if b.series[k] >= qb - GOAL_WINDOW), None)
+                back_a.append(float("inf") if ka is None else (ka - p0 + 1) * SAMPLE_NS / 1e9)
+                back_b.append(float("inf") if kb is None else (kb - p0 + 1) * SAMPLE_NS / 1e9)
+            else:
+                idle_a += [a.series[k] for k in phase]
+        backs += back_a
+
+        def span(v: Sequence[float]) -> str:
+            def one(x: float) -> str:
+                return f"> {phase_ms / 1000:.1f} s" if x == float("inf") else f"{x:.1f} s"
+
+            return f"{one(mean(v))} / {one(max(v))}" if v else "-"
+
+        rows.append(
+            f"| {qa}:{qb} | {mean(busy_a):.1f} % | {mean(busy_b):.1f} % | {mean(idle_a):.1f} % "
+            f"| {span(back_a)} | {span(back_b)} | {len(back_a)} |"
+        )
+        print(rows[-1], file=sys.stderr)
+    return rows, backs, merged
+
+
+# --- the document ------------------------------------------------------------
+
+
+def machine() -> str:
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return f"Machine: {os.cpu_count()} CPUs, {model}; Linux {platform.release()}; {date}."
+
+
+def verdict(ok: bool) -> str:
+    return "**met**" if ok else "**not met**"
+
+
+def render_accuracy(args: argparse.Namespace) -> str:
+    quotas = [int(q) for q in args.quotas.split(",")]
+    procs = [int(p) for p in args.procs.split(",")]
+    procs = (procs * len(quotas))[: len(quotas)]
+    splits = [tuple(int(x) for x in s.split(":")) for s in args.splits.split(",")]
+    splits2 = [(s[0], s[1]) for s in splits]
+    t0 = time.monotonic()
+    single_rows, single, m1 = single_container(quotas, procs, args.seconds, args.allowance)
+    fixed_rows, fixed, m2 = two_fixed(splits2, args.seconds, args.allowance)
+    burst_rows, backs, m3 = two_burst(splits2, args.burst_seconds, args.phase_ms)
+    took = time.monotonic() - t0
+    merged = m1 + m2 + m3
+
+    out = [ACCURACY, ""]
+    out.append(
+        "How closely `CUDA_DEVICE_SM_LIMIT` holds, measured on the simulated device's kernel "
+        "timeline (one kernel at a time per device, in launch order across all processes; see "
+        "docs/simulator.md). Each scenario runs in a fresh directory (simulator state, one "
+        "region file per container). Workload: `build/bench/bench_sm_worker` "
+        "(`native/tests/bench_sm_worker.c`, linked with `-lcuda`, `libgpuvisor.so` preloaded), "
+        "which always has work queued: `spin` kernels of 20 us to 5 ms (log-uniform), grid "
+        "sizes random and independent of the duration, three modules' `spin` picked at random, "
+        "about 80 % `cuLaunchKernel`, 10 % `cuLaunchKernelEx` and 10 % `cuGraphLaunch` of eight "
+        "graphs of 1-4 such kernels, back to back on one stream. All processes start together "
+        "on a 100 ms boundary of the simulator's sample grid. A sampler reads "
+        "`nvmlDeviceGetProcessUtilization` once per 100 ms sample, with `lastSeenTimeStamp` = "
+        "the end of the previous sample, so a container's share in each 100 ms window is the "
+        "sum of its processes' `smUtil` (whole percents, per process)."
+    )
+    out.append("")
+    out.append(
+        f"Definitions. *Settling time*: from the start until the 500 ms rolling mean of the "
+        f"100 ms windows (fewer windows before 0.5 s) is within +-{GOAL_ERROR:.0f} points of "
+        f"the target and stays there to the end of the run; reported at the end of the first "
+        f"window from which that holds. *Achieved*: the mean of the 100 ms windows from "
+        f"{args.allowance:g} s (the settling allowance) to the end of the {args.seconds:g} s "
+        f"run (the *measured* column), whatever the settling time: starting it at the settling "
+        f"time instead would keep, by that rule's own definition, only a tail that looks good. "
+        f"*Worst window*: the 100 ms window of that interval furthest from the target, in "
+        f"points. Runs were {args.seconds:.0f} s per scenario"
+        f" ({args.burst_seconds:.0f} s for burst-share); the whole benchmark took "
+        f"{took:.0f} s. Sampler reads that covered more than one 100 ms sample (a late read: "
+        f"the windows it covers get its average): {merged}."
+    )
+    out.append("")
+    out.append(machine() + "  ")
+    out.append(
+        f"Command: `make bench-sm` (`python -m tests.bench.sm_bench --quotas {args.quotas} "
+        f"--procs {args.procs} --splits {args.splits} --seconds {args.seconds:g} "
+        f"--burst-seconds {args.burst_seconds:g} --phase-ms {args.phase_ms}`)."
+    )
+    out.append("")
+    out.append("### One container, fixed-share")
+    out.append("")
+    out.append(
+        "| quota | processes | launches (graph launches) | achieved | error (points) "
+        "| settling | measured | worst 100 ms window (points) | all goals |"
+    )
+    out.append("|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+    out += single_rows
+    out.append("")
+    out.append("### Two containers, fixed-share")
+    out.append("")
+    out.append(
+        "Containers A (1 process) and B (2 processes), own region files, both saturating. "
+        "Cells: achieved (error), settling, worst 100 ms window (points from quota)."
+    )
+    out.append("")
+    out.append(
+        "| A:B quota | A achieved (error) | A settling | A worst | B achieved (error) "
+        "| B settling | B worst |"
+    )
+    out.append("|---|---:|---:|---:|---:|---:|---:|")
+    out += fixed_rows
+    out.append("")
+    out.append("### Two containers, burst-share, B idle half the time")
+    out.append("")
+    out.append(
+        f"Both containers burst-share with the given quotas. A (1 process) always has work; "
+        f"B (1 process) alternates idle and busy phases of {args.phase_ms} ms, idle first "
+        f"(A starts alone). The first idle phase is left out. *Back*: from the start of "
+        f"each B-busy phase to the end of the first 100 ms window with A at most its quota "
+        f"+ 5 points (B at least its quota - 5), mean / worst over the busy phases; "
+        f'"> {args.phase_ms / 1000:.1f} s" if not within the phase.'
+    )
+    out.append("")
+    out.append(
+        "| A:B quota | A while B busy | B while busy | A while B idles | A back to quota+5 "
+        "| B up to quota-5 | busy phases |"
+    )
+    out.append("|---|---:|---:|---:|---:|---:|---:|")
+    out += burst_rows
+    out.append("")
+
+    every = single + fixed
+    err_max = max(abs(a.error) for a in every)
+    settles = [a.settle for a in every]
+    settle_ok = all(s is not None and s <= GOAL_SETTLE for s in settles)
+    settle_max = max((s if s is not None else float("inf")) for s in settles)
+    win_max = max(abs(a.worst) for a in every)
+    bad_err = [f"{a.target:.0f} % ({a.error:+.2f})" for a in every if abs(a.error) > GOAL_ERROR]
+    bad_win = [f"{a.target:.0f} % ({a.worst:+.0f})" for a in every if abs(a.worst) > GOAL_WINDOW]
+    out.append("Goals (one container and fixed-share pairs):")
+    out.append("")
+    out.append(
+        f"- |error| <= {GOAL_ERROR:.0f} points at every quota: {verdict(not bad_err)} "
+        f"(largest {err_max:.2f}{'; missed at ' + ', '.join(bad_err) if bad_err else ''})."
+    )
+    out.append(
+        f"- Settling <= {GOAL_SETTLE:.0f} s: {verdict(settle_ok)} (slowest "
+        f"{'never settled' if settle_max == float('inf') else f'{settle_max:.1f} s'})."
+    )
+    out.append(
+        f"- Every 100 ms window within +-{GOAL_WINDOW:.0f} points: {verdict(not bad_win)} "
+        f"(worst {win_max:.0f}{'; missed at ' + ', '.join(bad_win) if bad_win else ''})."
+    )
+    if backs:
+        worst_back = max(backs)
+        out.append(
+            f"- Burst-share gives lent capacity back within 1 s (A at most quota + 5): "
+            f"{verdict(worst_back <= 1.0)} (worst "
+            f"{'not within the phase' if worst_back == float('inf') else f'{worst_back:.1f} s'})."
+        )
+    return "\n".join(out) + "\n"
+
+
+def render_cost(args: argparse.Namespace) -> str:
+    cmd = [str(LAUNCH_BENCH), *args.launch_args.split()]
+    proc = subprocess.run(
+        cmd, env=clean_env(), capture_output=True, text=True, timeout=600, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {proc.stderr}")
+    text = proc.stdout
+    if not text.startswith(COST + "\n"):
+        raise RuntimeError(f"unexpected output of bench_launch: {text[:200]}")
+    return text
+
+
+def replace_section(doc: str, title: str, text: str) -> str:
+    """doc with section `title` (up to the next "## " heading) replaced by text,
+    or text appended."""
+    lines = doc.splitlines(keepends=True)
+    start = next((i for i, ln in enumerate(lines) if ln.rstrip("\n") == title), None)
+    body = text if text.endswith("\n") else text + "\n"
+    if start is None:
+        head = doc if doc.endswith("\n") or not doc else doc + "\n"
+        if head and not head.endswith("\n\n"):
+            head += "\n"
+        return head + body
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")), None)
+    tail = "".join(lines[end:]) if end is not None else ""
+    return "".join(lines[:start]) + body + ("\n" + tail if tail else "")
+
+
+def write_sections(path: Path, sections: Sequence[tuple[str, str]]) -> None:
+    doc = path.read_text() if path.exists() else "# Benchmarks\n\n"
+    for title, text in sections:
+        doc = replace_section(doc, title, text)
+    tmp = path.with_name(path.name + f".tmp.{os.getpid()}")
+    tmp.write_text(doc)
+    tmp.replace(path)
+
+
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quotas", default="10,25,50,75,90")
+    p.add_argument("--procs", default="1,2,3,4,2", help="processes per quota, in order")
+    p.add_argument("--splits", default="10:90,30:70,50:50")
+    p.add_argument("--seconds", type=float, default=7.0, help="run per scenario")
+    p.add_argument("--allowance", type=float, default=1.0, help="settling allowance (s)")
+    p.add_argument("--burst-seconds", type=float, default=9.0)
+    p.add_argument("--phase-ms", type=int, default=1000)
+    p.add_argument("--launch-args", default="", help="arguments for bench_launch")
+    p.add_argument("--quick", action="store_true", help="a tiny configuration (smoke test)")
+    p.add_argument("--no-cost", action="store_true", help="skip the per-launch cost table")
+    p.add_argument("--write", type=Path, help="replace this benchmark's sections of FILE")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.quotas, args.procs, args.splits = "50", "2", "30:70"
+        args.seconds, args.allowance = 1.5, 0.5
+        args.burst_seconds, args.phase_ms = 1.6, 400
+        args.launch_args = args.launch_args or "--batches 3 --iters 200"
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    for f in (LIBRARY, WORKER, *(() if args.no_cost else (LAUNCH_BENCH,))):
+        if not f.is_file():
+            print(f"sm_bench: {f} is missing (run make bench-sm)", file=sys.stderr)
+            return 2
+    sections = [(ACCURACY, render_accuracy(args))]
+    if not args.no_cost:
+        sections.append((COST, render_cost(args)))
+    for _, text in sections:
+        sys.stdout.write(text + "\n")
+    sys.stdout.flush()
+    if args.write:
+        write_sections(args.write, sections)
+        print(f"sm_bench: wrote {len(sections)} section(s) of {args.write}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
