@@ -5,6 +5,9 @@ from __future__ import annotations
 import click
 from gpuvisor.shim.cli import shim_info
 
+from .run import run
+from .views import node_agent, status, top
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
@@ -12,3 +15,8 @@ def main() -> None:
 
 
 main.add_command(shim_info)
+main.add_command(run)
+
+main.add_command(node_agent)
+main.add_command(status)
+main.add_command(top)

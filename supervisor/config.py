@@ -1,0 +1,189 @@
+"""`gpuvisor run` configuration: options + injected environment -> RunConfig.
+
+Every value is checked before the workload starts.  The limits the shim
+reads are checked by the C library itself (gv_validate_env, the single
+parser) against the exact environment the workload will get; the
+supervisor's own settings (socket, report interval, grace period) are
+checked here.  A bad value raises ConfigError with one line naming the
+variable or option and the value.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from gpuvisor.shim.capi import GpuvisorError
+from gpuvisor.shim.limits import validate_environment
+from gpuvisor.shim.loader import preload_env
+
+# Variables the shim reads (HAMi's names).
+ENV_MEMORY = "CUDA_DEVICE_MEMORY_LIMIT"
+ENV_SM = "CUDA_DEVICE_SM_LIMIT"
+ENV_POLICY = "GPUVISOR_SM_POLICY"
+ENV_HAMI_POLICY = "GPU_CORE_UTILIZATION_POLICY"
+ENV_PRIORITY = "CUDA_TASK_PRIORITY"
+ENV_REGION = "CUDA_DEVICE_MEMORY_SHARED_CACHE"
+ENV_SIM_STATE = "GPUVISOR_SIM_STATE"
+# Variables only the supervisor reads.
+ENV_SOCKET = "GPUVISOR_NODE_SOCKET"
+ENV_INTERVAL = "GPUVISOR_REPORT_INTERVAL"
+ENV_GRACE = "GPUVISOR_KILL_GRACE"
+
+DEFAULT_SOCKET = "/run/gpuvisor/node.sock"
+DEFAULT_REGION = "/tmp/gpuvisor-region.shr"  # GV_DEFAULT_REGION_PATH in region.h
+DEFAULT_INTERVAL = 1.0
+DEFAULT_GRACE = 10.0
+MIN_INTERVAL, MAX_INTERVAL = 0.1, 3600.0
+MAX_GRACE = 3600.0
+SUN_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1
+POLICIES = ("fixed-share", "burst-share", "best-effort")
+
+
+class ConfigError(ValueError):
+    """A bad option or variable; the text is one line naming it and its value."""
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """What was given on the command line (None: not given)."""
+
+    memory: str | None = None
+    cores: int | None = None
+    policy: str | None = None
+    priority: int | None = None
+    socket: str | None = None
+    simulate: bool = False
+    report_interval: float | None = None
+    region: str | None = None
+    grace: float | None = None
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    command: list[str]
+    env: dict[str, str]  # the workload's environment (shim preloaded)
+    socket: str
+    report_interval: float
+    grace: float
+    region: str
+    policy: str  # effective policy, as reported
+    priority: int
+    simulate: bool
+
+
+def one_line(text: str) -> str:
+    text = " ".join(text.split())
+    return text[len("gpuvisor: ") :] if text.startswith("gpuvisor: ") else text
+
+
+def default_sim_state() -> str:
+    return f"/tmp/gpuvisor-sim-{os.getuid()}.state"  # the simulator's own default
+
+
+def _seconds(value: str | float, name: str, lo: float, hi: float, lo_open: bool) -> float:
+    try:
+        v = float(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r}: not a number of seconds") from None
+    too_low = v <= lo if lo_open else v < lo
+    if not math.isfinite(v) or too_low or v > hi:
+        bound = f"greater than {lo:g}" if lo_open else f"at least {lo:g}"
+        raise ConfigError(f"{name}={value!r}: must be {bound} and at most {hi:g} seconds")
+    return v
+
+
+def _path(value: str, name: str, max_bytes: int | None = None) -> str:
+    if not value or "\0" in value:
+        raise ConfigError(f"{name}={value!r}: not a usable path")
+    if max_bytes is not None and len(os.fsencode(value)) > max_bytes:
+        raise ConfigError(f"{name}={value!r}: longer than {max_bytes} bytes (a Unix socket path)")
+    return value
+
+
+@contextmanager
+def process_environment(env: Mapping[str, str]) -> Iterator[None]:
+    """Make os.environ (the C library's getenv) exactly env, then restore it."""
+    saved = dict(os.environ)
+    try:
+        os.environ.clear()
+        os.environ.update(env)
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def validate_shim_environment(env: Mapping[str, str]) -> None:
+    """Check env's limits exactly as libgpuvisor.so will (gv_validate_env)."""
+    with process_environment(env):
+        try:
+            validate_environment()
+        except GpuvisorError as exc:
+            raise ConfigError(one_line(exc.message)) from None
+
+
+def effective_policy(env: Mapping[str, str]) -> str:
+    if env.get(ENV_HAMI_POLICY, "").strip().lower() == "force":
+        return "fixed-share"
+    policy = env.get(ENV_POLICY, "").strip().lower()
+    return policy if policy in POLICIES else "fixed-share"
+
+
+def build(options: RunOptions, command: list[str], base_env: Mapping[str, str]) -> RunConfig:
+    """The workload's environment and the supervisor's settings; ConfigError if bad."""
+    if not command:
+        raise ConfigError("no command given: gpuvisor run [OPTIONS] -- COMMAND [ARGS]...")
+    env = dict(base_env)
+    if options.memory is not None:
+        env[ENV_MEMORY] = options.memory
+    if options.cores is not None:
+        env[ENV_SM] = str(options.cores)
+    if options.policy is not None:
+        env[ENV_POLICY] = options.policy
+    if options.priority is not None:
+        env[ENV_PRIORITY] = str(options.priority)
+    if options.region is not None:
+        env[ENV_REGION] = _path(options.region, "--region")
+    region = _path(env.get(ENV_REGION, DEFAULT_REGION), ENV_REGION)
+    env[ENV_REGION] = os.path.abspath(region)
+
+    if options.socket is not None:
+        socket = _path(options.socket, "--socket", SUN_PATH_MAX)
+        env[ENV_SOCKET] = socket
+    else:
+        socket = _path(env.get(ENV_SOCKET, DEFAULT_SOCKET), ENV_SOCKET, SUN_PATH_MAX)
+    if options.report_interval is not None:
+        interval = _seconds(
+            options.report_interval, "--report-interval", MIN_INTERVAL, MAX_INTERVAL, False
+        )
+    elif ENV_INTERVAL in env:
+        interval = _seconds(env[ENV_INTERVAL], ENV_INTERVAL, MIN_INTERVAL, MAX_INTERVAL, False)
+    else:
+        interval = DEFAULT_INTERVAL
+    if options.grace is not None:
+        grace = _seconds(options.grace, "--grace", 0.0, MAX_GRACE, False)
+    elif ENV_GRACE in env:
+        grace = _seconds(env[ENV_GRACE], ENV_GRACE, 0.0, MAX_GRACE, False)
+    else:
+        grace = DEFAULT_GRACE
+
+    validate_shim_environment(env)
+    if options.simulate:
+        env.setdefault(ENV_SIM_STATE, default_sim_state())
+    env = preload_env(env, simulate=options.simulate)
+    priority = 1 if env.get(ENV_PRIORITY, "0").strip() == "1" else 0
+    return RunConfig(
+        command=list(command),
+        env=env,
+        socket=socket,
+        report_interval=interval,
+        grace=grace,
+        region=env[ENV_REGION],
+        policy=effective_policy(env),
+        priority=priority,
+        simulate=options.simulate,
+    )

@@ -1,0 +1,213 @@
+"""Run the workload correctly as PID 1 (like tini).
+
+- The workload runs in its own process group, spawned with the forwarded
+  signals at their default disposition and an empty signal mask.
+- SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 sent to the
+  supervisor are forwarded to the workload's process group.  SIGTERM also
+  starts the grace period: if the workload is still running when it ends,
+  its process group is SIGKILLed.
+- Orphaned zombies are reaped: as PID 1, or (elsewhere) after
+  prctl(PR_SET_CHILD_SUBREAPER), re-parented descendants are waited for.
+- The exit code is the workload's, or 128+N when signal N killed it.
+- The workload never outlives the supervisor's run(): whatever way run()
+  ends, what is left of the workload's process group (and of the
+  supervisor's descendants) is terminated, SIGKILL after the grace period.
+
+The supervisor blocks the signals it handles (in the calling thread, which
+must be the main thread, before any other thread exists: threads inherit
+the mask) and takes them synchronously with sigtimedwait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+
+import psutil
+
+log = logging.getLogger("gpuvisor.run")
+
+FORWARDED: tuple[signal.Signals, ...] = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+HANDLED = frozenset({*FORWARDED, signal.SIGCHLD})
+# Reset to the default in the workload (Python ignores SIGPIPE and SIGXFSZ,
+# and ignored dispositions survive exec).
+RESET_IN_CHILD = frozenset(
+    {*HANDLED, signal.SIGPIPE, signal.SIGXFSZ, signal.SIGTTOU, signal.SIGTTIN}
+)
+PR_SET_CHILD_SUBREAPER = 36
+EXIT_NOT_FOUND = 127
+EXIT_NOT_EXECUTABLE = 126
+POLL_S = 0.5
+
+
+def become_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (Linux >= 3.4)."""
+    if os.getpid() == 1:
+        return True
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        return bool(libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0)
+    except (OSError, AttributeError):
+        return False
+
+
+def exit_code(status: int) -> int:
+    """waitpid status -> shell-style exit code (128+N for signal N)."""
+    code = os.waitstatus_to_exitcode(status)
+    return 128 - code if code < 0 else code
+
+
+class SpawnError(OSError):
+    """The command could not be started; .exit_code is 126 or 127."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.exit_code = code
+
+
+def spawn(argv: list[str], env: dict[str, str]) -> int:
+    """Start argv in a new process group with clean signal state; return its PID."""
+    try:
+        return os.posix_spawnp(
+            argv[0],
+            argv,
+            env,
+            setpgroup=0,
+            setsigmask=(),
+            setsigdef=RESET_IN_CHILD,
+        )
+    except FileNotFoundError:
+        raise SpawnError(f"{argv[0]}: command not found", EXIT_NOT_FOUND) from None
+    except PermissionError:
+        raise SpawnError(f"{argv[0]}: permission denied", EXIT_NOT_EXECUTABLE) from None
+    except OSError as exc:
+        raise SpawnError(f"{argv[0]}: {exc.strerror}", EXIT_NOT_EXECUTABLE) from None
+
+
+def _give_terminal(pgid: int) -> None:
+    """Make the workload's group the terminal's foreground group (as tini does)."""
+    try:
+        if not os.isatty(0) or os.tcgetpgrp(0) != os.getpgrp():
+            return
+        old = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+        try:
+            os.tcsetpgrp(0, pgid)
+        finally:
+            signal.signal(signal.SIGTTOU, old)
+        os.killpg(pgid, signal.SIGCONT)  # in case it stopped on SIGTTIN before this
+    except OSError:
+        pass
+
+
+class Pid1:
+    """Spawn, forward, reap, exit; see the module docstring."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], grace: float) -> None:
+        self.argv = argv
+        self.env = env
+        self.grace = grace
+        self.pid = 0
+        self.status: int | None = None
+        self.reaped_orphans = 0
+
+    def _reap(self) -> None:
+        """Wait for every exited child; remember the workload's status."""
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            if pid == self.pid:
+                self.status = status
+            else:
+                self.reaped_orphans += 1
+
+    def _signal_group(self, sig: int) -> bool:
+        """Send sig to the workload's group; False when the group is gone."""
+        try:
+            os.killpg(self.pid, sig)
+            return True
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+
+    def _cleanup(self, grace: float) -> None:
+        """Terminate what is left of the workload: its group, then our descendants."""
+        if not self.pid:
+            return
+        deadline = time.monotonic() + grace
+        if self._signal_group(signal.SIGTERM):
+            self._signal_group(signal.SIGCONT)
+            while time.monotonic() < deadline:
+                self._reap()
+                if not self._signal_group(0):
+                    break
+                time.sleep(0.02)
+            else:
+                self._signal_group(signal.SIGKILL)
+        for child in psutil.Process().children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                child.kill()
+        end = time.monotonic() + 1.0
+        while time.monotonic() < end:
+            self._reap()
+            if not self._signal_group(0):
+                break
+            time.sleep(0.01)
+        self._reap()
+
+    def run(self, started: Callable[[int], None] | None = None) -> int:
+        """Spawn the workload, supervise it until it exits; return the exit code.
+
+        started(pid) runs once the workload exists (start threads there:
+        they inherit the blocked signal mask).  Raises SpawnError when the
+        command cannot be started.
+        """
+        become_subreaper()
+        signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
+        try:
+            self.pid = spawn(self.argv, self.env)
+            _give_terminal(self.pid)
+            if started is not None:
+                started(self.pid)
+            return self._loop()
+        finally:
+            self._cleanup(self.grace if self.status is not None else 0.0)
+
+    def _loop(self) -> int:
+        kill_at: float | None = None
+        while True:
+            self._reap()
+            if self.status is not None:
+                return exit_code(self.status)
+            now = time.monotonic()
+            if kill_at is not None and now >= kill_at:
+                log.warning(
+                    "workload still running %.3gs after SIGTERM: sending SIGKILL", self.grace
+                )
+                self._signal_group(signal.SIGKILL)
+                kill_at = float("inf")
+            timeout = POLL_S if kill_at is None else max(0.0, min(POLL_S, kill_at - now))
+            info = signal.sigtimedwait(HANDLED, timeout)
+            if info is None or info.si_signo == signal.SIGCHLD:
+                continue
+            log.debug("forwarding signal %d to process group %d", info.si_signo, self.pid)
+            self._signal_group(info.si_signo)
+            if info.si_signo == signal.SIGTERM and kill_at is None:
+                kill_at = time.monotonic() + self.grace

@@ -1,0 +1,281 @@
+"""Reports to the node agent over its Unix socket (supervisor/protocol.py).
+
+Every report interval the reporter sends a `report` built from the
+tuner's latest sample and reads the agent's reply: an `ack` carries
+instructions, handed to the tuner; an `error` is logged (once per distinct
+message).  When the workload has exited it sends a last report with
+final=true.
+
+The workload never waits for the agent: everything runs in a daemon
+thread, socket operations time out after 1 s, and when the socket is
+missing or the agent is down the reporter reconnects with exponential
+backoff (0.5 s doubling to 10 s); reports in between are dropped.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+from .protocol import (
+    MAX_MESSAGE_BYTES,
+    ContainerId,
+    DeviceReport,
+    ProtocolError,
+    Report,
+    decode,
+    encode,
+    parse_ack,
+    report_message,
+)
+from .tuner import Sample, Tuner
+
+log = logging.getLogger("gpuvisor.run")
+
+SOCKET_TIMEOUT_S = 1.0
+BACKOFF_START_S = 0.5
+BACKOFF_CAP_S = 10.0
+LABEL_MAX = 253
+
+# Downward-API variables for the container's labels, first match wins.
+POD_VARS = ("POD_NAME", "KUBERNETES_POD_NAME", "HAMI_POD_NAME")
+NAMESPACE_VARS = ("POD_NAMESPACE", "KUBERNETES_POD_NAMESPACE", "HAMI_POD_NAMESPACE")
+CONTAINER_VARS = ("CONTAINER_NAME", "KUBERNETES_CONTAINER_NAME", "HAMI_CONTAINER_NAME")
+
+
+def own_cgroup(proc_cgroup: str = "/proc/self/cgroup") -> str:
+    """This process's cgroup: the v2 "0::" line, else the v1 memory (or cpu) line."""
+    try:
+        lines = Path(proc_cgroup).read_text().splitlines()
+    except OSError:
+        return "/"
+    v1: dict[str, str] = {}
+    for line in lines:
+        hid, _, rest = line.partition(":")
+        controllers, _, path = rest.partition(":")
+        if hid == "0" and controllers == "":
+            return path or "/"
+        for c in controllers.split(","):
+            v1[c] = path
+    for c in ("memory", "cpu", "cpu,cpuacct"):
+        if c in v1:
+            return v1[c] or "/"
+    return next(iter(v1.values()), "/") or "/"
+
+
+def _label(env: Mapping[str, str], names: tuple[str, ...]) -> str | None:
+    for name in names:
+        value = env.get(name, "").strip()
+        if value:
+            return value[:LABEL_MAX]
+    return None
+
+
+def container_identity(env: Mapping[str, str] | None = None) -> ContainerId:
+    env = os.environ if env is None else env
+    return ContainerId(
+        cgroup=own_cgroup()[:4096],
+        pod=_label(env, POD_VARS),
+        namespace=_label(env, NAMESPACE_VARS),
+        container=_label(env, CONTAINER_VARS),
+    )
+
+
+class _Baseline:
+    """busy/wait counters of a device at the previous report."""
+
+    def __init__(self, busy: int, wait: int) -> None:
+        self.busy = busy
+        self.wait = wait
+
+
+class Reporter:
+    def __init__(
+        self,
+        socket_path: str,
+        interval: float,
+        tuner: Tuner,
+        container: ContainerId,
+        policy: str,
+        priority: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.socket_path = socket_path
+        self.interval = interval
+        self.tuner = tuner
+        self.container = container
+        self.policy = policy
+        self.priority = priority
+        self._clock = clock
+        self._sock: socket.socket | None = None
+        self._buf = b""
+        self._seq = 0
+        self._last_t = clock()
+        self._base: dict[str, _Baseline] = {}
+        self._backoff = BACKOFF_START_S
+        self._logged: set[str] = set()
+        self._connected_once = False
+        self.sent = 0
+        self.acked = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gpuvisor-reporter", daemon=True)
+
+    # ---- lifecycle -------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, final_sample: Sample | None = None) -> None:
+        """Stop the loop and send the final report (bounded: a few seconds at most)."""
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(SOCKET_TIMEOUT_S * 2 + 0.5)
+        try:
+            if self._sock is None:
+                self._connect()
+            if self._sock is not None:
+                self._exchange(final_sample or self.tuner.sample(), final=True)
+        except Exception as exc:
+            self._log_once("final report", exc)
+        self._close()
+
+    # ---- helpers ----------------------------------------------------------------
+
+    def _log_once(self, what: str, exc: object) -> None:
+        key = f"{what}: {exc}"
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning("%s", key)
+
+    def _close(self) -> None:
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.close()
+        self._sock = None
+        self._buf = b""
+
+    def _connect(self) -> bool:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(SOCKET_TIMEOUT_S)
+        try:
+            sock.connect(self.socket_path)
+        except OSError as exc:
+            sock.close()
+            log.debug("node agent at %s not reachable: %s", self.socket_path, exc)
+            return False
+        self._sock = sock
+        if not self._connected_once:
+            log.info("connected to the node agent at %s", self.socket_path)
+            self._connected_once = True
+        return True
+
+    def _readline(self) -> bytes:
+        assert self._sock is not None
+        while b"\n" not in self._buf:
+            if len(self._buf) > MAX_MESSAGE_BYTES:
+                raise ProtocolError(f"reply longer than {MAX_MESSAGE_BYTES} bytes")
+            chunk = self._sock.recv(65536)
+            if not chunk:
+                raise ConnectionError("the node agent closed the connection")
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line
+
+    def build(self, sample: Sample, final: bool = False) -> Report:
+        """A report from sample; advances the per-interval baselines."""
+        now = self._clock()
+        elapsed_ns = max(1.0, (now - self._last_t) * 1e9)
+        devices = []
+        for d in sample.devices:
+            base = self._base.get(d.usage.uuid, _Baseline(0, 0))
+            busy = max(0, d.sm.busy_ns - base.busy)
+            share = min(100.0, max(0.0, busy / elapsed_ns * 100))
+            devices.append(
+                DeviceReport(
+                    uuid=d.usage.uuid,
+                    index=d.usage.index,
+                    memory_used=d.usage.used,
+                    memory_limit=d.usage.limit,
+                    memory_physical=d.usage.physical_total,
+                    oom_refusals=d.usage.oom_count,
+                    sm_share=round(share, 3),
+                    sm_limit=d.sm.limit if d.sm.limit and 1 <= d.sm.limit <= 100 else None,
+                    sm_enforced=min(100.0, max(0.0, d.sm.share)),
+                    throttled=d.sm.wait_ns > base.wait,
+                )
+            )
+            self._base[d.usage.uuid] = _Baseline(d.sm.busy_ns, d.sm.wait_ns)
+        self._last_t = now
+        self._seq += 1
+        return Report(
+            seq=self._seq,
+            ts=time.time(),
+            container=self.container,
+            policy=self.policy,
+            priority=self.priority,
+            pids=[p for p in sample.pids if 1 <= p < 2**31],
+            devices=devices,
+            final=final,
+        )
+
+    def _exchange(self, sample: Sample, final: bool = False) -> None:
+        """Send one report and handle the reply; raises on a broken connection."""
+        assert self._sock is not None
+        report = self.build(sample, final)
+        self._sock.sendall(encode(report_message(report)))
+        self.sent += 1
+        try:
+            reply = decode(self._readline())
+        except ProtocolError as exc:
+            self._log_once("bad reply from the node agent", exc)
+            raise
+        kind = reply.get("type")
+        if kind == "ack":
+            if reply.get("seq") != report.seq:
+                self._log_once("node agent", f"ack for seq {reply.get('seq')!r}, sent {report.seq}")
+                return
+            self.acked += 1
+            try:
+                self.tuner.submit(parse_ack(reply))
+            except ProtocolError as exc:
+                self._log_once("bad ack from the node agent", exc)
+        elif kind == "error":
+            self._log_once("node agent refused a report", reply.get("error"))
+        else:
+            self._log_once("node agent", f"unexpected reply type {kind!r}")
+
+    # ---- the loop ---------------------------------------------------------------
+
+    def _run(self) -> None:
+        next_connect = self._clock()
+        next_report = self._clock() + self.interval
+        while not self._stop.is_set():
+            now = self._clock()
+            try:
+                if self._sock is None and now >= next_connect and not self._connect():
+                    next_connect = now + self._backoff
+                    self._backoff = min(BACKOFF_CAP_S, self._backoff * 2)
+                if now >= next_report:
+                    next_report = max(next_report + self.interval, now)
+                    if self._sock is not None:
+                        try:
+                            self._exchange(self.tuner.sample())
+                            self._backoff = BACKOFF_START_S
+                        except (OSError, ProtocolError) as exc:
+                            log.debug("report failed: %s", exc)
+                            self._close()
+                            next_connect = self._clock() + self._backoff
+                            self._backoff = min(BACKOFF_CAP_S, self._backoff * 2)
+                    else:
+                        self.build(self.tuner.sample())  # dropped; keeps shares per interval
+            except Exception as exc:
+                self._log_once("reporting failed", exc)
+                self._close()
+            wake = next_report if self._sock is not None else min(next_report, next_connect)
+            self._stop.wait(max(0.0, wake - self._clock()))

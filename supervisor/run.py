@@ -1,0 +1,219 @@
+"""`gpuvisor run [OPTIONS] -- COMMAND [ARGS]...`: the container entrypoint.
+
+Checks every value, attaches the container's region, starts the workload
+with the shim preloaded in its own process group, and supervises it as
+PID 1 (pid1.py) while a tuner thread (tuner.py) applies the node agent's
+instructions and a reporter thread (reporter.py) reports usage to the
+node agent.  See docs/cli.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+import click
+from gpuvisor.shim.capi import GpuvisorError
+from gpuvisor.shim.limits import parse_memory_limit
+from gpuvisor.shim.loader import SIM_NVML_NAME, NativeLibraryNotFound, simulator_dir
+from gpuvisor.shim.region import Region
+
+from .config import (
+    ENV_REGION,
+    ENV_SIM_STATE,
+    MAX_GRACE,
+    MAX_INTERVAL,
+    MIN_INTERVAL,
+    POLICIES,
+    ConfigError,
+    RunConfig,
+    RunOptions,
+    build,
+    one_line,
+)
+from .pid1 import Pid1, SpawnError
+from .reporter import Reporter, container_identity
+from .tuner import Nvml, Tuner, open_nvml
+
+EXIT_USAGE = 2
+ENV_LOG_LEVEL = "GPUVISOR_LOG_LEVEL"
+
+log = logging.getLogger("gpuvisor.run")
+
+
+class RunError(click.ClickException):
+    """A bad value: one line on stderr, exit code 2, the workload not started."""
+
+    exit_code = EXIT_USAGE
+
+    def __init__(self, message: str) -> None:
+        super().__init__(" ".join(message.split()))
+
+
+class _RunCommand(click.Command):
+    """Reports a bad option value as one line (no usage block)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.BadParameter as exc:
+            raise RunError(exc.format_message()) from None
+
+
+class MemorySize(click.ParamType):  # type: ignore[type-arg]
+    """A CUDA_DEVICE_MEMORY_LIMIT value, checked by the C parser."""
+
+    name = "SIZE"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        text = str(value).strip()
+        try:
+            # A percentage needs a device total; any total checks the form.
+            parse_memory_limit(text, 1 << 40)
+        except GpuvisorError as exc:
+            self.fail(one_line(exc.message), param, ctx)
+        return text
+
+
+def _setup_logging() -> None:
+    level = os.environ.get(ENV_LOG_LEVEL, "warning").upper()
+    logging.basicConfig(
+        format="gpuvisor run: %(message)s",
+        level=getattr(logging, level, logging.WARNING),
+        stream=sys.stderr,
+    )
+
+
+def _nvml_loader(cfg: RunConfig) -> Nvml | None:
+    sim_nvml: str | None = None
+    if cfg.simulate:
+        os.environ[ENV_SIM_STATE] = cfg.env[ENV_SIM_STATE]
+        try:
+            sim_nvml = str(simulator_dir() / SIM_NVML_NAME)
+        except NativeLibraryNotFound:
+            return None
+    return open_nvml(sim_nvml)
+
+
+def supervise(cfg: RunConfig) -> int:
+    """Attach the region, run the workload, tune and report; return the exit code."""
+    try:
+        region = Region.attach(cfg.region)
+    except GpuvisorError as exc:
+        raise RunError(f"{ENV_REGION}={cfg.region!r}: {one_line(exc.message)}") from None
+    tuner: Tuner | None = None
+    reporter: Reporter | None = None
+
+    def started(pid: int) -> None:
+        nonlocal tuner, reporter
+        tuner = Tuner(region, pid, nvml_loader=lambda: _nvml_loader(cfg))
+        tuner.start()
+        reporter = Reporter(
+            cfg.socket,
+            cfg.report_interval,
+            tuner,
+            container_identity(cfg.env),
+            cfg.policy,
+            cfg.priority,
+        )
+        reporter.start()
+
+    pid1 = Pid1(cfg.command, cfg.env, cfg.grace)
+    try:
+        code = pid1.run(started)
+    except SpawnError as exc:
+        click.echo(f"gpuvisor run: {exc}", err=True)
+        code = exc.exit_code
+    finally:
+        if tuner is not None:
+            tuner.stop()
+        if reporter is not None and tuner is not None:
+            final = None
+            try:
+                final = tuner.tick()
+            except Exception as exc:
+                log.debug("final sample failed: %s", exc)
+            reporter.stop(final)
+    return code
+
+
+@click.command(
+    "run",
+    cls=_RunCommand,
+    context_settings={"allow_interspersed_args": False, "help_option_names": ["-h", "--help"]},
+)
+@click.option(
+    "--memory", type=MemorySize(), help="Memory quota per device (CUDA_DEVICE_MEMORY_LIMIT)."
+)
+@click.option(
+    "--cores",
+    type=click.IntRange(0, 100),
+    metavar="PCT",
+    help="SM-time quota in percent, 0: none (CUDA_DEVICE_SM_LIMIT).",
+)
+@click.option("--policy", type=click.Choice(POLICIES), help="SM policy (GPUVISOR_SM_POLICY).")
+@click.option("--priority", type=click.IntRange(0, 1), help="0 high, 1 low (CUDA_TASK_PRIORITY).")
+@click.option(
+    "--socket",
+    "socket_path",
+    metavar="PATH",
+    help="Node agent socket (GPUVISOR_NODE_SOCKET; default /run/gpuvisor/node.sock).",
+)
+@click.option("--simulate", is_flag=True, help="Use the simulated GPU driver.")
+@click.option(
+    "--report-interval",
+    type=click.FloatRange(MIN_INTERVAL, MAX_INTERVAL),
+    metavar="SECONDS",
+    help="Seconds between reports (GPUVISOR_REPORT_INTERVAL; default 1).",
+)
+@click.option(
+    "--region",
+    metavar="PATH",
+    help="Region file (CUDA_DEVICE_MEMORY_SHARED_CACHE).",
+)
+@click.option(
+    "--grace",
+    type=click.FloatRange(0, MAX_GRACE),
+    metavar="SECONDS",
+    help="Seconds between SIGTERM and SIGKILL (GPUVISOR_KILL_GRACE; default 10).",
+)
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+def run(
+    memory: str | None,
+    cores: int | None,
+    policy: str | None,
+    priority: int | None,
+    socket_path: str | None,
+    simulate: bool,
+    report_interval: float | None,
+    region: str | None,
+    grace: float | None,
+    command: tuple[str, ...],
+) -> None:
+    """Run COMMAND under gpuvisor: the container entrypoint.
+
+    Checks the limits, starts COMMAND with the shim preloaded, forwards
+    signals, reaps zombies, reports to the node agent and exits with
+    COMMAND's exit code (128+N if signal N killed it).
+    """
+    _setup_logging()
+    options = RunOptions(
+        memory=memory,
+        cores=cores,
+        policy=policy,
+        priority=priority,
+        socket=socket_path,
+        simulate=simulate,
+        report_interval=report_interval,
+        region=region,
+        grace=grace,
+    )
+    try:
+        cfg = build(options, list(command), os.environ)
+    except ConfigError as exc:
+        raise RunError(str(exc)) from None
+    except (NativeLibraryNotFound, GpuvisorError) as exc:
+        raise click.ClickException(one_line(str(exc))) from None
+    sys.exit(supervise(cfg))

@@ -1,0 +1,225 @@
+"""The tuning loop: every 100 ms, read the container's usage and apply the
+node agent's instructions.
+
+Each tick reads the region (memory used/limit per device, the SM quota's
+state and counters) and applies what the latest ack asked for:
+`yield_devices` -> Region.set_sm_yield, `memory_limits` -> Region.set_limit,
+`sm_limits` -> Region.set_sm_limit, all live.  Instructions name devices by
+UUID; one for a device the region does not list yet (the workload has not
+used it) waits until the device appears.  A null limit in an ack means
+"leave as is".  Once a second it also refreshes the workload's process
+tree (psutil), NVML's device utilisation (pynvml, when it loads) and
+reclaims the region slots of dead processes.
+
+The shim adapts burst-share/best-effort shares from NVML by itself; the
+tuner carries out the node-wide view of the agent.  Everything runs in a
+daemon thread; errors are logged once, never raised.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+from gpuvisor.shim.capi import GpuvisorError
+from gpuvisor.shim.region import DeviceUsage, Region, SmState
+
+from .protocol import MAX_PIDS, Instructions
+
+log = logging.getLogger("gpuvisor.run")
+
+TICK_S = 0.1
+SLOW_EVERY = 10  # ticks between process-tree / NVML / reclaim refreshes
+
+
+@dataclass(frozen=True)
+class DeviceSample:
+    usage: DeviceUsage
+    sm: SmState
+    utilization: int | None  # NVML device utilisation in percent (None: unknown)
+
+
+@dataclass(frozen=True)
+class Sample:
+    ts: float  # time.monotonic()
+    devices: list[DeviceSample] = field(default_factory=list)
+    pids: list[int] = field(default_factory=list)
+
+
+class Nvml:
+    """Device utilisation from NVML, handles cached by UUID."""
+
+    def __init__(self, simulator_nvml: str | None = None) -> None:
+        if simulator_nvml is not None:
+            # Load it under its soname first: pynvml's dlopen("libnvidia-ml.so.1")
+            # then finds this one.
+            ctypes.CDLL(simulator_nvml, mode=ctypes.RTLD_GLOBAL)
+        import pynvml
+
+        self._nvml: Any = pynvml
+        pynvml.nvmlInit()
+        self._handles: dict[str, Any] = {}
+
+    def utilization(self, uuid: str) -> int | None:
+        try:
+            handle = self._handles.get(uuid)
+            if handle is None:
+                handle = self._nvml.nvmlDeviceGetHandleByUUID(uuid)
+                self._handles[uuid] = handle
+            return int(self._nvml.nvmlDeviceGetUtilizationRates(handle).gpu)
+        except Exception:
+            return None
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self._nvml.nvmlShutdown()
+
+
+def open_nvml(simulator_nvml: str | None) -> Nvml | None:
+    try:
+        return Nvml(simulator_nvml)
+    except Exception as exc:
+        log.info("NVML unavailable (%s): no device utilisation", exc)
+        return None
+
+
+class Tuner:
+    def __init__(
+        self,
+        region: Region,
+        root_pid: int,
+        nvml: Nvml | None = None,
+        tick: float = TICK_S,
+        nvml_loader: Callable[[], Nvml | None] | None = None,
+    ) -> None:
+        self.region = region
+        self.root_pid = root_pid
+        self.nvml = nvml
+        self._nvml_loader = nvml_loader  # called in the thread: NVML may be slow to start
+        self.tick_s = tick
+        self._lock = threading.Lock()
+        # Desired state from the agent, by UUID; applied_* what we last set.
+        self._want_yield: dict[str, bool] = {}
+        self._want_mem: dict[str, int] = {}
+        self._want_sm: dict[str, int] = {}
+        self._applied: dict[tuple[str, str], object] = {}
+        self._sample = Sample(ts=time.monotonic())
+        self._pids: list[int] = [root_pid]
+        self._util: dict[str, int | None] = {}
+        self._root: psutil.Process | None = None
+        self._ticks = 0
+        self._logged: set[str] = set()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="gpuvisor-tuner", daemon=True)
+
+    # ---- from other threads --------------------------------------------------
+
+    def submit(self, instructions: Instructions) -> None:
+        """Instructions of the latest ack; applied on the next tick."""
+        with self._lock:
+            self._want_yield.update(instructions.yield_devices)
+            self._want_mem.update(
+                {u: v for u, v in instructions.memory_limits.items() if v is not None}
+            )
+            self._want_sm.update({u: v for u, v in instructions.sm_limits.items() if v is not None})
+
+    def sample(self) -> Sample:
+        with self._lock:
+            return self._sample
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(2.0)
+
+    # ---- the loop --------------------------------------------------------------
+
+    def _log_once(self, what: str, exc: BaseException) -> None:
+        if what not in self._logged:
+            self._logged.add(what)
+            log.warning("%s: %s", what, exc)
+
+    def _run(self) -> None:
+        if self.nvml is None and self._nvml_loader is not None:
+            try:
+                self.nvml = self._nvml_loader()
+            except Exception as exc:
+                self._log_once("NVML unavailable", exc)
+        next_t = time.monotonic()
+        while not self._stop.is_set():
+            try:
+                self.tick()
+            except Exception as exc:
+                self._log_once("tuning failed", exc)
+            next_t += self.tick_s
+            now = time.monotonic()
+            if next_t < now:
+                next_t = now
+            self._stop.wait(next_t - now)
+
+    def _slow(self, devices: list[DeviceUsage]) -> None:
+        try:
+            if self._root is None:
+                self._root = psutil.Process(self.root_pid)
+            pids = [self.root_pid, *(c.pid for c in self._root.children(recursive=True))]
+            self._pids = pids[:MAX_PIDS]
+        except psutil.Error:
+            self._pids = []
+        if self.nvml is not None:
+            self._util = {d.uuid: self.nvml.utilization(d.uuid) for d in devices}
+        try:
+            self.region.reclaim_dead()
+        except GpuvisorError as exc:
+            self._log_once("reclaiming dead processes' slots failed", exc)
+
+    def _apply(self, devices: list[DeviceUsage]) -> None:
+        with self._lock:
+            wants: list[tuple[str, dict[str, bool] | dict[str, int]]] = [
+                ("yield", dict(self._want_yield)),
+                ("memory", dict(self._want_mem)),
+                ("sm", dict(self._want_sm)),
+            ]
+        for d in devices:
+            for kind, want in wants:
+                if d.uuid not in want:
+                    continue
+                value = want[d.uuid]
+                if self._applied.get((kind, d.uuid)) == value:
+                    continue
+                try:
+                    if kind == "yield":
+                        self.region.set_sm_yield(d.index, bool(value))
+                    elif kind == "memory":
+                        self.region.set_limit(d.index, int(value))
+                    else:
+                        self.region.set_sm_limit(d.index, int(value))
+                    log.info("%s on %s set to %s", kind, d.uuid, value)
+                except GpuvisorError as exc:
+                    self._log_once(f"setting {kind} on {d.uuid} to {value} failed", exc)
+                self._applied[(kind, d.uuid)] = value
+
+    def tick(self) -> Sample:
+        """One round: read the region, apply instructions, publish a sample."""
+        devices = self.region.devices()
+        if self._ticks % SLOW_EVERY == 0:
+            self._slow(devices)
+        self._ticks += 1
+        self._apply(devices)
+        samples = [
+            DeviceSample(usage=d, sm=self.region.sm(d.index), utilization=self._util.get(d.uuid))
+            for d in devices
+        ]
+        sample = Sample(ts=time.monotonic(), devices=samples, pids=list(self._pids))
+        with self._lock:
+            self._sample = sample
+        return sample
