@@ -90,13 +90,14 @@ def ack_message(seq: int, instructions: Instructions | None = None) -> dict[str,
     msg: dict[str, Any] = {"v": PROTOCOL_VERSION, "type": "ack", "seq": seq}
     if instructions is not None:
         msg["yield"] = dict(instructions.yield_devices)
-        msg["limits"] = {
-            uuid: {
-                "memory": instructions.memory_limits.get(uuid),
-                "sm": instructions.sm_limits.get(uuid),
-            }
-            for uuid in sorted(set(instructions.memory_limits) | set(instructions.sm_limits))
-        }
+        # Only the limits being changed: a missing "memory" or "sm" key means
+        # "leave it", while null means "no limit" (parse_ack reads it so).
+        limits: dict[str, dict[str, int | None]] = {}
+        for uuid, mem in instructions.memory_limits.items():
+            limits.setdefault(uuid, {})["memory"] = mem
+        for uuid, sm in instructions.sm_limits.items():
+            limits.setdefault(uuid, {})["sm"] = sm
+        msg["limits"] = limits
     return msg
 
 

@@ -1,0 +1,672 @@
+"""The node agent (`gpuvisor node-agent`): collects the supervisors' reports.
+
+One process, one asyncio loop: a Unix-socket server speaking
+supervisor/protocol.py (docs/protocol.md), plus a small HTTP server thread
+for /metrics (Prometheus, supervisor/metrics.py) and /status (JSON).
+
+Defences against bad clients, all with bounded memory:
+- a line longer than MAX_MESSAGE_BYTES: error reply, then disconnect (the
+  partial line is never buffered beyond that bound);
+- a per-connection token bucket (default 50 messages/s, burst 100): excess
+  messages get an error reply and are counted, not processed;
+- a partial line that stays incomplete for --read-timeout seconds, or a
+  reader that leaves our replies unread that long: disconnect;
+- a connection silent for --idle-timeout seconds: disconnect;
+- at most --max-connections connections: more are told so and closed;
+- every malformed message gets an error naming the field and is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import socket
+import stat
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+from .identity import PeerCred, is_admin, peer_cgroups, peer_cred
+from .protocol import (
+    MAX_MESSAGE_BYTES,
+    ContainerId,
+    Instructions,
+    ProtocolError,
+    Report,
+    ack_message,
+    decode,
+    encode,
+    error_message,
+    parse_report,
+)
+
+log = logging.getLogger("gpuvisor.agent")
+
+DEFAULT_SOCKET = "/run/gpuvisor/node.sock"
+SOCKET_ENV = "GPUVISOR_NODE_SOCKET"
+
+REJECT_REASONS = (
+    "malformed",  # not JSON, not an object
+    "version",  # wrong "v"
+    "field",  # a missing or ill-typed field
+    "type",  # unknown message type
+    "identity",  # container.cgroup is not the peer's cgroup
+    "rate",  # over the per-connection rate limit
+    "oversize",  # a line longer than MAX_MESSAGE_BYTES
+    "unauthorized",  # an admin message from a peer that may not send it
+)
+DISCONNECT_REASONS = ("oversize", "timeout", "slow-reader", "idle", "too-many", "peer")
+
+
+def default_socket() -> str:
+    return os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
+
+
+@dataclass
+class AgentConfig:
+    socket_path: str = DEFAULT_SOCKET
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = 9400  # 0: any free port (printed in the ready line)
+    expire_after: float = 10.0  # seconds without a report before a container expires
+    read_timeout: float = 5.0  # a partial line or unread replies older than this: disconnect
+    idle_timeout: float = 120.0  # no message at all for this long: disconnect
+    rate: float = 50.0  # messages/s per connection (0: unlimited)
+    burst: float = 100.0
+    max_connections: int = 4096
+    active_threshold: float = 1.0  # sm_share percent above which a container is active
+    active_window: float = 3.0  # seconds an active report keeps a device "busy"
+    legacy_metrics: bool = False
+    cpu: int | None = None  # pin the agent to this CPU
+
+
+@dataclass
+class ContainerState:
+    id: ContainerId
+    report: Report
+    peer: PeerCred
+    first_seen: float  # time.time()
+    last_seen: float  # time.monotonic()
+    last_wall: float  # time.time() of the last report
+    interval: float | None = None  # smoothed seconds between reports
+    reports: int = 1
+
+
+@dataclass
+class PendingLimits:
+    memory: dict[str, int | None] = field(default_factory=dict)
+    sm: dict[str, int | None] = field(default_factory=dict)
+
+
+class AgentState:
+    """Everything the agent knows; mutated only by the event loop thread."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.started = time.time()
+        self.containers: dict[str, ContainerState] = {}
+        self.pending: dict[str, PendingLimits] = {}
+        # device uuid -> {container key: monotonic time of its last active report}
+        self.high_active: dict[str, dict[str, float]] = {}
+        self.reports_total = 0
+        self.rejected: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
+        self.disconnects: dict[str, int] = dict.fromkeys(DISCONNECT_REASONS, 0)
+        self.connections = 0
+        self.connections_total = 0
+        self.expired_total = 0
+        self.limit_pushes_total = 0
+
+    # ---- reports -------------------------------------------------------
+
+    def accept_report(self, report: Report, peer: PeerCred, now: float) -> Instructions:
+        key = report.container.key
+        st = self.containers.get(key)
+        if st is None:
+            st = ContainerState(
+                id=report.container,
+                report=report,
+                peer=peer,
+                first_seen=time.time(),
+                last_seen=now,
+                last_wall=time.time(),
+            )
+            self.containers[key] = st
+        else:
+            dt = now - st.last_seen
+            st.interval = dt if st.interval is None else 0.8 * st.interval + 0.2 * dt
+            if st.report.priority == 0 and report.priority != 0:
+                self._forget_active(key)
+            st.report = report
+            st.peer = peer
+            st.last_seen = now
+            st.last_wall = time.time()
+            st.reports += 1
+        self.reports_total += 1
+
+        threshold = self.config.active_threshold
+        window = self.config.active_window
+        low = report.priority != 0
+        yields: dict[str, bool] = {}
+        for d in report.devices:
+            if low:
+                entries = self.high_active.get(d.uuid)
+                busy = False
+                if entries:
+                    for k, ts in entries.items():
+                        if k != key and now - ts <= window:
+                            busy = True
+                            break
+                yields[d.uuid] = busy
+            else:
+                yields[d.uuid] = False
+                if d.sm_share > threshold:
+                    self.high_active.setdefault(d.uuid, {})[key] = now
+                else:
+                    entries = self.high_active.get(d.uuid)
+                    if entries is not None:
+                        entries.pop(key, None)
+
+        pending = self.pending.get(key)
+        if pending is None:
+            instr = Instructions(yield_devices=yields)
+        else:
+            self._settle_pending(key, pending, report)
+            instr = Instructions(
+                yield_devices=yields, memory_limits=dict(pending.memory), sm_limits=dict(pending.sm)
+            )
+        if report.final:
+            self.remove(key)
+        return instr
+
+    @staticmethod
+    def _settle_pending(key: str, pending: PendingLimits, report: Report) -> None:
+        """Drop pushed limits the container's report shows applied."""
+        for d in report.devices:
+            if d.uuid in pending.memory and pending.memory[d.uuid] == d.memory_limit:
+                del pending.memory[d.uuid]
+            if d.uuid in pending.sm and pending.sm[d.uuid] == d.sm_limit:
+                del pending.sm[d.uuid]
+
+    def _forget_active(self, key: str) -> None:
+        for entries in self.high_active.values():
+            entries.pop(key, None)
+
+    def remove(self, key: str) -> None:
+        self.containers.pop(key, None)
+        self.pending.pop(key, None)
+        self._forget_active(key)
+
+    def expire(self, now: float) -> int:
+        expired = []
+        for key, st in self.containers.items():
+            limit = self.config.expire_after
+            if st.interval is not None:
+                limit = max(limit, 3 * st.interval)
+            if now - st.last_seen > limit:
+                expired.append(key)
+        for key in expired:
+            self.remove(key)
+        self.expired_total += len(expired)
+        window = self.config.active_window
+        for entries in self.high_active.values():
+            for k in [k for k, ts in entries.items() if now - ts > window]:
+                del entries[k]
+        return len(expired)
+
+    # ---- admin -----------------------------------------------------------
+
+    def find_container(self, name: str) -> str | None:
+        """A container key from a key or "namespace/pod/container"."""
+        if name in self.containers:
+            return name
+        matches = [
+            k
+            for k, st in list(self.containers.items())
+            if f"{st.id.namespace or ''}/{st.id.pod or ''}/{st.id.container or ''}" == name
+        ]
+        return matches[0] if len(matches) == 1 else None
+
+    def set_limit(self, key: str, device: str, msg: dict[str, Any]) -> None:
+        pending = self.pending.setdefault(key, PendingLimits())
+        if "memory" in msg:
+            pending.memory[device] = msg["memory"]
+        if "sm" in msg:
+            pending.sm[device] = msg["sm"]
+        self.limit_pushes_total += 1
+
+    # ---- views -------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        wall = time.time()
+        containers = []
+        for key, st in list(self.containers.items()):
+            r = st.report
+            devices = []
+            for d in r.devices:
+                dd = asdict(d)
+                dd["memory_used_ratio"] = d.memory_used / d.memory_limit if d.memory_limit else None
+                if r.priority != 0:
+                    entries = self.high_active.get(d.uuid, {})
+                    dd["yield"] = any(
+                        k != key and now - ts <= self.config.active_window
+                        for k, ts in list(entries.items())
+                    )
+                else:
+                    dd["yield"] = False
+                devices.append(dd)
+            pending = self.pending.get(key)
+            containers.append(
+                {
+                    "key": key,
+                    "container": asdict(st.id),
+                    "peer": asdict(st.peer),
+                    "policy": r.policy,
+                    "priority": r.priority,
+                    "seq": r.seq,
+                    "ts": r.ts,
+                    "pids": list(r.pids),
+                    "devices": devices,
+                    "first_seen": st.first_seen,
+                    "last_report": st.last_wall,
+                    "age_s": round(wall - st.last_wall, 3),
+                    "interval_s": None if st.interval is None else round(st.interval, 3),
+                    "reports": st.reports,
+                    "pending_limits": None
+                    if pending is None
+                    else {"memory": dict(pending.memory), "sm": dict(pending.sm)},
+                }
+            )
+        containers.sort(key=lambda c: str(c["key"]))
+        return {
+            "agent": {
+                "pid": os.getpid(),
+                "socket": self.config.socket_path,
+                "started": self.started,
+                "uptime_s": round(wall - self.started, 3),
+                "connections": self.connections,
+                "connections_total": self.connections_total,
+                "reports_total": self.reports_total,
+                "rejected_reports_total": dict(self.rejected),
+                "disconnects_total": dict(self.disconnects),
+                "expired_total": self.expired_total,
+                "limit_pushes_total": self.limit_pushes_total,
+                "expire_after_s": self.config.expire_after,
+            },
+            "containers": containers,
+        }
+
+
+def _classify(exc: ProtocolError) -> str:
+    text = str(exc)
+    if text.startswith("v="):
+        return "version"
+    if text.startswith(("not JSON", "message")):
+        return "malformed"
+    if text.startswith("type="):
+        return "type"
+    return "field"
+
+
+def _opt_limit(msg: dict[str, Any], name: str, lo: int, hi: int) -> None:
+    if name not in msg or msg[name] is None:
+        return
+    v = msg[name]
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise ProtocolError(f"{name}={v!r}: expected null or an integer in [{lo}, {hi}]")
+
+
+class Connection(asyncio.Protocol):
+    """One supervisor (or admin) connection."""
+
+    def __init__(self, agent: Agent) -> None:
+        self.agent = agent
+        self.state = agent.state
+        self.transport: asyncio.Transport | None = None
+        self.buf = b""
+        self.partial_since = 0.0
+        self.last_activity = time.monotonic()
+        self.paused_since: float | None = None
+        self.tokens = agent.config.burst
+        self.token_time = self.last_activity
+        self.cred = PeerCred(0, -1, -1)
+        self.cgroups: frozenset[str] = frozenset()
+        self.closing = False
+
+    # ---- asyncio.Protocol ----------------------------------------------------
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        agent = self.agent
+        if len(agent.conns) >= agent.config.max_connections:
+            self.state.disconnects["too-many"] += 1
+            transport.write(encode(error_message(None, "too many connections to the node agent")))
+            transport.close()
+            self.closing = True
+            return
+        agent.conns.add(self)
+        self.state.connections = len(agent.conns)
+        self.state.connections_total += 1
+        sock = transport.get_extra_info("socket")
+        try:
+            self.cred = peer_cred(sock)
+            self.cgroups = peer_cgroups(self.cred.pid)
+        except OSError as exc:
+            log.info("peer credentials unavailable: %s", exc)
+        transport.set_write_buffer_limits(high=256 * 1024, low=64 * 1024)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.agent.conns.discard(self)
+        self.state.connections = len(self.agent.conns)
+        self.buf = b""
+
+    def pause_writing(self) -> None:
+        # The peer does not read its replies: stop reading its requests.
+        self.paused_since = time.monotonic()
+        if self.transport is not None:
+            self.transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        self.paused_since = None
+        if self.transport is not None and not self.closing:
+            self.transport.resume_reading()
+
+    def data_received(self, data: bytes) -> None:
+        if self.closing:
+            return
+        now = time.monotonic()
+        self.last_activity = now
+        if self.buf:
+            data = self.buf + data
+            self.buf = b""
+        out: list[bytes] = []
+        start = 0
+        limit = MAX_MESSAGE_BYTES
+        while True:
+            nl = data.find(b"\n", start)
+            if nl < 0:
+                break
+            if nl + 1 - start > limit:
+                self._oversize(out)
+                return
+            line = data[start:nl]
+            start = nl + 1
+            if line.strip():
+                out.append(self.handle(line, now))
+        rest = data[start:] if start else data
+        if len(rest) >= limit:
+            # A line can only be valid if its newline arrives within limit bytes.
+            self._oversize(out)
+            return
+        if rest:
+            if not self.buf:
+                self.partial_since = now
+            self.buf = rest
+        if out and self.transport is not None:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
+
+    # ---- messages -------------------------------------------------------------
+
+    def _oversize(self, out: list[bytes]) -> None:
+        self.state.rejected["oversize"] += 1
+        out.append(encode(error_message(None, f"message longer than {MAX_MESSAGE_BYTES} bytes")))
+        self.disconnect("oversize", b"".join(out))
+
+    def disconnect(self, reason: str, last: bytes = b"") -> None:
+        if self.closing or self.transport is None:
+            return
+        self.closing = True
+        self.state.disconnects[reason] += 1
+        self.buf = b""
+        if last:
+            self.transport.write(last)
+        self.transport.close()
+
+    def _take_token(self, now: float) -> bool:
+        rate = self.agent.config.rate
+        if rate <= 0:
+            return True
+        tokens = self.tokens + (now - self.token_time) * rate
+        burst = self.agent.config.burst
+        if tokens > burst:
+            tokens = burst
+        self.token_time = now
+        if tokens < 1.0:
+            self.tokens = tokens
+            return False
+        self.tokens = tokens - 1.0
+        return True
+
+    def handle(self, line: bytes, now: float) -> bytes:
+        state = self.state
+        if not self._take_token(now):
+            state.rejected["rate"] += 1
+            return self.agent.rate_error
+        try:
+            obj = decode(line)
+        except ProtocolError as exc:
+            state.rejected[_classify(exc)] += 1
+            return encode(error_message(None, str(exc)))
+        seq = obj.get("seq")
+        if isinstance(seq, bool) or not isinstance(seq, int):
+            seq = None
+        mtype = obj["type"]
+        if mtype == "report":
+            try:
+                report = parse_report(obj)
+            except ProtocolError as exc:
+                state.rejected[_classify(exc)] += 1
+                return encode(error_message(seq, str(exc)))
+            claimed = report.container.cgroup
+            if claimed not in self.cgroups:
+                # The peer may have moved (or its cgroup was unreadable): look again.
+                with contextlib.suppress(OSError):
+                    self.cgroups = peer_cgroups(self.cred.pid)
+                if claimed not in self.cgroups:
+                    state.rejected["identity"] += 1
+                    return encode(
+                        error_message(
+                            seq,
+                            f"container.cgroup={claimed!r}: the peer (pid {self.cred.pid}) is "
+                            f"in cgroup {sorted(self.cgroups)!r}",
+                        )
+                    )
+            instr = state.accept_report(report, self.cred, now)
+            return encode(ack_message(report.seq, instr))
+        if mtype == "set-limit":
+            return self._set_limit(obj, seq)
+        state.rejected["type"] += 1
+        return encode(error_message(seq, f"type={mtype!r}: expected 'report' or 'set-limit'"))
+
+    def _set_limit(self, msg: dict[str, Any], seq: int | None) -> bytes:
+        state = self.state
+        if not is_admin(self.cred):
+            state.rejected["unauthorized"] += 1
+            return encode(
+                error_message(seq, f"set-limit: uid {self.cred.uid} may not change limits")
+            )
+        try:
+            name = msg.get("container")
+            if not isinstance(name, str):
+                raise ProtocolError(f"container={name!r}: expected a container key")
+            device = msg.get("device")
+            if not isinstance(device, str) or not 0 < len(device) <= 96:
+                raise ProtocolError(f"device={device!r}: expected a device UUID")
+            if "memory" not in msg and "sm" not in msg:
+                raise ProtocolError("memory, sm: give at least one")
+            _opt_limit(msg, "memory", 1, 2**64 - 1)
+            _opt_limit(msg, "sm", 1, 100)
+            key = state.find_container(name)
+            if key is None:
+                raise ProtocolError(f"container={name!r}: no such container reports here")
+        except ProtocolError as exc:
+            state.rejected["field"] += 1
+            return encode(error_message(seq, str(exc)))
+        state.set_limit(key, device, msg)
+        return encode({**ack_message(seq or 0), "container": key})
+
+
+class _HttpHandler(BaseHTTPRequestHandler):
+    agent: Agent  # set on the subclass made per agent
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path == "/metrics":
+            body, ctype = self.agent.metrics_payload(self.headers.get("Accept"))
+        elif path in ("/status", "/status/"):
+            body = json.dumps(self.agent.state.status()).encode()
+            ctype = "application/json"
+        elif path == "/healthz":
+            body, ctype = b"ok\n", "text/plain"
+        else:
+            self.send_error(404, "try /metrics or /status")
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("http: " + format, *args)
+
+
+class Agent:
+    def __init__(self, config: AgentConfig) -> None:
+        from .metrics import AgentCollector, HostGpus  # prometheus_client, pynvml
+
+        self.config = config
+        self.state = AgentState(config)
+        self.conns: set[Connection] = set()
+        self.rate_error = encode(
+            error_message(None, f"rate limit exceeded: at most {config.rate:g} messages/s")
+        )
+        self.gpus = HostGpus()
+        self.collector = AgentCollector(self.state, self.gpus, legacy=config.legacy_metrics)
+        self.server: asyncio.AbstractServer | None = None
+        self.http: ThreadingHTTPServer | None = None
+        self.stopping: asyncio.Event | None = None
+        self.sweeper: asyncio.Task[None] | None = None
+
+    def metrics_payload(self, accept: str | None) -> tuple[bytes, str]:
+        from .metrics import render
+
+        return render(self.collector, accept)
+
+    # ---- lifecycle -----------------------------------------------------------
+
+    def _prepare_socket(self) -> None:
+        path = Path(self.config.socket_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):
+            os.chmod(path.parent, os.stat(path.parent).st_mode | 0o055)
+        try:
+            st = path.lstat()
+        except FileNotFoundError:
+            return
+        if not stat.S_ISSOCK(st.st_mode):
+            raise RuntimeError(f"{path} exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except OSError:
+            path.unlink()  # stale: the previous agent is gone
+        else:
+            raise RuntimeError(f"another node agent is listening on {path}")
+        finally:
+            probe.close()
+
+    def start_http(self) -> int:
+        handler = type("Handler", (_HttpHandler,), {"agent": self})
+        self.http = ThreadingHTTPServer(
+            (self.config.metrics_host, self.config.metrics_port), handler
+        )
+        self.http.daemon_threads = True
+        threading.Thread(target=self.http.serve_forever, name="http", daemon=True).start()
+        return int(self.http.server_address[1])
+
+    async def start(self) -> None:
+        self._prepare_socket()
+        loop = asyncio.get_running_loop()
+        self.server = await loop.create_unix_server(
+            lambda: Connection(self), path=self.config.socket_path, backlog=1024
+        )
+        os.chmod(self.config.socket_path, 0o666)  # containers run as any uid
+        self.stopping = asyncio.Event()
+        self.sweeper = loop.create_task(self._sweeper())
+
+    async def _sweeper(self) -> None:
+        cfg = self.config
+        period = max(0.05, min(0.5, cfg.read_timeout / 4, cfg.expire_after / 4))
+        while True:
+            await asyncio.sleep(period)
+            now = time.monotonic()
+            for conn in list(self.conns):
+                if conn.buf and now - conn.partial_since > cfg.read_timeout:
+                    conn.disconnect(
+                        "timeout",
+                        encode(error_message(None, f"incomplete line for {cfg.read_timeout:g} s")),
+                    )
+                elif conn.paused_since is not None and now - conn.paused_since > cfg.read_timeout:
+                    conn.disconnect("slow-reader")
+                elif now - conn.last_activity > cfg.idle_timeout:
+                    conn.disconnect("idle")
+            self.state.expire(now)
+
+    async def run(self, ready: Any = None) -> None:
+        await self.start()
+        port = self.start_http()
+        loop = asyncio.get_running_loop()
+        assert self.stopping is not None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stopping.set)
+        if ready is not None:
+            ready(port)
+        await self.stopping.wait()
+        self.close()
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for conn in list(self.conns):
+            if conn.transport is not None:
+                conn.transport.close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.config.socket_path)
+        if self.http is not None:
+            self.http.shutdown()
+            self.http.server_close()
+        self.gpus.close()
+
+
+def run_agent(config: AgentConfig, ready: Any = None) -> None:
+    if config.cpu is not None:
+        os.sched_setaffinity(0, {config.cpu})
+    agent = Agent(config)
+    asyncio.run(agent.run(ready))
+
+
+# ---- admin client ---------------------------------------------------------------
+
+
+def send_admin(socket_path: str, msg: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
+    """Send one admin message to the agent; return its (decoded) reply."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(socket_path)
+        s.sendall(encode(msg))
+        data = b""
+        while not data.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+    reply: dict[str, Any] = json.loads(data.splitlines()[0]) if data else {}
+    return reply

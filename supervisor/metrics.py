@@ -1,0 +1,371 @@
+"""Prometheus exposition of the node agent's state (docs/metrics.md).
+
+A custom Collector reads the agent's state at scrape time, so reports cost
+no metric-object churn.  Two sets of names: gpuvisor_* (ours) and HAMi's
+vGPU-monitor names (hami_*), plus HAMi's legacy names behind
+--legacy-metrics.  Host-level device numbers come from NVML when it loads.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from .agent import AgentState
+
+log = logging.getLogger("gpuvisor.metrics")
+
+CTR_LABELS = ["podnamespace", "podname", "ctrname", "deviceuuid", "deviceidx"]
+DEV_LABELS = ["deviceuuid", "deviceidx"]
+HAMI_CTR_LABELS = ["namespace", "pod", "container", "vdevice_index", "device_uuid"]
+HAMI_HOST_LABELS = ["device_index", "device_uuid", "device_type"]
+LEGACY_CTR_LABELS = ["podnamespace", "podname", "ctrname", "vdeviceid", "deviceuuid"]
+LEGACY_HOST_LABELS = ["deviceidx", "deviceuuid", "devicetype"]
+
+
+@dataclass(frozen=True)
+class HostGpu:
+    index: int
+    uuid: str
+    name: str
+    memory_used: int
+    memory_total: int
+    utilization: float | None  # percent, None: not supported
+
+
+class HostGpus:
+    """Host-level device numbers from NVML; empty when NVML is unavailable."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._nvml: Any = None
+        self._cache: tuple[float, list[HostGpu]] = (0.0, [])
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+        except Exception as exc:  # NVMLError, OSError, ImportError: no host metrics
+            log.info("NVML unavailable, host device metrics omitted: %s", exc)
+
+    @property
+    def available(self) -> bool:
+        return self._nvml is not None
+
+    def read(self, max_age: float = 1.0) -> list[HostGpu]:
+        nv = self._nvml
+        if nv is None:
+            return []
+        with self._lock:
+            ts, cached = self._cache
+            if time.monotonic() - ts < max_age:
+                return cached
+            gpus: list[HostGpu] = []
+            try:
+                for i in range(nv.nvmlDeviceGetCount()):
+                    h = nv.nvmlDeviceGetHandleByIndex(i)
+                    uuid = nv.nvmlDeviceGetUUID(h)
+                    name = nv.nvmlDeviceGetName(h)
+                    mem = nv.nvmlDeviceGetMemoryInfo(h)
+                    try:
+                        util: float | None = float(nv.nvmlDeviceGetUtilizationRates(h).gpu)
+                    except nv.NVMLError:
+                        util = None
+                    gpus.append(
+                        HostGpu(
+                            index=i,
+                            uuid=uuid.decode() if isinstance(uuid, bytes) else str(uuid),
+                            name=name.decode() if isinstance(name, bytes) else str(name),
+                            memory_used=int(mem.used),
+                            memory_total=int(mem.total),
+                            utilization=util,
+                        )
+                    )
+            except nv.NVMLError as exc:
+                log.warning("NVML query failed: %s", exc)
+                gpus = []
+            self._cache = (time.monotonic(), gpus)
+            return gpus
+
+    def close(self) -> None:
+        if self._nvml is not None:
+            try:
+                self._nvml.nvmlShutdown()
+            except Exception as exc:
+                log.debug("nvmlShutdown: %s", exc)
+            self._nvml = None
+
+
+def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, labels=labels)
+
+
+class AgentCollector(Collector):
+    def __init__(self, state: AgentState, gpus: HostGpus, legacy: bool = False) -> None:
+        self.state = state
+        self.gpus = gpus
+        self.legacy = legacy
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+
+    def collect(self) -> Iterator[Metric]:
+        state = self.state
+        g = {
+            "mem_used": _gauge(
+                "gpuvisor_container_memory_used_bytes",
+                "Device memory the container uses (its region's count), bytes",
+                CTR_LABELS,
+            ),
+            "mem_limit": _gauge(
+                "gpuvisor_container_memory_limit_bytes",
+                "Container's device memory limit, bytes (absent: no limit)",
+                CTR_LABELS,
+            ),
+            "mem_phys": _gauge(
+                "gpuvisor_container_memory_physical_bytes",
+                "Physical memory of the device as the container's region records it, bytes",
+                CTR_LABELS,
+            ),
+            "share": _gauge(
+                "gpuvisor_container_sm_share_ratio",
+                "Share of the GPU's time the container's kernels used since the last report (0..1)",
+                CTR_LABELS,
+            ),
+            "sm_limit": _gauge(
+                "gpuvisor_container_sm_limit_ratio",
+                "Container's SM-time limit (0..1; absent: no limit)",
+                CTR_LABELS,
+            ),
+            "enforced": _gauge(
+                "gpuvisor_container_sm_enforced_ratio",
+                "Share the container's launch gate enforces now (0..1)",
+                CTR_LABELS,
+            ),
+            "throttled": _gauge(
+                "gpuvisor_container_throttled",
+                "1 if launches waited at the gate since the previous report",
+                CTR_LABELS,
+            ),
+            "yield": _gauge(
+                "gpuvisor_container_yield",
+                "1 if the agent asks this low-priority container to yield the device",
+                CTR_LABELS,
+            ),
+        }
+        oom = CounterMetricFamily(
+            "gpuvisor_container_oom_refusals",
+            "Allocations refused because they would pass the container's limit",
+            labels=CTR_LABELS,
+        )
+        ctr_labels = ["podnamespace", "podname", "ctrname"]
+        procs = _gauge(
+            "gpuvisor_container_processes", "Processes the container reported", ctr_labels
+        )
+        prio = _gauge(
+            "gpuvisor_container_priority", "Container's task priority (0 high, 1 low)", ctr_labels
+        )
+        last = _gauge(
+            "gpuvisor_container_last_report_timestamp_seconds",
+            "Unix time the agent received the container's latest report",
+            ctr_labels,
+        )
+        h_used = _gauge(
+            "hami_vgpu_memory_used_bytes", "vGPU device memory usage in bytes", HAMI_CTR_LABELS
+        )
+        h_limit = _gauge(
+            "hami_vgpu_memory_limit_bytes", "vGPU device memory limit in bytes", HAMI_CTR_LABELS
+        )
+        h_mem = _gauge(
+            "hami_container_device_memory_bytes",
+            "Container device memory usage in bytes",
+            HAMI_CTR_LABELS,
+        )
+        h_util = _gauge(
+            "hami_container_device_utilization_ratio",
+            "Container device SM utilization ratio (0-100)",
+            HAMI_CTR_LABELS,
+        )
+        legacy = self.legacy
+        if legacy:
+            l_used = _gauge(
+                "vGPU_device_memory_usage_in_bytes", "vGPU device usage", LEGACY_CTR_LABELS
+            )
+            l_limit = _gauge(
+                "vGPU_device_memory_limit_in_bytes", "vGPU device limit", LEGACY_CTR_LABELS
+            )
+            l_desc = _gauge(
+                "Device_memory_desc_of_container",
+                "Container device memory description",
+                [*LEGACY_CTR_LABELS, "context", "module", "data", "offset"],
+            )
+            l_util = _gauge(
+                "Device_utilization_desc_of_container",
+                "Container device utilization description",
+                LEGACY_CTR_LABELS,
+            )
+
+        for st in list(state.containers.values()):
+            r = st.report
+            cid = st.id
+            ns = cid.namespace or ""
+            pod = cid.pod or ""
+            ctr = cid.container or (cid.cgroup if not (cid.pod or cid.namespace) else "")
+            base = [ns, pod, ctr]
+            procs.add_metric(base, float(len(r.pids)))
+            prio.add_metric(base, float(r.priority))
+            last.add_metric(base, st.last_wall)
+            yields = None
+            for d in r.devices:
+                idx = str(d.index)
+                lv = [ns, pod, ctr, d.uuid, idx]
+                g["mem_used"].add_metric(lv, float(d.memory_used))
+                if d.memory_limit is not None:
+                    g["mem_limit"].add_metric(lv, float(d.memory_limit))
+                g["mem_phys"].add_metric(lv, float(d.memory_physical))
+                g["share"].add_metric(lv, d.sm_share / 100.0)
+                if d.sm_limit is not None:
+                    g["sm_limit"].add_metric(lv, d.sm_limit / 100.0)
+                g["enforced"].add_metric(lv, d.sm_enforced / 100.0)
+                g["throttled"].add_metric(lv, 1.0 if d.throttled else 0.0)
+                if r.priority != 0:
+                    if yields is None:
+                        yields = _yields(state, st)
+                    g["yield"].add_metric(lv, 1.0 if yields.get(d.uuid) else 0.0)
+                else:
+                    g["yield"].add_metric(lv, 0.0)
+                oom.add_metric(lv, float(d.oom_refusals))
+                hv = [ns, pod, ctr, idx, d.uuid]
+                limit = d.memory_limit if d.memory_limit is not None else d.memory_physical
+                h_used.add_metric(hv, float(d.memory_used))
+                h_limit.add_metric(hv, float(limit))
+                h_mem.add_metric(hv, float(d.memory_used))
+                h_util.add_metric(hv, d.sm_share)
+                if legacy:
+                    lv2 = [ns, pod, ctr, idx, d.uuid]
+                    l_used.add_metric(lv2, float(d.memory_used))
+                    l_limit.add_metric(lv2, float(limit))
+                    l_desc.add_metric(
+                        [*lv2, "0", "0", str(d.memory_used), "0"], float(d.memory_used)
+                    )
+                    l_util.add_metric(lv2, d.sm_share)
+        yield from g.values()
+        yield oom
+        yield procs
+        yield prio
+        yield last
+        yield h_used
+        yield h_limit
+        yield h_mem
+        yield h_util
+        if legacy:
+            yield l_used
+            yield l_limit
+            yield l_desc
+            yield l_util
+
+        yield from self._agent_metrics()
+        yield from self._host_metrics()
+
+    def _agent_metrics(self) -> Iterator[Metric]:
+        state = self.state
+        reports = CounterMetricFamily(
+            "gpuvisor_agent_reports", "Reports accepted by the node agent"
+        )
+        reports.add_metric([], float(state.reports_total))
+        yield reports
+        rejected = CounterMetricFamily(
+            "gpuvisor_agent_rejected_reports",
+            "Messages the node agent rejected, by reason",
+            labels=["reason"],
+        )
+        for reason, n in list(state.rejected.items()):
+            rejected.add_metric([reason], float(n))
+        yield rejected
+        disc = CounterMetricFamily(
+            "gpuvisor_agent_disconnects",
+            "Connections the node agent closed, by reason",
+            labels=["reason"],
+        )
+        for reason, n in list(state.disconnects.items()):
+            disc.add_metric([reason], float(n))
+        yield disc
+        conns = GaugeMetricFamily("gpuvisor_agent_connections", "Open supervisor connections")
+        conns.add_metric([], float(state.connections))
+        yield conns
+        ctrs = GaugeMetricFamily("gpuvisor_agent_containers", "Containers with a recent report")
+        ctrs.add_metric([], float(len(state.containers)))
+        yield ctrs
+        expired = CounterMetricFamily(
+            "gpuvisor_agent_expired_containers", "Containers expired for lack of reports"
+        )
+        expired.add_metric([], float(state.expired_total))
+        yield expired
+
+    def _host_metrics(self) -> Iterator[Metric]:
+        gpus = self.gpus.read()
+        if not gpus:
+            return
+        used = _gauge(
+            "gpuvisor_device_memory_used_bytes", "Device memory used (NVML), bytes", DEV_LABELS
+        )
+        total = _gauge(
+            "gpuvisor_device_memory_total_bytes", "Device memory (NVML), bytes", DEV_LABELS
+        )
+        util = _gauge(
+            "gpuvisor_device_utilization_ratio", "GPU utilization (NVML, 0..1)", DEV_LABELS
+        )
+        h_used = _gauge(
+            "hami_host_gpu_memory_used_bytes", "GPU device memory usage in bytes", HAMI_HOST_LABELS
+        )
+        h_util = _gauge(
+            "hami_host_gpu_utilization_ratio",
+            "GPU core utilization ratio (0-100)",
+            HAMI_HOST_LABELS,
+        )
+        l_used = _gauge("HostGPUMemoryUsage", "GPU device memory usage", LEGACY_HOST_LABELS)
+        l_util = _gauge("HostCoreUtilization", "GPU core utilization", LEGACY_HOST_LABELS)
+        for gpu in gpus:
+            dv = [gpu.uuid, str(gpu.index)]
+            hv = [str(gpu.index), gpu.uuid, "NVIDIA-" + gpu.name]
+            used.add_metric(dv, float(gpu.memory_used))
+            total.add_metric(dv, float(gpu.memory_total))
+            h_used.add_metric(hv, float(gpu.memory_used))
+            l_used.add_metric(hv, float(gpu.memory_used))
+            if gpu.utilization is not None:
+                util.add_metric(dv, gpu.utilization / 100.0)
+                h_util.add_metric(hv, gpu.utilization)
+                l_util.add_metric(hv, gpu.utilization)
+        yield used
+        yield total
+        yield util
+        yield h_used
+        yield h_util
+        if self.legacy:
+            yield l_used
+            yield l_util
+
+
+def _yields(state: AgentState, st: Any) -> dict[str, bool]:
+    now = time.monotonic()
+    key = st.id.key
+    window = state.config.active_window
+    out = {}
+    for d in st.report.devices:
+        entries = state.high_active.get(d.uuid, {})
+        out[d.uuid] = any(k != key and now - ts <= window for k, ts in list(entries.items()))
+    return out
+
+
+def render(collector: AgentCollector, accept: str | None) -> tuple[bytes, str]:
+    encoder, content_type = choose_encoder(accept or "")
+    return encoder(collector.registry), content_type

@@ -1,0 +1,427 @@
+"""Human views: `gpuvisor node-agent`, `gpuvisor status` and `gpuvisor top` (docs/cli.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+from typing import Any
+
+import click
+
+from .agent import AgentConfig, default_socket, run_agent, send_admin
+
+REGION_ENV = "CUDA_DEVICE_MEMORY_SHARED_CACHE"
+
+
+def _size(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit in ("B", "KiB", "MiB") else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def _pct(v: float | int | None) -> str:
+    return "-" if v is None else f"{float(v):.0f}%"
+
+
+def _table(headers: list[str], rows: list[list[str]]) -> str:
+    widths = [len(h) for h in headers]
+    for row in rows:
+        widths = [max(w, len(c)) for w, c in zip(widths, row, strict=False)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=False))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)) for row in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+# ---- node-agent ------------------------------------------------------------------
+
+
+@click.group("node-agent", invoke_without_command=True)
+@click.option(
+    "--socket",
+    "socket_path",
+    default=default_socket,
+    show_default="$GPUVISOR_NODE_SOCKET or /run/gpuvisor/node.sock",
+)
+@click.option("--metrics-host", default="0.0.0.0", show_default=True)
+@click.option("--metrics-port", default=9400, show_default=True, type=int, help="0: any free port")
+@click.option(
+    "--expire-after",
+    default=10.0,
+    show_default=True,
+    type=float,
+    help="Seconds without a report (or 3 report intervals, if longer) before a container expires.",
+)
+@click.option(
+    "--read-timeout",
+    default=5.0,
+    show_default=True,
+    type=float,
+    help="Disconnect a peer whose line stays incomplete (or who leaves replies unread) this long.",
+)
+@click.option(
+    "--idle-timeout",
+    default=120.0,
+    show_default=True,
+    type=float,
+    help="Disconnect a peer that sends nothing for this long.",
+)
+@click.option(
+    "--rate",
+    default=50.0,
+    show_default=True,
+    type=float,
+    help="Messages per second per connection (token bucket; 0: unlimited).",
+)
+@click.option("--burst", default=100.0, show_default=True, type=float)
+@click.option("--max-connections", default=4096, show_default=True, type=int)
+@click.option(
+    "--active-window",
+    default=3.0,
+    show_default=True,
+    type=float,
+    help="Seconds a high-priority report with sm_share > 1%% keeps its device busy.",
+)
+@click.option("--legacy-metrics", is_flag=True, help="Also export HAMi's legacy metric names.")
+@click.option("--cpu", type=int, default=None, help="Pin the agent to this CPU.")
+@click.option("-v", "--verbose", count=True)
+@click.pass_context
+def node_agent(
+    ctx: click.Context,
+    socket_path: str,
+    metrics_host: str,
+    metrics_port: int,
+    expire_after: float,
+    read_timeout: float,
+    idle_timeout: float,
+    rate: float,
+    burst: float,
+    max_connections: int,
+    active_window: float,
+    legacy_metrics: bool,
+    cpu: int | None,
+    verbose: int,
+) -> None:
+    """Run the node agent: collect the supervisors' reports, serve /metrics and /status."""
+    if ctx.invoked_subcommand is not None:
+        return
+    import logging
+
+    logging.basicConfig(
+        level=logging.WARNING - 10 * min(verbose, 2),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    config = AgentConfig(
+        socket_path=socket_path,
+        metrics_host=metrics_host,
+        metrics_port=metrics_port,
+        expire_after=expire_after,
+        read_timeout=read_timeout,
+        idle_timeout=idle_timeout,
+        rate=rate,
+        burst=burst,
+        max_connections=max_connections,
+        active_window=active_window,
+        legacy_metrics=legacy_metrics,
+        cpu=cpu,
+    )
+
+    def ready(port: int) -> None:
+        info = {"socket": socket_path, "metrics_port": port, "pid": os.getpid()}
+        click.echo("gpuvisor node-agent ready " + json.dumps(info))
+        sys.stdout.flush()
+
+    try:
+        run_agent(config, ready)
+    except (RuntimeError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _limit_value(value: str | None, what: str) -> int | None:
+    if value is None or value.lower() in ("none", "unlimited", "0"):
+        return None
+    if what == "sm":
+        try:
+            v = int(value)
+        except ValueError:
+            raise click.BadParameter(f"{value!r}: expected a percent 1-100") from None
+        if not 1 <= v <= 100:
+            raise click.BadParameter(f"{value!r}: expected a percent 1-100")
+        return v
+    from gpuvisor.shim.limits import parse_memory_limit
+
+    try:
+        return int(parse_memory_limit(value))
+    except Exception as exc:
+        raise click.BadParameter(f"{value!r}: {exc}") from None
+
+
+@node_agent.command("set-limit")
+@click.option(
+    "--socket",
+    "socket_path",
+    default=default_socket,
+    show_default="$GPUVISOR_NODE_SOCKET or /run/gpuvisor/node.sock",
+)
+@click.option(
+    "--container",
+    required=True,
+    help="Container key (see `gpuvisor top`) or namespace/pod/container.",
+)
+@click.option("--device", required=True, help="Device UUID.")
+@click.option(
+    "--memory", default=None, help="New memory limit (4g, 512m, bytes; 'none': no limit)."
+)
+@click.option("--cores", default=None, help="New SM limit in percent (1-100; 'none': no limit).")
+def set_limit(
+    socket_path: str, container: str, device: str, memory: str | None, cores: str | None
+) -> None:
+    """Push a limit change to a container; it arrives with the container's next ack."""
+    if memory is None and cores is None:
+        raise click.UsageError("give --memory and/or --cores")
+    msg: dict[str, Any] = {
+        "v": 1,
+        "type": "set-limit",
+        "seq": 1,
+        "container": container,
+        "device": device,
+    }
+    if memory is not None:
+        msg["memory"] = _limit_value(memory, "memory")
+    if cores is not None:
+        msg["sm"] = _limit_value(cores, "sm")
+    try:
+        reply = send_admin(socket_path, msg)
+    except OSError as exc:
+        raise click.ClickException(f"cannot reach the node agent at {socket_path}: {exc}") from exc
+    if reply.get("type") != "ack":
+        raise click.ClickException(str(reply.get("error", reply)))
+    click.echo(f"limit change queued for {reply.get('container', container)}")
+
+
+# ---- status (inside a container) ----------------------------------------------------
+
+
+def region_status(region_path: str | None, sample: float) -> dict[str, Any]:
+    import psutil
+    from gpuvisor.shim import Region
+
+    region = Region.attach(region_path)
+    n = region.device_count()
+    before = [region.sm(i) for i in range(n)]
+    t0 = time.monotonic()
+    if sample > 0:
+        time.sleep(sample)
+    dt = time.monotonic() - t0
+    pids = region.processes()
+    devices = []
+    for i in range(n):
+        dev = region.device(i)
+        sm = region.sm(i)
+        achieved = 100.0 * (sm.busy_ns - before[i].busy_ns) / (dt * 1e9) if dt > 0 else None
+        procs = []
+        for pid in pids:
+            used = region.process_used(pid, i)
+            if used:
+                try:
+                    name = str(psutil.Process(pid).name())
+                except psutil.Error:
+                    name = "(gone)"
+                procs.append({"pid": pid, "name": name, "used": used})
+        devices.append(
+            {
+                "index": i,
+                "uuid": dev.uuid,
+                "memory_limit": dev.limit,
+                "memory_used": dev.used,
+                "memory_physical": dev.physical_total,
+                "oom_refusals": dev.oom_count,
+                "sm_limit": sm.limit,
+                "sm_enforced": sm.share,
+                "sm_achieved": None if achieved is None else round(min(achieved, 100.0), 2),
+                "policy": sm.policy,
+                "priority": sm.priority,
+                "launches": sm.launches,
+                "processes": procs,
+            }
+        )
+    return {"region": str(region.path), "devices": devices, "processes": pids}
+
+
+@click.command("status")
+@click.option(
+    "--region",
+    "region_path",
+    default=None,
+    envvar=REGION_ENV,
+    help="Region file [default: $CUDA_DEVICE_MEMORY_SHARED_CACHE or the shim's default].",
+)
+@click.option(
+    "--sample",
+    default=0.5,
+    show_default=True,
+    type=float,
+    help="Seconds over which the achieved SM share is measured.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def status(region_path: str | None, sample: float, as_json: bool) -> None:
+    """This container's GPU limits and usage, per device, from its region."""
+    from gpuvisor.shim import GpuvisorError, NativeLibraryNotFound
+
+    try:
+        info = region_status(region_path, sample)
+    except (GpuvisorError, NativeLibraryNotFound, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    click.echo(f"region {info['region']}")
+    rows = [
+        [
+            str(d["index"]),
+            d["uuid"],
+            _size(d["memory_used"]),
+            "unlimited" if d["memory_limit"] is None else _size(d["memory_limit"]),
+            _pct(d["sm_limit"]) if d["sm_limit"] else "none",
+            _pct(d["sm_achieved"]),
+            _pct(d["sm_enforced"]),
+            d["policy"],
+            str(d["priority"]),
+            str(d["oom_refusals"]),
+        ]
+        for d in info["devices"]
+    ]
+    click.echo(
+        _table(
+            [
+                "DEV",
+                "UUID",
+                "USED",
+                "LIMIT",
+                "SM-LIMIT",
+                "SM-ACHIEVED",
+                "SM-ENFORCED",
+                "POLICY",
+                "PRIO",
+                "OOM",
+            ],
+            rows,
+        )
+    )
+    prows = [
+        [str(p["pid"]), p["name"], str(d["index"]), _size(p["used"])]
+        for d in info["devices"]
+        for p in d["processes"]
+    ]
+    if prows:
+        click.echo("")
+        click.echo(_table(["PID", "NAME", "DEV", "USED"], prows))
+
+
+# ---- top (on the node) ---------------------------------------------------------------
+
+
+def fetch_status(url: str, timeout: float = 5.0) -> dict[str, Any]:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        data: dict[str, Any] = json.loads(resp.read())
+    return data
+
+
+def render_top(data: dict[str, Any]) -> str:
+    agent = data.get("agent", {})
+    rej = sum(agent.get("rejected_reports_total", {}).values())
+    head = (
+        f"gpuvisor node agent pid {agent.get('pid')}  up {agent.get('uptime_s', 0):.0f}s  "
+        f"containers {len(data.get('containers', []))}  connections {agent.get('connections')}  "
+        f"reports {agent.get('reports_total')}  rejected {rej}"
+    )
+    rows = []
+    for c in data.get("containers", []):
+        cid = c["container"]
+        name = "/".join(
+            x or "-" for x in (cid.get("namespace"), cid.get("pod"), cid.get("container"))
+        )
+        for d in c["devices"] or [None]:
+            if d is None:
+                rows.append(
+                    [
+                        name,
+                        "-",
+                        "-",
+                        "-",
+                        "-",
+                        "-",
+                        "-",
+                        str(c["priority"]),
+                        "-",
+                        f"{c['age_s']:.1f}s",
+                    ]
+                )
+                continue
+            rows.append(
+                [
+                    name,
+                    f"{d['index']}:{d['uuid'][:12]}",
+                    _size(d["memory_used"]),
+                    "unlimited" if d["memory_limit"] is None else _size(d["memory_limit"]),
+                    _pct(d["sm_share"]),
+                    _pct(d["sm_limit"]) if d["sm_limit"] else "none",
+                    _pct(d["sm_enforced"]),
+                    str(c["priority"]),
+                    ("yield" if d.get("yield") else "") + (" throttled" if d["throttled"] else ""),
+                    f"{c['age_s']:.1f}s",
+                ]
+            )
+    table = _table(
+        [
+            "CONTAINER",
+            "DEVICE",
+            "USED",
+            "LIMIT",
+            "SM",
+            "SM-LIMIT",
+            "ENFORCED",
+            "PRIO",
+            "STATE",
+            "AGE",
+        ],
+        rows,
+    )
+    return head + "\n\n" + table
+
+
+@click.command("top")
+@click.option("--url", default="http://127.0.0.1:9400/status", show_default=True)
+@click.option("--interval", default=2.0, show_default=True, type=float)
+@click.option("--once", is_flag=True, help="Print once and exit.")
+@click.option("--json", "as_json", is_flag=True, help="Print the agent's status JSON.")
+def top(url: str, interval: float, once: bool, as_json: bool) -> None:
+    """Every container on the node, from the node agent's /status endpoint."""
+    while True:
+        try:
+            data = fetch_status(url)
+        except (OSError, urllib.error.URLError, ValueError) as exc:
+            if once:
+                raise click.ClickException(f"cannot read {url}: {exc}") from exc
+            data = None
+            text = f"cannot read {url}: {exc}"
+        if data is not None:
+            text = json.dumps(data, indent=2) if as_json else render_top(data)
+        if once:
+            click.echo(text)
+            return
+        if sys.stdout.isatty():
+            click.echo("\x1b[H\x1b[2J", nl=False)
+        click.echo(text)
+        try:
+            time.sleep(interval)
+        except KeyboardInterrupt:
+            return

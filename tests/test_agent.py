@@ -1,0 +1,693 @@
+"""The node agent (gpuvisor node-agent): protocol, identity, bad clients, metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from gpuvisor.supervisor.identity import accepted_cgroups, container_cgroup, parse_cgroup
+from gpuvisor.supervisor.protocol import (
+    MAX_MESSAGE_BYTES,
+    ContainerId,
+    DeviceReport,
+    Report,
+    encode,
+    parse_ack,
+    report_message,
+)
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers import REPO_ROOT, clean_env
+
+CLI = [sys.executable, "-c", "from gpuvisor.supervisor.cli import main; main()"]
+GiB = 1 << 30
+
+
+@pytest.fixture
+def sock_path() -> Iterator[str]:
+    # Short: sun_path is limited to 108 bytes, pytest's tmp_path can be longer.
+    d = tempfile.mkdtemp(prefix="gva-", dir="/tmp")
+    yield os.path.join(d, "run", "node.sock")
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class AgentProc:
+    """A node agent in a child process, on its own socket and a free port."""
+
+    def __init__(self, sock: str, *args: str, env: Mapping[str, str] | None = None) -> None:
+        self.sock = sock
+        self.args = list(args)
+        self.env = dict(env) if env is not None else clean_env()
+        self.stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in __exit__)
+        self.proc: subprocess.Popen[str] | None = None
+        self.port = 0
+
+    def start(self) -> AgentProc:
+        self.proc = subprocess.Popen(
+            [
+                *CLI,
+                "node-agent",
+                "--socket",
+                self.sock,
+                "--metrics-host",
+                "127.0.0.1",
+                "--metrics-port",
+                "0",
+                *self.args,
+            ],
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=self.stderr,
+            text=True,
+            cwd=REPO_ROOT,
+        )
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("gpuvisor node-agent ready "):
+            self.proc.kill()
+            self.proc.wait()
+            self.stderr.seek(0)
+            raise AssertionError(f"agent did not start: {line!r}\n{self.stderr.read()}")
+        self.port = json.loads(line.split("ready ", 1)[1])["metrics_port"]
+        return self
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc is not None and self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+    def __enter__(self) -> AgentProc:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+        self.stderr.close()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def get(self, path: str) -> str:
+        with urllib.request.urlopen(self.url + path, timeout=5) as resp:
+            return str(resp.read().decode())
+
+    def status(self) -> dict[str, Any]:
+        data: dict[str, Any] = json.loads(self.get("/status"))
+        return data
+
+    def metrics(self) -> list[tuple[str, dict[str, str], float]]:
+        out = []
+        for fam in text_string_to_metric_families(self.get("/metrics")):
+            for s in fam.samples:
+                out.append((s.name, dict(s.labels), float(s.value)))
+        return out
+
+    def rss(self) -> int:
+        assert self.proc is not None
+        return int(psutil.Process(self.proc.pid).memory_info().rss)
+
+
+def find(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: str) -> list[float]:
+    return [
+        v for n, lab, v in samples if n == name and all(lab.get(k) == x for k, x in labels.items())
+    ]
+
+
+def device(
+    uuid: str = "GPU-aaaa",
+    index: int = 0,
+    used: int = GiB,
+    limit: int | None = 4 * GiB,
+    share: float = 0.0,
+    sm_limit: int | None = None,
+) -> DeviceReport:
+    return DeviceReport(
+        uuid=uuid,
+        index=index,
+        memory_used=used,
+        memory_limit=limit,
+        memory_physical=16 * GiB,
+        oom_refusals=0,
+        sm_share=share,
+        sm_limit=sm_limit,
+        sm_enforced=100.0,
+        throttled=False,
+    )
+
+
+class Client:
+    """A fake supervisor speaking supervisor.protocol."""
+
+    def __init__(
+        self,
+        sock: str,
+        pod: str = "pod-a",
+        namespace: str = "ns",
+        container: str = "main",
+        cgroup: str | None = None,
+        priority: int = 0,
+    ) -> None:
+        self.path = sock
+        self.cid = ContainerId(
+            cgroup=cgroup if cgroup is not None else container_cgroup(),
+            pod=pod,
+            namespace=namespace,
+            container=container,
+        )
+        self.priority = priority
+        self.seq = 0
+        self.sock: socket.socket | None = None
+        self.buf = b""
+        self.connect()
+
+    def connect(self) -> None:
+        self.close()
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(5)
+        self.sock.connect(self.path)
+        self.buf = b""
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    def send(self, data: bytes | dict[str, Any]) -> None:
+        assert self.sock is not None
+        self.sock.sendall(data if isinstance(data, bytes) else json.dumps(data).encode() + b"\n")
+
+    def recv(self) -> dict[str, Any] | None:
+        """The next reply, or None at EOF."""
+        assert self.sock is not None
+        while b"\n" not in self.buf:
+            chunk = self.sock.recv(65536)
+            if not chunk:
+                return None
+            self.buf += chunk
+        line, self.buf = self.buf.split(b"\n", 1)
+        msg = json.loads(line)
+        assert isinstance(msg, dict)
+        return msg
+
+    def report_msg(self, *devices: DeviceReport, final: bool = False) -> dict[str, Any]:
+        self.seq += 1
+        msg: dict[str, Any] = report_message(
+            Report(
+                seq=self.seq,
+                ts=time.time(),
+                container=self.cid,
+                policy="fixed-share",
+                priority=self.priority,
+                pids=[os.getpid()],
+                devices=list(devices) or [device()],
+                final=final,
+            )
+        )
+        return msg
+
+    def report(self, *devices: DeviceReport, final: bool = False) -> dict[str, Any]:
+        self.send(encode(self.report_msg(*devices, final=final)))
+        reply = self.recv()
+        assert reply is not None, "agent closed the connection"
+        return reply
+
+
+def wait_for(pred: Any, timeout: float = 2.0, step: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = pred()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(step)
+
+
+# ---- identity -----------------------------------------------------------------------
+
+
+def test_parse_cgroup_rules():
+    assert parse_cgroup("0::/kubepods/pod1/ctr\n") == "/kubepods/pod1/ctr"
+    v1 = "12:memory:/docker/abc\n4:cpu,cpuacct:/docker/abc\n0::/\n"
+    assert parse_cgroup(v1) == "/docker/abc"
+    assert parse_cgroup("3:cpu,cpuacct:/x\n") == "/x"
+    assert parse_cgroup("") == "/"
+    assert accepted_cgroups(v1) == frozenset({"/docker/abc", "/"})
+    assert accepted_cgroups("0::/k/c\n") == frozenset({"/k/c"})
+
+
+# ---- reports, metrics, status, expiry ----------------------------------------------------
+
+
+def test_two_clients_metrics_status_expiry(sock_path):
+    with AgentProc(sock_path, "--expire-after", "1.0") as agent:
+        a = Client(sock_path, pod="pod-a")
+        b = Client(sock_path, pod="pod-b", container="side")
+        ack = a.report(device(used=1 * GiB, share=40.0, sm_limit=50))
+        assert ack["type"] == "ack"
+        assert ack["seq"] == 1
+        assert parse_ack(ack).yield_devices == {"GPU-aaaa": False}
+        assert b.report(device(used=3 * GiB, limit=None))["type"] == "ack"
+        t0 = time.monotonic()
+
+        def both() -> list[Any]:
+            m = agent.metrics()
+            return m if find(m, "gpuvisor_container_memory_used_bytes", podname="pod-b") else []
+
+        m = wait_for(both)
+        assert time.monotonic() - t0 < 2
+        lab = {"podnamespace": "ns", "deviceuuid": "GPU-aaaa", "deviceidx": "0"}
+        assert find(
+            m, "gpuvisor_container_memory_used_bytes", podname="pod-a", ctrname="main", **lab
+        ) == [GiB]
+        assert find(
+            m, "gpuvisor_container_memory_used_bytes", podname="pod-b", ctrname="side", **lab
+        ) == [3 * GiB]
+        assert find(m, "gpuvisor_container_memory_limit_bytes", podname="pod-a") == [4 * GiB]
+        assert find(m, "gpuvisor_container_memory_limit_bytes", podname="pod-b") == []
+        assert find(m, "gpuvisor_container_sm_share_ratio", podname="pod-a") == [0.4]
+        assert find(m, "gpuvisor_container_sm_limit_ratio", podname="pod-a") == [0.5]
+        assert find(m, "gpuvisor_container_sm_enforced_ratio", podname="pod-a") == [1.0]
+        assert find(m, "gpuvisor_container_throttled", podname="pod-a") == [0.0]
+        assert find(m, "gpuvisor_container_oom_refusals_total", podname="pod-a") == [0.0]
+        assert find(m, "gpuvisor_container_processes", podname="pod-a") == [1.0]
+        assert find(m, "gpuvisor_container_last_report_timestamp_seconds", podname="pod-a")[0] > 0
+        hami = {"namespace": "ns", "vdevice_index": "0", "device_uuid": "GPU-aaaa"}
+        assert find(m, "hami_vgpu_memory_used_bytes", pod="pod-a", container="main", **hami) == [
+            GiB
+        ]
+        assert find(m, "hami_vgpu_memory_used_bytes", pod="pod-b", container="side", **hami) == [
+            3 * GiB
+        ]
+        assert find(m, "hami_vgpu_memory_limit_bytes", pod="pod-a") == [4 * GiB]
+        assert find(m, "hami_vgpu_memory_limit_bytes", pod="pod-b") == [16 * GiB]
+        assert find(m, "hami_container_device_utilization_ratio", pod="pod-a") == [40.0]
+        assert find(m, "gpuvisor_agent_reports_total") == [2.0]
+        assert find(m, "gpuvisor_agent_connections") == [2.0]
+        assert (
+            find(m, "vGPU_device_memory_usage_in_bytes") == []
+        )  # legacy names: only with the flag
+
+        st = agent.status()
+        pods = {c["container"]["pod"]: c for c in st["containers"]}
+        assert set(pods) == {"pod-a", "pod-b"}
+        assert pods["pod-a"]["devices"][0]["memory_used"] == GiB
+        assert pods["pod-a"]["devices"][0]["memory_used_ratio"] == 0.25
+        assert pods["pod-a"]["peer"]["pid"] == os.getpid()
+        assert st["agent"]["reports_total"] == 2
+
+        # b keeps reporting, a stops: a expires, b stays.
+        deadline = time.monotonic() + 1.8
+        while time.monotonic() < deadline:
+            b.report(device(used=3 * GiB, limit=None))
+            time.sleep(0.2)
+        m = agent.metrics()
+        assert find(m, "gpuvisor_container_memory_used_bytes", podname="pod-a") == []
+        assert find(m, "hami_vgpu_memory_used_bytes", pod="pod-a") == []
+        assert find(m, "gpuvisor_container_memory_used_bytes", podname="pod-b") == [3 * GiB]
+        assert [c["container"]["pod"] for c in agent.status()["containers"]] == ["pod-b"]
+        # A final report removes the container at once.
+        assert b.report(device(), final=True)["type"] == "ack"
+        assert agent.status()["containers"] == []
+        a.close()
+        b.close()
+
+
+def test_legacy_metrics_flag(sock_path):
+    with AgentProc(sock_path, "--legacy-metrics") as agent:
+        c = Client(sock_path, pod="legacy")
+        c.report(device(used=2 * GiB))
+        m = agent.metrics()
+        lab = {
+            "podnamespace": "ns",
+            "podname": "legacy",
+            "ctrname": "main",
+            "vdeviceid": "0",
+            "deviceuuid": "GPU-aaaa",
+        }
+        assert find(m, "vGPU_device_memory_usage_in_bytes", **lab) == [2 * GiB]
+        assert find(m, "vGPU_device_memory_limit_in_bytes", **lab) == [4 * GiB]
+        assert find(m, "Device_memory_desc_of_container", **lab) == [2 * GiB]
+        assert find(m, "Device_utilization_desc_of_container", **lab) == [0.0]
+        assert find(m, "hami_vgpu_memory_used_bytes", pod="legacy") == [2 * GiB]
+        c.close()
+
+
+def test_host_metrics_from_nvml(sock_path, node):
+    with AgentProc(sock_path, env=node.env) as agent:
+        m = agent.metrics()
+        totals = find(m, "gpuvisor_device_memory_total_bytes")
+        assert totals == [16 * GiB, 16 * GiB]
+        assert len(find(m, "hami_host_gpu_memory_used_bytes")) == 2
+        assert len(find(m, "hami_host_gpu_utilization_ratio")) == 2
+        assert find(m, "HostGPUMemoryUsage") == []
+
+
+# ---- identity and bad clients -----------------------------------------------------------
+
+
+def test_spoofed_identity_rejected_and_counted(sock_path):
+    with AgentProc(sock_path) as agent:
+        liar = Client(sock_path, pod="victim", cgroup="/kubepods/someone-else")
+        reply = liar.report()
+        assert reply["type"] == "error"
+        assert "container.cgroup" in reply["error"]
+        assert "/kubepods/someone-else" in reply["error"]
+        assert reply["seq"] == 1
+        m = agent.metrics()
+        assert find(m, "gpuvisor_agent_rejected_reports_total", reason="identity") == [1.0]
+        assert find(m, "gpuvisor_container_memory_used_bytes", podname="victim") == []
+        # The same connection may still send honest reports.
+        liar.cid = ContainerId(cgroup=container_cgroup(), pod="honest")
+        assert liar.report()["type"] == "ack"
+        liar.close()
+
+
+def test_bad_messages_named_and_counted(sock_path):
+    with AgentProc(sock_path) as agent:
+        c = Client(sock_path)
+        c.send(b"{not json\n")
+        r = c.recv()
+        assert r is not None
+        assert r["type"] == "error"
+        assert "not JSON" in r["error"]
+        c.send(b"[1,2]\n")
+        r = c.recv()
+        assert r is not None
+        assert "object" in r["error"]
+        good = c.report_msg()
+        c.send({**good, "v": 2})
+        r = c.recv()
+        assert r is not None
+        assert r["error"].startswith("v=2")
+        bad_dev = dict(good["devices"][0])
+        del bad_dev["memory_used"]
+        c.send({**good, "devices": [bad_dev]})
+        r = c.recv()
+        assert r is not None
+        assert "devices[0].memory_used" in r["error"]
+        assert r["seq"] == good["seq"]
+        c.send({**good, "priority": "high"})
+        r = c.recv()
+        assert r is not None
+        assert r["error"].startswith("priority=")
+        c.send({**good, "devices": [{**bad_dev, "memory_used": 1, "sm_share": 300}]})
+        r = c.recv()
+        assert r is not None
+        assert "devices[0].sm_share" in r["error"]
+        c.send({"v": 1, "type": "hello"})
+        r = c.recv()
+        assert r is not None
+        assert r["error"].startswith("type=")
+        # Still served.
+        assert c.report()["type"] == "ack"
+        m = agent.metrics()
+        rej = {lab["reason"]: v for n, lab, v in m if n == "gpuvisor_agent_rejected_reports_total"}
+        assert rej["malformed"] == 2
+        assert rej["version"] == 1
+        assert rej["field"] == 3
+        assert rej["type"] == 1
+        assert find(m, "gpuvisor_agent_reports_total") == [1.0]
+        c.close()
+
+
+def test_oversized_line_disconnects_and_others_are_served(sock_path):
+    with AgentProc(sock_path) as agent:
+        good = Client(sock_path, pod="good")
+        big = Client(sock_path, pod="big")
+        assert big.sock is not None
+        with contextlib.suppress(OSError):  # the agent may close before we finish
+            big.sock.sendall(b"x" * (MAX_MESSAGE_BYTES + 100))
+        r = big.recv()
+        assert r is not None
+        assert r["type"] == "error"
+        assert "longer than" in r["error"]
+        assert big.recv() is None  # disconnected
+        # A complete but too long line as well.
+        big.connect()
+        with contextlib.suppress(OSError):
+            big.send(b'{"v":1,"pad":"' + b"y" * MAX_MESSAGE_BYTES + b'"}\n')
+        r = big.recv()
+        assert r is not None
+        assert "longer than" in r["error"]
+        assert big.recv() is None
+        assert good.report()["type"] == "ack"
+        m = agent.metrics()
+        assert find(m, "gpuvisor_agent_rejected_reports_total", reason="oversize") == [2.0]
+        assert find(m, "gpuvisor_agent_disconnects_total", reason="oversize") == [2.0]
+        good.close()
+        big.close()
+
+
+def test_slow_client_disconnected_after_timeout(sock_path):
+    with AgentProc(sock_path, "--read-timeout", "0.5") as agent:
+        good = Client(sock_path, pod="good")
+        slow = Client(sock_path, pod="slow")
+        msg = encode(slow.report_msg())
+        slow.send(msg[:20])  # a partial line, then nothing
+        t0 = time.monotonic()
+        r = slow.recv()
+        elapsed = time.monotonic() - t0
+        assert r is not None
+        assert r["type"] == "error"
+        assert "incomplete" in r["error"]
+        assert slow.recv() is None
+        assert 0.4 < elapsed < 2.0
+        assert good.report()["type"] == "ack"
+        assert find(agent.metrics(), "gpuvisor_agent_disconnects_total", reason="timeout") == [1.0]
+        good.close()
+        slow.close()
+
+
+def test_flood_is_rate_limited_and_counted(sock_path):
+    with AgentProc(sock_path, "--rate", "50", "--burst", "20") as agent:
+        flood = Client(sock_path, pod="flood")
+        n = 400
+        flood.send(b"".join(encode(flood.report_msg()) for _ in range(n)))
+        replies = [flood.recv() for _ in range(n)]
+        assert all(r is not None for r in replies)
+        errors = [r for r in replies if r is not None and r["type"] == "error"]
+        acks = [r for r in replies if r is not None and r["type"] == "ack"]
+        assert errors
+        assert "rate limit" in errors[0]["error"]
+        assert 20 <= len(acks) <= 60
+        m = agent.metrics()
+        assert find(m, "gpuvisor_agent_rejected_reports_total", reason="rate") == [
+            float(len(errors))
+        ]
+        good = Client(sock_path, pod="good")
+        assert good.report()["type"] == "ack"
+        time.sleep(0.1)
+        assert flood.report()["type"] == "ack"  # tokens refill
+        flood.close()
+        good.close()
+
+
+def test_many_connections_capped_memory_bounded(sock_path):
+    with AgentProc(sock_path, "--max-connections", "50", "--read-timeout", "30") as agent:
+        rss0 = agent.rss()
+        socks = []
+        refused = 0
+        for _ in range(80):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)
+            s.connect(sock_path)
+            s.sendall(b'{"v":1,"type":"report","pad":"' + b"z" * 30000)  # partial lines
+            socks.append(s)
+        time.sleep(0.5)
+        readable, _, _ = select.select(socks, [], [], 1.0)
+        for s in readable:
+            try:
+                data = s.recv(4096)
+            except OSError:
+                continue
+            if b"too many connections" in data:
+                refused += 1
+        assert refused == 30
+        assert agent.status()["agent"]["connections"] == 50
+        for s in socks[:10]:
+            s.close()
+        good = wait_for(lambda: _try_client(sock_path), timeout=3)
+        assert good is not None
+        assert good.report()["type"] == "ack"
+        assert agent.rss() - rss0 < 30 * 2**20
+        for s in socks:
+            s.close()
+        good.close()
+
+
+def _is_dead(c: Client) -> bool:
+    try:
+        c.send(encode(c.report_msg()))
+        return c.recv() is None
+    except OSError:
+        return True
+
+
+def _try_client(sock_path: str) -> Client | None:
+    c = Client(sock_path, pod="good")
+    try:
+        reply = c.report()
+    except (OSError, AssertionError):
+        c.close()
+        return None
+    if reply.get("type") != "ack":
+        c.close()
+        return None
+    c.seq = reply["seq"]
+    return c
+
+
+# ---- restart, priority, pushed limits ------------------------------------------------------
+
+
+def test_agent_restart_client_reconnects(sock_path):
+    agent = AgentProc(sock_path).start()
+    c = Client(sock_path)
+    assert c.report()["type"] == "ack"
+    agent.stop()
+    agent2 = AgentProc(sock_path).start()
+    try:
+        assert _is_dead(c)  # the old connection: EOF or a reset
+        c.connect()  # what the supervisor's reporter does
+        assert c.report()["type"] == "ack"
+        assert len(agent2.status()["containers"]) == 1
+    finally:
+        c.close()
+        agent2.stop()
+        agent.stderr.close()
+        agent2.stderr.close()
+
+
+def test_priority_low_yields_while_high_is_active(sock_path):
+    with AgentProc(sock_path) as agent:
+        high = Client(sock_path, pod="high", priority=0)
+        low = Client(sock_path, pod="low", priority=1)
+        other = device(uuid="GPU-bbbb", index=1)
+        ack = parse_ack(low.report(device(share=50.0), other))
+        assert ack.yield_devices == {"GPU-aaaa": False, "GPU-bbbb": False}
+        assert parse_ack(high.report(device(share=30.0))).yield_devices == {"GPU-aaaa": False}
+        ack = parse_ack(low.report(device(share=50.0), other))
+        assert ack.yield_devices == {"GPU-aaaa": True, "GPU-bbbb": False}
+        m = agent.metrics()
+        assert find(m, "gpuvisor_container_yield", podname="low", deviceuuid="GPU-aaaa") == [1.0]
+        # High goes idle: the low one may run again.
+        high.report(device(share=0.2))
+        ack = parse_ack(low.report(device(share=50.0), other))
+        assert ack.yield_devices == {"GPU-aaaa": False, "GPU-bbbb": False}
+        high.close()
+        low.close()
+
+
+def test_pushed_limit_reaches_next_ack(sock_path):
+    with AgentProc(sock_path) as agent:
+        c = Client(sock_path, pod="tenant", namespace="team")
+        ack = c.report(device(limit=8 * GiB))
+        assert ack["limits"] == {}
+        key = agent.status()["containers"][0]["key"]
+        proc = subprocess.run(
+            [
+                *CLI,
+                "node-agent",
+                "set-limit",
+                "--socket",
+                sock_path,
+                "--container",
+                key,
+                "--device",
+                "GPU-aaaa",
+                "--memory",
+                "4g",
+                "--cores",
+                "30",
+            ],
+            capture_output=True,
+            text=True,
+            env=clean_env(),
+            cwd=REPO_ROOT,
+            timeout=30,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr
+        instr = parse_ack(c.report(device(limit=8 * GiB)))
+        assert instr.memory_limits == {"GPU-aaaa": 4 * GiB}
+        assert instr.sm_limits == {"GPU-aaaa": 30}
+        # Repeated until the container's report shows it applied.
+        instr = parse_ack(c.report(device(limit=4 * GiB, sm_limit=30)))
+        assert instr.memory_limits == {}
+        assert instr.sm_limits == {}
+        # namespace/pod/container works as a name too; only the memory limit this time.
+        proc = subprocess.run(
+            [
+                *CLI,
+                "node-agent",
+                "set-limit",
+                "--socket",
+                sock_path,
+                "--container",
+                "team/tenant/main",
+                "--device",
+                "GPU-aaaa",
+                "--memory",
+                "none",
+            ],
+            capture_output=True,
+            text=True,
+            env=clean_env(),
+            cwd=REPO_ROOT,
+            timeout=30,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr
+        ack = c.report(device(limit=4 * GiB, sm_limit=30))
+        assert ack["limits"] == {"GPU-aaaa": {"memory": None}}
+        # An unknown container is an error naming it.
+        proc = subprocess.run(
+            [
+                *CLI,
+                "node-agent",
+                "set-limit",
+                "--socket",
+                sock_path,
+                "--container",
+                "nope",
+                "--device",
+                "GPU-aaaa",
+                "--cores",
+                "10",
+            ],
+            capture_output=True,
+            text=True,
+            env=clean_env(),
+            cwd=REPO_ROOT,
+            timeout=30,
+            check=False,
+        )
+        assert proc.returncode != 0
+        assert "nope" in proc.stderr
+        c.close()
+
+
+def test_socket_created_with_directory_and_open_mode(sock_path):
+    with AgentProc(sock_path):
+        assert Path(sock_path).is_socket()
+        assert Path(sock_path).stat().st_mode & 0o777 == 0o666
+    assert not Path(sock_path).exists()
