@@ -1,0 +1,204 @@
+"""`gpuvisor run` as PID 1: exit codes, signal forwarding, zombie reaping,
+and the workload never outliving the supervisor.
+
+The supervisor is not PID 1 here; it makes itself a child subreaper
+(prctl), which gives it the same orphans PID 1 would get.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.helpers import REPO_ROOT, clean_env
+
+RUN = [sys.executable, "-c", "from gpuvisor.supervisor.cli import main; main()", "run"]
+
+
+@pytest.fixture
+def env(tmp_path: Path, build_dir: Path) -> dict[str, str]:
+    e = clean_env()
+    e["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = str(tmp_path / "region.shr")
+    e["GPUVISOR_NODE_SOCKET"] = str(tmp_path / "no-agent.sock")
+    return e
+
+
+def run(env: dict[str, str], *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*RUN, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=REPO_ROOT,
+    )
+
+
+def start(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [*RUN, *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+
+
+def py(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+@pytest.mark.parametrize("code", [0, 3, 255])
+def test_exit_code_passthrough(env, code):
+    proc = run(env, "--", "sh", "-c", f"echo out; exit {code}")
+    assert proc.returncode == code, proc.stderr
+    assert proc.stdout == "out\n"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGSEGV])
+def test_killed_by_signal_is_128_plus_n(env, sig):
+    proc = run(env, "--", *py(f"import os; os.kill(os.getpid(), {int(sig)})"))
+    assert proc.returncode == 128 + sig, proc.stderr
+
+
+def test_command_not_found_is_127(env):
+    proc = run(env, "--", "/nonexistent/command")
+    assert proc.returncode == 127
+    assert "command not found" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "sig",
+    [
+        signal.SIGTERM,
+        signal.SIGINT,
+        signal.SIGHUP,
+        signal.SIGQUIT,
+        signal.SIGUSR1,
+        signal.SIGUSR2,
+    ],
+)
+def test_signals_are_forwarded(env, sig):
+    workload = py(
+        f"""
+        import signal, sys, time
+        def handler(n, frame):
+            print("got", n, flush=True)
+            sys.exit(40)
+        signal.signal({int(sig)}, handler)
+        print("ready", flush=True)
+        time.sleep(30)
+        sys.exit(1)
+        """
+    )
+    sup = start(env, "--", *workload)
+    assert sup.stdout is not None
+    assert sup.stdout.readline() == "ready\n"
+    sup.send_signal(sig)
+    out, err = sup.communicate(timeout=20)
+    assert sup.returncode == 40, err
+    assert out == f"got {int(sig)}\n"
+
+
+def test_orphaned_zombies_are_reaped(env):
+    # The workload double-forks: the grandchild is orphaned, re-parented to
+    # the supervisor (subreaper), and exits while the workload still runs.
+    workload = py(
+        """
+        import os, time
+        r, w = os.pipe()
+        middle = os.fork()
+        if middle == 0:
+            orphan = os.fork()
+            if orphan == 0:
+                time.sleep(0.6)
+                os._exit(0)
+            os.write(w, f"{orphan}\\n".encode())
+            os._exit(0)
+        os.waitpid(middle, 0)
+        print(os.read(r, 64).decode().strip(), flush=True)
+        time.sleep(2.5)
+        """
+    )
+    sup = start(env, "--", *workload)
+    assert sup.stdout is not None
+    orphan = int(sup.stdout.readline())
+    # Re-parented to the supervisor, not to init.
+    assert psutil.Process(orphan).ppid() == sup.pid
+    deadline = time.monotonic() + 1.5
+    while time.monotonic() < deadline and psutil.pid_exists(orphan):
+        time.sleep(0.05)
+    # Exited and reaped while the workload is still running: not a zombie.
+    assert not psutil.pid_exists(orphan), psutil.Process(orphan).status()
+    zombies = [c for c in psutil.Process(sup.pid).children() if c.status() == psutil.STATUS_ZOMBIE]
+    assert zombies == []
+    assert sup.poll() is None
+    sup.communicate(timeout=20)
+    assert sup.returncode == 0
+
+
+def test_sigterm_then_sigkill_after_grace(env):
+    workload = py(
+        """
+        import os, signal, subprocess, time
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        child = subprocess.Popen(["sleep", "60"])
+        print(os.getpid(), child.pid, flush=True)
+        time.sleep(60)
+        """
+    )
+    sup = start(env, "--grace", "0.5", "--", *workload)
+    assert sup.stdout is not None
+    pids = [int(p) for p in sup.stdout.readline().split()]
+    t0 = time.monotonic()
+    sup.send_signal(signal.SIGTERM)
+    _, err = sup.communicate(timeout=20)
+    elapsed = time.monotonic() - t0
+    assert sup.returncode == 128 + signal.SIGKILL, err
+    assert 0.4 < elapsed < 5, elapsed
+    assert "SIGKILL" in err
+    for pid in pids:
+        assert not psutil.pid_exists(pid)
+
+
+def test_leftover_group_members_are_terminated(env):
+    # The workload's main process exits, leaving a background child behind.
+    proc = run(env, "--", "sh", "-c", "sleep 60 & echo $!; exit 4", timeout=20)
+    assert proc.returncode == 4, proc.stderr
+    assert not psutil.pid_exists(int(proc.stdout.split()[0]))
+
+
+def test_python_dash_m_entry_point(env):
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpuvisor.supervisor", "run", "--", "sh", "-c", "exit 7"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 7, proc.stderr
+
+
+def test_workload_gets_a_clean_signal_state(env):
+    # Its own process group, no blocked signals, SIGPIPE at its default.
+    workload = py(
+        """
+        import os, signal
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        print(os.getpgrp() == os.getpid(), sorted(int(s) for s in mask))
+        """
+    )
+    proc = run(env, "--", *workload)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "True []"

@@ -1,0 +1,407 @@
+"""`gpuvisor run` on the simulated node: the shim is preloaded with the
+limits given, every bad value stops it before the workload starts, the
+node agent being away never holds the workload up, and a (fake) agent gets
+periodic and final reports and steers the container through its acks.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+from gpuvisor.supervisor.protocol import (
+    Instructions,
+    Report,
+    ack_message,
+    decode,
+    encode,
+    error_message,
+    parse_report,
+)
+
+from tests.helpers import GiB, REPO_ROOT, SimNode
+
+RUN = [sys.executable, "-c", "from gpuvisor.supervisor.cli import main; main()", "run"]
+
+MEMINFO = """
+import json
+from tests.cuclient import init, mem_info
+init()
+print(json.dumps(mem_info()))
+"""
+
+# Launches 200 us kernels until the file argv[1] exists.
+LAUNCHER = """
+import ctypes, os, sys, time
+from cuda.bindings import driver as cu
+def chk(res):
+    err = res[0] if isinstance(res, tuple) else res
+    assert err == cu.CUresult.CUDA_SUCCESS, err
+    return res[1] if isinstance(res, tuple) and len(res) == 2 else res
+chk(cu.cuInit(0))
+ctx = chk(cu.cuDevicePrimaryCtxRetain(0))
+chk(cu.cuCtxSetCurrent(ctx))
+mod = chk(cu.cuModuleLoadData(b"any image"))
+spin = chk(cu.cuModuleGetFunction(mod, b"spin"))
+s = chk(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+print("launching", flush=True)
+deadline = time.monotonic() + 30
+while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+    for _ in range(20):
+        chk(cu.cuLaunchKernel(spin, 1, 1, 1, 128, 1, 1, 0, s, ((200,), (ctypes.c_uint32,)), 0))
+chk(cu.cuStreamSynchronize(s))
+"""
+
+READ_SM = """
+import json, sys
+from gpuvisor.shim import Region
+r = Region.attach(sys.argv[1])
+s = r.sm(0)
+print(json.dumps({"limit": s.limit, "share": s.share, "launches": s.launches,
+                  "uuid": r.device_uuid(0), "mem_limit": r.get_limit(0)}))
+"""
+
+
+def run(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*RUN, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=REPO_ROOT,
+    )
+
+
+def py(code: str) -> list[str]:
+    return [sys.executable, "-c", textwrap.dedent(code)]
+
+
+def read_sm(node: SimNode) -> dict[str, object]:
+    proc = subprocess.run(
+        py(READ_SM) + [str(node.region)],
+        env=node.env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+        cwd=REPO_ROOT,
+    )
+    result: dict[str, object] = json.loads(proc.stdout)
+    return result
+
+
+@pytest.fixture
+def env(node: SimNode) -> dict[str, str]:
+    """The simulated node's env (simulator on LD_LIBRARY_PATH), no agent."""
+    e = dict(node.env)
+    e["GPUVISOR_NODE_SOCKET"] = str(node.dir / "no-agent.sock")
+    return e
+
+
+def test_memory_option_is_the_device_size(node, env):
+    env.pop("LD_LIBRARY_PATH")  # --simulate puts the simulator there
+    proc = run(env, "--simulate", "--memory", "4g", "--", *py(MEMINFO))
+    assert proc.returncode == 0, proc.stderr
+    free, total = json.loads(proc.stdout.splitlines()[-1])
+    assert total == 4 * GiB
+    assert 0 < free < total
+
+
+def test_injected_environment_is_used(node, env):
+    env["CUDA_DEVICE_MEMORY_LIMIT"] = "2g"
+    env["CUDA_DEVICE_MEMORY_LIMIT_0"] = "3g"
+    proc = run(env, "--", *py(MEMINFO))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1])[1] == 3 * GiB
+
+
+def test_region_option(node, env, tmp_path):
+    region = tmp_path / "other.shr"
+    proc = run(env, "--memory", "1g", "--region", str(region), "--", *py(MEMINFO))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1])[1] == GiB
+    assert region.exists()
+
+
+BAD = [
+    (["--memory", "12q"], {}, "--memory", "12q"),
+    (["--memory", "150%"], {}, "--memory", "150%"),
+    (["--cores", "101"], {}, "--cores", "101"),
+    (["--cores", "abc"], {}, "--cores", "abc"),
+    (["--policy", "fair"], {}, "--policy", "fair"),
+    (["--priority", "2"], {}, "--priority", "2"),
+    (["--report-interval", "0"], {}, "--report-interval", "0"),
+    (["--report-interval", "nan"], {}, "--report-interval", "nan"),
+    (["--grace", "-1"], {}, "--grace", "-1"),
+    (["--socket", "/" + "s" * 200], {}, "--socket", "sss"),
+    ([], {"CUDA_DEVICE_MEMORY_LIMIT": "abc"}, "CUDA_DEVICE_MEMORY_LIMIT", "abc"),
+    ([], {"CUDA_DEVICE_MEMORY_LIMIT_0": "0"}, "CUDA_DEVICE_MEMORY_LIMIT_0", "0"),
+    ([], {"CUDA_DEVICE_MEMORY_LIMIT_x": "1g"}, "CUDA_DEVICE_MEMORY_LIMIT_x", "1g"),
+    ([], {"CUDA_DEVICE_SM_LIMIT": "abc"}, "CUDA_DEVICE_SM_LIMIT", "abc"),
+    ([], {"CUDA_DEVICE_SM_LIMIT_1": "12.5"}, "CUDA_DEVICE_SM_LIMIT_1", "12.5"),
+    ([], {"GPUVISOR_SM_POLICY": "x"}, "GPUVISOR_SM_POLICY", "x"),
+    ([], {"GPU_CORE_UTILIZATION_POLICY": "x"}, "GPU_CORE_UTILIZATION_POLICY", "x"),
+    ([], {"CUDA_TASK_PRIORITY": "7"}, "CUDA_TASK_PRIORITY", "7"),
+    ([], {"GPUVISOR_NODE_SOCKET": ""}, "GPUVISOR_NODE_SOCKET", "''"),
+    ([], {"GPUVISOR_REPORT_INTERVAL": "0"}, "GPUVISOR_REPORT_INTERVAL", "0"),
+    ([], {"GPUVISOR_KILL_GRACE": "soon"}, "GPUVISOR_KILL_GRACE", "soon"),
+    # An option is checked together with the environment it ends up in.
+    (["--memory", "4g"], {"CUDA_DEVICE_MEMORY_LIMIT_1": "?"}, "CUDA_DEVICE_MEMORY_LIMIT_1", "?"),
+]
+
+
+@pytest.mark.parametrize(
+    ("args", "variables", "name", "value"), BAD, ids=[f"{b[2]}={b[3]}"[:40] for b in BAD]
+)
+def test_bad_value_stops_before_the_workload(env, tmp_path, args, variables, name, value):
+    marker = tmp_path / "started"
+    env.update(variables)
+    proc = run(env, *args, "--", "sh", "-c", f"touch {marker}")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert name in lines[0]
+    assert value in lines[0]
+    assert not marker.exists()
+
+
+def test_corrupt_region_stops_before_the_workload(env, tmp_path):
+    region = tmp_path / "bad.shr"
+    region.write_bytes(b"not a region" * 100)
+    marker = tmp_path / "started"
+    proc = run(env, "--region", str(region), "--", "sh", "-c", f"touch {marker}")
+    assert proc.returncode == 2
+    assert "CUDA_DEVICE_MEMORY_SHARED_CACHE" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not marker.exists()
+
+
+def test_no_agent_never_holds_the_workload_up(env):
+    t0 = time.monotonic()
+    proc = run(env, "--report-interval", "0.1", "--", "sh", "-c", "sleep 1.5; exit 6")
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 6, proc.stderr
+    assert elapsed < 4, elapsed
+
+
+def test_silent_agent_never_holds_the_workload_up(env, node):
+    # Accepts connections, never answers.
+    path = node.dir / "silent.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(16)
+    env["GPUVISOR_NODE_SOCKET"] = str(path)
+    try:
+        t0 = time.monotonic()
+        proc = run(env, "--report-interval", "0.1", "--", "sh", "-c", "sleep 1; exit 0")
+        elapsed = time.monotonic() - t0
+    finally:
+        server.close()
+    assert proc.returncode == 0, proc.stderr
+    assert elapsed < 5, elapsed
+
+
+class FakeAgent:
+    """A node agent on a Unix socket: records reports, acks with instructions."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.reports: list[Report] = []
+        self.instructions = Instructions()
+        self.reply_error: str | None = None
+        self.lock = threading.Lock()
+        self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.server.bind(str(path))
+        self.server.listen(16)
+        self.server.settimeout(0.2)
+        self.stopping = False
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stopping:
+            try:
+                conn, _ = self.server.accept()
+            except OSError:
+                continue
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn: socket.socket) -> None:
+        with conn, conn.makefile("rb") as f:
+            for line in f:
+                report = parse_report(decode(line))
+                with self.lock:
+                    self.reports.append(report)
+                    reply = (
+                        error_message(report.seq, self.reply_error)
+                        if self.reply_error
+                        else ack_message(report.seq, self.instructions)
+                    )
+                conn.sendall(encode(reply))
+
+    def wait_for(self, pred, timeout: float = 15) -> Report:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                for r in self.reports:
+                    if pred(r):
+                        return r
+            time.sleep(0.05)
+        raise AssertionError(f"no matching report in {timeout}s; got {self.reports[-3:]}")
+
+    def close(self) -> None:
+        self.stopping = True
+        self.server.close()
+
+
+@pytest.fixture
+def agent(node: SimNode) -> Iterator[FakeAgent]:
+    a = FakeAgent(node.dir / "agent.sock")
+    yield a
+    a.close()
+
+
+def test_reports_and_final_report(env, agent):
+    env.update(
+        POD_NAME="pod-a",
+        POD_NAMESPACE="ns-a",
+        CONTAINER_NAME="ctr-a",
+        GPUVISOR_NODE_SOCKET=str(agent.path),
+    )
+    proc = run(
+        env,
+        "--report-interval",
+        "0.1",
+        "--memory",
+        "2g",
+        "--priority",
+        "1",
+        "--policy",
+        "burst-share",
+        "--",
+        *py(MEMINFO + "import time; time.sleep(0.8)\n"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    reports = agent.reports
+    assert len(reports) >= 4
+    assert [r.seq for r in reports] == sorted(r.seq for r in reports)
+    assert reports[-1].final
+    assert not any(r.final for r in reports[:-1])
+    last = reports[-1]
+    assert last.container.pod == "pod-a"
+    assert last.container.namespace == "ns-a"
+    assert last.container.container == "ctr-a"
+    assert last.container.cgroup.startswith("/")
+    assert last.policy == "burst-share"
+    assert last.priority == 1
+    with_dev = [r for r in reports if r.devices]
+    assert with_dev, reports
+    d = with_dev[0].devices[0]
+    assert d.uuid.startswith("GPU-")
+    assert d.memory_limit == 2 * GiB
+    assert d.memory_physical == 16 * GiB
+    assert d.memory_used > 0
+    assert d.oom_refusals == 0
+    assert any(r.pids for r in with_dev)
+
+
+def test_agent_error_reply_is_logged_once(env, agent):
+    agent.reply_error = "container not admitted"
+    env["GPUVISOR_NODE_SOCKET"] = str(agent.path)
+    proc = run(env, "--report-interval", "0.1", "--", "sh", "-c", "sleep 0.6")
+    assert proc.returncode == 0
+    assert proc.stderr.count("container not admitted") == 1, proc.stderr
+    assert len(agent.reports) >= 3
+
+
+def test_agent_steers_yield_and_sm_limit_live(env, agent, node):
+    env["GPUVISOR_NODE_SOCKET"] = str(agent.path)
+    stop = node.dir / "stop"
+    sup = subprocess.Popen(
+        [*RUN, "--report-interval", "0.1", "--cores", "50", "--", *py(LAUNCHER), str(stop)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    try:
+        assert sup.stdout is not None
+        assert sup.stdout.readline() == "launching\n"
+        report = agent.wait_for(lambda r: any(d.sm_share > 0 for d in r.devices))
+        dev = report.devices[0]
+        assert dev.sm_limit == 50
+        assert 0 < dev.sm_share <= 60
+        uuid = dev.uuid
+        agent.wait_for(lambda r: any(d.throttled for d in r.devices))
+
+        # The agent asks the container to yield: its launches stop.
+        with agent.lock:
+            agent.instructions = Instructions(yield_devices={uuid: True})
+        agent.wait_for(lambda r: any(d.sm_enforced == 0 for d in r.devices))
+        first = read_sm(node)
+        time.sleep(0.3)
+        second = read_sm(node)
+        assert first["share"] == 0
+        assert second["launches"] == first["launches"]
+
+        # ... then to resume under a lower SM limit and a new memory limit.
+        with agent.lock:
+            agent.instructions = Instructions(
+                yield_devices={uuid: False},
+                sm_limits={uuid: 20},
+                memory_limits={uuid: 3 * GiB},
+            )
+        agent.wait_for(lambda r: any(d.sm_limit == 20 and d.sm_enforced > 0 for d in r.devices))
+        state = read_sm(node)
+        assert state["limit"] == 20
+        assert state["mem_limit"] == 3 * GiB
+        time.sleep(0.3)
+        assert read_sm(node)["launches"] > state["launches"]  # type: ignore[operator]
+        stop.touch()
+        sup.communicate(timeout=30)
+        assert sup.returncode == 0
+        assert agent.reports[-1].final
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.communicate()
+
+
+def test_supervisor_cpu_at_10hz(env, agent, node):
+    """The supervisor's own CPU time while tuning (10 Hz) and reporting."""
+    env["GPUVISOR_NODE_SOCKET"] = str(agent.path)
+    stop = node.dir / "stop"
+    sup = subprocess.Popen(
+        [*RUN, "--cores", "50", "--", *py(LAUNCHER), str(stop)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    try:
+        assert sup.stdout is not None
+        assert sup.stdout.readline() == "launching\n"
+        agent.wait_for(lambda r: bool(r.devices))
+        p = psutil.Process(sup.pid)
+        c0, t0 = p.cpu_times(), time.monotonic()
+        time.sleep(3)
+        c1, t1 = p.cpu_times(), time.monotonic()
+        cpu = (c1.user + c1.system - c0.user - c0.system) / (t1 - t0) * 100
+        print(f"supervisor CPU at 10 Hz: {cpu:.2f}% of one core")
+        assert cpu < 2.0
+    finally:
+        stop.touch()
+        sup.communicate(timeout=30)
