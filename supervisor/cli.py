@@ -5,8 +5,6 @@ from __future__ import annotations
 import click
 from gpuvisor.shim.cli import shim_info
 
-from .views import node_agent, status, top
-
 from .run import run
 from .views import node_agent, status, top
 
@@ -17,9 +15,6 @@ def main() -> None:
 
 
 main.add_command(shim_info)
-main.add_command(node_agent)
-main.add_command(status)
-main.add_command(top)
 main.add_command(run)
 
 main.add_command(node_agent)
