@@ -28,7 +28,7 @@ from gpuvisor.supervisor.protocol import (
     parse_report,
 )
 
-from tests.helpers import GiB, REPO_ROOT, SimNode
+from tests.helpers import REPO_ROOT, GiB, SimNode
 
 RUN = [sys.executable, "-c", "from gpuvisor.supervisor.cli import main; main()", "run"]
 
@@ -89,7 +89,7 @@ def py(code: str) -> list[str]:
 
 def read_sm(node: SimNode) -> dict[str, object]:
     proc = subprocess.run(
-        py(READ_SM) + [str(node.region)],
+        [*py(READ_SM), str(node.region)],
         env=node.env,
         capture_output=True,
         text=True,
