@@ -123,3 +123,10 @@ lint: venv
 
 clean:
 	rm -rf build build-asan build-tsan
+
+# Node-agent benchmark (make bench-agent): 1,000 simulated containers
+# reporting to one agent pinned to one CPU (tests/bench/agent_bench.py);
+# writes its section of docs/benchmarks.md.
+.PHONY: bench-agent
+bench-agent: venv
+	$(VENV)/bin/python -m tests.bench.agent_bench --write docs/benchmarks.md

@@ -1,0 +1,99 @@
+"""gpuvisor status (inside a container) and gpuvisor top (on the node)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from tests.helpers import REPO_ROOT, GiB, clean_env, run_py
+from tests.test_agent import CLI, AgentProc, Client, device, sock_path  # noqa: F401 (fixture)
+
+
+def test_status_json_reads_the_region(node):
+    proc = run_py(
+        f"""
+        from gpuvisor.shim import Region
+        r = Region.attach({str(node.region)!r})
+        r.register_device("GPU-00000000-0000-0000-0000-000000000000", 16 * {GiB}, 4 * {GiB})
+        r.register_device("GPU-11111111-1111-1111-1111-111111111111", 16 * {GiB}, None)
+        """,
+        node.env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = subprocess.run(
+        [*CLI, "status", "--json", "--sample", "0.05"],
+        env=node.env,
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["region"] == str(node.region)
+    devs = {d["uuid"]: d for d in info["devices"]}
+    assert devs["GPU-00000000-0000-0000-0000-000000000000"]["memory_limit"] == 4 * GiB
+    assert devs["GPU-00000000-0000-0000-0000-000000000000"]["memory_used"] == 0
+    assert devs["GPU-11111111-1111-1111-1111-111111111111"]["memory_limit"] is None
+    assert devs["GPU-00000000-0000-0000-0000-000000000000"]["sm_limit"] is None
+    assert devs["GPU-00000000-0000-0000-0000-000000000000"]["processes"] == []
+    # The table form names the devices too.
+    out = subprocess.run(
+        [*CLI, "status", "--region", str(node.region), "--sample", "0"],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "GPU-00000000-0000-0000-0000-000000000000" in out.stdout
+    assert "4.0 GiB" in out.stdout
+
+
+def test_top_once_json_and_table(sock_path):  # noqa: F811
+    with AgentProc(sock_path) as agent:
+        c = Client(sock_path, pod="topped", namespace="ns1")
+        c.report(device(used=2 * GiB))
+        out = subprocess.run(
+            [*CLI, "top", "--once", "--json", "--url", agent.url + "/status"],
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            cwd=REPO_ROOT,
+            timeout=60,
+            check=False,
+        )
+        assert out.returncode == 0, out.stderr
+        data = json.loads(out.stdout)
+        assert [x["container"]["pod"] for x in data["containers"]] == ["topped"]
+        assert data["containers"][0]["devices"][0]["memory_used"] == 2 * GiB
+        out = subprocess.run(
+            [*CLI, "top", "--once", "--url", agent.url + "/status"],
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            cwd=REPO_ROOT,
+            timeout=60,
+            check=False,
+        )
+        assert out.returncode == 0, out.stderr
+        assert "ns1/topped/main" in out.stdout
+        assert "2.0 GiB" in out.stdout
+        c.close()
+
+
+def test_top_once_unreachable_agent_fails_cleanly():
+    out = subprocess.run(
+        [*CLI, "top", "--once", "--url", "http://127.0.0.1:1/status"],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode != 0
+    assert "cannot read" in out.stderr
