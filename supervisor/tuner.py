@@ -6,10 +6,11 @@ state and counters) and applies what the latest ack asked for:
 `yield_devices` -> Region.set_sm_yield, `memory_limits` -> Region.set_limit,
 `sm_limits` -> Region.set_sm_limit, all live.  Instructions name devices by
 UUID; one for a device the region does not list yet (the workload has not
-used it) waits until the device appears.  A null limit in an ack means
-"leave as is".  Once a second it also refreshes the workload's process
-tree (psutil), NVML's device utilisation (pynvml, when it loads) and
-reclaims the region slots of dead processes.
+used it) waits until the device appears.  In an ack's limits, a missing
+key leaves that limit as it is and null means "no limit" (protocol.py).
+Once a second it also refreshes the workload's process tree (psutil),
+NVML's device utilisation (pynvml, when it loads) and reclaims the region
+slots of dead processes.
 
 The shim adapts burst-share/best-effort shares from NVML by itself; the
 tuner carries out the node-wide view of the agent.  Everything runs in a
@@ -37,6 +38,7 @@ log = logging.getLogger("gpuvisor.run")
 
 TICK_S = 0.1
 SLOW_EVERY = 10  # ticks between process-tree / NVML / reclaim refreshes
+_UNSET = object()
 
 
 @dataclass(frozen=True)
@@ -107,8 +109,8 @@ class Tuner:
         self._lock = threading.Lock()
         # Desired state from the agent, by UUID; applied_* what we last set.
         self._want_yield: dict[str, bool] = {}
-        self._want_mem: dict[str, int] = {}
-        self._want_sm: dict[str, int] = {}
+        self._want_mem: dict[str, int | None] = {}  # None: no limit
+        self._want_sm: dict[str, int | None] = {}
         self._applied: dict[tuple[str, str], object] = {}
         self._sample = Sample(ts=time.monotonic())
         self._pids: list[int] = [root_pid]
@@ -125,10 +127,8 @@ class Tuner:
         """Instructions of the latest ack; applied on the next tick."""
         with self._lock:
             self._want_yield.update(instructions.yield_devices)
-            self._want_mem.update(
-                {u: v for u, v in instructions.memory_limits.items() if v is not None}
-            )
-            self._want_sm.update({u: v for u, v in instructions.sm_limits.items() if v is not None})
+            self._want_mem.update(instructions.memory_limits)
+            self._want_sm.update(instructions.sm_limits)
 
     def sample(self) -> Sample:
         with self._lock:
@@ -184,7 +184,7 @@ class Tuner:
 
     def _apply(self, devices: list[DeviceUsage]) -> None:
         with self._lock:
-            wants: list[tuple[str, dict[str, bool] | dict[str, int]]] = [
+            wants: list[tuple[str, dict[str, bool] | dict[str, int | None]]] = [
                 ("yield", dict(self._want_yield)),
                 ("memory", dict(self._want_mem)),
                 ("sm", dict(self._want_sm)),
@@ -194,15 +194,15 @@ class Tuner:
                 if d.uuid not in want:
                     continue
                 value = want[d.uuid]
-                if self._applied.get((kind, d.uuid)) == value:
+                if self._applied.get((kind, d.uuid), _UNSET) == value:
                     continue
                 try:
                     if kind == "yield":
                         self.region.set_sm_yield(d.index, bool(value))
                     elif kind == "memory":
-                        self.region.set_limit(d.index, int(value))
+                        self.region.set_limit(d.index, None if value is None else int(value))
                     else:
-                        self.region.set_sm_limit(d.index, int(value))
+                        self.region.set_sm_limit(d.index, None if value is None else int(value))
                     log.info("%s on %s set to %s", kind, d.uuid, value)
                 except GpuvisorError as exc:
                     self._log_once(f"setting {kind} on {d.uuid} to {value} failed", exc)
