@@ -405,3 +405,23 @@ def test_supervisor_cpu_at_10hz(env, agent, node):
     finally:
         stop.touch()
         sup.communicate(timeout=30)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("0::/kubepods/pod1/ctr1\n", "/kubepods/pod1/ctr1"),
+        (
+            "12:cpu,cpuacct:/docker/abc\n4:memory:/docker/abc-mem\n1:name=systemd:/x\n",
+            "/docker/abc-mem",
+        ),
+        ("3:cpu,cpuacct:/docker/abc\n1:name=systemd:/x\n", "/docker/abc"),
+        ("1:name=systemd:/x\n0::/unified\n", "/unified"),
+    ],
+)
+def test_own_cgroup(tmp_path, text, expected):
+    from gpuvisor.supervisor.reporter import own_cgroup
+
+    f = tmp_path / "cgroup"
+    f.write_text(text)
+    assert own_cgroup(str(f)) == expected
