@@ -59,7 +59,8 @@
     X(nvmlInit_v2) X(nvmlDeviceGetHandleByUUID) X(nvmlDeviceGetUUID) \
     X(nvmlDeviceGetMemoryInfo) X(nvmlDeviceGetMemoryInfo_v2) \
     X(nvmlDeviceGetComputeRunningProcesses_v3) X(nvmlDeviceGetCount_v2) \
-    X(nvmlDeviceGetHandleByIndex_v2) X(nvmlDeviceGetUtilizationRates)
+    X(nvmlDeviceGetHandleByIndex_v2) X(nvmlDeviceGetUtilizationRates) \
+    X(nvmlDeviceGetProcessUtilization)
 
 #define GV_ENUM_ITEM(name) GV_SYM_##name,
 enum gv_sym {

@@ -7,8 +7,8 @@
  * moves the clock c * 10000 / s ns forward: the container may only be
  * `TOLERANCE_NS` ahead of wall-clock time, so over any interval its kernels
  * get at most s of the GPU, plus that small tolerance.  Idle time earns no
- * credit (the clock never runs behind "now" when a launch is admitted), so
- * the share is a cap even on an idle GPU.  The clock is one 64-bit word
+ * credit beyond LAG_NS (the clock is never admitted from further behind
+ * "now" than that), so the share is a cap even on an idle GPU.  The clock is one 64-bit word
  * changed by CAS: no lock, and a process killed at any point leaves it valid.
  *
  * The cost c comes from measurement (sm_meter.c): before a kernel's time is
@@ -22,9 +22,14 @@
 #include "sm.h"
 
 #define TOLERANCE_NS (4ULL * 1000 * 1000)
+/* How far the clock may lag behind now: refunds of over-estimated kernels
+ * (settled after the fact) stay usable, and a container back from idle may
+ * start with at most (LAG + TOLERANCE) x share of GPU work. */
+#define LAG_NS (10ULL * 1000 * 1000)
 #define MAX_SLEEP_NS (20ULL * 1000 * 1000)
-#define DEFAULT_ESTIMATE_NS 20000ULL
+#define DEFAULT_ESTIMATE_NS 1000000ULL   /* unknown kernels: 1 ms until measured */
 #define MAX_INFLIGHT_NS (10ULL * 1000 * 1000)
+#define MAX_INFLIGHT_LAUNCHES 64u
 #define EST_SLOTS 4096u
 
 uint64_t gv_mono_ns(void)
@@ -98,8 +103,9 @@ void gv_sm_learn(uintptr_t key, uint64_t ns)
 
 /* ---- the pacing clock ------------------------------------------------------ */
 
-/* Estimated GPU time this process has launched and not yet seen finish. */
+/* Estimated GPU time and launches this process has in flight. */
 static _Atomic uint64_t inflight_ns;
+static _Atomic uint32_t inflight_n;
 
 uint32_t gv_sm_admit(struct gv_sm *sm, uint64_t cost_ns)
 {
@@ -122,13 +128,15 @@ uint32_t gv_sm_admit(struct gv_sm *sm, uint64_t cost_ns)
         /* Work admitted but stuck behind other containers' kernels would
          * run later at more than the share: bound what is in flight. */
         uint64_t queued = atomic_load_explicit(&inflight_ns, memory_order_relaxed);
-        if (queued > 0 && queued + cost_ns > MAX_INFLIGHT_NS) {
+        uint32_t count = atomic_load_explicit(&inflight_n, memory_order_relaxed);
+        if (count > 0 && (queued + cost_ns > MAX_INFLIGHT_NS || count >= MAX_INFLIGHT_LAUNCHES)) {
             sleep_ns(200000);
             continue;
         }
         uint64_t inc = cost_ns * 10000 / share;
         uint64_t t = atomic_load(&sm->tat);
-        uint64_t base = t > now ? t : now;
+        uint64_t floor = now > LAG_NS ? now - LAG_NS : 0;
+        uint64_t base = t > floor ? t : floor;
         if (base > now + TOLERANCE_NS) {
             uint64_t ahead = base - now - TOLERANCE_NS;
             sleep_ns(ahead < MAX_SLEEP_NS ? ahead : MAX_SLEEP_NS);
@@ -138,6 +146,7 @@ uint32_t gv_sm_admit(struct gv_sm *sm, uint64_t cost_ns)
             break;
     }
     atomic_fetch_add_explicit(&inflight_ns, cost_ns, memory_order_relaxed);
+    atomic_fetch_add_explicit(&inflight_n, 1, memory_order_relaxed);
     uint64_t waited = gv_mono_ns() - start;
     if (waited > 1000)
         atomic_fetch_add_explicit(&sm->wait_ns, waited, memory_order_relaxed);
@@ -148,6 +157,7 @@ uint32_t gv_sm_admit(struct gv_sm *sm, uint64_t cost_ns)
 void gv_sm_settle(struct gv_sm *sm, uint32_t share, uint64_t charged_ns, uint64_t actual_ns)
 {
     atomic_fetch_sub_explicit(&inflight_ns, charged_ns, memory_order_relaxed);
+    atomic_fetch_sub_explicit(&inflight_n, 1, memory_order_relaxed);
     atomic_fetch_add_explicit(&sm->busy_ns, actual_ns, memory_order_relaxed);
     /* The charge was made at the share of that moment: settle at it too. */
     if (share == 0 || actual_ns == charged_ns)
@@ -176,4 +186,8 @@ void gv_sm_set_share(struct gv_sm *sm, uint32_t share)
     }
 }
 
-void gv_sm_fork_child(void) { atomic_store(&inflight_ns, 0); }
+void gv_sm_fork_child(void)
+{
+    atomic_store(&inflight_ns, 0);
+    atomic_store(&inflight_n, 0);
+}

@@ -10,16 +10,14 @@
  *
  * Every 100 ms the meter also sets the share the gate enforces:
  *   fixed-share  the limit, even when the GPU is idle;
- *   burst-share  the limit, or more while the rest of the GPU is idle;
- *   best-effort  what the rest of the GPU leaves idle (at least 1 %);
- * Lending adapts: alone on the device a container may use all of it; while
- * others work it grows into a quarter of what the device leaves idle every
- * 100 ms, and backs off by a fifth whenever the device is (nearly) full.
+ *   burst-share  the limit, or what the other containers leave (minus 10 %)
+ *                when that is more;
+ *   best-effort  what the other containers leave (minus 10 %), at least 1 %;
  * and 0 (paused) while the region's yield flag is set (a higher-priority
- * container is active; set by the supervisor).  "The rest of the GPU" is
- * NVML's device utilisation minus this container's own measured share,
- * both over the last second, so capacity lent by burst-share comes back
- * within about a second after another container starts working.
+ * container is active; set by the supervisor).  "The other containers' use"
+ * is NVML's per-process utilisation over the last 300 ms of every process
+ * that is not registered in this container's region, so lent capacity comes
+ * back within a few hundred milliseconds once another container works.
  */
 #include <pthread.h>
 #include <signal.h>
@@ -32,9 +30,9 @@
 #include "sm.h"
 
 #define POLICY_PERIOD_NS (100ULL * 1000 * 1000)
-#define WINDOW_SAMPLES 10                   /* x 100 ms: NVML's 1 s window */
 #define OTHERS_ACTIVE 300                   /* 3 %: someone else is working */
-#define FULL 9000                           /* 90 %: the device is (nearly) full */
+#define MARGIN 1000                         /* 10 % kept free for the others */
+#define RECENT_US 300000ULL                 /* window for the others' use */
 
 struct rec {
     struct rec *next;
@@ -56,9 +54,6 @@ static struct watched {
     struct gv_sm *sm;
     nvmlDevice_t nvml;
     int have_nvml;
-    uint64_t t[WINDOW_SAMPLES], busy[WINDOW_SAMPLES];
-    unsigned n;
-    uint32_t adaptive;                      /* lent share (burst/best-effort) */
 } watched[GV_MAX_DEVICES];
 
 typedef CUresult (*ev_create_fn)(CUevent *, unsigned int);
@@ -119,17 +114,52 @@ static int try_settle(struct rec *r, CUcontext *current)
     return 1;
 }
 
-static void update_share(struct watched *w, uint64_t now)
+/* The other containers' use of w's device over the last RECENT_US, in 1/100 %:
+ * NVML per-process utilisation of every PID that is not one of ours. */
+static uint64_t others_recent(struct watched *w)
+{
+    typedef nvmlReturn_t (*procutil_fn)(nvmlDevice_t, nvmlProcessUtilizationSample_t *,
+                                        unsigned int *, unsigned long long);
+    nvmlProcessUtilizationSample_t samples[128];
+    unsigned int n = 128;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    unsigned long long since = (unsigned long long)ts.tv_sec * 1000000ULL +
+                               (unsigned long long)ts.tv_nsec / 1000 - RECENT_US;
+    if (GV_REAL(nvmlDeviceGetProcessUtilization, procutil_fn)(w->nvml, samples, &n, since) !=
+        NVML_SUCCESS)
+        return 0;
+    int32_t ours[256];
+    int nours = region_process_list(gv_core_region(), ours, 256);
+    if (nours > 256)
+        nours = 256;
+    /* A PID may have several samples: average them, then add up the PIDs. */
+    uint64_t total = 0;
+    for (unsigned int i = 0; i < n && i < 128; i++) {
+        unsigned int pid = samples[i].pid;
+        int mine = 0, seen = 0;
+        for (int k = 0; k < nours && !mine; k++)
+            mine = (unsigned int)ours[k] == pid;
+        for (unsigned int j = 0; j < i && !seen; j++)
+            seen = samples[j].pid == pid;
+        if (mine || seen)
+            continue;
+        uint64_t sum = 0, cnt = 0;
+        for (unsigned int j = i; j < n && j < 128; j++)
+            if (samples[j].pid == pid) {
+                sum += samples[j].smUtil;
+                cnt++;
+            }
+        total += sum * 100 / cnt;
+    }
+    return total > 10000 ? 10000 : total;
+}
+
+static void update_share(struct watched *w)
 {
     struct gv_sm *sm = w->sm;
     uint32_t limit = atomic_load(&sm->limit);
     uint32_t policy = atomic_load(&sm->policy);
-    uint64_t busy = atomic_load(&sm->busy_ns);
-    unsigned k = w->n % WINDOW_SAMPLES, oldest = w->n >= WINDOW_SAMPLES ? k : 0;
-    uint64_t t0 = w->n ? w->t[oldest] : now, b0 = w->n ? w->busy[oldest] : busy;
-    w->t[k] = now;
-    w->busy[k] = busy;
-    w->n++;
     uint32_t share;
     if (limit == 0) {
         share = 10000;
@@ -138,31 +168,21 @@ static void update_share(struct watched *w, uint64_t now)
     } else if (policy == GV_SM_FIXED || !w->have_nvml) {
         share = limit * 100;
     } else {
-        /* Lend idle capacity: grow into what the device leaves idle, back
-         * off quickly while the device is full and someone else works. */
-        nvmlUtilization_t u = { 0, 0 };
-        typedef nvmlReturn_t (*util_fn)(nvmlDevice_t, nvmlUtilization_t *);
-        uint64_t own = now > t0 ? (busy - b0) * 10000 / (now - t0) : 0;
-        uint64_t device = 0;
-        if (GV_REAL(nvmlDeviceGetUtilizationRates, util_fn)(w->nvml, &u) == NVML_SUCCESS)
-            device = (uint64_t)u.gpu * 100;
-        uint64_t others = device > own ? device - own : 0;
+        /* Lend what the others leave: their use over the last 300 ms (NVML
+         * per-process samples; every PID not in this container), minus a
+         * margin, never below the floor.  When another container needs the
+         * GPU its use grows and the lent share shrinks within a few updates;
+         * when it stops, the share comes back as soon as its samples age out. */
+        uint64_t others = others_recent(w);
         uint64_t floor = policy == GV_SM_BURST ? (uint64_t)limit * 100 : 100;
-        uint64_t a = w->adaptive ? w->adaptive : 10000;
-        if (others < OTHERS_ACTIVE)
-            a = 10000;                              /* alone: the whole GPU */
-        else if (device >= FULL)
-            a = a * 4 / 5;                          /* contended: give back */
-        else
-            a += (10000 - device) / 4;              /* idle capacity: take a quarter */
-        a = a < floor ? floor : (a > 10000 ? 10000 : a);
-        w->adaptive = (uint32_t)a;
-        share = (uint32_t)a;
+        uint64_t lend = others < OTHERS_ACTIVE ? 10000
+                        : (others + MARGIN < 10000 ? 10000 - others - MARGIN : 0);
+        share = (uint32_t)(lend > floor ? lend : floor);
     }
     gv_sm_set_share(sm, share);
 }
 
-static void policies(uint64_t now)
+static void policies(void)
 {
     static int nvml_tried;
     if (!nvml_tried) {
@@ -179,7 +199,7 @@ static void policies(uint64_t now)
             w->have_nvml = GV_REAL(nvmlDeviceGetHandleByUUID, by_uuid_fn)(info->uuid_str, &w->nvml) ==
                            NVML_SUCCESS;
         }
-        update_share(w, now);
+        update_share(w);
     }
 }
 
@@ -213,7 +233,7 @@ static void *meter(void *unused)
         }
         uint64_t now = gv_mono_ns();
         if (now >= next_policy) {
-            policies(now);
+            policies();
             next_policy = now + POLICY_PERIOD_NS;
         }
         struct timespec ts = { 0, head ? 100000 : 1000000 };
