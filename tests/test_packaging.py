@@ -74,7 +74,7 @@ def test_wheel_contents(wheel: Path) -> None:
     assert "-py3-none-linux_" in wheel.name
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
-    assert "gpuvisor = gpuvisor.shim.cli:main" in text
+    assert "gpuvisor = gpuvisor.supervisor.cli:main" in text
 
 
 def test_wheel_finds_its_own_libraries(wheel: Path, tmp_path: Path) -> None:
