@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+from .identity import parse_cgroup
 from .protocol import (
     MAX_MESSAGE_BYTES,
     ContainerId,
@@ -50,23 +51,11 @@ CONTAINER_VARS = ("CONTAINER_NAME", "KUBERNETES_CONTAINER_NAME", "HAMI_CONTAINER
 
 
 def own_cgroup(proc_cgroup: str = "/proc/self/cgroup") -> str:
-    """This process's cgroup: the v2 "0::" line, else the v1 memory (or cpu) line."""
+    """This process's cgroup, by the agent's own rule (identity.parse_cgroup)."""
     try:
-        lines = Path(proc_cgroup).read_text().splitlines()
+        return parse_cgroup(Path(proc_cgroup).read_text())
     except OSError:
         return "/"
-    v1: dict[str, str] = {}
-    for line in lines:
-        hid, _, rest = line.partition(":")
-        controllers, _, path = rest.partition(":")
-        if hid == "0" and controllers == "":
-            return path or "/"
-        for c in controllers.split(","):
-            v1[c] = path
-    for c in ("memory", "cpu", "cpu,cpuacct"):
-        if c in v1:
-            return v1[c] or "/"
-    return next(iter(v1.values()), "/") or "/"
 
 
 def _label(env: Mapping[str, str], names: tuple[str, ...]) -> str | None:

@@ -1,0 +1,115 @@
+"""End to end on the simulator: a node agent and two supervised containers.
+
+Each container is `gpuvisor run` (its own region file, limits and pod labels)
+around a cuda-python workload that allocates memory and launches kernels.
+The agent's /metrics must show each container's memory and limits, under
+gpuvisor's and HAMi's names, within 2 s of the workload allocating.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+from tests.helpers import REPO_ROOT, SimNode
+from tests.test_agent import CLI, AgentProc, find, sock_path, wait_for  # noqa: F401
+
+GiB = 1 << 30
+
+WORKLOAD = """
+import ctypes, sys, time
+from cuda.bindings import driver as cu
+def chk(res):
+    err = res[0] if isinstance(res, tuple) else res
+    assert err == cu.CUresult.CUDA_SUCCESS, err
+    return res[1] if isinstance(res, tuple) and len(res) == 2 else res
+chk(cu.cuInit(0))
+ctx = chk(cu.cuDevicePrimaryCtxRetain(0))
+chk(cu.cuCtxSetCurrent(ctx))
+held = chk(cu.cuMemAlloc(int(sys.argv[1]) * 2**20))
+spin = chk(cu.cuModuleGetFunction(chk(cu.cuModuleLoadData(b"x")), b"spin"))
+s = chk(cu.cuStreamCreate(0))
+print("allocated", flush=True)
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    chk(cu.cuLaunchKernel(spin, 1, 1, 1, 32, 1, 1, 0, s, ((500,), (ctypes.c_uint32,)), 0))
+chk(cu.cuStreamSynchronize(s))
+"""
+
+
+def supervised(
+    node: SimNode, sock: str, region: Path, pod: str, memory: str, cores: str, mib: int
+) -> subprocess.Popen[str]:
+    env = dict(node.env, POD_NAME=pod, POD_NAMESPACE="e2e", CONTAINER_NAME="main")
+    return subprocess.Popen(
+        [
+            *CLI,
+            "run",
+            "--memory",
+            memory,
+            "--cores",
+            cores,
+            "--socket",
+            sock,
+            "--region",
+            str(region),
+            "--report-interval",
+            "0.5",
+            "--",
+            sys.executable,
+            "-c",
+            textwrap.dedent(WORKLOAD),
+            str(mib),
+            "4",
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+
+
+def test_agent_sees_two_supervised_containers(node: SimNode, sock_path: str) -> None:  # noqa: F811
+    with AgentProc(sock_path, env=node.env) as agent:
+        a = supervised(node, sock_path, node.dir / "a.shr", "pod-a", "4g", "30", 1024)
+        b = supervised(node, sock_path, node.dir / "b.shr", "pod-b", "2g", "50", 512)
+        try:
+            for p in (a, b):
+                assert p.stdout is not None
+                assert p.stdout.readline().strip() == "allocated"
+            t0 = time.monotonic()
+
+            def both_reported() -> bool:
+                m = agent.metrics()
+                return all(
+                    find(m, "gpuvisor_container_memory_used_bytes", podname=pod)
+                    and find(m, "gpuvisor_container_memory_used_bytes", podname=pod)[0] >= want
+                    for pod, want in (("pod-a", 1 * GiB), ("pod-b", GiB // 2))
+                )
+
+            assert wait_for(both_reported, timeout=2.0), agent.get("/metrics")
+            seen_after = time.monotonic() - t0
+            m = agent.metrics()
+            for pod, used, limit, sm in (
+                ("pod-a", 1 * GiB, 4 * GiB, 0.3),
+                ("pod-b", GiB // 2, 2 * GiB, 0.5),
+            ):
+                got = find(m, "gpuvisor_container_memory_used_bytes", podname=pod)[0]
+                assert used <= got < used + 64 * 2**20  # + the context
+                assert find(m, "gpuvisor_container_memory_limit_bytes", podname=pod) == [limit]
+                assert find(m, "gpuvisor_container_sm_limit_ratio", podname=pod) == [sm]
+                assert find(m, "hami_vgpu_memory_limit_bytes", pod=pod) == [limit]
+                assert find(m, "hami_vgpu_memory_used_bytes", pod=pod)[0] == got
+            print(f"both containers in /metrics {seen_after:.2f} s after allocating")
+        finally:
+            outs = [p.communicate(timeout=60) for p in (a, b)]
+        for p, (_, err) in zip((a, b), outs, strict=True):
+            assert p.returncode == 0, err
+        # Final reports remove the containers.
+        assert wait_for(
+            lambda: not find(agent.metrics(), "gpuvisor_container_memory_used_bytes"), timeout=2.0
+        )
