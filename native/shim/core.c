@@ -8,39 +8,43 @@
 #include "limits.h"
 #include "log.h"
 
-static atomic_int mode;            /* 0 until initialised */
+atomic_int gv_mode_word;           /* 0 until initialised */
 static gv_region *region;
+static _Atomic uint32_t sm_never;
+_Atomic uint32_t *gv_sm_any_flag = &sm_never;
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 
 static void init(void)
 {
     if (limits_control_disabled()) {
         gv_log(GV_LOG_INFO, "CUDA_DISABLE_CONTROL set: pass-through");
-        atomic_store(&mode, GV_MODE_PASSTHROUGH);
+        atomic_store(&gv_mode_word, GV_MODE_PASSTHROUGH);
         return;
     }
     char err[512];
     if (limits_check_env(err, sizeof err) != 0 || limits_sm_check_env(err, sizeof err) != 0) {
         gv_log(GV_LOG_ERROR, "%s; CUDA calls fail with CUDA_ERROR_NOT_PERMITTED", err);
-        atomic_store(&mode, GV_MODE_FAILED);
+        atomic_store(&gv_mode_word, GV_MODE_FAILED);
         return;
     }
     region = gv_shared_region();
+    if (region)
+        gv_sm_any_flag = region_sm_any_flag(region);
     if (!region) {
         /* gv_shared_region has printed why; never run unlimited. */
-        atomic_store(&mode, GV_MODE_FAILED);
+        atomic_store(&gv_mode_word, GV_MODE_FAILED);
         return;
     }
-    atomic_store(&mode, GV_MODE_ENFORCE);
+    atomic_store(&gv_mode_word, GV_MODE_ENFORCE);
 }
 
 int gv_mode(void)
 {
-    int m = atomic_load_explicit(&mode, memory_order_acquire);
+    int m = atomic_load_explicit(&gv_mode_word, memory_order_acquire);
     if (__builtin_expect(m != 0, 1))
         return m;
     pthread_once(&init_once, init);
-    return atomic_load_explicit(&mode, memory_order_acquire);
+    return atomic_load_explicit(&gv_mode_word, memory_order_acquire);
 }
 
 gv_region *gv_core_region(void) { return region; }
@@ -51,7 +55,7 @@ gv_region *gv_core_region(void) { return region; }
  * already gone through the hooks). */
 __attribute__((destructor)) static void at_exit(void)
 {
-    if (atomic_load(&mode) == GV_MODE_ENFORCE && region)
+    if (atomic_load(&gv_mode_word) == GV_MODE_ENFORCE && region)
         region_leave(region);
 }
 
@@ -66,4 +70,4 @@ void gv_core_tidy(void)
     region_reclaim_dead(region);
 }
 
-void gv_core_fail(void) { atomic_store(&mode, GV_MODE_FAILED); }
+void gv_core_fail(void) { atomic_store(&gv_mode_word, GV_MODE_FAILED); }

@@ -8,6 +8,7 @@
 #ifndef GV_CORE_H
 #define GV_CORE_H
 
+#include <stdatomic.h>
 #include <stdint.h>
 #include "gpuvisor.h"
 #include "gv_cuda.h"
@@ -26,6 +27,15 @@ enum gv_mode {
 
 /* The mode, initialising the library on first use (thread-safe). */
 int gv_mode(void);
+extern atomic_int gv_mode_word;          /* 0 until initialised */
+extern _Atomic uint32_t *gv_sm_any_flag; /* the region's "any SM limit" word */
+
+/* gv_mode() without a call once initialised. */
+static inline int gv_mode_fast(void)
+{
+    int m = atomic_load_explicit(&gv_mode_word, memory_order_acquire);
+    return __builtin_expect(m != 0, 1) ? m : gv_mode();
+}
 /* The attached region; valid only in GV_MODE_ENFORCE. */
 gv_region *gv_core_region(void);
 /* At most once a second: reclaim the slots of processes that died, so

@@ -15,7 +15,7 @@ static const char *const sym_names[GV_SYM_COUNT] = {
 };
 #undef GV_NAME_ITEM
 
-static _Atomic(void *) sym_cache[GV_SYM_COUNT];
+_Atomic(void *) gv_sym_cache[GV_SYM_COUNT];
 static atomic_uint sym_missing[GV_SYM_COUNT];   /* 1 once a lookup failed */
 static _Atomic(void *) cuda_handle;
 static _Atomic(void *) nvml_handle;
@@ -76,13 +76,13 @@ void *gv_real_sym(enum gv_sym id)
 {
     if ((int)id < 0 || id >= GV_SYM_COUNT || id == GV_SYM_CUDA_END)
         return NULL;
-    void *fn = atomic_load_explicit(&sym_cache[id], memory_order_acquire);
+    void *fn = atomic_load_explicit(&gv_sym_cache[id], memory_order_acquire);
     if (fn || atomic_load_explicit(&sym_missing[id], memory_order_relaxed))
         return fn;
     void *h = id < GV_SYM_CUDA_END ? gv_real_cuda_handle() : gv_real_nvml_handle();
     fn = h ? gv_real_dlsym(h, sym_names[id]) : NULL;
     if (fn)
-        atomic_store_explicit(&sym_cache[id], fn, memory_order_release);
+        atomic_store_explicit(&gv_sym_cache[id], fn, memory_order_release);
     else if (h)
         atomic_store_explicit(&sym_missing[id], 1, memory_order_relaxed);
     return fn;
@@ -93,7 +93,7 @@ void gv_real_learn(enum gv_sym id, void *fn)
     if ((int)id < 0 || id >= GV_SYM_COUNT || !fn)
         return;
     void *expected = NULL;
-    atomic_compare_exchange_strong(&sym_cache[id], &expected, fn);
+    atomic_compare_exchange_strong(&gv_sym_cache[id], &expected, fn);
 }
 
 const char *gv_real_name(enum gv_sym id)

@@ -93,7 +93,17 @@ GV_NO_SANITIZE gv_dlsym_fn gv_libc_dlsym(void);
 /* Call a real entry point with its type spelled at the call site:
  *   GV_REAL(cuMemAlloc_v2, CUresult (*)(CUdeviceptr *, size_t))(p, n)
  * A missing entry point yields a stub that returns CUDA_ERROR_NOT_FOUND. */
-#define GV_REAL(name, type) ((type)gv_real_or_missing(GV_SYM_##name))
+#define GV_REAL(name, type) ((type)gv_real_fast(GV_SYM_##name))
 void *gv_real_or_missing(enum gv_sym id);
+
+/* Resolved entry points (real.c); the inline check keeps a hook's fast
+ * path free of calls once its entry point is known. */
+extern _Atomic(void *) gv_sym_cache[GV_SYM_COUNT];
+
+static inline void *gv_real_fast(enum gv_sym id)
+{
+    void *fn = atomic_load_explicit(&gv_sym_cache[id], memory_order_acquire);
+    return __builtin_expect(fn != NULL, 1) ? fn : gv_real_or_missing(id);
+}
 
 #endif /* GV_REAL_H */

@@ -25,6 +25,7 @@
 #define GV_REGION_H
 
 #include <stddef.h>
+#include <stdatomic.h>
 #include <stdint.h>
 
 #define GV_REGION_MAGIC 0x31485356504756ULL   /* "GVPVSH1" little-endian-ish tag */
@@ -103,6 +104,8 @@ struct gv_sm {
 /* Whether any device entry has ever had an SM limit (one load: the launch
  * hooks' fast path). */
 int region_sm_any(gv_region *r);
+/* The word region_sm_any reads, for a load without a call. */
+_Atomic uint32_t *region_sm_any_flag(gv_region *r);
 /* Change an entry's SM limit live (0: none). */
 void region_sm_set_limit(gv_region *r, int dev, unsigned limit);
 /* SM state of device entry dev (NULL if dev is not a valid entry). */

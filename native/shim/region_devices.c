@@ -160,3 +160,8 @@ int region_sm_any(gv_region *r)
 {
     return r != NULL && atomic_load_explicit(&r->m->hdr.sm_any, memory_order_relaxed) != 0;
 }
+
+_Atomic uint32_t *region_sm_any_flag(gv_region *r)
+{
+    return &r->m->hdr.sm_any;
+}

@@ -43,7 +43,8 @@ typedef struct gv_sm_launch {
 /* Could any launch of this process be gated?  Two loads: the fast path. */
 static inline int gv_sm_maybe(void)
 {
-    return gv_mode() == GV_MODE_ENFORCE && region_sm_any(gv_core_region());
+    return gv_mode_fast() == GV_MODE_ENFORCE &&
+           atomic_load_explicit(gv_sm_any_flag, memory_order_relaxed) != 0;
 }
 
 /* Before the real launch: 1 if gated (paced, begin event recorded). */

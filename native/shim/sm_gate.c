@@ -29,7 +29,7 @@
 #define MAX_SLEEP_NS (20ULL * 1000 * 1000)
 #define DEFAULT_ESTIMATE_NS 1000000ULL   /* unknown kernels: 1 ms until measured */
 #define MAX_INFLIGHT_NS (10ULL * 1000 * 1000)
-#define MAX_INFLIGHT_LAUNCHES 64u
+#define MAX_INFLIGHT_LAUNCHES 1024u
 #define EST_SLOTS 4096u
 
 uint64_t gv_mono_ns(void)
@@ -130,7 +130,7 @@ uint32_t gv_sm_admit(struct gv_sm *sm, uint64_t cost_ns)
         uint64_t queued = atomic_load_explicit(&inflight_ns, memory_order_relaxed);
         uint32_t count = atomic_load_explicit(&inflight_n, memory_order_relaxed);
         if (count > 0 && (queued + cost_ns > MAX_INFLIGHT_NS || count >= MAX_INFLIGHT_LAUNCHES)) {
-            sleep_ns(200000);
+            sleep_ns(50000);
             continue;
         }
         uint64_t inc = cost_ns * 10000 / share;

@@ -25,6 +25,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "log.h"
 #include "sm.h"
@@ -92,6 +93,79 @@ static void drop(struct rec *r)
     free(r);
 }
 
+/* ---- calibration against NVML ---------------------------------------------
+ *
+ * Events bracket a kernel, but when other processes queue kernels between
+ * this process's launch and its events (they take turns at the driver), the
+ * bracket also covers some of their time and the kernel looks longer than
+ * it ran.  NVML's per-process utilisation counts only this process's own
+ * kernels.  Once a second, measured times are scaled by the ratio of the two
+ * over the last second (only ever scaled down, and smoothed), so that what
+ * is settled is this process's own GPU time.  The meter thread alone uses
+ * this state.
+ */
+#define CAL_WINDOW_NS 1000000000ULL
+#define CAL_RING 8192
+
+struct cal_entry { uint64_t t, ns; };
+static struct cal_entry cal_ring[CAL_RING];
+static unsigned cal_head, cal_n;
+static double cal_ratio = 1.0;
+
+static void cal_record(uint64_t t, uint64_t ns)
+{
+    cal_ring[cal_head] = (struct cal_entry){ t, ns };
+    cal_head = (cal_head + 1) % CAL_RING;
+    if (cal_n < CAL_RING)
+        cal_n++;
+}
+
+static void calibrate(nvmlDevice_t nvml)
+{
+    typedef nvmlReturn_t (*procutil_fn)(nvmlDevice_t, nvmlProcessUtilizationSample_t *,
+                                        unsigned int *, unsigned long long);
+    struct timespec rt;
+    clock_gettime(CLOCK_REALTIME, &rt);
+    uint64_t mono = gv_mono_ns();
+    uint64_t real_us = (uint64_t)rt.tv_sec * 1000000ULL + (uint64_t)rt.tv_nsec / 1000;
+    uint64_t since_us = real_us - CAL_WINDOW_NS / 1000;
+    nvmlProcessUtilizationSample_t samples[128];
+    unsigned int n = 128;
+    if (GV_REAL(nvmlDeviceGetProcessUtilization, procutil_fn)(nvml, samples, &n, since_us) !=
+        NVML_SUCCESS)
+        return;
+    unsigned int me = (unsigned int)getpid();
+    uint64_t sum = 0, cnt = 0, last_us = 0;
+    for (unsigned int i = 0; i < n && i < 128; i++)
+        if (samples[i].pid == me) {
+            sum += samples[i].smUtil;
+            cnt++;
+            if (samples[i].timeStamp > last_us)
+                last_us = samples[i].timeStamp;
+        }
+    if (!cnt || last_us <= since_us || last_us > real_us)
+        return;                              /* NVML does not see this PID (containers) */
+    /* NVML's figure covers (since, last sample]; compare like with like. */
+    uint64_t from = mono - (real_us - since_us) * 1000, to = mono - (real_us - last_us) * 1000;
+    uint64_t events = 0;
+    for (unsigned i = 0; i < cal_n; i++) {
+        unsigned k = (cal_head + CAL_RING - 1 - i) % CAL_RING;
+        if (cal_ring[k].t <= from)
+            break;
+        if (cal_ring[k].t <= to)
+            events += cal_ring[k].ns;
+    }
+    uint64_t span = (last_us - since_us) * 1000;
+    if (events < span / 50)                  /* < 2 % busy: too little to judge */
+        return;
+    double nvml_ns = (double)sum / (double)cnt * (double)span / 100.0;
+    /* NVML reports whole percents per sample: ignore differences within
+     * that resolution. */
+    double r = (nvml_ns + (double)span / 100.0) / (double)events;
+    r = r > 1.0 ? 1.0 : (r < 0.3 ? 0.3 : r);
+    cal_ratio = 0.5 * cal_ratio + 0.5 * r;
+}
+
 /* Settle r if its kernel has finished; 0 if it is still running. */
 static int try_settle(struct rec *r, CUcontext *current)
 {
@@ -104,7 +178,9 @@ static int try_settle(struct rec *r, CUcontext *current)
         return 0;
     float ms = 0;
     if (q == CUDA_SUCCESS && elapsed(&ms, r->begin, r->end) == CUDA_SUCCESS && ms >= 0) {
-        uint64_t ns = (uint64_t)((double)ms * 1e6);
+        uint64_t raw = (uint64_t)((double)ms * 1e6);
+        cal_record(gv_mono_ns(), raw);
+        uint64_t ns = (uint64_t)((double)raw * cal_ratio);
         gv_sm_learn(r->key, ns);
         gv_sm_settle(r->sm, r->share, r->est, ns);
     } else {
@@ -200,6 +276,8 @@ static void policies(void)
                            NVML_SUCCESS;
         }
         update_share(w);
+        if (w->have_nvml)
+            calibrate(w->nvml);
     }
 }
 
