@@ -165,6 +165,24 @@ class Region:
         """Pause (True) or resume (False) the container's launches on dev."""
         check(lib().gv_device_set_sm_yield(dev, 1 if yield_ else 0), "gv_device_set_sm_yield")
 
+    def set_sm_others(self, dev: int, percent: float) -> None:
+        """The node agent's figure for the other containers' use of dev (percent)."""
+        if isinstance(percent, bool) or not 0.0 <= float(percent) <= 100.0:
+            raise GpuvisorError(GV_EINVAL, f"gpuvisor: others share={percent!r} is not 0..100")
+        check(
+            lib().gv_device_set_sm_others(dev, round(float(percent) * 100)),
+            "gv_device_set_sm_others",
+        )
+
+    def sm_others(self, dev: int) -> tuple[float, float | None]:
+        """(percent, age in seconds or None if never set) of the agent's figure."""
+        share, age = ctypes.c_uint32(), ctypes.c_uint64()
+        check(
+            lib().gv_device_get_sm_others(dev, ctypes.byref(share), ctypes.byref(age)),
+            "gv_device_get_sm_others",
+        )
+        return share.value / 100, None if age.value == UNLIMITED else age.value / 1000
+
     def processes(self) -> list[int]:
         """PIDs registered in the region."""
         cap = 64

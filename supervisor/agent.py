@@ -114,6 +114,9 @@ class AgentState:
         self.pending: dict[str, PendingLimits] = {}
         # device uuid -> {container key: monotonic time of its last active report}
         self.high_active: dict[str, dict[str, float]] = {}
+        # device uuid -> sum of the containers' latest sm_share there (kept
+        # incrementally, so "the others' use" costs O(devices) per report)
+        self.device_share: dict[str, float] = {}
         self.reports_total = 0
         self.rejected: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
         self.disconnects: dict[str, int] = dict.fromkeys(DISCONNECT_REASONS, 0)
@@ -137,7 +140,10 @@ class AgentState:
                 last_wall=time.time(),
             )
             self.containers[key] = st
+            self._add_shares(report, 1.0)
         else:
+            self._add_shares(st.report, -1.0)
+            self._add_shares(report, 1.0)
             dt = now - st.last_seen
             st.interval = dt if st.interval is None else 0.8 * st.interval + 0.2 * dt
             if st.report.priority == 0 and report.priority != 0:
@@ -172,13 +178,17 @@ class AgentState:
                     if entries is not None:
                         entries.pop(key, None)
 
+        others = self._others_share(report)
         pending = self.pending.get(key)
         if pending is None:
-            instr = Instructions(yield_devices=yields)
+            instr = Instructions(yield_devices=yields, others_share=others)
         else:
             self._settle_pending(key, pending, report)
             instr = Instructions(
-                yield_devices=yields, memory_limits=dict(pending.memory), sm_limits=dict(pending.sm)
+                yield_devices=yields,
+                memory_limits=dict(pending.memory),
+                sm_limits=dict(pending.sm),
+                others_share=others,
             )
         if report.final:
             self.remove(key)
@@ -197,7 +207,22 @@ class AgentState:
         for entries in self.high_active.values():
             entries.pop(key, None)
 
+    def _add_shares(self, report: Report, sign: float) -> None:
+        for d in report.devices:
+            total = self.device_share.get(d.uuid, 0.0) + sign * d.sm_share
+            self.device_share[d.uuid] = total if total > 1e-6 else 0.0
+
+    def _others_share(self, report: Report) -> dict[str, float]:
+        """Per device of the report: what the other containers used there."""
+        return {
+            d.uuid: min(100.0, max(0.0, self.device_share.get(d.uuid, 0.0) - d.sm_share))
+            for d in report.devices
+        }
+
     def remove(self, key: str) -> None:
+        st = self.containers.get(key)
+        if st is not None:
+            self._add_shares(st.report, -1.0)
         self.containers.pop(key, None)
         self.pending.pop(key, None)
         self._forget_active(key)

@@ -71,6 +71,9 @@ class Instructions:
     yield_devices: dict[str, bool] = field(default_factory=dict)  # uuid -> pause launches
     memory_limits: dict[str, int | None] = field(default_factory=dict)  # uuid -> bytes
     sm_limits: dict[str, int | None] = field(default_factory=dict)  # uuid -> percent
+    # uuid -> percent of the device the OTHER containers used recently (the
+    # node-wide view that burst-share and best-effort lend from)
+    others_share: dict[str, float] = field(default_factory=dict)
 
 
 def encode(obj: dict[str, Any]) -> bytes:
@@ -98,6 +101,8 @@ def ack_message(seq: int, instructions: Instructions | None = None) -> dict[str,
         for uuid, sm in instructions.sm_limits.items():
             limits.setdefault(uuid, {})["sm"] = sm
         msg["limits"] = limits
+        if instructions.others_share:
+            msg["others"] = {u: round(v, 2) for u, v in instructions.others_share.items()}
     return msg
 
 
@@ -234,8 +239,12 @@ def parse_ack(obj: dict[str, Any]) -> Instructions:
             mem[uuid] = _opt_int(lim["memory"], f"limits.{uuid}.memory", 1)
         if "sm" in lim:
             sm[uuid] = _opt_int(lim["sm"], f"limits.{uuid}.sm", 0, 100)
+    others = obj.get("others", {})
+    if not isinstance(others, dict):
+        raise ProtocolError("others: expected an object")
     return Instructions(
         yield_devices={str(k): _bool(v, f"yield.{k}") for k, v in y.items()},
         memory_limits=mem,
         sm_limits=sm,
+        others_share={str(k): _num(v, f"others.{k}", 0.0, 100.0) for k, v in others.items()},
     )

@@ -111,6 +111,7 @@ class Tuner:
         self._want_yield: dict[str, bool] = {}
         self._want_mem: dict[str, int | None] = {}  # None: no limit
         self._want_sm: dict[str, int | None] = {}
+        self._want_others: dict[str, float] = {}
         self._applied: dict[tuple[str, str], object] = {}
         self._sample = Sample(ts=time.monotonic())
         self._pids: list[int] = [root_pid]
@@ -129,6 +130,7 @@ class Tuner:
             self._want_yield.update(instructions.yield_devices)
             self._want_mem.update(instructions.memory_limits)
             self._want_sm.update(instructions.sm_limits)
+            self._want_others.update(instructions.others_share)
 
     def sample(self) -> Sample:
         with self._lock:
@@ -189,6 +191,16 @@ class Tuner:
                 ("memory", dict(self._want_mem)),
                 ("sm", dict(self._want_sm)),
             ]
+            others, self._want_others = self._want_others, {}
+        # The agent's view of the other containers, fresh with every ack:
+        # the shim's burst-share/best-effort lending uses it (not deduplicated,
+        # each write renews its timestamp).
+        for d in devices:
+            if d.uuid in others:
+                try:
+                    self.region.set_sm_others(d.index, others[d.uuid])
+                except GpuvisorError as exc:
+                    self._log_once(f"passing on the others' share on {d.uuid} failed", exc)
         for d in devices:
             for kind, want in wants:
                 if d.uuid not in want:

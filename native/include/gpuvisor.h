@@ -90,6 +90,13 @@ int gv_device_set_sm_limit(int dev, uint32_t pct);
  * higher-priority container is active (the supervisor decides). */
 int gv_device_set_sm_yield(int dev, int yield);
 
+/* The other containers' use of the device (1/100 %), as the node agent
+ * sees it; the launch gate's burst-share/best-effort lending takes the
+ * larger of this (while fresher than 2 s) and its own NVML reading.
+ * age_ms: how old the figure is (UINT64_MAX: never set). */
+int gv_device_set_sm_others(int dev, uint32_t share_bp);
+int gv_device_get_sm_others(int dev, uint32_t *share_bp, uint64_t *age_ms);
+
 /* Processes registered in the region.  Writes up to cap PIDs and returns
  * how many are registered (may be more than cap). */
 int gv_process_list(int32_t *pids, int cap);

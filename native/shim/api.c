@@ -13,6 +13,7 @@
 #include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <time.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -327,6 +328,34 @@ GV_EXPORT int gv_device_set_sm_limit(int dev, uint32_t pct)
     if (pct > 100)
         return fail(GV_EINVAL, "gpuvisor: gv_device_set_sm_limit: %u%% is not 0..100", pct);
     region_sm_set_limit(r, dev, pct);
+    return GV_OK;
+}
+
+GV_EXPORT int gv_device_set_sm_others(int dev, uint32_t share_bp)
+{
+    NEED_DEV("gv_device_set_sm_others", dev);
+    if (share_bp > 10000)
+        return fail(GV_EINVAL, "gpuvisor: gv_device_set_sm_others: %u is not 0..10000", share_bp);
+    struct gv_sm *sm = region_sm(r, dev);
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    atomic_store(&sm->others, share_bp);
+    atomic_store(&sm->others_at, (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec);
+    return GV_OK;
+}
+
+GV_EXPORT int gv_device_get_sm_others(int dev, uint32_t *share_bp, uint64_t *age_ms)
+{
+    NONNULL("gv_device_get_sm_others", share_bp);
+    NONNULL("gv_device_get_sm_others", age_ms);
+    NEED_DEV("gv_device_get_sm_others", dev);
+    struct gv_sm *sm = region_sm(r, dev);
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    uint64_t now = (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+    uint64_t at = atomic_load(&sm->others_at);
+    *share_bp = atomic_load(&sm->others);
+    *age_ms = at && now > at ? (now - at) / 1000000 : (at ? 0 : UINT64_MAX);
     return GV_OK;
 }
 

@@ -29,7 +29,7 @@
 #include <stdint.h>
 
 #define GV_REGION_MAGIC 0x31485356504756ULL   /* "GVPVSH1" little-endian-ish tag */
-#define GV_REGION_VERSION 3u
+#define GV_REGION_VERSION 4u
 #define GV_MAX_SLOTS 1024
 #define GV_MAX_DEVICES 16
 #define GV_DEFAULT_REGION_PATH "/tmp/gpuvisor-region.shr"
@@ -99,6 +99,9 @@ struct gv_sm {
     _Atomic uint64_t busy_ns;    /* measured GPU time of the container's kernels */
     _Atomic uint64_t wait_ns;    /* time launches waited at the gate */
     _Atomic uint64_t launches;   /* launches through the gate */
+    _Atomic uint32_t others;     /* other containers' use of the device, 1/100 %,
+                                    as the node agent last reported it */
+    _Atomic uint64_t others_at;  /* CLOCK_MONOTONIC ns of that report; 0: none */
 };
 
 /* Whether any device entry has ever had an SM limit (one load: the launch

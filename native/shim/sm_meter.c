@@ -16,8 +16,10 @@
  * and 0 (paused) while the region's yield flag is set (a higher-priority
  * container is active; set by the supervisor).  "The other containers' use"
  * is NVML's per-process utilisation over the last 300 ms of every process
- * that is not registered in this container's region, so lent capacity comes
- * back within a few hundred milliseconds once another container works.
+ * that is not registered in this container's region, or the node agent's
+ * figure for the other containers (passed on by the supervisor) when that is
+ * larger and fresh, so lent capacity comes back within a few hundred
+ * milliseconds once another container works.
  */
 #include <pthread.h>
 #include <signal.h>
@@ -34,6 +36,7 @@
 #define OTHERS_ACTIVE 300                   /* 3 %: someone else is working */
 #define MARGIN 1000                         /* 10 % kept free for the others */
 #define RECENT_US 300000ULL                 /* window for the others' use */
+#define AGENT_FRESH_NS (2ULL * 1000000000ULL) /* the agent's figure counts this long */
 
 struct rec {
     struct rec *next;
@@ -250,6 +253,11 @@ static void update_share(struct watched *w)
          * GPU its use grows and the lent share shrinks within a few updates;
          * when it stops, the share comes back as soon as its samples age out. */
         uint64_t others = others_recent(w);
+        /* The node agent's view, when the supervisor passed one on lately. */
+        uint64_t at = atomic_load(&sm->others_at), now = gv_mono_ns();
+        uint64_t agent = atomic_load(&sm->others);
+        if (at && now >= at && now - at < AGENT_FRESH_NS && agent > others)
+            others = agent;
         uint64_t floor = policy == GV_SM_BURST ? (uint64_t)limit * 100 : 100;
         uint64_t lend = others < OTHERS_ACTIVE ? 10000
                         : (others + MARGIN < 10000 ? 10000 - others - MARGIN : 0);

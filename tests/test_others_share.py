@@ -1,0 +1,100 @@
+"""The node agent's view of the other containers reaches the launch gate.
+
+burst-share and best-effort lend what the other containers leave.  The shim
+reads the others' use from NVML; the node agent also knows it (every
+container reports its share) and sends each container, in its ack, what the
+other containers used on each of its devices.  The supervisor writes that
+into the region, where the gate takes the larger of the two while it is
+fresh.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from gpuvisor.supervisor.protocol import Instructions, ack_message, decode, parse_ack
+
+from tests.helpers import REPO_ROOT, SimNode
+from tests.test_agent import AgentProc, Client, device, sock_path, wait_for  # noqa: F401
+from tests.test_supervisor_run import RUN, FakeAgent, py
+
+
+def test_ack_carries_and_parses_others_share() -> None:
+    msg = ack_message(7, Instructions(others_share={"GPU-a": 42.5}))
+    assert msg["others"] == {"GPU-a": 42.5}
+    assert parse_ack(
+        decode(b'{"v":1,"type":"ack","seq":7,"others":{"GPU-a":42.5}}')
+    ).others_share == {"GPU-a": 42.5}
+
+
+def test_agent_tells_each_container_what_the_others_use(sock_path: str) -> None:  # noqa: F811
+    with AgentProc(sock_path) as agent:
+        del agent
+        a, b = Client(sock_path, pod="a"), Client(sock_path, pod="b")
+        a.report(device(uuid="GPU-x", share=30.0))
+        ack_b = b.report(device(uuid="GPU-x", share=50.0))
+        ack_a = a.report(device(uuid="GPU-x", share=30.0))
+        assert ack_b["others"] == {"GPU-x": 30.0}
+        assert ack_a["others"] == {"GPU-x": 50.0}
+        b.report(device(uuid="GPU-x", share=50.0), final=True)
+        assert a.report(device(uuid="GPU-x", share=30.0))["others"] == {"GPU-x": 0.0}
+
+
+READ_OTHERS = """
+import json, sys
+from gpuvisor.shim.region import Region
+r = Region.attach(sys.argv[1])
+print(json.dumps(r.sm_others(0)))
+"""
+
+
+def test_supervisor_passes_the_view_to_the_gate(node: SimNode) -> None:
+    agent = FakeAgent(node.dir / "agent.sock")
+    try:
+        env = dict(node.env, GPUVISOR_NODE_SOCKET=str(agent.path))
+        region = node.dir / "c.shr"
+        sup = subprocess.Popen(
+            [
+                *RUN,
+                "--region",
+                str(region),
+                "--report-interval",
+                "0.1",
+                "--cores",
+                "30",
+                "--policy",
+                "burst-share",
+                "--",
+                *py("from tests.cuclient import *\ninit()\nimport time\ntime.sleep(2.0)\n"),
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
+        )
+        report = agent.wait_for(lambda r: bool(r.devices))
+        agent.instructions = Instructions(others_share={report.devices[0].uuid: 64.0})
+        deadline = time.monotonic() + 5
+        seen = None
+        while time.monotonic() < deadline:
+            out = subprocess.run(
+                [sys.executable, "-c", READ_OTHERS, str(region)],
+                env=node.env,
+                capture_output=True,
+                text=True,
+                cwd=REPO_ROOT,
+                check=True,
+            )
+            seen = out.stdout.strip()
+            if seen.startswith("[64.0"):
+                break
+            time.sleep(0.1)
+        sup.communicate(timeout=30)
+        assert seen is not None
+        assert seen.startswith("[64.0"), seen
+        assert sup.returncode == 0
+    finally:
+        agent.close()
