@@ -135,21 +135,22 @@ def test_cuda_python_launch_paths(tmp_path: Path) -> None:
     assert 13.9 < r["explicit"] < 25, r
 
 
-# A worker: back-to-back 1 ms spin kernels, two in flight, for RUN_S seconds
+# A worker: back-to-back 1 ms spin kernels, eight in flight (so a busy CI
+# machine's scheduling delays do not leave the device idle), for RUN_S seconds
 # after "go" on stdin.
 WORKER = with_prelude(
     """
     RUN_S = float(sys.argv[1]) if len(sys.argv) > 1 else 1.6
     s = chk(cu.cuStreamCreate(0))
-    ev = [chk(cu.cuEventCreate(0)) for _ in range(2)]
+    ev = [chk(cu.cuEventCreate(0)) for _ in range(8)]
     print("ready", flush=True)
     sys.stdin.readline()
     t0 = time.monotonic()
     i = 0
     while time.monotonic() - t0 < RUN_S:
-        chk(cu.cuEventSynchronize(ev[i % 2]))   # launch i-2 has completed
+        chk(cu.cuEventSynchronize(ev[i % 8]))   # launch i-8 has completed
         launch_spin(s, 1000)
-        chk(cu.cuEventRecord(ev[i % 2], s))
+        chk(cu.cuEventRecord(ev[i % 8], s))
         i += 1
     chk(cu.cuCtxSynchronize())
     print("launched", i, flush=True)
