@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
 
@@ -119,7 +120,7 @@ def _vmm_prop(dev: int) -> Any:
     return prop
 
 
-class Allocator:
+class Allocator(ABC):
     """One allocation API.  alloc returns (CUresult, handle)."""
 
     name = ""
@@ -127,11 +128,11 @@ class Allocator:
     def __init__(self, dev: int = 0) -> None:
         self.dev = dev
 
-    def alloc(self, nbytes: int) -> tuple[Any, Any]:
-        raise NotImplementedError
+    @abstractmethod
+    def alloc(self, nbytes: int) -> tuple[Any, Any]: ...
 
-    def free(self, handle: Any) -> None:
-        raise NotImplementedError
+    @abstractmethod
+    def free(self, handle: Any) -> None: ...
 
 
 class MemAlloc(Allocator):
