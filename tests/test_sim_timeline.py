@@ -184,7 +184,7 @@ def test_two_processes_time_slice(tmp_path: Path) -> None:
             assert w.stdin is not None
             w.stdin.write("go\n")
             w.stdin.flush()
-        time.sleep(0.3)  # let both reach steady state
+        time.sleep(0.5)  # let both reach steady state
         since_us = int(time.time() * 1e6)
         time.sleep(1.0)
         q = json.loads(ok(subprocess_py(NVML_QUERY, env, str(since_us))).splitlines()[-1])
@@ -196,12 +196,12 @@ def test_two_processes_time_slice(tmp_path: Path) -> None:
     for w, (o, e) in zip(workers, outs, strict=True):
         assert w.returncode == 0, o + e
     pids = {str(w.pid) for w in workers}
-    assert q["gpu"] >= 90, q
+    assert q["gpu"] >= 85, q
     assert q["mem"] == 0, q
     for key in ("a", "b"):
         assert set(q[key]) == pids, q
         for util, ts in q[key].values():
-            assert 40 <= util <= 60, q
+            assert 35 <= util <= 65, q
             assert since_us < ts <= q["now"] * 1e6, q
 
 
