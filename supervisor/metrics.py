@@ -21,7 +21,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from .agent import AgentState
+    from .agent_state import AgentState
 
 log = logging.getLogger("gpuvisor.metrics")
 

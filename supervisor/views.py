@@ -12,7 +12,8 @@ from typing import Any
 
 import click
 
-from .agent import AgentConfig, default_socket, run_agent, send_admin
+from .agent import run_agent, send_admin
+from .agent_state import AgentConfig, default_socket
 
 REGION_ENV = "CUDA_DEVICE_MEMORY_SHARED_CACHE"
 

@@ -1,0 +1,294 @@
+"""What the node agent knows: containers, their latest reports, pushed limits,
+priority and the others' shares per device (supervisor/agent.py serves it).
+
+Mutated only by the agent's event-loop thread; read by the HTTP thread for
+/metrics and /status.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .identity import PeerCred
+from .protocol import ContainerId, Instructions, Report
+
+DEFAULT_SOCKET = "/run/gpuvisor/node.sock"
+SOCKET_ENV = "GPUVISOR_NODE_SOCKET"
+
+REJECT_REASONS = (
+    "malformed",  # not JSON, not an object
+    "version",  # wrong "v"
+    "field",  # a missing or ill-typed field
+    "type",  # unknown message type
+    "identity",  # container.cgroup is not the peer's cgroup
+    "rate",  # over the per-connection rate limit
+    "oversize",  # a line longer than MAX_MESSAGE_BYTES
+    "unauthorized",  # an admin message from a peer that may not send it
+)
+DISCONNECT_REASONS = ("oversize", "timeout", "slow-reader", "idle", "too-many", "peer")
+
+
+def default_socket() -> str:
+    return os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
+
+
+@dataclass
+class AgentConfig:
+    socket_path: str = DEFAULT_SOCKET
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = 9400  # 0: any free port (printed in the ready line)
+    expire_after: float = 10.0  # seconds without a report before a container expires
+    read_timeout: float = 5.0  # a partial line or unread replies older than this: disconnect
+    idle_timeout: float = 120.0  # no message at all for this long: disconnect
+    rate: float = 50.0  # messages/s per connection (0: unlimited)
+    burst: float = 100.0
+    max_connections: int = 4096
+    active_threshold: float = 1.0  # sm_share percent above which a container is active
+    active_window: float = 3.0  # seconds an active report keeps a device "busy"
+    legacy_metrics: bool = False
+    cpu: int | None = None  # pin the agent to this CPU
+
+
+@dataclass
+class ContainerState:
+    id: ContainerId
+    report: Report
+    peer: PeerCred
+    first_seen: float  # time.time()
+    last_seen: float  # time.monotonic()
+    last_wall: float  # time.time() of the last report
+    interval: float | None = None  # smoothed seconds between reports
+    reports: int = 1
+
+
+@dataclass
+class PendingLimits:
+    memory: dict[str, int | None] = field(default_factory=dict)
+    sm: dict[str, int | None] = field(default_factory=dict)
+
+
+class AgentState:
+    """Everything the agent knows; mutated only by the event loop thread."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.started = time.time()
+        self.containers: dict[str, ContainerState] = {}
+        self.pending: dict[str, PendingLimits] = {}
+        # device uuid -> {container key: monotonic time of its last active report}
+        self.high_active: dict[str, dict[str, float]] = {}
+        # device uuid -> sum of the containers' latest sm_share there (kept
+        # incrementally, so "the others' use" costs O(devices) per report)
+        self.device_share: dict[str, float] = {}
+        self.reports_total = 0
+        self.rejected: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
+        self.disconnects: dict[str, int] = dict.fromkeys(DISCONNECT_REASONS, 0)
+        self.connections = 0
+        self.connections_total = 0
+        self.expired_total = 0
+        self.limit_pushes_total = 0
+
+    # ---- reports -------------------------------------------------------
+
+    def accept_report(self, report: Report, peer: PeerCred, now: float) -> Instructions:
+        key = report.container.key
+        st = self.containers.get(key)
+        if st is None:
+            st = ContainerState(
+                id=report.container,
+                report=report,
+                peer=peer,
+                first_seen=time.time(),
+                last_seen=now,
+                last_wall=time.time(),
+            )
+            self.containers[key] = st
+            self._add_shares(report, 1.0)
+        else:
+            self._add_shares(st.report, -1.0)
+            self._add_shares(report, 1.0)
+            dt = now - st.last_seen
+            st.interval = dt if st.interval is None else 0.8 * st.interval + 0.2 * dt
+            if st.report.priority == 0 and report.priority != 0:
+                self._forget_active(key)
+            st.report = report
+            st.peer = peer
+            st.last_seen = now
+            st.last_wall = time.time()
+            st.reports += 1
+        self.reports_total += 1
+
+        threshold = self.config.active_threshold
+        window = self.config.active_window
+        low = report.priority != 0
+        yields: dict[str, bool] = {}
+        for d in report.devices:
+            if low:
+                entries = self.high_active.get(d.uuid)
+                busy = False
+                if entries:
+                    for k, ts in entries.items():
+                        if k != key and now - ts <= window:
+                            busy = True
+                            break
+                yields[d.uuid] = busy
+            else:
+                yields[d.uuid] = False
+                if d.sm_share > threshold:
+                    self.high_active.setdefault(d.uuid, {})[key] = now
+                else:
+                    entries = self.high_active.get(d.uuid)
+                    if entries is not None:
+                        entries.pop(key, None)
+
+        others = self._others_share(report)
+        pending = self.pending.get(key)
+        if pending is None:
+            instr = Instructions(yield_devices=yields, others_share=others)
+        else:
+            self._settle_pending(key, pending, report)
+            instr = Instructions(
+                yield_devices=yields,
+                memory_limits=dict(pending.memory),
+                sm_limits=dict(pending.sm),
+                others_share=others,
+            )
+        if report.final:
+            self.remove(key)
+        return instr
+
+    @staticmethod
+    def _settle_pending(key: str, pending: PendingLimits, report: Report) -> None:
+        """Drop pushed limits the container's report shows applied."""
+        for d in report.devices:
+            if d.uuid in pending.memory and pending.memory[d.uuid] == d.memory_limit:
+                del pending.memory[d.uuid]
+            if d.uuid in pending.sm and pending.sm[d.uuid] == d.sm_limit:
+                del pending.sm[d.uuid]
+
+    def _forget_active(self, key: str) -> None:
+        for entries in self.high_active.values():
+            entries.pop(key, None)
+
+    def _add_shares(self, report: Report, sign: float) -> None:
+        for d in report.devices:
+            total = self.device_share.get(d.uuid, 0.0) + sign * d.sm_share
+            self.device_share[d.uuid] = total if total > 1e-6 else 0.0
+
+    def _others_share(self, report: Report) -> dict[str, float]:
+        """Per device of the report: what the other containers used there."""
+        return {
+            d.uuid: min(100.0, max(0.0, self.device_share.get(d.uuid, 0.0) - d.sm_share))
+            for d in report.devices
+        }
+
+    def remove(self, key: str) -> None:
+        st = self.containers.get(key)
+        if st is not None:
+            self._add_shares(st.report, -1.0)
+        self.containers.pop(key, None)
+        self.pending.pop(key, None)
+        self._forget_active(key)
+
+    def expire(self, now: float) -> int:
+        expired = []
+        for key, st in self.containers.items():
+            limit = self.config.expire_after
+            if st.interval is not None:
+                limit = max(limit, 3 * st.interval)
+            if now - st.last_seen > limit:
+                expired.append(key)
+        for key in expired:
+            self.remove(key)
+        self.expired_total += len(expired)
+        window = self.config.active_window
+        for entries in self.high_active.values():
+            for k in [k for k, ts in entries.items() if now - ts > window]:
+                del entries[k]
+        return len(expired)
+
+    # ---- admin -----------------------------------------------------------
+
+    def find_container(self, name: str) -> str | None:
+        """A container key from a key or "namespace/pod/container"."""
+        if name in self.containers:
+            return name
+        matches = [
+            k
+            for k, st in list(self.containers.items())
+            if f"{st.id.namespace or ''}/{st.id.pod or ''}/{st.id.container or ''}" == name
+        ]
+        return matches[0] if len(matches) == 1 else None
+
+    def set_limit(self, key: str, device: str, msg: dict[str, Any]) -> None:
+        pending = self.pending.setdefault(key, PendingLimits())
+        if "memory" in msg:
+            pending.memory[device] = msg["memory"]
+        if "sm" in msg:
+            pending.sm[device] = msg["sm"]
+        self.limit_pushes_total += 1
+
+    # ---- views -------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        wall = time.time()
+        containers = []
+        for key, st in list(self.containers.items()):
+            r = st.report
+            devices = []
+            for d in r.devices:
+                dd = asdict(d)
+                dd["memory_used_ratio"] = d.memory_used / d.memory_limit if d.memory_limit else None
+                if r.priority != 0:
+                    entries = self.high_active.get(d.uuid, {})
+                    dd["yield"] = any(
+                        k != key and now - ts <= self.config.active_window
+                        for k, ts in list(entries.items())
+                    )
+                else:
+                    dd["yield"] = False
+                devices.append(dd)
+            pending = self.pending.get(key)
+            containers.append(
+                {
+                    "key": key,
+                    "container": asdict(st.id),
+                    "peer": asdict(st.peer),
+                    "policy": r.policy,
+                    "priority": r.priority,
+                    "seq": r.seq,
+                    "ts": r.ts,
+                    "pids": list(r.pids),
+                    "devices": devices,
+                    "first_seen": st.first_seen,
+                    "last_report": st.last_wall,
+                    "age_s": round(wall - st.last_wall, 3),
+                    "interval_s": None if st.interval is None else round(st.interval, 3),
+                    "reports": st.reports,
+                    "pending_limits": None
+                    if pending is None
+                    else {"memory": dict(pending.memory), "sm": dict(pending.sm)},
+                }
+            )
+        containers.sort(key=lambda c: str(c["key"]))
+        return {
+            "agent": {
+                "pid": os.getpid(),
+                "socket": self.config.socket_path,
+                "started": self.started,
+                "uptime_s": round(wall - self.started, 3),
+                "connections": self.connections,
+                "connections_total": self.connections_total,
+                "reports_total": self.reports_total,
+                "rejected_reports_total": dict(self.rejected),
+                "disconnects_total": dict(self.disconnects),
+                "expired_total": self.expired_total,
+                "limit_pushes_total": self.limit_pushes_total,
+                "expire_after_s": self.config.expire_after,
+            },
+            "containers": containers,
+        }
