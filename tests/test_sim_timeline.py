@@ -135,9 +135,9 @@ def test_cuda_python_launch_paths(tmp_path: Path) -> None:
     assert 13.9 < r["explicit"] < 25, r
 
 
-# A worker: back-to-back 1 ms spin kernels, eight in flight (so a busy CI
-# machine's scheduling delays do not leave the device idle), for RUN_S seconds
-# after "go" on stdin.
+# A worker: back-to-back 5 ms spin kernels, eight in flight (40 ms of queued
+# work, so a loaded CI machine descheduling the worker does not leave the
+# device idle), for RUN_S seconds after "go" on stdin.
 WORKER = with_prelude(
     """
     RUN_S = float(sys.argv[1]) if len(sys.argv) > 1 else 1.6
@@ -149,7 +149,7 @@ WORKER = with_prelude(
     i = 0
     while time.monotonic() - t0 < RUN_S:
         chk(cu.cuEventSynchronize(ev[i % 8]))   # launch i-8 has completed
-        launch_spin(s, 1000)
+        launch_spin(s, 5000)
         chk(cu.cuEventRecord(ev[i % 8], s))
         i += 1
     chk(cu.cuCtxSynchronize())
