@@ -140,7 +140,7 @@ def test_cuda_python_launch_paths(tmp_path: Path) -> None:
 # device idle), for RUN_S seconds after "go" on stdin.
 WORKER = with_prelude(
     """
-    RUN_S = float(sys.argv[1]) if len(sys.argv) > 1 else 1.6
+    RUN_S = float(sys.argv[1]) if len(sys.argv) > 1 else 3.0
     s = chk(cu.cuStreamCreate(0))
     ev = [chk(cu.cuEventCreate(0)) for _ in range(8)]
     print("ready", flush=True)
