@@ -104,7 +104,15 @@ def test_signals_are_forwarded(env, sig):
     assert sup.stdout is not None
     assert sup.stdout.readline() == "ready\n"
     sup.send_signal(sig)
-    out, err = sup.communicate(timeout=20)
+    try:
+        out, err = sup.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        # Say what was going on (seen once: the signal seemed lost).
+        tree = psutil.Process(sup.pid).children(recursive=True)
+        states = [(p.pid, p.status(), p.cmdline()[:2]) for p in tree]
+        sup.kill()
+        out, err = sup.communicate()
+        pytest.fail(f"no exit 20 s after signal {int(sig)}: children {states}\n{out}\n{err}")
     assert sup.returncode == 40, err
     assert out == f"got {int(sig)}\n"
 
