@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .identity import PeerCred
-from .protocol import ContainerId, Instructions, Report
+from .protocol import ContainerId, DeviceReport, Instructions, Report
 
 DEFAULT_SOCKET = "/run/gpuvisor/node.sock"
 SOCKET_ENV = "GPUVISOR_NODE_SOCKET"
@@ -80,8 +80,8 @@ class AgentState:
         self.pending: dict[str, PendingLimits] = {}
         # device uuid -> {container key: monotonic time of its last active report}
         self.high_active: dict[str, dict[str, float]] = {}
-        # device uuid -> sum of the containers' latest sm_share there (kept
-        # incrementally, so "the others' use" costs O(devices) per report)
+        # device uuid -> sum of the containers' claims there (kept
+        # incrementally, so "the others' claim" costs O(devices) per report)
         self.device_share: dict[str, float] = {}
         self.reports_total = 0
         self.rejected: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
@@ -173,15 +173,24 @@ class AgentState:
         for entries in self.high_active.values():
             entries.pop(key, None)
 
+    def _claim(self, d: DeviceReport) -> float:
+        """What a container claims of a device: nothing while idle; while
+        active, its SM limit (the whole device without one) or its use if
+        higher.  A starved container (using less than its limit because
+        others crowd the device) still claims its limit."""
+        if d.sm_share <= self.config.active_threshold:
+            return 0.0
+        return max(d.sm_share, float(d.sm_limit) if d.sm_limit is not None else 100.0)
+
     def _add_shares(self, report: Report, sign: float) -> None:
         for d in report.devices:
-            total = self.device_share.get(d.uuid, 0.0) + sign * d.sm_share
+            total = self.device_share.get(d.uuid, 0.0) + sign * self._claim(d)
             self.device_share[d.uuid] = total if total > 1e-6 else 0.0
 
     def _others_share(self, report: Report) -> dict[str, float]:
-        """Per device of the report: what the other containers used there."""
+        """Per device of the report: what the other containers claim there."""
         return {
-            d.uuid: min(100.0, max(0.0, self.device_share.get(d.uuid, 0.0) - d.sm_share))
+            d.uuid: min(100.0, max(0.0, self.device_share.get(d.uuid, 0.0) - self._claim(d)))
             for d in report.devices
         }
 
