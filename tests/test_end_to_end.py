@@ -113,3 +113,78 @@ def test_agent_sees_two_supervised_containers(node: SimNode, sock_path: str) -> 
         assert wait_for(
             lambda: not find(agent.metrics(), "gpuvisor_container_memory_used_bytes"), timeout=2.0
         )
+
+
+SPIN = """
+import ctypes, sys, time
+from cuda.bindings import driver as cu
+def chk(r):
+    e = r[0] if isinstance(r, tuple) else r
+    assert e == cu.CUresult.CUDA_SUCCESS, e
+    return r[1] if isinstance(r, tuple) and len(r) == 2 else r
+chk(cu.cuInit(0))
+chk(cu.cuCtxSetCurrent(chk(cu.cuDevicePrimaryCtxRetain(0))))
+spin = chk(cu.cuModuleGetFunction(chk(cu.cuModuleLoadData(b"x")), b"spin"))
+s = chk(cu.cuStreamCreate(0))
+end = time.monotonic() + float(sys.argv[1])
+while time.monotonic() < end:
+    chk(cu.cuLaunchKernel(spin, 1, 1, 1, 32, 1, 1, 0, s, ((1000,), (ctypes.c_uint32,)), 0))
+chk(cu.cuStreamSynchronize(s))
+"""
+
+
+def test_burst_share_gives_back_to_a_starved_container_via_the_agent(
+    node: SimNode,
+    sock_path: str,  # noqa: F811
+) -> None:
+    """A (burst-share, 10 %) alone takes the idle GPU.  B (fixed-share, 90 %)
+    starts: the agent tells A that B claims 90 %, so A drops to its 10 %
+    and B gets its 90 %, although B's own use starts low."""
+    from tests.test_sm_quota import nvml_shares
+
+    def sup(name: str, args: list[str], seconds: float) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            [
+                *CLI,
+                "run",
+                *args,
+                "--socket",
+                sock_path,
+                "--region",
+                str(node.dir / f"{name}.shr"),
+                "--report-interval",
+                "0.2",
+                "--",
+                sys.executable,
+                "-c",
+                textwrap.dedent(SPIN),
+                str(seconds),
+            ],
+            env=dict(node.env, POD_NAME=name),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
+        )
+
+    with AgentProc(sock_path, env=node.env):
+        a = sup("a", ["--cores", "10", "--policy", "burst-share"], 7.0)
+        try:
+            time.sleep(2.0)
+            since = int(time.time() * 1e6)
+            time.sleep(1.0)
+            alone = nvml_shares(node, since)
+            b = sup("b", ["--cores", "90"], 4.0)
+            time.sleep(1.5)
+            since = int(time.time() * 1e6)
+            time.sleep(1.5)
+            both = nvml_shares(node, since)
+            b.communicate(timeout=60)
+        finally:
+            a.communicate(timeout=60)
+    (a_pid,) = alone
+    b_pid = next(p for p in both if p != a_pid)
+    print(f"A alone {alone[a_pid]} %, then A {both.get(a_pid)} % and B {both[b_pid]} %")
+    assert alone[a_pid] >= 80
+    assert both.get(a_pid, 0) <= 15
+    assert both[b_pid] >= 84
