@@ -90,7 +90,7 @@ test-fast: all venv
 # Per-call cost of the memory hooks (native/tests/bench_memory.c); writes its
 # section of docs/benchmarks.md.
 BENCH_MEMORY := $(BUILD)/bench/bench_memory
-$(BENCH_MEMORY): native/tests/bench_memory.c native/include/gpuvisor.h native/include/gv_cuda.h
+$(BENCH_MEMORY): native/tests/bench_memory.c native/tests/bench_common.h native/include/gpuvisor.h native/include/gv_cuda.h
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_ALL) -o $@ $< $(LDLIBS_ALL)
 
@@ -107,7 +107,7 @@ BENCH_LAUNCH := $(BUILD)/bench/bench_launch
 $(BENCH_SM_WORKER): native/tests/bench_sm_worker.c native/include/gv_cuda.h $(SIMCUDA) $(SIMNVML)
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_ALL) -o $@ $< -L$(BUILD)/sim -lcuda -lm $(LDLIBS_ALL)
-$(BENCH_LAUNCH): native/tests/bench_launch.c native/include/gpuvisor.h native/include/gv_cuda.h
+$(BENCH_LAUNCH): native/tests/bench_launch.c native/tests/bench_common.h native/include/gpuvisor.h native/include/gv_cuda.h
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_ALL) -o $@ $< $(LDLIBS_ALL)
 

@@ -92,7 +92,7 @@ GV_NO_SANITIZE gv_dlsym_fn gv_libc_dlsym(void);
 
 /* Call a real entry point with its type spelled at the call site:
  *   GV_REAL(cuMemAlloc_v2, CUresult (*)(CUdeviceptr *, size_t))(p, n)
- * A missing entry point yields a stub that returns CUDA_ERROR_NOT_FOUND. */
+ * A missing entry point yields a stand-in that returns CUDA_ERROR_NOT_FOUND. */
 #define GV_REAL(name, type) ((type)gv_real_fast(GV_SYM_##name))
 void *gv_real_or_missing(enum gv_sym id);
 

@@ -46,6 +46,8 @@
 #include "gpuvisor.h"
 #include "gv_cuda.h"
 
+#include "bench_common.h"
+
 #ifndef PATH_MAX
 #define PATH_MAX 4096
 #endif
@@ -69,10 +71,6 @@ typedef int (*getsmuse_fn)(int, uint64_t *, uint64_t *, uint64_t *);
 typedef int (*devcount_fn)(void);
 
 static struct {
-    char lib[PATH_MAX];
-    char sim[PATH_MAX];
-    char nvml[PATH_MAX];
-    void *hsim, *hlib;
     launch_fn direct, shim;
     sync_fn sync;
     setsm_fn set_sm;
@@ -84,73 +82,14 @@ static CUfunction spin;
 static CUstream stream;
 static cpu_set_t orig_affinity;
 
-static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
 
-static void die(const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    fputs("bench_launch: ", stderr);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
-    va_end(ap);
-    exit(2);
-}
-
-static void *need_sym(void *h, const char *name, const char *what)
-{
-    void *p = dlsym(h, name);
-    if (!p)
-        die("%s: no symbol %s", what, name);
-    return p;
-}
 
 /* An entry point as the application sees it: the interposer's replacement
  * if it has one, else the driver's. */
-static void *app_sym(const char *name)
-{
-    void *p = dlsym(g.hlib, name);
-    return p ? p : need_sym(g.hsim, name, g.sim);
-}
 
 /* path joined with rel, resolved into out (PATH_MAX bytes); 0 on success. */
-static int resolve(char *out, const char *dir, const char *rel)
-{
-    char joined[2 * PATH_MAX];
-    snprintf(joined, sizeof joined, "%s%s", dir, rel);
-    char buf[PATH_MAX];
-    if (!realpath(joined, buf))
-        return -1;
-    snprintf(out, PATH_MAX, "%s", buf);
-    return 0;
-}
 
-static void default_paths(void)
-{
-    char exe[PATH_MAX];
-    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    if (n <= 0)
-        die("readlink /proc/self/exe: %s", strerror(errno));
-    exe[n] = '\0';
-    char *slash = strrchr(exe, '/');
-    if (slash)
-        *slash = '\0';
-    /* The binary lives in $(BUILD)/bench/: the libraries are one level up. */
-    if (g.lib[0] ? resolve(g.lib, g.lib, "") : resolve(g.lib, exe, "/../libgpuvisor.so"))
-        die("cannot find libgpuvisor.so next to %s (run make first, or pass --lib)", exe);
-    if (g.sim[0] ? resolve(g.sim, g.sim, "") : resolve(g.sim, exe, "/../sim/libcuda.so.1"))
-        die("cannot find sim/libcuda.so.1 next to %s (run make first, or pass --sim)", exe);
-    char dir[PATH_MAX];
-    snprintf(dir, sizeof dir, "%s", g.sim);
-    slash = strrchr(dir, '/');
-    if (slash)
-        *slash = '\0';
-    if (resolve(g.nvml, dir, "/libnvidia-ml.so.1"))
-        g.nvml[0] = '\0';
-}
 
-static char tmpdir[PATH_MAX];
-static pid_t parent_pid;
 
 static void setup_env(const char *dir)
 {
@@ -167,27 +106,27 @@ static void setup_env(const char *dir)
     setenv("GPUVISOR_SIM_DEVICES", "1x80g", 1);
     snprintf(p, sizeof p, "%s/region.shr", dir);
     setenv("CUDA_DEVICE_MEMORY_SHARED_CACHE", p, 1);
-    setenv("GPUVISOR_REAL_LIBCUDA", g.sim, 1);
-    if (g.nvml[0])
-        setenv("GPUVISOR_REAL_LIBNVML", g.nvml, 1);
+    setenv("GPUVISOR_REAL_LIBCUDA", libs.sim, 1);
+    if (libs.nvml[0])
+        setenv("GPUVISOR_REAL_LIBNVML", libs.nvml, 1);
 }
 
 static void open_libs(void)
 {
-    g.hsim = dlopen(g.sim, RTLD_NOW | RTLD_LOCAL);
-    if (!g.hsim)
-        die("dlopen %s: %s", g.sim, dlerror());
-    g.hlib = dlopen(g.lib, RTLD_NOW | RTLD_LOCAL);
-    if (!g.hlib)
-        die("dlopen %s: %s", g.lib, dlerror());
-    g.direct = (launch_fn)need_sym(g.hsim, "cuLaunchKernel", g.sim);
-    g.shim = (launch_fn)need_sym(g.hlib, "cuLaunchKernel", g.lib);
+    libs.hsim = dlopen(libs.sim, RTLD_NOW | RTLD_LOCAL);
+    if (!libs.hsim)
+        die("dlopen %s: %s", libs.sim, dlerror());
+    libs.hlib = dlopen(libs.lib, RTLD_NOW | RTLD_LOCAL);
+    if (!libs.hlib)
+        die("dlopen %s: %s", libs.lib, dlerror());
+    g.direct = (launch_fn)need_sym(libs.hsim, "cuLaunchKernel", libs.sim);
+    g.shim = (launch_fn)need_sym(libs.hlib, "cuLaunchKernel", libs.lib);
     if ((void *)g.shim == (void *)g.direct)
-        die("%s does not replace cuLaunchKernel", g.lib);
+        die("%s does not replace cuLaunchKernel", libs.lib);
     g.sync = (sync_fn)app_sym("cuStreamSynchronize");
-    g.set_sm = (setsm_fn)need_sym(g.hlib, "gv_device_set_sm_limit", g.lib);
-    g.sm_usage = (getsmuse_fn)need_sym(g.hlib, "gv_device_get_sm_usage", g.lib);
-    g.device_count = (devcount_fn)need_sym(g.hlib, "gv_device_count", g.lib);
+    g.set_sm = (setsm_fn)need_sym(libs.hlib, "gv_device_set_sm_limit", libs.lib);
+    g.sm_usage = (getsmuse_fn)need_sym(libs.hlib, "gv_device_get_sm_usage", libs.lib);
+    g.device_count = (devcount_fn)need_sym(libs.hlib, "gv_device_count", libs.lib);
 }
 
 static void cuda_setup(void)
@@ -249,17 +188,7 @@ static struct sample run_batch(launch_fn launch, long iters)
                             (all > own ? all - own : 0) / (double)iters };
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
 
 struct result {
     const char *mode;
@@ -290,28 +219,6 @@ static void measure(struct result *res, int batches, long iters)
     res->meter_cpu = median(sm, batches) - median(dm, batches);
 }
 
-static void cpu_model(char *buf, size_t len)
-{
-    snprintf(buf, len, "unknown CPU");
-    FILE *f = fopen("/proc/cpuinfo", "r");
-    if (!f)
-        return;
-    char line[512];
-    while (fgets(line, sizeof line, f)) {
-        if (strncmp(line, "model name", 10) == 0) {
-            char *c = strchr(line, ':');
-            if (c) {
-                c++;
-                while (*c == ' ' || *c == '\t')
-                    c++;
-                c[strcspn(c, "\n")] = '\0';
-                snprintf(buf, len, "%s", c);
-            }
-            break;
-        }
-    }
-    fclose(f);
-}
 
 static int pin_cpu(void)
 {
@@ -332,20 +239,6 @@ static int pin_cpu(void)
 
 static void unpin(void) { sched_setaffinity(0, sizeof orig_affinity, &orig_affinity); }
 
-static void cleanup_tmp(void)
-{
-    if (!tmpdir[0] || getpid() != parent_pid)
-        return;
-    DIR *d = opendir(tmpdir);
-    if (d) {
-        struct dirent *e;
-        while ((e = readdir(d)))
-            if (e->d_name[0] != '.')
-                unlinkat(dirfd(d), e->d_name, 0);
-        closedir(d);
-    }
-    rmdir(tmpdir);
-}
 
 static void usage(void)
 {
@@ -355,6 +248,7 @@ static void usage(void)
 
 int main(int argc, char **argv)
 {
+    bench_name = "bench_launch";
     int batches = 200, pin = 1;
     long iters = 1000;
     for (int i = 1; i < argc; i++) {
@@ -365,9 +259,9 @@ int main(int argc, char **argv)
         else if (strcmp(a, "--iters") == 0 && v)
             iters = atol(argv[++i]);
         else if (strcmp(a, "--lib") == 0 && v)
-            snprintf(g.lib, sizeof g.lib, "%s", argv[++i]);
+            snprintf(libs.lib, sizeof libs.lib, "%s", argv[++i]);
         else if (strcmp(a, "--sim") == 0 && v)
-            snprintf(g.sim, sizeof g.sim, "%s", argv[++i]);
+            snprintf(libs.sim, sizeof libs.sim, "%s", argv[++i]);
         else if (strcmp(a, "--no-pin") == 0)
             pin = 0;
         else

@@ -45,6 +45,8 @@
 #include "gpuvisor.h"
 #include "gv_cuda.h"
 
+#include "bench_common.h"
+
 #ifndef PATH_MAX
 #define PATH_MAX 4096
 #endif
@@ -82,10 +84,6 @@ static const char *limit_text = "8g";   /* --limit */
 static uint64_t limit_bytes;
 
 static struct {
-    char lib[PATH_MAX];
-    char sim[PATH_MAX];
-    char nvml[PATH_MAX];
-    void *hsim, *hlib;
     struct api direct, shim;
     plist_fn process_list;
     setlim_fn set_limit;
@@ -93,70 +91,13 @@ static struct {
     getlim_fn get_limit;
 } g;
 
-static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
 
-static void die(const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    fputs("bench_memory: ", stderr);
-    vfprintf(stderr, fmt, ap);
-    fputc('\n', stderr);
-    va_end(ap);
-    exit(2);
-}
-
-static void *need_sym(void *h, const char *name, const char *what)
-{
-    void *p = dlsym(h, name);
-    if (!p)
-        die("%s: no symbol %s", what, name);
-    return p;
-}
 
 /* An entry point as the application sees it: the interposer's replacement
  * if it has one, else the driver's. */
-static void *app_sym(const char *name)
-{
-    void *p = dlsym(g.hlib, name);
-    return p ? p : need_sym(g.hsim, name, g.sim);
-}
 
 /* path joined with rel, resolved into out (PATH_MAX bytes); 0 on success. */
-static int resolve(char *out, const char *dir, const char *rel)
-{
-    char joined[2 * PATH_MAX];
-    snprintf(joined, sizeof joined, "%s%s", dir, rel);
-    char buf[PATH_MAX];
-    if (!realpath(joined, buf))
-        return -1;
-    snprintf(out, PATH_MAX, "%s", buf);
-    return 0;
-}
 
-static void default_paths(void)
-{
-    char exe[PATH_MAX];
-    ssize_t n = readlink("/proc/self/exe", exe, sizeof exe - 1);
-    if (n <= 0)
-        die("readlink /proc/self/exe: %s", strerror(errno));
-    exe[n] = '\0';
-    char *slash = strrchr(exe, '/');
-    if (slash)
-        *slash = '\0';
-    /* The binary lives in $(BUILD)/bench/: the libraries are one level up. */
-    if (g.lib[0] ? resolve(g.lib, g.lib, "") : resolve(g.lib, exe, "/../libgpuvisor.so"))
-        die("cannot find libgpuvisor.so next to %s (run make first, or pass --lib)", exe);
-    if (g.sim[0] ? resolve(g.sim, g.sim, "") : resolve(g.sim, exe, "/../sim/libcuda.so.1"))
-        die("cannot find sim/libcuda.so.1 next to %s (run make first, or pass --sim)", exe);
-    char dir[PATH_MAX];
-    snprintf(dir, sizeof dir, "%s", g.sim);
-    slash = strrchr(dir, '/');
-    if (slash)
-        *slash = '\0';
-    if (resolve(g.nvml, dir, "/libnvidia-ml.so.1"))
-        g.nvml[0] = '\0';
-}
 
 /* Environment for this process and the helpers (inherited through exec). */
 static void setup_env(const char *dir)
@@ -174,33 +115,33 @@ static void setup_env(const char *dir)
     snprintf(p, sizeof p, "%s/region.shr", dir);
     setenv("CUDA_DEVICE_MEMORY_SHARED_CACHE", p, 1);
     setenv("CUDA_DEVICE_MEMORY_LIMIT", limit_text, 1);
-    setenv("GPUVISOR_REAL_LIBCUDA", g.sim, 1);
-    if (g.nvml[0])
-        setenv("GPUVISOR_REAL_LIBNVML", g.nvml, 1);
+    setenv("GPUVISOR_REAL_LIBCUDA", libs.sim, 1);
+    if (libs.nvml[0])
+        setenv("GPUVISOR_REAL_LIBNVML", libs.nvml, 1);
 }
 
 static void open_libs(void)
 {
     /* The driver first, by the same path the interposer will open: one
      * instance, so both sets of entry points share its state. */
-    g.hsim = dlopen(g.sim, RTLD_NOW | RTLD_LOCAL);
-    if (!g.hsim)
-        die("dlopen %s: %s", g.sim, dlerror());
-    g.hlib = dlopen(g.lib, RTLD_NOW | RTLD_LOCAL);
-    if (!g.hlib)
-        die("dlopen %s: %s", g.lib, dlerror());
-    g.direct.alloc = (alloc_fn)need_sym(g.hsim, "cuMemAlloc_v2", g.sim);
-    g.direct.free = (free_fn)need_sym(g.hsim, "cuMemFree_v2", g.sim);
-    g.direct.info = (info_fn)need_sym(g.hsim, "cuMemGetInfo_v2", g.sim);
-    g.shim.alloc = (alloc_fn)need_sym(g.hlib, "cuMemAlloc_v2", g.lib);
-    g.shim.free = (free_fn)need_sym(g.hlib, "cuMemFree_v2", g.lib);
-    g.shim.info = (info_fn)need_sym(g.hlib, "cuMemGetInfo_v2", g.lib);
+    libs.hsim = dlopen(libs.sim, RTLD_NOW | RTLD_LOCAL);
+    if (!libs.hsim)
+        die("dlopen %s: %s", libs.sim, dlerror());
+    libs.hlib = dlopen(libs.lib, RTLD_NOW | RTLD_LOCAL);
+    if (!libs.hlib)
+        die("dlopen %s: %s", libs.lib, dlerror());
+    g.direct.alloc = (alloc_fn)need_sym(libs.hsim, "cuMemAlloc_v2", libs.sim);
+    g.direct.free = (free_fn)need_sym(libs.hsim, "cuMemFree_v2", libs.sim);
+    g.direct.info = (info_fn)need_sym(libs.hsim, "cuMemGetInfo_v2", libs.sim);
+    g.shim.alloc = (alloc_fn)need_sym(libs.hlib, "cuMemAlloc_v2", libs.lib);
+    g.shim.free = (free_fn)need_sym(libs.hlib, "cuMemFree_v2", libs.lib);
+    g.shim.info = (info_fn)need_sym(libs.hlib, "cuMemGetInfo_v2", libs.lib);
     if ((void *)g.shim.alloc == (void *)g.direct.alloc)
-        die("%s does not replace cuMemAlloc_v2", g.lib);
-    g.process_list = (plist_fn)need_sym(g.hlib, "gv_process_list", g.lib);
-    g.set_limit = (setlim_fn)need_sym(g.hlib, "gv_device_set_limit", g.lib);
-    g.device_count = (devcount_fn)need_sym(g.hlib, "gv_device_count", g.lib);
-    g.get_limit = (getlim_fn)need_sym(g.hlib, "gv_device_get_limit", g.lib);
+        die("%s does not replace cuMemAlloc_v2", libs.lib);
+    g.process_list = (plist_fn)need_sym(libs.hlib, "gv_process_list", libs.lib);
+    g.set_limit = (setlim_fn)need_sym(libs.hlib, "gv_device_set_limit", libs.lib);
+    g.device_count = (devcount_fn)need_sym(libs.hlib, "gv_device_count", libs.lib);
+    g.get_limit = (getlim_fn)need_sym(libs.hlib, "gv_device_get_limit", libs.lib);
 }
 
 /* cuInit, device 0, primary context current: through the interposer, so the
@@ -239,8 +180,6 @@ static int hold_main(int ready_fd, int hold_fd)
     return rc == CUDA_SUCCESS ? 0 : 1;
 }
 
-static char tmpdir[PATH_MAX];
-static pid_t parent_pid;
 static cpu_set_t orig_affinity;
 static int have_orig_affinity;
 static pid_t helpers[MAX_PROCS];
@@ -349,17 +288,7 @@ static double run_batch(const struct api *a, enum op op, long iters)
     return (double)(now_ns() - t0) / (double)iters;
 }
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
-static double median(double *v, int n)
-{
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
-    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
 
 struct result {
     int procs;
@@ -394,28 +323,6 @@ static const char *op_name(enum op op)
     return op == OP_ALLOC_FREE ? "cuMemAlloc_v2 + cuMemFree_v2 (1 MiB)" : "cuMemGetInfo_v2";
 }
 
-static void cpu_model(char *buf, size_t len)
-{
-    snprintf(buf, len, "unknown CPU");
-    FILE *f = fopen("/proc/cpuinfo", "r");
-    if (!f)
-        return;
-    char line[512];
-    while (fgets(line, sizeof line, f)) {
-        if (strncmp(line, "model name", 10) == 0) {
-            char *c = strchr(line, ':');
-            if (c) {
-                c++;
-                while (*c == ' ' || *c == '\t')
-                    c++;
-                c[strcspn(c, "\n")] = '\0';
-                snprintf(buf, len, "%s", c);
-            }
-            break;
-        }
-    }
-    fclose(f);
-}
 
 struct config {
     int ns[MAX_NS];
@@ -638,23 +545,10 @@ static void usage(void)
     exit(2);
 }
 
-static void cleanup_tmp(void)
-{
-    if (!tmpdir[0] || getpid() != parent_pid)
-        return;
-    DIR *d = opendir(tmpdir);
-    if (d) {
-        struct dirent *e;
-        while ((e = readdir(d)))
-            if (e->d_name[0] != '.')
-                unlinkat(dirfd(d), e->d_name, 0);
-        closedir(d);
-    }
-    rmdir(tmpdir);
-}
 
 int main(int argc, char **argv)
 {
+    bench_name = "bench_memory";
     if (argc == 4 && strcmp(argv[1], "--hold") == 0)
         return hold_main(atoi(argv[2]), atoi(argv[3]));
 
@@ -683,9 +577,9 @@ int main(int argc, char **argv)
         } else if (strcmp(a, "--write") == 0 && v) {
             cf.write = argv[++i];
         } else if (strcmp(a, "--lib") == 0 && v) {
-            snprintf(g.lib, sizeof g.lib, "%s", argv[++i]);
+            snprintf(libs.lib, sizeof libs.lib, "%s", argv[++i]);
         } else if (strcmp(a, "--sim") == 0 && v) {
-            snprintf(g.sim, sizeof g.sim, "%s", argv[++i]);
+            snprintf(libs.sim, sizeof libs.sim, "%s", argv[++i]);
         } else if (strcmp(a, "--no-pin") == 0) {
             cf.pin = 0;
         } else if (strcmp(a, "--no-unlimited") == 0) {

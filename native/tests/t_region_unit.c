@@ -417,7 +417,7 @@ static void test_processes(const char *self_exe)
     CHECK(region_slot_used(r, d, live) == 5 * MIB);
 
     /* A reclaimer that died half-way is taken over; a live one is not. */
-    int half = region_test_claim_slot(r, 1, 1);               /* placeholder owner */
+    int half = region_test_claim_slot(r, 1, 1);               /* a made-up owner */
     CHECK(half >= 0);
     CHECK_EQ(region_reserve(r, d, half, 7 * MIB), 0);
     CHECK_EQ(region_test_mark_reclaiming(r, half, sl, sl_start), 0);   /* dead */
