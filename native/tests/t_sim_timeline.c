@@ -20,38 +20,8 @@
 #include <unistd.h>
 
 #include "gv_cuda.h"
+#include "sim_test.h"
 
-static const char *g_lib = "build/sim/libcuda.so.1";
-static char g_state[256];
-static void *g_h;
-static pid_t g_main_pid;
-
-static void cleanup(void)
-{
-    if (getpid() == g_main_pid)
-        unlink(g_state);
-}
-
-#define CHECK(c)                                                        \
-    do {                                                                \
-        if (!(c)) {                                                     \
-            printf("FAIL %s:%d: %s\n", __FILE__, __LINE__, #c);         \
-            fflush(stdout);                                             \
-            exit(1);                                                    \
-        }                                                               \
-    } while (0)
-
-#define CU(call, want)                                                  \
-    do {                                                                \
-        CUresult r_ = (call);                                           \
-        if (r_ != (want)) {                                             \
-            printf("FAIL %s:%d: %s = %d, want %d\n", __FILE__, __LINE__, \
-                   #call, r_, (int)(want));                             \
-            fflush(stdout);                                             \
-            exit(1);                                                    \
-        }                                                               \
-    } while (0)
-#define OK(call) CU(call, CUDA_SUCCESS)
 
 /* a value within [lo, hi] */
 #define NEAR(v, lo, hi)                                                 \
@@ -65,15 +35,6 @@ static void cleanup(void)
         }                                                               \
     } while (0)
 
-static void *sym(const char *n)
-{
-    void *p = dlsym(g_h, n);
-    if (!p) {
-        printf("FAIL missing symbol %s\n", n);
-        exit(1);
-    }
-    return p;
-}
 
 typedef CUresult (*launch_fn)(CUfunction, unsigned, unsigned, unsigned,
                               unsigned, unsigned, unsigned, unsigned,
