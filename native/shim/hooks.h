@@ -11,7 +11,7 @@
  * call through untouched or fail closed. */
 #define GV_ENFORCING_OR(passcall)                                           \
     do {                                                                    \
-        int m_ = gv_mode();                                                 \
+        int m_ = gv_mode_fast();                                                 \
         if (__builtin_expect(m_ != GV_MODE_ENFORCE, 0))                     \
             return m_ == GV_MODE_PASSTHROUGH ? (passcall) : GV_FAIL_CUDA;   \
     } while (0)
@@ -19,7 +19,7 @@
 /* For hooks that release: nothing to release outside enforce mode. */
 #define GV_ENFORCING_ELSE_PASS(passcall)                                    \
     do {                                                                    \
-        if (__builtin_expect(gv_mode() != GV_MODE_ENFORCE, 0))              \
+        if (__builtin_expect(gv_mode_fast() != GV_MODE_ENFORCE, 0))              \
             return (passcall);                                              \
     } while (0)
 

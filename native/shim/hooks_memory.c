@@ -40,10 +40,16 @@ GV_EXPORT CUresult cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int bytesize)
 
 /* Pitched allocations: reserve an estimate (rows padded to 512 bytes), then
  * settle on what the driver chose: pitch x height. */
-static CUresult settle_pitch(gv_charge *c, uint64_t pitch, uint64_t height,
+static CUresult settle_pitch(gv_charge *c, CUresult rc, uint64_t pitch, uint64_t height,
                              CUdeviceptr ptr, free_v2_fn real_free)
 {
-    CUresult rc = gv_charge_resize(c, pitch * height);
+    if (rc != CUDA_SUCCESS) {
+        gv_charge_cancel(c);
+        return rc;
+    }
+    if (!c->active)
+        return rc;
+    rc = gv_charge_resize(c, pitch * height);
     if (rc != CUDA_SUCCESS) {
         real_free(ptr);
         gv_charge_cancel(c);
@@ -67,13 +73,8 @@ GV_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t w
     if (rc != CUDA_SUCCESS)
         return rc;
     rc = real(dptr, pitch, width, height, elem);
-    if (rc != CUDA_SUCCESS) {
-        gv_charge_cancel(&c);
-        return rc;
-    }
-    if (!c.active)
-        return rc;
-    return settle_pitch(&c, *pitch, height, *dptr, GV_REAL(cuMemFree_v2, free_v2_fn));
+    return settle_pitch(&c, rc, rc == CUDA_SUCCESS ? *pitch : 0, height,
+                        rc == CUDA_SUCCESS ? *dptr : 0, GV_REAL(cuMemFree_v2, free_v2_fn));
 }
 
 static CUresult free_v1_as_v2(CUdeviceptr p)
@@ -93,13 +94,8 @@ GV_EXPORT CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pitch, un
     if (rc != CUDA_SUCCESS)
         return rc;
     rc = real(dptr, pitch, width, height, elem);
-    if (rc != CUDA_SUCCESS) {
-        gv_charge_cancel(&c);
-        return rc;
-    }
-    if (!c.active)
-        return rc;
-    return settle_pitch(&c, *pitch, height, *dptr, free_v1_as_v2);
+    return settle_pitch(&c, rc, rc == CUDA_SUCCESS ? *pitch : 0, height,
+                        rc == CUDA_SUCCESS ? *dptr : 0, free_v1_as_v2);
 }
 
 GV_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
