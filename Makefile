@@ -115,7 +115,7 @@ bench-sm: all venv $(BENCH_SM_WORKER) $(BENCH_LAUNCH)
 	$(VENV)/bin/python -m tests.bench.sm_bench --write docs/benchmarks.md
 
 demo: all venv
-	$(VENV)/bin/python -m gpuvisor.shim.demo
+	$(VENV)/bin/python -m gpuvisor.supervisor demo --out build/demo
 
 lint: venv
 	$(VENV)/bin/ruff check shim tests setup.py $(wildcard supervisor)

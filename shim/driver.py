@@ -1,4 +1,4 @@
-"""A minimal CUDA driver-API client over ctypes (used by the demo).
+"""A minimal CUDA driver-API client over ctypes (used by the demos).
 
 It binds the driver the way a program linked with -lcuda does: libcuda.so.1
 is loaded into the global scope and every symbol is looked up there, so a
@@ -82,3 +82,35 @@ class Driver:
 
     def mem_free(self, ptr: int) -> None:
         self._ok("cuMemFree_v2", ctypes.c_uint64(ptr))
+
+    def function(self, image: bytes, name: str) -> int:
+        """cuModuleLoadData + cuModuleGetFunction: a CUfunction handle."""
+        mod = ctypes.c_void_p()
+        self._ok("cuModuleLoadData", ctypes.byref(mod), ctypes.c_char_p(image))
+        fn = ctypes.c_void_p()
+        self._ok("cuModuleGetFunction", ctypes.byref(fn), mod, name.encode())
+        return int(fn.value or 0)
+
+    def stream(self) -> int:
+        """A non-blocking stream (cuStreamCreate with CU_STREAM_NON_BLOCKING)."""
+        st = ctypes.c_void_p()
+        self._ok("cuStreamCreate", ctypes.byref(st), ctypes.c_uint(1))
+        return int(st.value or 0)
+
+    def launch_u32(self, fn: int, stream: int, arg: int, blocks: int = 1) -> None:
+        """cuLaunchKernel of fn with one 32-bit unsigned parameter."""
+        value = ctypes.c_uint32(arg)
+        params = (ctypes.c_void_p * 1)(ctypes.cast(ctypes.byref(value), ctypes.c_void_p))
+        u = ctypes.c_uint
+        self._ok(
+            "cuLaunchKernel",
+            ctypes.c_void_p(fn),
+            u(blocks), u(1), u(1), u(32), u(1), u(1),
+            u(0),
+            ctypes.c_void_p(stream),
+            params,
+            ctypes.c_void_p(None),
+        )  # fmt: skip
+
+    def synchronize(self, stream: int) -> None:
+        self._ok("cuStreamSynchronize", ctypes.c_void_p(stream))

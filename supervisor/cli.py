@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 from gpuvisor.shim.cli import shim_info
 
+from .demo import demo
 from .run import run
 from .views import node_agent, status, top
 
@@ -20,3 +21,4 @@ main.add_command(run)
 main.add_command(node_agent)
 main.add_command(status)
 main.add_command(top)
+main.add_command(demo)

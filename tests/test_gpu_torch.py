@@ -53,7 +53,7 @@ def run_torch(code: str, env: dict[str, str], timeout: float = 300) -> dict[str,
 @pytest.fixture(autouse=True)
 def _needs_torch() -> None:
     try:
-        import torch  # type: ignore[import-not-found]  # noqa: F401
+        import torch  # noqa: F401
     except ImportError:
         pytest.skip("PyTorch is not installed")
 
