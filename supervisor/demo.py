@@ -38,6 +38,7 @@ from gpuvisor.shim.limits import parse_memory_limit
 from gpuvisor.shim.loader import SIM_NVML_NAME, simulator_dir
 from rich.console import Console
 from rich.live import Live
+from rich.markup import escape
 
 from .demo_report import live_table, plot, summary_table, verdicts
 from .demo_sampler import ProcessUtilization, Sampler
@@ -213,7 +214,13 @@ def run_demo(seconds: float, simulate: bool, out: Path, console: Console) -> int
             env["GPUVISOR_SIM_DEVICES"] = "2x16g"
             os.environ.update({k: env[k] for k in ("GPUVISOR_SIM_STATE", "GPUVISOR_SIM_DEVICES")})
             nvml_path = str(simulator_dir() / SIM_NVML_NAME)
-        nvml = ProcessUtilization(nvml_path)
+        try:
+            nvml = ProcessUtilization(nvml_path)
+        except Exception as exc:  # pynvml.NVMLError, OSError
+            where = "the simulated NVML" if simulate else "NVML (no real GPU here?)"
+            raise click.ClickException(
+                f"cannot open {where}: {exc}; try gpuvisor demo --simulate"
+            ) from None
         gpus = len(nvml.handles)
         where = "a simulated 2-GPU node (2 x 16 GiB)" if simulate else f"{gpus} real GPU(s)"
         workloads = scenario(seconds, gpus)
@@ -238,7 +245,9 @@ def run_demo(seconds: float, simulate: bool, out: Path, console: Console) -> int
     console.print(summary_table(workloads, sampler.series, results))
     failed = [n for n, c in codes.items() if c != 0]
     if failed:
-        console.print(f"[red]workload(s) {', '.join(failed)} failed[/]; logs in {logs}")
+        console.print(
+            f"[red]workload(s) {', '.join(failed)} failed[/]; logs in {escape(str(logs))}"
+        )
     summaries = {w.name: _workload_summary(logs / f"{w.name}.log") for w in workloads}
     for name, s in summaries.items():
         if s is not None and s.get("refused"):
@@ -250,10 +259,11 @@ def run_demo(seconds: float, simulate: bool, out: Path, console: Console) -> int
     if png is None:
         console.print(
             "no plot: matplotlib is not installed (pip install 'gpuvisor[plot]', "
-            "or pip install matplotlib, then run the demo again)"
+            "or pip install matplotlib, then run the demo again)",
+            markup=False,
         )
     else:
-        console.print(f"plot of each container's SM share over time: {png}")
+        console.print(f"plot of each container's SM share over time: {png}", markup=False)
     (out / "summary.json").write_text(
         json.dumps(
             {
@@ -272,7 +282,7 @@ def run_demo(seconds: float, simulate: bool, out: Path, console: Console) -> int
     held = all(v.ok for v in results) and not failed
     console.print(
         f"every promise held: {'[green]yes[/]' if held else '[red]no[/]'}  "
-        f"(details: {out / 'summary.json'}, logs: {logs})"
+        f"(details: {escape(str(out / 'summary.json'))}, logs: {escape(str(logs))})"
     )
     return 0 if not failed else 1
 

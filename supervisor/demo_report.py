@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -74,6 +75,15 @@ class Verdict:
     target: str
     achieved: float | None
     ok: bool
+    settled: float | None  # seconds from the phase's start until the share got there
+
+
+def _reached(s: Series | None, since: float, lo: float, hi: float) -> float | None:
+    """Seconds after `since` of the first NVML share within [lo, hi]."""
+    for p in s.points if s is not None else []:
+        if p.t >= since and p.sm is not None and lo <= p.sm <= hi:
+            return round(p.t - since, 2)
+    return None
 
 
 def verdicts(workloads: list[Workload], series: dict[str, Series], end: float) -> list[Verdict]:
@@ -83,23 +93,29 @@ def verdicts(workloads: list[Workload], series: dict[str, Series], end: float) -
     for w in workloads:
         s = series.get(w.name)
         neighbours = [o for o in workloads if o.gpu == w.gpu and o is not w]
-        phases: list[tuple[str, float, float]] = []
+        phases: list[tuple[str, float, float, float]] = []  # name, since, t0, t1
         if w.policy == "fixed-share" or not neighbours:
-            phases.append(("whole run", w.start + 1.5, end - 0.5))
+            phases.append(("whole run", w.start, w.start + 1.5, end - 0.5))
         else:
             joined = min(starts[o.name] for o in neighbours)
             if joined > w.start + 2.5:
-                phases.append(("GPU otherwise idle", w.start + 1.5, joined))
-            phases.append(("neighbour busy", joined + 1.5, end - 0.5))
-        for phase, t0, t1 in phases:
+                phases.append(("alone", w.start, w.start + 1.5, joined))
+            phases.append(("with neighbour", joined, joined + 1.5, end - 0.5))
+        room = 100.0 - sum(o.sm for o in neighbours)  # what the neighbours' quotas leave
+        quota = float(w.sm)
+        for phase, since, t0, t1 in phases:
             got = s.mean_sm(t0, t1) if s is not None else None
             if w.policy == "fixed-share":
-                target, ok = f"{w.sm} % (cap)", got is not None and abs(got - w.sm) <= 2.0
-            elif phase == "GPU otherwise idle":
-                target, ok = f"> {w.sm} % (idle GPU lent)", got is not None and got > w.sm + 2.0
+                target, ok = f"{w.sm} % cap", got is not None and abs(got - quota) <= 2.0
+                settled = _reached(s, since, quota - 5.0, quota + 5.0)
+            elif phase == "alone":
+                target, ok = f"> {w.sm} % (lent)", got is not None and got > quota + 2.0
+                settled = _reached(s, since, quota + 5.0, 100.0)
             else:
-                target, ok = f">= {w.sm} % (guarantee)", got is not None and got >= w.sm - 2.0
-            out.append(Verdict(w.name, w.gpu, w.policy, phase, (t0, t1), target, got, ok))
+                target = f"{w.sm}-{room:.0f} % (gives back)"
+                ok = got is not None and quota - 2.0 <= got <= room + 2.0
+                settled = _reached(s, since, 0.0, room + 5.0)
+            out.append(Verdict(w.name, w.gpu, w.policy, phase, (t0, t1), target, got, ok, settled))
     return out
 
 
@@ -107,11 +123,12 @@ def summary_table(
     workloads: list[Workload], series: dict[str, Series], results: list[Verdict]
 ) -> Table:
     table = Table(title="gpuvisor demo: target against achieved")
-    for col in ("container", "GPU", "policy", "phase", "SM target", "SM achieved (NVML)"):
+    for col in ("container", "GPU", "policy", "phase", "SM target"):
         table.add_column(col)
-    table.add_column("memory quota")
-    table.add_column("peak used")
-    table.add_column("refused")
+    table.add_column("SM achieved (NVML)", justify="right")
+    table.add_column("got there in", justify="right")
+    table.add_column("memory peak / quota")
+    table.add_column("refused", justify="right")
     table.add_column("holds")
     quotas = {w.name: w for w in workloads}
     for v in results:
@@ -123,11 +140,11 @@ def summary_table(
             v.name,
             str(v.gpu),
             v.policy,
-            f"{v.phase} ({v.window[0]:.1f}-{v.window[1]:.1f} s)",
+            v.phase,
             v.target,
             _pct(v.achieved),
-            _gib(w.memory_bytes),
-            _gib(peak),
+            "-" if v.settled is None else f"{v.settled:.1f} s",
+            f"{peak / GiB:.2f} / {_gib(w.memory_bytes)}",
             str(s.refusals() if s is not None else 0),
             "[green]yes[/]" if v.ok and mem_ok else "[red]no[/]",
         )
@@ -168,6 +185,16 @@ def plot(
             label=w.name,
         )
         mem.axhline(w.memory_bytes / GiB, color=colour, linestyle="--", linewidth=0.8)
+        refused = [b for a, b in itertools.pairwise(all_pts) if b.refusals > a.refusals]
+        if refused:
+            mem.scatter(
+                [p.t for p in refused],
+                [p.memory_used / GiB for p in refused],
+                marker="x",
+                color="red",
+                zorder=3,
+                label=f"{w.name}: allocation refused",
+            )
     for gi, gpu in enumerate(gpus):
         ax = axes[gi][0]
         ax.set_title(f"GPU {gpu}: SM share per container (NVML per-process utilisation)")
@@ -175,7 +202,7 @@ def plot(
         ax.set_ylim(0, 105)
         ax.legend(loc="upper right", fontsize="small")
     mem = axes[-1][0]
-    mem.set_title("device memory used (dashed: quota)")
+    mem.set_title("device memory used (dashed: quota; x: CUDA_ERROR_OUT_OF_MEMORY)")
     mem.set_ylabel("GiB")
     mem.set_xlabel("seconds")
     mem.legend(loc="upper right", fontsize="small")

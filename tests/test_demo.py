@@ -1,0 +1,112 @@
+"""`gpuvisor demo` (make demo) on the simulated 2-GPU node.
+
+The demo's own verdicts use the issue's bounds (±2 points); these tests
+re-check its summary.json with looser ones (±5 points), so a loaded CI
+machine does not fail them, and check the parts that are exact: memory
+never passes a quota, the over-allocating container is refused, the
+agent saw the refusals, the plot is a PNG.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import REPO_ROOT, clean_env
+
+GiB = 1 << 30
+DEMO = [sys.executable, "-m", "gpuvisor.supervisor", "demo"]
+NO_MATPLOTLIB = (
+    "import sys; sys.modules['matplotlib'] = None\n"
+    "from gpuvisor.supervisor.cli import main\n"
+    "main(prog_name='gpuvisor')"
+)
+
+
+def run_demo(
+    out: Path, *args: str, argv: list[str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    cmd = [*(argv or DEMO), "--simulate", "--out", str(out), *args]
+    return subprocess.run(
+        cmd, env=clean_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
+
+
+def verdict(summary: dict[str, Any], name: str, phase: str) -> dict[str, Any]:
+    found: list[dict[str, Any]] = [
+        v for v in summary["verdicts"] if v["name"] == name and v["phase"] == phase
+    ]
+    assert len(found) == 1, summary["verdicts"]
+    return found[0]
+
+
+@pytest.mark.slow
+def test_demo_three_containers_on_two_simulated_gpus(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    proc = run_demo(out, "--seconds", "12")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "target against achieved" in proc.stdout
+    summary = json.loads((out / "summary.json").read_text())
+    print(json.dumps(summary["verdicts"], indent=1))
+    assert summary["exit_codes"] == {"notebook": 0, "trainer": 0, "batch": 0}
+    quotas = {w["name"]: w for w in summary["workloads"]}
+    assert {w["gpu"] for w in quotas.values()} == {0, 1}
+    assert len({(w["memory"], w["sm"], w["policy"]) for w in quotas.values()}) == 3
+
+    # Fixed shares hold on both GPUs; the batch container is capped although
+    # its GPU is otherwise idle.
+    for name in ("trainer", "batch"):
+        v = verdict(summary, name, "whole run")
+        assert abs(v["achieved"] - quotas[name]["sm"]) <= 5, v
+    # burst-share: lent the idle GPU, gives it back when the trainer starts.
+    alone = verdict(summary, "notebook", "alone")
+    shared = verdict(summary, "notebook", "with neighbour")
+    assert alone["achieved"] >= 50, alone
+    room = 100 - quotas["trainer"]["sm"]
+    assert quotas["notebook"]["sm"] - 5 <= shared["achieved"] <= room + 5, shared
+    assert shared["settled"] is not None, shared
+    assert shared["settled"] <= 2.0, shared
+
+    # Memory: the notebook asks past its 4 GiB and is refused; nobody passes a quota.
+    work = summary["workload_summaries"]
+    assert work["notebook"]["refused"] >= 1
+    assert work["notebook"]["held"] <= 4 * GiB
+    for name, points in summary["series"].items():
+        limit = quotas[name]["memory"]
+        assert points, name
+        assert all(p["memory_limit"] is not None for p in points)
+        assert max(p["memory_used"] for p in points) <= points[0]["memory_limit"], (name, limit)
+    seen = max(p["refusals"] for p in summary["series"]["notebook"])
+    assert 1 <= seen <= work["notebook"]["refused"]
+    assert max(p["refusals"] for p in summary["series"]["trainer"]) == 0
+
+    png = out / "sm-share.png"
+    assert summary["plot"] == str(png)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "logs" / "node-agent.log").is_file()
+
+
+@pytest.mark.slow
+def test_demo_without_matplotlib_says_how_to_get_the_plot(tmp_path: Path) -> None:
+    out = tmp_path / "demo"
+    proc = run_demo(out, "--seconds", "9", argv=[sys.executable, "-c", NO_MATPLOTLIB, "demo"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert "matplotlib is not installed" in text
+    assert "pip install 'gpuvisor[plot]'" in text
+    assert not (out / "sm-share.png").exists()
+    assert json.loads((out / "summary.json").read_text())["plot"] is None
+
+
+@pytest.mark.parametrize("seconds", ["5", "abc", "601"])
+def test_demo_rejects_a_bad_duration(tmp_path: Path, seconds: str) -> None:
+    proc = run_demo(tmp_path, "--seconds", seconds)
+    assert proc.returncode == 2
+    assert "--seconds" in proc.stderr
+    assert seconds in proc.stderr
+    assert not (tmp_path / "summary.json").exists()
