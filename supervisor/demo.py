@@ -250,6 +250,11 @@ def run_demo(seconds: float, simulate: bool, out: Path, console: Console) -> int
         )
     summaries = {w.name: _workload_summary(logs / f"{w.name}.log") for w in workloads}
     for name, s in summaries.items():
+        if s is not None:
+            console.print(
+                f"{name}: cuMemGetInfo inside the container reports a total of "
+                f"{s['total'] / (1 << 30):.2f} GiB (its quota)"
+            )
         if s is not None and s.get("refused"):
             console.print(
                 f"{name}: {s['refused']} allocation(s) refused with CUDA_ERROR_OUT_OF_MEMORY; "

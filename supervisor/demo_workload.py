@@ -23,7 +23,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import click
 from gpuvisor.shim.driver import CUDA_ERROR_OUT_OF_MEMORY, CUDA_SUCCESS, CudaError, Driver
@@ -32,6 +32,7 @@ from gpuvisor.shim.limits import parse_memory_limit
 
 @dataclass
 class Tally:
+    total: int = 0  # the device's total memory as the workload sees it
     held: int = 0
     refused: int = 0
     launches: int = 0
@@ -47,6 +48,9 @@ class DriverBackend:
         self.stream = self.drv.stream()
         self.rng = random.Random(7)
         self.ptrs: list[int] = []
+
+    def total(self) -> int:
+        return int(self.drv.mem_get_info()[1])
 
     def alloc(self, nbytes: int) -> bool:
         rc, ptr = self.drv.mem_alloc(nbytes)
@@ -81,6 +85,9 @@ class TorchBackend:
         self.blocks: list[object] = []
         self.n = 0
 
+    def total(self) -> int:
+        return int(self.torch.cuda.mem_get_info()[1])
+
     def alloc(self, nbytes: int) -> bool:
         try:
             self.blocks.append(self.torch.empty(nbytes, dtype=self.torch.uint8, device="cuda"))
@@ -112,7 +119,8 @@ def run(
     every: float,
     say: Callable[[str], None],
 ) -> Tally:
-    tally = Tally()
+    tally = Tally(total=backend.total())
+    say(f"the device's total memory, as this process sees it: {tally.total >> 20} MiB")
 
     def grow() -> bool:
         if backend.alloc(step):
@@ -155,7 +163,7 @@ def main(
 
     impl: DriverBackend | TorchBackend = TorchBackend() if backend == "torch" else DriverBackend()
     tally = run(impl, seconds, _size(hold), _size(grow_to), _size(step), every, say)
-    say(json.dumps({"held": tally.held, "refused": tally.refused, "launches": tally.launches}))
+    say(json.dumps(asdict(tally)))
 
 
 if __name__ == "__main__":

@@ -74,6 +74,9 @@ def test_demo_three_containers_on_two_simulated_gpus(tmp_path: Path) -> None:
 
     # Memory: the notebook asks past its 4 GiB and is refused; nobody passes a quota.
     work = summary["workload_summaries"]
+    for name, size in (("notebook", 4 * GiB), ("trainer", 8 * GiB), ("batch", 2 * GiB)):
+        assert quotas[name]["memory"] == f"{size // GiB}g"
+        assert work[name]["total"] == size  # cuMemGetInfo inside shows the quota
     assert work["notebook"]["refused"] >= 1
     assert work["notebook"]["held"] <= 4 * GiB
     for name, points in summary["series"].items():
