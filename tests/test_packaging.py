@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 NATIVE = "gpuvisor/shim/_native/"
-MODULES = ["__init__", "loader", "capi", "region", "limits", "cli", "demo", "driver", "hardware"]
+MODULES = ["__init__", "loader", "capi", "region", "limits", "cli", "driver", "hardware"]
+DEMO_MODULES = ["demo", "demo_workload", "demo_sampler", "demo_report"]
 
 
 def _source_copy(repo_root: Path, dest: Path) -> Path:
@@ -65,6 +66,8 @@ def test_wheel_contents(wheel: Path) -> None:
         assert NATIVE + lib in names
     for mod in MODULES:
         assert f"gpuvisor/shim/{mod}.py" in names
+    for mod in DEMO_MODULES:
+        assert f"gpuvisor/supervisor/{mod}.py" in names
     assert "gpuvisor/shim/py.typed" in names
     # One namespace: no gpuvisor/__init__.py, no top-level shim package.
     assert "gpuvisor/__init__.py" not in names
