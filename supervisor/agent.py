@@ -28,6 +28,7 @@ import socket
 import stat
 import threading
 import time
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -36,7 +37,7 @@ from .agent_state import (
     AgentConfig,
     AgentState,
 )
-from .identity import PeerCred, is_admin, peer_cgroups, peer_cred
+from .identity import PeerCred, claim_matches, is_admin, peer_cgroups, peer_cred
 from .protocol import (
     MAX_MESSAGE_BYTES,
     ProtocolError,
@@ -212,11 +213,13 @@ class Connection(asyncio.Protocol):
                 state.rejected[_classify(exc)] += 1
                 return encode(error_message(seq, str(exc)))
             claimed = report.container.cgroup
-            if claimed not in self.cgroups:
+            seen = claim_matches(claimed, self.cgroups)
+            if seen is None:
                 # The peer may have moved (or its cgroup was unreadable): look again.
                 with contextlib.suppress(OSError):
                     self.cgroups = peer_cgroups(self.cred.pid)
-                if claimed not in self.cgroups:
+                seen = claim_matches(claimed, self.cgroups)
+                if seen is None:
                     state.rejected["identity"] += 1
                     return encode(
                         error_message(
@@ -225,6 +228,8 @@ class Connection(asyncio.Protocol):
                             f"in cgroup {sorted(self.cgroups)!r}",
                         )
                     )
+            if seen != claimed:  # keyed by the cgroup the agent read, not the claim
+                report = replace(report, container=replace(report.container, cgroup=seen))
             instr = state.accept_report(report, self.cred, now)
             return encode(ack_message(report.seq, instr))
         if mtype == "set-limit":

@@ -90,6 +90,31 @@ def peer_cgroups(pid: int) -> frozenset[str]:
         return accepted_cgroups(f.read())
 
 
+def claim_matches(claimed: str, accepted: frozenset[str]) -> str | None:
+    """The accepted path a supervisor's claimed cgroup stands for, or None.
+
+    A process in its own cgroup namespace (the default for containers on
+    cgroup v2 nodes) sees its cgroup relative to the namespace's root: "/"
+    for the root itself, "/sub" below it.  The agent, in the host's (or its
+    own) namespace, reads the same cgroup as a longer path.  So a claim
+    matches an accepted path when it equals it or is a whole-component
+    suffix of it ("/" is a suffix of every path).  The agent keys the
+    container by the path it read itself, never by the claim, so a suffix
+    cannot name another container.  Several matches: the longest path.
+    """
+    parts = [p for p in claimed.split("/") if p]
+    if not claimed.startswith("/") or ".." in parts:
+        return None
+    best: str | None = None
+    for path in accepted:
+        comps = [p for p in path.split("/") if p]
+        if (not parts or comps[len(comps) - len(parts) :] == parts) and (
+            best is None or len(path) > len(best)
+        ):
+            best = path
+    return best
+
+
 def is_admin(cred: PeerCred) -> bool:
     """May this peer push limit changes? root, or the agent's own uid."""
     return cred.uid == 0 or cred.uid == os.geteuid()

@@ -19,7 +19,12 @@ from typing import Any
 
 import psutil
 import pytest
-from gpuvisor.supervisor.identity import accepted_cgroups, container_cgroup, parse_cgroup
+from gpuvisor.supervisor.identity import (
+    accepted_cgroups,
+    claim_matches,
+    container_cgroup,
+    parse_cgroup,
+)
 from gpuvisor.supervisor.protocol import (
     MAX_MESSAGE_BYTES,
     ContainerId,
@@ -252,6 +257,36 @@ def test_parse_cgroup_rules():
     assert parse_cgroup("") == "/"
     assert accepted_cgroups(v1) == frozenset({"/docker/abc", "/"})
     assert accepted_cgroups("0::/k/c\n") == frozenset({"/k/c"})
+
+
+def test_claims_from_a_cgroup_namespace_match_by_whole_component_suffix():
+    host = frozenset({"/kubepods.slice/pod1.slice/cri-abc.scope", "/"})
+    # A supervisor in its own cgroup namespace sees "/" (or "/sub" below it).
+    assert claim_matches("/", host) == "/kubepods.slice/pod1.slice/cri-abc.scope"
+    assert claim_matches("/cri-abc.scope", host) == "/kubepods.slice/pod1.slice/cri-abc.scope"
+    assert claim_matches("/pod1.slice/cri-abc.scope", host) is not None
+    assert claim_matches("/kubepods.slice/pod1.slice/cri-abc.scope", host) is not None
+    # Not a whole component, another container, relative or climbing paths.
+    assert claim_matches("/abc.scope", host) is None
+    assert claim_matches("/pod2.slice/cri-abc.scope", host) is None
+    assert claim_matches("cri-abc.scope", host) is None
+    assert claim_matches("/../pod1.slice/cri-abc.scope", host) is None
+    assert claim_matches("/x/kubepods.slice/pod1.slice/cri-abc.scope", host) is None
+    assert claim_matches("/", frozenset()) is None
+
+
+def test_namespace_relative_claim_is_keyed_by_the_agents_view(sock_path):
+    real = container_cgroup()
+    parts = [p for p in real.split("/") if p]
+    claim = "/" + parts[-1] if parts else "/"  # what a cgroup namespace shows
+    with AgentProc(sock_path) as agent:
+        c = Client(sock_path, pod="ns-relative", cgroup=claim)
+        assert c.report()["type"] == "ack"
+        root = Client(sock_path, pod="ns-root", cgroup="/")
+        assert root.report()["type"] == "ack"
+        status = agent.status()
+        keys = {c["container"]["pod"]: c["container"]["cgroup"] for c in status["containers"]}
+        assert keys == {"ns-relative": real, "ns-root": real}
 
 
 # ---- reports, metrics, status, expiry ----------------------------------------------------
