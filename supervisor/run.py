@@ -74,14 +74,24 @@ class MemorySize(click.ParamType):  # type: ignore[type-arg]
             parse_memory_limit(text, 1 << 40)
         except GpuvisorError as exc:
             self.fail(one_line(exc.message), param, ctx)
+        except NativeLibraryNotFound as exc:
+            self.fail(one_line(str(exc)), param, ctx)
         return text
+
+
+LOG_LEVELS = {
+    "DEBUG": logging.DEBUG,
+    "INFO": logging.INFO,
+    "WARNING": logging.WARNING,
+    "ERROR": logging.ERROR,
+}
 
 
 def _setup_logging() -> None:
     level = os.environ.get(ENV_LOG_LEVEL, "warning").upper()
     logging.basicConfig(
         format="gpuvisor run: %(message)s",
-        level=getattr(logging, level, logging.WARNING),
+        level=LOG_LEVELS.get(level, logging.WARNING),
         stream=sys.stderr,
     )
 

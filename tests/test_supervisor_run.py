@@ -156,6 +156,7 @@ BAD = [
     ([], {"GPUVISOR_NODE_SOCKET": ""}, "GPUVISOR_NODE_SOCKET", "''"),
     ([], {"GPUVISOR_REPORT_INTERVAL": "0"}, "GPUVISOR_REPORT_INTERVAL", "0"),
     ([], {"GPUVISOR_KILL_GRACE": "soon"}, "GPUVISOR_KILL_GRACE", "soon"),
+    (["--memory", "1g"], {"GPUVISOR_NATIVE_DIR": "/nonexistent"}, "GPUVISOR_NATIVE_DIR", "nonex"),
     # An option is checked together with the environment it ends up in.
     (["--memory", "4g"], {"CUDA_DEVICE_MEMORY_LIMIT_1": "?"}, "CUDA_DEVICE_MEMORY_LIMIT_1", "?"),
 ]
@@ -174,6 +175,14 @@ def test_bad_value_stops_before_the_workload(env, tmp_path, args, variables, nam
     assert name in lines[0]
     assert value in lines[0]
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("level", ["basic_format", "root", "verbose"])
+def test_unknown_log_level_word_falls_back_to_warning(env, level):
+    env["GPUVISOR_LOG_LEVEL"] = level
+    proc = run(env, "--", "sh", "-c", "exit 3")
+    assert proc.returncode == 3, proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_corrupt_region_stops_before_the_workload(env, tmp_path):
