@@ -168,14 +168,16 @@ def test_burst_share_gives_back_to_a_starved_container_via_the_agent(
         )
 
     with AgentProc(sock_path, env=node.env):
-        a = sup("a", ["--cores", "10", "--policy", "burst-share"], 7.0)
+        a = sup("a", ["--cores", "10", "--policy", "burst-share"], 8.0)
         try:
             time.sleep(2.0)
             since = int(time.time() * 1e6)
             time.sleep(1.0)
             alone = nvml_shares(node, since)
-            b = sup("b", ["--cores", "90"], 4.0)
-            time.sleep(1.5)
+            b = sup("b", ["--cores", "90"], 5.0)
+            # 1 s is the goal (make bench-sm measures it); a loaded 2-core CI
+            # machine delays reports and acks, so the test allows 2.5 s.
+            time.sleep(2.5)
             since = int(time.time() * 1e6)
             time.sleep(1.5)
             both = nvml_shares(node, since)
