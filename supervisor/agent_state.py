@@ -28,7 +28,7 @@ REJECT_REASONS = (
     "oversize",  # a line longer than MAX_MESSAGE_BYTES
     "unauthorized",  # an admin message from a peer that may not send it
 )
-DISCONNECT_REASONS = ("oversize", "timeout", "slow-reader", "idle", "too-many", "peer")
+DISCONNECT_REASONS = ("oversize", "timeout", "slow-reader", "idle", "too-many")
 
 
 def default_socket() -> str:
