@@ -28,7 +28,15 @@
 #define LAG_NS (10ULL * 1000 * 1000)
 #define MAX_SLEEP_NS (20ULL * 1000 * 1000)
 #define DEFAULT_ESTIMATE_NS 1000000ULL   /* unknown kernels: 1 ms until measured */
-#define MAX_INFLIGHT_NS (10ULL * 1000 * 1000)
+/* What each process may have in flight (admitted, not yet finished): a
+ * short queue, because on a time-sliced device a kernel queued behind
+ * other processes' work measures their time too (the deeper the queues,
+ * the noisier the measurements), and work admitted but stuck behind other
+ * containers' kernels runs later at more than the share.  At least one
+ * launch always goes; two while no other process of the container keeps
+ * the device busy, so that it does not wait for the meter thread's
+ * settling between a process's kernels (sm_meter.c tells which). */
+#define MAX_INFLIGHT_NS (2ULL * 1000 * 1000)
 #define MAX_INFLIGHT_LAUNCHES 1024u
 #define EST_SLOTS 4096u
 
@@ -106,6 +114,12 @@ void gv_sm_learn(uintptr_t key, uint64_t ns)
 /* Estimated GPU time and launches this process has in flight. */
 static _Atomic uint64_t inflight_ns;
 static _Atomic uint32_t inflight_n;
+static _Atomic uint32_t inflight_min = 2;   /* launches that always go */
+
+void gv_sm_set_mates(int mates)
+{
+    atomic_store_explicit(&inflight_min, mates ? 1u : 2u, memory_order_relaxed);
+}
 
 uint32_t gv_sm_admit(struct gv_sm *sm, uint64_t cost_ns)
 {
@@ -129,7 +143,9 @@ uint32_t gv_sm_admit(struct gv_sm *sm, uint64_t cost_ns)
          * run later at more than the share: bound what is in flight. */
         uint64_t queued = atomic_load_explicit(&inflight_ns, memory_order_relaxed);
         uint32_t count = atomic_load_explicit(&inflight_n, memory_order_relaxed);
-        if (count > 0 && (queued + cost_ns > MAX_INFLIGHT_NS || count >= MAX_INFLIGHT_LAUNCHES)) {
+        uint32_t min = atomic_load_explicit(&inflight_min, memory_order_relaxed);
+        if (count >= min &&
+            (queued + cost_ns > MAX_INFLIGHT_NS || count >= MAX_INFLIGHT_LAUNCHES)) {
             sleep_ns(50000);
             continue;
         }
@@ -190,4 +206,5 @@ void gv_sm_fork_child(void)
 {
     atomic_store(&inflight_ns, 0);
     atomic_store(&inflight_n, 0);
+    atomic_store(&inflight_min, 2);
 }
