@@ -290,11 +290,12 @@ static void update_share(struct watched *w, int *mates)
          * shows only what it gets.  So when their use grows, give back all
          * that was lent at once (their growth shows within one or two NVML
          * samples), and lend again step by step while their use holds;
-         * with nobody else working, lend everything at once. */
+         * with nobody else working, or their use falling, lend all there
+         * is at once. */
         uint64_t lend;
         if (others >= OTHERS_ACTIVE && others >= w->others_before + OTHERS_RISE)
             lend = 0;
-        else if (others < OTHERS_ACTIVE)
+        else if (others < OTHERS_ACTIVE || others + OTHERS_RISE <= w->others_before)
             lend = room;
         else
             lend = w->lent + LEND_STEP < room ? w->lent + LEND_STEP : room;
