@@ -144,8 +144,14 @@ uint32_t gv_sm_admit(struct gv_sm *sm, uint64_t cost_ns)
         uint64_t queued = atomic_load_explicit(&inflight_ns, memory_order_relaxed);
         uint32_t count = atomic_load_explicit(&inflight_n, memory_order_relaxed);
         uint32_t min = atomic_load_explicit(&inflight_min, memory_order_relaxed);
-        if (count >= min &&
-            (queued + cost_ns > MAX_INFLIGHT_NS || count >= MAX_INFLIGHT_LAUNCHES)) {
+        uint64_t cap = MAX_INFLIGHT_NS;
+        if (atomic_load_explicit(&sm->tat, memory_order_relaxed) + LAG_NS / 2 <= now) {
+            /* Behind its share (the device runs others' work, or gaps open
+             * between kernels): a deeper queue. */
+            min++;
+            cap *= 2;
+        }
+        if (count >= min && (queued + cost_ns > cap || count >= MAX_INFLIGHT_LAUNCHES)) {
             sleep_ns(50000);
             continue;
         }
