@@ -205,8 +205,9 @@ static int try_settle(struct rec *r, CUcontext *current)
 
 /* The other containers' use of w's device over the last RECENT_US, in 1/100 %:
  * NVML per-process utilisation of every PID that is not one of ours.
- * *mates: how many other processes of this container used it meanwhile. */
-static uint64_t others_recent(struct watched *w, int *mates)
+ * *company: who else used it meanwhile (GV_SM_ALONE, GV_SM_OTHERS: only
+ * other containers' processes, GV_SM_MATES: other processes of this one). */
+static uint64_t others_recent(struct watched *w, int *company)
 {
     typedef nvmlReturn_t (*procutil_fn)(nvmlDevice_t, nvmlProcessUtilizationSample_t *,
                                         unsigned int *, unsigned long long);
@@ -216,7 +217,7 @@ static uint64_t others_recent(struct watched *w, int *mates)
     clock_gettime(CLOCK_REALTIME, &ts);
     unsigned long long since = (unsigned long long)ts.tv_sec * 1000000ULL +
                                (unsigned long long)ts.tv_nsec / 1000 - RECENT_US;
-    *mates = 0;
+    *company = GV_SM_OTHERS;             /* not known: as if others worked */
     if (GV_REAL(nvmlDeviceGetProcessUtilization, procutil_fn)(w->nvml, samples, &n, since) !=
         NVML_SUCCESS)
         return 0;
@@ -225,15 +226,15 @@ static uint64_t others_recent(struct watched *w, int *mates)
     if (nours > 256)
         nours = 256;
     unsigned int me = (unsigned int)getpid();
-    for (int k = 0; k < nours; k++) {
-        if ((unsigned int)ours[k] == me)
+    int others = 0, mates = 0;
+    for (unsigned int i = 0; i < n && i < 128; i++) {
+        if (samples[i].pid == me || samples[i].smUtil == 0)
             continue;
-        for (unsigned int i = 0; i < n && i < 128; i++)
-            if (samples[i].pid == (unsigned int)ours[k] && samples[i].smUtil > 0) {
-                (*mates)++;
-                break;
-            }
+        others = 1;
+        for (int k = 0; k < nours && !mates; k++)
+            mates = (unsigned int)ours[k] == samples[i].pid;
     }
+    *company = mates ? GV_SM_MATES : others ? GV_SM_OTHERS : GV_SM_ALONE;
     /* A PID may have several samples: average them, then add up the PIDs. */
     uint64_t total = 0;
     for (unsigned int i = 0; i < n && i < 128; i++) {
@@ -256,15 +257,14 @@ static uint64_t others_recent(struct watched *w, int *mates)
     return total > 10000 ? 10000 : total;
 }
 
-/* Set w's share; *mates: other processes of this container working on its
- * device. */
-static void update_share(struct watched *w, int *mates)
+/* Set w's share; *company: who else works on its device. */
+static void update_share(struct watched *w, int *company)
 {
     struct gv_sm *sm = w->sm;
     uint32_t limit = atomic_load(&sm->limit);
     uint32_t policy = atomic_load(&sm->policy);
     uint32_t share;
-    uint64_t others = w->have_nvml ? others_recent(w, mates) : 0;
+    uint64_t others = w->have_nvml ? others_recent(w, company) : 0;
     if (limit == 0) {
         share = 10000;
     } else if (atomic_load(&sm->yield)) {
@@ -313,7 +313,7 @@ static void policies(void)
         nvml_tried = 1;
         GV_REAL(nvmlInit_v2, nvmlReturn_t (*)(void))();
     }
-    int mates = 0;
+    int company = GV_SM_ALONE;
     for (int i = 0; i < GV_MAX_DEVICES; i++) {
         struct watched *w = &watched[i];
         const gv_devinfo *info = atomic_load(&w->info);
@@ -324,13 +324,14 @@ static void policies(void)
             w->have_nvml = GV_REAL(nvmlDeviceGetHandleByUUID, by_uuid_fn)(info->uuid_str, &w->nvml) ==
                            NVML_SUCCESS;
         }
-        int m = 0;
-        update_share(w, &m);
-        mates |= m;
+        int c = GV_SM_OTHERS;
+        update_share(w, &c);
+        if (c > company)
+            company = c;
         if (w->have_nvml)
             calibrate(w->nvml);
     }
-    gv_sm_set_mates(mates);
+    gv_sm_set_company(company);
 }
 
 static void *meter(void *unused)
