@@ -35,8 +35,9 @@
  * containers' kernels runs later at more than the share.  At least one
  * launch always goes; two while no other process of the container keeps
  * the device busy, so that it does not wait for the meter thread's
- * settling between a process's kernels (sm_meter.c tells which).  Alone on
- * the device below 50 %, one kernel at a time (at most 4 ms x share): its
+ * settling between a process's kernels (sm_meter.c tells which).  With no
+ * other container on the device, below 50 %, one kernel at a time per
+ * process (at most 4 ms x share): its
  * gaps cost nothing there, and every kernel admitted before the last one's
  * time is known was admitted on an estimate, so a deeper queue lets a
  * burst of long kernels overshoot further.  (Not with others working: on a
@@ -151,12 +152,12 @@ uint32_t gv_sm_admit(struct gv_sm *sm, uint64_t cost_ns)
         uint64_t queued = atomic_load_explicit(&inflight_ns, memory_order_relaxed);
         uint32_t count = atomic_load_explicit(&inflight_n, memory_order_relaxed);
         int company = atomic_load_explicit(&inflight_company, memory_order_relaxed);
-        uint32_t min = company == GV_SM_MATES ? 1 : 2;
+        uint32_t min = company & GV_SM_MATES ? 1 : 2;
         uint64_t cap = MAX_INFLIGHT_NS;
-        if (company == GV_SM_ALONE && share < 5000) {
-            /* Alone on the device at a low share: one kernel at a time
-             * does not idle it for long, and keeps bursts admitted on
-             * estimates small. */
+        if (!(company & GV_SM_OTHERS) && share < 5000) {
+            /* No other container on the device, a low share: one kernel
+             * at a time per process does not idle it for long, and keeps
+             * bursts admitted on estimates small. */
             min = 1;
             cap = INFLIGHT_PER_SHARE_NS * share / 10000;
         }

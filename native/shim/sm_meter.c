@@ -205,8 +205,8 @@ static int try_settle(struct rec *r, CUcontext *current)
 
 /* The other containers' use of w's device over the last RECENT_US, in 1/100 %:
  * NVML per-process utilisation of every PID that is not one of ours.
- * *company: who else used it meanwhile (GV_SM_ALONE, GV_SM_OTHERS: only
- * other containers' processes, GV_SM_MATES: other processes of this one). */
+ * *company: who else used it meanwhile (GV_SM_OTHERS: other containers'
+ * processes, GV_SM_MATES: other processes of this one, or 0). */
 static uint64_t others_recent(struct watched *w, int *company)
 {
     typedef nvmlReturn_t (*procutil_fn)(nvmlDevice_t, nvmlProcessUtilizationSample_t *,
@@ -230,11 +230,13 @@ static uint64_t others_recent(struct watched *w, int *company)
     for (unsigned int i = 0; i < n && i < 128; i++) {
         if (samples[i].pid == me || samples[i].smUtil == 0)
             continue;
-        others = 1;
-        for (int k = 0; k < nours && !mates; k++)
-            mates = (unsigned int)ours[k] == samples[i].pid;
+        int mine = 0;
+        for (int k = 0; k < nours && !mine; k++)
+            mine = (unsigned int)ours[k] == samples[i].pid;
+        mates |= mine;
+        others |= !mine;
     }
-    *company = mates ? GV_SM_MATES : others ? GV_SM_OTHERS : GV_SM_ALONE;
+    *company = (others ? GV_SM_OTHERS : 0) | (mates ? GV_SM_MATES : 0);
     /* A PID may have several samples: average them, then add up the PIDs. */
     uint64_t total = 0;
     for (unsigned int i = 0; i < n && i < 128; i++) {
@@ -313,7 +315,7 @@ static void policies(void)
         nvml_tried = 1;
         GV_REAL(nvmlInit_v2, nvmlReturn_t (*)(void))();
     }
-    int company = GV_SM_ALONE;
+    int company = 0;
     for (int i = 0; i < GV_MAX_DEVICES; i++) {
         struct watched *w = &watched[i];
         const gv_devinfo *info = atomic_load(&w->info);
@@ -326,8 +328,7 @@ static void policies(void)
         }
         int c = GV_SM_OTHERS;
         update_share(w, &c);
-        if (c > company)
-            company = c;
+        company |= c;
         if (w->have_nvml)
             calibrate(w->nvml);
     }
