@@ -37,14 +37,14 @@
  * the device busy, so that it does not wait for the meter thread's
  * settling between a process's kernels (sm_meter.c tells which).  With no
  * other container on the device, below 50 %, one kernel at a time per
- * process (at most 4 ms x share): its
- * gaps cost nothing there, and every kernel admitted before the last one's
- * time is known was admitted on an estimate, so a deeper queue lets a
- * burst of long kernels overshoot further.  (Not with others working: on a
- * launch-order device a process's part of a busy device follows the work
- * it keeps queued, and a short queue next to a deep one starves.) */
+ * process (at most 4 ms x share): gaps cost nothing there, and every
+ * kernel admitted before the last one's time is known was admitted on an
+ * estimate, so a deeper queue lets a burst of long kernels overshoot
+ * further.  (Not with other containers working: on a launch-order device a
+ * process's part of a busy device follows the work it keeps queued, and a
+ * short queue next to a deep one starves.) */
 #define MAX_INFLIGHT_NS (2ULL * 1000 * 1000)
-#define INFLIGHT_PER_SHARE_NS (4ULL * 1000 * 1000) /* x share, alone below 50 % */
+#define INFLIGHT_PER_SHARE_NS (4ULL * 1000 * 1000) /* x share, below 50 % */
 #define MAX_INFLIGHT_LAUNCHES 1024u
 #define EST_SLOTS 4096u
 
