@@ -276,9 +276,7 @@ static void update_share(struct watched *w, int *company)
     } else {
         /* Lend what the others leave: their use over the last 300 ms (NVML
          * per-process samples; every PID not in this container), minus a
-         * margin, never below the floor.  When another container needs the
-         * GPU its use grows and the lent share shrinks within a few updates;
-         * when it stops, the share comes back as soon as its samples age out. */
+         * margin, never below the floor (how fast it moves: below). */
         /* The node agent's view, when the supervisor passed one on lately. */
         uint64_t at = atomic_load(&sm->others_at), now = gv_mono_ns();
         uint64_t agent = atomic_load(&sm->others);
