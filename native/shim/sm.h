@@ -23,6 +23,11 @@ uint32_t gv_sm_admit(struct gv_sm *sm, uint64_t cost_ns);
 void gv_sm_settle(struct gv_sm *sm, uint32_t share, uint64_t charged_ns, uint64_t actual_ns);
 /* Change the enforced share, rescaling the debt run up at the old one. */
 void gv_sm_set_share(struct gv_sm *sm, uint32_t share);
+/* Who else works on the device (sets how much work this process may keep
+ * in flight): a mask of other containers' processes and other processes of
+ * this container. */
+enum { GV_SM_OTHERS = 1, GV_SM_MATES = 2 };
+void gv_sm_set_company(int company);
 /* Reset process-local gate state in a forked child. */
 void gv_sm_fork_child(void);
 

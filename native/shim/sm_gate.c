@@ -28,7 +28,23 @@
 #define LAG_NS (10ULL * 1000 * 1000)
 #define MAX_SLEEP_NS (20ULL * 1000 * 1000)
 #define DEFAULT_ESTIMATE_NS 1000000ULL   /* unknown kernels: 1 ms until measured */
-#define MAX_INFLIGHT_NS (10ULL * 1000 * 1000)
+/* What each process may have in flight (admitted, not yet finished): a
+ * short queue, because on a time-sliced device a kernel queued behind
+ * other processes' work measures their time too (the deeper the queues,
+ * the noisier the measurements), and work admitted but stuck behind other
+ * containers' kernels runs later at more than the share.  At least one
+ * launch always goes; two while no other process of the container keeps
+ * the device busy, so that it does not wait for the meter thread's
+ * settling between a process's kernels (sm_meter.c tells which).  With no
+ * other container on the device, below 50 %, one kernel at a time per
+ * process (at most 4 ms x share): gaps cost nothing there, and every
+ * kernel admitted before the last one's time is known was admitted on an
+ * estimate, so a deeper queue lets a burst of long kernels overshoot
+ * further.  (Not with other containers working: on a launch-order device a
+ * process's part of a busy device follows the work it keeps queued, and a
+ * short queue next to a deep one starves.) */
+#define MAX_INFLIGHT_NS (2ULL * 1000 * 1000)
+#define INFLIGHT_PER_SHARE_NS (4ULL * 1000 * 1000) /* x share, below 50 % */
 #define MAX_INFLIGHT_LAUNCHES 1024u
 #define EST_SLOTS 4096u
 
@@ -106,6 +122,12 @@ void gv_sm_learn(uintptr_t key, uint64_t ns)
 /* Estimated GPU time and launches this process has in flight. */
 static _Atomic uint64_t inflight_ns;
 static _Atomic uint32_t inflight_n;
+static atomic_int inflight_company = GV_SM_OTHERS;
+
+void gv_sm_set_company(int company)
+{
+    atomic_store_explicit(&inflight_company, company, memory_order_relaxed);
+}
 
 uint32_t gv_sm_admit(struct gv_sm *sm, uint64_t cost_ns)
 {
@@ -129,7 +151,23 @@ uint32_t gv_sm_admit(struct gv_sm *sm, uint64_t cost_ns)
          * run later at more than the share: bound what is in flight. */
         uint64_t queued = atomic_load_explicit(&inflight_ns, memory_order_relaxed);
         uint32_t count = atomic_load_explicit(&inflight_n, memory_order_relaxed);
-        if (count > 0 && (queued + cost_ns > MAX_INFLIGHT_NS || count >= MAX_INFLIGHT_LAUNCHES)) {
+        int company = atomic_load_explicit(&inflight_company, memory_order_relaxed);
+        uint32_t min = company & GV_SM_MATES ? 1 : 2;
+        uint64_t cap = MAX_INFLIGHT_NS;
+        if (!(company & GV_SM_OTHERS) && share < 5000) {
+            /* No other container on the device, a low share: one kernel
+             * at a time per process does not idle it for long, and keeps
+             * bursts admitted on estimates small. */
+            min = 1;
+            cap = INFLIGHT_PER_SHARE_NS * share / 10000;
+        }
+        if (atomic_load_explicit(&sm->tat, memory_order_relaxed) + LAG_NS / 2 <= now) {
+            /* Behind its share (the device runs others' work, or gaps open
+             * between kernels): a deeper queue. */
+            min++;
+            cap *= 2;
+        }
+        if (count >= min && (queued + cost_ns > cap || count >= MAX_INFLIGHT_LAUNCHES)) {
             sleep_ns(50000);
             continue;
         }
@@ -190,4 +228,5 @@ void gv_sm_fork_child(void)
 {
     atomic_store(&inflight_ns, 0);
     atomic_store(&inflight_n, 0);
+    atomic_store(&inflight_company, GV_SM_OTHERS);
 }

@@ -37,6 +37,8 @@
 #define MARGIN 1000                         /* 10 % kept free for the others */
 #define RECENT_US 300000ULL                 /* window for the others' use */
 #define AGENT_FRESH_NS (2ULL * 1000000000ULL) /* the agent's figure counts this long */
+#define OTHERS_RISE 500                     /* 5 %: the others want more */
+#define LEND_STEP 1000                      /* lend back 10 % more per update */
 
 struct rec {
     struct rec *next;
@@ -58,6 +60,8 @@ static struct watched {
     struct gv_sm *sm;
     nvmlDevice_t nvml;
     int have_nvml;
+    uint64_t others_before;     /* the others' use at the last update */
+    uint64_t lent;              /* the lent share at the last update */
 } watched[GV_MAX_DEVICES];
 
 typedef CUresult (*ev_create_fn)(CUevent *, unsigned int);
@@ -73,8 +77,10 @@ static void fork_child(void)
     atomic_store(&inbox, NULL);
     atomic_store(&started, 0);
     gv_sm_fork_child();
-    for (int i = 0; i < GV_MAX_DEVICES; i++)
+    for (int i = 0; i < GV_MAX_DEVICES; i++) {
         atomic_store(&watched[i].info, NULL);
+        watched[i].others_before = watched[i].lent = 0;
+    }
 }
 
 static void register_atfork(void) { pthread_atfork(NULL, NULL, fork_child); }
@@ -162,10 +168,14 @@ static void calibrate(nvmlDevice_t nvml)
     if (events < span / 50)                  /* < 2 % busy: too little to judge */
         return;
     double nvml_ns = (double)sum / (double)cnt * (double)span / 100.0;
-    /* NVML reports whole percents per sample: ignore differences within
-     * that resolution. */
-    double r = (nvml_ns + (double)span / 100.0) / (double)events;
-    r = r > 1.0 ? 1.0 : (r < 0.3 ? 0.3 : r);
+    /* NVML rounds each sample to a whole percent (to the nearest, so
+     * without bias over the second's samples). */
+    double r = nvml_ns / (double)events;
+    /* Events never undercount this process's own time, but the comparison
+     * is noisy (a kernel is counted by when it was settled): average over
+     * both sides of 1 and apply at most 1 (in try_settle), so that the
+     * noise does not bias the ratio low. */
+    r = r > 1.25 ? 1.25 : (r < 0.3 ? 0.3 : r);
     cal_ratio = 0.5 * cal_ratio + 0.5 * r;
 }
 
@@ -183,7 +193,7 @@ static int try_settle(struct rec *r, CUcontext *current)
     if (q == CUDA_SUCCESS && elapsed(&ms, r->begin, r->end) == CUDA_SUCCESS && ms >= 0) {
         uint64_t raw = (uint64_t)((double)ms * 1e6);
         cal_record(gv_mono_ns(), raw);
-        uint64_t ns = (uint64_t)((double)raw * cal_ratio);
+        uint64_t ns = (uint64_t)((double)raw * (cal_ratio < 1.0 ? cal_ratio : 1.0));
         gv_sm_learn(r->key, ns);
         gv_sm_settle(r->sm, r->share, r->est, ns);
     } else {
@@ -194,8 +204,10 @@ static int try_settle(struct rec *r, CUcontext *current)
 }
 
 /* The other containers' use of w's device over the last RECENT_US, in 1/100 %:
- * NVML per-process utilisation of every PID that is not one of ours. */
-static uint64_t others_recent(struct watched *w)
+ * NVML per-process utilisation of every PID that is not one of ours.
+ * *company: who else used it meanwhile (GV_SM_OTHERS: other containers'
+ * processes, GV_SM_MATES: other processes of this one, or 0). */
+static uint64_t others_recent(struct watched *w, int *company)
 {
     typedef nvmlReturn_t (*procutil_fn)(nvmlDevice_t, nvmlProcessUtilizationSample_t *,
                                         unsigned int *, unsigned long long);
@@ -205,6 +217,7 @@ static uint64_t others_recent(struct watched *w)
     clock_gettime(CLOCK_REALTIME, &ts);
     unsigned long long since = (unsigned long long)ts.tv_sec * 1000000ULL +
                                (unsigned long long)ts.tv_nsec / 1000 - RECENT_US;
+    *company = GV_SM_OTHERS;             /* not known: as if others worked */
     if (GV_REAL(nvmlDeviceGetProcessUtilization, procutil_fn)(w->nvml, samples, &n, since) !=
         NVML_SUCCESS)
         return 0;
@@ -212,6 +225,18 @@ static uint64_t others_recent(struct watched *w)
     int nours = region_process_list(gv_core_region(), ours, 256);
     if (nours > 256)
         nours = 256;
+    unsigned int me = (unsigned int)getpid();
+    int others = 0, mates = 0;
+    for (unsigned int i = 0; i < n && i < 128; i++) {
+        if (samples[i].pid == me || samples[i].smUtil == 0)
+            continue;
+        int mine = 0;
+        for (int k = 0; k < nours && !mine; k++)
+            mine = (unsigned int)ours[k] == samples[i].pid;
+        mates |= mine;
+        others |= !mine;
+    }
+    *company = (others ? GV_SM_OTHERS : 0) | (mates ? GV_SM_MATES : 0);
     /* A PID may have several samples: average them, then add up the PIDs. */
     uint64_t total = 0;
     for (unsigned int i = 0; i < n && i < 128; i++) {
@@ -234,12 +259,14 @@ static uint64_t others_recent(struct watched *w)
     return total > 10000 ? 10000 : total;
 }
 
-static void update_share(struct watched *w)
+/* Set w's share; *company: who else works on its device. */
+static void update_share(struct watched *w, int *company)
 {
     struct gv_sm *sm = w->sm;
     uint32_t limit = atomic_load(&sm->limit);
     uint32_t policy = atomic_load(&sm->policy);
     uint32_t share;
+    uint64_t others = w->have_nvml ? others_recent(w, company) : 0;
     if (limit == 0) {
         share = 10000;
     } else if (atomic_load(&sm->yield)) {
@@ -249,18 +276,31 @@ static void update_share(struct watched *w)
     } else {
         /* Lend what the others leave: their use over the last 300 ms (NVML
          * per-process samples; every PID not in this container), minus a
-         * margin, never below the floor.  When another container needs the
-         * GPU its use grows and the lent share shrinks within a few updates;
-         * when it stops, the share comes back as soon as its samples age out. */
-        uint64_t others = others_recent(w);
+         * margin, never below the floor (how fast it moves: below). */
         /* The node agent's view, when the supervisor passed one on lately. */
         uint64_t at = atomic_load(&sm->others_at), now = gv_mono_ns();
         uint64_t agent = atomic_load(&sm->others);
         if (at && now >= at && now - at < AGENT_FRESH_NS && agent > others)
             others = agent;
         uint64_t floor = policy == GV_SM_BURST ? (uint64_t)limit * 100 : 100;
-        uint64_t lend = others < OTHERS_ACTIVE ? 10000
+        uint64_t room = others < OTHERS_ACTIVE ? 10000
                         : (others + MARGIN < 10000 ? 10000 - others - MARGIN : 0);
+        /* What the others use is also what this container leaves them: on a
+         * time-sliced device a container that wants more than it gets
+         * shows only what it gets.  So when their use grows, give back all
+         * that was lent at once (their growth shows within one or two NVML
+         * samples), and lend again step by step while their use holds;
+         * with nobody else working, or their use falling, lend all there
+         * is at once. */
+        uint64_t lend;
+        if (others >= OTHERS_ACTIVE && others >= w->others_before + OTHERS_RISE)
+            lend = 0;
+        else if (others < OTHERS_ACTIVE || others + OTHERS_RISE <= w->others_before)
+            lend = room;
+        else
+            lend = w->lent + LEND_STEP < room ? w->lent + LEND_STEP : room;
+        w->others_before = others;
+        w->lent = lend;
         share = (uint32_t)(lend > floor ? lend : floor);
     }
     gv_sm_set_share(sm, share);
@@ -273,6 +313,7 @@ static void policies(void)
         nvml_tried = 1;
         GV_REAL(nvmlInit_v2, nvmlReturn_t (*)(void))();
     }
+    int company = 0;
     for (int i = 0; i < GV_MAX_DEVICES; i++) {
         struct watched *w = &watched[i];
         const gv_devinfo *info = atomic_load(&w->info);
@@ -283,10 +324,13 @@ static void policies(void)
             w->have_nvml = GV_REAL(nvmlDeviceGetHandleByUUID, by_uuid_fn)(info->uuid_str, &w->nvml) ==
                            NVML_SUCCESS;
         }
-        update_share(w);
+        int c = GV_SM_OTHERS;
+        update_share(w, &c);
+        company |= c;
         if (w->have_nvml)
             calibrate(w->nvml);
     }
+    gv_sm_set_company(company);
 }
 
 static void *meter(void *unused)
