@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gpuvisor.supervisor.demo import scenario
 
 from tests.helpers import REPO_ROOT, clean_env
 
@@ -29,9 +30,9 @@ NO_MATPLOTLIB = (
 
 
 def run_demo(
-    out: Path, *args: str, argv: list[str] | None = None
+    out: Path, *args: str, argv: list[str] | None = None, mode: str = "--simulate"
 ) -> subprocess.CompletedProcess[str]:
-    cmd = [*(argv or DEMO), "--simulate", "--out", str(out), *args]
+    cmd = [*(argv or DEMO), mode, "--out", str(out), *args]
     return subprocess.run(
         cmd, env=clean_env(), cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
     )
@@ -113,3 +114,41 @@ def test_demo_rejects_a_bad_duration(tmp_path: Path, seconds: str) -> None:
     assert "--seconds" in proc.stderr
     assert seconds in proc.stderr
     assert not (tmp_path / "summary.json").exists()
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 8])
+def test_scenario_promises_fit_on_the_gpus(gpus: int) -> None:
+    """Every GPU can honour what its containers are promised: fixed shares
+    plus burst-share guarantees at most 100 %, on one GPU too."""
+    work = scenario(24.0, gpus)
+    assert len(work) == 3
+    assert {w.policy for w in work} == {"fixed-share", "burst-share"}
+    assert [w for w in work if w.grow_to]  # one container asks past its quota
+    assert all(0 <= w.gpu < gpus for w in work)
+    for gpu in {w.gpu for w in work}:
+        assert sum(w.sm for w in work if w.gpu == gpu) <= 100
+    late = [w for w in work if w.start > 0]
+    assert late  # someone arrives later, so burst-share has something to give back
+    assert all(w.start < 24.0 / 2 for w in late)
+
+
+@pytest.mark.gpu
+def test_demo_on_a_real_gpu(tmp_path: Path) -> None:
+    """The same demo with PyTorch workloads on the real GPU(s)."""
+    pytest.importorskip("torch")
+    out = tmp_path / "demo"
+    proc = run_demo(out, "--seconds", "15", mode="--real")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    print(json.dumps(summary["verdicts"], indent=1))
+    assert "real GPU" in summary["where"]
+    assert set(summary["exit_codes"].values()) == {0}
+    work = summary["workload_summaries"]
+    assert work["notebook"]["refused"] >= 1
+    for w in summary["workloads"]:
+        size = {"4g": 4, "8g": 8, "2g": 2}[w["memory"]] * GiB
+        assert work[w["name"]]["total"] == size
+        assert work[w["name"]]["held"] <= size
+    for v in summary["verdicts"]:
+        if v["policy"] == "fixed-share":
+            assert abs(v["achieved"] - int(v["target"].split()[0])) <= 5, v
