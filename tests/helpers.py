@@ -178,3 +178,14 @@ class Holder:
             if stream is not None:
                 stream.close()
         self.stderr.close()
+
+
+def repo_files(root: Path = REPO_ROOT) -> list[str]:
+    """The checkout's tracked and untracked-but-not-ignored files (no build outputs)."""
+    out = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=root,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    return [name.decode() for name in out if name and (root / name.decode()).is_file()]

@@ -26,7 +26,7 @@ from gpuvisor.shim import loader
 from gpuvisor.supervisor.cli import main as cli_main
 from gpuvisor.supervisor.views import node_agent
 
-from tests.helpers import BUILD_DIR, REPO_ROOT, SimNode, clean_env
+from tests.helpers import BUILD_DIR, REPO_ROOT, SimNode, clean_env, repo_files
 
 IMAGES = REPO_ROOT / "images"
 RUNTIME = IMAGES / "runtime" / "Dockerfile"
@@ -170,16 +170,6 @@ def in_context(rules: list[tuple[bool, re.Pattern[str]]], path: str) -> bool:
         if any(rx.match(c) for c in candidates):
             excluded = not negate
     return not excluded
-
-
-def repo_files() -> list[str]:
-    out = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        check=True,
-    ).stdout.split(b"\0")
-    return [name.decode() for name in out if name and (REPO_ROOT / name.decode()).is_file()]
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import repo_files
+
 NATIVE = "gpuvisor/shim/_native/"
 MODULES = ["__init__", "loader", "capi", "region", "limits", "cli", "driver", "hardware"]
 DEMO_MODULES = ["demo", "demo_workload", "demo_sampler", "demo_report"]
@@ -17,18 +19,10 @@ DEMO_MODULES = ["demo", "demo_workload", "demo_sampler", "demo_report"]
 
 def _source_copy(repo_root: Path, dest: Path) -> Path:
     """The checkout's tracked and untracked-but-not-ignored files (no build outputs)."""
-    names = subprocess.run(
-        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
-        cwd=repo_root,
-        capture_output=True,
-        check=True,
-    ).stdout.split(b"\0")
-    for raw in filter(None, names):
-        src = repo_root / raw.decode()
-        if src.is_file():
-            target = dest / raw.decode()
-            target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(src, target)
+    for name in repo_files(repo_root):
+        target = dest / name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(repo_root / name, target)
     return dest
 
 
