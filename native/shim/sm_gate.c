@@ -45,6 +45,8 @@
  * short queue next to a deep one starves.) */
 #define MAX_INFLIGHT_NS (2ULL * 1000 * 1000)
 #define INFLIGHT_PER_SHARE_NS (4ULL * 1000 * 1000) /* x share, below 50 % */
+/* A container whose clock lags "now" by this much is behind its share. */
+#define BEHIND_NS (LAG_NS / 2)
 #define MAX_INFLIGHT_LAUNCHES 1024u
 #define EST_SLOTS 4096u
 
@@ -161,11 +163,15 @@ uint32_t gv_sm_admit(struct gv_sm *sm, uint64_t cost_ns)
             min = 1;
             cap = INFLIGHT_PER_SHARE_NS * share / 10000;
         }
-        if (atomic_load_explicit(&sm->tat, memory_order_relaxed) + LAG_NS / 2 <= now) {
-            /* Behind its share (the device runs others' work, or gaps open
-             * between kernels): a deeper queue. */
+        uint64_t tat = atomic_load_explicit(&sm->tat, memory_order_relaxed);
+        if (tat + BEHIND_NS <= now) {
+            /* Behind its share (the device runs others' work, gaps open
+             * between kernels, or the launching threads were not
+             * scheduled in time): a deeper queue, as deep as the container
+             * is behind (at most LAG_NS more), so a launcher that gets the
+             * CPU late still keeps the device busy. */
             min++;
-            cap *= 2;
+            cap = cap * 2 + (now - tat);
         }
         if (count >= min && (queued + cost_ns > cap || count >= MAX_INFLIGHT_LAUNCHES)) {
             sleep_ns(50000);
