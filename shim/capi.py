@@ -63,6 +63,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "gv_api_version": (ctypes.c_int, []),
     "gv_last_error": (ctypes.c_char_p, []),
     "gv_region_attach": (ctypes.c_int, [ctypes.c_char_p]),
+    "gv_region_default_path": (ctypes.c_char_p, []),
     "gv_region_path": (ctypes.c_char_p, []),
     "gv_parse_memory_limit": (ctypes.c_int, [ctypes.c_char_p, _u64, _pu64]),
     "gv_validate_env": (ctypes.c_int, []),

@@ -12,9 +12,8 @@ import psutil
 
 from .capi import GpuvisorError
 from .loader import NativeLibraryNotFound, library_path, native_dir
-from .region import Region
+from .region import Region, default_region_path
 
-DEFAULT_REGION_PATH = "/tmp/gpuvisor-region.shr"  # GV_DEFAULT_REGION_PATH in region.h
 REGION_ENV = "CUDA_DEVICE_MEMORY_SHARED_CACHE"
 
 
@@ -63,15 +62,15 @@ def main() -> None:
     "region_path",
     type=click.Path(dir_okay=False),
     envvar=REGION_ENV,
-    default=DEFAULT_REGION_PATH,
-    show_default=True,
-    help=f"Region file (default ${REGION_ENV}).",
+    help=f"Region file [default: ${REGION_ENV}, else the library's default path].",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def shim_info(region_path: str, as_json: bool) -> None:
+def shim_info(region_path: str | None, as_json: bool) -> None:
     """Where the shim library is, and the region's per-device usage."""
     try:
         info: dict[str, Any] = {"library": str(library_path()), "native_dir": str(native_dir())}
+        if not region_path:
+            region_path = default_region_path()
     except NativeLibraryNotFound as exc:
         raise click.ClickException(str(exc)) from exc
     info["region"] = os.path.abspath(region_path)

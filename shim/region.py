@@ -42,6 +42,11 @@ class SmState:
     launches: int
 
 
+def default_region_path() -> str:
+    """The library's region path when none is given (GV_DEFAULT_REGION_PATH)."""
+    return str(lib().gv_region_default_path().decode())
+
+
 def _u64_out(func_name: str, dev: int) -> int:
     value = ctypes.c_uint64()
     check(getattr(lib(), func_name)(dev, ctypes.byref(value)), func_name)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from gpuvisor.shim.capi import GpuvisorError
 from gpuvisor.shim.limits import validate_environment
 from gpuvisor.shim.loader import preload_env
+from gpuvisor.shim.region import default_region_path
 
 # Variables the shim reads (HAMi's names).
 ENV_MEMORY = "CUDA_DEVICE_MEMORY_LIMIT"
@@ -34,7 +35,6 @@ ENV_INTERVAL = "GPUVISOR_REPORT_INTERVAL"
 ENV_GRACE = "GPUVISOR_KILL_GRACE"
 
 DEFAULT_SOCKET = "/run/gpuvisor/node.sock"
-DEFAULT_REGION = "/tmp/gpuvisor-region.shr"  # GV_DEFAULT_REGION_PATH in region.h
 DEFAULT_INTERVAL = 1.0
 DEFAULT_GRACE = 10.0
 MIN_INTERVAL, MAX_INTERVAL = 0.1, 3600.0
@@ -96,6 +96,13 @@ def _seconds(value: str | float, name: str, lo: float, hi: float, lo_open: bool)
     return v
 
 
+def _env(env: Mapping[str, str], name: str) -> str | None:
+    """env[name], or None when it is unset or empty: as in the library (a
+    limit variable set but empty counts as unset) and the node agent."""
+    value = env.get(name)
+    return value if value else None
+
+
 def _path(value: str, name: str, max_bytes: int | None = None) -> str:
     if not value or "\0" in value:
         raise ConfigError(f"{name}={value!r}: not a usable path")
@@ -148,26 +155,26 @@ def build(options: RunOptions, command: list[str], base_env: Mapping[str, str]) 
         env[ENV_PRIORITY] = str(options.priority)
     if options.region is not None:
         env[ENV_REGION] = _path(options.region, "--region")
-    region = _path(env.get(ENV_REGION, DEFAULT_REGION), ENV_REGION)
+    region = _path(_env(env, ENV_REGION) or default_region_path(), ENV_REGION)
     env[ENV_REGION] = os.path.abspath(region)
 
     if options.socket is not None:
         socket = _path(options.socket, "--socket", SUN_PATH_MAX)
         env[ENV_SOCKET] = socket
     else:
-        socket = _path(env.get(ENV_SOCKET, DEFAULT_SOCKET), ENV_SOCKET, SUN_PATH_MAX)
+        socket = _path(_env(env, ENV_SOCKET) or DEFAULT_SOCKET, ENV_SOCKET, SUN_PATH_MAX)
     if options.report_interval is not None:
         interval = _seconds(
             options.report_interval, "--report-interval", MIN_INTERVAL, MAX_INTERVAL, False
         )
-    elif ENV_INTERVAL in env:
-        interval = _seconds(env[ENV_INTERVAL], ENV_INTERVAL, MIN_INTERVAL, MAX_INTERVAL, False)
+    elif (value := _env(env, ENV_INTERVAL)) is not None:
+        interval = _seconds(value, ENV_INTERVAL, MIN_INTERVAL, MAX_INTERVAL, False)
     else:
         interval = DEFAULT_INTERVAL
     if options.grace is not None:
         grace = _seconds(options.grace, "--grace", 0.0, MAX_GRACE, False)
-    elif ENV_GRACE in env:
-        grace = _seconds(env[ENV_GRACE], ENV_GRACE, 0.0, MAX_GRACE, False)
+    elif (value := _env(env, ENV_GRACE)) is not None:
+        grace = _seconds(value, ENV_GRACE, 0.0, MAX_GRACE, False)
     else:
         grace = DEFAULT_GRACE
 

@@ -153,7 +153,7 @@ BAD = [
     ([], {"GPUVISOR_SM_POLICY": "x"}, "GPUVISOR_SM_POLICY", "x"),
     ([], {"GPU_CORE_UTILIZATION_POLICY": "x"}, "GPU_CORE_UTILIZATION_POLICY", "x"),
     ([], {"CUDA_TASK_PRIORITY": "7"}, "CUDA_TASK_PRIORITY", "7"),
-    ([], {"GPUVISOR_NODE_SOCKET": ""}, "GPUVISOR_NODE_SOCKET", "''"),
+    ([], {"GPUVISOR_NODE_SOCKET": "/" + "s" * 200}, "GPUVISOR_NODE_SOCKET", "sss"),
     ([], {"GPUVISOR_REPORT_INTERVAL": "0"}, "GPUVISOR_REPORT_INTERVAL", "0"),
     ([], {"GPUVISOR_KILL_GRACE": "soon"}, "GPUVISOR_KILL_GRACE", "soon"),
     (["--memory", "1g"], {"GPUVISOR_NATIVE_DIR": "/nonexistent"}, "GPUVISOR_NATIVE_DIR", "nonex"),
@@ -175,6 +175,25 @@ def test_bad_value_stops_before_the_workload(env, tmp_path, args, variables, nam
     assert name in lines[0]
     assert value in lines[0]
     assert not marker.exists()
+
+
+def test_empty_variables_count_as_unset(node, env):
+    """As in the library and the node agent: a variable set but empty means
+    its default, not an error."""
+    from gpuvisor.shim.region import default_region_path
+    from gpuvisor.supervisor import config
+
+    for name in ("GPUVISOR_NODE_SOCKET", "GPUVISOR_REPORT_INTERVAL", "GPUVISOR_KILL_GRACE"):
+        env[name] = ""
+    env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = ""
+    cfg = config.build(config.RunOptions(), ["true"], env)
+    assert cfg.socket == config.DEFAULT_SOCKET
+    assert cfg.report_interval == config.DEFAULT_INTERVAL
+    assert cfg.grace == config.DEFAULT_GRACE
+    assert cfg.region == default_region_path() == cfg.env["CUDA_DEVICE_MEMORY_SHARED_CACHE"]
+    # End to end, with a region of its own (the default path is global).
+    proc = run(env, "--region", str(node.dir / "empty.shr"), "--", "sh", "-c", "exit 5")
+    assert proc.returncode == 5, proc.stderr
 
 
 @pytest.mark.parametrize("level", ["basic_format", "root", "verbose"])

@@ -47,6 +47,10 @@ const char *gv_last_error(void);
  * attaching to another path while attached fails with GV_EINVAL. */
 int gv_region_attach(const char *path);
 
+/* The region path used when none is given and
+ * $CUDA_DEVICE_MEMORY_SHARED_CACHE is unset or empty. */
+const char *gv_region_default_path(void);
+
 /* Path of the attached region; NULL when none. */
 const char *gv_region_path(void);
 

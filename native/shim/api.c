@@ -138,6 +138,11 @@ GV_EXPORT int gv_region_attach(const char *path)
     return rc;
 }
 
+GV_EXPORT const char *gv_region_default_path(void)
+{
+    return GV_DEFAULT_REGION_PATH;
+}
+
 GV_EXPORT const char *gv_region_path(void)
 {
     gv_region *r = atomic_load(&g_region);
