@@ -39,6 +39,7 @@
 #define AGENT_FRESH_NS (2ULL * 1000000000ULL) /* the agent's figure counts this long */
 #define OTHERS_RISE 500                     /* 5 %: the others want more */
 #define LEND_STEP 1000                      /* lend back 10 % more per update */
+#define FULL_USE 9700                       /* 97 %: the device has no idle time */
 
 struct rec {
     struct rec *next;
@@ -206,7 +207,8 @@ static int try_settle(struct rec *r, CUcontext *current)
 /* The other containers' use of w's device over the last RECENT_US, in 1/100 %:
  * NVML per-process utilisation of every PID that is not one of ours.
  * *company: who else used it meanwhile (GV_SM_OTHERS: other containers'
- * processes, GV_SM_MATES: other processes of this one, or 0). */
+ * processes, GV_SM_MATES: other processes of this one, or 0), and
+ * GV_SM_FULL when all processes together kept it busy (>= FULL_USE). */
 static uint64_t others_recent(struct watched *w, int *company)
 {
     typedef nvmlReturn_t (*procutil_fn)(nvmlDevice_t, nvmlProcessUtilizationSample_t *,
@@ -238,15 +240,15 @@ static uint64_t others_recent(struct watched *w, int *company)
     }
     *company = (others ? GV_SM_OTHERS : 0) | (mates ? GV_SM_MATES : 0);
     /* A PID may have several samples: average them, then add up the PIDs. */
-    uint64_t total = 0;
+    uint64_t total = 0, all = 0;
     for (unsigned int i = 0; i < n && i < 128; i++) {
         unsigned int pid = samples[i].pid;
-        int mine = 0, seen = 0;
+        int mine = pid == me, seen = 0;
         for (int k = 0; k < nours && !mine; k++)
             mine = (unsigned int)ours[k] == pid;
         for (unsigned int j = 0; j < i && !seen; j++)
             seen = samples[j].pid == pid;
-        if (mine || seen)
+        if (seen)
             continue;
         uint64_t sum = 0, cnt = 0;
         for (unsigned int j = i; j < n && j < 128; j++)
@@ -254,8 +256,12 @@ static uint64_t others_recent(struct watched *w, int *company)
                 sum += samples[j].smUtil;
                 cnt++;
             }
-        total += sum * 100 / cnt;
+        all += sum * 100 / cnt;
+        if (!mine)
+            total += sum * 100 / cnt;
     }
+    if (all >= FULL_USE)
+        *company |= GV_SM_FULL;
     return total > 10000 ? 10000 : total;
 }
 
