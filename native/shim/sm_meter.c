@@ -39,7 +39,7 @@
 #define AGENT_FRESH_NS (2ULL * 1000000000ULL) /* the agent's figure counts this long */
 #define OTHERS_RISE 500                     /* 5 %: the others want more */
 #define LEND_STEP 1000                      /* lend back 10 % more per update */
-#define FULL_USE 9700                       /* 97 %: the device has no idle time */
+#define FULL_USE 9900                       /* 99 %: the device has no idle time */
 
 struct rec {
     struct rec *next;
