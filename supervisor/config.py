@@ -21,6 +21,8 @@ from gpuvisor.shim.limits import validate_environment
 from gpuvisor.shim.loader import preload_env
 from gpuvisor.shim.region import default_region_path
 
+from .agent_state import DEFAULT_SOCKET, SOCKET_ENV
+
 # Variables the shim reads (HAMi's names).
 ENV_MEMORY = "CUDA_DEVICE_MEMORY_LIMIT"
 ENV_SM = "CUDA_DEVICE_SM_LIMIT"
@@ -30,11 +32,10 @@ ENV_PRIORITY = "CUDA_TASK_PRIORITY"
 ENV_REGION = "CUDA_DEVICE_MEMORY_SHARED_CACHE"
 ENV_SIM_STATE = "GPUVISOR_SIM_STATE"
 # Variables only the supervisor reads.
-ENV_SOCKET = "GPUVISOR_NODE_SOCKET"
+ENV_SOCKET = SOCKET_ENV
 ENV_INTERVAL = "GPUVISOR_REPORT_INTERVAL"
 ENV_GRACE = "GPUVISOR_KILL_GRACE"
 
-DEFAULT_SOCKET = "/run/gpuvisor/node.sock"
 DEFAULT_INTERVAL = 1.0
 DEFAULT_GRACE = 10.0
 MIN_INTERVAL, MAX_INTERVAL = 0.1, 3600.0
