@@ -174,40 +174,47 @@ static int ordinal_ok(const char *s, size_t len)
 
 extern char **environ;
 
-int limits_check_env(char *err, size_t errlen)
+/* Check every variable of the family BASE and BASE_<ordinal> in the
+ * environment: unknown suffixes fail, empty values count as unset, others
+ * must pass why_bad (NULL: good; else the reason). */
+static int check_family(const char *base, const char *(*why_bad)(const char *),
+                        char *err, size_t errlen)
 {
-    const size_t plen = strlen(GV_ENV_LIMIT);
+    const size_t plen = strlen(base);
     for (char **e = environ; e != NULL && *e != NULL; e++) {
         const char *kv = *e;
-        if (strncmp(kv, GV_ENV_LIMIT, plen) != 0)
-            continue;
         const char *eq = strchr(kv, '=');
-        if (eq == NULL)
+        if (strncmp(kv, base, plen) != 0 || eq == NULL)
             continue;
         size_t nlen = (size_t)(eq - kv);
         char name[96];
         snprintf(name, sizeof name, "%.*s", (int)(nlen < 90 ? nlen : 90), kv);
-        const char *value = eq + 1;
-        if (nlen != plen &&
-            !(kv[plen] == '_' && ordinal_ok(kv + plen + 1, nlen - plen - 1))) {
-            if (err != NULL && errlen > 0)
-                snprintf(err, errlen,
-                         "gpuvisor: %s=\"%.80s\": unknown variable (use "
-                         GV_ENV_LIMIT " or " GV_ENV_LIMIT "_<device ordinal>)",
-                         name, value);
+        if (nlen != plen && !(kv[plen] == '_' && ordinal_ok(kv + plen + 1, nlen - plen - 1))) {
+            char why[160];
+            snprintf(why, sizeof why, "unknown variable (use %s or %s_<device ordinal>)", base, base);
+            set_err(err, errlen, name, eq + 1, why);
             return GV_EINVAL;
         }
-        if (value[0] == '\0')
-            continue;
-        uint64_t bytes;
-        const char *why;
-        /* Percentages: the device size is not known yet; check syntax. */
-        if (limits_parse(value, UINT64_C(1) << 40, &bytes, &why) != GV_OK) {
-            set_err(err, errlen, name, value, why);
+        const char *why = eq[1] != '\0' ? why_bad(eq + 1) : NULL;
+        if (why != NULL) {
+            set_err(err, errlen, name, eq + 1, why);
             return GV_EINVAL;
         }
     }
     return GV_OK;
+}
+
+static const char *memory_why_bad(const char *value)
+{
+    uint64_t bytes;
+    const char *why;
+    /* Percentages: the device size is not known yet; check syntax. */
+    return limits_parse(value, UINT64_C(1) << 40, &bytes, &why) != GV_OK ? why : NULL;
+}
+
+int limits_check_env(char *err, size_t errlen)
+{
+    return check_family(GV_ENV_LIMIT, memory_why_bad, err, errlen);
 }
 
 int limits_control_disabled(void)
@@ -294,27 +301,15 @@ static int word_index(const char *v, const char *const *words, int n)
 static const char *const sm_policies[] = { "fixed-share", "burst-share", "best-effort" };
 static const char *const core_policies[] = { "default", "force", "disable" };
 
+static const char *sm_why_bad(const char *value)
+{
+    return parse_pct(value) < 0 ? "not a whole percentage from 0 to 100 (0: no limit)" : NULL;
+}
+
 int limits_sm_check_env(char *err, size_t errlen)
 {
-    const size_t plen = strlen(GV_ENV_SM_LIMIT);
-    for (char **e = environ; e != NULL && *e != NULL; e++) {
-        const char *kv = *e;
-        const char *eq = strchr(kv, '=');
-        if (strncmp(kv, GV_ENV_SM_LIMIT, plen) != 0 || eq == NULL)
-            continue;
-        size_t nlen = (size_t)(eq - kv);
-        char name[96];
-        snprintf(name, sizeof name, "%.*s", (int)(nlen < 90 ? nlen : 90), kv);
-        if (nlen != plen && !(kv[plen] == '_' && ordinal_ok(kv + plen + 1, nlen - plen - 1))) {
-            set_err(err, errlen, name, eq + 1,
-                    "unknown variable (use " GV_ENV_SM_LIMIT " or " GV_ENV_SM_LIMIT "_<device ordinal>)");
-            return GV_EINVAL;
-        }
-        if (eq[1] != '\0' && parse_pct(eq + 1) < 0) {
-            set_err(err, errlen, name, eq + 1, "not a whole percentage from 0 to 100 (0: no limit)");
-            return GV_EINVAL;
-        }
-    }
+    if (check_family(GV_ENV_SM_LIMIT, sm_why_bad, err, errlen) != GV_OK)
+        return GV_EINVAL;
     const char *v = getenv(GV_ENV_SM_POLICY);
     if (v != NULL && v[0] != '\0' && word_index(v, sm_policies, 3) < 0) {
         set_err(err, errlen, GV_ENV_SM_POLICY, v, "use fixed-share, burst-share or best-effort");
