@@ -96,7 +96,7 @@ def test_quick_run_writes_well_formed_sections(built: Path, tmp_path: Path) -> N
         "error (points)",
     ]
     assert len(single) == 2
-    q, procs, launches, achieved, error, settle, measured, worst, ok = single[1]
+    q, procs, launches, achieved, error, settle, measured, worst, sd, ideal, ok = single[1]
     assert (q, procs) == ("50 %", "2")
     assert re.fullmatch(r"\d+ \(\d+ graph\)", launches)
     assert int(launches.split()[0]) > 0
@@ -105,10 +105,16 @@ def test_quick_run_writes_well_formed_sections(built: Path, tmp_path: Path) -> N
     assert re.fullmatch(NUM + " s|never", settle)
     assert re.fullmatch(NUM + " s", measured)
     assert re.fullmatch(NUM, worst)
+    assert re.fullmatch(NUM, sd)
+    assert 0 <= float(sd) <= abs(float(worst)) + 0.05
+    assert re.fullmatch(NUM + " / " + NUM + r" \(" + NUM + r"\)", ideal), ideal
     assert ok in {"yes", "no"}
     assert len(fixed) == 2
     assert fixed[1][0] == "30:70"
     assert re.fullmatch(NUM + r" % \(" + NUM + r"\)", fixed[1][1])
+    assert len(fixed[1]) == 11
+    assert re.fullmatch(NUM + " / " + NUM + r" \(" + NUM + r"\)", fixed[1][5])
+    assert "the ideal scheduler kept every window" in acc
     assert len(burst) == 2
     assert burst[1][0] == "30:70"
     assert all(re.fullmatch(NUM + " %", c) for c in burst[1][1:4])

@@ -1,0 +1,179 @@
+"""What a perfect scheduler would achieve on the SM benchmark's workload.
+
+A reference for the tables of `make bench-sm` (tests/bench/sm_bench.py): how
+far from their quota the 100 ms windows of a container would be if the
+scheduling were perfect, so that a figure like "worst window 7 points" can
+be read against what the workload itself allows.
+
+The model: one device runs one unit at a time and never preempts it, as the
+simulated device does.  A unit is what bench_sm_worker launches (see
+native/tests/bench_sm_worker.c): a kernel of 20 us to 5 ms (log-uniform), or,
+one launch in ten, one of eight graphs (per process) of 1-4 such kernels in
+a chain, which run back to back.  The scheduler knows the exact length of
+every unit that has run and reacts at once, but, like any real one, does not
+know a unit's length before it has run it.  Whenever the device is free it
+starts the next unit of the container that is furthest behind its quota
+(least GPU time per unit of quota), among those not ahead of it; when every
+container is ahead, the device idles until one is not.  With one container
+that is pacing with no tolerance at all; with quotas adding up to 100 % it is
+weighted fair queueing and the device never idles.
+
+Run as `python -m tests.bench.sm_floor` for a table over the benchmark's
+scenarios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+WINDOW_S = 0.1
+LAUNCHES_PER_GRAPH = 10  # one launch in ten is a graph launch
+GRAPHS = 8
+MAX_NODES = 4
+
+
+def kernel_s(rng: random.Random) -> float:
+    """One kernel's length: log-uniform 20 us .. 5 ms, as bench_sm_worker."""
+    return 20e-6 * math.exp(rng.random() * math.log(5000 / 20))
+
+
+class Workload:
+    """The units one container launches: kernels, and graphs of its
+    processes (eight each, their lengths fixed when they are made)."""
+
+    def __init__(self, rng: random.Random, processes: int) -> None:
+        self.rng = rng
+        self.graphs = [
+            sum(kernel_s(rng) for _ in range(rng.randint(1, MAX_NODES)))
+            for _ in range(GRAPHS * processes)
+        ]
+
+    def next_unit(self) -> float:
+        if self.rng.randrange(LAUNCHES_PER_GRAPH) == 0:
+            return self.rng.choice(self.graphs)
+        return kernel_s(self.rng)
+
+
+def windows(
+    quotas: Sequence[int], processes: Sequence[int], seconds: float, seed: int
+) -> list[list[float]]:
+    """Each container's share (percent) in each whole 100 ms window of a
+    `seconds` run under the perfect scheduler."""
+    rng = random.Random(seed)
+    shares = [q / 100 for q in quotas]
+    loads = [Workload(rng, n) for n in processes]
+    used = [0.0] * len(shares)
+    n_win = int(seconds / WINDOW_S + 1e-9)
+    busy = [[0.0] * n_win for _ in shares]
+    t = 0.0
+    while t < seconds:
+        # How far each container is behind its quota, in seconds of wall time.
+        lead = [u / s - t for u, s in zip(used, shares, strict=True)]
+        c = min(range(len(shares)), key=lambda i: lead[i])
+        if lead[c] > 0:  # everybody is ahead: idle until one is not
+            t += lead[c]
+            continue
+        d = loads[c].next_unit()
+        start, end = t, t + d
+        k = int(start / WINDOW_S)
+        while start < end and k < n_win:
+            stop = min(end, (k + 1) * WINDOW_S)
+            busy[c][k] += stop - start
+            start, k = stop, k + 1
+        used[c] += d
+        t = end
+    return [[100 * b / WINDOW_S for b in row] for row in busy]
+
+
+@dataclass
+class Floor:
+    quota: int
+    sd: float  # standard deviation of the windows from the quota, points
+    worsts: list[float]  # per run: the window furthest from the quota, points
+
+    @property
+    def worst(self) -> float:
+        """The worst window, mean over the runs."""
+        return statistics.mean(self.worsts)
+
+    @property
+    def worst_max(self) -> float:
+        """The worst window, the largest over the runs."""
+        return max(self.worsts)
+
+
+def floor(
+    quotas: Sequence[int],
+    processes: Sequence[int],
+    seconds: float,
+    allowance: float,
+    runs: int = 20,
+    seed: int = 1,
+) -> list[Floor]:
+    """Per container: the perfect scheduler's window figures over the
+    windows from `allowance` to `seconds` (the benchmark's measured
+    interval), over `runs` runs of different seeds."""
+    k0 = round(allowance / WINDOW_S)
+    devs: list[list[float]] = [[] for _ in quotas]
+    worsts: list[list[float]] = [[] for _ in quotas]
+    for r in range(runs):
+        series = windows(quotas, processes, seconds, seed * 1000 + r)
+        for i, (q, row) in enumerate(zip(quotas, series, strict=True)):
+            d = [v - q for v in row[k0:]]
+            devs[i] += d
+            worsts[i].append(max(abs(x) for x in d))
+    return [Floor(q, statistics.pstdev(d), w) for q, d, w in zip(quotas, devs, worsts, strict=True)]
+
+
+def runs_within(floors: Sequence[Floor], goal: float) -> int:
+    """In how many runs every window of every container given was within
+    +-goal points (run i of each Floor is run i of the whole benchmark)."""
+    n = min(len(f.worsts) for f in floors)
+    return sum(all(f.worsts[r] <= goal for f in floors) for r in range(n))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quotas", default="10,25,50,75,90")
+    p.add_argument("--procs", default="1,2,3,4,2", help="processes per quota, in order")
+    p.add_argument("--splits", default="10:90,30:70,50:50")
+    p.add_argument("--seconds", type=float, default=7.0)
+    p.add_argument("--allowance", type=float, default=1.0)
+    p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--goal", type=float, default=5.0, help="points, every window")
+    args = p.parse_args(argv)
+    quotas = [int(q) for q in args.quotas.split(",")]
+    procs = [int(n) for n in args.procs.split(",")]
+    procs = (procs * len(quotas))[: len(quotas)]
+    scenarios = [(f"one container {q} %", [q], [n]) for q, n in zip(quotas, procs, strict=True)]
+    for split in args.splits.split(","):
+        a, b = (int(x) for x in split.split(":"))
+        scenarios.append((f"{a}:{b} (A 1 process, B 2)", [a, b], [1, 2]))
+    print(
+        f"| scenario | window sd (points) | worst window, mean over runs | largest "
+        f"| runs within +-{args.goal:g} |"
+    )
+    print("|---|---:|---:|---:|---:|")
+    every: list[Floor] = []
+    for name, qs, ns in scenarios:
+        fl = floor(qs, ns, args.seconds, args.allowance, args.runs)
+        every += fl
+        cells = [
+            " / ".join(f"{getattr(f, a):.1f}" for f in fl) for a in ("sd", "worst", "worst_max")
+        ]
+        print(f"| {name} | {' | '.join(cells)} | {runs_within(fl, args.goal)} of {args.runs} |")
+    ok = runs_within(every, args.goal)
+    print(
+        f"\nRuns with every window of every scenario within +-{args.goal:g}: {ok} of {args.runs}."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

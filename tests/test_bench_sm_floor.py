@@ -1,0 +1,47 @@
+"""The ideal-scheduler reference of the SM benchmark (tests/bench/sm_floor.py):
+it keeps each container at its quota, fills the device when the quotas add
+up to 100 %, is reproducible, and counts runs within a goal correctly."""
+
+from __future__ import annotations
+
+import random
+
+from tests.bench.sm_floor import WINDOW_S, Floor, kernel_s, runs_within, windows
+
+
+def test_kernel_lengths_span_the_workloads_range() -> None:
+    rng = random.Random(7)
+    lengths = [kernel_s(rng) for _ in range(20000)]
+    assert min(lengths) >= 20e-6
+    assert max(lengths) <= 5e-3
+    # log-uniform: about half of them below the geometric middle (316 us)
+    below = sum(x < 316e-6 for x in lengths) / len(lengths)
+    assert 0.47 < below < 0.53
+
+
+def test_one_container_gets_its_quota_and_never_more_over_time() -> None:
+    for q in (10, 50, 90):
+        (row,) = windows([q], [2], 30.0, seed=3)
+        assert len(row) == round(30.0 / WINDOW_S)
+        mean = sum(row) / len(row)
+        assert abs(mean - q) < 0.5, (q, mean)
+        # a window can exceed the quota by at most what one graph runs over
+        assert max(row) <= q + 100 * 4 * 5e-3 / WINDOW_S + 1e-6
+
+
+def test_a_pair_that_adds_up_to_100_keeps_the_device_full() -> None:
+    a, b = windows([30, 70], [1, 2], 10.0, seed=5)
+    assert all(abs(x + y - 100) < 1e-6 for x, y in zip(a, b, strict=True))
+    assert abs(sum(a) / len(a) - 30) < 0.5
+
+
+def test_runs_are_reproducible_per_seed() -> None:
+    assert windows([25], [1], 3.0, seed=9) == windows([25], [1], 3.0, seed=9)
+    assert windows([25], [1], 3.0, seed=9) != windows([25], [1], 3.0, seed=10)
+
+
+def test_runs_within_counts_runs_where_every_container_held() -> None:
+    fa = Floor(quota=10, sd=1.0, worsts=[4.0, 6.0, 5.0])
+    fb = Floor(quota=90, sd=1.0, worsts=[3.0, 2.0, 5.5])
+    assert runs_within([fa], 5.0) == 2
+    assert runs_within([fa, fb], 5.0) == 1
