@@ -32,7 +32,17 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from tests.bench.sm_floor import Floor, floor, runs_within
+from tests.bench.sm_floor import (
+    ALLOWANCE,
+    PAIR_PROCS,
+    PROCS,
+    QUOTAS,
+    SECONDS,
+    SPLITS,
+    Floor,
+    floor,
+    runs_within,
+)
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BUILD = REPO_ROOT / "build"
@@ -316,9 +326,9 @@ def two_fixed(
 ) -> tuple[list[str], list[Accuracy], int, list[Floor]]:
     rows, results, merged, floors = [], [], 0, []
     for i, (qa, qb) in enumerate(splits):
-        a, b = Container("a", qa, 1), Container("b", qb, 2)
+        a, b = Container("a", qa, PAIR_PROCS[0]), Container("b", qb, PAIR_PROCS[1])
         merged += run_scenario([a, b], seconds, seed=50 + i)
-        fl = floor([qa, qb], [1, 2], seconds, allowance)
+        fl = floor([qa, qb], [*PAIR_PROCS], seconds, allowance)
         floors += fl
         cells = []
         for c, f in zip((a, b), fl, strict=True):
@@ -474,7 +484,8 @@ def render_accuracy(args: argparse.Namespace) -> str:
     out.append("### Two containers, fixed-share")
     out.append("")
     out.append(
-        "Containers A (1 process) and B (2 processes), own region files, both saturating. "
+        f"Containers A ({PAIR_PROCS[0]} process) and B ({PAIR_PROCS[1]} processes), own region "
+        "files, both saturating. "
         "Cells: achieved (error), settling, worst 100 ms window (points from quota), the "
         "windows' standard deviation from the quota, and the ideal scheduler's figures."
     )
@@ -583,11 +594,11 @@ def write_sections(path: Path, sections: Sequence[tuple[str, str]]) -> None:
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quotas", default="10,25,50,75,90")
-    p.add_argument("--procs", default="1,2,3,4,2", help="processes per quota, in order")
-    p.add_argument("--splits", default="10:90,30:70,50:50")
-    p.add_argument("--seconds", type=float, default=7.0, help="run per scenario")
-    p.add_argument("--allowance", type=float, default=1.0, help="settling allowance (s)")
+    p.add_argument("--quotas", default=QUOTAS)
+    p.add_argument("--procs", default=PROCS, help="processes per quota, in order")
+    p.add_argument("--splits", default=SPLITS)
+    p.add_argument("--seconds", type=float, default=SECONDS, help="run per scenario")
+    p.add_argument("--allowance", type=float, default=ALLOWANCE, help="settling allowance (s)")
     p.add_argument("--burst-seconds", type=float, default=9.0)
     p.add_argument("--phase-ms", type=int, default=1000)
     p.add_argument("--launch-args", default="", help="arguments for bench_launch")

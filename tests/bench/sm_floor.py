@@ -33,6 +33,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 WINDOW_S = 0.1
+# The benchmark's scenarios (tests/bench/sm_bench.py takes its defaults from
+# here): quotas of one container and processes for each, the fixed-share
+# splits, whose containers A and B have PAIR_PROCS processes, and the run.
+QUOTAS = "10,25,50,75,90"
+PROCS = "1,2,3,4,2"
+SPLITS = "10:90,30:70,50:50"
+PAIR_PROCS = (1, 2)
+SECONDS = 7.0
+ALLOWANCE = 1.0
 LAUNCHES_PER_GRAPH = 10  # one launch in ten is a graph launch
 GRAPHS = 8
 MAX_NODES = 4
@@ -140,11 +149,11 @@ def runs_within(floors: Sequence[Floor], goal: float) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quotas", default="10,25,50,75,90")
-    p.add_argument("--procs", default="1,2,3,4,2", help="processes per quota, in order")
-    p.add_argument("--splits", default="10:90,30:70,50:50")
-    p.add_argument("--seconds", type=float, default=7.0)
-    p.add_argument("--allowance", type=float, default=1.0)
+    p.add_argument("--quotas", default=QUOTAS)
+    p.add_argument("--procs", default=PROCS, help="processes per quota, in order")
+    p.add_argument("--splits", default=SPLITS)
+    p.add_argument("--seconds", type=float, default=SECONDS)
+    p.add_argument("--allowance", type=float, default=ALLOWANCE)
     p.add_argument("--runs", type=int, default=20)
     p.add_argument("--goal", type=float, default=5.0, help="points, every window")
     args = p.parse_args(argv)
@@ -154,7 +163,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     scenarios = [(f"one container {q} %", [q], [n]) for q, n in zip(quotas, procs, strict=True)]
     for split in args.splits.split(","):
         a, b = (int(x) for x in split.split(":"))
-        scenarios.append((f"{a}:{b} (A 1 process, B 2)", [a, b], [1, 2]))
+        scenarios.append(
+            (f"{a}:{b} (A {PAIR_PROCS[0]} process, B {PAIR_PROCS[1]})", [a, b], [*PAIR_PROCS])
+        )
     print(
         f"| scenario | window sd (points) | worst window, mean over runs | largest "
         f"| runs within +-{args.goal:g} |"
