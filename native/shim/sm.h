@@ -25,9 +25,11 @@ void gv_sm_settle(struct gv_sm *sm, uint32_t share, uint64_t charged_ns, uint64_
 void gv_sm_set_share(struct gv_sm *sm, uint32_t share);
 /* Who else works on the device (sets how much work this process may keep
  * in flight): a mask of other containers' processes, other processes of
- * this container, and whether the device was busy all the time lately. */
+ * this container, and whether the device was busy all the time lately;
+ * and how many of this container's processes work on it (this one
+ * included, at least 1). */
 enum { GV_SM_OTHERS = 1, GV_SM_MATES = 2, GV_SM_FULL = 4 };
-void gv_sm_set_company(int company);
+void gv_sm_set_company(int company, int procs);
 /* Reset process-local gate state in a forked child. */
 void gv_sm_fork_child(void);
 

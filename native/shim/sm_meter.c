@@ -208,8 +208,10 @@ static int try_settle(struct rec *r, CUcontext *current)
  * NVML per-process utilisation of every PID that is not one of ours.
  * *company: who else used it meanwhile (GV_SM_OTHERS: other containers'
  * processes, GV_SM_MATES: other processes of this one, or 0), and
- * GV_SM_FULL when all processes together kept it busy (>= FULL_USE). */
-static uint64_t others_recent(struct watched *w, int *company)
+ * GV_SM_FULL when all processes together kept it busy (>= FULL_USE);
+ * *procs: how many of this container's processes used it (this one
+ * counted always). */
+static uint64_t others_recent(struct watched *w, int *company, int *procs)
 {
     typedef nvmlReturn_t (*procutil_fn)(nvmlDevice_t, nvmlProcessUtilizationSample_t *,
                                         unsigned int *, unsigned long long);
@@ -220,6 +222,7 @@ static uint64_t others_recent(struct watched *w, int *company)
     unsigned long long since = (unsigned long long)ts.tv_sec * 1000000ULL +
                                (unsigned long long)ts.tv_nsec / 1000 - RECENT_US;
     *company = GV_SM_OTHERS;             /* not known: as if others worked */
+    *procs = 1;
     if (GV_REAL(nvmlDeviceGetProcessUtilization, procutil_fn)(w->nvml, samples, &n, since) !=
         NVML_SUCCESS)
         return 0;
@@ -232,13 +235,16 @@ static uint64_t others_recent(struct watched *w, int *company)
     for (unsigned int i = 0; i < n && i < 128; i++) {
         if (samples[i].pid == me || samples[i].smUtil == 0)
             continue;
-        int mine = 0;
+        int mine = 0, seen = 0;
         for (int k = 0; k < nours && !mine; k++)
             mine = (unsigned int)ours[k] == samples[i].pid;
-        mates |= mine;
+        for (unsigned int j = 0; j < i && !seen; j++)  /* a PID may have several samples */
+            seen = samples[j].pid == samples[i].pid && samples[j].smUtil != 0;
+        mates += mine && !seen;
         others |= !mine;
     }
     *company = (others ? GV_SM_OTHERS : 0) | (mates ? GV_SM_MATES : 0);
+    *procs = 1 + mates;
     /* A PID may have several samples: average them, then add up the PIDs. */
     uint64_t total = 0, all = 0;
     for (unsigned int i = 0; i < n && i < 128; i++) {
@@ -265,14 +271,14 @@ static uint64_t others_recent(struct watched *w, int *company)
     return total > 10000 ? 10000 : total;
 }
 
-/* Set w's share; *company: who else works on its device. */
-static void update_share(struct watched *w, int *company)
+/* Set w's share; *company, *procs: who else works on its device. */
+static void update_share(struct watched *w, int *company, int *procs)
 {
     struct gv_sm *sm = w->sm;
     uint32_t limit = atomic_load(&sm->limit);
     uint32_t policy = atomic_load(&sm->policy);
     uint32_t share;
-    uint64_t others = w->have_nvml ? others_recent(w, company) : 0;
+    uint64_t others = w->have_nvml ? others_recent(w, company, procs) : 0;
     if (limit == 0) {
         share = 10000;
     } else if (atomic_load(&sm->yield)) {
@@ -319,7 +325,7 @@ static void policies(void)
         nvml_tried = 1;
         GV_REAL(nvmlInit_v2, nvmlReturn_t (*)(void))();
     }
-    int company = 0;
+    int company = 0, procs = 1;
     for (int i = 0; i < GV_MAX_DEVICES; i++) {
         struct watched *w = &watched[i];
         const gv_devinfo *info = atomic_load(&w->info);
@@ -330,13 +336,14 @@ static void policies(void)
             w->have_nvml = GV_REAL(nvmlDeviceGetHandleByUUID, by_uuid_fn)(info->uuid_str, &w->nvml) ==
                            NVML_SUCCESS;
         }
-        int c = GV_SM_OTHERS;
-        update_share(w, &c);
+        int c = GV_SM_OTHERS, p = 1;
+        update_share(w, &c, &p);
         company |= c;
+        procs = p > procs ? p : procs;
         if (w->have_nvml)
             calibrate(w->nvml);
     }
-    gv_sm_set_company(company);
+    gv_sm_set_company(company, procs);
 }
 
 static void *meter(void *unused)
