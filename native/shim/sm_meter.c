@@ -231,21 +231,9 @@ static uint64_t others_recent(struct watched *w, int *company, int *procs)
     if (nours > 256)
         nours = 256;
     unsigned int me = (unsigned int)getpid();
+    /* A PID may have several samples: average them, then add up the PIDs;
+     * a PID with any busy sample counts as working on the device. */
     int others = 0, mates = 0;
-    for (unsigned int i = 0; i < n && i < 128; i++) {
-        if (samples[i].pid == me || samples[i].smUtil == 0)
-            continue;
-        int mine = 0, seen = 0;
-        for (int k = 0; k < nours && !mine; k++)
-            mine = (unsigned int)ours[k] == samples[i].pid;
-        for (unsigned int j = 0; j < i && !seen; j++)  /* a PID may have several samples */
-            seen = samples[j].pid == samples[i].pid && samples[j].smUtil != 0;
-        mates += mine && !seen;
-        others |= !mine;
-    }
-    *company = (others ? GV_SM_OTHERS : 0) | (mates ? GV_SM_MATES : 0);
-    *procs = 1 + mates;
-    /* A PID may have several samples: average them, then add up the PIDs. */
     uint64_t total = 0, all = 0;
     for (unsigned int i = 0; i < n && i < 128; i++) {
         unsigned int pid = samples[i].pid;
@@ -265,7 +253,13 @@ static uint64_t others_recent(struct watched *w, int *company, int *procs)
         all += sum * 100 / cnt;
         if (!mine)
             total += sum * 100 / cnt;
+        if (sum && pid != me) {
+            mates += mine;
+            others |= !mine;
+        }
     }
+    *company = (others ? GV_SM_OTHERS : 0) | (mates ? GV_SM_MATES : 0);
+    *procs = 1 + mates;
     if (all >= FULL_USE)
         *company |= GV_SM_FULL;
     return total > 10000 ? 10000 : total;
