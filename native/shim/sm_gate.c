@@ -44,10 +44,11 @@
  * on an estimate, so a deeper queue lets a burst of long kernels overshoot
  * further, while at a high share a queue too short leaves gaps the share
  * does not allow.  A bound per process instead made a container's queue
- * grow with its processes: at 50 % with 3 processes and 75 % with 4 the
- * windows' standard deviation was 1.8-2.1 points with 2 ms per process,
- * 1.5-1.8 with the container's bound split (make bench-sm workload, 20 s
- * runs, 3 seeds).  (Not with other containers working: on a launch-order
+ * grow with its processes.  Windows' standard deviation with 2 ms per
+ * process -> with this bound (make bench-sm workload, 20 s runs, 2-3
+ * seeds): 75 % x 4 processes 1.8-1.9 -> 1.6-1.7, 25 % x 2 1.9-2.1 ->
+ * 1.7-1.8, 90 % x 1 1.4 -> 1.0; 50 % x 3, 90 % x 2 and 50 % x 1
+ * unchanged.  (Not with other containers working: on a launch-order
  * device a process's part of a busy device follows the work it keeps
  * queued, and a short queue next to a deep one starves.) */
 #define MAX_INFLIGHT_NS (2ULL * 1000 * 1000)
