@@ -7,6 +7,7 @@ The supervisor is not PID 1 here; it makes itself a child subreaper
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -76,6 +77,20 @@ def test_command_not_found_is_127(env):
     assert "command not found" in proc.stderr
 
 
+def _where(pid: int) -> dict[str, str]:
+    """What each thread of pid is blocked in (kernel wait channel, syscall)."""
+    out = {}
+    for tid in sorted(os.listdir(f"/proc/{pid}/task")):
+        parts = []
+        for name in ("wchan", "syscall"):
+            try:
+                parts.append(Path(f"/proc/{pid}/task/{tid}/{name}").read_text().strip())
+            except OSError as exc:
+                parts.append(f"({exc.strerror})")
+        out[tid] = " / ".join(parts)
+    return out
+
+
 @pytest.mark.parametrize(
     "sig",
     [
@@ -90,9 +105,11 @@ def test_command_not_found_is_127(env):
 def test_signals_are_forwarded(env, sig):
     workload = py(
         f"""
-        import signal, sys, time
+        import faulthandler, signal, sys, time
         def handler(n, frame):
             print("got", n, flush=True)
+            # Should exiting hang (seen twice in CI), say where.
+            faulthandler.dump_traceback_later(10, exit=True)
             sys.exit(40)
         signal.signal({int(sig)}, handler)
         print("ready", flush=True)
@@ -109,7 +126,7 @@ def test_signals_are_forwarded(env, sig):
     except subprocess.TimeoutExpired:
         # Say what was going on (seen once: the signal seemed lost).
         tree = psutil.Process(sup.pid).children(recursive=True)
-        states = [(p.pid, p.status(), p.cmdline()[:2]) for p in tree]
+        states = [(p.pid, p.status(), p.cmdline()[:2], _where(p.pid)) for p in tree]
         sup.kill()
         out, err = sup.communicate()
         pytest.fail(f"no exit 20 s after signal {int(sig)}: children {states}\n{out}\n{err}")
