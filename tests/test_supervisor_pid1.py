@@ -124,7 +124,8 @@ def test_signals_are_forwarded(env, sig):
     try:
         out, err = sup.communicate(timeout=20)
     except subprocess.TimeoutExpired:
-        # Say what was going on (seen once: the signal seemed lost).
+        # Say what was going on (seen twice: the workload printed "got N" and
+        # then stayed alive, asleep).
         tree = psutil.Process(sup.pid).children(recursive=True)
         states = [(p.pid, p.status(), p.cmdline()[:2], _where(p.pid)) for p in tree]
         sup.kill()
