@@ -60,6 +60,11 @@ $(BUILD)/tests/t_region_%: native/tests/t_region_%.c $(CTEST_HDRS) $(SHIM_SRCS) 
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_ALL) -Inative/tests -o $@ $< $(wildcard native/shim/region_*.c) native/shim/log.c native/shim/limits.c native/shim/api.c $(LDLIBS_ALL)
 
+# The SM meter's calibration is plain arithmetic: its unit test links it alone.
+$(BUILD)/tests/t_sm_calib: native/tests/t_sm_calib.c native/shim/sm_calib.c $(CTEST_HDRS) $(SHIM_HDRS)
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS_ALL) -Inative/tests -o $@ $< native/shim/sm_calib.c $(LDLIBS_ALL) -lm
+
 $(BUILD)/tests/t_%: native/tests/t_%.c $(CTEST_HDRS)
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_ALL) -Inative/tests -o $@ $< $(LDLIBS_ALL)

@@ -1,4 +1,5 @@
-"""Runs the C tests of the shared accounting region (native/tests/t_region_*).
+"""Runs the C tests of the shared accounting region (native/tests/t_region_*)
+and of the SM meter's calibration (native/tests/t_sm_calib.c).
 
 Each binary runs in its own temporary directory with its own region file, so
 the module is safe under ``pytest -n auto``.  The plain build must exist
@@ -128,3 +129,14 @@ def test_region_kill(build: str, tmp_path: Path) -> None:
     assert m.group(3) == "0", out  # nobody hung
     assert m.group(4) == "0", out  # everything reclaimed
     assert "t_region_kill: OK" in out
+
+
+@pytest.mark.parametrize("build", ["build", "build-asan"])
+def test_sm_calibration_unit(build: str, tmp_path: Path) -> None:
+    """The SM meter's calibration against NVML (native/shim/sm_calib.c)
+    on a synthetic process: exact events keep a ratio of 1 within 1 %,
+    events that overcount by 25 % are scaled back to within 1 %, NVML's
+    answers per process or per sample and late answers agree, and a PID
+    that NVML does not list leaves the measured times as they are."""
+    out = run(build, "t_sm_calib", [], tmp_path, timeout=60)
+    assert "t_sm_calib: OK" in out

@@ -30,6 +30,24 @@ void gv_sm_set_share(struct gv_sm *sm, uint32_t share);
  * included, at least 1). */
 enum { GV_SM_OTHERS = 1, GV_SM_MATES = 2, GV_SM_FULL = 4 };
 void gv_sm_set_company(int company, int procs);
+/* Calibration against NVML (sm_calib.c; the meter thread only), per
+ * region device:
+ *  - gv_cal_record: a measured kernel that ended at `end` (monotonic)
+ *    after raw_ns;
+ *  - gv_cal_since: the lastSeenTimeStamp to ask NVML's per-process
+ *    utilisation with; gv_cal_update: its answer (n samples), this
+ *    process's PID and the CPU (realtime) and monotonic clocks, read
+ *    together;
+ *  - gv_cal_scale: a measured time scaled to this process's own (the
+ *    ratio, gv_cal_ratio, is applied only below 1);
+ *  - gv_cal_reset: forget everything (a forked child). */
+void gv_cal_record(int dev, uint64_t end, uint64_t raw_ns);
+unsigned long long gv_cal_since(int dev, uint64_t real_ns);
+void gv_cal_update(int dev, unsigned long long since, const nvmlProcessUtilizationSample_t *s,
+                   unsigned n, unsigned me, uint64_t real_ns, uint64_t mono_ns);
+double gv_cal_ratio(int dev);
+uint64_t gv_cal_scale(int dev, uint64_t raw_ns);
+void gv_cal_reset(void);
 /* Reset process-local gate state in a forked child. */
 void gv_sm_fork_child(void);
 

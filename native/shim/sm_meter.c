@@ -46,6 +46,7 @@ struct rec {
     CUcontext ctx;
     CUevent begin, end;
     struct gv_sm *sm;
+    int dev;                    /* region device */
     uintptr_t key;
     uint64_t est;
     uint32_t share;
@@ -78,6 +79,7 @@ static void fork_child(void)
     atomic_store(&inbox, NULL);
     atomic_store(&started, 0);
     gv_sm_fork_child();
+    gv_cal_reset();
     for (int i = 0; i < GV_MAX_DEVICES; i++) {
         atomic_store(&watched[i].info, NULL);
         watched[i].others_before = watched[i].lent = 0;
@@ -103,83 +105,6 @@ static void drop(struct rec *r)
     free(r);
 }
 
-/* ---- calibration against NVML ---------------------------------------------
- *
- * Events bracket a kernel, but when other processes queue kernels between
- * this process's launch and its events (they take turns at the driver), the
- * bracket also covers some of their time and the kernel looks longer than
- * it ran.  NVML's per-process utilisation counts only this process's own
- * kernels.  Once a second, measured times are scaled by the ratio of the two
- * over the last second (only ever scaled down, and smoothed), so that what
- * is settled is this process's own GPU time.  The meter thread alone uses
- * this state.
- */
-#define CAL_WINDOW_NS 1000000000ULL
-#define CAL_RING 8192
-
-struct cal_entry { uint64_t t, ns; };
-static struct cal_entry cal_ring[CAL_RING];
-static unsigned cal_head, cal_n;
-static double cal_ratio = 1.0;
-
-static void cal_record(uint64_t t, uint64_t ns)
-{
-    cal_ring[cal_head] = (struct cal_entry){ t, ns };
-    cal_head = (cal_head + 1) % CAL_RING;
-    if (cal_n < CAL_RING)
-        cal_n++;
-}
-
-static void calibrate(nvmlDevice_t nvml)
-{
-    typedef nvmlReturn_t (*procutil_fn)(nvmlDevice_t, nvmlProcessUtilizationSample_t *,
-                                        unsigned int *, unsigned long long);
-    struct timespec rt;
-    clock_gettime(CLOCK_REALTIME, &rt);
-    uint64_t mono = gv_mono_ns();
-    uint64_t real_us = (uint64_t)rt.tv_sec * 1000000ULL + (uint64_t)rt.tv_nsec / 1000;
-    uint64_t since_us = real_us - CAL_WINDOW_NS / 1000;
-    nvmlProcessUtilizationSample_t samples[128];
-    unsigned int n = 128;
-    if (GV_REAL(nvmlDeviceGetProcessUtilization, procutil_fn)(nvml, samples, &n, since_us) !=
-        NVML_SUCCESS)
-        return;
-    unsigned int me = (unsigned int)getpid();
-    uint64_t sum = 0, cnt = 0, last_us = 0;
-    for (unsigned int i = 0; i < n && i < 128; i++)
-        if (samples[i].pid == me) {
-            sum += samples[i].smUtil;
-            cnt++;
-            if (samples[i].timeStamp > last_us)
-                last_us = samples[i].timeStamp;
-        }
-    if (!cnt || last_us <= since_us || last_us > real_us)
-        return;                              /* NVML does not see this PID (containers) */
-    /* NVML's figure covers (since, last sample]; compare like with like. */
-    uint64_t from = mono - (real_us - since_us) * 1000, to = mono - (real_us - last_us) * 1000;
-    uint64_t events = 0;
-    for (unsigned i = 0; i < cal_n; i++) {
-        unsigned k = (cal_head + CAL_RING - 1 - i) % CAL_RING;
-        if (cal_ring[k].t <= from)
-            break;
-        if (cal_ring[k].t <= to)
-            events += cal_ring[k].ns;
-    }
-    uint64_t span = (last_us - since_us) * 1000;
-    if (events < span / 50)                  /* < 2 % busy: too little to judge */
-        return;
-    double nvml_ns = (double)sum / (double)cnt * (double)span / 100.0;
-    /* NVML rounds each sample to a whole percent (to the nearest, so
-     * without bias over the second's samples). */
-    double r = nvml_ns / (double)events;
-    /* Events never undercount this process's own time, but the comparison
-     * is noisy (a kernel is counted by when it was settled): average over
-     * both sides of 1 and apply at most 1 (in try_settle), so that the
-     * noise does not bias the ratio low. */
-    r = r > 1.25 ? 1.25 : (r < 0.3 ? 0.3 : r);
-    cal_ratio = 0.5 * cal_ratio + 0.5 * r;
-}
-
 /* Settle r if its kernel has finished; 0 if it is still running. */
 static int try_settle(struct rec *r, CUcontext *current)
 {
@@ -193,8 +118,8 @@ static int try_settle(struct rec *r, CUcontext *current)
     float ms = 0;
     if (q == CUDA_SUCCESS && elapsed(&ms, r->begin, r->end) == CUDA_SUCCESS && ms >= 0) {
         uint64_t raw = (uint64_t)((double)ms * 1e6);
-        cal_record(gv_mono_ns(), raw);
-        uint64_t ns = (uint64_t)((double)raw * (cal_ratio < 1.0 ? cal_ratio : 1.0));
+        gv_cal_record(r->dev, gv_mono_ns(), raw);
+        uint64_t ns = gv_cal_scale(r->dev, raw);
         gv_sm_learn(r->key, ns);
         gv_sm_settle(r->sm, r->share, r->est, ns);
     } else {
@@ -312,6 +237,24 @@ static void update_share(struct watched *w, int *company, int *procs)
     gv_sm_set_share(sm, share);
 }
 
+/* Hand NVML's per-process samples newer than the last taken to sm_calib.c. */
+static void calibrate(int dev, nvmlDevice_t nvml)
+{
+    typedef nvmlReturn_t (*procutil_fn)(nvmlDevice_t, nvmlProcessUtilizationSample_t *,
+                                        unsigned int *, unsigned long long);
+    struct timespec rt;
+    clock_gettime(CLOCK_REALTIME, &rt);
+    uint64_t mono = gv_mono_ns();
+    uint64_t real_ns = (uint64_t)rt.tv_sec * 1000000000ULL + (uint64_t)rt.tv_nsec;
+    unsigned long long since = gv_cal_since(dev, real_ns);
+    nvmlProcessUtilizationSample_t samples[128];
+    unsigned int n = 128;
+    if (GV_REAL(nvmlDeviceGetProcessUtilization, procutil_fn)(nvml, samples, &n, since) !=
+        NVML_SUCCESS)
+        return;
+    gv_cal_update(dev, since, samples, n < 128 ? n : 128, (unsigned)getpid(), real_ns, mono);
+}
+
 static void policies(void)
 {
     static int nvml_tried;
@@ -335,7 +278,7 @@ static void policies(void)
         company |= c;
         procs = p > procs ? p : procs;
         if (w->have_nvml)
-            calibrate(w->nvml);
+            calibrate(i, w->nvml);
     }
     gv_sm_set_company(company, procs);
 }
@@ -473,7 +416,7 @@ void gv_sm_end(gv_sm_launch *l, CUresult rc)
         GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->end);
         return;
     }
-    *r = (struct rec){ NULL, l->ctx, l->begin, l->end, l->sm, l->key, l->est, l->share };
+    *r = (struct rec){ NULL, l->ctx, l->begin, l->end, l->sm, l->dev, l->key, l->est, l->share };
     r->next = atomic_load(&inbox);
     while (!atomic_compare_exchange_weak(&inbox, &r->next, r))
         ;
