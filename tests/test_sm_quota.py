@@ -132,6 +132,24 @@ def finish(proc: subprocess.Popen[str]) -> float:
     return share
 
 
+# Workers watched through NVML while the test steps through phases run far
+# longer than the phases and are stopped after the last reading: how long
+# the phases take depends on how fast the helper subprocesses start (a
+# loaded CI machine takes a second or more), and a worker that has already
+# finished reads as a share of 0.
+LONG_RUN = 60.0
+
+
+def stop(*procs: subprocess.Popen[str]) -> None:
+    """Stop workers that must still be running (none failed or ended
+    before the last reading)."""
+    for p in procs:
+        running = p.poll() is None
+        p.kill()
+        out, err = p.communicate(timeout=30)
+        assert running, f"worker {p.pid} ended early (exit {p.returncode}): {out}{err}"
+
+
 def run_container(
     env: dict[str, str], path: str = "kernel", procs: int = 1, seconds: float = 2.5
 ) -> float:
@@ -199,7 +217,7 @@ def test_disable_policy_ignores_the_limit(node: SimNode) -> None:
 
 def test_live_limit_change(node: SimNode) -> None:
     env = node.shimmed(CUDA_DEVICE_SM_LIMIT="20")
-    w = start(env, "kernel", 4.0, 1)
+    w = start(env, "kernel", LONG_RUN, 1)
     go(w)
     time.sleep(1.5)
     region_call(node, "r.set_sm_limit(0, 80)")
@@ -207,7 +225,7 @@ def test_live_limit_change(node: SimNode) -> None:
     since = int(time.time() * 1e6)
     time.sleep(1.5)
     shares = nvml_shares(node, since)
-    finish(w)
+    stop(w)
     print(f"after raising 20 -> 80: {shares}")
     assert abs(shares[str(w.pid)] - 80) <= 6
 
@@ -216,7 +234,7 @@ def test_yield_pauses_and_resumes(node: SimNode) -> None:
     """The supervisor's priority decision: a low-priority container's
     launches stop while its yield flag is set."""
     env = node.shimmed(CUDA_DEVICE_SM_LIMIT="50", CUDA_TASK_PRIORITY="1")
-    w = start(env, "kernel", 3.5, 2)
+    w = start(env, "kernel", LONG_RUN, 2)
     go(w)
     time.sleep(0.8)
     region_call(node, "r.set_sm_yield(0, True)\nassert r.sm(0).priority == 1")
@@ -229,7 +247,7 @@ def test_yield_pauses_and_resumes(node: SimNode) -> None:
     since = int(time.time() * 1e6)
     time.sleep(0.8)
     resumed = nvml_shares(node, since).get(str(w.pid), 0)
-    finish(w)
+    stop(w)
     print(f"paused={paused} resumed={resumed}")
     assert paused <= 2
     assert abs(resumed - 50) <= 8
@@ -245,8 +263,8 @@ def test_burst_share_lends_idle_time_and_gives_it_back(node: SimNode, tmp_path: 
     b_env = node.shimmed(
         CUDA_DEVICE_SM_LIMIT="100", CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "b.shr")
     )
-    a = start(a_env, "kernel", 5.0, 3)
-    b = start(b_env, "kernel", 3.0, 4)
+    a = start(a_env, "kernel", LONG_RUN, 3)
+    b = start(b_env, "kernel", LONG_RUN, 4)
     go(a)
     time.sleep(1.0)
     since = int(time.time() * 1e6)
@@ -257,8 +275,7 @@ def test_burst_share_lends_idle_time_and_gives_it_back(node: SimNode, tmp_path: 
     since = int(time.time() * 1e6)
     time.sleep(1.5)
     shared = nvml_shares(node, since)
-    finish(b)
-    finish(a)
+    stop(a, b)
     print(f"A alone={alone} A with B={shared.get(str(a.pid))} B={shared.get(str(b.pid))}")
     assert alone >= 80
     assert abs(shared.get(str(a.pid), 0) - 30) <= 6
@@ -270,15 +287,14 @@ def test_best_effort_yields_to_others(node: SimNode, tmp_path: Path) -> None:
     b_env = node.shimmed(
         CUDA_DEVICE_SM_LIMIT="70", CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "b.shr")
     )
-    a = start(a_env, "kernel", 4.0, 5)
-    b = start(b_env, "kernel", 4.0, 6)
+    a = start(a_env, "kernel", LONG_RUN, 5)
+    b = start(b_env, "kernel", LONG_RUN, 6)
     go(a, b)
     time.sleep(1.5)
     since = int(time.time() * 1e6)
     time.sleep(1.5)
     shares = nvml_shares(node, since)
-    finish(a)
-    finish(b)
+    stop(a, b)
     print(f"best-effort A={shares.get(str(a.pid))} fixed 70 B={shares.get(str(b.pid))}")
     assert abs(shares.get(str(b.pid), 0) - 70) <= 6  # B gets its share
     assert shares.get(str(a.pid), 0) <= 30  # A takes only what is left
