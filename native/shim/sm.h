@@ -1,6 +1,7 @@
 /*
  * sm.h - the SM-time quota: pacing (sm_gate.c), measurement and policies
- * (sm_meter.c), used by the launch hooks (hooks_launch.c).
+ * (sm_meter.c), calibration of measured times against NVML (sm_calib.c),
+ * used by the launch hooks (hooks_launch.c).
  */
 #ifndef GV_SM_H
 #define GV_SM_H
