@@ -129,6 +129,20 @@ static int try_settle(struct rec *r, CUcontext *current)
     return 1;
 }
 
+/* NVML's per-process samples of a device newer than `since` (CPU time,
+ * us): how many were written to s (at most MAX_SAMPLES), or -1. */
+#define MAX_SAMPLES 128u
+static int proc_samples(nvmlDevice_t nvml, unsigned long long since,
+                        nvmlProcessUtilizationSample_t s[MAX_SAMPLES])
+{
+    typedef nvmlReturn_t (*procutil_fn)(nvmlDevice_t, nvmlProcessUtilizationSample_t *,
+                                        unsigned int *, unsigned long long);
+    unsigned int n = MAX_SAMPLES;
+    if (GV_REAL(nvmlDeviceGetProcessUtilization, procutil_fn)(nvml, s, &n, since) != NVML_SUCCESS)
+        return -1;
+    return (int)(n < MAX_SAMPLES ? n : MAX_SAMPLES);
+}
+
 /* The other containers' use of w's device over the last RECENT_US, in 1/100 %:
  * NVML per-process utilisation of every PID that is not one of ours.
  * *company: who else used it meanwhile (GV_SM_OTHERS: other containers'
@@ -138,19 +152,17 @@ static int try_settle(struct rec *r, CUcontext *current)
  * counted always). */
 static uint64_t others_recent(struct watched *w, int *company, int *procs)
 {
-    typedef nvmlReturn_t (*procutil_fn)(nvmlDevice_t, nvmlProcessUtilizationSample_t *,
-                                        unsigned int *, unsigned long long);
-    nvmlProcessUtilizationSample_t samples[128];
-    unsigned int n = 128;
+    nvmlProcessUtilizationSample_t samples[MAX_SAMPLES];
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
     unsigned long long since = (unsigned long long)ts.tv_sec * 1000000ULL +
                                (unsigned long long)ts.tv_nsec / 1000 - RECENT_US;
     *company = GV_SM_OTHERS;             /* not known: as if others worked */
     *procs = 1;
-    if (GV_REAL(nvmlDeviceGetProcessUtilization, procutil_fn)(w->nvml, samples, &n, since) !=
-        NVML_SUCCESS)
+    int got = proc_samples(w->nvml, since, samples);
+    if (got < 0)
         return 0;
+    unsigned int n = (unsigned int)got;
     int32_t ours[256];
     int nours = region_process_list(gv_core_region(), ours, 256);
     if (nours > 256)
@@ -160,7 +172,7 @@ static uint64_t others_recent(struct watched *w, int *company, int *procs)
      * a PID with any busy sample counts as working on the device. */
     int others = 0, mates = 0;
     uint64_t total = 0, all = 0;
-    for (unsigned int i = 0; i < n && i < 128; i++) {
+    for (unsigned int i = 0; i < n; i++) {
         unsigned int pid = samples[i].pid;
         int mine = pid == me, seen = 0;
         for (int k = 0; k < nours && !mine; k++)
@@ -170,7 +182,7 @@ static uint64_t others_recent(struct watched *w, int *company, int *procs)
         if (seen)
             continue;
         uint64_t sum = 0, cnt = 0;
-        for (unsigned int j = i; j < n && j < 128; j++)
+        for (unsigned int j = i; j < n; j++)
             if (samples[j].pid == pid) {
                 sum += samples[j].smUtil;
                 cnt++;
@@ -240,19 +252,15 @@ static void update_share(struct watched *w, int *company, int *procs)
 /* Hand NVML's per-process samples newer than the last taken to sm_calib.c. */
 static void calibrate(int dev, nvmlDevice_t nvml)
 {
-    typedef nvmlReturn_t (*procutil_fn)(nvmlDevice_t, nvmlProcessUtilizationSample_t *,
-                                        unsigned int *, unsigned long long);
     struct timespec rt;
     clock_gettime(CLOCK_REALTIME, &rt);
     uint64_t mono = gv_mono_ns();
     uint64_t real_ns = (uint64_t)rt.tv_sec * 1000000000ULL + (uint64_t)rt.tv_nsec;
     unsigned long long since = gv_cal_since(dev, real_ns);
-    nvmlProcessUtilizationSample_t samples[128];
-    unsigned int n = 128;
-    if (GV_REAL(nvmlDeviceGetProcessUtilization, procutil_fn)(nvml, samples, &n, since) !=
-        NVML_SUCCESS)
-        return;
-    gv_cal_update(dev, since, samples, n < 128 ? n : 128, (unsigned)getpid(), real_ns, mono);
+    nvmlProcessUtilizationSample_t samples[MAX_SAMPLES];
+    int n = proc_samples(nvml, since, samples);
+    if (n >= 0)
+        gv_cal_update(dev, since, samples, (unsigned)n, (unsigned)getpid(), real_ns, mono);
 }
 
 static void policies(void)
