@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO_ROOT, SimNode
+from tests.helpers import REPO_ROOT, SimNode, run_json
 
 WORKER = """
 import ctypes, json, random, sys, time
@@ -196,6 +196,45 @@ def test_processes_of_one_container_share_one_budget(node: SimNode) -> None:
     share = run_container(node.shimmed(CUDA_DEVICE_SM_LIMIT="40"), procs=2)
     print(f"two processes, limit=40: achieved={share:.1f}")
     assert abs(share - 40) <= 5
+
+
+METER_WAKE = """
+import ctypes, json, random, statistics, time
+from cuda.bindings import driver as cu
+from gpuvisor.shim.region import Region
+def chk(res):
+    err = res[0] if isinstance(res, tuple) else res
+    assert err == cu.CUresult.CUDA_SUCCESS, err
+    return res[1] if isinstance(res, tuple) and len(res) == 2 else res
+chk(cu.cuInit(0))
+chk(cu.cuCtxSetCurrent(chk(cu.cuDevicePrimaryCtxRetain(0))))
+spin = chk(cu.cuModuleGetFunction(chk(cu.cuModuleLoadData(b"any image")), b"spin"))
+s = chk(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+region = Region.attach()
+after = []
+rng = random.Random(1)
+for _ in range(15):
+    # Nothing in flight: the meter naps.  Idle for a random time, so the
+    # launch does not come in step with the end of a nap.
+    time.sleep(rng.uniform(0.02, 0.04))
+    before = region.sm(0).busy_ns
+    chk(cu.cuLaunchKernel(spin, 1, 1, 1, 32, 1, 1, 0, s, ((200,), (ctypes.c_uint32,)), 0))
+    t0 = time.monotonic()
+    while region.sm(0).busy_ns == before and time.monotonic() - t0 < 1:
+        time.sleep(0.0001)
+    after.append((time.monotonic() - t0) * 1e3)
+print(json.dumps({"median_ms": statistics.median(after), "all_ms": after}))
+"""
+
+
+def test_meter_wakes_for_a_launch_after_idling(node: SimNode) -> None:
+    """With nothing in flight the meter thread naps (up to 10 ms); the next
+    gated launch wakes it, so a 200 us kernel is measured and settled on the
+    clock within a few hundred microseconds of its end, not at the end of
+    the nap (a median of about 5 ms if the wake-up were lost)."""
+    got = run_json(METER_WAKE, node.shimmed(CUDA_DEVICE_SM_LIMIT="50"))
+    print(f"launch -> settled: {got}")
+    assert got["median_ms"] < 2.5
 
 
 @pytest.mark.parametrize("path", ["ex", "coop", "graph"])
