@@ -304,12 +304,12 @@ static void policies(void)
  * wakes the futex) or for at most NAP_NS, which bounds how late a policy
  * update can be.  Sleeping 1 ms instead, as before, left a kernel launched
  * during the sleep unsettled for up to 1 ms, holding its process at the
- * in-flight bound while the device drained.  make bench-sm workload, 7 s, seeds 1-4,
- * window standard deviation before -> after: 90 % x 2 processes 1.3 ->
- * 1.1, 75 % x 4 1.55 -> 1.2, 50 % x 3 1.8 -> 1.4; pairs within the noise
- * (2.2-2.7 -> 2.35-2.8); settling missed by 3 of 28 containers before, 1
- * after.  A process-private futex word: no lock to leave held if the
- * process dies or forks. */
+ * in-flight bound while the device drained.  make bench-sm workload, 7 s
+ * runs, seeds 1-4, two sittings, window standard deviation before ->
+ * after: 90 % x 2 processes 1.15-1.3 -> 1.0-1.1, 75 % x 4 1.5-1.55 ->
+ * 1.2-1.35, 50 % x 3 1.8 -> 1.4-1.55; pairs within the noise.  A
+ * process-private futex word: no lock to leave held if the process dies
+ * or forks. */
 static void nap(void)
 {
     atomic_store(&napping, 1);
@@ -329,6 +329,8 @@ static void *meter(void *unused)
     unsigned idle = 0;
     for (;;) {
         struct rec *got = atomic_exchange(&inbox, NULL);
+        if (got || head)
+            idle = 0;
         struct rec *rev = NULL;
         while (got) {                       /* the inbox is LIFO: restore order */
             struct rec *n = got->next;
@@ -354,10 +356,9 @@ static void *meter(void *unused)
             policies();
             next_policy = now + POLICY_PERIOD_NS;
         }
-        /* Polling on for 1 ms after the last kernel: a process launching
+        /* Polling on for 1 ms after the last launch: a process launching
          * back to back does not make a futex call per launch. */
-        idle = head ? 0 : idle + 1;
-        if (idle <= IDLE_POLLS) {
+        if (idle++ < IDLE_POLLS) {
             struct timespec ts = { 0, POLL_NS };
             nanosleep(&ts, NULL);
         } else {
