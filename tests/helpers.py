@@ -27,6 +27,26 @@ _SCRUBBED_PREFIXES = ("CUDA_", "GPUVISOR_", "LIBCUDA_", "NVIDIA_")
 _SCRUBBED = {"LD_PRELOAD", "LD_LIBRARY_PATH"}
 
 
+# Prelude of child programs that launch `spin` kernels through cuda-python:
+# `chk` unwraps a (CUresult, value) tuple and asserts success; `spin` is the
+# simulator's kernel (its first parameter: microseconds), `s` a stream on
+# device 0's primary context.  Programs add their own imports.
+CU_SPIN_PRELUDE = """
+import ctypes
+from cuda.bindings import driver as cu
+def chk(r):
+    e = r[0] if isinstance(r, tuple) else r
+    assert e == cu.CUresult.CUDA_SUCCESS, e
+    return r[1] if isinstance(r, tuple) and len(r) == 2 else r
+chk(cu.cuInit(0))
+chk(cu.cuCtxSetCurrent(chk(cu.cuDevicePrimaryCtxRetain(0))))
+spin = chk(cu.cuModuleGetFunction(chk(cu.cuModuleLoadData(b"any image")), b"spin"))
+s = chk(cu.cuStreamCreate(0))
+def launch(us):
+    chk(cu.cuLaunchKernel(spin, 1, 1, 1, 32, 1, 1, 0, s, ((us,), (ctypes.c_uint32,)), 0))
+"""
+
+
 def missing_build_outputs() -> list[Path]:
     return [p for p in (LIBRARY, *SIM_LIBS) if not p.is_file()]
 

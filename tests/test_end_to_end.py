@@ -14,7 +14,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from tests.helpers import REPO_ROOT, SimNode
+from tests.helpers import CU_SPIN_PRELUDE, REPO_ROOT, SimNode
 from tests.test_agent import CLI, AgentProc, find, sock_path, wait_for  # noqa: F401
 
 GiB = 1 << 30
@@ -115,22 +115,16 @@ def test_agent_sees_two_supervised_containers(node: SimNode, sock_path: str) -> 
         )
 
 
-SPIN = """
-import ctypes, sys, time
-from cuda.bindings import driver as cu
-def chk(r):
-    e = r[0] if isinstance(r, tuple) else r
-    assert e == cu.CUresult.CUDA_SUCCESS, e
-    return r[1] if isinstance(r, tuple) and len(r) == 2 else r
-chk(cu.cuInit(0))
-chk(cu.cuCtxSetCurrent(chk(cu.cuDevicePrimaryCtxRetain(0))))
-spin = chk(cu.cuModuleGetFunction(chk(cu.cuModuleLoadData(b"x")), b"spin"))
-s = chk(cu.cuStreamCreate(0))
+SPIN = (
+    CU_SPIN_PRELUDE
+    + """
+import sys, time
 end = time.monotonic() + float(sys.argv[1])
 while time.monotonic() < end:
-    chk(cu.cuLaunchKernel(spin, 1, 1, 1, 32, 1, 1, 0, s, ((1000,), (ctypes.c_uint32,)), 0))
+    launch(1000)
 chk(cu.cuStreamSynchronize(s))
 """
+)
 
 
 def test_burst_share_gives_back_to_a_starved_container_via_the_agent(

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO_ROOT, SimNode, run_json
+from tests.helpers import CU_SPIN_PRELUDE, REPO_ROOT, SimNode, run_json
 
 WORKER = """
 import ctypes, json, random, sys, time
@@ -198,18 +198,11 @@ def test_processes_of_one_container_share_one_budget(node: SimNode) -> None:
     assert abs(share - 40) <= 5
 
 
-METER_WAKE = """
-import ctypes, json, random, statistics, time
-from cuda.bindings import driver as cu
+METER_WAKE = (
+    CU_SPIN_PRELUDE
+    + """
+import json, random, statistics, time
 from gpuvisor.shim.region import Region
-def chk(res):
-    err = res[0] if isinstance(res, tuple) else res
-    assert err == cu.CUresult.CUDA_SUCCESS, err
-    return res[1] if isinstance(res, tuple) and len(res) == 2 else res
-chk(cu.cuInit(0))
-chk(cu.cuCtxSetCurrent(chk(cu.cuDevicePrimaryCtxRetain(0))))
-spin = chk(cu.cuModuleGetFunction(chk(cu.cuModuleLoadData(b"any image")), b"spin"))
-s = chk(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
 region = Region.attach()
 after = []
 rng = random.Random(1)
@@ -218,13 +211,14 @@ for _ in range(15):
     # launch does not come in step with the end of a nap.
     time.sleep(rng.uniform(0.02, 0.04))
     before = region.sm(0).busy_ns
-    chk(cu.cuLaunchKernel(spin, 1, 1, 1, 32, 1, 1, 0, s, ((200,), (ctypes.c_uint32,)), 0))
+    launch(200)
     t0 = time.monotonic()
     while region.sm(0).busy_ns == before and time.monotonic() - t0 < 1:
         time.sleep(0.0001)
     after.append((time.monotonic() - t0) * 1e3)
 print(json.dumps({"median_ms": statistics.median(after), "all_ms": after}))
 """
+)
 
 
 def test_meter_wakes_for_a_launch_after_idling(node: SimNode) -> None:
