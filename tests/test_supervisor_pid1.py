@@ -106,10 +106,12 @@ def test_signals_are_forwarded(env, sig):
     workload = py(
         f"""
         import faulthandler, signal, sys, time
+        faulthandler.enable()    # SIGABRT from the test dumps the stack
         def handler(n, frame):
             print("got", n, flush=True)
-            # Should exiting hang (seen twice in CI), say where.
+            # Should exiting hang (seen three times in CI), say where.
             faulthandler.dump_traceback_later(10, exit=True)
+            print("handler: exiting", file=sys.stderr, flush=True)
             sys.exit(40)
         signal.signal({int(sig)}, handler)
         print("ready", flush=True)
@@ -124,10 +126,15 @@ def test_signals_are_forwarded(env, sig):
     try:
         out, err = sup.communicate(timeout=20)
     except subprocess.TimeoutExpired:
-        # Say what was going on (seen twice: the workload printed "got N" and
-        # then stayed alive, asleep).
+        # Say what was going on (seen three times: the workload printed
+        # "got N" and then stayed alive, one thread, in clock_nanosleep,
+        # with the 10 s faulthandler deadline not firing).  SIGABRT makes
+        # its faulthandler write every thread's Python stack to stderr.
         tree = psutil.Process(sup.pid).children(recursive=True)
         states = [(p.pid, p.status(), p.cmdline()[:2], _where(p.pid)) for p in tree]
+        for p in tree:
+            p.send_signal(signal.SIGABRT)
+        time.sleep(1)
         sup.kill()
         out, err = sup.communicate()
         pytest.fail(f"no exit 20 s after signal {int(sig)}: children {states}\n{out}\n{err}")
