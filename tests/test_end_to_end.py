@@ -19,25 +19,18 @@ from tests.test_agent import CLI, AgentProc, find, sock_path, wait_for  # noqa: 
 
 GiB = 1 << 30
 
-WORKLOAD = """
-import ctypes, sys, time
-from cuda.bindings import driver as cu
-def chk(res):
-    err = res[0] if isinstance(res, tuple) else res
-    assert err == cu.CUresult.CUDA_SUCCESS, err
-    return res[1] if isinstance(res, tuple) and len(res) == 2 else res
-chk(cu.cuInit(0))
-ctx = chk(cu.cuDevicePrimaryCtxRetain(0))
-chk(cu.cuCtxSetCurrent(ctx))
+WORKLOAD = (
+    CU_SPIN_PRELUDE
+    + """
+import sys, time
 held = chk(cu.cuMemAlloc(int(sys.argv[1]) * 2**20))
-spin = chk(cu.cuModuleGetFunction(chk(cu.cuModuleLoadData(b"x")), b"spin"))
-s = chk(cu.cuStreamCreate(0))
 print("allocated", flush=True)
 end = time.monotonic() + float(sys.argv[2])
 while time.monotonic() < end:
-    chk(cu.cuLaunchKernel(spin, 1, 1, 1, 32, 1, 1, 0, s, ((500,), (ctypes.c_uint32,)), 0))
+    launch(500)
 chk(cu.cuStreamSynchronize(s))
 """
+)
 
 
 def supervised(

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from tests.helpers import REPO_ROOT, SimNode
+from tests.helpers import CU_SPIN_PRELUDE, REPO_ROOT, SimNode
 
 ASAN_DIR = REPO_ROOT / "build-asan"
 
@@ -109,23 +109,15 @@ def test_python_client_every_allocation_api_under_asan(asan_env: dict[str, str])
     assert proc.stdout.strip().endswith("clean")
 
 
-LAUNCHES = """
-import ctypes
-from cuda.bindings import driver as cu
-def chk(res):
-    err = res[0] if isinstance(res, tuple) else res
-    assert err == cu.CUresult.CUDA_SUCCESS, err
-    return res[1] if isinstance(res, tuple) and len(res) == 2 else res
-chk(cu.cuInit(0))
-ctx = chk(cu.cuDevicePrimaryCtxRetain(0))
-chk(cu.cuCtxSetCurrent(ctx))
-spin = chk(cu.cuModuleGetFunction(chk(cu.cuModuleLoadData(b"x")), b"spin"))
-s = chk(cu.cuStreamCreate(0))
+LAUNCHES = (
+    CU_SPIN_PRELUDE
+    + """
 for i in range(300):
-    chk(cu.cuLaunchKernel(spin, 1, 1, 1, 32, 1, 1, 0, s, ((50 + i,), (ctypes.c_uint32,)), 0))
+    launch(50 + i)
 chk(cu.cuStreamSynchronize(s))
 print("clean")
 """
+)
 
 
 def test_sm_gate_and_meter_under_asan(asan_env: dict[str, str]) -> None:

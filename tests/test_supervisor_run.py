@@ -28,7 +28,7 @@ from gpuvisor.supervisor.protocol import (
     parse_report,
 )
 
-from tests.helpers import REPO_ROOT, GiB, SimNode
+from tests.helpers import CU_SPIN_PRELUDE, REPO_ROOT, GiB, SimNode
 
 RUN = [sys.executable, "-c", "from gpuvisor.supervisor.cli import main; main()", "run"]
 
@@ -40,26 +40,18 @@ print(json.dumps(mem_info()))
 """
 
 # Launches 200 us kernels until the file argv[1] exists.
-LAUNCHER = """
-import ctypes, os, sys, time
-from cuda.bindings import driver as cu
-def chk(res):
-    err = res[0] if isinstance(res, tuple) else res
-    assert err == cu.CUresult.CUDA_SUCCESS, err
-    return res[1] if isinstance(res, tuple) and len(res) == 2 else res
-chk(cu.cuInit(0))
-ctx = chk(cu.cuDevicePrimaryCtxRetain(0))
-chk(cu.cuCtxSetCurrent(ctx))
-mod = chk(cu.cuModuleLoadData(b"any image"))
-spin = chk(cu.cuModuleGetFunction(mod, b"spin"))
-s = chk(cu.cuStreamCreate(cu.CUstream_flags.CU_STREAM_NON_BLOCKING))
+LAUNCHER = (
+    CU_SPIN_PRELUDE
+    + """
+import os, sys, time
 print("launching", flush=True)
 deadline = time.monotonic() + 30
 while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
     for _ in range(20):
-        chk(cu.cuLaunchKernel(spin, 1, 1, 1, 128, 1, 1, 0, s, ((200,), (ctypes.c_uint32,)), 0))
+        launch(200)
 chk(cu.cuStreamSynchronize(s))
 """
+)
 
 READ_SM = """
 import json, sys
