@@ -367,7 +367,7 @@ GV_EXPORT int gv_device_get_sm_others(int dev, uint32_t *share_bp, uint64_t *age
 GV_EXPORT int gv_device_set_sm_yield(int dev, int yield)
 {
     NEED_DEV("gv_device_set_sm_yield", dev);
-    atomic_store(&region_sm(r, dev)->yield, yield ? 1u : 0u);
+    region_sm_set_yield(r, dev, yield);
     return GV_OK;
 }
 

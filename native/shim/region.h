@@ -104,13 +104,16 @@ struct gv_sm {
     _Atomic uint64_t others_at;  /* CLOCK_MONOTONIC ns of that report; 0: none */
 };
 
-/* Whether any device entry has ever had an SM limit (one load: the launch
- * hooks' fast path). */
+/* Whether any device entry has ever had an SM limit, a low priority or
+ * its yield flag set (one load: the launch hooks' fast path). */
 int region_sm_any(gv_region *r);
 /* The word region_sm_any reads, for a load without a call. */
 _Atomic uint32_t *region_sm_any_flag(gv_region *r);
 /* Change an entry's SM limit live (0: none). */
 void region_sm_set_limit(gv_region *r, int dev, unsigned limit);
+/* Set or clear an entry's yield flag (launches pause while it is set,
+ * with or without a limit). */
+void region_sm_set_yield(gv_region *r, int dev, int yield);
 /* SM state of device entry dev (NULL if dev is not a valid entry). */
 struct gv_sm *region_sm(gv_region *r, int dev);
 /* Set limit, policy and priority if no process has yet (first one wins,

@@ -138,8 +138,21 @@ void region_sm_configure(gv_region *r, int dev, unsigned limit, unsigned policy,
     atomic_store(&sm->priority, priority);
     atomic_store(&sm->share, (limit == 0 || limit > 100 ? 100 : limit) * 100);
     atomic_store(&sm->configured, 1);
-    if (limit > 0)
+    /* A low-priority container goes through the gate even without a limit:
+     * its yield flag pauses it there, and the gate's short queue makes the
+     * pause take effect within milliseconds. */
+    if (limit > 0 || priority != 0)
         atomic_store(&r->m->hdr.sm_any, 1);
+}
+
+void region_sm_set_yield(gv_region *r, int dev, int yield)
+{
+    struct gv_sm *sm = region_sm(r, dev);
+    if (sm == NULL)
+        return;
+    if (yield)
+        atomic_store(&r->m->hdr.sm_any, 1);   /* before the flag: no launch misses it */
+    atomic_store(&sm->yield, yield ? 1u : 0u);
 }
 
 void region_sm_set_limit(gv_region *r, int dev, unsigned limit)

@@ -14,7 +14,8 @@
  *                when that is more;
  *   best-effort  what the other containers leave (minus 10 %), at least 1 %;
  * and 0 (paused) while the region's yield flag is set (a higher-priority
- * container is active; set by the supervisor).  "The other containers' use"
+ * container is active; set by the supervisor), with or without a limit: a
+ * low-priority container is gated at 100 % when it has no limit.  "The other containers' use"
  * is NVML's per-process utilisation over the last 300 ms of every process
  * that is not registered in this container's region, or the node agent's
  * figure for the other containers (passed on by the supervisor) when that is
@@ -219,10 +220,10 @@ static void update_share(struct watched *w, int *company, int *procs)
     uint32_t policy = atomic_load(&sm->policy);
     uint32_t share;
     uint64_t others = w->have_nvml ? others_recent(w, company, procs) : 0;
-    if (limit == 0) {
-        share = 10000;
-    } else if (atomic_load(&sm->yield)) {
+    if (atomic_load(&sm->yield)) {
         share = 0;
+    } else if (limit == 0) {
+        share = 10000;
     } else if (policy == GV_SM_FIXED || !w->have_nvml) {
         share = limit * 100;
     } else {
@@ -401,8 +402,10 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
         gv_device(ordinal, &d) != CUDA_SUCCESS)
         return 0;
     struct gv_sm *sm = region_sm(gv_core_region(), d->region_dev);
-    if (!sm || atomic_load_explicit(&sm->limit, memory_order_relaxed) == 0)
-        return 0;
+    if (!sm || (atomic_load_explicit(&sm->limit, memory_order_relaxed) == 0 &&
+                atomic_load_explicit(&sm->priority, memory_order_relaxed) == 0 &&
+                atomic_load_explicit(&sm->yield, memory_order_relaxed) == 0))
+        return 0;   /* no limit, and nothing can ask it to yield */
     int capturing = 0;     /* recorded into a graph, not run: nothing to pace */
     if (ptsz)
         GV_REAL(cuStreamIsCapturing_ptsz, capturing_fn)(stream, &capturing);
