@@ -306,6 +306,7 @@ class Agent:
         self.http: ThreadingHTTPServer | None = None
         self.stopping: asyncio.Event | None = None
         self.sweeper: asyncio.Task[None] | None = None
+        self.watcher: asyncio.Task[None] | None = None
 
     def metrics_payload(self, accept: str | None) -> tuple[bytes, str]:
         from .metrics import render
@@ -353,6 +354,21 @@ class Agent:
         os.chmod(self.config.socket_path, 0o666)  # containers run as any uid
         self.stopping = asyncio.Event()
         self.sweeper = loop.create_task(self._sweeper())
+        self.watcher = loop.create_task(self._watch_process_use())
+
+    async def _watch_process_use(self) -> None:
+        """While a low-priority container reports beside a high-priority
+        one, read NVML's per-process utilisation: a high-priority container
+        without an SM limit reports 0 % of its own (its launches are not
+        measured), but NVML sees its processes work."""
+        period = max(0.05, min(0.5, self.config.active_window / 4))
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(period)
+            if not self.gpus.available or not self.state.wants_process_use():
+                continue
+            use = await loop.run_in_executor(None, self.gpus.process_use, period + 0.2)
+            self.state.note_process_use(use, peer_cgroups, time.monotonic())
 
     async def _sweeper(self) -> None:
         cfg = self.config

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -80,6 +81,11 @@ class AgentState:
         self.pending: dict[str, PendingLimits] = {}
         # device uuid -> {container key: monotonic time of its last active report}
         self.high_active: dict[str, dict[str, float]] = {}
+        # device uuid -> {container key: monotonic time NVML last showed the
+        # container's processes working there}: high-priority containers
+        # without an SM limit measure no GPU time of their own (their
+        # launches are not gated), so their reports say 0 %
+        self.nvml_active: dict[str, dict[str, float]] = {}
         # device uuid -> sum of the containers' claims there (kept
         # incrementally, so "the others' claim" costs O(devices) per report)
         self.device_share: dict[str, float] = {}
@@ -122,19 +128,11 @@ class AgentState:
         self.reports_total += 1
 
         threshold = self.config.active_threshold
-        window = self.config.active_window
         low = report.priority != 0
         yields: dict[str, bool] = {}
         for d in report.devices:
             if low:
-                entries = self.high_active.get(d.uuid)
-                busy = False
-                if entries:
-                    for k, ts in entries.items():
-                        if k != key and now - ts <= window:
-                            busy = True
-                            break
-                yields[d.uuid] = busy
+                yields[d.uuid] = self.busy_for(key, d.uuid, now)
             else:
                 yields[d.uuid] = False
                 if d.sm_share > threshold:
@@ -170,8 +168,64 @@ class AgentState:
                 del pending.sm[d.uuid]
 
     def _forget_active(self, key: str) -> None:
-        for entries in self.high_active.values():
-            entries.pop(key, None)
+        for table in (self.high_active, self.nvml_active):
+            for entries in table.values():
+                entries.pop(key, None)
+
+    def busy_for(self, key: str, uuid: str, now: float) -> bool:
+        """Must container `key` (low priority) yield device `uuid`: has
+        another, high-priority container been active there within the
+        active window, by its reports or by NVML?"""
+        window = self.config.active_window
+        for table in (self.high_active, self.nvml_active):
+            entries = table.get(uuid)
+            if entries and any(k != key and now - ts <= window for k, ts in list(entries.items())):
+                return True
+        return False
+
+    def wants_process_use(self) -> bool:
+        """Is NVML's per-process use worth reading: is some low-priority
+        container reporting beside a high-priority one?"""
+        prios = {st.report.priority for st in list(self.containers.values())}
+        return 0 in prios and len(prios) > 1
+
+    def note_process_use(
+        self,
+        use: Mapping[str, Mapping[int, float]],
+        cgroups_of: Callable[[int], frozenset[str]],
+        now: float,
+    ) -> None:
+        """NVML's per-process utilisation (device uuid -> {pid: percent})
+        marks the high-priority containers whose processes worked.
+
+        A PID belongs to the container whose cgroup (as the agent read it)
+        the process is in; containers that share a cgroup (processes
+        started side by side outside a container runtime, as in the tests)
+        are told apart by the PIDs they report, which are then in the
+        agent's PID namespace.  A PID that matches no container, or more
+        than one, is left out."""
+        high = {k: st for k, st in list(self.containers.items()) if st.report.priority == 0}
+        if not high:
+            return
+        threshold = self.config.active_threshold
+        for uuid, procs in use.items():
+            on_dev = {
+                k: st for k, st in high.items() if any(d.uuid == uuid for d in st.report.devices)
+            }
+            totals: dict[str, float] = {}
+            for pid, pct in procs.items():
+                try:
+                    groups = cgroups_of(pid)
+                except OSError:
+                    continue  # gone, or not visible from here
+                owners = [k for k, st in on_dev.items() if st.report.container.cgroup in groups]
+                if len(owners) > 1:
+                    owners = [k for k in owners if pid in on_dev[k].report.pids]
+                if len(owners) == 1:
+                    totals[owners[0]] = totals.get(owners[0], 0.0) + pct
+            for k, total in totals.items():
+                if total > threshold:
+                    self.nvml_active.setdefault(uuid, {})[k] = now
 
     def _claim(self, d: DeviceReport) -> float:
         """What a container claims of a device: nothing while idle; while
@@ -214,9 +268,10 @@ class AgentState:
             self.remove(key)
         self.expired_total += len(expired)
         window = self.config.active_window
-        for entries in self.high_active.values():
-            for k in [k for k, ts in entries.items() if now - ts > window]:
-                del entries[k]
+        for table in (self.high_active, self.nvml_active):
+            for entries in table.values():
+                for k in [k for k, ts in entries.items() if now - ts > window]:
+                    del entries[k]
         return len(expired)
 
     # ---- admin -----------------------------------------------------------
@@ -252,14 +307,7 @@ class AgentState:
             for d in r.devices:
                 dd = asdict(d)
                 dd["memory_used_ratio"] = d.memory_used / d.memory_limit if d.memory_limit else None
-                if r.priority != 0:
-                    entries = self.high_active.get(d.uuid, {})
-                    dd["yield"] = any(
-                        k != key and now - ts <= self.config.active_window
-                        for k, ts in list(entries.items())
-                    )
-                else:
-                    dd["yield"] = False
+                dd["yield"] = r.priority != 0 and self.busy_for(key, d.uuid, now)
                 devices.append(dd)
             pending = self.pending.get(key)
             containers.append(

@@ -97,6 +97,33 @@ class HostGpus:
             self._cache = (time.monotonic(), gpus)
             return gpus
 
+    def process_use(self, window: float) -> dict[str, dict[int, float]]:
+        """Per device uuid, each process's SM utilisation (percent, the
+        mean of NVML's per-process samples of the last `window` seconds);
+        PIDs as NVML gives them (the host's PID namespace on a node)."""
+        nv = self._nvml
+        if nv is None:
+            return {}
+        since = int((time.time() - window) * 1e6)
+        out: dict[str, dict[int, float]] = {}
+        with self._lock:
+            try:
+                for i in range(nv.nvmlDeviceGetCount()):
+                    h = nv.nvmlDeviceGetHandleByIndex(i)
+                    uuid = nv.nvmlDeviceGetUUID(h)
+                    try:
+                        samples = nv.nvmlDeviceGetProcessUtilization(h, since)
+                    except nv.NVMLError:  # NOT_FOUND: no process ran kernels
+                        continue
+                    seen: dict[int, list[float]] = {}
+                    for smp in samples:
+                        seen.setdefault(int(smp.pid), []).append(float(smp.smUtil))
+                    key = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+                    out[key] = {pid: sum(v) / len(v) for pid, v in seen.items()}
+            except nv.NVMLError as exc:
+                log.warning("NVML per-process query failed: %s", exc)
+        return out
+
     def close(self) -> None:
         if self._nvml is not None:
             try:
@@ -357,13 +384,7 @@ class AgentCollector(Collector):
 
 def _yields(state: AgentState, st: Any) -> dict[str, bool]:
     now = time.monotonic()
-    key = st.id.key
-    window = state.config.active_window
-    out = {}
-    for d in st.report.devices:
-        entries = state.high_active.get(d.uuid, {})
-        out[d.uuid] = any(k != key and now - ts <= window for k, ts in list(entries.items()))
-    return out
+    return {d.uuid: state.busy_for(st.id.key, d.uuid, now) for d in st.report.devices}
 
 
 def render(collector: AgentCollector, accept: str | None) -> tuple[bytes, str]:

@@ -89,7 +89,10 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     default=3.0,
     show_default=True,
     type=float,
-    help="Seconds a high-priority report with sm_share above 1 percent keeps its device busy.",
+    help=(
+        "Seconds a high-priority container's activity (a report with sm_share above 1 "
+        "percent, or its processes' use in NVML) keeps its device busy."
+    ),
 )
 @click.option("--legacy-metrics", is_flag=True, help="Also export HAMi's legacy metric names.")
 @click.option("--cpu", type=int, default=None, help="Pin the agent to this CPU.")

@@ -19,7 +19,9 @@ from typing import Any
 
 import psutil
 import pytest
+from gpuvisor.supervisor.agent_state import AgentConfig, AgentState
 from gpuvisor.supervisor.identity import (
+    PeerCred,
     accepted_cgroups,
     claim_matches,
     container_cgroup,
@@ -630,6 +632,73 @@ def test_priority_low_yields_while_high_is_active(sock_path):
         assert ack.yield_devices == {"GPU-aaaa": False, "GPU-bbbb": False}
         high.close()
         low.close()
+
+
+def test_nvml_use_marks_a_high_priority_container_without_a_limit_active():
+    """A high-priority container without an SM limit reports 0 % (nothing of
+    it is measured); NVML's per-process use, attributed by cgroup (and, for
+    containers sharing one, by their reported PIDs), makes it active."""
+    state = AgentState(AgentConfig(active_window=1.0))
+    peer = PeerCred(pid=1, uid=0, gid=0)
+
+    def report(pod: str, cgroup: str, priority: int, pids: list[int]) -> Report:
+        return Report(
+            seq=1,
+            ts=0.0,
+            container=ContainerId(cgroup=cgroup, pod=pod),
+            policy="fixed-share",
+            priority=priority,
+            pids=pids,
+            devices=[device(share=0.0)],
+        )
+
+    high = report("high", "/kubepods/high", 0, [7])
+    low = report("low", "/kubepods/low", 1, [7])
+    twin = report("twin", "/kubepods/shared", 0, [30])
+    twin2 = report("twin2", "/kubepods/shared", 0, [31])
+    cgroups = {
+        100: frozenset({"/kubepods/high"}),  # high's workload, by cgroup
+        200: frozenset({"/kubepods/low"}),
+        30: frozenset({"/kubepods/shared"}),  # shared cgroup: by PID
+        31: frozenset({"/kubepods/shared"}),
+        32: frozenset({"/kubepods/shared"}),  # in neither's PIDs: nobody's
+    }
+
+    def cgroups_of(pid: int) -> frozenset[str]:
+        if pid not in cgroups:
+            raise FileNotFoundError(pid)
+        return cgroups[pid]
+
+    t = 100.0
+    state.accept_report(low, peer, t)
+    assert not state.wants_process_use()
+    state.accept_report(high, peer, t)
+    assert state.wants_process_use()
+    assert state.accept_report(low, peer, t).yield_devices == {"GPU-aaaa": False}
+    # Only the low container's own use, an unknown PID and a use under the
+    # threshold: nobody high is active.
+    state.note_process_use({"GPU-aaaa": {200: 60.0, 999: 50.0, 100: 0.5}}, cgroups_of, t)
+    assert state.accept_report(low, peer, t).yield_devices == {"GPU-aaaa": False}
+    state.note_process_use({"GPU-aaaa": {100: 40.0}}, cgroups_of, t)
+    assert state.accept_report(low, peer, t + 0.5).yield_devices == {"GPU-aaaa": True}
+    # Its reports of 0 % do not undo what NVML saw; the window does.
+    state.accept_report(high, peer, t + 0.6)
+    assert state.accept_report(low, peer, t + 0.9).yield_devices == {"GPU-aaaa": True}
+    state.expire(t + 1.2)
+    assert state.accept_report(low, peer, t + 1.2).yield_devices == {"GPU-aaaa": False}
+
+    # Two high-priority containers in one cgroup: told apart by PID.
+    state.remove(high.container.key)
+    state.accept_report(twin, peer, t)
+    state.accept_report(twin2, peer, t)
+    state.note_process_use({"GPU-aaaa": {32: 80.0}}, cgroups_of, t + 2)
+    assert state.accept_report(low, peer, t + 2).yield_devices == {"GPU-aaaa": False}
+    state.note_process_use({"GPU-aaaa": {31: 80.0}}, cgroups_of, t + 2)
+    assert set(state.nvml_active["GPU-aaaa"]) == {twin2.container.key}
+    assert state.accept_report(low, peer, t + 2).yield_devices == {"GPU-aaaa": True}
+    # A high-priority container that leaves stops counting at once.
+    state.remove(twin2.container.key)
+    assert state.accept_report(low, peer, t + 2.1).yield_devices == {"GPU-aaaa": False}
 
 
 def test_pushed_limit_reaches_next_ack(sock_path):
