@@ -86,6 +86,9 @@ class AgentState:
         # without an SM limit measure no GPU time of their own (their
         # launches are not gated), so their reports say 0 %
         self.nvml_active: dict[str, dict[str, float]] = {}
+        # container key -> {device uuid: (percent, monotonic time)}: NVML's
+        # figure for each container's processes, last read
+        self.nvml_share: dict[str, dict[str, tuple[float, float]]] = {}
         # device uuid -> sum of the containers' claims there (kept
         # incrementally, so "the others' claim" costs O(devices) per report)
         self.device_share: dict[str, float] = {}
@@ -183,10 +186,22 @@ class AgentState:
                 return True
         return False
 
+    @staticmethod
+    def unmeasured(report: Report, d: DeviceReport) -> bool:
+        """Does the container's gate measure nothing on this device?  Its
+        launches are gated only with an SM limit or a low priority."""
+        return d.sm_limit is None and report.priority == 0
+
     def wants_process_use(self) -> bool:
-        """Is NVML's per-process use worth reading: is some low-priority
-        container reporting beside a high-priority one?"""
-        prios = {st.report.priority for st in list(self.containers.values())}
+        """Is NVML's per-process use worth reading: does some container
+        report without measuring its GPU time, or a low-priority container
+        beside a high-priority one?"""
+        prios = set()
+        for st in list(self.containers.values()):
+            r = st.report
+            if any(self.unmeasured(r, d) for d in r.devices):
+                return True
+            prios.add(r.priority)
         return 0 in prios and len(prios) > 1
 
     def note_process_use(
@@ -195,8 +210,10 @@ class AgentState:
         cgroups_of: Callable[[int], frozenset[str]],
         now: float,
     ) -> None:
-        """NVML's per-process utilisation (device uuid -> {pid: percent})
-        marks the high-priority containers whose processes worked.
+        """NVML's per-process utilisation (device uuid -> {pid: percent}),
+        summed per container: it marks the high-priority containers whose
+        processes worked, and is the SM share of containers whose gate
+        measures nothing (share_of).
 
         A PID belongs to the container whose cgroup (as the agent read it)
         the process is in; containers that share a cgroup (processes
@@ -204,15 +221,14 @@ class AgentState:
         are told apart by the PIDs they report, which are then in the
         agent's PID namespace.  A PID that matches no container, or more
         than one, is left out."""
-        high = {k: st for k, st in list(self.containers.items()) if st.report.priority == 0}
-        if not high:
-            return
         threshold = self.config.active_threshold
         for uuid, procs in use.items():
             on_dev = {
-                k: st for k, st in high.items() if any(d.uuid == uuid for d in st.report.devices)
+                k: st
+                for k, st in list(self.containers.items())
+                if any(d.uuid == uuid for d in st.report.devices)
             }
-            totals: dict[str, float] = {}
+            totals = dict.fromkeys(on_dev, 0.0)
             for pid, pct in procs.items():
                 try:
                     groups = cgroups_of(pid)
@@ -222,10 +238,21 @@ class AgentState:
                 if len(owners) > 1:
                     owners = [k for k in owners if pid in on_dev[k].report.pids]
                 if len(owners) == 1:
-                    totals[owners[0]] = totals.get(owners[0], 0.0) + pct
+                    totals[owners[0]] += pct
             for k, total in totals.items():
-                if total > threshold:
+                self.nvml_share.setdefault(k, {})[uuid] = (min(100.0, total), now)
+                if total > threshold and on_dev[k].report.priority == 0:
                     self.nvml_active.setdefault(uuid, {})[k] = now
+
+    def share_of(self, key: str, report: Report, d: DeviceReport, now: float) -> float:
+        """The container's SM share of device d: what its gate measured, or
+        for a container whose gate measures nothing, NVML's figure while
+        one is fresh (within the active window)."""
+        if self.unmeasured(report, d):
+            seen = self.nvml_share.get(key, {}).get(d.uuid)
+            if seen is not None and now - seen[1] <= self.config.active_window:
+                return seen[0]
+        return d.sm_share
 
     def _claim(self, d: DeviceReport) -> float:
         """What a container claims of a device: nothing while idle; while
@@ -254,6 +281,7 @@ class AgentState:
             self._add_shares(st.report, -1.0)
         self.containers.pop(key, None)
         self.pending.pop(key, None)
+        self.nvml_share.pop(key, None)
         self._forget_active(key)
 
     def expire(self, now: float) -> int:
@@ -308,6 +336,7 @@ class AgentState:
                 dd = asdict(d)
                 dd["memory_used_ratio"] = d.memory_used / d.memory_limit if d.memory_limit else None
                 dd["yield"] = r.priority != 0 and self.busy_for(key, d.uuid, now)
+                dd["sm_share"] = self.share_of(key, r, d, now)
                 devices.append(dd)
             pending = self.pending.get(key)
             containers.append(

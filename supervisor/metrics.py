@@ -252,14 +252,16 @@ class AgentCollector(Collector):
             prio.add_metric(base, float(r.priority))
             last.add_metric(base, st.last_wall)
             yields = None
+            now = time.monotonic()
             for d in r.devices:
+                share = state.share_of(cid.key, r, d, now)
                 idx = str(d.index)
                 lv = [ns, pod, ctr, d.uuid, idx]
                 g["mem_used"].add_metric(lv, float(d.memory_used))
                 if d.memory_limit is not None:
                     g["mem_limit"].add_metric(lv, float(d.memory_limit))
                 g["mem_phys"].add_metric(lv, float(d.memory_physical))
-                g["share"].add_metric(lv, d.sm_share / 100.0)
+                g["share"].add_metric(lv, share / 100.0)
                 if d.sm_limit is not None:
                     g["sm_limit"].add_metric(lv, d.sm_limit / 100.0)
                 g["enforced"].add_metric(lv, d.sm_enforced / 100.0)
@@ -276,7 +278,7 @@ class AgentCollector(Collector):
                 h_used.add_metric(hv, float(d.memory_used))
                 h_limit.add_metric(hv, float(limit))
                 h_mem.add_metric(hv, float(d.memory_used))
-                h_util.add_metric(hv, d.sm_share)
+                h_util.add_metric(hv, share)
                 if legacy:
                     lv2 = [ns, pod, ctr, idx, d.uuid]
                     l_used.add_metric(lv2, float(d.memory_used))
@@ -284,7 +286,7 @@ class AgentCollector(Collector):
                     l_desc.add_metric(
                         [*lv2, "0", "0", str(d.memory_used), "0"], float(d.memory_used)
                     )
-                    l_util.add_metric(lv2, d.sm_share)
+                    l_util.add_metric(lv2, share)
         yield from g.values()
         yield oom
         yield procs

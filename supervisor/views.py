@@ -231,6 +231,8 @@ def region_status(region_path: str | None, sample: float) -> dict[str, Any]:
         dev = region.device(i)
         sm = region.sm(i)
         achieved = 100.0 * (sm.busy_ns - before[i].busy_ns) / (dt * 1e9) if dt > 0 else None
+        if not (sm.limit or sm.priority or sm.launches != before[i].launches):
+            achieved = None  # nothing is gated, so nothing is measured
         procs = []
         for pid in pids:
             used = region.process_used(pid, i)

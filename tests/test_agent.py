@@ -14,6 +14,7 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -681,6 +682,13 @@ def test_nvml_use_marks_a_high_priority_container_without_a_limit_active():
     assert state.accept_report(low, peer, t).yield_devices == {"GPU-aaaa": False}
     state.note_process_use({"GPU-aaaa": {100: 40.0}}, cgroups_of, t)
     assert state.accept_report(low, peer, t + 0.5).yield_devices == {"GPU-aaaa": True}
+    # NVML's figure is also the share of a container whose gate measures
+    # nothing (no SM limit, priority 0), not of one that measures itself.
+    (hd,) = high.devices
+    assert state.share_of(high.container.key, high, hd, t + 0.5) == 40.0
+    assert state.share_of(high.container.key, high, hd, t + 1.5) == 0.0  # stale
+    measured = replace(hd, sm_limit=50, sm_share=12.0)
+    assert state.share_of(high.container.key, high, measured, t + 0.5) == 12.0
     # Its reports of 0 % do not undo what NVML saw; the window does.
     state.accept_report(high, peer, t + 0.6)
     assert state.accept_report(low, peer, t + 0.9).yield_devices == {"GPU-aaaa": True}
