@@ -24,6 +24,13 @@ from tests.test_agent import CLI, AgentProc, find, sock_path, wait_for  # noqa: 
 
 GiB = 1 << 30
 
+# These tests measure shares of a device kept busy by launching processes,
+# several per test: with `make test` (--dist loadgroup) they run one after
+# another on one worker, so they do not starve each other's launchers of
+# CPU on a 2-core machine (A alone read 53 % instead of about 100 % once
+# when they ran side by side).
+pytestmark = pytest.mark.xdist_group("e2e-shares")
+
 WORKLOAD = (
     CU_SPIN_PRELUDE
     + """
@@ -194,7 +201,7 @@ def test_burst_share_gives_back_to_a_starved_container_via_the_agent(
     assert both[b_pid] >= 80
 
 
-@pytest.mark.parametrize(("low_cores", "high_cores"), [("50", "40"), (None, "40"), ("50", None)])
+@pytest.mark.parametrize(("low_cores", "high_cores"), [("50", "40"), (None, None)])
 def test_low_priority_yields_while_a_high_priority_container_works(
     node: SimNode,
     sock_path: str,  # noqa: F811
@@ -234,6 +241,10 @@ def test_low_priority_yields_while_a_high_priority_container_works(
                 since = int(time.time() * 1e6)
                 time.sleep(1.0)
                 both = nvml_shares(node, since)
+                # The agent's figure for H: its gate's, or NVML's without a limit.
+                (h_metric,) = find(
+                    agent.metrics(), "gpuvisor_container_sm_share_ratio", podname="high"
+                )
                 assert high.poll() is None, "H ended before the reading"
             finally:
                 high.communicate(timeout=60)
@@ -251,7 +262,7 @@ def test_low_priority_yields_while_a_high_priority_container_works(
     high_pid = next(p for p in both if p != low_pid)
     print(
         f"L alone {alone[low_pid]} %; with H: L {both.get(low_pid, 0)} %, "
-        f"H {both[high_pid]} %; after H: L {after.get(low_pid, 0)} %"
+        f"H {both[high_pid]} % (agent {h_metric * 100:.0f} %); after H: L {after.get(low_pid, 0)} %"
     )
     share = (40, 55) if low_cores else (90, 100)
     assert share[0] <= alone[low_pid] <= share[1]
@@ -259,4 +270,5 @@ def test_low_priority_yields_while_a_high_priority_container_works(
     # H is alone on the device, 1 kernel at a time below 50 %: a loaded
     # 2-core machine can leave its device idle between kernels.
     assert (30 <= both[high_pid] <= 45) if high_cores else both[high_pid] >= 90
+    assert abs(h_metric * 100 - both[high_pid]) <= 10, h_metric
     assert share[0] <= after.get(low_pid, 0) <= share[1]

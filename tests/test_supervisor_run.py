@@ -331,7 +331,9 @@ def test_reports_and_final_report(env, agent):
     assert d.uuid.startswith("GPU-")
     assert d.memory_limit == 2 * GiB
     assert d.memory_physical == 16 * GiB
-    assert d.memory_used > 0
+    # The device entry appears when the workload first touches the device,
+    # a moment before its context and allocation: not every report has them.
+    assert max(r.devices[0].memory_used for r in with_dev) > 0
     assert d.oom_refusals == 0
     assert any(r.pids for r in with_dev)
 
