@@ -383,6 +383,32 @@ def test_malformed_nvml_fail_code(tmp_path: Path) -> None:
     _one_line_error(cp.stderr, "GPUVISOR_SIM_NVML_FAIL_CODE", "x1")
 
 
+@pytest.mark.parametrize(("offset", "shift", "warned"), [("1000", 1000, False), ("-5", 0, True)])
+def test_nvml_pid_offset_stands_for_a_pid_namespace(
+    tmp_path: Path, offset: str, shift: int, warned: bool
+) -> None:
+    """GPUVISOR_SIM_NVML_PID_OFFSET: NVML lists this process as PID + N (a
+    driver reports host PIDs inside a PID namespace); a bad value is named
+    and ignored."""
+    code = (
+        CTYPES_PRELUDE
+        + """
+import os, pynvml as n
+ctx(); alloc(1 << 20)
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+print(os.getpid(), *[p.pid for p in n.nvmlDeviceGetComputeRunningProcesses(h)])
+"""
+    )
+    cp = run_py(code, sim_env(tmp_path, "4g", GPUVISOR_SIM_NVML_PID_OFFSET=offset))
+    me, *listed = (int(x) for x in ok(cp).split())
+    assert listed == [me + shift]
+    if warned:
+        _one_line_error(cp.stderr, "GPUVISOR_SIM_NVML_PID_OFFSET", offset)
+    else:
+        assert "gpuvisor-sim:" not in cp.stderr
+
+
 def test_later_process_with_other_spec_warns_and_uses_file(tmp_path: Path) -> None:
     code = "import pynvml as n\nn.nvmlInit()\nprint(n.nvmlDeviceGetCount())"
     cp = run_py(code, sim_env(tmp_path, "3x8g"))

@@ -292,15 +292,28 @@ def test_yield_pauses_and_resumes(node: SimNode, limit: str | None) -> None:
         assert resumed >= 90
 
 
-def test_burst_share_lends_idle_time_and_gives_it_back(node: SimNode, tmp_path: Path) -> None:
+# A container with its own PID namespace: NVML reports host PIDs, which the
+# simulator stands for by adding this to every PID it reports to the
+# container's processes (GPUVISOR_SIM_NVML_PID_OFFSET).
+PID_NS = {"GPUVISOR_SIM_NVML_PID_OFFSET": "1000000"}
+
+
+@pytest.mark.parametrize("pid_ns", [False, True], ids=["one-pid-ns", "own-pid-ns"])
+def test_burst_share_lends_idle_time_and_gives_it_back(
+    node: SimNode, tmp_path: Path, pid_ns: bool
+) -> None:
     """Container A (burst-share, 30 %) alone uses the idle GPU; once
     container B (its own region, allowed the whole GPU: limit 100) wants all
     of it, A is back at its guaranteed 30 % within a second and B gets the
     rest.  (A container with no SM limit at all is not paced, so on the
-    simulator's launch-order device its deep queue would crowd everyone.)"""
-    a_env = node.shimmed(CUDA_DEVICE_SM_LIMIT="30", GPUVISOR_SM_POLICY="burst-share")
+    simulator's launch-order device its deep queue would crowd everyone.)
+    Also when NVML shows the containers' processes under other PIDs than
+    their own (a PID namespace): A must learn which PID is its own, or it
+    takes its own use for another container's and does not lend."""
+    ns = PID_NS if pid_ns else {}
+    a_env = node.shimmed(CUDA_DEVICE_SM_LIMIT="30", GPUVISOR_SM_POLICY="burst-share", **ns)
     b_env = node.shimmed(
-        CUDA_DEVICE_SM_LIMIT="100", CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "b.shr")
+        CUDA_DEVICE_SM_LIMIT="100", CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "b.shr"), **ns
     )
     a = start(a_env, "kernel", LONG_RUN, 3)
     b = start(b_env, "kernel", LONG_RUN, 4)
@@ -319,6 +332,27 @@ def test_burst_share_lends_idle_time_and_gives_it_back(node: SimNode, tmp_path: 
     assert alone >= 80
     assert abs(shared.get(str(a.pid), 0) - 30) <= 6
     assert shared.get(str(b.pid), 0) >= 60
+
+
+def test_processes_of_a_container_in_its_own_pid_namespace_know_each_other(
+    node: SimNode,
+) -> None:
+    """Two processes of one burst-share container (30 %) alone on the GPU,
+    NVML showing them under host PIDs: each learns its own NVML PID when it
+    creates its context and stores it in its region slot, so neither takes
+    the other's use for another container's, and together they use the idle
+    GPU."""
+    env = node.shimmed(CUDA_DEVICE_SM_LIMIT="30", GPUVISOR_SM_POLICY="burst-share", **PID_NS)
+    procs = [start(env, "kernel", LONG_RUN, seed) for seed in (5, 6)]
+    go(*procs)
+    time.sleep(1.0)
+    since = int(time.time() * 1e6)
+    time.sleep(1.0)
+    shares = nvml_shares(node, since)
+    stop(*procs)
+    total = sum(shares.get(str(p.pid), 0) for p in procs)
+    print(f"two processes alone: {shares} total {total}")
+    assert total >= 80
 
 
 def test_best_effort_yields_to_others(node: SimNode, tmp_path: Path) -> None:

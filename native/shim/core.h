@@ -38,6 +38,10 @@ static inline int gv_mode_fast(void)
 }
 /* The attached region; valid only in GV_MODE_ENFORCE. */
 gv_region *gv_core_region(void);
+/* The PID NVML shows for this process: getpid(), or the host's PID learned
+ * when its first context was created inside another PID namespace
+ * (hooks_context.c). */
+uint32_t gv_nvml_self_pid(void);
 /* At most once a second: reclaim the slots of processes that died, so
  * usage reports never keep a dead process's memory (called by the memory
  * info hooks; enforce mode only). */

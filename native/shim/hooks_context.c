@@ -3,8 +3,9 @@
  *
  * A context reserves device memory of its own (hundreds of MiB on real
  * GPUs).  The driver does not say how much, so it is measured: NVML's
- * per-process usage of this process (or, if the process is not listed, the
- * device's used memory) before and after the context is created.  The
+ * per-process usage of this process (under its own PID, or the host PID it
+ * learned: below; if neither is listed, the device's used memory) before
+ * and after the context is created.  The
  * measured cost is charged to the quota; if it does not fit, the context
  * is destroyed again and the call fails with CUDA_ERROR_OUT_OF_MEMORY.
  *
@@ -21,7 +22,65 @@
 
 #define MAX_CTX_COST (16ULL << 30)   /* a larger delta is noise from others */
 
-typedef struct { int ok; int proc_seen; uint64_t dev_used; uint64_t proc_used; } snapshot;
+#define SNAP_PIDS 64
+
+typedef struct {
+    int ok;
+    int proc_seen;
+    uint64_t dev_used;
+    uint64_t proc_used;
+    unsigned npids;                 /* the processes NVML listed */
+    uint32_t pids[SNAP_PIDS];
+    uint64_t used[SNAP_PIDS];
+} snapshot;
+
+/* ---- the PID NVML shows for this process -------------------------------
+ *
+ * The driver reports the host's PIDs, not those of the caller's PID
+ * namespace.  In a container with its own namespace, NVML therefore lists
+ * this process under a PID it does not know as its own.  It is learned the
+ * way HAMi-core does it: the one PID that NVML lists after this process
+ * created a context on a device and did not list before.  If another
+ * process created one in the same moment, nothing is learned (the next
+ * context may tell).  Kept with the getpid() it was learned for, so a
+ * forked child does not inherit it; also stored in the process's region
+ * slot, so that the container's other processes know it. */
+static _Atomic uint64_t nvml_self;          /* getpid() << 32 | NVML's PID */
+
+uint32_t gv_nvml_self_pid(void)
+{
+    uint32_t me = (uint32_t)getpid();
+    uint64_t v = atomic_load_explicit(&nvml_self, memory_order_relaxed);
+    return v && (uint32_t)(v >> 32) == me ? (uint32_t)v : me;
+}
+
+static void learn_self(const snapshot *before, snapshot *after)
+{
+    if (!before->ok || !after->ok || after->proc_seen)
+        return;                 /* listed as itself: one PID namespace */
+    unsigned fresh = 0, at = 0;
+    for (unsigned i = 0; i < after->npids; i++) {
+        unsigned j = 0;
+        while (j < before->npids && before->pids[j] != after->pids[i])
+            j++;
+        if (j == before->npids) {
+            fresh++;
+            at = i;
+        }
+    }
+    if (fresh != 1) {
+        gv_log(GV_LOG_DEBUG, "NVML does not list this process; %u new PIDs after its context "
+               "was created, so its NVML PID is not known yet", fresh);
+        return;
+    }
+    uint32_t pid = after->pids[at];
+    atomic_store(&nvml_self, (uint64_t)(uint32_t)getpid() << 32 | pid);
+    if (gv_core_region())
+        region_set_nvml_pid(gv_core_region(), pid);
+    after->proc_seen = 1;
+    after->proc_used = after->used[at];
+    gv_log(GV_LOG_INFO, "NVML lists this process as PID %u (another PID namespace)", pid);
+}
 
 static pthread_once_t nvml_once = PTHREAD_ONCE_INIT;
 static int nvml_ok;
@@ -51,13 +110,23 @@ static void snap(const gv_devinfo *d, snapshot *s)
     unsigned int n = 256;
     if (GV_REAL(nvmlDeviceGetComputeRunningProcesses_v3, procs_fn)(h, &n, infos) != NVML_SUCCESS)
         return;
-    unsigned int me = (unsigned int)getpid();
+    unsigned int me = gv_nvml_self_pid();
     for (unsigned int i = 0; i < n && i < 256; i++) {
         /* A process may be listed more than once (one row per context
          * or instance): add them up. */
+        uint64_t used = infos[i].usedGpuMemory != NVML_VALUE_NOT_AVAILABLE ? infos[i].usedGpuMemory : 0;
         if (infos[i].pid == me && infos[i].usedGpuMemory != NVML_VALUE_NOT_AVAILABLE) {
             s->proc_seen = 1;
-            s->proc_used += infos[i].usedGpuMemory;
+            s->proc_used += used;
+        }
+        unsigned j = 0;
+        while (j < s->npids && s->pids[j] != infos[i].pid)
+            j++;
+        if (j < s->npids) {
+            s->used[j] += used;
+        } else if (s->npids < SNAP_PIDS) {
+            s->pids[s->npids] = infos[i].pid;
+            s->used[s->npids++] = used;
         }
     }
 }
@@ -104,6 +173,7 @@ static CUresult charge_new_ctx(CUresult rc, CUcontext *pctx, int ordinal, const 
         return rc;
     snapshot after;
     snap(d, &after);
+    learn_self(before, &after);
     gv_charge c;
     rc = gv_charge_begin(&c, ordinal, *pctx, cost(before, &after));
     if (rc != CUDA_SUCCESS) {
@@ -227,6 +297,7 @@ GV_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
         if (measure) {
             snapshot after;
             snap(d, &after);
+            learn_self(&before, &after);
             gv_charge c;
             uint64_t n = cost(&before, &after);
             if (n && gv_charge_begin(&c, dev, *pctx, n) != CUDA_SUCCESS) {

@@ -29,7 +29,7 @@
 #include <stdint.h>
 
 #define GV_REGION_MAGIC 0x31485356504756ULL   /* "GVPVSH1" little-endian-ish tag */
-#define GV_REGION_VERSION 4u
+#define GV_REGION_VERSION 5u
 #define GV_MAX_SLOTS 1024
 #define GV_MAX_DEVICES 16
 #define GV_DEFAULT_REGION_PATH "/tmp/gpuvisor-region.shr"
@@ -62,6 +62,11 @@ int region_reclaim_dead(gv_region *r);
 
 /* Registered processes: writes up to cap pids, returns the total. */
 int region_process_list(gv_region *r, int32_t *pids, int cap);
+/* The PID NVML shows for this process (its slot's; NVML reports the host's
+ * PIDs, which differ inside a PID namespace), and those of all registered
+ * processes that learned theirs (writes up to cap, returns the total). */
+void region_set_nvml_pid(gv_region *r, uint32_t pid);
+int region_nvml_pid_list(gv_region *r, uint32_t *pids, int cap);
 /* Slot index of pid, or GV_ENOENT. */
 int region_slot_of_pid(gv_region *r, int32_t pid);
 

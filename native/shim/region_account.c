@@ -127,6 +127,7 @@ void rg_recompute_locked(gv_region *r, int dev)
 /* Remove a slot's holdings from every device (its process is gone). */
 void rg_forget_slot(gv_region *r, int slot)
 {
+    atomic_store(&r->m->nvml_pid[slot], 0);
     for (int dev = 0; dev < GV_MAX_DEVICES; dev++) {
         struct gv_dev *d = &r->m->dev[dev];
         if (atomic_load(&d->state) != DEV_READY)

@@ -54,6 +54,9 @@ struct gv_shm {
     struct gv_header hdr;
     _Alignas(CACHELINE) _Atomic uint64_t owner[GV_MAX_SLOTS];
     _Alignas(CACHELINE) _Atomic uint64_t image[GV_MAX_SLOTS];
+    /* the PID NVML shows for the slot's process (the host's, when the
+     * container has its own PID namespace); 0 until learned */
+    _Alignas(CACHELINE) _Atomic uint32_t nvml_pid[GV_MAX_SLOTS];
     struct gv_dev dev[GV_MAX_DEVICES];
 };
 

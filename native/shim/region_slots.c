@@ -178,6 +178,31 @@ int region_process_list(gv_region *r, int32_t *pids, int cap)
     return n;
 }
 
+void region_set_nvml_pid(gv_region *r, uint32_t pid)
+{
+    int slot = region_self_slot(r);
+    if (slot >= 0)
+        atomic_store(&r->m->nvml_pid[slot], pid);
+}
+
+int region_nvml_pid_list(gv_region *r, uint32_t *pids, int cap)
+{
+    if (r == NULL)
+        return GV_EINVAL;
+    int n = 0;
+    uint32_t hwm = hwm_of(r);
+    for (uint32_t i = 0; i < hwm; i++) {
+        uint64_t o = atomic_load(&r->m->owner[i]);
+        uint32_t p = atomic_load(&r->m->nvml_pid[i]);
+        if (o == 0 || (o & FLAG_BIT) || p == 0)
+            continue;
+        if (n < cap)
+            pids[n] = p;
+        n++;
+    }
+    return n;
+}
+
 int region_slot_of_pid(gv_region *r, int32_t pid)
 {
     if (r == NULL || pid <= 0)

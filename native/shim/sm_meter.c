@@ -173,11 +173,17 @@ static uint64_t others_recent(struct watched *w, int *company, int *procs)
     if (got < 0)
         return 0;
     unsigned int n = (unsigned int)got;
-    int32_t ours[256];
-    int nours = region_process_list(gv_core_region(), ours, 256);
-    if (nours > 256)
-        nours = 256;
-    unsigned int me = (unsigned int)getpid();
+    /* This container's processes, by the PIDs NVML may show for them: the
+     * registered ones and, inside a PID namespace, the host's they learned. */
+    uint32_t ours[512];
+    int32_t local[256];
+    int nlocal = region_process_list(gv_core_region(), local, 256);
+    int nours = 0;
+    for (int k = 0; k < nlocal && k < 256; k++)
+        ours[nours++] = (uint32_t)local[k];
+    int nhost = region_nvml_pid_list(gv_core_region(), ours + nours, 256);
+    nours += nhost < 256 ? nhost : 256;
+    unsigned int me = gv_nvml_self_pid();
     /* A PID may have several samples: average them, then add up the PIDs;
      * a PID with any busy sample counts as working on the device. */
     int others = 0, mates = 0;
@@ -186,7 +192,7 @@ static uint64_t others_recent(struct watched *w, int *company, int *procs)
         unsigned int pid = samples[i].pid;
         int mine = pid == me, seen = 0;
         for (int k = 0; k < nours && !mine; k++)
-            mine = (unsigned int)ours[k] == pid;
+            mine = ours[k] == pid;
         for (unsigned int j = 0; j < i && !seen; j++)
             seen = samples[j].pid == pid;
         if (seen)
@@ -270,7 +276,7 @@ static void calibrate(int dev, nvmlDevice_t nvml)
     nvmlProcessUtilizationSample_t samples[MAX_SAMPLES];
     int n = proc_samples(nvml, since, samples);
     if (n >= 0)
-        gv_cal_update(dev, since, samples, (unsigned)n, (unsigned)getpid(), real_ns, mono);
+        gv_cal_update(dev, since, samples, (unsigned)n, gv_nvml_self_pid(), real_ns, mono);
 }
 
 static void policies(void)

@@ -66,6 +66,30 @@ nvmlReturn_t sim_nvml_fail(const char *fn)
     return NVML_SUCCESS;
 }
 
+static pthread_once_t g_offset_once = PTHREAD_ONCE_INIT;
+static unsigned g_pid_offset;
+
+static void offset_init(void)
+{
+    const char *v = getenv("GPUVISOR_SIM_NVML_PID_OFFSET");
+    if (!v || !*v)
+        return;
+    char *end;
+    errno = 0;
+    long n = strtol(v, &end, 10);
+    if (errno || end == v || *end || n < 0 || n > 0x3fffffff)
+        sim_log("GPUVISOR_SIM_NVML_PID_OFFSET=%s is not an integer from 0 to %d; ignored", v,
+                0x3fffffff);
+    else
+        g_pid_offset = (unsigned)n;
+}
+
+unsigned sim_nvml_pid(unsigned pid)
+{
+    pthread_once(&g_offset_once, offset_init);
+    return pid + g_pid_offset;
+}
+
 int sim_nvml_ready(void)
 {
     return __atomic_load_n(&g_refs, __ATOMIC_ACQUIRE) > 0;

@@ -30,11 +30,11 @@ static nvmlReturn_t list(nvmlDevice_t dev, unsigned int *count, void *out,
     for (int i = 0; i < n; i++) {
         if (v1) {
             nvmlProcessInfo_v1_t *p = (nvmlProcessInfo_v1_t *)out + i;
-            p->pid = procs[i].pid;
+            p->pid = sim_nvml_pid(procs[i].pid);
             p->usedGpuMemory = procs[i].used;
         } else {
             nvmlProcessInfo_t *p = (nvmlProcessInfo_t *)out + i;
-            p->pid = procs[i].pid;
+            p->pid = sim_nvml_pid(procs[i].pid);
             p->usedGpuMemory = procs[i].used;
             p->gpuInstanceId = NA_ID;
             p->computeInstanceId = NA_ID;

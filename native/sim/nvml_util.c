@@ -156,7 +156,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetProcessUtilization(
         return NVML_ERROR_INSUFFICIENT_SIZE;
     }
     for (int i = 0; i < n; i++) {
-        util[i].pid = s[i].pid;
+        util[i].pid = sim_nvml_pid(s[i].pid);
         util[i].timeStamp = s[i].ts;
         util[i].smUtil = s[i].sm;
         util[i].memUtil = 0;
@@ -192,7 +192,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(
     for (int i = 0; i < n; i++) {
         nvmlProcessUtilizationInfo_v1_t *p = &info->procUtilArray[i];
         p->timeStamp = s[i].ts;
-        p->pid = s[i].pid;
+        p->pid = sim_nvml_pid(s[i].pid);
         p->smUtil = s[i].sm;
         p->memUtil = p->encUtil = p->decUtil = p->jpgUtil = p->ofaUtil = 0;
     }

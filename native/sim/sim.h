@@ -307,6 +307,9 @@ struct nvmlDevice_st { int node; };
 
 /* GPUVISOR_SIM_NVML_FAIL knob: the code fn must fail with, or 0 */
 SIM_HIDDEN nvmlReturn_t sim_nvml_fail(const char *fn);
+/* The PID NVML reports for pid: pid + GPUVISOR_SIM_NVML_PID_OFFSET (as a
+ * real driver reports host PIDs to a process in a PID namespace). */
+SIM_HIDDEN unsigned sim_nvml_pid(unsigned pid);
 SIM_HIDDEN int sim_nvml_ready(void);
 SIM_HIDDEN int sim_nvml_node(nvmlDevice_t d);         /* -1 if invalid */
 
