@@ -182,7 +182,8 @@ static uint64_t others_recent(struct watched *w, int *company, int *procs)
     for (int k = 0; k < nlocal && k < 256; k++)
         ours[nours++] = (uint32_t)local[k];
     int nhost = region_nvml_pid_list(gv_core_region(), ours + nours, 256);
-    nours += nhost < 256 ? nhost : 256;
+    if (nhost > 0)
+        nours += nhost < 256 ? nhost : 256;
     unsigned int me = gv_nvml_self_pid();
     /* A PID may have several samples: average them, then add up the PIDs;
      * a PID with any busy sample counts as working on the device. */
