@@ -161,7 +161,10 @@ int region_reclaim_dead(gv_region *r)
     return r != NULL ? rg_reclaim(r, -1) : 0;
 }
 
-int region_process_list(gv_region *r, int32_t *pids, int cap)
+/* The live slots' PIDs (nvml 0), or the PIDs NVML shows for them (nvml 1;
+ * slots that have not learned one are left out): up to cap written to
+ * out, the total returned. */
+static int live_pids(gv_region *r, int nvml, uint32_t *out, int cap)
 {
     if (r == NULL)
         return GV_EINVAL;
@@ -171,11 +174,19 @@ int region_process_list(gv_region *r, int32_t *pids, int cap)
         uint64_t o = atomic_load(&r->m->owner[i]);
         if (o == 0 || (o & FLAG_BIT))
             continue;
-        if (pids != NULL && n < cap)
-            pids[n] = (int32_t)(o & PID_MASK);
+        uint32_t pid = nvml ? atomic_load(&r->m->nvml_pid[i]) : (uint32_t)(o & PID_MASK);
+        if (pid == 0)
+            continue;
+        if (out != NULL && n < cap)
+            out[n] = pid;
         n++;
     }
     return n;
+}
+
+int region_process_list(gv_region *r, int32_t *pids, int cap)
+{
+    return live_pids(r, 0, (uint32_t *)pids, cap);   /* PIDs are below 2^22 */
 }
 
 void region_set_nvml_pid(gv_region *r, uint32_t pid)
@@ -187,20 +198,7 @@ void region_set_nvml_pid(gv_region *r, uint32_t pid)
 
 int region_nvml_pid_list(gv_region *r, uint32_t *pids, int cap)
 {
-    if (r == NULL)
-        return GV_EINVAL;
-    int n = 0;
-    uint32_t hwm = hwm_of(r);
-    for (uint32_t i = 0; i < hwm; i++) {
-        uint64_t o = atomic_load(&r->m->owner[i]);
-        uint32_t p = atomic_load(&r->m->nvml_pid[i]);
-        if (o == 0 || (o & FLAG_BIT) || p == 0)
-            continue;
-        if (n < cap)
-            pids[n] = p;
-        n++;
-    }
-    return n;
+    return live_pids(r, 1, pids, cap);
 }
 
 int region_slot_of_pid(gv_region *r, int32_t pid)
