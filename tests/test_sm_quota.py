@@ -263,6 +263,30 @@ def test_live_limit_change(node: SimNode) -> None:
     assert abs(shares[str(w.pid)] - 80) <= 6
 
 
+def test_lifted_limit_runs_free_and_a_new_limit_holds_again(node: SimNode) -> None:
+    """A limit lifted live (0) frees the launches (the process stops looking
+    at the gate after one look at the region), and a limit set again later
+    is enforced again at once: the process's "nothing is gated" answer is
+    dropped when the region's limits change."""
+    env = node.shimmed(CUDA_DEVICE_SM_LIMIT="30")
+    w = start(env, "kernel", LONG_RUN, 1)
+    go(w)
+    readings = []
+    # Free, the worker queues up to the simulator's 1024 launches (about
+    # 1 s of kernels): the reading after the limit returns waits for them.
+    for limit, settle in ((0, 0.5), (30, 2.0)):
+        time.sleep(1.0)
+        region_call(node, f"r.set_sm_limit(0, {limit})")
+        time.sleep(settle)
+        since = int(time.time() * 1e6)
+        time.sleep(1.0)
+        readings.append(nvml_shares(node, since)[str(w.pid)])
+    stop(w)
+    print(f"30 -> lifted: {readings[0]} %, -> 30 again: {readings[1]} %")
+    assert readings[0] >= 90
+    assert abs(readings[1] - 30) <= 6
+
+
 @pytest.mark.parametrize("limit", ["50", None])
 def test_yield_pauses_and_resumes(node: SimNode, limit: str | None) -> None:
     """The supervisor's priority decision: a low-priority container's

@@ -119,6 +119,12 @@ void region_sm_set_limit(gv_region *r, int dev, unsigned limit);
 /* Set or clear an entry's yield flag (launches pause while it is set,
  * with or without a limit). */
 void region_sm_set_yield(gv_region *r, int dev, int yield);
+/* Does any device entry gate launches now (a limit, low priority or a
+ * yield flag)?  Answered from *cache (the caller's, process-local) while
+ * no change to those was made or is in progress since it was filled: a
+ * few loads.  region_sm_any's flag stays set once set; this is what tells
+ * a container whose limit was lifted that it is free again. */
+int region_sm_gated(gv_region *r, _Atomic uint64_t *cache);
 /* SM state of device entry dev (NULL if dev is not a valid entry). */
 struct gv_sm *region_sm(gv_region *r, int dev);
 /* Set limit, policy and priority if no process has yet (first one wins,

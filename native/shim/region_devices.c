@@ -128,11 +128,26 @@ struct gv_sm *region_sm(gv_region *r, int dev)
     return dev_ok(r, dev) ? &r->m->dev[dev].sm : NULL;
 }
 
+/* Around every change to what gates launches: see sm_writers in region_impl.h. */
+static void sm_change_begin(gv_region *r)
+{
+    atomic_fetch_add(&r->m->hdr.sm_writers, 1);
+    atomic_fetch_add(&r->m->hdr.sm_gen, 1);
+}
+
+static void sm_change_end(gv_region *r)
+{
+    rg_test_delay();            /* tests: a writer killed in the middle */
+    atomic_fetch_add(&r->m->hdr.sm_gen, 1);
+    atomic_fetch_sub(&r->m->hdr.sm_writers, 1);
+}
+
 void region_sm_configure(gv_region *r, int dev, unsigned limit, unsigned policy, unsigned priority)
 {
     struct gv_sm *sm = region_sm(r, dev);
     if (sm == NULL || atomic_load(&sm->configured))
         return;
+    sm_change_begin(r);
     atomic_store(&sm->limit, limit > 100 ? 100 : limit);
     atomic_store(&sm->policy, policy);
     atomic_store(&sm->priority, priority);
@@ -143,6 +158,7 @@ void region_sm_configure(gv_region *r, int dev, unsigned limit, unsigned policy,
      * pause take effect within milliseconds. */
     if (limit > 0 || priority != 0)
         atomic_store(&r->m->hdr.sm_any, 1);
+    sm_change_end(r);
 }
 
 void region_sm_set_yield(gv_region *r, int dev, int yield)
@@ -150,9 +166,11 @@ void region_sm_set_yield(gv_region *r, int dev, int yield)
     struct gv_sm *sm = region_sm(r, dev);
     if (sm == NULL)
         return;
+    sm_change_begin(r);
     if (yield)
         atomic_store(&r->m->hdr.sm_any, 1);   /* before the flag: no launch misses it */
     atomic_store(&sm->yield, yield ? 1u : 0u);
+    sm_change_end(r);
 }
 
 void region_sm_set_limit(gv_region *r, int dev, unsigned limit)
@@ -162,11 +180,39 @@ void region_sm_set_limit(gv_region *r, int dev, unsigned limit)
         return;
     if (limit > 100)
         limit = 100;
+    sm_change_begin(r);
     atomic_store(&sm->limit, limit);
     if (atomic_load(&sm->policy) == GV_SM_FIXED)
         atomic_store(&sm->share, (limit == 0 ? 100 : limit) * 100);
     if (limit > 0)
         atomic_store(&r->m->hdr.sm_any, 1);
+    sm_change_end(r);
+}
+
+static int sm_gated_now(gv_region *r)
+{
+    for (int dev = 0; dev < GV_MAX_DEVICES; dev++) {
+        struct gv_sm *sm = &r->m->dev[dev].sm;
+        if (atomic_load(&sm->limit) || atomic_load(&sm->priority) || atomic_load(&sm->yield))
+            return 1;
+    }
+    return 0;
+}
+
+int region_sm_gated(gv_region *r, _Atomic uint64_t *cache)
+{
+    struct gv_header *h = &r->m->hdr;
+    uint32_t writers = atomic_load_explicit(&h->sm_writers, memory_order_acquire);
+    uint32_t gen = atomic_load_explicit(&h->sm_gen, memory_order_acquire);
+    uint64_t c = atomic_load_explicit(cache, memory_order_relaxed);
+    uint64_t tag = ((uint64_t)gen + 1) << 1;       /* never 0: a zero cache is empty */
+    if (writers == 0 && (c & ~UINT64_C(1)) == tag)
+        return (int)(c & 1);
+    int gated = sm_gated_now(r);
+    /* Cache only a look that no change overlapped. */
+    if (writers == 0 && atomic_load(&h->sm_gen) == gen)
+        atomic_store_explicit(cache, tag | (uint64_t)gated, memory_order_relaxed);
+    return gated;
 }
 
 int region_sm_any(gv_region *r)

@@ -34,7 +34,14 @@ struct gv_header {
     _Atomic uint32_t slot_hwm; /* slots [0, hwm) have ever been claimed */
     _Atomic uint32_t sm_any;   /* 1 once any device entry has an SM limit, low priority or yield */
     uint64_t created_unix;
-    uint64_t reserved[2];
+    /* Changes to what gates launches (limits, priority, yield flags):
+     * writers in progress, and a count bumped before and after each
+     * change, so a process may cache "nothing is gated" (region_sm_gated)
+     * until the next change; a writer killed mid-change leaves the count
+     * of writers above 0, and every launch then looks again. */
+    _Atomic uint32_t sm_writers;
+    _Atomic uint32_t sm_gen;
+    uint64_t reserved[1];
 };
 
 struct gv_dev {

@@ -66,11 +66,17 @@ typedef struct gv_sm_launch {
     CUevent begin, end;     /* NULL when they could not be made */
 } gv_sm_launch;
 
-/* Could any launch of this process be gated?  Two loads: the fast path. */
+/* Does anything in the region gate launches now?  A few loads while nothing
+ * changed since the last look (sm_gate.c, region_sm_gated). */
+int gv_sm_gating(void);
+
+/* Could any launch of this process be gated?  Two loads for a container
+ * that never had an SM limit: the fast path; a few more for one whose
+ * limit was lifted. */
 static inline int gv_sm_maybe(void)
 {
     return gv_mode_fast() == GV_MODE_ENFORCE &&
-           atomic_load_explicit(gv_sm_any_flag, memory_order_relaxed) != 0;
+           atomic_load_explicit(gv_sm_any_flag, memory_order_relaxed) != 0 && gv_sm_gating();
 }
 
 /* Before the real launch: 1 if gated (paced, begin event recorded). */

@@ -127,6 +127,15 @@ void gv_sm_learn(uintptr_t key, uint64_t ns)
     /* Table crowded here: the global average stands in for this key. */
 }
 
+/* ---- is anything gated ----------------------------------------------------- */
+
+static _Atomic uint64_t gating_cache;   /* region_sm_gated's, for this process */
+
+int gv_sm_gating(void)
+{
+    return region_sm_gated(gv_core_region(), &gating_cache);
+}
+
 /* ---- the pacing clock ------------------------------------------------------ */
 
 /* Estimated GPU time and launches this process has in flight. */

@@ -567,6 +567,53 @@ static void test_device_race(void)
     printf("device race, dead initialiser, slot exhaustion: ok\n");
 }
 
+/* region_sm_gated: a process's cached "nothing gated" holds only until the
+ * region's limits, priorities or yield flags change, and never while a
+ * writer is (or died) in the middle of a change. */
+static void test_sm_gated(void)
+{
+    gv_region *r = t_fresh_region(path_in("smgate.shr"));
+    unsigned char u[16];
+    t_uuid(u, 7);
+    int d = region_device_lookup(r, u, GIB, GV_UNLIMITED);
+    CHECK_EQ(d, 0);
+    _Atomic uint64_t cache = 0;
+    CHECK_EQ(region_sm_gated(r, &cache), 0);
+    CHECK(atomic_load(&cache) != 0);                          /* filled */
+    region_sm_configure(r, d, 30, 0, 0);
+    CHECK_EQ(region_sm_gated(r, &cache), 1);
+    region_sm_set_limit(r, d, 0);
+    CHECK_EQ(region_sm_gated(r, &cache), 0);
+    CHECK_EQ(region_sm_gated(r, &cache), 0);                  /* from the cache */
+    region_sm_set_yield(r, d, 1);
+    CHECK_EQ(region_sm_gated(r, &cache), 1);
+    region_sm_set_yield(r, d, 0);
+    CHECK_EQ(region_sm_gated(r, &cache), 0);
+
+    /* A writer killed after its store, before it finished the change. */
+    pid_t child = fork();
+    CHECK(child >= 0);
+    if (child == 0) {
+        region_test_set_delay_us(10 * 1000 * 1000);
+        region_sm_set_limit(r, d, 40);
+        _exit(0);
+    }
+    for (int i = 0; i < 5000 && atomic_load(&region_sm(r, d)->limit) != 40; i++)
+        usleep(1000);
+    CHECK_EQ(atomic_load(&region_sm(r, d)->limit), 40);
+    kill(child, SIGKILL);
+    CHECK_EQ(waitpid(child, NULL, 0), child);
+    CHECK_EQ(region_sm_gated(r, &cache), 1);                  /* not the cached 0 */
+    region_sm_set_limit(r, d, 0);
+    CHECK_EQ(region_sm_gated(r, &cache), 0);                  /* looked again ... */
+    uint64_t before = atomic_load(&cache);
+    region_sm_set_limit(r, d, 20);
+    CHECK_EQ(region_sm_gated(r, &cache), 1);                  /* ... every time */
+    CHECK(atomic_load(&cache) == before);                     /* never cached again */
+    region_close(r);
+    printf("sm gating cache, writer killed mid-change: ok\n");
+}
+
 int main(int argc, char **argv)
 {
     if (argc == 4 && strcmp(argv[1], "--exec-child") == 0)
@@ -590,6 +637,7 @@ int main(int argc, char **argv)
     test_accounting();
     test_processes(exe);
     test_device_race();
+    test_sm_gated();
     printf("t_region_unit: OK (%d table checks)\n", g_checks);
     return 0;
 }
