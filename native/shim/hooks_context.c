@@ -114,8 +114,9 @@ static void snap(const gv_devinfo *d, snapshot *s)
     for (unsigned int i = 0; i < n && i < 256; i++) {
         /* A process may be listed more than once (one row per context
          * or instance): add them up. */
-        uint64_t used = infos[i].usedGpuMemory != NVML_VALUE_NOT_AVAILABLE ? infos[i].usedGpuMemory : 0;
-        if (infos[i].pid == me && infos[i].usedGpuMemory != NVML_VALUE_NOT_AVAILABLE) {
+        int known = infos[i].usedGpuMemory != NVML_VALUE_NOT_AVAILABLE;
+        uint64_t used = known ? infos[i].usedGpuMemory : 0;
+        if (infos[i].pid == me && known) {
             s->proc_seen = 1;
             s->proc_used += used;
         }

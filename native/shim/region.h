@@ -119,6 +119,14 @@ void region_sm_set_limit(gv_region *r, int dev, unsigned limit);
 /* Set or clear an entry's yield flag (launches pause while it is set,
  * with or without a limit). */
 void region_sm_set_yield(gv_region *r, int dev, int yield);
+/* Does this entry gate launches: an SM limit, a low priority (its yield
+ * flag must be able to pause it) or its yield flag set? */
+static inline int region_sm_gates(struct gv_sm *sm)
+{
+    return atomic_load_explicit(&sm->limit, memory_order_relaxed) != 0 ||
+           atomic_load_explicit(&sm->priority, memory_order_relaxed) != 0 ||
+           atomic_load_explicit(&sm->yield, memory_order_relaxed) != 0;
+}
 /* Does any device entry gate launches now (a limit, low priority or a
  * yield flag)?  Answered from *cache (the caller's, process-local) while
  * no change to those was made or is in progress since it was filled: a

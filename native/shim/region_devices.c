@@ -191,11 +191,9 @@ void region_sm_set_limit(gv_region *r, int dev, unsigned limit)
 
 static int sm_gated_now(gv_region *r)
 {
-    for (int dev = 0; dev < GV_MAX_DEVICES; dev++) {
-        struct gv_sm *sm = &r->m->dev[dev].sm;
-        if (atomic_load(&sm->limit) || atomic_load(&sm->priority) || atomic_load(&sm->yield))
+    for (int dev = 0; dev < GV_MAX_DEVICES; dev++)
+        if (region_sm_gates(&r->m->dev[dev].sm))
             return 1;
-    }
     return 0;
 }
 

@@ -176,14 +176,10 @@ static uint64_t others_recent(struct watched *w, int *company, int *procs)
     /* This container's processes, by the PIDs NVML may show for them: the
      * registered ones and, inside a PID namespace, the host's they learned. */
     uint32_t ours[512];
-    int32_t local[256];
-    int nlocal = region_process_list(gv_core_region(), local, 256);
-    int nours = 0;
-    for (int k = 0; k < nlocal && k < 256; k++)
-        ours[nours++] = (uint32_t)local[k];
+    int nlocal = region_process_list(gv_core_region(), (int32_t *)ours, 256);
+    int nours = nlocal < 0 ? 0 : nlocal < 256 ? nlocal : 256;
     int nhost = region_nvml_pid_list(gv_core_region(), ours + nours, 256);
-    if (nhost > 0)
-        nours += nhost < 256 ? nhost : 256;
+    nours += nhost < 0 ? 0 : nhost < 256 ? nhost : 256;
     unsigned int me = gv_nvml_self_pid();
     /* A PID may have several samples: average them, then add up the PIDs;
      * a PID with any busy sample counts as working on the device. */
@@ -409,9 +405,7 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
         gv_device(ordinal, &d) != CUDA_SUCCESS)
         return 0;
     struct gv_sm *sm = region_sm(gv_core_region(), d->region_dev);
-    if (!sm || (atomic_load_explicit(&sm->limit, memory_order_relaxed) == 0 &&
-                atomic_load_explicit(&sm->priority, memory_order_relaxed) == 0 &&
-                atomic_load_explicit(&sm->yield, memory_order_relaxed) == 0))
+    if (!sm || !region_sm_gates(sm))
         return 0;   /* no limit, and nothing can ask it to yield */
     int capturing = 0;     /* recorded into a graph, not run: nothing to pace */
     if (ptsz)
