@@ -63,6 +63,9 @@ class ContainerState:
     last_wall: float  # time.time() of the last report
     interval: float | None = None  # smoothed seconds between reports
     reports: int = 1
+    # device uuid -> what the container's claim added to device_share (what
+    # is taken back when the report, NVML's view or the container changes)
+    claims: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -115,10 +118,7 @@ class AgentState:
                 last_wall=time.time(),
             )
             self.containers[key] = st
-            self._add_shares(report, 1.0)
         else:
-            self._add_shares(st.report, -1.0)
-            self._add_shares(report, 1.0)
             dt = now - st.last_seen
             st.interval = dt if st.interval is None else 0.8 * st.interval + 0.2 * dt
             if st.report.priority == 0 and report.priority != 0:
@@ -128,6 +128,7 @@ class AgentState:
             st.last_seen = now
             st.last_wall = time.time()
             st.reports += 1
+        self._update_claims(key)
         self.reports_total += 1
 
         threshold = self.config.active_threshold
@@ -145,7 +146,7 @@ class AgentState:
                     if entries is not None:
                         entries.pop(key, None)
 
-        others = self._others_share(report)
+        others = self._others_share(st)
         pending = self.pending.get(key)
         if pending is None:
             instr = Instructions(yield_devices=yields, others_share=others)
@@ -174,6 +175,7 @@ class AgentState:
         for table in (self.high_active, self.nvml_active):
             for entries in table.values():
                 entries.pop(key, None)
+        self._update_claims(key)
 
     def busy_for(self, key: str, uuid: str, now: float) -> bool:
         """Must container `key` (low priority) yield device `uuid`: has
@@ -242,7 +244,11 @@ class AgentState:
             for k, total in totals.items():
                 self.nvml_share.setdefault(k, {})[uuid] = (min(100.0, total), now)
                 if total > threshold and on_dev[k].report.priority == 0:
-                    self.nvml_active.setdefault(uuid, {})[k] = now
+                    active = self.nvml_active.setdefault(uuid, {})
+                    new = k not in active
+                    active[k] = now
+                    if new:
+                        self._update_claims(k)
 
     def share_of(self, key: str, report: Report, d: DeviceReport, now: float) -> float:
         """The container's SM share of device d: what its gate measured, or
@@ -254,31 +260,48 @@ class AgentState:
                 return seen[0]
         return d.sm_share
 
-    def _claim(self, d: DeviceReport) -> float:
+    def _claim(self, key: str, report: Report, d: DeviceReport) -> float:
         """What a container claims of a device: nothing while idle; while
         active, its SM limit (the whole device without one) or its use if
         higher.  A starved container (using less than its limit because
-        others crowd the device) still claims its limit."""
-        if d.sm_share <= self.config.active_threshold:
+        others crowd the device) still claims its limit.  A container whose
+        gate measures nothing reports 0 %: it is active while NVML saw its
+        processes work within the active window (nvml_active)."""
+        active = d.sm_share > self.config.active_threshold or (
+            self.unmeasured(report, d) and key in self.nvml_active.get(d.uuid, {})
+        )
+        if not active:
             return 0.0
         return max(d.sm_share, float(d.sm_limit) if d.sm_limit is not None else 100.0)
 
-    def _add_shares(self, report: Report, sign: float) -> None:
-        for d in report.devices:
-            total = self.device_share.get(d.uuid, 0.0) + sign * self._claim(d)
-            self.device_share[d.uuid] = total if total > 1e-6 else 0.0
+    def _update_claims(self, key: str, gone: bool = False) -> None:
+        """Replace what container `key` claims in device_share with what
+        its last report and NVML's view say now (nothing once it is gone)."""
+        st = self.containers.get(key)
+        if st is None:
+            return
+        new: dict[str, float] = {}
+        for d in [] if gone else st.report.devices:
+            new[d.uuid] = new.get(d.uuid, 0.0) + self._claim(key, st.report, d)
+        for uuid in st.claims.keys() | new.keys():
+            total = self.device_share.get(uuid, 0.0) - st.claims.get(uuid, 0.0) + new.get(uuid, 0.0)
+            self.device_share[uuid] = total if total > 1e-6 else 0.0
+        st.claims = new
 
-    def _others_share(self, report: Report) -> dict[str, float]:
-        """Per device of the report: what the other containers claim there."""
+    def _others_share(self, st: ContainerState) -> dict[str, float]:
+        """Per device of the container's report: what the other containers
+        claim there."""
         return {
-            d.uuid: min(100.0, max(0.0, self.device_share.get(d.uuid, 0.0) - self._claim(d)))
-            for d in report.devices
+            d.uuid: min(
+                100.0, max(0.0, self.device_share.get(d.uuid, 0.0) - st.claims.get(d.uuid, 0.0))
+            )
+            for d in st.report.devices
         }
 
     def remove(self, key: str) -> None:
         st = self.containers.get(key)
         if st is not None:
-            self._add_shares(st.report, -1.0)
+            self._update_claims(key, gone=True)
         self.containers.pop(key, None)
         self.pending.pop(key, None)
         self.nvml_share.pop(key, None)
@@ -300,6 +323,8 @@ class AgentState:
             for entries in table.values():
                 for k in [k for k, ts in entries.items() if now - ts > window]:
                     del entries[k]
+                    if table is self.nvml_active:
+                        self._update_claims(k)
         return len(expired)
 
     # ---- admin -----------------------------------------------------------

@@ -709,6 +709,62 @@ def test_nvml_use_marks_a_high_priority_container_without_a_limit_active():
     assert state.accept_report(low, peer, t + 2.1).yield_devices == {"GPU-aaaa": False}
 
 
+def test_a_container_measuring_nothing_claims_the_device_while_nvml_sees_it_work():
+    """burst-share lends what the other containers leave, and an active
+    container without an SM limit claims the whole device.  Such a container
+    (priority 0) is not gated, so its reports say 0 %: NVML's per-process
+    use is what makes its claim, for as long as the active window."""
+    state = AgentState(AgentConfig(active_window=1.0))
+    peer = PeerCred(pid=1, uid=0, gid=0)
+
+    def report(pod: str, sm_limit: int | None, share: float) -> Report:
+        return Report(
+            seq=1,
+            ts=0.0,
+            container=ContainerId(cgroup=f"/kubepods/{pod}", pod=pod),
+            policy="burst-share",
+            priority=0,
+            pids=[],
+            devices=[device(share=share, sm_limit=sm_limit)],
+        )
+
+    def others(at: float) -> float:
+        return state.accept_report(lender, peer, at).others_share["GPU-aaaa"]
+
+    free = report("free", None, 0.0)
+    lender = report("lender", 30, 30.0)
+
+    def cgroups_of(pid: int) -> frozenset[str]:
+        return frozenset({{7: "/kubepods/free", 8: "/kubepods/lender"}[pid]})
+
+    t = 100.0
+    state.accept_report(free, peer, t)
+    assert others(t) == 0.0  # idle as far as anybody knows
+    state.note_process_use({"GPU-aaaa": {8: 30.0}}, cgroups_of, t)
+    assert others(t) == 0.0  # the lender's own use is not another's
+    state.note_process_use({"GPU-aaaa": {7: 60.0, 8: 30.0}}, cgroups_of, t)
+    assert others(t) == 100.0
+    # Its own reports keep saying 0 %: the claim stands until the window ends.
+    state.accept_report(free, peer, t + 0.5)
+    assert others(t + 0.9) == 100.0
+    state.expire(t + 1.2)
+    assert others(t + 1.2) == 0.0
+    # Seen again, then gone: nothing is left claimed.
+    state.note_process_use({"GPU-aaaa": {7: 60.0}}, cgroups_of, t + 2)
+    assert others(t + 2) == 100.0
+    state.remove(free.container.key)
+    assert others(t + 2.1) == 0.0
+    state.remove(lender.container.key)
+    assert state.device_share == {"GPU-aaaa": 0.0}
+    # With an SM limit it measures itself: its report, not NVML, decides.
+    limited = report("free", 40, 0.0)
+    state.accept_report(limited, peer, t + 3)
+    state.note_process_use({"GPU-aaaa": {7: 60.0}}, cgroups_of, t + 3)
+    assert others(t + 3) == 0.0
+    state.accept_report(replace(limited, devices=[device(share=35.0, sm_limit=40)]), peer, t + 3)
+    assert others(t + 3) == 40.0
+
+
 def test_pushed_limit_reaches_next_ack(sock_path):
     with AgentProc(sock_path) as agent:
         c = Client(sock_path, pod="tenant", namespace="team")
