@@ -729,7 +729,7 @@ def test_a_container_measuring_nothing_claims_the_device_while_nvml_sees_it_work
         )
 
     def others(at: float) -> float:
-        return state.accept_report(lender, peer, at).others_share["GPU-aaaa"]
+        return float(state.accept_report(lender, peer, at).others_share["GPU-aaaa"])
 
     free = report("free", None, 0.0)
     lender = report("lender", 30, 30.0)

@@ -166,6 +166,38 @@ emit(total=total, big=err.name)
     assert out["big"] == "CUDA_SUCCESS"
 
 
+@pytest.mark.parametrize("value", ["true", "1", "maybe"])
+def test_oversubscribe_is_ignored_and_says_so(node, value):
+    """HAMi's device plugin sets CUDA_OVERSUBSCRIBE=true to ask for virtual
+    device memory, which gpuvisor does not have: the limit holds, and one
+    line says the variable is ignored."""
+    proc = run_py(
+        PRELUDE
+        + """
+init()
+free, total = mem_info()
+err, _ = call(cu.cuMemAlloc, 5 * GiB)
+emit(total=total, big=err.name)
+""",
+        node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g", CUDA_OVERSUBSCRIBE=value),
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out == {"total": 4 * GiB, "big": OOM}
+    said = [line for line in proc.stderr.splitlines() if "CUDA_OVERSUBSCRIBE" in line]
+    assert len(said) == 1, proc.stderr
+    assert f"CUDA_OVERSUBSCRIBE={value} is ignored" in said[0]
+
+
+def test_oversubscribe_false_says_nothing(node):
+    proc = run_py(
+        PRELUDE + "init()\nemit(total=mem_info()[1])\n",
+        node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g", CUDA_OVERSUBSCRIBE="false"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "CUDA_OVERSUBSCRIBE" not in proc.stderr
+
+
 # --- NVML (nvidia-ml-py) -------------------------------------------------------
 
 NVML = """

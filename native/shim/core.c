@@ -2,6 +2,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <time.h>
 
 #include "core.h"
@@ -27,6 +28,10 @@ static void init(void)
         atomic_store(&gv_mode_word, GV_MODE_FAILED);
         return;
     }
+    if (limits_oversubscribe_requested())
+        gv_log(GV_LOG_WARN, GV_ENV_OVERSUBSCRIBE "=%.64s is ignored: no virtual device memory, so "
+               "allocations past the memory limit fail with CUDA_ERROR_OUT_OF_MEMORY",
+               getenv(GV_ENV_OVERSUBSCRIBE));
     region = gv_shared_region();
     if (region)
         gv_sm_any_flag = region_sm_any_flag(region);

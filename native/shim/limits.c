@@ -217,9 +217,10 @@ int limits_check_env(char *err, size_t errlen)
     return check_family(GV_ENV_LIMIT, memory_why_bad, err, errlen);
 }
 
-int limits_control_disabled(void)
+/* A boolean variable: 1 for true/1/yes/on, 0 for false/0/no/off/empty or
+ * unset, -1 for anything else. */
+static int env_flag(const char *v)
 {
-    const char *v = getenv(GV_ENV_DISABLE);
     if (v == NULL)
         return 0;
     char buf[16];
@@ -229,22 +230,36 @@ int limits_control_disabled(void)
     size_t n = strlen(p);
     while (n > 0 && isspace((unsigned char)p[n - 1]))
         n--;
-    if (n < sizeof buf) {
-        memcpy(buf, p, n);
-        buf[n] = '\0';
-        static const char *const yes[] = {"true", "1", "yes", "on"};
-        static const char *const no[] = {"false", "0", "no", "off", ""};
-        for (size_t i = 0; i < sizeof yes / sizeof yes[0]; i++)
-            if (strcasecmp(buf, yes[i]) == 0)
-                return 1;
-        for (size_t i = 0; i < sizeof no / sizeof no[0]; i++)
-            if (strcasecmp(buf, no[i]) == 0)
-                return 0;
-    }
+    if (n >= sizeof buf)
+        return -1;
+    memcpy(buf, p, n);
+    buf[n] = '\0';
+    static const char *const yes[] = {"true", "1", "yes", "on"};
+    static const char *const no[] = {"false", "0", "no", "off", ""};
+    for (size_t i = 0; i < sizeof yes / sizeof yes[0]; i++)
+        if (strcasecmp(buf, yes[i]) == 0)
+            return 1;
+    for (size_t i = 0; i < sizeof no / sizeof no[0]; i++)
+        if (strcasecmp(buf, no[i]) == 0)
+            return 0;
+    return -1;
+}
+
+int limits_control_disabled(void)
+{
+    const char *v = getenv(GV_ENV_DISABLE);
+    int f = env_flag(v);
+    if (f >= 0)
+        return f;
     gv_log(GV_LOG_ERROR,
            GV_ENV_DISABLE "=\"%.64s\": not a boolean (use true/false, 1/0, yes/no, "
            "on/off); memory limits stay enforced", v);
     return 0;
+}
+
+int limits_oversubscribe_requested(void)
+{
+    return env_flag(getenv(GV_ENV_OVERSUBSCRIBE)) != 0;
 }
 
 /* ---- SM-time quota ---------------------------------------------------------- */

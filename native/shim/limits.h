@@ -23,6 +23,7 @@
 
 #define GV_ENV_LIMIT "CUDA_DEVICE_MEMORY_LIMIT"
 #define GV_ENV_DISABLE "CUDA_DISABLE_CONTROL"
+#define GV_ENV_OVERSUBSCRIBE "CUDA_OVERSUBSCRIBE"
 
 /* Like gv_parse_memory_limit, and on failure *why gets a short reason
  * ("not a memory size ...", "must be greater than zero", ...). */
@@ -43,6 +44,11 @@ int limits_check_env(char *err, size_t errlen);
 /* CUDA_DISABLE_CONTROL: 1 for true/1/yes/on, 0 for false/0/no/off/unset.
  * Anything else is reported (one line) and gives 0: keep enforcing. */
 int limits_control_disabled(void);
+
+/* CUDA_OVERSUBSCRIBE (HAMi's device plugin sets it to ask for virtual device
+ * memory, which gpuvisor does not have): 1 when set to anything but a false
+ * value, so that the library can say it is ignored. */
+int limits_oversubscribe_requested(void);
 
 /* ---- SM-time quota ------------------------------------------------------
  *
