@@ -373,6 +373,38 @@ def test_malformed_knob_is_reported_and_ignored(tmp_path: Path, var: str) -> Non
     _one_line_error(cp.stderr, var, "often")
 
 
+@pytest.mark.parametrize(("value", "slow"), [("300", True), ("soon", False)])
+def test_ctx_create_ms_slows_context_creation(tmp_path: Path, value: str, slow: bool) -> None:
+    """GPUVISOR_SIM_CTX_CREATE_MS: a new context takes that long, and NVML
+    lists the process while it is being created; a bad value is named and
+    ignored."""
+    code = (
+        CTYPES_PRELUDE
+        + """
+import os, threading, time, pynvml as n
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+seen = []
+def watch():
+    time.sleep(0.15)
+    seen.append([p.pid for p in n.nvmlDeviceGetComputeRunningProcesses(h)])
+t = threading.Thread(target=watch); t.start()
+t0 = time.monotonic(); ctx(); took = time.monotonic() - t0
+t.join()
+print(took, int(os.getpid() in seen[0]))
+"""
+    )
+    cp = run_py(code, sim_env(tmp_path, "4g", GPUVISOR_SIM_CTX_CREATE_MS=value))
+    took, listed = ok(cp).split()
+    if slow:
+        assert float(took) >= 0.3
+        assert listed == "1"  # listed before the creation returned
+        assert "gpuvisor-sim:" not in cp.stderr
+    else:
+        assert float(took) < 0.3
+        _one_line_error(cp.stderr, "GPUVISOR_SIM_CTX_CREATE_MS", value)
+
+
 def test_malformed_nvml_fail_code(tmp_path: Path) -> None:
     env = sim_env(
         tmp_path, GPUVISOR_SIM_NVML_FAIL="nvmlDeviceGetCount", GPUVISOR_SIM_NVML_FAIL_CODE="x1"

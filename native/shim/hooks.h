@@ -31,6 +31,15 @@ void gv_pool_after_free(uint64_t pool);
  * driver destroyed together with the context. */
 void gv_release_ctx_objects(CUcontext ctx);
 
+/* Context creations are measured one at a time across the node (node_lock.c):
+ * the lock file is $GPUVISOR_NODE_LOCK, by default in the directory HAMi's
+ * device plugin shares between containers; empty: off.  gv_node_lock returns
+ * a descriptor to pass to gv_node_unlock, or -1 when nothing was locked (no
+ * such directory, turned off, or held by another process past a bound). */
+#define GV_ENV_NODE_LOCK "GPUVISOR_NODE_LOCK"
+int gv_node_lock(void);
+void gv_node_unlock(int fd);
+
 /* The hook table (dispatch.c). */
 typedef struct gv_hook {
     const char *name;   /* exported symbol name, e.g. "cuMemAlloc_v2" */

@@ -8,6 +8,8 @@
  * and after the context is created.  The
  * measured cost is charged to the quota; if it does not fit, the context
  * is destroyed again and the call fails with CUDA_ERROR_OUT_OF_MEMORY.
+ * Both snapshots and the creation are made under the node lock
+ * (node_lock.c), so other containers' new contexts stay out of them.
  *
  * Destroying a context also frees every allocation made in it, so those
  * charges are released with it.
@@ -40,9 +42,11 @@ typedef struct {
  * namespace.  In a container with its own namespace, NVML therefore lists
  * this process under a PID it does not know as its own.  It is learned the
  * way HAMi-core does it: the one PID that NVML lists after this process
- * created a context on a device and did not list before.  If another
- * process created one in the same moment, nothing is learned (the next
- * context may tell).  Kept with the getpid() it was learned for, so a
+ * created a context on a device and did not list before.  Other processes
+ * of the node creating contexts in the same moment would add new PIDs of
+ * their own: the before/after pair is taken under the node lock
+ * (node_lock.c) where containers share one.  If two new PIDs appear all
+ * the same, nothing is learned (the next context may tell).  Kept with the getpid() it was learned for, so a
  * forked child does not inherit it; also stored in the process's region
  * slot, so that the container's other processes know it. */
 static _Atomic uint64_t nvml_self;          /* getpid() << 32 | NVML's PID */
@@ -167,13 +171,18 @@ void gv_release_ctx_objects(CUcontext ctx)
 
 /* ---- created contexts --------------------------------------------------- */
 
+/* After the real call (rc): the "after" snapshot, which ends the node lock
+ * taken for the "before" one (ctx_prepare). */
 static CUresult charge_new_ctx(CUresult rc, CUcontext *pctx, int ordinal, const snapshot *before,
-                               const gv_devinfo *d)
+                               const gv_devinfo *d, int lock)
 {
-    if (rc != CUDA_SUCCESS || !pctx)
+    if (rc != CUDA_SUCCESS || !pctx) {
+        gv_node_unlock(lock);
         return rc;
+    }
     snapshot after;
     snap(d, &after);
+    gv_node_unlock(lock);
     learn_self(before, &after);
     gv_charge c;
     rc = gv_charge_begin(&c, ordinal, *pctx, cost(before, &after));
@@ -186,13 +195,17 @@ static CUresult charge_new_ctx(CUresult rc, CUcontext *pctx, int ordinal, const 
     return CUDA_SUCCESS;
 }
 
-/* Prepare: device info and the "before" snapshot.  Non-zero: pass through. */
-static int ctx_prepare(int ordinal, const gv_devinfo **d, snapshot *before, CUresult *err)
+/* Prepare: device info, the node lock and the "before" snapshot.  Non-zero:
+ * pass through (nothing locked). */
+static int ctx_prepare(int ordinal, const gv_devinfo **d, snapshot *before, CUresult *err,
+                       int *lock)
 {
     *err = gv_device(ordinal, d);
-    if (*err == CUDA_SUCCESS)
-        snap(*d, before);
-    return *err != CUDA_SUCCESS;
+    if (*err != CUDA_SUCCESS)
+        return 1;
+    *lock = gv_node_lock();
+    snap(*d, before);
+    return 0;
 }
 
 #define CTX_CREATE_BODY(call, pctx, dev)                                       \
@@ -200,9 +213,10 @@ static int ctx_prepare(int ordinal, const gv_devinfo **d, snapshot *before, CUre
     const gv_devinfo *d;                                                       \
     snapshot before;                                                           \
     CUresult err;                                                              \
-    if (ctx_prepare(dev, &d, &before, &err))                                   \
+    int lock = -1;                                                             \
+    if (ctx_prepare(dev, &d, &before, &err, &lock))                            \
         return err == GV_FAIL_CUDA ? err : call;                               \
-    return charge_new_ctx(call, pctx, dev, &before, d)
+    return charge_new_ctx(call, pctx, dev, &before, d, lock)
 
 typedef CUresult (*create_v2_fn)(CUcontext *, unsigned int, CUdevice);
 typedef CUresult (*create_v3_fn)(CUcontext *, CUexecAffinityParam *, int, unsigned int, CUdevice);
@@ -288,16 +302,21 @@ GV_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     struct primary *p = &prim[dev];
     pthread_mutex_lock(&p->lock);
     snapshot before;
-    int measure = p->charged == 0;
-    if (measure)
+    int measure = p->charged == 0, lock = -1;
+    if (measure) {
+        lock = gv_node_lock();
         snap(d, &before);
+    }
     rc = real(pctx, dev);
+    if (rc != CUDA_SUCCESS)
+        gv_node_unlock(lock);
     if (rc == CUDA_SUCCESS) {
         p->refs++;
         p->ctx = *pctx;
         if (measure) {
             snapshot after;
             snap(d, &after);
+            gv_node_unlock(lock);
             learn_self(&before, &after);
             gv_charge c;
             uint64_t n = cost(&before, &after);

@@ -61,6 +61,7 @@ static CUresult ctx_activate(struct CUctx_st *c)
     if (!sim_reg_has(c))
         sim_reg_add(c);
     pthread_mutex_unlock(&sim_mu);
+    sim_ctx_create_delay();
     return CUDA_SUCCESS;
 }
 

@@ -3,6 +3,7 @@
  * the allocation fault-injection counter and the handle registry.
  */
 #include <ctype.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -17,7 +18,7 @@ static CUresult g_init_rc = CUDA_ERROR_NOT_INITIALIZED;
 static volatile int g_inited;
 static int g_nvis;
 static int g_vis[SIM_MAX_DEV];          /* CUDA ordinal -> node index */
-static unsigned long long g_fail_at, g_fail_every;
+static unsigned long long g_fail_at, g_fail_every, g_ctx_ms;
 static unsigned long long g_alloc_calls;
 
 /* One CUDA_VISIBLE_DEVICES token -> node index, -1 if invalid. */
@@ -94,6 +95,8 @@ static void do_init(void)
         g_fail_at = 0;
     if (sim_knob_uint("GPUVISOR_SIM_FAIL_ALLOC_EVERY", &g_fail_every) <= 0)
         g_fail_every = 0;
+    if (sim_knob_uint("GPUVISOR_SIM_CTX_CREATE_MS", &g_ctx_ms) <= 0)
+        g_ctx_ms = 0;
     parse_visible();
     if (g_nvis == 0) {
         g_init_rc = CUDA_ERROR_NO_DEVICE;
@@ -139,6 +142,15 @@ int sim_fault_alloc(void)
     if (g_fail_every && n % g_fail_every == 0)
         return 1;
     return 0;
+}
+
+void sim_ctx_create_delay(void)
+{
+    if (!g_ctx_ms)
+        return;
+    struct timespec ts = { (time_t)(g_ctx_ms / 1000), (long)(g_ctx_ms % 1000) * 1000000L };
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+        ;
 }
 
 SIM_API CUresult cuDriverGetVersion(int *v)

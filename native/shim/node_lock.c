@@ -1,0 +1,95 @@
+/*
+ * node_lock.c - one context creation at a time on the node.
+ *
+ * Creating a context is measured from outside (hooks_context.c): NVML's
+ * list of processes and their memory before and after.  When processes of
+ * several containers create contexts in the same moment (a node's pods
+ * restarting together; a real driver takes 100 ms or more per context),
+ * each sees the others' new PIDs and memory too: none learns the PID NVML
+ * shows for it, and the context charged is the sum of all of them.  So the
+ * measured part is serialised across the node by flock(2) on a file in a
+ * directory every container shares: HAMi's device plugin mounts the host's
+ * /tmp/vgpulock into each container it gives a GPU share, and gpuvisor
+ * uses its own file there.  Without that directory nothing is locked.
+ *
+ * A process killed while holding the lock releases it (the kernel drops
+ * the lock with the last descriptor of the open file).  A holder that does
+ * not finish is waited for at most WAIT_NS; then the context is created
+ * without the lock, as without the directory.  The descriptor is
+ * close-on-exec; a child forked in that moment by another thread keeps the
+ * lock until it exits or execs, which the wait's bound covers too.
+ */
+#include <errno.h>
+#include <fcntl.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "hooks.h"
+#include "log.h"
+
+#define DEFAULT_PATH "/tmp/vgpulock/gpuvisor.lock"
+#define WAIT_NS (5ULL * 1000 * 1000 * 1000)
+#define POLL_NS (1000 * 1000)
+
+static uint64_t mono_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+static int open_lock(const char *path)
+{
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    if (fd >= 0)
+        (void)fchmod(fd, 0666);         /* past the umask, for other users (the owner only) */
+    if (fd < 0 && errno == EACCES)   /* another user's file: flock needs no write access */
+        fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0 && errno != ENOENT) {
+        static atomic_int said;
+        if (!atomic_exchange(&said, 1))
+            gv_log(GV_LOG_INFO, GV_ENV_NODE_LOCK " %s: cannot open it; contexts are created "
+                   "without the node lock", path);
+    }
+    return fd;
+}
+
+int gv_node_lock(void)
+{
+    const char *path = getenv(GV_ENV_NODE_LOCK);
+    if (!path)
+        path = DEFAULT_PATH;
+    if (!*path)
+        return -1;                      /* turned off */
+    int fd = open_lock(path);
+    if (fd < 0)
+        return -1;                      /* no shared directory: nothing to lock */
+    uint64_t deadline = mono_ns() + WAIT_NS;
+    for (;;) {
+        if (flock(fd, LOCK_EX | LOCK_NB) == 0)
+            return fd;
+        if (errno != EWOULDBLOCK && errno != EINTR)
+            break;
+        if (mono_ns() >= deadline) {
+            gv_log(GV_LOG_WARN, GV_ENV_NODE_LOCK " %s: held by another process for over %llu s; "
+                   "creating the context without it (its memory and NVML PID may be mismeasured)",
+                   path, (unsigned long long)(WAIT_NS / 1000000000ULL));
+            break;
+        }
+        struct timespec ts = { 0, POLL_NS };
+        nanosleep(&ts, NULL);
+    }
+    close(fd);
+    return -1;
+}
+
+void gv_node_unlock(int fd)
+{
+    if (fd >= 0)
+        close(fd);                      /* drops the lock */
+}

@@ -1,0 +1,171 @@
+"""Contexts created in the same moment by processes of different containers.
+
+The library measures a new context from outside: NVML's process list and
+memory before and after.  On a node whose pods start together, a real
+driver takes 100 ms or more per context, so each process would see the
+others' new PIDs and memory too: none would learn the PID NVML shows for it
+(in a PID namespace NVML shows host PIDs), and each context would be charged
+the sum of all of them.  The library serialises that measurement across the
+node with flock on $GPUVISOR_NODE_LOCK (by default in /tmp/vgpulock, which
+HAMi's device plugin shares between containers).  The simulator stands in
+for the slow driver (GPUVISOR_SIM_CTX_CREATE_MS) and for host PIDs
+(GPUVISOR_SIM_NVML_PID_OFFSET).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import REPO_ROOT, SimNode
+
+MiB = 1 << 20
+SIM_CONTEXT = 32 * MiB  # what the simulator charges for one context
+OFFSET = 1_000_000
+CTX_MS = 300
+
+CHILD = """
+import os, sys, time
+from tests.cuclient import *
+ok(cu.cuInit, 0)
+ok(cu.cuDeviceGet, 0)
+print("READY", flush=True)
+sys.stdin.readline()
+t0 = time.monotonic()
+init(0, create={create})
+emit(pid=os.getpid(), used=used(), secs=time.monotonic() - t0)
+"""
+
+
+def spawn(env: dict[str, str], create: bool) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", CHILD.format(create=create)],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.strip() == "READY", (line, proc.stderr.read() if proc.stderr else "")
+    return proc
+
+
+def go(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdin is not None
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+
+
+def result(proc: subprocess.Popen[str]) -> tuple[dict[str, Any], str]:
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    return json.loads(out.strip().splitlines()[-1]), err
+
+
+def container_env(node: SimNode, name: str, lock: Path | str, **extra: str) -> dict[str, str]:
+    """A process of its own container (region file), NVML showing host PIDs."""
+    env = {
+        "CUDA_DEVICE_MEMORY_SHARED_CACHE": str(node.dir / f"{name}.shr"),
+        "CUDA_DEVICE_MEMORY_LIMIT": "4g",
+        "GPUVISOR_SIM_NVML_PID_OFFSET": str(OFFSET),
+        "GPUVISOR_SIM_CTX_CREATE_MS": str(CTX_MS),
+        "GPUVISOR_NODE_LOCK": str(lock),
+        "LIBCUDA_LOG_LEVEL": "2",
+    }
+    return node.shimmed(**{**env, **extra})
+
+
+@pytest.mark.parametrize("create", [False, True], ids=["primary-ctx", "cuCtxCreate"])
+def test_contexts_created_together_are_each_measured_alone(node: SimNode, create: bool) -> None:
+    """Four containers' processes create their contexts at once: each
+    learns its own NVML PID and is charged exactly its own context."""
+    lock = node.dir / "vgpulock" / "gpuvisor.lock"
+    lock.parent.mkdir()
+    procs = [spawn(container_env(node, f"c{i}", lock), create) for i in range(4)]
+    for p in procs:
+        go(p)
+    for p in procs:
+        out, err = result(p)
+        learned = f"NVML lists this process as PID {out['pid'] + OFFSET}"
+        assert learned in err, err
+        assert out["used"] == SIM_CONTEXT
+
+
+def test_without_the_shared_directory_nothing_is_locked(node: SimNode) -> None:
+    """No lock directory (not under HAMi's device plugin): a context is
+    created at once, without waiting for anything."""
+    env = container_env(node, "c", node.dir / "missing" / "gpuvisor.lock")
+    out, err = result(_started(env))
+    assert out["secs"] < CTX_MS / 1000 + 1.0
+    assert "NODE_LOCK" not in err
+    assert not (node.dir / "missing").exists()
+
+
+def _started(env: dict[str, str], create: bool = False) -> subprocess.Popen[str]:
+    proc = spawn(env, create)
+    go(proc)
+    return proc
+
+
+def test_a_held_lock_is_waited_for_then_given_up(node: SimNode) -> None:
+    """Another process holds the lock: the creation waits for it while it is
+    held briefly, and after 5 s goes on without it, saying so in one line."""
+    lock = node.dir / "gpuvisor.lock"
+    env = container_env(node, "c", lock, GPUVISOR_SIM_CTX_CREATE_MS="1")
+    with lock.open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        proc = _started(env)
+        time.sleep(0.5)
+        fcntl.flock(held, fcntl.LOCK_UN)
+        out, err = result(proc)
+    assert 0.4 <= out["secs"] < 3.0, out
+    assert out["used"] == SIM_CONTEXT
+    assert "NODE_LOCK" not in err
+
+    with lock.open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        out, err = result(_started(env))
+    assert 5.0 <= out["secs"] < 9.0, out
+    said = [line for line in err.splitlines() if "GPUVISOR_NODE_LOCK" in line]
+    assert len(said) == 1, err
+    assert "without it" in said[0]
+    assert str(lock) in said[0]
+
+
+def test_a_process_killed_holding_the_lock_does_not_block_the_others(node: SimNode) -> None:
+    """SIGKILLed in the middle of creating its context, with the lock held:
+    the next process gets the lock at once."""
+    lock = node.dir / "gpuvisor.lock"
+    slow = _started(container_env(node, "slow", lock, GPUVISOR_SIM_CTX_CREATE_MS="10000"))
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # until it holds the lock
+        if not lock.exists():
+            time.sleep(0.01)
+            continue
+        with lock.open("r") as probe:
+            try:
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(probe, fcntl.LOCK_UN)
+            except BlockingIOError:
+                break
+        time.sleep(0.01)
+    else:
+        pytest.fail("the slow process never took the lock")
+    os.kill(slow.pid, signal.SIGKILL)
+    slow.wait(10)
+    out, err = result(_started(container_env(node, "next", lock, GPUVISOR_SIM_CTX_CREATE_MS="1")))
+    assert out["secs"] < 2.0, out
+    assert f"NVML lists this process as PID {out['pid'] + OFFSET}" in err
+    assert out["used"] == SIM_CONTEXT
