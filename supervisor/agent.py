@@ -36,6 +36,7 @@ from typing import Any
 from .agent_state import (
     AgentConfig,
     AgentState,
+    context_lock_path,
 )
 from .identity import PeerCred, claim_matches, is_admin, peer_cgroups, peer_cred
 from .protocol import (
@@ -320,6 +321,7 @@ class Agent:
         path.parent.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(OSError):
             os.chmod(path.parent, os.stat(path.parent).st_mode | 0o055)
+        self._prepare_context_lock()
         try:
             st = path.lstat()
         except FileNotFoundError:
@@ -335,6 +337,23 @@ class Agent:
             raise RuntimeError(f"another node agent is listening on {path}")
         finally:
             probe.close()
+
+    def _prepare_context_lock(self) -> None:
+        """The file beside the socket that containers' libraries flock while
+        they measure a new context (context_lock_path).  Readable by any
+        uid: flock needs no write access.  Never truncated: a library may
+        hold it across an agent restart."""
+        lock = context_lock_path(self.config.socket_path)
+        try:
+            fd = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as exc:
+            log.warning(
+                "cannot create %s (%s): contexts are measured without the node lock", lock, exc
+            )
+            return
+        with contextlib.suppress(OSError):
+            os.fchmod(fd, 0o644)
+        os.close(fd)
 
     def start_http(self) -> int:
         handler = type("Handler", (_HttpHandler,), {"agent": self})

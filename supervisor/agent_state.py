@@ -36,6 +36,17 @@ def default_socket() -> str:
     return os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
 
 
+# The file the agent keeps beside its socket, for the library to serialise
+# context creations across the node with flock (native/shim/node_lock.c):
+# containers that mount the socket's directory share it.
+CONTEXT_LOCK_NAME = "context.lock"
+NODE_LOCK_ENV = "GPUVISOR_NODE_LOCK"
+
+
+def context_lock_path(socket_path: str) -> str:
+    return os.path.join(os.path.dirname(socket_path), CONTEXT_LOCK_NAME)
+
+
 @dataclass
 class AgentConfig:
     socket_path: str = DEFAULT_SOCKET

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import select
@@ -859,3 +860,19 @@ def test_socket_created_with_directory_and_open_mode(sock_path):
         assert Path(sock_path).is_socket()
         assert Path(sock_path).stat().st_mode & 0o777 == 0o666
     assert not Path(sock_path).exists()
+
+
+def test_context_lock_kept_beside_the_socket(sock_path):
+    """The file containers' libraries flock while they measure a new context
+    (tests/test_context_race.py): created readable by any uid, kept when
+    the agent stops, and never truncated by a restarted agent."""
+    lock = Path(sock_path).parent / "context.lock"
+    with AgentProc(sock_path):
+        assert lock.is_file()
+        assert lock.stat().st_mode & 0o777 == 0o644
+    assert lock.is_file()
+    lock.write_text("held")
+    with lock.open("r") as held:
+        fcntl.flock(held, fcntl.LOCK_SH)  # a library holding it across the restart
+        with AgentProc(sock_path):
+            assert lock.read_text() == "held"

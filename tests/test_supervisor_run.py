@@ -188,6 +188,23 @@ def test_empty_variables_count_as_unset(node, env):
     assert proc.returncode == 5, proc.stderr
 
 
+def test_workload_gets_the_agents_context_lock(env, tmp_path):
+    """Where the node agent keeps context.lock beside its socket, the
+    workload's library is told to use it (GPUVISOR_NODE_LOCK); a value the
+    container sets itself, empty (off) included, is kept."""
+    from gpuvisor.supervisor import config
+
+    env["GPUVISOR_NODE_SOCKET"] = str(tmp_path / "node.sock")
+    env.pop("GPUVISOR_NODE_LOCK", None)
+    assert "GPUVISOR_NODE_LOCK" not in config.build(config.RunOptions(), ["true"], env).env
+    (tmp_path / "context.lock").touch()
+    cfg = config.build(config.RunOptions(), ["true"], env)
+    assert cfg.env["GPUVISOR_NODE_LOCK"] == str(tmp_path / "context.lock")
+    for own in ("", "/tmp/vgpulock/gpuvisor.lock"):
+        cfg = config.build(config.RunOptions(), ["true"], {**env, "GPUVISOR_NODE_LOCK": own})
+        assert cfg.env["GPUVISOR_NODE_LOCK"] == own
+
+
 @pytest.mark.parametrize("level", ["basic_format", "root", "verbose"])
 def test_unknown_log_level_word_falls_back_to_warning(env, level):
     env["GPUVISOR_LOG_LEVEL"] = level
