@@ -48,8 +48,8 @@ static int open_lock(const char *path)
     int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
     if (fd >= 0)
         (void)fchmod(fd, 0666);         /* past the umask, for other users (the owner only) */
-    if (fd < 0 && errno == EACCES)   /* another user's file: flock needs no write access */
-        fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0 && (errno == EACCES || errno == EROFS || errno == EPERM))
+        fd = open(path, O_RDONLY | O_CLOEXEC);  /* flock needs no write access */
     if (fd < 0 && errno != ENOENT) {
         static atomic_int said;
         if (!atomic_exchange(&said, 1))
