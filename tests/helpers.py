@@ -112,6 +112,32 @@ def run_py(
     )
 
 
+def start_piped(code: str, env: Mapping[str, str], *args: str) -> subprocess.Popen[str]:
+    """Start `python -c code args` (dedented) with piped stdin, stdout and
+    stderr, for a test that drives it line by line."""
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        env=dict(env),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+
+
+def start_ready(
+    code: str, env: Mapping[str, str], *args: str, ready: str = "ready"
+) -> subprocess.Popen[str]:
+    """start_piped, returning once the child printed the line `ready`.
+    Fails the test with its stderr if the first line is anything else."""
+    proc = start_piped(code, env, *args)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.strip() == ready, line + (proc.stderr.read() if proc.stderr else "")
+    return proc
+
+
 def run_json(code: str, env: Mapping[str, str], timeout: float = 60) -> Any:
     """Run code that prints one JSON document as its last stdout line; return it.
 

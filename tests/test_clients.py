@@ -150,15 +150,19 @@ def test_percentage_limit(node):
     assert out["totals"] == [4 * GiB, 4 * GiB]
 
 
-def test_disable_control_passes_through(node):
-    out = client(
-        node,
-        """
+# The quota seen, and whether 5 GiB can be allocated (4 GiB limits below).
+TOTAL_AND_5G = """
 init()
 free, total = mem_info()
 err, _ = call(cu.cuMemAlloc, 5 * GiB)
 emit(total=total, big=err.name)
-""",
+"""
+
+
+def test_disable_control_passes_through(node):
+    out = client(
+        node,
+        TOTAL_AND_5G,
         CUDA_DEVICE_MEMORY_LIMIT="4g",
         CUDA_DISABLE_CONTROL="true",
     )
@@ -172,13 +176,7 @@ def test_oversubscribe_is_ignored_and_says_so(node, value):
     device memory, which gpuvisor does not have: the limit holds, and one
     line says the variable is ignored."""
     proc = run_py(
-        PRELUDE
-        + """
-init()
-free, total = mem_info()
-err, _ = call(cu.cuMemAlloc, 5 * GiB)
-emit(total=total, big=err.name)
-""",
+        PRELUDE + TOTAL_AND_5G,
         node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g", CUDA_OVERSUBSCRIBE=value),
     )
     assert proc.returncode == 0, proc.stderr

@@ -19,14 +19,13 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import REPO_ROOT, SimNode
+from tests.helpers import SimNode, start_ready
 
 MiB = 1 << 20
 SIM_CONTEXT = 32 * MiB  # what the simulator charges for one context
@@ -38,7 +37,7 @@ import os, sys, time
 from tests.cuclient import *
 ok(cu.cuInit, 0)
 ok(cu.cuDeviceGet, 0)
-print("READY", flush=True)
+print("ready", flush=True)
 sys.stdin.readline()
 t0 = time.monotonic()
 init(0, create={create})
@@ -47,19 +46,7 @@ emit(pid=os.getpid(), used=used(), secs=time.monotonic() - t0)
 
 
 def spawn(env: dict[str, str], create: bool) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", CHILD.format(create=create)],
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO_ROOT,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.strip() == "READY", (line, proc.stderr.read() if proc.stderr else "")
-    return proc
+    return start_ready(CHILD.format(create=create), env)
 
 
 def go(proc: subprocess.Popen[str]) -> None:

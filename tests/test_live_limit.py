@@ -10,11 +10,8 @@ work.  Raising the limit to 8 GiB lets a 5 GiB allocation through.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import textwrap
 
-from tests.helpers import REPO_ROOT, GiB, MiB, SimNode, run_json
+from tests.helpers import GiB, MiB, SimNode, run_json, start_piped
 
 WORKLOAD = """
 import json, sys
@@ -54,15 +51,7 @@ CTX = 32 * MiB
 
 def test_live_limit_change(node: SimNode) -> None:
     env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g")
-    proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(WORKLOAD)],
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO_ROOT,
-    )
+    proc = start_piped(WORKLOAD, env)
     assert proc.stdin is not None
     assert proc.stdout is not None
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import CU_SPIN_PRELUDE, REPO_ROOT, SimNode, run_json
+from tests.helpers import CU_SPIN_PRELUDE, REPO_ROOT, SimNode, run_json, start_ready
 
 WORKER = """
 import ctypes, json, random, sys, time
@@ -103,19 +103,7 @@ print(json.dumps({str(s.pid): s.smUtil for s in samples}))
 
 
 def start(env: dict[str, str], path: str, seconds: float, seed: int) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(WORKER), path, str(seconds), str(seed)],
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO_ROOT,
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
-    assert line.strip() == "ready", line + (proc.stderr.read() if proc.stderr else "")
-    return proc
+    return start_ready(WORKER, env, path, str(seconds), str(seed))
 
 
 def go(*procs: subprocess.Popen[str]) -> None:
