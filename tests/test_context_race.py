@@ -156,3 +156,37 @@ def test_a_process_killed_holding_the_lock_does_not_block_the_others(node: SimNo
     assert out["secs"] < 2.0, out
     assert f"NVML lists this process as PID {out['pid'] + OFFSET}" in err
     assert out["used"] == SIM_CONTEXT
+
+
+FORK_WHILE_CREATING = """
+import os, sys, threading, time
+from tests.cuclient import *
+ok(cu.cuInit, 0)
+t = threading.Thread(target=init)
+t.start()
+time.sleep(0.3)  # the thread is creating the context, holding the lock
+child = os.fork()
+if child == 0:
+    time.sleep(30)
+    os._exit(0)
+t.join()
+print("ready", flush=True)
+sys.stdin.readline()
+os.kill(child, 9)
+os.waitpid(child, 0)
+"""
+
+
+def test_a_child_forked_during_a_creation_does_not_keep_the_lock(node: SimNode) -> None:
+    """Another thread forks while a context is being created: once the
+    parent is done, the lock is free although the child lives on."""
+    lock = node.dir / "gpuvisor.lock"
+    env = container_env(node, "c", lock, GPUVISOR_SIM_CTX_CREATE_MS="1000")
+    proc = start_ready(FORK_WHILE_CREATING, env)
+    try:
+        with lock.open("r") as probe:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # BlockingIOError if held
+    finally:
+        go(proc)
+        proc.communicate(timeout=30)
+    assert proc.returncode == 0

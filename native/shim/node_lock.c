@@ -16,11 +16,14 @@
  * the lock with the last descriptor of the open file).  A holder that does
  * not finish is waited for at most WAIT_NS; then the context is created
  * without the lock, as without the directory.  The descriptor is
- * close-on-exec; a child forked in that moment by another thread keeps the
- * lock until it exits or execs, which the wait's bound covers too.
+ * close-on-exec, and a child forked while it is held closes its copy at
+ * once (the parent's lock stays: a flock lock belongs to the open file,
+ * which the parent's descriptor keeps), so a child never holds the lock nor
+ * waits for itself.
  */
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -59,8 +62,21 @@ static int open_lock(const char *path)
     return fd;
 }
 
+static atomic_int held = -1;           /* the descriptor while locked */
+static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+static void fork_child(void)
+{
+    int fd = atomic_exchange(&held, -1);
+    if (fd >= 0)
+        close(fd);
+}
+
+static void register_atfork(void) { pthread_atfork(NULL, NULL, fork_child); }
+
 int gv_node_lock(void)
 {
+    pthread_once(&atfork_once, register_atfork);
     const char *path = getenv(GV_ENV_NODE_LOCK);
     if (!path)
         path = DEFAULT_PATH;
@@ -71,8 +87,10 @@ int gv_node_lock(void)
         return -1;                      /* no shared directory: nothing to lock */
     uint64_t deadline = mono_ns() + WAIT_NS;
     for (;;) {
-        if (flock(fd, LOCK_EX | LOCK_NB) == 0)
+        if (flock(fd, LOCK_EX | LOCK_NB) == 0) {
+            atomic_store(&held, fd);
             return fd;
+        }
         if (errno != EWOULDBLOCK && errno != EINTR)
             break;
         if (mono_ns() >= deadline) {
@@ -90,6 +108,9 @@ int gv_node_lock(void)
 
 void gv_node_unlock(int fd)
 {
-    if (fd >= 0)
-        close(fd);                      /* drops the lock */
+    if (fd < 0)
+        return;
+    int mine = fd;
+    atomic_compare_exchange_strong(&held, &mine, -1);
+    close(fd);                          /* drops the lock */
 }
