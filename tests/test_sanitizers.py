@@ -8,6 +8,7 @@ ThreadSanitizer runs are in test_region_native.py.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -40,6 +41,9 @@ def asan_env(node: SimNode) -> dict[str, str]:
         ASAN_OPTIONS="verify_asan_link_order=0:abort_on_error=0:exitcode=86",
         UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:exitcode=87",
         CUDA_DEVICE_MEMORY_LIMIT="1g",
+        # Context creations take the node lock (node_lock.c) under the
+        # sanitizers too.
+        GPUVISOR_NODE_LOCK=str(node.dir / "node.lock"),
     )
     return env
 
@@ -54,6 +58,7 @@ def test_interception_paths_under_asan(asan_env: dict[str, str]) -> None:
     proc = run([str(ASAN_DIR / "tests" / "t_link_intercept")], asan_env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "ERROR: AddressSanitizer" not in proc.stderr
+    assert os.path.isfile(asan_env["GPUVISOR_NODE_LOCK"])  # its contexts took the lock
 
 
 def test_threads_and_processes_under_asan(asan_env: dict[str, str]) -> None:
