@@ -46,9 +46,10 @@ typedef struct {
  * of the node creating contexts in the same moment would add new PIDs of
  * their own: the before/after pair is taken under the node lock
  * (node_lock.c) where containers share one.  If two new PIDs appear all
- * the same, nothing is learned (the next context may tell).  Kept with the getpid() it was learned for, so a
- * forked child does not inherit it; also stored in the process's region
- * slot, so that the container's other processes know it. */
+ * the same, nothing is learned (the next context may tell).  Kept with the
+ * getpid() it was learned for, so a forked child does not inherit it; also
+ * stored in the process's region slot, so that the container's other
+ * processes know it. */
 static _Atomic uint64_t nvml_self;          /* getpid() << 32 | NVML's PID */
 
 uint32_t gv_nvml_self_pid(void)
