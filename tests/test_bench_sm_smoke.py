@@ -85,6 +85,11 @@ def test_quick_run_writes_well_formed_sections(built: Path, tmp_path: Path) -> N
     assert out.startswith(ACCURACY + "\n")
     assert COST in out
     assert re.search(r"Machine: \d+ CPUs, .+; \d{4}-\d\d-\d\d \d\d:\d\d UTC", out)
+    # The CPU time stolen while each scenario ran: one figure per scenario.
+    stolen = re.search(r"while each scenario ran, quota x processes: (.+?) \(time", out)
+    assert stolen, out
+    assert re.fullmatch(r"(\d+x\d+(:\d+x\d+)* \d+ %(, )?)+", stolen.group(1)), stolen.group(1)
+    assert stolen.group(1).count("%") == 3  # one container, a fixed pair, a burst pair
 
     acc, cost = out.split(COST)
     single, fixed, burst = tables(acc)

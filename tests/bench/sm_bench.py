@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+import psutil
+
 from tests.bench.sm_floor import (
     ALLOWANCE,
     PAIR_PROCS,
@@ -142,10 +144,27 @@ def node_env(tmp: Path) -> dict[str, str]:
     return env
 
 
+# (scenario, share of all CPU time the hypervisor took while it ran), in
+# the order the scenarios ran: on a virtual machine whose host is busy, the
+# launching processes stall for tens of milliseconds and windows show it.
+STEAL: list[tuple[str, float]] = []
+
+
+def cpu_steal(before: Sequence[float], after: Sequence[float]) -> float:
+    """The share of all CPU time between two psutil.cpu_times() readings
+    that was stolen (Linux's `steal`: time the hypervisor ran something else)."""
+    total = sum(after) - sum(before)
+    stolen = getattr(after, "steal", 0.0) - getattr(before, "steal", 0.0)
+    return stolen / total if total > 0 else 0.0
+
+
 def run_scenario(containers: Sequence[Container], seconds: float, seed: int) -> int:
     """Run the containers together for `seconds` from a common start on a
     100 ms sample boundary; fill each container's 100 ms series.  Returns
-    how many sampler reads covered more than one 100 ms sample."""
+    how many sampler reads covered more than one 100 ms sample; notes the
+    CPU time stolen meanwhile in STEAL."""
+    label = ":".join(f"{c.limit}x{c.procs}" for c in containers)
+    times0 = psutil.cpu_times()
     with tempfile.TemporaryDirectory(prefix="gvbench-sm.") as d:
         tmp = Path(d)
         env = node_env(tmp)
@@ -232,6 +251,7 @@ def run_scenario(containers: Sequence[Container], seconds: float, seed: int) -> 
                 v = float(sum(util.get(str(pid), 0) for pid in c.pids))
                 for k in range(k0, min(k1, windows)):
                     c.series[k] = v
+        STEAL.append((label, cpu_steal(times0, psutil.cpu_times())))
         return merged
 
 
@@ -418,6 +438,7 @@ def render_accuracy(args: argparse.Namespace) -> str:
     splits = [tuple(int(x) for x in s.split(":")) for s in args.splits.split(",")]
     splits2 = [(s[0], s[1]) for s in splits]
     t0 = time.monotonic()
+    STEAL.clear()
     single_rows, single, m1, floors1 = single_container(quotas, procs, args.seconds, args.allowance)
     fixed_rows, fixed, m2, floors2 = two_fixed(splits2, args.seconds, args.allowance)
     burst_rows, backs, m3 = two_burst(splits2, args.burst_seconds, args.phase_ms)
@@ -544,6 +565,13 @@ def render_accuracy(args: argparse.Namespace) -> str:
         f"  For reference, the ideal scheduler kept every window of all these scenarios "
         f"within +-{GOAL_WINDOW:.0f} points in {model_ok} of {model_runs} model runs."
     )
+    if STEAL:
+        out.append(
+            "- CPU time the hypervisor took (Linux `steal`) while each scenario ran, "
+            "quota x processes: "
+            + ", ".join(f"{label} {100 * share:.0f} %" for label, share in STEAL)
+            + " (time in which the launching processes of a virtual machine cannot run)."
+        )
     if backs:
         worst_back = max(backs)
         out.append(
