@@ -41,6 +41,9 @@ def default_socket() -> str:
 # containers that mount the socket's directory share it.
 CONTEXT_LOCK_NAME = "context.lock"
 NODE_LOCK_ENV = "GPUVISOR_NODE_LOCK"
+# The library's default (native/shim/node_lock.c): in the directory HAMi's
+# device plugin mounts from the host into every container it shares a GPU with.
+HAMI_LOCK_DIR = "/tmp/vgpulock"
 
 
 def context_lock_path(socket_path: str) -> str:

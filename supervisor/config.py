@@ -21,7 +21,13 @@ from gpuvisor.shim.limits import validate_environment
 from gpuvisor.shim.loader import preload_env
 from gpuvisor.shim.region import default_region_path
 
-from .agent_state import DEFAULT_SOCKET, NODE_LOCK_ENV, SOCKET_ENV, context_lock_path
+from .agent_state import (
+    DEFAULT_SOCKET,
+    HAMI_LOCK_DIR,
+    NODE_LOCK_ENV,
+    SOCKET_ENV,
+    context_lock_path,
+)
 
 # Variables the shim reads (HAMi's names).
 ENV_MEMORY = "CUDA_DEVICE_MEMORY_LIMIT"
@@ -179,10 +185,15 @@ def build(options: RunOptions, command: list[str], base_env: Mapping[str, str]) 
     else:
         grace = DEFAULT_GRACE
 
-    if NODE_LOCK_ENV not in env and os.path.isfile(context_lock_path(socket)):
+    if (
+        NODE_LOCK_ENV not in env
+        and not os.path.isdir(HAMI_LOCK_DIR)
+        and os.path.isfile(context_lock_path(socket))
+    ):
         # The node agent's lock file, in the socket's directory the
         # container mounts: the library measures new contexts one at a time
-        # across the node with it.
+        # across the node with it.  Under HAMi's device plugin the library's
+        # default, which every container of the node shares, is kept.
         env[NODE_LOCK_ENV] = context_lock_path(socket)
     validate_shim_environment(env)
     if options.simulate:

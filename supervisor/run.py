@@ -208,9 +208,10 @@ def run(
     signals, reaps zombies, reports to the node agent and exits with
     COMMAND's exit code (128+N if signal N killed it).
 
-    Where the node agent keeps context.lock beside its socket and
-    GPUVISOR_NODE_LOCK is unset, COMMAND gets GPUVISOR_NODE_LOCK set to it:
-    the library then creates contexts one at a time across the node.
+    Where the node agent keeps context.lock beside its socket,
+    GPUVISOR_NODE_LOCK is unset and HAMi's /tmp/vgpulock is not mounted,
+    COMMAND gets GPUVISOR_NODE_LOCK set to it: the library then creates
+    contexts one at a time across the node.
     """
     _setup_logging()
     options = RunOptions(

@@ -188,7 +188,7 @@ def test_empty_variables_count_as_unset(node, env):
     assert proc.returncode == 5, proc.stderr
 
 
-def test_workload_gets_the_agents_context_lock(env, tmp_path):
+def test_workload_gets_the_agents_context_lock(env, tmp_path, monkeypatch):
     """Where the node agent keeps context.lock beside its socket, the
     workload's library is told to use it (GPUVISOR_NODE_LOCK); a value the
     container sets itself, empty (off) included, is kept."""
@@ -203,6 +203,10 @@ def test_workload_gets_the_agents_context_lock(env, tmp_path):
     for own in ("", "/tmp/vgpulock/gpuvisor.lock"):
         cfg = config.build(config.RunOptions(), ["true"], {**env, "GPUVISOR_NODE_LOCK": own})
         assert cfg.env["GPUVISOR_NODE_LOCK"] == own
+    # Under HAMi's device plugin (its lock directory mounted) the library's
+    # default there is kept: containers started without gpuvisor run use it.
+    monkeypatch.setattr(config, "HAMI_LOCK_DIR", str(tmp_path))
+    assert "GPUVISOR_NODE_LOCK" not in config.build(config.RunOptions(), ["true"], env).env
 
 
 @pytest.mark.parametrize("level", ["basic_format", "root", "verbose"])
