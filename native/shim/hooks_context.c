@@ -309,9 +309,9 @@ GV_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
         snap(d, &before);
     }
     rc = real(pctx, dev);
-    if (rc != CUDA_SUCCESS)
+    if (rc != CUDA_SUCCESS) {
         gv_node_unlock(lock);
-    if (rc == CUDA_SUCCESS) {
+    } else {
         p->refs++;
         p->ctx = *pctx;
         if (measure) {

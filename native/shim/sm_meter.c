@@ -15,12 +15,12 @@
  *   best-effort  what the other containers leave (minus 10 %), at least 1 %;
  * and 0 (paused) while the region's yield flag is set (a higher-priority
  * container is active; set by the supervisor), with or without a limit: a
- * low-priority container is gated at 100 % when it has no limit.  "The other containers' use"
- * is NVML's per-process utilisation over the last 300 ms of every process
- * that is not registered in this container's region, or the node agent's
- * figure for the other containers (passed on by the supervisor) when that is
- * larger and fresh, so lent capacity comes back within a few hundred
- * milliseconds once another container works.
+ * low-priority container is gated at 100 % when it has no limit.  "The
+ * other containers' use" is NVML's per-process utilisation over the last
+ * 300 ms of every process that is not registered in this container's
+ * region, or the node agent's figure for the other containers (passed on by
+ * the supervisor) when that is larger and fresh, so lent capacity comes back
+ * within a few hundred milliseconds once another container works.
  */
 #include <linux/futex.h>
 #include <pthread.h>
