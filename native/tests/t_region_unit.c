@@ -350,6 +350,27 @@ static pid_t spawn_sleeper(void)
     return p;
 }
 
+/* Wait (at most 10 s) until pid's comm reads name: the child has run its prctl.
+ * A fixed sleep was not enough on a loaded two-core machine. */
+static void wait_comm(pid_t pid, const char *name)
+{
+    char path[64], buf[32];
+    snprintf(path, sizeof path, "/proc/%d/comm", (int)pid);
+    for (uint64_t t0 = t_now_ms(); t_now_ms() - t0 < 10000; usleep(1000)) {
+        FILE *f = fopen(path, "r");
+        if (f == NULL)
+            continue;
+        size_t n = fread(buf, 1, sizeof buf - 1, f);
+        fclose(f);
+        buf[n] = 0;
+        if (n > 0 && buf[n - 1] == '\n')
+            buf[n - 1] = 0;
+        if (strcmp(buf, name) == 0)
+            return;
+    }
+    CHECK(!"the child never took its name");
+}
+
 static void test_processes(const char *self_exe)
 {
     const char *p = path_in("procs.shr");
@@ -367,12 +388,13 @@ static void test_processes(const char *self_exe)
 
     /* /proc parsing survives a comm with spaces and parentheses; zombies are dead. */
     pid_t sl = spawn_sleeper();
-    usleep(20000);
+    wait_comm(sl, "a) b (c) ");
     uint64_t sl_start = gv_proc_start_time(sl);
     CHECK(sl_start >= my_start);
     CHECK(gv_proc_alive(sl, sl_start));
     kill(sl, SIGKILL);
-    usleep(20000);                              /* a zombie until we reap it */
+    siginfo_t si;                               /* until it is a zombie, not reaped */
+    CHECK(waitid(P_PID, (id_t)sl, &si, WEXITED | WNOWAIT) == 0);
     CHECK(!gv_proc_alive(sl, sl_start));
     waitpid(sl, NULL, 0);
     CHECK(!gv_proc_alive(sl, sl_start));
@@ -527,7 +549,8 @@ static void test_device_race(void)
         region_device_lookup(r, u, GIB, 7 * MIB);
         _exit(0);
     }
-    usleep(100000);
+    for (uint64_t t = t_now_ms(); region_device_count(r) < 3 && t_now_ms() - t < 10000;)
+        usleep(1000);
     CHECK_EQ(region_device_count(r), 3);         /* entry 2 is being initialised */
     CHECK(!region_device_ready(r, 2));
     kill(c, SIGKILL);
