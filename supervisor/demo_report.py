@@ -86,20 +86,32 @@ def _reached(s: Series | None, since: float, lo: float, hi: float) -> float | No
     return None
 
 
+def _first_use(s: Series | None, since: float) -> float:
+    """When NVML first saw the container use its GPU at or after `since` (its
+    launch): a container needs its share from then, not while its processes
+    are still starting.  `since` when it never did."""
+    for p in s.points if s is not None else []:
+        if p.t >= since and p.sm:
+            return p.t
+    return since
+
+
 def verdicts(workloads: list[Workload], series: dict[str, Series], end: float) -> list[Verdict]:
-    """Target against achieved, per container and phase (1.5 s settling left out)."""
+    """Target against achieved, per container and phase, each phase timed from
+    the first GPU use of the container that opens it (1.5 s settling left out)."""
     out: list[Verdict] = []
-    starts = {w.name: w.start for w in workloads}
+    starts = {w.name: _first_use(series.get(w.name), w.start) for w in workloads}
     for w in workloads:
         s = series.get(w.name)
         neighbours = [o for o in workloads if o.gpu == w.gpu and o is not w]
         phases: list[tuple[str, float, float, float]] = []  # name, since, t0, t1
+        began = starts[w.name]
         if w.policy == "fixed-share" or not neighbours:
-            phases.append(("whole run", w.start, w.start + 1.5, end - 0.5))
+            phases.append(("whole run", began, began + 1.5, end - 0.5))
         else:
             joined = min(starts[o.name] for o in neighbours)
-            if joined > w.start + 2.5:
-                phases.append(("alone", w.start, w.start + 1.5, joined))
+            if joined > began + 2.5:
+                phases.append(("alone", began, began + 1.5, joined))
             phases.append(("with neighbour", joined, joined + 1.5, end - 0.5))
         room = 100.0 - sum(o.sm for o in neighbours)  # what the neighbours' quotas leave
         quota = float(w.sm)

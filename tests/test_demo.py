@@ -12,11 +12,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from gpuvisor.supervisor.demo import scenario
+from gpuvisor.supervisor.demo import Workload, scenario
+from gpuvisor.supervisor.demo_report import verdicts
+from gpuvisor.supervisor.demo_sampler import Point, Series
 
 from tests.helpers import REPO_ROOT, clean_env
 
@@ -114,6 +117,44 @@ def test_demo_rejects_a_bad_duration(tmp_path: Path, seconds: str) -> None:
     assert "--seconds" in proc.stderr
     assert seconds in proc.stderr
     assert not (tmp_path / "summary.json").exists()
+
+
+def test_give_back_is_timed_from_the_neighbours_first_gpu_use() -> None:
+    """A neighbour that takes 1.5 s to start its processes (a loaded machine)
+    does not need the GPU yet: the burst-share container's give-back, and
+    the neighbour's own settling, count from the neighbour's first use."""
+
+    def series(name: str, sm_at: Callable[[float], float]) -> Series:
+        s = Series(name)
+        for k in range(121):
+            t = k / 10
+            s.points.append(Point(t, sm_at(t), None, None, 0, None, 0))
+        return s
+
+    work = [
+        Workload("notebook", 0, "burst-share", 20, "4g", 0.0, "1g"),
+        Workload("trainer", 0, "fixed-share", 60, "8g", 4.0, "6g"),
+    ]
+    # Spawned at 4.0 s, the trainer first runs at 5.5 s; the notebook is
+    # down to 40 % at 6.0 s and the trainer at 60 % at 6.2 s.
+    got = {
+        (v.name, v.phase): v
+        for v in verdicts(
+            work,
+            {
+                "notebook": series("notebook", lambda t: 90.0 if t < 6.0 else 40.0),
+                "trainer": series(
+                    "trainer", lambda t: 0.0 if t < 5.5 else (30.0 if t < 6.2 else 60.0)
+                ),
+            },
+            end=12.0,
+        )
+    }
+    assert got["notebook", "alone"].window == (1.5, 5.5)
+    assert got["notebook", "with neighbour"].settled == 0.5
+    assert got["notebook", "with neighbour"].window == (7.0, 11.5)
+    assert got["trainer", "whole run"].settled == 0.7
+    assert all(v.ok for v in got.values()), got
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 8])
