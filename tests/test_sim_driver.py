@@ -128,6 +128,88 @@ def test_cuda_python_alloc_free_oom_meminfo(tmp_path: Path) -> None:
     )
 
 
+@needs_cuda_python
+def test_cuda_python_graph_memory_nodes(tmp_path: Path) -> None:
+    """Graph allocations (captured cuMemAllocAsync/cuMemFreeAsync and explicit
+    memory nodes) take device memory from the graph pool when the graph is
+    launched or uploaded, keep it until cuDeviceGraphMemTrim, and fail the
+    launch with CUDA_ERROR_OUT_OF_MEMORY when the device is full."""
+    ok(
+        run_py(
+            f"""
+            from cuda.bindings import driver as d
+            R = d.CUresult.CUDA_SUCCESS
+            A = d.CUgraphMem_attribute
+            assert d.cuInit(0)[0] == R
+            err, ctx = d.cuCtxCreate(None, 0, 0); assert err == R, err
+            def attr(a):
+                err, v = d.cuDeviceGetGraphMemAttribute(0, a); assert err == R, err
+                return int(v)
+            def pool():
+                return (attr(A.CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT),
+                        attr(A.CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT))
+            free0 = d.cuMemGetInfo()[1]
+            err, s = d.cuStreamCreate(0); assert err == R
+            # capture: allocate 3 MiB and free it inside the graph
+            assert d.cuStreamBeginCapture(s, 0)[0] == R
+            err, a = d.cuMemAllocAsync(3 * {MiB}, s); assert err == R, err
+            assert d.cuMemFreeAsync(a, s)[0] == R
+            err, g = d.cuStreamEndCapture(s); assert err == R, err
+            err, nodes, n = d.cuGraphGetNodes(g, 2); assert err == R and n == 2
+            types = [d.cuGraphNodeGetType(x)[1] for x in nodes]
+            assert types == [d.CUgraphNodeType.CU_GRAPH_NODE_TYPE_MEM_ALLOC,
+                             d.CUgraphNodeType.CU_GRAPH_NODE_TYPE_MEM_FREE], types
+            err, prm = d.cuGraphMemAllocNodeGetParams(nodes[0]); assert err == R
+            assert prm.bytesize == 3 * {MiB} and int(prm.dptr) == int(a)
+            assert int(d.cuGraphMemFreeNodeGetParams(nodes[1])[1]) == int(a)
+            assert pool() == (0, 0) and d.cuMemGetInfo()[1] == free0  # nothing yet
+            err, e = d.cuGraphInstantiate(g, 0); assert err == R, err
+            assert d.cuGraphLaunch(e, s)[0] == R
+            assert pool() == (0, 4 * {MiB}), pool()               # freed, kept
+            assert d.cuMemGetInfo()[1] == free0 - 4 * {MiB}
+            assert d.cuGraphLaunch(e, s)[0] == R                  # reused
+            assert pool() == (0, 4 * {MiB})
+            assert d.cuDeviceGraphMemTrim(0)[0] == R
+            assert pool() == (0, 0) and d.cuMemGetInfo()[1] == free0
+            assert d.cuGraphUpload(e, s)[0] == R                  # upload reserves
+            assert pool() == (0, 4 * {MiB})
+            assert d.cuDeviceGraphMemTrim(0)[0] == R
+            # explicit node left live after the launch: freed with cuMemFree
+            err, g2 = d.cuGraphCreate(0); assert err == R
+            p = d.CUDA_MEM_ALLOC_NODE_PARAMS()
+            p.poolProps.allocType = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+            p.poolProps.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            p.poolProps.location.id = 0
+            p.bytesize = {GiB}
+            err, node = d.cuGraphAddMemAllocNode(g2, None, 0, p); assert err == R, err
+            err, e2 = d.cuGraphInstantiate(g2, 0); assert err == R
+            assert d.cuGraphLaunch(e2, s)[0] == R
+            assert pool() == ({GiB}, {GiB})
+            assert attr(A.CU_GRAPH_MEM_ATTR_USED_MEM_HIGH) == {GiB}
+            # still live: launching again is an error
+            assert d.cuGraphLaunch(e2, s)[0] == d.CUresult.CUDA_ERROR_INVALID_VALUE
+            assert d.cuMemFree(p.dptr)[0] == R
+            assert pool() == (0, {GiB})
+            # a graph larger than the device: out of memory, nothing taken
+            assert d.cuDeviceGraphMemTrim(0)[0] == R
+            err, g3 = d.cuGraphCreate(0); assert err == R
+            p.bytesize = 5 * {GiB}
+            assert d.cuGraphAddMemAllocNode(g3, None, 0, p)[0] == R
+            err, e3 = d.cuGraphInstantiate(g3, 0); assert err == R
+            assert d.cuGraphLaunch(e3, s)[0] == d.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+            assert pool() == (0, 0) and d.cuMemGetInfo()[1] == free0
+            for x in (e, e2, e3):
+                assert d.cuGraphExecDestroy(x)[0] == R
+            for x in (g, g2, g3):
+                assert d.cuGraphDestroy(x)[0] == R
+            assert d.cuCtxDestroy(ctx)[0] == R
+            print("done")
+            """,
+            sim_env(tmp_path, "4g"),
+        )
+    )
+
+
 def test_pynvml_basics_and_ignores_cuda_visible_devices(tmp_path: Path) -> None:
     out = ok(
         run_py(

@@ -358,8 +358,28 @@ enum { CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH = 1,
 
 typedef enum CUgraphNodeType_enum {
     CU_GRAPH_NODE_TYPE_KERNEL = 0,
-    CU_GRAPH_NODE_TYPE_EMPTY = 5
+    CU_GRAPH_NODE_TYPE_EMPTY = 5,
+    CU_GRAPH_NODE_TYPE_MEM_ALLOC = 10,
+    CU_GRAPH_NODE_TYPE_MEM_FREE = 11
 } CUgraphNodeType;
+
+/* Graph memory nodes: an allocation node's address is fixed when the node
+ * is made; the physical memory comes from a per-device graph pool when the
+ * graph is launched or uploaded, and stays reserved there until a trim. */
+typedef struct CUDA_MEM_ALLOC_NODE_PARAMS_v1_st {
+    CUmemPoolProps poolProps;
+    const CUmemAccessDesc *accessDescs;
+    size_t accessDescCount;
+    size_t bytesize;
+    CUdeviceptr dptr;                   /* out */
+} CUDA_MEM_ALLOC_NODE_PARAMS;
+
+typedef enum CUgraphMem_attribute_enum {
+    CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT = 0,
+    CU_GRAPH_MEM_ATTR_USED_MEM_HIGH = 1,
+    CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT = 2,
+    CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH = 3
+} CUgraphMem_attribute;
 
 /* ------------------------------------------------------------------ */
 /* NVML                                                                */

@@ -7,7 +7,9 @@
  * copies the kernels; cuGraphLaunch queues them in order on its stream
  * (cuda_launch.c), or appends them to the graph if that stream is
  * capturing.  Kernels launched into a capturing stream are appended to the
- * capture graph instead of running.
+ * capture graph instead of running.  Memory allocation and free nodes
+ * (cuda_graph_mem.c) are run in node order when the graph is launched,
+ * before its kernels are queued.
  */
 #include <stdlib.h>
 #include <string.h>
@@ -23,6 +25,7 @@ struct CUgraphNode_st {
     int type;                           /* CUgraphNodeType */
     struct CUgraph_st *g;
     sim_kern k;
+    struct sim_gmem *gm;                /* memory nodes: one reference */
 };
 
 struct CUgraph_st {
@@ -35,6 +38,9 @@ struct CUgraphExec_st {
     uint32_t magic;
     int n;
     sim_kern *k;
+    int nm;                             /* memory nodes, in node order */
+    sim_gmop *m;
+    unsigned long long flags;
 };
 
 static __thread CUstreamCaptureMode t_mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
@@ -53,6 +59,8 @@ struct CUgraph_st *sim_graph_new(void)
 void sim_graph_free(struct CUgraph_st *g)
 {
     for (int i = 0; i < g->n; i++) {
+        if (g->nodes[i]->gm)
+            sim_gmem_unref_locked(g->nodes[i]->gm);
         sim_reg_del(g->nodes[i]);
         g->nodes[i]->magic = 0;
         free(g->nodes[i]);
@@ -69,7 +77,7 @@ static int graph_ok_locked(struct CUgraph_st *g)
 }
 
 static struct CUgraphNode_st *add_node_locked(struct CUgraph_st *g, int type,
-                                              const sim_kern *k)
+                                              const sim_kern *k, struct sim_gmem *gm)
 {
     if (g->n == g->cap) {
         int cap = g->cap ? g->cap * 2 : 16;
@@ -87,6 +95,10 @@ static struct CUgraphNode_st *add_node_locked(struct CUgraph_st *g, int type,
     nd->g = g;
     if (k)
         nd->k = *k;
+    if (gm) {
+        nd->gm = gm;
+        sim_gmem_ref_locked(gm);
+    }
     g->nodes[g->n++] = nd;
     sim_reg_add(nd);
     return nd;
@@ -94,8 +106,15 @@ static struct CUgraphNode_st *add_node_locked(struct CUgraph_st *g, int type,
 
 CUresult sim_graph_append_locked(struct CUgraph_st *g, const sim_kern *k)
 {
-    return add_node_locked(g, CU_GRAPH_NODE_TYPE_KERNEL, k)
+    return add_node_locked(g, CU_GRAPH_NODE_TYPE_KERNEL, k, NULL)
                ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+CUresult sim_graph_append_mem_locked(struct CUgraph_st *g, int type,
+                                     struct sim_gmem *gm)
+{
+    return add_node_locked(g, type, NULL, gm) ? CUDA_SUCCESS
+                                              : CUDA_ERROR_OUT_OF_MEMORY;
 }
 
 SIM_API CUresult cuGraphCreate(CUgraph *pg, unsigned int flags)
@@ -141,7 +160,8 @@ static int deps_ok_locked(struct CUgraph_st *g, const CUgraphNode *deps,
 }
 
 static CUresult add_node(CUgraphNode *out, CUgraph g, const CUgraphNode *deps,
-                         size_t ndeps, int type, const sim_kern *k)
+                         size_t ndeps, int type, const sim_kern *k,
+                         struct sim_gmem *gm)
 {
     if (!out)
         return CUDA_ERROR_INVALID_VALUE;
@@ -149,7 +169,7 @@ static CUresult add_node(CUgraphNode *out, CUgraph g, const CUgraphNode *deps,
     CUresult rc = CUDA_SUCCESS;
     if (!graph_ok_locked(g) || !deps_ok_locked(g, deps, ndeps))
         rc = CUDA_ERROR_INVALID_VALUE;
-    struct CUgraphNode_st *nd = rc ? NULL : add_node_locked(g, type, k);
+    struct CUgraphNode_st *nd = rc ? NULL : add_node_locked(g, type, k, gm);
     if (!rc && !nd)
         rc = CUDA_ERROR_OUT_OF_MEMORY;
     pthread_mutex_unlock(&sim_mu);
@@ -171,7 +191,7 @@ static CUresult kernel_node(CUgraphNode *out, CUgraph g,
     rc = sim_kern_make(&k, f, grid, block, shmem, params, extra);
     if (rc)
         return rc == CUDA_ERROR_INVALID_HANDLE ? CUDA_ERROR_INVALID_VALUE : rc;
-    return add_node(out, g, deps, ndeps, CU_GRAPH_NODE_TYPE_KERNEL, &k);
+    return add_node(out, g, deps, ndeps, CU_GRAPH_NODE_TYPE_KERNEL, &k, NULL);
 }
 
 SIM_API CUresult cuGraphAddKernelNode_v2(CUgraphNode *out, CUgraph g,
@@ -205,7 +225,27 @@ SIM_API CUresult cuGraphAddEmptyNode(CUgraphNode *out, CUgraph g,
     CUresult rc = sim_check_init();
     if (rc)
         return rc;
-    return add_node(out, g, deps, n, CU_GRAPH_NODE_TYPE_EMPTY, NULL);
+    return add_node(out, g, deps, n, CU_GRAPH_NODE_TYPE_EMPTY, NULL, NULL);
+}
+
+/* A memory node holding gm (the caller's reference is kept by the node on
+ * success and dropped on failure). */
+CUresult sim_graph_add_mem(CUgraphNode *out, CUgraph g, const CUgraphNode *deps,
+                           size_t ndeps, int type, struct sim_gmem *gm)
+{
+    CUresult rc = add_node(out, g, deps, ndeps, type, NULL, gm);
+    pthread_mutex_lock(&sim_mu);
+    sim_gmem_unref_locked(gm);
+    pthread_mutex_unlock(&sim_mu);
+    return rc;
+}
+
+/* The record of a memory node of this type, or NULL; sim_mu held. */
+struct sim_gmem *sim_graph_node_gmem(CUgraphNode nd, int type)
+{
+    if (!nd || !sim_reg_has(nd) || nd->magic != NODE_MAGIC || nd->type != type)
+        return NULL;
+    return nd->gm;
 }
 
 SIM_API CUresult cuGraphAddDependencies_v2(CUgraph g, const CUgraphNode *from,
@@ -293,14 +333,25 @@ SIM_API CUresult cuGraphInstantiateWithFlags(CUgraphExec *pe, CUgraph g,
         return CUDA_ERROR_INVALID_VALUE;
     }
     e->k = calloc((size_t)g->n + 1, sizeof *e->k);
-    if (!e->k) {
+    e->m = calloc((size_t)g->n + 1, sizeof *e->m);
+    if (!e->k || !e->m) {
         pthread_mutex_unlock(&sim_mu);
+        free(e->k);
+        free(e->m);
         free(e);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    for (int i = 0; i < g->n; i++)
-        if (g->nodes[i]->type == CU_GRAPH_NODE_TYPE_KERNEL)
-            e->k[e->n++] = g->nodes[i]->k;
+    for (int i = 0; i < g->n; i++) {
+        struct CUgraphNode_st *nd = g->nodes[i];
+        if (nd->type == CU_GRAPH_NODE_TYPE_KERNEL)
+            e->k[e->n++] = nd->k;
+        else if (nd->gm) {
+            sim_gmem_ref_locked(nd->gm);
+            e->m[e->nm].gm = nd->gm;
+            e->m[e->nm++].free = nd->type == CU_GRAPH_NODE_TYPE_MEM_FREE;
+        }
+    }
+    e->flags = flags;
     e->magic = EXEC_MAGIC;
     sim_reg_add(e);
     pthread_mutex_unlock(&sim_mu);
@@ -344,11 +395,14 @@ SIM_API CUresult cuGraphExecDestroy(CUgraphExec e)
     if (ok) {
         sim_reg_del(e);
         e->magic = 0;
+        for (int i = 0; i < e->nm; i++)
+            sim_gmem_unref_locked(e->m[i].gm);
     }
     pthread_mutex_unlock(&sim_mu);
     if (!ok)
         return CUDA_ERROR_INVALID_VALUE;
     free(e->k);
+    free(e->m);
     free(e);
     return CUDA_SUCCESS;
 }
@@ -364,6 +418,16 @@ static CUresult graph_launch(CUgraphExec e, CUstream hs, int ptsz, int run)
         return rc;
     if (!exec_ok(e))
         return CUDA_ERROR_INVALID_VALUE;
+    if (e->nm) {
+        int capturing = r.s && r.s->capture != CU_STREAM_CAPTURE_STATUS_NONE;
+        if (capturing)
+            return CUDA_ERROR_NOT_SUPPORTED;    /* not modelled */
+        pthread_mutex_lock(&sim_mu);
+        rc = sim_gmem_run_locked(e->m, e->nm, e->flags, !run, r.ctx);
+        pthread_mutex_unlock(&sim_mu);
+        if (rc)
+            return rc;
+    }
     return run ? sim_launch(&r, e->k, e->n) : CUDA_SUCCESS;
 }
 

@@ -45,6 +45,10 @@ void sim_free_entry_locked(sim_alloc *a)
         sim_pool_block_free_locked(a);
         return;
     }
+    if (a->kind == SIM_K_GRAPH) {
+        sim_gmem_free_locked(a);
+        return;
+    }
     int node = a->node;
     uint64_t ch = a->charged;
     sim_tab_remove(a->addr);

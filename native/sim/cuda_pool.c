@@ -123,8 +123,10 @@ out:
     return rc;
 }
 
-SIM_API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t size,
-                                         CUmemoryPool pool, CUstream s)
+/* In a capturing stream, allocations and frees become graph memory nodes
+ * (cuda_graph_mem.c) instead of running. */
+static CUresult alloc_from_pool(CUdeviceptr *dptr, size_t size, CUmemoryPool pool,
+                                CUstream s, int ptsz)
 {
     struct CUctx_st *c;
     CUresult rc = sim_stream_ctx(s, &c);
@@ -137,10 +139,12 @@ SIM_API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t size,
     pthread_mutex_unlock(&sim_mu);
     if (!ok)
         return CUDA_ERROR_INVALID_VALUE;
+    if (sim_capture_alloc(s, ptsz, dptr, size, &rc))
+        return rc;
     return pool_alloc(pool, dptr, size);
 }
 
-SIM_API CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t size, CUstream s)
+static CUresult alloc_async(CUdeviceptr *dptr, size_t size, CUstream s, int ptsz)
 {
     struct CUctx_st *c;
     CUresult rc = sim_stream_ctx(s, &c);
@@ -148,17 +152,21 @@ SIM_API CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t size, CUstream s)
         return rc;
     if (!dptr || !size)
         return CUDA_ERROR_INVALID_VALUE;
+    if (sim_capture_alloc(s, ptsz, dptr, size, &rc))
+        return rc;
     pthread_mutex_lock(&sim_mu);
     struct CUmemPoolHandle_st *p = cur_pool(c->ordinal);
     pthread_mutex_unlock(&sim_mu);
     return pool_alloc(p, dptr, size);
 }
 
-SIM_API CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream s)
+static CUresult free_async(CUdeviceptr dptr, CUstream s, int ptsz)
 {
     struct CUctx_st *c;
     CUresult rc = sim_stream_ctx(s, &c);
     if (rc)
+        return rc;
+    if (sim_capture_free(s, ptsz, dptr, &rc))
         return rc;
     pthread_mutex_lock(&sim_mu);
     sim_alloc *a = sim_tab_find(dptr);
@@ -168,20 +176,36 @@ SIM_API CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream s)
     return a ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
+SIM_API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *d, size_t n, CUmemoryPool p,
+                                         CUstream s)
+{
+    return alloc_from_pool(d, n, p, s, 0);
+}
+
+SIM_API CUresult cuMemAllocAsync(CUdeviceptr *d, size_t n, CUstream s)
+{
+    return alloc_async(d, n, s, 0);
+}
+
+SIM_API CUresult cuMemFreeAsync(CUdeviceptr d, CUstream s)
+{
+    return free_async(d, s, 0);
+}
+
 SIM_API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *d, size_t n, CUstream s)
 {
-    return cuMemAllocAsync(d, n, s);
+    return alloc_async(d, n, s, 1);
 }
 
 SIM_API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *d, size_t n,
                                               CUmemoryPool p, CUstream s)
 {
-    return cuMemAllocFromPoolAsync(d, n, p, s);
+    return alloc_from_pool(d, n, p, s, 1);
 }
 
 SIM_API CUresult cuMemFreeAsync_ptsz(CUdeviceptr d, CUstream s)
 {
-    return cuMemFreeAsync(d, s);
+    return free_async(d, s, 1);
 }
 
 /* ---- pool objects ---------------------------------------------------- */

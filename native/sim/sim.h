@@ -173,7 +173,7 @@ struct CUctx_st {
     uint64_t pend[SIM_QUEUE_DEPTH];     /* end times of the last launches */
 };
 
-enum sim_kind { SIM_K_ALLOC = 1, SIM_K_POOL = 2, SIM_K_LOW = 3 };
+enum sim_kind { SIM_K_ALLOC = 1, SIM_K_POOL = 2, SIM_K_LOW = 3, SIM_K_GRAPH = 4 };
 
 typedef struct sim_alloc {
     CUdeviceptr addr;
@@ -183,6 +183,7 @@ typedef struct sim_alloc {
     int kind;
     struct CUctx_st *ctx;
     struct CUmemPoolHandle_st *pool;
+    struct sim_gmem *gmem;              /* SIM_K_GRAPH: its allocation node's */
 } sim_alloc;
 
 struct CUmemPoolHandle_st {
@@ -299,6 +300,36 @@ SIM_HIDDEN CUresult sim_launch(const sim_sref *r, const sim_kern *k, int n);
 SIM_HIDDEN CUresult sim_graph_append_locked(struct CUgraph_st *g, const sim_kern *k);
 SIM_HIDDEN struct CUgraph_st *sim_graph_new(void);
 SIM_HIDDEN void sim_graph_free(struct CUgraph_st *g);
+
+/* graph memory (cuda_graph_mem.c): one record per allocation node's
+ * address; an executable graph holds its memory nodes as a list of ops */
+struct sim_gmem;
+typedef struct sim_gmop {
+    struct sim_gmem *gm;
+    int free;                           /* 0: allocate, 1: free */
+} sim_gmop;
+SIM_HIDDEN struct sim_gmem *sim_gmem_new_locked(int ordinal, uint64_t size);
+SIM_HIDDEN struct sim_gmem *sim_gmem_find_locked(CUdeviceptr addr);
+SIM_HIDDEN void sim_gmem_ref_locked(struct sim_gmem *gm);
+SIM_HIDDEN void sim_gmem_unref_locked(struct sim_gmem *gm);
+SIM_HIDDEN CUdeviceptr sim_gmem_addr(const struct sim_gmem *gm);
+SIM_HIDDEN uint64_t sim_gmem_size(const struct sim_gmem *gm);
+SIM_HIDDEN int sim_gmem_ordinal(const struct sim_gmem *gm);
+/* run an executable graph's memory ops (upload: only reserve for them) */
+SIM_HIDDEN CUresult sim_gmem_run_locked(const sim_gmop *ops, int n, unsigned long long flags,
+                                        int upload, struct CUctx_st *ctx);
+SIM_HIDDEN void sim_gmem_free_locked(sim_alloc *a);
+/* graph side of memory nodes (cuda_graph.c) */
+SIM_HIDDEN CUresult sim_graph_add_mem(CUgraphNode *out, CUgraph g, const CUgraphNode *deps,
+                                      size_t ndeps, int type, struct sim_gmem *gm);
+SIM_HIDDEN CUresult sim_graph_append_mem_locked(struct CUgraph_st *g, int type,
+                                                struct sim_gmem *gm);
+SIM_HIDDEN struct sim_gmem *sim_graph_node_gmem(CUgraphNode nd, int type);
+/* stream capture of cuMemAllocAsync / cuMemFreeAsync: 0 if s is not
+ * capturing (nothing done), else 1 with the call's result in *rc */
+SIM_HIDDEN int sim_capture_alloc(CUstream s, int ptsz, CUdeviceptr *dptr, size_t size,
+                                 CUresult *rc);
+SIM_HIDDEN int sim_capture_free(CUstream s, int ptsz, CUdeviceptr dptr, CUresult *rc);
 
 /* pools (cuda_pool.c) */
 SIM_HIDDEN void sim_pools_sync(int ordinal);   /* -1: all devices */
