@@ -104,6 +104,149 @@ emit(base=base, grown=grown, over=over.name, after=used())
     assert out["after"] == out["base"]
 
 
+GRAPH_OF = """
+def graph_of(nbytes, free_inside=True):
+    \"\"\"A captured graph that allocates nbytes (and frees them inside).\"\"\"
+    s = ok(cu.cuStreamCreate, 0)
+    ok(cu.cuStreamBeginCapture, s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+    p = ok(cu.cuMemAllocAsync, nbytes, s)
+    if free_inside:
+        ok(cu.cuMemFreeAsync, p, s)
+    g = ok(cu.cuStreamEndCapture, s)
+    return ok(cu.cuGraphInstantiate, g, 0), s, p
+def graph_pool():
+    return int(ok(cu.cuDeviceGetGraphMemAttribute, 0,
+                  cu.CUgraphMem_attribute.CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT))
+"""
+
+
+def test_graph_memory_is_charged_and_limited(node):
+    """Graph allocations take their memory from the device's graph pool when
+    the graph is launched, not when the cuMemAllocAsync is captured: the
+    pool's reserve is charged at launch, a launch past the quota fails with
+    CUDA_ERROR_OUT_OF_MEMORY before anything is taken, and a trim gives the
+    memory back."""
+    out = client(
+        node,
+        GRAPH_OF
+        + """
+init()
+base = used()
+e, s, _ = graph_of(3 * GiB)
+captured = used()
+launch = call(cu.cuGraphLaunch, e, s)[0]
+after_launch, pool = used(), graph_pool()
+plain = call(cu.cuMemAlloc, 2 * GiB)[0]           # 3 + 2 > 4: refused
+ok(cu.cuDeviceGraphMemTrim, 0)
+trimmed = used()
+q = ok(cu.cuMemAlloc, 2 * GiB)                    # now it fits
+again = call(cu.cuGraphLaunch, e, s)[0]           # 2 + 3 > 4: refused
+refused_pool, refused_used = graph_pool(), used()
+ok(cu.cuMemFree, q)
+third = call(cu.cuGraphLaunch, e, s)[0]
+emit(base=base, captured=captured, launch=launch.name, after_launch=after_launch, pool=pool,
+     plain=plain.name, trimmed=trimmed, again=again.name, refused_pool=refused_pool,
+     refused_used=refused_used, third=third.name, end=used())
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+    )
+    assert out["captured"] == out["base"], out  # capturing allocates nothing
+    assert out["launch"] == "CUDA_SUCCESS", out
+    assert out["pool"] == 3 * GiB, out
+    assert out["after_launch"] == out["base"] + 3 * GiB, out
+    assert out["plain"] == OOM, out
+    assert out["trimmed"] == out["base"], out
+    assert out["again"] == OOM, out
+    assert out["refused_pool"] == 0, out
+    assert out["refused_used"] == out["base"] + 2 * GiB, out
+    assert out["third"] == "CUDA_SUCCESS", out
+    assert out["end"] == out["base"] + 3 * GiB, out
+
+
+EXPLICIT_GRAPH = """
+def explicit_graph(nbytes):
+    \"\"\"A graph with one allocation node that the graph does not free.\"\"\"
+    g = ok(cu.cuGraphCreate, 0)
+    p = cu.CUDA_MEM_ALLOC_NODE_PARAMS()
+    p.poolProps.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    p.poolProps.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    p.poolProps.location.id = 0
+    p.bytesize = nbytes
+    ok(cu.cuGraphAddMemAllocNode, g, None, 0, p)
+    return g, p.dptr
+def instantiate_uploading(g, s):
+    prm = cu.CUDA_GRAPH_INSTANTIATE_PARAMS()
+    prm.flags = cu.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD
+    prm.hUploadStream = s
+    return call(cu.cuGraphInstantiateWithParams, g, prm)
+"""
+
+
+def test_graph_memory_uploaded_at_instantiation_and_left_live(node):
+    """cuGraphInstantiateWithParams with CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD
+    maps the graph's memory at instantiation: charged then, or refused then.
+    An allocation the graph leaves live stays charged after cuMemFree until
+    the pool is trimmed."""
+    out = client(
+        node,
+        GRAPH_OF
+        + EXPLICIT_GRAPH
+        + """
+init()
+base = used()
+s = ok(cu.cuStreamCreate, 0)
+g, dptr = explicit_graph(3 * GiB)
+big, _ = instantiate_uploading(explicit_graph(5 * GiB)[0], s)
+err, e = instantiate_uploading(g, s)
+uploaded = used()
+launch = call(cu.cuGraphLaunch, e, s)[0]
+launched = used()
+ok(cu.cuMemFree, dptr)
+freed = used()
+ok(cu.cuDeviceGraphMemTrim, 0)
+emit(base=base, big=big.name, err=err.name, uploaded=uploaded, launch=launch.name,
+     launched=launched, freed=freed, trimmed=used())
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+    )
+    b = out["base"]
+    assert out["big"] == OOM, out
+    assert (out["err"], out["launch"]) == ("CUDA_SUCCESS", "CUDA_SUCCESS"), out
+    assert out["uploaded"] == out["launched"] == out["freed"] == b + 3 * GiB, out
+    assert out["trimmed"] == b, out
+
+
+def test_graph_memory_passes_through_without_control(node):
+    """CUDA_DISABLE_CONTROL: graphs allocate what the device has, unlimited."""
+    out = client(
+        node,
+        GRAPH_OF
+        + """
+init()
+e, s, _ = graph_of(6 * GiB)
+emit(launch=call(cu.cuGraphLaunch, e, s)[0].name, pool=graph_pool())
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+        CUDA_DISABLE_CONTROL="true",
+    )
+    assert out == {"launch": "CUDA_SUCCESS", "pool": 6 * GiB}, out
+
+
+def test_graph_memory_counts_for_the_whole_container(node):
+    """A second process sees the first one's graph pool in its quota, and
+    gets it back when that process is killed."""
+    env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g")
+    probe = "init()\nemit(big=call(cu.cuMemAlloc, 2 * GiB)[0].name)\n"
+    code = PRELUDE + GRAPH_OF + "init()\ne, s, _ = graph_of(3 * GiB)\n"
+    code += "ok(cu.cuGraphLaunch, e, s)\nhold(pool=graph_pool())\n"
+    holder = Holder(code, env)
+    with holder as held:
+        assert held["pool"] == 3 * GiB
+        assert client(node, probe, CUDA_DEVICE_MEMORY_LIMIT="4g") == {"big": OOM}
+        holder.kill()
+    assert client(node, probe, CUDA_DEVICE_MEMORY_LIMIT="4g") == {"big": "CUDA_SUCCESS"}
+
+
 # --- which limit applies to which device --------------------------------------
 
 TOTALS = """

@@ -30,6 +30,8 @@ OBSERVER = textwrap.dedent(
     stop = sys.argv[1]
     peak = samples = 0
     import os
+    if sys.argv[2:] == ["ready"]:
+        print("ready", flush=True)
     while not os.path.exists(stop):
         used = pynvml.nvmlDeviceGetMemoryInfo(h).used
         peak = max(peak, used)
@@ -165,3 +167,81 @@ def test_sigkill_storm(node: SimNode, build_dir: Path, rounds: int) -> None:
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
+
+
+GRAPH_CHURN = textwrap.dedent(
+    """
+    import random, sys, time
+    from tests.cuclient import *
+    init()
+    rng = random.Random(int(sys.argv[1]))
+    s = ok(cu.cuStreamCreate, 0)
+    graphs = []
+    for mib in (384, 640, 896):
+        ok(cu.cuStreamBeginCapture, s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+        p = ok(cu.cuMemAllocAsync, mib * MiB, s)
+        ok(cu.cuMemFreeAsync, p, s)
+        graphs.append(ok(cu.cuGraphInstantiate, ok(cu.cuStreamEndCapture, s), 0))
+    print("ready", flush=True)
+    sys.stdin.readline()
+    launched = refused = 0
+    for _ in range(int(sys.argv[2])):
+        err = call(cu.cuGraphLaunch, rng.choice(graphs), s)[0]
+        if err == SUCCESS:
+            launched += 1
+            time.sleep(rng.uniform(0, 0.004))      # hold it a little
+        elif err == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+            refused += 1
+        else:
+            raise SystemExit(f"launch: {err}")
+        ok(cu.cuDeviceGraphMemTrim, 0)
+    print(f"launched={launched} refused={refused}", flush=True)
+    """
+)
+
+
+def test_graph_memory_race_never_overshoots(node: SimNode, tmp_path: Path) -> None:
+    """Six processes launch graphs that allocate 384-896 MiB (and trim after
+    each launch) under a 2 GiB quota.  The simulated driver's own count of
+    device memory in use never passes the quota, and everything comes back."""
+    limit = 2 * GiB
+    env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT=str(limit))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", GRAPH_CHURN, str(seed), "150"],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        for seed in range(6)
+    ]
+    for p in procs:
+        wait_ready(p)
+    stop = tmp_path / "stop"
+    observer = subprocess.Popen(
+        [sys.executable, "-c", OBSERVER, str(stop), "ready"],
+        env=node.env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    wait_ready(observer)
+    go(procs)
+    outputs = [p.communicate(timeout=120) for p in procs]
+    stop.touch()
+    seen = json.loads(observer.communicate(timeout=30)[0])
+    launched = refused = 0
+    for p, (stdout, stderr) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, stderr
+        fields = dict(kv.split("=") for kv in stdout.split()[-2:])
+        launched += int(fields["launched"])
+        refused += int(fields["refused"])
+    print(f"launched={launched} refused={refused} peak={seen['peak']} samples={seen['samples']}")
+    assert seen["samples"] > 10
+    assert launched > 50, "the race must make progress"
+    assert refused > 10, "the race must actually contend for the quota"
+    assert seen["peak"] <= limit
+    after = region_usage(node)
+    assert after["used"] == 0, after

@@ -374,6 +374,13 @@ typedef struct CUDA_MEM_ALLOC_NODE_PARAMS_v1_st {
     CUdeviceptr dptr;                   /* out */
 } CUDA_MEM_ALLOC_NODE_PARAMS;
 
+typedef struct CUDA_GRAPH_INSTANTIATE_PARAMS_st {
+    cuuint64_t flags;                   /* CUDA_GRAPH_INSTANTIATE_FLAG_* */
+    CUstream hUploadStream;
+    CUgraphNode hErrNode_out;
+    int result_out;                     /* CUgraphInstantiateResult */
+} CUDA_GRAPH_INSTANTIATE_PARAMS;
+
 typedef enum CUgraphMem_attribute_enum {
     CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT = 0,
     CU_GRAPH_MEM_ATTR_USED_MEM_HIGH = 1,

@@ -37,7 +37,7 @@ static void table_build(void)
 {
     const gv_hook *families[] = { gv_hooks_memory, gv_hooks_array, gv_hooks_vmm, gv_hooks_pool,
                                   gv_hooks_context, gv_hooks_info, gv_hooks_nvml,
-                                  gv_hooks_procaddr, gv_hooks_launch };
+                                  gv_hooks_procaddr, gv_hooks_launch, gv_hooks_graph };
     size_t n = 0;
     for (size_t f = 0; f < sizeof families / sizeof *families; f++)
         for (const gv_hook *h = families[f]; h->name; h++)
@@ -111,6 +111,7 @@ static const variant variants[] = {
     { "cuCtxCreate", { { 0, "cuCtxCreate" }, { 3020, "cuCtxCreate_v2" }, { 11040, "cuCtxCreate_v3" },
                        { 12050, "cuCtxCreate_v4" } }, NULL },
     { "cuCtxDestroy", { { 0, "cuCtxDestroy" }, { 4000, "cuCtxDestroy_v2" } }, NULL },
+    { "cuDeviceGraphMemTrim", { { 0, "cuDeviceGraphMemTrim" } }, NULL },
     { "cuDevicePrimaryCtxRelease", { { 0, "cuDevicePrimaryCtxRelease" },
                                      { 11000, "cuDevicePrimaryCtxRelease_v2" } }, NULL },
     { "cuDevicePrimaryCtxReset", { { 0, "cuDevicePrimaryCtxReset" },
@@ -118,7 +119,14 @@ static const variant variants[] = {
     { "cuDevicePrimaryCtxRetain", { { 0, "cuDevicePrimaryCtxRetain" } }, NULL },
     { "cuDeviceTotalMem", { { 0, "cuDeviceTotalMem" }, { 3020, "cuDeviceTotalMem_v2" } }, NULL },
     { "cuGetProcAddress", { { 0, "cuGetProcAddress" }, { 12000, "cuGetProcAddress_v2" } }, NULL },
+    { "cuGraphExecDestroy", { { 0, "cuGraphExecDestroy" } }, NULL },
+    { "cuGraphInstantiate", { { 0, "cuGraphInstantiate" }, { 11000, "cuGraphInstantiate_v2" },
+                              { 12000, "cuGraphInstantiateWithFlags" } }, NULL },
+    { "cuGraphInstantiateWithFlags", { { 0, "cuGraphInstantiateWithFlags" } }, NULL },
+    { "cuGraphInstantiateWithParams", { { 0, "cuGraphInstantiateWithParams" } },
+      "cuGraphInstantiateWithParams_ptsz" },
     { "cuGraphLaunch", { { 0, "cuGraphLaunch" } }, "cuGraphLaunch_ptsz" },
+    { "cuGraphUpload", { { 0, "cuGraphUpload" } }, "cuGraphUpload_ptsz" },
     { "cuInit", { { 0, "cuInit" } }, NULL },
     { "cuLaunchCooperativeKernel", { { 0, "cuLaunchCooperativeKernel" } }, "cuLaunchCooperativeKernel_ptsz" },
     { "cuLaunchKernel", { { 0, "cuLaunchKernel" } }, "cuLaunchKernel_ptsz" },

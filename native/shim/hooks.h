@@ -27,6 +27,21 @@
  * other path (cuMemFree); re-read that pool's reserve. */
 void gv_pool_after_free(uint64_t pool);
 
+/* hooks_graph.c: graph memory.  gv_graph_mem_seen: some executable graph
+ * of this process has allocation nodes (the launch hooks' only check
+ * otherwise).  begin/end bracket a launch: begin charges what the graph
+ * pool may grow by and returns CUDA_ERROR_OUT_OF_MEMORY (nothing launched)
+ * when the quota cannot take it; end settles on the pool's real reserve.
+ * gv_graph_mem_refresh re-reads every pool this process charged. */
+typedef struct gv_graph_mem {
+    int ordinal;                 /* -1: nothing held */
+    int multi;                   /* allocation nodes on several devices */
+} gv_graph_mem;
+int gv_graph_mem_seen(void);
+CUresult gv_graph_mem_begin(gv_graph_mem *m, CUgraphExec e);
+void gv_graph_mem_end(gv_graph_mem *m);
+void gv_graph_mem_refresh(void);
+
 /* hooks_context.c: release everything charged against a context that the
  * driver destroyed together with the context. */
 void gv_release_ctx_objects(CUcontext ctx);
@@ -49,7 +64,7 @@ typedef struct gv_hook {
 /* Each hook family lists its hooks, NULL-terminated. */
 extern const gv_hook gv_hooks_memory[], gv_hooks_array[], gv_hooks_vmm[], gv_hooks_pool[],
     gv_hooks_context[], gv_hooks_info[], gv_hooks_nvml[], gv_hooks_procaddr[],
-    gv_hooks_launch[];
+    gv_hooks_launch[], gv_hooks_graph[];
 
 /* Replacement for an exported driver symbol name, or NULL. */
 void *gv_hook_for(const char *name);

@@ -168,6 +168,7 @@ void gv_release_ctx_objects(CUcontext ctx)
 {
     if (ctx)
         gv_table_take_all(owned_by, release_entry, ctx);
+    gv_graph_mem_refresh();
 }
 
 /* ---- created contexts --------------------------------------------------- */

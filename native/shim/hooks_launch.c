@@ -77,16 +77,33 @@ GV_EXPORT CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *cfg, CUfunction f
     GATED(cfg ? cfg->hStream : NULL, 1, (uintptr_t)f, real(cfg, f, params, extra));
 }
 
+static CUresult graph_gated(graph_fn real, CUgraphExec g, CUstream s, int ptsz)
+{
+    GATED(s, ptsz, GRAPH_KEY(g), real(g, s));
+}
+
+/* A graph with allocation nodes also takes memory (hooks_graph.c). */
+static CUresult graph_launch(graph_fn real, CUgraphExec g, CUstream s, int ptsz)
+{
+    if (__builtin_expect(!gv_graph_mem_seen(), 1))
+        return graph_gated(real, g, s, ptsz);
+    gv_graph_mem m;
+    CUresult rc = gv_graph_mem_begin(&m, g);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    rc = graph_gated(real, g, s, ptsz);
+    gv_graph_mem_end(&m);
+    return rc;
+}
+
 GV_EXPORT CUresult cuGraphLaunch(CUgraphExec g, CUstream s)
 {
-    graph_fn real = GV_REAL(cuGraphLaunch, graph_fn);
-    GATED(s, 0, GRAPH_KEY(g), real(g, s));
+    return graph_launch(GV_REAL(cuGraphLaunch, graph_fn), g, s, 0);
 }
 
 GV_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec g, CUstream s)
 {
-    graph_fn real = GV_REAL(cuGraphLaunch_ptsz, graph_fn);
-    GATED(s, 1, GRAPH_KEY(g), real(g, s));
+    return graph_launch(GV_REAL(cuGraphLaunch_ptsz, graph_fn), g, s, 1);
 }
 
 const gv_hook gv_hooks_launch[] = {

@@ -49,7 +49,11 @@
     X(cuDevicePrimaryCtxReset_v2) \
     X(cuLaunchKernel) X(cuLaunchKernel_ptsz) X(cuLaunchKernelEx) X(cuLaunchKernelEx_ptsz) \
     X(cuLaunchCooperativeKernel) X(cuLaunchCooperativeKernel_ptsz) \
-    X(cuGraphLaunch) X(cuGraphLaunch_ptsz) \
+    X(cuGraphLaunch) X(cuGraphLaunch_ptsz) X(cuGraphUpload) X(cuGraphUpload_ptsz) \
+    X(cuGraphInstantiate) X(cuGraphInstantiate_v2) X(cuGraphInstantiateWithFlags) \
+    X(cuGraphInstantiateWithParams) X(cuGraphInstantiateWithParams_ptsz) \
+    X(cuGraphExecDestroy) X(cuGraphGetNodes) X(cuGraphNodeGetType) \
+    X(cuGraphMemAllocNodeGetParams) X(cuDeviceGraphMemTrim) X(cuDeviceGetGraphMemAttribute) \
     X(cuEventCreate) X(cuEventDestroy_v2) X(cuEventRecord) X(cuEventRecord_ptsz) \
     X(cuEventQuery) X(cuEventElapsedTime) X(cuEventElapsedTime_v2) \
     X(cuStreamIsCapturing) X(cuStreamIsCapturing_ptsz)

@@ -377,6 +377,41 @@ SIM_API CUresult cuGraphInstantiate(CUgraphExec *pe, CUgraph g,
     return cuGraphInstantiate_v2(pe, g, err, log, logsz);
 }
 
+static CUresult graph_launch(CUgraphExec e, CUstream hs, int ptsz, int run);
+SIM_API CUresult cuGraphExecDestroy(CUgraphExec e);
+
+/* CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD also uploads to hUploadStream. */
+static CUresult inst_params(CUgraphExec *pe, CUgraph g,
+                            CUDA_GRAPH_INSTANTIATE_PARAMS *p, int ptsz)
+{
+    if (!p)
+        return CUDA_ERROR_INVALID_VALUE;
+    p->hErrNode_out = NULL;
+    CUresult rc = cuGraphInstantiateWithFlags(
+        pe, g, p->flags & ~(cuuint64_t)CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD);
+    p->result_out = rc == CUDA_SUCCESS ? 0 : 1;   /* SUCCESS / ERROR */
+    if (rc || !(p->flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD))
+        return rc;
+    rc = graph_launch(*pe, p->hUploadStream, ptsz, 0);
+    if (rc) {
+        cuGraphExecDestroy(*pe);
+        *pe = NULL;
+    }
+    return rc;
+}
+
+SIM_API CUresult cuGraphInstantiateWithParams(CUgraphExec *pe, CUgraph g,
+                                              CUDA_GRAPH_INSTANTIATE_PARAMS *p)
+{
+    return inst_params(pe, g, p, 0);
+}
+
+SIM_API CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *pe, CUgraph g,
+                                                   CUDA_GRAPH_INSTANTIATE_PARAMS *p)
+{
+    return inst_params(pe, g, p, 1);
+}
+
 static int exec_ok(struct CUgraphExec_st *e)
 {
     pthread_mutex_lock(&sim_mu);

@@ -152,6 +152,7 @@ static const pa_ent g_tab[] = {
                                    {12000, "cuGraphInstantiateWithFlags",
                                     NULL}}},
     ONE("cuGraphInstantiateWithFlags", 11040),
+    ONEPT("cuGraphInstantiateWithParams", 12000, "cuGraphInstantiateWithParams_ptsz"),
     ONE("cuGraphExecDestroy", 10000),
     ONEPT("cuGraphLaunch", 10000, "cuGraphLaunch_ptsz"),
     ONEPT("cuGraphUpload", 11010, "cuGraphUpload_ptsz"),
