@@ -97,6 +97,24 @@ for name, kind in ALLOCATORS.items():
     assert over != SUCCESS, name
     a.free(h)
     assert used() == base, name
+# graph memory: captured allocation, launch, refusal, trim, destruction
+base = used()
+s = ok(cu.cuStreamCreate, 0)
+ok(cu.cuStreamBeginCapture, s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+ok(cu.cuMemFreeAsync, ok(cu.cuMemAllocAsync, 64 * MiB, s), s)
+g = ok(cu.cuStreamEndCapture, s)
+e = ok(cu.cuGraphInstantiate, g, 0)
+ok(cu.cuGraphLaunch, e, s)
+assert used() == base + 64 * MiB
+ok(cu.cuGraphLaunch, e, s)                                  # the pool holds it
+ok(cu.cuDeviceGraphMemTrim, 0)
+big = ok(cu.cuMemAlloc, mem_info()[0] - 32 * MiB)          # leaves 32 MiB
+assert call(cu.cuGraphLaunch, e, s)[0] == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+ok(cu.cuMemFree, big)
+ok(cu.cuGraphExecDestroy, e)
+ok(cu.cuGraphDestroy, g)
+ok(cu.cuDeviceGraphMemTrim, 0)
+assert used() == base
 print("clean")
 """
 
