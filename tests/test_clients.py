@@ -163,6 +163,30 @@ emit(base=base, captured=captured, launch=launch.name, after_launch=after_launch
     assert out["end"] == out["base"] + 3 * GiB, out
 
 
+def test_capturing_a_graph_allocation_takes_no_quota(node):
+    """Capturing cuMemAllocAsync into a graph maps nothing, so it succeeds
+    even when the quota is nearly used; the graph's launch is what needs the
+    room."""
+    out = client(
+        node,
+        GRAPH_OF
+        + """
+init()
+held = ok(cu.cuMemAlloc, 3 * GiB)
+base = used()
+e, s, _ = graph_of(2 * GiB)
+captured = used()
+full = call(cu.cuGraphLaunch, e, s)[0]
+ok(cu.cuMemFree, held)
+room = call(cu.cuGraphLaunch, e, s)[0]
+emit(base=base, captured=captured, full=full.name, room=room.name)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+    )
+    assert out["captured"] == out["base"], out
+    assert (out["full"], out["room"]) == (OOM, "CUDA_SUCCESS"), out
+
+
 EXPLICIT_GRAPH = """
 def explicit_graph(nbytes):
     \"\"\"A graph with one allocation node that the graph does not free.\"\"\"

@@ -217,10 +217,23 @@ static CUresult call_alloc_pool(void *v)
     return ((alloc_pool_fn)a->real)(a->dptr, a->n, a->pool, a->stream);
 }
 
+/* An allocation into a stream being captured becomes a graph allocation
+ * node: it takes nothing now, and hooks_graph.c charges the graph's launch. */
+static int capturing(CUstream stream, int ptsz)
+{
+    typedef CUresult (*capturing_fn)(CUstream, CUstreamCaptureStatus *);
+    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+    CUresult rc = ptsz ? GV_REAL(cuStreamIsCapturing_ptsz, capturing_fn)(stream, &st)
+                       : GV_REAL(cuStreamIsCapturing, capturing_fn)(stream, &st);
+    return rc == CUDA_SUCCESS && st != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
 static CUresult alloc_async(alloc_async_fn real, free_async_fn real_free,
-                            CUdeviceptr *dptr, size_t n, CUstream stream)
+                            CUdeviceptr *dptr, size_t n, CUstream stream, int ptsz)
 {
     GV_ENFORCING_OR(real(dptr, n, stream));
+    if (capturing(stream, ptsz))
+        return real(dptr, n, stream);
     int ordinal;
     CUmemoryPool pool = NULL;
     if (!dptr || n == 0 || gv_ordinal_of_stream(stream, &ordinal, NULL) != CUDA_SUCCESS ||
@@ -237,10 +250,10 @@ static CUresult alloc_async(alloc_async_fn real, free_async_fn real_free,
 }
 
 static CUresult alloc_from_pool(alloc_pool_fn real, free_async_fn real_free, CUdeviceptr *dptr,
-                                size_t n, CUmemoryPool pool, CUstream stream)
+                                size_t n, CUmemoryPool pool, CUstream stream, int ptsz)
 {
     GV_ENFORCING_OR(real(dptr, n, pool, stream));
-    if (!dptr || n == 0 || !pool)
+    if (!dptr || n == 0 || !pool || capturing(stream, ptsz))
         return real(dptr, n, pool, stream);
     pthread_once(&setup_once, setup);
     pool_rec *r = find(pool);
@@ -287,26 +300,26 @@ static CUresult free_async(free_async_fn real, CUdeviceptr p, CUstream stream)
 GV_EXPORT CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t n, CUstream s)
 {
     return alloc_async(GV_REAL(cuMemAllocAsync, alloc_async_fn),
-                       GV_REAL(cuMemFreeAsync, free_async_fn), dptr, n, s);
+                       GV_REAL(cuMemFreeAsync, free_async_fn), dptr, n, s, 0);
 }
 
 GV_EXPORT CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t n, CUstream s)
 {
     return alloc_async(GV_REAL(cuMemAllocAsync_ptsz, alloc_async_fn),
-                       GV_REAL(cuMemFreeAsync_ptsz, free_async_fn), dptr, n, s);
+                       GV_REAL(cuMemFreeAsync_ptsz, free_async_fn), dptr, n, s, 1);
 }
 
 GV_EXPORT CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t n, CUmemoryPool p, CUstream s)
 {
     return alloc_from_pool(GV_REAL(cuMemAllocFromPoolAsync, alloc_pool_fn),
-                           GV_REAL(cuMemFreeAsync, free_async_fn), dptr, n, p, s);
+                           GV_REAL(cuMemFreeAsync, free_async_fn), dptr, n, p, s, 0);
 }
 
 GV_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t n, CUmemoryPool p,
                                                 CUstream s)
 {
     return alloc_from_pool(GV_REAL(cuMemAllocFromPoolAsync_ptsz, alloc_pool_fn),
-                           GV_REAL(cuMemFreeAsync_ptsz, free_async_fn), dptr, n, p, s);
+                           GV_REAL(cuMemFreeAsync_ptsz, free_async_fn), dptr, n, p, s, 1);
 }
 
 GV_EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s)
