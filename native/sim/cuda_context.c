@@ -48,6 +48,9 @@ static void drop_from_stack(struct CUctx_st *c)
         }
 }
 
+/* cuCtxSetLimit's defaults (the context's own memory covers them) */
+static const uint64_t g_limit_default[7] = {1024, SIM_MIB, 8 * SIM_MIB, 2, 2048, 32, 0};
+
 /* charge and mark alive; caller fills ordinal/node */
 static CUresult ctx_activate(struct CUctx_st *c)
 {
@@ -56,6 +59,7 @@ static CUresult ctx_activate(struct CUctx_st *c)
         return CUDA_ERROR_OUT_OF_MEMORY;
     pthread_mutex_lock(&sim_mu);
     c->charged = sz;
+    memcpy(c->limit, g_limit_default, sizeof c->limit);
     c->magic = SIM_CTX_MAGIC;
     c->alive = 1;
     if (!sim_reg_has(c))
@@ -77,6 +81,58 @@ static void ctx_deactivate(struct CUctx_st *c)
         return;
     sim_ctx_release_allocs(c);
     sim_uncharge(c->node, ch);
+}
+
+/* Device memory a limit takes beyond its default: the stack for every
+ * thread the device can hold (2048 per SM), the printf FIFO, the heap. */
+static uint64_t limit_bytes(const struct CUctx_st *c, int which, uint64_t v)
+{
+    uint64_t d = g_limit_default[which];
+    if (which > CU_LIMIT_MALLOC_HEAP_SIZE || v <= d)
+        return 0;
+    uint64_t per = which == CU_LIMIT_STACK_SIZE ? 2048ULL * (uint64_t)sim_dev(c->node)->sms : 1;
+    if (v - d > UINT64_MAX / 2 / per)
+        return UINT64_MAX / 2;
+    return sim_round_up((v - d) * per, SIM_GRAN);
+}
+
+SIM_API CUresult cuCtxSetLimit(CUlimit which, size_t value)
+{
+    struct CUctx_st *c;
+    CUresult rc = sim_current(&c);
+    if (rc)
+        return rc;
+    if ((int)which < 0 || which > CU_LIMIT_PERSISTING_L2_CACHE_SIZE)
+        return CUDA_ERROR_UNSUPPORTED_LIMIT;
+    pthread_mutex_lock(&sim_mu);
+    uint64_t old = limit_bytes(c, which, c->limit[which]);
+    uint64_t now = limit_bytes(c, which, value);
+    if (now > old && sim_charge(c->node, now - old) < 0) {
+        pthread_mutex_unlock(&sim_mu);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (now < old)
+        sim_uncharge(c->node, old - now);
+    c->charged = c->charged - old + now;
+    c->limit[which] = value;
+    pthread_mutex_unlock(&sim_mu);
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuCtxGetLimit(size_t *value, CUlimit which)
+{
+    struct CUctx_st *c;
+    CUresult rc = sim_current(&c);
+    if (rc)
+        return rc;
+    if (!value)
+        return CUDA_ERROR_INVALID_VALUE;
+    if ((int)which < 0 || which > CU_LIMIT_PERSISTING_L2_CACHE_SIZE)
+        return CUDA_ERROR_UNSUPPORTED_LIMIT;
+    pthread_mutex_lock(&sim_mu);
+    *value = c->limit[which];
+    pthread_mutex_unlock(&sim_mu);
+    return CUDA_SUCCESS;
 }
 
 SIM_API CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags,

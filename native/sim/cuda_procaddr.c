@@ -49,6 +49,8 @@ static const pa_ent g_tab[] = {
     V2("cuCtxGetDevice", 2000, 13000),
     V2("cuCtxSynchronize", 2000, 13000),
     ONE("cuCtxGetApiVersion", 3020),
+    ONE("cuCtxSetLimit", 3010),
+    ONE("cuCtxGetLimit", 3010),
     ONE("cuDevicePrimaryCtxRetain", 7000),
     V2("cuDevicePrimaryCtxRelease", 7000, 11000),
     V2("cuDevicePrimaryCtxReset", 7000, 11000),

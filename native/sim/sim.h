@@ -164,7 +164,8 @@ struct CUctx_st {
     unsigned flags;
     int primary;
     int refcount;                       /* primary: retain count */
-    uint64_t charged;
+    uint64_t charged;                   /* context memory + limits' */
+    uint64_t limit[7];                  /* cuCtxSetLimit, by CUlimit */
     /* kernel timeline (cuda_launch.c), CLOCK_MONOTONIC ns, under sim_mu */
     uint64_t legacy_end;                /* work in the legacy stream */
     uint64_t blocking_end;              /* legacy + blocking streams */
