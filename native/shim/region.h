@@ -146,6 +146,11 @@ void region_sm_configure(gv_region *r, int dev, unsigned limit, unsigned policy,
  * reservation retried before giving up; the device's OOM counter is
  * incremented on refusal). */
 int region_reserve(gv_region *r, int dev, int slot, uint64_t n);
+/* Record n bytes the device already gave slot without asking the quota
+ * (memory the driver took on its own): never refused, so the total may
+ * pass the limit, and later reservations are refused until it is back
+ * under.  GV_EINVAL / GV_ENOENT as for region_reserve, else 0. */
+int region_charge_held(gv_region *r, int dev, int slot, uint64_t n);
 /* Give back n bytes previously reserved by slot. */
 void region_release(gv_region *r, int dev, int slot, uint64_t n);
 

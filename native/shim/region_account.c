@@ -186,6 +186,22 @@ int region_reserve(gv_region *r, int dev, int slot, uint64_t n)
     }
 }
 
+int region_charge_held(gv_region *r, int dev, int slot, uint64_t n)
+{
+    if (!dev_ok(r, dev) || slot < 0 || slot >= GV_MAX_SLOTS)
+        return GV_EINVAL;
+    struct gv_dev *d = &r->m->dev[dev];
+    if (atomic_load(&d->state) != DEV_READY)
+        return GV_ENOENT;
+    if (n == 0)
+        return GV_OK;
+    enter(r, dev, slot);
+    atomic_fetch_add(&d->total, n);
+    atomic_fetch_add(&d->used[slot], n);
+    leave(r, dev, slot);
+    return GV_OK;
+}
+
 void region_release(gv_region *r, int dev, int slot, uint64_t n)
 {
     if (!dev_ok(r, dev) || slot < 0 || slot >= GV_MAX_SLOTS || n == 0)

@@ -316,6 +316,19 @@ static void test_accounting(void)
     CHECK_EQ(region_reserve(r, d, s, 10 * GIB), 0);
     region_release(r, d, s, 10 * GIB);
     CHECK(region_used(r, d) == 70 * MIB);
+    /* Memory the driver took on its own is recorded even past the limit,
+     * and refuses later reservations until it is given back. */
+    region_set_limit(r, d, 80 * MIB);
+    CHECK_EQ(region_charge_held(r, d, s, 20 * MIB), 0);
+    CHECK(region_used(r, d) == 90 * MIB && region_slot_used(r, d, s) == 90 * MIB);
+    CHECK_EQ(region_reserve(r, d, s, 1), GV_ENOMEM);
+    region_release(r, d, s, 20 * MIB);
+    CHECK_EQ(region_reserve(r, d, s, 10 * MIB), 0);
+    region_release(r, d, s, 10 * MIB);
+    region_set_limit(r, d, GV_UNLIMITED);
+    CHECK(region_used(r, d) == 70 * MIB);
+    CHECK_EQ(region_charge_held(r, 5, s, 1), GV_ENOENT);
+    CHECK_EQ(region_charge_held(r, d, GV_MAX_SLOTS, 1), GV_EINVAL);
     /* Releasing more than held clamps at zero (and logs once). */
     region_release(r, d, s, 80 * MIB);
     CHECK_EQ(region_used(r, d), 0);
