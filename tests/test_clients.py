@@ -271,6 +271,67 @@ def test_graph_memory_counts_for_the_whole_container(node):
     assert client(node, probe, CUDA_DEVICE_MEMORY_LIMIT="4g") == {"big": "CUDA_SUCCESS"}
 
 
+HEAP = "cu.CUlimit.CU_LIMIT_MALLOC_HEAP_SIZE"
+
+
+def test_memory_the_driver_takes_on_its_own_is_charged(node):
+    """cuCtxSetLimit makes the driver take device memory (here a 3 GiB device
+    heap) without any allocation call.  NVML's per-process figure shows it,
+    so it is charged: cuMemGetInfo shows it used, the next 2 GiB allocation
+    is refused, and it comes back when the limit is lowered."""
+    out = client(
+        node,
+        f"""
+init()
+base = used()
+ok(cu.cuCtxSetLimit, {HEAP}, 3 * GiB)
+heap = used()
+big = call(cu.cuMemAlloc, 2 * GiB)[0]
+ok(cu.cuCtxSetLimit, {HEAP}, 8 * MiB)
+lowered = used()
+q = ok(cu.cuMemAlloc, 2 * GiB)
+emit(base=base, heap=heap, big=big.name, lowered=lowered)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+    )
+    assert out["heap"] == out["base"] + 3 * GiB - 8 * MiB, out
+    assert out["big"] == OOM, out
+    assert out["lowered"] == out["base"], out
+
+
+def test_a_limit_that_does_not_fit_the_quota_is_refused_and_set_back(node):
+    """A 5 GiB heap under a 4 GiB quota: cuCtxSetLimit returns out-of-memory
+    and the heap keeps its old size (the simulated device has 16 GiB, so
+    only the quota stops it)."""
+    out = client(
+        node,
+        f"""
+init()
+base = used()
+err = call(cu.cuCtxSetLimit, {HEAP}, 5 * GiB)[0]
+emit(err=err.name, heap=int(ok(cu.cuCtxGetLimit, {HEAP})), base=base, after=used(),
+     stack=call(cu.cuCtxSetLimit, cu.CUlimit.CU_LIMIT_STACK_SIZE, 2048)[0].name,
+     with_stack=used())
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+    )
+    assert (out["err"], out["heap"]) == (OOM, 8 * MiB), out
+    assert out["after"] == out["base"], out
+    # 1 KiB more stack for 2048 threads on each of the 108 default SMs
+    assert out["stack"] == "CUDA_SUCCESS", out
+    assert out["with_stack"] == out["base"] + 216 * MiB, out
+
+
+def test_memory_the_driver_took_counts_for_the_container_until_the_process_dies(node):
+    env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g")
+    probe = "init()\nemit(big=call(cu.cuMemAlloc, 2 * GiB)[0].name)\n"
+    holder = Holder(PRELUDE + f"init()\nok(cu.cuCtxSetLimit, {HEAP}, 3 * GiB)\nhold()\n", env)
+    with holder:
+        assert client(node, probe, CUDA_DEVICE_MEMORY_LIMIT="4g") == {"big": OOM}
+        holder.kill()
+    assert client(node, probe, CUDA_DEVICE_MEMORY_LIMIT="4g") == {"big": "CUDA_SUCCESS"}
+
+
 # --- which limit applies to which device --------------------------------------
 
 TOTALS = """

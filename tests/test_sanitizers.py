@@ -115,6 +115,11 @@ ok(cu.cuGraphExecDestroy, e)
 ok(cu.cuGraphDestroy, g)
 ok(cu.cuDeviceGraphMemTrim, 0)
 assert used() == base
+# memory the driver takes on its own (a device heap), charged from NVML
+ok(cu.cuCtxSetLimit, cu.CUlimit.CU_LIMIT_MALLOC_HEAP_SIZE, 256 * MiB)
+assert used() == base + 248 * MiB
+ok(cu.cuCtxSetLimit, cu.CUlimit.CU_LIMIT_MALLOC_HEAP_SIZE, 8 * MiB)
+assert used() == base
 print("clean")
 """
 

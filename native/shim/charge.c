@@ -20,12 +20,17 @@ static int reserve(int dev, uint64_t n)
     if (slot < 0)
         return -1;
     gv_region *r = gv_core_region();
-    /* Pools may have given memory back since we last looked; when the
-     * request looks tight, re-read them first (one refusal counts once). */
-    if (gv_pools_active()) {
+    gv_untracked_tick();
+    /* Pools, and memory the driver took on its own, may have given memory
+     * back since we last looked; when the request looks tight, re-read them
+     * first (one refusal counts once). */
+    if (gv_pools_active() || gv_untracked_held()) {
         uint64_t used = region_used(r, dev), limit = region_limit(r, dev);
-        if (limit != GV_UNLIMITED && (used > limit || n > limit - used))
+        if (limit != GV_UNLIMITED && (used > limit || n > limit - used)) {
             gv_pools_refresh();
+            if (gv_untracked_held())
+                gv_untracked_reconcile_all();
+        }
     }
     if (region_reserve(r, dev, slot, n) == 0)
         return 0;

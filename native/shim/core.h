@@ -66,6 +66,9 @@ int gv_uuid_parse(const char *text, unsigned char uuid[16]);
 
 /* Per-ordinal info, set up on first use. CUDA_SUCCESS or an error to return. */
 CUresult gv_device(int ordinal, const gv_devinfo **out);
+/* The same for a device this process already looked up, without looking
+ * it up (nor registering it in the region): 1 and *out, or 0. */
+int gv_device_known(int ordinal, const gv_devinfo **out);
 /* Ordinal and context current on this thread. */
 CUresult gv_current(int *ordinal, CUcontext *ctx);
 /* Ordinal that ctx belongs to (ctx must be a live context). */
@@ -80,6 +83,14 @@ int gv_ordinal_of_uuid(const unsigned char uuid[16]);
 void gv_pools_refresh(void);
 /* Whether the process holds any tracked pool. */
 int gv_pools_active(void);
+/* untracked.c: memory the driver gave this process that no hook charged,
+ * from NVML's per-process figure.  reconcile: re-read one device (or all)
+ * now; tick: all devices, at most once a second. */
+void gv_untracked_reconcile(int ordinal);
+void gv_untracked_reconcile_all(void);
+void gv_untracked_tick(void);
+/* Whether any such memory is charged now. */
+int gv_untracked_held(void);
 
 /* ---- charging (charge.c) ---- */
 typedef struct gv_charge {

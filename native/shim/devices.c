@@ -155,6 +155,15 @@ CUresult gv_device(int ordinal, const gv_devinfo **out)
     return CUDA_SUCCESS;
 }
 
+int gv_device_known(int ordinal, const gv_devinfo **out)
+{
+    if (ordinal < 0 || ordinal >= GV_MAX_ORDINALS ||
+        atomic_load_explicit(&devs[ordinal].state, memory_order_acquire) != DEV_READY)
+        return 0;
+    *out = &devs[ordinal].info;
+    return 1;
+}
+
 CUresult gv_current(int *ordinal, CUcontext *ctx)
 {
     CUcontext c = NULL;

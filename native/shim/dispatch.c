@@ -37,7 +37,8 @@ static void table_build(void)
 {
     const gv_hook *families[] = { gv_hooks_memory, gv_hooks_array, gv_hooks_vmm, gv_hooks_pool,
                                   gv_hooks_context, gv_hooks_info, gv_hooks_nvml,
-                                  gv_hooks_procaddr, gv_hooks_launch, gv_hooks_graph };
+                                  gv_hooks_procaddr, gv_hooks_launch, gv_hooks_graph,
+                                  gv_hooks_untracked };
     size_t n = 0;
     for (size_t f = 0; f < sizeof families / sizeof *families; f++)
         for (const gv_hook *h = families[f]; h->name; h++)
@@ -111,6 +112,7 @@ static const variant variants[] = {
     { "cuCtxCreate", { { 0, "cuCtxCreate" }, { 3020, "cuCtxCreate_v2" }, { 11040, "cuCtxCreate_v3" },
                        { 12050, "cuCtxCreate_v4" } }, NULL },
     { "cuCtxDestroy", { { 0, "cuCtxDestroy" }, { 4000, "cuCtxDestroy_v2" } }, NULL },
+    { "cuCtxSetLimit", { { 0, "cuCtxSetLimit" } }, NULL },
     { "cuDeviceGraphMemTrim", { { 0, "cuDeviceGraphMemTrim" } }, NULL },
     { "cuDevicePrimaryCtxRelease", { { 0, "cuDevicePrimaryCtxRelease" },
                                      { 11000, "cuDevicePrimaryCtxRelease_v2" } }, NULL },

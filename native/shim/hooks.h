@@ -42,6 +42,12 @@ CUresult gv_graph_mem_begin(gv_graph_mem *m, CUgraphExec e);
 void gv_graph_mem_end(gv_graph_mem *m);
 void gv_graph_mem_refresh(void);
 
+/* hooks_context.c: this process's device memory on d as NVML counts it
+ * (1), or 0 when NVML does not list this process; and whether a context
+ * of this process is being created and measured right now. */
+int gv_nvml_self_used(const gv_devinfo *d, uint64_t *used);
+int gv_ctx_creating(void);
+
 /* hooks_context.c: release everything charged against a context that the
  * driver destroyed together with the context. */
 void gv_release_ctx_objects(CUcontext ctx);
@@ -64,7 +70,7 @@ typedef struct gv_hook {
 /* Each hook family lists its hooks, NULL-terminated. */
 extern const gv_hook gv_hooks_memory[], gv_hooks_array[], gv_hooks_vmm[], gv_hooks_pool[],
     gv_hooks_context[], gv_hooks_info[], gv_hooks_nvml[], gv_hooks_procaddr[],
-    gv_hooks_launch[], gv_hooks_graph[];
+    gv_hooks_launch[], gv_hooks_graph[], gv_hooks_untracked[];
 
 /* Replacement for an exported driver symbol name, or NULL. */
 void *gv_hook_for(const char *name);

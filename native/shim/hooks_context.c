@@ -151,6 +151,22 @@ static uint64_t cost(const snapshot *before, const snapshot *after)
     return c > MAX_CTX_COST ? MAX_CTX_COST : c;
 }
 
+/* Contexts of this process being created and measured now: what NVML
+ * shows for the process then is not yet charged (untracked.c waits). */
+static atomic_int creating;
+
+int gv_ctx_creating(void) { return atomic_load_explicit(&creating, memory_order_relaxed) > 0; }
+
+int gv_nvml_self_used(const gv_devinfo *d, uint64_t *used)
+{
+    snapshot s;
+    snap(d, &s);
+    if (!s.ok || !s.proc_seen)
+        return 0;
+    *used = s.proc_used;
+    return 1;
+}
+
 /* ---- releasing what a destroyed context took -------------------------- */
 
 static int owned_by(const gv_alloc *a, void *ctx)
@@ -169,14 +185,15 @@ void gv_release_ctx_objects(CUcontext ctx)
     if (ctx)
         gv_table_take_all(owned_by, release_entry, ctx);
     gv_graph_mem_refresh();
+    gv_untracked_reconcile_all();
 }
 
 /* ---- created contexts --------------------------------------------------- */
 
 /* After the real call (rc): the "after" snapshot, which ends the node lock
  * taken for the "before" one (ctx_prepare). */
-static CUresult charge_new_ctx(CUresult rc, CUcontext *pctx, int ordinal, const snapshot *before,
-                               const gv_devinfo *d, int lock)
+static CUresult charge_new_ctx_measured(CUresult rc, CUcontext *pctx, int ordinal,
+                                        const snapshot *before, const gv_devinfo *d, int lock)
 {
     if (rc != CUDA_SUCCESS || !pctx) {
         gv_node_unlock(lock);
@@ -197,6 +214,15 @@ static CUresult charge_new_ctx(CUresult rc, CUcontext *pctx, int ordinal, const 
     return CUDA_SUCCESS;
 }
 
+/* The same, and the end of this process's context creation. */
+static CUresult charge_new_ctx(CUresult rc, CUcontext *pctx, int ordinal, const snapshot *before,
+                               const gv_devinfo *d, int lock)
+{
+    rc = charge_new_ctx_measured(rc, pctx, ordinal, before, d, lock);
+    atomic_fetch_sub(&creating, 1);
+    return rc;
+}
+
 /* Prepare: device info, the node lock and the "before" snapshot.  Non-zero:
  * pass through (nothing locked). */
 static int ctx_prepare(int ordinal, const gv_devinfo **d, snapshot *before, CUresult *err,
@@ -205,6 +231,7 @@ static int ctx_prepare(int ordinal, const gv_devinfo **d, snapshot *before, CUre
     *err = gv_device(ordinal, d);
     if (*err != CUDA_SUCCESS)
         return 1;
+    atomic_fetch_add(&creating, 1);
     *lock = gv_node_lock();
     snap(*d, before);
     return 0;
@@ -306,6 +333,7 @@ GV_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     snapshot before;
     int measure = p->charged == 0, lock = -1;
     if (measure) {
+        atomic_fetch_add(&creating, 1);
         lock = gv_node_lock();
         snap(d, &before);
     }
@@ -332,6 +360,8 @@ GV_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
             }
         }
     }
+    if (measure)
+        atomic_fetch_sub(&creating, 1);
     pthread_mutex_unlock(&p->lock);
     return rc;
 }

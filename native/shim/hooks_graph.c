@@ -104,7 +104,9 @@ static void settle_all(void)
 {
     pthread_once(&setup_once, setup);
     const gv_devinfo *d;
-    for (int i = 0; i < GV_MAX_ORDINALS && gv_device(i, &d) == CUDA_SUCCESS; i++) {
+    for (int i = 0; i < GV_MAX_ORDINALS; i++) {
+        if (!gv_device_known(i, &d))
+            continue;
         pthread_mutex_lock(&pools[i].lock);
         settle(i);
         pthread_mutex_unlock(&pools[i].lock);

@@ -35,6 +35,7 @@ static void quota_view(int ordinal, uint64_t *free_b, uint64_t *total_b)
         return;
     gv_pools_refresh();
     gv_core_tidy();
+    gv_untracked_tick();
     uint64_t used = region_used(r, d->region_dev);
     uint64_t total = limit < *total_b ? limit : *total_b;
     uint64_t avail = used < total ? total - used : 0;

@@ -43,7 +43,7 @@
     X(cuMemPoolCreate) X(cuMemPoolDestroy) X(cuMemPoolTrimTo) \
     X(cuMemPoolGetAttribute) X(cuDeviceGetMemPool) \
     X(cuCtxCreate) X(cuCtxCreate_v2) X(cuCtxCreate_v3) X(cuCtxCreate_v4) \
-    X(cuCtxDestroy) X(cuCtxDestroy_v2) \
+    X(cuCtxDestroy) X(cuCtxDestroy_v2) X(cuCtxSetLimit) X(cuCtxGetLimit) \
     X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) \
     X(cuDevicePrimaryCtxRelease_v2) X(cuDevicePrimaryCtxReset) \
     X(cuDevicePrimaryCtxReset_v2) \

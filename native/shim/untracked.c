@@ -1,0 +1,149 @@
+/*
+ * untracked.c - device memory a driver gives a process without a call the
+ * hooks charge: the per-thread stack, the device heap and the printf FIFO
+ * (cuCtxSetLimit, and the stack the driver grows by itself when a kernel
+ * needs more), module code and data, and whatever else no hook sees.
+ *
+ * NVML's per-process figure is what the device really gave this process.
+ * What it shows beyond what the process has charged is charged too, as
+ * memory already held (region_charge_held): never refused, so the
+ * container's total may pass its limit, and its next allocations are then
+ * refused until the memory comes back.  When the figure falls, the charge
+ * follows it down.  The figure is re-read
+ *   - at most once a second, on the allocation and memory-info paths;
+ *   - at once after cuCtxSetLimit, which is refused (the old limit put
+ *     back) when the memory it took does not fit the quota;
+ *   - after a context is destroyed, and before an allocation is refused.
+ * A reading is used only if the process's own charge did not move while
+ * NVML was read, and not while this process is creating a context (its
+ * memory is measured and charged then, hooks_context.c); differences under
+ * 2 MiB are ignored.  Nothing happens where NVML does not list this process.
+ */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
+
+#include "hooks.h"
+#include "log.h"
+
+#define SLACK (2ULL << 20)
+
+static struct held {
+    pthread_mutex_t lock;
+    uint64_t charged;
+    int dev;                     /* region device entry, once charged */
+} held[GV_MAX_ORDINALS];
+static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
+static atomic_long last_tick;
+static atomic_int logged;
+static atomic_int holding;       /* devices with a charge */
+
+int gv_untracked_held(void) { return atomic_load_explicit(&holding, memory_order_relaxed) > 0; }
+
+static void child_reset(void)
+{
+    /* A forked child holds no device memory of its own. */
+    for (int i = 0; i < GV_MAX_ORDINALS; i++) {
+        pthread_mutex_init(&held[i].lock, NULL);
+        held[i].charged = 0;
+    }
+    atomic_store(&holding, 0);
+}
+
+static void setup(void)
+{
+    for (int i = 0; i < GV_MAX_ORDINALS; i++)
+        pthread_mutex_init(&held[i].lock, NULL);
+    pthread_atfork(NULL, NULL, child_reset);
+}
+
+void gv_untracked_reconcile(int ordinal)
+{
+    const gv_devinfo *d;
+    gv_region *r = gv_core_region();
+    if (!r || ordinal < 0 || ordinal >= GV_MAX_ORDINALS || gv_device(ordinal, &d) != CUDA_SUCCESS)
+        return;
+    int slot = region_self_slot(r);
+    if (slot < 0)
+        return;
+    pthread_once(&setup_once, setup);
+    struct held *h = &held[ordinal];
+    pthread_mutex_lock(&h->lock);
+    uint64_t before = region_slot_used(r, d->region_dev, slot), nvml = 0;
+    int seen = !gv_ctx_creating() && gv_nvml_self_used(d, &nvml);
+    uint64_t after = region_slot_used(r, d->region_dev, slot);
+    if (seen && before == after && !gv_ctx_creating()) {
+        uint64_t tracked = after > h->charged ? after - h->charged : 0;
+        uint64_t want = nvml > tracked ? nvml - tracked : 0;
+        want -= want % SLACK;
+        if (want > h->charged) {
+            region_charge_held(r, d->region_dev, slot, want - h->charged);
+            if (!atomic_exchange(&logged, 1))
+                gv_log(GV_LOG_INFO, "device %d: %llu bytes the driver gave this process without an "
+                       "allocation call (stack, heap, modules) are charged to the quota",
+                       ordinal, (unsigned long long)(want - h->charged));
+        } else if (want < h->charged) {
+            region_release(r, d->region_dev, slot, h->charged - want);
+        }
+        if (!h->charged != !want)
+            atomic_fetch_add(&holding, want ? 1 : -1);
+        h->charged = want;
+        h->dev = d->region_dev;
+    }
+    pthread_mutex_unlock(&h->lock);
+}
+
+void gv_untracked_reconcile_all(void)
+{
+    const gv_devinfo *d;
+    for (int i = 0; i < GV_MAX_ORDINALS; i++)
+        if (gv_device_known(i, &d))
+            gv_untracked_reconcile(i);
+}
+
+void gv_untracked_tick(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+    long seen = atomic_load_explicit(&last_tick, memory_order_relaxed);
+    if (ts.tv_sec - seen < 1 || !atomic_compare_exchange_strong(&last_tick, &seen, ts.tv_sec))
+        return;
+    gv_untracked_reconcile_all();
+}
+
+/* ---- cuCtxSetLimit ------------------------------------------------------ */
+
+typedef CUresult (*set_limit_fn)(CUlimit, size_t);
+typedef CUresult (*get_limit_fn)(size_t *, CUlimit);
+
+GV_EXPORT CUresult cuCtxSetLimit(CUlimit which, size_t value)
+{
+    set_limit_fn real = GV_REAL(cuCtxSetLimit, set_limit_fn);
+    GV_ENFORCING_ELSE_PASS(real(which, value));
+    int ordinal;
+    size_t old = 0;
+    if (which > CU_LIMIT_MALLOC_HEAP_SIZE || gv_current(&ordinal, NULL) != CUDA_SUCCESS ||
+        GV_REAL(cuCtxGetLimit, get_limit_fn)(&old, which) != CUDA_SUCCESS)
+        return real(which, value);
+    CUresult rc = real(which, value);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    gv_untracked_reconcile(ordinal);
+    const gv_devinfo *d;
+    gv_region *r = gv_core_region();
+    if (gv_device(ordinal, &d) != CUDA_SUCCESS || !r)
+        return rc;
+    uint64_t limit = region_limit(r, d->region_dev);
+    if (limit == GV_UNLIMITED || region_used(r, d->region_dev) <= limit || value <= old)
+        return rc;
+    gv_log(GV_LOG_INFO, "cuCtxSetLimit(%d, %zu) took more device memory than the quota has left; "
+           "the limit is set back to %zu", (int)which, value, old);
+    real(which, old);
+    gv_untracked_reconcile(ordinal);
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+const gv_hook gv_hooks_untracked[] = {
+    { "cuCtxSetLimit", (void *)cuCtxSetLimit },
+    { NULL, NULL }
+};
