@@ -154,6 +154,17 @@ static uint64_t cost(const snapshot *before, const snapshot *after)
 /* Contexts of this process being created and measured now: what NVML
  * shows for the process then is not yet charged (untracked.c waits). */
 static atomic_int creating;
+static pthread_once_t creating_once = PTHREAD_ONCE_INIT;
+
+/* A child forked in the middle of a creation is not creating anything. */
+static void creating_child(void) { atomic_store(&creating, 0); }
+static void creating_setup(void) { pthread_atfork(NULL, NULL, creating_child); }
+
+static void creating_begin(void)
+{
+    pthread_once(&creating_once, creating_setup);
+    atomic_fetch_add(&creating, 1);
+}
 
 int gv_ctx_creating(void) { return atomic_load_explicit(&creating, memory_order_relaxed) > 0; }
 
@@ -231,7 +242,7 @@ static int ctx_prepare(int ordinal, const gv_devinfo **d, snapshot *before, CUre
     *err = gv_device(ordinal, d);
     if (*err != CUDA_SUCCESS)
         return 1;
-    atomic_fetch_add(&creating, 1);
+    creating_begin();
     *lock = gv_node_lock();
     snap(*d, before);
     return 0;
@@ -333,7 +344,7 @@ GV_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     snapshot before;
     int measure = p->charged == 0, lock = -1;
     if (measure) {
-        atomic_fetch_add(&creating, 1);
+        creating_begin();
         lock = gv_node_lock();
         snap(d, &before);
     }

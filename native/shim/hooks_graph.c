@@ -163,8 +163,7 @@ static void track_exec(CUgraphExec e, CUgraph g)
     GV_REAL(cuCtxGetCurrent, CUresult (*)(CUcontext *))(&ctx);
     gv_alloc a = { .key = (uint64_t)(uintptr_t)e, .kind = GV_K_GEXEC, .dev = d->region_dev,
                    .bytes = 0, .aux = GV_GEXEC_AUX(bytes, ordinal, multi), .ctx = ctx };
-    gv_table_take(GV_K_GEXEC, a.key, NULL);     /* a reused handle */
-    if (gv_table_put(&a) == 0)
+    if (gv_table_put(&a) == 0)                  /* replaces a reused handle's */
         atomic_store_explicit(&seen, 1, memory_order_relaxed);
 }
 
