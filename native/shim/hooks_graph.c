@@ -235,31 +235,31 @@ GV_EXPORT CUresult cuGraphUpload_ptsz(CUgraphExec e, CUstream s)
 
 /* ---- instantiation hooks ---------------------------------------------- */
 
-GV_EXPORT CUresult cuGraphInstantiate(CUgraphExec *pe, CUgraph g, CUgraphNode *err, char *log,
-                                      size_t n)
+/* After the real instantiation: track a graph that allocates.  (Failing
+ * closed needs nothing here: cuInit already refuses.) */
+static CUresult instantiated(CUresult rc, CUgraphExec *pe, CUgraph g)
 {
-    CUresult rc = GV_REAL(cuGraphInstantiate, inst_fn)(pe, g, err, log, n);
     if (rc == CUDA_SUCCESS && pe && gv_mode_fast() == GV_MODE_ENFORCE)
         track_exec(*pe, g);
     return rc;
+}
+
+GV_EXPORT CUresult cuGraphInstantiate(CUgraphExec *pe, CUgraph g, CUgraphNode *err, char *log,
+                                      size_t n)
+{
+    return instantiated(GV_REAL(cuGraphInstantiate, inst_fn)(pe, g, err, log, n), pe, g);
 }
 
 GV_EXPORT CUresult cuGraphInstantiate_v2(CUgraphExec *pe, CUgraph g, CUgraphNode *err,
                                          char *log, size_t n)
 {
-    CUresult rc = GV_REAL(cuGraphInstantiate_v2, inst_fn)(pe, g, err, log, n);
-    if (rc == CUDA_SUCCESS && pe && gv_mode_fast() == GV_MODE_ENFORCE)
-        track_exec(*pe, g);
-    return rc;
+    return instantiated(GV_REAL(cuGraphInstantiate_v2, inst_fn)(pe, g, err, log, n), pe, g);
 }
 
 GV_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *pe, CUgraph g,
                                                unsigned long long flags)
 {
-    CUresult rc = GV_REAL(cuGraphInstantiateWithFlags, inst_flags_fn)(pe, g, flags);
-    if (rc == CUDA_SUCCESS && pe && gv_mode_fast() == GV_MODE_ENFORCE)
-        track_exec(*pe, g);
-    return rc;
+    return instantiated(GV_REAL(cuGraphInstantiateWithFlags, inst_flags_fn)(pe, g, flags), pe, g);
 }
 
 /* With CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD the driver also uploads the graph
@@ -268,24 +268,20 @@ static CUresult inst_params(inst_params_fn real, upload_fn real_upload, CUgraphE
                             CUgraph g, CUDA_GRAPH_INSTANTIATE_PARAMS *prm)
 {
     if (!prm || !(prm->flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD) ||
-        gv_mode_fast() != GV_MODE_ENFORCE) {
-        CUresult rc = real(pe, g, prm);
-        if (rc == CUDA_SUCCESS && pe && gv_mode_fast() == GV_MODE_ENFORCE)
-            track_exec(*pe, g);
-        return rc;
-    }
+        gv_mode_fast() != GV_MODE_ENFORCE)
+        return instantiated(real(pe, g, prm), pe, g);
     CUDA_GRAPH_INSTANTIATE_PARAMS mine = *prm;
     mine.flags &= ~(cuuint64_t)CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD;
-    CUresult rc = real(pe, g, &mine);
+    CUresult rc = instantiated(real(pe, g, &mine), pe, g);
     prm->hErrNode_out = mine.hErrNode_out;
     prm->result_out = mine.result_out;
     if (rc != CUDA_SUCCESS || !pe)
         return rc;
-    track_exec(*pe, g);
     rc = upload(real_upload, *pe, prm->hUploadStream);
     if (rc != CUDA_SUCCESS) {
-        GV_REAL(cuGraphExecDestroy, exec_fn)(*pe);
         gv_table_take(GV_K_GEXEC, (uint64_t)(uintptr_t)*pe, NULL);
+        GV_REAL(cuGraphExecDestroy, exec_fn)(*pe);
+        *pe = NULL;
     }
     return rc;
 }
