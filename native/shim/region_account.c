@@ -146,15 +146,27 @@ static int refuse(struct gv_dev *d)
     return GV_ENOMEM;
 }
 
+/* The device entry slot charges, or NULL with *err (GV_EINVAL, GV_ENOENT). */
+static struct gv_dev *charge_target(gv_region *r, int dev, int slot, int *err)
+{
+    if (!dev_ok(r, dev) || slot < 0 || slot >= GV_MAX_SLOTS) {
+        *err = GV_EINVAL;
+        return NULL;
+    }
+    struct gv_dev *d = &r->m->dev[dev];
+    if (atomic_load(&d->state) != DEV_READY) {
+        *err = GV_ENOENT;
+        return NULL;
+    }
+    return d;
+}
+
 int region_reserve(gv_region *r, int dev, int slot, uint64_t n)
 {
-    if (!dev_ok(r, dev) || slot < 0 || slot >= GV_MAX_SLOTS)
-        return GV_EINVAL;
-    struct gv_dev *d = &r->m->dev[dev];
-    if (atomic_load(&d->state) != DEV_READY)
-        return GV_ENOENT;
-    if (n == 0)
-        return GV_OK;
+    int err = GV_OK;
+    struct gv_dev *d = charge_target(r, dev, slot, &err);
+    if (!d || n == 0)
+        return err;
     if (n > MAX_RESERVE)
         return refuse(d);
     int tries = 0, reclaimed = 0;
@@ -188,13 +200,10 @@ int region_reserve(gv_region *r, int dev, int slot, uint64_t n)
 
 int region_charge_held(gv_region *r, int dev, int slot, uint64_t n)
 {
-    if (!dev_ok(r, dev) || slot < 0 || slot >= GV_MAX_SLOTS)
-        return GV_EINVAL;
-    struct gv_dev *d = &r->m->dev[dev];
-    if (atomic_load(&d->state) != DEV_READY)
-        return GV_ENOENT;
-    if (n == 0)
-        return GV_OK;
+    int err = GV_OK;
+    struct gv_dev *d = charge_target(r, dev, slot, &err);
+    if (!d || n == 0)
+        return err;
     enter(r, dev, slot);
     atomic_fetch_add(&d->total, n);
     atomic_fetch_add(&d->used[slot], n);

@@ -316,14 +316,20 @@ int sim_capture_free(CUstream s, int ptsz, CUdeviceptr dptr, CUresult *rc)
 
 /* ---- the device's graph pool ------------------------------------------- */
 
-SIM_API CUresult cuDeviceGetGraphMemAttribute(CUdevice dev, CUgraphMem_attribute attr,
-                                              void *value)
+static CUresult device_ok(CUdevice dev)
 {
     CUresult rc = sim_check_init();
     if (rc)
         return rc;
-    if (sim_ord_node(dev) < 0)
-        return CUDA_ERROR_INVALID_DEVICE;
+    return sim_ord_node(dev) < 0 ? CUDA_ERROR_INVALID_DEVICE : CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuDeviceGetGraphMemAttribute(CUdevice dev, CUgraphMem_attribute attr,
+                                              void *value)
+{
+    CUresult rc = device_ok(dev);
+    if (rc)
+        return rc;
     if (!value || attr < CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT ||
         attr > CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH)
         return CUDA_ERROR_INVALID_VALUE;
@@ -339,11 +345,9 @@ SIM_API CUresult cuDeviceGetGraphMemAttribute(CUdevice dev, CUgraphMem_attribute
 SIM_API CUresult cuDeviceSetGraphMemAttribute(CUdevice dev, CUgraphMem_attribute attr,
                                               void *value)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = device_ok(dev);
     if (rc)
         return rc;
-    if (sim_ord_node(dev) < 0)
-        return CUDA_ERROR_INVALID_DEVICE;
     uint64_t v;
     if (!value || (attr != CU_GRAPH_MEM_ATTR_USED_MEM_HIGH &&
                    attr != CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH))
@@ -363,12 +367,10 @@ SIM_API CUresult cuDeviceSetGraphMemAttribute(CUdevice dev, CUgraphMem_attribute
 /* Give the pool's memory that no live allocation uses back to the device. */
 SIM_API CUresult cuDeviceGraphMemTrim(CUdevice dev)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = device_ok(dev);
     if (rc)
         return rc;
     int node = sim_ord_node(dev);
-    if (node < 0)
-        return CUDA_ERROR_INVALID_DEVICE;
     pthread_mutex_lock(&sim_mu);
     uint64_t keep = sim_round_up(g_pool[dev].used, SIM_GRAN);
     if (keep < g_pool[dev].reserved) {
