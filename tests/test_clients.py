@@ -461,6 +461,26 @@ emit(cuda_used=used(), mem=[nvml_mem(i, {v2}) for i in range(2)], uuid0=uuid(0))
     assert other["total"] == 16 * GiB
 
 
+def test_nvml_shows_graph_pools_and_driver_taken_memory(node):
+    """What nvidia-smi reads (NVML memory info) counts a graph's pool and a
+    device heap like any allocation."""
+    out = client(
+        node,
+        NVML
+        + GRAPH_OF
+        + f"""
+init()
+base = nvml_mem(0)["used"]
+e, s, _ = graph_of(1 * GiB)
+ok(cu.cuGraphLaunch, e, s)
+ok(cu.cuCtxSetLimit, {HEAP}, 512 * MiB)
+emit(base=base, after=nvml_mem(0)["used"], cuda_used=used())
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+    )
+    assert out["after"] == out["cuda_used"] == out["base"] + 1 * GiB + 504 * MiB, out
+
+
 def test_nvml_matches_devices_by_uuid(node):
     """CUDA_VISIBLE_DEVICES=1: the container's ordinal 0 is NVML index 1."""
     out = client(
