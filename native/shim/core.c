@@ -64,15 +64,19 @@ __attribute__((destructor)) static void at_exit(void)
         region_leave(region);
 }
 
+int gv_once_a_second(atomic_long *last)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
+    long seen = atomic_load_explicit(last, memory_order_relaxed);
+    return ts.tv_sec - seen >= 1 && atomic_compare_exchange_strong(last, &seen, ts.tv_sec);
+}
+
 void gv_core_tidy(void)
 {
     static atomic_long last;
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
-    long seen = atomic_load_explicit(&last, memory_order_relaxed);
-    if (ts.tv_sec - seen < 1 || !atomic_compare_exchange_strong(&last, &seen, ts.tv_sec))
-        return;
-    region_reclaim_dead(region);
+    if (gv_once_a_second(&last))
+        region_reclaim_dead(region);
 }
 
 void gv_core_fail(void) { atomic_store(&gv_mode_word, GV_MODE_FAILED); }

@@ -46,6 +46,9 @@ uint32_t gv_nvml_self_pid(void);
  * usage reports never keep a dead process's memory (called by the memory
  * info hooks; enforce mode only). */
 void gv_core_tidy(void);
+/* 1 for the first caller in each second (coarse monotonic clock) that
+ * passes the same counter, else 0; no lock, no system call. */
+int gv_once_a_second(atomic_long *last);
 /* Switch to fail-closed after a fatal misconfiguration found later. */
 void gv_core_fail(void);
 

@@ -21,7 +21,6 @@
  */
 #include <pthread.h>
 #include <stdatomic.h>
-#include <time.h>
 
 #include "hooks.h"
 #include "log.h"
@@ -31,7 +30,6 @@
 static struct held {
     pthread_mutex_t lock;
     uint64_t charged;
-    int dev;                     /* region device entry, once charged */
 } held[GV_MAX_ORDINALS];
 static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
 static atomic_long last_tick;
@@ -88,7 +86,6 @@ void gv_untracked_reconcile(int ordinal)
         if (!h->charged != !want)
             atomic_fetch_add(&holding, want ? 1 : -1);
         h->charged = want;
-        h->dev = d->region_dev;
     }
     pthread_mutex_unlock(&h->lock);
 }
@@ -103,12 +100,8 @@ void gv_untracked_reconcile_all(void)
 
 void gv_untracked_tick(void)
 {
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);
-    long seen = atomic_load_explicit(&last_tick, memory_order_relaxed);
-    if (ts.tv_sec - seen < 1 || !atomic_compare_exchange_strong(&last_tick, &seen, ts.tv_sec))
-        return;
-    gv_untracked_reconcile_all();
+    if (gv_once_a_second(&last_tick))
+        gv_untracked_reconcile_all();
 }
 
 /* ---- cuCtxSetLimit ------------------------------------------------------ */
