@@ -20,7 +20,6 @@ static int reserve(int dev, uint64_t n)
     if (slot < 0)
         return -1;
     gv_region *r = gv_core_region();
-    gv_untracked_tick();
     /* Pools, and memory the driver took on its own, may have given memory
      * back since we last looked; when the request looks tight, re-read them
      * first (one refusal counts once). */
@@ -43,6 +42,10 @@ static int reserve(int dev, uint64_t n)
 CUresult gv_charge_begin(gv_charge *c, int ordinal, CUcontext ctx, uint64_t bytes)
 {
     memset(c, 0, sizeof *c);
+    /* Here, before the driver call, this process's charges and the
+     * driver's figures agree; not in gv_charge_resize, which runs after the
+     * driver has answered and before its answer is charged. */
+    gv_untracked_tick();
     const gv_devinfo *d;
     CUresult rc = gv_device(ordinal, &d);
     if (rc != CUDA_SUCCESS)
