@@ -36,7 +36,7 @@ static struct {
     uint64_t used, used_high, reserved, reserved_high;
 } g_pool[SIM_MAX_DEV];                  /* by ordinal */
 
-struct sim_gmem *sim_gmem_new_locked(int ordinal, uint64_t size)
+static struct sim_gmem *gmem_new_locked(int ordinal, uint64_t size)
 {
     int node = sim_ord_node(ordinal);
     if (node < 0 || !size)
@@ -58,7 +58,7 @@ struct sim_gmem *sim_gmem_new_locked(int ordinal, uint64_t size)
     return gm;
 }
 
-struct sim_gmem *sim_gmem_find_locked(CUdeviceptr addr)
+static struct sim_gmem *gmem_find_locked(CUdeviceptr addr)
 {
     for (struct sim_gmem *gm = g_all; gm; gm = gm->next)
         if (gm->addr == addr)
@@ -80,9 +80,6 @@ void sim_gmem_unref_locked(struct sim_gmem *gm)
     free(gm);
 }
 
-CUdeviceptr sim_gmem_addr(const struct sim_gmem *gm) { return gm->addr; }
-uint64_t sim_gmem_size(const struct sim_gmem *gm) { return gm->size; }
-int sim_gmem_ordinal(const struct sim_gmem *gm) { return gm->ordinal; }
 
 /* The allocation ends (free node, cuMemFree(Async), its context destroyed):
  * the pool keeps its memory. */
@@ -205,7 +202,7 @@ SIM_API CUresult cuGraphAddMemAllocNode(CUgraphNode *out, CUgraph g,
     if (sim_ord_node(p->poolProps.location.id) < 0)
         return CUDA_ERROR_INVALID_DEVICE;
     pthread_mutex_lock(&sim_mu);
-    struct sim_gmem *gm = sim_gmem_new_locked(p->poolProps.location.id, p->bytesize);
+    struct sim_gmem *gm = gmem_new_locked(p->poolProps.location.id, p->bytesize);
     pthread_mutex_unlock(&sim_mu);
     if (!gm)
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -224,7 +221,7 @@ SIM_API CUresult cuGraphAddMemFreeNode(CUgraphNode *out, CUgraph g,
     if (rc)
         return rc;
     pthread_mutex_lock(&sim_mu);
-    struct sim_gmem *gm = sim_gmem_find_locked(dptr);
+    struct sim_gmem *gm = gmem_find_locked(dptr);
     if (gm)
         sim_gmem_ref_locked(gm);
     pthread_mutex_unlock(&sim_mu);
@@ -233,41 +230,46 @@ SIM_API CUresult cuGraphAddMemFreeNode(CUgraphNode *out, CUgraph g,
     return sim_graph_add_mem(out, g, deps, n, CU_GRAPH_NODE_TYPE_MEM_FREE, gm);
 }
 
-SIM_API CUresult cuGraphMemAllocNodeGetParams(CUgraphNode nd,
-                                              CUDA_MEM_ALLOC_NODE_PARAMS *p)
+/* A copy of the record of memory node nd of this type (its address, size
+ * and device never change once made). */
+static CUresult node_record(CUgraphNode nd, int type, const void *out, struct sim_gmem *rec)
 {
     CUresult rc = sim_check_init();
     if (rc)
         return rc;
-    if (!p)
+    if (!out)
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_mu);
-    struct sim_gmem *gm = sim_graph_node_gmem(nd, CU_GRAPH_NODE_TYPE_MEM_ALLOC);
-    if (gm) {
-        memset(p, 0, sizeof *p);
-        p->poolProps.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
-        p->poolProps.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-        p->poolProps.location.id = gm->ordinal;
-        p->bytesize = gm->size;
-        p->dptr = gm->addr;
-    }
+    struct sim_gmem *gm = sim_graph_node_gmem(nd, type);
+    if (gm)
+        *rec = *gm;
     pthread_mutex_unlock(&sim_mu);
     return gm ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
-SIM_API CUresult cuGraphMemFreeNodeGetParams(CUgraphNode nd, CUdeviceptr *dptr)
+SIM_API CUresult cuGraphMemAllocNodeGetParams(CUgraphNode nd,
+                                              CUDA_MEM_ALLOC_NODE_PARAMS *p)
 {
-    CUresult rc = sim_check_init();
+    struct sim_gmem gm;
+    CUresult rc = node_record(nd, CU_GRAPH_NODE_TYPE_MEM_ALLOC, p, &gm);
     if (rc)
         return rc;
-    if (!dptr)
-        return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&sim_mu);
-    struct sim_gmem *gm = sim_graph_node_gmem(nd, CU_GRAPH_NODE_TYPE_MEM_FREE);
-    if (gm)
-        *dptr = gm->addr;
-    pthread_mutex_unlock(&sim_mu);
-    return gm ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    memset(p, 0, sizeof *p);
+    p->poolProps.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+    p->poolProps.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    p->poolProps.location.id = gm.ordinal;
+    p->bytesize = gm.size;
+    p->dptr = gm.addr;
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuGraphMemFreeNodeGetParams(CUgraphNode nd, CUdeviceptr *dptr)
+{
+    struct sim_gmem gm;
+    CUresult rc = node_record(nd, CU_GRAPH_NODE_TYPE_MEM_FREE, dptr, &gm);
+    if (rc == CUDA_SUCCESS)
+        *dptr = gm.addr;
+    return rc;
 }
 
 /* ---- stream capture ---------------------------------------------------- */
@@ -286,7 +288,7 @@ int sim_capture_alloc(CUstream s, int ptsz, CUdeviceptr *dptr, size_t size, CUre
     pthread_mutex_lock(&sim_mu);
     struct CUgraph_st *g = capturing_locked(&r);
     if (g) {
-        struct sim_gmem *gm = sim_gmem_new_locked(r.ctx->ordinal, size);
+        struct sim_gmem *gm = gmem_new_locked(r.ctx->ordinal, size);
         *rc = gm ? sim_graph_append_mem_locked(g, CU_GRAPH_NODE_TYPE_MEM_ALLOC, gm)
                  : CUDA_ERROR_OUT_OF_MEMORY;
         if (gm) {
@@ -306,7 +308,7 @@ int sim_capture_free(CUstream s, int ptsz, CUdeviceptr dptr, CUresult *rc)
     pthread_mutex_lock(&sim_mu);
     struct CUgraph_st *g = capturing_locked(&r);
     if (g) {
-        struct sim_gmem *gm = sim_gmem_find_locked(dptr);
+        struct sim_gmem *gm = gmem_find_locked(dptr);
         *rc = gm ? sim_graph_append_mem_locked(g, CU_GRAPH_NODE_TYPE_MEM_FREE, gm)
                  : CUDA_ERROR_NOT_SUPPORTED;    /* only graph allocations */
     }

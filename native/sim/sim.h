@@ -309,13 +309,8 @@ typedef struct sim_gmop {
     struct sim_gmem *gm;
     int free;                           /* 0: allocate, 1: free */
 } sim_gmop;
-SIM_HIDDEN struct sim_gmem *sim_gmem_new_locked(int ordinal, uint64_t size);
-SIM_HIDDEN struct sim_gmem *sim_gmem_find_locked(CUdeviceptr addr);
 SIM_HIDDEN void sim_gmem_ref_locked(struct sim_gmem *gm);
 SIM_HIDDEN void sim_gmem_unref_locked(struct sim_gmem *gm);
-SIM_HIDDEN CUdeviceptr sim_gmem_addr(const struct sim_gmem *gm);
-SIM_HIDDEN uint64_t sim_gmem_size(const struct sim_gmem *gm);
-SIM_HIDDEN int sim_gmem_ordinal(const struct sim_gmem *gm);
 /* run an executable graph's memory ops (upload: only reserve for them) */
 SIM_HIDDEN CUresult sim_gmem_run_locked(const sim_gmop *ops, int n, unsigned long long flags,
                                         int upload, struct CUctx_st *ctx);
