@@ -240,6 +240,59 @@ emit(base=base, big=big.name, err=err.name, uploaded=uploaded, launch=launch.nam
     assert out["trimmed"] == b, out
 
 
+def test_graph_memory_on_two_devices_is_checked_on_each(node):
+    """A graph whose allocation nodes are on devices 0 and 1 is checked
+    against each device's own quota for the bytes it allocates there: 3 GiB
+    on device 1 under a 2 GiB limit is refused before anything is taken, on
+    either device; 1 GiB on each is charged to each."""
+    out = client(
+        node,
+        """
+init(0)
+ctx0 = ok(cu.cuCtxGetCurrent)
+ctx1 = ok(cu.cuDevicePrimaryCtxRetain, ok(cu.cuDeviceGet, 1))
+def used_on(ctx):
+    ok(cu.cuCtxSetCurrent, ctx)
+    u = used()
+    ok(cu.cuCtxSetCurrent, ctx0)
+    return u
+def pool(dev):
+    return int(ok(cu.cuDeviceGetGraphMemAttribute, dev,
+                  cu.CUgraphMem_attribute.CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT))
+def two_device_graph(on0, on1):
+    g, ptrs = ok(cu.cuGraphCreate, 0), []
+    for dev, nbytes in ((0, on0), (1, on1)):
+        p = cu.CUDA_MEM_ALLOC_NODE_PARAMS()
+        p.poolProps.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        p.poolProps.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        p.poolProps.location.id = dev
+        p.bytesize = nbytes
+        ok(cu.cuGraphAddMemAllocNode, g, None, 0, p)
+        ptrs.append(p.dptr)
+    return ok(cu.cuGraphInstantiate, g, 0), ptrs
+s = ok(cu.cuStreamCreate, 0)
+base0, base1 = used_on(ctx0), used_on(ctx1)
+big = call(cu.cuGraphLaunch, two_device_graph(1 * GiB, 3 * GiB)[0], s)[0]
+refused = (used_on(ctx0) - base0, used_on(ctx1) - base1, pool(0), pool(1))
+e, ptrs = two_device_graph(1 * GiB, 1 * GiB)
+fits = call(cu.cuGraphLaunch, e, s)[0]
+ok(cu.cuStreamSynchronize, s)
+launched = (used_on(ctx0) - base0, used_on(ctx1) - base1, pool(0), pool(1))
+ok(cu.cuMemFree, ptrs[1])
+ok(cu.cuDeviceGraphMemTrim, 1)
+trimmed = (used_on(ctx0) - base0, used_on(ctx1) - base1)
+emit(big=big.name, refused=refused, fits=fits.name, launched=launched, trimmed=trimmed)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT_0="8g",
+        CUDA_DEVICE_MEMORY_LIMIT_1="2g",
+    )
+    assert out["big"] == OOM, out
+    assert out["refused"] == [0, 0, 0, 0], out
+    assert out["fits"] == "CUDA_SUCCESS", out
+    assert out["launched"] == [1 * GiB, 1 * GiB, 1 * GiB, 1 * GiB], out
+    assert out["trimmed"] == [1 * GiB, 0], out
+
+
 def test_graph_memory_passes_through_without_control(node):
     """CUDA_DISABLE_CONTROL: graphs allocate what the device has, unlimited."""
     out = client(

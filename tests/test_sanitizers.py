@@ -115,6 +115,26 @@ ok(cu.cuGraphExecDestroy, e)
 ok(cu.cuGraphDestroy, g)
 ok(cu.cuDeviceGraphMemTrim, 0)
 assert used() == base
+# a graph allocating on two devices: each pool locked, charged and settled
+g, ptrs = ok(cu.cuGraphCreate, 0), []
+for dev in (0, 1):
+    p = cu.CUDA_MEM_ALLOC_NODE_PARAMS()
+    p.poolProps.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    p.poolProps.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    p.poolProps.location.id = dev
+    p.bytesize = 64 * MiB
+    ok(cu.cuGraphAddMemAllocNode, g, None, 0, p)
+    ptrs.append(p.dptr)
+e = ok(cu.cuGraphInstantiate, g, 0)
+ok(cu.cuGraphLaunch, e, s)
+ok(cu.cuStreamSynchronize, s)
+assert used() == base + 64 * MiB
+ok(cu.cuGraphExecDestroy, e)
+ok(cu.cuGraphDestroy, g)
+for dev, ptr in enumerate(ptrs):
+    ok(cu.cuMemFree, ptr)
+    ok(cu.cuDeviceGraphMemTrim, dev)
+assert used() == base
 # memory the driver takes on its own (a device heap), charged from NVML
 ok(cu.cuCtxSetLimit, cu.CUlimit.CU_LIMIT_MALLOC_HEAP_SIZE, 256 * MiB)
 assert used() == base + 248 * MiB

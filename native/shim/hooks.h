@@ -32,15 +32,17 @@ void gv_pool_after_free(uint64_t pool);
  * otherwise).  begin/end bracket a launch: begin charges what the graph
  * pool may grow by and returns CUDA_ERROR_OUT_OF_MEMORY (nothing launched)
  * when the quota cannot take it; end settles on the pool's real reserve.
- * gv_graph_mem_refresh re-reads every pool this process charged. */
+ * gv_graph_mem_refresh re-reads every pool this process charged;
+ * gv_graph_exec_forget drops what was recorded of an executable graph
+ * whose allocation nodes span devices (it is gone). */
 typedef struct gv_graph_mem {
-    int ordinal;                 /* -1: nothing held */
-    int multi;                   /* allocation nodes on several devices */
+    uint64_t held;               /* ordinals whose pools are locked */
 } gv_graph_mem;
 int gv_graph_mem_seen(void);
 CUresult gv_graph_mem_begin(gv_graph_mem *m, CUgraphExec e);
 void gv_graph_mem_end(gv_graph_mem *m);
 void gv_graph_mem_refresh(void);
+void gv_graph_exec_forget(CUgraphExec e);
 
 /* hooks_context.c: this process's device memory on d as NVML counts it
  * (1), or 0 when NVML does not list this process; and whether a context

@@ -188,6 +188,8 @@ static int owned_by(const gv_alloc *a, void *ctx)
 static void release_entry(const gv_alloc *a, void *unused)
 {
     (void)unused;
+    if (a->kind == GV_K_GEXEC)
+        gv_graph_exec_forget((CUgraphExec)(uintptr_t)a->key);
     gv_uncharge(a->dev, a->bytes);
 }
 

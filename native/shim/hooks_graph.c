@@ -20,8 +20,13 @@
  *  - a trim, an executable graph's destruction and a context's destruction
  *    settle it again.
  *
- * One mutex per device, held across the launch of a graph that allocates;
- * launches of graphs without allocation nodes only read a flag.
+ * A graph whose allocation nodes are on several devices is checked on each
+ * of them, for the bytes it allocates there (kept in a list beside the
+ * table, which has room for one device).
+ *
+ * One mutex per device, held across the launch of a graph that allocates
+ * (several are taken in ascending order); launches of graphs without
+ * allocation nodes only read a flag.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -50,6 +55,15 @@ static struct gpool {
 static atomic_int seen;          /* an executable graph here allocates */
 static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
 
+/* Executable graphs with allocation nodes on several devices: the bytes on
+ * each.  Rare, so a list under one mutex. */
+static struct multi {
+    struct multi *next;
+    CUgraphExec exec;
+    uint64_t bytes[GV_MAX_ORDINALS];
+} *multis;
+static pthread_mutex_t multis_lock = PTHREAD_MUTEX_INITIALIZER;
+
 static void child_reset(void)
 {
     /* A forked child holds no graph memory of its own. */
@@ -57,6 +71,7 @@ static void child_reset(void)
         pthread_mutex_init(&pools[i].lock, NULL);
         pools[i].charged = 0;
     }
+    pthread_mutex_init(&multis_lock, NULL);
 }
 
 static void setup(void)
@@ -89,14 +104,20 @@ static void settle(int ordinal)
         p->charged = reserved;
         return;
     }
-    gv_charge c;
-    if (gv_charge_begin(&c, ordinal, NULL, reserved - p->charged) == CUDA_SUCCESS) {
-        p->dev = c.dev;
-        p->charged += c.bytes;
-    } else {
-        gv_log(GV_LOG_WARN, "graph memory pool of device %d grew to %llu bytes past the quota",
+    /* The driver already gave it: charged as held, never refused (the
+     * launches that grow the pool were checked before they ran). */
+    const gv_devinfo *d;
+    gv_region *r = gv_core_region();
+    int slot = r ? region_self_slot(r) : -1;
+    if (slot < 0 || gv_device(ordinal, &d) != CUDA_SUCCESS ||
+        region_charge_held(r, d->region_dev, slot, reserved - p->charged) != 0)
+        return;
+    p->dev = d->region_dev;
+    p->charged = reserved;
+    if (region_limit(r, d->region_dev) != GV_UNLIMITED &&
+        region_used(r, d->region_dev) > region_limit(r, d->region_dev))
+        gv_log(GV_LOG_WARN, "graph memory pool of device %d grew to %llu bytes, past the quota",
                ordinal, (unsigned long long)reserved);
-    }
 }
 
 /* Settle every device's pool (each under its own lock). */
@@ -115,10 +136,11 @@ static void settle_all(void)
 
 /* ---- instantiation: how much an executable graph allocates ------------ */
 
-/* Sum of g's allocation nodes' sizes; *ordinal gets the first one's device,
- * *multi whether others are on other devices.  Graphs whose nodes cannot be
- * read count as allocating nothing. */
-static uint64_t graph_alloc_bytes(CUgraph g, int *ordinal, int *multi)
+/* Sum of g's allocation nodes' sizes, and in per[] each device's part;
+ * *ordinal gets the first one's device, *multi whether others are on other
+ * devices.  Graphs whose nodes cannot be read count as allocating nothing. */
+static uint64_t graph_alloc_bytes(CUgraph g, uint64_t per[GV_MAX_ORDINALS], int *ordinal,
+                                  int *multi)
 {
     size_t n = 0;
     if (GV_REAL(cuGraphGetNodes, nodes_fn)(g, NULL, &n) != CUDA_SUCCESS || n == 0)
@@ -136,8 +158,10 @@ static uint64_t graph_alloc_bytes(CUgraph g, int *ordinal, int *multi)
                 continue;
             memset(&prm, 0, sizeof prm);
             if (GV_REAL(cuGraphMemAllocNodeGetParams, alloc_params_fn)(nodes[i], &prm) !=
-                CUDA_SUCCESS)
+                    CUDA_SUCCESS ||
+                prm.poolProps.location.id < 0 || prm.poolProps.location.id >= GV_MAX_ORDINALS)
                 continue;
+            per[prm.poolProps.location.id] += prm.bytesize;
             if (total == 0)
                 *ordinal = prm.poolProps.location.id;
             else if (prm.poolProps.location.id != *ordinal)
@@ -149,16 +173,52 @@ static uint64_t graph_alloc_bytes(CUgraph g, int *ordinal, int *multi)
     return total;
 }
 
+/* Forget e's per-device bytes, if it had any. */
+void gv_graph_exec_forget(CUgraphExec e)
+{
+    pthread_mutex_lock(&multis_lock);
+    for (struct multi **pp = &multis; *pp; pp = &(*pp)->next) {
+        if ((*pp)->exec == e) {
+            struct multi *m = *pp;
+            *pp = m->next;
+            free(m);
+            break;
+        }
+    }
+    pthread_mutex_unlock(&multis_lock);
+}
+
+/* Remember e's bytes on each device (a reused handle's record replaced);
+ * 0, or -1 when out of memory. */
+static int remember_multi(CUgraphExec e, const uint64_t per[GV_MAX_ORDINALS])
+{
+    gv_graph_exec_forget(e);
+    struct multi *m = malloc(sizeof *m);
+    if (!m)
+        return -1;
+    m->exec = e;
+    memcpy(m->bytes, per, sizeof m->bytes);
+    pthread_mutex_lock(&multis_lock);
+    m->next = multis;
+    multis = m;
+    pthread_mutex_unlock(&multis_lock);
+    return 0;
+}
+
 /* After a successful instantiation: remember an executable graph that
  * allocates (GV_K_GEXEC, aux = bytes, nothing charged to the entry). */
 static void track_exec(CUgraphExec e, CUgraph g)
 {
     int ordinal = -1, multi = 0;
-    uint64_t bytes = graph_alloc_bytes(g, &ordinal, &multi);
+    uint64_t per[GV_MAX_ORDINALS] = { 0 };
+    uint64_t bytes = graph_alloc_bytes(g, per, &ordinal, &multi);
     const gv_devinfo *d;
     if (bytes == 0 || ordinal < 0 || ordinal >= GV_MAX_ORDINALS ||
         gv_device(ordinal, &d) != CUDA_SUCCESS)
         return;
+    /* Without its record a graph on several devices is refused at launch. */
+    if (multi ? remember_multi(e, per) != 0 : (gv_graph_exec_forget(e), 0))
+        gv_log(GV_LOG_ERROR, "out of memory recording a graph's allocations");
     CUcontext ctx = NULL;
     GV_REAL(cuCtxGetCurrent, CUresult (*)(CUcontext *))(&ctx);
     gv_alloc a = { .key = (uint64_t)(uintptr_t)e, .kind = GV_K_GEXEC, .dev = d->region_dev,
@@ -169,19 +229,10 @@ static void track_exec(CUgraphExec e, CUgraph g)
 
 /* ---- launch and upload ------------------------------------------------ */
 
-CUresult gv_graph_mem_begin(gv_graph_mem *m, CUgraphExec e)
+/* Lock ordinal's pool and charge what it may grow by for `bytes` more;
+ * the lock stays held on success. */
+static CUresult pool_begin(int ordinal, uint64_t bytes)
 {
-    m->ordinal = -1;
-    m->multi = 0;
-    gv_alloc a;
-    if (!gv_table_get(GV_K_GEXEC, (uint64_t)(uintptr_t)e, &a))
-        return CUDA_SUCCESS;
-    int mode = gv_mode_fast();
-    if (mode != GV_MODE_ENFORCE)
-        return mode == GV_MODE_PASSTHROUGH ? CUDA_SUCCESS : GV_FAIL_CUDA;
-    int ordinal = GV_GEXEC_ORDINAL(a.aux);
-    uint64_t bytes = GV_GEXEC_BYTES(a.aux);
-    pthread_once(&setup_once, setup);
     struct gpool *p = &pools[ordinal];
     pthread_mutex_lock(&p->lock);
     settle(ordinal);
@@ -197,19 +248,56 @@ CUresult gv_graph_mem_begin(gv_graph_mem *m, CUgraphExec e)
         p->dev = c.dev;
         p->charged += c.bytes;   /* settled on the real reserve afterwards */
     }
-    m->ordinal = ordinal;
-    m->multi = GV_GEXEC_MULTI(a.aux);
+    return CUDA_SUCCESS;
+}
+
+CUresult gv_graph_mem_begin(gv_graph_mem *m, CUgraphExec e)
+{
+    m->held = 0;
+    gv_alloc a;
+    if (!gv_table_get(GV_K_GEXEC, (uint64_t)(uintptr_t)e, &a))
+        return CUDA_SUCCESS;
+    int mode = gv_mode_fast();
+    if (mode != GV_MODE_ENFORCE)
+        return mode == GV_MODE_PASSTHROUGH ? CUDA_SUCCESS : GV_FAIL_CUDA;
+    uint64_t per[GV_MAX_ORDINALS] = { 0 };
+    if (GV_GEXEC_MULTI(a.aux)) {
+        struct multi *r;
+        pthread_mutex_lock(&multis_lock);
+        for (r = multis; r && r->exec != e; r = r->next)
+            ;
+        if (r)
+            memcpy(per, r->bytes, sizeof per);
+        pthread_mutex_unlock(&multis_lock);
+        if (!r)
+            return CUDA_ERROR_OUT_OF_MEMORY;   /* its record could not be made */
+    } else {
+        per[GV_GEXEC_ORDINAL(a.aux)] = GV_GEXEC_BYTES(a.aux);
+    }
+    pthread_once(&setup_once, setup);
+    /* Ascending order, so that launches on the same devices cannot deadlock. */
+    for (int i = 0; i < GV_MAX_ORDINALS; i++) {
+        if (!per[i])
+            continue;
+        CUresult rc = pool_begin(i, per[i]);
+        if (rc != CUDA_SUCCESS) {
+            gv_graph_mem_end(m);      /* gives back what the others charged */
+            return rc;
+        }
+        m->held |= 1ULL << i;
+    }
     return CUDA_SUCCESS;
 }
 
 void gv_graph_mem_end(gv_graph_mem *m)
 {
-    if (m->ordinal < 0)
-        return;
-    settle(m->ordinal);
-    pthread_mutex_unlock(&pools[m->ordinal].lock);
-    if (m->multi)
-        settle_all();
+    for (int i = 0; i < GV_MAX_ORDINALS; i++) {
+        if (!(m->held & (1ULL << i)))
+            continue;
+        settle(i);
+        pthread_mutex_unlock(&pools[i].lock);
+    }
+    m->held = 0;
 }
 
 static CUresult upload(upload_fn real, CUgraphExec e, CUstream s)
@@ -280,6 +368,7 @@ static CUresult inst_params(inst_params_fn real, upload_fn real_upload, CUgraphE
     rc = upload(real_upload, *pe, prm->hUploadStream);
     if (rc != CUDA_SUCCESS) {
         gv_table_take(GV_K_GEXEC, (uint64_t)(uintptr_t)*pe, NULL);
+        gv_graph_exec_forget(*pe);
         GV_REAL(cuGraphExecDestroy, exec_fn)(*pe);
         *pe = NULL;
     }
@@ -306,8 +395,10 @@ GV_EXPORT CUresult cuGraphExecDestroy(CUgraphExec e)
 {
     CUresult rc = GV_REAL(cuGraphExecDestroy, exec_fn)(e);
     if (rc == CUDA_SUCCESS && gv_graph_mem_seen() &&
-        gv_table_take(GV_K_GEXEC, (uint64_t)(uintptr_t)e, NULL))
+        gv_table_take(GV_K_GEXEC, (uint64_t)(uintptr_t)e, NULL)) {
+        gv_graph_exec_forget(e);
         settle_all();
+    }
     return rc;
 }
 
