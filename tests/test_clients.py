@@ -187,6 +187,31 @@ emit(base=base, captured=captured, full=full.name, room=room.name)
     assert (out["full"], out["room"]) == (OOM, "CUDA_SUCCESS"), out
 
 
+def test_a_captured_free_of_a_plain_allocation_keeps_its_charge(node):
+    """Captured, cuMemFreeAsync only records a free node, which must free a
+    graph allocation; a cuMemAlloc pointer freed that way is not freed (the
+    driver refuses it), so it stays charged until a real cuMemFree."""
+    out = client(
+        node,
+        """
+init()
+base = used()
+ptr = ok(cu.cuMemAlloc, 1 * GiB)
+s = ok(cu.cuStreamCreate, 0)
+ok(cu.cuStreamBeginCapture, s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+err = call(cu.cuMemFreeAsync, ptr, s)[0]
+end = call(cu.cuStreamEndCapture, s)[0]
+held = used()
+ok(cu.cuMemFree, ptr)
+emit(base=base, err=err.name, end=end.name, held=held, after=used())
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+    )
+    assert out["err"] != "CUDA_SUCCESS", out
+    assert out["held"] == out["base"] + 1 * GiB, out
+    assert out["after"] == out["base"], out
+
+
 EXPLICIT_GRAPH = """
 def explicit_graph(nbytes):
     \"\"\"A graph with one allocation node that the graph does not free.\"\"\"

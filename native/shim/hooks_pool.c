@@ -269,10 +269,14 @@ static CUresult alloc_from_pool(alloc_pool_fn real, free_async_fn real_free, CUd
     return rc;
 }
 
-static CUresult free_async(free_async_fn real, CUdeviceptr p, CUstream stream)
+static CUresult free_async(free_async_fn real, CUdeviceptr p, CUstream stream, int ptsz)
 {
     GV_ENFORCING_ELSE_PASS(real(p, stream));
     gv_alloc a;
+    /* Captured, it only records a free node (of a graph allocation, which
+     * nothing here charged): the memory stays until the graph runs it. */
+    if (capturing(stream, ptsz))
+        return real(p, stream);
     if (!gv_table_take(GV_K_POOLPTR, p, &a)) {
         /* A plain allocation may also be freed stream-ordered. */
         if (!gv_table_take(GV_K_PTR, p, &a))
@@ -324,12 +328,12 @@ GV_EXPORT CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t n, CUm
 
 GV_EXPORT CUresult cuMemFreeAsync(CUdeviceptr p, CUstream s)
 {
-    return free_async(GV_REAL(cuMemFreeAsync, free_async_fn), p, s);
+    return free_async(GV_REAL(cuMemFreeAsync, free_async_fn), p, s, 0);
 }
 
 GV_EXPORT CUresult cuMemFreeAsync_ptsz(CUdeviceptr p, CUstream s)
 {
-    return free_async(GV_REAL(cuMemFreeAsync_ptsz, free_async_fn), p, s);
+    return free_async(GV_REAL(cuMemFreeAsync_ptsz, free_async_fn), p, s, 1);
 }
 
 GV_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props)
