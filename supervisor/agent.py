@@ -302,7 +302,9 @@ class Agent:
             error_message(None, f"rate limit exceeded: at most {config.rate:g} messages/s")
         )
         self.gpus = HostGpus()
-        self.collector = AgentCollector(self.state, self.gpus, legacy=config.legacy_metrics)
+        self.collector = AgentCollector(
+            self.state, self.gpus, legacy=config.legacy_metrics, node=config.node_name
+        )
         self.server: asyncio.AbstractServer | None = None
         self.http: ThreadingHTTPServer | None = None
         self.stopping: asyncio.Event | None = None

@@ -9,6 +9,7 @@ vGPU-monitor names (hami_*), plus HAMi's legacy names behind
 from __future__ import annotations
 
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -28,9 +29,9 @@ log = logging.getLogger("gpuvisor.metrics")
 CTR_LABELS = ["podnamespace", "podname", "ctrname", "deviceuuid", "deviceidx"]
 DEV_LABELS = ["deviceuuid", "deviceidx"]
 HAMI_CTR_LABELS = ["namespace", "pod", "container", "vdevice_index", "device_uuid"]
-HAMI_HOST_LABELS = ["device_index", "device_uuid", "device_type"]
+HAMI_HOST_LABELS = ["device_index", "device_uuid", "device_type", "node"]
 LEGACY_CTR_LABELS = ["podnamespace", "podname", "ctrname", "vdeviceid", "deviceuuid"]
-LEGACY_HOST_LABELS = ["deviceidx", "deviceuuid", "devicetype"]
+LEGACY_HOST_LABELS = ["deviceidx", "deviceuuid", "devicetype", "nodeid"]
 
 
 @dataclass(frozen=True)
@@ -138,10 +139,14 @@ def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
 
 
 class AgentCollector(Collector):
-    def __init__(self, state: AgentState, gpus: HostGpus, legacy: bool = False) -> None:
+    def __init__(
+        self, state: AgentState, gpus: HostGpus, legacy: bool = False, node: str = ""
+    ) -> None:
         self.state = state
         self.gpus = gpus
         self.legacy = legacy
+        # The host series' node label, as HAMi's monitor has it (NODE_NAME).
+        self.node = node or socket.gethostname()
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
 
@@ -365,7 +370,7 @@ class AgentCollector(Collector):
         l_util = _gauge("HostCoreUtilization", "GPU core utilization", LEGACY_HOST_LABELS)
         for gpu in gpus:
             dv = [gpu.uuid, str(gpu.index)]
-            hv = [str(gpu.index), gpu.uuid, "NVIDIA-" + gpu.name]
+            hv = [str(gpu.index), gpu.uuid, "NVIDIA-" + gpu.name, self.node]
             used.add_metric(dv, float(gpu.memory_used))
             total.add_metric(dv, float(gpu.memory_total))
             h_used.add_metric(hv, float(gpu.memory_used))

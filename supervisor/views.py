@@ -95,6 +95,12 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     ),
 )
 @click.option("--legacy-metrics", is_flag=True, help="Also export HAMi's legacy metric names.")
+@click.option(
+    "--node-name",
+    envvar="NODE_NAME",
+    default="",
+    help="The node label of the host series (default: $NODE_NAME, else the host name).",
+)
 @click.option("--cpu", type=int, default=None, help="Pin the agent to this CPU.")
 @click.option("-v", "--verbose", count=True)
 @click.pass_context
@@ -111,6 +117,7 @@ def node_agent(
     max_connections: int,
     active_window: float,
     legacy_metrics: bool,
+    node_name: str,
     cpu: int | None,
     verbose: int,
 ) -> None:
@@ -135,6 +142,7 @@ def node_agent(
         max_connections=max_connections,
         active_window=active_window,
         legacy_metrics=legacy_metrics,
+        node_name=node_name,
         cpu=cpu,
     )
 

@@ -398,6 +398,22 @@ def test_host_metrics_from_nvml(sock_path, node):
         assert len(find(m, "hami_host_gpu_memory_used_bytes")) == 2
         assert len(find(m, "hami_host_gpu_utilization_ratio")) == 2
         assert find(m, "HostGPUMemoryUsage") == []
+        # No NODE_NAME, no --node-name: the host name, as HAMi's monitor.
+        assert len(find(m, "hami_host_gpu_memory_used_bytes", node=socket.gethostname())) == 2
+
+
+def test_host_metrics_carry_the_node_name(sock_path, node):
+    """HAMi's dashboards select host panels by `node` (NODE_NAME, from the
+    pod's spec.nodeName); the legacy series carry it as `nodeid`."""
+    env = dict(node.env, NODE_NAME="gpu-node-7")
+    with AgentProc(sock_path, "--legacy-metrics", env=env) as agent:
+        m = agent.metrics()
+        for name in ("hami_host_gpu_memory_used_bytes", "hami_host_gpu_utilization_ratio"):
+            assert len(find(m, name, node="gpu-node-7")) == 2, name
+        for name in ("HostGPUMemoryUsage", "HostCoreUtilization"):
+            assert len(find(m, name, nodeid="gpu-node-7")) == 2, name
+    with AgentProc(sock_path, "--node-name", "other", env=env) as agent:
+        assert len(find(agent.metrics(), "hami_host_gpu_memory_used_bytes", node="other")) == 2
 
 
 # ---- identity and bad clients -----------------------------------------------------------

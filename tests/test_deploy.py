@@ -166,6 +166,9 @@ def test_daemonset_matches_the_agents_defaults():
     # Probes use the named port.
     for probe in ("readinessProbe", "livenessProbe"):
         assert ctr[probe]["httpGet"]["port"] == "metrics"
+    # The host series' node label comes from the node's name (--node-name).
+    env = {e["name"]: e for e in ctr["env"]}
+    assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
     # SO_PEERCRED pids must be the node's (supervisor/identity.py).
     assert spec["hostPID"] is True
     # Unprivileged, as the image's user; the init container hands it the dir.
