@@ -205,6 +205,15 @@ static int remember_multi(CUgraphExec e, const uint64_t per[GV_MAX_ORDINALS])
     return 0;
 }
 
+/* e is gone: forget it; 1 if it was tracked. */
+static int untrack_exec(CUgraphExec e)
+{
+    if (!gv_table_take(GV_K_GEXEC, (uint64_t)(uintptr_t)e, NULL))
+        return 0;
+    gv_graph_exec_forget(e);
+    return 1;
+}
+
 /* After a successful instantiation: remember an executable graph that
  * allocates (GV_K_GEXEC, aux = bytes, nothing charged to the entry). */
 static void track_exec(CUgraphExec e, CUgraph g)
@@ -216,8 +225,9 @@ static void track_exec(CUgraphExec e, CUgraph g)
     if (bytes == 0 || ordinal < 0 || ordinal >= GV_MAX_ORDINALS ||
         gv_device(ordinal, &d) != CUDA_SUCCESS)
         return;
-    /* Without its record a graph on several devices is refused at launch. */
-    if (multi ? remember_multi(e, per) != 0 : (gv_graph_exec_forget(e), 0))
+    if (!multi)
+        gv_graph_exec_forget(e);            /* a reused handle's record */
+    else if (remember_multi(e, per) != 0)   /* then refused at launch */
         gv_log(GV_LOG_ERROR, "out of memory recording a graph's allocations");
     CUcontext ctx = NULL;
     GV_REAL(cuCtxGetCurrent, CUresult (*)(CUcontext *))(&ctx);
@@ -367,8 +377,7 @@ static CUresult inst_params(inst_params_fn real, upload_fn real_upload, CUgraphE
         return rc;
     rc = upload(real_upload, *pe, prm->hUploadStream);
     if (rc != CUDA_SUCCESS) {
-        gv_table_take(GV_K_GEXEC, (uint64_t)(uintptr_t)*pe, NULL);
-        gv_graph_exec_forget(*pe);
+        untrack_exec(*pe);
         GV_REAL(cuGraphExecDestroy, exec_fn)(*pe);
         *pe = NULL;
     }
@@ -394,11 +403,8 @@ GV_EXPORT CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *pe, CUgraph g,
 GV_EXPORT CUresult cuGraphExecDestroy(CUgraphExec e)
 {
     CUresult rc = GV_REAL(cuGraphExecDestroy, exec_fn)(e);
-    if (rc == CUDA_SUCCESS && gv_graph_mem_seen() &&
-        gv_table_take(GV_K_GEXEC, (uint64_t)(uintptr_t)e, NULL)) {
-        gv_graph_exec_forget(e);
+    if (rc == CUDA_SUCCESS && gv_graph_mem_seen() && untrack_exec(e))
         settle_all();
-    }
     return rc;
 }
 
