@@ -31,8 +31,8 @@ typedef struct gv_alloc {
     void *ctx;          /* owning context (freed with it), or NULL */
 } gv_alloc;
 
-/* GV_K_GEXEC's aux: the graph's allocation bytes (48 bits), the ordinal of
- * its first allocation node's device (8 bits), and whether its allocation
+/* GV_K_GEXEC's aux: the graph's allocation bytes (48 bits), the lowest
+ * ordinal it allocates on (8 bits), and whether its allocation
  * nodes span more than one device. */
 #define GV_GEXEC_AUX(bytes, ordinal, multi)                                  \
     (((uint64_t)(ordinal) << 56) | ((uint64_t)((multi) != 0) << 48) |        \

@@ -136,19 +136,16 @@ static void settle_all(void)
 
 /* ---- instantiation: how much an executable graph allocates ------------ */
 
-/* Sum of g's allocation nodes' sizes, and in per[] each device's part;
- * *ordinal gets the first one's device, *multi whether others are on other
- * devices.  Graphs whose nodes cannot be read count as allocating nothing. */
-static uint64_t graph_alloc_bytes(CUgraph g, uint64_t per[GV_MAX_ORDINALS], int *ordinal,
-                                  int *multi)
+/* Add the sizes of g's allocation nodes to per[], by device.  Graphs whose
+ * nodes cannot be read count as allocating nothing. */
+static void graph_alloc_bytes(CUgraph g, uint64_t per[GV_MAX_ORDINALS])
 {
     size_t n = 0;
     if (GV_REAL(cuGraphGetNodes, nodes_fn)(g, NULL, &n) != CUDA_SUCCESS || n == 0)
-        return 0;
+        return;
     CUgraphNode *nodes = calloc(n, sizeof *nodes);
     if (!nodes)
-        return 0;
-    uint64_t total = 0;
+        return;
     if (GV_REAL(cuGraphGetNodes, nodes_fn)(g, nodes, &n) == CUDA_SUCCESS) {
         for (size_t i = 0; i < n; i++) {
             CUgraphNodeType t;
@@ -162,15 +159,9 @@ static uint64_t graph_alloc_bytes(CUgraph g, uint64_t per[GV_MAX_ORDINALS], int 
                 prm.poolProps.location.id < 0 || prm.poolProps.location.id >= GV_MAX_ORDINALS)
                 continue;
             per[prm.poolProps.location.id] += prm.bytesize;
-            if (total == 0)
-                *ordinal = prm.poolProps.location.id;
-            else if (prm.poolProps.location.id != *ordinal)
-                *multi = 1;
-            total += prm.bytesize;
         }
     }
     free(nodes);
-    return total;
 }
 
 /* Forget e's per-device bytes, if it had any. */
@@ -218,12 +209,20 @@ static int untrack_exec(CUgraphExec e)
  * allocates (GV_K_GEXEC, aux = bytes, nothing charged to the entry). */
 static void track_exec(CUgraphExec e, CUgraph g)
 {
-    int ordinal = -1, multi = 0;
-    uint64_t per[GV_MAX_ORDINALS] = { 0 };
-    uint64_t bytes = graph_alloc_bytes(g, per, &ordinal, &multi);
+    uint64_t per[GV_MAX_ORDINALS] = { 0 }, bytes = 0;
+    graph_alloc_bytes(g, per);
+    int ordinal = -1, multi = 0;   /* the first device it allocates on; others? */
+    for (int i = 0; i < GV_MAX_ORDINALS; i++) {
+        if (!per[i])
+            continue;
+        if (ordinal < 0)
+            ordinal = i;
+        else
+            multi = 1;
+        bytes += per[i];
+    }
     const gv_devinfo *d;
-    if (bytes == 0 || ordinal < 0 || ordinal >= GV_MAX_ORDINALS ||
-        gv_device(ordinal, &d) != CUDA_SUCCESS)
+    if (ordinal < 0 || gv_device(ordinal, &d) != CUDA_SUCCESS)
         return;
     if (!multi)
         gv_graph_exec_forget(e);            /* a reused handle's record */
