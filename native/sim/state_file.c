@@ -5,7 +5,10 @@
  * created atomically: a fully initialised temp file in the same directory
  * is link()ed into place; the loser of a race opens the winner's file.
  * It holds the device table and one row of physical usage per process,
- * guarded by a process-shared robust mutex.  Dead processes' rows are
+ * guarded by a process-shared robust mutex.  A process that exits gives
+ * its row back in an atexit handler, as a real driver frees a process's
+ * device memory in its own exit-time teardown, before the libraries'
+ * destructors run; rows of processes that died without it (killed) are
  * reaped lazily (when memory would not fit, when usage is reported).
  */
 #include <errno.h>
@@ -165,6 +168,7 @@ out:
 
 static void lock(void);
 static void unlock(void);
+static void give_row_back(void);
 
 /* Identity of this exec image: the kernel's per-exec random bytes
  * (AT_RANDOM), the same for both simulated libraries in one image. */
@@ -246,6 +250,7 @@ static void do_open(void)
                 "using the file's devices", env, path, S->spec);
     drop_replaced_image();
     g_open_rc = SIM_OK;
+    atexit(give_row_back);
 }
 
 int sim_state_open(void)
@@ -265,6 +270,17 @@ const sim_devinfo *sim_dev(int node)
 }
 
 /* ---- rows ------------------------------------------------------------ */
+
+/* At exit: this process's device memory is freed (a forked child that
+ * never claimed a row of its own leaves its parent's alone). */
+static void give_row_back(void)
+{
+    lock();
+    if (g_row >= 0 && g_row_pid == getpid() && S->rows[g_row].pid == g_row_pid)
+        __atomic_store_n(&S->rows[g_row].pid, 0, __ATOMIC_RELEASE);
+    g_row = -1;
+    unlock();
+}
 
 static void reap(void)
 {
