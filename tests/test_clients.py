@@ -163,6 +163,54 @@ emit(base=base, captured=captured, launch=launch.name, after_launch=after_launch
     assert out["end"] == out["base"] + 3 * GiB, out
 
 
+def test_a_paced_graph_launch_holds_no_graph_memory_lock(node):
+    """A graph launch that waits for its turn under the SM quota (here held
+    by the yield flag) does not block the process's other threads that
+    touch graph memory: a trim from another thread returns at once, and the
+    launch goes through with its memory charged once the yield is lifted."""
+    out = client(
+        node,
+        GRAPH_OF
+        + """
+import threading, time
+from gpuvisor.shim.region import Region
+init()
+base = used()
+e, s, _ = graph_of(1 * GiB)
+ok(cu.cuGraphLaunch, e, s)                # starts the meter; the pool keeps 1 GiB
+ok(cu.cuStreamSynchronize, s)
+region = Region.attach()
+region.set_sm_yield(0, True)
+time.sleep(0.5)                           # the meter's next update pauses launches
+result = {}
+def launch():
+    ok(cu.cuCtxSetCurrent, ok(cu.cuDevicePrimaryCtxRetain, 0))
+    result["rc"] = call(cu.cuGraphLaunch, e, s)[0].name
+    result["at"] = time.monotonic()
+t = threading.Thread(target=launch)
+t.start()
+time.sleep(0.3)
+lift = threading.Timer(3.0, region.set_sm_yield, (0, False))
+lift.start()
+t0 = time.monotonic()
+ok(cu.cuDeviceGraphMemTrim, 0)
+trim = time.monotonic() - t0
+waiting = t.is_alive()                    # the trim returned while it was held
+t.join(10)
+lift.join()
+ok(cu.cuStreamSynchronize, s)
+emit(trim=trim, waiting=waiting, rc=result.get("rc"), charged=used() - base)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+        CUDA_DEVICE_SM_LIMIT="50",
+        CUDA_TASK_PRIORITY="1",
+    )
+    assert out["waiting"], out                 # the launch was still held
+    assert out["trim"] < 1.0, out              # 3 s if it waited for the launch
+    assert out["rc"] == "CUDA_SUCCESS", out
+    assert out["charged"] == 1 * GiB, out
+
+
 def test_capturing_a_graph_allocation_takes_no_quota(node):
     """Capturing cuMemAllocAsync into a graph maps nothing, so it succeeds
     even when the quota is nearly used; the graph's launch is what needs the

@@ -87,12 +87,19 @@ static CUresult graph_launch(graph_fn real, CUgraphExec g, CUstream s, int ptsz)
 {
     if (__builtin_expect(!gv_graph_mem_seen(), 1))
         return graph_gated(real, g, s, ptsz);
+    /* Paced first: a launch waiting for its turn (for as long as a
+     * higher-priority container works, when yielding) holds no pool lock,
+     * so the process's other threads can still trim, destroy and launch. */
+    gv_sm_launch l;
+    int gated = gv_sm_maybe() && gv_sm_begin(&l, s, ptsz, GRAPH_KEY(g));
     gv_graph_mem m;
     CUresult rc = gv_graph_mem_begin(&m, g);
-    if (rc != CUDA_SUCCESS)
-        return rc;
-    rc = graph_gated(real, g, s, ptsz);
-    gv_graph_mem_end(&m);
+    if (rc == CUDA_SUCCESS) {
+        rc = real(g, s);
+        gv_graph_mem_end(&m);
+    }
+    if (gated)
+        gv_sm_end(&l, rc);   /* refused for memory: the SM charge goes back */
     return rc;
 }
 
