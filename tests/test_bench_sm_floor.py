@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from tests.bench.sm_floor import WINDOW_S, Floor, kernel_s, runs_within, windows
+from tests.bench.sm_floor import WINDOW_S, Floor, floor, kernel_s, runs_within, windows
 
 
 def test_kernel_lengths_span_the_workloads_range() -> None:
@@ -45,3 +45,24 @@ def test_runs_within_counts_runs_where_every_container_held() -> None:
     fb = Floor(quota=90, sd=1.0, worsts=[3.0, 2.0, 5.5])
     assert runs_within([fa], 5.0) == 2
     assert runs_within([fa, fb], 5.0) == 1
+
+
+def test_short_graphs_make_no_launch_longer_than_a_kernel() -> None:
+    """With graphs as long as one kernel, no window can run over the quota
+    by more than one 5 ms launch; the benchmark's 1-4 kernel graphs can."""
+    (short,) = windows([10], [1], 30.0, seed=3, short_graphs=True)
+    assert max(short) <= 10 + 100 * 5e-3 / WINDOW_S + 1e-6
+    (chained,) = windows([10], [1], 30.0, seed=3)
+    assert max(chained) > max(short)
+
+
+def test_the_ideal_scheduler_misses_only_with_long_graphs() -> None:
+    """What the benchmark's notes rely on: on the same seeds, the ideal
+    scheduler keeps every window of a 10 % container and a 10:90 pair within
+    +-5 points once no launch is longer than 5 ms, and misses in some runs
+    with graphs of up to four 5 ms kernels."""
+    scenarios = [([10], [1]), ([10, 90], [1, 2])]
+    short = [f for q, n in scenarios for f in floor(q, n, 7.0, 1.0, runs=20, short_graphs=True)]
+    chained = [f for q, n in scenarios for f in floor(q, n, 7.0, 1.0, runs=20)]
+    assert runs_within(short, 5.0) == 20
+    assert runs_within(chained, 5.0) < 20
