@@ -104,6 +104,64 @@ emit(base=base, grown=grown, over=over.name, after=used())
     assert out["after"] == out["base"]
 
 
+@pytest.mark.parametrize("free", ["cuMemFree", "cuMemFreeAsync"])
+def test_a_destroyed_pool_keeps_its_charge_until_its_blocks_are_freed(node, free):
+    """cuMemPoolDestroy with blocks still allocated returns at once, and the
+    driver keeps those blocks until they are freed: so does the quota.
+    Before, destroying the pool gave the charge back, and a loop of
+    create / allocate 800 MiB / destroy went past a 1 GiB limit."""
+    out = client(
+        node,
+        f"""
+init()
+a = ALLOCATORS["cuMemAllocFromPoolAsync"]()
+base = used()
+p = ok(cu.cuMemAllocFromPoolAsync, 800 * MiB, a.pool, a.stream)
+ok(cu.cuStreamSynchronize, a.stream)
+ok(cu.cuMemPoolDestroy, a.pool)
+held = used()
+second = ALLOCATORS["cuMemAllocFromPoolAsync"]()
+refused = call(cu.cuMemAllocFromPoolAsync, 800 * MiB, second.pool, second.stream)[0]
+if {free!r} == "cuMemFree":
+    ok(cu.cuMemFree, p)
+else:
+    ok(cu.cuMemFreeAsync, p, a.stream)
+    ok(cu.cuStreamSynchronize, a.stream)
+freed = used()
+again = call(cu.cuMemAllocFromPoolAsync, 800 * MiB, second.pool, second.stream)[0]
+emit(base=base, held=held, refused=refused.name, freed=freed, again=again.name)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="1g",
+    )
+    assert out["held"] >= out["base"] + 800 * MiB, out
+    assert out["refused"] == OOM, out
+    assert out["freed"] == out["base"], out
+    assert out["again"] == "CUDA_SUCCESS", out
+
+
+def test_a_destroyed_pool_without_blocks_gives_its_charge_back(node):
+    out = client(
+        node,
+        """
+init()
+a = ALLOCATORS["cuMemAllocFromPoolAsync"]()
+keep = cu.cuuint64_t(1 << 62)         # the pool keeps what is freed
+ok(cu.cuMemPoolSetAttribute, a.pool,
+   cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, keep)
+base = used()
+p = ok(cu.cuMemAllocFromPoolAsync, 300 * MiB, a.pool, a.stream)
+ok(cu.cuMemFreeAsync, p, a.stream)
+ok(cu.cuStreamSynchronize, a.stream)
+kept = used()                        # the pool keeps its reserve after the free
+ok(cu.cuMemPoolDestroy, a.pool)
+emit(base=base, kept=kept, after=used())
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="1g",
+    )
+    assert out["kept"] >= out["base"] + 300 * MiB, out
+    assert out["after"] == out["base"], out
+
+
 GRAPH_OF = """
 def graph_of(nbytes, free_inside=True):
     \"\"\"A captured graph that allocates nbytes (and frees them inside).\"\"\"

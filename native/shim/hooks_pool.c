@@ -13,6 +13,7 @@
  */
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "hooks.h"
@@ -23,11 +24,14 @@
 typedef struct pool_rec {
     _Atomic(uintptr_t) pool;     /* 0 = free record */
     atomic_int ready;
+    atomic_int destroyed;        /* destroyed with blocks still allocated */
     pthread_mutex_t lock;
     int ordinal;
     int dev;                     /* region device entry */
     uint64_t charged;            /* reserve charged to the quota */
+    uint64_t blocks;             /* destroyed: blocks not yet freed */
 } pool_rec;
+
 
 static pool_rec pools[MAX_POOLS];
 static atomic_int active;        /* records in use */
@@ -45,7 +49,9 @@ static void child_reset(void)
         pthread_mutex_init(&pools[i].lock, NULL);
         atomic_store(&pools[i].pool, 0);
         atomic_store(&pools[i].ready, 0);
+        atomic_store(&pools[i].destroyed, 0);
         pools[i].charged = 0;
+        pools[i].blocks = 0;
     }
     atomic_store(&active, 0);
 }
@@ -65,13 +71,44 @@ static uint64_t pool_attr(CUmemoryPool p, CUmemPool_attribute attr)
     return v;
 }
 
-static pool_rec *find(CUmemoryPool p)
+/* The record of pool p: a live pool's, or (any) also a destroyed one's
+ * whose blocks are not all freed yet. */
+static pool_rec *lookup(CUmemoryPool p, int any)
 {
     for (int i = 0; i < MAX_POOLS; i++)
         if (atomic_load_explicit(&pools[i].pool, memory_order_acquire) == (uintptr_t)p &&
-            atomic_load_explicit(&pools[i].ready, memory_order_acquire))
+            atomic_load_explicit(&pools[i].ready, memory_order_acquire) &&
+            (any || !atomic_load(&pools[i].destroyed)))
             return &pools[i];
     return NULL;
+}
+
+static pool_rec *find(CUmemoryPool p) { return lookup(p, 0); }
+
+static void release_rec(pool_rec *r)
+{
+    r->charged = 0;
+    r->blocks = 0;
+    atomic_store(&r->ready, 0);
+    atomic_store(&r->destroyed, 0);
+    atomic_store(&r->pool, 0);
+    atomic_fetch_sub(&active, 1);
+}
+
+/* A new pool has the handle of a destroyed one that still had blocks: the
+ * driver has let the old pool go, so its blocks went with it unseen (a
+ * context destroyed, say).  Its charge goes too. */
+static void forget_destroyed(CUmemoryPool p)
+{
+    pool_rec *r = lookup(p, 1);
+    if (!r)
+        return;
+    pthread_mutex_lock(&r->lock);
+    if (atomic_load(&r->destroyed) && atomic_load(&r->pool) == (uintptr_t)p) {
+        gv_uncharge(r->dev, r->charged);
+        release_rec(r);
+    }
+    pthread_mutex_unlock(&r->lock);
 }
 
 /* Record for pool p on ordinal, claiming one if new. */
@@ -81,6 +118,7 @@ static pool_rec *rec_for(CUmemoryPool p, int ordinal)
     pool_rec *r = find(p);
     if (r)
         return r;
+    forget_destroyed(p);
     const gv_devinfo *d;
     if (gv_device(ordinal, &d) != CUDA_SUCCESS)
         return NULL;
@@ -133,22 +171,43 @@ void gv_pools_refresh(void)
         return;
     for (int i = 0; i < MAX_POOLS; i++) {
         pool_rec *r = &pools[i];
-        if (!atomic_load(&r->pool) || !atomic_load(&r->ready))
+        if (!atomic_load(&r->pool) || !atomic_load(&r->ready) || atomic_load(&r->destroyed))
             continue;
         if (pthread_mutex_trylock(&r->lock) == 0) {
-            settle(r);
+            if (!atomic_load(&r->destroyed))
+                settle(r);
             pthread_mutex_unlock(&r->lock);
         }
     }
 }
 
-void gv_pool_after_free(uint64_t pool)
+/* The record of the pool a block came from (aux of its GV_K_POOLPTR
+ * entry).  A destroyed pool's handle cannot be given to a new pool while
+ * the driver still keeps the old one for its blocks. */
+static pool_rec *rec_of_block(uint64_t aux) { return lookup((CUmemoryPool)(uintptr_t)aux, 1); }
+
+/* A block of r was freed (lock held): a live pool's charge follows its
+ * reserve; a destroyed pool's keeps what it held until its last block is
+ * freed, when the driver releases the pool. */
+static void block_freed(pool_rec *r)
 {
-    pool_rec *r = find((CUmemoryPool)(uintptr_t)pool);
+    if (!atomic_load(&r->destroyed)) {
+        settle(r);
+        return;
+    }
+    if (--r->blocks == 0) {
+        gv_uncharge(r->dev, r->charged);
+        release_rec(r);
+    }
+}
+
+void gv_pool_after_free(uint64_t aux)
+{
+    pool_rec *r = rec_of_block(aux);
     if (!r)
         return;
     pthread_mutex_lock(&r->lock);
-    settle(r);
+    block_freed(r);
     pthread_mutex_unlock(&r->lock);
 }
 
@@ -288,14 +347,17 @@ static CUresult free_async(free_async_fn real, CUdeviceptr p, CUstream stream, i
             gv_table_put(&a);
         return rc;
     }
-    pool_rec *r = find((CUmemoryPool)(uintptr_t)a.aux);
+    pool_rec *r = rec_of_block(a.aux);
     if (r)
         pthread_mutex_lock(&r->lock);
     CUresult rc = real(p, stream);
     if (rc != CUDA_SUCCESS)
         gv_table_put(&a);
     if (r) {
-        settle(r);
+        if (rc == CUDA_SUCCESS)
+            block_freed(r);
+        else if (!atomic_load(&r->destroyed))
+            settle(r);
         pthread_mutex_unlock(&r->lock);
     }
     return rc;
@@ -363,6 +425,26 @@ GV_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep)
     return rc;
 }
 
+/* Count a pool's blocks without taking them out of the table. */
+struct count {
+    uint64_t pool;
+    uint64_t n;
+};
+
+static int count_block(const gv_alloc *a, void *arg)
+{
+    struct count *c = arg;
+    if (a->kind == GV_K_POOLPTR && a->aux == c->pool)
+        c->n++;
+    return 0;
+}
+
+static void visit_none(const gv_alloc *a, void *arg)
+{
+    (void)a;
+    (void)arg;
+}
+
 GV_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
 {
     typedef CUresult (*fn)(CUmemoryPool);
@@ -373,13 +455,22 @@ GV_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
     if (!r)
         return real(pool);
     pthread_mutex_lock(&r->lock);
+    /* The driver keeps a destroyed pool's outstanding blocks until they are
+     * freed: trim first, so that what stays charged is the reserve that
+     * backs them, until the last of them is freed. */
+    GV_REAL(cuMemPoolTrimTo, CUresult (*)(CUmemoryPool, size_t))(pool, 0);
+    settle(r);
+    struct count c = { (uint64_t)(uintptr_t)pool, 0 };
+    gv_table_take_all(count_block, visit_none, &c);
     CUresult rc = real(pool);
     if (rc == CUDA_SUCCESS) {
-        gv_uncharge(r->dev, r->charged);
-        r->charged = 0;
-        atomic_store(&r->ready, 0);
-        atomic_store(&r->pool, 0);
-        atomic_fetch_sub(&active, 1);
+        if (c.n && r->charged) {
+            r->blocks = c.n;
+            atomic_store(&r->destroyed, 1);
+        } else {
+            gv_uncharge(r->dev, r->charged);
+            release_rec(r);
+        }
     }
     pthread_mutex_unlock(&r->lock);
     return rc;
