@@ -162,6 +162,50 @@ emit(base=base, kept=kept, after=used())
     assert out["after"] == out["base"], out
 
 
+VMM = """
+def vmm_prop(kind):
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location.type = kind
+    prop.location.id = 0
+    return prop
+DEVICE = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+HOST = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
+"""
+
+
+@pytest.mark.parametrize("first", ["host", "device"])
+def test_a_mapped_handle_stays_charged_until_unmapped_even_in_one_unmap_of_several(node, first):
+    """A cuMemCreate handle that is released while mapped keeps its memory
+    until it is unmapped.  One cuMemUnmap may cover several mappings, also
+    of host handles that take no quota: every device handle in the range is
+    given back (before, a host mapping first in the range stopped the walk,
+    and the device handle behind it stayed charged for good)."""
+    kinds = ["HOST", "DEVICE"] if first == "host" else ["DEVICE", "DEVICE"]
+    out = client(
+        node,
+        VMM
+        + f"""
+init()
+base = used()
+handles = [ok(cu.cuMemCreate, 64 * MiB, vmm_prop({kinds[0]}), 0),
+           ok(cu.cuMemCreate, 64 * MiB, vmm_prop({kinds[1]}), 0)]
+va = ok(cu.cuMemAddressReserve, 128 * MiB, 0, 0, 0)
+ok(cu.cuMemMap, va, 64 * MiB, 0, handles[0], 0)
+ok(cu.cuMemMap, int(va) + 64 * MiB, 64 * MiB, 0, handles[1], 0)
+for h in handles:
+    ok(cu.cuMemRelease, h)
+released = used()
+ok(cu.cuMemUnmap, va, 128 * MiB)
+emit(base=base, released=released, unmapped=used())
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="1g",
+    )
+    device_handles = 1 if first == "host" else 2
+    assert out["released"] == out["base"] + device_handles * 64 * MiB, out
+    assert out["unmapped"] == out["base"], out
+
+
 GRAPH_OF = """
 def graph_of(nbytes, free_inside=True):
     \"\"\"A captured graph that allocates nbytes (and frees them inside).\"\"\"

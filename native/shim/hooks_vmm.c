@@ -10,6 +10,10 @@
 
 #define RELEASED_BIT (1ULL << 63)
 
+/* GV_K_MAP entries' dev: whether the mapped handle is one charged here. */
+#define MAP_CHARGED (-1)
+#define MAP_UNCHARGED (-2)
+
 typedef CUresult (*create_fn)(CUmemGenericAllocationHandle *, size_t,
                               const CUmemAllocationProp *, unsigned long long);
 typedef CUresult (*release_fn)(CUmemGenericAllocationHandle);
@@ -75,11 +79,13 @@ GV_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
     CUresult rc = real(ptr, size, offset, h, flags);
     if (rc != CUDA_SUCCESS)
         return rc;
+    /* Every mapping is recorded, also of handles not charged here (host
+     * memory), so that an unmap over several mappings can step across it. */
     struct edit e = { 1, 0, 0 };
-    if (gv_table_modify(GV_K_VMM, h, edit_handle, &e)) {
-        gv_alloc m = { .key = ptr, .kind = GV_K_MAP, .dev = -1, .bytes = size, .aux = h };
-        gv_table_put(&m);
-    }
+    int charged = gv_table_modify(GV_K_VMM, h, edit_handle, &e);
+    gv_alloc m = { .key = ptr, .kind = GV_K_MAP, .dev = charged ? MAP_CHARGED : MAP_UNCHARGED,
+                   .bytes = size, .aux = h };
+    gv_table_put(&m);
     return rc;
 }
 
@@ -96,7 +102,7 @@ GV_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
         if (!gv_table_take(GV_K_MAP, p, &m) || m.bytes == 0)
             break;
         struct edit e = { -1, 0, 0 };
-        if (gv_table_modify(GV_K_VMM, m.aux, edit_handle, &e))
+        if (m.dev == MAP_CHARGED && gv_table_modify(GV_K_VMM, m.aux, edit_handle, &e))
             maybe_free(m.aux, e.result);
         p += m.bytes;
     }
