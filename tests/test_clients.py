@@ -162,6 +162,43 @@ emit(base=base, kept=kept, after=used())
     assert out["after"] == out["base"], out
 
 
+def test_a_pool_that_cannot_be_accounted_for_is_refused(node):
+    """The interposer keeps a record per memory pool (256).  A pool past
+    that is refused at cuMemPoolCreate with CUDA_ERROR_OUT_OF_MEMORY instead
+    of handing out memory nobody charges; a destroyed pool's record is
+    reused."""
+    out = client(
+        node,
+        """
+init()
+s = ok(cu.cuStreamCreate, 0)
+props = cu.CUmemPoolProps()
+props.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+props.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+props.location.id = 0
+pools, refused = [], None
+while len(pools) < 400:
+    err, pool = call(cu.cuMemPoolCreate, props)
+    if err != SUCCESS:
+        refused = err.name
+        break
+    pools.append(pool)
+ok(cu.cuMemPoolDestroy, pools.pop())
+pool = ok(cu.cuMemPoolCreate, props)
+base = used()
+p = ok(cu.cuMemAllocFromPoolAsync, 600 * MiB, pool, s)
+ok(cu.cuStreamSynchronize, s)
+over = call(cu.cuMemAllocFromPoolAsync, 600 * MiB, pool, s)[0]
+emit(made=len(pools) + 1, refused=refused, grown=used() - base, over=over.name)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="1g",
+    )
+    assert out["refused"] == OOM, out
+    assert out["made"] <= 256, out
+    assert out["grown"] >= 600 * MiB, out
+    assert out["over"] == OOM, out
+
+
 VMM = """
 def vmm_prop(kind):
     prop = cu.CUmemAllocationProp()

@@ -111,17 +111,22 @@ static void forget_destroyed(CUmemoryPool p)
     pthread_mutex_unlock(&r->lock);
 }
 
-/* Record for pool p on ordinal, claiming one if new. */
-static pool_rec *rec_for(CUmemoryPool p, int ordinal)
+/* Record for pool p on ordinal, claiming one if new.  Fails with
+ * gv_device's error, or CUDA_ERROR_OUT_OF_MEMORY when every record is in
+ * use: a pool that cannot be accounted for is not used (fail closed). */
+static CUresult rec_for(CUmemoryPool p, int ordinal, pool_rec **out)
 {
     pthread_once(&setup_once, setup);
     pool_rec *r = find(p);
-    if (r)
-        return r;
+    if (r) {
+        *out = r;
+        return CUDA_SUCCESS;
+    }
     forget_destroyed(p);
     const gv_devinfo *d;
-    if (gv_device(ordinal, &d) != CUDA_SUCCESS)
-        return NULL;
+    CUresult rc = gv_device(ordinal, &d);
+    if (rc != CUDA_SUCCESS)
+        return rc;
     for (int i = 0; i < MAX_POOLS; i++) {
         uintptr_t expected = 0;
         if (atomic_compare_exchange_strong(&pools[i].pool, &expected, (uintptr_t)p)) {
@@ -130,16 +135,19 @@ static pool_rec *rec_for(CUmemoryPool p, int ordinal)
             pools[i].charged = 0;
             atomic_fetch_add(&active, 1);
             atomic_store_explicit(&pools[i].ready, 1, memory_order_release);
-            return &pools[i];
+            *out = &pools[i];
+            return CUDA_SUCCESS;
         }
         if (expected == (uintptr_t)p) {      /* another thread just claimed it */
             while (!atomic_load_explicit(&pools[i].ready, memory_order_acquire))
                 ;
-            return &pools[i];
+            *out = &pools[i];
+            return CUDA_SUCCESS;
         }
     }
-    gv_log(GV_LOG_ERROR, "more than %d memory pools; further pools are not tracked", MAX_POOLS);
-    return NULL;
+    gv_log(GV_LOG_ERROR, "more than %d memory pools in use; allocations from another one "
+                         "are refused (CUDA_ERROR_OUT_OF_MEMORY)", MAX_POOLS);
+    return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
 /* Bring the charge in line with the driver's reserve (lock held). */
@@ -298,12 +306,13 @@ static CUresult alloc_async(alloc_async_fn real, free_async_fn real_free,
     if (!dptr || n == 0 || gv_ordinal_of_stream(stream, &ordinal, NULL) != CUDA_SUCCESS ||
         GV_REAL(cuDeviceGetMemPool, CUresult (*)(CUmemoryPool *, CUdevice))(&pool, ordinal) != CUDA_SUCCESS)
         return real(dptr, n, stream);
-    pool_rec *r = rec_for(pool, ordinal);
-    if (!r)
-        return real(dptr, n, stream);
+    pool_rec *r;
+    CUresult rc = rec_for(pool, ordinal, &r);
+    if (rc != CUDA_SUCCESS)
+        return rc == CUDA_ERROR_INVALID_DEVICE ? real(dptr, n, stream) : rc;
     struct async_args a = { (void *)real, dptr, n, pool, stream };
     pthread_mutex_lock(&r->lock);
-    CUresult rc = pool_alloc(r, n, dptr, stream, call_alloc_async, &a, real_free);
+    rc = pool_alloc(r, n, dptr, stream, call_alloc_async, &a, real_free);
     pthread_mutex_unlock(&r->lock);
     return rc;
 }
@@ -317,10 +326,14 @@ static CUresult alloc_from_pool(alloc_pool_fn real, free_async_fn real_free, CUd
     pthread_once(&setup_once, setup);
     pool_rec *r = find(pool);
     int ordinal;
-    if (!r && gv_ordinal_of_stream(stream, &ordinal, NULL) == CUDA_SUCCESS)
-        r = rec_for(pool, ordinal);
-    if (!r)
-        return real(dptr, n, pool, stream);
+    if (!r) {
+        /* Not recorded at cuMemPoolCreate: take the stream's device. */
+        if (gv_ordinal_of_stream(stream, &ordinal, NULL) != CUDA_SUCCESS)
+            return real(dptr, n, pool, stream);
+        CUresult rc = rec_for(pool, ordinal, &r);
+        if (rc != CUDA_SUCCESS)
+            return rc == CUDA_ERROR_INVALID_DEVICE ? real(dptr, n, pool, stream) : rc;
+    }
     struct async_args a = { (void *)real, dptr, n, pool, stream };
     pthread_mutex_lock(&r->lock);
     CUresult rc = pool_alloc(r, n, dptr, stream, call_alloc_pool, &a, real_free);
@@ -404,8 +417,17 @@ GV_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *pro
     fn real = GV_REAL(cuMemPoolCreate, fn);
     GV_ENFORCING_OR(real(pool, props));
     CUresult rc = real(pool, props);
-    if (rc == CUDA_SUCCESS && props && props->location.type == CU_MEM_LOCATION_TYPE_DEVICE)
-        rec_for(*pool, props->location.id);
+    if (rc != CUDA_SUCCESS || !props || props->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+        return rc;
+    pool_rec *r;
+    CUresult own = rec_for(*pool, props->location.id, &r);
+    if (own != CUDA_SUCCESS && own != CUDA_ERROR_INVALID_DEVICE) {
+        /* It could not be accounted for: refused now rather than at its
+         * first allocation. */
+        GV_REAL(cuMemPoolDestroy, CUresult (*)(CUmemoryPool))(*pool);
+        *pool = NULL;
+        return own;
+    }
     return rc;
 }
 
