@@ -41,6 +41,33 @@ emit(free=free, total=total, devtotal=ok(cu.cuDeviceTotalMem, ok(cu.cuDeviceGet,
     assert out["free"] == 4 * GiB - SIM_CONTEXT
 
 
+def test_a_device_without_a_region_entry_shows_no_physical_figures(node):
+    """The region has 16 device entries.  With 15 taken by other GPUs,
+    device 0 gets the last and device 1 none: its memory-info calls fail
+    closed (CUDA_ERROR_NOT_PERMITTED) like its allocations, rather than
+    report the physical 16 GiB."""
+    out = client(
+        node,
+        """
+import os
+from gpuvisor.shim.region import Region
+r = Region.attach(os.environ["CUDA_DEVICE_MEMORY_SHARED_CACHE"])
+for i in range(15):
+    r.register_device(f"GPU-{i:08x}-0000-0000-0000-000000000000", 16 * GiB, 1 * GiB)
+init()
+dev1 = ok(cu.cuDeviceGet, 1)
+total1 = call(cu.cuDeviceTotalMem, dev1)[0]
+total0 = ok(cu.cuDeviceTotalMem, ok(cu.cuDeviceGet, 0))
+ctx1 = call(cu.cuCtxCreate, None, 0, dev1)[0]
+emit(total1=total1.name, total0=int(total0), ctx1=ctx1.name)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="1g",
+    )
+    assert out["total0"] == 1 * GiB, out
+    assert out["total1"] == NOT_PERMITTED, out
+    assert out["ctx1"] == NOT_PERMITTED, out
+
+
 def test_alloc_past_quota_is_oom_and_free_restores(node):
     out = client(
         node,

@@ -23,16 +23,19 @@ GV_EXPORT CUresult cuInit(unsigned int flags)
     return real(flags);
 }
 
-/* Quota view of a device, given the driver's physical figures. */
-static void quota_view(int ordinal, uint64_t *free_b, uint64_t *total_b)
+/* Quota view of a device, given the driver's physical figures.  A device
+ * that has no region entry (the region is full) has no quota to show:
+ * GV_FAIL_CUDA, as for its allocations, not the physical figures. */
+static CUresult quota_view(int ordinal, uint64_t *free_b, uint64_t *total_b)
 {
     const gv_devinfo *d;
-    if (gv_device(ordinal, &d) != CUDA_SUCCESS)
-        return;
+    CUresult rc = gv_device(ordinal, &d);
+    if (rc != CUDA_SUCCESS)
+        return rc == CUDA_ERROR_INVALID_DEVICE ? CUDA_SUCCESS : rc;
     gv_region *r = gv_core_region();
     uint64_t limit = region_limit(r, d->region_dev);
     if (limit == GV_UNLIMITED)
-        return;
+        return CUDA_SUCCESS;
     gv_pools_refresh();
     gv_core_tidy();
     gv_untracked_tick();
@@ -41,6 +44,7 @@ static void quota_view(int ordinal, uint64_t *free_b, uint64_t *total_b)
     uint64_t avail = used < total ? total - used : 0;
     *total_b = total;
     *free_b = avail < *free_b ? avail : *free_b;
+    return CUDA_SUCCESS;
 }
 
 static CUresult mem_info(uint64_t *free_b, uint64_t *total_b)
@@ -52,8 +56,9 @@ static CUresult mem_info(uint64_t *free_b, uint64_t *total_b)
     *free_b = f;
     *total_b = t;
     int ordinal;
-    if (gv_current(&ordinal, NULL) == CUDA_SUCCESS)
-        quota_view(ordinal, free_b, total_b);
+    if (gv_current(&ordinal, NULL) == CUDA_SUCCESS &&
+        (rc = quota_view(ordinal, free_b, total_b)) != CUDA_SUCCESS)
+        return rc;
     return gv_mode() == GV_MODE_FAILED ? GV_FAIL_CUDA : CUDA_SUCCESS;
 }
 
@@ -96,7 +101,9 @@ static CUresult total_mem(CUdevice dev, uint64_t *out)
     if (rc != CUDA_SUCCESS)
         return rc;
     uint64_t total = t, free_b = t;
-    quota_view(dev, &free_b, &total);
+    rc = quota_view(dev, &free_b, &total);
+    if (rc != CUDA_SUCCESS)
+        return rc;
     *out = total;
     return gv_mode() == GV_MODE_FAILED ? GV_FAIL_CUDA : CUDA_SUCCESS;
 }
