@@ -128,6 +128,10 @@ def test_region_kill(build: str, tmp_path: Path) -> None:
     assert int(m.group(2)) > 0, out  # kills happened
     assert m.group(3) == "0", out  # nobody hung
     assert m.group(4) == "0", out  # everything reclaimed
+    # Two reclaimers at once over processes killed inside the gate.
+    c = re.search(r"concurrent reclaims: rounds=(\d+) hung=(\d+) used=(\d+) inside=(\d+)", out)
+    assert c is not None, out
+    assert c.group(2) == "0" and c.group(3) == "0" and c.group(4) == "0", out
     assert "t_region_kill: OK" in out
 
 

@@ -88,9 +88,12 @@ void rg_wait_outside(gv_region *r, int dev, int forget)
     for (uint32_t k = 0; k < hwm; k++) {
         for (unsigned waits = 1; (int)k != forget && atomic_load(&d->inside[k]) != 0; waits++) {
             /* A dead process stays inside for ever: its counter is left
-             * out of the total below, so it does not matter where it died. */
+             * out of the total below, so it does not matter where it died.
+             * A slot being reclaimed (FLAG_BIT) is a dead process's too,
+             * whoever reclaims it: its reclaimer may be waiting for this
+             * very gate. */
             uint64_t o = atomic_load(&r->m->owner[k]);
-            if (waits % 16 == 0 && (o == 0 || !rg_owner_alive(o)))
+            if (waits % 16 == 0 && (o == 0 || (o & FLAG_BIT) || !rg_owner_alive(o)))
                 break;
             sched_yield();
         }

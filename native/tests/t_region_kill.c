@@ -9,6 +9,7 @@
  *   t_region_kill PATH [--rounds 20] [--workers 6] [--round-ms 150]
  */
 #include "region_test.h"
+#include "region_impl.h"
 
 #include <errno.h>
 #include <sched.h>
@@ -80,6 +81,69 @@ static void reap(pid_t p, int *hung)
     fprintf(stderr, "worker %d: status 0x%x (%s)\n", (int)p, st,
             WIFSIGNALED(st) && WTERMSIG(st) == SIGALRM ? "hung" : "failed");
     (*hung)++;
+}
+
+/* Processes killed inside the gate (between entering and leaving it),
+ * others dead with memory held, then two reclaimers at once: the one that
+ * closes the gate first must not wait for a slot the other has taken over,
+ * whose inside count is a dead process's.  Returns the rounds that hung. */
+static int concurrent_reclaims(const char *path, int rounds)
+{
+    _Atomic int *go = t_shared(sizeof *go);
+    int hung = 0;
+    for (int round = 0; round < rounds; round++) {
+        for (int i = 0; i < 8; i++) {
+            pid_t c = fork();
+            CHECK(c >= 0);
+            if (c == 0) {
+                gv_region *q = t_open_region(path);
+                int s = region_self_slot(q);
+                CHECK(s >= 0);
+                if (i % 2 == 0) {
+                    CHECK_EQ(region_reserve(q, g_dev, s, MIB), 0);
+                    _exit(0);                   /* dies holding memory */
+                }
+                atomic_fetch_add(&q->m->dev[g_dev].inside[s], 1);
+                raise(SIGKILL);                 /* dies inside the gate */
+            }
+            while (waitpid(c, NULL, 0) < 0 && errno == EINTR)
+                ;
+        }
+        atomic_store(go, 0);
+        pid_t k[2];
+        for (int i = 0; i < 2; i++) {
+            k[i] = fork();
+            CHECK(k[i] >= 0);
+            if (k[i] == 0) {
+                gv_region *q = t_open_region(path);
+                while (!atomic_load(go))
+                    ;
+                region_reclaim_dead(q);
+                _exit(0);
+            }
+        }
+        usleep(2000);
+        atomic_store(go, 1);
+        int done = 0;
+        for (int t = 0; t < 500 && done < 2; t++) {
+            for (int i = 0; i < 2; i++)
+                if (k[i] && waitpid(k[i], NULL, WNOHANG) == k[i]) {
+                    k[i] = 0;
+                    done++;
+                }
+            usleep(10000);
+        }
+        if (done < 2) {
+            hung++;
+            for (int i = 0; i < 2; i++)
+                if (k[i]) {
+                    kill(k[i], SIGKILL);
+                    waitpid(k[i], NULL, 0);
+                }
+        }
+        region_reclaim_dead(g_r);
+    }
+    return hung;
 }
 
 int main(int argc, char **argv)
@@ -158,6 +222,13 @@ int main(int argc, char **argv)
         }
         alarm(0);
     }
+    int reclaim_hung = concurrent_reclaims(path, rounds);
+    printf("concurrent reclaims: rounds=%d hung=%d used=%llu inside=%llu\n", rounds,
+           reclaim_hung, (unsigned long long)region_used(g_r, g_dev),
+           (unsigned long long)region_test_inside(g_r, g_dev));
+    CHECK_EQ(reclaim_hung, 0);
+    CHECK_EQ(region_used(g_r, g_dev), 0);
+    CHECK_EQ(region_test_inside(g_r, g_dev), 0);
     printf("kill: rounds=%d workers=%d kills=%llu reclaimed=%llu ops=%llu hung=%d "
            "devices=%d final_used=%llu ms=%llu\n", rounds, nw, (unsigned long long)kills,
            (unsigned long long)reclaimed, (unsigned long long)atomic_load(g_ops), hung,
