@@ -141,9 +141,9 @@ void rg_set_err(char *err, size_t errlen, const char *fmt, ...)
 
 /* ---- liveness ------------------------------------------------------------ */
 
-/* Reads state (field 3) and start time (field 22) of /proc/<pid>/stat.
- * Returns 0, or -1 with errno set. */
-static int read_stat(int32_t pid, char *state, uint64_t *start)
+/* Reads state (field 3), number of threads (field 20) and start time
+ * (field 22) of /proc/<pid>/stat.  Returns 0, or -1 with errno set. */
+static int read_stat(int32_t pid, char *state, long *threads, uint64_t *start)
 {
     char path[48], buf[1024];
     snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
@@ -170,6 +170,7 @@ static int read_stat(int32_t pid, char *state, uint64_t *start)
     *state = p[2];
     p += 3;
     /* p is at the space that ends field 3; step to field 22. */
+    *threads = 0;
     for (int field = 3; field < 22; field++) {
         p = strchr(p, ' ');
         if (p == NULL) {
@@ -177,6 +178,8 @@ static int read_stat(int32_t pid, char *state, uint64_t *start)
             return -1;
         }
         p++;
+        if (field + 1 == 20)
+            *threads = strtol(p, NULL, 10);
     }
     char *end;
     errno = 0;
@@ -193,7 +196,8 @@ uint64_t gv_proc_start_time(int32_t pid)
 {
     char st;
     uint64_t start;
-    if (pid <= 0 || read_stat(pid, &st, &start) != 0)
+    long threads;
+    if (pid <= 0 || read_stat(pid, &st, &threads, &start) != 0)
         return 0;
     return start;
 }
@@ -205,14 +209,17 @@ int gv_proc_alive(int32_t pid, uint64_t start)
     if (kill(pid, 0) != 0 && errno != EPERM)
         return 0;
     char st;
+    long threads;
     uint64_t now;
-    if (read_stat(pid, &st, &now) != 0) {
+    if (read_stat(pid, &st, &threads, &now) != 0) {
         /* Gone in between -> dead.  No usable /proc at all -> trust kill(). */
         if (errno == ENOENT || errno == ESRCH)
             return access("/proc/self/stat", R_OK) != 0;
         return 1;
     }
-    if (st == 'Z' || st == 'X' || st == 'x')
+    /* A zombie leader whose other threads still run (its main thread
+     * called pthread_exit) is a live process. */
+    if ((st == 'Z' || st == 'X' || st == 'x') && threads <= 1)
         return 0;
     return (now & START_MASK) == (start & START_MASK);
 }

@@ -11,6 +11,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
@@ -384,6 +385,40 @@ static void wait_comm(pid_t pid, const char *name)
     CHECK(!"the child never took its name");
 }
 
+/* The state letter of /proc/<pid>/stat (0 if unreadable). */
+static char proc_state(pid_t pid)
+{
+    char path[48], buf[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    char *p = strrchr(buf, ')');
+    return p && p[1] == ' ' ? p[2] : 0;
+}
+
+/* In a child whose main thread exits: register, hold 11 MiB, tell the
+ * parent the slot, and stay. */
+static void *leader_exits_worker(void *arg)
+{
+    int fd = *(int *)arg;
+    gv_region *q = t_open_region(path_in("procs.shr"));
+    unsigned char u[16];
+    t_uuid(u, 3);
+    int d = region_device_find(q, u);
+    int s = region_self_slot(q);
+    if (d < 0 || s < 0 || region_reserve(q, d, s, 11 * MIB) != 0)
+        _exit(3);
+    if (write(fd, &s, sizeof s) != (ssize_t)sizeof s)
+        _exit(4);
+    for (;;)
+        pause();
+    return NULL;
+}
+
 static void test_processes(const char *self_exe)
 {
     const char *p = path_in("procs.shr");
@@ -462,6 +497,33 @@ static void test_processes(const char *self_exe)
     CHECK_EQ(region_test_mark_reclaiming(r, live, sl, sl_start), 0);
     CHECK_EQ(region_reclaim_dead(r), 1);
     CHECK_EQ(region_used(r, d), 0);
+
+    /* A process whose main thread called pthread_exit shows its leader as a
+     * zombie while another thread works: alive, its slot kept. */
+    CHECK(pipe(fds) == 0);
+    c = fork();
+    CHECK(c >= 0);
+    if (c == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);        /* not left behind if a CHECK fails */
+        pthread_t t;
+        if (pthread_create(&t, NULL, leader_exits_worker, &fds[1]) != 0)
+            _exit(3);
+        pthread_exit(NULL);
+    }
+    CHECK(read(fds[0], &cs, sizeof cs) == (ssize_t)sizeof cs);
+    uint64_t c_start = gv_proc_start_time(c);
+    for (int i = 0; i < 2000 && proc_state(c) != 'Z'; i++)
+        usleep(1000);
+    CHECK_EQ(proc_state(c), 'Z');
+    CHECK(gv_proc_alive(c, c_start));
+    CHECK_EQ(region_reclaim_dead(r), 0);
+    CHECK(region_used(r, d) == 11 * MIB);
+    kill(c, SIGKILL);
+    CHECK(waitpid(c, &st, 0) == c);
+    CHECK_EQ(region_reclaim_dead(r), 1);
+    CHECK_EQ(region_used(r, d), 0);
+    close(fds[0]);
+    close(fds[1]);
 
     /* exec keeps pid and start time: the new image reuses and resets the slot. */
     CHECK_EQ(region_reserve(r, d, me, 3 * MIB), 0);
