@@ -51,8 +51,10 @@ uint64_t rg_self_owner(void)
     uint64_t w = atomic_load(&g_self_owner);
     if (w == 0) {
         int32_t pid = (int32_t)getpid();
-        w = rg_make_owner(pid, gv_proc_start_time(pid));
-        atomic_store(&g_self_owner, w);
+        uint64_t start = gv_proc_start_time(pid);
+        w = rg_make_owner(pid, start);
+        if (start != 0)           /* unreadable now (fd table full): ask again */
+            atomic_store(&g_self_owner, w);
     }
     return w;
 }
@@ -65,7 +67,10 @@ uint64_t rg_thread_owner(void)
     uint32_t gen = atomic_load(&rg_fork_gen);
     if (t_owner == 0 || t_owner_gen != gen) {
         int32_t tid = (int32_t)syscall(SYS_gettid);
-        t_owner = rg_make_owner(tid, gv_proc_start_time(tid));
+        uint64_t start = gv_proc_start_time(tid);
+        if (start == 0)
+            return rg_make_owner(tid, 0);   /* not cached: asked again next time */
+        t_owner = rg_make_owner(tid, start);
         t_owner_gen = gen;
     }
     return t_owner;

@@ -1,4 +1,6 @@
 /* region_slots.c - process slots: claim, leave, reclaim the dead. */
+#include <errno.h>
+#include <string.h>
 #include "region_impl.h"
 
 #include "gpuvisor.h"
@@ -34,6 +36,13 @@ int rg_claim_free_slot(gv_region *r, uint64_t w)
 static int claim_self_slot(gv_region *r)
 {
     uint64_t me = rg_self_owner(), img = rg_image_id();
+    if ((me >> PID_BITS) == 0) {
+        /* Without its start time every other process would take this one
+         * for dead and reclaim its slot: refuse (fail closed). */
+        gv_log(GV_LOG_ERROR, "region %s: cannot read this process's start time from /proc "
+                             "(%s); not registering", r->path, strerror(errno));
+        return GV_EIO;
+    }
     uint32_t hwm = hwm_of(r);
     for (uint32_t i = 0; i < hwm; i++) {
         if (atomic_load(&r->m->owner[i]) != me)

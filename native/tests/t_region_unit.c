@@ -16,6 +16,7 @@
 #include <signal.h>
 #include <stdatomic.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 
@@ -495,6 +496,33 @@ static void test_processes(const char *self_exe)
     CHECK_EQ(region_reclaim_dead(r), 1);
     CHECK(region_used(r, d) == 5 * MIB);                      /* the live one untouched */
     CHECK_EQ(region_test_mark_reclaiming(r, live, sl, sl_start), 0);
+    CHECK_EQ(region_reclaim_dead(r), 1);
+    CHECK_EQ(region_used(r, d), 0);
+
+    /* A process that cannot read its own start time (no fd left for /proc)
+     * does not register with a start time of 0, which every other process
+     * would take for dead: it is refused (GV_EIO), and registers once it can. */
+    c = fork();
+    CHECK(c >= 0);
+    if (c == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        struct rlimit lim;
+        CHECK(getrlimit(RLIMIT_NOFILE, &lim) == 0);
+        lim.rlim_cur = 64;                      /* a small table, quick to fill */
+        CHECK(setrlimit(RLIMIT_NOFILE, &lim) == 0);
+        int fd, last = -1;
+        while ((fd = open("/dev/null", O_RDONLY)) >= 0)   /* fill the fd table */
+            last = fd;
+        int s = region_self_slot(r);
+        if (s != GV_EIO)
+            _exit(5);
+        close(last);
+        s = region_self_slot(r);
+        _exit(s >= 0 && region_reserve(r, d, s, MIB) == 0 ? 0 : 6);
+    }
+    CHECK(waitpid(c, &st, 0) == c);
+    CHECK(WIFEXITED(st));
+    CHECK_EQ(WEXITSTATUS(st), 0);
     CHECK_EQ(region_reclaim_dead(r), 1);
     CHECK_EQ(region_used(r, d), 0);
 
