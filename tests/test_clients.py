@@ -371,8 +371,8 @@ emit(trim=trim, waiting=waiting, rc=result.get("rc"), charged=used() - base)
         CUDA_DEVICE_SM_LIMIT="50",
         CUDA_TASK_PRIORITY="1",
     )
-    assert out["waiting"], out                 # the launch was still held
-    assert out["trim"] < 1.0, out              # 3 s if it waited for the launch
+    assert out["waiting"], out  # the launch was still held
+    assert out["trim"] < 1.0, out  # 3 s if it waited for the launch
     assert out["rc"] == "CUDA_SUCCESS", out
     assert out["charged"] == 1 * GiB, out
 
