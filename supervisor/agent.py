@@ -9,11 +9,16 @@ Defences against bad clients, all with bounded memory:
   partial line is never buffered beyond that bound);
 - a per-connection token bucket (default 50 messages/s, burst 100): excess
   messages get an error reply and are counted, not processed;
-- a partial line that stays incomplete for --read-timeout seconds, or a
-  reader that leaves our replies unread that long: disconnect;
+- a line that stays incomplete for --read-timeout seconds from its first
+  byte (however it trickles in), or a reader that leaves our replies
+  unread that long: disconnect;
 - a connection silent for --idle-timeout seconds: disconnect;
 - at most --max-connections connections: more are told so and closed;
-- every malformed message gets an error naming the field and is counted.
+- every malformed message gets an error naming the field and is counted;
+  a message that cannot be handled for any other reason (an exception)
+  gets a `malformed` error too, never a dropped connection;
+- HTTP clients of /metrics and /status that stall for --http-timeout
+  seconds (reading or writing) are disconnected.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from .protocol import (
     decode,
     encode,
     error_message,
+    is_int,
     parse_report,
 )
 
@@ -79,7 +85,7 @@ class Connection(asyncio.Protocol):
         self.state = agent.state
         self.transport: asyncio.Transport | None = None
         self.buf = b""
-        self.partial_since = 0.0
+        self.partial_since = 0.0  # when the first byte of the incomplete line in buf came
         self.last_activity = time.monotonic()
         self.paused_since: float | None = None
         self.tokens = agent.config.burst
@@ -132,6 +138,7 @@ class Connection(asyncio.Protocol):
             return
         now = time.monotonic()
         self.last_activity = now
+        had_partial = bool(self.buf)
         if self.buf:
             data = self.buf + data
             self.buf = b""
@@ -148,14 +155,16 @@ class Connection(asyncio.Protocol):
             line = data[start:nl]
             start = nl + 1
             if line.strip():
-                out.append(self.handle(line, now))
+                out.append(self.handle_safely(line, now))
         rest = data[start:] if start else data
         if len(rest) >= limit:
             # A line can only be valid if its newline arrives within limit bytes.
             self._oversize(out)
             return
         if rest:
-            if not self.buf:
+            # The read timeout runs from a line's first byte: bytes that
+            # continue the same line do not restart it.
+            if start or not had_partial:
                 self.partial_since = now
             self.buf = rest
         if out and self.transport is not None:
@@ -193,6 +202,19 @@ class Connection(asyncio.Protocol):
         self.tokens = tokens - 1.0
         return True
 
+    def handle_safely(self, line: bytes, now: float) -> bytes:
+        """handle(), with any exception it lets out answered as a malformed
+        message (an error reply, counted) instead of losing the connection."""
+        try:
+            return self.handle(line, now)
+        except Exception as exc:
+            self.state.rejected["malformed"] += 1
+            kind = type(exc).__name__
+            if kind not in self.agent.logged_errors:
+                self.agent.logged_errors.add(kind)
+                log.warning("a message could not be handled", exc_info=True)
+            return encode(error_message(None, f"message: could not be handled ({kind})"))
+
     def handle(self, line: bytes, now: float) -> bytes:
         state = self.state
         if not self._take_token(now):
@@ -203,9 +225,8 @@ class Connection(asyncio.Protocol):
         except ProtocolError as exc:
             state.rejected[_classify(exc)] += 1
             return encode(error_message(None, str(exc)))
-        seq = obj.get("seq")
-        if isinstance(seq, bool) or not isinstance(seq, int):
-            seq = None
+        raw_seq = obj.get("seq")
+        seq = raw_seq if is_int(raw_seq) and 0 <= raw_seq < 2**64 else None
         mtype = obj["type"]
         if mtype == "report":
             try:
@@ -268,6 +289,9 @@ class Connection(asyncio.Protocol):
 
 class _HttpHandler(BaseHTTPRequestHandler):
     agent: Agent  # set on the subclass made per agent
+    # Seconds a client may stall a read or write (StreamRequestHandler sets
+    # it on the socket); the subclass made per agent sets --http-timeout.
+    timeout = 10.0
 
     def do_GET(self) -> None:
         path = self.path.split("?", 1)[0]
@@ -291,6 +315,15 @@ class _HttpHandler(BaseHTTPRequestHandler):
         log.debug("http: " + format, *args)
 
 
+class _HttpServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that went away mid-reply (BrokenPipeError, reset): not
+        # worth a traceback on stderr.
+        log.debug("http: request from %s failed", client_address, exc_info=True)
+
+
 class Agent:
     def __init__(self, config: AgentConfig) -> None:
         from .metrics import AgentCollector, HostGpus  # prometheus_client, pynvml
@@ -310,6 +343,7 @@ class Agent:
         self.stopping: asyncio.Event | None = None
         self.sweeper: asyncio.Task[None] | None = None
         self.watcher: asyncio.Task[None] | None = None
+        self.logged_errors: set[str] = set()  # exception types handle_safely logged
 
     def metrics_payload(self, accept: str | None) -> tuple[bytes, str]:
         from .metrics import render
@@ -358,11 +392,15 @@ class Agent:
         os.close(fd)
 
     def start_http(self) -> int:
-        handler = type("Handler", (_HttpHandler,), {"agent": self})
-        self.http = ThreadingHTTPServer(
-            (self.config.metrics_host, self.config.metrics_port), handler
-        )
-        self.http.daemon_threads = True
+        cfg = self.config
+        handler = type("Handler", (_HttpHandler,), {"agent": self, "timeout": cfg.http_timeout})
+        try:
+            self.http = _HttpServer((cfg.metrics_host, cfg.metrics_port), handler)
+        except (OSError, OverflowError) as exc:
+            raise RuntimeError(
+                f"--metrics-host/--metrics-port {cfg.metrics_host}:{cfg.metrics_port}: "
+                f"{getattr(exc, 'strerror', None) or exc}"
+            ) from None
         threading.Thread(target=self.http.serve_forever, name="http", daemon=True).start()
         return int(self.http.server_address[1])
 
@@ -412,7 +450,11 @@ class Agent:
 
     async def run(self, ready: Any = None) -> None:
         await self.start()
-        port = self.start_http()
+        try:
+            port = self.start_http()
+        except BaseException:
+            self.close()  # no stale socket left behind
+            raise
         loop = asyncio.get_running_loop()
         assert self.stopping is not None
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -438,7 +480,13 @@ class Agent:
 
 def run_agent(config: AgentConfig, ready: Any = None) -> None:
     if config.cpu is not None:
-        os.sched_setaffinity(0, {config.cpu})
+        try:
+            os.sched_setaffinity(0, {config.cpu})
+        except (OSError, OverflowError) as exc:
+            raise RuntimeError(
+                f"--cpu {config.cpu}: cannot pin the agent there "
+                f"({getattr(exc, 'strerror', None) or exc})"
+            ) from None
     agent = Agent(config)
     asyncio.run(agent.run(ready))
 

@@ -58,6 +58,7 @@ class AgentConfig:
     expire_after: float = 10.0  # seconds without a report before a container expires
     read_timeout: float = 5.0  # a partial line or unread replies older than this: disconnect
     idle_timeout: float = 120.0  # no message at all for this long: disconnect
+    http_timeout: float = 10.0  # an HTTP client stalled this long (read or write): disconnect
     rate: float = 50.0  # messages/s per connection (0: unlimited)
     burst: float = 100.0
     max_connections: int = 4096
@@ -322,13 +323,21 @@ class AgentState:
         self.nvml_share.pop(key, None)
         self._forget_active(key)
 
+    def expiry(self, st: ContainerState) -> float:
+        """Seconds without a report before the container expires: at least
+        --expire-after, and 3 of its report intervals, by the interval its
+        reports declare (from the first report on) and the one measured
+        between them."""
+        limit = self.config.expire_after
+        for interval in (st.report.interval, st.interval):
+            if interval is not None:
+                limit = max(limit, 3 * interval)
+        return limit
+
     def expire(self, now: float) -> int:
         expired = []
         for key, st in self.containers.items():
-            limit = self.config.expire_after
-            if st.interval is not None:
-                limit = max(limit, 3 * st.interval)
-            if now - st.last_seen > limit:
+            if now - st.last_seen > self.expiry(st):
                 expired.append(key)
         for key in expired:
             self.remove(key)
@@ -379,6 +388,7 @@ class AgentState:
                 dd["sm_share"] = self.share_of(key, r, d, now)
                 devices.append(dd)
             pending = self.pending.get(key)
+            interval = st.interval if st.interval is not None else r.interval
             containers.append(
                 {
                     "key": key,
@@ -393,7 +403,7 @@ class AgentState:
                     "first_seen": st.first_seen,
                     "last_report": st.last_wall,
                     "age_s": round(wall - st.last_wall, 3),
-                    "interval_s": None if st.interval is None else round(st.interval, 3),
+                    "interval_s": None if interval is None else round(interval, 3),
                     "reports": st.reports,
                     "pending_limits": None
                     if pending is None

@@ -15,7 +15,11 @@
 
 The supervisor blocks the signals it handles (in the calling thread, which
 must be the main thread, before any other thread exists: threads inherit
-the mask) and takes them synchronously with sigtimedwait.
+the mask) and takes them synchronously with sigtimedwait.  `gpuvisor run`
+blocks them first of all (run.py), before it checks values and attaches
+the region: as PID 1 a signal that arrives unblocked and without a handler
+is discarded, while a blocked one stays pending until the loop forwards it.
+The workload is spawned with an empty mask.
 """
 
 from __future__ import annotations

@@ -12,12 +12,14 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_DEVICES = 16
 MAX_PIDS = 1024
+MAX_INTERVAL_S = 3600.0  # the longest report interval a report may declare
+MAX_ERROR_CHARS = 1024  # an error's text is cut to this (a field's value may be long)
 POLICIES = ("fixed-share", "burst-share", "best-effort")
 
 
@@ -62,6 +64,9 @@ class Report:
     pids: list[int] = field(default_factory=list)
     devices: list[DeviceReport] = field(default_factory=list)
     final: bool = False
+    # Seconds between the sender's reports (optional; None: not declared).
+    # The agent keeps the container at least 3 intervals from the first report.
+    interval: float | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +90,8 @@ def encode(obj: dict[str, Any]) -> bytes:
 
 def report_message(report: Report) -> dict[str, Any]:
     body = asdict(report)
+    if body["interval"] is None:
+        del body["interval"]  # optional: not declared
     body.update(v=PROTOCOL_VERSION, type="report")
     return body
 
@@ -107,6 +114,8 @@ def ack_message(seq: int, instructions: Instructions | None = None) -> dict[str,
 
 
 def error_message(seq: int | None, error: str) -> dict[str, Any]:
+    if len(error) > MAX_ERROR_CHARS:
+        error = error[: MAX_ERROR_CHARS - 3] + "..."
     return {"v": PROTOCOL_VERSION, "type": "error", "seq": seq, "error": error}
 
 
@@ -119,10 +128,15 @@ def _get(obj: dict[str, Any], key: str, where: str) -> Any:
     return obj[key]
 
 
+def is_int(value: Any) -> TypeGuard[int]:
+    """A real JSON integer: not true/false, not a float."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _int(value: Any, name: str, lo: int = 0, hi: int = 2**64 - 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+    if not is_int(value) or not lo <= value <= hi:
         raise ProtocolError(f"{name}={value!r}: expected an integer in [{lo}, {hi}]")
-    return value
+    return int(value)
 
 
 def _opt_int(value: Any, name: str, lo: int = 0, hi: int = 2**64 - 1) -> int | None:
@@ -132,7 +146,10 @@ def _opt_int(value: Any, name: str, lo: int = 0, hi: int = 2**64 - 1) -> int | N
 def _num(value: Any, name: str, lo: float, hi: float) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ProtocolError(f"{name}={value!r}: expected a number")
-    v = float(value)
+    try:
+        v = float(value)
+    except OverflowError:  # an integer beyond any float
+        v = math.inf
     if not math.isfinite(v) or not lo <= v <= hi:
         raise ProtocolError(f"{name}={value!r}: expected a number in [{lo}, {hi}]")
     return v
@@ -158,12 +175,16 @@ def decode(line: bytes) -> dict[str, Any]:
         raise ProtocolError(f"message of {len(line)} bytes exceeds {MAX_MESSAGE_BYTES}")
     try:
         obj = json.loads(line)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"not JSON: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("not JSON: nested too deeply") from None
+    except ValueError:  # an integer of more digits than int() converts
+        raise ProtocolError("not JSON: a number with too many digits") from None
     if not isinstance(obj, dict):
         raise ProtocolError("message: expected a JSON object")
     version = _get(obj, "v", "")
-    if version != PROTOCOL_VERSION:
+    if not is_int(version) or version != PROTOCOL_VERSION:
         raise ProtocolError(f"v={version!r}: this agent speaks version {PROTOCOL_VERSION}")
     _str(_get(obj, "type", ""), "type", 32)
     return obj
@@ -219,7 +240,16 @@ def parse_report(obj: dict[str, Any]) -> Report:
         pids=[_int(p, f"pids[{i}]", 1, 2**31 - 1) for i, p in enumerate(pids)],
         devices=devices,
         final=_bool(obj.get("final", False), "final"),
+        interval=_opt_interval(obj.get("interval")),
     )
+
+
+def _opt_interval(value: Any) -> float | None:
+    """The optional `interval` of a report: seconds, 0 or null: not declared."""
+    if value is None:
+        return None
+    v = _num(value, "interval", 0.0, MAX_INTERVAL_S)
+    return v if v > 0 else None
 
 
 def parse_ack(obj: dict[str, Any]) -> Instructions:

@@ -10,6 +10,12 @@ The workload never waits for the agent: everything runs in a daemon
 thread, socket operations time out after 1 s, and when the socket is
 missing or the agent is down the reporter reconnects with exponential
 backoff (0.5 s doubling to 10 s); reports in between are dropped.
+
+A report that fails on a connection used before (the agent may have closed
+it, e.g. for idleness, and the send meets EPIPE) is sent again, once, on a
+new connection.  Between reports the reporter watches the connection: when
+the agent closes it (or the agent crashes) the tuner is told at once
+(Tuner.agent_lost: yield flags cleared) and the next report reconnects.
 """
 
 from __future__ import annotations
@@ -17,11 +23,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import select
 import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from .identity import parse_cgroup
 from .protocol import (
@@ -110,9 +118,11 @@ class Reporter:
         self._backoff = BACKOFF_START_S
         self._logged: set[str] = set()
         self._connected_once = False
+        self._sock_used = False  # the connection has carried a report and its reply
         self.sent = 0
         self.acked = 0
         self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()  # stop() wakes the loop's select
         self._thread = threading.Thread(target=self._run, name="gpuvisor-reporter", daemon=True)
 
     # ---- lifecycle -------------------------------------------------------------
@@ -123,16 +133,21 @@ class Reporter:
     def stop(self, final_sample: Sample | None = None) -> None:
         """Stop the loop and send the final report (bounded: a few seconds at most)."""
         self._stop.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
         if self._thread.is_alive():
             self._thread.join(SOCKET_TIMEOUT_S * 2 + 0.5)
         try:
-            if self._sock is None:
-                self._connect()
-            if self._sock is not None:
-                self._exchange(final_sample or self.tuner.sample(), final=True)
+            if not self.send(self.build(final_sample or self.tuner.sample(), final=True)):
+                log.debug("final report not delivered: the node agent is unreachable")
         except Exception as exc:
             self._log_once("final report", exc)
         self._close()
+        if not self._thread.is_alive() and self._wake_r >= 0:
+            for fd in (self._wake_r, self._wake_w):
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+            self._wake_r = self._wake_w = -1
 
     # ---- helpers ----------------------------------------------------------------
 
@@ -148,6 +163,7 @@ class Reporter:
                 self._sock.close()
         self._sock = None
         self._buf = b""
+        self._sock_used = False
 
     def _connect(self) -> bool:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -211,12 +227,38 @@ class Reporter:
             pids=[p for p in sample.pids if 1 <= p < 2**31],
             devices=devices,
             final=final,
+            interval=self.interval,
         )
 
-    def _exchange(self, sample: Sample, final: bool = False) -> None:
+    def send(self, report: Report) -> bool:
+        """Send one report, connecting first when there is no connection,
+        and handle the reply.  A connection the agent closed since the last
+        report (the send or the read meets EPIPE, a reset or EOF) is
+        replaced and the report sent again, once.  True when a reply came;
+        False (the connection closed) when the agent cannot be reached.
+        Raises ProtocolError for a bad reply (the connection is closed)."""
+        for _ in range(2):
+            if self._sock is None and not self._connect():
+                return False
+            reused = self._sock_used
+            try:
+                self._exchange(report)
+                self._sock_used = True
+                return True
+            except ConnectionError as exc:
+                self._close()
+                if not reused:
+                    log.debug("report failed on a new connection: %s", exc)
+                    return False
+                log.debug("report failed on a reused connection (%s): reconnecting", exc)
+            except (OSError, ProtocolError):
+                self._close()
+                raise
+        return False
+
+    def _exchange(self, report: Report) -> None:
         """Send one report and handle the reply; raises on a broken connection."""
         assert self._sock is not None
-        report = self.build(sample, final)
         self._sock.sendall(encode(report_message(report)))
         self.sent += 1
         try:
@@ -241,6 +283,21 @@ class Reporter:
 
     # ---- the loop ---------------------------------------------------------------
 
+    def _lost(self, why: str) -> None:
+        """The connection is gone: close it; the agent's view lapses now."""
+        self._close()
+        self.tuner.agent_lost(why)
+
+    def _wait(self, until: float) -> bool:
+        """Sleep until `until` (clock time) or stop(); False when the agent
+        closed the connection meanwhile (EOF, or a message nobody asked
+        for: the agent says why before it closes)."""
+        fds: list[Any] = [self._wake_r]
+        if self._sock is not None:
+            fds.append(self._sock)
+        readable, _, _ = select.select(fds, [], [], max(0.0, until - self._clock()))
+        return self._sock is None or self._sock not in readable
+
     def _run(self) -> None:
         next_connect = self._clock()
         next_report = self._clock() + self.interval
@@ -254,17 +311,23 @@ class Reporter:
                     next_report = max(next_report + self.interval, now)
                     if self._sock is not None:
                         try:
-                            self._exchange(self.tuner.sample())
-                            self._backoff = BACKOFF_START_S
+                            delivered = self.send(self.build(self.tuner.sample()))
                         except (OSError, ProtocolError) as exc:
                             log.debug("report failed: %s", exc)
-                            self._close()
+                            delivered = False
+                        if delivered:
+                            self._backoff = BACKOFF_START_S
+                        else:
+                            self._lost("the node agent stopped answering")
                             next_connect = self._clock() + self._backoff
                             self._backoff = min(BACKOFF_CAP_S, self._backoff * 2)
                     else:
                         self.build(self.tuner.sample())  # dropped; keeps shares per interval
+                wake = next_report if self._sock is not None else min(next_report, next_connect)
+                if not self._wait(wake):
+                    self._lost("the node agent closed the connection")
+                    next_connect = next_report  # reconnect for the next report
             except Exception as exc:
                 self._log_once("reporting failed", exc)
                 self._close()
-            wake = next_report if self._sock is not None else min(next_report, next_connect)
-            self._stop.wait(max(0.0, wake - self._clock()))
+                self._stop.wait(min(self.interval, BACKOFF_CAP_S))

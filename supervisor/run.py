@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from typing import Any
 
@@ -33,9 +34,9 @@ from .config import (
     build,
     one_line,
 )
-from .pid1 import Pid1, SpawnError
+from .pid1 import HANDLED, Pid1, SpawnError
 from .reporter import Reporter, container_identity
-from .tuner import Nvml, Tuner, open_nvml
+from .tuner import Nvml, Tuner, agent_ack_timeout, open_nvml
 
 EXIT_USAGE = 2
 ENV_LOG_LEVEL = "GPUVISOR_LOG_LEVEL"
@@ -75,7 +76,8 @@ class MemorySize(click.ParamType):  # type: ignore[type-arg]
         except GpuvisorError as exc:
             self.fail(one_line(exc.message), param, ctx)
         except NativeLibraryNotFound as exc:
-            self.fail(one_line(str(exc)), param, ctx)
+            # Not a bad value: the library is missing (exit 1, as documented).
+            raise click.ClickException(one_line(str(exc))) from None
         return text
 
 
@@ -118,7 +120,12 @@ def supervise(cfg: RunConfig) -> int:
 
     def started(pid: int) -> None:
         nonlocal tuner, reporter
-        tuner = Tuner(region, pid, nvml_loader=lambda: _nvml_loader(cfg))
+        tuner = Tuner(
+            region,
+            pid,
+            nvml_loader=lambda: _nvml_loader(cfg),
+            ack_timeout=agent_ack_timeout(cfg.report_interval),
+        )
         tuner.start()
         reporter = Reporter(
             cfg.socket,
@@ -213,6 +220,11 @@ def run(
     COMMAND gets GPUVISOR_NODE_LOCK set to it: the library then creates
     contexts one at a time across the node.
     """
+    # First of all: hold the signals the supervisor forwards.  As PID 1 a
+    # signal without a handler is discarded, so a SIGTERM during start-up
+    # would be lost; blocked, it stays pending until Pid1's loop takes it
+    # and forwards it to the workload (which starts with an empty mask).
+    signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
     _setup_logging()
     options = RunOptions(
         memory=memory,

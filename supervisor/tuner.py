@@ -8,6 +8,12 @@ state and counters) and applies what the latest ack asked for:
 UUID; one for a device the region does not list yet (the workload has not
 used it) waits until the device appears.  In an ack's limits, a missing
 key leaves that limit as it is and null means "no limit" (protocol.py).
+Yield flags and the others' share are the agent's live view: they hold
+only while the agent answers.  When no ack has come for ack_timeout
+seconds (agent_ack_timeout: 3 report intervals, at least 2 s), or at once
+when the reporter loses the connection (agent_lost), every yield flag the
+agent set is cleared and no others' share is passed on until the next ack;
+limits the agent pushed stay (an administrator's change, applied).
 Once a second it also refreshes the workload's process tree (psutil),
 NVML's device utilisation (pynvml, when it loads) and reclaims the region
 slots of dead processes.
@@ -38,7 +44,14 @@ log = logging.getLogger("gpuvisor.run")
 
 TICK_S = 0.1
 SLOW_EVERY = 10  # ticks between process-tree / NVML / reclaim refreshes
+ACK_TIMEOUT_INTERVALS = 3  # report intervals without an ack before the agent's view lapses
+ACK_TIMEOUT_MIN_S = 2.0
 _UNSET = object()
+
+
+def agent_ack_timeout(report_interval: float) -> float:
+    """Seconds without an ack after which the agent's yield flags lapse."""
+    return max(ACK_TIMEOUT_INTERVALS * report_interval, ACK_TIMEOUT_MIN_S)
 
 
 @dataclass(frozen=True)
@@ -100,12 +113,17 @@ class Tuner:
         nvml: Nvml | None = None,
         tick: float = TICK_S,
         nvml_loader: Callable[[], Nvml | None] | None = None,
+        ack_timeout: float | None = None,
     ) -> None:
         self.region = region
         self.root_pid = root_pid
         self.nvml = nvml
         self._nvml_loader = nvml_loader  # called in the thread: NVML may be slow to start
         self.tick_s = tick
+        # Seconds after the latest ack when the agent's yield flags lapse
+        # (None: never, only agent_lost clears them).
+        self.ack_timeout = ack_timeout
+        self._last_ack: float | None = None  # time.monotonic() of the latest ack
         self._lock = threading.Lock()
         # Desired state from the agent, by UUID; applied_* what we last set.
         self._want_yield: dict[str, bool] = {}
@@ -127,10 +145,26 @@ class Tuner:
     def submit(self, instructions: Instructions) -> None:
         """Instructions of the latest ack; applied on the next tick."""
         with self._lock:
+            self._last_ack = time.monotonic()
             self._want_yield.update(instructions.yield_devices)
             self._want_mem.update(instructions.memory_limits)
             self._want_sm.update(instructions.sm_limits)
             self._want_others.update(instructions.others_share)
+
+    def agent_lost(self, why: str = "the connection to the node agent dropped") -> None:
+        """The agent is gone (or stopped acking): run without its view."""
+        with self._lock:
+            self._drop_agent_view(why)
+
+    def _drop_agent_view(self, why: str) -> None:
+        """Clear the agent's yield flags and its pending others' share
+        (self._lock held); applied on the next tick."""
+        self._last_ack = None
+        self._want_others = {}
+        yielding = sorted(uuid for uuid, y in self._want_yield.items() if y)
+        self._want_yield = dict.fromkeys(self._want_yield, False)
+        if yielding:
+            log.info("%s: no longer yielding %s", why, ", ".join(yielding))
 
     def sample(self) -> Sample:
         with self._lock:
@@ -186,6 +220,12 @@ class Tuner:
 
     def _apply(self, devices: list[DeviceUsage]) -> None:
         with self._lock:
+            if (
+                self._last_ack is not None
+                and self.ack_timeout is not None
+                and time.monotonic() - self._last_ack > self.ack_timeout
+            ):
+                self._drop_agent_view(f"no ack from the node agent for {self.ack_timeout:g} s")
             wants: list[tuple[str, dict[str, bool] | dict[str, int | None]]] = [
                 ("yield", dict(self._want_yield)),
                 ("memory", dict(self._want_mem)),

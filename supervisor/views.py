@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -42,6 +43,21 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
+class Seconds(click.FloatRange):
+    """A finite number of seconds (no nan, no inf) in a range."""
+
+    name = "seconds"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return rv
+
+
+POSITIVE = Seconds(min=0, min_open=True)
+
+
 # ---- node-agent ------------------------------------------------------------------
 
 
@@ -53,42 +69,61 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     show_default="$GPUVISOR_NODE_SOCKET or /run/gpuvisor/node.sock",
 )
 @click.option("--metrics-host", default="0.0.0.0", show_default=True)
-@click.option("--metrics-port", default=9400, show_default=True, type=int, help="0: any free port")
+@click.option(
+    "--metrics-port",
+    default=9400,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="0: any free port",
+)
 @click.option(
     "--expire-after",
     default=10.0,
     show_default=True,
-    type=float,
+    type=POSITIVE,
     help="Seconds without a report (or 3 report intervals, if longer) before a container expires.",
 )
 @click.option(
     "--read-timeout",
     default=5.0,
     show_default=True,
-    type=float,
+    type=POSITIVE,
     help="Disconnect a peer whose line stays incomplete (or who leaves replies unread) this long.",
 )
 @click.option(
     "--idle-timeout",
     default=120.0,
     show_default=True,
-    type=float,
+    type=POSITIVE,
     help="Disconnect a peer that sends nothing for this long.",
+)
+@click.option(
+    "--http-timeout",
+    default=10.0,
+    show_default=True,
+    type=POSITIVE,
+    help="Disconnect an HTTP client (/metrics, /status) that stalls a read or write this long.",
 )
 @click.option(
     "--rate",
     default=50.0,
     show_default=True,
-    type=float,
+    type=Seconds(min=0),
     help="Messages per second per connection (token bucket; 0: unlimited).",
 )
-@click.option("--burst", default=100.0, show_default=True, type=float)
-@click.option("--max-connections", default=4096, show_default=True, type=int)
+@click.option(
+    "--burst",
+    default=100.0,
+    show_default=True,
+    type=Seconds(min=1),
+    help="Messages a connection may send at once (token bucket size; at least 1).",
+)
+@click.option("--max-connections", default=4096, show_default=True, type=click.IntRange(min=1))
 @click.option(
     "--active-window",
     default=3.0,
     show_default=True,
-    type=float,
+    type=POSITIVE,
     help=(
         "Seconds a high-priority container's activity (a report with sm_share above 1 "
         "percent, or its processes' use in NVML) keeps its device busy."
@@ -101,7 +136,7 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     default="",
     help="The node label of the host series (default: $NODE_NAME, else the host name).",
 )
-@click.option("--cpu", type=int, default=None, help="Pin the agent to this CPU.")
+@click.option("--cpu", type=click.IntRange(min=0), default=None, help="Pin the agent to this CPU.")
 @click.option("-v", "--verbose", count=True)
 @click.pass_context
 def node_agent(
@@ -112,6 +147,7 @@ def node_agent(
     expire_after: float,
     read_timeout: float,
     idle_timeout: float,
+    http_timeout: float,
     rate: float,
     burst: float,
     max_connections: int,
@@ -124,6 +160,12 @@ def node_agent(
     """Run the node agent: collect the supervisors' reports, serve /metrics and /status."""
     if ctx.invoked_subcommand is not None:
         return
+    if cpu is not None and cpu not in os.sched_getaffinity(0):
+        allowed = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+        raise click.BadParameter(
+            f"{cpu} is not a CPU this process may run on (allowed: {allowed}).",
+            param_hint="'--cpu'",
+        )
     import logging
 
     logging.basicConfig(
@@ -137,6 +179,7 @@ def node_agent(
         expire_after=expire_after,
         read_timeout=read_timeout,
         idle_timeout=idle_timeout,
+        http_timeout=http_timeout,
         rate=rate,
         burst=burst,
         max_connections=max_connections,
@@ -161,19 +204,20 @@ def _limit_value(value: str | None, what: str) -> int | None:
     if value is None or value.lower() in ("none", "unlimited", "0"):
         return None
     if what == "sm":
+        bad = click.BadParameter(f"{value!r}: expected a percent 1-100", param_hint="'--cores'")
         try:
             v = int(value)
         except ValueError:
-            raise click.BadParameter(f"{value!r}: expected a percent 1-100") from None
+            raise bad from None
         if not 1 <= v <= 100:
-            raise click.BadParameter(f"{value!r}: expected a percent 1-100")
+            raise bad
         return v
     from gpuvisor.shim.limits import parse_memory_limit
 
     try:
         return int(parse_memory_limit(value))
     except Exception as exc:
-        raise click.BadParameter(f"{value!r}: {exc}") from None
+        raise click.BadParameter(f"{value!r}: {exc}", param_hint="'--memory'") from None
 
 
 @node_agent.command("set-limit")
@@ -282,7 +326,7 @@ def region_status(region_path: str | None, sample: float) -> dict[str, Any]:
     "--sample",
     default=0.5,
     show_default=True,
-    type=float,
+    type=Seconds(min=0, max=3600),
     help="Seconds over which the achieved SM share is measured.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -414,7 +458,13 @@ def render_top(data: dict[str, Any]) -> str:
 
 @click.command("top")
 @click.option("--url", default="http://127.0.0.1:9400/status", show_default=True)
-@click.option("--interval", default=2.0, show_default=True, type=float)
+@click.option(
+    "--interval",
+    default=2.0,
+    show_default=True,
+    type=Seconds(min=0.1, max=3600),
+    help="Seconds between refreshes (0.1 to 3600).",
+)
 @click.option("--once", is_flag=True, help="Print once and exit.")
 @click.option("--json", "as_json", is_flag=True, help="Print the agent's status JSON.")
 def top(url: str, interval: float, once: bool, as_json: bool) -> None:

@@ -238,3 +238,45 @@ def test_workload_gets_a_clean_signal_state(env):
     proc = run(env, "--", *workload)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "True []"
+
+
+# As PID 1, a signal without a handler is discarded.  This starts the
+# supervisor in that state for SIGTERM (ignored: discarded unless blocked),
+# and has a SIGTERM arrive during start-up, while it attaches the region,
+# before it spawns the workload.
+SIGTERM_DURING_STARTUP = """
+import os, signal, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+from gpuvisor.supervisor import run as run_module
+attach = run_module.Region.attach
+def attach_then_sigterm(*args, **kwargs):
+    region = attach(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)
+    return region
+run_module.Region.attach = attach_then_sigterm
+from gpuvisor.supervisor.cli import main
+main(["run", "--", *sys.argv[1:]], prog_name="gpuvisor")
+"""
+
+
+def test_sigterm_during_startup_reaches_the_workload(env):
+    workload = py(
+        """
+        import os, signal, time
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        assert not mask, mask  # the supervisor's blocked signals are not inherited
+        time.sleep(30)
+        """
+    )
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [*py(SIGTERM_DURING_STARTUP), *workload],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=25,
+        check=False,
+        cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
+    assert time.monotonic() - t0 < 10

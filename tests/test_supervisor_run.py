@@ -6,6 +6,7 @@ periodic and final reports and steers the container through its acks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -148,7 +150,6 @@ BAD = [
     ([], {"GPUVISOR_NODE_SOCKET": "/" + "s" * 200}, "GPUVISOR_NODE_SOCKET", "sss"),
     ([], {"GPUVISOR_REPORT_INTERVAL": "0"}, "GPUVISOR_REPORT_INTERVAL", "0"),
     ([], {"GPUVISOR_KILL_GRACE": "soon"}, "GPUVISOR_KILL_GRACE", "soon"),
-    (["--memory", "1g"], {"GPUVISOR_NATIVE_DIR": "/nonexistent"}, "GPUVISOR_NATIVE_DIR", "nonex"),
     # An option is checked together with the environment it ends up in.
     (["--memory", "4g"], {"CUDA_DEVICE_MEMORY_LIMIT_1": "?"}, "CUDA_DEVICE_MEMORY_LIMIT_1", "?"),
 ]
@@ -254,13 +255,23 @@ def test_silent_agent_never_holds_the_workload_up(env, node):
 
 
 class FakeAgent:
-    """A node agent on a Unix socket: records reports, acks with instructions."""
+    """A node agent on a Unix socket: records reports, acks with instructions.
+
+    reply_error: answer errors instead; silent: answer nothing; per_connection:
+    answer that many reports on a connection, then close it (after the last
+    reply, or, with close_on_next, when the next report comes, unanswered:
+    an agent closing an idle connection just as the report arrives)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.reports: list[Report] = []
+        self.acked: list[Report] = []
         self.instructions = Instructions()
         self.reply_error: str | None = None
+        self.silent = False
+        self.per_connection: int | None = None
+        self.close_on_next = False
+        self.conns: list[socket.socket] = []
         self.lock = threading.Lock()
         self.server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.server.bind(str(path))
@@ -279,17 +290,40 @@ class FakeAgent:
             threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
 
     def _handle(self, conn: socket.socket) -> None:
+        with self.lock:
+            self.conns.append(conn)
+        answered = 0
         with conn, conn.makefile("rb") as f:
             for line in f:
                 report = parse_report(decode(line))
                 with self.lock:
                     self.reports.append(report)
-                    reply = (
-                        error_message(report.seq, self.reply_error)
-                        if self.reply_error
-                        else ack_message(report.seq, self.instructions)
-                    )
+                    if self.per_connection is not None and answered >= self.per_connection:
+                        return  # close_on_next: closed, the report unanswered
+                    if self.silent:
+                        continue
+                    if self.reply_error:
+                        reply = error_message(report.seq, self.reply_error)
+                    else:
+                        reply = ack_message(report.seq, self.instructions)
+                        self.acked.append(report)
                 conn.sendall(encode(reply))
+                answered += 1
+                if (
+                    self.per_connection is not None
+                    and answered >= self.per_connection
+                    and not self.close_on_next
+                ):
+                    return
+
+    def crash(self) -> None:
+        """Go away as a crashed agent does: every connection and the socket."""
+        self.close()
+        with self.lock:
+            for conn in self.conns:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+        self.path.unlink(missing_ok=True)
 
     def wait_for(self, pred, timeout: float = 15) -> Report:
         deadline = time.monotonic() + timeout
@@ -468,3 +502,95 @@ def test_own_cgroup(tmp_path, text, expected):
     f = tmp_path / "cgroup"
     f.write_text(text)
     assert own_cgroup(str(f)) == expected
+
+
+def _wait_sm(node: SimNode, pred: Any, timeout: float = 8) -> tuple[dict[str, Any], float]:
+    """Poll the region until pred(state); the state and when the read that
+    saw it started (time.monotonic(); the read takes a Python start-up)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        started = time.monotonic()
+        state = read_sm(node)
+        if pred(state) or started > deadline:
+            return state, started
+
+
+@pytest.mark.parametrize("how", ["crash", "errors", "silent"])
+def test_yield_lapses_when_the_agent_goes_away(env, agent, node, how):
+    """Without the agent there is no yield between containers: a yield it
+    asked for is cleared when its connection drops, or when no ack has come
+    for 3 report intervals (at least 2 s)."""
+    env["GPUVISOR_NODE_SOCKET"] = str(agent.path)
+    stop = node.dir / "stop"
+    sup = subprocess.Popen(
+        [*RUN, "--report-interval", "0.2", "--priority", "1", "--", *py(LAUNCHER), str(stop)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    try:
+        assert sup.stdout is not None
+        assert sup.stdout.readline() == "launching\n"
+        uuid = agent.wait_for(lambda r: bool(r.devices)).devices[0].uuid
+        with agent.lock:
+            agent.instructions = Instructions(yield_devices={uuid: True})
+        agent.wait_for(lambda r: any(d.sm_enforced == 0 for d in r.devices))
+        paused = read_sm(node)
+        assert paused["share"] == 0
+
+        t0 = time.monotonic()
+        if how == "crash":
+            agent.crash()
+        elif how == "errors":
+            with agent.lock:
+                agent.reply_error = "container not admitted"
+        else:
+            agent.silent = True
+        state, t1 = _wait_sm(node, lambda s: s["share"] > 0)
+        assert state["share"] == 100, state
+        elapsed = t1 - t0
+        print(f"yield cleared {elapsed:.2f} s after the agent went away ({how})")
+        if how == "crash":
+            assert elapsed < 1.5, elapsed  # at once, not 2 s after the last ack
+        elif how == "errors":
+            assert 1.0 < elapsed < 5.0, elapsed  # 2 s after the last ack
+        else:
+            assert elapsed < 4.0, elapsed  # the report times out after 1 s
+        resumed, _ = _wait_sm(node, lambda s: s["launches"] > state["launches"])
+        assert resumed["launches"] > state["launches"]
+    finally:
+        stop.touch()
+        sup.communicate(timeout=30)
+    assert sup.returncode == 0
+
+
+@pytest.mark.parametrize("close_on_next", [False, True], ids=["after-reply", "on-next-report"])
+def test_no_report_is_lost_when_the_agent_closes_connections(env, agent, close_on_next):
+    """An agent that closes connections (as for idleness, when reports come
+    less often than --idle-timeout): the next report reconnects, or is sent
+    again on a new connection, the final one included."""
+    agent.per_connection = 1
+    agent.close_on_next = close_on_next
+    env["GPUVISOR_NODE_SOCKET"] = str(agent.path)
+    proc = run(env, "--report-interval", "0.2", "--", "sh", "-c", "sleep 1.5")
+    assert proc.returncode == 0, proc.stderr
+    seqs = [r.seq for r in agent.acked]
+    assert len(seqs) >= 5, seqs
+    assert seqs == list(range(1, len(seqs) + 1))
+    assert agent.acked[-1].final
+    assert all(r.interval == 0.2 for r in agent.acked)
+
+
+def test_missing_library_is_exit_1_with_a_memory_option(env, tmp_path):
+    # Not a bad value (exit 2): the library is missing, exit 1 as documented.
+    marker = tmp_path / "started"
+    env["GPUVISOR_NATIVE_DIR"] = "/nonexistent-gpuvisor-native"
+    for args in (["--memory", "4g"], []):
+        proc = run(env, *args, "--", "sh", "-c", f"touch {marker}")
+        assert not marker.exists()
+        assert proc.returncode == 1, proc.stderr
+        assert proc.stderr.strip() == (
+            "Error: GPUVISOR_NATIVE_DIR='/nonexistent-gpuvisor-native' has no libgpuvisor.so"
+        )

@@ -1,0 +1,350 @@
+"""The node agent against awkward clients and options: messages that break
+the JSON reader, trickled lines, stalled HTTP clients, slow reporters that
+declare their interval, and out-of-range command-line values."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from gpuvisor.supervisor import agent as agent_module
+from gpuvisor.supervisor.agent import Agent, Connection
+from gpuvisor.supervisor.agent_state import AgentConfig, AgentState
+from gpuvisor.supervisor.identity import PeerCred
+from gpuvisor.supervisor.protocol import (
+    ContainerId,
+    ProtocolError,
+    Report,
+    decode,
+    encode,
+    parse_report,
+    report_message,
+)
+
+from tests.helpers import REPO_ROOT, clean_env
+from tests.test_agent import CLI, AgentProc, Client, find
+
+
+@pytest.fixture
+def sock_path() -> Iterator[str]:
+    # Short: sun_path is limited to 108 bytes, pytest's tmp_path can be longer.
+    d = tempfile.mkdtemp(prefix="gvr-", dir="/tmp")
+    yield os.path.join(d, "run", "node.sock")
+    shutil.rmtree(d, ignore_errors=True)
+
+
+# ---- messages the JSON reader cannot take ----------------------------------------------
+
+
+def _rejected(agent: AgentProc) -> dict[str, float]:
+    return {
+        lab["reason"]: v
+        for n, lab, v in agent.metrics()
+        if n == "gpuvisor_agent_rejected_reports_total"
+    }
+
+
+def test_messages_that_break_the_reader_get_an_error_and_are_counted(sock_path):
+    with AgentProc(sock_path) as agent:
+        c = Client(sock_path)
+        good = c.report_msg()
+        line = encode(good)
+        cases: list[tuple[bytes, str, str]] = [
+            (b"[" * 50000 + b"\n", "not JSON", "malformed"),  # RecursionError in json
+            (b'{"v":1,"type":"report","seq":' + b"1" * 5000 + b"}\n", "not JSON", "malformed"),
+            (json.dumps({**good, "ts": 10**400}).encode() + b"\n", "ts=", "field"),
+            (json.dumps({**good, "v": True}).encode() + b"\n", "v=True", "version"),
+            (json.dumps({**good, "v": 1.0}).encode() + b"\n", "v=1.0", "version"),
+            # An error naming a long value stays within the message size.
+            (
+                json.dumps({**good, "policy": "\u00e9" * 25000}, ensure_ascii=False).encode()
+                + b"\n",
+                "policy=",
+                "field",
+            ),
+        ]
+        for bad, text, _ in cases:
+            c.send(bad + line)  # the good report behind it is still served
+            r = c.recv()
+            assert r is not None, text
+            assert r["type"] == "error", r
+            assert r["error"].startswith(text), r
+            assert len(r["error"]) <= 1024
+            ack = c.recv()
+            assert ack is not None
+            assert ack["type"] == "ack"
+        rej = _rejected(agent)
+        assert rej["malformed"] == 2
+        assert rej["field"] == 2
+        assert rej["version"] == 2
+        assert find(agent.metrics(), "gpuvisor_agent_reports_total") == [float(len(cases))]
+        agent.stderr.seek(0)
+        assert "Traceback" not in agent.stderr.read()
+        c.close()
+
+
+def test_decode_rejects_non_integer_versions():
+    for v in ("true", "1.0", '"1"'):
+        with pytest.raises(ProtocolError, match=r"^v="):
+            decode(b'{"v":%s,"type":"report"}' % v.encode())
+    assert decode(b'{"v":1,"type":"report"}')["v"] == 1
+
+
+class _Transport:
+    """What Connection writes, for a connection driven without a socket."""
+
+    def __init__(self) -> None:
+        self.written = b""
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_any_exception_while_handling_is_a_malformed_error(sock_path, monkeypatch):
+    agent = Agent(AgentConfig(socket_path=sock_path))
+    try:
+        conn = Connection(agent)
+        transport = _Transport()
+        conn.transport = transport
+
+        def broken(obj: dict[str, Any]) -> Report:
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(agent_module, "parse_report", broken)
+        msg = report_message(_report(None))
+        conn.data_received(encode(msg) + encode(msg))
+        replies = [json.loads(x) for x in transport.written.splitlines()]
+        assert [r["type"] for r in replies] == ["error", "error"]
+        assert replies[0]["error"] == "message: could not be handled (RuntimeError)"
+        assert not transport.closed
+        assert agent.state.rejected["malformed"] == 2
+    finally:
+        agent.gpus.close()
+
+
+# ---- lines that never end ----------------------------------------------------------------
+
+
+def test_a_trickled_incomplete_line_times_out(sock_path):
+    with AgentProc(sock_path, "--read-timeout", "0.5") as agent:
+        slow = Client(sock_path, pod="slow")
+        assert slow.sock is not None
+        slow.sock.settimeout(0.05)
+        slow.send(b'{"v":1')
+        t0 = time.monotonic()
+        data = b""
+        while b"\n" not in data and time.monotonic() - t0 < 5:
+            try:
+                slow.send(b" ")  # one byte every 0.1 s: the line never ends
+            except OSError:
+                break
+            with contextlib.suppress(TimeoutError):
+                data += slow.sock.recv(4096)
+            time.sleep(0.05)
+        elapsed = time.monotonic() - t0
+        slow.sock.settimeout(5)
+        slow.buf = data
+        r = slow.recv()
+        assert r is not None, f"still connected after {elapsed:.1f} s"
+        assert "incomplete" in r["error"]
+        assert elapsed < 2.0
+        assert find(agent.metrics(), "gpuvisor_agent_disconnects_total", reason="timeout") == [1.0]
+        slow.close()
+
+
+def test_lines_that_come_in_pieces_but_end_are_served(sock_path):
+    with AgentProc(sock_path, "--read-timeout", "0.5") as agent:
+        c = Client(sock_path)
+        for _ in range(4):  # 0.3 s per line, each incomplete for 0.15 s
+            line = encode(c.report_msg())
+            c.send(line[:30])
+            time.sleep(0.15)
+            c.send(line[30:])
+            r = c.recv()
+            assert r is not None
+            assert r["type"] == "ack"
+            time.sleep(0.15)
+        assert find(agent.metrics(), "gpuvisor_agent_disconnects_total", reason="timeout") == [0.0]
+        c.close()
+
+
+# ---- HTTP clients that stall ---------------------------------------------------------------
+
+
+def test_stalled_http_clients_are_disconnected(sock_path):
+    with AgentProc(sock_path, "--http-timeout", "0.5") as agent:
+        stalled = []
+        for _ in range(8):
+            s = socket.create_connection(("127.0.0.1", agent.port), timeout=5)
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")  # never finishes the request
+            stalled.append(s)
+        t0 = time.monotonic()
+        for s in stalled:
+            assert s.recv(4096) == b""  # closed by the agent
+            s.close()
+        assert time.monotonic() - t0 < 4
+        assert agent.get("/healthz") == "ok\n"
+        agent.stderr.seek(0)
+        assert "Traceback" not in agent.stderr.read()
+
+
+# ---- slow reporters -------------------------------------------------------------------------
+
+
+def _report(interval: float | None, seq: int = 1) -> Report:
+    return Report(
+        seq=seq,
+        ts=1.0,
+        container=ContainerId(cgroup="/", pod=f"p{interval}"),
+        policy="fixed-share",
+        priority=0,
+        interval=interval,
+    )
+
+
+def test_a_declared_interval_keeps_the_container_from_its_first_report():
+    state = AgentState(AgentConfig(expire_after=10.0))
+    peer = PeerCred(1, 0, 0)
+    state.accept_report(_report(20.0), peer, now=100.0)
+    state.accept_report(_report(None), peer, now=100.0)
+    assert state.expire(now=115.0) == 1  # the one without an interval: 10 s
+    assert [st.id.pod for st in state.containers.values()] == ["p20.0"]
+    state.accept_report(_report(20.0, seq=2), peer, now=120.0)  # every 20 s: no flapping
+    assert state.expire(now=179.0) == 0
+    assert state.expire(now=181.0) == 1
+    assert state.expired_total == 2
+
+
+def test_report_interval_field_is_optional_and_checked():
+    msg = report_message(_report(None))
+    assert "interval" not in msg  # old agents are not sent an unknown field
+    assert parse_report(msg).interval is None
+    assert parse_report({**msg, "interval": 30}).interval == 30.0
+    assert parse_report({**msg, "interval": None}).interval is None
+    assert parse_report({**msg, "interval": 0}).interval is None
+    for bad in (-1, 3601, "10", True, float("nan")):
+        with pytest.raises(ProtocolError, match=r"^interval="):
+            parse_report({**msg, "interval": bad})
+
+
+def test_a_slow_reporter_is_not_expired_between_reports(sock_path):
+    with AgentProc(sock_path, "--expire-after", "0.3") as agent:
+        slow = Client(sock_path, pod="slow")
+        old = Client(sock_path, pod="old")
+        msg = slow.report_msg()
+        slow.send({**msg, "interval": 1.0})
+        r = slow.recv()
+        assert r is not None
+        assert r["type"] == "ack"
+        assert old.report()["type"] == "ack"
+        time.sleep(0.8)
+        st = agent.status()
+        assert [c["container"]["pod"] for c in st["containers"]] == ["slow"]
+        assert st["containers"][0]["interval_s"] == 1.0
+        assert st["agent"]["expired_total"] == 1
+        slow.close()
+        old.close()
+
+
+# ---- command-line values ---------------------------------------------------------------------
+
+
+def _agent_cli(sock: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*CLI, "node-agent", "--socket", sock, "--metrics-host", "127.0.0.1", *args],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        cwd=REPO_ROOT,
+    )
+
+
+def _error_line(stderr: str) -> str:
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1, stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (["--metrics-port", "70000"], "--metrics-port"),
+        (["--metrics-port", "-1"], "--metrics-port"),
+        (["--cpu", "-1"], "--cpu"),
+        (["--cpu", str(max(os.sched_getaffinity(0)) + 1)], "--cpu"),
+        (["--burst", "0"], "--burst"),
+        (["--rate", "-1"], "--rate"),
+        (["--expire-after", "nan"], "--expire-after"),
+        (["--expire-after", "0"], "--expire-after"),
+        (["--read-timeout", "-1"], "--read-timeout"),
+        (["--idle-timeout", "inf"], "--idle-timeout"),
+        (["--http-timeout", "0"], "--http-timeout"),
+        (["--active-window", "-3"], "--active-window"),
+        (["--max-connections", "0"], "--max-connections"),
+    ],
+)
+def test_out_of_range_agent_options_are_named(sock_path, args, option):
+    proc = _agent_cli(sock_path, "--metrics-port", "0", *args)
+    assert proc.returncode == 2, proc.stderr
+    assert option in _error_line(proc.stderr)
+    assert not Path(sock_path).exists()
+
+
+def test_a_taken_metrics_port_is_named_and_leaves_no_socket(sock_path):
+    taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    try:
+        proc = _agent_cli(sock_path, "--metrics-port", str(taken.getsockname()[1]))
+    finally:
+        taken.close()
+    assert proc.returncode == 1, proc.stderr
+    assert "--metrics-port" in _error_line(proc.stderr)
+    assert not Path(sock_path).exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "option"),
+    [
+        (["top", "--interval", "-1"], "--interval"),
+        (["top", "--interval", "nan"], "--interval"),
+        (["status", "--sample", "-1"], "--sample"),
+        (
+            ["node-agent", "set-limit", "--container", "c", "--device", "d", "--cores", "150"],
+            "--cores",
+        ),
+        (
+            ["node-agent", "set-limit", "--container", "c", "--device", "d", "--memory", "4q"],
+            "--memory",
+        ),
+    ],
+)
+def test_out_of_range_view_options_are_named(args, option):
+    proc = subprocess.run(
+        [*CLI, *args],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert option in _error_line(proc.stderr)
