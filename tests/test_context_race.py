@@ -190,3 +190,51 @@ def test_a_child_forked_during_a_creation_does_not_keep_the_lock(node: SimNode) 
         go(proc)
         proc.communicate(timeout=30)
     assert proc.returncode == 0
+
+
+FORKS_WHILE_WAITING = """
+import os, sys, threading, time
+from tests.cuclient import *
+ok(cu.cuInit, 0)
+dev = ok(cu.cuDeviceGet, 0)
+print("ready", flush=True)
+sys.stdin.readline()
+t = threading.Thread(target=lambda: ok(cu.cuDevicePrimaryCtxRetain, dev))
+t.start()
+time.sleep(0.3)                       # the thread waits for the node lock
+child = os.fork()                     # e.g. a data-loader worker
+if child == 0:
+    time.sleep(60)
+    os._exit(0)
+print(child, flush=True)
+t.join()
+print("created", flush=True)
+sys.stdin.readline()
+os.kill(child, 9)
+os.waitpid(child, 0)
+"""
+
+
+def test_a_child_forked_while_waiting_for_the_lock_does_not_keep_it(node: SimNode) -> None:
+    """A process forks while one of its threads waits for the node lock.  The
+    child's copy of the lock file is closed at fork, so once the parent has
+    created its context and unlocked, the lock is free although the child
+    lives on (before, every other context creation on the node waited 5 s
+    for it)."""
+    lock = node.dir / "gpuvisor.lock"
+    env = container_env(node, "c", lock, GPUVISOR_SIM_CTX_CREATE_MS="1")
+    with lock.open("w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        proc = start_ready(FORKS_WHILE_WAITING, env)
+        go(proc)
+        assert proc.stdout is not None
+        child = int(proc.stdout.readline())
+        fcntl.flock(held, fcntl.LOCK_UN)
+    try:
+        assert proc.stdout.readline().strip() == "created"
+        os.kill(child, 0)  # the child is alive
+        with lock.open("w") as probe:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)  # free: no BlockingIOError
+    finally:
+        go(proc)
+        proc.communicate(timeout=30)

@@ -62,14 +62,40 @@ static int open_lock(const char *path)
     return fd;
 }
 
-static atomic_int held = -1;           /* the descriptor while locked */
+/* The lock file's descriptors this process has open, locked or waiting
+ * for the lock: a forked child closes its copies, which would otherwise
+ * keep the lock (flock belongs to the open file description, which fork
+ * shares) after the parent unlocks.  A few threads may be creating
+ * contexts at once. */
+#define TRACKED 8
+static atomic_int tracked[TRACKED] = { -1, -1, -1, -1, -1, -1, -1, -1 };
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
+
+static void track(int fd)
+{
+    for (int i = 0; i < TRACKED; i++) {
+        int free_slot = -1;
+        if (atomic_compare_exchange_strong(&tracked[i], &free_slot, fd))
+            return;
+    }
+}
+
+static void untrack(int fd)
+{
+    for (int i = 0; i < TRACKED; i++) {
+        int mine = fd;
+        if (atomic_compare_exchange_strong(&tracked[i], &mine, -1))
+            return;
+    }
+}
 
 static void fork_child(void)
 {
-    int fd = atomic_exchange(&held, -1);
-    if (fd >= 0)
-        close(fd);
+    for (int i = 0; i < TRACKED; i++) {
+        int fd = atomic_exchange(&tracked[i], -1);
+        if (fd >= 0)
+            close(fd);
+    }
 }
 
 static void register_atfork(void) { pthread_atfork(NULL, NULL, fork_child); }
@@ -85,12 +111,11 @@ int gv_node_lock(void)
     int fd = open_lock(path);
     if (fd < 0)
         return -1;                      /* no shared directory: nothing to lock */
+    track(fd);                          /* from here: a fork in between closes it */
     uint64_t deadline = mono_ns() + WAIT_NS;
     for (;;) {
-        if (flock(fd, LOCK_EX | LOCK_NB) == 0) {
-            atomic_store(&held, fd);
+        if (flock(fd, LOCK_EX | LOCK_NB) == 0)
             return fd;
-        }
         if (errno != EWOULDBLOCK && errno != EINTR)
             break;
         if (mono_ns() >= deadline) {
@@ -102,6 +127,7 @@ int gv_node_lock(void)
         struct timespec ts = { 0, POLL_NS };
         nanosleep(&ts, NULL);
     }
+    untrack(fd);
     close(fd);
     return -1;
 }
@@ -110,7 +136,6 @@ void gv_node_unlock(int fd)
 {
     if (fd < 0)
         return;
-    int mine = fd;
-    atomic_compare_exchange_strong(&held, &mine, -1);
+    untrack(fd);
     close(fd);                          /* drops the lock */
 }
