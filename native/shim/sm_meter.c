@@ -374,10 +374,15 @@ static void *meter(void *unused)
 
 static void start_meter(void)
 {
-    int expected = 0;
-    if (atomic_load(&started) || !atomic_compare_exchange_strong(&started, &expected, 1))
+    if (atomic_load(&started))
         return;
+    /* The fork handler first: a child forked just after `started` is set
+     * must still reset it, or its launches would wait for a meter that
+     * does not run there. */
     pthread_once(&atfork_once, register_atfork);
+    int expected = 0;
+    if (!atomic_compare_exchange_strong(&started, &expected, 1))
+        return;
     sigset_t all, old;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &old);   /* signals go to the program's threads */
