@@ -165,6 +165,9 @@ uint64_t region_oom_count(gv_region *r, int dev);
 uint64_t gv_proc_start_time(int32_t pid);
 /* 1 if pid is a live (non-zombie) process whose start time is start. */
 int gv_proc_alive(int32_t pid, uint64_t start);
+/* Does process pid map the file at path (by device and inode)?  1 yes,
+ * 0 no, -1 unknown (its maps cannot be read). */
+int gv_proc_maps_file(int32_t pid, const char *path);
 
 /* The process's attached region (api.c): attaches lazily, once and
  * thread-safely, to $CUDA_DEVICE_MEMORY_SHARED_CACHE or the default path

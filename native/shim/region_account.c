@@ -95,6 +95,13 @@ void rg_wait_outside(gv_region *r, int dev, int forget)
             uint64_t o = atomic_load(&r->m->owner[k]);
             if (waits % 16 == 0 && (o == 0 || (o & FLAG_BIT) || !rg_owner_alive(o)))
                 break;
+            /* A live owner inside for long may have exec()ed while a thread
+             * was in here: the count is its old image's if the process no
+             * longer maps the region (a new image that maps it resets the
+             * count when it claims the slot). */
+            if (waits % 4096 == 0 &&
+                gv_proc_maps_file((int32_t)(o & PID_MASK), r->path) == 0)
+                break;
             sched_yield();
         }
     }

@@ -10,7 +10,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
+#include <sys/sysmacros.h>
 
 /* ---- process-local state ------------------------------------------------ */
 
@@ -205,6 +207,36 @@ uint64_t gv_proc_start_time(int32_t pid)
     if (pid <= 0 || read_stat(pid, &st, &threads, &start) != 0)
         return 0;
     return start;
+}
+
+int gv_proc_maps_file(int32_t pid, const char *path)
+{
+    struct stat st;
+    if (stat(path, &st) != 0)
+        return -1;
+    char maps[48];
+    snprintf(maps, sizeof maps, "/proc/%d/maps", (int)pid);
+    FILE *f = fopen(maps, "re");
+    if (f == NULL)
+        return -1;
+    char line[4096];
+    int found = 0, read_any = 0;
+    while (!found && fgets(line, sizeof line, f) != NULL) {
+        read_any = 1;
+        unsigned maj, mnr;
+        unsigned long long ino;
+        if (strchr(line, '\n') == NULL) {          /* a long path: skip the rest */
+            int ch;
+            while ((ch = fgetc(f)) != EOF && ch != '\n')
+                ;
+        }
+        if (sscanf(line, "%*s %*s %*s %x:%x %llu", &maj, &mnr, &ino) == 3 &&
+            ino == (unsigned long long)st.st_ino && maj == major(st.st_dev) &&
+            mnr == minor(st.st_dev))
+            found = 1;
+    }
+    fclose(f);
+    return found ? 1 : read_any ? 0 : -1;
 }
 
 int gv_proc_alive(int32_t pid, uint64_t start)

@@ -50,6 +50,14 @@ static int claim_self_slot(gv_region *r)
         /* Ours already: another handle of this image shares it; a slot of
          * the image before exec() (same pid and start) is reset. */
         if (atomic_load(&r->m->image[i]) != img) {
+            /* The image before exec() may have left threads' inside counts
+             * behind (they vanished mid-update).  None of this image's
+             * threads can be inside with this slot yet (they wait for this
+             * claim), so they are all stale: cleared first, or a gate
+             * closer waiting on them would keep the gate, and this forget
+             * would wait for it. */
+            for (int dev = 0; dev < GV_MAX_DEVICES; dev++)
+                atomic_store(&r->m->dev[dev].inside[i], 0);
             rg_forget_slot(r, (int)i);
             atomic_store(&r->m->image[i], img);
         }

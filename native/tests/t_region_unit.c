@@ -6,6 +6,7 @@
  *   t_region_unit --exec-child PATH SLOT   (internal: the exec-reuse test)
  */
 #include "region_test.h"
+#include "region_impl.h"
 
 #include "limits.h"
 
@@ -386,6 +387,20 @@ static void wait_comm(pid_t pid, const char *name)
     CHECK(!"the child never took its name");
 }
 
+/* Is /proc/<pid>/comm `name`? */
+static int comm_is(pid_t pid, const char *name)
+{
+    char path[48], buf[64] = "";
+    snprintf(path, sizeof path, "/proc/%d/comm", (int)pid);
+    FILE *f = fopen(path, "r");
+    if (!f)
+        return 0;
+    int ok = fgets(buf, sizeof buf, f) != NULL;
+    fclose(f);
+    buf[strcspn(buf, "\n")] = '\0';
+    return ok && strcmp(buf, name) == 0;
+}
+
 /* The state letter of /proc/<pid>/stat (0 if unreadable). */
 static char proc_state(pid_t pid)
 {
@@ -553,6 +568,46 @@ static void test_processes(const char *self_exe)
     close(fds[0]);
     close(fds[1]);
 
+    /* exec() while a thread was inside the gate, into a program that never
+     * attaches the region: pid and start time stay, so the owner is alive,
+     * but the inside count is its old image's.  A process leaving with
+     * memory on the device (it closes the gate) must not wait for it. */
+    c = fork();
+    CHECK(c >= 0);
+    if (c == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        gv_region *cr = t_open_region(p);
+        int s = region_self_slot(cr);
+        if (s < 0 || region_reserve(cr, d, s, 2 * MIB) != 0)
+            _exit(3);
+        atomic_fetch_add(&cr->m->dev[d].inside[s], 1);      /* a thread mid-update */
+        execl("/bin/sleep", "sleep", "30", (char *)NULL);
+        _exit(4);
+    }
+    for (int i = 0; i < 2000 && !comm_is(c, "sleep"); i++)
+        usleep(1000);
+    CHECK(comm_is(c, "sleep"));
+    pid_t leaver = fork();
+    CHECK(leaver >= 0);
+    if (leaver == 0) {
+        alarm(10);                                  /* hung: killed, reported */
+        gv_region *lr = t_open_region(p);
+        int s = region_self_slot(lr);
+        if (s < 0 || region_reserve(lr, d, s, MIB) != 0)
+            _exit(3);
+        _exit(region_leave(lr) == GV_OK ? 0 : 5);
+    }
+    CHECK(waitpid(leaver, &st, 0) == leaver);
+    if (!WIFEXITED(st))
+        fprintf(stderr, "leaver status 0x%x\n", st);
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    CHECK_EQ(region_reserve(r, d, me, MIB), 0);
+    region_release(r, d, me, MIB);
+    kill(c, SIGKILL);
+    CHECK(waitpid(c, &st, 0) == c);
+    region_reclaim_dead(r);
+    CHECK_EQ(region_used(r, d), 0);
+
     /* exec keeps pid and start time: the new image reuses and resets the slot. */
     CHECK_EQ(region_reserve(r, d, me, 3 * MIB), 0);
     c = fork();
@@ -562,6 +617,7 @@ static void test_processes(const char *self_exe)
         int s = region_self_slot(cr);
         if (s < 0 || region_reserve(cr, d, s, 9 * MIB) != 0)
             _exit(3);
+        atomic_fetch_add(&cr->m->dev[d].inside[s], 1);      /* a thread mid-update */
         char sbuf[16];
         snprintf(sbuf, sizeof sbuf, "%d", s);
         execl(self_exe, self_exe, "--exec-child", p, sbuf, (char *)NULL);
