@@ -243,15 +243,20 @@ int gv_proc_alive(int32_t pid, uint64_t start)
 {
     if (pid <= 0)
         return 0;
-    if (kill(pid, 0) != 0 && errno != EPERM)
-        return 0;
+    int hidden = 0;
+    if (kill(pid, 0) != 0) {
+        if (errno != EPERM)
+            return 0;
+        hidden = 1;                 /* exists, another user's */
+    }
     char st;
     long threads;
     uint64_t now;
     if (read_stat(pid, &st, &threads, &now) != 0) {
-        /* Gone in between -> dead.  No usable /proc at all -> trust kill(). */
+        /* Gone in between -> dead.  No usable /proc at all, or another
+         * user's process that /proc hides (hidepid=2) -> trust kill(). */
         if (errno == ENOENT || errno == ESRCH)
-            return access("/proc/self/stat", R_OK) != 0;
+            return hidden || access("/proc/self/stat", R_OK) != 0;
         return 1;
     }
     /* A zombie leader whose other threads still run (its main thread
