@@ -189,6 +189,35 @@ emit(base=base, kept=kept, after=used())
     assert out["after"] == out["base"], out
 
 
+@pytest.mark.parametrize("flag", ["DEFERRED_MAPPING", "SPARSE"])
+def test_arrays_without_memory_at_creation_take_no_quota(node, flag):
+    """A sparse or deferred-mapping array has no memory until some is mapped
+    into it (from cuMemCreate handles, charged there): it is not charged,
+    even one bigger than the quota.  An ordinary array of the same shape is
+    charged its size."""
+    out = client(
+        node,
+        f"""
+init()
+d = cu.CUDA_ARRAY3D_DESCRIPTOR()
+d.Width, d.Height, d.Depth = 8192, 8192, 0
+d.Format = cu.CUarray_format.CU_AD_FORMAT_FLOAT
+d.NumChannels = 4                                  # 1 GiB
+d.Flags = cu.CUDA_ARRAY3D_{flag}
+base = used()
+a = ok(cu.cuArray3DCreate, d)
+unbacked = used()
+ok(cu.cuArrayDestroy, a)
+d.Flags = 0
+plain = call(cu.cuArray3DCreate, d)[0]
+emit(base=base, unbacked=unbacked, plain=plain.name)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="512m",
+    )
+    assert out["unbacked"] == out["base"], out
+    assert out["plain"] == OOM, out
+
+
 def test_a_pool_that_cannot_be_accounted_for_is_refused(node):
     """The interposer keeps a record per memory pool (256).  A pool past
     that is refused at cuMemPoolCreate with CUDA_ERROR_OUT_OF_MEMORY instead

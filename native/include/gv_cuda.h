@@ -166,6 +166,12 @@ typedef struct CUDA_ARRAY3D_DESCRIPTOR_v1_st {  /* pre-3.2 ABI */
     unsigned int Flags;
 } CUDA_ARRAY3D_DESCRIPTOR_v1;
 
+/* CUDA_ARRAY3D_DESCRIPTOR.Flags with no memory behind the array at creation
+ * (it is bound later, from cuMemCreate handles). */
+#define CUDA_ARRAY3D_SPARSE 0x40
+#define CUDA_ARRAY3D_DEFERRED_MAPPING 0x80
+#define GV_ARRAY3D_UNBACKED (CUDA_ARRAY3D_SPARSE | CUDA_ARRAY3D_DEFERRED_MAPPING)
+
 typedef struct CUDA_ARRAY_MEMORY_REQUIREMENTS_st {
     size_t size;
     size_t alignment;

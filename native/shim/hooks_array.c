@@ -51,9 +51,11 @@ static CUresult settle_array(gv_charge *c, CUarray a)
     return CUDA_SUCCESS;
 }
 
-#define ARRAY_HOOK_BODY(real, call, estimate)                    \
+/* Sparse and deferred-mapping arrays take no memory when made: what is
+ * mapped into them later comes from cuMemCreate handles, charged there. */
+#define ARRAY_HOOK_BODY(real, call, estimate, flags)             \
     GV_ENFORCING_OR(call);                                       \
-    if (!p || !desc)                                             \
+    if (!p || !desc || ((flags) & GV_ARRAY3D_UNBACKED))          \
         return call;                                             \
     uint64_t est = (estimate);                                   \
     if (est == 0)                                                \
@@ -73,14 +75,14 @@ GV_EXPORT CUresult cuArrayCreate_v2(CUarray *p, const CUDA_ARRAY_DESCRIPTOR *des
 {
     arr_v2_fn real = GV_REAL(cuArrayCreate_v2, arr_v2_fn);
     ARRAY_HOOK_BODY(real, real(p, desc),
-                    array_bytes(desc->Width, desc->Height, 1, desc->Format, desc->NumChannels));
+                    array_bytes(desc->Width, desc->Height, 1, desc->Format, desc->NumChannels), 0);
 }
 
 GV_EXPORT CUresult cuArrayCreate(CUarray *p, const CUDA_ARRAY_DESCRIPTOR_v1 *desc)
 {
     arr_v1_fn real = GV_REAL(cuArrayCreate, arr_v1_fn);
     ARRAY_HOOK_BODY(real, real(p, desc),
-                    array_bytes(desc->Width, desc->Height, 1, desc->Format, desc->NumChannels));
+                    array_bytes(desc->Width, desc->Height, 1, desc->Format, desc->NumChannels), 0);
 }
 
 GV_EXPORT CUresult cuArray3DCreate_v2(CUarray *p, const CUDA_ARRAY3D_DESCRIPTOR *desc)
@@ -88,7 +90,8 @@ GV_EXPORT CUresult cuArray3DCreate_v2(CUarray *p, const CUDA_ARRAY3D_DESCRIPTOR 
     arr3d_v2_fn real = GV_REAL(cuArray3DCreate_v2, arr3d_v2_fn);
     ARRAY_HOOK_BODY(real, real(p, desc),
                     array_bytes(desc->Width, desc->Height, desc->Depth, desc->Format,
-                                desc->NumChannels));
+                                desc->NumChannels),
+                    desc->Flags);
 }
 
 GV_EXPORT CUresult cuArray3DCreate(CUarray *p, const CUDA_ARRAY3D_DESCRIPTOR_v1 *desc)
@@ -96,7 +99,8 @@ GV_EXPORT CUresult cuArray3DCreate(CUarray *p, const CUDA_ARRAY3D_DESCRIPTOR_v1 
     arr3d_v1_fn real = GV_REAL(cuArray3DCreate, arr3d_v1_fn);
     ARRAY_HOOK_BODY(real, real(p, desc),
                     array_bytes(desc->Width, desc->Height, desc->Depth, desc->Format,
-                                desc->NumChannels));
+                                desc->NumChannels),
+                    desc->Flags);
 }
 
 static CUresult destroy_array(uint64_t a, void *real)
@@ -138,7 +142,7 @@ GV_EXPORT CUresult cuMipmappedArrayCreate(CUmipmappedArray *p, const CUDA_ARRAY3
 {
     mip_fn real = GV_REAL(cuMipmappedArrayCreate, mip_fn);
     GV_ENFORCING_OR(real(p, desc, levels));
-    if (!p || !desc)
+    if (!p || !desc || (desc->Flags & GV_ARRAY3D_UNBACKED))
         return real(p, desc, levels);
     uint64_t est = mipmap_bytes(desc, levels);
     if (est == 0)

@@ -2,7 +2,11 @@
  * cuda_array.c - CUDA arrays and mipmapped arrays.  An array charges
  *   roundup2M( roundup512(width * channels * bpe) * max(h,1) * max(d,1) )
  * and a mipmapped array the sum of its levels (each level halves every
- * non-zero dimension, minimum 1) rounded up to 2 MiB once.
+ * non-zero dimension, minimum 1) rounded up to 2 MiB once.  Sparse and
+ * deferred-mapping arrays (CUDA_ARRAY3D_SPARSE / _DEFERRED_MAPPING) charge
+ * nothing: their memory is mapped in later.  As on a real driver, the
+ * memory-requirements queries answer only for deferred-mapping arrays
+ * (CUDA_ERROR_INVALID_VALUE otherwise).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -12,17 +16,19 @@
 #define ARRAY_MAGIC 0x41525259u
 #define MIPMAP_MAGIC 0x4d49504du
 
+/* size: what the array needs; charged: what it holds (0 for sparse and
+ * deferred-mapping arrays, whose memory is mapped in later). */
 struct CUarray_st {
     uint32_t magic;
     int node;
-    uint64_t size;
+    uint64_t size, charged;
     CUDA_ARRAY3D_DESCRIPTOR d;
 };
 
 struct CUmipmappedArray_st {
     uint32_t magic;
     int node;
-    uint64_t size;
+    uint64_t size, charged;
     unsigned levels;
     CUDA_ARRAY3D_DESCRIPTOR d;
 };
@@ -52,7 +58,8 @@ static uint64_t level_bytes(size_t w, size_t h, size_t d, CUarray_format f,
     return row * (h ? h : 1) * (d ? d : 1);
 }
 
-static CUresult charge_new(uint64_t raw, int *node, uint64_t *size)
+static CUresult charge_new(uint64_t raw, unsigned flags, int *node, uint64_t *size,
+                           uint64_t *charged)
 {
     struct CUctx_st *c;
     CUresult rc = sim_current(&c);
@@ -61,7 +68,8 @@ static CUresult charge_new(uint64_t raw, int *node, uint64_t *size)
     if (!raw)
         return CUDA_ERROR_INVALID_VALUE;
     *size = sim_round_up(raw, SIM_GRAN);
-    if (sim_fault_alloc() || sim_charge(c->node, *size) < 0)
+    *charged = flags & GV_ARRAY3D_UNBACKED ? 0 : *size;
+    if (*charged && (sim_fault_alloc() || sim_charge(c->node, *charged) < 0))
         return CUDA_ERROR_OUT_OF_MEMORY;
     *node = c->node;
     return CUDA_SUCCESS;
@@ -74,18 +82,19 @@ SIM_API CUresult cuArray3DCreate_v2(CUarray *pa, const CUDA_ARRAY3D_DESCRIPTOR *
     uint64_t raw = level_bytes(d->Width, d->Height, d->Depth, d->Format,
                                d->NumChannels);
     int node;
-    uint64_t size;
-    CUresult rc = charge_new(raw, &node, &size);
+    uint64_t size, charged;
+    CUresult rc = charge_new(raw, d->Flags, &node, &size, &charged);
     if (rc)
         return rc;
     struct CUarray_st *a = calloc(1, sizeof *a);
     if (!a) {
-        sim_uncharge(node, size);
+        sim_uncharge(node, charged);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     a->magic = ARRAY_MAGIC;
     a->node = node;
     a->size = size;
+    a->charged = charged;
     a->d = *d;
     pthread_mutex_lock(&sim_mu);
     sim_reg_add(a);
@@ -140,7 +149,7 @@ SIM_API CUresult cuArrayDestroy(CUarray arr)
     pthread_mutex_unlock(&sim_mu);
     if (!a)
         return CUDA_ERROR_INVALID_HANDLE;
-    sim_uncharge(a->node, a->size);
+    sim_uncharge(a->node, a->charged);
     free(a);
     return CUDA_SUCCESS;
 }
@@ -196,12 +205,14 @@ SIM_API CUresult cuArrayGetMemoryRequirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *r,
         return CUDA_ERROR_INVALID_VALUE;
     if (sim_ord_node(dev) < 0)
         return CUDA_ERROR_INVALID_DEVICE;
+    /* As documented: only for arrays made with CUDA_ARRAY3D_DEFERRED_MAPPING. */
     pthread_mutex_lock(&sim_mu);
     struct CUarray_st *a = array_of(arr);
-    if (a)
+    int deferred = a && (a->d.Flags & CUDA_ARRAY3D_DEFERRED_MAPPING);
+    if (deferred)
         fill_req(r, a->size);
     pthread_mutex_unlock(&sim_mu);
-    return a ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    return !a ? CUDA_ERROR_INVALID_HANDLE : deferred ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 /* ---- mipmapped arrays ------------------------------------------------ */
@@ -226,18 +237,19 @@ SIM_API CUresult cuMipmappedArrayCreate(CUmipmappedArray *pm,
         z = z > 1 ? z / 2 : z;
     }
     int node;
-    uint64_t size;
-    CUresult rc = charge_new(raw, &node, &size);
+    uint64_t size, charged;
+    CUresult rc = charge_new(raw, d->Flags, &node, &size, &charged);
     if (rc)
         return rc;
     struct CUmipmappedArray_st *m = calloc(1, sizeof *m);
     if (!m) {
-        sim_uncharge(node, size);
+        sim_uncharge(node, charged);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     m->magic = MIPMAP_MAGIC;
     m->node = node;
     m->size = size;
+    m->charged = charged;
     m->levels = levels;
     m->d = *d;
     pthread_mutex_lock(&sim_mu);
@@ -266,7 +278,7 @@ SIM_API CUresult cuMipmappedArrayDestroy(CUmipmappedArray mm)
     pthread_mutex_unlock(&sim_mu);
     if (!m)
         return CUDA_ERROR_INVALID_HANDLE;
-    sim_uncharge(m->node, m->size);
+    sim_uncharge(m->node, m->charged);
     free(m);
     return CUDA_SUCCESS;
 }
@@ -283,8 +295,9 @@ SIM_API CUresult cuMipmappedArrayGetMemoryRequirements(
         return CUDA_ERROR_INVALID_DEVICE;
     pthread_mutex_lock(&sim_mu);
     struct CUmipmappedArray_st *m = mip_of(mm);
-    if (m)
+    int deferred = m && (m->d.Flags & CUDA_ARRAY3D_DEFERRED_MAPPING);
+    if (deferred)
         fill_req(r, m->size);
     pthread_mutex_unlock(&sim_mu);
-    return m ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+    return !m ? CUDA_ERROR_INVALID_HANDLE : deferred ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }

@@ -499,8 +499,8 @@ static void test_arrays(void)
     /* row 4000 B -> 4096 B; 4096 * 3000 = 11.7 MiB -> 12 MiB */
     CHECK(free_mem() == f0 - 12 * MIB);
     CUDA_ARRAY_MEMORY_REQUIREMENTS r;
-    OK(cuArrayGetMemoryRequirements(&r, a, 0));
-    CHECK(r.size == 12 * MIB && r.alignment == 512);
+    /* only deferred-mapping arrays answer (below) */
+    CU(cuArrayGetMemoryRequirements(&r, a, 0), CUDA_ERROR_INVALID_VALUE);
     CUDA_ARRAY_DESCRIPTOR back;
     OK(cuArrayGetDescriptor_v2(&back, a));
     CHECK(back.Width == 1000 && back.Height == 3000 && back.NumChannels == 1);
@@ -513,13 +513,34 @@ static void test_arrays(void)
     OK(cuArray3DCreate_v2(&a, &d3));            /* 512*64*64 = 2 MiB */
     CHECK(free_mem() == f0 - 2 * MIB);
     OK(cuArrayDestroy(a));
+    /* deferred mapping and sparse: no memory until mapped; requirements
+     * for the deferred one only */
+    CUDA_ARRAY3D_DESCRIPTOR dd = {1000, 3000, 0, CU_AD_FORMAT_FLOAT, 1,
+                                  CUDA_ARRAY3D_DEFERRED_MAPPING};
+    OK(cuArray3DCreate_v2(&a, &dd));
+    CHECK(free_mem() == f0);
+    OK(cuArrayGetMemoryRequirements(&r, a, 0));
+    CHECK(r.size == 12 * MIB && r.alignment == 512);
+    OK(cuArrayDestroy(a));
+    dd.Flags = CUDA_ARRAY3D_SPARSE;
+    OK(cuArray3DCreate_v2(&a, &dd));
+    CHECK(free_mem() == f0);
+    CU(cuArrayGetMemoryRequirements(&r, a, 0), CUDA_ERROR_INVALID_VALUE);
+    OK(cuArrayDestroy(a));
+    CHECK(free_mem() == f0);
     /* mipmap 1024^2 float4: 16 MiB + 4 MiB + 1 MiB = 21 -> 22 MiB */
     CUDA_ARRAY3D_DESCRIPTOR dm = {1024, 1024, 0, CU_AD_FORMAT_FLOAT, 4, 0};
     CUmipmappedArray m;
     OK(cuMipmappedArrayCreate(&m, &dm, 3));
+    CU(cuMipmappedArrayGetMemoryRequirements(&r, m, 0), CUDA_ERROR_INVALID_VALUE);
+    CHECK(free_mem() == f0 - 22 * MIB);
+    OK(cuMipmappedArrayDestroy(m));
+    CHECK(free_mem() == f0);
+    dm.Flags = CUDA_ARRAY3D_DEFERRED_MAPPING;
+    OK(cuMipmappedArrayCreate(&m, &dm, 3));
+    CHECK(free_mem() == f0);
     OK(cuMipmappedArrayGetMemoryRequirements(&r, m, 0));
     CHECK(r.size == 22 * MIB);
-    CHECK(free_mem() == f0 - 22 * MIB);
     OK(cuMipmappedArrayDestroy(m));
     CHECK(free_mem() == f0);
 }
