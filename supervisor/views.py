@@ -43,10 +43,10 @@ def _table(headers: list[str], rows: list[list[str]]) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-class Seconds(click.FloatRange):
-    """A finite number of seconds (no nan, no inf) in a range."""
+class Finite(click.FloatRange):
+    """A finite number (no nan, no inf) in a range: seconds, or a rate."""
 
-    name = "seconds"
+    name = "number"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         rv = super().convert(value, param, ctx)
@@ -55,7 +55,7 @@ class Seconds(click.FloatRange):
         return rv
 
 
-POSITIVE = Seconds(min=0, min_open=True)
+POSITIVE = Finite(min=0, min_open=True)
 
 
 # ---- node-agent ------------------------------------------------------------------
@@ -108,14 +108,14 @@ POSITIVE = Seconds(min=0, min_open=True)
     "--rate",
     default=50.0,
     show_default=True,
-    type=Seconds(min=0),
+    type=Finite(min=0),
     help="Messages per second per connection (token bucket; 0: unlimited).",
 )
 @click.option(
     "--burst",
     default=100.0,
     show_default=True,
-    type=Seconds(min=1),
+    type=Finite(min=1),
     help="Messages a connection may send at once (token bucket size; at least 1).",
 )
 @click.option("--max-connections", default=4096, show_default=True, type=click.IntRange(min=1))
@@ -326,7 +326,7 @@ def region_status(region_path: str | None, sample: float) -> dict[str, Any]:
     "--sample",
     default=0.5,
     show_default=True,
-    type=Seconds(min=0, max=3600),
+    type=Finite(min=0, max=3600),
     help="Seconds over which the achieved SM share is measured.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
@@ -462,7 +462,7 @@ def render_top(data: dict[str, Any]) -> str:
     "--interval",
     default=2.0,
     show_default=True,
-    type=Seconds(min=0.1, max=3600),
+    type=Finite(min=0.1, max=3600),
     help="Seconds between refreshes (0.1 to 3600).",
 )
 @click.option("--once", is_flag=True, help="Print once and exit.")
