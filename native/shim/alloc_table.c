@@ -200,4 +200,19 @@ int gv_table_take_all(gv_table_match match, gv_table_visit visit, void *arg)
     return taken;
 }
 
+uint64_t gv_table_count_if(gv_table_match match, void *arg)
+{
+    uint64_t n = 0;
+    pthread_once(&atfork_once, setup_once);
+    for (unsigned k = 0; k < SHARDS; k++) {
+        struct shard *s = &shards[k];
+        pthread_mutex_lock(&s->lock);
+        for (size_t i = 0; i < s->cap; i++)
+            if (s->slots[i].kind != 0 && match(&s->slots[i], arg))
+                n++;
+        pthread_mutex_unlock(&s->lock);
+    }
+    return n;
+}
+
 uint64_t gv_table_count(void) { return atomic_load(&total); }

@@ -54,6 +54,8 @@ int gv_table_modify(uint32_t kind, uint64_t key, gv_table_edit edit, void *arg);
 typedef int (*gv_table_match)(const gv_alloc *a, void *arg);
 typedef void (*gv_table_visit)(const gv_alloc *a, void *arg);
 int gv_table_take_all(gv_table_match match, gv_table_visit visit, void *arg);
+/* Number of entries for which match(entry) is true; none is removed. */
+uint64_t gv_table_count_if(gv_table_match match, void *arg);
 /* Number of entries (for tests and diagnostics). */
 uint64_t gv_table_count(void);
 

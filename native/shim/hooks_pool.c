@@ -447,24 +447,9 @@ GV_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep)
     return rc;
 }
 
-/* Count a pool's blocks without taking them out of the table. */
-struct count {
-    uint64_t pool;
-    uint64_t n;
-};
-
-static int count_block(const gv_alloc *a, void *arg)
+static int is_block_of(const gv_alloc *a, void *pool)
 {
-    struct count *c = arg;
-    if (a->kind == GV_K_POOLPTR && a->aux == c->pool)
-        c->n++;
-    return 0;
-}
-
-static void visit_none(const gv_alloc *a, void *arg)
-{
-    (void)a;
-    (void)arg;
+    return a->kind == GV_K_POOLPTR && a->aux == (uint64_t)(uintptr_t)pool;
 }
 
 GV_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
@@ -482,12 +467,11 @@ GV_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
      * backs them, until the last of them is freed. */
     GV_REAL(cuMemPoolTrimTo, CUresult (*)(CUmemoryPool, size_t))(pool, 0);
     settle(r);
-    struct count c = { (uint64_t)(uintptr_t)pool, 0 };
-    gv_table_take_all(count_block, visit_none, &c);
+    uint64_t blocks = gv_table_count_if(is_block_of, pool);
     CUresult rc = real(pool);
     if (rc == CUDA_SUCCESS) {
-        if (c.n && r->charged) {
-            r->blocks = c.n;
+        if (blocks && r->charged) {
+            r->blocks = blocks;
             atomic_store(&r->destroyed, 1);
         } else {
             gv_uncharge(r->dev, r->charged);
