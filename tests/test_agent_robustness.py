@@ -263,9 +263,9 @@ def test_a_slow_reporter_is_not_expired_between_reports(sock_path):
 # ---- command-line values ---------------------------------------------------------------------
 
 
-def _agent_cli(sock: str, *args: str) -> subprocess.CompletedProcess[str]:
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [*CLI, "node-agent", "--socket", sock, "--metrics-host", "127.0.0.1", *args],
+        [*CLI, *args],
         env=clean_env(),
         capture_output=True,
         text=True,
@@ -273,6 +273,10 @@ def _agent_cli(sock: str, *args: str) -> subprocess.CompletedProcess[str]:
         check=False,
         cwd=REPO_ROOT,
     )
+
+
+def _agent_cli(sock: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return _cli("node-agent", "--socket", sock, "--metrics-host", "127.0.0.1", *args)
 
 
 def _error_line(stderr: str) -> str:
@@ -337,14 +341,6 @@ def test_a_taken_metrics_port_is_named_and_leaves_no_socket(sock_path):
     ],
 )
 def test_out_of_range_view_options_are_named(args, option):
-    proc = subprocess.run(
-        [*CLI, *args],
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-        cwd=REPO_ROOT,
-    )
+    proc = _cli(*args)
     assert proc.returncode == 2, proc.stderr
     assert option in _error_line(proc.stderr)

@@ -402,17 +402,22 @@ def test_agent_error_reply_is_logged_once(env, agent):
     assert len(agent.reports) >= 3
 
 
-def test_agent_steers_yield_and_sm_limit_live(env, agent, node):
-    env["GPUVISOR_NODE_SOCKET"] = str(agent.path)
-    stop = node.dir / "stop"
-    sup = subprocess.Popen(
-        [*RUN, "--report-interval", "0.1", "--cores", "50", "--", *py(LAUNCHER), str(stop)],
+def start_launcher(env: dict[str, str], stop: Path, *options: str) -> subprocess.Popen[str]:
+    """`gpuvisor run OPTIONS -- LAUNCHER stop`, its output piped."""
+    return subprocess.Popen(
+        [*RUN, *options, "--", *py(LAUNCHER), str(stop)],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         cwd=REPO_ROOT,
     )
+
+
+def test_agent_steers_yield_and_sm_limit_live(env, agent, node):
+    env["GPUVISOR_NODE_SOCKET"] = str(agent.path)
+    stop = node.dir / "stop"
+    sup = start_launcher(env, stop, "--report-interval", "0.1", "--cores", "50")
     try:
         assert sup.stdout is not None
         assert sup.stdout.readline() == "launching\n"
@@ -460,14 +465,7 @@ def test_supervisor_cpu_at_10hz(env, agent, node):
     """The supervisor's own CPU time while tuning (10 Hz) and reporting."""
     env["GPUVISOR_NODE_SOCKET"] = str(agent.path)
     stop = node.dir / "stop"
-    sup = subprocess.Popen(
-        [*RUN, "--cores", "50", "--", *py(LAUNCHER), str(stop)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO_ROOT,
-    )
+    sup = start_launcher(env, stop, "--cores", "50")
     try:
         assert sup.stdout is not None
         assert sup.stdout.readline() == "launching\n"
@@ -522,14 +520,7 @@ def test_yield_lapses_when_the_agent_goes_away(env, agent, node, how):
     for 3 report intervals (at least 2 s)."""
     env["GPUVISOR_NODE_SOCKET"] = str(agent.path)
     stop = node.dir / "stop"
-    sup = subprocess.Popen(
-        [*RUN, "--report-interval", "0.2", "--priority", "1", "--", *py(LAUNCHER), str(stop)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO_ROOT,
-    )
+    sup = start_launcher(env, stop, "--report-interval", "0.2", "--priority", "1")
     try:
         assert sup.stdout is not None
         assert sup.stdout.readline() == "launching\n"
