@@ -77,6 +77,9 @@ class SimNode:
                 "GPUVISOR_SIM_STATE": str(directory / "sim.state"),
                 "GPUVISOR_SIM_DEVICES": devices,
                 "CUDA_DEVICE_MEMORY_SHARED_CACHE": str(directory / "region.shr"),
+                # This node's own shared directory (HAMi's /tmp/vgpulock):
+                # the node lock and the launch order between containers.
+                "GPUVISOR_NODE_LOCK": str(directory / "gpuvisor.lock"),
             }
         )
         return cls(dir=directory, env=env)

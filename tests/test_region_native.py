@@ -1,5 +1,6 @@
-"""Runs the C tests of the shared accounting region (native/tests/t_region_*)
-and of the SM meter's calibration (native/tests/t_sm_calib.c).
+"""Runs the C tests of the shared accounting region (native/tests/t_region_*),
+of the SM meter's calibration (native/tests/t_sm_calib.c) and of the launch
+order between containers (native/tests/t_sm_arbiter.c).
 
 Each binary runs in its own temporary directory with its own region file, so
 the module is safe under ``pytest -n auto``.  The plain build must exist
@@ -146,3 +147,17 @@ def test_sm_calibration_unit(build: str, tmp_path: Path) -> None:
     that NVML does not list leaves the measured times as they are."""
     out = run(build, "t_sm_calib", [], tmp_path, timeout=60)
     assert "t_sm_calib: OK" in out
+
+
+@pytest.mark.parametrize("build", ["build", "build-asan"])
+def test_sm_launch_order_unit(build: str, tmp_path: Path) -> None:
+    """The launch order between containers (native/shim/sm_arbiter.c), with
+    containers in forked processes sharing one node directory: a container
+    alone is not held; the container furthest behind its share goes first
+    (0.5 ms margin); at most 3 launches in flight over all containers; a
+    process SIGKILLed or SIGSTOPped while waiting, or killed with launches
+    in flight (also a forked child, which has its own slot), holds the
+    others for less than 20 and 60 ms; a file of another layout, or no node
+    directory, leaves the launch order out of play."""
+    out = run(build, "t_sm_arbiter", [str(tmp_path)], tmp_path, timeout=60)
+    assert "t_sm_arbiter: OK" in out

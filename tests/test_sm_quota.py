@@ -13,6 +13,8 @@ independent witness for windows.  Bounds are looser than the benchmark's
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -413,3 +415,44 @@ def test_bad_values_fail_closed(node: SimNode, name: str, value: str) -> None:
     assert len(lines) == 1, proc.stderr
     assert name in lines[0]
     assert value in lines[0]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_a_container_killed_or_stopped_mid_launch_never_holds_another(
+    node: SimNode, tmp_path: Path, sig: signal.Signals
+) -> None:
+    """Two containers (30 % and 70 %, own regions) share the GPU through the
+    node-wide launch order (sm_arbiter.c, a file in the node directory):
+    each waits there while the other is further behind its share or the
+    device has 3 launches in flight.  A's process is SIGKILLed or SIGSTOPped
+    while it launches back to back, so its slot is left saying it waits or
+    has launches in flight; what it said lapses within 20 ms, and B keeps
+    its whole share."""
+    a_env = node.shimmed(CUDA_DEVICE_SM_LIMIT="30")
+    b_env = node.shimmed(
+        CUDA_DEVICE_SM_LIMIT="70", CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "b.shr")
+    )
+    a = start(a_env, "kernel", LONG_RUN, 7)
+    b = start(b_env, "kernel", LONG_RUN, 8)
+    go(a, b)
+    time.sleep(1.0)
+    since = int(time.time() * 1e6)
+    time.sleep(1.0)
+    both = nvml_shares(node, since)
+    assert any(f.name.startswith("gpuvisor-sm-") for f in node.dir.iterdir())  # in play
+    os.kill(a.pid, sig)
+    time.sleep(0.5)
+    since = int(time.time() * 1e6)
+    time.sleep(1.0)
+    after = nvml_shares(node, since)
+    if sig == signal.SIGSTOP:
+        os.kill(a.pid, signal.SIGCONT)
+        stop(a, b)
+    else:
+        a.wait(timeout=30)
+        stop(b)
+    a_s, b_s = both.get(str(a.pid)), both.get(str(b.pid))
+    print(f"before: A={a_s} B={b_s}; after: B={after.get(str(b.pid))}")
+    assert abs(both.get(str(a.pid), 0) - 30) <= 6
+    assert abs(both.get(str(b.pid), 0) - 70) <= 6
+    assert abs(after.get(str(b.pid), 0) - 70) <= 6

@@ -61,6 +61,9 @@ void gv_release_ctx_objects(CUcontext ctx);
  * such directory, turned off, or held by another process past a bound). */
 #define GV_ENV_NODE_LOCK "GPUVISOR_NODE_LOCK"
 int gv_node_lock(void);
+/* The node directory (that of the node lock's file), written to buf: 1, or
+ * 0 when it is turned off or does not exist. */
+int gv_node_dir(char *buf, size_t len);
 void gv_node_unlock(int fd);
 
 /* The hook table (dispatch.c). */

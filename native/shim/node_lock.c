@@ -27,6 +27,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <time.h>
@@ -100,12 +101,29 @@ static void fork_child(void)
 
 static void register_atfork(void) { pthread_atfork(NULL, NULL, fork_child); }
 
+static const char *lock_path(void)
+{
+    const char *path = getenv(GV_ENV_NODE_LOCK);
+    return path ? path : DEFAULT_PATH;
+}
+
+int gv_node_dir(char *buf, size_t len)
+{
+    const char *path = lock_path(), *slash = strrchr(path, '/');
+    const char *dir = slash ? path : ".";
+    size_t n = !slash ? 1 : slash == path ? 1 : (size_t)(slash - path);
+    if (!*path || n + 1 > len)
+        return 0;                       /* turned off, or too long */
+    memcpy(buf, dir, n);
+    buf[n] = 0;
+    struct stat st;
+    return stat(buf, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
 int gv_node_lock(void)
 {
     pthread_once(&atfork_once, register_atfork);
-    const char *path = getenv(GV_ENV_NODE_LOCK);
-    if (!path)
-        path = DEFAULT_PATH;
+    const char *path = lock_path();
     if (!*path)
         return -1;                      /* turned off */
     int fd = open_lock(path);

@@ -19,9 +19,10 @@ uint64_t gv_sm_estimate(uintptr_t key);
 void gv_sm_learn(uintptr_t key, uint64_t ns);
 /* Wait until the container may start cost_ns more of GPU work, and charge
  * it; returns the share (1/100 %) it was charged at. */
-uint32_t gv_sm_admit(struct gv_sm *sm, uint64_t cost_ns);
+uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_ns);
 /* A launch charged charged_ns at share turned out to take actual_ns. */
-void gv_sm_settle(struct gv_sm *sm, uint32_t share, uint64_t charged_ns, uint64_t actual_ns);
+void gv_sm_settle(struct gv_sm *sm, int dev, uint32_t share, uint64_t charged_ns, uint64_t actual_ns);
+
 /* Change the enforced share, rescaling the debt run up at the old one. */
 void gv_sm_set_share(struct gv_sm *sm, uint32_t share);
 /* Who else works on the device (sets how much work this process may keep
@@ -49,6 +50,20 @@ void gv_cal_update(int dev, unsigned long long since, const nvmlProcessUtilizati
 double gv_cal_ratio(int dev);
 uint64_t gv_cal_scale(int dev, uint64_t raw_ns);
 void gv_cal_reset(void);
+/* The launch order between containers on one device (sm_arbiter.c), for
+ * region device dev (uuid: NVML's form, names the node-wide file):
+ *  - gv_arb_check: may a launch of this container, whose clock stands at
+ *    tat, go now (1), or should it wait (0); -1 when the launch order is
+ *    not in play (no node directory, no slot, no other container working
+ *    on the device lately).  It also says this process waits to launch;
+ *  - gv_arb_admitted / gv_arb_settled: a gated launch went / was measured;
+ *  - gv_arb_alive: this process is alive (the meter, while in flight);
+ *  - gv_arb_not_waiting: it no longer waits (its clock ran ahead). */
+int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now);
+void gv_arb_admitted(int dev, const char *uuid, uint64_t now);
+void gv_arb_settled(int dev);
+void gv_arb_alive(int dev, uint64_t now);
+void gv_arb_not_waiting(int dev);
 /* Reset process-local gate state in a forked child. */
 void gv_sm_fork_child(void);
 

@@ -56,6 +56,7 @@
 /* A container whose clock lags "now" by this much is behind its share. */
 #define BEHIND_NS (LAG_NS / 2)
 #define MAX_INFLIGHT_LAUNCHES 1024u
+#define ARB_POLL_NS 50000ULL             /* a launch held by the launch order */
 #define EST_SLOTS 4096u
 
 uint64_t gv_mono_ns(void)
@@ -150,7 +151,7 @@ void gv_sm_set_company(int company, int procs)
     atomic_store_explicit(&inflight_procs, procs > 1 ? procs : 1, memory_order_relaxed);
 }
 
-uint32_t gv_sm_admit(struct gv_sm *sm, uint64_t cost_ns)
+uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_ns)
 {
     uint64_t start = 0;
     uint32_t share;
@@ -201,7 +202,25 @@ uint32_t gv_sm_admit(struct gv_sm *sm, uint64_t cost_ns)
             if (!(company & GV_SM_FULL))
                 cap = cap * 2 + (now - tat);
         }
-        if (count >= min && (queued + cost_ns > cap || count >= MAX_INFLIGHT_LAUNCHES)) {
+        /* Next to other containers that keep the device busy, the
+         * node-wide launch order (sm_arbiter.c) bounds what is queued on
+         * the device and lets the container furthest behind its share go
+         * first; it replaces this process's own in-flight bound then.  Not
+         * while this container's clock is too far ahead to launch anyway,
+         * nor while it is behind its share: a container held back by the
+         * others (or by a peer that misbehaves) falls back on its own
+         * rules within BEHIND_NS. */
+        int arb = -1;
+        uint64_t floor0 = now > LAG_NS ? now - LAG_NS : 0;
+        uint64_t base0 = tat > floor0 ? tat : floor0;
+        if (base0 <= now + TOLERANCE_NS && tat + BEHIND_NS > now) {
+            arb = gv_arb_check(dev, uuid, base0, now);
+            if (arb == 0) {
+                sleep_ns(ARB_POLL_NS);
+                continue;
+            }
+        }
+        if (arb < 0 && count >= min && (queued + cost_ns > cap || count >= MAX_INFLIGHT_LAUNCHES)) {
             sleep_ns(50000);
             continue;
         }
@@ -210,6 +229,7 @@ uint32_t gv_sm_admit(struct gv_sm *sm, uint64_t cost_ns)
         uint64_t floor = now > LAG_NS ? now - LAG_NS : 0;
         uint64_t base = t > floor ? t : floor;
         if (base > now + TOLERANCE_NS) {
+            gv_arb_not_waiting(dev);
             uint64_t ahead = base - now - TOLERANCE_NS;
             sleep_ns(ahead < MAX_SLEEP_NS ? ahead : MAX_SLEEP_NS);
             continue;
@@ -219,6 +239,7 @@ uint32_t gv_sm_admit(struct gv_sm *sm, uint64_t cost_ns)
     }
     atomic_fetch_add_explicit(&inflight_ns, cost_ns, memory_order_relaxed);
     atomic_fetch_add_explicit(&inflight_n, 1, memory_order_relaxed);
+    gv_arb_admitted(dev, uuid, gv_mono_ns());
     uint64_t waited = gv_mono_ns() - start;
     if (waited > 1000)
         atomic_fetch_add_explicit(&sm->wait_ns, waited, memory_order_relaxed);
@@ -226,8 +247,9 @@ uint32_t gv_sm_admit(struct gv_sm *sm, uint64_t cost_ns)
     return share;
 }
 
-void gv_sm_settle(struct gv_sm *sm, uint32_t share, uint64_t charged_ns, uint64_t actual_ns)
+void gv_sm_settle(struct gv_sm *sm, int dev, uint32_t share, uint64_t charged_ns, uint64_t actual_ns)
 {
+    gv_arb_settled(dev);
     atomic_fetch_sub_explicit(&inflight_ns, charged_ns, memory_order_relaxed);
     atomic_fetch_sub_explicit(&inflight_n, 1, memory_order_relaxed);
     atomic_fetch_add_explicit(&sm->busy_ns, actual_ns, memory_order_relaxed);

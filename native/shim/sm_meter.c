@@ -131,9 +131,9 @@ static int try_settle(struct rec *r, CUcontext *current)
         gv_cal_record(r->dev, gv_mono_ns(), raw);
         uint64_t ns = gv_cal_scale(r->dev, raw);
         gv_sm_learn(r->key, ns);
-        gv_sm_settle(r->sm, r->share, r->est, ns);
+        gv_sm_settle(r->sm, r->dev, r->share, r->est, ns);
     } else {
-        gv_sm_settle(r->sm, r->share, r->est, r->est);   /* unknown: keep the estimate */
+        gv_sm_settle(r->sm, r->dev, r->share, r->est, r->est);   /* unknown: keep the estimate */
     }
     drop(r);
     return 1;
@@ -347,6 +347,8 @@ static void *meter(void *unused)
             tail = &rev->next;
         }
         *tail = NULL;
+        if (head)
+            gv_arb_alive(head->dev, gv_mono_ns());
         while (head) {
             struct rec *next = head->next;
             if (!try_settle(head, &current))      /* frees head when settled */
@@ -434,7 +436,7 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
     l->ptsz = ptsz;
     l->key = key;
     l->est = gv_sm_estimate(key);
-    l->share = gv_sm_admit(sm, l->est);
+    l->share = gv_sm_admit(sm, d->region_dev, d->uuid_str, l->est);
     ev_create_fn create = GV_REAL(cuEventCreate, ev_create_fn);
     if (create(&l->begin, 0) != CUDA_SUCCESS || create(&l->end, 0) != CUDA_SUCCESS) {
         if (l->begin)
@@ -454,7 +456,7 @@ void gv_sm_end(gv_sm_launch *l, CUresult rc)
         return;
     if (rc != CUDA_SUCCESS || !l->begin) {
         /* Not launched: give the charge back.  Unmeasured: keep it. */
-        gv_sm_settle(l->sm, l->share, l->est, rc != CUDA_SUCCESS ? 0 : l->est);
+        gv_sm_settle(l->sm, l->dev, l->share, l->est, rc != CUDA_SUCCESS ? 0 : l->est);
         if (l->begin) {
             GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->begin);
             GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->end);
@@ -466,7 +468,7 @@ void gv_sm_end(gv_sm_launch *l, CUresult rc)
     record(l->end, l->stream);
     struct rec *r = malloc(sizeof *r);
     if (!r) {
-        gv_sm_settle(l->sm, l->share, l->est, l->est);
+        gv_sm_settle(l->sm, l->dev, l->share, l->est, l->est);
         GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->begin);
         GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->end);
         return;

@@ -139,6 +139,9 @@ def node_env(tmp: Path) -> dict[str, str]:
             "LD_LIBRARY_PATH": str(SIM_DIR),
             "GPUVISOR_SIM_STATE": str(tmp / "sim.state"),
             "GPUVISOR_SIM_DEVICES": "1x80g",
+            # The node directory every container shares (HAMi mounts the
+            # host's /tmp/vgpulock): the node lock and the launch order.
+            "GPUVISOR_NODE_LOCK": str(tmp / "gpuvisor.lock"),
         }
     )
     return env
