@@ -113,6 +113,19 @@ def _device_location(dev: int) -> Any:
     return loc
 
 
+def pool_props(dev: int = 0, *, host: bool = False) -> Any:
+    """CUmemPoolProps of a pinned pool on device dev, or in host memory."""
+    props = cu.CUmemPoolProps()
+    props.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    props.handleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+    if host:
+        props.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_HOST
+        props.location.id = 0
+    else:
+        props.location = _device_location(dev)
+    return props
+
+
 def _vmm_prop(dev: int) -> Any:
     prop = cu.CUmemAllocationProp()
     prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
@@ -230,11 +243,7 @@ class MemAllocFromPoolAsync(Allocator):
     def __init__(self, dev: int = 0) -> None:
         super().__init__(dev)
         self.stream = ok(cu.cuStreamCreate, 0)
-        props = cu.CUmemPoolProps()
-        props.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        props.handleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
-        props.location = _device_location(dev)
-        self.pool = ok(cu.cuMemPoolCreate, props)
+        self.pool = ok(cu.cuMemPoolCreate, pool_props(dev))
 
     def alloc(self, nbytes: int) -> tuple[Any, Any]:
         err, ptr = call(cu.cuMemAllocFromPoolAsync, nbytes, self.pool, self.stream)

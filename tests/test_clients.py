@@ -189,6 +189,65 @@ emit(base=base, kept=kept, after=used())
     assert out["after"] == out["base"], out
 
 
+def test_a_host_located_pool_takes_no_device_quota(node):
+    """A pool located in host memory (CUDA 12.2+) holds no device memory:
+    its allocations, on a stream of device 0, pass uncharged, even past the
+    device quota.  Before, the hook kept no record of such a pool and
+    charged its allocations to the stream's device."""
+    out = client(
+        node,
+        """
+init()
+s = ok(cu.cuStreamCreate, 0)
+pool = ok(cu.cuMemPoolCreate, pool_props(host=True))
+base = used()
+p = ok(cu.cuMemAllocFromPoolAsync, 1536 * MiB, pool, s)
+ok(cu.cuStreamSynchronize, s)
+held = used()
+device = ALLOCATORS["cuMemAllocFromPoolAsync"]()        # a device pool still counts
+over = call(cu.cuMemAllocFromPoolAsync, 1536 * MiB, device.pool, s)[0]
+ok(cu.cuMemFreeAsync, p, s)
+ok(cu.cuStreamSynchronize, s)
+ok(cu.cuMemPoolDestroy, pool)
+emit(base=base, held=held, over=over.name, after=used())
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="1g",
+    )
+    assert out["held"] == out["base"], out
+    assert out["over"] == OOM, out
+    assert out["after"] == out["base"], out
+
+
+def test_destroying_a_default_pool_is_refused_and_leaves_it_as_it_was(node):
+    """A device's default pool cannot be destroyed: the driver answers
+    CUDA_ERROR_INVALID_VALUE.  The hook used to trim the pool before asking,
+    so the refused call still gave back the memory the pool kept for reuse.
+    Now the pool keeps its reserve, and the quota its charge."""
+    out = client(
+        node,
+        """
+init()
+s = ok(cu.cuStreamCreate, 0)
+pool = ok(cu.cuDeviceGetDefaultMemPool, ok(cu.cuDeviceGet, 0))
+ok(cu.cuMemPoolSetAttribute, pool,
+   cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, cu.cuuint64_t(1 << 62))
+base = used()
+ok(cu.cuMemFreeAsync, ok(cu.cuMemAllocAsync, 300 * MiB, s), s)
+ok(cu.cuStreamSynchronize, s)
+kept = used()
+refused = call(cu.cuMemPoolDestroy, pool)[0]
+reserve = int(ok(cu.cuMemPoolGetAttribute, pool,
+                 cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT))
+emit(base=base, kept=kept, refused=refused.name, after=used(), reserve=reserve)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="1g",
+    )
+    assert out["refused"] == "CUDA_ERROR_INVALID_VALUE", out
+    assert out["kept"] >= out["base"] + 300 * MiB, out
+    assert out["reserve"] >= 300 * MiB, out
+    assert out["after"] == out["kept"], out
+
+
 @pytest.mark.parametrize("flag", ["DEFERRED_MAPPING", "SPARSE"])
 def test_arrays_without_memory_at_creation_take_no_quota(node, flag):
     """A sparse or deferred-mapping array has no memory until some is mapped
@@ -228,10 +287,7 @@ def test_a_pool_that_cannot_be_accounted_for_is_refused(node):
         """
 init()
 s = ok(cu.cuStreamCreate, 0)
-props = cu.CUmemPoolProps()
-props.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-props.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-props.location.id = 0
+props = pool_props()
 pools, refused = [], None
 while len(pools) < 400:
     err, pool = call(cu.cuMemPoolCreate, props)

@@ -84,6 +84,13 @@ def test_threads_and_processes_under_asan(asan_env: dict[str, str]) -> None:
         assert "ok=" in out
 
 
+def test_pool_free_racing_its_destroy_under_asan(asan_env: dict[str, str]) -> None:
+    for mode in ("async", "sync"):
+        proc = run([str(ASAN_DIR / "tests" / "t_link_pool_race"), "300", mode], asan_env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "low=0 leaked=0" in proc.stdout
+
+
 CLIENT = """
 from tests.cuclient import *
 init()

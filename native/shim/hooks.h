@@ -23,9 +23,10 @@
             return (passcall);                                              \
     } while (0)
 
-/* hooks_pool.c: a stream-ordered block of pool `pool` was freed by some
- * other path (cuMemFree); re-read that pool's reserve. */
-void gv_pool_after_free(uint64_t pool);
+/* hooks_pool.c: free p through call(arg) if it is a recorded block of a
+ * memory pool (cuMemFree or cuMemFreeAsync), under the pool's lock; 0 if it
+ * is not one (nothing done), else 1 with the driver's answer in *rc. */
+int gv_pool_free_block(CUdeviceptr p, CUresult (*call)(void *), void *arg, CUresult *rc);
 
 /* hooks_graph.c: graph memory.  gv_graph_mem_seen: some executable graph
  * of this process has allocation nodes (the launch hooks' only check

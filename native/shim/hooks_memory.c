@@ -120,20 +120,25 @@ static CUresult call_free(uint64_t p, void *real)
     return ((CUresult (*)(CUdeviceptr))real)(p);
 }
 
+struct pool_free {
+    CUdeviceptr p;
+    CUresult (*real)(CUdeviceptr);
+};
+
+static CUresult call_pool_free(void *v)
+{
+    struct pool_free *f = v;
+    return f->real(f->p);
+}
+
 static CUresult tracked_free(CUdeviceptr p, CUresult (*real)(CUdeviceptr))
 {
     CUresult rc;
     if (gv_untrack(GV_K_PTR, p, call_free, (void *)real, &rc))
         return rc;
-    gv_alloc a;
-    if (gv_table_take(GV_K_POOLPTR, p, &a)) {
-        CUresult rc = real(p);
-        if (rc == CUDA_SUCCESS)
-            gv_pool_after_free(a.aux);
-        else
-            gv_table_put(&a);
+    struct pool_free f = { p, real };
+    if (gv_pool_free_block(p, call_pool_free, &f, &rc))
         return rc;
-    }
     return real(p);     /* not ours: untouched */
 }
 

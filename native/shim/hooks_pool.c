@@ -25,6 +25,7 @@ typedef struct pool_rec {
     _Atomic(uintptr_t) pool;     /* 0 = free record */
     atomic_int ready;
     atomic_int destroyed;        /* destroyed with blocks still allocated */
+    int host;                    /* host-located: nothing to charge */
     pthread_mutex_t lock;
     int ordinal;
     int dev;                     /* region device entry */
@@ -111,27 +112,16 @@ static void forget_destroyed(CUmemoryPool p)
     pthread_mutex_unlock(&r->lock);
 }
 
-/* Record for pool p on ordinal, claiming one if new.  Fails with
- * gv_device's error, or CUDA_ERROR_OUT_OF_MEMORY when every record is in
- * use: a pool that cannot be accounted for is not used (fail closed). */
-static CUresult rec_for(CUmemoryPool p, int ordinal, pool_rec **out)
+/* Claim a record for pool p, or find the one another thread just claimed;
+ * CUDA_ERROR_OUT_OF_MEMORY when every record is in use. */
+static CUresult claim(CUmemoryPool p, int ordinal, int dev, int host, pool_rec **out)
 {
-    pthread_once(&setup_once, setup);
-    pool_rec *r = find(p);
-    if (r) {
-        *out = r;
-        return CUDA_SUCCESS;
-    }
-    forget_destroyed(p);
-    const gv_devinfo *d;
-    CUresult rc = gv_device(ordinal, &d);
-    if (rc != CUDA_SUCCESS)
-        return rc;
     for (int i = 0; i < MAX_POOLS; i++) {
         uintptr_t expected = 0;
         if (atomic_compare_exchange_strong(&pools[i].pool, &expected, (uintptr_t)p)) {
             pools[i].ordinal = ordinal;
-            pools[i].dev = d->region_dev;
+            pools[i].dev = dev;
+            pools[i].host = host;
             pools[i].charged = 0;
             atomic_fetch_add(&active, 1);
             atomic_store_explicit(&pools[i].ready, 1, memory_order_release);
@@ -150,9 +140,30 @@ static CUresult rec_for(CUmemoryPool p, int ordinal, pool_rec **out)
     return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
+/* Record for pool p on ordinal, claiming one if new.  Fails with
+ * gv_device's error, or CUDA_ERROR_OUT_OF_MEMORY when every record is in
+ * use: a pool that cannot be accounted for is not used (fail closed). */
+static CUresult rec_for(CUmemoryPool p, int ordinal, pool_rec **out)
+{
+    pthread_once(&setup_once, setup);
+    pool_rec *r = find(p);
+    if (r) {
+        *out = r;
+        return CUDA_SUCCESS;
+    }
+    forget_destroyed(p);
+    const gv_devinfo *d;
+    CUresult rc = gv_device(ordinal, &d);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    return claim(p, ordinal, d->region_dev, 0, out);
+}
+
 /* Bring the charge in line with the driver's reserve (lock held). */
 static void settle(pool_rec *r)
 {
+    if (r->host)
+        return;
     uint64_t reserved = pool_attr((CUmemoryPool)atomic_load(&r->pool),
                                   CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
     if (reserved == UINT64_MAX || reserved == r->charged)
@@ -179,7 +190,8 @@ void gv_pools_refresh(void)
         return;
     for (int i = 0; i < MAX_POOLS; i++) {
         pool_rec *r = &pools[i];
-        if (!atomic_load(&r->pool) || !atomic_load(&r->ready) || atomic_load(&r->destroyed))
+        if (!atomic_load(&r->pool) || !atomic_load(&r->ready) || atomic_load(&r->destroyed) ||
+            r->host)
             continue;
         if (pthread_mutex_trylock(&r->lock) == 0) {
             if (!atomic_load(&r->destroyed))
@@ -209,14 +221,47 @@ static void block_freed(pool_rec *r)
     }
 }
 
-void gv_pool_after_free(uint64_t aux)
+/* Free block p through call(arg) (cuMemFree or cuMemFreeAsync) under its
+ * pool record's lock, taking the block's entry only once that lock is held.
+ * cuMemPoolDestroy counts a pool's blocks under the same lock, so it counts
+ * this block or sees it freed, never an entry already taken whose free has
+ * not reached the pool: that left the count one short, and a destroyed
+ * pool's charge went back while the driver still held its last block.
+ * Returns 0 when p is no recorded pool block (nothing done), else 1 with
+ * the driver's answer in *rc. */
+int gv_pool_free_block(CUdeviceptr p, CUresult (*call)(void *), void *arg, CUresult *rc)
 {
-    pool_rec *r = rec_of_block(aux);
-    if (!r)
-        return;
-    pthread_mutex_lock(&r->lock);
-    block_freed(r);
-    pthread_mutex_unlock(&r->lock);
+    pthread_once(&setup_once, setup);
+    gv_alloc a;
+    pool_rec *r;
+    for (;;) {
+        if (!gv_table_get(GV_K_POOLPTR, p, &a))
+            return 0;
+        r = rec_of_block(a.aux);
+        if (!r)
+            break;
+        pthread_mutex_lock(&r->lock);
+        if (atomic_load(&r->pool) == (uintptr_t)a.aux && atomic_load(&r->ready))
+            break;
+        pthread_mutex_unlock(&r->lock);     /* released meanwhile: look again */
+    }
+    if (!gv_table_take(GV_K_POOLPTR, p, &a)) {
+        /* Another thread freed it first: the driver answers this free. */
+        if (r)
+            pthread_mutex_unlock(&r->lock);
+        return 0;
+    }
+    *rc = call(arg);
+    if (*rc != CUDA_SUCCESS)
+        gv_table_put(&a);
+    if (r) {
+        if (*rc == CUDA_SUCCESS)
+            block_freed(r);
+        else if (!atomic_load(&r->destroyed))
+            settle(r);
+        pthread_mutex_unlock(&r->lock);
+    }
+    return 1;
 }
 
 /* Allocate n bytes from pool record r through `call`; lock held by caller.
@@ -310,6 +355,8 @@ static CUresult alloc_async(alloc_async_fn real, free_async_fn real_free,
     CUresult rc = rec_for(pool, ordinal, &r);
     if (rc != CUDA_SUCCESS)
         return rc == CUDA_ERROR_INVALID_DEVICE ? real(dptr, n, stream) : rc;
+    if (r->host)
+        return real(dptr, n, stream);
     struct async_args a = { (void *)real, dptr, n, pool, stream };
     pthread_mutex_lock(&r->lock);
     rc = pool_alloc(r, n, dptr, stream, call_alloc_async, &a, real_free);
@@ -334,6 +381,8 @@ static CUresult alloc_from_pool(alloc_pool_fn real, free_async_fn real_free, CUd
         if (rc != CUDA_SUCCESS)
             return rc == CUDA_ERROR_INVALID_DEVICE ? real(dptr, n, pool, stream) : rc;
     }
+    if (r->host)                /* host memory: no device's quota */
+        return real(dptr, n, pool, stream);
     struct async_args a = { (void *)real, dptr, n, pool, stream };
     pthread_mutex_lock(&r->lock);
     CUresult rc = pool_alloc(r, n, dptr, stream, call_alloc_pool, &a, real_free);
@@ -341,38 +390,38 @@ static CUresult alloc_from_pool(alloc_pool_fn real, free_async_fn real_free, CUd
     return rc;
 }
 
+struct free_args {
+    free_async_fn real;
+    CUdeviceptr p;
+    CUstream stream;
+};
+
+static CUresult call_free_async(void *v)
+{
+    struct free_args *f = v;
+    return f->real(f->p, f->stream);
+}
+
 static CUresult free_async(free_async_fn real, CUdeviceptr p, CUstream stream, int ptsz)
 {
     GV_ENFORCING_ELSE_PASS(real(p, stream));
-    gv_alloc a;
     /* Captured, it only records a free node (of a graph allocation, which
      * nothing here charged): the memory stays until the graph runs it. */
     if (capturing(stream, ptsz))
         return real(p, stream);
-    if (!gv_table_take(GV_K_POOLPTR, p, &a)) {
-        /* A plain allocation may also be freed stream-ordered. */
-        if (!gv_table_take(GV_K_PTR, p, &a))
-            return real(p, stream);
-        CUresult rc = real(p, stream);
-        if (rc == CUDA_SUCCESS)
-            gv_uncharge(a.dev, a.bytes);
-        else
-            gv_table_put(&a);
+    struct free_args f = { real, p, stream };
+    CUresult rc;
+    if (gv_pool_free_block(p, call_free_async, &f, &rc))
         return rc;
-    }
-    pool_rec *r = rec_of_block(a.aux);
-    if (r)
-        pthread_mutex_lock(&r->lock);
-    CUresult rc = real(p, stream);
-    if (rc != CUDA_SUCCESS)
+    /* A plain allocation may also be freed stream-ordered. */
+    gv_alloc a;
+    if (!gv_table_take(GV_K_PTR, p, &a))
+        return real(p, stream);
+    rc = real(p, stream);
+    if (rc == CUDA_SUCCESS)
+        gv_uncharge(a.dev, a.bytes);
+    else
         gv_table_put(&a);
-    if (r) {
-        if (rc == CUDA_SUCCESS)
-            block_freed(r);
-        else if (!atomic_load(&r->destroyed))
-            settle(r);
-        pthread_mutex_unlock(&r->lock);
-    }
     return rc;
 }
 
@@ -417,10 +466,20 @@ GV_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *pro
     fn real = GV_REAL(cuMemPoolCreate, fn);
     GV_ENFORCING_OR(real(pool, props));
     CUresult rc = real(pool, props);
-    if (rc != CUDA_SUCCESS || !props || props->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+    if (rc != CUDA_SUCCESS || !props)
         return rc;
     pool_rec *r;
-    CUresult own = rec_for(*pool, props->location.id, &r);
+    CUresult own;
+    if (props->location.type == CU_MEM_LOCATION_TYPE_DEVICE) {
+        own = rec_for(*pool, props->location.id, &r);
+    } else {
+        /* Host-located (CUDA 12.2+): recorded so that its allocations pass
+         * uncharged; unrecorded, they would be charged to the stream's
+         * device. */
+        pthread_once(&setup_once, setup);
+        forget_destroyed(*pool);
+        own = claim(*pool, -1, -1, 1, &r);
+    }
     if (own != CUDA_SUCCESS && own != CUDA_ERROR_INVALID_DEVICE) {
         /* It could not be accounted for: refused now rather than at its
          * first allocation. */
@@ -438,7 +497,7 @@ GV_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep)
     GV_ENFORCING_ELSE_PASS(real(pool, keep));
     pthread_once(&setup_once, setup);
     pool_rec *r = find(pool);
-    if (!r)
+    if (!r || r->host)
         return real(pool, keep);
     pthread_mutex_lock(&r->lock);
     CUresult rc = real(pool, keep);
@@ -461,6 +520,18 @@ GV_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
     pool_rec *r = find(pool);
     if (!r)
         return real(pool);
+    if (r->host) {
+        pthread_mutex_lock(&r->lock);
+        CUresult rc = real(pool);
+        if (rc == CUDA_SUCCESS)
+            release_rec(r);
+        pthread_mutex_unlock(&r->lock);
+        return rc;
+    }
+    CUmemoryPool dflt = NULL;
+    if (GV_REAL(cuDeviceGetDefaultMemPool, CUresult (*)(CUmemoryPool *, CUdevice))(
+            &dflt, r->ordinal) == CUDA_SUCCESS && dflt == pool)
+        return real(pool);      /* refused by the driver: the pool stays as it is */
     pthread_mutex_lock(&r->lock);
     /* The driver keeps a destroyed pool's outstanding blocks until they are
      * freed: trim first, so that what stays charged is the reserve that

@@ -41,7 +41,7 @@
     X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz) \
     X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) \
     X(cuMemPoolCreate) X(cuMemPoolDestroy) X(cuMemPoolTrimTo) \
-    X(cuMemPoolGetAttribute) X(cuDeviceGetMemPool) \
+    X(cuMemPoolGetAttribute) X(cuDeviceGetMemPool) X(cuDeviceGetDefaultMemPool) \
     X(cuCtxCreate) X(cuCtxCreate_v2) X(cuCtxCreate_v3) X(cuCtxCreate_v4) \
     X(cuCtxDestroy) X(cuCtxDestroy_v2) X(cuCtxSetLimit) X(cuCtxGetLimit) \
     X(cuDevicePrimaryCtxRetain) X(cuDevicePrimaryCtxRelease) \

@@ -69,7 +69,7 @@ void sim_pools_sync(int ordinal)
 {
     pthread_mutex_lock(&sim_mu);
     for (struct CUmemPoolHandle_st *p = g_pools; p; p = p->next)
-        if (ordinal < 0 || p->ordinal == ordinal)
+        if (ordinal < 0 || p->ordinal == ordinal || p->ordinal < 0)
             pool_shrink(p, p->destroyed ? 0 : p->threshold);
     pthread_mutex_unlock(&sim_mu);
 }
@@ -95,7 +95,7 @@ static CUresult pool_alloc(struct CUmemPoolHandle_st *p, CUdeviceptr *out,
     if (bs > avail) {
         grow = sim_round_up(bs - avail, SIM_GRAN);
         if ((p->max_size && p->reserved + grow > p->max_size) ||
-            sim_charge(p->node, grow) < 0) {
+            (p->node >= 0 && sim_charge(p->node, grow) < 0)) {
             rc = CUDA_ERROR_OUT_OF_MEMORY;
             goto out;
         }
@@ -217,15 +217,18 @@ SIM_API CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *pr)
         return rc;
     if (!pool || !pr || pr->allocType != CU_MEM_ALLOCATION_TYPE_PINNED)
         return CUDA_ERROR_INVALID_VALUE;
-    if (pr->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+    /* Host-located pools (CUDA 12.2+) hold host memory: no device's. */
+    int host = pr->location.type == CU_MEM_LOCATION_TYPE_HOST ||
+               pr->location.type == CU_MEM_LOCATION_TYPE_HOST_NUMA;
+    if (!host && pr->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
         return CUDA_ERROR_NOT_SUPPORTED;
-    if (sim_ord_node(pr->location.id) < 0)
+    if (!host && sim_ord_node(pr->location.id) < 0)
         return CUDA_ERROR_INVALID_DEVICE;
     struct CUmemPoolHandle_st *p = malloc(sizeof *p);
     if (!p)
         return CUDA_ERROR_OUT_OF_MEMORY;
     pthread_mutex_lock(&sim_mu);
-    pool_init(p, pr->location.id, 0);
+    pool_init(p, host ? -1 : pr->location.id, 0);
     p->max_size = pr->maxSize;
     pthread_mutex_unlock(&sim_mu);
     *pool = p;
@@ -242,7 +245,7 @@ SIM_API CUresult cuMemPoolDestroy(CUmemoryPool pool)
         pthread_mutex_unlock(&sim_mu);
         return CUDA_ERROR_INVALID_VALUE;
     }
-    if (g_cur[pool->ordinal] == pool)
+    if (pool->ordinal >= 0 && g_cur[pool->ordinal] == pool)
         g_cur[pool->ordinal] = NULL;
     pool->destroyed = 1;                /* outstanding blocks release later */
     sim_reg_del(pool);

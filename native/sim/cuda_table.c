@@ -16,12 +16,14 @@
 
 #define VA_BASE 0x7f0000000000ULL
 #define VA_SPAN (1ULL << 42)
+#define HOST_VA_BASE 0x500000000000ULL
 #define LOW_BASE 0x10000000ULL
 #define LOW_END 0x100000000ULL
 
 static sim_alloc *g_tab;
 static size_t g_n, g_cap;
 static uint64_t g_bump[SIM_MAX_DEV];
+static uint64_t g_host_bump;
 static uint64_t g_low = LOW_BASE;
 
 /* index of the last entry with addr <= a, or -1 */
@@ -98,6 +100,13 @@ CUdeviceptr sim_va_next(int node, uint64_t size, int low)
             return 0;
         CUdeviceptr p = g_low;
         g_low += sz;
+        return p;
+    }
+    if (node < 0) {                      /* host memory (a host-located pool) */
+        if (sz > VA_SPAN - g_host_bump)
+            return 0;
+        CUdeviceptr p = HOST_VA_BASE + g_host_bump;
+        g_host_bump += sz;
         return p;
     }
     if (sz > VA_SPAN - g_bump[node])

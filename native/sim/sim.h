@@ -189,8 +189,8 @@ typedef struct sim_alloc {
 
 struct CUmemPoolHandle_st {
     uint32_t magic;
-    int ordinal;
-    int node;
+    int ordinal;                        /* -1: host-located */
+    int node;                           /* -1: host-located */
     int is_default;
     int destroyed;
     uint64_t reserved, reserved_high;

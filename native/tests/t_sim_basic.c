@@ -435,6 +435,20 @@ static void test_pools(void)
     CHECK(free_mem() == f0);
     CU(cuMemPoolDestroy(def), CUDA_ERROR_INVALID_VALUE);
     CU(cuMemPoolDestroy(p), CUDA_ERROR_INVALID_VALUE);
+
+    /* host-located pool: host memory, no device's */
+    pp.location.type = CU_MEM_LOCATION_TYPE_HOST;
+    OK(cuMemPoolCreate(&p, &pp));
+    OK(cuMemAllocFromPoolAsync(&a, 20 * GIB, p, s));
+    CHECK(pool_attr(p, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) == 20 * GIB);
+    CHECK(free_mem() == f0);
+    CU(cuDeviceSetMemPool(0, p), CUDA_ERROR_INVALID_VALUE);
+    OK(cuMemFreeAsync(a, s));
+    OK(cuStreamSynchronize(s));
+    CHECK(pool_attr(p, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) == 0);
+    OK(cuMemPoolDestroy(p));
+    pp.location.type = CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT;
+    CU(cuMemPoolCreate(&p, &pp), CUDA_ERROR_NOT_SUPPORTED);
     OK(cuStreamDestroy_v2(s));
     CU(cuStreamDestroy_v2(s), CUDA_ERROR_INVALID_HANDLE);
     CU(cuStreamSynchronize(s), CUDA_ERROR_INVALID_HANDLE);
