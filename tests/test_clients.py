@@ -248,6 +248,94 @@ emit(base=base, kept=kept, refused=refused.name, after=used(), reserve=reserve)
     assert out["after"] == out["kept"], out
 
 
+def test_a_destroyed_pool_used_again_keeps_its_blocks_charged(node):
+    """A pool destroyed with a block still allocated keeps the block's memory
+    charged until it is freed.  Allocating from the destroyed pool (the
+    driver refuses it) used to be taken for a new pool with the same handle:
+    the old pool's charge was dropped while its block was still held, and
+    each such call left 2 MiB charged for good."""
+    out = client(
+        node,
+        """
+init()
+s = ok(cu.cuStreamCreate, 0)
+base = used()
+pool = ok(cu.cuMemPoolCreate, pool_props())
+p = ok(cu.cuMemAllocFromPoolAsync, 800 * MiB, pool, s)
+ok(cu.cuStreamSynchronize, s)
+ok(cu.cuMemPoolDestroy, pool)
+held = used()
+again = [call(cu.cuMemAllocFromPoolAsync, 1, pool, s)[0].name for _ in range(3)]
+still = used()
+over = call(cu.cuMemAlloc, 800 * MiB)[0]
+ok(cu.cuMemFreeAsync, p, s)
+ok(cu.cuStreamSynchronize, s)
+emit(base=base, held=held, again=again, still=still, over=over.name, after=used())
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="1g",
+    )
+    assert out["held"] >= out["base"] + 800 * MiB, out
+    assert out["again"] == ["CUDA_ERROR_INVALID_VALUE"] * 3, out
+    assert out["still"] == out["held"], out
+    assert out["over"] == OOM, out
+    assert out["after"] == out["base"], out
+
+
+def test_an_allocation_from_no_pool_takes_no_charge(node):
+    """cuMemAllocFromPoolAsync with a handle that is no pool fails in the
+    driver and charges nothing.  It used to keep its pre-charge (and a pool
+    record) for the rest of the process: three such calls of 300 MiB made a
+    later 900 MiB allocation fail under a 1 GiB quota."""
+    out = client(
+        node,
+        """
+init()
+s = ok(cu.cuStreamCreate, 0)
+base = used()
+bogus = cu.CUmemoryPool(0x1000)
+failed = [call(cu.cuMemAllocFromPoolAsync, 300 * MiB, bogus, s)[0].name for _ in range(3)]
+after = used()
+p = ok(cu.cuMemAlloc, 900 * MiB)
+emit(base=base, failed=failed, after=after)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="1g",
+    )
+    assert out["failed"] == ["CUDA_ERROR_INVALID_VALUE"] * 3, out
+    assert out["after"] == out["base"], out
+
+
+def test_another_devices_default_pool_is_charged_to_that_device(node):
+    """A pool may serve a stream of another device.  Device 1's default
+    pool, used through a stream of device 0, is charged to device 1, whose
+    memory it takes: it used to be charged to the stream's device 0, and
+    device 1 could then hold 1800 MiB under a 1 GiB quota."""
+    out = client(
+        node,
+        """
+init(0)
+s0 = ok(cu.cuStreamCreate, 0)
+dev1 = ok(cu.cuDeviceGet, 1)
+ctx1 = ok(cu.cuDevicePrimaryCtxRetain, dev1)
+pool1 = ok(cu.cuDeviceGetDefaultMemPool, dev1)
+base0 = used()
+ok(cu.cuCtxSetCurrent, ctx1)
+base1 = used()
+ok(cu.cuCtxSetCurrent, init(0))
+p = ok(cu.cuMemAllocFromPoolAsync, 900 * MiB, pool1, s0)
+ok(cu.cuStreamSynchronize, s0)
+used0 = used()
+ok(cu.cuCtxSetCurrent, ctx1)
+used1 = used()
+over1 = call(cu.cuMemAlloc, 900 * MiB)[0]
+emit(base0=base0, base1=base1, used0=used0, used1=used1, over1=over1.name)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="1g",
+    )
+    assert out["used0"] == out["base0"], out
+    assert out["used1"] >= out["base1"] + 900 * MiB, out
+    assert out["over1"] == OOM, out
+
+
 @pytest.mark.parametrize("flag", ["DEFERRED_MAPPING", "SPARSE"])
 def test_arrays_without_memory_at_creation_take_no_quota(node, flag):
     """A sparse or deferred-mapping array has no memory until some is mapped

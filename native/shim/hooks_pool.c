@@ -36,6 +36,9 @@ typedef struct pool_rec {
 
 static pool_rec pools[MAX_POOLS];
 static atomic_int active;        /* records in use */
+/* Serialises claiming records (once per pool, off the allocation path), so
+ * that two threads meeting a pool for the first time make one record. */
+static pthread_mutex_t claim_lock = PTHREAD_MUTEX_INITIALIZER;
 static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
 
 typedef CUresult (*getattr_fn)(CUmemoryPool, CUmemPool_attribute, void *);
@@ -46,6 +49,7 @@ typedef CUresult (*free_async_fn)(CUdeviceptr, CUstream);
 static void child_reset(void)
 {
     /* A forked child holds no pools of its own. */
+    pthread_mutex_init(&claim_lock, NULL);
     for (int i = 0; i < MAX_POOLS; i++) {
         pthread_mutex_init(&pools[i].lock, NULL);
         atomic_store(&pools[i].pool, 0);
@@ -112,27 +116,31 @@ static void forget_destroyed(CUmemoryPool p)
     pthread_mutex_unlock(&r->lock);
 }
 
-/* Claim a record for pool p, or find the one another thread just claimed;
+/* Claim a record for pool p (claim_lock held), or find the one it has;
  * CUDA_ERROR_OUT_OF_MEMORY when every record is in use. */
 static CUresult claim(CUmemoryPool p, int ordinal, int dev, int host, pool_rec **out)
 {
     for (int i = 0; i < MAX_POOLS; i++) {
-        uintptr_t expected = 0;
-        if (atomic_compare_exchange_strong(&pools[i].pool, &expected, (uintptr_t)p)) {
-            pools[i].ordinal = ordinal;
-            pools[i].dev = dev;
-            pools[i].host = host;
-            pools[i].charged = 0;
-            atomic_fetch_add(&active, 1);
-            atomic_store_explicit(&pools[i].ready, 1, memory_order_release);
-            *out = &pools[i];
-            return CUDA_SUCCESS;
-        }
-        if (expected == (uintptr_t)p) {      /* another thread just claimed it */
-            while (!atomic_load_explicit(&pools[i].ready, memory_order_acquire))
-                ;
-            *out = &pools[i];
-            return CUDA_SUCCESS;
+        for (;;) {
+            uintptr_t expected = 0;
+            if (atomic_compare_exchange_strong(&pools[i].pool, &expected, (uintptr_t)p)) {
+                pools[i].ordinal = ordinal;
+                pools[i].dev = dev;
+                pools[i].host = host;
+                pools[i].charged = 0;
+                atomic_fetch_add(&active, 1);
+                atomic_store_explicit(&pools[i].ready, 1, memory_order_release);
+                *out = &pools[i];
+                return CUDA_SUCCESS;
+            }
+            if (expected != (uintptr_t)p)
+                break;                      /* another pool's: the next record */
+            if (atomic_load_explicit(&pools[i].ready, memory_order_acquire)) {
+                *out = &pools[i];
+                return CUDA_SUCCESS;
+            }
+            /* p's record being released (release_rec clears ready before
+             * pool): look at it again. */
         }
     }
     gv_log(GV_LOG_ERROR, "more than %d memory pools in use; allocations from another one "
@@ -140,10 +148,12 @@ static CUresult claim(CUmemoryPool p, int ordinal, int dev, int host, pool_rec *
     return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
-/* Record for pool p on ordinal, claiming one if new.  Fails with
- * gv_device's error, or CUDA_ERROR_OUT_OF_MEMORY when every record is in
- * use: a pool that cannot be accounted for is not used (fail closed). */
-static CUresult rec_for(CUmemoryPool p, int ordinal, pool_rec **out)
+/* Record for the live device pool p on ordinal, claiming one if new (with
+ * fresh set: p was just created, so a destroyed pool's record with its
+ * handle is forgotten).  Fails with gv_device's error, or
+ * CUDA_ERROR_OUT_OF_MEMORY when every record is in use: a pool that cannot
+ * be accounted for is not used (fail closed). */
+static CUresult rec_for(CUmemoryPool p, int ordinal, int fresh, pool_rec **out)
 {
     pthread_once(&setup_once, setup);
     pool_rec *r = find(p);
@@ -151,12 +161,48 @@ static CUresult rec_for(CUmemoryPool p, int ordinal, pool_rec **out)
         *out = r;
         return CUDA_SUCCESS;
     }
-    forget_destroyed(p);
     const gv_devinfo *d;
     CUresult rc = gv_device(ordinal, &d);
     if (rc != CUDA_SUCCESS)
         return rc;
-    return claim(p, ordinal, d->region_dev, 0, out);
+    pthread_mutex_lock(&claim_lock);
+    if (fresh)
+        forget_destroyed(p);
+    r = find(p);
+    rc = r ? CUDA_SUCCESS : claim(p, ordinal, d->region_dev, 0, &r);
+    pthread_mutex_unlock(&claim_lock);
+    *out = r;
+    return rc;
+}
+
+/* Whether p is a pool the driver knows, and no destroyed one this process
+ * still keeps a record of (it takes no allocations: the driver refuses it). */
+static int live_pool(CUmemoryPool p)
+{
+    pool_rec *r = lookup(p, 1);     /* (a live one: claimed by another thread) */
+    if (r && atomic_load(&r->destroyed))
+        return 0;
+    return pool_attr(p, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) != UINT64_MAX;
+}
+
+/* The device of a pool not made through cuMemPoolCreate here: a device's
+ * default or current pool.  Pools may serve streams of other devices, so
+ * the stream's device is only the last resort, for a pool that is neither. */
+static int pool_device(CUmemoryPool p, CUstream stream, int *ordinal)
+{
+    typedef CUresult (*getpool_fn)(CUmemoryPool *, CUdevice);
+    int n = 0;
+    if (GV_REAL(cuDeviceGetCount, CUresult (*)(int *))(&n) == CUDA_SUCCESS) {
+        for (int i = 0; i < n; i++) {
+            CUmemoryPool q = NULL;
+            if ((GV_REAL(cuDeviceGetDefaultMemPool, getpool_fn)(&q, i) == CUDA_SUCCESS && q == p) ||
+                (GV_REAL(cuDeviceGetMemPool, getpool_fn)(&q, i) == CUDA_SUCCESS && q == p)) {
+                *ordinal = i;
+                return 1;
+            }
+        }
+    }
+    return gv_ordinal_of_stream(stream, ordinal, NULL) == CUDA_SUCCESS;
 }
 
 /* Bring the charge in line with the driver's reserve (lock held). */
@@ -284,13 +330,15 @@ static CUresult pool_alloc(pool_rec *r, size_t n, CUdeviceptr *dptr, CUstream st
             return rc;
     }
     CUresult rc = rc_call(arg);
+    if (rc != CUDA_SUCCESS) {
+        if (c.active)
+            gv_charge_cancel(&c);
+        settle(r);                   /* in case the pool grew all the same */
+        return rc;
+    }
     if (c.active) {
         r->charged += c.bytes;       /* settle() below trims it to the truth */
         c.active = 0;
-    }
-    if (rc != CUDA_SUCCESS) {
-        settle(r);
-        return rc;
     }
     uint64_t before = r->charged;
     settle(r);
@@ -352,7 +400,9 @@ static CUresult alloc_async(alloc_async_fn real, free_async_fn real_free,
         GV_REAL(cuDeviceGetMemPool, CUresult (*)(CUmemoryPool *, CUdevice))(&pool, ordinal) != CUDA_SUCCESS)
         return real(dptr, n, stream);
     pool_rec *r;
-    CUresult rc = rec_for(pool, ordinal, &r);
+    if (!find(pool) && !live_pool(pool))
+        return real(dptr, n, stream);
+    CUresult rc = rec_for(pool, ordinal, 0, &r);
     if (rc != CUDA_SUCCESS)
         return rc == CUDA_ERROR_INVALID_DEVICE ? real(dptr, n, stream) : rc;
     if (r->host)
@@ -374,10 +424,12 @@ static CUresult alloc_from_pool(alloc_pool_fn real, free_async_fn real_free, CUd
     pool_rec *r = find(pool);
     int ordinal;
     if (!r) {
-        /* Not recorded at cuMemPoolCreate: take the stream's device. */
-        if (gv_ordinal_of_stream(stream, &ordinal, NULL) != CUDA_SUCCESS)
+        /* Not recorded at cuMemPoolCreate: a device's default pool, or a
+         * handle the driver refuses (destroyed, or no pool at all), which
+         * takes no record and no charge. */
+        if (!live_pool(pool) || !pool_device(pool, stream, &ordinal))
             return real(dptr, n, pool, stream);
-        CUresult rc = rec_for(pool, ordinal, &r);
+        CUresult rc = rec_for(pool, ordinal, 0, &r);
         if (rc != CUDA_SUCCESS)
             return rc == CUDA_ERROR_INVALID_DEVICE ? real(dptr, n, pool, stream) : rc;
     }
@@ -471,14 +523,15 @@ GV_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *pro
     pool_rec *r;
     CUresult own;
     if (props->location.type == CU_MEM_LOCATION_TYPE_DEVICE) {
-        own = rec_for(*pool, props->location.id, &r);
+        own = rec_for(*pool, props->location.id, 1, &r);
     } else {
         /* Host-located (CUDA 12.2+): recorded so that its allocations pass
-         * uncharged; unrecorded, they would be charged to the stream's
-         * device. */
+         * uncharged; unrecorded, they would be charged to a device. */
         pthread_once(&setup_once, setup);
+        pthread_mutex_lock(&claim_lock);
         forget_destroyed(*pool);
         own = claim(*pool, -1, -1, 1, &r);
+        pthread_mutex_unlock(&claim_lock);
     }
     if (own != CUDA_SUCCESS && own != CUDA_ERROR_INVALID_DEVICE) {
         /* It could not be accounted for: refused now rather than at its
