@@ -136,16 +136,27 @@ static void fork_child(void)
 
 static void register_atfork(void) { pthread_atfork(NULL, NULL, fork_child); }
 
+/* This process's slot for dev, if it still owns it (one silent for over
+ * STALE_NS may have been taken over: what it says then is not its own). */
+static struct arb_slot *mine(int dev)
+{
+    if (dev < 0 || dev >= GV_MAX_DEVICES)
+        return NULL;
+    struct arb_slot *s = atomic_load_explicit(&arbs[dev].me, memory_order_relaxed);
+    if (!s || atomic_load_explicit(&s->owner, memory_order_relaxed) !=
+                  atomic_load_explicit(&token, memory_order_relaxed))
+        return NULL;
+    return s;
+}
+
+/* At exit: the slots go back (claim resets what they held). */
 __attribute__((destructor)) static void release_slots(void)
 {
     uint64_t t = atomic_load(&token);
     for (int i = 0; t && i < GV_MAX_DEVICES; i++) {
         struct arb_slot *s = atomic_load(&arbs[i].me);
-        if (!s)
-            continue;
-        atomic_store(&s->inflight, 0);
-        atomic_store(&s->wait_at, 0);
-        atomic_compare_exchange_strong(&s->owner, &t, 0);
+        if (s)
+            atomic_compare_exchange_strong(&s->owner, &t, 0);
     }
 }
 
@@ -159,10 +170,10 @@ static struct arb_file *map_file(const char *uuid)
     if (fd < 0)
         return NULL;
     (void)fchmod(fd, 0666);             /* past the umask, for other users */
-    struct stat st;
+    /* Blocks allocated before the mapping is touched: a sparse file on a
+     * full filesystem would fault (SIGBUS) at the first store. */
     struct arb_file *f = NULL;
-    if (fstat(fd, &st) == 0 &&
-        (st.st_size >= (off_t)sizeof *f || ftruncate(fd, sizeof *f) == 0)) {
+    if (posix_fallocate(fd, 0, sizeof *f) == 0) {
         void *m = mmap(NULL, sizeof *f, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         if (m != MAP_FAILED)
             f = m;
@@ -180,6 +191,20 @@ static struct arb_file *map_file(const char *uuid)
     return f;
 }
 
+/* A slot whose owner has not been heard from for STALE_NS is free to take
+ * over; so is one whose beat is far in the future: written before a reboot
+ * (the file may outlive it, CLOCK_MONOTONIC does not). */
+static int stale(uint64_t beat, uint64_t now)
+{
+    return beat + STALE_NS <= now || beat > now + STALE_NS;
+}
+
+/* Whether a slot's word counts now: heard from within FRESH_NS. */
+static int fresh(uint64_t beat, uint64_t now)
+{
+    return beat + FRESH_NS >= now && beat <= now + STALE_NS;
+}
+
 static struct arb_slot *claim(struct arb_file *f, uint64_t now)
 {
     uint64_t me = my_token(), who = container();
@@ -189,17 +214,18 @@ static struct arb_slot *claim(struct arb_file *f, uint64_t now)
         struct arb_slot *s = &f->slot[i];
         uint64_t o = atomic_load(&s->owner);
         uint64_t b = atomic_load(&s->beat);
-        if (o && b + STALE_NS > now)
+        if (o && !stale(b, now))
             continue;
-        /* The beat first: whoever moves a stale beat to now owns the slot,
-         * and nobody else sees it stale from then on. */
-        if (!atomic_compare_exchange_strong(&s->beat, &b, now))
+        /* The beat first, so that nobody else sees a stale slot stale from
+         * then on; then the owner, which one claimer alone can move from
+         * what it saw (two may both move a free slot's beat). */
+        if (!atomic_compare_exchange_strong(&s->beat, &b, now) ||
+            !atomic_compare_exchange_strong(&s->owner, &o, me))
             continue;
         atomic_store(&s->inflight, 0);
         atomic_store(&s->wait_at, 0);
         atomic_store(&s->launched_at, 0);
         atomic_store(&s->container, who);
-        atomic_store(&s->owner, me);
         uint32_t used = atomic_load(&f->used);
         while (used < (uint32_t)i + 1 &&
                !atomic_compare_exchange_weak(&f->used, &used, (uint32_t)i + 1))
@@ -254,7 +280,7 @@ int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now)
     for (uint32_t i = 0; i < used && i < ARB_SLOTS; i++) {
         struct arb_slot *s = &f->slot[i];
         if (!atomic_load_explicit(&s->owner, memory_order_relaxed) ||
-            atomic_load_explicit(&s->beat, memory_order_relaxed) + FRESH_NS < now)
+            !fresh(atomic_load_explicit(&s->beat, memory_order_relaxed), now))
             continue;
         uint32_t n = atomic_load_explicit(&s->inflight, memory_order_relaxed);
         total += n < DEPTH ? n : DEPTH;
@@ -287,9 +313,7 @@ void gv_arb_admitted(int dev, const char *uuid, uint64_t now)
 
 void gv_arb_settled(int dev)
 {
-    if (dev < 0 || dev >= GV_MAX_DEVICES)
-        return;
-    struct arb_slot *s = atomic_load(&arbs[dev].me);
+    struct arb_slot *s = mine(dev);
     if (!s)
         return;
     uint32_t n = atomic_load(&s->inflight);
@@ -299,18 +323,14 @@ void gv_arb_settled(int dev)
 
 void gv_arb_alive(int dev, uint64_t now)
 {
-    if (dev < 0 || dev >= GV_MAX_DEVICES)
-        return;
-    struct arb_slot *s = atomic_load_explicit(&arbs[dev].me, memory_order_relaxed);
+    struct arb_slot *s = mine(dev);
     if (s)
         atomic_store_explicit(&s->beat, now, memory_order_relaxed);
 }
 
 void gv_arb_not_waiting(int dev)
 {
-    if (dev < 0 || dev >= GV_MAX_DEVICES)
-        return;
-    struct arb_slot *s = atomic_load_explicit(&arbs[dev].me, memory_order_relaxed);
+    struct arb_slot *s = mine(dev);
     if (s)
         atomic_store_explicit(&s->wait_at, 0, memory_order_relaxed);
 }

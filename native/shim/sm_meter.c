@@ -347,8 +347,17 @@ static void *meter(void *unused)
             tail = &rev->next;
         }
         *tail = NULL;
-        if (head)
-            gv_arb_alive(head->dev, gv_mono_ns());
+        /* Alive on every device with kernels in flight: a slot not renewed
+         * stops counting them after 20 ms (sm_arbiter.c). */
+        if (head) {
+            uint64_t seen = 0, now = gv_mono_ns();
+            for (struct rec *r = head; r; r = r->next) {
+                if (r->dev >= 0 && r->dev < GV_MAX_DEVICES && !(seen & (1ULL << r->dev))) {
+                    seen |= 1ULL << r->dev;
+                    gv_arb_alive(r->dev, now);
+                }
+            }
+        }
         while (head) {
             struct rec *next = head->next;
             if (!try_settle(head, &current))      /* frees head when settled */

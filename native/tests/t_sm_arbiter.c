@@ -87,7 +87,10 @@ static void be_container(const char *name)
  * result), 'w' keep waiting with that clock (answers once, then loops
  * until killed), 'a' admitted, 's' settled, 'f' fork a child that is
  * admitted three times (it answers its own check's result, once held or
- * after 2 s, then stays alive), 'k' kill that child. */
+ * after 2 s, then stays alive), 'k' kill that child; with a clock `arg`
+ * ns ahead, as if this process's clock were ahead (a file from before a
+ * reboot, or another process's 1 s later): 'F' admitted three times, 'T'
+ * check. */
 static void child_loop(int in, int out)
 {
     pid_t grandchild = -1;
@@ -113,6 +116,13 @@ static void child_loop(int in, int out)
             }
         case 'a':
             gv_arb_admitted(0, UUID, now);
+            break;
+        case 'F':
+            for (int i = 0; i < 3; i++)
+                gv_arb_admitted(0, UUID, now + (uint64_t)arg);
+            break;
+        case 'T':
+            r = gv_arb_check(0, UUID, now + (uint64_t)arg, now + (uint64_t)arg);
             break;
         case 's':
             gv_arb_settled(0);
@@ -343,6 +353,31 @@ int main(int argc, char **argv)
     CHECK(dt < 60 * MS, "a forked child killed with launches in flight held y for %llu us",
           (unsigned long long)(dt / 1000));
     finish(&xf);
+
+    /* A process silent for over 1 s loses its slot to another (here q,
+     * whose clock is 1.5 s ahead, so x's slot, the first, looks that old to
+     * it): what the old owner says then is not counted for the new one.
+     * q has 3 in flight; x settling three times must not take them back. */
+    struct child q = spawn("q");
+    uint64_t t0 = gv_mono_ns();
+    do {        /* again if too slow a machine let q's word lapse meanwhile */
+        ask(&q, 'F', 1500 * MS);
+        ask(&x, 's', 0);
+        ask(&x, 's', 0);
+        ask(&x, 's', 0);
+        r = ask(&y, 'T', 1500 * MS);
+    } while (r != 0 && gv_mono_ns() - t0 < 2000 * MS);
+    CHECK(r == 0, "x's settlements left the slot's new owner its 3 in flight (got %d)", r);
+    finish(&q);
+
+    /* A process killed with 3 launches in flight and its clock an hour
+     * ahead (what a file that outlived a reboot holds): its slot counts for
+     * nothing, although its beat looks fresh until the clock catches up. */
+    struct child z = spawn("z");
+    ask(&z, 'F', 3600000 * MS);
+    kill(z.pid, SIGKILL);
+    waitpid(z.pid, NULL, 0);
+    CHECK(expect(&y, &x, 0, 1), "a slot from before a reboot holds nobody");
 
     finish(&x);
     finish(&y);
