@@ -104,3 +104,37 @@ def test_exec_resets_the_old_image(node: SimNode) -> None:
     assert out["mine"] == 512 * MiB + CTX
     assert out["used"] == 512 * MiB + CTX
     assert out["free"] == 4 * GiB - (512 * MiB + CTX)
+
+
+EXEC_AWAY = """
+import os
+from tests.cuclient import *
+init()
+a = ok(cu.cuMemAlloc, 512 * MiB)
+os.execv("/bin/sh", ["sh", "-c", "echo ready; read line"])
+"""
+
+ALLOC_600 = """
+from tests.cuclient import *
+init()
+err = call(cu.cuMemAlloc, 600 * MiB)[0]
+emit(err=err.name)
+"""
+
+
+def test_exec_into_a_program_without_the_gpu_gives_the_memory_back(node: SimNode) -> None:
+    """A process that allocates and then exec()s a program that never uses
+    the GPU keeps its pid and start time, but the driver freed its memory
+    at exec: the others may use it.  Before, its slot stayed charged until
+    that program ended (a 600 MiB allocation next to it failed under a
+    1 GiB quota)."""
+    from tests.helpers import start_ready
+
+    env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="1g")
+    away = start_ready(EXEC_AWAY, env)
+    try:
+        out = run_json(ALLOC_600, env)
+    finally:
+        away.kill()
+        away.communicate(timeout=30)
+    assert out["err"] == "CUDA_SUCCESS", out

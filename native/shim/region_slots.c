@@ -139,7 +139,21 @@ int region_leave(gv_region *r)
     return GV_OK;
 }
 
-/* Reclaim dead slots; dev >= 0 looks only at slots holding memory there. */
+/* Whether slot i holds memory (or a thread inside) on dev, or on any
+ * device when dev < 0. */
+static int holds(gv_region *r, uint32_t i, int dev)
+{
+    for (int d = dev < 0 ? 0 : dev; d < (dev < 0 ? GV_MAX_DEVICES : dev + 1); d++)
+        if (atomic_load(&r->m->dev[d].used[i]) != 0 || atomic_load(&r->m->dev[d].inside[i]) != 0)
+            return 1;
+    return 0;
+}
+
+/* Reclaim dead slots; dev >= 0 looks only at slots holding memory there.
+ * Also reclaimed: a free slot that a thread of its last owner charged
+ * after the owner gave it up at exit (region_leave), and the slot of a
+ * live process that no longer maps the region (it exec()ed a program that
+ * does not use the GPU: the driver freed the old image's memory). */
 int rg_reclaim(gv_region *r, int dev)
 {
     int n = 0;
@@ -147,16 +161,17 @@ int rg_reclaim(gv_region *r, int dev)
     uint64_t self = rg_self_owner();
     for (uint32_t i = 0; i < hwm; i++) {
         uint64_t o = atomic_load(&r->m->owner[i]);
-        if (o == 0 || o == self)
+        if (o == self || ((o == 0 || dev >= 0) && !holds(r, i, dev)))
             continue;
-        if (dev >= 0 && atomic_load(&r->m->dev[dev].used[i]) == 0 &&
-            atomic_load(&r->m->dev[dev].inside[i]) == 0)
-            continue;
-        if (o & FLAG_BIT) {
+        if (o == 0) {
+            /* given up, with a straggler's charge: reclaimed like a dead one */
+        } else if (o & FLAG_BIT) {
             /* Being reclaimed: by a live thread (not this one) -> leave it. */
             if (o != (rg_thread_owner() | FLAG_BIT) && rg_owner_alive(o))
                 continue;
-        } else if (rg_owner_alive(o)) {
+        } else if (rg_owner_alive(o) &&
+                   (!holds(r, i, dev) ||
+                    gv_proc_maps_file((int32_t)(o & PID_MASK), r->path) != 0)) {
             continue;
         }
         uint64_t mine = rg_thread_owner() | FLAG_BIT;

@@ -495,10 +495,29 @@ static void test_processes(const char *self_exe)
     CHECK(fake >= 0 && fake != me);
     CHECK_EQ(region_reserve(r, d, fake, 10 * MIB), 0);
     CHECK_EQ(region_slot_of_pid(r, getpid()), me);           /* exact match preferred */
-    int live = region_test_claim_slot(r, getppid(), gv_proc_start_time(getppid()));
+    /* A live process that maps the region (a forked child, which keeps
+     * the mapping), and one that does not (our parent, as if it had
+     * exec()ed a program without the GPU: the driver freed its memory). */
+    pid_t parent = getpid();
+    pid_t mapper = fork();
+    CHECK(mapper >= 0);
+    if (mapper == 0) {
+        prctl(PR_SET_PDEATHSIG, SIGKILL);
+        if (getppid() == parent)        /* (not if the parent died before) */
+            pause();
+        _exit(0);
+    }
+    uint64_t mapper_start = 0;
+    for (int i = 0; i < 1000 && !mapper_start; i++)
+        mapper_start = gv_proc_start_time(mapper);
+    int live = region_test_claim_slot(r, mapper, mapper_start);
     CHECK(live >= 0);
     CHECK_EQ(region_reserve(r, d, live, 5 * MIB), 0);
-    CHECK_EQ(region_reclaim_dead(r), 1);                     /* the fake one only */
+    int unmapped = region_test_claim_slot(r, getppid(), gv_proc_start_time(getppid()));
+    CHECK(unmapped >= 0);
+    CHECK_EQ(region_reserve(r, d, unmapped, 3 * MIB), 0);
+    CHECK_EQ(region_reclaim_dead(r), 2);      /* the fake one and the parent's */
+    CHECK(region_slot_used(r, d, unmapped) == 0);
     CHECK(region_used(r, d) == 5 * MIB);
     CHECK(region_slot_used(r, d, live) == 5 * MIB);
 
@@ -507,10 +526,28 @@ static void test_processes(const char *self_exe)
     CHECK(half >= 0);
     CHECK_EQ(region_reserve(r, d, half, 7 * MIB), 0);
     CHECK_EQ(region_test_mark_reclaiming(r, half, sl, sl_start), 0);   /* dead */
-    CHECK_EQ(region_test_mark_reclaiming(r, live, getppid(), gv_proc_start_time(getppid())), 0);
+    CHECK_EQ(region_test_mark_reclaiming(r, live, mapper, mapper_start), 0);
     CHECK_EQ(region_reclaim_dead(r), 1);
     CHECK(region_used(r, d) == 5 * MIB);                      /* the live one untouched */
     CHECK_EQ(region_test_mark_reclaiming(r, live, sl, sl_start), 0);
+    CHECK_EQ(region_reclaim_dead(r), 1);
+    CHECK_EQ(region_used(r, d), 0);
+    kill(mapper, SIGKILL);
+    waitpid(mapper, NULL, 0);
+
+    /* A thread that had its slot before its process gave the slot up at
+     * exit (region_leave), and charged it after: the free slot's charge is
+     * reclaimed (before, it stayed until another process took that slot). */
+    c = fork();
+    CHECK(c >= 0);
+    if (c == 0) {
+        int s = region_self_slot(r);
+        if (s < 0 || region_leave(r) != GV_OK || region_reserve(r, d, s, 9 * MIB) != 0)
+            _exit(3);
+        _exit(0);
+    }
+    CHECK(waitpid(c, &st, 0) == c && WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    CHECK(region_used(r, d) == 9 * MIB);
     CHECK_EQ(region_reclaim_dead(r), 1);
     CHECK_EQ(region_used(r, d), 0);
 
