@@ -443,6 +443,44 @@ emit(base=base, released=released, unmapped=used())
     assert out["unmapped"] == out["base"], out
 
 
+@pytest.mark.parametrize("how", ["unmap-with-a-gap", "address-free"])
+def test_mappings_gone_with_their_range_give_their_handles_back(node, how):
+    """The driver unmaps every mapping in a cuMemUnmap range, also past a
+    gap between mappings, and cuMemAddressFree unmaps what is still mapped
+    in the range it frees.  Released handles mapped there are given back
+    either way: before, a gap stopped the walk and cuMemAddressFree was not
+    seen, and each round left 256 MiB charged for good (a fourth round was
+    refused under a 1 GiB quota)."""
+    free_range = (
+        "ok(cu.cuMemUnmap, va, 1024 * MiB)"
+        if how == "unmap-with-a-gap"
+        else "ok(cu.cuMemAddressFree, va, 1024 * MiB)"
+    )
+    out = client(
+        node,
+        VMM
+        + f"""
+init()
+base = used()
+after = []
+for _ in range(4):
+    handles = [ok(cu.cuMemCreate, 128 * MiB, vmm_prop(DEVICE), 0) for _ in range(2)]
+    va = ok(cu.cuMemAddressReserve, 1024 * MiB, 0, 0, 0)
+    ok(cu.cuMemMap, va, 128 * MiB, 0, handles[0], 0)
+    ok(cu.cuMemMap, int(va) + 512 * MiB, 128 * MiB, 0, handles[1], 0)
+    for h in handles:
+        ok(cu.cuMemRelease, h)
+    {free_range}
+    if "{how}" == "unmap-with-a-gap":
+        ok(cu.cuMemAddressFree, va, 1024 * MiB)
+    after.append(used())
+emit(base=base, after=after)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="1g",
+    )
+    assert out["after"] == [out["base"]] * 4, out
+
+
 GRAPH_OF = """
 def graph_of(nbytes, free_inside=True):
     \"\"\"A captured graph that allocates nbytes (and frees them inside).\"\"\"

@@ -133,6 +133,7 @@ static const variant variants[] = {
     { "cuLaunchCooperativeKernel", { { 0, "cuLaunchCooperativeKernel" } }, "cuLaunchCooperativeKernel_ptsz" },
     { "cuLaunchKernel", { { 0, "cuLaunchKernel" } }, "cuLaunchKernel_ptsz" },
     { "cuLaunchKernelEx", { { 0, "cuLaunchKernelEx" } }, "cuLaunchKernelEx_ptsz" },
+    { "cuMemAddressFree", { { 0, "cuMemAddressFree" } }, NULL },
     { "cuMemAlloc", { { 0, "cuMemAlloc" }, { 3020, "cuMemAlloc_v2" } }, NULL },
     { "cuMemAllocAsync", { { 0, "cuMemAllocAsync" } }, "cuMemAllocAsync_ptsz" },
     { "cuMemAllocFromPoolAsync", { { 0, "cuMemAllocFromPoolAsync" } }, "cuMemAllocFromPoolAsync_ptsz" },

@@ -6,6 +6,8 @@
  * entries keep the number of live mappings in aux, with RELEASED_BIT set
  * once cuMemRelease succeeded.
  */
+#include <stdlib.h>
+
 #include "hooks.h"
 
 #define RELEASED_BIT (1ULL << 63)
@@ -20,6 +22,7 @@ typedef CUresult (*release_fn)(CUmemGenericAllocationHandle);
 typedef CUresult (*map_fn)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
                            unsigned long long);
 typedef CUresult (*unmap_fn)(CUdeviceptr, size_t);
+typedef CUresult (*addr_free_fn)(CUdeviceptr, size_t);
 
 GV_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size,
                                const CUmemAllocationProp *prop, unsigned long long flags)
@@ -89,23 +92,80 @@ GV_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
     return rc;
 }
 
+/* Mapping m is gone: one mapping fewer of its handle. */
+static void unmapped(const gv_alloc *m)
+{
+    struct edit e = { -1, 0, 0 };
+    if (m->dev == MAP_CHARGED && gv_table_modify(GV_K_VMM, m->aux, edit_handle, &e))
+        maybe_free(m->aux, e.result);
+}
+
+struct span {
+    uint64_t lo, hi;
+    gv_alloc *got;
+    size_t n, cap;
+};
+
+static int in_span(const gv_alloc *a, void *arg)
+{
+    const struct span *r = arg;
+    return a->kind == GV_K_MAP && a->key >= r->lo && a->key < r->hi;
+}
+
+static void collect(const gv_alloc *a, void *arg)
+{
+    struct span *r = arg;
+    if (r->n == r->cap) {
+        size_t cap = r->cap ? r->cap * 2 : 16;
+        gv_alloc *g = realloc(r->got, cap * sizeof *g);
+        if (!g)
+            return;     /* its handle stays counted as mapped: over, never under */
+        r->got = g;
+        r->cap = cap;
+    }
+    r->got[r->n++] = *a;
+}
+
+/* Every mapping in [ptr, ptr + size) is gone.  Consecutive mappings from
+ * ptr are found one by one; past a gap (the driver unmaps every mapping in
+ * the range) or for an address range freed whole, the table is searched. */
+static void unmapped_range(CUdeviceptr ptr, size_t size)
+{
+    CUdeviceptr p = ptr, end = ptr + size;
+    while (p < end) {
+        gv_alloc m;
+        if (!gv_table_take(GV_K_MAP, p, &m) || m.bytes == 0)
+            break;
+        unmapped(&m);
+        p += m.bytes;
+    }
+    if (p >= end)
+        return;
+    struct span r = { p, end, NULL, 0, 0 };
+    gv_table_take_all(in_span, collect, &r);    /* (collect runs under its lock) */
+    for (size_t i = 0; i < r.n; i++)
+        unmapped(&r.got[i]);
+    free(r.got);
+}
+
 GV_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
 {
     unmap_fn real = GV_REAL(cuMemUnmap, unmap_fn);
     GV_ENFORCING_ELSE_PASS(real(ptr, size));
     CUresult rc = real(ptr, size);
-    if (rc != CUDA_SUCCESS)
-        return rc;
-    /* The range may cover several consecutive mappings. */
-    for (CUdeviceptr p = ptr; p < ptr + size;) {
-        gv_alloc m;
-        if (!gv_table_take(GV_K_MAP, p, &m) || m.bytes == 0)
-            break;
-        struct edit e = { -1, 0, 0 };
-        if (m.dev == MAP_CHARGED && gv_table_modify(GV_K_VMM, m.aux, edit_handle, &e))
-            maybe_free(m.aux, e.result);
-        p += m.bytes;
-    }
+    if (rc == CUDA_SUCCESS)
+        unmapped_range(ptr, size);
+    return rc;
+}
+
+/* Freeing an address range unmaps what is still mapped in it. */
+GV_EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
+{
+    addr_free_fn real = GV_REAL(cuMemAddressFree, addr_free_fn);
+    GV_ENFORCING_ELSE_PASS(real(ptr, size));
+    CUresult rc = real(ptr, size);
+    if (rc == CUDA_SUCCESS)
+        unmapped_range(ptr, size);
     return rc;
 }
 
@@ -114,5 +174,6 @@ const gv_hook gv_hooks_vmm[] = {
     { "cuMemRelease", (void *)cuMemRelease },
     { "cuMemMap", (void *)cuMemMap },
     { "cuMemUnmap", (void *)cuMemUnmap },
+    { "cuMemAddressFree", (void *)cuMemAddressFree },
     { NULL, NULL }
 };

@@ -36,7 +36,7 @@
     X(cuArrayDestroy) X(cuArrayGetMemoryRequirements) \
     X(cuMipmappedArrayCreate) X(cuMipmappedArrayDestroy) \
     X(cuMipmappedArrayGetMemoryRequirements) \
-    X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) \
+    X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemAddressFree) \
     X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz) \
     X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz) \
     X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) \
