@@ -165,19 +165,31 @@ static void graph_alloc_bytes(CUgraph g, uint64_t per[GV_MAX_ORDINALS])
 }
 
 /* Forget e's per-device bytes, if it had any. */
-void gv_graph_exec_forget(CUgraphExec e)
+/* Take e's record of bytes per device out of the list (NULL: none). */
+static struct multi *detach_multi(CUgraphExec e)
 {
+    struct multi *m = NULL;
     pthread_mutex_lock(&multis_lock);
     for (struct multi **pp = &multis; *pp; pp = &(*pp)->next) {
         if ((*pp)->exec == e) {
-            struct multi *m = *pp;
+            m = *pp;
             *pp = m->next;
-            free(m);
             break;
         }
     }
     pthread_mutex_unlock(&multis_lock);
+    return m;
 }
+
+static void attach_multi(struct multi *m)
+{
+    pthread_mutex_lock(&multis_lock);
+    m->next = multis;
+    multis = m;
+    pthread_mutex_unlock(&multis_lock);
+}
+
+void gv_graph_exec_forget(CUgraphExec e) { free(detach_multi(e)); }
 
 /* Remember e's bytes on each device (a reused handle's record replaced);
  * 0, or -1 when out of memory. */
@@ -189,10 +201,7 @@ static int remember_multi(CUgraphExec e, const uint64_t per[GV_MAX_ORDINALS])
         return -1;
     m->exec = e;
     memcpy(m->bytes, per, sizeof m->bytes);
-    pthread_mutex_lock(&multis_lock);
-    m->next = multis;
-    multis = m;
-    pthread_mutex_unlock(&multis_lock);
+    attach_multi(m);
     return 0;
 }
 
@@ -399,11 +408,26 @@ GV_EXPORT CUresult cuGraphInstantiateWithParams_ptsz(CUgraphExec *pe, CUgraph g,
 
 /* ---- what gives graph memory back ------------------------------------- */
 
+/* The records go before the driver destroys e, and come back if it does
+ * not: once destroyed, its handle may be given to a graph instantiated on
+ * another thread, whose records a later removal would take (its launches
+ * then went uncharged). */
 GV_EXPORT CUresult cuGraphExecDestroy(CUgraphExec e)
 {
-    CUresult rc = GV_REAL(cuGraphExecDestroy, exec_fn)(e);
-    if (rc == CUDA_SUCCESS && gv_graph_mem_seen() && untrack_exec(e))
-        settle_all();
+    exec_fn real = GV_REAL(cuGraphExecDestroy, exec_fn);
+    gv_alloc a;
+    if (!gv_graph_mem_seen() || !gv_table_take(GV_K_GEXEC, (uint64_t)(uintptr_t)e, &a))
+        return real(e);
+    struct multi *m = detach_multi(e);
+    CUresult rc = real(e);
+    if (rc != CUDA_SUCCESS) {
+        if (m)
+            attach_multi(m);
+        gv_table_put(&a);
+        return rc;
+    }
+    free(m);
+    settle_all();
     return rc;
 }
 
