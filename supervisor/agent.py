@@ -41,6 +41,7 @@ from typing import Any
 from .agent_state import (
     AgentConfig,
     AgentState,
+    admin_socket_problem,
     context_lock_path,
 )
 from .identity import PeerCred, claim_matches, is_admin, peer_cgroups, peer_cred
@@ -78,10 +79,12 @@ def _opt_limit(msg: dict[str, Any], name: str, lo: int, hi: int) -> None:
 
 
 class Connection(asyncio.Protocol):
-    """One supervisor (or admin) connection."""
+    """One supervisor connection (on the reporting socket), or one admin
+    connection (on the admin socket: set-limit only)."""
 
-    def __init__(self, agent: Agent) -> None:
+    def __init__(self, agent: Agent, admin: bool = False) -> None:
         self.agent = agent
+        self.admin = admin
         self.state = agent.state
         self.transport: asyncio.Transport | None = None
         self.buf = b""
@@ -100,13 +103,13 @@ class Connection(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
         agent = self.agent
-        if len(agent.conns) >= agent.config.max_connections:
+        if not self.admin and len(agent.conns) >= agent.config.max_connections:
             self.state.disconnects["too-many"] += 1
             transport.write(encode(error_message(None, "too many connections to the node agent")))
             transport.close()
             self.closing = True
             return
-        agent.conns.add(self)
+        agent.conns_of(self.admin).add(self)
         self.state.connections = len(agent.conns)
         self.state.connections_total += 1
         sock = transport.get_extra_info("socket")
@@ -118,7 +121,7 @@ class Connection(asyncio.Protocol):
         transport.set_write_buffer_limits(high=256 * 1024, low=64 * 1024)
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.agent.conns.discard(self)
+        self.agent.conns_of(self.admin).discard(self)
         self.state.connections = len(self.agent.conns)
         self.buf = b""
 
@@ -228,6 +231,11 @@ class Connection(asyncio.Protocol):
         raw_seq = obj.get("seq")
         seq = raw_seq if is_int(raw_seq) and 0 <= raw_seq < 2**64 else None
         mtype = obj["type"]
+        if self.admin:
+            if mtype == "set-limit":
+                return self._set_limit(obj, seq)
+            state.rejected["type"] += 1
+            return encode(error_message(seq, f"type={mtype!r}: the admin socket takes 'set-limit'"))
         if mtype == "report":
             try:
                 report = parse_report(obj)
@@ -255,7 +263,12 @@ class Connection(asyncio.Protocol):
             instr = state.accept_report(report, self.cred, now)
             return encode(ack_message(report.seq, instr))
         if mtype == "set-limit":
-            return self._set_limit(obj, seq)
+            # The reporting socket is mounted into every workload: whatever
+            # a peer's uid, limits change only over the admin socket.
+            state.rejected["unauthorized"] += 1
+            return encode(
+                error_message(seq, "set-limit: not on the reporting socket; use the admin socket")
+            )
         state.rejected["type"] += 1
         return encode(error_message(seq, f"type={mtype!r}: expected 'report' or 'set-limit'"))
 
@@ -324,13 +337,33 @@ class _HttpServer(ThreadingHTTPServer):
         log.debug("http: request from %s failed", client_address, exc_info=True)
 
 
+def _clear_stale(path: Path) -> None:
+    """Remove a socket left by an agent that is gone; refuse a live one."""
+    try:
+        st = path.lstat()
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise RuntimeError(f"{path} exists and is not a socket")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.connect(str(path))
+    except OSError:
+        path.unlink()  # stale: the previous agent is gone
+    else:
+        raise RuntimeError(f"another node agent is listening on {path}")
+    finally:
+        probe.close()
+
+
 class Agent:
     def __init__(self, config: AgentConfig) -> None:
         from .metrics import AgentCollector, HostGpus  # prometheus_client, pynvml
 
         self.config = config
         self.state = AgentState(config)
-        self.conns: set[Connection] = set()
+        self.conns: set[Connection] = set()  # on the reporting socket
+        self.admin_conns: set[Connection] = set()  # on the admin socket
         self.rate_error = encode(
             error_message(None, f"rate limit exceeded: at most {config.rate:g} messages/s")
         )
@@ -339,11 +372,15 @@ class Agent:
             self.state, self.gpus, legacy=config.legacy_metrics, node=config.node_name
         )
         self.server: asyncio.AbstractServer | None = None
+        self.admin_server: asyncio.AbstractServer | None = None
         self.http: ThreadingHTTPServer | None = None
         self.stopping: asyncio.Event | None = None
         self.sweeper: asyncio.Task[None] | None = None
         self.watcher: asyncio.Task[None] | None = None
         self.logged_errors: set[str] = set()  # exception types handle_safely logged
+
+    def conns_of(self, admin: bool) -> set[Connection]:
+        return self.admin_conns if admin else self.conns
 
     def metrics_payload(self, accept: str | None) -> tuple[bytes, str]:
         from .metrics import render
@@ -358,21 +395,19 @@ class Agent:
         with contextlib.suppress(OSError):
             os.chmod(path.parent, os.stat(path.parent).st_mode | 0o055)
         self._prepare_context_lock()
-        try:
-            st = path.lstat()
-        except FileNotFoundError:
-            return
-        if not stat.S_ISSOCK(st.st_mode):
-            raise RuntimeError(f"{path} exists and is not a socket")
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.connect(str(path))
-        except OSError:
-            path.unlink()  # stale: the previous agent is gone
-        else:
-            raise RuntimeError(f"another node agent is listening on {path}")
-        finally:
-            probe.close()
+        _clear_stale(path)
+
+    def _prepare_admin_socket(self) -> None:
+        """The admin socket's directory: the agent's uid only (0700)."""
+        admin = self.config.admin_socket_path
+        problem = admin_socket_problem(self.config.socket_path, admin)
+        if problem is not None:
+            raise RuntimeError(f"--admin-socket {problem}")
+        path = Path(admin)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):
+            os.chmod(path.parent, 0o700)
+        _clear_stale(path)
 
     def _prepare_context_lock(self) -> None:
         """The file beside the socket that containers' libraries flock while
@@ -405,8 +440,14 @@ class Agent:
         return int(self.http.server_address[1])
 
     async def start(self) -> None:
+        self._prepare_admin_socket()
         self._prepare_socket()
         loop = asyncio.get_running_loop()
+        admin = self.config.admin_socket_path
+        self.admin_server = await loop.create_unix_server(
+            lambda: Connection(self, admin=True), path=admin, backlog=16
+        )
+        os.chmod(admin, 0o600)  # the agent's uid (and root) only
         self.server = await loop.create_unix_server(
             lambda: Connection(self), path=self.config.socket_path, backlog=1024
         )
@@ -436,7 +477,7 @@ class Agent:
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
-            for conn in list(self.conns):
+            for conn in [*self.conns, *self.admin_conns]:
                 if conn.buf and now - conn.partial_since > cfg.read_timeout:
                     conn.disconnect(
                         "timeout",
@@ -465,13 +506,15 @@ class Agent:
         self.close()
 
     def close(self) -> None:
-        if self.server is not None:
-            self.server.close()
-        for conn in list(self.conns):
+        for server in (self.server, self.admin_server):
+            if server is not None:
+                server.close()
+        for conn in [*self.conns, *self.admin_conns]:
             if conn.transport is not None:
                 conn.transport.close()
-        with contextlib.suppress(OSError):
-            os.unlink(self.config.socket_path)
+        for path in (self.config.socket_path, self.config.admin_socket_path):
+            with contextlib.suppress(OSError):
+                os.unlink(path)
         if self.http is not None:
             self.http.shutdown()
             self.http.server_close()
@@ -495,7 +538,8 @@ def run_agent(config: AgentConfig, ready: Any = None) -> None:
 
 
 def send_admin(socket_path: str, msg: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
-    """Send one admin message to the agent; return its (decoded) reply."""
+    """Send one admin message to the agent's admin socket; return its
+    (decoded) reply."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(socket_path)

@@ -36,6 +36,32 @@ def default_socket() -> str:
     return os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
 
 
+# The admin socket (set-limit) lives in a directory of its own, beside the
+# reporting socket's directory and never inside it: that one is mounted into
+# every workload, this one must not be (docs/protocol.md, "Admin").
+ADMIN_SOCKET_ENV = "GPUVISOR_ADMIN_SOCKET"
+ADMIN_SOCKET_NAME = "admin.sock"
+
+
+def admin_socket_for(socket_path: str) -> str:
+    """The default admin socket of an agent on socket_path: admin.sock in
+    the sibling directory "<socket's directory>-admin"
+    (/run/gpuvisor/node.sock -> /run/gpuvisor-admin/admin.sock)."""
+    parent = os.path.dirname(os.path.abspath(socket_path)).rstrip("/") or "/gpuvisor"
+    return os.path.join(parent + "-admin", ADMIN_SOCKET_NAME)
+
+
+def admin_socket_problem(socket_path: str, admin_path: str) -> str | None:
+    """Why admin_path cannot be the admin socket of an agent on socket_path
+    (None: it can): its directory must not be the reporting socket's
+    directory or lie below it, since that one is mounted into workloads."""
+    shared = os.path.dirname(os.path.abspath(socket_path))
+    admin_dir = os.path.dirname(os.path.abspath(admin_path))
+    if admin_dir == shared or admin_dir.startswith(shared.rstrip("/") + "/"):
+        return f"{admin_path}: must not be in {shared}, the reporting socket's directory"
+    return None
+
+
 # The file the agent keeps beside its socket, for the library to serialise
 # context creations across the node with flock (native/shim/node_lock.c):
 # containers that mount the socket's directory share it.
@@ -53,6 +79,7 @@ def context_lock_path(socket_path: str) -> str:
 @dataclass
 class AgentConfig:
     socket_path: str = DEFAULT_SOCKET
+    admin_socket: str = ""  # "": admin_socket_for(socket_path)
     metrics_host: str = "0.0.0.0"
     metrics_port: int = 9400  # 0: any free port (printed in the ready line)
     expire_after: float = 10.0  # seconds without a report before a container expires
@@ -67,6 +94,10 @@ class AgentConfig:
     legacy_metrics: bool = False
     node_name: str = ""  # the host series' node label ("": the host name)
     cpu: int | None = None  # pin the agent to this CPU
+
+    @property
+    def admin_socket_path(self) -> str:
+        return self.admin_socket or admin_socket_for(self.socket_path)
 
 
 @dataclass

@@ -14,7 +14,19 @@ from typing import Any
 import click
 
 from .agent import run_agent, send_admin
-from .agent_state import AgentConfig, default_socket
+from .agent_state import (
+    ADMIN_SOCKET_ENV,
+    AgentConfig,
+    admin_socket_for,
+    admin_socket_problem,
+    default_socket,
+)
+
+ADMIN_SOCKET_HELP = (
+    "The admin socket (set-limit), mode 0600 in a directory of mode 0700 that must not be "
+    "the reporting socket's: never mount it into containers."
+)
+ADMIN_SOCKET_DEFAULT = "$GPUVISOR_ADMIN_SOCKET, else admin.sock in '<socket's directory>-admin'"
 
 REGION_ENV = "CUDA_DEVICE_MEMORY_SHARED_CACHE"
 
@@ -67,6 +79,14 @@ POSITIVE = Finite(min=0, min_open=True)
     "socket_path",
     default=default_socket,
     show_default="$GPUVISOR_NODE_SOCKET or /run/gpuvisor/node.sock",
+    help="The reporting socket (mode 0666): mount its directory into containers.",
+)
+@click.option(
+    "--admin-socket",
+    envvar=ADMIN_SOCKET_ENV,
+    default=None,
+    show_default=ADMIN_SOCKET_DEFAULT,
+    help=ADMIN_SOCKET_HELP,
 )
 @click.option("--metrics-host", default="0.0.0.0", show_default=True)
 @click.option(
@@ -142,6 +162,7 @@ POSITIVE = Finite(min=0, min_open=True)
 def node_agent(
     ctx: click.Context,
     socket_path: str,
+    admin_socket: str | None,
     metrics_host: str,
     metrics_port: int,
     expire_after: float,
@@ -166,6 +187,10 @@ def node_agent(
             f"{cpu} is not a CPU this process may run on (allowed: {allowed}).",
             param_hint="'--cpu'",
         )
+    admin_socket = admin_socket or admin_socket_for(socket_path)
+    problem = admin_socket_problem(socket_path, admin_socket)
+    if problem is not None:
+        raise click.BadParameter(problem, param_hint="'--admin-socket'")
     import logging
 
     logging.basicConfig(
@@ -174,6 +199,7 @@ def node_agent(
     )
     config = AgentConfig(
         socket_path=socket_path,
+        admin_socket=admin_socket,
         metrics_host=metrics_host,
         metrics_port=metrics_port,
         expire_after=expire_after,
@@ -190,7 +216,12 @@ def node_agent(
     )
 
     def ready(port: int) -> None:
-        info = {"socket": socket_path, "metrics_port": port, "pid": os.getpid()}
+        info = {
+            "socket": socket_path,
+            "admin_socket": admin_socket,
+            "metrics_port": port,
+            "pid": os.getpid(),
+        }
         click.echo("gpuvisor node-agent ready " + json.dumps(info))
         sys.stdout.flush()
 
@@ -226,6 +257,14 @@ def _limit_value(value: str | None, what: str) -> int | None:
     "socket_path",
     default=default_socket,
     show_default="$GPUVISOR_NODE_SOCKET or /run/gpuvisor/node.sock",
+    help="The agent's reporting socket: the default admin socket is found beside it.",
+)
+@click.option(
+    "--admin-socket",
+    envvar=ADMIN_SOCKET_ENV,
+    default=None,
+    show_default=ADMIN_SOCKET_DEFAULT,
+    help="The agent's admin socket (its --admin-socket).",
 )
 @click.option(
     "--container",
@@ -238,7 +277,12 @@ def _limit_value(value: str | None, what: str) -> int | None:
 )
 @click.option("--cores", default=None, help="New SM limit in percent (1-100; 'none': no limit).")
 def set_limit(
-    socket_path: str, container: str, device: str, memory: str | None, cores: str | None
+    socket_path: str,
+    admin_socket: str | None,
+    container: str,
+    device: str,
+    memory: str | None,
+    cores: str | None,
 ) -> None:
     """Push a limit change to a container; it arrives with the container's next ack."""
     if memory is None and cores is None:
@@ -254,10 +298,11 @@ def set_limit(
         msg["memory"] = _limit_value(memory, "memory")
     if cores is not None:
         msg["sm"] = _limit_value(cores, "sm")
+    path = admin_socket or admin_socket_for(socket_path)
     try:
-        reply = send_admin(socket_path, msg)
+        reply = send_admin(path, msg)
     except OSError as exc:
-        raise click.ClickException(f"cannot reach the node agent at {socket_path}: {exc}") from exc
+        raise click.ClickException(f"cannot reach the node agent at {path}: {exc}") from exc
     if reply.get("type") != "ack":
         raise click.ClickException(str(reply.get("error", reply)))
     click.echo(f"limit change queued for {reply.get('container', container)}")

@@ -21,6 +21,7 @@ from typing import Any
 
 import psutil
 import pytest
+from gpuvisor.supervisor.agent import send_admin
 from gpuvisor.supervisor.agent_state import AgentConfig, AgentState
 from gpuvisor.supervisor.identity import (
     PeerCred,
@@ -869,6 +870,87 @@ def test_pushed_limit_reaches_next_ack(sock_path):
         assert proc.returncode != 0
         assert "nope" in proc.stderr
         c.close()
+
+
+def test_set_limit_is_refused_on_the_reporting_socket(sock_path):
+    """The reporting socket is mounted into every workload: a set-limit
+    there is refused whatever the peer's uid (this test may run as root or
+    as the agent's own uid) and changes nothing."""
+    with AgentProc(sock_path) as agent:
+        c = Client(sock_path, pod="tenant", namespace="team")
+        c.report(device(limit=8 * GiB))
+        c.send(
+            {
+                "v": 1,
+                "type": "set-limit",
+                "seq": 9,
+                "container": "team/tenant/main",
+                "device": "GPU-aaaa",
+                "memory": None,
+                "sm": None,
+            }
+        )
+        err = c.recv()
+        assert err is not None and err["type"] == "error" and err["seq"] == 9
+        assert "admin socket" in err["error"]
+        assert c.report(device(limit=8 * GiB))["limits"] == {}
+        assert find(
+            agent.metrics(), "gpuvisor_agent_rejected_reports_total", reason="unauthorized"
+        ) == [1.0]
+        c.close()
+
+
+def test_admin_socket_is_private_and_takes_only_set_limit(sock_path):
+    admin = Path(sock_path).parent.parent / "run-admin" / "admin.sock"
+    with AgentProc(sock_path) as agent:
+        assert admin.is_socket()
+        assert admin.stat().st_mode & 0o777 == 0o600
+        assert admin.parent.stat().st_mode & 0o777 == 0o700
+        c = Client(sock_path, pod="tenant", namespace="team")
+        c.report(device(limit=8 * GiB))
+        msg = {
+            "v": 1,
+            "type": "set-limit",
+            "seq": 3,
+            "container": "team/tenant/main",
+            "device": "GPU-aaaa",
+            "sm": 20,
+        }
+        reply = send_admin(str(admin), msg)
+        assert reply["type"] == "ack" and reply["seq"] == 3
+        assert c.report(device(limit=8 * GiB))["limits"] == {"GPU-aaaa": {"sm": 20}}
+        # A report on the admin socket is not taken.
+        reply = send_admin(str(admin), c.report_msg())
+        assert reply["type"] == "error" and "admin socket" in reply["error"]
+        assert len(agent.status()["containers"]) == 1
+        c.close()
+    assert not admin.exists()
+
+
+def test_an_admin_socket_in_the_reporting_directory_is_refused(sock_path):
+    inside = os.path.join(os.path.dirname(sock_path), "sub", "admin.sock")
+    proc = subprocess.run(
+        [
+            *CLI,
+            "node-agent",
+            "--socket",
+            sock_path,
+            "--admin-socket",
+            inside,
+            "--metrics-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        cwd=REPO_ROOT,
+        timeout=30,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("Error: ")]
+    assert "--admin-socket" in line and inside in line
+    assert not Path(sock_path).exists() and not Path(inside).exists()
 
 
 def test_socket_created_with_directory_and_open_mode(sock_path):

@@ -35,6 +35,7 @@ import pytest
 import yaml
 from gpuvisor.shim.limits import parse_memory_limit
 from gpuvisor.supervisor import config as run_config
+from gpuvisor.supervisor.agent_state import admin_socket_for, admin_socket_problem
 from gpuvisor.supervisor.protocol import MAX_MESSAGE_BYTES
 from gpuvisor.supervisor.reporter import CONTAINER_VARS, NAMESPACE_VARS, POD_VARS
 from gpuvisor.supervisor.run import ENV_LOG_LEVEL
@@ -159,6 +160,12 @@ def test_daemonset_matches_the_agents_defaults():
     # Its arguments parse with the real command and keep socket and port.
     params = node_agent.make_context("node-agent", list(ctr["args"])).params
     assert params["socket_path"] == defaults["socket_path"]
+    # The admin socket: its own hostPath, the default beside the socket's,
+    # never the directory workloads mount.
+    admin_dir = str(PurePosixPath(params["admin_socket"]).parent)
+    assert params["admin_socket"] == admin_socket_for(defaults["socket_path"])
+    assert admin_socket_problem(params["socket_path"], params["admin_socket"]) is None
+    assert host_path_mount(spec, ctr, admin_dir)["mountPath"] == admin_dir
     assert params["metrics_port"] == defaults["metrics_port"]
     (port,) = ctr["ports"]
     assert port["name"] == "metrics"
@@ -176,8 +183,9 @@ def test_daemonset_matches_the_agents_defaults():
     assert ctr["securityContext"]["runAsUser"] == uid
     assert ctr["securityContext"]["runAsNonRoot"] is True
     (init,) = spec["initContainers"]
-    assert init["command"] == ["chown", f"{uid}:{uid}", sock_dir]
+    assert init["command"] == ["chown", f"{uid}:{uid}", sock_dir, admin_dir]
     assert host_path_mount(spec, init, sock_dir)["mountPath"] == sock_dir
+    assert host_path_mount(spec, init, admin_dir)["mountPath"] == admin_dir
     assert init["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["CHOWN"]}
     # Selectors select the template.
     labels = ds["spec"]["template"]["metadata"]["labels"]
@@ -288,6 +296,11 @@ def test_example_pod_environment_is_what_gpuvisor_run_accepts():
     sock_dir = str(PurePosixPath(cfg.socket).parent)
     ds_mount = host_path_mount(ds_spec, container(ds_spec, "agent"), sock_dir)
     assert host_path_mount(spec, ctr, sock_dir)["mountPath"] == ds_mount["mountPath"] == sock_dir
+    # ...and not the admin socket's directory.
+    admin_dir = str(PurePosixPath(admin_socket_for(cfg.socket)).parent)
+    mounted = {v.get("hostPath", {}).get("path") for v in spec["volumes"]}
+    assert admin_dir not in mounted
+    assert all(not m["mountPath"].startswith(admin_dir) for m in ctr["volumeMounts"])
     # The region on a volume of the pod's own (shared by the container's processes).
     region_dir = str(PurePosixPath(cfg.region).parent)
     (mount,) = [m for m in ctr["volumeMounts"] if m["mountPath"] == region_dir]
