@@ -9,6 +9,9 @@ Defences against bad clients, all with bounded memory:
   partial line is never buffered beyond that bound);
 - a per-connection token bucket (default 50 messages/s, burst 100): excess
   messages get an error reply and are counted, not processed;
+- a peer whose unread replies pass WRITE_HIGH (256 KiB) is neither
+  answered nor read from until they drain: the lines of a read it
+  pipelined wait in its buffer instead of each adding a reply;
 - a line that stays incomplete for --read-timeout seconds from its first
   byte (however it trickles in), or a reader that leaves our replies
   unread that long: disconnect;
@@ -57,6 +60,13 @@ from .protocol import (
 )
 
 log = logging.getLogger("gpuvisor.agent")
+
+# Unread replies per connection: above WRITE_HIGH the agent stops reading
+# and serving the peer's lines until they drain below WRITE_LOW; replies
+# go to the transport at least every REPLY_FLUSH bytes.
+WRITE_HIGH = 256 * 1024
+WRITE_LOW = 64 * 1024
+REPLY_FLUSH = 16 * 1024
 
 
 def _classify(exc: ProtocolError) -> str:
@@ -118,7 +128,7 @@ class Connection(asyncio.Protocol):
             self.cgroups = peer_cgroups(self.cred.pid)
         except OSError as exc:
             log.info("peer credentials unavailable: %s", exc)
-        transport.set_write_buffer_limits(high=256 * 1024, low=64 * 1024)
+        transport.set_write_buffer_limits(high=WRITE_HIGH, low=WRITE_LOW)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.agent.conns_of(self.admin).discard(self)
@@ -126,7 +136,8 @@ class Connection(asyncio.Protocol):
         self.buf = b""
 
     def pause_writing(self) -> None:
-        # The peer does not read its replies: stop reading its requests.
+        # The peer does not read its replies: stop reading its requests
+        # (and stop serving the lines already read: _serve holds them).
         self.paused_since = time.monotonic()
         if self.transport is not None:
             self.transport.pause_reading()
@@ -134,6 +145,16 @@ class Connection(asyncio.Protocol):
     def resume_writing(self) -> None:
         self.paused_since = None
         if self.transport is not None and not self.closing:
+            # Not from inside the transport's write callback: serve the held
+            # lines (and read again) on the loop's next turn.
+            asyncio.get_running_loop().call_soon(self._resume)
+
+    def _resume(self) -> None:
+        if self.closing or self.paused_since is not None or self.transport is None:
+            return
+        if self.buf:
+            self._serve(time.monotonic(), continuing=True)
+        if self.paused_since is None and not self.closing:
             self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
@@ -141,14 +162,23 @@ class Connection(asyncio.Protocol):
             return
         now = time.monotonic()
         self.last_activity = now
-        had_partial = bool(self.buf)
-        if self.buf:
-            data = self.buf + data
-            self.buf = b""
+        continuing = bool(self.buf)
+        self.buf = self.buf + data if self.buf else data
+        self._serve(now, continuing)
+
+    def _serve(self, now: float, continuing: bool) -> None:
+        """Answer the complete lines in buf, in order, until the replies the
+        peer has not read pass the transport's high-water mark (then
+        pause_writing has stopped reading): the lines not yet served stay
+        in buf until resume_writing.  So a connection holds at most
+        WRITE_HIGH + REPLY_FLUSH bytes of replies and one read (256 KiB)
+        plus one partial line of requests."""
+        data, self.buf = self.buf, b""
         out: list[bytes] = []
+        size = 0
         start = 0
         limit = MAX_MESSAGE_BYTES
-        while True:
+        while self.paused_since is None:
             nl = data.find(b"\n", start)
             if nl < 0:
                 break
@@ -158,19 +188,29 @@ class Connection(asyncio.Protocol):
             line = data[start:nl]
             start = nl + 1
             if line.strip():
-                out.append(self.handle_safely(line, now))
+                reply = self.handle_safely(line, now)
+                out.append(reply)
+                size += len(reply)
+                if size >= REPLY_FLUSH:
+                    self._write(out)  # may call pause_writing
+                    out, size = [], 0
+        self._write(out)
         rest = data[start:] if start else data
-        if len(rest) >= limit:
-            # A line can only be valid if its newline arrives within limit bytes.
-            self._oversize(out)
+        if self.closing or not rest:
             return
-        if rest:
-            # The read timeout runs from a line's first byte: bytes that
-            # continue the same line do not restart it.
-            if start or not had_partial:
-                self.partial_since = now
-            self.buf = rest
-        if out and self.transport is not None:
+        held = self.paused_since is not None and b"\n" in rest
+        if not held and len(rest) >= limit:
+            # A line can only be valid if its newline arrives within limit bytes.
+            self._oversize([])
+            return
+        # The read timeout runs from a line's first byte: bytes that
+        # continue the same line do not restart it.
+        if start or not continuing:
+            self.partial_since = now
+        self.buf = rest
+
+    def _write(self, out: list[bytes]) -> None:
+        if out and self.transport is not None and not self.closing:
             self.transport.write(out[0] if len(out) == 1 else b"".join(out))
 
     # ---- messages -------------------------------------------------------------
@@ -478,13 +518,16 @@ class Agent:
             await asyncio.sleep(period)
             now = time.monotonic()
             for conn in [*self.conns, *self.admin_conns]:
-                if conn.buf and now - conn.partial_since > cfg.read_timeout:
+                if conn.paused_since is not None:
+                    # Lines held in buf wait for the peer to read: not a
+                    # trickled line.
+                    if now - conn.paused_since > cfg.read_timeout:
+                        conn.disconnect("slow-reader")
+                elif conn.buf and now - conn.partial_since > cfg.read_timeout:
                     conn.disconnect(
                         "timeout",
                         encode(error_message(None, f"incomplete line for {cfg.read_timeout:g} s")),
                     )
-                elif conn.paused_since is not None and now - conn.paused_since > cfg.read_timeout:
-                    conn.disconnect("slow-reader")
                 elif now - conn.last_activity > cfg.idle_timeout:
                     conn.disconnect("idle")
             self.state.expire(now)

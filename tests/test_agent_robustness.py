@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -344,3 +345,59 @@ def test_out_of_range_view_options_are_named(args, option):
     proc = _cli(*args)
     assert proc.returncode == 2, proc.stderr
     assert option in _error_line(proc.stderr)
+
+
+# ---- peers that do not read their replies ----------------------------------------------
+
+
+def _flood_unread(sock: str, lines: int, seconds: float) -> socket.socket:
+    """A peer that sends `lines` one-byte requests, as many as the agent
+    takes within `seconds`, and never reads a reply."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(sock)
+    s.setblocking(False)
+    data = memoryview(b"x\n" * lines)
+    deadline = time.monotonic() + seconds
+    while data and time.monotonic() < deadline:
+        try:
+            data = data[s.send(data) :]
+        except BlockingIOError:
+            time.sleep(0.01)
+    return s
+
+
+def test_unread_replies_stay_bounded_per_connection(sock_path):
+    """Each line of a read gets a reply; a peer that pipelines a read's worth
+    of one-byte lines and never reads must not make the agent buffer a reply
+    for every one of them (protocol.md: 256 KiB of unread replies)."""
+    with AgentProc(sock_path, "--read-timeout", "60") as agent:
+        time.sleep(0.3)
+        before = agent.rss()
+        peers = [_flood_unread(sock_path, 131072, 0.2) for _ in range(30)]
+        time.sleep(1.0)
+        grown = agent.rss() - before
+        assert grown < 64 << 20, f"agent RSS grew by {grown >> 20} MiB"
+        # The agent still serves everyone else.
+        c = Client(sock_path)
+        assert c.report()["type"] == "ack"
+        c.close()
+        for p in peers:
+            p.close()
+
+
+def test_a_pipelining_peer_gets_every_reply_in_order(sock_path):
+    """Lines held while the peer's replies are unread are served once it
+    reads: none lost, none reordered."""
+    n = 50000
+    with AgentProc(sock_path, "--rate", "0") as agent:
+        c = Client(sock_path)
+        reports = b"".join(encode(c.report_msg()) for _ in range(50))
+        junk = b"x\n" * n
+        sender = threading.Thread(target=c.send, args=(junk + reports,), daemon=True)
+        sender.start()
+        replies = [c.recv() for _ in range(n + 50)]
+        sender.join(10)
+        assert all(r is not None and r["type"] == "error" for r in replies[:n])
+        assert [r["seq"] for r in replies[n:] if r is not None] == list(range(1, 51))
+        assert _rejected(agent)["malformed"] == n
+        c.close()
