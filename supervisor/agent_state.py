@@ -121,6 +121,16 @@ class PendingLimits:
     sm: dict[str, int | None] = field(default_factory=dict)
 
 
+def _drop(table: dict[str, dict[str, float]], uuid: str, key: str) -> None:
+    """Take container `key` out of a per-device table; a device left with no
+    entry is dropped (device UUIDs come from reports: any string)."""
+    entries = table.get(uuid)
+    if entries is not None:
+        entries.pop(key, None)
+        if not entries:
+            del table[uuid]
+
+
 class AgentState:
     """Everything the agent knows; mutated only by the event loop thread."""
 
@@ -189,9 +199,7 @@ class AgentState:
                 if d.sm_share > threshold:
                     self.high_active.setdefault(d.uuid, {})[key] = now
                 else:
-                    entries = self.high_active.get(d.uuid)
-                    if entries is not None:
-                        entries.pop(key, None)
+                    _drop(self.high_active, d.uuid, key)
 
         others = self._others_share(st)
         pending = self.pending.get(key)
@@ -220,8 +228,8 @@ class AgentState:
 
     def _forget_active(self, key: str) -> None:
         for table in (self.high_active, self.nvml_active):
-            for entries in table.values():
-                entries.pop(key, None)
+            for uuid in [u for u, entries in table.items() if key in entries]:
+                _drop(table, uuid, key)
         self._update_claims(key)
 
     def busy_for(self, key: str, uuid: str, now: float) -> bool:
@@ -332,7 +340,10 @@ class AgentState:
             new[d.uuid] = new.get(d.uuid, 0.0) + self._claim(key, st.report, d)
         for uuid in st.claims.keys() | new.keys():
             total = self.device_share.get(uuid, 0.0) - st.claims.get(uuid, 0.0) + new.get(uuid, 0.0)
-            self.device_share[uuid] = total if total > 1e-6 else 0.0
+            if total > 1e-6:
+                self.device_share[uuid] = total
+            else:  # nobody claims it: keep no entry for a device that may be gone
+                self.device_share.pop(uuid, None)
         st.claims = new
 
     def _others_share(self, st: ContainerState) -> dict[str, float]:
@@ -375,9 +386,9 @@ class AgentState:
         self.expired_total += len(expired)
         window = self.config.active_window
         for table in (self.high_active, self.nvml_active):
-            for entries in table.values():
+            for uuid, entries in list(table.items()):
                 for k in [k for k, ts in entries.items() if now - ts > window]:
-                    del entries[k]
+                    _drop(table, uuid, k)
                     if table is self.nvml_active:
                         self._update_claims(k)
         return len(expired)

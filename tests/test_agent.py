@@ -773,7 +773,7 @@ def test_a_container_measuring_nothing_claims_the_device_while_nvml_sees_it_work
     state.remove(free.container.key)
     assert others(t + 2.1) == 0.0
     state.remove(lender.container.key)
-    assert state.device_share == {"GPU-aaaa": 0.0}
+    assert state.device_share == {}  # nothing claimed: no entry left
     # With an SM limit it measures itself: its report, not NVML, decides.
     limited = report("free", 40, 0.0)
     state.accept_report(limited, peer, t + 3)
@@ -781,6 +781,42 @@ def test_a_container_measuring_nothing_claims_the_device_while_nvml_sees_it_work
     assert others(t + 3) == 0.0
     state.accept_report(replace(limited, devices=[device(share=35.0, sm_limit=40)]), peer, t + 3)
     assert others(t + 3) == 40.0
+
+
+def test_per_device_tables_forget_devices_nobody_reports():
+    """Device UUIDs are whatever reports say: the per-device tables keep no
+    entry for a device once no container is on it (final report, expiry,
+    an idle report), so made-up UUIDs cannot grow them."""
+    state = AgentState(AgentConfig(active_window=1.0, expire_after=5.0))
+    peer = PeerCred(pid=1, uid=0, gid=0)
+    t = 100.0
+    cgroup = frozenset({"/kubepods/x"})
+    for i in range(50):
+        cid = ContainerId(cgroup="/kubepods/x", pod=f"p{i}")
+        devs = [device(uuid=f"GPU-{i}-{j}", share=50.0) for j in range(4)]
+        r = Report(
+            seq=1,
+            ts=0.0,
+            container=cid,
+            policy="fixed-share",
+            priority=0,
+            pids=[1000 + i],
+            devices=devs,
+        )
+        state.accept_report(r, peer, t)
+        state.note_process_use({f"GPU-{i}-0": {1000 + i: 50.0}}, lambda _: cgroup, t)
+        if i % 3 == 0:
+            state.accept_report(replace(r, final=True), peer, t)
+        elif i % 3 == 1:  # idle, then gone by expiry
+            idle = [replace(d, sm_share=0.0) for d in devs]
+            state.accept_report(replace(r, devices=idle), peer, t)
+    assert state.device_share and state.high_active and state.nvml_active
+    state.expire(t + 10.0)
+    assert state.containers == {}
+    assert state.device_share == {}
+    assert state.high_active == {}
+    assert state.nvml_active == {}
+    assert state.nvml_share == {}
 
 
 def test_pushed_limit_reaches_next_ack(sock_path):
