@@ -94,6 +94,10 @@ class AgentConfig:
     legacy_metrics: bool = False
     node_name: str = ""  # the host series' node label ("": the host name)
     cpu: int | None = None  # pin the agent to this CPU
+    # Containers (label sets) one verified cgroup may hold; a new one
+    # replaces the one that reported least recently.
+    max_per_cgroup: int = 16
+    max_expire: float = 300.0  # cap on 3 x a container's report interval
 
     @property
     def admin_socket_path(self) -> str:
@@ -152,6 +156,9 @@ class AgentState:
         # device uuid -> sum of the containers' claims there (kept
         # incrementally, so "the others' claim" costs O(devices) per report)
         self.device_share: dict[str, float] = {}
+        # verified cgroup -> its containers' keys, least recently reported first
+        self.by_cgroup: dict[str, dict[str, None]] = {}
+        self.replaced_total = 0
         self.reports_total = 0
         self.rejected: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
         self.disconnects: dict[str, int] = dict.fromkeys(DISCONNECT_REASONS, 0)
@@ -174,6 +181,7 @@ class AgentState:
                 last_seen=now,
                 last_wall=time.time(),
             )
+            self._make_room(report.container.cgroup)
             self.containers[key] = st
         else:
             dt = now - st.last_seen
@@ -185,6 +193,7 @@ class AgentState:
             st.last_seen = now
             st.last_wall = time.time()
             st.reports += 1
+        self._note_cgroup(report.container.cgroup, key)
         self._update_claims(key)
         self.reports_total += 1
 
@@ -216,6 +225,22 @@ class AgentState:
         if report.final:
             self.remove(key)
         return instr
+
+    def _note_cgroup(self, cgroup: str, key: str) -> None:
+        keys = self.by_cgroup.setdefault(cgroup, {})
+        keys.pop(key, None)
+        keys[key] = None  # most recent last
+
+    def _make_room(self, cgroup: str) -> None:
+        """Before a new container of `cgroup`: drop its least recently
+        reported ones beyond max_per_cgroup - 1, so one peer cannot fill
+        the agent with label sets."""
+        keys = self.by_cgroup.get(cgroup, {})
+        while keys and len(keys) >= self.config.max_per_cgroup:
+            oldest = next(iter(keys))
+            self.remove(oldest)
+            keys.pop(oldest, None)
+            self.replaced_total += 1
 
     @staticmethod
     def _settle_pending(key: str, pending: PendingLimits, report: Report) -> None:
@@ -361,19 +386,25 @@ class AgentState:
         if st is not None:
             self._update_claims(key, gone=True)
         self.containers.pop(key, None)
+        if st is not None:
+            keys = self.by_cgroup.get(st.id.cgroup)
+            if keys is not None:
+                keys.pop(key, None)
+                if not keys:
+                    del self.by_cgroup[st.id.cgroup]
         self.pending.pop(key, None)
         self.nvml_share.pop(key, None)
         self._forget_active(key)
 
     def expiry(self, st: ContainerState) -> float:
         """Seconds without a report before the container expires: at least
-        --expire-after, and 3 of its report intervals, by the interval its
-        reports declare (from the first report on) and the one measured
-        between them."""
+        --expire-after, and 3 of its report intervals (at most --max-expire),
+        by the interval its reports declare (from the first report on) and
+        the one measured between them."""
         limit = self.config.expire_after
         for interval in (st.report.interval, st.interval):
             if interval is not None:
-                limit = max(limit, 3 * interval)
+                limit = max(limit, min(3 * interval, self.config.max_expire))
         return limit
 
     def expire(self, now: float) -> int:
@@ -465,6 +496,7 @@ class AgentState:
                 "rejected_reports_total": dict(self.rejected),
                 "disconnects_total": dict(self.disconnects),
                 "expired_total": self.expired_total,
+                "replaced_total": self.replaced_total,
                 "limit_pushes_total": self.limit_pushes_total,
                 "expire_after_s": self.config.expire_after,
             },

@@ -344,6 +344,12 @@ class AgentCollector(Collector):
         )
         expired.add_metric([], float(state.expired_total))
         yield expired
+        replaced = CounterMetricFamily(
+            "gpuvisor_agent_replaced_containers",
+            "Containers dropped for a newer label set from the same cgroup",
+        )
+        replaced.add_metric([], float(state.replaced_total))
+        yield replaced
 
     def _host_metrics(self) -> Iterator[Metric]:
         gpus = self.gpus.read()

@@ -140,6 +140,23 @@ POSITIVE = Finite(min=0, min_open=True)
 )
 @click.option("--max-connections", default=4096, show_default=True, type=click.IntRange(min=1))
 @click.option(
+    "--max-containers-per-cgroup",
+    default=16,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help=(
+        "Containers (label sets) one cgroup may report; a new one replaces the one that "
+        "reported least recently."
+    ),
+)
+@click.option(
+    "--max-expire",
+    default=300.0,
+    show_default=True,
+    type=POSITIVE,
+    help="Longest a container is kept without a report, however long its report interval.",
+)
+@click.option(
     "--active-window",
     default=3.0,
     show_default=True,
@@ -172,6 +189,8 @@ def node_agent(
     rate: float,
     burst: float,
     max_connections: int,
+    max_containers_per_cgroup: int,
+    max_expire: float,
     active_window: float,
     legacy_metrics: bool,
     node_name: str,
@@ -209,6 +228,8 @@ def node_agent(
         rate=rate,
         burst=burst,
         max_connections=max_connections,
+        max_per_cgroup=max_containers_per_cgroup,
+        max_expire=max_expire,
         active_window=active_window,
         legacy_metrics=legacy_metrics,
         node_name=node_name,

@@ -787,7 +787,7 @@ def test_per_device_tables_forget_devices_nobody_reports():
     """Device UUIDs are whatever reports say: the per-device tables keep no
     entry for a device once no container is on it (final report, expiry,
     an idle report), so made-up UUIDs cannot grow them."""
-    state = AgentState(AgentConfig(active_window=1.0, expire_after=5.0))
+    state = AgentState(AgentConfig(active_window=1.0, expire_after=5.0, max_per_cgroup=100))
     peer = PeerCred(pid=1, uid=0, gid=0)
     t = 100.0
     cgroup = frozenset({"/kubepods/x"})
@@ -817,6 +817,49 @@ def test_per_device_tables_forget_devices_nobody_reports():
     assert state.high_active == {}
     assert state.nvml_active == {}
     assert state.nvml_share == {}
+
+
+def test_one_cgroup_holds_a_bounded_number_of_containers(sock_path):
+    """Labels are the sender's word: a peer cycling through label sets from
+    its one cgroup replaces its own least recently reported entries instead
+    of adding one per set (and cannot touch another cgroup's)."""
+    with AgentProc(sock_path, "--max-containers-per-cgroup", "3") as agent:
+        c = Client(sock_path, pod="p0")
+        for i in range(20):
+            c.cid = replace(c.cid, pod=f"p{i}")
+            assert c.report()["type"] == "ack"
+        st = agent.status()
+        assert sorted(x["container"]["pod"] for x in st["containers"]) == ["p17", "p18", "p19"]
+        assert st["agent"]["replaced_total"] == 17
+        assert find(agent.metrics(), "gpuvisor_agent_replaced_containers_total") == [17.0]
+        # Reporting again keeps an entry the most recent: p17 stays, p18 goes.
+        c.cid = replace(c.cid, pod="p17")
+        c.report()
+        c.cid = replace(c.cid, pod="p20")
+        c.report()
+        st = agent.status()
+        assert sorted(x["container"]["pod"] for x in st["containers"]) == ["p17", "p19", "p20"]
+        c.close()
+
+
+def test_a_declared_interval_keeps_a_container_at_most_max_expire():
+    state = AgentState(AgentConfig(expire_after=10.0, max_expire=60.0))
+    r = Report(
+        seq=1,
+        ts=0.0,
+        container=ContainerId(cgroup="/x", pod="slow"),
+        policy="fixed-share",
+        priority=0,
+        devices=[device()],
+        interval=3600.0,
+    )
+    state.accept_report(r, PeerCred(pid=1, uid=0, gid=0), 0.0)
+    assert state.expire(59.0) == 0
+    assert state.expire(61.0) == 1
+    # --max-expire below --expire-after: --expire-after wins.
+    state = AgentState(AgentConfig(expire_after=10.0, max_expire=1.0))
+    state.accept_report(r, PeerCred(pid=1, uid=0, gid=0), 0.0)
+    assert state.expire(9.0) == 0
 
 
 def test_pushed_limit_reaches_next_ack(sock_path):

@@ -168,6 +168,9 @@ def run_once(
             str(agent_cpu),
             "--max-connections",
             str(containers + 100),
+            # Every simulated container reports from this one cgroup.
+            "--max-containers-per-cgroup",
+            str(containers),
         ],
         stdout=subprocess.PIPE,
         text=True,
