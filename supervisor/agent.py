@@ -50,6 +50,7 @@ from .agent_state import (
 from .identity import PeerCred, claim_matches, is_admin, peer_cgroups, peer_cred
 from .protocol import (
     MAX_MESSAGE_BYTES,
+    ContainerId,
     ProtocolError,
     ack_message,
     decode,
@@ -300,6 +301,16 @@ class Connection(asyncio.Protocol):
                     )
             if seen != claimed:  # keyed by the cgroup the agent read, not the claim
                 report = replace(report, container=replace(report.container, cgroup=seen))
+            if not self._labels_free(report.container):
+                state.rejected["conflict"] += 1
+                labels = "/".join(report.container.labels or ())
+                return encode(
+                    error_message(
+                        seq,
+                        f"container: namespace/pod/container {labels!r} "
+                        "is reported by another live cgroup",
+                    )
+                )
             instr = state.accept_report(report, self.cred, now)
             return encode(ack_message(report.seq, instr))
         if mtype == "set-limit":
@@ -311,6 +322,23 @@ class Connection(asyncio.Protocol):
             )
         state.rejected["type"] += 1
         return encode(error_message(seq, f"type={mtype!r}: expected 'report' or 'set-limit'"))
+
+    def _labels_free(self, cid: ContainerId) -> bool:
+        """May cid's labels be reported from its cgroup: no other cgroup
+        holds them, or the one that does has no live reporter left (its
+        last peer is gone or has left it: a restarted container takes its
+        labels over at once)."""
+        holder = self.state.label_holder(cid)
+        if holder is None:
+            return True
+        try:
+            alive = holder.id.cgroup in peer_cgroups(holder.peer.pid)
+        except OSError:
+            alive = False
+        if alive:
+            return False
+        self.state.remove(holder.id.key)
+        return True
 
     def _set_limit(self, msg: dict[str, Any], seq: int | None) -> bytes:
         state = self.state

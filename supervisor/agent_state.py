@@ -28,6 +28,7 @@ REJECT_REASONS = (
     "rate",  # over the per-connection rate limit
     "oversize",  # a line longer than MAX_MESSAGE_BYTES
     "unauthorized",  # an admin message from a peer that may not send it
+    "conflict",  # labels another live cgroup reports under
 )
 DISCONNECT_REASONS = ("oversize", "timeout", "slow-reader", "idle", "too-many")
 
@@ -158,6 +159,8 @@ class AgentState:
         self.device_share: dict[str, float] = {}
         # verified cgroup -> its containers' keys, least recently reported first
         self.by_cgroup: dict[str, dict[str, None]] = {}
+        # (namespace, pod, container) -> the key of the container holding them
+        self.by_labels: dict[tuple[str, str, str], str] = {}
         self.replaced_total = 0
         self.reports_total = 0
         self.rejected: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
@@ -183,6 +186,9 @@ class AgentState:
             )
             self._make_room(report.container.cgroup)
             self.containers[key] = st
+            labels = report.container.labels
+            if labels is not None:
+                self.by_labels[labels] = key
         else:
             dt = now - st.last_seen
             st.interval = dt if st.interval is None else 0.8 * st.interval + 0.2 * dt
@@ -387,6 +393,9 @@ class AgentState:
             self._update_claims(key, gone=True)
         self.containers.pop(key, None)
         if st is not None:
+            labels = st.id.labels
+            if labels is not None and self.by_labels.get(labels) == key:
+                del self.by_labels[labels]
             keys = self.by_cgroup.get(st.id.cgroup)
             if keys is not None:
                 keys.pop(key, None)
@@ -423,6 +432,13 @@ class AgentState:
                     if table is self.nvml_active:
                         self._update_claims(k)
         return len(expired)
+
+    def label_holder(self, cid: ContainerId) -> ContainerState | None:
+        """The container of another cgroup that holds cid's labels, if any."""
+        labels = cid.labels
+        key = None if labels is None else self.by_labels.get(labels)
+        st = None if key is None else self.containers.get(key)
+        return st if st is not None and st.id.cgroup != cid.cgroup else None
 
     # ---- admin -----------------------------------------------------------
 

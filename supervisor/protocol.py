@@ -35,6 +35,13 @@ class ContainerId:
     container: str | None = None
 
     @property
+    def labels(self) -> tuple[str, str, str] | None:
+        """(namespace, pod, container), or None when none is given."""
+        if self.pod is None and self.namespace is None and self.container is None:
+            return None
+        return (self.namespace or "", self.pod or "", self.container or "")
+
+    @property
     def key(self) -> str:
         """Stable key of the container on the node."""
         return "|".join([self.cgroup, self.namespace or "", self.pod or "", self.container or ""])
@@ -231,6 +238,7 @@ def parse_report(obj: dict[str, Any]) -> Report:
                 throttled=_bool(_get(d, "throttled", w), w + "throttled"),
             )
         )
+    _no_duplicate_uuids(devices)
     return Report(
         seq=_int(_get(obj, "seq", ""), "seq"),
         ts=_num(_get(obj, "ts", ""), "ts", 0.0, 1e12),
@@ -242,6 +250,14 @@ def parse_report(obj: dict[str, Any]) -> Report:
         final=_bool(obj.get("final", False), "final"),
         interval=_opt_interval(obj.get("interval")),
     )
+
+
+def _no_duplicate_uuids(devices: list[DeviceReport]) -> None:
+    first: dict[str, int] = {}
+    for i, d in enumerate(devices):
+        j = first.setdefault(d.uuid, i)
+        if j != i:
+            raise ProtocolError(f"devices[{i}].uuid={d.uuid!r}: the same device as devices[{j}]")
 
 
 def _opt_interval(value: Any) -> float | None:

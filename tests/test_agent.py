@@ -810,7 +810,9 @@ def test_per_device_tables_forget_devices_nobody_reports():
         elif i % 3 == 1:  # idle, then gone by expiry
             idle = [replace(d, sm_share=0.0) for d in devs]
             state.accept_report(replace(r, devices=idle), peer, t)
-    assert state.device_share and state.high_active and state.nvml_active
+    assert state.device_share
+    assert state.high_active
+    assert state.nvml_active
     state.expire(t + 10.0)
     assert state.containers == {}
     assert state.device_share == {}
@@ -970,7 +972,9 @@ def test_set_limit_is_refused_on_the_reporting_socket(sock_path):
             }
         )
         err = c.recv()
-        assert err is not None and err["type"] == "error" and err["seq"] == 9
+        assert err is not None
+        assert err["type"] == "error"
+        assert err["seq"] == 9
         assert "admin socket" in err["error"]
         assert c.report(device(limit=8 * GiB))["limits"] == {}
         assert find(
@@ -996,11 +1000,13 @@ def test_admin_socket_is_private_and_takes_only_set_limit(sock_path):
             "sm": 20,
         }
         reply = send_admin(str(admin), msg)
-        assert reply["type"] == "ack" and reply["seq"] == 3
+        assert reply["type"] == "ack"
+        assert reply["seq"] == 3
         assert c.report(device(limit=8 * GiB))["limits"] == {"GPU-aaaa": {"sm": 20}}
         # A report on the admin socket is not taken.
         reply = send_admin(str(admin), c.report_msg())
-        assert reply["type"] == "error" and "admin socket" in reply["error"]
+        assert reply["type"] == "error"
+        assert "admin socket" in reply["error"]
         assert len(agent.status()["containers"]) == 1
         c.close()
     assert not admin.exists()
@@ -1028,8 +1034,10 @@ def test_an_admin_socket_in_the_reporting_directory_is_refused(sock_path):
     )
     assert proc.returncode == 2, proc.stderr
     (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("Error: ")]
-    assert "--admin-socket" in line and inside in line
-    assert not Path(sock_path).exists() and not Path(inside).exists()
+    assert "--admin-socket" in line
+    assert inside in line
+    assert not Path(sock_path).exists()
+    assert not Path(inside).exists()
 
 
 def test_socket_created_with_directory_and_open_mode(sock_path):

@@ -14,6 +14,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,7 @@ from gpuvisor.supervisor.protocol import (
 )
 
 from tests.helpers import REPO_ROOT, clean_env
-from tests.test_agent import CLI, AgentProc, Client, find
+from tests.test_agent import CLI, AgentProc, Client, device, find
 
 
 @pytest.fixture
@@ -400,4 +401,70 @@ def test_a_pipelining_peer_gets_every_reply_in_order(sock_path):
         assert all(r is not None and r["type"] == "error" for r in replies[:n])
         assert [r["seq"] for r in replies[n:] if r is not None] == list(range(1, 51))
         assert _rejected(agent)["malformed"] == n
+        c.close()
+
+
+# ---- labels are not an identity ----------------------------------------------------------
+
+
+def test_labels_another_live_cgroup_reports_under_are_refused(sock_path, monkeypatch):
+    """A container cannot publish metrics under another pod's labels (nor so
+    hide the victim from set-limit by name): a report whose
+    namespace/pod/container another cgroup holds is refused while that
+    cgroup's reporter lives, and taken over once it is gone."""
+    live = {101: frozenset({"/kubepods/victim"}), 202: frozenset({"/kubepods/intruder"})}
+
+    def cgroups_of(pid: int) -> frozenset[str]:
+        if pid not in live:
+            raise FileNotFoundError(pid)
+        return live[pid]
+
+    monkeypatch.setattr(agent_module, "peer_cgroups", cgroups_of)
+    agent = Agent(AgentConfig(socket_path=sock_path))
+    try:
+
+        def connect(pid: int) -> tuple[Connection, _Transport]:
+            conn = Connection(agent)
+            transport = _Transport()
+            conn.transport = transport
+            conn.cred = PeerCred(pid, 0, 0)
+            conn.cgroups = cgroups_of(pid)
+            return conn, transport
+
+        def send(conn: Connection, t: _Transport, cgroup: str) -> dict[str, Any]:
+            cid = ContainerId(cgroup=cgroup, pod="pod-v", namespace="ns", container="main")
+            t.written = b""
+            conn.data_received(encode(report_message(replace(_report(None), container=cid))))
+            reply: dict[str, Any] = json.loads(t.written)
+            return reply
+
+        victim, vt = connect(101)
+        intruder, it = connect(202)
+        assert send(victim, vt, "/kubepods/victim")["type"] == "ack"
+        err = send(intruder, it, "/kubepods/intruder")
+        assert err["type"] == "error"
+        assert err["error"] == (
+            "container: namespace/pod/container 'ns/pod-v/main' is reported by another live cgroup"
+        )
+        assert agent.state.rejected["conflict"] == 1
+        victim_key = agent.state.find_container("ns/pod-v/main")
+        assert victim_key is not None
+        assert victim_key.startswith("/kubepods/victim|")
+        assert len(agent.state.containers) == 1
+        # The victim's reporter is gone (a restarted container): taken over.
+        del live[101]
+        assert send(intruder, it, "/kubepods/intruder")["type"] == "ack"
+        assert list(agent.state.containers) == ["/kubepods/intruder|ns|pod-v|main"]
+    finally:
+        agent.gpus.close()
+
+
+def test_a_device_twice_in_one_report_is_refused(sock_path):
+    with AgentProc(sock_path) as agent:
+        c = Client(sock_path)
+        reply = c.report(device(uuid="GPU-a"), device(uuid="GPU-b"), device(uuid="GPU-a"))
+        assert reply["type"] == "error"
+        assert reply["error"] == "devices[2].uuid='GPU-a': the same device as devices[0]"
+        assert _rejected(agent)["field"] == 1
+        assert agent.status()["containers"] == []
         c.close()
