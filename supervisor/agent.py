@@ -20,8 +20,10 @@ Defences against bad clients, all with bounded memory:
 - every malformed message gets an error naming the field and is counted;
   a message that cannot be handled for any other reason (an exception)
   gets a `malformed` error too, never a dropped connection;
-- HTTP clients of /metrics and /status that stall for --http-timeout
-  seconds (reading or writing) are disconnected.
+- HTTP clients of /metrics and /status are disconnected --http-timeout
+  seconds after they connected, however slowly they send or read (and
+  sooner if they stall that long); at most 32 are served at once, more are
+  closed unanswered.
 """
 
 from __future__ import annotations
@@ -397,7 +399,34 @@ class _HttpHandler(BaseHTTPRequestHandler):
 
 
 class _HttpServer(ThreadingHTTPServer):
+    """One thread per connection, at most MAX_HANDLERS at once (more are
+    closed at once), each cut off `deadline` seconds after it was accepted
+    however slowly its client trickles the request or reads the reply."""
+
     daemon_threads = True
+    request_queue_size = 128  # listen backlog
+    MAX_HANDLERS = 32
+
+    def __init__(self, address: tuple[str, int], handler: Any, deadline: float) -> None:
+        self.deadline = deadline
+        self.slots = threading.BoundedSemaphore(self.MAX_HANDLERS)
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)  # too many at once: closed unanswered
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        timer = threading.Timer(self.deadline, _cut_off, (request,))
+        timer.daemon = True
+        timer.start()
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            timer.cancel()
+            self.slots.release()
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client that went away mid-reply (BrokenPipeError, reset): not
@@ -422,6 +451,12 @@ def _clear_stale(path: Path) -> None:
         raise RuntimeError(f"another node agent is listening on {path}")
     finally:
         probe.close()
+
+
+def _cut_off(sock: socket.socket) -> None:
+    """End a request past its deadline: its handler's blocked read or write fails."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 class Agent:
@@ -498,7 +533,7 @@ class Agent:
         cfg = self.config
         handler = type("Handler", (_HttpHandler,), {"agent": self, "timeout": cfg.http_timeout})
         try:
-            self.http = _HttpServer((cfg.metrics_host, cfg.metrics_port), handler)
+            self.http = _HttpServer((cfg.metrics_host, cfg.metrics_port), handler, cfg.http_timeout)
         except (OSError, OverflowError) as exc:
             raise RuntimeError(
                 f"--metrics-host/--metrics-port {cfg.metrics_host}:{cfg.metrics_port}: "

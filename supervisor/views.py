@@ -122,7 +122,7 @@ POSITIVE = Finite(min=0, min_open=True)
     default=10.0,
     show_default=True,
     type=POSITIVE,
-    help="Disconnect an HTTP client (/metrics, /status) that stalls a read or write this long.",
+    help="Disconnect an HTTP client (/metrics, /status) this long after it connected.",
 )
 @click.option(
     "--rate",

@@ -204,6 +204,39 @@ def test_stalled_http_clients_are_disconnected(sock_path):
         assert "Traceback" not in agent.stderr.read()
 
 
+def test_a_trickled_http_request_is_cut_off_at_the_deadline(sock_path):
+    """--http-timeout bounds the whole request: a client sending a byte of
+    its request every 0.2 s (never stalling a read that long) is still
+    disconnected, and the agent keeps answering others."""
+    with AgentProc(sock_path, "--http-timeout", "1") as agent:
+        s = socket.create_connection(("127.0.0.1", agent.port), timeout=5)
+        s.setblocking(False)
+        t0 = time.monotonic()
+        closed = False
+        request = b"GET /metrics HTTP/1.1\r\n" + b"X-Slow: " + b"a" * 200
+        for byte in request:
+            try:
+                if s.recv(4096) == b"":
+                    closed = True
+                    break
+            except BlockingIOError:
+                pass
+            except OSError:
+                closed = True
+                break
+            try:
+                s.send(bytes([byte]))
+            except OSError:
+                closed = True
+                break
+            time.sleep(0.2)
+        elapsed = time.monotonic() - t0
+        s.close()
+        assert closed
+        assert elapsed < 3
+        assert agent.get("/healthz") == "ok\n"
+
+
 # ---- slow reporters -------------------------------------------------------------------------
 
 
