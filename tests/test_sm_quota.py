@@ -52,6 +52,15 @@ cfg.gridDimY = cfg.gridDimZ = cfg.blockDimY = cfg.blockDimZ = 1
 cfg.blockDimX = 128
 cfg.hStream = s
 graphs = []
+if path == "grid":                       # the legacy API, through ctypes
+    legacy = ctypes.CDLL("libcuda.so.1")
+    vp, ci = ctypes.c_void_p, ctypes.c_int
+    legacy.cuFuncSetBlockShape.argtypes = [vp, ci, ci, ci]
+    legacy.cuParamSetSize.argtypes = [vp, ctypes.c_uint]
+    legacy.cuParamSeti.argtypes = [vp, ci, ctypes.c_uint]
+    legacy.cuLaunchGridAsync.argtypes = [vp, ci, ci, vp]
+    fp, sp = int(spin), int(s)
+    chk(cu.CUresult(legacy.cuFuncSetBlockShape(fp, 128, 1, 1)))
 if path == "graph":                      # a few graphs of 1-4 kernels each
     for _ in range(6):
         g = chk(cu.cuGraphCreate(0))
@@ -83,6 +92,10 @@ while time.monotonic() - t0 < seconds:
         elif path == "ex":
             cfg.gridDimX = grid
             chk(cu.cuLaunchKernelEx(cfg, spin, args(n), 0))
+        elif path == "grid":
+            chk(cu.CUresult(legacy.cuParamSetSize(fp, 4)))
+            chk(cu.CUresult(legacy.cuParamSeti(fp, 0, n)))
+            chk(cu.CUresult(legacy.cuLaunchGridAsync(fp, grid, 1, sp)))
         else:
             chk(cu.cuLaunchCooperativeKernel(spin, 1, 1, 1, 128, 1, 1, 0, s, args(n)))
     gpu += n
@@ -221,11 +234,37 @@ def test_meter_wakes_for_a_launch_after_idling(node: SimNode) -> None:
     assert got["median_ms"] < 2.5
 
 
-@pytest.mark.parametrize("path", ["ex", "coop", "graph"])
+@pytest.mark.parametrize("path", ["ex", "coop", "graph", "grid"])
 def test_every_launch_path_is_gated(node: SimNode, path: str) -> None:
     share = run_container(node.shimmed(CUDA_DEVICE_SM_LIMIT="25"), path=path)
     print(f"{path}: achieved={share:.1f}")
     assert abs(share - 25) <= 5
+
+
+MULTI_DEVICE = """
+import ctypes
+from tests.cuclient import *
+init()
+lib = ctypes.CDLL(None)  # the simulator has no such symbol: the interposer's
+lib.cuLaunchCooperativeKernelMultiDevice.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_uint]
+emit(rc=lib.cuLaunchCooperativeKernelMultiDevice(None, 0, 0))
+"""
+
+
+def test_a_multi_device_cooperative_launch_is_refused_under_a_limit(
+    node: SimNode, tmp_path: Path
+) -> None:
+    """cuLaunchCooperativeKernelMultiDevice (deprecated) launches on several
+    devices' streams at once, which the gate cannot pace: under an SM limit
+    it is refused with CUDA_ERROR_NOT_SUPPORTED (801) rather than let
+    through; without one it goes to the driver (the simulator has none of
+    it, so CUDA_ERROR_NOT_FOUND, 500)."""
+    limited = run_json(MULTI_DEVICE, node.shimmed(CUDA_DEVICE_SM_LIMIT="25"))
+    free = run_json(
+        MULTI_DEVICE, node.shimmed(CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "free.shr"))
+    )
+    assert limited["rc"] == 801, limited
+    assert free["rc"] == 500, free
 
 
 def test_no_limit_runs_free(node: SimNode) -> None:

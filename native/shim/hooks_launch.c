@@ -1,12 +1,19 @@
 /*
  * hooks_launch.c - every way to launch work goes through the SM gate:
  * cuLaunchKernel, cuLaunchKernelEx, cuLaunchCooperativeKernel and
- * cuGraphLaunch, each with its per-thread-default-stream (_ptsz) variant.
+ * cuGraphLaunch, each with its per-thread-default-stream (_ptsz) variant,
+ * and the legacy cuLaunch, cuLaunchGrid and cuLaunchGridAsync (deprecated,
+ * still exported).  cuLaunchCooperativeKernelMultiDevice (deprecated since
+ * CUDA 11.3), one launch over several devices' streams, is refused while
+ * any launch may be gated, rather than let through unpaced.
  *
  * Fast path: without any SM limit in the container the hook costs two
  * loads and a call.  With one, the launch is paced and measured (sm.h).
  */
+#include <stdatomic.h>
+
 #include "hooks.h"
+#include "log.h"
 #include "sm.h"
 
 typedef CUresult (*launch_fn)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
@@ -113,6 +120,44 @@ GV_EXPORT CUresult cuGraphLaunch_ptsz(CUgraphExec g, CUstream s)
     return graph_launch(GV_REAL(cuGraphLaunch_ptsz, graph_fn), g, s, 1);
 }
 
+/* ---- the legacy API ---------------------------------------------------- */
+
+typedef CUresult (*legacy_fn)(CUfunction);
+typedef CUresult (*grid_fn)(CUfunction, int, int);
+typedef CUresult (*grid_async_fn)(CUfunction, int, int, CUstream);
+typedef CUresult (*multi_fn)(void *, unsigned, unsigned);
+
+GV_EXPORT CUresult cuLaunch(CUfunction f)
+{
+    legacy_fn real = GV_REAL(cuLaunch, legacy_fn);
+    GATED(NULL, 0, (uintptr_t)f, real(f));
+}
+
+GV_EXPORT CUresult cuLaunchGrid(CUfunction f, int w, int h)
+{
+    grid_fn real = GV_REAL(cuLaunchGrid, grid_fn);
+    GATED(NULL, 0, (uintptr_t)f, real(f, w, h));
+}
+
+GV_EXPORT CUresult cuLaunchGridAsync(CUfunction f, int w, int h, CUstream s)
+{
+    grid_async_fn real = GV_REAL(cuLaunchGridAsync, grid_async_fn);
+    GATED(s, 0, (uintptr_t)f, real(f, w, h, s));
+}
+
+GV_EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(void *list, unsigned n, unsigned flags)
+{
+    multi_fn real = GV_REAL(cuLaunchCooperativeKernelMultiDevice, multi_fn);
+    if (__builtin_expect(!gv_sm_maybe(), 1))
+        return real(list, n, flags);
+    static atomic_int said;
+    if (!atomic_exchange(&said, 1))
+        gv_log(GV_LOG_ERROR, "cuLaunchCooperativeKernelMultiDevice is refused "
+                             "(CUDA_ERROR_NOT_SUPPORTED) while an SM limit is set: it cannot "
+                             "be paced; launch on each device with cuLaunchCooperativeKernel");
+    return CUDA_ERROR_NOT_SUPPORTED;
+}
+
 const gv_hook gv_hooks_launch[] = {
     { "cuLaunchKernel", (void *)cuLaunchKernel },
     { "cuLaunchKernel_ptsz", (void *)cuLaunchKernel_ptsz },
@@ -122,5 +167,9 @@ const gv_hook gv_hooks_launch[] = {
     { "cuLaunchKernelEx_ptsz", (void *)cuLaunchKernelEx_ptsz },
     { "cuGraphLaunch", (void *)cuGraphLaunch },
     { "cuGraphLaunch_ptsz", (void *)cuGraphLaunch_ptsz },
+    { "cuLaunch", (void *)cuLaunch },
+    { "cuLaunchGrid", (void *)cuLaunchGrid },
+    { "cuLaunchGridAsync", (void *)cuLaunchGridAsync },
+    { "cuLaunchCooperativeKernelMultiDevice", (void *)cuLaunchCooperativeKernelMultiDevice },
     { NULL, NULL }
 };

@@ -235,3 +235,111 @@ SIM_API CUresult cuLaunchKernelEx_ptsz(const CUlaunchConfig *cfg,
 {
     return launch_ex(cfg, f, params, extra, 1);
 }
+
+/* ---- the legacy launch API (deprecated, still exported by CUDA 12) ---- */
+
+static struct CUfunc_st *legacy_func_locked(CUfunction f)
+{
+    return f && sim_reg_has(f) && f->magic == SIM_FUNC_MAGIC ? f : NULL;
+}
+
+SIM_API CUresult cuFuncSetBlockShape(CUfunction f, int x, int y, int z)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (x <= 0 || y <= 0 || z <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_mu);
+    struct CUfunc_st *fn = legacy_func_locked(f);
+    if (fn) {
+        fn->block[0] = (unsigned)x;
+        fn->block[1] = (unsigned)y;
+        fn->block[2] = (unsigned)z;
+    }
+    pthread_mutex_unlock(&sim_mu);
+    return fn ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+SIM_API CUresult cuParamSetSize(CUfunction f, unsigned int n)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    pthread_mutex_lock(&sim_mu);
+    struct CUfunc_st *fn = legacy_func_locked(f);
+    if (fn && n < 4)
+        fn->have_param0 = 0;
+    pthread_mutex_unlock(&sim_mu);
+    return fn ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+/* Only the first 32-bit parameter matters here (spin's microseconds). */
+SIM_API CUresult cuParamSeti(CUfunction f, int offset, unsigned int value)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (offset < 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_mu);
+    struct CUfunc_st *fn = legacy_func_locked(f);
+    if (fn && offset == 0) {
+        fn->param0 = value;
+        fn->have_param0 = 1;
+    }
+    pthread_mutex_unlock(&sim_mu);
+    return fn ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+SIM_API CUresult cuParamSetv(CUfunction f, int offset, void *ptr, unsigned int n)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (offset < 0 || (n && !ptr))
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_mu);
+    struct CUfunc_st *fn = legacy_func_locked(f);
+    if (fn && offset == 0 && n >= 4) {
+        memcpy(&fn->param0, ptr, 4);
+        fn->have_param0 = 1;
+    }
+    pthread_mutex_unlock(&sim_mu);
+    return fn ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+static CUresult legacy_launch(CUfunction f, int w, int h, CUstream s)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (w <= 0 || h <= 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    unsigned block[3] = { 1, 1, 1 };
+    uint32_t param0 = 0;
+    int have = 0;
+    pthread_mutex_lock(&sim_mu);
+    struct CUfunc_st *fn = legacy_func_locked(f);
+    if (fn) {
+        for (int i = 0; i < 3; i++)
+            block[i] = fn->block[i] ? fn->block[i] : 1;
+        param0 = fn->param0;
+        have = fn->have_param0;
+    }
+    pthread_mutex_unlock(&sim_mu);
+    if (!fn)
+        return CUDA_ERROR_INVALID_HANDLE;
+    void *params[1] = { &param0 };
+    return launch(f, (unsigned)w, (unsigned)h, 1, block[0], block[1], block[2], 0, s,
+                  have ? params : NULL, NULL, 0, 0);
+}
+
+SIM_API CUresult cuLaunch(CUfunction f) { return legacy_launch(f, 1, 1, NULL); }
+
+SIM_API CUresult cuLaunchGrid(CUfunction f, int w, int h) { return legacy_launch(f, w, h, NULL); }
+
+SIM_API CUresult cuLaunchGridAsync(CUfunction f, int w, int h, CUstream s)
+{
+    return legacy_launch(f, w, h, s);
+}

@@ -126,6 +126,13 @@ static const pa_ent g_tab[] = {
     ONEPT("cuLaunchKernel", 4000, "cuLaunchKernel_ptsz"),
     ONEPT("cuLaunchKernelEx", 11060, "cuLaunchKernelEx_ptsz"),
     ONEPT("cuLaunchCooperativeKernel", 9000, "cuLaunchCooperativeKernel_ptsz"),
+    ONE("cuLaunch", 2000),
+    ONE("cuLaunchGrid", 2000),
+    ONE("cuLaunchGridAsync", 2000),
+    ONE("cuFuncSetBlockShape", 2000),
+    ONE("cuParamSetSize", 2000),
+    ONE("cuParamSeti", 2000),
+    ONE("cuParamSetv", 2000),
     /* events */
     ONE("cuEventCreate", 2000),
     V2("cuEventDestroy", 2000, 4000),

@@ -227,6 +227,10 @@ typedef struct sim_sref {
 struct CUfunc_st {
     uint32_t magic;
     int spin;                           /* named "spin": param 0 = us */
+    /* set by the legacy cuFuncSetBlockShape / cuParamSet* (0: unset) */
+    unsigned block[3];
+    uint32_t param0;
+    int have_param0;
     struct CUmod_st *mod;
     struct CUfunc_st *next;
     char name[SIM_FUNC_NAME];
