@@ -43,10 +43,13 @@ static int entry_for(nvmlDevice_t dev, uint64_t physical_total)
     return e >= 0 ? e : -2;
 }
 
-/* Apply the quota to total/free/used; returns an NVML status. */
+/* Apply the quota to total/free/used (*applied: whether it did); returns
+ * an NVML status. */
 static nvmlReturn_t quota_view(nvmlDevice_t dev, unsigned long long *total,
-                               unsigned long long *free_b, unsigned long long *used)
+                               unsigned long long *free_b, unsigned long long *used,
+                               int *applied)
 {
+    *applied = 0;
     int e = entry_for(dev, *total);
     if (e == -2)
         return GV_FAIL_NVML;
@@ -63,6 +66,7 @@ static nvmlReturn_t quota_view(nvmlDevice_t dev, unsigned long long *total,
     *total = t;
     *used = u < t ? u : t;
     *free_b = avail < *free_b ? avail : *free_b;
+    *applied = 1;
     return NVML_SUCCESS;
 }
 
@@ -77,7 +81,8 @@ GV_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t dev, nvmlMemory_t *m
     nvmlReturn_t rc = real(dev, mem);
     if (rc != NVML_SUCCESS || !mem)
         return rc;
-    return quota_view(dev, &mem->total, &mem->free, &mem->used);
+    int applied;
+    return quota_view(dev, &mem->total, &mem->free, &mem->used, &applied);
 }
 
 GV_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t dev, nvmlMemory_v2_t *mem)
@@ -91,10 +96,10 @@ GV_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t dev, nvmlMemory_v
     nvmlReturn_t rc = real(dev, mem);
     if (rc != NVML_SUCCESS || !mem)
         return rc;
-    unsigned long long before = mem->total;
-    rc = quota_view(dev, &mem->total, &mem->free, &mem->used);
-    if (rc == NVML_SUCCESS && mem->total != before)
-        mem->reserved = 0;   /* the quota view has no driver reserve: total = used + free */
+    int applied;
+    rc = quota_view(dev, &mem->total, &mem->free, &mem->used, &applied);
+    if (rc == NVML_SUCCESS && applied)
+        mem->reserved = 0;   /* the quota view has no driver reserve (also at 100 %) */
     return rc;
 }
 
