@@ -481,6 +481,44 @@ emit(base=base, after=after)
     assert out["after"] == [out["base"]] * 4, out
 
 
+def test_a_retained_handle_takes_a_release_of_its_own(node):
+    """cuMemRetainAllocationHandle gives a reference that takes its own
+    cuMemRelease.  The common "retain, read the properties, release" look at
+    a mapped address used to count as the owner's release: the handle was
+    uncharged at its unmap while its owner still held it, and mapped again it
+    held 256 MiB uncharged.  A handle released while mapped and retained
+    again is the retainer's until that reference is released."""
+    out = client(
+        node,
+        VMM
+        + """
+init()
+base = used()
+h = ok(cu.cuMemCreate, 256 * MiB, vmm_prop(DEVICE), 0)
+va = ok(cu.cuMemAddressReserve, 512 * MiB, 0, 0, 0)
+ok(cu.cuMemMap, va, 256 * MiB, 0, h, 0)
+seen = ok(cu.cuMemRetainAllocationHandle, int(va) + 4096)
+same = int(seen) == int(h)
+ok(cu.cuMemGetAllocationPropertiesFromHandle, seen)
+ok(cu.cuMemRelease, seen)
+ok(cu.cuMemUnmap, va, 256 * MiB)
+owned = used()                              # the owner still holds h
+ok(cu.cuMemMap, int(va) + 256 * MiB, 256 * MiB, 0, h, 0)
+ok(cu.cuMemRelease, h)                      # released while mapped ...
+back = ok(cu.cuMemRetainAllocationHandle, int(va) + 256 * MiB)   # ... taken back
+ok(cu.cuMemUnmap, int(va) + 256 * MiB, 256 * MiB)
+retained = used()
+ok(cu.cuMemRelease, back)
+emit(base=base, same=same, owned=owned, retained=retained, after=used())
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="1g",
+    )
+    assert out["same"], out
+    assert out["owned"] == out["base"] + 256 * MiB, out
+    assert out["retained"] == out["base"] + 256 * MiB, out
+    assert out["after"] == out["base"], out
+
+
 GRAPH_OF = """
 def graph_of(nbytes, free_inside=True):
     \"\"\"A captured graph that allocates nbytes (and frees them inside).\"\"\"

@@ -152,6 +152,7 @@ static const variant variants[] = {
     { "cuMemPoolDestroy", { { 0, "cuMemPoolDestroy" } }, NULL },
     { "cuMemPoolTrimTo", { { 0, "cuMemPoolTrimTo" } }, NULL },
     { "cuMemRelease", { { 0, "cuMemRelease" } }, NULL },
+    { "cuMemRetainAllocationHandle", { { 0, "cuMemRetainAllocationHandle" } }, NULL },
     { "cuMemUnmap", { { 0, "cuMemUnmap" } }, NULL },
     { "cuMipmappedArrayCreate", { { 0, "cuMipmappedArrayCreate" } }, NULL },
     { "cuMipmappedArrayDestroy", { { 0, "cuMipmappedArrayDestroy" } }, NULL },

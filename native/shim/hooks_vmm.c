@@ -3,14 +3,19 @@
  *
  * Physical memory of a handle is freed only once it is released AND no
  * longer mapped, so the charge stays until both are true.  GV_K_VMM
- * entries keep the number of live mappings in aux, with RELEASED_BIT set
- * once cuMemRelease succeeded.
+ * entries keep in aux the number of live mappings (low 32 bits), the
+ * references cuMemRetainAllocationHandle added (bits 32-62: each takes a
+ * cuMemRelease of its own), and RELEASED_BIT once the last reference was
+ * released.
  */
 #include <stdlib.h>
 
 #include "hooks.h"
 
 #define RELEASED_BIT (1ULL << 63)
+#define MAPS_MASK 0xffffffffULL
+#define REFS_SHIFT 32
+#define REFS_MASK (0x7fffffffULL << REFS_SHIFT)
 
 /* GV_K_MAP entries' dev: whether the mapped handle is one charged here. */
 #define MAP_CHARGED (-1)
@@ -39,17 +44,32 @@ GV_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size
     return gv_charge_settle(&c, rc, GV_K_VMM, rc == CUDA_SUCCESS ? *handle : 0);
 }
 
-struct edit { int64_t maps_delta; int release; uint64_t result; };
+/* What happens to a handle: a mapping more or fewer, a reference
+ * released, or retained. */
+struct edit { int64_t maps_delta; int release, retain; uint64_t result; };
 
 static void edit_handle(gv_alloc *a, void *arg)
 {
     struct edit *e = arg;
-    uint64_t maps = a->aux & ~RELEASED_BIT;
+    uint64_t maps = a->aux & MAPS_MASK, refs = (a->aux & REFS_MASK) >> REFS_SHIFT;
+    uint64_t released = a->aux & RELEASED_BIT;
     if (e->maps_delta < 0 && maps > 0)
         maps--;
-    else if (e->maps_delta > 0)
+    else if (e->maps_delta > 0 && maps < MAPS_MASK)
         maps++;
-    a->aux = maps | (a->aux & RELEASED_BIT) | (e->release ? RELEASED_BIT : 0);
+    if (e->release) {
+        if (refs > 0)
+            refs--;
+        else
+            released = RELEASED_BIT;
+    }
+    if (e->retain) {
+        if (released)
+            released = 0;           /* mapped, released, taken back */
+        else if (refs < (REFS_MASK >> REFS_SHIFT))
+            refs++;
+    }
+    a->aux = maps | (refs << REFS_SHIFT) | released;
     e->result = a->aux;
 }
 
@@ -61,6 +81,19 @@ static void maybe_free(CUmemGenericAllocationHandle h, uint64_t state)
         gv_uncharge(a.dev, a.bytes);
 }
 
+GV_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, void *addr)
+{
+    typedef CUresult (*retain_fn)(CUmemGenericAllocationHandle *, void *);
+    retain_fn real = GV_REAL(cuMemRetainAllocationHandle, retain_fn);
+    GV_ENFORCING_ELSE_PASS(real(h, addr));
+    CUresult rc = real(h, addr);
+    if (rc == CUDA_SUCCESS && h) {
+        struct edit e = { 0, 0, 1, 0 };
+        gv_table_modify(GV_K_VMM, *h, edit_handle, &e);
+    }
+    return rc;
+}
+
 GV_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h)
 {
     release_fn real = GV_REAL(cuMemRelease, release_fn);
@@ -68,7 +101,7 @@ GV_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h)
     CUresult rc = real(h);
     if (rc != CUDA_SUCCESS)
         return rc;
-    struct edit e = { 0, 1, 0 };
+    struct edit e = { 0, 1, 0, 0 };
     if (gv_table_modify(GV_K_VMM, h, edit_handle, &e))
         maybe_free(h, e.result);
     return rc;
@@ -84,7 +117,7 @@ GV_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
         return rc;
     /* Every mapping is recorded, also of handles not charged here (host
      * memory), so that an unmap over several mappings can step across it. */
-    struct edit e = { 1, 0, 0 };
+    struct edit e = { 1, 0, 0, 0 };
     int charged = gv_table_modify(GV_K_VMM, h, edit_handle, &e);
     gv_alloc m = { .key = ptr, .kind = GV_K_MAP, .dev = charged ? MAP_CHARGED : MAP_UNCHARGED,
                    .bytes = size, .aux = h };
@@ -95,7 +128,7 @@ GV_EXPORT CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
 /* Mapping m is gone: one mapping fewer of its handle. */
 static void unmapped(const gv_alloc *m)
 {
-    struct edit e = { -1, 0, 0 };
+    struct edit e = { -1, 0, 0, 0 };
     if (m->dev == MAP_CHARGED && gv_table_modify(GV_K_VMM, m->aux, edit_handle, &e))
         maybe_free(m->aux, e.result);
 }
@@ -175,5 +208,6 @@ const gv_hook gv_hooks_vmm[] = {
     { "cuMemMap", (void *)cuMemMap },
     { "cuMemUnmap", (void *)cuMemUnmap },
     { "cuMemAddressFree", (void *)cuMemAddressFree },
+    { "cuMemRetainAllocationHandle", (void *)cuMemRetainAllocationHandle },
     { NULL, NULL }
 };

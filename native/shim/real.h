@@ -37,6 +37,7 @@
     X(cuMipmappedArrayCreate) X(cuMipmappedArrayDestroy) \
     X(cuMipmappedArrayGetMemoryRequirements) \
     X(cuMemCreate) X(cuMemRelease) X(cuMemMap) X(cuMemUnmap) X(cuMemAddressFree) \
+    X(cuMemRetainAllocationHandle) \
     X(cuMemAllocAsync) X(cuMemAllocAsync_ptsz) \
     X(cuMemAllocFromPoolAsync) X(cuMemAllocFromPoolAsync_ptsz) \
     X(cuMemFreeAsync) X(cuMemFreeAsync_ptsz) \

@@ -82,6 +82,7 @@ static const pa_ent g_tab[] = {
     ONE("cuMemRelease", 10020),
     ONE("cuMemAddressReserve", 10020),
     ONE("cuMemAddressFree", 10020),
+    ONE("cuMemRetainAllocationHandle", 11000),
     ONE("cuMemMap", 10020),
     ONE("cuMemUnmap", 10020),
     ONE("cuMemSetAccess", 10020),

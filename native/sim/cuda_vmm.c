@@ -17,6 +17,7 @@ struct vmm_handle {
     uint32_t magic;
     int node;                           /* -1: host memory, not charged */
     int released;
+    int refs;                           /* cuMemRetainAllocationHandle's */
     int maps;
     uint64_t size;
     CUmemAllocationProp prop;
@@ -124,12 +125,40 @@ SIM_API CUresult cuMemRelease(CUmemGenericAllocationHandle h)
         return rc;
     pthread_mutex_lock(&sim_mu);
     struct vmm_handle *v = handle_of(h);
-    if (v) {
+    if (v && v->refs > 0) {
+        v->refs--;
+    } else if (v) {
         v->released = 1;
         handle_put(v);
     }
     pthread_mutex_unlock(&sim_mu);
     return v ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+/* The handle mapped at addr (anywhere in a mapping), with one more
+ * reference that a cuMemRelease must drop: also of a handle released while
+ * still mapped, which it brings back. */
+SIM_API CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, void *addr)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!h)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUdeviceptr a = (CUdeviceptr)(uintptr_t)addr;
+    pthread_mutex_lock(&sim_mu);
+    struct map *m = g_maps;
+    while (m && !(a >= m->va && a < m->va + m->size))
+        m = m->next;
+    if (m) {
+        if (m->h->released)
+            m->h->released = 0;
+        else
+            m->h->refs++;
+        *h = (CUmemGenericAllocationHandle)(uintptr_t)m->h;
+    }
+    pthread_mutex_unlock(&sim_mu);
+    return m ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 SIM_API CUresult cuMemGetAllocationPropertiesFromHandle(
