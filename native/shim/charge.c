@@ -1,4 +1,5 @@
 /* charge.c - reserving quota around a real allocation. */
+#include <stdatomic.h>
 #include <string.h>
 
 #include "alloc_table.h"
@@ -39,6 +40,12 @@ static int reserve(int dev, uint64_t n)
     return 1;
 }
 
+static atomic_int in_flight;
+
+int gv_charges_in_flight(void) { return atomic_load_explicit(&in_flight, memory_order_acquire); }
+
+void gv_charges_fork_child(void) { atomic_store(&in_flight, 0); }
+
 CUresult gv_charge_begin(gv_charge *c, int ordinal, CUcontext ctx, uint64_t bytes)
 {
     memset(c, 0, sizeof *c);
@@ -56,6 +63,7 @@ CUresult gv_charge_begin(gv_charge *c, int ordinal, CUcontext ctx, uint64_t byte
         return GV_FAIL_CUDA;
     if (r > 0)
         return CUDA_ERROR_OUT_OF_MEMORY;
+    atomic_fetch_add(&in_flight, 1);
     c->active = 1;
     c->ordinal = ordinal;
     c->dev = d->region_dev;
@@ -97,8 +105,17 @@ void gv_charge_cancel(gv_charge *c)
 {
     if (c->active && c->bytes)
         gv_uncharge(c->dev, c->bytes);
+    if (c->active)
+        atomic_fetch_sub(&in_flight, 1);
     c->active = 0;
     c->bytes = 0;
+}
+
+void gv_charge_keep(gv_charge *c)
+{
+    if (c->active)
+        atomic_fetch_sub(&in_flight, 1);
+    c->active = 0;
 }
 
 void gv_charge_commit(const gv_charge *c, int kind, uint64_t key, uint64_t aux)
@@ -111,6 +128,7 @@ void gv_charge_commit(const gv_charge *c, int kind, uint64_t key, uint64_t aux)
         gv_log(GV_LOG_ERROR, "out of host memory tracking an allocation; "
                "its %llu bytes stay charged until the process exits",
                (unsigned long long)c->bytes);
+    atomic_fetch_sub(&in_flight, 1);
 }
 
 CUresult gv_charge_settle(gv_charge *c, CUresult rc, int kind, uint64_t key)
@@ -125,13 +143,17 @@ CUresult gv_charge_settle(gv_charge *c, CUresult rc, int kind, uint64_t key)
 int gv_untrack(uint32_t kind, uint64_t key, gv_destroy_fn destroy, void *arg, CUresult *rc)
 {
     gv_alloc a;
-    if (!gv_table_take(kind, key, &a))
+    atomic_fetch_add(&in_flight, 1);
+    if (!gv_table_take(kind, key, &a)) {
+        atomic_fetch_sub(&in_flight, 1);
         return 0;
+    }
     *rc = destroy(key, arg);
     if (*rc == CUDA_SUCCESS)
         gv_uncharge(a.dev, a.bytes);
     else
         gv_table_put(&a);
+    atomic_fetch_sub(&in_flight, 1);
     return 1;
 }
 

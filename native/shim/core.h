@@ -123,6 +123,14 @@ CUresult gv_charge_begin_current(gv_charge *c, uint64_t bytes);
 CUresult gv_charge_resize(gv_charge *c, uint64_t bytes);
 /* Give the reservation back (the real call failed). */
 void gv_charge_cancel(gv_charge *c);
+/* Keep the reservation, recorded by the caller (not in the table). */
+void gv_charge_keep(gv_charge *c);
+/* Charges begun and not yet committed, cancelled or kept, and frees between
+ * taking their entry and giving their charge back, in this process: while
+ * any is in flight, this process's charges and the driver's figures need
+ * not agree (untracked.c does not read NVML then). */
+int gv_charges_in_flight(void);
+void gv_charges_fork_child(void);
 /* Record the reservation against an object the driver returned. */
 void gv_charge_commit(const gv_charge *c, int kind, uint64_t key, uint64_t aux);
 /* Finish a charged driver call: record the object on success, give the

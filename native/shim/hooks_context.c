@@ -370,6 +370,7 @@ GV_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
             } else if (n) {
                 p->charged = c.bytes;
                 p->dev = c.dev;
+                gv_charge_keep(&c);
             }
         }
     }

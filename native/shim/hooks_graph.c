@@ -265,6 +265,7 @@ static CUresult pool_begin(int ordinal, uint64_t bytes)
         }
         p->dev = c.dev;
         p->charged += c.bytes;   /* settled on the real reserve afterwards */
+        gv_charge_keep(&c);
     }
     return CUDA_SUCCESS;
 }

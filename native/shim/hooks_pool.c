@@ -222,6 +222,7 @@ static void settle(pool_rec *r)
     gv_charge c;
     if (gv_charge_begin(&c, r->ordinal, NULL, reserved - r->charged) == CUDA_SUCCESS) {
         r->charged += c.bytes;
+        gv_charge_keep(&c);
     } else {
         gv_log(GV_LOG_WARN, "pool reserve grew to %llu bytes past the quota",
                (unsigned long long)reserved);
@@ -338,7 +339,7 @@ static CUresult pool_alloc(pool_rec *r, size_t n, CUdeviceptr *dptr, CUstream st
     }
     if (c.active) {
         r->charged += c.bytes;       /* settle() below trims it to the truth */
-        c.active = 0;
+        gv_charge_keep(&c);
     }
     uint64_t before = r->charged;
     settle(r);

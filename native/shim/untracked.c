@@ -15,7 +15,10 @@
  *     back) when the memory it took does not fit the quota;
  *   - after a context is destroyed, and before an allocation is refused.
  * A reading is used only if the process's own charge did not move while
- * NVML was read, and not while this process is creating a context (its
+ * NVML was read, no charge of this process was in flight (reserved before
+ * its driver call answered, or a free between its driver call and its
+ * release: the driver's figure and the charge disagree by that much then),
+ * and not while this process is creating a context (its
  * memory is measured and charged then, hooks_context.c); differences under
  * 2 MiB are ignored.  Nothing happens where NVML does not list this process.
  */
@@ -46,6 +49,7 @@ static void child_reset(void)
         held[i].charged = 0;
     }
     atomic_store(&holding, 0);
+    gv_charges_fork_child();
 }
 
 static void setup(void)
@@ -68,9 +72,9 @@ void gv_untracked_reconcile(int ordinal)
     struct held *h = &held[ordinal];
     pthread_mutex_lock(&h->lock);
     uint64_t before = region_slot_used(r, d->region_dev, slot), nvml = 0;
-    int seen = !gv_ctx_creating() && gv_nvml_self_used(d, &nvml);
+    int seen = !gv_ctx_creating() && !gv_charges_in_flight() && gv_nvml_self_used(d, &nvml);
     uint64_t after = region_slot_used(r, d->region_dev, slot);
-    if (seen && before == after && !gv_ctx_creating()) {
+    if (seen && before == after && !gv_ctx_creating() && !gv_charges_in_flight()) {
         uint64_t tracked = after > h->charged ? after - h->charged : 0;
         uint64_t want = nvml > tracked ? nvml - tracked : 0;
         want -= want % SLACK;
