@@ -76,6 +76,8 @@ if path == "graph":                      # a few graphs of 1-4 kernels each
             prev = chk(cu.cuGraphAddKernelNode(g, [prev] if prev else None, 1 if prev else 0, p))
             total += n
         graphs.append((chk(cu.cuGraphInstantiate(g, 0)), total))
+if path == "nocur":                      # the stream's context, no current one
+    chk(cu.cuCtxSetCurrent(None))
 print("ready", flush=True)
 sys.stdin.readline()
 t0 = time.monotonic()
@@ -85,9 +87,9 @@ while time.monotonic() - t0 < seconds:
         ge, n = graphs[rng.randrange(len(graphs))]
         chk(cu.cuGraphLaunch(ge, s))
     else:
-        n = us()
+        n = us() if path != "nocur" else 5000   # not near the 1 ms first guess
         grid = rng.randint(1, 64)
-        if path == "kernel":
+        if path in ("kernel", "nocur"):
             chk(cu.cuLaunchKernel(spin, grid, 1, 1, 128, 1, 1, 0, s, args(n), 0))
         elif path == "ex":
             cfg.gridDimX = grid
@@ -234,7 +236,7 @@ def test_meter_wakes_for_a_launch_after_idling(node: SimNode) -> None:
     assert got["median_ms"] < 2.5
 
 
-@pytest.mark.parametrize("path", ["ex", "coop", "graph", "grid"])
+@pytest.mark.parametrize("path", ["ex", "coop", "graph", "grid", "nocur"])
 def test_every_launch_path_is_gated(node: SimNode, path: str) -> None:
     share = run_container(node.shimmed(CUDA_DEVICE_SM_LIMIT="25"), path=path)
     print(f"{path}: achieved={share:.1f}")

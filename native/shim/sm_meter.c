@@ -411,6 +411,15 @@ static void start_meter(void)
 
 /* ---- the launch side ---------------------------------------------------------- */
 
+/* A gated launch could not be measured: charged its estimate (said once). */
+static void unmeasured(void)
+{
+    static atomic_int said;
+    if (!atomic_exchange(&said, 1))
+        gv_log(GV_LOG_WARN, "a launch could not be timed with events; it is charged the "
+                            "recent average of its kernel");
+}
+
 int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
 {
     memset(l, 0, sizeof *l);
@@ -446,16 +455,31 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
     l->key = key;
     l->est = gv_sm_estimate(key);
     l->share = gv_sm_admit(sm, d->region_dev, d->uuid_str, l->est);
+    /* The events belong to the stream's context, which need not be this
+     * thread's current one (a stream may be launched on with another
+     * context current, or none): made there, or they could not be made or
+     * recorded, and every such launch went unmeasured at an estimate that
+     * never learns (a 20 % limit ran 5 ms kernels at 100 %). */
+    CUcontext cur = NULL;
+    GV_REAL(cuCtxGetCurrent, CUresult (*)(CUcontext *))(&cur);
+    int pushed = ctx && ctx != cur &&
+                 GV_REAL(cuCtxPushCurrent_v2, CUresult (*)(CUcontext))(ctx) == CUDA_SUCCESS;
     ev_create_fn create = GV_REAL(cuEventCreate, ev_create_fn);
-    if (create(&l->begin, 0) != CUDA_SUCCESS || create(&l->end, 0) != CUDA_SUCCESS) {
-        if (l->begin)
-            GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->begin);
-        l->begin = l->end = NULL;
-        return 1;
-    }
     ev_record_fn record = ptsz ? GV_REAL(cuEventRecord_ptsz, ev_record_fn)
                                : GV_REAL(cuEventRecord, ev_record_fn);
-    record(l->begin, stream);
+    if (create(&l->begin, 0) != CUDA_SUCCESS || create(&l->end, 0) != CUDA_SUCCESS ||
+        record(l->begin, stream) != CUDA_SUCCESS) {
+        if (l->begin)
+            GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->begin);
+        if (l->end)
+            GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->end);
+        l->begin = l->end = NULL;
+        unmeasured();
+    }
+    if (pushed) {
+        CUcontext popped;
+        GV_REAL(cuCtxPopCurrent_v2, CUresult (*)(CUcontext *))(&popped);
+    }
     return 1;
 }
 
@@ -474,8 +498,11 @@ void gv_sm_end(gv_sm_launch *l, CUresult rc)
     }
     ev_record_fn record = l->ptsz ? GV_REAL(cuEventRecord_ptsz, ev_record_fn)
                                   : GV_REAL(cuEventRecord, ev_record_fn);
-    record(l->end, l->stream);
-    struct rec *r = malloc(sizeof *r);
+    struct rec *r = NULL;
+    if (record(l->end, l->stream) != CUDA_SUCCESS)
+        unmeasured();
+    else
+        r = malloc(sizeof *r);
     if (!r) {
         gv_sm_settle(l->sm, l->dev, l->share, l->est, l->est);
         GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->begin);
