@@ -141,6 +141,22 @@ def start_ready(
     return proc
 
 
+CLI = [sys.executable, "-c", "from gpuvisor.supervisor.cli import main; main()"]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    """Run the gpuvisor command line (from this checkout) with args."""
+    return subprocess.run(
+        [*CLI, *args],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=False,
+        cwd=REPO_ROOT,
+    )
+
+
 def run_json(code: str, env: Mapping[str, str], timeout: float = 60) -> Any:
     """Run code that prints one JSON document as its last stdout line; return it.
 

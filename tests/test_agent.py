@@ -10,7 +10,6 @@ import select
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -41,9 +40,8 @@ from gpuvisor.supervisor.protocol import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import REPO_ROOT, clean_env
+from tests.helpers import CLI, REPO_ROOT, clean_env, run_cli
 
-CLI = [sys.executable, "-c", "from gpuvisor.supervisor.cli import main; main()"]
 GiB = 1 << 30
 
 
@@ -870,28 +868,19 @@ def test_pushed_limit_reaches_next_ack(sock_path):
         ack = c.report(device(limit=8 * GiB))
         assert ack["limits"] == {}
         key = agent.status()["containers"][0]["key"]
-        proc = subprocess.run(
-            [
-                *CLI,
-                "node-agent",
-                "set-limit",
-                "--socket",
-                sock_path,
-                "--container",
-                key,
-                "--device",
-                "GPU-aaaa",
-                "--memory",
-                "4g",
-                "--cores",
-                "30",
-            ],
-            capture_output=True,
-            text=True,
-            env=clean_env(),
-            cwd=REPO_ROOT,
-            timeout=30,
-            check=False,
+        proc = run_cli(
+            "node-agent",
+            "set-limit",
+            "--socket",
+            sock_path,
+            "--container",
+            key,
+            "--device",
+            "GPU-aaaa",
+            "--memory",
+            "4g",
+            "--cores",
+            "30",
         )
         assert proc.returncode == 0, proc.stderr
         instr = parse_ack(c.report(device(limit=8 * GiB)))
@@ -902,51 +891,33 @@ def test_pushed_limit_reaches_next_ack(sock_path):
         assert instr.memory_limits == {}
         assert instr.sm_limits == {}
         # namespace/pod/container works as a name too; only the memory limit this time.
-        proc = subprocess.run(
-            [
-                *CLI,
-                "node-agent",
-                "set-limit",
-                "--socket",
-                sock_path,
-                "--container",
-                "team/tenant/main",
-                "--device",
-                "GPU-aaaa",
-                "--memory",
-                "none",
-            ],
-            capture_output=True,
-            text=True,
-            env=clean_env(),
-            cwd=REPO_ROOT,
-            timeout=30,
-            check=False,
+        proc = run_cli(
+            "node-agent",
+            "set-limit",
+            "--socket",
+            sock_path,
+            "--container",
+            "team/tenant/main",
+            "--device",
+            "GPU-aaaa",
+            "--memory",
+            "none",
         )
         assert proc.returncode == 0, proc.stderr
         ack = c.report(device(limit=4 * GiB, sm_limit=30))
         assert ack["limits"] == {"GPU-aaaa": {"memory": None}}
         # An unknown container is an error naming it.
-        proc = subprocess.run(
-            [
-                *CLI,
-                "node-agent",
-                "set-limit",
-                "--socket",
-                sock_path,
-                "--container",
-                "nope",
-                "--device",
-                "GPU-aaaa",
-                "--cores",
-                "10",
-            ],
-            capture_output=True,
-            text=True,
-            env=clean_env(),
-            cwd=REPO_ROOT,
-            timeout=30,
-            check=False,
+        proc = run_cli(
+            "node-agent",
+            "set-limit",
+            "--socket",
+            sock_path,
+            "--container",
+            "nope",
+            "--device",
+            "GPU-aaaa",
+            "--cores",
+            "10",
         )
         assert proc.returncode != 0
         assert "nope" in proc.stderr
@@ -1014,23 +985,14 @@ def test_admin_socket_is_private_and_takes_only_set_limit(sock_path):
 
 def test_an_admin_socket_in_the_reporting_directory_is_refused(sock_path):
     inside = os.path.join(os.path.dirname(sock_path), "sub", "admin.sock")
-    proc = subprocess.run(
-        [
-            *CLI,
-            "node-agent",
-            "--socket",
-            sock_path,
-            "--admin-socket",
-            inside,
-            "--metrics-port",
-            "0",
-        ],
-        capture_output=True,
-        text=True,
-        env=clean_env(),
-        cwd=REPO_ROOT,
-        timeout=30,
-        check=False,
+    proc = run_cli(
+        "node-agent",
+        "--socket",
+        sock_path,
+        "--admin-socket",
+        inside,
+        "--metrics-port",
+        "0",
     )
     assert proc.returncode == 2, proc.stderr
     (line,) = [ln for ln in proc.stderr.splitlines() if ln.startswith("Error: ")]

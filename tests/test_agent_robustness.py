@@ -33,8 +33,8 @@ from gpuvisor.supervisor.protocol import (
     report_message,
 )
 
-from tests.helpers import REPO_ROOT, clean_env
-from tests.test_agent import CLI, AgentProc, Client, device, find
+from tests.helpers import run_cli
+from tests.test_agent import AgentProc, Client, device, find
 
 
 @pytest.fixture
@@ -298,20 +298,8 @@ def test_a_slow_reporter_is_not_expired_between_reports(sock_path):
 # ---- command-line values ---------------------------------------------------------------------
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*CLI, *args],
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-        cwd=REPO_ROOT,
-    )
-
-
 def _agent_cli(sock: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return _cli("node-agent", "--socket", sock, "--metrics-host", "127.0.0.1", *args)
+    return run_cli("node-agent", "--socket", sock, "--metrics-host", "127.0.0.1", *args)
 
 
 def _error_line(stderr: str) -> str:
@@ -376,7 +364,7 @@ def test_a_taken_metrics_port_is_named_and_leaves_no_socket(sock_path):
     ],
 )
 def test_out_of_range_view_options_are_named(args, option):
-    proc = _cli(*args)
+    proc = run_cli(*args)
     assert proc.returncode == 2, proc.stderr
     assert option in _error_line(proc.stderr)
 

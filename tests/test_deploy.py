@@ -41,8 +41,8 @@ from gpuvisor.supervisor.reporter import CONTAINER_VARS, NAMESPACE_VARS, POD_VAR
 from gpuvisor.supervisor.run import ENV_LOG_LEVEL
 from gpuvisor.supervisor.views import node_agent
 
-from tests.helpers import LIBRARY, REPO_ROOT, SimNode, missing_build_outputs
-from tests.test_agent import CLI, AgentProc, find, wait_for
+from tests.helpers import CLI, LIBRARY, REPO_ROOT, SimNode, missing_build_outputs
+from tests.test_agent import AgentProc, find, wait_for
 from tests.test_images import (
     AGENT,
     RUNTIME,

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import CU_SPIN_PRELUDE, REPO_ROOT, SimNode
-from tests.test_agent import CLI, AgentProc, find, sock_path, wait_for  # noqa: F401
+from tests.helpers import CLI, CU_SPIN_PRELUDE, REPO_ROOT, SimNode
+from tests.test_agent import AgentProc, find, sock_path, wait_for  # noqa: F401
 
 GiB = 1 << 30
 

@@ -26,7 +26,7 @@ from gpuvisor.shim import loader
 from gpuvisor.supervisor.cli import main as cli_main
 from gpuvisor.supervisor.views import node_agent
 
-from tests.helpers import BUILD_DIR, REPO_ROOT, SimNode, clean_env, repo_files
+from tests.helpers import BUILD_DIR, CLI, REPO_ROOT, SimNode, clean_env, repo_files
 
 IMAGES = REPO_ROOT / "images"
 RUNTIME = IMAGES / "runtime" / "Dockerfile"
@@ -34,7 +34,6 @@ AGENT = IMAGES / "agent" / "Dockerfile"
 DOCKERFILES = [RUNTIME, AGENT]
 README = IMAGES / "README.md"
 PYPROJECT = (REPO_ROOT / "pyproject.toml").read_text()
-CLI = [sys.executable, "-c", "from gpuvisor.supervisor.cli import main; main()"]
 GiB = 1 << 30
 
 

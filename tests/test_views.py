@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 
-from tests.helpers import REPO_ROOT, GiB, clean_env, run_py
-from tests.test_agent import CLI, AgentProc, Client, device, sock_path  # noqa: F401 (fixture)
+from tests.helpers import CLI, REPO_ROOT, GiB, clean_env, run_py
+from tests.test_agent import AgentProc, Client, device, sock_path  # noqa: F401 (fixture)
 
 
 def test_status_json_reads_the_region(node):
