@@ -181,14 +181,18 @@ static void unmapped_range(CUdeviceptr ptr, size_t size)
     free(r.got);
 }
 
+static CUresult after_unmap(CUresult rc, CUdeviceptr ptr, size_t size)
+{
+    if (rc == CUDA_SUCCESS)
+        unmapped_range(ptr, size);
+    return rc;
+}
+
 GV_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
 {
     unmap_fn real = GV_REAL(cuMemUnmap, unmap_fn);
     GV_ENFORCING_ELSE_PASS(real(ptr, size));
-    CUresult rc = real(ptr, size);
-    if (rc == CUDA_SUCCESS)
-        unmapped_range(ptr, size);
-    return rc;
+    return after_unmap(real(ptr, size), ptr, size);
 }
 
 /* Freeing an address range unmaps what is still mapped in it. */
@@ -196,10 +200,7 @@ GV_EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
 {
     addr_free_fn real = GV_REAL(cuMemAddressFree, addr_free_fn);
     GV_ENFORCING_ELSE_PASS(real(ptr, size));
-    CUresult rc = real(ptr, size);
-    if (rc == CUDA_SUCCESS)
-        unmapped_range(ptr, size);
-    return rc;
+    return after_unmap(real(ptr, size), ptr, size);
 }
 
 const gv_hook gv_hooks_vmm[] = {
