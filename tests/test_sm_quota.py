@@ -269,6 +269,40 @@ def test_a_multi_device_cooperative_launch_is_refused_under_a_limit(
     assert free["rc"] == 500, free
 
 
+LONG_KERNEL_ELSEWHERE = """
+import ctypes, os, time
+from tests.cuclient import *
+init(1)
+spin1 = ok(cu.cuModuleGetFunction, ok(cu.cuModuleLoadData, b"any image"), b"spin")
+s1 = ok(cu.cuStreamCreate, 0)
+ok(cu.cuLaunchKernel, spin1, 1, 1, 1, 32, 1, 1, 0, s1, ((8_000_000,), (ctypes.c_uint32,)), 0)
+init(0)
+spin = ok(cu.cuModuleGetFunction, ok(cu.cuModuleLoadData, b"any image"), b"spin")
+s = ok(cu.cuStreamCreate, 0)
+n, longest = 0, 0.0
+t0 = last = time.monotonic()
+while time.monotonic() - t0 < 2.5:
+    ok(cu.cuLaunchKernel, spin, 1, 1, 1, 32, 1, 1, 0, s, ((5000,), (ctypes.c_uint32,)), 0)
+    n += 1
+    now = time.monotonic()
+    longest, last = max(longest, now - last), now
+ok(cu.cuStreamSynchronize, s)
+emit(share=n * 5000 / 1e6 / (time.monotonic() - t0) * 100, longest=longest)
+os._exit(0)     # not waiting for the 8 s kernel on device 1
+"""
+
+
+def test_a_long_kernel_on_one_gpu_does_not_hold_launches_on_another(node: SimNode) -> None:
+    """The meter settles every finished launch, not only those before the
+    first unfinished one, and keeps what is in flight per device: an 8 s
+    kernel on device 1 used to hold every launch on device 0 until it ended
+    (one cuLaunchKernel blocked 19.6 s behind a 20 s kernel, the share fell
+    to 1 %)."""
+    out = run_json(LONG_KERNEL_ELSEWHERE, node.shimmed(CUDA_DEVICE_SM_LIMIT="20"))
+    assert out["longest"] < 1.0, out
+    assert abs(out["share"] - 20) <= 5, out
+
+
 def test_no_limit_runs_free(node: SimNode) -> None:
     share = run_container(node.shimmed(), seconds=1.5)
     assert share >= 90

@@ -29,9 +29,11 @@ void gv_sm_set_share(struct gv_sm *sm, uint32_t share);
  * in flight): a mask of other containers' processes, other processes of
  * this container, and whether the device was busy all the time lately;
  * and how many of this container's processes work on it (this one
- * included, at least 1). */
-enum { GV_SM_OTHERS = 1, GV_SM_MATES = 2, GV_SM_FULL = 4 };
-void gv_sm_set_company(int company, int procs);
+ * included, at least 1); for region device dev.  GV_SM_KNOWN is added
+ * by gv_sm_set_company (before the meter's first word, the gate assumes
+ * other containers). */
+enum { GV_SM_OTHERS = 1, GV_SM_MATES = 2, GV_SM_FULL = 4, GV_SM_KNOWN = 8 };
+void gv_sm_set_company(int dev, int company, int procs);
 /* Calibration against NVML (sm_calib.c; the meter thread only), per
  * region device:
  *  - gv_cal_record: a measured kernel that ended at `end` (monotonic)

@@ -139,16 +139,26 @@ int gv_sm_gating(void)
 
 /* ---- the pacing clock ------------------------------------------------------ */
 
-/* Estimated GPU time and launches this process has in flight. */
-static _Atomic uint64_t inflight_ns;
-static _Atomic uint32_t inflight_n;
-static atomic_int inflight_company = GV_SM_OTHERS;
-static atomic_int inflight_procs = 1;
+/* Estimated GPU time and launches this process has in flight on each
+ * region device, and who else works there: per device, so that a long
+ * kernel on one GPU does not hold launches on another. */
+static struct inflight {
+    _Atomic uint64_t ns;
+    _Atomic uint32_t n;
+    atomic_int company;         /* 0 until the meter first says: see fork_child */
+    atomic_int procs;
+} inflight[GV_MAX_DEVICES];
 
-void gv_sm_set_company(int company, int procs)
+static struct inflight *inflight_of(int dev)
 {
-    atomic_store_explicit(&inflight_company, company, memory_order_relaxed);
-    atomic_store_explicit(&inflight_procs, procs > 1 ? procs : 1, memory_order_relaxed);
+    return &inflight[dev >= 0 && dev < GV_MAX_DEVICES ? dev : 0];
+}
+
+void gv_sm_set_company(int dev, int company, int procs)
+{
+    struct inflight *f = inflight_of(dev);
+    atomic_store_explicit(&f->company, company | GV_SM_KNOWN, memory_order_relaxed);
+    atomic_store_explicit(&f->procs, procs > 1 ? procs : 1, memory_order_relaxed);
 }
 
 uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_ns)
@@ -171,9 +181,12 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
         }
         /* Work admitted but stuck behind other containers' kernels would
          * run later at more than the share: bound what is in flight. */
-        uint64_t queued = atomic_load_explicit(&inflight_ns, memory_order_relaxed);
-        uint32_t count = atomic_load_explicit(&inflight_n, memory_order_relaxed);
-        int company = atomic_load_explicit(&inflight_company, memory_order_relaxed);
+        struct inflight *f = inflight_of(dev);
+        uint64_t queued = atomic_load_explicit(&f->ns, memory_order_relaxed);
+        uint32_t count = atomic_load_explicit(&f->n, memory_order_relaxed);
+        int company = atomic_load_explicit(&f->company, memory_order_relaxed);
+        if (!(company & GV_SM_KNOWN))
+            company = GV_SM_OTHERS;         /* not known yet: as if others worked */
         uint32_t min = company & GV_SM_MATES ? 1 : 2;
         uint64_t cap = MAX_INFLIGHT_NS;
         if (!(company & GV_SM_OTHERS)) {
@@ -181,7 +194,8 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
              * split between its processes; below 50 % one kernel at a time
              * per process does not idle the device for long, and keeps
              * bursts admitted on estimates small. */
-            int procs = atomic_load_explicit(&inflight_procs, memory_order_relaxed);
+            int procs = atomic_load_explicit(&f->procs, memory_order_relaxed);
+            procs = procs > 1 ? procs : 1;
             cap = INFLIGHT_PER_SHARE_NS * share / 10000 / (uint64_t)procs;
             if (share < 5000)
                 min = 1;
@@ -237,8 +251,8 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
         if (atomic_compare_exchange_weak(&sm->tat, &t, base + inc))
             break;
     }
-    atomic_fetch_add_explicit(&inflight_ns, cost_ns, memory_order_relaxed);
-    atomic_fetch_add_explicit(&inflight_n, 1, memory_order_relaxed);
+    atomic_fetch_add_explicit(&inflight_of(dev)->ns, cost_ns, memory_order_relaxed);
+    atomic_fetch_add_explicit(&inflight_of(dev)->n, 1, memory_order_relaxed);
     gv_arb_admitted(dev, uuid, gv_mono_ns());
     uint64_t waited = gv_mono_ns() - start;
     if (waited > 1000)
@@ -250,8 +264,8 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
 void gv_sm_settle(struct gv_sm *sm, int dev, uint32_t share, uint64_t charged_ns, uint64_t actual_ns)
 {
     gv_arb_settled(dev);
-    atomic_fetch_sub_explicit(&inflight_ns, charged_ns, memory_order_relaxed);
-    atomic_fetch_sub_explicit(&inflight_n, 1, memory_order_relaxed);
+    atomic_fetch_sub_explicit(&inflight_of(dev)->ns, charged_ns, memory_order_relaxed);
+    atomic_fetch_sub_explicit(&inflight_of(dev)->n, 1, memory_order_relaxed);
     atomic_fetch_add_explicit(&sm->busy_ns, actual_ns, memory_order_relaxed);
     /* The charge was made at the share of that moment: settle at it too. */
     if (share == 0 || actual_ns == charged_ns)
@@ -282,8 +296,10 @@ void gv_sm_set_share(struct gv_sm *sm, uint32_t share)
 
 void gv_sm_fork_child(void)
 {
-    atomic_store(&inflight_ns, 0);
-    atomic_store(&inflight_n, 0);
-    atomic_store(&inflight_company, GV_SM_OTHERS);
-    atomic_store(&inflight_procs, 1);
+    for (int i = 0; i < GV_MAX_DEVICES; i++) {
+        atomic_store(&inflight[i].ns, 0);
+        atomic_store(&inflight[i].n, 0);
+        atomic_store(&inflight[i].company, 0);
+        atomic_store(&inflight[i].procs, 1);
+    }
 }

@@ -50,6 +50,7 @@
 struct rec {
     struct rec *next;
     CUcontext ctx;
+    CUstream stream;            /* (with ctx) its launches finish in order */
     CUevent begin, end;
     struct gv_sm *sm;
     int dev;                    /* region device */
@@ -283,7 +284,6 @@ static void policies(void)
         nvml_tried = 1;
         GV_REAL(nvmlInit_v2, nvmlReturn_t (*)(void))();
     }
-    int company = 0, procs = 1;
     for (int i = 0; i < GV_MAX_DEVICES; i++) {
         struct watched *w = &watched[i];
         const gv_devinfo *info = atomic_load(&w->info);
@@ -296,12 +296,10 @@ static void policies(void)
         }
         int c = GV_SM_OTHERS, p = 1;
         update_share(w, &c, &p);
-        company |= c;
-        procs = p > procs ? p : procs;
+        gv_sm_set_company(i, c, p);
         if (w->have_nvml)
             calibrate(i, w->nvml);
     }
-    gv_sm_set_company(company, procs);
 }
 
 /* Nothing in flight for 1 ms: sleep until the next launch is posted (it
@@ -358,14 +356,29 @@ static void *meter(void *unused)
                 }
             }
         }
-        while (head) {
-            struct rec *next = head->next;
-            if (!try_settle(head, &current))      /* frees head when settled */
-                break;
-            head = next;
-            if (!head)
-                tail = &head;
+        /* Every finished launch, not only those before the first
+         * unfinished one: a long kernel on one device, or stream, must not
+         * hold the settling of those that ended elsewhere (a 20 s kernel on
+         * another GPU held launches here for its whole length). */
+        struct rec **pp = &head;
+        struct { CUcontext ctx; CUstream stream; } busy[16];
+        unsigned nbusy = 0;
+        while (*pp) {
+            struct rec *r = *pp, *next = r->next;
+            unsigned b = 0;     /* a stream found running: what follows waits */
+            while (b < nbusy && (busy[b].ctx != r->ctx || busy[b].stream != r->stream))
+                b++;
+            if (b == nbusy && try_settle(r, &current)) {   /* frees r */
+                *pp = next;
+                continue;
+            }
+            if (b == nbusy && nbusy < 16) {
+                busy[nbusy].ctx = r->ctx;
+                busy[nbusy++].stream = r->stream;
+            }
+            pp = &r->next;
         }
+        tail = pp;
         uint64_t now = gv_mono_ns();
         if (now >= next_policy) {
             policies();
@@ -509,7 +522,9 @@ void gv_sm_end(gv_sm_launch *l, CUresult rc)
         GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->end);
         return;
     }
-    *r = (struct rec){ NULL, l->ctx, l->begin, l->end, l->sm, l->dev, l->key, l->est, l->share };
+    *r = (struct rec){ .ctx = l->ctx, .stream = l->stream, .begin = l->begin, .end = l->end,
+                       .sm = l->sm, .dev = l->dev, .key = l->key, .est = l->est,
+                       .share = l->share };
     r->next = atomic_load(&inbox);
     while (!atomic_compare_exchange_weak(&inbox, &r->next, r))
         ;
