@@ -270,3 +270,28 @@ def test_a_block_freed_while_its_pool_is_destroyed_stays_counted(
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "rounds=3000 low=0 leaked=0" in proc.stdout
     assert region_usage(node)["used"] == 0
+
+
+def test_a_thread_allocating_while_untracked_memory_is_reread_is_still_counted(
+    node: SimNode, build_dir: Path
+) -> None:
+    """Memory the driver gives without an allocation call (here a 1 GiB
+    device heap) is charged from NVML's per-process figure.  A reading taken
+    while another thread's allocation is in the driver (charged, not yet in
+    NVML) used to drop the heap's charge by that allocation's size, and a
+    third allocation then passed the quota: 3000 MiB next to the 1 GiB heap
+    and 1 GiB in flight under 4 GiB.  Now no reading is taken while a charge
+    is in flight."""
+    proc = subprocess.run(
+        [str(build_dir / "tests" / "t_link_untracked_race")],
+        env=node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g", GPUVISOR_SIM_ALLOC_MS="2000"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = dict(line.split("=", 1) for line in proc.stdout.split())
+    assert out["a"] == "0", proc.stdout
+    assert out["b"] == "2", proc.stdout  # CUDA_ERROR_OUT_OF_MEMORY
+    assert int(out["used_mib"]) >= 2048, proc.stdout

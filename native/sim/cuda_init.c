@@ -18,7 +18,7 @@ static CUresult g_init_rc = CUDA_ERROR_NOT_INITIALIZED;
 static volatile int g_inited;
 static int g_nvis;
 static int g_vis[SIM_MAX_DEV];          /* CUDA ordinal -> node index */
-static unsigned long long g_fail_at, g_fail_every, g_ctx_ms;
+static unsigned long long g_fail_at, g_fail_every, g_ctx_ms, g_alloc_ms;
 static unsigned long long g_alloc_calls;
 
 /* One CUDA_VISIBLE_DEVICES token -> node index, -1 if invalid. */
@@ -97,6 +97,8 @@ static void do_init(void)
         g_fail_every = 0;
     if (sim_knob_uint("GPUVISOR_SIM_CTX_CREATE_MS", &g_ctx_ms) <= 0)
         g_ctx_ms = 0;
+    if (sim_knob_uint("GPUVISOR_SIM_ALLOC_MS", &g_alloc_ms) <= 0)
+        g_alloc_ms = 0;
     parse_visible();
     if (g_nvis == 0) {
         g_init_rc = CUDA_ERROR_NO_DEVICE;
@@ -144,13 +146,23 @@ int sim_fault_alloc(void)
     return 0;
 }
 
-void sim_ctx_create_delay(void)
+static void sleep_ms(unsigned long long ms)
 {
-    if (!g_ctx_ms)
-        return;
-    struct timespec ts = { (time_t)(g_ctx_ms / 1000), (long)(g_ctx_ms % 1000) * 1000000L };
+    struct timespec ts = { (time_t)(ms / 1000), (long)(ms % 1000) * 1000000L };
     while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
         ;
+}
+
+void sim_ctx_create_delay(void)
+{
+    if (g_ctx_ms)
+        sleep_ms(g_ctx_ms);
+}
+
+void sim_alloc_delay(void)
+{
+    if (g_alloc_ms)
+        sleep_ms(g_alloc_ms);
 }
 
 SIM_API CUresult cuDriverGetVersion(int *v)

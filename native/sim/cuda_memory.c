@@ -18,6 +18,7 @@ CUresult sim_dev_alloc(CUdeviceptr *out, uint64_t size, int low)
         return CUDA_ERROR_INVALID_VALUE;
     if (sim_fault_alloc())
         return CUDA_ERROR_OUT_OF_MEMORY;
+    sim_alloc_delay();                  /* before the memory is taken */
     uint64_t phys = sim_round_up(size, SIM_GRAN);
     if (phys < size || sim_charge(c->node, phys) < 0)
         return CUDA_ERROR_OUT_OF_MEMORY;

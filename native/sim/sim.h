@@ -262,6 +262,7 @@ SIM_HIDDEN int sim_fault_alloc(void);       /* 1: this allocation fails */
 /* A new context takes GPUVISOR_SIM_CTX_CREATE_MS (a real driver's take 100 ms
  * or more): sleeps that long, once the context is registered. */
 SIM_HIDDEN void sim_ctx_create_delay(void);
+SIM_HIDDEN void sim_alloc_delay(void);       /* GPUVISOR_SIM_ALLOC_MS */
 
 /* handle registry: membership test for opaque handles */
 SIM_HIDDEN void sim_reg_add(const void *p);
