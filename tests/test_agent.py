@@ -862,26 +862,28 @@ def test_a_declared_interval_keeps_a_container_at_most_max_expire():
     assert state.expire(9.0) == 0
 
 
+def set_limit(sock: str, container: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """`gpuvisor node-agent set-limit` for device GPU-aaaa of container."""
+    return run_cli(
+        "node-agent",
+        "set-limit",
+        "--socket",
+        sock,
+        "--container",
+        container,
+        "--device",
+        "GPU-aaaa",
+        *args,
+    )
+
+
 def test_pushed_limit_reaches_next_ack(sock_path):
     with AgentProc(sock_path) as agent:
         c = Client(sock_path, pod="tenant", namespace="team")
         ack = c.report(device(limit=8 * GiB))
         assert ack["limits"] == {}
         key = agent.status()["containers"][0]["key"]
-        proc = run_cli(
-            "node-agent",
-            "set-limit",
-            "--socket",
-            sock_path,
-            "--container",
-            key,
-            "--device",
-            "GPU-aaaa",
-            "--memory",
-            "4g",
-            "--cores",
-            "30",
-        )
+        proc = set_limit(sock_path, key, "--memory", "4g", "--cores", "30")
         assert proc.returncode == 0, proc.stderr
         instr = parse_ack(c.report(device(limit=8 * GiB)))
         assert instr.memory_limits == {"GPU-aaaa": 4 * GiB}
@@ -891,34 +893,12 @@ def test_pushed_limit_reaches_next_ack(sock_path):
         assert instr.memory_limits == {}
         assert instr.sm_limits == {}
         # namespace/pod/container works as a name too; only the memory limit this time.
-        proc = run_cli(
-            "node-agent",
-            "set-limit",
-            "--socket",
-            sock_path,
-            "--container",
-            "team/tenant/main",
-            "--device",
-            "GPU-aaaa",
-            "--memory",
-            "none",
-        )
+        proc = set_limit(sock_path, "team/tenant/main", "--memory", "none")
         assert proc.returncode == 0, proc.stderr
         ack = c.report(device(limit=4 * GiB, sm_limit=30))
         assert ack["limits"] == {"GPU-aaaa": {"memory": None}}
         # An unknown container is an error naming it.
-        proc = run_cli(
-            "node-agent",
-            "set-limit",
-            "--socket",
-            sock_path,
-            "--container",
-            "nope",
-            "--device",
-            "GPU-aaaa",
-            "--cores",
-            "10",
-        )
+        proc = set_limit(sock_path, "nope", "--cores", "10")
         assert proc.returncode != 0
         assert "nope" in proc.stderr
         c.close()

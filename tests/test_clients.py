@@ -449,8 +449,7 @@ def test_mappings_gone_with_their_range_give_their_handles_back(node, how):
     gap between mappings, and cuMemAddressFree unmaps what is still mapped
     in the range it frees.  Released handles mapped there are given back
     either way: before, a gap stopped the walk and cuMemAddressFree was not
-    seen, and each round left 256 MiB charged for good (a fourth round was
-    refused under a 1 GiB quota)."""
+    seen, and each round left 128 MiB charged for good."""
     free_range = (
         "ok(cu.cuMemUnmap, va, 1024 * MiB)"
         if how == "unmap-with-a-gap"
