@@ -295,3 +295,24 @@ def test_a_thread_allocating_while_untracked_memory_is_reread_is_still_counted(
     assert out["a"] == "0", proc.stdout
     assert out["b"] == "2", proc.stdout  # CUDA_ERROR_OUT_OF_MEMORY
     assert int(out["used_mib"]) >= 2048, proc.stdout
+
+
+@pytest.mark.parametrize("made", ["create", "primary"])
+def test_a_context_is_charged_its_own_memory_while_another_thread_allocates(
+    node: SimNode, build_dir: Path, made: str
+) -> None:
+    """A context is charged what NVML shows its process took while it was
+    made.  Another thread of the process that allocates meanwhile (1 GiB
+    here) is charged for that on its own: the context used to be charged it
+    too, and kept it after the free (1088 MiB left for two 32 MiB
+    contexts)."""
+    proc = subprocess.run(
+        [str(build_dir / "tests" / "t_link_ctx_race"), made],
+        env=node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g", GPUVISOR_SIM_CTX_CREATE_MS="1000"),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == "after_free_mib=64", proc.stdout

@@ -41,10 +41,19 @@ static int reserve(int dev, uint64_t n)
 }
 
 static atomic_int in_flight;
+static _Atomic uint64_t begun;
 
 int gv_charges_in_flight(void) { return atomic_load_explicit(&in_flight, memory_order_acquire); }
 
+uint64_t gv_charges_begun(void) { return atomic_load_explicit(&begun, memory_order_acquire); }
+
 void gv_charges_fork_child(void) { atomic_store(&in_flight, 0); }
+
+static void flight_begins(void)
+{
+    atomic_fetch_add(&begun, 1);
+    atomic_fetch_add(&in_flight, 1);
+}
 
 CUresult gv_charge_begin(gv_charge *c, int ordinal, CUcontext ctx, uint64_t bytes)
 {
@@ -63,7 +72,7 @@ CUresult gv_charge_begin(gv_charge *c, int ordinal, CUcontext ctx, uint64_t byte
         return GV_FAIL_CUDA;
     if (r > 0)
         return CUDA_ERROR_OUT_OF_MEMORY;
-    atomic_fetch_add(&in_flight, 1);
+    flight_begins();
     c->active = 1;
     c->ordinal = ordinal;
     c->dev = d->region_dev;
@@ -143,7 +152,7 @@ CUresult gv_charge_settle(gv_charge *c, CUresult rc, int kind, uint64_t key)
 int gv_untrack(uint32_t kind, uint64_t key, gv_destroy_fn destroy, void *arg, CUresult *rc)
 {
     gv_alloc a;
-    atomic_fetch_add(&in_flight, 1);
+    flight_begins();
     if (!gv_table_take(kind, key, &a)) {
         atomic_fetch_sub(&in_flight, 1);
         return 0;

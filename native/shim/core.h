@@ -130,6 +130,8 @@ void gv_charge_keep(gv_charge *c);
  * any is in flight, this process's charges and the driver's figures need
  * not agree (untracked.c does not read NVML then). */
 int gv_charges_in_flight(void);
+/* How many charges (and untracked frees) this process has begun so far. */
+uint64_t gv_charges_begun(void);
 void gv_charges_fork_child(void);
 /* Record the reservation against an object the driver returned. */
 void gv_charge_commit(const gv_charge *c, int kind, uint64_t key, uint64_t aux);

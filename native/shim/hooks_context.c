@@ -29,6 +29,9 @@
 typedef struct {
     int ok;
     int proc_seen;
+    int charged_read;               /* charged was read */
+    int charged_ok;                 /* ... and in step with NVML's figure */
+    uint64_t charged;               /* what this process has charged on the device */
     uint64_t dev_used;
     uint64_t proc_used;
     unsigned npids;                 /* the processes NVML listed */
@@ -104,6 +107,7 @@ static void snap(const gv_devinfo *d, snapshot *s)
     typedef nvmlReturn_t (*procs_fn)(nvmlDevice_t, unsigned int *, nvmlProcessInfo_t *);
     memset(s, 0, sizeof *s);
     pthread_once(&nvml_once, nvml_init);
+    uint64_t begun = gv_charges_begun();
     nvmlDevice_t h;
     nvmlMemory_t m;
     if (!nvml_ok || GV_REAL(nvmlDeviceGetHandleByUUID, by_uuid_fn)(d->uuid_str, &h) != NVML_SUCCESS ||
@@ -135,6 +139,15 @@ static void snap(const gv_devinfo *d, snapshot *s)
             s->used[s->npids++] = used;
         }
     }
+    /* What this process charged meanwhile: read after NVML, and in step
+     * with it only if no charge was in flight and none began since. */
+    gv_region *r = gv_core_region();
+    int slot = r ? region_self_slot(r) : -1;
+    if (slot >= 0) {
+        s->charged = region_slot_used(r, d->region_dev, slot);
+        s->charged_read = 1;
+        s->charged_ok = !gv_charges_in_flight() && gv_charges_begun() == begun;
+    }
 }
 
 static uint64_t cost(const snapshot *before, const snapshot *after)
@@ -144,6 +157,16 @@ static uint64_t cost(const snapshot *before, const snapshot *after)
         return 0;
     if (after->proc_seen) {
         uint64_t b = before->proc_seen ? before->proc_used : 0;
+        /* Other threads of this process may have allocated or freed on the
+         * device meanwhile: what they charged is not the context's.  Taken
+         * out only when the last reading was in step (otherwise an
+         * allocation charged but not yet in NVML's figure would be taken
+         * out too, and the context under-charged); a change that began
+         * before the first reading can only leave the cost too high. */
+        if (after->charged_ok && before->charged_read) {
+            b += after->charged;
+            b = b > before->charged ? b - before->charged : 0;
+        }
         c = after->proc_used > b ? after->proc_used - b : 0;
     } else {
         c = after->dev_used > before->dev_used ? after->dev_used - before->dev_used : 0;
