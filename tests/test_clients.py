@@ -518,6 +518,42 @@ emit(base=base, same=same, owned=owned, retained=retained, after=used())
     assert out["after"] == out["base"], out
 
 
+def test_a_reset_primary_context_keeps_its_retains_and_its_charges_follow(node):
+    """As CUDA documents, resetting a primary context frees all it held but
+    does not release it: every retain still takes its release, also one
+    made before the reset, and the next retain makes the context anew.  The
+    quota follows: after the reset only the new context is charged, and
+    after the last release nothing (the simulator used to zero the retain
+    count at a reset, unlike CUDA)."""
+    out = client(
+        node,
+        """
+from gpuvisor.shim.region import Region
+init()
+dev = ok(cu.cuDeviceGet, 0)
+p = ok(cu.cuMemAlloc, 256 * MiB)
+held = used()
+ok(cu.cuDevicePrimaryCtxReset, dev)
+ctx = ok(cu.cuDevicePrimaryCtxRetain, dev)          # made anew; two retains now
+ok(cu.cuCtxSetCurrent, ctx)
+after_reset = used()
+ok(cu.cuDevicePrimaryCtxRelease, dev)
+alive = ok(cu.cuDevicePrimaryCtxGetState, dev)[1]
+ok(cu.cuDevicePrimaryCtxRelease, dev)
+gone = ok(cu.cuDevicePrimaryCtxGetState, dev)[1]
+extra = call(cu.cuDevicePrimaryCtxRelease, dev)[0]
+emit(held=held, after_reset=after_reset, alive=alive, gone=gone, extra=extra.name,
+     region=Region.attach().devices()[0].used)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="1g",
+    )
+    assert out["held"] == SIM_CONTEXT + 256 * MiB, out
+    assert out["after_reset"] == SIM_CONTEXT, out
+    assert out["alive"] == 1 and out["gone"] == 0, out
+    assert out["extra"] == "CUDA_ERROR_INVALID_CONTEXT", out
+    assert out["region"] == 0, out
+
+
 GRAPH_OF = """
 def graph_of(nbytes, free_inside=True):
     \"\"\"A captured graph that allocates nbytes (and frees them inside).\"\"\"

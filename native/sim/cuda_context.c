@@ -333,11 +333,10 @@ SIM_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
         return CUDA_ERROR_INVALID_DEVICE;
     struct CUctx_st *c = &g_primary[dev];
     pthread_mutex_lock(&g_prim_mu);
-    if (!c->alive) {
+    if (!c->alive) {        /* first retain, or the first after a reset */
         c->ordinal = dev;
         c->node = node;
         c->primary = 1;
-        c->refcount = 0;
         rc = ctx_activate(c);
     }
     if (rc == CUDA_SUCCESS)
@@ -358,11 +357,11 @@ SIM_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
         return CUDA_ERROR_INVALID_DEVICE;
     struct CUctx_st *c = &g_primary[dev];
     pthread_mutex_lock(&g_prim_mu);
-    if (!c->alive || c->refcount <= 0) {
+    if (c->refcount <= 0) {
         pthread_mutex_unlock(&g_prim_mu);
         return CUDA_ERROR_INVALID_CONTEXT;
     }
-    if (--c->refcount == 0)
+    if (--c->refcount == 0 && c->alive)
         ctx_deactivate(c);
     pthread_mutex_unlock(&g_prim_mu);
     return CUDA_SUCCESS;
@@ -380,10 +379,12 @@ SIM_API CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
         return rc;
     if (sim_ord_node(dev) < 0)
         return CUDA_ERROR_INVALID_DEVICE;
+    /* As CUDA: resetting does not release; each retain still takes its
+     * release (also after the reset), and the next retain makes it anew. */
     struct CUctx_st *c = &g_primary[dev];
     pthread_mutex_lock(&g_prim_mu);
-    c->refcount = 0;
-    ctx_deactivate(c);
+    if (c->alive)
+        ctx_deactivate(c);
     pthread_mutex_unlock(&g_prim_mu);
     return CUDA_SUCCESS;
 }
