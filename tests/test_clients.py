@@ -549,7 +549,8 @@ emit(held=held, after_reset=after_reset, alive=alive, gone=gone, extra=extra.nam
     )
     assert out["held"] == SIM_CONTEXT + 256 * MiB, out
     assert out["after_reset"] == SIM_CONTEXT, out
-    assert out["alive"] == 1 and out["gone"] == 0, out
+    assert out["alive"] == 1, out
+    assert out["gone"] == 0, out
     assert out["extra"] == "CUDA_ERROR_INVALID_CONTEXT", out
     assert out["region"] == 0, out
 
