@@ -115,11 +115,17 @@ def run_py(
     )
 
 
+# A process a test drives dies with the test's process (PR_SET_PDEATHSIG):
+# an interrupted run leaves no helper behind (one paused by its yield flag
+# would poll its gate for good).
+DIE_WITH_PARENT = "import ctypes, signal; ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"
+
+
 def start_piped(code: str, env: Mapping[str, str], *args: str) -> subprocess.Popen[str]:
     """Start `python -c code args` (dedented) with piped stdin, stdout and
-    stderr, for a test that drives it line by line."""
+    stderr, for a test that drives it line by line; it dies with the test."""
     return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
+        [sys.executable, "-c", DIE_WITH_PARENT + textwrap.dedent(code), *args],
         env=dict(env),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,

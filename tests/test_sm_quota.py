@@ -26,8 +26,7 @@ import pytest
 from tests.helpers import CU_SPIN_PRELUDE, REPO_ROOT, SimNode, run_json, start_ready
 
 WORKER = """
-import ctypes, json, random, signal, sys, time
-ctypes.CDLL(None).prctl(1, signal.SIGKILL)   # PR_SET_PDEATHSIG: not outlive the test
+import ctypes, json, random, sys, time
 from cuda.bindings import driver as cu
 R = cu.CUresult.CUDA_SUCCESS
 def chk(res):
