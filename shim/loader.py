@@ -68,6 +68,23 @@ def simulator_dir() -> Path:
     )
 
 
+def _listable(path: Path, variable: str, seps: str) -> str:
+    """path as an entry of a list variable the dynamic linker splits at seps.
+
+    A path with a separator in it would be split and the entry ignored (for
+    LD_PRELOAD with a warning only): the workload would run without the
+    interposer, unlimited.  Refused instead (fail closed)."""
+    text = str(path)
+    bad = [c for c in seps if c in text]
+    if bad:
+        raise NativeLibraryNotFound(
+            f"gpuvisor: {variable} cannot hold {text!r} (the dynamic linker splits it at "
+            f"{' and '.join(repr(c) for c in bad)}); set {NATIVE_DIR_ENV} to a directory "
+            "whose path has none"
+        )
+    return text
+
+
 def _prepend(value: str | None, entry: str, sep: str) -> str:
     parts = [p for p in (value or "").split(sep) if p and p != entry]
     return sep.join([entry, *parts])
@@ -84,7 +101,9 @@ def preload_env(
     env = dict(os.environ if base_env is None else base_env)
     # ld.so accepts both spaces and colons in LD_PRELOAD; keep its entries.
     existing = (env.get("LD_PRELOAD") or "").replace(" ", ":")
-    env["LD_PRELOAD"] = _prepend(existing, str(library_path()), ":")
+    lib = _listable(library_path(), "LD_PRELOAD", " :")
+    env["LD_PRELOAD"] = _prepend(existing, lib, ":")
     if simulate:
-        env["LD_LIBRARY_PATH"] = _prepend(env.get("LD_LIBRARY_PATH"), str(simulator_dir()), ":")
+        sim = _listable(simulator_dir(), "LD_LIBRARY_PATH", ":;")
+        env["LD_LIBRARY_PATH"] = _prepend(env.get("LD_LIBRARY_PATH"), sim, ":")
     return env

@@ -7,6 +7,7 @@ runs its code in a child process with its own region under tmp_path.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,20 @@ def test_preload_env_prepends_and_keeps_entries(build_dir: Path) -> None:
     plain = preload_env({"LD_PRELOAD": str(build_dir / "libgpuvisor.so")})
     assert plain["LD_PRELOAD"] == str(build_dir / "libgpuvisor.so")
     assert "LD_LIBRARY_PATH" not in plain
+
+
+@pytest.mark.parametrize("name", ["with space", "with:colon"])
+def test_a_library_path_the_linker_would_split_is_refused(
+    build_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    """The dynamic linker splits LD_PRELOAD at spaces and colons: a native
+    directory with one in its path used to be preloaded as two broken
+    entries, ignored with a warning, and the workload ran unlimited."""
+    native = tmp_path / name
+    shutil.copytree(build_dir, native, ignore=shutil.ignore_patterns("tests", "bench", "demo"))
+    monkeypatch.setenv("GPUVISOR_NATIVE_DIR", str(native))
+    with pytest.raises(NativeLibraryNotFound, match="LD_PRELOAD cannot hold"):
+        preload_env({})
 
 
 # --- parse_memory_limit (the C parser, through ctypes) ------------------------
