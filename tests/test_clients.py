@@ -555,6 +555,26 @@ emit(held=held, after_reset=after_reset, alive=alive, gone=gone, extra=extra.nam
     assert out["region"] == 0, out
 
 
+def test_an_nvml_only_process_sees_the_quota_without_cuda_being_initialised(node):
+    """A process that only uses NVML (a parent that picks a GPU before it
+    forks CUDA workers, which CUDA does not allow after cuInit) sees the
+    quota in NVML's memory figures, and the interposer does not initialise
+    CUDA for it: the driver library is not even loaded.  It used to call
+    cuInit to map the device's UUID to a CUDA ordinal."""
+    out = client(
+        node,
+        """
+import pynvml as n
+n.nvmlInit()
+m = n.nvmlDeviceGetMemoryInfo(n.nvmlDeviceGetHandleByIndex(0))
+emit(total=m.total, cuda_loaded="libcuda.so.1" in open("/proc/self/maps").read())
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="1g",
+    )
+    assert out["total"] == 1 * GiB, out
+    assert out["cuda_loaded"] is False, out
+
+
 GRAPH_OF = """
 def graph_of(nbytes, free_inside=True):
     \"\"\"A captured graph that allocates nbytes (and frees them inside).\"\"\"

@@ -80,6 +80,9 @@ CUresult gv_ordinal_of_ctx(CUcontext ctx, int *ordinal);
 CUresult gv_ordinal_of_stream(CUstream stream, int *ordinal, CUcontext *ctx);
 /* CUDA ordinal the process sees for a device UUID; -1 when invisible. */
 int gv_ordinal_of_uuid(const unsigned char uuid[16]);
+/* The process called cuInit (hooks_info.c): from then on the UUID map is
+ * CUDA's; before, NVML's, so that NVML calls do not initialise CUDA. */
+void gv_cuda_inited(void);
 
 /* ---- memory pools (hooks_pool.c) ---- */
 /* Re-read the reserve of every pool the process holds (uncontended ones). */

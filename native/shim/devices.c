@@ -215,14 +215,27 @@ CUresult gv_ordinal_of_stream(CUstream stream, int *ordinal, CUcontext *ctx)
 
 /* ---- UUID -> ordinal, for NVML callers ---------------------------------- */
 
-static pthread_once_t visible_once = PTHREAD_ONCE_INIT;
-static int visible_count = -1;
-static unsigned char visible[GV_MAX_ORDINALS][16];
+/* Two maps: CUDA's (once the process has called cuInit itself) and one
+ * made from NVML and CUDA_VISIBLE_DEVICES, for a process that has only
+ * used NVML so far: initialising CUDA for it would change it (CUDA cannot
+ * be used in a child forked after cuInit, and a parent that picks a GPU
+ * with NVML before forking its CUDA workers is common). */
+struct visible {
+    pthread_once_t once;
+    int count;
+    unsigned char uuid[GV_MAX_ORDINALS][16];
+};
+static struct visible by_cuda = { PTHREAD_ONCE_INIT, 0, { { 0 } } };
+static struct visible by_nvml = { PTHREAD_ONCE_INIT, 0, { { 0 } } };
+static atomic_int cuda_inited;
+
+void gv_cuda_inited(void) { atomic_store(&cuda_inited, 1); }
 
 /* Without a usable CUDA driver, follow CUDA_VISIBLE_DEVICES over NVML's list
  * (NVML order is PCI order, which CUDA also uses unless told otherwise). */
 static void visible_from_nvml(void)
 {
+    unsigned char (*visible)[16] = by_nvml.uuid;
     typedef nvmlReturn_t (*count_fn)(unsigned int *);
     typedef nvmlReturn_t (*handle_fn)(unsigned int, nvmlDevice_t *);
     typedef nvmlReturn_t (*uuid_fn)(nvmlDevice_t, char *, unsigned int);
@@ -245,7 +258,7 @@ static void visible_from_nvml(void)
         for (unsigned int i = 0; i < n; i++)
             if (gv_uuid_parse(uuids[i], visible[count]) == 0)
                 count++;
-        visible_count = count;
+        by_nvml.count = count;
         return;
     }
     char buf[1024];
@@ -267,10 +280,12 @@ static void visible_from_nvml(void)
             break;   /* like CUDA: the list ends at the first invalid entry */
         count++;
     }
-    visible_count = count;
+    by_nvml.count = count;
 }
 
-static void visible_init(void)
+/* CUDA's map: the process has initialised CUDA (or CUDA is how the
+ * container's devices are known); NVML's when the driver cannot be used. */
+static void visible_from_cuda(void)
 {
     int n = 0;
     if (GV_REAL(cuInit, CUresult (*)(unsigned int))(0) == CUDA_SUCCESS &&
@@ -278,19 +293,27 @@ static void visible_init(void)
         if (n > GV_MAX_ORDINALS)
             n = GV_MAX_ORDINALS;
         for (int i = 0; i < n; i++)
-            if (device_uuid(i, visible[i]) != CUDA_SUCCESS)
+            if (device_uuid(i, by_cuda.uuid[i]) != CUDA_SUCCESS)
                 n = i;
-        visible_count = n;
+        by_cuda.count = n;
         return;
     }
-    visible_from_nvml();
+    pthread_once(&by_nvml.once, visible_from_nvml);
+    by_cuda.count = by_nvml.count;
+    memcpy(by_cuda.uuid, by_nvml.uuid, sizeof by_cuda.uuid);
 }
 
 int gv_ordinal_of_uuid(const unsigned char uuid[16])
 {
-    pthread_once(&visible_once, visible_init);
-    for (int i = 0; i < visible_count; i++)
-        if (memcmp(visible[i], uuid, 16) == 0)
+    struct visible *v = &by_nvml;
+    if (atomic_load(&cuda_inited)) {
+        pthread_once(&by_cuda.once, visible_from_cuda);
+        v = &by_cuda;
+    } else {
+        pthread_once(&by_nvml.once, visible_from_nvml);
+    }
+    for (int i = 0; i < v->count; i++)
+        if (memcmp(v->uuid[i], uuid, 16) == 0)
             return i;
     return -1;
 }

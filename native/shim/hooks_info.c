@@ -20,7 +20,10 @@ GV_EXPORT CUresult cuInit(unsigned int flags)
 {
     init_fn real = GV_REAL(cuInit, init_fn);
     GV_ENFORCING_OR(real(flags));
-    return real(flags);
+    CUresult rc = real(flags);
+    if (rc == CUDA_SUCCESS)
+        gv_cuda_inited();
+    return rc;
 }
 
 /* Quota view of a device, given the driver's physical figures.  A device
