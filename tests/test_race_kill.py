@@ -41,6 +41,20 @@ OBSERVER = textwrap.dedent(
 )
 
 
+def run_linked(
+    build_dir: Path, name: str, *args: str, env: dict[str, str], timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    """Run the C test program build/tests/<name> with args in env."""
+    return subprocess.run(
+        [str(build_dir / "tests" / name), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 def start_churn(
     build_dir: Path, env: dict[str, str], seconds: float, threads: int, max_mib: int, seed: int
 ) -> subprocess.Popen[str]:
@@ -158,14 +172,7 @@ def test_sigkill_storm(node: SimNode, build_dir: Path, rounds: int) -> None:
         assert usage["procs"] == 0
     print(f"rounds={rounds} kills={kills}")
     # After the storm the whole quota is usable again (minus the context).
-    proc = subprocess.run(
-        [str(build_dir / "tests" / "t_link_churn"), "0.3", "1", "900", "7"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = run_linked(build_dir, "t_link_churn", "0.3", "1", "900", "7", env=env)
     assert proc.returncode == 0, proc.stderr
 
 
@@ -258,13 +265,13 @@ def test_a_block_freed_while_its_pool_is_destroyed_stays_counted(
     out of the destroy's count of outstanding blocks: the pool's whole
     charge went back with A's free, in about 2 % of rounds, while B was
     still held."""
-    proc = subprocess.run(
-        [str(build_dir / "tests" / "t_link_pool_race"), "3000", free],
+    proc = run_linked(
+        build_dir,
+        "t_link_pool_race",
+        "3000",
+        free,
         env=node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="1g"),
-        capture_output=True,
-        text=True,
         timeout=120,
-        check=False,
     )
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -282,13 +289,10 @@ def test_a_thread_allocating_while_untracked_memory_is_reread_is_still_counted(
     third allocation then passed the quota: 3000 MiB next to the 1 GiB heap
     and 1 GiB in flight under 4 GiB.  Now no reading is taken while a charge
     is in flight."""
-    proc = subprocess.run(
-        [str(build_dir / "tests" / "t_link_untracked_race")],
+    proc = run_linked(
+        build_dir,
+        "t_link_untracked_race",
         env=node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g", GPUVISOR_SIM_ALLOC_MS="2000"),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = dict(line.split("=", 1) for line in proc.stdout.split())
@@ -306,13 +310,11 @@ def test_a_context_is_charged_its_own_memory_while_another_thread_allocates(
     here) is charged for that on its own: the context used to be charged it
     too, and kept it after the free (1088 MiB left for two 32 MiB
     contexts)."""
-    proc = subprocess.run(
-        [str(build_dir / "tests" / "t_link_ctx_race"), made],
+    proc = run_linked(
+        build_dir,
+        "t_link_ctx_race",
+        made,
         env=node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g", GPUVISOR_SIM_CTX_CREATE_MS="1000"),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip() == "after_free_mib=64", proc.stdout
