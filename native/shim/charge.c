@@ -55,6 +55,10 @@ static void flight_begins(void)
     atomic_fetch_add(&in_flight, 1);
 }
 
+void gv_charge_flying(void) { flight_begins(); }
+
+void gv_charge_landed(void) { atomic_fetch_sub(&in_flight, 1); }
+
 CUresult gv_charge_begin(gv_charge *c, int ordinal, CUcontext ctx, uint64_t bytes)
 {
     memset(c, 0, sizeof *c);

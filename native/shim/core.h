@@ -135,6 +135,10 @@ void gv_charge_keep(gv_charge *c);
 int gv_charges_in_flight(void);
 /* How many charges (and untracked frees) this process has begun so far. */
 uint64_t gv_charges_begun(void);
+/* A charge recorded elsewhere is in flight until gv_charge_landed: the
+ * driver call it pays for (a graph's launch) has not answered yet. */
+void gv_charge_flying(void);
+void gv_charge_landed(void);
 void gv_charges_fork_child(void);
 /* Record the reservation against an object the driver returned. */
 void gv_charge_commit(const gv_charge *c, int kind, uint64_t key, uint64_t aux);

@@ -303,6 +303,8 @@ CUresult gv_graph_mem_begin(gv_graph_mem *m, CUgraphExec e)
             gv_graph_mem_end(m);      /* gives back what the others charged */
             return rc;
         }
+        if (!m->held)
+            gv_charge_flying();       /* until settled: the driver has not answered */
         m->held |= 1ULL << i;
     }
     return CUDA_SUCCESS;
@@ -316,6 +318,8 @@ void gv_graph_mem_end(gv_graph_mem *m)
         settle(i);
         pthread_mutex_unlock(&pools[i].lock);
     }
+    if (m->held)
+        gv_charge_landed();
     m->held = 0;
 }
 
