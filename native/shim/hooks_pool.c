@@ -148,6 +148,21 @@ static CUresult claim(CUmemoryPool p, int ordinal, int dev, int host, pool_rec *
     return CUDA_ERROR_OUT_OF_MEMORY;
 }
 
+/* p's record, claimed under claim_lock unless it has one (fresh: p was just
+ * created, so a destroyed pool's record with its handle is forgotten). */
+static CUresult claim_once(CUmemoryPool p, int ordinal, int dev, int host, int fresh,
+                           pool_rec **out)
+{
+    pthread_mutex_lock(&claim_lock);
+    if (fresh)
+        forget_destroyed(p);
+    pool_rec *r = find(p);
+    CUresult rc = r ? CUDA_SUCCESS : claim(p, ordinal, dev, host, &r);
+    pthread_mutex_unlock(&claim_lock);
+    *out = r;
+    return rc;
+}
+
 /* Record for the live device pool p on ordinal, claiming one if new (with
  * fresh set: p was just created, so a destroyed pool's record with its
  * handle is forgotten).  Fails with gv_device's error, or
@@ -165,14 +180,7 @@ static CUresult rec_for(CUmemoryPool p, int ordinal, int fresh, pool_rec **out)
     CUresult rc = gv_device(ordinal, &d);
     if (rc != CUDA_SUCCESS)
         return rc;
-    pthread_mutex_lock(&claim_lock);
-    if (fresh)
-        forget_destroyed(p);
-    r = find(p);
-    rc = r ? CUDA_SUCCESS : claim(p, ordinal, d->region_dev, 0, &r);
-    pthread_mutex_unlock(&claim_lock);
-    *out = r;
-    return rc;
+    return claim_once(p, ordinal, d->region_dev, 0, fresh, out);
 }
 
 /* Whether p is a pool the driver knows, and no destroyed one this process
@@ -529,10 +537,7 @@ GV_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *pro
         /* Host-located (CUDA 12.2+): recorded so that its allocations pass
          * uncharged; unrecorded, they would be charged to a device. */
         pthread_once(&setup_once, setup);
-        pthread_mutex_lock(&claim_lock);
-        forget_destroyed(*pool);
-        own = claim(*pool, -1, -1, 1, &r);
-        pthread_mutex_unlock(&claim_lock);
+        own = claim_once(*pool, -1, -1, 1, 1, &r);
     }
     if (own != CUDA_SUCCESS && own != CUDA_ERROR_INVALID_DEVICE) {
         /* It could not be accounted for: refused now rather than at its

@@ -457,8 +457,10 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
         atomic_store(&watched[d->region_dev].info, d);
     }
     start_meter();
+    CUcontext cur = NULL;
+    GV_REAL(cuCtxGetCurrent, CUresult (*)(CUcontext *))(&cur);
     if (!ctx)
-        GV_REAL(cuCtxGetCurrent, CUresult (*)(CUcontext *))(&ctx);
+        ctx = cur;
     l->gated = 1;
     l->sm = sm;
     l->dev = d->region_dev;
@@ -473,8 +475,6 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
      * context current, or none): made there, or they could not be made or
      * recorded, and every such launch went unmeasured at an estimate that
      * never learns (a 20 % limit ran 5 ms kernels at 100 %). */
-    CUcontext cur = NULL;
-    GV_REAL(cuCtxGetCurrent, CUresult (*)(CUcontext *))(&cur);
     int pushed = ctx && ctx != cur &&
                  GV_REAL(cuCtxPushCurrent_v2, CUresult (*)(CUcontext))(ctx) == CUDA_SUCCESS;
     ev_create_fn create = GV_REAL(cuEventCreate, ev_create_fn);
