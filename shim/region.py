@@ -47,9 +47,26 @@ def default_region_path() -> str:
     return str(lib().gv_region_default_path().decode())
 
 
+_INT_MIN, _INT_MAX = -(1 << 31), (1 << 31) - 1
+
+
+def _c_int(value: int, field: str) -> int:
+    """value for a C int (int32_t) parameter.
+
+    ctypes converts a Python int to a C int modulo 2^32 without a word
+    (2**32 would reach the library as device 0): refused instead."""
+    if isinstance(value, bool) or not isinstance(value, int) or not _INT_MIN <= value <= _INT_MAX:
+        raise GpuvisorError(GV_EINVAL, f"gpuvisor: {field}={value!r} is not a C int")
+    return value
+
+
+def _dev(dev: int) -> int:
+    return _c_int(dev, "device index")
+
+
 def _u64_out(func_name: str, dev: int) -> int:
     value = ctypes.c_uint64()
-    check(getattr(lib(), func_name)(dev, ctypes.byref(value)), func_name)
+    check(getattr(lib(), func_name)(_dev(dev), ctypes.byref(value)), func_name)
     return value.value
 
 
@@ -85,7 +102,7 @@ class Region:
 
     def device_uuid(self, dev: int) -> str:
         buf = ctypes.create_string_buffer(96)
-        check(lib().gv_device_uuid(dev, buf, len(buf)), "gv_device_uuid")
+        check(lib().gv_device_uuid(_dev(dev), buf, len(buf)), "gv_device_uuid")
         return buf.value.decode()
 
     def device(self, dev: int) -> DeviceUsage:
@@ -125,7 +142,9 @@ class Region:
 
     def set_limit(self, dev: int, limit: int | None) -> None:
         """Set the device's quota in bytes (None: unlimited); applies to the next allocation."""
-        check(lib().gv_device_set_limit(dev, _limit_arg(limit, "limit")), "gv_device_set_limit")
+        check(
+            lib().gv_device_set_limit(_dev(dev), _limit_arg(limit, "limit")), "gv_device_set_limit"
+        )
 
     def used(self, dev: int) -> int:
         return _u64_out("gv_device_get_used", dev)
@@ -134,7 +153,7 @@ class Region:
         limit, share, policy, priority = (ctypes.c_uint32() for _ in range(4))
         check(
             lib().gv_device_get_sm(
-                dev,
+                _dev(dev),
                 ctypes.byref(limit),
                 ctypes.byref(share),
                 ctypes.byref(policy),
@@ -145,7 +164,7 @@ class Region:
         busy, wait, launches = (ctypes.c_uint64() for _ in range(3))
         check(
             lib().gv_device_get_sm_usage(
-                dev, ctypes.byref(busy), ctypes.byref(wait), ctypes.byref(launches)
+                _dev(dev), ctypes.byref(busy), ctypes.byref(wait), ctypes.byref(launches)
             ),
             "gv_device_get_sm_usage",
         )
@@ -164,18 +183,20 @@ class Region:
         value = 0 if percent is None else percent
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 100:
             raise GpuvisorError(GV_EINVAL, f"gpuvisor: sm limit={percent!r} is not 0..100")
-        check(lib().gv_device_set_sm_limit(dev, value), "gv_device_set_sm_limit")
+        check(lib().gv_device_set_sm_limit(_dev(dev), value), "gv_device_set_sm_limit")
 
     def set_sm_yield(self, dev: int, yield_: bool) -> None:
         """Pause (True) or resume (False) the container's launches on dev."""
-        check(lib().gv_device_set_sm_yield(dev, 1 if yield_ else 0), "gv_device_set_sm_yield")
+        check(
+            lib().gv_device_set_sm_yield(_dev(dev), 1 if yield_ else 0), "gv_device_set_sm_yield"
+        )
 
     def set_sm_others(self, dev: int, percent: float) -> None:
         """The node agent's figure for the other containers' use of dev (percent)."""
         if isinstance(percent, bool) or not 0.0 <= float(percent) <= 100.0:
             raise GpuvisorError(GV_EINVAL, f"gpuvisor: others share={percent!r} is not 0..100")
         check(
-            lib().gv_device_set_sm_others(dev, round(float(percent) * 100)),
+            lib().gv_device_set_sm_others(_dev(dev), round(float(percent) * 100)),
             "gv_device_set_sm_others",
         )
 
@@ -183,7 +204,7 @@ class Region:
         """(percent, age in seconds or None if never set) of the agent's figure."""
         share, age = ctypes.c_uint32(), ctypes.c_uint64()
         check(
-            lib().gv_device_get_sm_others(dev, ctypes.byref(share), ctypes.byref(age)),
+            lib().gv_device_get_sm_others(_dev(dev), ctypes.byref(share), ctypes.byref(age)),
             "gv_device_get_sm_others",
         )
         return share.value / 100, None if age.value == UNLIMITED else age.value / 1000
@@ -200,7 +221,10 @@ class Region:
 
     def process_used(self, pid: int, dev: int) -> int:
         value = ctypes.c_uint64()
-        check(lib().gv_process_get_used(pid, dev, ctypes.byref(value)), "gv_process_get_used")
+        check(
+            lib().gv_process_get_used(_c_int(pid, "pid"), _dev(dev), ctypes.byref(value)),
+            "gv_process_get_used",
+        )
         return value.value
 
     def reclaim_dead(self) -> int:

@@ -214,6 +214,45 @@ emit(**errors)
     assert out["no-device"][0] in ("GV_ENOENT", "GV_EINVAL")
 
 
+def test_an_index_outside_c_int_is_refused_not_wrapped(node) -> None:
+    """ctypes wraps a Python int into a C int modulo 2^32 without a word:
+    set_limit(2**32, ...) used to change device 0's limit, device(2**32)
+    reported device 0 under index 4294967296, and a pid of 2**32 + p read
+    process p's usage."""
+    out = api(
+        node,
+        f"""
+import os
+r = Region.attach()
+r.register_device({UUID0!r}, 16 << 30, 4 << 30)
+errors = {{}}
+for name, call in {{
+    "set-limit": lambda: r.set_limit(1 << 32, 1 << 30),
+    "device": lambda: r.device(1 << 32),
+    "negative": lambda: r.get_limit(-(1 << 32)),
+    "bool": lambda: r.used(True),
+    "sm-limit": lambda: r.set_sm_limit(1 << 32, 50),
+    "yield": lambda: r.set_sm_yield(1 << 32, True),
+    "others": lambda: r.set_sm_others(1 << 32, 50),
+    "pid": lambda: r.process_used((1 << 32) + os.getpid(), 0),
+}}.items():
+    try:
+        call()
+        errors[name] = None
+    except GpuvisorError as e:
+        errors[name] = str(e)
+emit(errors=errors, limit=r.get_limit(0), sm=r.sm(0).limit, others=r.sm_others(0)[1])
+""",
+    )
+    for name, err in out["errors"].items():
+        assert err is not None, f"{name} did not raise"
+    assert "4294967296" in out["errors"]["device"]
+    assert str(1 << 32) in out["errors"]["set-limit"]
+    assert out["limit"] == 4 * GiB  # device 0 untouched
+    assert out["sm"] is None
+    assert out["others"] is None
+
+
 def test_attach_bad_path_names_it(node, tmp_path) -> None:
     bad = tmp_path / "no-such-dir" / "region.shr"
     out = api(
