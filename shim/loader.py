@@ -3,7 +3,7 @@
 Search order for the native directory:
 
 1. ``$GPUVISOR_NATIVE_DIR`` (a make build directory or an installed
-   ``_native`` directory);
+   ``_native`` directory; empty counts as unset);
 2. the package's own ``_native/`` (wheels and ``pip install .``);
 3. the repository's ``build/`` next to the source tree (editable installs).
 
@@ -35,8 +35,10 @@ def _candidates() -> list[Path]:
 
 def native_dir() -> Path:
     """Directory holding libgpuvisor.so."""
+    # Set but empty counts as unset (as for every other variable); Path("")
+    # would be the current directory.
     override = os.environ.get(NATIVE_DIR_ENV)
-    if override is not None:
+    if override:
         path = Path(override)
         if not (path / LIBRARY_NAME).is_file():
             raise NativeLibraryNotFound(

@@ -45,6 +45,19 @@ def test_native_dir_override_must_hold_the_library(tmp_path, monkeypatch) -> Non
         library_path()
 
 
+def test_empty_native_dir_counts_as_unset(
+    build_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPUVISOR_NATIVE_DIR= (set but empty) is unset, as every other variable:
+    it used to mean the current directory, so whatever libgpuvisor.so lay
+    there was preloaded and loaded into the process instead of the build's."""
+    (tmp_path / "libgpuvisor.so").write_bytes(b"not the build's library")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GPUVISOR_NATIVE_DIR", "")
+    assert library_path() == build_dir / "libgpuvisor.so"
+    assert preload_env({})["LD_PRELOAD"] == str(build_dir / "libgpuvisor.so")
+
+
 def test_preload_env_prepends_and_keeps_entries(build_dir: Path) -> None:
     env = preload_env(
         {"LD_PRELOAD": "/x/liba.so /x/libb.so", "LD_LIBRARY_PATH": "/opt/lib", "K": "v"},
