@@ -86,6 +86,20 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "gv_reclaim_dead": (ctypes.c_int, []),
 }
 
+def _bind(handle: ctypes.CDLL, path: Path, name: str) -> Any:
+    """handle's function name with its signature declared."""
+    try:
+        func = getattr(handle, name)
+    except AttributeError:
+        raise GpuvisorError(
+            GV_EINVAL,
+            f"gpuvisor: {path} does not export {name} "
+            f"(not a libgpuvisor.so of API version {API_VERSION}; rebuild it)",
+        ) from None
+    func.restype, func.argtypes = _SIGNATURES[name]
+    return func
+
+
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 
@@ -97,16 +111,17 @@ def lib() -> ctypes.CDLL:
         if _lib is None:
             path = library_path()
             handle = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
-            for name, (restype, argtypes) in _SIGNATURES.items():
-                func = getattr(handle, name)
-                func.restype = restype
-                func.argtypes = argtypes
-            version = handle.gv_api_version()
+            # The version first, then every function: a stale build or
+            # another library under this name is one clear error, not a
+            # bare AttributeError from ctypes.
+            version = _bind(handle, path, "gv_api_version")()
             if version != API_VERSION:
                 raise GpuvisorError(
                     GV_EINVAL,
                     f"gpuvisor: {path} has API version {version}, expected {API_VERSION}",
                 )
+            for name in _SIGNATURES:
+                _bind(handle, path, name)
             _lib = handle
         return _lib
 

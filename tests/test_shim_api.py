@@ -58,6 +58,32 @@ def test_empty_native_dir_counts_as_unset(
     assert preload_env({})["LD_PRELOAD"] == str(build_dir / "libgpuvisor.so")
 
 
+def test_a_library_without_the_api_is_a_clear_error(
+    build_dir: Path, tmp_path: Path, node: SimNode
+) -> None:
+    """A libgpuvisor.so that lacks a gv_* function (a stale build, another
+    library under that name) used to escape lib() as a bare AttributeError
+    from ctypes, before the API version was even checked."""
+    shutil.copyfile(build_dir / "sim" / "libcuda.so.1", tmp_path / "libgpuvisor.so")
+    env = {**node.env, "GPUVISOR_NATIVE_DIR": str(tmp_path)}
+    out = run_json(
+        API
+        + """
+from gpuvisor.shim.capi import lib
+try:
+    lib()
+    emit(err=None)
+except GpuvisorError as e:
+    emit(err=[e.code_name, str(e)])
+""",
+        env,
+    )
+    assert out["err"] is not None
+    assert out["err"][0] == "GV_EINVAL"
+    assert str(tmp_path / "libgpuvisor.so") in out["err"][1]
+    assert "gv_api_version" in out["err"][1]
+
+
 def test_preload_env_prepends_and_keeps_entries(build_dir: Path) -> None:
     env = preload_env(
         {"LD_PRELOAD": "/x/liba.so /x/libb.so", "LD_LIBRARY_PATH": "/opt/lib", "K": "v"},
