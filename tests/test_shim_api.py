@@ -379,6 +379,27 @@ emit(errs=errs, oom=Region.attach().device(0).oom_count)
     assert out == {"errs": ["CUDA_ERROR_OUT_OF_MEMORY"] * 3, "oom": 3}
 
 
+def test_shim_info_survives_a_process_that_leaves_while_listed(node) -> None:
+    """shim-info lists the region's PIDs, then asks each one's usage: a
+    process that exits in between (its slot is given back at exit) made the
+    whole command fail with "pid N is not registered".  The child stands a
+    listed-but-gone process in for that moment."""
+    code = f"""
+import sys
+from gpuvisor.shim import Region
+from gpuvisor.shim.cli import main
+r = Region.attach()
+r.register_device({UUID0!r}, 16 << 30, 4 << 30)
+listed = Region.processes
+Region.processes = lambda self: listed(self) + [999999]  # exited after the listing
+main(sys.argv[1:])
+"""
+    proc = run_py(code, node.env, args=["shim-info", "--json"])
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert [(d["uuid"], d["processes"]) for d in info["devices"]] == [(UUID0, [])]
+
+
 def test_shim_info_cli(node) -> None:
     cli = "from gpuvisor.shim.cli import main; main()"
     missing = run_py(cli, node.env, args=["shim-info", "--json"])
