@@ -9,6 +9,7 @@ no CUDA work at load time.
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -140,8 +141,12 @@ def check(rc: int, what: str) -> int:
 
 
 def encode_text(value: str | Path, field: str) -> bytes:
-    """Encode a str for a C string argument; NUL bytes are a clear error."""
+    """Encode a str for a C string argument; NUL bytes are a clear error.
+
+    As os.fsencode: the bytes of a value that came from the environment or
+    the file system with surrogates for non-UTF-8 bytes are given back as
+    they were (str.encode() would raise UnicodeEncodeError)."""
     text = str(value)
     if "\0" in text:
         raise GpuvisorError(GV_EINVAL, f"gpuvisor: {field}={text!r} contains a NUL byte")
-    return text.encode()
+    return os.fsencode(text)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import ctypes
 
-from .capi import GV_EINVAL, UNLIMITED, GpuvisorError, encode_text, lib
+from .capi import GV_EINVAL, UNLIMITED, GpuvisorError, check, encode_text, lib
 
 
 def parse_memory_limit(text: str, physical_total: int = 0) -> int:
@@ -20,11 +20,12 @@ def parse_memory_limit(text: str, physical_total: int = 0) -> int:
     ):
         raise GpuvisorError(GV_EINVAL, f"gpuvisor: physical_total={physical_total!r} is invalid")
     out = ctypes.c_uint64()
-    rc = lib().gv_parse_memory_limit(
-        encode_text(text, "memory limit"), physical_total, ctypes.byref(out)
+    check(
+        lib().gv_parse_memory_limit(
+            encode_text(text, "memory limit"), physical_total, ctypes.byref(out)
+        ),
+        "gv_parse_memory_limit",
     )
-    if rc < 0:
-        raise GpuvisorError(rc, lib().gv_last_error().decode())
     return out.value
 
 
@@ -36,6 +37,5 @@ def validate_environment() -> None:
     Raises GpuvisorError whose message is one line naming the variable and
     the value.
     """
-    rc = lib().gv_validate_env()
-    if rc < 0:
-        raise GpuvisorError(rc, lib().gv_last_error().decode())
+    # check(): the message quotes the value, which need not be UTF-8.
+    check(lib().gv_validate_env(), "gv_validate_env")

@@ -7,6 +7,7 @@ runs its code in a child process with its own region under tmp_path.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -151,6 +152,35 @@ def test_parse_memory_limit_rejects(build_dir, text) -> None:
 def test_parse_memory_limit_rejects_nul(build_dir) -> None:
     with pytest.raises(GpuvisorError, match="NUL"):
         parse_memory_limit("4g\0junk")
+
+
+def test_a_value_that_is_not_utf8_is_a_clear_error(node) -> None:
+    """Linux variables hold bytes; Python gives a non-UTF-8 one to os.environ
+    with surrogates.  Such a limit used to escape as UnicodeEncodeError
+    (parse_memory_limit) or UnicodeDecodeError of the library's own message
+    (validate_environment, so `gpuvisor run` died with a traceback) instead
+    of the one-line GpuvisorError naming the variable."""
+    bad = os.fsdecode(b"4\xffg")
+    code = f"""
+from gpuvisor.shim.limits import validate_environment
+errors = {{}}
+for name, call in {{
+    "parse": lambda: parse_memory_limit({bad!r}),
+    "env": validate_environment,
+}}.items():
+    try:
+        call()
+        errors[name] = None
+    except GpuvisorError as e:
+        errors[name] = [e.code_name, str(e)]
+emit(**errors)
+"""
+    out = run_json(API + code, {**node.env, "CUDA_DEVICE_MEMORY_LIMIT": bad})
+    assert out["parse"][0] == "GV_EINVAL"
+    assert "not a memory size" in out["parse"][1]
+    assert out["env"][0] == "GV_EINVAL"
+    assert "CUDA_DEVICE_MEMORY_LIMIT=" in out["env"][1]
+    assert "not a memory size" in out["env"][1]
 
 
 # --- the region ---------------------------------------------------------------
