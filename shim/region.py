@@ -44,7 +44,7 @@ class SmState:
 
 def default_region_path() -> str:
     """The library's region path when none is given (GV_DEFAULT_REGION_PATH)."""
-    return str(lib().gv_region_default_path().decode())
+    return os.fsdecode(lib().gv_region_default_path())
 
 
 _INT_MIN, _INT_MAX = -(1 << 31), (1 << 31) - 1
@@ -95,7 +95,7 @@ class Region:
         raw = lib().gv_region_path()
         if not raw:
             raise GpuvisorError(GV_EINVAL, "gpuvisor: attached region has no path")
-        return cls(Path(raw.decode()))
+        return cls(Path(os.fsdecode(raw)))  # a path is bytes, not necessarily UTF-8
 
     def device_count(self) -> int:
         return check(lib().gv_device_count(), "gv_device_count")

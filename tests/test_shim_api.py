@@ -322,6 +322,21 @@ emit(errors=errors, limit=r.get_limit(0), sm=r.sm(0).limit, others=r.sm_others(0
     assert out["others"] is None
 
 
+def test_attach_a_path_that_is_not_utf8(node, tmp_path) -> None:
+    """A Linux path is bytes.  The library attached (and created) such a
+    region, then Region.attach decoded its path strictly and raised
+    UnicodeDecodeError, with the file left behind."""
+    path = os.fsdecode(os.fsencode(tmp_path) + b"/r\xff.shr")
+    code = f"""
+import os
+r = Region.attach({path!r} if os.environ.get("BY_ARG") else None)
+emit(same=r.path == __import__("pathlib").Path({path!r}), exists=r.path.is_file())
+"""
+    by_env = run_json(API + code, {**node.env, "CUDA_DEVICE_MEMORY_SHARED_CACHE": path})
+    by_arg = run_json(API + code, {**node.env, "BY_ARG": "1"})
+    assert by_env == by_arg == {"same": True, "exists": True}
+
+
 def test_attach_bad_path_names_it(node, tmp_path) -> None:
     bad = tmp_path / "no-such-dir" / "region.shr"
     out = api(
