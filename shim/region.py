@@ -73,7 +73,9 @@ def _u64_out(func_name: str, dev: int) -> int:
 def _limit_arg(limit: int | None, field: str) -> int:
     if limit is None:
         return UNLIMITED
-    if isinstance(limit, bool) or not isinstance(limit, int) or not 0 < limit < UNLIMITED:
+    # Up to and with 2^64-1 bytes (GV_UNLIMITED), as the C parser and
+    # gv_device_set_limit accept it.
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 0 < limit <= UNLIMITED:
         raise GpuvisorError(GV_EINVAL, f"gpuvisor: {field}={limit!r} is not a positive byte count")
     return limit
 

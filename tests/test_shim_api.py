@@ -233,6 +233,26 @@ emit(path=str(r.path), i=[i0, i1, again], before=before, mid=mid,
     assert out["used"] == 0
 
 
+def test_the_largest_limit_the_parser_gives_can_be_set(node) -> None:
+    """The C parser (and gv_device_set_limit) accept 18446744073709551615
+    bytes, GV_UNLIMITED; Region.set_limit and register_device refused that
+    very figure, so a `node-agent set-limit --memory 18446744073709551615`
+    the agent acked was never applied and the old, tighter limit stayed."""
+    out = api(
+        node,
+        f"""
+top = parse_memory_limit("18446744073709551615")
+r = Region.attach()
+i = r.register_device({UUID0!r}, 16 << 30, 4 << 30)
+r.set_limit(i, top)
+after_set = r.get_limit(i)
+j = r.register_device({UUID1!r}, 16 << 30, top)
+emit(top=top, after_set=after_set, registered=r.get_limit(j))
+""",
+    )
+    assert out == {"top": 2**64 - 1, "after_set": None, "registered": None}
+
+
 def test_attach_default_path_from_env(node) -> None:
     out = api(node, "emit(path=str(Region.attach().path))")
     assert out["path"] == str(node.region)
