@@ -183,6 +183,28 @@ emit(**errors)
     assert "not a memory size" in out["env"][1]
 
 
+def test_a_value_with_a_newline_is_quoted_on_one_line(node) -> None:
+    """The messages quoted a bad value as it was: one with a newline in it
+    made the library's stderr line stop at the newline,
+    'gpuvisor[pid]: CUDA_DEVICE_MEMORY_LIMIT="4' and no reason, and the
+    Python error span two lines.  Control characters are now escaped."""
+    shimmed = run_py(
+        "from tests.cuclient import *\nemit(init=call(cu.cuInit, 0)[0].name)\n",
+        {**node.env, "LD_PRELOAD": str(library_path()), "CUDA_DEVICE_MEMORY_LIMIT": "4\ng"},
+    )
+    assert json.loads(shimmed.stdout) == {"init": "CUDA_ERROR_NOT_PERMITTED"}
+    lines = shimmed.stderr.splitlines()
+    assert any(
+        'CUDA_DEVICE_MEMORY_LIMIT="4\\ng": not a memory size' in line
+        and line.endswith("CUDA_ERROR_NOT_PERMITTED")
+        for line in lines
+    ), shimmed.stderr
+    with pytest.raises(GpuvisorError) as info:
+        parse_memory_limit("4\ng\t\x7f")
+    assert "\n" not in str(info.value)
+    assert 'memory limit "4\\ng\\t\\x7f": not a memory size' in str(info.value)
+
+
 # --- the region ---------------------------------------------------------------
 
 

@@ -105,9 +105,11 @@ GV_EXPORT int gv_parse_memory_limit(const char *text, uint64_t physical_total, u
     if (bytes == NULL)
         return fail(GV_EINVAL, "gpuvisor: gv_parse_memory_limit: bytes is NULL");
     int rc = limits_parse(text, physical_total, &v, &why);
-    if (rc != GV_OK)
-        return fail(rc, "gpuvisor: memory limit \"%s\": %s", text ? text : "(null)",
-                    why ? why : "invalid");
+    if (rc != GV_OK) {
+        char q[97];
+        limits_quote(q, sizeof q, text ? text : "(null)", 96);
+        return fail(rc, "gpuvisor: memory limit \"%s\": %s", q, why ? why : "invalid");
+    }
     *bytes = v;
     return GV_OK;
 }
@@ -248,9 +250,12 @@ GV_EXPORT int gv_device_register(const char *uuid, uint64_t physical_total, uint
     NONNULL("gv_device_register", uuid);
     NEED("gv_device_register");
     unsigned char u[16];
-    if (parse_uuid(uuid, u) != 0)
-        return fail(GV_EINVAL, "gpuvisor: gv_device_register: \"%.64s\" is not a GPU UUID "
-                    "(GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)", uuid);
+    if (parse_uuid(uuid, u) != 0) {
+        char q[65];
+        limits_quote(q, sizeof q, uuid, 64);
+        return fail(GV_EINVAL, "gpuvisor: gv_device_register: \"%s\" is not a GPU UUID "
+                    "(GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx)", q);
+    }
     if (limit == 0)
         return fail(GV_EINVAL, "gpuvisor: gv_device_register: a limit of 0 bytes "
                     "(use GV_UNLIMITED for none)");

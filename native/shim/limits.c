@@ -127,11 +127,44 @@ int limits_parse(const char *text, uint64_t physical_total, uint64_t *bytes,
 }
 
 
+void limits_quote(char *out, size_t outlen, const char *value, size_t max)
+{
+    static const char hex[] = "0123456789abcdef";
+    size_t o = 0;
+    if (out == NULL || outlen == 0)
+        return;
+    for (size_t i = 0; value != NULL && value[i] != '\0' && i < max; i++) {
+        unsigned char c = (unsigned char)value[i];
+        char esc[4];
+        size_t l = 0;
+        if (c == '\n' || c == '\t' || c == '\r') {
+            esc[l++] = '\\';
+            esc[l++] = c == '\n' ? 'n' : c == '\t' ? 't' : 'r';
+        } else if (c < 0x20 || c == 0x7f) {
+            esc[l++] = '\\';
+            esc[l++] = 'x';
+            esc[l++] = hex[c >> 4];
+            esc[l++] = hex[c & 15];
+        } else {
+            esc[l++] = (char)c;
+        }
+        if (o + l >= outlen)
+            break;
+        memcpy(out + o, esc, l);
+        o += l;
+    }
+    out[o] = '\0';
+}
+
 static void set_err(char *err, size_t errlen, const char *name,
                     const char *value, const char *why)
 {
-    if (err != NULL && errlen > 0)
-        snprintf(err, errlen, "gpuvisor: %s=\"%.80s\": %s", name, value, why);
+    char qname[91], qvalue[81];     /* as long as before: the reason still fits */
+    if (err == NULL || errlen == 0)
+        return;
+    limits_quote(qname, sizeof qname, name, 90);
+    limits_quote(qvalue, sizeof qvalue, value, 80);
+    snprintf(err, errlen, "gpuvisor: %s=\"%s\": %s", qname, qvalue, why);
 }
 
 int limits_memory_for_ordinal(int ordinal, uint64_t physical_total,
@@ -251,9 +284,11 @@ int limits_control_disabled(void)
     int f = env_flag(v);
     if (f >= 0)
         return f;
+    char q[65];
+    limits_quote(q, sizeof q, v, 64);
     gv_log(GV_LOG_ERROR,
-           GV_ENV_DISABLE "=\"%.64s\": not a boolean (use true/false, 1/0, yes/no, "
-           "on/off); memory limits stay enforced", v);
+           GV_ENV_DISABLE "=\"%s\": not a boolean (use true/false, 1/0, yes/no, "
+           "on/off); memory limits stay enforced", q);
     return 0;
 }
 

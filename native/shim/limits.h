@@ -30,6 +30,11 @@
 int limits_parse(const char *text, uint64_t physical_total, uint64_t *bytes,
                  const char **why);
 
+/* value (at most max bytes of it) as a message quotes it, on one line:
+ * newline, tab and carriage return as \n \t \r, other control characters
+ * as \xNN.  Cut to fit outlen; always terminated. */
+void limits_quote(char *out, size_t outlen, const char *value, size_t max);
+
 /* Limit for device ordinal: CUDA_DEVICE_MEMORY_LIMIT_<ordinal>, else
  * CUDA_DEVICE_MEMORY_LIMIT.  Unset or empty -> GV_UNLIMITED and 0.
  * Malformed -> GV_EINVAL and one line in err naming variable and value. */
