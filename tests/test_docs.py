@@ -6,6 +6,8 @@
   docs/cli.md, under the command's own heading;
 - every metric the node agent exports (from its collector, fed with a
   report and a host GPU) is in docs/metrics.md, with its type and labels;
+- the version numbers and region size that quoted messages give are the
+  code's;
 - every relative link in docs/*.md and README.md points to a file that
   exists, and every #anchor to a heading of that file.
 """
@@ -14,6 +16,8 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -25,11 +29,11 @@ from gpuvisor.supervisor.agent_state import AgentConfig, AgentState
 from gpuvisor.supervisor.cli import main as cli_main
 from gpuvisor.supervisor.identity import PeerCred
 from gpuvisor.supervisor.metrics import AgentCollector, HostGpu
-from gpuvisor.supervisor.protocol import ContainerId, DeviceReport, Report
+from gpuvisor.supervisor.protocol import PROTOCOL_VERSION, ContainerId, DeviceReport, Report
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import REPO_ROOT
+from tests.helpers import REPO_ROOT, clean_env
 
 DOCS = REPO_ROOT / "docs"
 C_SOURCE_DIRS = (REPO_ROOT / "native" / "shim", REPO_ROOT / "native" / "sim")
@@ -518,6 +522,59 @@ def test_every_exported_metric_is_in_metrics_md() -> None:
                 if not code_mentions(doc, s.labels["reason"]):
                     problems.append(f"{fam.name}: reason {s.labels['reason']} not documented")
     assert not problems, "\n".join(problems)
+
+
+# ---- versions and sizes quoted in messages ------------------------------------------
+
+
+def _c_define(path: Path, name: str) -> int:
+    m = re.search(r"^#define " + name + r" (\d+)u?\b", path.read_text(), re.M)
+    assert m is not None, f"no #define {name} in {path}"
+    return int(m.group(1))
+
+
+def _quoted(pattern: str) -> list[tuple[str, int]]:
+    """(document, number) for every match of pattern (one group) in the docs."""
+    return [
+        (md.name, int(m.group(1)))
+        for md in _markdown_files()
+        for m in re.finditer(pattern, md.read_text())
+    ]
+
+
+def test_quoted_layout_versions_are_current() -> None:
+    """The region's, the simulator's and the protocol's version numbers in
+    quoted messages and layout descriptions are the ones the code has."""
+    region = _c_define(REPO_ROOT / "native" / "shim" / "region.h", "GV_REGION_VERSION")
+    sim = _c_define(REPO_ROOT / "native" / "sim" / "sim.h", "SIM_VERSION")
+    checks = [
+        (r"this library speaks (\d+)", region),
+        (r"## Layout \(version (\d+)\)", region),
+        (r'magic "GVPVSH1" \([^)]*\), version (\d+)', region),
+        (r"[Ii]ts layout version is (\d+)", sim),  # the simulator's state file
+        (r"this agent speaks version (\d+)", PROTOCOL_VERSION),
+        (r"protocol \(version (\d+)\)", PROTOCOL_VERSION),
+    ]
+    problems = []
+    for pattern, actual in checks:
+        found = _quoted(pattern)
+        assert found, f"no match for {pattern!r} in the docs"
+        problems += [
+            f"{doc}: {pattern!r} gives {n}, the code {actual}" for doc, n in found if n != actual
+        ]
+    assert not problems, "\n".join(problems)
+
+
+def test_quoted_region_size_is_current(tmp_path: Path) -> None:
+    """The size in the quoted `file is N bytes, expected M` message is a region's size."""
+    path = tmp_path / "r.shr"
+    code = "import sys; from gpuvisor.shim import Region; Region.attach(sys.argv[1])"
+    subprocess.run([sys.executable, "-c", code, str(path)], env=clean_env(), check=True)
+    actual = path.stat().st_size
+    found = _quoted(r"expected (\d+) \(truncated\?\)")
+    assert found, "no quoted region size in the docs"
+    wrong = [f"{doc}: expected {n}" for doc, n in found if n != actual]
+    assert not wrong, f"a region is {actual} bytes; the docs say {wrong}"
 
 
 # ---- links -----------------------------------------------------------------------------
