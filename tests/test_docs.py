@@ -5,7 +5,8 @@
 - every `gpuvisor` command and every (non-hidden) option of each is in
   docs/cli.md, under the command's own heading;
 - every metric the node agent exports (from its collector, fed with a
-  report and a host GPU) is in docs/metrics.md, with its type and labels;
+  report and a host GPU) is in docs/metrics.md, with its type and labels,
+  and every key of its /status document in the /status section;
 - the version numbers and region size that quoted messages give are the
   code's;
 - every relative link in docs/*.md and README.md points to a file that
@@ -442,7 +443,8 @@ class _FakeGpus:
         pass
 
 
-def _exported_families() -> list[Any]:
+def _fed_state() -> AgentState:
+    """An agent's state with two containers' reports (high and low priority)."""
     state = AgentState(AgentConfig(legacy_metrics=True))
     device = DeviceReport(
         uuid="GPU-00000000-0000-4000-8000-000000000000",
@@ -467,7 +469,11 @@ def _exported_families() -> list[Any]:
             devices=[device],
         )
         state.accept_report(report, PeerCred(4242, 0, 0), time.monotonic())
-    collector = AgentCollector(state, _FakeGpus(), legacy=True)
+    return state
+
+
+def _exported_families() -> list[Any]:
+    collector = AgentCollector(_fed_state(), _FakeGpus(), legacy=True)
     text = generate_latest(collector.registry).decode()
     return list(text_string_to_metric_families(text))
 
@@ -522,6 +528,25 @@ def test_every_exported_metric_is_in_metrics_md() -> None:
                 if not code_mentions(doc, s.labels["reason"]):
                     problems.append(f"{fam.name}: reason {s.labels['reason']} not documented")
     assert not problems, "\n".join(problems)
+
+
+def test_every_status_key_is_in_metrics_md() -> None:
+    """The keys of /status (the agent's, a container's, a device's beyond the
+    report's own fields) are named in the /status section."""
+    doc = (DOCS / "metrics.md").read_text()
+    here = next(h for h in headings(doc) if plain(h.text) == "/status")
+    text = section(doc, here, [])
+    status = _fed_state().status()
+    container = status["containers"][0]
+    report_fields = set(DeviceReport.__dataclass_fields__)
+    keys = {
+        *status,
+        *status["agent"],
+        *container,
+        *(set(container["devices"][0]) - report_fields),
+    }
+    missing = sorted(k for k in keys if not code_mentions(text, k))
+    assert not missing, f"/status keys not in docs/metrics.md's /status section: {missing}"
 
 
 # ---- versions and sizes quoted in messages ------------------------------------------
