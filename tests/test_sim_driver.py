@@ -436,6 +436,20 @@ def test_malformed_spec_fails_init_with_one_line(tmp_path: Path, spec: str) -> N
     assert "GPUVISOR_SIM_DEVICES" in cp.stderr
 
 
+def test_empty_spec_means_the_default_node(tmp_path: Path) -> None:
+    """GPUVISOR_SIM_DEVICES set but empty is the default node (1x16g), as
+    unset: not a malformed spec (docs/environment.md)."""
+    cp = run_py(CTYPES_PRELUDE + "ctx(); print(*meminfo())", sim_env(tmp_path, ""))
+    assert ok(cp).split()[1] == str(16 * GiB)
+    assert "gpuvisor-sim:" not in cp.stderr, cp.stderr
+    out = ok(
+        run_py(
+            "import pynvml as n\nn.nvmlInit()\nprint(n.nvmlDeviceGetCount())", sim_env(tmp_path, "")
+        )
+    )
+    assert out.strip() == "1"
+
+
 def test_size_units_in_spec(tmp_path: Path) -> None:
     code = """
         import pynvml as n

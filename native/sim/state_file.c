@@ -200,7 +200,7 @@ static void do_open(void)
     const char *env = getenv("GPUVISOR_SIM_DEVICES");
     const char *spec_str = env && *env ? env : "1x16g";
     sim_spec spec;
-    if (env && sim_parse_spec(env, &spec) < 0) {
+    if (env && *env && sim_parse_spec(env, &spec) < 0) {
         sim_log("GPUVISOR_SIM_DEVICES=%s is malformed "
                 "(expected e.g. 2x80g or 16g,24g:name=X:sms=N)", env);
         g_open_rc = SIM_ERR_SPEC;
