@@ -329,7 +329,13 @@ def _watch(
 
 
 @click.command("demo")
-@click.option("--seconds", type=click.FloatRange(9, 600), default=24.0, show_default=True)
+@click.option(
+    "--seconds",
+    type=click.FloatRange(9, 600),
+    default=24.0,
+    show_default=True,
+    help="How long the demo runs.",
+)
 @click.option(
     "--simulate/--real",
     default=None,

@@ -88,7 +88,12 @@ POSITIVE = Finite(min=0, min_open=True)
     show_default=ADMIN_SOCKET_DEFAULT,
     help=ADMIN_SOCKET_HELP,
 )
-@click.option("--metrics-host", default="0.0.0.0", show_default=True)
+@click.option(
+    "--metrics-host",
+    default="0.0.0.0",
+    show_default=True,
+    help="Address the HTTP server (/metrics, /status, /healthz) listens on.",
+)
 @click.option(
     "--metrics-port",
     default=9400,
@@ -138,7 +143,13 @@ POSITIVE = Finite(min=0, min_open=True)
     type=Finite(min=1),
     help="Messages a connection may send at once (token bucket size; at least 1).",
 )
-@click.option("--max-connections", default=4096, show_default=True, type=click.IntRange(min=1))
+@click.option(
+    "--max-connections",
+    default=4096,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Most connections served at once; more get an error and are closed.",
+)
 @click.option(
     "--max-containers-per-cgroup",
     default=16,
@@ -174,7 +185,12 @@ POSITIVE = Finite(min=0, min_open=True)
     help="The node label of the host series (default: $NODE_NAME, else the host name).",
 )
 @click.option("--cpu", type=click.IntRange(min=0), default=None, help="Pin the agent to this CPU.")
-@click.option("-v", "--verbose", count=True)
+@click.option(
+    "-v",
+    "--verbose",
+    count=True,
+    help="Log more on stderr: -v info, -vv debug (default: warnings).",
+)
 @click.pass_context
 def node_agent(
     ctx: click.Context,
@@ -523,7 +539,12 @@ def render_top(data: dict[str, Any]) -> str:
 
 
 @click.command("top")
-@click.option("--url", default="http://127.0.0.1:9400/status", show_default=True)
+@click.option(
+    "--url",
+    default="http://127.0.0.1:9400/status",
+    show_default=True,
+    help="The node agent's /status endpoint.",
+)
 @click.option(
     "--interval",
     default=2.0,

@@ -3,7 +3,7 @@
 - every environment variable the C library, the simulator and the Python
   package read (found in their sources) is documented in docs/environment.md;
 - every `gpuvisor` command and every (non-hidden) option of each is in
-  docs/cli.md, under the command's own heading;
+  docs/cli.md, under the command's own heading, and has a help text;
 - every metric the node agent exports (from its collector, fed with a
   report and a host GPU) is in docs/metrics.md, with its type and labels,
   and every key of its /status document in the /status section;
@@ -425,6 +425,18 @@ def test_every_command_and_option_is_in_cli_md() -> None:
         title = plain(h.text)
         if title.startswith("gpuvisor") and h.level in (2, 3) and title not in commands:
             problems.append(f"heading `{title}` is not a gpuvisor command")
+    assert not problems, "\n".join(problems)
+
+
+def test_every_command_and_option_has_help_text() -> None:
+    """`gpuvisor ... --help` describes every command and (non-hidden) option."""
+    problems = []
+    for path, cmd in _commands(cli_main, ("gpuvisor",)):
+        if not (cmd.help or "").strip():
+            problems.append(f"{path}: no help text")
+        for param in cmd.params:
+            if isinstance(param, click.Option) and not param.hidden and not param.help:
+                problems.append(f"{path} {'/'.join(param.opts)}: no help text")
     assert not problems, "\n".join(problems)
 
 
