@@ -1,7 +1,8 @@
 """The docs match the code.
 
 - every environment variable the C library, the simulator and the Python
-  package read (found in their sources) is documented in docs/environment.md;
+  package read (found in their sources) is documented in docs/environment.md,
+  and every variable listed there is read;
 - every `gpuvisor` command and every (non-hidden) option of each is in
   docs/cli.md, under the command's own heading, and has a help text;
 - every metric the node agent exports (from its collector, fed with a
@@ -336,9 +337,13 @@ class PyEnvScan(ast.NodeVisitor):
             if kw.arg == "envvar":
                 self.names |= self._strings(kw.value)
         if any(_envish(a) for a in node.args):
+            # A name, or a tuple of names, passed along with an environment
+            # (helper(env, NAME), helper(env, NAMES)).
             for a in node.args:
-                if isinstance(a, ast.Name) and len(self.consts.get(a.id, ())) > 1:
-                    self.names |= self.consts[a.id]
+                if isinstance(a, ast.Name):
+                    self.names |= {
+                        s for s in self.consts.get(a.id, ()) if re.fullmatch(r"[A-Z][A-Z0-9_]*", s)
+                    }
         self.generic_visit(node)
 
     def visit_Subscript(self, node: ast.Subscript) -> None:
@@ -381,11 +386,29 @@ def test_c_environment_variables_are_documented() -> None:
 
 def test_python_environment_variables_are_documented() -> None:
     names = PyEnvScan(PY_SOURCE_DIRS).names
-    for expected in ("GPUVISOR_NODE_SOCKET", "GPUVISOR_NATIVE_DIR", "POD_NAME", "LD_PRELOAD"):
+    for expected in (
+        "GPUVISOR_NODE_SOCKET",
+        "GPUVISOR_NATIVE_DIR",
+        "POD_NAME",
+        "LD_PRELOAD",
+        "GPUVISOR_REPORT_INTERVAL",  # through a helper: _env(env, NAME)
+    ):
         assert expected in names, f"the Python scan missed {expected}: {sorted(names)}"
     doc = (DOCS / "environment.md").read_text()
     missing = sorted(n for n in names if not _documented(doc, n))
     assert not missing, f"read by shim/ or supervisor/, missing in docs/environment.md: {missing}"
+
+
+def test_every_documented_variable_is_read() -> None:
+    """Each variable a table of docs/environment.md lists is read by the C
+    library, the simulator or the Python package (no stale entries)."""
+    read = CEnvScan(C_SOURCE_DIRS).names | PyEnvScan(PY_SOURCE_DIRS).names
+    documented = set()
+    for _, cells in _table_rows((DOCS / "environment.md").read_text()):
+        documented |= set(re.findall(r"`([A-Z][A-Z0-9_]*(?:_<i>)?)`", cells[0]))
+    assert len(documented) > 30, sorted(documented)
+    stale = sorted(documented - read)
+    assert not stale, f"in docs/environment.md but read by no source: {stale}"
 
 
 # ---- the command line -------------------------------------------------------------
