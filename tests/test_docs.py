@@ -7,7 +7,8 @@
   docs/cli.md, under the command's own heading, and has a help text;
 - every metric the node agent exports (from its collector, fed with a
   report and a host GPU) is in docs/metrics.md, with its type and labels,
-  and every key of its /status document in the /status section;
+  every metric listed there is exported, and every key of its /status
+  document is in the /status section;
 - the version numbers and region size that quoted messages give are the
   code's;
 - every relative link in docs/*.md and README.md points to a file that
@@ -563,6 +564,19 @@ def test_every_exported_metric_is_in_metrics_md() -> None:
                 if not code_mentions(doc, s.labels["reason"]):
                     problems.append(f"{fam.name}: reason {s.labels['reason']} not documented")
     assert not problems, "\n".join(problems)
+
+
+def test_every_documented_metric_is_exported() -> None:
+    """Each metric a table of docs/metrics.md lists is exported (no stale rows)."""
+    exported = {s.name for fam in _exported_families() for s in fam.samples}
+    documented = set()
+    for hdr, cells in _table_rows((DOCS / "metrics.md").read_text()):
+        m = re.match(r"`(\w+)(`|\{)", cells[0])
+        if hdr[0] == "Metric" and m:
+            documented.add(m.group(1))
+    assert len(documented) > 20, sorted(documented)
+    stale = sorted(documented - exported)
+    assert not stale, f"in docs/metrics.md but not exported: {stale}"
 
 
 def test_every_status_key_is_in_metrics_md() -> None:
