@@ -36,7 +36,7 @@ from .config import (
 )
 from .pid1 import HANDLED, Pid1, SpawnError
 from .reporter import Reporter, container_identity
-from .tuner import Nvml, Tuner, agent_ack_timeout, open_nvml
+from .tuner import Nvml, Tuner, agent_ack_timeout, clear_yields, open_nvml
 
 EXIT_USAGE = 2
 ENV_LOG_LEVEL = "GPUVISOR_LOG_LEVEL"
@@ -115,6 +115,7 @@ def supervise(cfg: RunConfig) -> int:
         region = Region.attach(cfg.region)
     except GpuvisorError as exc:
         raise RunError(f"{ENV_REGION}={cfg.region!r}: {one_line(exc.message)}") from None
+    clear_yields(region)
     tuner: Tuner | None = None
     reporter: Reporter | None = None
 

@@ -105,6 +105,20 @@ def open_nvml(simulator_nvml: str | None) -> Nvml | None:
         return None
 
 
+def clear_yields(region: Region) -> None:
+    """Clear the yield flags left in the region before the workload starts.
+
+    The region file outlives its supervisor (a restarted container keeps
+    it): a flag the agent had a previous supervisor set would otherwise
+    pause the new workload until an agent answers, and for good without
+    one.  Only the agent's acks set them again."""
+    try:
+        for d in region.devices():
+            region.set_sm_yield(d.index, False)
+    except GpuvisorError as exc:
+        log.warning("clearing the region's yield flags failed: %s", exc)
+
+
 class Tuner:
     def __init__(
         self,

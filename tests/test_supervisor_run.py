@@ -585,3 +585,50 @@ def test_missing_library_is_exit_1_with_a_memory_option(env, tmp_path):
         assert proc.stderr.strip() == (
             "Error: GPUVISOR_NATIVE_DIR='/nonexistent-gpuvisor-native' has no libgpuvisor.so"
         )
+
+
+# Launches 100 kernels of 200 us and exits (a paused gate would hold it).
+BRIEF_LAUNCHER = (
+    CU_SPIN_PRELUDE
+    + """
+for _ in range(100):
+    launch(200)
+chk(cu.cuStreamSynchronize(s))
+print("done", flush=True)
+"""
+)
+
+SET_YIELD = """
+import sys
+from gpuvisor.shim import Region
+Region.attach(sys.argv[1]).set_sm_yield(0, True)
+"""
+
+
+def test_yield_left_in_the_region_does_not_pause_the_next_run(env, node):
+    """A region outlives its supervisor (a restarted container keeps its
+    region file): a yield flag the previous supervisor set and never cleared
+    (it was killed while the agent had the container yield) must not pause
+    the next workload when no agent asks for it."""
+    env["CUDA_TASK_PRIORITY"] = "1"
+    first = run(env, "--", *py(BRIEF_LAUNCHER))
+    assert first.returncode == 0, first.stderr
+    subprocess.run(
+        [*py(SET_YIELD), str(node.region)], env=node.env, check=True, timeout=30, cwd=REPO_ROOT
+    )
+    sup = subprocess.Popen(
+        [*RUN, "--", *py(BRIEF_LAUNCHER)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    try:
+        out, err = sup.communicate(timeout=10)
+    except subprocess.TimeoutExpired:
+        sup.terminate()  # forwarded to the paused workload
+        sup.communicate(timeout=30)
+        pytest.fail("the workload was still paused after 10 s")
+    assert sup.returncode == 0, err
+    assert out.strip().splitlines()[-1] == "done"
