@@ -102,6 +102,7 @@ class Reporter:
         policy: str,
         priority: int,
         clock: Callable[[], float] = time.monotonic,
+        baseline: Sample | None = None,
     ) -> None:
         self.socket_path = socket_path
         self.interval = interval
@@ -114,7 +115,13 @@ class Reporter:
         self._buf = b""
         self._seq = 0
         self._last_t = clock()
-        self._base: dict[str, _Baseline] = {}
+        # The region's counters are cumulative and the region may outlive a
+        # supervisor: the first report counts from baseline (read before
+        # the workload started), not from the region's creation.
+        self._base: dict[str, _Baseline] = {
+            d.usage.uuid: _Baseline(d.sm.busy_ns, d.sm.wait_ns)
+            for d in (baseline.devices if baseline is not None else [])
+        }
         self._backoff = BACKOFF_START_S
         self._logged: set[str] = set()
         self._connected_once = False

@@ -36,7 +36,7 @@ from .config import (
 )
 from .pid1 import HANDLED, Pid1, SpawnError
 from .reporter import Reporter, container_identity
-from .tuner import Nvml, Tuner, agent_ack_timeout, clear_yields, open_nvml
+from .tuner import Nvml, Sample, Tuner, agent_ack_timeout, clear_yields, open_nvml, read_sample
 
 EXIT_USAGE = 2
 ENV_LOG_LEVEL = "GPUVISOR_LOG_LEVEL"
@@ -116,6 +116,11 @@ def supervise(cfg: RunConfig) -> int:
     except GpuvisorError as exc:
         raise RunError(f"{ENV_REGION}={cfg.region!r}: {one_line(exc.message)}") from None
     clear_yields(region)
+    try:
+        baseline: Sample | None = read_sample(region)
+    except GpuvisorError as exc:
+        log.warning("reading the region's counters failed: %s", exc)
+        baseline = None
     tuner: Tuner | None = None
     reporter: Reporter | None = None
 
@@ -135,6 +140,7 @@ def supervise(cfg: RunConfig) -> int:
             container_identity(cfg.env),
             cfg.policy,
             cfg.priority,
+            baseline=baseline,
         )
         reporter.start()
 

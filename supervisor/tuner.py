@@ -105,6 +105,14 @@ def open_nvml(simulator_nvml: str | None) -> Nvml | None:
         return None
 
 
+def read_sample(region: Region) -> Sample:
+    """The region's devices and SM counters now (no NVML utilisation)."""
+    devices = [
+        DeviceSample(usage=d, sm=region.sm(d.index), utilization=None) for d in region.devices()
+    ]
+    return Sample(ts=time.monotonic(), devices=devices)
+
+
 def clear_yields(region: Region) -> None:
     """Clear the yield flags left in the region before the workload starts.
 

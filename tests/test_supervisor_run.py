@@ -632,3 +632,19 @@ def test_yield_left_in_the_region_does_not_pause_the_next_run(env, node):
         pytest.fail("the workload was still paused after 10 s")
     assert sup.returncode == 0, err
     assert out.strip().splitlines()[-1] == "done"
+
+
+def test_first_report_counts_only_this_runs_gpu_time(env, agent, node):
+    """The region's GPU-time counters are cumulative and the region outlives
+    its supervisor: an idle restarted container must not report the previous
+    run's GPU time as its share (the agent would take it for active)."""
+    env["CUDA_DEVICE_SM_LIMIT"] = "50"
+    first = run(env, "--", *py(BRIEF_LAUNCHER))
+    assert first.returncode == 0, first.stderr
+    assert read_sm(node)["launches"] == 100
+    env["GPUVISOR_NODE_SOCKET"] = str(agent.path)
+    proc = run(env, "--report-interval", "0.2", "--", "sh", "-c", "sleep 1")
+    assert proc.returncode == 0, proc.stderr
+    shares = [(d.sm_share, d.throttled) for r in agent.reports for d in r.devices]
+    assert shares, agent.reports
+    assert all(share == 0 and not throttled for share, throttled in shares), shares
