@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -150,6 +151,10 @@ BAD = [
     ([], {"GPUVISOR_NODE_SOCKET": "/" + "s" * 200}, "GPUVISOR_NODE_SOCKET", "sss"),
     ([], {"GPUVISOR_REPORT_INTERVAL": "0"}, "GPUVISOR_REPORT_INTERVAL", "0"),
     ([], {"GPUVISOR_KILL_GRACE": "soon"}, "GPUVISOR_KILL_GRACE", "soon"),
+    # Bytes that are not UTF-8 (the surrogate escapes Python gives them).
+    (["--memory", "4\udcffg"], {}, "--memory", "4"),
+    ([], {"CUDA_DEVICE_MEMORY_LIMIT": "4\udcffg"}, "CUDA_DEVICE_MEMORY_LIMIT", "4"),
+    ([], {"GPUVISOR_SM_POLICY": "\udce9"}, "GPUVISOR_SM_POLICY", '"'),
     # An option is checked together with the environment it ends up in.
     (["--memory", "4g"], {"CUDA_DEVICE_MEMORY_LIMIT_1": "?"}, "CUDA_DEVICE_MEMORY_LIMIT_1", "?"),
 ]
@@ -648,3 +653,13 @@ def test_first_report_counts_only_this_runs_gpu_time(env, agent, node):
     shares = [(d.sm_share, d.throttled) for r in agent.reports for d in r.devices]
     assert shares, agent.reports
     assert all(share == 0 and not throttled for share, throttled in shares), shares
+
+
+def test_region_path_that_is_not_utf8(env, tmp_path):
+    """A path is bytes: one that is not UTF-8 is used as it is."""
+    region = str(tmp_path) + "/r\udcff.shr"
+    env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = region
+    proc = run(env, "--memory", "1g", "--", *py(MEMINFO))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1])[1] == GiB
+    assert (tmp_path / os.fsdecode(b"r\xff.shr")).exists()
