@@ -268,9 +268,21 @@ class Tuner:
                 if d.uuid not in want:
                     continue
                 value = want[d.uuid]
-                if self._applied.get((kind, d.uuid), _UNSET) == value:
-                    continue
                 try:
+                    # Limits are compared with the region, not with what was
+                    # last set: the agent repeats a pushed limit until the
+                    # reports show it, so one the region lost (the entry's
+                    # first CUDA use configures it from the environment, a
+                    # process of the container sets its own) is set again.
+                    if kind == "memory":
+                        current: object = d.limit
+                    elif kind == "sm":
+                        current = self.region.sm(d.index).limit
+                        value = value or None  # 0: no limit, as the region reads it
+                    else:
+                        current = self._applied.get((kind, d.uuid), _UNSET)
+                    if current == value:
+                        continue
                     if kind == "yield":
                         self.region.set_sm_yield(d.index, bool(value))
                     elif kind == "memory":

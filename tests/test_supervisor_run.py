@@ -663,3 +663,60 @@ def test_region_path_that_is_not_utf8(env, tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout.splitlines()[-1])[1] == GiB
     assert (tmp_path / os.fsdecode(b"r\xff.shr")).exists()
+
+
+# Queries NVML (which enters the device in the region), then, once argv[1]
+# exists, starts CUDA on it; exits once argv[2] exists.
+NVML_THEN_CUDA = """
+import os, sys, time
+import pynvml
+pynvml.nvmlInit()
+pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0))
+print("nvml", flush=True)
+def wait(path):
+    deadline = time.monotonic() + 30
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+wait(sys.argv[1])
+from tests.cuclient import init
+init()
+print("cuda", flush=True)
+wait(sys.argv[2])
+"""
+
+
+def test_pushed_sm_limit_holds_when_the_workload_starts_cuda_later(env, agent, node):
+    """The agent repeats a pushed limit until the reports show it: the tuner
+    must apply it again when the region lost it (here the first CUDA use
+    configures the device entry NVML had created, with the container's own
+    limit), not take it for applied for good."""
+    env["GPUVISOR_NODE_SOCKET"] = str(agent.path)
+    env["CUDA_DEVICE_SM_LIMIT"] = "50"
+    go, stop = node.dir / "go", node.dir / "stop"
+    sup = subprocess.Popen(
+        [*RUN, "--report-interval", "0.1", "--", *py(NVML_THEN_CUDA), str(go), str(stop)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    try:
+        assert sup.stdout is not None
+        assert sup.stdout.readline() == "nvml\n"
+        uuid = agent.wait_for(lambda r: bool(r.devices)).devices[0].uuid
+        with agent.lock:
+            agent.instructions = Instructions(sm_limits={uuid: 30})
+        agent.wait_for(lambda r: bool(r.devices) and r.devices[0].sm_limit == 30)
+        assert read_sm(node)["limit"] == 30
+        go.touch()
+        assert sup.stdout.readline() == "cuda\n"
+        time.sleep(1.0)  # 10 reports, 10 ticks
+        with agent.lock:
+            last = agent.reports[-1]
+        assert last.devices[0].sm_limit == 30, last
+        assert read_sm(node)["limit"] == 30
+    finally:
+        stop.touch()
+        sup.communicate(timeout=30)
+    assert sup.returncode == 0
