@@ -68,7 +68,10 @@ def own_cgroup(proc_cgroup: str = "/proc/self/cgroup") -> str:
 
 def _label(env: Mapping[str, str], names: tuple[str, ...]) -> str | None:
     for name in names:
-        value = env.get(name, "").strip()
+        # Bytes that are not UTF-8 become U+FFFD: as lone surrogates they
+        # would reach the agent as text no UTF-8 page (/metrics) can carry.
+        value = env.get(name, "").encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+        value = value.strip()
         if value:
             return value[:LABEL_MAX]
     return None

@@ -720,3 +720,16 @@ def test_pushed_sm_limit_holds_when_the_workload_starts_cuda_later(env, agent, n
         stop.touch()
         sup.communicate(timeout=30)
     assert sup.returncode == 0
+
+
+def test_labels_that_are_not_utf8_are_sent_as_valid_text():
+    """A label's bytes that are not UTF-8 (Python's surrogate escapes) would
+    reach the agent as lone surrogates, which no UTF-8 page can carry: the
+    agent's /metrics then failed for every container of the node."""
+    from gpuvisor.supervisor.reporter import container_identity
+
+    ident = container_identity(
+        {"POD_NAME": "p\udcff", "POD_NAMESPACE": "ns\udce9", "CONTAINER_NAME": "c"}
+    )
+    assert (ident.pod, ident.namespace, ident.container) == ("p\ufffd", "ns\ufffd", "c")
+    ident.key.encode()
