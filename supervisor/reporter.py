@@ -88,11 +88,17 @@ def container_identity(env: Mapping[str, str] | None = None) -> ContainerId:
 
 
 class _Baseline:
-    """busy/wait counters of a device at the previous report."""
+    """busy/wait counters of a device in the sample of the previous report
+    (taken at ts), and what that report said."""
 
-    def __init__(self, busy: int, wait: int) -> None:
+    def __init__(
+        self, busy: int, wait: int, ts: float, share: float = 0.0, throttled: bool = False
+    ) -> None:
         self.busy = busy
         self.wait = wait
+        self.ts = ts
+        self.share = share
+        self.throttled = throttled
 
 
 class Reporter:
@@ -117,12 +123,13 @@ class Reporter:
         self._sock: socket.socket | None = None
         self._buf = b""
         self._seq = 0
-        self._last_t = clock()
+        # When the latest sample a report used was taken (time.monotonic()).
+        self._last_ts = baseline.ts if baseline is not None else clock()
         # The region's counters are cumulative and the region may outlive a
         # supervisor: the first report counts from baseline (read before
         # the workload started), not from the region's creation.
         self._base: dict[str, _Baseline] = {
-            d.usage.uuid: _Baseline(d.sm.busy_ns, d.sm.wait_ns)
+            d.usage.uuid: _Baseline(d.sm.busy_ns, d.sm.wait_ns, self._last_ts)
             for d in (baseline.devices if baseline is not None else [])
         }
         self._backoff = BACKOFF_START_S
@@ -203,14 +210,26 @@ class Reporter:
         return line
 
     def build(self, sample: Sample, final: bool = False) -> Report:
-        """A report from sample; advances the per-interval baselines."""
-        now = self._clock()
-        elapsed_ns = max(1.0, (now - self._last_t) * 1e9)
+        """A report from sample; advances the per-interval baselines.
+
+        A device's share is its GPU time between the samples two reports
+        used over the time between those samples (the tuner takes them on
+        its own clock); a report whose sample is not newer repeats it."""
         devices = []
         for d in sample.devices:
-            base = self._base.get(d.usage.uuid, _Baseline(0, 0))
-            busy = max(0, d.sm.busy_ns - base.busy)
-            share = min(100.0, max(0.0, busy / elapsed_ns * 100))
+            # A device missing from the previous sample entered the region
+            # since: its counters started at 0 after that sample.
+            base = self._base.get(d.usage.uuid) or _Baseline(0, 0, self._last_ts)
+            elapsed_ns = (sample.ts - base.ts) * 1e9
+            if elapsed_ns > 0:
+                busy = max(0, d.sm.busy_ns - base.busy)
+                share = min(100.0, max(0.0, busy / elapsed_ns * 100))
+                throttled = d.sm.wait_ns > base.wait
+                self._base[d.usage.uuid] = _Baseline(
+                    d.sm.busy_ns, d.sm.wait_ns, sample.ts, share, throttled
+                )
+            else:
+                share, throttled = base.share, base.throttled
             devices.append(
                 DeviceReport(
                     uuid=d.usage.uuid,
@@ -222,11 +241,10 @@ class Reporter:
                     sm_share=round(share, 3),
                     sm_limit=d.sm.limit if d.sm.limit and 1 <= d.sm.limit <= 100 else None,
                     sm_enforced=min(100.0, max(0.0, d.sm.share)),
-                    throttled=d.sm.wait_ns > base.wait,
+                    throttled=throttled,
                 )
             )
-            self._base[d.usage.uuid] = _Baseline(d.sm.busy_ns, d.sm.wait_ns)
-        self._last_t = now
+        self._last_ts = max(self._last_ts, sample.ts)
         self._seq += 1
         return Report(
             seq=self._seq,

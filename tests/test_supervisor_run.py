@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psutil
 import pytest
@@ -733,3 +733,58 @@ def test_labels_that_are_not_utf8_are_sent_as_valid_text():
     )
     assert (ident.pod, ident.namespace, ident.container) == ("p\ufffd", "ns\ufffd", "c")
     ident.key.encode()
+
+
+def _steady_sample(ts: float, busy_s: float) -> Any:
+    """The tuner's sample at ts of a container that used busy_s of GPU time."""
+    from gpuvisor.shim.region import DeviceUsage, SmState
+    from gpuvisor.supervisor.tuner import DeviceSample, Sample
+
+    usage = DeviceUsage(index=0, uuid="GPU-x", limit=None, used=0, physical_total=GiB, oom_count=0)
+    sm = SmState(
+        limit=50,
+        share=50.0,
+        policy="fixed-share",
+        priority=0,
+        busy_ns=round(busy_s * 1e9),
+        wait_ns=0,
+        launches=0,
+    )
+    return Sample(ts=ts, devices=[DeviceSample(usage=usage, sm=sm, utilization=None)])
+
+
+def test_sm_share_is_measured_over_the_samples_own_interval():
+    """sm_share is the GPU time between two samples over the time between
+    them, not over the time between two reports: a steady 50 % container
+    reads 50 % whenever the tuner's sample was taken (its first tick comes
+    late while NVML starts; a tick may miss a report)."""
+    from gpuvisor.supervisor.protocol import ContainerId
+    from gpuvisor.supervisor.reporter import Reporter
+    from gpuvisor.supervisor.tuner import Sample
+
+    now = [100.0]
+    rep = Reporter(
+        "/nonexistent.sock",
+        1.0,
+        cast(Any, None),  # build() does not use the tuner
+        ContainerId(cgroup="/"),
+        "fixed-share",
+        0,
+        clock=lambda: now[0],
+        baseline=_steady_sample(100.0, 0.0),
+    )
+    shares = []
+    # (report time, the sample it finds): empty until the first tick at 102.5,
+    # then one 50 ms old, one fresh, and one the tuner had not renewed.
+    for t, sample in [
+        (101.0, Sample(ts=100.0)),
+        (102.0, Sample(ts=100.0)),
+        (103.0, _steady_sample(102.5, 1.25)),
+        (104.0, _steady_sample(103.95, 1.975)),
+        (105.0, _steady_sample(105.0, 2.5)),
+        (106.0, _steady_sample(105.0, 2.5)),
+        (107.0, _steady_sample(107.0, 3.5)),
+    ]:
+        now[0] = t
+        shares += [d.sm_share for d in rep.build(sample).devices]
+    assert shares == [50.0] * 5, shares
