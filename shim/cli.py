@@ -10,7 +10,7 @@ from typing import Any
 import click
 import psutil
 
-from .capi import GV_ENOENT, GpuvisorError
+from .capi import GpuvisorError
 from .loader import NativeLibraryNotFound, library_path, native_dir
 from .region import Region, default_region_path
 
@@ -28,22 +28,13 @@ def _process_name(pid: int) -> str:
         return "(gone)"
 
 
-def _process_used(region: Region, pid: int, dev: int) -> int:
-    """pid's usage on dev; 0 once pid has left the region (a process gives
-    its slot back at exit, possibly right after it was listed)."""
-    try:
-        return region.process_used(pid, dev)
-    except GpuvisorError as exc:
-        if exc.code == GV_ENOENT:
-            return 0
-        raise
 
 
 def _region_info(region: Region) -> dict[str, Any]:
     pids = region.processes()
     devices = []
     for dev in region.devices():
-        per_pid = {pid: _process_used(region, pid, dev.index) for pid in pids}
+        per_pid = region.usage_by_process(dev.index)
         devices.append(
             {
                 "index": dev.index,

@@ -11,7 +11,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from .capi import GV_EINVAL, UNLIMITED, GpuvisorError, check, encode_text, lib
+from .capi import GV_EINVAL, GV_ENOENT, UNLIMITED, GpuvisorError, check, encode_text, lib
 
 
 @dataclass(frozen=True)
@@ -228,6 +228,19 @@ class Region:
             "gv_process_get_used",
         )
         return value.value
+
+    def usage_by_process(self, dev: int) -> dict[int, int]:
+        """Bytes each registered process uses on dev.  A process that gives
+        its slot back (it exits) between the listing and its query is left
+        out: that race is not an error."""
+        usage = {}
+        for pid in self.processes():
+            try:
+                usage[pid] = self.process_used(pid, dev)
+            except GpuvisorError as exc:
+                if exc.code != GV_ENOENT:
+                    raise
+        return usage
 
     def reclaim_dead(self) -> int:
         """Reclaim the slots of dead processes; returns how many."""

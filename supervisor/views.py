@@ -368,8 +368,7 @@ def region_status(region_path: str | None, sample: float) -> dict[str, Any]:
         if not (sm.limit or sm.priority or sm.launches != before[i].launches):
             achieved = None  # nothing is gated, so nothing is measured
         procs = []
-        for pid in pids:
-            used = region.process_used(pid, i)
+        for pid, used in region.usage_by_process(i).items():
             if used:
                 try:
                     name = str(psutil.Process(pid).name())

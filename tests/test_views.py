@@ -97,3 +97,24 @@ def test_top_once_unreachable_agent_fails_cleanly():
     )
     assert out.returncode != 0
     assert "cannot read" in out.stderr
+
+
+def test_status_survives_a_process_that_leaves_while_listed(node):
+    """status lists the region's PIDs, then asks each one's usage: a process
+    that exits in between (it gives its slot back at exit) made the whole
+    command fail with "pid N is not registered".  The child stands a
+    listed-but-gone PID in for that moment."""
+    code = f"""
+import sys
+from gpuvisor.shim import Region
+from gpuvisor.supervisor.cli import main
+r = Region.attach()
+r.register_device("GPU-00000000-0000-0000-0000-000000000000", 16 * {GiB}, 4 * {GiB})
+listed = Region.processes
+Region.processes = lambda self: listed(self) + [999999]  # exited after the listing
+main(sys.argv[1:])
+"""
+    proc = run_py(code, node.env, args=["status", "--json", "--sample", "0"])
+    assert proc.returncode == 0, proc.stderr
+    info = json.loads(proc.stdout)
+    assert [d["processes"] for d in info["devices"]] == [[]]
