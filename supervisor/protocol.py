@@ -167,6 +167,13 @@ def _str(value: Any, name: str, maxlen: int = 1024, optional: bool = False) -> s
         return None
     if not isinstance(value, str) or len(value) > maxlen:
         raise ProtocolError(f"{name}={value!r}: expected a string of at most {maxlen} characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        # JSON's \ud800 escapes decode to lone surrogates, which no text
+        # output can carry: one in a label emptied /metrics for every
+        # container of the node while its sender reported.
+        raise ProtocolError(f"{name}={value!r}: not valid Unicode (a lone surrogate)") from None
     return value
 
 

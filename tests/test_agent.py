@@ -483,6 +483,26 @@ def test_bad_messages_named_and_counted(sock_path):
         c.close()
 
 
+def test_a_lone_surrogate_is_refused_and_metrics_stay_served(sock_path):
+    """JSON's \\ud800 escape decodes to a lone surrogate, which no UTF-8
+    page can carry: a label holding one emptied /metrics for every
+    container of the node for as long as its sender reported.  Now it is a
+    field error, and the page is served."""
+    with AgentProc(sock_path) as agent:
+        bad = Client(sock_path, pod="p\ud800")
+        r = bad.report()
+        assert r["type"] == "error", r
+        assert r["error"].startswith("container.pod="), r
+        good = Client(sock_path, pod="pod-b")
+        assert good.report()["type"] == "ack"
+        m = agent.metrics()
+        rej = {lab["reason"]: v for n, lab, v in m if n == "gpuvisor_agent_rejected_reports_total"}
+        assert rej["field"] == 1
+        assert any(lab.get("pod") == "pod-b" for _, lab, _ in m)
+        bad.close()
+        good.close()
+
+
 def test_oversized_line_disconnects_and_others_are_served(sock_path):
     with AgentProc(sock_path) as agent:
         good = Client(sock_path, pod="good")
