@@ -303,6 +303,57 @@ def test_a_long_kernel_on_one_gpu_does_not_hold_launches_on_another(node: SimNod
     assert abs(out["share"] - 20) <= 5, out
 
 
+LONG_HOLDER = (
+    CU_SPIN_PRELUDE
+    + """
+import sys, time
+print("ready", flush=True)
+sys.stdin.readline()
+launch(600_000)
+print(time.monotonic(), flush=True)
+chk(cu.cuStreamSynchronize(s))
+"""
+)
+
+MATE = (
+    CU_SPIN_PRELUDE
+    + """
+import json, sys, time
+print("ready", flush=True)
+sys.stdin.readline()
+launch(100)
+print(json.dumps({"admitted": time.monotonic()}), flush=True)
+chk(cu.cuStreamSynchronize(s))
+"""
+)
+
+
+def test_a_running_kernel_counts_before_it_ends(node: SimNode) -> None:
+    """A kernel's time past its estimate is charged while it runs: 250 ms
+    into a 600 ms kernel of a container limited to 50 %, another process of
+    the container may not launch until the container's clock allows it
+    again, about 1.2 s after the long launch (600 ms at 50 %).  Before, its
+    launch went at once, as if the first 250 ms of the long kernel had cost
+    the 1 ms estimate; the charge must not be counted twice either."""
+    env = node.shimmed(CUDA_DEVICE_SM_LIMIT="50")
+    holder, mate = start_ready(LONG_HOLDER, env), start_ready(MATE, env)
+    try:
+        go(holder)
+        assert holder.stdout is not None
+        launched = float(holder.stdout.readline())
+        time.sleep(max(0.0, launched + 0.25 - time.monotonic()))
+        go(mate)
+        out, err = mate.communicate(timeout=60)
+        assert mate.returncode == 0, out + err
+        after = json.loads(out.strip().splitlines()[-1])["admitted"] - launched
+    finally:
+        holder.kill()
+        holder.communicate(timeout=30)
+        mate.kill()
+    print(f"the mate's launch went {after:.3f} s after the long one")
+    assert 1.0 <= after <= 2.0
+
+
 def test_no_limit_runs_free(node: SimNode) -> None:
     share = run_container(node.shimmed(), seconds=1.5)
     assert share >= 90

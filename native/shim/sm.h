@@ -23,6 +23,8 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
 /* A launch charged charged_ns at share turned out to take actual_ns. */
 void gv_sm_settle(struct gv_sm *sm, int dev, uint32_t share, uint64_t charged_ns, uint64_t actual_ns);
 
+/* A kernel still running has taken extra_ns past what it was charged. */
+void gv_sm_overrun(struct gv_sm *sm, int dev, uint32_t share, uint64_t extra_ns);
 /* Change the enforced share, rescaling the debt run up at the old one. */
 void gv_sm_set_share(struct gv_sm *sm, uint32_t share);
 /* Who else works on the device (sets how much work this process may keep

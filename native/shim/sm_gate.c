@@ -261,6 +261,13 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
     return share;
 }
 
+void gv_sm_overrun(struct gv_sm *sm, int dev, uint32_t share, uint64_t extra_ns)
+{
+    atomic_fetch_add_explicit(&inflight_of(dev)->ns, extra_ns, memory_order_relaxed);
+    if (share)
+        atomic_fetch_add(&sm->tat, extra_ns * 10000 / share);
+}
+
 void gv_sm_settle(struct gv_sm *sm, int dev, uint32_t share, uint64_t charged_ns, uint64_t actual_ns)
 {
     gv_arb_settled(dev);
