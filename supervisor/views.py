@@ -273,13 +273,11 @@ def _limit_value(value: str | None, what: str) -> int | None:
         return None
     if what == "sm":
         bad = click.BadParameter(f"{value!r}: expected a percent 1-100", param_hint="'--cores'")
-        try:
-            v = int(value)
-        except ValueError:
-            raise bad from None
-        if not 1 <= v <= 100:
+        # Digits only, as the library reads CUDA_DEVICE_SM_LIMIT: int() would
+        # also take "+30", "3_0", " 30" and non-ASCII digits.
+        if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= 100:
             raise bad
-        return v
+        return int(value)
     from gpuvisor.shim.limits import parse_memory_limit
 
     try:

@@ -924,6 +924,16 @@ def test_pushed_limit_reaches_next_ack(sock_path):
         c.close()
 
 
+@pytest.mark.parametrize("cores", ["+30", "3_0", " 30", "\u0663\u0660", "0x1e", "101"])
+def test_set_limit_takes_the_sm_limit_as_the_library_reads_it(sock_path, cores):
+    """--cores takes digits only, as CUDA_DEVICE_SM_LIMIT: Python's int()
+    also took "+30", "3_0", " 30" and Arabic-Indic digits, which the
+    library refuses.  Refused before the agent is asked (none runs here)."""
+    proc = set_limit(sock_path, "any", "--cores", cores)
+    assert proc.returncode == 2, proc.stderr
+    assert "expected a percent 1-100" in proc.stderr, proc.stderr
+
+
 def test_set_limit_is_refused_on_the_reporting_socket(sock_path):
     """The reporting socket is mounted into every workload: a set-limit
     there is refused whatever the peer's uid (this test may run as root or
