@@ -354,6 +354,35 @@ def test_a_running_kernel_counts_before_it_ends(node: SimNode) -> None:
     assert 1.0 <= after <= 2.0
 
 
+NVML_FIRST = """
+import pynvml
+pynvml.nvmlInit()
+pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0))
+"""
+
+CUDA_LATER = (
+    CU_SPIN_PRELUDE
+    + """
+import json
+from gpuvisor.shim.region import Region
+launch(100)
+chk(cu.cuStreamSynchronize(s))
+print(json.dumps({"limit": Region.attach().sm(0).limit}))
+"""
+)
+
+
+def test_a_limit_set_live_before_cuda_starts_stands(node: SimNode) -> None:
+    """An NVML query makes the region's device entry before any CUDA use;
+    a limit set live then (the node agent's set-limit, through the region
+    API) used to be overwritten by the environment's when the workload's
+    first CUDA call configured the entry: 30 % went back to 50 %."""
+    env = node.shimmed(CUDA_DEVICE_SM_LIMIT="50")
+    subprocess.run([sys.executable, "-c", NVML_FIRST], env=env, check=True, timeout=60)
+    region_call(node, "r.set_sm_limit(0, 30)")
+    assert run_json(CUDA_LATER, env)["limit"] == 30
+
+
 def test_no_limit_runs_free(node: SimNode) -> None:
     share = run_container(node.shimmed(), seconds=1.5)
     assert share >= 90

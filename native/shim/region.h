@@ -93,6 +93,11 @@ enum gv_sm_policy { GV_SM_FIXED = 0, GV_SM_BURST = 1, GV_SM_BEST_EFFORT = 2 };
 
 /* The SM-time quota state of one device entry, shared by the container's
  * processes.  All fields are atomics, changed without locks. */
+/* gv_sm.configured: limit, policy and priority were set from the
+ * environment (once per entry); the limit was set live (it then stands
+ * when the environment's is applied). */
+enum { GV_SM_CONFIGURED = 1, GV_SM_LIMIT_SET = 2 };
+
 struct gv_sm {
     _Atomic uint64_t tat;        /* pacing: theoretical arrival time, CLOCK_MONOTONIC ns */
     _Atomic uint32_t limit;      /* percent 1..100; 0 = no limit */
@@ -100,7 +105,7 @@ struct gv_sm {
     _Atomic uint32_t policy;     /* enum gv_sm_policy */
     _Atomic uint32_t priority;   /* CUDA_TASK_PRIORITY: 0 high, 1 low */
     _Atomic uint32_t yield;      /* set from outside: a higher-priority container is active */
-    _Atomic uint32_t configured; /* 1 once limit, policy and priority are set */
+    _Atomic uint32_t configured; /* GV_SM_CONFIGURED | GV_SM_LIMIT_SET */
     _Atomic uint64_t busy_ns;    /* measured GPU time of the container's kernels */
     _Atomic uint64_t wait_ns;    /* time launches waited at the gate */
     _Atomic uint64_t launches;   /* launches through the gate */

@@ -145,14 +145,19 @@ static void sm_change_end(gv_region *r)
 void region_sm_configure(gv_region *r, int dev, unsigned limit, unsigned policy, unsigned priority)
 {
     struct gv_sm *sm = region_sm(r, dev);
-    if (sm == NULL || atomic_load(&sm->configured))
+    if (sm == NULL || (atomic_load(&sm->configured) & GV_SM_CONFIGURED))
         return;
     sm_change_begin(r);
+    /* A limit set live before the first process configured the entry (the
+     * entry made by an NVML query, or by the region API, before CUDA
+     * started) stands: the environment's is the default, not an override. */
+    if (atomic_load(&sm->configured) & GV_SM_LIMIT_SET)
+        limit = atomic_load(&sm->limit);
     atomic_store(&sm->limit, limit > 100 ? 100 : limit);
     atomic_store(&sm->policy, policy);
     atomic_store(&sm->priority, priority);
     atomic_store(&sm->share, (limit == 0 || limit > 100 ? 100 : limit) * 100);
-    atomic_store(&sm->configured, 1);
+    atomic_fetch_or(&sm->configured, GV_SM_CONFIGURED);
     /* A low-priority container goes through the gate even without a limit:
      * its yield flag pauses it there, and the gate's short queue makes the
      * pause take effect within milliseconds. */
@@ -182,6 +187,7 @@ void region_sm_set_limit(gv_region *r, int dev, unsigned limit)
         limit = 100;
     sm_change_begin(r);
     atomic_store(&sm->limit, limit);
+    atomic_fetch_or(&sm->configured, GV_SM_LIMIT_SET);
     if (atomic_load(&sm->policy) == GV_SM_FIXED)
         atomic_store(&sm->share, (limit == 0 ? 100 : limit) * 100);
     if (limit > 0)
