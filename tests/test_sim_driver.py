@@ -596,3 +596,56 @@ print(rc, n.value, *bus)
     for value, want in cases.items():
         out = ok(run_py(code, sim_env(tmp_path, spec, CUDA_VISIBLE_DEVICES=value)))
         assert out.strip() == want, (value, out)
+
+
+def test_a_child_forked_after_cuinit_cannot_use_cuda(tmp_path: Path) -> None:
+    """A real driver cannot be used in a child forked after the parent's
+    cuInit: cuInit and every call that needs it return
+    CUDA_ERROR_NOT_INITIALIZED (3), so the child takes no memory and is no
+    process NVML lists.  cuDriverGetVersion needs no cuInit and still works;
+    the parent goes on as before.  A child forked before cuInit (the fork
+    start method done right) initialises on its own."""
+    code = (
+        CTYPES_PRELUDE
+        + """
+import json, pynvml as n
+ctx()
+rc, p = alloc(1 << 20); chk(rc, "alloc")
+def child_codes():
+    v, c = ctypes.c_int(), ctypes.c_int()
+    cur, p2 = ctypes.c_void_p(), ctypes.c_ulonglong()
+    return {"init": cu.cuInit(0), "count": cu.cuDeviceGetCount(ctypes.byref(c)),
+            "current": cu.cuCtxGetCurrent(ctypes.byref(cur)),
+            "alloc": cu.cuMemAlloc_v2(ctypes.byref(p2), ctypes.c_size_t(1 << 20)),
+            "free": cu.cuMemFree_v2(ctypes.c_ulonglong(p)),
+            "create": cu.cuCtxCreate_v2(ctypes.byref(cur), 0, 0),
+            "version": cu.cuDriverGetVersion(ctypes.byref(v))}
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.write(w, json.dumps(child_codes()).encode())
+    os._exit(0)
+os.close(w)
+child = json.loads(os.read(r, 4096))
+os.waitpid(pid, 0)
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+pids = [q.pid for q in n.nvmlDeviceGetComputeRunningProcesses(h)]
+print(json.dumps({"child": child, "pids": pids, "me": os.getpid(), "free": free(p)}))
+"""
+    )
+    import json
+
+    out = json.loads(ok(run_py(code, sim_env(tmp_path, "4g"))))
+    not_init = 3  # CUDA_ERROR_NOT_INITIALIZED
+    assert out["child"] == {
+        "init": not_init,
+        "count": not_init,
+        "current": not_init,
+        "alloc": not_init,
+        "free": not_init,
+        "create": not_init,
+        "version": 0,
+    }, out
+    assert out["pids"] == [out["me"]], out
+    assert out["free"] == 0, out

@@ -83,6 +83,18 @@ static void parse_visible(void)
     }
 }
 
+/* A real driver cannot be carried across fork(): in a child forked after
+ * cuInit, cuInit and every call that needs it give
+ * CUDA_ERROR_NOT_INITIALIZED.  (A child forked before cuInit initialises on
+ * its own.) */
+static void child_after_fork(void)
+{
+    if (__atomic_load_n(&g_inited, __ATOMIC_ACQUIRE)) {
+        __atomic_store_n(&g_inited, 0, __ATOMIC_RELEASE);
+        g_init_rc = CUDA_ERROR_NOT_INITIALIZED;
+    }
+}
+
 static void do_init(void)
 {
     int rc = sim_state_open();
@@ -104,6 +116,7 @@ static void do_init(void)
         g_init_rc = CUDA_ERROR_NO_DEVICE;
         return;
     }
+    pthread_atfork(NULL, NULL, child_after_fork);
     g_init_rc = CUDA_SUCCESS;
     __atomic_store_n(&g_inited, 1, __ATOMIC_RELEASE);
 }

@@ -118,6 +118,7 @@ static double now_ms(void)
 }
 
 static CUfunction g_spin, g_grid;
+static char **g_argv;
 static CUevent g_e0, g_e1;
 
 /* queue spin(us) on s */
@@ -466,14 +467,15 @@ static void test_processes(void)
     pid_t pid = fork();
     CHECK(pid >= 0);
     if (pid == 0) {
-        /* a fresh context in the child (the parent's are not inherited) */
+        /* CUDA cannot be used in a child forked after cuInit (as with a
+         * real driver): the other process is a fresh image of this test
+         * (spin_child) */
         close(pfd[0]);
-        CUcontext c;
-        if (cuCtxCreate_v2(&c, 0, 0) || spin(NULL, 150000))
-            _exit(2);
-        if (write(pfd[1], "x", 1) != 1)
-            _exit(3);
-        _exit(0);                               /* work stays queued */
+        char fd[16];
+        snprintf(fd, sizeof fd, "%d", pfd[1]);
+        setenv("GV_T_TIMELINE_CHILD_FD", fd, 1);
+        execv("/proc/self/exe", g_argv);
+        _exit(127);
     }
     close(pfd[1]);
     char ch;
@@ -574,13 +576,31 @@ static void test_procaddr(void)
        CUDA_ERROR_NOT_FOUND);
 }
 
+/* the other process of test_processes: queues a 150 ms kernel on the
+ * parent's node, says so, and exits (its work stays queued) */
+static int spin_child(int fd)
+{
+    load();
+    CUcontext c;
+    CUmodule m;
+    if (cuInit(0) || cuCtxCreate_v2(&c, 0, 0) || cuModuleLoadData(&m, "image") ||
+        cuModuleGetFunction(&g_spin, m, "spin") || spin(NULL, 150000))
+        _exit(2);
+    if (write(fd, "x", 1) != 1)
+        _exit(3);
+    _exit(0);
+}
+
 int main(int argc, char **argv)
 {
+    g_argv = argv;
     if (argc > 1)
         g_lib = argv[1];
     else if (getenv("GV_SIM_LIBCUDA"))
         g_lib = getenv("GV_SIM_LIBCUDA");
     setvbuf(stdout, NULL, _IOLBF, 0);
+    if (getenv("GV_T_TIMELINE_CHILD_FD"))
+        return spin_child(atoi(getenv("GV_T_TIMELINE_CHILD_FD")));
     const char *tmp = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
     snprintf(g_state, sizeof g_state, "%s/gv-t-sim-timeline-%d.state", tmp,
              (int)getpid());
