@@ -649,3 +649,46 @@ print(json.dumps({"child": child, "pids": pids, "me": os.getpid(), "free": free(
     }, out
     assert out["pids"] == [out["me"]], out
     assert out["free"] == 0, out
+
+
+@needs_cuda_python
+def test_a_destroyed_context_still_current_is_context_is_destroyed(tmp_path: Path) -> None:
+    """cuCtxDestroy documents that a context destroyed while current to
+    other threads stays current to them, and that using it there gives
+    CUDA_ERROR_CONTEXT_IS_DESTROYED; so does a current primary context
+    released to zero (not initialised) until it is retained again."""
+    out = ok(
+        run_py(
+            """
+            import threading
+            from cuda.bindings import driver as d
+            R = d.CUresult.CUDA_SUCCESS
+            assert d.cuInit(0)[0] == R
+            err, ctx = d.cuCtxCreate(None, 0, 0); assert err == R
+            t = threading.Thread(target=lambda: print("destroy", d.cuCtxDestroy(ctx)[0].name))
+            t.start(); t.join()
+            err, cur = d.cuCtxGetCurrent(); assert err == R
+            print("current", int(cur) == int(ctx))
+            print("alloc", d.cuMemAlloc(1 << 20)[0].name)
+            print("sync", d.cuCtxSynchronize()[0].name)
+            print("device", d.cuCtxGetDevice()[0].name)
+            assert d.cuCtxPopCurrent()[0] == R
+            err, p = d.cuDevicePrimaryCtxRetain(0); assert err == R
+            assert d.cuCtxSetCurrent(p)[0] == R
+            assert d.cuDevicePrimaryCtxRelease(0)[0] == R
+            print("released", d.cuMemAlloc(1 << 20)[0].name)
+            err, p2 = d.cuDevicePrimaryCtxRetain(0); assert err == R
+            print("retained", d.cuMemAlloc(1 << 20)[0].name, int(p2) == int(p))
+            """,
+            sim_env(tmp_path, "4g"),
+        )
+    )
+    assert out.split("\n")[:-1] == [
+        "destroy CUDA_SUCCESS",
+        "current True",
+        "alloc CUDA_ERROR_CONTEXT_IS_DESTROYED",
+        "sync CUDA_ERROR_CONTEXT_IS_DESTROYED",
+        "device CUDA_ERROR_CONTEXT_IS_DESTROYED",
+        "released CUDA_ERROR_CONTEXT_IS_DESTROYED",
+        "retained CUDA_SUCCESS True",
+    ], out

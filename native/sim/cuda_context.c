@@ -31,8 +31,18 @@ CUresult sim_current(struct CUctx_st **out)
     if (rc)
         return rc;
     struct CUctx_st *c = t_depth ? t_stack[t_depth - 1] : NULL;
-    if (!c || !sim_ctx_valid(c))
+    if (!c)
         return CUDA_ERROR_INVALID_CONTEXT;
+    /* A context destroyed by another thread stays current here, and a
+     * primary context released to zero stays current until retained
+     * again: using either is CUDA_ERROR_CONTEXT_IS_DESTROYED, as CUDA
+     * documents for cuCtxDestroy. */
+    pthread_mutex_lock(&sim_mu);
+    int known = sim_reg_has(c) && c->magic == SIM_CTX_MAGIC;
+    int alive = known && c->alive;
+    pthread_mutex_unlock(&sim_mu);
+    if (!alive)
+        return known ? CUDA_ERROR_CONTEXT_IS_DESTROYED : CUDA_ERROR_INVALID_CONTEXT;
     *out = c;
     return CUDA_SUCCESS;
 }

@@ -287,7 +287,7 @@ static void test_contexts(void)
     OK(cuDevicePrimaryCtxGetState(1, &fl, &act));
     CHECK(act == 0);
     CU(cuDevicePrimaryCtxRelease_v2(1), CUDA_ERROR_INVALID_CONTEXT);
-    CU(cuCtxSynchronize(), CUDA_ERROR_INVALID_CONTEXT);  /* p1 is gone */
+    CU(cuCtxSynchronize(), CUDA_ERROR_CONTEXT_IS_DESTROYED);  /* p1 is gone */
     OK(cuCtxPopCurrent_v2(&cur));
     OK(cuDevicePrimaryCtxRetain(&p1, 1));
     OK(cuDevicePrimaryCtxReset_v2(1));
