@@ -692,3 +692,101 @@ def test_a_destroyed_context_still_current_is_context_is_destroyed(tmp_path: Pat
         "released CUDA_ERROR_CONTEXT_IS_DESTROYED",
         "retained CUDA_SUCCESS True",
     ], out
+
+
+@needs_cuda_python
+def test_launch_limits_are_reported_and_are_the_ones_enforced(tmp_path: Path) -> None:
+    """A client sizes its launches from cuDeviceGetAttribute, so the
+    simulated compute capability 9.0 device reports the limits CUDA lists
+    for it (block 1024 x 1024 x 64 and 1024 threads, grid 2^31-1 x 65535 x
+    65535, 48 KiB static / 227 KiB opt-in shared memory per block, 2048
+    threads and 32 blocks per SM, 64 KiB constant memory and registers per
+    block), and a launch at a limit runs while one past it is
+    CUDA_ERROR_INVALID_VALUE (cooperative: COOPERATIVE_LAUNCH_TOO_LARGE)."""
+    out = ok(
+        run_py(
+            """
+            import ctypes, json
+            from cuda.bindings import driver as d
+            A = d.CUdevice_attribute
+            R = d.CUresult.CUDA_SUCCESS
+            assert d.cuInit(0)[0] == R
+            err, ctx = d.cuCtxCreate(None, 0, 0); assert err == R
+            def attr(name):
+                err, v = d.cuDeviceGetAttribute(getattr(A, "CU_DEVICE_ATTRIBUTE_" + name), 0)
+                assert err == R, (name, err)
+                return v
+            names = ["MAX_BLOCK_DIM_X", "MAX_BLOCK_DIM_Y", "MAX_BLOCK_DIM_Z",
+                     "MAX_GRID_DIM_X", "MAX_GRID_DIM_Y", "MAX_GRID_DIM_Z",
+                     "MAX_THREADS_PER_BLOCK", "MAX_SHARED_MEMORY_PER_BLOCK",
+                     "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN", "MAX_THREADS_PER_MULTIPROCESSOR",
+                     "MAX_BLOCKS_PER_MULTIPROCESSOR", "TOTAL_CONSTANT_MEMORY",
+                     "MAX_REGISTERS_PER_BLOCK", "WARP_SIZE"]
+            a = {n: attr(n) for n in names}
+            sms = attr("MULTIPROCESSOR_COUNT")
+            err, mod = d.cuModuleLoadData(b"image"); assert err == R
+            err, f = d.cuModuleGetFunction(mod, b"k"); assert err == R
+            def launch(g, b, shmem=0, coop=False):
+                if coop:
+                    return d.cuLaunchCooperativeKernel(f, *g, *b, shmem, 0, 0)[0].name
+                return d.cuLaunchKernel(f, *g, *b, shmem, 0, 0, 0)[0].name
+            res = {
+                "block_x": launch((1, 1, 1), (a["MAX_BLOCK_DIM_X"], 1, 1)),
+                "block_y": launch((1, 1, 1), (1, a["MAX_BLOCK_DIM_Y"], 1)),
+                "block_z": launch((1, 1, 1), (1, 1, a["MAX_BLOCK_DIM_Z"])),
+                "block_z_over": launch((1, 1, 1), (1, 1, a["MAX_BLOCK_DIM_Z"] + 1)),
+                "threads_over": launch((1, 1, 1), (a["MAX_THREADS_PER_BLOCK"] + 1, 1, 1)),
+                "grid_x": launch((a["MAX_GRID_DIM_X"], 1, 1), (1, 1, 1)),
+                "grid_x_over": launch((a["MAX_GRID_DIM_X"] + 1, 1, 1), (1, 1, 1)),
+                "grid_y": launch((1, a["MAX_GRID_DIM_Y"], 1), (1, 1, 1)),
+                "grid_y_over": launch((1, a["MAX_GRID_DIM_Y"] + 1, 1), (1, 1, 1)),
+                "grid_z_over": launch((1, 1, a["MAX_GRID_DIM_Z"] + 1), (1, 1, 1)),
+                "shmem_optin": launch((1, 1, 1), (1, 1, 1), a["MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"]),
+                "shmem_over": launch((1, 1, 1), (1, 1, 1),
+                                     a["MAX_SHARED_MEMORY_PER_BLOCK_OPTIN"] + 1),
+            }
+            per_sm = min(a["MAX_BLOCKS_PER_MULTIPROCESSOR"],
+                         a["MAX_THREADS_PER_MULTIPROCESSOR"] // 32)
+            res["coop"] = launch((sms * per_sm, 1, 1), (32, 1, 1), coop=True)
+            res["coop_over"] = launch((sms * per_sm + 1, 1, 1), (32, 1, 1), coop=True)
+            print(json.dumps({"attr": a, "launch": res}))
+            """,
+            sim_env(tmp_path, "4g:sms=4"),
+        )
+    )
+    import json
+
+    got = json.loads(out)
+    assert got["attr"] == {
+        "MAX_BLOCK_DIM_X": 1024,
+        "MAX_BLOCK_DIM_Y": 1024,
+        "MAX_BLOCK_DIM_Z": 64,
+        "MAX_GRID_DIM_X": 2**31 - 1,
+        "MAX_GRID_DIM_Y": 65535,
+        "MAX_GRID_DIM_Z": 65535,
+        "MAX_THREADS_PER_BLOCK": 1024,
+        "MAX_SHARED_MEMORY_PER_BLOCK": 48 * 1024,
+        "MAX_SHARED_MEMORY_PER_BLOCK_OPTIN": 227 * 1024,
+        "MAX_THREADS_PER_MULTIPROCESSOR": 2048,
+        "MAX_BLOCKS_PER_MULTIPROCESSOR": 32,
+        "TOTAL_CONSTANT_MEMORY": 64 * 1024,
+        "MAX_REGISTERS_PER_BLOCK": 65536,
+        "WARP_SIZE": 32,
+    }, got
+    good, bad = "CUDA_SUCCESS", "CUDA_ERROR_INVALID_VALUE"
+    assert got["launch"] == {
+        "block_x": good,
+        "block_y": good,
+        "block_z": good,
+        "block_z_over": bad,
+        "threads_over": bad,
+        "grid_x": good,
+        "grid_x_over": bad,
+        "grid_y": good,
+        "grid_y_over": bad,
+        "grid_z_over": bad,
+        "shmem_optin": good,
+        "shmem_over": bad,
+        "coop": good,
+        "coop_over": "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE",
+    }, got

@@ -93,7 +93,20 @@ SIM_API CUresult cuDeviceGetAttribute(int *v, CUdevice_attribute attr,
     if (!v)
         return CUDA_ERROR_INVALID_VALUE;
     switch ((int)attr) {
-    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *v = 1024; break;
+    /* compute capability 9.0 launch limits, the ones cuda_launch.c enforces */
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_BLOCK: *v = SIM_MAX_BLOCK_THREADS; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_X: *v = SIM_MAX_BLOCK_X; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Y: *v = SIM_MAX_BLOCK_Y; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCK_DIM_Z: *v = SIM_MAX_BLOCK_Z; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_X: *v = SIM_MAX_GRID_X; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Y: *v = SIM_MAX_GRID_YZ; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_GRID_DIM_Z: *v = SIM_MAX_GRID_YZ; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK: *v = 48 * 1024; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN: *v = SIM_MAX_SHMEM; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR: *v = SIM_SM_THREADS; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_BLOCKS_PER_MULTIPROCESSOR: *v = SIM_SM_BLOCKS; break;
+    case CU_DEVICE_ATTRIBUTE_TOTAL_CONSTANT_MEMORY: *v = 64 * 1024; break;
+    case CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_BLOCK: *v = 64 * 1024; break;
     case CU_DEVICE_ATTRIBUTE_WARP_SIZE: *v = 32; break;
     case CU_DEVICE_ATTRIBUTE_CLOCK_RATE: *v = 1980000; break;
     case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: *v = sim_dev(node)->sms; break;

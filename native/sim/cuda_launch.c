@@ -61,9 +61,10 @@ CUresult sim_kern_make(sim_kern *k, CUfunction f, const unsigned grid[3],
     for (int i = 0; i < 3; i++)
         if (!grid[i] || !block[i])
             return CUDA_ERROR_INVALID_VALUE;
-    if (grid[1] > 65535 || grid[2] > 65535 || block[2] > 64 ||
-        (uint64_t)block[0] * block[1] * block[2] > 1024 ||
-        shmem > 227 * 1024)
+    if (grid[0] > SIM_MAX_GRID_X || grid[1] > SIM_MAX_GRID_YZ || grid[2] > SIM_MAX_GRID_YZ ||
+        block[0] > SIM_MAX_BLOCK_X || block[1] > SIM_MAX_BLOCK_Y || block[2] > SIM_MAX_BLOCK_Z ||
+        (uint64_t)block[0] * block[1] * block[2] > SIM_MAX_BLOCK_THREADS ||
+        shmem > SIM_MAX_SHMEM)
         return CUDA_ERROR_INVALID_VALUE;
     uint64_t us;
     if (spin) {
@@ -152,9 +153,9 @@ static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
         /* all blocks must be resident at once: sms x blocks per SM
          * (2048 threads, at most 32 blocks, per SM) */
         uint64_t threads = (uint64_t)bx * by * bz;
-        uint64_t per_sm = 2048 / threads;
-        if (per_sm > 32)
-            per_sm = 32;
+        uint64_t per_sm = SIM_SM_THREADS / threads;
+        if (per_sm > SIM_SM_BLOCKS)
+            per_sm = SIM_SM_BLOCKS;
         uint64_t max = per_sm * (uint64_t)sim_dev(r.ctx->node)->sms;
         if ((uint64_t)gx * gy * gz > max)
             return CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE;

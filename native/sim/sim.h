@@ -156,6 +156,18 @@ SIM_HIDDEN int sim_knob_uint(const char *var, unsigned long long *out);
 #define SIM_CTX_MAGIC 0x43545831u
 #define SIM_QUEUE_DEPTH 1024            /* pending launches per context */
 
+/* launch limits of compute capability 9.0 (cuDeviceGetAttribute reports
+ * them, cuda_launch.c enforces them) */
+#define SIM_MAX_BLOCK_THREADS 1024
+#define SIM_MAX_BLOCK_X 1024
+#define SIM_MAX_BLOCK_Y 1024
+#define SIM_MAX_BLOCK_Z 64
+#define SIM_MAX_GRID_X 0x7fffffff
+#define SIM_MAX_GRID_YZ 65535
+#define SIM_MAX_SHMEM (227 * 1024)      /* dynamic, opt-in */
+#define SIM_SM_THREADS 2048             /* resident per SM */
+#define SIM_SM_BLOCKS 32                /* resident per SM */
+
 struct CUctx_st {
     uint32_t magic;
     int alive;
