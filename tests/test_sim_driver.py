@@ -790,3 +790,45 @@ def test_launch_limits_are_reported_and_are_the_ones_enforced(tmp_path: Path) ->
         "coop": good,
         "coop_over": "CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE",
     }, got
+
+
+def test_nvml_pci_info_v1_fills_only_the_v1_struct(tmp_path: Path) -> None:
+    """nvmlDeviceGetPciInfo (no suffix) is the entry point of binaries built
+    before NVML's PCI struct grew (busId[16] .. pciSubSystemId, reserved0-3:
+    52 bytes); _v2/_v3 take the 68-byte struct with busIdLegacy and a 32-byte
+    busId.  Each must be filled in its own layout: the v1 call must not
+    write past 52 bytes of its caller's struct."""
+    code = """
+        import ctypes as C, json
+        n = C.CDLL("libnvidia-ml.so.1")
+        assert n.nvmlInit_v2() == 0
+        h = C.c_void_p()
+        assert n.nvmlDeviceGetHandleByIndex_v2(1, C.byref(h)) == 0
+        class V1(C.Structure):
+            _fields_ = [("busId", C.c_char * 16), ("domain", C.c_uint), ("bus", C.c_uint),
+                        ("device", C.c_uint), ("pciDeviceId", C.c_uint),
+                        ("pciSubSystemId", C.c_uint), ("reserved", C.c_uint * 4)]
+        class V3(C.Structure):
+            _fields_ = [("busIdLegacy", C.c_char * 16), ("domain", C.c_uint), ("bus", C.c_uint),
+                        ("device", C.c_uint), ("pciDeviceId", C.c_uint),
+                        ("pciSubSystemId", C.c_uint), ("busId", C.c_char * 32)]
+        assert C.sizeof(V1) == 52 and C.sizeof(V3) == 68
+        buf = (C.c_ubyte * 128)(*([0xAB] * 128))
+        rc = n.nvmlDeviceGetPciInfo(h, buf)
+        v1 = V1.from_buffer(buf)
+        v3 = V3()
+        rc3 = n.nvmlDeviceGetPciInfo_v3(h, C.byref(v3))
+        print(json.dumps({"rc": rc, "rc3": rc3, "tail": list(buf[52:]),
+                          "v1": [v1.busId.decode(), v1.domain, v1.bus, v1.device,
+                                 v1.pciDeviceId, list(v1.reserved)],
+                          "v3": [v3.busIdLegacy.decode(), v3.busId.decode(), v3.bus,
+                                 v3.pciDeviceId]}))
+        """
+    import json
+
+    out = json.loads(ok(run_py(code, sim_env(tmp_path, "2x4g"))))
+    assert out["rc"] == 0, out
+    assert out["rc3"] == 0, out
+    assert out["tail"] == [0xAB] * (128 - 52), "nvmlDeviceGetPciInfo wrote past the v1 struct"
+    assert out["v1"] == ["0000:01:00.0", 0, 1, 0, out["v3"][3], [0, 0, 0, 0]], out
+    assert out["v3"][:3] == ["0000:01:00.0", "00000000:01:00.0", 1], out

@@ -526,6 +526,18 @@ typedef nvmlProcessesUtilizationInfo_v1_t nvmlProcessesUtilizationInfo_t;
 #define nvmlProcessesUtilizationInfo_v1 \
     NVML_STRUCT_VERSION(sizeof(nvmlProcessesUtilizationInfo_v1_t), 1)
 
+/* the struct of the unsuffixed nvmlDeviceGetPciInfo, before NVML's busId
+ * grew to 32 bytes (_v2 and later take nvmlPciInfo_t) */
+typedef struct nvmlPciInfo_v1_st {
+    char busId[16];                             /* "0000:BB:DD.F" */
+    unsigned int domain;
+    unsigned int bus;
+    unsigned int device;
+    unsigned int pciDeviceId;
+    unsigned int pciSubSystemId;
+    unsigned int reserved[4];
+} nvmlPciInfo_v1_t;                             /* 52 bytes */
+
 typedef struct nvmlPciInfo_st {
     char busIdLegacy[16];
     unsigned int domain;

@@ -137,11 +137,8 @@ SIM_API nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t dev, char *buf,
     return put_str(buf, len, sim_dev(node)->name);
 }
 
-SIM_API nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t dev, nvmlPciInfo_t *p)
+static void pci_info(int node, nvmlPciInfo_t *p)
 {
-    DEV_ENTRY("nvmlDeviceGetPciInfo_v3", dev, node);
-    if (!p)
-        return NVML_ERROR_INVALID_ARGUMENT;
     memset(p, 0, sizeof *p);
     snprintf(p->busIdLegacy, sizeof p->busIdLegacy, "0000:%02X:00.0",
              (unsigned)node & 0xffu);
@@ -151,6 +148,14 @@ SIM_API nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t dev, nvmlPciInfo_t *p)
     p->device = 0;
     p->pciDeviceId = 0x233010de;
     p->pciSubSystemId = 0x16c110de;
+}
+
+SIM_API nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t dev, nvmlPciInfo_t *p)
+{
+    DEV_ENTRY("nvmlDeviceGetPciInfo_v3", dev, node);
+    if (!p)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    pci_info(node, p);
     return NVML_SUCCESS;
 }
 
@@ -159,9 +164,22 @@ SIM_API nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t dev, nvmlPciInfo_t *p)
     return nvmlDeviceGetPciInfo_v3(dev, p);
 }
 
-SIM_API nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t dev, nvmlPciInfo_t *p)
+/* the original entry point fills the original, 52-byte struct */
+SIM_API nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t dev, nvmlPciInfo_v1_t *p)
 {
-    return nvmlDeviceGetPciInfo_v3(dev, p);
+    DEV_ENTRY("nvmlDeviceGetPciInfo", dev, node);
+    if (!p)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlPciInfo_t v;
+    pci_info(node, &v);
+    memset(p, 0, sizeof *p);
+    memcpy(p->busId, v.busIdLegacy, sizeof p->busId);
+    p->domain = v.domain;
+    p->bus = v.bus;
+    p->device = v.device;
+    p->pciDeviceId = v.pciDeviceId;
+    p->pciSubSystemId = v.pciSubSystemId;
+    return NVML_SUCCESS;
 }
 
 SIM_API nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t dev,
