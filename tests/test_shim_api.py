@@ -26,7 +26,20 @@ from tests.helpers import GiB, Holder, MiB, SimNode, run_json, run_py
 
 SIM_CONTEXT = 32 * MiB  # what the simulator charges for one context
 
-API = "import json\nfrom gpuvisor.shim import *\nfrom tests.cuclient import emit\n"
+API = """import json
+from gpuvisor.shim import *
+from tests.cuclient import emit
+def errors_of(calls):
+    \"\"\"{name: None, or [code_name, message] of the GpuvisorError it raised}.\"\"\"
+    errors = {}
+    for name, call in calls.items():
+        try:
+            call()
+            errors[name] = None
+        except GpuvisorError as e:
+            errors[name] = [e.code_name, str(e)]
+    return errors
+"""
 UUID0 = "GPU-00000000-1111-2222-3333-444444444444"
 UUID1 = "GPU-55555555-6666-7777-8888-999999999999"
 
@@ -163,17 +176,10 @@ def test_a_value_that_is_not_utf8_is_a_clear_error(node) -> None:
     bad = os.fsdecode(b"4\xffg")
     code = f"""
 from gpuvisor.shim.limits import validate_environment
-errors = {{}}
-for name, call in {{
+emit(**errors_of({{
     "parse": lambda: parse_memory_limit({bad!r}),
     "env": validate_environment,
-}}.items():
-    try:
-        call()
-        errors[name] = None
-    except GpuvisorError as e:
-        errors[name] = [e.code_name, str(e)]
-emit(**errors)
+}}))
 """
     out = run_json(API + code, {**node.env, "CUDA_DEVICE_MEMORY_LIMIT": bad})
     assert out["parse"][0] == "GV_EINVAL"
@@ -302,20 +308,13 @@ def test_bad_arguments_raise(node) -> None:
         f"""
 r = Region.attach()
 r.register_device({UUID0!r}, 16 << 30, None)
-errors = {{}}
-for name, call in {{
+emit(**errors_of({{
     "no-device": lambda: r.device(5),
     "limit-no-device": lambda: r.set_limit(7, 1 << 30),
     "limit-zero": lambda: r.set_limit(0, 0),
     "bad-uuid": lambda: r.register_device("not-a-uuid", 1 << 30, None),
     "no-pid": lambda: r.process_used(999999999, 0),
-}}.items():
-    try:
-        call()
-        errors[name] = None
-    except GpuvisorError as e:
-        errors[name] = [e.code_name, str(e)]
-emit(**errors)
+}}))
 """,
     )
     for name, err in out.items():
@@ -336,8 +335,7 @@ def test_an_index_outside_c_int_is_refused_not_wrapped(node) -> None:
 import os
 r = Region.attach()
 r.register_device({UUID0!r}, 16 << 30, 4 << 30)
-errors = {{}}
-for name, call in {{
+errors = errors_of({{
     "set-limit": lambda: r.set_limit(1 << 32, 1 << 30),
     "device": lambda: r.device(1 << 32),
     "negative": lambda: r.get_limit(-(1 << 32)),
@@ -346,19 +344,14 @@ for name, call in {{
     "yield": lambda: r.set_sm_yield(1 << 32, True),
     "others": lambda: r.set_sm_others(1 << 32, 50),
     "pid": lambda: r.process_used((1 << 32) + os.getpid(), 0),
-}}.items():
-    try:
-        call()
-        errors[name] = None
-    except GpuvisorError as e:
-        errors[name] = str(e)
+}})
 emit(errors=errors, limit=r.get_limit(0), sm=r.sm(0).limit, others=r.sm_others(0)[1])
 """,
     )
     for name, err in out["errors"].items():
         assert err is not None, f"{name} did not raise"
-    assert "4294967296" in out["errors"]["device"]
-    assert str(1 << 32) in out["errors"]["set-limit"]
+    assert "4294967296" in out["errors"]["device"][1]
+    assert str(1 << 32) in out["errors"]["set-limit"][1]
     assert out["limit"] == 4 * GiB  # device 0 untouched
     assert out["sm"] is None
     assert out["others"] is None

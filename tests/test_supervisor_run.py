@@ -407,16 +407,21 @@ def test_agent_error_reply_is_logged_once(env, agent):
     assert len(agent.reports) >= 3
 
 
-def start_launcher(env: dict[str, str], stop: Path, *options: str) -> subprocess.Popen[str]:
-    """`gpuvisor run OPTIONS -- LAUNCHER stop`, its output piped."""
+def start_run(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
+    """`gpuvisor run ARGS`, its output piped."""
     return subprocess.Popen(
-        [*RUN, *options, "--", *py(LAUNCHER), str(stop)],
+        [*RUN, *args],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         cwd=REPO_ROOT,
     )
+
+
+def start_launcher(env: dict[str, str], stop: Path, *options: str) -> subprocess.Popen[str]:
+    """`gpuvisor run OPTIONS -- LAUNCHER stop`, its output piped."""
+    return start_run(env, *options, "--", *py(LAUNCHER), str(stop))
 
 
 def test_agent_steers_yield_and_sm_limit_live(env, agent, node):
@@ -621,14 +626,7 @@ def test_yield_left_in_the_region_does_not_pause_the_next_run(env, node):
     subprocess.run(
         [*py(SET_YIELD), str(node.region)], env=node.env, check=True, timeout=30, cwd=REPO_ROOT
     )
-    sup = subprocess.Popen(
-        [*RUN, "--", *py(BRIEF_LAUNCHER)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO_ROOT,
-    )
+    sup = start_run(env, "--", *py(BRIEF_LAUNCHER))
     try:
         out, err = sup.communicate(timeout=10)
     except subprocess.TimeoutExpired:
@@ -693,14 +691,7 @@ def test_pushed_sm_limit_holds_when_the_workload_starts_cuda_later(env, agent, n
     env["GPUVISOR_NODE_SOCKET"] = str(agent.path)
     env["CUDA_DEVICE_SM_LIMIT"] = "50"
     go, stop = node.dir / "go", node.dir / "stop"
-    sup = subprocess.Popen(
-        [*RUN, "--report-interval", "0.1", "--", *py(NVML_THEN_CUDA), str(go), str(stop)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO_ROOT,
-    )
+    sup = start_run(env, "--report-interval", "0.1", "--", *py(NVML_THEN_CUDA), str(go), str(stop))
     try:
         assert sup.stdout is not None
         assert sup.stdout.readline() == "nvml\n"
