@@ -19,7 +19,9 @@ SIM_HDRS := $(wildcard native/sim/*.h)
 SHIM_HDRS := $(wildcard native/shim/*.h) $(wildcard native/include/*.h)
 CTEST_SRCS := $(sort $(wildcard native/tests/t_*.c))
 CTESTS := $(patsubst native/tests/%.c,$(BUILD)/tests/%,$(CTEST_SRCS))
-CTEST_HDRS := $(wildcard native/tests/*.h)
+# The tests' headers include the public ones (gv_cuda.h, gpuvisor.h), and so do
+# the t_sim_* programs, whose rule names no other header.
+CTEST_HDRS := $(wildcard native/tests/*.h) $(wildcard native/include/*.h)
 
 LIB      := $(BUILD)/libgpuvisor.so
 SIMCUDA  := $(BUILD)/sim/libcuda.so.1

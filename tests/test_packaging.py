@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shlex
 import shutil
 import subprocess
 import sys
@@ -15,6 +17,10 @@ from tests.helpers import repo_files
 NATIVE = "gpuvisor/shim/_native/"
 MODULES = ["__init__", "loader", "capi", "region", "limits", "cli", "driver", "hardware"]
 DEMO_MODULES = ["demo", "demo_workload", "demo_sampler", "demo_report"]
+
+
+# Programs make builds besides `all` (make bench, make bench-sm).
+BENCH_PROGRAMS = ["bench/bench_memory", "bench/bench_launch", "bench/bench_sm_worker"]
 
 
 def _source_copy(repo_root: Path, dest: Path) -> Path:
@@ -95,3 +101,68 @@ def test_wheel_finds_its_own_libraries(wheel: Path, tmp_path: Path) -> None:
     assert lib == str(root / NATIVE / "libgpuvisor.so")
     assert sim == str(root / NATIVE.rstrip("/"))
     assert version == "1"
+
+
+def test_make_rules_list_every_header_their_sources_include(
+    repo_root: Path, tmp_path: Path
+) -> None:
+    """Each native target is rebuilt when a header its sources include changes.
+
+    gcc -MM (with each compile command's own -I/-iquote/-D flags) gives the
+    headers; make's database (make -p) the prerequisites, followed through
+    prerequisites that are themselves targets."""
+    build = str(tmp_path / "b")  # never created: -n
+    proc = subprocess.run(
+        ["make", "-p", "-n", "-B", f"BUILD={build}", "all"]
+        + [f"{build}/{p}" for p in BENCH_PROGRAMS],
+        cwd=repo_root,
+        env={k: v for k, v in os.environ.items() if not k.startswith("MAKE")},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    prereqs: dict[str, list[str]] = {}
+    commands: dict[str, list[str]] = {}
+    for line in proc.stdout.splitlines():
+        if line.startswith(build + "/") and ":" in line and "%" not in line:
+            target, _, deps = line.partition(":")
+            if deps.split():
+                prereqs[target] = deps.split()
+        elif line.startswith(("gcc ", "cc ")) and " -o " in line:
+            words = shlex.split(line)
+            commands[words[words.index("-o") + 1]] = words
+
+    def closure(target: str) -> set[str]:
+        seen: set[str] = set()
+        todo = [target]
+        while todo:
+            for dep in prereqs.get(todo.pop(), []):
+                if dep not in seen:
+                    seen.add(dep)
+                    todo.append(dep)
+        return {os.path.normpath(d) for d in seen}
+
+    assert f"{build}/tests/t_sim_basic" in commands, proc.stdout[-2000:]
+    missing = {}
+    for out, words in commands.items():
+        sources = [w for w in words if w.endswith(".c")]
+        flags: list[str] = []
+        for i, w in enumerate(words):
+            if w.startswith(("-I", "-D", "-std=")):
+                flags.append(w)
+            elif w == "-iquote":
+                flags += [w, words[i + 1]]
+        deps = subprocess.run(
+            ["gcc", "-MM", *flags, *sources],
+            cwd=repo_root,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        ).stdout
+        headers = {os.path.normpath(w) for w in deps.split() if w.endswith(".h")}
+        lacking = sorted(headers - closure(out))
+        if lacking:
+            missing[os.path.relpath(out, build)] = lacking
+    assert not missing, f"make would not rebuild these after a header change: {missing}"
