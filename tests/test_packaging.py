@@ -56,6 +56,9 @@ def wheel(repo_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
         check=False,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+    # setuptools deprecates the TOML-table license with an end date after
+    # which builds fail: the SPDX string form only.
+    assert "`project.license` as a TOML table" not in proc.stdout + proc.stderr
     (built,) = out.glob("gpuvisor-*.whl")
     return built
 
@@ -78,6 +81,9 @@ def test_wheel_contents(wheel: Path) -> None:
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "gpuvisor = gpuvisor.supervisor.cli:main" in text
+    metadata = next(n for n in names if n.endswith(".dist-info/METADATA"))
+    headers = zipfile.ZipFile(wheel).read(metadata).decode().split("\n\n", 1)[0]
+    assert "License-Expression: Apache-2.0" in headers.splitlines()
 
 
 def test_wheel_finds_its_own_libraries(wheel: Path, tmp_path: Path) -> None:
