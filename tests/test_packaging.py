@@ -7,6 +7,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -172,3 +173,45 @@ def test_make_rules_list_every_header_their_sources_include(
         if lacking:
             missing[os.path.relpath(out, build)] = lacking
     assert not missing, f"make would not rebuild these after a header change: {missing}"
+
+
+def test_sdist_rebuilds_the_native_libraries(repo_root: Path, tmp_path: Path) -> None:
+    """The sdist carries what `make lib sim` needs, and a wheel builds from it alone."""
+    src = _source_copy(repo_root, tmp_path / "src")
+    code = "import sys; from setuptools import build_meta as b; print(b.build_sdist(sys.argv[1]))"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path / "sdist")],
+        cwd=src,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    sdist = tmp_path / "sdist" / proc.stdout.split()[-1]
+    with tarfile.open(sdist) as tar:
+        top = tar.getnames()[0].split("/")[0]
+        names = {n.removeprefix(top + "/") for n in tar.getnames()}
+        # filter= exists from 3.11.4 / 3.10.12 (and warns when left out from 3.12).
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+        tar.extractall(tmp_path / "unpacked", **safe)  # type: ignore[arg-type]
+    for need in ("Makefile", "README.md", "pyproject.toml", "setup.py", "shim/py.typed"):
+        assert need in names, need
+    native = {n for n in repo_files(repo_root) if n.startswith("native/")}
+    assert native <= names, sorted(native - names)
+    # No half test suite (tests/test_*.py without conftest.py and helpers.py).
+    assert not [n for n in names if n.startswith("tests/")]
+    out = tmp_path / "dist"
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation"]
+    proc = subprocess.run(
+        [*pip_wheel, "-q", "-w", str(out), str(tmp_path / "unpacked" / top)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (built,) = out.glob("gpuvisor-*.whl")
+    names = set(zipfile.ZipFile(built).namelist())
+    for lib in ("libgpuvisor.so", "libcuda.so.1", "libnvidia-ml.so.1"):
+        assert NATIVE + lib in names
