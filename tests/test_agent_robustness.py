@@ -204,6 +204,39 @@ def test_stalled_http_clients_are_disconnected(sock_path):
         assert "Traceback" not in agent.stderr.read()
 
 
+def test_at_most_32_http_clients_are_served_at_once(sock_path):
+    """32 stalled HTTP clients hold every handler: a 33rd connection is
+    closed unanswered at once instead of adding a thread; once the stalled
+    ones go, requests are served again."""
+    with AgentProc(sock_path, "--http-timeout", "30") as agent:
+        stalled = []
+        for _ in range(32):
+            s = socket.create_connection(("127.0.0.1", agent.port), timeout=5)
+            s.sendall(b"GET /metrics HTTP/1.1\r\n")  # never finishes the request
+            stalled.append(s)
+        # The agent accepts in order: once the 32nd is being handled, the
+        # next connection finds no free handler.
+        time.sleep(0.5)
+        extra = socket.create_connection(("127.0.0.1", agent.port), timeout=5)
+        t0 = time.monotonic()
+        extra.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert extra.recv(4096) == b""  # closed, not answered
+        assert time.monotonic() - t0 < 4
+        extra.close()
+        for s in stalled:
+            s.close()
+        deadline = time.monotonic() + 10
+        while True:  # the handlers notice their clients went away
+            try:
+                assert agent.get("/healthz") == "ok\n"
+                break
+            except OSError:
+                assert time.monotonic() < deadline, "not served again"
+                time.sleep(0.1)
+        agent.stderr.seek(0)
+        assert "Traceback" not in agent.stderr.read()
+
+
 def test_a_trickled_http_request_is_cut_off_at_the_deadline(sock_path):
     """--http-timeout bounds the whole request: a client sending a byte of
     its request every 0.2 s (never stalling a read that long) is still
