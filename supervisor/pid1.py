@@ -116,6 +116,13 @@ def _give_terminal(pgid: int) -> None:
         pass
 
 
+def _not_zombie(proc: psutil.Process) -> bool:
+    try:
+        return bool(proc.status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False
+
+
 class Pid1:
     """Spawn, forward, reap, exit; see the module docstring."""
 
@@ -151,6 +158,28 @@ class Pid1:
         except PermissionError:
             return True
 
+    def _kill_descendants(self, timeout: float) -> None:
+        """SIGKILL every descendant, again and again until none is left.
+
+        One pass is not enough: a process forking between the listing and
+        its own SIGKILL leaves a child that the listing missed; re-parented
+        to us (subreaper), it shows in the next pass.
+        """
+        end = time.monotonic() + timeout
+        while True:
+            self._reap()
+            try:
+                children = psutil.Process().children(recursive=True)
+            except psutil.Error:
+                return
+            alive = [c for c in children if _not_zombie(c)]
+            if not alive or time.monotonic() >= end:
+                return
+            for child in alive:
+                with contextlib.suppress(psutil.Error):
+                    child.kill()
+            time.sleep(0.005)
+
     def _cleanup(self, grace: float) -> None:
         """Terminate what is left of the workload: its group, then our descendants."""
         if not self.pid:
@@ -165,9 +194,7 @@ class Pid1:
                 time.sleep(0.02)
             else:
                 self._signal_group(signal.SIGKILL)
-        for child in psutil.Process().children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                child.kill()
+        self._kill_descendants(1.0)
         end = time.monotonic() + 1.0
         while time.monotonic() < end:
             self._reap()

@@ -7,6 +7,7 @@ The supervisor is not PID 1 here; it makes itself a child subreaper
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -280,3 +281,36 @@ def test_sigterm_during_startup_reaches_the_workload(env):
     )
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
     assert time.monotonic() - t0 < 10
+
+
+def test_descendants_forking_while_killed_do_not_outlive_the_supervisor(env, tmp_path):
+    # A daemon (its own session, out of the workload's group) forks without
+    # pause when the workload exits.  The children it forks between the
+    # supervisor's listing of its descendants and its SIGKILL are re-parented
+    # to the supervisor after that listing: each must be killed as well.
+    token = f"{30 + (hash(str(tmp_path)) % 10**6) / 10**7:.7f}"
+    proc = run(
+        env,
+        "--grace",
+        "0.2",
+        "--",
+        "sh",
+        "-c",
+        f'setsid sh -c "while :; do sleep {token} & done" >/dev/null 2>&1 & sleep 0.3; exit 5',
+        timeout=20,
+    )
+
+    def left() -> list[psutil.Process]:
+        return [
+            p
+            for p in psutil.process_iter(["cmdline", "status"])
+            if p.info["cmdline"] == ["sleep", token] and p.info["status"] != psutil.STATUS_ZOMBIE
+        ]
+
+    time.sleep(0.3)
+    survivors = left()
+    for p in survivors:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    assert proc.returncode == 5, proc.stderr
+    assert len(survivors) == 0, f"{len(survivors)} left running, e.g. PID {survivors[0].pid}"
