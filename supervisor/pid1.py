@@ -133,6 +133,8 @@ class Pid1:
         self.pid = 0
         self.status: int | None = None
         self.reaped_orphans = 0
+        # When the grace period a forwarded SIGTERM started ends (monotonic).
+        self.kill_at: float | None = None
 
     def _reap(self) -> None:
         """Wait for every exited child; remember the workload's status."""
@@ -219,26 +221,35 @@ class Pid1:
                 started(self.pid)
             return self._loop()
         finally:
-            self._cleanup(self.grace if self.status is not None else 0.0)
+            self._cleanup(self._grace_left() if self.status is not None else 0.0)
+
+    def _grace_left(self) -> float:
+        """The grace period for leftovers: what a SIGTERM's left of it, else all."""
+        if self.kill_at is None:
+            return self.grace
+        return max(0.0, min(self.grace, self.kill_at - time.monotonic()))
 
     def _loop(self) -> int:
-        kill_at: float | None = None
+        killed = False
         while True:
             self._reap()
             if self.status is not None:
                 return exit_code(self.status)
             now = time.monotonic()
-            if kill_at is not None and now >= kill_at:
+            if self.kill_at is not None and not killed and now >= self.kill_at:
                 log.warning(
                     "workload still running %.3gs after SIGTERM: sending SIGKILL", self.grace
                 )
                 self._signal_group(signal.SIGKILL)
-                kill_at = float("inf")
-            timeout = POLL_S if kill_at is None else max(0.0, min(POLL_S, kill_at - now))
+                killed = True
+            if self.kill_at is None or killed:
+                timeout = POLL_S
+            else:
+                timeout = max(0.0, min(POLL_S, self.kill_at - now))
             info = signal.sigtimedwait(HANDLED, timeout)
             if info is None or info.si_signo == signal.SIGCHLD:
                 continue
             log.debug("forwarding signal %d to process group %d", info.si_signo, self.pid)
             self._signal_group(info.si_signo)
-            if info.si_signo == signal.SIGTERM and kill_at is None:
-                kill_at = time.monotonic() + self.grace
+            if info.si_signo == signal.SIGTERM and self.kill_at is None:
+                self.kill_at = time.monotonic() + self.grace

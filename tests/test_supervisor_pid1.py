@@ -314,3 +314,33 @@ def test_descendants_forking_while_killed_do_not_outlive_the_supervisor(env, tmp
             p.kill()
     assert proc.returncode == 5, proc.stderr
     assert len(survivors) == 0, f"{len(survivors)} left running, e.g. PID {survivors[0].pid}"
+
+
+def test_grace_after_sigterm_is_not_restarted_when_the_main_process_exits(env):
+    # SIGTERM starts one grace period for the whole group: the main process
+    # exiting during it (here after 1.8 s) leaves its child, which ignores
+    # SIGTERM, only what is left of the 2 s, not a fresh 2 s.
+    workload = py(
+        """
+        import os, signal, subprocess, sys, time
+        child = subprocess.Popen(["sleep", "60"], preexec_fn=lambda: signal.signal(
+            signal.SIGTERM, signal.SIG_IGN))
+        def handler(n, frame):
+            time.sleep(1.8)
+            sys.exit(0)
+        signal.signal(signal.SIGTERM, handler)
+        print(child.pid, flush=True)
+        for _ in range(600):
+            time.sleep(0.05)
+        """
+    )
+    sup = start(env, "--grace", "2", "--", *workload)
+    assert sup.stdout is not None
+    child = int(sup.stdout.readline())
+    t0 = time.monotonic()
+    sup.send_signal(signal.SIGTERM)
+    _, err = sup.communicate(timeout=20)
+    elapsed = time.monotonic() - t0
+    assert sup.returncode == 0, err
+    assert not psutil.pid_exists(child)
+    assert 1.7 < elapsed < 3.0, elapsed
