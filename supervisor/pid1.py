@@ -101,19 +101,36 @@ def spawn(argv: list[str], env: dict[str, str]) -> int:
         raise SpawnError(f"{argv[0]}: {exc.strerror}", EXIT_NOT_EXECUTABLE) from None
 
 
-def _give_terminal(pgid: int) -> None:
-    """Make the workload's group the terminal's foreground group (as tini does)."""
+def _set_foreground(pgid: int) -> None:
+    """Make pgid the foreground group of the terminal on stdin (raises OSError)."""
+    old = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    try:
+        os.tcsetpgrp(0, pgid)
+    finally:
+        signal.signal(signal.SIGTTOU, old)
+
+
+def _give_terminal(pgid: int) -> bool:
+    """Make the workload's group the terminal's foreground group (as tini does).
+
+    True when it did: the supervisor's group must get it back at the end."""
     try:
         if not os.isatty(0) or os.tcgetpgrp(0) != os.getpgrp():
-            return
-        old = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
-        try:
-            os.tcsetpgrp(0, pgid)
-        finally:
-            signal.signal(signal.SIGTTOU, old)
-        os.killpg(pgid, signal.SIGCONT)  # in case it stopped on SIGTTIN before this
+            return False
+        _set_foreground(pgid)
     except OSError:
-        pass
+        return False
+    with contextlib.suppress(OSError):
+        os.killpg(pgid, signal.SIGCONT)  # in case it stopped on SIGTTIN before this
+    return True
+
+
+def _take_terminal_back() -> None:
+    """Give the terminal's foreground back to the supervisor's own group: the
+    one that ran `gpuvisor run` (a script, a shell without job control) reads
+    from it next, and could not from the background."""
+    with contextlib.suppress(OSError):
+        _set_foreground(os.getpgrp())
 
 
 def _not_zombie(proc: psutil.Process) -> bool:
@@ -133,6 +150,7 @@ class Pid1:
         self.pid = 0
         self.status: int | None = None
         self.reaped_orphans = 0
+        self.gave_terminal = False
         # When the grace period a forwarded SIGTERM started ends (monotonic).
         self.kill_at: float | None = None
 
@@ -216,12 +234,14 @@ class Pid1:
         signal.pthread_sigmask(signal.SIG_BLOCK, HANDLED)
         try:
             self.pid = spawn(self.argv, self.env)
-            _give_terminal(self.pid)
+            self.gave_terminal = _give_terminal(self.pid)
             if started is not None:
                 started(self.pid)
             return self._loop()
         finally:
             self._cleanup(self._grace_left() if self.status is not None else 0.0)
+            if self.gave_terminal:
+                _take_terminal_back()
 
     def _grace_left(self) -> float:
         """The grace period for leftovers: what a SIGTERM's left of it, else all."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
+import shlex
 import signal
 import subprocess
 import sys
@@ -344,3 +346,49 @@ def test_grace_after_sigterm_is_not_restarted_when_the_main_process_exits(env):
     assert sup.returncode == 0, err
     assert not psutil.pid_exists(child)
     assert 1.7 < elapsed < 3.0, elapsed
+
+
+# Runs argv as the session leader of a new session whose controlling
+# terminal is stdin (a pty), as a login shell would be.
+ON_A_TERMINAL = """
+import fcntl, os, sys, termios
+os.setsid()
+fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+os.execvp(sys.argv[1], sys.argv[1:])
+"""
+
+
+def test_terminal_is_handed_back_when_the_workload_is_done(env):
+    # A script on a terminal runs `gpuvisor run` in its own process group
+    # (no job control), which owns the terminal's foreground: the workload
+    # gets it, and once the workload is done the script needs it back to
+    # read its next line (else read(2) fails with EIO).
+    primary, secondary = os.openpty()
+    script = f"{shlex.join(RUN)} -- true; read x; echo got $x"
+    proc = subprocess.Popen(
+        [*py(ON_A_TERMINAL), "sh", "-c", script],
+        env=env,
+        stdin=secondary,
+        stdout=secondary,
+        stderr=secondary,
+        cwd=REPO_ROOT,
+    )
+    os.close(secondary)
+    try:
+        os.write(primary, b"abc\n")
+        out = b""
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and b"got" not in out:
+            ready, _, _ = select.select([primary], [], [], 0.2)
+            if ready:
+                try:
+                    out += os.read(primary, 4096)
+                except OSError:
+                    break
+        proc.wait(timeout=20)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        os.close(primary)
+    assert b"got abc" in out, out
