@@ -84,6 +84,9 @@ class SpawnError(OSError):
 
 def spawn(argv: list[str], env: dict[str, str]) -> int:
     """Start argv in a new process group with clean signal state; return its PID."""
+    if not argv[0]:
+        # posix_spawnp refuses it (ValueError); a shell finds no such command.
+        raise SpawnError(": command not found", EXIT_NOT_FOUND)
     try:
         return os.posix_spawnp(
             argv[0],

@@ -80,6 +80,13 @@ def test_command_not_found_is_127(env):
     assert "command not found" in proc.stderr
 
 
+def test_empty_command_name_is_127(env):
+    # As a shell answers `""`: not found, exit 127 (not a traceback, exit 1).
+    proc = run(env, "--", "", "arg")
+    assert proc.returncode == 127, proc.stderr
+    assert proc.stderr == "gpuvisor run: : command not found\n"
+
+
 def _where(pid: int) -> dict[str, str]:
     """What each thread of pid is blocked in (kernel wait channel, syscall)."""
     out = {}
