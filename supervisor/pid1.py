@@ -6,6 +6,10 @@
   supervisor are forwarded to the workload's process group.  SIGTERM also
   starts the grace period: if the workload is still running when it ends,
   its process group is SIGKILLed.
+- The workload's group gets the terminal's foreground when the supervisor
+  has it, and gives it back at the end; when the workload stops on Ctrl-Z
+  (or on using the terminal from the background) the supervisor stops too,
+  terminal handed back, so the shell's job control sees it.
 - Orphaned zombies are reaped: as PID 1, or (elsewhere) after
   prctl(PR_SET_CHILD_SUBREAPER), re-parented descendants are waited for.
 - The exit code is the workload's, or 128+N when signal N killed it.
@@ -51,6 +55,9 @@ HANDLED = frozenset({*FORWARDED, signal.SIGCHLD})
 RESET_IN_CHILD = frozenset(
     {*HANDLED, signal.SIGPIPE, signal.SIGXFSZ, signal.SIGTTOU, signal.SIGTTIN}
 )
+# The workload stopping on one of these is stopped by its terminal (Ctrl-Z,
+# or using it from the background): the supervisor stops with it.
+TTY_STOPS = frozenset({signal.SIGTSTP, signal.SIGTTIN, signal.SIGTTOU})
 PR_SET_CHILD_SUBREAPER = 36
 EXIT_NOT_FOUND = 127
 EXIT_NOT_EXECUTABLE = 126
@@ -154,6 +161,7 @@ class Pid1:
         self.status: int | None = None
         self.reaped_orphans = 0
         self.gave_terminal = False
+        self.tty_stop = 0  # the terminal stop signal the workload stopped on, if any
         # When the grace period a forwarded SIGTERM started ends (monotonic).
         self.kill_at: float | None = None
 
@@ -161,11 +169,15 @@ class Pid1:
         """Wait for every exited child; remember the workload's status."""
         while True:
             try:
-                pid, status = os.waitpid(-1, os.WNOHANG)
+                pid, status = os.waitpid(-1, os.WNOHANG | os.WUNTRACED)
             except ChildProcessError:
                 return
             if pid == 0:
                 return
+            if os.WIFSTOPPED(status):
+                if pid == self.pid and os.WSTOPSIG(status) in TTY_STOPS:
+                    self.tty_stop = os.WSTOPSIG(status)
+                continue
             if pid == self.pid:
                 self.status = status
             else:
@@ -252,12 +264,48 @@ class Pid1:
             return self.grace
         return max(0.0, min(self.grace, self.kill_at - time.monotonic()))
 
+    def _stop_with_workload(self) -> None:
+        """The workload stopped on a terminal stop signal: stop as well.
+
+        The shell that started `gpuvisor run` knows the supervisor, not the
+        workload's group: on Ctrl-Z (SIGTSTP to the group holding the
+        terminal) it would wait for good on a terminal nobody reads.  So the
+        supervisor takes the terminal back and stops; the shell sees its job
+        stopped.  Continued (fg, bg), it gives the terminal back to the
+        workload when its own group has the foreground, and continues it.
+        As PID 1 nothing stops it (SIGSTOP is ignored): the workload goes on
+        at once, or stays stopped when it wants a terminal it cannot get.
+        """
+        sig, self.tty_stop = self.tty_stop, 0
+        try:
+            if psutil.Process(self.pid).status() != psutil.STATUS_STOPPED:
+                return  # continued since (e.g. by _give_terminal's SIGCONT)
+        except psutil.Error:
+            return
+        try:
+            had_terminal = os.isatty(0) and os.tcgetpgrp(0) == self.pid
+        except OSError:
+            had_terminal = False
+        if sig == signal.SIGTSTP and not had_terminal:
+            return  # sent by someone, not typed on its terminal: leave it stopped
+        if had_terminal:
+            _take_terminal_back()
+            self.gave_terminal = False
+        if os.getpid() != 1:
+            log.debug("workload stopped by signal %d: stopping too", sig)
+            os.kill(os.getpid(), signal.SIGSTOP)  # returns once continued
+        self.gave_terminal = _give_terminal(self.pid) or self.gave_terminal
+        if self.gave_terminal or os.getpid() != 1 or sig == signal.SIGTSTP:
+            self._signal_group(signal.SIGCONT)
+
     def _loop(self) -> int:
         killed = False
         while True:
             self._reap()
             if self.status is not None:
                 return exit_code(self.status)
+            if self.tty_stop:
+                self._stop_with_workload()
             now = time.monotonic()
             if self.kill_at is not None and not killed and now >= self.kill_at:
                 log.warning(

@@ -399,3 +399,69 @@ def test_terminal_is_handed_back_when_the_workload_is_done(env):
             proc.wait()
         os.close(primary)
     assert b"got abc" in out, out
+
+
+class Terminal:
+    """An interactive bash with job control on a pty of its own."""
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.primary, secondary = os.openpty()
+        self.proc = subprocess.Popen(
+            [*py(ON_A_TERMINAL), "bash", "--norc", "--noprofile", "-i"],
+            env={**env, "PS1": "$ "},
+            stdin=secondary,
+            stdout=secondary,
+            stderr=secondary,
+            cwd=REPO_ROOT,
+        )
+        os.close(secondary)
+        self.out = b""
+
+    def type(self, text: bytes) -> None:
+        os.write(self.primary, text)
+
+    def expect(self, what: bytes, timeout: float = 8) -> None:
+        deadline = time.monotonic() + timeout
+        while what not in self.out and time.monotonic() < deadline:
+            ready, _, _ = select.select([self.primary], [], [], 0.1)
+            if ready:
+                try:
+                    self.out += os.read(self.primary, 4096)
+                except OSError:
+                    break
+        assert what in self.out, self.out.decode(errors="replace")
+        self.out = self.out[self.out.index(what) + len(what) :]
+
+    def close(self) -> None:
+        with contextlib.suppress(psutil.Error):
+            for p in psutil.Process(self.proc.pid).children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+        self.proc.kill()
+        self.proc.wait()
+        os.close(self.primary)
+
+
+def test_ctrl_z_stops_the_job_and_fg_resumes_it(env):
+    # Ctrl-Z on the terminal stops the workload (its group has the
+    # foreground): the supervisor must stop with it, terminal handed back,
+    # so that the shell gets the terminal and sees its job stopped (else
+    # the terminal is frozen: nothing reads it, Ctrl-C reaches no one
+    # running), and `fg` must resume the workload in the foreground.
+    workload = "import sys; print('rea' + 'dy', flush=True); print('got', input()); sys.exit(3)"
+    term = Terminal(env)
+    try:
+        term.type(f"{shlex.join([*RUN, '--', sys.executable, '-c', workload])}\n".encode())
+        term.expect(b"ready")
+        term.type(b"\x1a")
+        term.expect(b"Stopped")
+        term.type(b"echo alive-$((6*7))\n")
+        term.expect(b"alive-42")
+        term.type(b"fg\n")
+        time.sleep(0.3)
+        term.type(b"hello\n")
+        term.expect(b"got hello")
+        term.type(b"echo rc=$?\n")
+        term.expect(b"rc=3")
+    finally:
+        term.close()
