@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -91,7 +92,14 @@ def default_sim_state() -> str:
     return f"/tmp/gpuvisor-sim-{os.getuid()}.state"  # the simulator's own default
 
 
+# A plain decimal (blanks around it are ignored): float() alone would also
+# take "1_0" (as 10), non-ASCII digits, "inf" and "nan".
+_DECIMAL = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+
+
 def _seconds(value: str | float, name: str, lo: float, hi: float, lo_open: bool) -> float:
+    if isinstance(value, str) and not _DECIMAL.fullmatch(value.strip()):
+        raise ConfigError(f"{name}={value!r}: not a number of seconds")
     try:
         v = float(value)
     except ValueError:

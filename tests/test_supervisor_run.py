@@ -151,6 +151,8 @@ BAD = [
     ([], {"GPUVISOR_NODE_SOCKET": "/" + "s" * 200}, "GPUVISOR_NODE_SOCKET", "sss"),
     ([], {"GPUVISOR_REPORT_INTERVAL": "0"}, "GPUVISOR_REPORT_INTERVAL", "0"),
     ([], {"GPUVISOR_KILL_GRACE": "soon"}, "GPUVISOR_KILL_GRACE", "soon"),
+    ([], {"GPUVISOR_KILL_GRACE": "1_0"}, "GPUVISOR_KILL_GRACE", "1_0"),  # float() took it as 10
+    ([], {"GPUVISOR_REPORT_INTERVAL": "\u0661"}, "GPUVISOR_REPORT_INTERVAL", "\u0661"),
     # Bytes that are not UTF-8 (the surrogate escapes Python gives them).
     (["--memory", "4\udcffg"], {}, "--memory", "4"),
     ([], {"CUDA_DEVICE_MEMORY_LIMIT": "4\udcffg"}, "CUDA_DEVICE_MEMORY_LIMIT", "4"),
