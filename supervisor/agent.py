@@ -305,7 +305,7 @@ class Connection(asyncio.Protocol):
                 report = replace(report, container=replace(report.container, cgroup=seen))
             if not self._labels_free(report.container):
                 state.rejected["conflict"] += 1
-                labels = "/".join(report.container.labels or ())
+                labels = "/".join(report.container.labels)
                 return encode(
                     error_message(
                         seq,
@@ -329,9 +329,14 @@ class Connection(asyncio.Protocol):
         """May cid's labels be reported from its cgroup: no other cgroup
         holds them, or the one that does has no live reporter left (its
         last peer is gone or has left it: a restarted container takes its
-        labels over at once)."""
+        labels over at once), or cid gives no labels (its cgroup names it)."""
         holder = self.state.label_holder(cid)
         if holder is None:
+            return True
+        if cid.named_by_cgroup:
+            # Named by its own (verified) cgroup: a container of another
+            # cgroup that took that path as its name gives it up.
+            self.state.remove(holder.id.key)
             return True
         try:
             alive = holder.id.cgroup in peer_cgroups(holder.peer.pid)

@@ -186,9 +186,7 @@ class AgentState:
             )
             self._make_room(report.container.cgroup)
             self.containers[key] = st
-            labels = report.container.labels
-            if labels is not None:
-                self.by_labels[labels] = key
+            self.by_labels[report.container.labels] = key
         else:
             dt = now - st.last_seen
             st.interval = dt if st.interval is None else 0.8 * st.interval + 0.2 * dt
@@ -393,9 +391,8 @@ class AgentState:
             self._update_claims(key, gone=True)
         self.containers.pop(key, None)
         if st is not None:
-            labels = st.id.labels
-            if labels is not None and self.by_labels.get(labels) == key:
-                del self.by_labels[labels]
+            if self.by_labels.get(st.id.labels) == key:
+                del self.by_labels[st.id.labels]
             keys = self.by_cgroup.get(st.id.cgroup)
             if keys is not None:
                 keys.pop(key, None)
@@ -435,8 +432,7 @@ class AgentState:
 
     def label_holder(self, cid: ContainerId) -> ContainerState | None:
         """The container of another cgroup that holds cid's labels, if any."""
-        labels = cid.labels
-        key = None if labels is None else self.by_labels.get(labels)
+        key = self.by_labels.get(cid.labels)
         st = None if key is None else self.containers.get(key)
         return st if st is not None and st.id.cgroup != cid.cgroup else None
 

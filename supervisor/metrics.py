@@ -249,9 +249,7 @@ class AgentCollector(Collector):
         for st in list(state.containers.values()):
             r = st.report
             cid = st.id
-            ns = cid.namespace or ""
-            pod = cid.pod or ""
-            ctr = cid.container or (cid.cgroup if not (cid.pod or cid.namespace) else "")
+            ns, pod, ctr = cid.labels
             base = [ns, pod, ctr]
             procs.add_metric(base, float(len(r.pids)))
             prio.add_metric(base, float(r.priority))

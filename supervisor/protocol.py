@@ -35,11 +35,19 @@ class ContainerId:
     container: str | None = None
 
     @property
-    def labels(self) -> tuple[str, str, str] | None:
-        """(namespace, pod, container), or None when none is given."""
-        if self.pod is None and self.namespace is None and self.container is None:
-            return None
-        return (self.namespace or "", self.pod or "", self.container or "")
+    def labels(self) -> tuple[str, str, str]:
+        """(namespace, pod, container) as /metrics labels the container: a
+        container that gives neither pod nor namespace nor container name
+        (or only empty ones) is named by its cgroup.  No two containers of
+        different cgroups may hold the same (docs/protocol.md, Identity)."""
+        ns, pod = self.namespace or "", self.pod or ""
+        return (ns, pod, self.container or ("" if ns or pod else self.cgroup))
+
+    @property
+    def named_by_cgroup(self) -> bool:
+        """Does the container give no pod, namespace or container name (so
+        its labels name it by its cgroup)?"""
+        return not (self.pod or self.namespace or self.container)
 
     @property
     def key(self) -> str:

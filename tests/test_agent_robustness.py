@@ -522,3 +522,52 @@ def test_a_device_twice_in_one_report_is_refused(sock_path):
         assert _rejected(agent)["field"] == 1
         assert agent.status()["containers"] == []
         c.close()
+
+
+def test_a_label_set_naming_an_unlabelled_container_is_refused(sock_path, monkeypatch):
+    """A container that sends no labels is exported with its cgroup as
+    ctrname: another cgroup reporting container=<that path> would publish
+    series under the very same labels (duplicates in /metrics), so it is
+    refused as a conflict, like any label set another live cgroup holds.
+    Explicitly empty labels are no label: two such cgroups do not clash."""
+    live = {101: frozenset({"/kubepods/plain"}), 202: frozenset({"/kubepods/intruder"})}
+    monkeypatch.setattr(agent_module, "peer_cgroups", lambda pid: live[pid])
+    agent = Agent(AgentConfig(socket_path=sock_path))
+    try:
+
+        def send(pid: int, cid: ContainerId) -> dict[str, Any]:
+            conn = Connection(agent)
+            t = _Transport()
+            conn.transport = t
+            conn.cred = PeerCred(pid, 0, 0)
+            conn.cgroups = live[pid]
+            report = replace(_report(None), container=cid, devices=[device()])
+            conn.data_received(encode(report_message(report)))
+            reply: dict[str, Any] = json.loads(t.written)
+            return reply
+
+        assert send(101, ContainerId(cgroup="/kubepods/plain"))["type"] == "ack"
+        err = send(202, ContainerId(cgroup="/kubepods/intruder", container="/kubepods/plain"))
+        assert err["type"] == "error", err
+        assert err["error"] == (
+            "container: namespace/pod/container '///kubepods/plain' "
+            "is reported by another live cgroup"
+        )
+        body = agent.metrics_payload(None)[0].decode()
+        used = [ln for ln in body.splitlines() if ln.startswith("gpuvisor_container_memory_used")]
+        assert len(used) == 1, used
+        # A cgroup's own path is its name before anyone else's: taken first
+        # by another cgroup, it is given back when the unlabelled one reports.
+        agent.state.remove(agent.state.find_container("/kubepods/plain|||") or "")
+        squat = ContainerId(cgroup="/kubepods/intruder", container="/kubepods/plain")
+        assert send(202, squat)["type"] == "ack"
+        assert send(101, ContainerId(cgroup="/kubepods/plain"))["type"] == "ack"
+        assert list(agent.state.containers) == ["/kubepods/plain|||"]
+        assert send(202, squat)["type"] == "error"
+        # Empty strings export as the cgroup, as no labels do: no clash.
+        empty = ContainerId(cgroup="/kubepods/plain", pod="", namespace="", container="")
+        other = ContainerId(cgroup="/kubepods/intruder", pod="", namespace="", container="")
+        assert send(101, empty)["type"] == "ack"
+        assert send(202, other)["type"] == "ack"
+    finally:
+        agent.gpus.close()
