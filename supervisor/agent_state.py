@@ -192,6 +192,12 @@ class AgentState:
             st.interval = dt if st.interval is None else 0.8 * st.interval + 0.2 * dt
             if st.report.priority == 0 and report.priority != 0:
                 self._forget_active(key)
+            else:  # not active on a device its report no longer lists
+                listed = {d.uuid for d in report.devices}
+                for d in st.report.devices:
+                    if d.uuid not in listed:
+                        _drop(self.high_active, d.uuid, key)
+                        _drop(self.nvml_active, d.uuid, key)
             st.report = report
             st.peer = peer
             st.last_seen = now

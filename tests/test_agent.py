@@ -1033,3 +1033,31 @@ def test_context_lock_kept_beside_the_socket(sock_path):
         fcntl.flock(held, fcntl.LOCK_SH)  # a library holding it across the restart
         with AgentProc(sock_path):
             assert lock.read_text() == "held"
+
+
+def test_a_device_gone_from_a_high_priority_report_is_no_longer_busy():
+    """A high-priority container whose report no longer lists a device (a
+    restarted container given another GPU) is not active there: the
+    low-priority containers on that device stop yielding at their next
+    report, as when it reports the device idle, not an active window later."""
+    state = AgentState(AgentConfig(active_window=3.0))
+    peer = PeerCred(pid=1, uid=0, gid=0)
+
+    def report(pod: str, priority: int, *devices: DeviceReport) -> Report:
+        return Report(
+            seq=1,
+            ts=0.0,
+            container=ContainerId(cgroup=f"/kubepods/{pod}", pod=pod),
+            policy="fixed-share",
+            priority=priority,
+            devices=list(devices),
+        )
+
+    a, b = device(uuid="GPU-a", share=50.0, sm_limit=50), device(uuid="GPU-b", share=50.0)
+    low = report("low", 1, replace(a, sm_share=20.0))
+    t = 100.0
+    state.accept_report(report("high", 0, a), peer, t)
+    assert state.accept_report(low, peer, t).yield_devices == {"GPU-a": True}
+    state.accept_report(report("high", 0, replace(b, sm_limit=50)), peer, t + 0.5)
+    assert state.accept_report(low, peer, t + 0.6).yield_devices == {"GPU-a": False}
+    assert "GPU-a" not in state.high_active
