@@ -144,7 +144,8 @@ class AgentState:
         self.started = time.time()
         self.containers: dict[str, ContainerState] = {}
         self.pending: dict[str, PendingLimits] = {}
-        # device uuid -> {container key: monotonic time of its last active report}
+        # device uuid -> {container key: monotonic time until which its last
+        # active report keeps the device busy (active_hold)}
         self.high_active: dict[str, dict[str, float]] = {}
         # device uuid -> {container key: monotonic time NVML last showed the
         # container's processes working there}: high-priority containers
@@ -216,7 +217,7 @@ class AgentState:
             else:
                 yields[d.uuid] = False
                 if d.sm_share > threshold:
-                    self.high_active.setdefault(d.uuid, {})[key] = now
+                    self.high_active.setdefault(d.uuid, {})[key] = now + self.active_hold(st)
                 else:
                     _drop(self.high_active, d.uuid, key)
 
@@ -267,16 +268,24 @@ class AgentState:
                 _drop(table, uuid, key)
         self._update_claims(key)
 
+    def active_hold(self, st: ContainerState) -> float:
+        """Seconds an active report of st keeps its devices busy: the
+        active window, or until its next report is due if it reports less
+        often (its sm_share covers the time since its previous report):
+        two of its report intervals, declared or else measured."""
+        interval = st.report.interval if st.report.interval is not None else st.interval
+        return max(self.config.active_window, 2 * interval if interval is not None else 0.0)
+
     def busy_for(self, key: str, uuid: str, now: float) -> bool:
-        """Must container `key` (low priority) yield device `uuid`: has
-        another, high-priority container been active there within the
-        active window, by its reports or by NVML?"""
+        """Must container `key` (low priority) yield device `uuid`: is
+        another, high-priority container active there, by its last report
+        (active_hold) or by NVML within the active window?"""
+        entries = self.high_active.get(uuid)
+        if entries and any(k != key and now <= until for k, until in list(entries.items())):
+            return True
         window = self.config.active_window
-        for table in (self.high_active, self.nvml_active):
-            entries = table.get(uuid)
-            if entries and any(k != key and now - ts <= window for k, ts in list(entries.items())):
-                return True
-        return False
+        seen = self.nvml_active.get(uuid) or {}
+        return any(k != key and now - ts <= window for k, ts in list(seen.items()))
 
     @staticmethod
     def unmeasured(report: Report, d: DeviceReport) -> bool:
@@ -427,13 +436,14 @@ class AgentState:
         for key in expired:
             self.remove(key)
         self.expired_total += len(expired)
+        for uuid, entries in list(self.high_active.items()):
+            for k in [k for k, until in entries.items() if now > until]:
+                _drop(self.high_active, uuid, k)
         window = self.config.active_window
-        for table in (self.high_active, self.nvml_active):
-            for uuid, entries in list(table.items()):
-                for k in [k for k, ts in entries.items() if now - ts > window]:
-                    _drop(table, uuid, k)
-                    if table is self.nvml_active:
-                        self._update_claims(k)
+        for uuid, entries in list(self.nvml_active.items()):
+            for k in [k for k, ts in entries.items() if now - ts > window]:
+                _drop(self.nvml_active, uuid, k)
+                self._update_claims(k)
         return len(expired)
 
     def label_holder(self, cid: ContainerId) -> ContainerState | None:

@@ -1061,3 +1061,46 @@ def test_a_device_gone_from_a_high_priority_report_is_no_longer_busy():
     state.accept_report(report("high", 0, replace(b, sm_limit=50)), peer, t + 0.5)
     assert state.accept_report(low, peer, t + 0.6).yield_devices == {"GPU-a": False}
     assert "GPU-a" not in state.high_active
+
+
+def test_a_high_priority_container_reporting_seldom_keeps_its_device_busy():
+    """A report's sm_share covers the time since the sender's previous one:
+    a high-priority container reporting every 10 s that said "active" is
+    active until its next report is due, not only for --active-window
+    (3 s): the low-priority container beside it must not run 7 s of every
+    10 beside it.  Its idle report, or its silence past two intervals,
+    lifts the yield."""
+    state = AgentState(AgentConfig(active_window=3.0))
+    peer = PeerCred(pid=1, uid=0, gid=0)
+
+    def report(pod: str, priority: int, share: float, interval: float | None) -> Report:
+        return Report(
+            seq=1,
+            ts=0.0,
+            container=ContainerId(cgroup=f"/kubepods/{pod}", pod=pod),
+            policy="fixed-share",
+            priority=priority,
+            devices=[device(share=share, sm_limit=50)],
+            interval=interval,
+        )
+
+    low = report("low", 1, 20.0, 1.0)
+    t = 100.0
+    state.accept_report(report("high", 0, 50.0, 10.0), peer, t)
+    for dt in (1.0, 5.0, 9.5):
+        state.expire(t + dt)
+        assert state.accept_report(low, peer, t + dt).yield_devices == {"GPU-aaaa": True}, dt
+    state.accept_report(report("high", 0, 50.0, 10.0), peer, t + 10.0)
+    state.expire(t + 19.0)
+    assert state.accept_report(low, peer, t + 19.0).yield_devices == {"GPU-aaaa": True}
+    state.expire(t + 30.5)  # two intervals without a report
+    assert state.accept_report(low, peer, t + 30.5).yield_devices == {"GPU-aaaa": False}
+    # An idle report lifts it at once.
+    state.accept_report(report("high", 0, 50.0, 10.0), peer, t + 31.0)
+    state.accept_report(report("high", 0, 0.0, 10.0), peer, t + 32.0)
+    assert state.accept_report(low, peer, t + 32.0).yield_devices == {"GPU-aaaa": False}
+    # The measured interval counts too when none is declared.
+    state.accept_report(report("high", 0, 50.0, None), peer, t + 40.0)
+    state.accept_report(report("high", 0, 50.0, None), peer, t + 48.0)
+    state.expire(t + 54.0)
+    assert state.accept_report(low, peer, t + 54.0).yield_devices == {"GPU-aaaa": True}
