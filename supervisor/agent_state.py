@@ -31,6 +31,9 @@ REJECT_REASONS = (
     "conflict",  # labels another live cgroup reports under
 )
 DISCONNECT_REASONS = ("oversize", "timeout", "slow-reader", "idle", "too-many")
+# The library's "no memory limit" (GV_UNLIMITED): a region so limited
+# reports memory_limit null.
+UNLIMITED_BYTES = 2**64 - 1
 
 
 def default_socket() -> str:
@@ -468,7 +471,9 @@ class AgentState:
     def set_limit(self, key: str, device: str, msg: dict[str, Any]) -> None:
         pending = self.pending.setdefault(key, PendingLimits())
         if "memory" in msg:
-            pending.memory[device] = msg["memory"]
+            memory = msg["memory"]
+            # Pushed as null: the report shows it so, and then it settles.
+            pending.memory[device] = None if memory == UNLIMITED_BYTES else memory
         if "sm" in msg:
             pending.sm[device] = msg["sm"]
         self.limit_pushes_total += 1

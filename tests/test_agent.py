@@ -1104,3 +1104,27 @@ def test_a_high_priority_container_reporting_seldom_keeps_its_device_busy():
     state.accept_report(report("high", 0, 50.0, None), peer, t + 48.0)
     state.expire(t + 54.0)
     assert state.accept_report(low, peer, t + 54.0).yield_devices == {"GPU-aaaa": True}
+
+
+def test_a_memory_limit_of_2_64_minus_1_is_pushed_as_no_limit():
+    """2^64-1 bytes is the library's "unlimited" (GV_UNLIMITED; set-limit
+    --memory 18446744073709551615 passes it): the container then reports
+    no limit (null), so a pushed 2^64-1 never showed applied and was
+    repeated in every ack for good (the tuner set it again every tick).
+    It is pushed as null, and settles."""
+    state = AgentState(AgentConfig())
+    peer = PeerCred(pid=1, uid=0, gid=0)
+    r = Report(
+        seq=1,
+        ts=0.0,
+        container=ContainerId(cgroup="/kubepods/t", pod="t"),
+        policy="fixed-share",
+        priority=0,
+        devices=[device(limit=4 * GiB)],
+    )
+    state.accept_report(r, peer, 1.0)
+    state.set_limit(r.container.key, "GPU-aaaa", {"memory": 2**64 - 1})
+    assert state.accept_report(r, peer, 2.0).memory_limits == {"GPU-aaaa": None}
+    applied = replace(r, devices=[device(limit=None)])
+    assert state.accept_report(applied, peer, 3.0).memory_limits == {}
+    assert state.status()["containers"][0]["pending_limits"]["memory"] == {}
