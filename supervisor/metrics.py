@@ -73,30 +73,38 @@ class HostGpus:
                 return cached
             gpus: list[HostGpu] = []
             try:
-                for i in range(nv.nvmlDeviceGetCount()):
-                    h = nv.nvmlDeviceGetHandleByIndex(i)
-                    uuid = nv.nvmlDeviceGetUUID(h)
-                    name = nv.nvmlDeviceGetName(h)
-                    mem = nv.nvmlDeviceGetMemoryInfo(h)
-                    try:
-                        util: float | None = float(nv.nvmlDeviceGetUtilizationRates(h).gpu)
-                    except nv.NVMLError:
-                        util = None
-                    gpus.append(
-                        HostGpu(
-                            index=i,
-                            uuid=uuid.decode() if isinstance(uuid, bytes) else str(uuid),
-                            name=name.decode() if isinstance(name, bytes) else str(name),
-                            memory_used=int(mem.used),
-                            memory_total=int(mem.total),
-                            utilization=util,
-                        )
-                    )
+                count = nv.nvmlDeviceGetCount()
             except nv.NVMLError as exc:
                 log.warning("NVML query failed: %s", exc)
-                gpus = []
+                count = 0
+            for i in range(count):
+                # A device NVML cannot read (lost, resetting) is left out,
+                # not the whole node.
+                try:
+                    gpus.append(self._read_device(nv, i))
+                except nv.NVMLError as exc:
+                    log.warning("NVML query of device %d failed: %s", i, exc)
             self._cache = (time.monotonic(), gpus)
             return gpus
+
+    @staticmethod
+    def _read_device(nv: Any, i: int) -> HostGpu:
+        h = nv.nvmlDeviceGetHandleByIndex(i)
+        uuid = nv.nvmlDeviceGetUUID(h)
+        name = nv.nvmlDeviceGetName(h)
+        mem = nv.nvmlDeviceGetMemoryInfo(h)
+        try:
+            util: float | None = float(nv.nvmlDeviceGetUtilizationRates(h).gpu)
+        except nv.NVMLError:
+            util = None
+        return HostGpu(
+            index=i,
+            uuid=uuid.decode() if isinstance(uuid, bytes) else str(uuid),
+            name=name.decode() if isinstance(name, bytes) else str(name),
+            memory_used=int(mem.used),
+            memory_total=int(mem.total),
+            utilization=util,
+        )
 
     def process_use(self, window: float) -> dict[str, dict[int, float]]:
         """Per device uuid, each process's SM utilisation (percent, the
@@ -109,20 +117,22 @@ class HostGpus:
         out: dict[str, dict[int, float]] = {}
         with self._lock:
             try:
-                for i in range(nv.nvmlDeviceGetCount()):
-                    h = nv.nvmlDeviceGetHandleByIndex(i)
-                    uuid = nv.nvmlDeviceGetUUID(h)
-                    try:
-                        samples = nv.nvmlDeviceGetProcessUtilization(h, since)
-                    except nv.NVMLError:  # NOT_FOUND: no process ran kernels
-                        continue
-                    seen: dict[int, list[float]] = {}
-                    for smp in samples:
-                        seen.setdefault(int(smp.pid), []).append(float(smp.smUtil))
-                    key = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
-                    out[key] = {pid: sum(v) / len(v) for pid, v in seen.items()}
+                count = nv.nvmlDeviceGetCount()
             except nv.NVMLError as exc:
                 log.warning("NVML per-process query failed: %s", exc)
+                count = 0
+            for i in range(count):
+                try:
+                    h = nv.nvmlDeviceGetHandleByIndex(i)
+                    uuid = nv.nvmlDeviceGetUUID(h)
+                    samples = nv.nvmlDeviceGetProcessUtilization(h, since)
+                except nv.NVMLError:  # NOT_FOUND: no process ran kernels; or lost
+                    continue
+                seen: dict[int, list[float]] = {}
+                for smp in samples:
+                    seen.setdefault(int(smp.pid), []).append(float(smp.smUtil))
+                key = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+                out[key] = {pid: sum(v) / len(v) for pid, v in seen.items()}
         return out
 
     def close(self) -> None:

@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 from collections.abc import Iterator, Mapping
@@ -1128,3 +1129,58 @@ def test_a_memory_limit_of_2_64_minus_1_is_pushed_as_no_limit():
     applied = replace(r, devices=[device(limit=None)])
     assert state.accept_report(applied, peer, 3.0).memory_limits == {}
     assert state.status()["containers"][0]["pending_limits"]["memory"] == {}
+
+
+def test_a_device_nvml_cannot_read_does_not_hide_the_others():
+    """A GPU that fails its NVML queries (fallen off the bus: GPU_IS_LOST)
+    leaves the host series of the other GPUs in place."""
+    from gpuvisor.supervisor.metrics import HostGpus
+
+    class LostError(Exception):
+        pass
+
+    class Mem:
+        used, total = GiB, 16 * GiB
+
+    class Util:
+        gpu = 40
+
+    class FakeNvml:
+        NVMLError = LostError
+
+        @staticmethod
+        def nvmlDeviceGetCount() -> int:
+            return 3
+
+        @staticmethod
+        def nvmlDeviceGetHandleByIndex(i: int) -> int:
+            return i
+
+        @staticmethod
+        def nvmlDeviceGetUUID(h: int) -> str:
+            if h == 1:
+                raise LostError("GPU is lost")
+            return f"GPU-{h}"
+
+        @staticmethod
+        def nvmlDeviceGetProcessUtilization(h: int, since: int) -> list[Any]:
+            return [type("Sample", (), {"pid": 700 + h, "smUtil": 30})()]
+
+        @staticmethod
+        def nvmlDeviceGetName(h: int) -> str:
+            return "Fake"
+
+        @staticmethod
+        def nvmlDeviceGetMemoryInfo(h: int) -> Mem:
+            return Mem()
+
+        @staticmethod
+        def nvmlDeviceGetUtilizationRates(h: int) -> Util:
+            return Util()
+
+    gpus = HostGpus.__new__(HostGpus)  # without loading NVML
+    gpus._lock = threading.Lock()
+    gpus._nvml = FakeNvml()
+    gpus._cache = (0.0, [])
+    assert [(g.index, g.uuid) for g in gpus.read()] == [(0, "GPU-0"), (2, "GPU-2")]
+    assert gpus.process_use(1.0) == {"GPU-0": {700: 30.0}, "GPU-2": {702: 30.0}}
