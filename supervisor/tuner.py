@@ -253,10 +253,14 @@ class Tuner:
                 ("memory", dict(self._want_mem)),
                 ("sm", dict(self._want_sm)),
             ]
-            others, self._want_others = self._want_others, {}
-        # The agent's view of the other containers, fresh with every ack:
-        # the shim's burst-share/best-effort lending uses it (not deduplicated,
-        # each write renews its timestamp).
+            others = dict(self._want_others)
+        # The agent's view of the other containers, written again at every
+        # tick while the agent answers (it is dropped with the agent's view):
+        # the shim's burst-share/best-effort lending uses it only while its
+        # timestamp is under 2 s old, and with reports more than 2 s apart a
+        # write per ack let it lapse for most of each interval, so a lender
+        # went back to NVML alone and could take a starved neighbour's
+        # guarantee again.
         for d in devices:
             if d.uuid in others:
                 try:

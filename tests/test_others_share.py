@@ -10,9 +10,11 @@ fresh.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from gpuvisor.supervisor.protocol import Instructions, ack_message, decode, parse_ack
 
@@ -58,45 +60,58 @@ print(json.dumps(r.sm_others(0)))
 """
 
 
+def start_supervised(
+    node: SimNode, agent: FakeAgent, region: Path, interval: str, seconds: float
+) -> subprocess.Popen[str]:
+    """gpuvisor run (burst-share, 30 %) reporting to agent, whose workload
+    uses CUDA and then sleeps."""
+    env = dict(node.env, GPUVISOR_NODE_SOCKET=str(agent.path))
+    workload = f"from tests.cuclient import *\ninit()\nimport time\ntime.sleep({seconds})\n"
+    return subprocess.Popen(
+        [
+            *RUN,
+            "--region",
+            str(region),
+            "--report-interval",
+            interval,
+            "--cores",
+            "30",
+            "--policy",
+            "burst-share",
+            "--",
+            *py(workload),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+
+
+def read_others(node: SimNode, region: Path) -> str:
+    """Region.sm_others(0) of region, as JSON: [percent, age in s]."""
+    return subprocess.run(
+        [sys.executable, "-c", READ_OTHERS, str(region)],
+        env=node.env,
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        check=True,
+    ).stdout.strip()
+
+
 def test_supervisor_passes_the_view_to_the_gate(node: SimNode) -> None:
     agent = FakeAgent(node.dir / "agent.sock")
     try:
-        env = dict(node.env, GPUVISOR_NODE_SOCKET=str(agent.path))
         region = node.dir / "c.shr"
-        sup = subprocess.Popen(
-            [
-                *RUN,
-                "--region",
-                str(region),
-                "--report-interval",
-                "0.1",
-                "--cores",
-                "30",
-                "--policy",
-                "burst-share",
-                "--",
-                *py("from tests.cuclient import *\ninit()\nimport time\ntime.sleep(2.0)\n"),
-            ],
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=REPO_ROOT,
-        )
+        sup = start_supervised(node, agent, region, "0.1", 2.0)
         report = agent.wait_for(lambda r: bool(r.devices))
         agent.instructions = Instructions(others_share={report.devices[0].uuid: 64.0})
         deadline = time.monotonic() + 5
         seen = None
         while time.monotonic() < deadline:
-            out = subprocess.run(
-                [sys.executable, "-c", READ_OTHERS, str(region)],
-                env=node.env,
-                capture_output=True,
-                text=True,
-                cwd=REPO_ROOT,
-                check=True,
-            )
-            seen = out.stdout.strip()
+            seen = read_others(node, region)
             if seen.startswith("[64.0"):
                 break
             time.sleep(0.1)
@@ -104,5 +119,32 @@ def test_supervisor_passes_the_view_to_the_gate(node: SimNode) -> None:
         assert seen is not None
         assert seen.startswith("[64.0"), seen
         assert sup.returncode == 0
+    finally:
+        agent.close()
+
+
+def test_the_view_stays_fresh_between_reports_far_apart(node: SimNode) -> None:
+    """The gate uses the agent's others' share only while it is under 2 s
+    old.  With reports 2.5 s apart the supervisor wrote it once per ack, so
+    it lapsed for most of each interval (its age reached 2.3 s here); it is
+    now written at every tick while the agent answers."""
+    agent = FakeAgent(node.dir / "agent.sock")
+    agent.instructions = Instructions(others_share={})
+    try:
+        region = node.dir / "c.shr"
+        sup = start_supervised(node, agent, region, "2.5", 30)
+        try:
+            first = agent.wait_for(lambda r: bool(r.devices), timeout=20)
+            agent.instructions = Instructions(others_share={first.devices[0].uuid: 64.0})
+            n = len(agent.reports)
+            agent.wait_for(lambda r: len(agent.reports) > n, timeout=20)  # acked with the view
+            time.sleep(2.3)  # before the next report is due
+            share, age = json.loads(read_others(node, region))
+        finally:
+            sup.terminate()
+            sup.communicate(timeout=30)
+        assert share == 64.0
+        assert age is not None
+        assert age < 1.0, age
     finally:
         agent.close()
