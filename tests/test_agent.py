@@ -1036,6 +1036,21 @@ def test_context_lock_kept_beside_the_socket(sock_path):
             assert lock.read_text() == "held"
 
 
+def pod_report(
+    pod: str, priority: int, devices: list[DeviceReport], interval: float | None = None
+) -> Report:
+    """A report of the container of pod (cgroup /kubepods/<pod>)."""
+    return Report(
+        seq=1,
+        ts=0.0,
+        container=ContainerId(cgroup=f"/kubepods/{pod}", pod=pod),
+        policy="fixed-share",
+        priority=priority,
+        devices=devices,
+        interval=interval,
+    )
+
+
 def test_a_device_gone_from_a_high_priority_report_is_no_longer_busy():
     """A high-priority container whose report no longer lists a device (a
     restarted container given another GPU) is not active there: the
@@ -1045,14 +1060,7 @@ def test_a_device_gone_from_a_high_priority_report_is_no_longer_busy():
     peer = PeerCred(pid=1, uid=0, gid=0)
 
     def report(pod: str, priority: int, *devices: DeviceReport) -> Report:
-        return Report(
-            seq=1,
-            ts=0.0,
-            container=ContainerId(cgroup=f"/kubepods/{pod}", pod=pod),
-            policy="fixed-share",
-            priority=priority,
-            devices=list(devices),
-        )
+        return pod_report(pod, priority, list(devices))
 
     a, b = device(uuid="GPU-a", share=50.0, sm_limit=50), device(uuid="GPU-b", share=50.0)
     low = report("low", 1, replace(a, sm_share=20.0))
@@ -1075,15 +1083,7 @@ def test_a_high_priority_container_reporting_seldom_keeps_its_device_busy():
     peer = PeerCred(pid=1, uid=0, gid=0)
 
     def report(pod: str, priority: int, share: float, interval: float | None) -> Report:
-        return Report(
-            seq=1,
-            ts=0.0,
-            container=ContainerId(cgroup=f"/kubepods/{pod}", pod=pod),
-            policy="fixed-share",
-            priority=priority,
-            devices=[device(share=share, sm_limit=50)],
-            interval=interval,
-        )
+        return pod_report(pod, priority, [device(share=share, sm_limit=50)], interval)
 
     low = report("low", 1, 20.0, 1.0)
     t = 100.0
@@ -1115,14 +1115,7 @@ def test_a_memory_limit_of_2_64_minus_1_is_pushed_as_no_limit():
     It is pushed as null, and settles."""
     state = AgentState(AgentConfig())
     peer = PeerCred(pid=1, uid=0, gid=0)
-    r = Report(
-        seq=1,
-        ts=0.0,
-        container=ContainerId(cgroup="/kubepods/t", pod="t"),
-        policy="fixed-share",
-        priority=0,
-        devices=[device(limit=4 * GiB)],
-    )
+    r = pod_report("t", 0, [device(limit=4 * GiB)])
     state.accept_report(r, peer, 1.0)
     state.set_limit(r.container.key, "GPU-aaaa", {"memory": 2**64 - 1})
     assert state.accept_report(r, peer, 2.0).memory_limits == {"GPU-aaaa": None}

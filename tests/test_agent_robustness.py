@@ -187,13 +187,19 @@ def test_lines_that_come_in_pieces_but_end_are_served(sock_path):
 # ---- HTTP clients that stall ---------------------------------------------------------------
 
 
+def stall_http(agent: AgentProc, n: int) -> list[socket.socket]:
+    """n HTTP clients that never finish their request."""
+    stalled = []
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", agent.port), timeout=5)
+        s.sendall(b"GET /metrics HTTP/1.1\r\n")
+        stalled.append(s)
+    return stalled
+
+
 def test_stalled_http_clients_are_disconnected(sock_path):
     with AgentProc(sock_path, "--http-timeout", "0.5") as agent:
-        stalled = []
-        for _ in range(8):
-            s = socket.create_connection(("127.0.0.1", agent.port), timeout=5)
-            s.sendall(b"GET /metrics HTTP/1.1\r\n")  # never finishes the request
-            stalled.append(s)
+        stalled = stall_http(agent, 8)
         t0 = time.monotonic()
         for s in stalled:
             assert s.recv(4096) == b""  # closed by the agent
@@ -209,11 +215,7 @@ def test_at_most_32_http_clients_are_served_at_once(sock_path):
     closed unanswered at once instead of adding a thread; once the stalled
     ones go, requests are served again."""
     with AgentProc(sock_path, "--http-timeout", "30") as agent:
-        stalled = []
-        for _ in range(32):
-            s = socket.create_connection(("127.0.0.1", agent.port), timeout=5)
-            s.sendall(b"GET /metrics HTTP/1.1\r\n")  # never finishes the request
-            stalled.append(s)
+        stalled = stall_http(agent, 32)
         # The agent accepts in order: once the 32nd is being handled, the
         # next connection finds no free handler.
         time.sleep(0.5)
