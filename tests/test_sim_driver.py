@@ -832,3 +832,32 @@ def test_nvml_pci_info_v1_fills_only_the_v1_struct(tmp_path: Path) -> None:
     assert out["tail"] == [0xAB] * (128 - 52), "nvmlDeviceGetPciInfo wrote past the v1 struct"
     assert out["v1"] == ["0000:01:00.0", 0, 1, 0, out["v3"][3], [0, 0, 0, 0]], out
     assert out["v3"][:3] == ["0000:01:00.0", "00000000:01:00.0", 1], out
+
+
+def test_mem_get_info_answers_either_figure_alone(tmp_path: Path) -> None:
+    """As the real driver: programs call cudaMemGetInfo(&free, NULL) and
+    cudaMemGetInfo(NULL, &total), and the runtime passes the NULL on."""
+    out = ok(
+        run_py(
+            CTYPES_PRELUDE
+            + """
+ctx()
+P = ctypes.POINTER(ctypes.c_size_t)
+f, t = ctypes.c_size_t(), ctypes.c_size_t()
+assert cu.cuMemGetInfo_v2(ctypes.byref(f), P()) == 0
+assert cu.cuMemGetInfo_v2(P(), ctypes.byref(t)) == 0
+assert cu.cuMemGetInfo_v2(P(), P()) == 1  # CUDA_ERROR_INVALID_VALUE
+U = ctypes.POINTER(ctypes.c_uint)
+f1, t1 = ctypes.c_uint(), ctypes.c_uint()
+assert cu.cuMemGetInfo(ctypes.byref(f1), U()) == 0
+assert cu.cuMemGetInfo(U(), ctypes.byref(t1)) == 0
+print(f.value, t.value, f1.value, t1.value)
+""",
+            sim_env(tmp_path, "4g"),
+        )
+    )
+    free, total, free32, total32 = map(int, out.split())
+    assert total == 4 * GiB
+    assert free == total - 32 * MiB
+    assert free32 == free
+    assert total32 == 2**32 - 1  # 4 GiB does not fit the v1 ABI's 32 bits

@@ -143,30 +143,37 @@ SIM_API CUresult cuMemFree(CUdeviceptr_v1 dptr)
     return cuMemFree_v2(dptr);
 }
 
+/* As the real driver, either figure may be asked for alone (programs call
+ * cudaMemGetInfo(&free, NULL) and cudaMemGetInfo(NULL, &total)); asking
+ * for neither is CUDA_ERROR_INVALID_VALUE. */
 SIM_API CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total_b)
 {
     struct CUctx_st *c;
     CUresult rc = sim_current(&c);
     if (rc)
         return rc;
-    if (!free_b || !total_b)
+    if (!free_b && !total_b)
         return CUDA_ERROR_INVALID_VALUE;
     uint64_t total = sim_dev(c->node)->total;
     uint64_t used = sim_used(c->node);
-    *total_b = total;
-    *free_b = used >= total ? 0 : total - used;
+    if (total_b)
+        *total_b = total;
+    if (free_b)
+        *free_b = used >= total ? 0 : total - used;
     return CUDA_SUCCESS;
 }
 
 SIM_API CUresult cuMemGetInfo(unsigned int *free_b, unsigned int *total_b)
 {
     size_t f, t;
-    if (!free_b || !total_b)
+    if (!free_b && !total_b)
         return CUDA_ERROR_INVALID_VALUE;
     CUresult rc = cuMemGetInfo_v2(&f, &t);
     if (rc == CUDA_SUCCESS) {
-        *free_b = f > 0xffffffffULL ? 0xffffffffU : (unsigned int)f;
-        *total_b = t > 0xffffffffULL ? 0xffffffffU : (unsigned int)t;
+        if (free_b)
+            *free_b = f > 0xffffffffULL ? 0xffffffffU : (unsigned int)f;
+        if (total_b)
+            *total_b = t > 0xffffffffULL ? 0xffffffffU : (unsigned int)t;
     }
     return rc;
 }
