@@ -41,6 +41,33 @@ emit(free=free, total=total, devtotal=ok(cu.cuDeviceTotalMem, ok(cu.cuDeviceGet,
     assert out["free"] == 4 * GiB - SIM_CONTEXT
 
 
+def test_mem_get_info_asked_for_one_figure_shows_the_quota(node):
+    """cudaMemGetInfo(&free, NULL) and (NULL, &total) are common, and the
+    driver answers them: the figure asked for is the quota's, not the
+    device's 16 GiB."""
+    out = client(
+        node,
+        """
+import ctypes
+lib = ctypes.CDLL("libcuda.so.1")
+init()
+ok(cu.cuMemAlloc, 100 * MiB)
+P, U = ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_uint)
+f, t, f1, t1 = ctypes.c_size_t(), ctypes.c_size_t(), ctypes.c_uint(), ctypes.c_uint()
+rcs = [lib.cuMemGetInfo_v2(ctypes.byref(f), P()), lib.cuMemGetInfo_v2(P(), ctypes.byref(t)),
+       lib.cuMemGetInfo(ctypes.byref(f1), U()), lib.cuMemGetInfo(U(), ctypes.byref(t1)),
+       lib.cuMemGetInfo_v2(P(), P())]
+emit(rcs=rcs, free=f.value, total=t.value, free32=f1.value, total32=t1.value)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="1g",
+    )
+    assert out["rcs"] == [0, 0, 0, 0, 1], out  # neither figure: CUDA_ERROR_INVALID_VALUE
+    assert out["total"] == 1 * GiB
+    assert out["free"] == 1 * GiB - SIM_CONTEXT - 100 * MiB
+    assert out["total32"] == 1 * GiB
+    assert out["free32"] == 1 * GiB - SIM_CONTEXT - 100 * MiB
+
+
 def test_a_device_without_a_region_entry_shows_no_physical_figures(node):
     """The region has 16 device entries.  With 15 taken by other GPUs,
     device 0 gets the last and device 1 none: its memory-info calls fail

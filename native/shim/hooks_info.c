@@ -69,13 +69,17 @@ GV_EXPORT CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total_b)
 {
     info_v2_fn real = GV_REAL(cuMemGetInfo_v2, info_v2_fn);
     GV_ENFORCING_OR(real(free_b, total_b));
-    if (!free_b || !total_b)
+    if (!free_b && !total_b)
         return real(free_b, total_b);
+    /* One figure may be asked for alone (cudaMemGetInfo(&free, NULL)): it
+     * is the quota's too, never the driver's. */
     uint64_t f, t;
     CUresult rc = mem_info(&f, &t);
     if (rc == CUDA_SUCCESS) {
-        *free_b = f;
-        *total_b = t;
+        if (free_b)
+            *free_b = f;
+        if (total_b)
+            *total_b = t;
     }
     return rc;
 }
@@ -86,13 +90,15 @@ GV_EXPORT CUresult cuMemGetInfo(unsigned int *free_b, unsigned int *total_b)
 {
     info_v1_fn real = GV_REAL(cuMemGetInfo, info_v1_fn);
     GV_ENFORCING_OR(real(free_b, total_b));
-    if (!free_b || !total_b)
+    if (!free_b && !total_b)
         return real(free_b, total_b);
     uint64_t f, t;
     CUresult rc = mem_info(&f, &t);
     if (rc == CUDA_SUCCESS) {
-        *free_b = clamp32(f);
-        *total_b = clamp32(t);
+        if (free_b)
+            *free_b = clamp32(f);
+        if (total_b)
+            *total_b = clamp32(t);
     }
     return rc;
 }
