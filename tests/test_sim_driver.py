@@ -861,3 +861,35 @@ print(f.value, t.value, f1.value, t1.value)
     assert free == total - 32 * MiB
     assert free32 == free
     assert total32 == 2**32 - 1  # 4 GiB does not fit the v1 ABI's 32 bits
+
+
+@needs_cuda_python
+@pytest.mark.parametrize(("flags", "depth"), [(1, 40), (4, 6)], ids=["layered", "cubemap"])
+def test_a_layered_mipmapped_array_has_every_layer_at_every_level(
+    tmp_path: Path, flags: int, depth: int
+) -> None:
+    """Depth counts the layers (a cubemap's six faces): the levels halve
+    width and height only."""
+    out = ok(
+        run_py(
+            f"""
+            from cuda.bindings import driver as d
+            R = d.CUresult.CUDA_SUCCESS
+            assert d.cuInit(0)[0] == R
+            err, ctx = d.cuCtxCreate(None, 0, 0); assert err == R, err
+            free0 = d.cuMemGetInfo()[1]
+            desc = d.CUDA_ARRAY3D_DESCRIPTOR()
+            desc.Width = desc.Height = 1024
+            desc.Depth = {depth}
+            desc.Format = d.CUarray_format.CU_AD_FORMAT_UNSIGNED_INT8
+            desc.NumChannels = 4
+            desc.Flags = {flags}
+            err, m = d.cuMipmappedArrayCreate(desc, 3); assert err == R, err
+            print(free0 - d.cuMemGetInfo()[1])
+            """,
+            sim_env(tmp_path, "4g"),
+        )
+    )
+    # 4 MiB a layer at level 0, 1 MiB at 1, 256 KiB at 2; rounded to 2 MiB.
+    expect = depth * (4 * MiB + MiB + MiB // 4)
+    assert int(out) == -(-expect // (2 * MiB)) * 2 * MiB

@@ -178,6 +178,11 @@ typedef struct CUDA_ARRAY3D_DESCRIPTOR_v1_st {  /* pre-3.2 ABI */
     unsigned int Flags;
 } CUDA_ARRAY3D_DESCRIPTOR_v1;
 
+/* CUDA_ARRAY3D_DESCRIPTOR.Flags whose Depth counts layers (or the six
+ * faces of a cubemap): a mipmapped array keeps them at every level. */
+#define CUDA_ARRAY3D_LAYERED 0x01
+#define CUDA_ARRAY3D_CUBEMAP 0x04
+
 /* CUDA_ARRAY3D_DESCRIPTOR.Flags with no memory behind the array at creation
  * (it is bound later, from cuMemCreate handles). */
 #define CUDA_ARRAY3D_SPARSE 0x40

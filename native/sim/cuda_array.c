@@ -2,7 +2,8 @@
  * cuda_array.c - CUDA arrays and mipmapped arrays.  An array charges
  *   roundup2M( roundup512(width * channels * bpe) * max(h,1) * max(d,1) )
  * and a mipmapped array the sum of its levels (each level halves every
- * non-zero dimension, minimum 1) rounded up to 2 MiB once.  Sparse and
+ * non-zero dimension, minimum 1, but for the layer count of a layered or
+ * cubemap array) rounded up to 2 MiB once.  Sparse and
  * deferred-mapping arrays (CUDA_ARRAY3D_SPARSE / _DEFERRED_MAPPING) charge
  * nothing: their memory is mapped in later.  As on a real driver, the
  * memory-requirements queries answer only for deferred-mapping arrays
@@ -225,6 +226,9 @@ SIM_API CUresult cuMipmappedArrayCreate(CUmipmappedArray *pm,
         return sim_check_init() ? sim_check_init() : CUDA_ERROR_INVALID_VALUE;
     uint64_t raw = 0;
     size_t w = d->Width, h = d->Height, z = d->Depth;
+    /* Depth of a layered or cubemap array counts layers (faces): every
+     * level has all of them. */
+    int layers = (d->Flags & (CUDA_ARRAY3D_LAYERED | CUDA_ARRAY3D_CUBEMAP)) != 0;
     for (unsigned l = 0; l < levels; l++) {
         uint64_t b = level_bytes(w, h, z, d->Format, d->NumChannels);
         if (!b) {
@@ -234,7 +238,7 @@ SIM_API CUresult cuMipmappedArrayCreate(CUmipmappedArray *pm,
         raw += b;
         w = w > 1 ? w / 2 : 1;
         h = h > 1 ? h / 2 : h;
-        z = z > 1 ? z / 2 : z;
+        z = z > 1 && !layers ? z / 2 : z;
     }
     int node;
     uint64_t size, charged;
