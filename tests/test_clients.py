@@ -392,6 +392,47 @@ emit(base=base, unbacked=unbacked, plain=plain.name)
     assert out["plain"] == OOM, out
 
 
+@pytest.mark.parametrize(
+    ("flag", "depth", "small", "big", "limit"),
+    [("LAYERED", 48, 2048, 2048, "1g"), ("CUBEMAP", 6, 1024, 4096, "512m")],
+)
+def test_a_layered_mipmapped_array_is_charged_every_layer_at_every_level(
+    node, flag, depth, small, big, limit
+):
+    """The depth of a layered or cubemap array counts layers (six faces):
+    every mip level has all of them, only width and height halve.  Halving
+    the layers too, the interposer charged a 48-layer 2048x2048 RGBA8
+    array of 4 levels 878 MiB instead of 1020 MiB, and granted it under a
+    1 GiB quota that had 992 MiB left."""
+    out = client(
+        node,
+        f"""
+init()
+def create(width, layers):
+    d = cu.CUDA_ARRAY3D_DESCRIPTOR()
+    d.Width = d.Height = width
+    d.Depth = layers
+    d.Format = cu.CUarray_format.CU_AD_FORMAT_UNSIGNED_INT8
+    d.NumChannels = 4
+    d.Flags = cu.CUDA_ARRAY3D_{flag}
+    return call(cu.cuMipmappedArrayCreate, d, 4)
+base = used()
+err, m = create({small}, {depth if flag == "CUBEMAP" else 8})
+charged = used() - base
+ok(cu.cuMipmappedArrayDestroy, m)
+free = mem_info()[0]
+emit(charged=charged, free=free, big=create({big}, {depth})[0].name)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT=limit,
+    )
+    layers = depth if flag == "CUBEMAP" else 8
+    size = sum(layers * (small >> level) ** 2 * 4 for level in range(4))
+    assert out["charged"] == -(-size // (2 * MiB)) * 2 * MiB, out
+    big_size = sum(depth * (big >> level) ** 2 * 4 for level in range(4))
+    assert big_size > out["free"], out  # the shape does not fit what is left
+    assert out["big"] == OOM, out
+
+
 def test_a_pool_that_cannot_be_accounted_for_is_refused(node):
     """The interposer keeps a record per memory pool (256).  A pool past
     that is refused at cuMemPoolCreate with CUDA_ERROR_OUT_OF_MEMORY instead

@@ -121,10 +121,13 @@ GV_EXPORT CUresult cuArrayDestroy(CUarray a)
     return gv_untrack(GV_K_ARRAY, (uint64_t)(uintptr_t)a, destroy_array, (void *)real, &rc) ? rc : real(a);
 }
 
-/* Every level halves each extent (never below 1). */
+/* Every level halves each extent (never below 1), but for the depth of a
+ * layered or cubemap array: it counts layers (faces), and every level has
+ * all of them. */
 static uint64_t mipmap_bytes(const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned int levels)
 {
     uint64_t w = d->Width, h = d->Height, z = d->Depth, sum = 0;
+    int layers = (d->Flags & (CUDA_ARRAY3D_LAYERED | CUDA_ARRAY3D_CUBEMAP)) != 0;
     for (unsigned int i = 0; i < (levels ? levels : 1); i++) {
         uint64_t b = array_bytes(w, h, z, d->Format, d->NumChannels);
         if (b == 0 || sum > UINT64_MAX - b)
@@ -132,7 +135,7 @@ static uint64_t mipmap_bytes(const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned int leve
         sum += b;
         w = w > 1 ? w / 2 : 1;
         h = h > 1 ? h / 2 : h;
-        z = z > 1 ? z / 2 : z;
+        z = z > 1 && !layers ? z / 2 : z;
     }
     return sum;
 }
