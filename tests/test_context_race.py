@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import SimNode, start_ready
+from tests.helpers import SimNode, run_json, start_ready
 
 MiB = 1 << 20
 SIM_CONTEXT = 32 * MiB  # what the simulator charges for one context
@@ -238,3 +238,59 @@ def test_a_child_forked_while_waiting_for_the_lock_does_not_keep_it(node: SimNod
     finally:
         go(proc)
         proc.communicate(timeout=30)
+
+
+FREED_WHILE_CREATING = """
+import os, threading, time
+import pynvml
+from tests.cuclient import *
+ctx0 = init()
+p = ok(cu.cuMemAlloc, 1 * GiB)
+res = {}
+go = threading.Barrier(3)
+def freer():
+    ok(cu.cuCtxSetCurrent, ctx0)
+    go.wait()
+    time.sleep(0.05)
+    ok(cu.cuMemFree, p)
+def grabber():
+    ok(cu.cuCtxSetCurrent, ctx0)
+    go.wait()
+    time.sleep(0.1)
+    res["grab"] = call(cu.cuMemAlloc, 2000 * MiB)[0].name
+threads = [threading.Thread(target=freer), threading.Thread(target=grabber)]
+for t in threads:
+    t.start()
+go.wait()
+res["create"] = call(cu.cuCtxCreate, None, 0, ok(cu.cuDeviceGet, 0))[0].name
+for t in threads:
+    t.join()
+pynvml.nvmlInit()
+h = pynvml.nvmlDeviceGetHandleByIndex(0)
+res["held"] = sum(x.usedGpuMemory for x in pynvml.nvmlDeviceGetComputeRunningProcesses(h)
+                  if x.pid == os.getpid())
+emit(**res)
+"""
+
+
+def test_memory_freed_while_a_context_is_created_is_not_taken_off_its_cost(
+    node: SimNode,
+) -> None:
+    """While the context is being created (the driver takes 400 ms here),
+    one thread frees 1 GiB and another reserves 2000 MiB, whose driver call
+    is still running (800 ms) when the creation returns.  The context's
+    cost (32 MiB) was measured as NVML's growth less the charges' growth;
+    with a charge in flight nothing was taken out, so the 1 GiB freed made
+    the context look free: both were granted, 2064 MiB held under a 2 GiB
+    quota.  The reading waits for the charge to land, and one of the two
+    is refused."""
+    out = run_json(
+        FREED_WHILE_CREATING,
+        node.shimmed(
+            CUDA_DEVICE_MEMORY_LIMIT="2g",
+            GPUVISOR_SIM_CTX_CREATE_MS="400",
+            GPUVISOR_SIM_ALLOC_MS="800",
+        ),
+    )
+    assert out["held"] <= 2048 * MiB, out
+    assert "CUDA_ERROR_OUT_OF_MEMORY" in (out["create"], out["grab"]), out

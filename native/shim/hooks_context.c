@@ -17,6 +17,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "hooks.h"
@@ -150,6 +151,28 @@ static void snap(const gv_devinfo *d, snapshot *s)
     }
 }
 
+/* The "after" reading, in step with this process's charges if it can be.
+ * While another thread's charge is in flight, NVML's figure and the
+ * charges disagree: an allocation reserved before the driver answered
+ * would be taken out of the context's cost, and so would a free the driver
+ * has made before the quota was given back; with nothing taken out, any
+ * free made meanwhile would be.  Either way the context would look smaller
+ * than it is (charged nothing, if a thread freed as much meanwhile).  A
+ * charge lands when its driver call answers: read again, every
+ * millisecond, until none is in flight, for at most a second. */
+#define AFTER_TRIES 1000
+
+static void snap_after(const gv_devinfo *d, snapshot *s)
+{
+    for (int i = 0;; i++) {
+        snap(d, s);
+        if (!s->ok || !s->charged_read || s->charged_ok || i >= AFTER_TRIES)
+            return;
+        struct timespec ts = { 0, 1000 * 1000 };
+        nanosleep(&ts, NULL);
+    }
+}
+
 static uint64_t cost(const snapshot *before, const snapshot *after)
 {
     uint64_t c = 0;
@@ -236,7 +259,7 @@ static CUresult charge_new_ctx_measured(CUresult rc, CUcontext *pctx, int ordina
         return rc;
     }
     snapshot after;
-    snap(d, &after);
+    snap_after(d, &after);
     gv_node_unlock(lock);
     learn_self(before, &after);
     gv_charge c;
@@ -381,7 +404,7 @@ GV_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
         p->ctx = *pctx;
         if (measure) {
             snapshot after;
-            snap(d, &after);
+            snap_after(d, &after);
             gv_node_unlock(lock);
             learn_self(&before, &after);
             gv_charge c;
