@@ -893,3 +893,36 @@ def test_a_layered_mipmapped_array_has_every_layer_at_every_level(
     # 4 MiB a layer at level 0, 1 MiB at 1, 256 KiB at 2; rounded to 2 MiB.
     expect = depth * (4 * MiB + MiB + MiB // 4)
     assert int(out) == -(-expect // (2 * MiB)) * 2 * MiB
+
+
+@needs_cuda_python
+def test_a_mipmapped_arrays_level_count_is_clamped(tmp_path: Path) -> None:
+    """As CUDA documents: levels past 1 + floor(log2(max(width, height,
+    depth))) are not made (a 1024 x 1024 array has 11), however many are
+    asked for."""
+    out = ok(
+        run_py(
+            """
+            from cuda.bindings import driver as d
+            R = d.CUresult.CUDA_SUCCESS
+            assert d.cuInit(0)[0] == R
+            err, ctx = d.cuCtxCreate(None, 0, 0); assert err == R, err
+            desc = d.CUDA_ARRAY3D_DESCRIPTOR()
+            desc.Width = desc.Height = 1024
+            desc.Format = d.CUarray_format.CU_AD_FORMAT_UNSIGNED_INT8
+            desc.NumChannels = 4
+            charged = []
+            for levels in (11, 2**32 - 1):
+                free0 = d.cuMemGetInfo()[1]
+                err, m = d.cuMipmappedArrayCreate(desc, levels); assert err == R, err
+                charged.append(free0 - d.cuMemGetInfo()[1])
+                assert d.cuMipmappedArrayDestroy(m)[0] == R
+            print(*charged)
+            """,
+            sim_env(tmp_path, "4g"),
+            timeout=30,
+        )
+    )
+    full, asked_more = map(int, out.split())
+    assert full == 6 * MiB  # 4 MiB + 1 MiB + ... + 4 bytes, rounded up to 2 MiB
+    assert asked_more == full

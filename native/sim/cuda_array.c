@@ -229,6 +229,18 @@ SIM_API CUresult cuMipmappedArrayCreate(CUmipmappedArray *pm,
     /* Depth of a layered or cubemap array counts layers (faces): every
      * level has all of them. */
     int layers = (d->Flags & (CUDA_ARRAY3D_LAYERED | CUDA_ARRAY3D_CUBEMAP)) != 0;
+    /* As CUDA documents: the level count is clamped to
+     * 1 + floor(log2(max(width, height, depth))). */
+    size_t big = w > h ? w : h;
+    if (z > big)
+        big = z;
+    unsigned full = 1;
+    while (big > 1) {
+        big >>= 1;
+        full++;
+    }
+    if (levels > full)
+        levels = full;
     for (unsigned l = 0; l < levels; l++) {
         uint64_t b = level_bytes(w, h, z, d->Format, d->NumChannels);
         if (!b) {
