@@ -433,6 +433,32 @@ emit(charged=charged, free=free, big=create({big}, {depth})[0].name)
     assert out["big"] == OOM, out
 
 
+def test_a_mipmapped_array_is_charged_only_the_levels_the_driver_makes(node):
+    """The driver clamps the level count to 1 + floor(log2(largest
+    extent)).  The interposer summed every level asked for: a 1024 x 1024
+    RGBA8 array of 2^32-1 levels (6 MiB: 11 levels) spun in the hook for
+    seconds and was refused as 2 TB."""
+    out = client(
+        node,
+        """
+import time
+init()
+d = cu.CUDA_ARRAY3D_DESCRIPTOR()
+d.Width = d.Height = 1024
+d.Format = cu.CUarray_format.CU_AD_FORMAT_UNSIGNED_INT8
+d.NumChannels = 4
+base = used()
+t0 = time.monotonic()
+err, m = call(cu.cuMipmappedArrayCreate, d, 2**32 - 1)
+emit(err=err.name, charged=used() - base, secs=time.monotonic() - t0)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="1g",
+    )
+    assert out["err"] == "CUDA_SUCCESS", out
+    assert out["charged"] == 6 * MiB, out
+    assert out["secs"] < 2, out
+
+
 def test_a_pool_that_cannot_be_accounted_for_is_refused(node):
     """The interposer keeps a record per memory pool (256).  A pool past
     that is refused at cuMemPoolCreate with CUDA_ERROR_OUT_OF_MEMORY instead

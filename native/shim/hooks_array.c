@@ -128,6 +128,16 @@ static uint64_t mipmap_bytes(const CUDA_ARRAY3D_DESCRIPTOR *d, unsigned int leve
 {
     uint64_t w = d->Width, h = d->Height, z = d->Depth, sum = 0;
     int layers = (d->Flags & (CUDA_ARRAY3D_LAYERED | CUDA_ARRAY3D_CUBEMAP)) != 0;
+    /* The driver clamps the level count to 1 + floor(log2(max(width,
+     * height, depth))), as CUDA documents: no more levels are made. */
+    uint64_t big = w > h ? w : h;
+    if (z > big)
+        big = z;
+    unsigned int full = 1;
+    for (; big > 1; big >>= 1)
+        full++;
+    if (levels > full)
+        levels = full;
     for (unsigned int i = 0; i < (levels ? levels : 1); i++) {
         uint64_t b = array_bytes(w, h, z, d->Format, d->NumChannels);
         if (b == 0 || sum > UINT64_MAX - b)
