@@ -30,7 +30,7 @@ import ctypes
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,12 +105,22 @@ def open_nvml(simulator_nvml: str | None) -> Nvml | None:
         return None
 
 
-def read_sample(region: Region) -> Sample:
-    """The region's devices and SM counters now (no NVML utilisation)."""
-    devices = [
-        DeviceSample(usage=d, sm=region.sm(d.index), utilization=None) for d in region.devices()
+def read_sample(
+    region: Region,
+    devices: list[DeviceUsage] | None = None,
+    util: Mapping[str, int | None] | None = None,
+    pids: list[int] | None = None,
+) -> Sample:
+    """The region's devices (read now unless given) and their SM counters
+    now, with NVML's utilisation by UUID where known."""
+    if devices is None:
+        devices = region.devices()
+    util = util or {}
+    samples = [
+        DeviceSample(usage=d, sm=region.sm(d.index), utilization=util.get(d.uuid))
+        for d in devices
     ]
-    return Sample(ts=time.monotonic(), devices=devices)
+    return Sample(ts=time.monotonic(), devices=samples, pids=list(pids or []))
 
 
 def clear_yields(region: Region) -> None:
@@ -305,11 +315,7 @@ class Tuner:
             self._slow(devices)
         self._ticks += 1
         self._apply(devices)
-        samples = [
-            DeviceSample(usage=d, sm=self.region.sm(d.index), utilization=self._util.get(d.uuid))
-            for d in devices
-        ]
-        sample = Sample(ts=time.monotonic(), devices=samples, pids=list(self._pids))
+        sample = read_sample(self.region, devices, self._util, list(self._pids))
         with self._lock:
             self._sample = sample
         return sample
