@@ -16,14 +16,18 @@ static __thread int t_depth;
 static struct CUctx_st g_primary[SIM_MAX_DEV];   /* by CUDA ordinal */
 static pthread_mutex_t g_prim_mu = PTHREAD_MUTEX_INITIALIZER;
 
-int sim_ctx_valid(struct CUctx_st *c)
+/* 0: not a context; 1: a context destroyed (or a primary context released
+ * to zero); 2: a live context. */
+static int ctx_state(struct CUctx_st *c)
 {
-    int ok;
     pthread_mutex_lock(&sim_mu);
-    ok = c && sim_reg_has(c) && c->magic == SIM_CTX_MAGIC && c->alive;
+    int known = c && sim_reg_has(c) && c->magic == SIM_CTX_MAGIC;
+    int state = known ? 1 + (c->alive != 0) : 0;
     pthread_mutex_unlock(&sim_mu);
-    return ok;
+    return state;
 }
+
+int sim_ctx_valid(struct CUctx_st *c) { return ctx_state(c) == 2; }
 
 CUresult sim_current(struct CUctx_st **out)
 {
@@ -37,12 +41,9 @@ CUresult sim_current(struct CUctx_st **out)
      * primary context released to zero stays current until retained
      * again: using either is CUDA_ERROR_CONTEXT_IS_DESTROYED, as CUDA
      * documents for cuCtxDestroy. */
-    pthread_mutex_lock(&sim_mu);
-    int known = sim_reg_has(c) && c->magic == SIM_CTX_MAGIC;
-    int alive = known && c->alive;
-    pthread_mutex_unlock(&sim_mu);
-    if (!alive)
-        return known ? CUDA_ERROR_CONTEXT_IS_DESTROYED : CUDA_ERROR_INVALID_CONTEXT;
+    int state = ctx_state(c);
+    if (state != 2)
+        return state ? CUDA_ERROR_CONTEXT_IS_DESTROYED : CUDA_ERROR_INVALID_CONTEXT;
     *out = c;
     return CUDA_SUCCESS;
 }
