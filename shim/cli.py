@@ -28,8 +28,6 @@ def _process_name(pid: int) -> str:
         return "(gone)"
 
 
-
-
 def _region_info(region: Region) -> dict[str, Any]:
     pids = region.processes()
     devices = []
