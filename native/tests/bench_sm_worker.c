@@ -15,6 +15,11 @@
  * random, so neither predicts what a launch costs.  The worker always has
  * work queued: what it gets is what its quota allows.
  *
+ * The ideal-scheduler model (tests/bench/sm_floor.py, WorkerProcess) draws
+ * the same launches from the same generator in the same order; a change to
+ * what is drawn here, or when, must be made there too
+ * (tests/test_bench_sm_smoke.py checks the two agree).
+ *
  * PHASE_MS > 0: alternate idle and busy phases of PHASE_MS each, idle first
  * (the side of a burst-share pair that is idle half the time).
  *

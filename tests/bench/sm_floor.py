@@ -9,9 +9,13 @@ The model: one device runs one unit at a time and never preempts it, as the
 simulated device does.  A unit is what bench_sm_worker launches (see
 native/tests/bench_sm_worker.c): a kernel of 20 us to 5 ms (log-uniform), or,
 one launch in ten, one of eight graphs (per process) of 1-4 such kernels in
-a chain, which run back to back.  The scheduler knows the exact length of
-every unit that has run and reacts at once, but, like any real one, does not
-know a unit's length before it has run it.  Whenever the device is free it
+a chain, which run back to back.  The model draws them with the worker's own
+generator and seeds (WorkerProcess), so a model run with a benchmark
+scenario's seed runs the very launches of that scenario's workers, each
+process's in its order (a container's processes take turns).  The
+scheduler knows the exact length of every unit that has run and reacts at
+once, but, like any real one, does not know a unit's length before it has
+run it.  Whenever the device is free it
 starts the next unit of the container that is furthest behind its quota
 (least GPU time per unit of quota), among those not ahead of it; when every
 container is ahead, the device idles until one is not.  With one container
@@ -42,9 +46,63 @@ SPLITS = "10:90,30:70,50:50"
 PAIR_PROCS = (1, 2)
 SECONDS = 7.0
 ALLOWANCE = 1.0
-LAUNCHES_PER_GRAPH = 10  # one launch in ten is a graph launch
-GRAPHS = 8
+GRAPHS = 8  # per process
 MAX_NODES = 4
+FUNCS = 3
+GRAPH_CHANCE = 0.10  # one launch in ten is a graph launch
+_M64 = (1 << 64) - 1
+
+
+def worker_seed(scenario_seed: int, process: int) -> int:
+    """The seed sm_bench.run_scenario gives the process-th worker (all
+    containers' processes numbered in order) of a scenario run with
+    scenario_seed."""
+    return scenario_seed * 100 + process
+
+
+class WorkerProcess:
+    """The launches of one bench_sm_worker process, in order, exactly: the
+    same generator (xorshift64*), seeded the same way, drawn in the same
+    order as native/tests/bench_sm_worker.c, so that the model runs the
+    very kernels and graphs a benchmark run with that seed launches.
+
+    short_graphs: each graph runs as long as its first node alone (20 us ..
+    5 ms), so that no launch is longer than 5 ms; by default a graph chains
+    its 1-4 kernels (up to 20 ms), as the worker's do."""
+
+    def __init__(self, seed: int, short_graphs: bool = False) -> None:
+        self.state = (seed * 0x9E3779B97F4A7C15 + 88172645463325252) & _M64
+        self.graphs: list[float] = []
+        for _ in range(GRAPHS):
+            nodes = [self._node() for _ in range(1 + self._next() % MAX_NODES)]
+            self.graphs.append(nodes[0] if short_graphs else sum(nodes))
+
+    def _next(self) -> int:
+        x = self.state
+        x ^= x >> 12
+        x ^= (x << 25) & _M64
+        x ^= x >> 27
+        self.state = x
+        return (x * 0x2545F4914F6CDD1D) & _M64
+
+    def _unit(self) -> float:
+        return (self._next() >> 11) / 9007199254740992.0
+
+    def _duration_s(self) -> float:
+        """log-uniform 20 us .. 5 ms, rounded to whole microseconds"""
+        return int(20.0 * math.exp(self._unit() * math.log(5000 / 20)) + 0.5) * 1e-6
+
+    def _node(self) -> float:
+        d = self._duration_s()
+        self._next()  # which module's spin
+        self._next()  # grid size
+        return d
+
+    def next_unit(self) -> float:
+        """The length of the next launch (a kernel or a whole graph), s."""
+        if self._unit() < GRAPH_CHANCE:
+            return self.graphs[self._next() % GRAPHS]
+        return self._node()
 
 
 def kernel_s(rng: random.Random) -> float:
@@ -53,27 +111,17 @@ def kernel_s(rng: random.Random) -> float:
 
 
 class Workload:
-    """The units one container launches: kernels, and graphs of its
-    processes (eight each, their lengths fixed when they are made).
+    """The launches of one container: its processes' (WorkerProcess), taken
+    in turn."""
 
-    short_graphs: each graph runs as long as one kernel (20 us .. 5 ms in
-    all, whatever its number of nodes), so that no launch is longer than
-    5 ms; by default a graph chains 1-4 kernels (up to 20 ms), as the
-    benchmark's worker does."""
-
-    def __init__(self, rng: random.Random, processes: int, short_graphs: bool = False) -> None:
-        self.rng = rng
-        self.graphs = [
-            kernel_s(rng)
-            if short_graphs
-            else sum(kernel_s(rng) for _ in range(rng.randint(1, MAX_NODES)))
-            for _ in range(GRAPHS * processes)
-        ]
+    def __init__(self, seeds: Sequence[int], short_graphs: bool = False) -> None:
+        self.procs = [WorkerProcess(s, short_graphs) for s in seeds]
+        self.turn = 0
 
     def next_unit(self) -> float:
-        if self.rng.randrange(LAUNCHES_PER_GRAPH) == 0:
-            return self.rng.choice(self.graphs)
-        return kernel_s(self.rng)
+        p = self.procs[self.turn % len(self.procs)]
+        self.turn += 1
+        return p.next_unit()
 
 
 def windows(
@@ -84,10 +132,14 @@ def windows(
     short_graphs: bool = False,
 ) -> list[list[float]]:
     """Each container's share (percent) in each whole 100 ms window of a
-    `seconds` run under the perfect scheduler."""
-    rng = random.Random(seed)
+    `seconds` run under the perfect scheduler, on the launches of a
+    benchmark run with this seed (its workers' seeds: worker_seed)."""
     shares = [q / 100 for q in quotas]
-    loads = [Workload(rng, n, short_graphs) for n in processes]
+    first = [sum(processes[:i]) for i in range(len(processes))]
+    loads = [
+        Workload([worker_seed(seed, f + k) for k in range(n)], short_graphs)
+        for f, n in zip(first, processes, strict=True)
+    ]
     used = [0.0] * len(shares)
     n_win = int(seconds / WINDOW_S + 1e-9)
     busy = [[0.0] * n_win for _ in shares]
@@ -150,6 +202,24 @@ def floor(
             devs[i] += d
             worsts[i].append(max(abs(x) for x in d))
     return [Floor(q, statistics.pstdev(d), w) for q, d, w in zip(quotas, devs, worsts, strict=True)]
+
+
+def same_launches(
+    quotas: Sequence[int],
+    processes: Sequence[int],
+    seconds: float,
+    allowance: float,
+    seed: int,
+    short_graphs: bool = False,
+) -> list[Floor]:
+    """Per container: the perfect scheduler's window figures on the launches
+    of the benchmark run with this seed (one run)."""
+    k0 = round(allowance / WINDOW_S)
+    out = []
+    for q, row in zip(quotas, windows(quotas, processes, seconds, seed, short_graphs), strict=True):
+        d = [v - q for v in row[k0:]]
+        out.append(Floor(q, statistics.pstdev(d), [max(abs(x) for x in d)]))
+    return out
 
 
 def runs_within(floors: Sequence[Floor], goal: float) -> int:
