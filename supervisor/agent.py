@@ -17,6 +17,9 @@ Defences against bad clients, all with bounded memory:
   unread that long: disconnect;
 - a connection silent for --idle-timeout seconds: disconnect;
 - at most --max-connections connections: more are told so and closed;
+- device UUIDs are taken in NVML's form only, at most MAX_DEVICES distinct
+  ones per container while the agent knows it (so reports cannot churn
+  metric series);
 - every malformed message gets an error naming the field and is counted;
   a message that cannot be handled for any other reason (an exception)
   gets a `malformed` error too, never a dropped connection;
@@ -55,6 +58,7 @@ from .protocol import (
     ContainerId,
     ProtocolError,
     ack_message,
+    check_uuid,
     decode,
     encode,
     error_message,
@@ -313,6 +317,10 @@ class Connection(asyncio.Protocol):
                         "is reported by another live cgroup",
                     )
                 )
+            churn = state.device_churn(report)
+            if churn is not None:
+                state.rejected["devices"] += 1
+                return encode(error_message(seq, churn))
             instr = state.accept_report(report, self.cred, now)
             return encode(ack_message(report.seq, instr))
         if mtype == "set-limit":
@@ -358,9 +366,7 @@ class Connection(asyncio.Protocol):
             name = msg.get("container")
             if not isinstance(name, str):
                 raise ProtocolError(f"container={name!r}: expected a container key")
-            device = msg.get("device")
-            if not isinstance(device, str) or not 0 < len(device) <= 96:
-                raise ProtocolError(f"device={device!r}: expected a device UUID")
+            device = check_uuid(msg.get("device"), "device")
             if "memory" not in msg and "sm" not in msg:
                 raise ProtocolError("memory, sm: give at least one")
             _opt_limit(msg, "memory", 1, 2**64 - 1)

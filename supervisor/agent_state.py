@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .identity import PeerCred
-from .protocol import ContainerId, DeviceReport, Instructions, Report
+from .protocol import MAX_DEVICES, ContainerId, DeviceReport, Instructions, Report
 
 DEFAULT_SOCKET = "/run/gpuvisor/node.sock"
 SOCKET_ENV = "GPUVISOR_NODE_SOCKET"
@@ -29,6 +29,7 @@ REJECT_REASONS = (
     "oversize",  # a line longer than MAX_MESSAGE_BYTES
     "unauthorized",  # an admin message from a peer that may not send it
     "conflict",  # labels another live cgroup reports under
+    "devices",  # a container's reports name more devices than a region holds
 )
 DISCONNECT_REASONS = ("oversize", "timeout", "slow-reader", "idle", "too-many")
 # The library's "no memory limit" (GV_UNLIMITED): a region so limited
@@ -121,6 +122,9 @@ class ContainerState:
     # device uuid -> what the container's claim added to device_share (what
     # is taken back when the report, NVML's view or the container changes)
     claims: dict[str, float] = field(default_factory=dict)
+    # every device uuid its reports named (a region's devices never change:
+    # at most MAX_DEVICES, see device_churn)
+    devices_seen: set[str] = field(default_factory=set)
 
 
 @dataclass
@@ -131,7 +135,7 @@ class PendingLimits:
 
 def _drop(table: dict[str, dict[str, float]], uuid: str, key: str) -> None:
     """Take container `key` out of a per-device table; a device left with no
-    entry is dropped (device UUIDs come from reports: any string)."""
+    entry is dropped (device UUIDs come from reports: any UUID in NVML's form)."""
     entries = table.get(uuid)
     if entries is not None:
         entries.pop(key, None)
@@ -176,6 +180,24 @@ class AgentState:
 
     # ---- reports -------------------------------------------------------
 
+    def device_churn(self, report: Report) -> str | None:
+        """Why the report is refused for naming too many devices (None: it
+        is not).  A container's region holds at most MAX_DEVICES devices and
+        never forgets one, so its reports name at most that many distinct
+        UUIDs while the agent knows it: more are made up, and each would
+        start metric series of its own."""
+        st = self.containers.get(report.container.key)
+        seen = set() if st is None else set(st.devices_seen)
+        for i, d in enumerate(report.devices):
+            seen.add(d.uuid)
+            if len(seen) > MAX_DEVICES:
+                return (
+                    f"devices[{i}].uuid={d.uuid!r}: a device more than the {MAX_DEVICES} "
+                    "this container's reports named (a region holds at most "
+                    f"{MAX_DEVICES}, and never changes them)"
+                )
+        return None
+
     def accept_report(self, report: Report, peer: PeerCred, now: float) -> Instructions:
         key = report.container.key
         st = self.containers.get(key)
@@ -207,6 +229,7 @@ class AgentState:
             st.last_seen = now
             st.last_wall = time.time()
             st.reports += 1
+        st.devices_seen.update(d.uuid for d in report.devices)
         self._note_cgroup(report.container.cgroup, key)
         self._update_claims(key)
         self.reports_total += 1

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeGuard
 
@@ -21,6 +22,12 @@ MAX_PIDS = 1024
 MAX_INTERVAL_S = 3600.0  # the longest report interval a report may declare
 MAX_ERROR_CHARS = 1024  # an error's text is cut to this (a field's value may be long)
 POLICIES = ("fixed-share", "burst-share", "best-effort")
+# A device UUID as NVML and the library write it (nvmlDeviceGetUUID,
+# gv_uuid_format): "GPU-" and 32 lowercase hex digits in groups 8-4-4-4-12.
+# Only this form is taken, so one device has one spelling (one set of
+# metric series) and a report cannot make up label values.
+UUID_FORM = "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"
+_UUID_RE = re.compile(r"GPU-[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 class ProtocolError(ValueError):
@@ -185,6 +192,19 @@ def _str(value: Any, name: str, maxlen: int = 1024, optional: bool = False) -> s
     return value
 
 
+def is_uuid(value: Any) -> bool:
+    """Is value a device UUID in NVML's form (UUID_FORM, lowercase hex)?"""
+    return isinstance(value, str) and _UUID_RE.fullmatch(value) is not None
+
+
+def check_uuid(value: Any, name: str) -> str:
+    if not is_uuid(value):
+        raise ProtocolError(
+            f"{name}={value!r}: expected a device UUID, {UUID_FORM} (lowercase hex)"
+        )
+    return str(value)
+
+
 def _bool(value: Any, name: str) -> bool:
     if not isinstance(value, bool):
         raise ProtocolError(f"{name}={value!r}: expected true or false")
@@ -241,7 +261,7 @@ def parse_report(obj: dict[str, Any]) -> Report:
             raise ProtocolError(f"devices[{i}]: expected an object")
         devices.append(
             DeviceReport(
-                uuid=str(_str(_get(d, "uuid", w), w + "uuid", 96)),
+                uuid=check_uuid(_get(d, "uuid", w), w + "uuid"),
                 index=_int(_get(d, "index", w), w + "index", 0, 1023),
                 memory_used=_int(_get(d, "memory_used", w), w + "memory_used"),
                 memory_limit=_opt_int(_get(d, "memory_limit", w), w + "memory_limit"),

@@ -21,6 +21,7 @@ from .agent_state import (
     admin_socket_problem,
     default_socket,
 )
+from .protocol import UUID_FORM, is_uuid
 
 ADMIN_SOCKET_HELP = (
     "The admin socket (set-limit), mode 0600 in a directory of mode 0700 that must not be "
@@ -306,7 +307,9 @@ def _limit_value(value: str | None, what: str) -> int | None:
     required=True,
     help="Container key (see `gpuvisor top`) or namespace/pod/container.",
 )
-@click.option("--device", required=True, help="Device UUID.")
+@click.option(
+    "--device", required=True, help=f"Device UUID, as the container reports it ({UUID_FORM})."
+)
 @click.option(
     "--memory", default=None, help="New memory limit (4g, 512m, bytes; 'none': no limit)."
 )
@@ -333,6 +336,11 @@ def set_limit(
         msg["memory"] = _limit_value(memory, "memory")
     if cores is not None:
         msg["sm"] = _limit_value(cores, "sm")
+    if not is_uuid(device):
+        raise click.BadParameter(
+            f"{device!r}: expected a device UUID, {UUID_FORM} (lowercase hex)",
+            param_hint="'--device'",
+        )
     path = admin_socket or admin_socket_for(socket_path)
     try:
         reply = send_admin(path, msg)

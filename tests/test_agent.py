@@ -44,6 +44,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.helpers import CLI, REPO_ROOT, clean_env, run_cli
 
 GiB = 1 << 30
+# Device UUIDs in NVML's form (the agent takes no other)
+GPU_A = "GPU-aaaaaaaa-aaaa-aaaa-aaaa-aaaaaaaaaaaa"
+GPU_B = "GPU-bbbbbbbb-bbbb-bbbb-bbbb-bbbbbbbbbbbb"
 
 
 @pytest.fixture
@@ -143,7 +146,7 @@ def find(samples: list[tuple[str, dict[str, str], float]], name: str, **labels: 
 
 
 def device(
-    uuid: str = "GPU-aaaa",
+    uuid: str = GPU_A,
     index: int = 0,
     used: int = GiB,
     limit: int | None = 4 * GiB,
@@ -303,7 +306,7 @@ def test_two_clients_metrics_status_expiry(sock_path):
         ack = a.report(device(used=1 * GiB, share=40.0, sm_limit=50))
         assert ack["type"] == "ack"
         assert ack["seq"] == 1
-        assert parse_ack(ack).yield_devices == {"GPU-aaaa": False}
+        assert parse_ack(ack).yield_devices == {GPU_A: False}
         assert b.report(device(used=3 * GiB, limit=None))["type"] == "ack"
         t0 = time.monotonic()
 
@@ -313,7 +316,7 @@ def test_two_clients_metrics_status_expiry(sock_path):
 
         m = wait_for(both)
         assert time.monotonic() - t0 < 2
-        lab = {"podnamespace": "ns", "deviceuuid": "GPU-aaaa", "deviceidx": "0"}
+        lab = {"podnamespace": "ns", "deviceuuid": GPU_A, "deviceidx": "0"}
         assert find(
             m, "gpuvisor_container_memory_used_bytes", podname="pod-a", ctrname="main", **lab
         ) == [GiB]
@@ -329,7 +332,7 @@ def test_two_clients_metrics_status_expiry(sock_path):
         assert find(m, "gpuvisor_container_oom_refusals_total", podname="pod-a") == [0.0]
         assert find(m, "gpuvisor_container_processes", podname="pod-a") == [1.0]
         assert find(m, "gpuvisor_container_last_report_timestamp_seconds", podname="pod-a")[0] > 0
-        hami = {"namespace": "ns", "vdevice_index": "0", "device_uuid": "GPU-aaaa"}
+        hami = {"namespace": "ns", "vdevice_index": "0", "device_uuid": GPU_A}
         assert find(m, "hami_vgpu_memory_used_bytes", pod="pod-a", container="main", **hami) == [
             GiB
         ]
@@ -380,7 +383,7 @@ def test_legacy_metrics_flag(sock_path):
             "podname": "legacy",
             "ctrname": "main",
             "vdeviceid": "0",
-            "deviceuuid": "GPU-aaaa",
+            "deviceuuid": GPU_A,
         }
         assert find(m, "vGPU_device_memory_usage_in_bytes", **lab) == [2 * GiB]
         assert find(m, "vGPU_device_memory_limit_in_bytes", **lab) == [4 * GiB]
@@ -656,18 +659,18 @@ def test_priority_low_yields_while_high_is_active(sock_path):
     with AgentProc(sock_path) as agent:
         high = Client(sock_path, pod="high", priority=0)
         low = Client(sock_path, pod="low", priority=1)
-        other = device(uuid="GPU-bbbb", index=1)
+        other = device(uuid=GPU_B, index=1)
         ack = parse_ack(low.report(device(share=50.0), other))
-        assert ack.yield_devices == {"GPU-aaaa": False, "GPU-bbbb": False}
-        assert parse_ack(high.report(device(share=30.0))).yield_devices == {"GPU-aaaa": False}
+        assert ack.yield_devices == {GPU_A: False, GPU_B: False}
+        assert parse_ack(high.report(device(share=30.0))).yield_devices == {GPU_A: False}
         ack = parse_ack(low.report(device(share=50.0), other))
-        assert ack.yield_devices == {"GPU-aaaa": True, "GPU-bbbb": False}
+        assert ack.yield_devices == {GPU_A: True, GPU_B: False}
         m = agent.metrics()
-        assert find(m, "gpuvisor_container_yield", podname="low", deviceuuid="GPU-aaaa") == [1.0]
+        assert find(m, "gpuvisor_container_yield", podname="low", deviceuuid=GPU_A) == [1.0]
         # High goes idle: the low one may run again.
         high.report(device(share=0.2))
         ack = parse_ack(low.report(device(share=50.0), other))
-        assert ack.yield_devices == {"GPU-aaaa": False, "GPU-bbbb": False}
+        assert ack.yield_devices == {GPU_A: False, GPU_B: False}
         high.close()
         low.close()
 
@@ -712,13 +715,13 @@ def test_nvml_use_marks_a_high_priority_container_without_a_limit_active():
     assert not state.wants_process_use()
     state.accept_report(high, peer, t)
     assert state.wants_process_use()
-    assert state.accept_report(low, peer, t).yield_devices == {"GPU-aaaa": False}
+    assert state.accept_report(low, peer, t).yield_devices == {GPU_A: False}
     # Only the low container's own use, an unknown PID and a use under the
     # threshold: nobody high is active.
-    state.note_process_use({"GPU-aaaa": {200: 60.0, 999: 50.0, 100: 0.5}}, cgroups_of, t)
-    assert state.accept_report(low, peer, t).yield_devices == {"GPU-aaaa": False}
-    state.note_process_use({"GPU-aaaa": {100: 40.0}}, cgroups_of, t)
-    assert state.accept_report(low, peer, t + 0.5).yield_devices == {"GPU-aaaa": True}
+    state.note_process_use({GPU_A: {200: 60.0, 999: 50.0, 100: 0.5}}, cgroups_of, t)
+    assert state.accept_report(low, peer, t).yield_devices == {GPU_A: False}
+    state.note_process_use({GPU_A: {100: 40.0}}, cgroups_of, t)
+    assert state.accept_report(low, peer, t + 0.5).yield_devices == {GPU_A: True}
     # NVML's figure is also the share of a container whose gate measures
     # nothing (no SM limit, priority 0), not of one that measures itself.
     (hd,) = high.devices
@@ -728,22 +731,22 @@ def test_nvml_use_marks_a_high_priority_container_without_a_limit_active():
     assert state.share_of(high.container.key, high, measured, t + 0.5) == 12.0
     # Its reports of 0 % do not undo what NVML saw; the window does.
     state.accept_report(high, peer, t + 0.6)
-    assert state.accept_report(low, peer, t + 0.9).yield_devices == {"GPU-aaaa": True}
+    assert state.accept_report(low, peer, t + 0.9).yield_devices == {GPU_A: True}
     state.expire(t + 1.2)
-    assert state.accept_report(low, peer, t + 1.2).yield_devices == {"GPU-aaaa": False}
+    assert state.accept_report(low, peer, t + 1.2).yield_devices == {GPU_A: False}
 
     # Two high-priority containers in one cgroup: told apart by PID.
     state.remove(high.container.key)
     state.accept_report(twin, peer, t)
     state.accept_report(twin2, peer, t)
-    state.note_process_use({"GPU-aaaa": {32: 80.0}}, cgroups_of, t + 2)
-    assert state.accept_report(low, peer, t + 2).yield_devices == {"GPU-aaaa": False}
-    state.note_process_use({"GPU-aaaa": {31: 80.0}}, cgroups_of, t + 2)
-    assert set(state.nvml_active["GPU-aaaa"]) == {twin2.container.key}
-    assert state.accept_report(low, peer, t + 2).yield_devices == {"GPU-aaaa": True}
+    state.note_process_use({GPU_A: {32: 80.0}}, cgroups_of, t + 2)
+    assert state.accept_report(low, peer, t + 2).yield_devices == {GPU_A: False}
+    state.note_process_use({GPU_A: {31: 80.0}}, cgroups_of, t + 2)
+    assert set(state.nvml_active[GPU_A]) == {twin2.container.key}
+    assert state.accept_report(low, peer, t + 2).yield_devices == {GPU_A: True}
     # A high-priority container that leaves stops counting at once.
     state.remove(twin2.container.key)
-    assert state.accept_report(low, peer, t + 2.1).yield_devices == {"GPU-aaaa": False}
+    assert state.accept_report(low, peer, t + 2.1).yield_devices == {GPU_A: False}
 
 
 def test_a_container_measuring_nothing_claims_the_device_while_nvml_sees_it_work():
@@ -766,7 +769,7 @@ def test_a_container_measuring_nothing_claims_the_device_while_nvml_sees_it_work
         )
 
     def others(at: float) -> float:
-        return float(state.accept_report(lender, peer, at).others_share["GPU-aaaa"])
+        return float(state.accept_report(lender, peer, at).others_share[GPU_A])
 
     free = report("free", None, 0.0)
     lender = report("lender", 30, 30.0)
@@ -777,9 +780,9 @@ def test_a_container_measuring_nothing_claims_the_device_while_nvml_sees_it_work
     t = 100.0
     state.accept_report(free, peer, t)
     assert others(t) == 0.0  # idle as far as anybody knows
-    state.note_process_use({"GPU-aaaa": {8: 30.0}}, cgroups_of, t)
+    state.note_process_use({GPU_A: {8: 30.0}}, cgroups_of, t)
     assert others(t) == 0.0  # the lender's own use is not another's
-    state.note_process_use({"GPU-aaaa": {7: 60.0, 8: 30.0}}, cgroups_of, t)
+    state.note_process_use({GPU_A: {7: 60.0, 8: 30.0}}, cgroups_of, t)
     assert others(t) == 100.0
     # Its own reports keep saying 0 %: the claim stands until the window ends.
     state.accept_report(free, peer, t + 0.5)
@@ -787,7 +790,7 @@ def test_a_container_measuring_nothing_claims_the_device_while_nvml_sees_it_work
     state.expire(t + 1.2)
     assert others(t + 1.2) == 0.0
     # Seen again, then gone: nothing is left claimed.
-    state.note_process_use({"GPU-aaaa": {7: 60.0}}, cgroups_of, t + 2)
+    state.note_process_use({GPU_A: {7: 60.0}}, cgroups_of, t + 2)
     assert others(t + 2) == 100.0
     state.remove(free.container.key)
     assert others(t + 2.1) == 0.0
@@ -796,7 +799,7 @@ def test_a_container_measuring_nothing_claims_the_device_while_nvml_sees_it_work
     # With an SM limit it measures itself: its report, not NVML, decides.
     limited = report("free", 40, 0.0)
     state.accept_report(limited, peer, t + 3)
-    state.note_process_use({"GPU-aaaa": {7: 60.0}}, cgroups_of, t + 3)
+    state.note_process_use({GPU_A: {7: 60.0}}, cgroups_of, t + 3)
     assert others(t + 3) == 0.0
     state.accept_report(replace(limited, devices=[device(share=35.0, sm_limit=40)]), peer, t + 3)
     assert others(t + 3) == 40.0
@@ -884,7 +887,7 @@ def test_a_declared_interval_keeps_a_container_at_most_max_expire():
 
 
 def set_limit(sock: str, container: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """`gpuvisor node-agent set-limit` for device GPU-aaaa of container."""
+    """`gpuvisor node-agent set-limit` for device GPU_A of container."""
     return run_cli(
         "node-agent",
         "set-limit",
@@ -893,7 +896,7 @@ def set_limit(sock: str, container: str, *args: str) -> subprocess.CompletedProc
         "--container",
         container,
         "--device",
-        "GPU-aaaa",
+        GPU_A,
         *args,
     )
 
@@ -907,8 +910,8 @@ def test_pushed_limit_reaches_next_ack(sock_path):
         proc = set_limit(sock_path, key, "--memory", "4g", "--cores", "30")
         assert proc.returncode == 0, proc.stderr
         instr = parse_ack(c.report(device(limit=8 * GiB)))
-        assert instr.memory_limits == {"GPU-aaaa": 4 * GiB}
-        assert instr.sm_limits == {"GPU-aaaa": 30}
+        assert instr.memory_limits == {GPU_A: 4 * GiB}
+        assert instr.sm_limits == {GPU_A: 30}
         # Repeated until the container's report shows it applied.
         instr = parse_ack(c.report(device(limit=4 * GiB, sm_limit=30)))
         assert instr.memory_limits == {}
@@ -917,7 +920,7 @@ def test_pushed_limit_reaches_next_ack(sock_path):
         proc = set_limit(sock_path, "team/tenant/main", "--memory", "none")
         assert proc.returncode == 0, proc.stderr
         ack = c.report(device(limit=4 * GiB, sm_limit=30))
-        assert ack["limits"] == {"GPU-aaaa": {"memory": None}}
+        assert ack["limits"] == {GPU_A: {"memory": None}}
         # An unknown container is an error naming it.
         proc = set_limit(sock_path, "nope", "--cores", "10")
         assert proc.returncode != 0
@@ -948,7 +951,7 @@ def test_set_limit_is_refused_on_the_reporting_socket(sock_path):
                 "type": "set-limit",
                 "seq": 9,
                 "container": "team/tenant/main",
-                "device": "GPU-aaaa",
+                "device": GPU_A,
                 "memory": None,
                 "sm": None,
             }
@@ -978,13 +981,13 @@ def test_admin_socket_is_private_and_takes_only_set_limit(sock_path):
             "type": "set-limit",
             "seq": 3,
             "container": "team/tenant/main",
-            "device": "GPU-aaaa",
+            "device": GPU_A,
             "sm": 20,
         }
         reply = send_admin(str(admin), msg)
         assert reply["type"] == "ack"
         assert reply["seq"] == 3
-        assert c.report(device(limit=8 * GiB))["limits"] == {"GPU-aaaa": {"sm": 20}}
+        assert c.report(device(limit=8 * GiB))["limits"] == {GPU_A: {"sm": 20}}
         # A report on the admin socket is not taken.
         reply = send_admin(str(admin), c.report_msg())
         assert reply["type"] == "error"
@@ -1062,14 +1065,14 @@ def test_a_device_gone_from_a_high_priority_report_is_no_longer_busy():
     def report(pod: str, priority: int, *devices: DeviceReport) -> Report:
         return pod_report(pod, priority, list(devices))
 
-    a, b = device(uuid="GPU-a", share=50.0, sm_limit=50), device(uuid="GPU-b", share=50.0)
+    a, b = device(uuid=GPU_A, share=50.0, sm_limit=50), device(uuid=GPU_B, share=50.0)
     low = report("low", 1, replace(a, sm_share=20.0))
     t = 100.0
     state.accept_report(report("high", 0, a), peer, t)
-    assert state.accept_report(low, peer, t).yield_devices == {"GPU-a": True}
+    assert state.accept_report(low, peer, t).yield_devices == {GPU_A: True}
     state.accept_report(report("high", 0, replace(b, sm_limit=50)), peer, t + 0.5)
-    assert state.accept_report(low, peer, t + 0.6).yield_devices == {"GPU-a": False}
-    assert "GPU-a" not in state.high_active
+    assert state.accept_report(low, peer, t + 0.6).yield_devices == {GPU_A: False}
+    assert GPU_A not in state.high_active
 
 
 def test_a_high_priority_container_reporting_seldom_keeps_its_device_busy():
@@ -1090,21 +1093,21 @@ def test_a_high_priority_container_reporting_seldom_keeps_its_device_busy():
     state.accept_report(report("high", 0, 50.0, 10.0), peer, t)
     for dt in (1.0, 5.0, 9.5):
         state.expire(t + dt)
-        assert state.accept_report(low, peer, t + dt).yield_devices == {"GPU-aaaa": True}, dt
+        assert state.accept_report(low, peer, t + dt).yield_devices == {GPU_A: True}, dt
     state.accept_report(report("high", 0, 50.0, 10.0), peer, t + 10.0)
     state.expire(t + 19.0)
-    assert state.accept_report(low, peer, t + 19.0).yield_devices == {"GPU-aaaa": True}
+    assert state.accept_report(low, peer, t + 19.0).yield_devices == {GPU_A: True}
     state.expire(t + 30.5)  # two intervals without a report
-    assert state.accept_report(low, peer, t + 30.5).yield_devices == {"GPU-aaaa": False}
+    assert state.accept_report(low, peer, t + 30.5).yield_devices == {GPU_A: False}
     # An idle report lifts it at once.
     state.accept_report(report("high", 0, 50.0, 10.0), peer, t + 31.0)
     state.accept_report(report("high", 0, 0.0, 10.0), peer, t + 32.0)
-    assert state.accept_report(low, peer, t + 32.0).yield_devices == {"GPU-aaaa": False}
+    assert state.accept_report(low, peer, t + 32.0).yield_devices == {GPU_A: False}
     # The measured interval counts too when none is declared.
     state.accept_report(report("high", 0, 50.0, None), peer, t + 40.0)
     state.accept_report(report("high", 0, 50.0, None), peer, t + 48.0)
     state.expire(t + 54.0)
-    assert state.accept_report(low, peer, t + 54.0).yield_devices == {"GPU-aaaa": True}
+    assert state.accept_report(low, peer, t + 54.0).yield_devices == {GPU_A: True}
 
 
 def test_a_memory_limit_of_2_64_minus_1_is_pushed_as_no_limit():
@@ -1117,8 +1120,8 @@ def test_a_memory_limit_of_2_64_minus_1_is_pushed_as_no_limit():
     peer = PeerCred(pid=1, uid=0, gid=0)
     r = pod_report("t", 0, [device(limit=4 * GiB)])
     state.accept_report(r, peer, 1.0)
-    state.set_limit(r.container.key, "GPU-aaaa", {"memory": 2**64 - 1})
-    assert state.accept_report(r, peer, 2.0).memory_limits == {"GPU-aaaa": None}
+    state.set_limit(r.container.key, GPU_A, {"memory": 2**64 - 1})
+    assert state.accept_report(r, peer, 2.0).memory_limits == {GPU_A: None}
     applied = replace(r, devices=[device(limit=None)])
     assert state.accept_report(applied, peer, 3.0).memory_limits == {}
     assert state.status()["containers"][0]["pending_limits"]["memory"] == {}

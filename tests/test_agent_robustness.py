@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 from gpuvisor.supervisor import agent as agent_module
-from gpuvisor.supervisor.agent import Agent, Connection
+from gpuvisor.supervisor.agent import Agent, Connection, send_admin
 from gpuvisor.supervisor.agent_state import AgentConfig, AgentState
 from gpuvisor.supervisor.identity import PeerCred
 from gpuvisor.supervisor.protocol import (
@@ -34,7 +34,7 @@ from gpuvisor.supervisor.protocol import (
 )
 
 from tests.helpers import run_cli
-from tests.test_agent import AgentProc, Client, device, find
+from tests.test_agent import GPU_A, GPU_B, AgentProc, Client, device, find, wait_for
 
 
 @pytest.fixture
@@ -396,6 +396,10 @@ def test_a_taken_metrics_port_is_named_and_leaves_no_socket(sock_path):
             ["node-agent", "set-limit", "--container", "c", "--device", "d", "--memory", "4q"],
             "--memory",
         ),
+        (
+            ["node-agent", "set-limit", "--container", "c", "--device", "GPU-a", "--cores", "30"],
+            "--device",
+        ),
     ],
 )
 def test_out_of_range_view_options_are_named(args, option):
@@ -518,9 +522,9 @@ def test_labels_another_live_cgroup_reports_under_are_refused(sock_path, monkeyp
 def test_a_device_twice_in_one_report_is_refused(sock_path):
     with AgentProc(sock_path) as agent:
         c = Client(sock_path)
-        reply = c.report(device(uuid="GPU-a"), device(uuid="GPU-b"), device(uuid="GPU-a"))
+        reply = c.report(device(uuid=GPU_A), device(uuid=GPU_B), device(uuid=GPU_A))
         assert reply["type"] == "error"
-        assert reply["error"] == "devices[2].uuid='GPU-a': the same device as devices[0]"
+        assert reply["error"] == f"devices[2].uuid={GPU_A!r}: the same device as devices[0]"
         assert _rejected(agent)["field"] == 1
         assert agent.status()["containers"] == []
         c.close()
@@ -573,3 +577,105 @@ def test_a_label_set_naming_an_unlabelled_container_is_refused(sock_path, monkey
         assert send(202, other)["type"] == "ack"
     finally:
         agent.gpus.close()
+
+
+# ---- device UUIDs: one form, a bounded set per container --------------------------------
+
+UUID_ERROR = "expected a device UUID, GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx (lowercase hex)"
+
+
+def _uuid(i: int) -> str:
+    return f"GPU-{i:08x}-0000-4000-8000-000000000000"
+
+
+def _uuid_labels(agent: AgentProc) -> set[str]:
+    """Every device UUID a container series of /metrics carries."""
+    return {
+        lab.get("deviceuuid") or lab["device_uuid"]
+        for n, lab, _ in agent.metrics()
+        if "deviceuuid" in lab or "device_uuid" in lab
+    }
+
+
+def test_device_uuids_must_have_nvml_form(sock_path):
+    """A report's device UUID becomes a label of every series of the
+    device: one that is not NVML's form (as the library writes it) is
+    refused, naming the field and the value, and exports nothing."""
+    bad = [
+        "GPU-a",
+        "GPU-" + GPU_A[4:].upper(),
+        "MIG-" + GPU_A[4:],
+        GPU_A + "0",
+        " " + GPU_A,
+        GPU_A + "\n",
+        GPU_A.replace("-", "", 2),
+    ]
+    with AgentProc(sock_path) as agent:
+        c = Client(sock_path)
+        for uuid in bad:
+            reply = c.report(device(uuid=uuid))
+            assert reply["type"] == "error", uuid
+            assert reply["error"] == f"devices[0].uuid={uuid!r}: {UUID_ERROR}"
+            assert c.report(device(uuid=GPU_A))["type"] == "ack"
+        assert _rejected(agent)["field"] == len(bad)
+        assert _uuid_labels(agent) == {GPU_A}
+        # set-limit names a device the same way.
+        admin = Path(sock_path).parent.parent / "run-admin" / "admin.sock"
+        msg = {"v": 1, "type": "set-limit", "container": "ns/pod-a/main", "sm": 20}
+        reply = send_admin(str(admin), {**msg, "device": "GPU-a"})
+        assert reply["type"] == "error"
+        assert reply["error"] == f"device='GPU-a': {UUID_ERROR}"
+        assert send_admin(str(admin), {**msg, "device": GPU_A})["type"] == "ack"
+        c.close()
+
+
+def test_a_container_names_at_most_16_devices(sock_path):
+    """A region holds at most 16 devices and never changes them: a
+    container whose reports go on naming new UUIDs (made up, or a buggy
+    supervisor) is refused the 17th, so it cannot grow /metrics series
+    without end; the devices it named stay accepted."""
+    with AgentProc(sock_path) as agent:
+        c = Client(sock_path)
+        for first in range(0, 16, 4):
+            devs = [device(uuid=_uuid(i), index=i - first) for i in range(first, first + 4)]
+            assert c.report(*devs)["type"] == "ack"
+            # Only the devices of the latest report are exported.
+            assert _uuid_labels(agent) == {_uuid(i) for i in range(first, first + 4)}
+        reply = c.report(device(uuid=_uuid(3)), device(uuid=_uuid(16), index=1))
+        assert reply["type"] == "error"
+        assert reply["error"].startswith(f"devices[1].uuid={_uuid(16)!r}: a device more than")
+        assert _rejected(agent)["devices"] == 1
+        assert _uuid_labels(agent) == {_uuid(i) for i in range(12, 16)}
+        assert c.report(device(uuid=_uuid(0)), device(uuid=_uuid(15), index=1))["type"] == "ack"
+        assert _uuid_labels(agent) == {_uuid(0), _uuid(15)}
+        # Another container has a budget of its own.
+        other = Client(sock_path, pod="pod-b")
+        assert other.report(device(uuid=_uuid(16)))["type"] == "ack"
+        # Gone (a final report), the container's series and budget go too.
+        assert c.report(device(uuid=_uuid(0)), final=True)["type"] == "ack"
+        assert _uuid_labels(agent) == {_uuid(16)}
+        assert c.report(device(uuid=_uuid(17)))["type"] == "ack"
+        c.close()
+        other.close()
+
+
+def test_a_containers_series_are_those_of_its_latest_report(sock_path):
+    """Already so before UUIDs were checked (the collector reads each
+    container's latest report at scrape time): a device a container no
+    longer reports has no series left, and a container that expired or
+    sent its final report has none at all."""
+    with AgentProc(sock_path, "--expire-after", "0.5") as agent:
+        a = Client(sock_path, pod="pod-a")
+        b = Client(sock_path, pod="pod-b")
+        assert a.report(device(uuid=GPU_A), device(uuid=GPU_B, index=1))["type"] == "ack"
+        assert b.report(device(uuid=_uuid(1)))["type"] == "ack"
+        assert _uuid_labels(agent) == {GPU_A, GPU_B, _uuid(1)}
+        assert a.report(device(uuid=GPU_B))["type"] == "ack"
+        assert _uuid_labels(agent) == {GPU_B, _uuid(1)}
+        assert a.report(device(uuid=GPU_B), final=True)["type"] == "ack"
+        assert _uuid_labels(agent) == {_uuid(1)}
+        # b stops reporting: it expires, and its series with it.
+        assert wait_for(lambda: not _uuid_labels(agent), timeout=5.0)
+        assert agent.status()["containers"] == []
+        a.close()
+        b.close()

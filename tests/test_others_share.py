@@ -19,6 +19,7 @@ from pathlib import Path
 from gpuvisor.supervisor.protocol import Instructions, ack_message, decode, parse_ack
 
 from tests.helpers import REPO_ROOT, SimNode
+from tests.test_agent import GPU_A as GPU_X
 from tests.test_agent import AgentProc, Client, device, sock_path, wait_for  # noqa: F401
 from tests.test_supervisor_run import RUN, FakeAgent, py
 
@@ -35,21 +36,21 @@ def test_agent_tells_each_container_what_the_others_use(sock_path: str) -> None:
     with AgentProc(sock_path) as agent:
         del agent
         a, b = Client(sock_path, pod="a"), Client(sock_path, pod="b")
-        a.report(device(uuid="GPU-x", share=30.0, sm_limit=30))
-        ack_b = b.report(device(uuid="GPU-x", share=20.0, sm_limit=60))
-        ack_a = a.report(device(uuid="GPU-x", share=30.0, sm_limit=30))
-        assert ack_b["others"] == {"GPU-x": 30.0}
+        a.report(device(uuid=GPU_X, share=30.0, sm_limit=30))
+        ack_b = b.report(device(uuid=GPU_X, share=20.0, sm_limit=60))
+        ack_a = a.report(device(uuid=GPU_X, share=30.0, sm_limit=30))
+        assert ack_b["others"] == {GPU_X: 30.0}
         # B uses 20 % but, active, claims its 60 % limit: a starved container
         # still gets its guarantee back from burst-share lenders.
-        assert ack_a["others"] == {"GPU-x": 60.0}
+        assert ack_a["others"] == {GPU_X: 60.0}
         # An active container without an SM limit claims the whole device.
-        b.report(device(uuid="GPU-x", share=20.0, sm_limit=None))
-        assert a.report(device(uuid="GPU-x", share=30.0, sm_limit=30))["others"] == {"GPU-x": 100.0}
+        b.report(device(uuid=GPU_X, share=20.0, sm_limit=None))
+        assert a.report(device(uuid=GPU_X, share=30.0, sm_limit=30))["others"] == {GPU_X: 100.0}
         # Idle containers claim nothing; one that left is forgotten.
-        b.report(device(uuid="GPU-x", share=0.0, sm_limit=60))
-        assert a.report(device(uuid="GPU-x", share=30.0, sm_limit=30))["others"] == {"GPU-x": 0.0}
-        b.report(device(uuid="GPU-x", share=20.0, sm_limit=60), final=True)
-        assert a.report(device(uuid="GPU-x", share=30.0, sm_limit=30))["others"] == {"GPU-x": 0.0}
+        b.report(device(uuid=GPU_X, share=0.0, sm_limit=60))
+        assert a.report(device(uuid=GPU_X, share=30.0, sm_limit=30))["others"] == {GPU_X: 0.0}
+        b.report(device(uuid=GPU_X, share=20.0, sm_limit=60), final=True)
+        assert a.report(device(uuid=GPU_X, share=30.0, sm_limit=30))["others"] == {GPU_X: 0.0}
 
 
 READ_OTHERS = """

@@ -66,7 +66,7 @@ def client_main(args: argparse.Namespace) -> None:
             pids=[os.getpid()],
             devices=[
                 DeviceReport(
-                    uuid=f"GPU-bench-{i % 4}",
+                    uuid=f"GPU-00000000-0000-4000-8000-{i % 4:012x}",
                     index=0,
                     memory_used=(i % 16) * GiB // 4,
                     memory_limit=4 * GiB,
