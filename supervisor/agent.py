@@ -374,10 +374,10 @@ class Connection(asyncio.Protocol):
             key = state.find_container(name)
             if key is None:
                 raise ProtocolError(f"container={name!r}: no such container reports here")
-        except ProtocolError as exc:
+            state.set_limit(key, device, msg)
+        except ValueError as exc:  # ProtocolError included
             state.rejected["field"] += 1
             return encode(error_message(seq, str(exc)))
-        state.set_limit(key, device, msg)
         return encode({**ack_message(seq or 0), "container": key})
 
 

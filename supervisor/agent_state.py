@@ -1,4 +1,4 @@
-"""What the node agent knows: containers, their latest reports, pushed limits,
+"""What the node agent knows: containers, their latest reports, admins' limits,
 priority and the others' shares per device (supervisor/agent.py serves it).
 
 Mutated only by the agent's event-loop thread; read by the HTTP thread for
@@ -128,9 +128,29 @@ class ContainerState:
 
 
 @dataclass
-class PendingLimits:
+class AdminLimits:
+    """An administrator's limits for one container (set-limit), per device
+    uuid (None: no limit).  Kept while the agent knows the container."""
+
     memory: dict[str, int | None] = field(default_factory=dict)
     sm: dict[str, int | None] = field(default_factory=dict)
+
+    def devices(self) -> set[str]:
+        return self.memory.keys() | self.sm.keys()
+
+    def unapplied(self, report: Report) -> AdminLimits:
+        """The limits the report does not show applied: another value, or a
+        device it does not list (the workload has not used it yet)."""
+        shown = {d.uuid: d for d in report.devices}
+        return AdminLimits(
+            memory={
+                u: v for u, v in self.memory.items() if u not in shown or shown[u].memory_limit != v
+            },
+            sm={u: v for u, v in self.sm.items() if u not in shown or shown[u].sm_limit != v},
+        )
+
+    def view(self) -> dict[str, dict[str, int | None]]:
+        return {"memory": dict(self.memory), "sm": dict(self.sm)}
 
 
 def _drop(table: dict[str, dict[str, float]], uuid: str, key: str) -> None:
@@ -150,7 +170,9 @@ class AgentState:
         self.config = config
         self.started = time.time()
         self.containers: dict[str, ContainerState] = {}
-        self.pending: dict[str, PendingLimits] = {}
+        # container key -> its administrator's limits (set-limit): pushed in
+        # every ack whose report does not show them, until the container goes
+        self.admin_limits: dict[str, AdminLimits] = {}
         # device uuid -> {container key: monotonic time until which its last
         # active report keeps the device busy (active_hold)}
         self.high_active: dict[str, dict[str, float]] = {}
@@ -248,15 +270,19 @@ class AgentState:
                     _drop(self.high_active, d.uuid, key)
 
         others = self._others_share(st)
-        pending = self.pending.get(key)
-        if pending is None:
+        admin = self.admin_limits.get(key)
+        if admin is None:
             instr = Instructions(yield_devices=yields, others_share=others)
         else:
-            self._settle_pending(key, pending, report)
+            # Not settled once applied: a supervisor that restarts (or a
+            # process that sets its own limit) puts the region's limit back
+            # to what the container's environment says, and the next report
+            # shows it, so the admin's limit is pushed again.
+            due = admin.unapplied(report)
             instr = Instructions(
                 yield_devices=yields,
-                memory_limits=dict(pending.memory),
-                sm_limits=dict(pending.sm),
+                memory_limits=due.memory,
+                sm_limits=due.sm,
                 others_share=others,
             )
         if report.final:
@@ -278,15 +304,6 @@ class AgentState:
             self.remove(oldest)
             keys.pop(oldest, None)
             self.replaced_total += 1
-
-    @staticmethod
-    def _settle_pending(key: str, pending: PendingLimits, report: Report) -> None:
-        """Drop pushed limits the container's report shows applied."""
-        for d in report.devices:
-            if d.uuid in pending.memory and pending.memory[d.uuid] == d.memory_limit:
-                del pending.memory[d.uuid]
-            if d.uuid in pending.sm and pending.sm[d.uuid] == d.sm_limit:
-                del pending.sm[d.uuid]
 
     def _forget_active(self, key: str) -> None:
         for table in (self.high_active, self.nvml_active):
@@ -439,7 +456,7 @@ class AgentState:
                 keys.pop(key, None)
                 if not keys:
                     del self.by_cgroup[st.id.cgroup]
-        self.pending.pop(key, None)
+        self.admin_limits.pop(key, None)
         self.nvml_share.pop(key, None)
         self._forget_active(key)
 
@@ -492,13 +509,22 @@ class AgentState:
         return matches[0] if len(matches) == 1 else None
 
     def set_limit(self, key: str, device: str, msg: dict[str, Any]) -> None:
-        pending = self.pending.setdefault(key, PendingLimits())
+        """Record an administrator's limit on one device of container `key`
+        (set-limit); it replaces the admin's earlier one of that kind and
+        stays until the container goes.  ValueError: the container has
+        admin limits on MAX_DEVICES other devices already."""
+        admin = self.admin_limits.get(key) or AdminLimits()
+        if device not in admin.devices() and len(admin.devices()) >= MAX_DEVICES:
+            raise ValueError(
+                f"device={device!r}: the container has limits on {MAX_DEVICES} devices already"
+            )
+        self.admin_limits[key] = admin
         if "memory" in msg:
             memory = msg["memory"]
-            # Pushed as null: the report shows it so, and then it settles.
-            pending.memory[device] = None if memory == UNLIMITED_BYTES else memory
+            # Pushed as null: the report shows it so (applied).
+            admin.memory[device] = None if memory == UNLIMITED_BYTES else memory
         if "sm" in msg:
-            pending.sm[device] = msg["sm"]
+            admin.sm[device] = msg["sm"]
         self.limit_pushes_total += 1
 
     # ---- views -------------------------------------------------------------
@@ -516,7 +542,7 @@ class AgentState:
                 dd["yield"] = r.priority != 0 and self.busy_for(key, d.uuid, now)
                 dd["sm_share"] = self.share_of(key, r, d, now)
                 devices.append(dd)
-            pending = self.pending.get(key)
+            admin = self.admin_limits.get(key)
             interval = st.interval if st.interval is not None else r.interval
             containers.append(
                 {
@@ -534,9 +560,8 @@ class AgentState:
                     "age_s": round(wall - st.last_wall, 3),
                     "interval_s": None if interval is None else round(interval, 3),
                     "reports": st.reports,
-                    "pending_limits": None
-                    if pending is None
-                    else {"memory": dict(pending.memory), "sm": dict(pending.sm)},
+                    "admin_limits": None if admin is None else admin.view(),
+                    "pending_limits": None if admin is None else admin.unapplied(r).view(),
                 }
             )
         containers.sort(key=lambda c: str(c["key"]))

@@ -322,7 +322,8 @@ def set_limit(
     memory: str | None,
     cores: str | None,
 ) -> None:
-    """Push a limit change to a container; it arrives with the container's next ack."""
+    """Set a container's limit on one device: the agent pushes it in the container's acks,
+    and again whenever its reports show another value, until the container leaves."""
     if memory is None and cores is None:
         raise click.UsageError("give --memory and/or --cores")
     msg: dict[str, Any] = {

@@ -928,6 +928,41 @@ def test_pushed_limit_reaches_next_ack(sock_path):
         c.close()
 
 
+def test_an_admins_limit_outlives_a_supervisor_reconnect(sock_path):
+    """An admin's limit stays the container's while the agent knows it: a
+    supervisor that reconnects (or restarts, so its region is configured
+    from the environment again) and reports another value gets it pushed
+    again; it was forgotten once a report had shown it applied.  It goes
+    with the container (a final report)."""
+    with AgentProc(sock_path) as agent:
+        c = Client(sock_path, pod="tenant", namespace="team")
+        assert c.report(device(limit=8 * GiB))["limits"] == {}
+        proc = set_limit(sock_path, "team/tenant/main", "--memory", "4g", "--cores", "30")
+        assert proc.returncode == 0, proc.stderr
+        want = {GPU_A: {"memory": 4 * GiB, "sm": 30}}
+        assert c.report(device(limit=8 * GiB))["limits"] == want
+        assert c.report(device(limit=4 * GiB, sm_limit=30))["limits"] == {}
+        assert c.report(device(limit=4 * GiB, sm_limit=30))["limits"] == {}
+        # The supervisor reconnects, as a restarted one, with its own limits.
+        c.close()
+        c.connect()
+        assert c.report(device(limit=8 * GiB))["limits"] == want
+        # Only what the report does not show is pushed.
+        assert c.report(device(limit=4 * GiB))["limits"] == {GPU_A: {"sm": 30}}
+        st = agent.status()["containers"][0]
+        assert st["admin_limits"] == {"memory": {GPU_A: 4 * GiB}, "sm": {GPU_A: 30}}
+        assert st["pending_limits"] == {"memory": {}, "sm": {GPU_A: 30}}
+        # A later set-limit replaces that kind only; "none" is kept as well.
+        assert set_limit(sock_path, "team/tenant/main", "--cores", "none").returncode == 0
+        assert c.report(device(limit=4 * GiB, sm_limit=30))["limits"] == {GPU_A: {"sm": None}}
+        assert c.report(device(limit=8 * GiB))["limits"] == {GPU_A: {"memory": 4 * GiB}}
+        # Gone (its final report), the container's admin limits go too.
+        assert c.report(device(limit=8 * GiB), final=True)["type"] == "ack"
+        assert c.report(device(limit=8 * GiB))["limits"] == {}
+        assert agent.status()["containers"][0]["admin_limits"] is None
+        c.close()
+
+
 @pytest.mark.parametrize("cores", ["+30", "3_0", " 30", "\u0663\u0660", "0x1e", "101"])
 def test_set_limit_takes_the_sm_limit_as_the_library_reads_it(sock_path, cores):
     """--cores takes digits only, as CUDA_DEVICE_SM_LIMIT: Python's int()
@@ -1125,6 +1160,23 @@ def test_a_memory_limit_of_2_64_minus_1_is_pushed_as_no_limit():
     applied = replace(r, devices=[device(limit=None)])
     assert state.accept_report(applied, peer, 3.0).memory_limits == {}
     assert state.status()["containers"][0]["pending_limits"]["memory"] == {}
+
+
+def test_an_admin_sets_limits_on_at_most_16_devices_of_a_container():
+    """Admin limits are kept while the container is: bounded like a
+    region's devices (16), a 17th device is an error naming it."""
+    state = AgentState(AgentConfig())
+    peer = PeerCred(pid=1, uid=0, gid=0)
+    r = pod_report("t", 0, [device(limit=4 * GiB)])
+    state.accept_report(r, peer, 1.0)
+    key = r.container.key
+    uuids = [f"GPU-{i:08x}-0000-4000-8000-000000000000" for i in range(17)]
+    for u in uuids[:16]:
+        state.set_limit(key, u, {"sm": 10})
+    state.set_limit(key, uuids[0], {"memory": GiB})  # a device it has: fine
+    with pytest.raises(ValueError, match=rf"^device='{uuids[16]}': the container has limits"):
+        state.set_limit(key, uuids[16], {"sm": 10})
+    assert len(state.admin_limits[key].devices()) == 16
 
 
 def test_a_device_nvml_cannot_read_does_not_hide_the_others():

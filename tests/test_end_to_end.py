@@ -280,3 +280,72 @@ def test_low_priority_yields_while_a_high_priority_container_works(
     assert (30 <= both[high_pid] <= 45) if high_cores else both[high_pid] >= 90
     assert abs(h_metric * 100 - both[high_pid]) <= 10, h_metric
     assert share[0] <= after.get(low_pid, 0) <= share[1]
+
+
+def test_an_admins_limit_is_applied_again_by_a_restarted_supervisor(
+    node: SimNode,
+    sock_path: str,  # noqa: F811
+) -> None:
+    """`set-limit` lowers a container's memory limit; its supervisor dies
+    (SIGKILL: no final report) and a new one starts in the same container
+    with a fresh region, configured from the environment (4 GiB).  The
+    agent, which still knows the container, pushes the admin's 1 GiB again,
+    and the new supervisor applies it."""
+    import os
+    import signal
+
+    import psutil
+
+    def limit(agent: AgentProc) -> list[float]:
+        return find(agent.metrics(), "gpuvisor_container_memory_limit_bytes", podname="pod-r")
+
+    with AgentProc(sock_path, "--expire-after", "30", env=node.env) as agent:
+        first = supervised(node, sock_path, node.dir / "r1.shr", "pod-r", "4g", "0", 64)
+        try:
+            assert first.stdout is not None
+            assert first.stdout.readline().strip() == "allocated"
+            assert wait_for(lambda: limit(agent) == [4 * GiB], timeout=5.0), limit(agent)
+            uuid = agent.status()["containers"][0]["devices"][0]["uuid"]
+            proc = subprocess.run(
+                [
+                    *CLI,
+                    "node-agent",
+                    "set-limit",
+                    "--socket",
+                    sock_path,
+                    "--container",
+                    "e2e/pod-r/main",
+                    "--device",
+                    uuid,
+                    "--memory",
+                    "1g",
+                ],
+                capture_output=True,
+                text=True,
+                cwd=REPO_ROOT,
+                timeout=30,
+            )
+            assert proc.returncode == 0, proc.stderr
+            assert wait_for(lambda: limit(agent) == [GiB], timeout=5.0), limit(agent)
+            workload = psutil.Process(first.pid).children()
+            first.send_signal(signal.SIGKILL)
+            for p in workload:
+                os.killpg(p.pid, signal.SIGKILL)
+        finally:
+            first.kill()
+            first.communicate(timeout=30)
+        second = supervised(node, sock_path, node.dir / "r2.shr", "pod-r", "4g", "0", 64)
+        try:
+            assert second.stdout is not None
+            assert second.stdout.readline().strip() == "allocated"
+
+            def reported_by_second() -> bool:
+                st = agent.status()["containers"]
+                return bool(st) and st[0]["peer"]["pid"] == second.pid
+
+            assert wait_for(reported_by_second, timeout=5.0)
+            assert wait_for(lambda: limit(agent) == [GiB], timeout=5.0), limit(agent)
+            assert len(agent.status()["containers"]) == 1
+        finally:
+            second.kill()
+            second.communicate(timeout=30)
