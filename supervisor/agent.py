@@ -22,7 +22,10 @@ Defences against bad clients, all with bounded memory:
   metric series);
 - every malformed message gets an error naming the field and is counted;
   a message that cannot be handled for any other reason (an exception)
-  gets a `malformed` error too, never a dropped connection;
+  gets a `malformed` error too, never a dropped connection by itself;
+- a peer whose messages are refused --max-errors times in a row (any
+  reason but rate and conflict; an ack starts the count again) gets one
+  more error and is disconnected;
 - HTTP clients of /metrics and /status are disconnected --http-timeout
   seconds after they connected, however slowly they send or read (and
   sooner if they stall that long); at most 32 are served at once, more are
@@ -113,6 +116,7 @@ class Connection(asyncio.Protocol):
         self.cred = PeerCred(0, -1, -1)
         self.cgroups: frozenset[str] = frozenset()
         self.closing = False
+        self.errors_in_a_row = 0  # bad messages since the last one served (--max-errors)
 
     # ---- asyncio.Protocol ----------------------------------------------------
 
@@ -198,6 +202,9 @@ class Connection(asyncio.Protocol):
                 reply = self.handle_safely(line, now)
                 out.append(reply)
                 size += len(reply)
+                if 0 < self.agent.config.max_errors <= self.errors_in_a_row:
+                    self._too_many_errors(out)
+                    return
                 if size >= REPLY_FLUSH:
                     self._write(out)  # may call pause_writing
                     out, size = [], 0
@@ -221,6 +228,14 @@ class Connection(asyncio.Protocol):
             self.transport.write(out[0] if len(out) == 1 else b"".join(out))
 
     # ---- messages -------------------------------------------------------------
+
+    def _too_many_errors(self, out: list[bytes]) -> None:
+        """After the reply to the last of --max-errors bad messages in a
+        row: one more error, then disconnect (the lines after it are not
+        served)."""
+        n = self.errors_in_a_row
+        out.append(encode(error_message(None, f"{n} bad messages in a row: disconnecting")))
+        self.disconnect("errors", b"".join(out))
 
     def _oversize(self, out: list[bytes]) -> None:
         self.state.rejected["oversize"] += 1
@@ -258,37 +273,43 @@ class Connection(asyncio.Protocol):
         try:
             return self.handle(line, now)
         except Exception as exc:
-            self.state.rejected["malformed"] += 1
             kind = type(exc).__name__
             if kind not in self.agent.logged_errors:
                 self.agent.logged_errors.add(kind)
                 log.warning("a message could not be handled", exc_info=True)
-            return encode(error_message(None, f"message: could not be handled ({kind})"))
+            return self._refuse("malformed", None, f"message: could not be handled ({kind})")
+
+    def _refuse(self, reason: str, seq: int | None, text: str) -> bytes:
+        """The error reply to a message refused for `reason` (counted).  A
+        message that is bad in itself (not a label conflict, which depends
+        on another container) adds to errors_in_a_row; one over the rate
+        limit (not read) does not go through here."""
+        self.state.rejected[reason] += 1
+        if reason != "conflict":
+            self.errors_in_a_row += 1
+        return encode(error_message(seq, text))
 
     def handle(self, line: bytes, now: float) -> bytes:
         state = self.state
         if not self._take_token(now):
-            state.rejected["rate"] += 1
+            state.rejected["rate"] += 1  # not a bad message: not in errors_in_a_row
             return self.agent.rate_error
         try:
             obj = decode(line)
         except ProtocolError as exc:
-            state.rejected[_classify(exc)] += 1
-            return encode(error_message(None, str(exc)))
+            return self._refuse(_classify(exc), None, str(exc))
         raw_seq = obj.get("seq")
         seq = raw_seq if is_int(raw_seq) and 0 <= raw_seq < 2**64 else None
         mtype = obj["type"]
         if self.admin:
             if mtype == "set-limit":
                 return self._set_limit(obj, seq)
-            state.rejected["type"] += 1
-            return encode(error_message(seq, f"type={mtype!r}: the admin socket takes 'set-limit'"))
+            return self._refuse("type", seq, f"type={mtype!r}: the admin socket takes 'set-limit'")
         if mtype == "report":
             try:
                 report = parse_report(obj)
             except ProtocolError as exc:
-                state.rejected[_classify(exc)] += 1
-                return encode(error_message(seq, str(exc)))
+                return self._refuse(_classify(exc), seq, str(exc))
             claimed = report.container.cgroup
             seen = claim_matches(claimed, self.cgroups)
             if seen is None:
@@ -297,41 +318,35 @@ class Connection(asyncio.Protocol):
                     self.cgroups = peer_cgroups(self.cred.pid)
                 seen = claim_matches(claimed, self.cgroups)
                 if seen is None:
-                    state.rejected["identity"] += 1
-                    return encode(
-                        error_message(
-                            seq,
-                            f"container.cgroup={claimed!r}: the peer (pid {self.cred.pid}) is "
-                            f"in cgroup {sorted(self.cgroups)!r}",
-                        )
+                    return self._refuse(
+                        "identity",
+                        seq,
+                        f"container.cgroup={claimed!r}: the peer (pid {self.cred.pid}) is "
+                        f"in cgroup {sorted(self.cgroups)!r}",
                     )
             if seen != claimed:  # keyed by the cgroup the agent read, not the claim
                 report = replace(report, container=replace(report.container, cgroup=seen))
             if not self._labels_free(report.container):
-                state.rejected["conflict"] += 1
                 labels = "/".join(report.container.labels)
-                return encode(
-                    error_message(
-                        seq,
-                        f"container: namespace/pod/container {labels!r} "
-                        "is reported by another live cgroup",
-                    )
+                return self._refuse(
+                    "conflict",
+                    seq,
+                    f"container: namespace/pod/container {labels!r} "
+                    "is reported by another live cgroup",
                 )
             churn = state.device_churn(report)
             if churn is not None:
-                state.rejected["devices"] += 1
-                return encode(error_message(seq, churn))
+                return self._refuse("devices", seq, churn)
             instr = state.accept_report(report, self.cred, now)
+            self.errors_in_a_row = 0
             return encode(ack_message(report.seq, instr))
         if mtype == "set-limit":
             # The reporting socket is mounted into every workload: whatever
             # a peer's uid, limits change only over the admin socket.
-            state.rejected["unauthorized"] += 1
-            return encode(
-                error_message(seq, "set-limit: not on the reporting socket; use the admin socket")
+            return self._refuse(
+                "unauthorized", seq, "set-limit: not on the reporting socket; use the admin socket"
             )
-        state.rejected["type"] += 1
-        return encode(error_message(seq, f"type={mtype!r}: expected 'report' or 'set-limit'"))
+        return self._refuse("type", seq, f"type={mtype!r}: expected 'report' or 'set-limit'")
 
     def _labels_free(self, cid: ContainerId) -> bool:
         """May cid's labels be reported from its cgroup: no other cgroup
@@ -358,9 +373,8 @@ class Connection(asyncio.Protocol):
     def _set_limit(self, msg: dict[str, Any], seq: int | None) -> bytes:
         state = self.state
         if not is_admin(self.cred):
-            state.rejected["unauthorized"] += 1
-            return encode(
-                error_message(seq, f"set-limit: uid {self.cred.uid} may not change limits")
+            return self._refuse(
+                "unauthorized", seq, f"set-limit: uid {self.cred.uid} may not change limits"
             )
         try:
             name = msg.get("container")
@@ -376,8 +390,8 @@ class Connection(asyncio.Protocol):
                 raise ProtocolError(f"container={name!r}: no such container reports here")
             state.set_limit(key, device, msg)
         except ValueError as exc:  # ProtocolError included
-            state.rejected["field"] += 1
-            return encode(error_message(seq, str(exc)))
+            return self._refuse("field", seq, str(exc))
+        self.errors_in_a_row = 0
         return encode({**ack_message(seq or 0), "container": key})
 
 

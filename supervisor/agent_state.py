@@ -31,7 +31,7 @@ REJECT_REASONS = (
     "conflict",  # labels another live cgroup reports under
     "devices",  # a container's reports name more devices than a region holds
 )
-DISCONNECT_REASONS = ("oversize", "timeout", "slow-reader", "idle", "too-many")
+DISCONNECT_REASONS = ("oversize", "timeout", "slow-reader", "idle", "too-many", "errors")
 # The library's "no memory limit" (GV_UNLIMITED): a region so limited
 # reports memory_limit null.
 UNLIMITED_BYTES = 2**64 - 1
@@ -103,6 +103,8 @@ class AgentConfig:
     # replaces the one that reported least recently.
     max_per_cgroup: int = 16
     max_expire: float = 300.0  # cap on 3 x a container's report interval
+    # Bad messages in a row after which a connection is closed (0: never)
+    max_errors: int = 10
 
     @property
     def admin_socket_path(self) -> str:

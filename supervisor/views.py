@@ -152,6 +152,13 @@ POSITIVE = Finite(min=0, min_open=True)
     help="Most connections served at once; more get an error and are closed.",
 )
 @click.option(
+    "--max-errors",
+    default=10,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Disconnect a peer after this many bad messages in a row (0: never).",
+)
+@click.option(
     "--max-containers-per-cgroup",
     default=16,
     show_default=True,
@@ -206,6 +213,7 @@ def node_agent(
     rate: float,
     burst: float,
     max_connections: int,
+    max_errors: int,
     max_containers_per_cgroup: int,
     max_expire: float,
     active_window: float,
@@ -245,6 +253,7 @@ def node_agent(
         rate=rate,
         burst=burst,
         max_connections=max_connections,
+        max_errors=max_errors,
         max_per_cgroup=max_containers_per_cgroup,
         max_expire=max_expire,
         active_window=active_window,

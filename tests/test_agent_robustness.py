@@ -95,6 +95,50 @@ def test_messages_that_break_the_reader_get_an_error_and_are_counted(sock_path):
         c.close()
 
 
+def test_a_peer_that_keeps_sending_bad_messages_is_disconnected(sock_path):
+    """Ten bad messages in a row (--max-errors, default 10): each gets its
+    error, then one more error says why, and the connection is closed (the
+    lines behind are not served).  A message served in between starts the
+    count again."""
+    with AgentProc(sock_path) as agent:
+        c = Client(sock_path)
+        good = c.report_msg()
+        bad = [
+            b"x\n",
+            b"[]\n",
+            json.dumps({**good, "v": 2}).encode() + b"\n",
+            json.dumps({**good, "priority": "high"}).encode() + b"\n",
+            json.dumps({**good, "type": "hello"}).encode() + b"\n",
+            json.dumps({"v": 1, "type": "set-limit", "container": "c", "device": GPU_A}).encode()
+            + b"\n",
+            json.dumps(
+                {**good, "container": {**good["container"], "cgroup": "/elsewhere"}}
+            ).encode()
+            + b"\n",
+        ]
+        lines = [bad[i % len(bad)] for i in range(9)]
+        c.send(b"".join(lines) + encode(good))
+        replies = [c.recv() for _ in range(10)]
+        assert [r["type"] for r in replies if r is not None] == ["error"] * 9 + ["ack"]
+        # Served: the count starts again, and the tenth bad one in a row ends it.
+        c.send(b"".join(bad + lines[:3]) + encode(c.report_msg()))
+        replies = [c.recv() for _ in range(11)]
+        assert all(r is not None and r["type"] == "error" for r in replies), replies
+        assert replies[-1] == {
+            "v": 1,
+            "type": "error",
+            "seq": None,
+            "error": "10 bad messages in a row: disconnecting",
+        }
+        assert c.recv() is None  # closed; the report behind was not served
+        assert find(agent.metrics(), "gpuvisor_agent_disconnects_total", reason="errors") == [1.0]
+        assert find(agent.metrics(), "gpuvisor_agent_reports_total") == [1.0]
+        assert sum(_rejected(agent).values()) == 19
+        # Other peers are not affected.
+        assert Client(sock_path).report()["type"] == "ack"
+        c.close()
+
+
 def test_decode_rejects_non_integer_versions():
     for v in ("true", "1.0", '"1"'):
         with pytest.raises(ProtocolError, match=r"^v="):
@@ -430,8 +474,9 @@ def _flood_unread(sock: str, lines: int, seconds: float) -> socket.socket:
 def test_unread_replies_stay_bounded_per_connection(sock_path):
     """Each line of a read gets a reply; a peer that pipelines a read's worth
     of one-byte lines and never reads must not make the agent buffer a reply
-    for every one of them (protocol.md: 256 KiB of unread replies)."""
-    with AgentProc(sock_path, "--read-timeout", "60") as agent:
+    for every one of them (protocol.md: 256 KiB of unread replies).  With
+    --max-errors 0, so that those bad lines do not end the connection."""
+    with AgentProc(sock_path, "--read-timeout", "60", "--max-errors", "0") as agent:
         time.sleep(0.3)
         before = agent.rss()
         peers = [_flood_unread(sock_path, 131072, 0.2) for _ in range(30)]
@@ -448,9 +493,10 @@ def test_unread_replies_stay_bounded_per_connection(sock_path):
 
 def test_a_pipelining_peer_gets_every_reply_in_order(sock_path):
     """Lines held while the peer's replies are unread are served once it
-    reads: none lost, none reordered."""
+    reads: none lost, none reordered (--max-errors 0: the junk lines do
+    not end the connection)."""
     n = 50000
-    with AgentProc(sock_path, "--rate", "0") as agent:
+    with AgentProc(sock_path, "--rate", "0", "--max-errors", "0") as agent:
         c = Client(sock_path)
         reports = b"".join(encode(c.report_msg()) for _ in range(50))
         junk = b"x\n" * n
