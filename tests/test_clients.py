@@ -962,6 +962,146 @@ def test_graph_memory_counts_for_the_whole_container(node):
     assert client(node, probe, CUDA_DEVICE_MEMORY_LIMIT="4g") == {"big": "CUDA_SUCCESS"}
 
 
+AUTO_FREE = """
+from gpuvisor.shim.region import Region
+AUTO = cu.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH
+def region_used():
+    return Region.attach().devices()[0].used
+def left_live(nbytes, flags, captured=False):
+    \"\"\"An executable graph that allocates nbytes and leaves them live, as
+    PyTorch's captured graphs do (their outputs), and its address.\"\"\"
+    if captured:
+        s = ok(cu.cuStreamCreate, 0)
+        ok(cu.cuStreamBeginCapture, s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+        dptr = ok(cu.cuMemAllocAsync, nbytes, s)
+        g = ok(cu.cuStreamEndCapture, s)
+    else:
+        g, dptr = explicit_graph(nbytes)
+    return ok(cu.cuGraphInstantiate, g, flags), g, dptr
+"""
+SIXTY = 2458 * MiB  # 60 % of the 4 GiB quota, in whole 2 MiB steps
+
+
+@pytest.mark.parametrize("captured", [False, True], ids=["node", "captured"])
+def test_an_auto_free_graph_relaunches_with_its_memory_charged_once(node, captured):
+    """A graph instantiated with CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH
+    (as PyTorch does) frees, at each relaunch, what its previous launch left
+    live before it allocates again, so a graph taking 60 % of the quota
+    relaunches and the container keeps 60 % charged.  The launch used to be
+    charged as if the old allocation stayed: refused from the second launch.
+    Destroying the executable graph leaves its allocation live (and charged)
+    until it is freed; a trim then gives the pool back."""
+    out = client(
+        node,
+        EXPLICIT_GRAPH
+        + AUTO_FREE
+        + f"""
+init()
+base = region_used()
+s = ok(cu.cuStreamCreate, 0)
+e, g, dptr = left_live({SIXTY}, AUTO, captured={captured})
+rcs, held = [], []
+for _ in range(4):
+    rcs.append(call(cu.cuGraphLaunch, e, s)[0].name)
+    ok(cu.cuStreamSynchronize, s)
+    held.append(region_used() - base)
+plain = call(cu.cuMemAlloc, 2 * GiB)[0].name       # 2.4 + 2 > 4: still refused
+ok(cu.cuGraphExecDestroy, e)
+destroyed = region_used() - base
+ok(cu.cuDeviceGraphMemTrim, 0)
+trimmed_live = region_used() - base                  # still allocated: kept
+ok(cu.cuMemFree, dptr)
+ok(cu.cuDeviceGraphMemTrim, 0)
+emit(rcs=rcs, held=held, plain=plain, destroyed=destroyed, trimmed_live=trimmed_live,
+     end=region_used() - base)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+    )
+    assert out["rcs"] == ["CUDA_SUCCESS"] * 4, out
+    assert out["held"] == [SIXTY] * 4, out
+    assert out["plain"] == OOM, out
+    assert out["destroyed"] == out["trimmed_live"] == SIXTY, out
+    assert out["end"] == 0, out
+
+
+def test_a_graph_without_auto_free_gets_the_drivers_error_on_relaunch(node):
+    """Without CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH, relaunching a
+    graph whose allocation is still live is CUDA_ERROR_INVALID_VALUE, as
+    CUDA documents: the driver's answer comes back, not an out-of-memory
+    refusal of the interposer's, and nothing more is charged.  Once the
+    allocation is freed, the relaunch runs in the memory the pool kept."""
+    out = client(
+        node,
+        EXPLICIT_GRAPH
+        + AUTO_FREE
+        + f"""
+init()
+base = region_used()
+s = ok(cu.cuStreamCreate, 0)
+e, g, dptr = left_live({SIXTY}, 0)
+first = call(cu.cuGraphLaunch, e, s)[0].name
+again = [call(cu.cuGraphLaunch, e, s)[0].name for _ in range(2)]
+refused = region_used() - base
+ok(cu.cuMemFree, dptr)
+freed = call(cu.cuGraphLaunch, e, s)[0].name
+emit(first=first, again=again, refused=refused, freed=freed, end=region_used() - base)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+    )
+    assert out["first"] == "CUDA_SUCCESS", out
+    assert out["again"] == ["CUDA_ERROR_INVALID_VALUE"] * 2, out
+    assert out["refused"] == SIXTY, out
+    assert out["freed"] == "CUDA_SUCCESS", out
+    assert out["end"] == SIXTY, out
+
+
+@pytest.mark.parametrize("free", ["cuMemFree", "cuMemFreeAsync", "free-node"])
+def test_an_auto_free_graphs_allocation_freed_by_the_program_is_not_freed_twice(node, free):
+    """The program frees an auto-free graph's 1 GiB allocation between
+    launches (cuMemFree, cuMemFreeAsync, or another graph's free node) while
+    another graph keeps 1.5 GiB live, and the pool is trimmed to that: the
+    next launch must allocate the 1 GiB anew, so with 2 GiB more taken
+    meanwhile it is refused (1.5 + 2 + 1 > 4), not counted as freeing memory
+    it no longer holds.  Once there is room it runs, and relaunches with its
+    1 GiB charged once."""
+    out = client(
+        node,
+        EXPLICIT_GRAPH
+        + AUTO_FREE
+        + f"""
+init()
+base = region_used()
+s = ok(cu.cuStreamCreate, 0)
+e, g, dptr = left_live(1 * GiB, AUTO)
+other = left_live(1536 * MiB, 0)[0]
+ok(cu.cuGraphLaunch, e, s)
+ok(cu.cuGraphLaunch, other, s)
+if {free!r} == "cuMemFree":
+    ok(cu.cuMemFree, dptr)
+elif {free!r} == "cuMemFreeAsync":
+    ok(cu.cuMemFreeAsync, dptr, s)
+else:
+    fg = ok(cu.cuGraphCreate, 0)
+    ok(cu.cuGraphAddMemFreeNode, fg, None, 0, dptr)
+    ok(cu.cuGraphLaunch, ok(cu.cuGraphInstantiate, fg, 0), s)
+ok(cu.cuStreamSynchronize, s)
+ok(cu.cuDeviceGraphMemTrim, 0)
+trimmed = region_used() - base
+plain = ok(cu.cuMemAlloc, 2 * GiB)
+full = call(cu.cuGraphLaunch, e, s)[0].name
+refused = region_used() - base
+ok(cu.cuMemFree, plain)
+rcs = [call(cu.cuGraphLaunch, e, s)[0].name for _ in range(3)]
+emit(trimmed=trimmed, full=full, refused=refused, rcs=rcs, end=region_used() - base)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+    )
+    assert out["trimmed"] == 1536 * MiB, out
+    assert out["full"] == OOM, out
+    assert out["refused"] == 1536 * MiB + 2 * GiB, out
+    assert out["rcs"] == ["CUDA_SUCCESS"] * 3, out
+    assert out["end"] == 2560 * MiB, out
+
 HEAP = "cu.CUlimit.CU_LIMIT_MALLOC_HEAP_SIZE"
 
 

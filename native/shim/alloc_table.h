@@ -18,8 +18,10 @@ enum gv_kind {
     GV_K_VMM,         /* CUmemGenericAllocationHandle; aux = live mappings */
     GV_K_MAP,         /* cuMemMap'd range; aux = handle, bytes = size */
     GV_K_CTX,         /* context memory; key = CUcontext */
-    GV_K_GEXEC        /* executable graph with allocation nodes; nothing
-                       * charged: aux = GV_GEXEC_AUX(bytes, ordinal) */
+    GV_K_GEXEC,       /* executable graph with memory nodes; nothing
+                       * charged: aux = its record (hooks_graph.c) */
+    GV_K_GALLOC       /* live graph allocation (its address); nothing
+                       * charged: aux = GV_GALLOC_AUX(size, ordinal) */
 };
 
 typedef struct gv_alloc {
@@ -31,15 +33,11 @@ typedef struct gv_alloc {
     void *ctx;          /* owning context (freed with it), or NULL */
 } gv_alloc;
 
-/* GV_K_GEXEC's aux: the graph's allocation bytes (48 bits), the lowest
- * ordinal it allocates on (8 bits), and whether its allocation
- * nodes span more than one device. */
-#define GV_GEXEC_AUX(bytes, ordinal, multi)                                  \
-    (((uint64_t)(ordinal) << 56) | ((uint64_t)((multi) != 0) << 48) |        \
-     ((bytes) & ((1ULL << 48) - 1)))
-#define GV_GEXEC_BYTES(aux) ((aux) & ((1ULL << 48) - 1))
-#define GV_GEXEC_ORDINAL(aux) ((int)((aux) >> 56))
-#define GV_GEXEC_MULTI(aux) ((int)(((aux) >> 48) & 1))
+/* GV_K_GALLOC's aux: the allocation's size (56 bits) and device ordinal. */
+#define GV_GALLOC_AUX(size, ordinal)                                         \
+    (((uint64_t)(ordinal) << 56) | ((size) & ((1ULL << 56) - 1)))
+#define GV_GALLOC_SIZE(aux) ((aux) & ((1ULL << 56) - 1))
+#define GV_GALLOC_ORDINAL(aux) ((int)((aux) >> 56))
 
 /* Insert or replace. Returns 0, or -1 when out of memory. */
 int gv_table_put(const gv_alloc *a);

@@ -29,21 +29,35 @@
 int gv_pool_free_block(CUdeviceptr p, CUresult (*call)(void *), void *arg, CUresult *rc);
 
 /* hooks_graph.c: graph memory.  gv_graph_mem_seen: some executable graph
- * of this process has allocation nodes (the launch hooks' only check
+ * of this process has memory nodes (the launch hooks' only check
  * otherwise).  begin/end bracket a launch: begin charges what the graph
  * pool may grow by and returns CUDA_ERROR_OUT_OF_MEMORY (nothing launched)
- * when the quota cannot take it; end settles on the pool's real reserve.
+ * when the quota cannot take it; end settles on the pool's real reserve;
+ * between them, gv_graph_mem_launched records, after the driver's answer
+ * rc to a launch into stream s, which graph allocations are live.
+ * gv_graph_free_alloc frees p through call(arg) (cuMemFree or
+ * cuMemFreeAsync) if it is a live graph allocation: 0 if it is not one
+ * (nothing done), else 1 with the driver's answer in *rc.
  * gv_graph_mem_refresh re-reads every pool this process charged;
- * gv_graph_exec_forget drops what was recorded of an executable graph
- * whose allocation nodes span devices (it is gone). */
+ * gv_graph_exec_dropped releases the record of an executable graph whose
+ * GV_K_GEXEC entry (aux) is gone.  gv_graph_teardown_begin/end bracket a
+ * context's destruction (destroyed: it was), which frees its graph
+ * allocations. */
 typedef struct gv_graph_mem {
     uint64_t held;               /* ordinals whose pools are locked */
+    void *rec;                   /* the graph's record, referenced */
+    unsigned long begun;         /* context destructions begun before */
+    int calm;                    /* and none was under way */
 } gv_graph_mem;
 int gv_graph_mem_seen(void);
 CUresult gv_graph_mem_begin(gv_graph_mem *m, CUgraphExec e);
+void gv_graph_mem_launched(gv_graph_mem *m, CUresult rc, CUstream s, int ptsz);
 void gv_graph_mem_end(gv_graph_mem *m);
+int gv_graph_free_alloc(CUdeviceptr p, CUresult (*call)(void *), void *arg, CUresult *rc);
 void gv_graph_mem_refresh(void);
-void gv_graph_exec_forget(CUgraphExec e);
+void gv_graph_exec_dropped(uint64_t aux);
+void gv_graph_teardown_begin(void);
+void gv_graph_teardown_end(CUcontext ctx, int destroyed);
 
 /* hooks_context.c: this process's device memory on d as NVML counts it
  * (1), or 0 when NVML does not list this process; and whether a context

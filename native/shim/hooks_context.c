@@ -235,7 +235,7 @@ static void release_entry(const gv_alloc *a, void *unused)
 {
     (void)unused;
     if (a->kind == GV_K_GEXEC)
-        gv_graph_exec_forget((CUgraphExec)(uintptr_t)a->key);
+        gv_graph_exec_dropped(a->aux);
     gv_uncharge(a->dev, a->bytes);
 }
 
@@ -336,6 +336,7 @@ GV_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *params, un
 static CUresult destroy(destroy_fn real, CUcontext ctx)
 {
     GV_ENFORCING_ELSE_PASS(real(ctx));
+    gv_graph_teardown_begin();
     CUresult rc = real(ctx);
     if (rc == CUDA_SUCCESS) {
         gv_alloc a;
@@ -343,6 +344,7 @@ static CUresult destroy(destroy_fn real, CUcontext ctx)
             gv_uncharge(a.dev, a.bytes);
         gv_release_ctx_objects(ctx);
     }
+    gv_graph_teardown_end(ctx, rc == CUDA_SUCCESS);
     return rc;
 }
 
@@ -443,9 +445,12 @@ static CUresult prim_release(CUresult (*real)(CUdevice), CUdevice dev)
     pthread_once(&prim_once, prim_setup);
     struct primary *p = &prim[dev];
     pthread_mutex_lock(&p->lock);
+    gv_graph_teardown_begin();
     CUresult rc = real(dev);
-    if (rc == CUDA_SUCCESS && p->refs > 0 && --p->refs == 0)
+    int gone = rc == CUDA_SUCCESS && p->refs > 0 && --p->refs == 0;
+    if (gone)
         prim_drop(p);
+    gv_graph_teardown_end(p->ctx, gone);
     pthread_mutex_unlock(&p->lock);
     return rc;
 }
@@ -458,9 +463,11 @@ static CUresult prim_reset(CUresult (*real)(CUdevice), CUdevice dev)
     pthread_once(&prim_once, prim_setup);
     struct primary *p = &prim[dev];
     pthread_mutex_lock(&p->lock);
+    gv_graph_teardown_begin();
     CUresult rc = real(dev);
     if (rc == CUDA_SUCCESS)
         prim_drop(p);       /* the next retain measures it again */
+    gv_graph_teardown_end(p->ctx, rc == CUDA_SUCCESS);
     pthread_mutex_unlock(&p->lock);
     return rc;
 }

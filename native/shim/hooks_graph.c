@@ -9,24 +9,31 @@
  * takes nothing (hooks_pool.c settles on the ordinary pool's reserve, which
  * it does not move), and the quota is charged here instead:
  *
- *  - instantiation records the executable graph's allocation bytes (the sum
- *    of its allocation nodes, read with cuGraphGetNodes / cuGraphNode-
- *    GetType / cuGraphMemAllocNodeGetParams);
+ *  - instantiation records the executable graph's memory nodes (read with
+ *    cuGraphGetNodes / cuGraphNodeGetType / cuGraphMem{Alloc,Free}Node-
+ *    GetParams) and flags, in a record its GV_K_GEXEC entry points to;
  *  - a launch or upload of such a graph first charges what the pool may
- *    have to grow (the pool's use plus those bytes, less its reserve) and
+ *    have to grow (the pool's use, less the graph's own allocations still
+ *    live, plus its allocation bytes on the device, less its reserve) and
  *    fails with CUDA_ERROR_OUT_OF_MEMORY, without launching, when the quota
  *    cannot take it; afterwards the charge is settled on the pool's real
  *    reserve (CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT);
  *  - a trim, an executable graph's destruction and a context's destruction
  *    settle it again.
  *
- * A graph whose allocation nodes are on several devices is checked on each
- * of them, for the bytes it allocates there (kept in a list beside the
- * table, which has room for one device).
+ * The graph's own live allocations are left out because a relaunch either
+ * frees them first (CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH, which
+ * PyTorch uses) or is refused by the driver (CUDA_ERROR_INVALID_VALUE).
+ * Which are live is kept by address (GV_K_GALLOC, nothing charged): put by
+ * the launch that ran an allocation node, taken by a free node's launch, by
+ * cuMemFree / cuMemFreeAsync (under the device's pool mutex, so never while
+ * a launch counts it) and by its context's destruction.  In doubt an
+ * allocation counts as not live: the relaunch is then charged in full.
  *
- * One mutex per device, held across the launch of a graph that allocates
- * (several are taken in ascending order); launches of graphs without
- * allocation nodes only read a flag.
+ * One mutex per device, held across the launch of a graph with memory
+ * nodes on it (several are taken in ascending order; a free node of
+ * another graph's allocation locks them all); launches of graphs without
+ * memory nodes only read a flag.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -46,23 +53,41 @@ typedef CUresult (*attr_fn)(CUdevice, CUgraphMem_attribute, void *);
 typedef CUresult (*nodes_fn)(CUgraph, CUgraphNode *, size_t *);
 typedef CUresult (*type_fn)(CUgraphNode, CUgraphNodeType *);
 typedef CUresult (*alloc_params_fn)(CUgraphNode, CUDA_MEM_ALLOC_NODE_PARAMS *);
+typedef CUresult (*free_params_fn)(CUgraphNode, CUdeviceptr *);
+typedef CUresult (*capturing_fn)(CUstream, CUstreamCaptureStatus *);
 
 static struct gpool {
     pthread_mutex_t lock;
     uint64_t charged;            /* the pool's reserve, as charged */
     int dev;                     /* region device entry; valid once charged */
 } pools[GV_MAX_ORDINALS];
-static atomic_int seen;          /* an executable graph here allocates */
+static atomic_int seen;          /* an executable graph here has memory nodes */
 static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
 
-/* Executable graphs with allocation nodes on several devices: the bytes on
- * each.  Rare, so a list under one mutex. */
-static struct multi {
-    struct multi *next;
-    CUgraphExec exec;
-    uint64_t bytes[GV_MAX_ORDINALS];
-} *multis;
-static pthread_mutex_t multis_lock = PTHREAD_MUTEX_INITIALIZER;
+/* What an executable graph's memory nodes do, read at its instantiation.
+ * Shared by its table entry (GV_K_GEXEC, aux) and each launch in flight,
+ * each holding a reference: a launch racing the graph's destruction
+ * (a bug of the program's) reads no freed memory. */
+typedef struct gop {
+    CUdeviceptr addr;
+    uint64_t size;               /* 0: a free node */
+    int ordinal;                 /* -1: a free node of an allocation made elsewhere */
+} gop;
+
+typedef struct gexec {
+    atomic_int refs;
+    int autofree;                /* CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH */
+    int frees;                   /* it has free nodes */
+    uint64_t lock;               /* the devices whose pools a launch locks */
+    uint64_t per[GV_MAX_ORDINALS]; /* allocation bytes by device */
+    size_t n;
+    gop ops[];
+} gexec;
+
+/* Context destructions begun and done: the driver frees a destroyed
+ * context's graph allocations before their GV_K_GALLOC entries go, so
+ * while one is under way no entry is taken for live. */
+static atomic_ulong teardowns_begun, teardowns_done;
 
 static void child_reset(void)
 {
@@ -71,7 +96,8 @@ static void child_reset(void)
         pthread_mutex_init(&pools[i].lock, NULL);
         pools[i].charged = 0;
     }
-    pthread_mutex_init(&multis_lock, NULL);
+    atomic_store(&teardowns_begun, 0);
+    atomic_store(&teardowns_done, 0);
 }
 
 static void setup(void)
@@ -134,131 +160,178 @@ static void settle_all(void)
     }
 }
 
-/* ---- instantiation: how much an executable graph allocates ------------ */
+/* ---- instantiation: what an executable graph's memory nodes do -------- */
 
-/* Add the sizes of g's allocation nodes to per[], by device.  Graphs whose
- * nodes cannot be read count as allocating nothing. */
-static void graph_alloc_bytes(CUgraph g, uint64_t per[GV_MAX_ORDINALS])
+static void rec_put(gexec *r)
 {
+    if (r && atomic_fetch_sub(&r->refs, 1) == 1)
+        free(r);
+}
+
+/* g's memory nodes, in a record with one reference; NULL when it has none
+ * or its nodes cannot be read (*has = 0), or out of memory (*has = 1). */
+static gexec *read_graph(CUgraph g, unsigned long long flags, int *has)
+{
+    *has = 0;
     size_t n = 0;
     if (GV_REAL(cuGraphGetNodes, nodes_fn)(g, NULL, &n) != CUDA_SUCCESS || n == 0)
-        return;
+        return NULL;
     CUgraphNode *nodes = calloc(n, sizeof *nodes);
     if (!nodes)
-        return;
-    if (GV_REAL(cuGraphGetNodes, nodes_fn)(g, nodes, &n) == CUDA_SUCCESS) {
-        for (size_t i = 0; i < n; i++) {
-            CUgraphNodeType t;
+        return NULL;
+    gexec *r = NULL;
+    if (GV_REAL(cuGraphGetNodes, nodes_fn)(g, nodes, &n) != CUDA_SUCCESS)
+        goto out;
+    r = calloc(1, sizeof *r + n * sizeof r->ops[0]);
+    for (size_t i = 0; i < n; i++) {
+        CUgraphNodeType t;
+        if (GV_REAL(cuGraphNodeGetType, type_fn)(nodes[i], &t) != CUDA_SUCCESS)
+            continue;
+        gop op = { 0, 0, -1 };
+        if (t == CU_GRAPH_NODE_TYPE_MEM_ALLOC) {
             CUDA_MEM_ALLOC_NODE_PARAMS prm;
-            if (GV_REAL(cuGraphNodeGetType, type_fn)(nodes[i], &t) != CUDA_SUCCESS ||
-                t != CU_GRAPH_NODE_TYPE_MEM_ALLOC)
-                continue;
             memset(&prm, 0, sizeof prm);
             if (GV_REAL(cuGraphMemAllocNodeGetParams, alloc_params_fn)(nodes[i], &prm) !=
                     CUDA_SUCCESS ||
-                prm.poolProps.location.id < 0 || prm.poolProps.location.id >= GV_MAX_ORDINALS)
+                prm.poolProps.location.id < 0 || prm.poolProps.location.id >= GV_MAX_ORDINALS ||
+                prm.bytesize == 0)
                 continue;
-            per[prm.poolProps.location.id] += prm.bytesize;
+            op = (gop){ prm.dptr, prm.bytesize, prm.poolProps.location.id };
+        } else if (t == CU_GRAPH_NODE_TYPE_MEM_FREE) {
+            if (GV_REAL(cuGraphMemFreeNodeGetParams, free_params_fn)(nodes[i], &op.addr) !=
+                CUDA_SUCCESS)
+                continue;
+        } else {
+            continue;
+        }
+        *has = 1;
+        if (r)
+            r->ops[r->n++] = op;
+    }
+    if (!*has || !r)
+        goto out;
+    atomic_init(&r->refs, 1);
+    r->autofree = (flags & CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH) != 0;
+    for (size_t i = 0; i < r->n; i++) {
+        gop *op = &r->ops[i];
+        if (op->size) {
+            r->per[op->ordinal] += op->size;
+            r->lock |= 1ULL << op->ordinal;
+            continue;
+        }
+        r->frees = 1;
+        for (size_t j = 0; j < r->n && op->ordinal < 0; j++)
+            if (r->ops[j].size && r->ops[j].addr == op->addr)
+                op->ordinal = r->ops[j].ordinal;
+        if (op->ordinal < 0) {
+            /* Made by another graph, on a device not known here: every
+             * device's pool is locked for its launch. */
+            int count = 0;
+            GV_REAL(cuDeviceGetCount, CUresult (*)(int *))(&count);
+            r->lock |= count >= GV_MAX_ORDINALS ? ~0ULL : (1ULL << count) - 1;
         }
     }
+out:
     free(nodes);
-}
-
-/* Forget e's per-device bytes, if it had any. */
-/* Take e's record of bytes per device out of the list (NULL: none). */
-static struct multi *detach_multi(CUgraphExec e)
-{
-    struct multi *m = NULL;
-    pthread_mutex_lock(&multis_lock);
-    for (struct multi **pp = &multis; *pp; pp = &(*pp)->next) {
-        if ((*pp)->exec == e) {
-            m = *pp;
-            *pp = m->next;
-            break;
-        }
+    if (r && !*has) {
+        free(r);
+        r = NULL;
     }
-    pthread_mutex_unlock(&multis_lock);
-    return m;
+    return r;
 }
 
-static void attach_multi(struct multi *m)
-{
-    pthread_mutex_lock(&multis_lock);
-    m->next = multis;
-    multis = m;
-    pthread_mutex_unlock(&multis_lock);
-}
-
-void gv_graph_exec_forget(CUgraphExec e) { free(detach_multi(e)); }
-
-/* Remember e's bytes on each device (a reused handle's record replaced);
- * 0, or -1 when out of memory. */
-static int remember_multi(CUgraphExec e, const uint64_t per[GV_MAX_ORDINALS])
-{
-    gv_graph_exec_forget(e);
-    struct multi *m = malloc(sizeof *m);
-    if (!m)
-        return -1;
-    m->exec = e;
-    memcpy(m->bytes, per, sizeof m->bytes);
-    attach_multi(m);
-    return 0;
-}
+/* An executable graph's entry is gone: drop its record's reference. */
+void gv_graph_exec_dropped(uint64_t aux) { rec_put((gexec *)(uintptr_t)aux); }
 
 /* e is gone: forget it; 1 if it was tracked. */
 static int untrack_exec(CUgraphExec e)
 {
-    if (!gv_table_take(GV_K_GEXEC, (uint64_t)(uintptr_t)e, NULL))
+    gv_alloc a;
+    if (!gv_table_take(GV_K_GEXEC, (uint64_t)(uintptr_t)e, &a))
         return 0;
-    gv_graph_exec_forget(e);
+    gv_graph_exec_dropped(a.aux);
     return 1;
 }
 
-/* After a successful instantiation: remember an executable graph that
- * allocates (GV_K_GEXEC, aux = bytes, nothing charged to the entry). */
-static void track_exec(CUgraphExec e, CUgraph g)
+/* After a successful instantiation: remember an executable graph with
+ * memory nodes (GV_K_GEXEC, aux = its record, nothing charged to the
+ * entry).  A record that could not be made (aux 0) has its launches
+ * refused. */
+static void track_exec(CUgraphExec e, CUgraph g, unsigned long long flags)
 {
-    uint64_t per[GV_MAX_ORDINALS] = { 0 }, bytes = 0;
-    graph_alloc_bytes(g, per);
-    int ordinal = -1, multi = 0;   /* the first device it allocates on; others? */
-    for (int i = 0; i < GV_MAX_ORDINALS; i++) {
-        if (!per[i])
-            continue;
-        if (ordinal < 0)
-            ordinal = i;
-        else
-            multi = 1;
-        bytes += per[i];
-    }
-    const gv_devinfo *d;
-    if (ordinal < 0 || gv_device(ordinal, &d) != CUDA_SUCCESS)
+    int has;
+    gexec *r = read_graph(g, flags, &has);
+    if (!has)
         return;
-    if (!multi)
-        gv_graph_exec_forget(e);            /* a reused handle's record */
-    else if (remember_multi(e, per) != 0)   /* then refused at launch */
-        gv_log(GV_LOG_ERROR, "out of memory recording a graph's allocations");
+    int ordinal = -1;              /* the first device it allocates on */
+    for (int i = 0; r && i < GV_MAX_ORDINALS && ordinal < 0; i++)
+        if (r->per[i])
+            ordinal = i;
+    const gv_devinfo *d = NULL;
+    if (ordinal >= 0 && gv_device(ordinal, &d) != CUDA_SUCCESS) {
+        rec_put(r);
+        return;
+    }
+    if (!r)
+        gv_log(GV_LOG_ERROR, "out of memory recording a graph's memory nodes");
+    untrack_exec(e);                            /* a reused handle's */
     CUcontext ctx = NULL;
     GV_REAL(cuCtxGetCurrent, CUresult (*)(CUcontext *))(&ctx);
-    gv_alloc a = { .key = (uint64_t)(uintptr_t)e, .kind = GV_K_GEXEC, .dev = d->region_dev,
-                   .bytes = 0, .aux = GV_GEXEC_AUX(bytes, ordinal, multi), .ctx = ctx };
-    if (gv_table_put(&a) == 0)                  /* replaces a reused handle's */
+    gv_alloc a = { .key = (uint64_t)(uintptr_t)e, .kind = GV_K_GEXEC,
+                   .dev = d ? d->region_dev : -1, .bytes = 0, .aux = (uint64_t)(uintptr_t)r,
+                   .ctx = ctx };
+    if (gv_table_put(&a) == 0)
         atomic_store_explicit(&seen, 1, memory_order_relaxed);
+    else
+        rec_put(r);
 }
 
 /* ---- launch and upload ------------------------------------------------ */
 
-/* Lock ordinal's pool and charge what it may grow by for `bytes` more;
- * the lock stays held on success. */
-static CUresult pool_begin(int ordinal, uint64_t bytes)
+/* Bytes of r's allocations on ordinal that are live now (GV_K_GALLOC; the
+ * pool's lock held, which frees and launches of them take): with
+ * CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH the driver frees them
+ * before the launch allocates them again, and without it the launch is
+ * refused.  Read after the pool's use: a free after that lowers both.
+ * None while a context is being destroyed (its allocations freed by the
+ * driver, their entries not yet gone): done is read first, so equal counts
+ * mean none was under way then. */
+static uint64_t own_live(const gexec *r, int ordinal)
+{
+    unsigned long done = atomic_load(&teardowns_done);
+    if (atomic_load(&teardowns_begun) != done)
+        return 0;
+    uint64_t live = 0;
+    for (size_t i = 0; i < r->n; i++) {
+        gv_alloc a;
+        if (r->ops[i].size && r->ops[i].ordinal == ordinal &&
+            gv_table_get(GV_K_GALLOC, r->ops[i].addr, &a) &&
+            GV_GALLOC_ORDINAL(a.aux) == ordinal)
+            live += GV_GALLOC_SIZE(a.aux);
+    }
+    return live;
+}
+
+/* Lock ordinal's pool and charge what it may grow by for r's launch: its
+ * use, less r's allocations that are live (freed or refused first), plus
+ * r's allocation bytes there.  The lock stays held on success. */
+static CUresult pool_begin(int ordinal, const gexec *r)
 {
     struct gpool *p = &pools[ordinal];
     pthread_mutex_lock(&p->lock);
     settle(ordinal);
+    if (!r->per[ordinal])
+        return CUDA_SUCCESS;            /* only frees there */
     uint64_t used = pool_attr(ordinal, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT);
     uint64_t reserved = pool_attr(ordinal, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT);
-    if (used != UINT64_MAX && reserved != UINT64_MAX && used + bytes > reserved) {
+    if (used == UINT64_MAX || reserved == UINT64_MAX)
+        return CUDA_SUCCESS;
+    uint64_t live = own_live(r, ordinal);
+    if (live <= used)                   /* (more would be no use the driver counts) */
+        used -= live;
+    if (used + r->per[ordinal] > reserved) {
         gv_charge c;
-        CUresult rc = gv_charge_begin(&c, ordinal, NULL, used + bytes - reserved);
+        CUresult rc = gv_charge_begin(&c, ordinal, NULL, used + r->per[ordinal] - reserved);
         if (rc != CUDA_SUCCESS) {
             pthread_mutex_unlock(&p->lock);
             return rc;
@@ -270,35 +343,38 @@ static CUresult pool_begin(int ordinal, uint64_t bytes)
     return CUDA_SUCCESS;
 }
 
+static void take_ref(gv_alloc *a, void *arg)
+{
+    gexec *r = (gexec *)(uintptr_t)a->aux;
+    if (r)
+        atomic_fetch_add(&r->refs, 1);
+    *(gexec **)arg = r;
+}
+
 CUresult gv_graph_mem_begin(gv_graph_mem *m, CUgraphExec e)
 {
     m->held = 0;
-    gv_alloc a;
-    if (!gv_table_get(GV_K_GEXEC, (uint64_t)(uintptr_t)e, &a))
+    m->rec = NULL;
+    gexec *r = NULL;
+    if (!gv_table_modify(GV_K_GEXEC, (uint64_t)(uintptr_t)e, take_ref, &r))
         return CUDA_SUCCESS;
     int mode = gv_mode_fast();
-    if (mode != GV_MODE_ENFORCE)
+    if (mode != GV_MODE_ENFORCE) {
+        rec_put(r);
         return mode == GV_MODE_PASSTHROUGH ? CUDA_SUCCESS : GV_FAIL_CUDA;
-    uint64_t per[GV_MAX_ORDINALS] = { 0 };
-    if (GV_GEXEC_MULTI(a.aux)) {
-        struct multi *r;
-        pthread_mutex_lock(&multis_lock);
-        for (r = multis; r && r->exec != e; r = r->next)
-            ;
-        if (r)
-            memcpy(per, r->bytes, sizeof per);
-        pthread_mutex_unlock(&multis_lock);
-        if (!r)
-            return CUDA_ERROR_OUT_OF_MEMORY;   /* its record could not be made */
-    } else {
-        per[GV_GEXEC_ORDINAL(a.aux)] = GV_GEXEC_BYTES(a.aux);
     }
+    if (!r)
+        return CUDA_ERROR_OUT_OF_MEMORY;       /* its record could not be made */
     pthread_once(&setup_once, setup);
+    m->rec = r;
+    unsigned long done = atomic_load(&teardowns_done);
+    m->begun = atomic_load(&teardowns_begun);
+    m->calm = m->begun == done;
     /* Ascending order, so that launches on the same devices cannot deadlock. */
     for (int i = 0; i < GV_MAX_ORDINALS; i++) {
-        if (!per[i])
+        if (!(r->lock & (1ULL << i)))
             continue;
-        CUresult rc = pool_begin(i, per[i]);
+        CUresult rc = pool_begin(i, r);
         if (rc != CUDA_SUCCESS) {
             gv_graph_mem_end(m);      /* gives back what the others charged */
             return rc;
@@ -308,6 +384,62 @@ CUresult gv_graph_mem_begin(gv_graph_mem *m, CUgraphExec e)
         m->held |= 1ULL << i;
     }
     return CUDA_SUCCESS;
+}
+
+/* Take r's addresses for freed (in doubt, not live: a relaunch is then
+ * charged in full). */
+static void forget_live(const gexec *r)
+{
+    for (size_t i = 0; i < r->n; i++)
+        gv_table_take(GV_K_GALLOC, r->ops[i].addr, NULL);
+}
+
+static int stream_capturing(CUstream s, int ptsz)
+{
+    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
+    CUresult rc = ptsz ? GV_REAL(cuStreamIsCapturing_ptsz, capturing_fn)(s, &st)
+                       : GV_REAL(cuStreamIsCapturing, capturing_fn)(s, &st);
+    return rc != CUDA_SUCCESS || st != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
+void gv_graph_mem_launched(gv_graph_mem *m, CUresult rc, CUstream s, int ptsz)
+{
+    const gexec *r = m->rec;
+    if (!r)
+        return;
+    if (rc != CUDA_SUCCESS) {
+        /* Refused before it ran, as CUDA answers; but a launch that can
+         * free is not trusted to have freed nothing. */
+        if (r->autofree || r->frees)
+            forget_live(r);
+        return;
+    }
+    if (!m->calm || stream_capturing(s, ptsz) ||
+        atomic_load(&teardowns_begun) != m->begun) {
+        forget_live(r);
+        return;
+    }
+    CUcontext ctx = NULL;
+    int ord;
+    if (gv_ordinal_of_stream(s, &ord, &ctx) != CUDA_SUCCESS)
+        ctx = NULL;                     /* dropped at any context's destruction */
+    /* Live now: (what was) + its allocations - its frees. */
+    for (size_t i = 0; i < r->n; i++) {
+        const gop *op = &r->ops[i];
+        if (!op->size)
+            continue;
+        const gv_devinfo *d;
+        gv_alloc a = { .key = op->addr, .kind = GV_K_GALLOC,
+                       .dev = gv_device(op->ordinal, &d) == CUDA_SUCCESS ? d->region_dev : -1,
+                       .bytes = 0, .aux = GV_GALLOC_AUX(op->size, op->ordinal), .ctx = ctx };
+        gv_table_put(&a);               /* (out of memory: taken for not live) */
+    }
+    for (size_t i = 0; i < r->n; i++)
+        if (!r->ops[i].size)
+            gv_table_take(GV_K_GALLOC, r->ops[i].addr, NULL);
+    /* A context destruction begun meanwhile may have missed these entries. */
+    if (atomic_load(&teardowns_begun) != m->begun)
+        forget_live(r);
 }
 
 void gv_graph_mem_end(gv_graph_mem *m)
@@ -321,6 +453,53 @@ void gv_graph_mem_end(gv_graph_mem *m)
     if (m->held)
         gv_charge_landed();
     m->held = 0;
+    rec_put(m->rec);
+    m->rec = NULL;
+}
+
+/* Free p through call(arg) if it is a live graph allocation, under its
+ * device's pool lock (so that no launch reads it live meanwhile): its
+ * entry goes, and comes back if the driver refuses. */
+int gv_graph_free_alloc(CUdeviceptr p, CUresult (*call)(void *), void *arg, CUresult *rc)
+{
+    gv_alloc a;
+    if (!gv_graph_mem_seen() || !gv_table_get(GV_K_GALLOC, p, &a))
+        return 0;
+    int ordinal = GV_GALLOC_ORDINAL(a.aux);
+    if (ordinal < 0 || ordinal >= GV_MAX_ORDINALS)
+        return 0;
+    pthread_once(&setup_once, setup);
+    pthread_mutex_lock(&pools[ordinal].lock);
+    if (!gv_table_take(GV_K_GALLOC, p, &a)) {
+        pthread_mutex_unlock(&pools[ordinal].lock);
+        return 0;                       /* freed meanwhile: the driver answers */
+    }
+    *rc = call(arg);
+    if (*rc != CUDA_SUCCESS)
+        gv_table_put(&a);
+    pthread_mutex_unlock(&pools[ordinal].lock);
+    return 1;
+}
+
+/* A context is being destroyed: its graph allocations go with it. */
+void gv_graph_teardown_begin(void) { atomic_fetch_add(&teardowns_begun, 1); }
+
+static int galloc_of(const gv_alloc *a, void *ctx)
+{
+    return a->kind == GV_K_GALLOC && (a->ctx == ctx || a->ctx == NULL);
+}
+
+static void no_visit(const gv_alloc *a, void *arg)
+{
+    (void)a;
+    (void)arg;
+}
+
+void gv_graph_teardown_end(CUcontext ctx, int destroyed)
+{
+    if (destroyed && gv_graph_mem_seen())
+        gv_table_take_all(galloc_of, no_visit, ctx);
+    atomic_fetch_add(&teardowns_done, 1);
 }
 
 static CUresult upload(upload_fn real, CUgraphExec e, CUstream s)
@@ -346,31 +525,32 @@ GV_EXPORT CUresult cuGraphUpload_ptsz(CUgraphExec e, CUstream s)
 
 /* ---- instantiation hooks ---------------------------------------------- */
 
-/* After the real instantiation: track a graph that allocates.  (Failing
- * closed needs nothing here: cuInit already refuses.) */
-static CUresult instantiated(CUresult rc, CUgraphExec *pe, CUgraph g)
+/* After the real instantiation: track a graph with memory nodes.
+ * (Failing closed needs nothing here: cuInit already refuses.) */
+static CUresult instantiated(CUresult rc, CUgraphExec *pe, CUgraph g, unsigned long long flags)
 {
     if (rc == CUDA_SUCCESS && pe && gv_mode_fast() == GV_MODE_ENFORCE)
-        track_exec(*pe, g);
+        track_exec(*pe, g, flags);
     return rc;
 }
 
 GV_EXPORT CUresult cuGraphInstantiate(CUgraphExec *pe, CUgraph g, CUgraphNode *err, char *log,
                                       size_t n)
 {
-    return instantiated(GV_REAL(cuGraphInstantiate, inst_fn)(pe, g, err, log, n), pe, g);
+    return instantiated(GV_REAL(cuGraphInstantiate, inst_fn)(pe, g, err, log, n), pe, g, 0);
 }
 
 GV_EXPORT CUresult cuGraphInstantiate_v2(CUgraphExec *pe, CUgraph g, CUgraphNode *err,
                                          char *log, size_t n)
 {
-    return instantiated(GV_REAL(cuGraphInstantiate_v2, inst_fn)(pe, g, err, log, n), pe, g);
+    return instantiated(GV_REAL(cuGraphInstantiate_v2, inst_fn)(pe, g, err, log, n), pe, g, 0);
 }
 
 GV_EXPORT CUresult cuGraphInstantiateWithFlags(CUgraphExec *pe, CUgraph g,
                                                unsigned long long flags)
 {
-    return instantiated(GV_REAL(cuGraphInstantiateWithFlags, inst_flags_fn)(pe, g, flags), pe, g);
+    return instantiated(GV_REAL(cuGraphInstantiateWithFlags, inst_flags_fn)(pe, g, flags), pe, g,
+                        flags);
 }
 
 /* With CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD the driver also uploads the graph
@@ -380,10 +560,10 @@ static CUresult inst_params(inst_params_fn real, upload_fn real_upload, CUgraphE
 {
     if (!prm || !(prm->flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD) ||
         gv_mode_fast() != GV_MODE_ENFORCE)
-        return instantiated(real(pe, g, prm), pe, g);
+        return instantiated(real(pe, g, prm), pe, g, prm ? prm->flags : 0);
     CUDA_GRAPH_INSTANTIATE_PARAMS mine = *prm;
     mine.flags &= ~(cuuint64_t)CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD;
-    CUresult rc = instantiated(real(pe, g, &mine), pe, g);
+    CUresult rc = instantiated(real(pe, g, &mine), pe, g, mine.flags);
     prm->hErrNode_out = mine.hErrNode_out;
     prm->result_out = mine.result_out;
     if (rc != CUDA_SUCCESS || !pe)
@@ -423,15 +603,13 @@ GV_EXPORT CUresult cuGraphExecDestroy(CUgraphExec e)
     gv_alloc a;
     if (!gv_graph_mem_seen() || !gv_table_take(GV_K_GEXEC, (uint64_t)(uintptr_t)e, &a))
         return real(e);
-    struct multi *m = detach_multi(e);
     CUresult rc = real(e);
     if (rc != CUDA_SUCCESS) {
-        if (m)
-            attach_multi(m);
         gv_table_put(&a);
         return rc;
     }
-    free(m);
+    /* Its live allocations stay live (and charged) until freed. */
+    gv_graph_exec_dropped(a.aux);
     settle_all();
     return rc;
 }

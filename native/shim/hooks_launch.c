@@ -103,6 +103,7 @@ static CUresult graph_launch(graph_fn real, CUgraphExec g, CUstream s, int ptsz)
     CUresult rc = gv_graph_mem_begin(&m, g);
     if (rc == CUDA_SUCCESS) {
         rc = real(g, s);
+        gv_graph_mem_launched(&m, rc, s, ptsz);
         gv_graph_mem_end(&m);
     }
     if (gated)

@@ -139,6 +139,8 @@ static CUresult tracked_free(CUdeviceptr p, CUresult (*real)(CUdeviceptr))
     struct pool_free f = { p, real };
     if (gv_pool_free_block(p, call_pool_free, &f, &rc))
         return rc;
+    if (gv_graph_free_alloc(p, call_pool_free, &f, &rc))
+        return rc;
     return real(p);     /* not ours: untouched */
 }
 

@@ -474,6 +474,8 @@ static CUresult free_async(free_async_fn real, CUdeviceptr p, CUstream stream, i
     CUresult rc;
     if (gv_pool_free_block(p, call_free_async, &f, &rc))
         return rc;
+    if (gv_graph_free_alloc(p, call_free_async, &f, &rc))
+        return rc;
     /* A plain allocation may also be freed stream-ordered. */
     gv_alloc a;
     if (!gv_table_take(GV_K_PTR, p, &a))

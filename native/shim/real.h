@@ -55,7 +55,7 @@
     X(cuGraphInstantiate) X(cuGraphInstantiate_v2) X(cuGraphInstantiateWithFlags) \
     X(cuGraphInstantiateWithParams) X(cuGraphInstantiateWithParams_ptsz) \
     X(cuGraphExecDestroy) X(cuGraphGetNodes) X(cuGraphNodeGetType) \
-    X(cuGraphMemAllocNodeGetParams) X(cuDeviceGraphMemTrim) X(cuDeviceGetGraphMemAttribute) \
+    X(cuGraphMemAllocNodeGetParams) X(cuGraphMemFreeNodeGetParams) X(cuDeviceGraphMemTrim) X(cuDeviceGetGraphMemAttribute) \
     X(cuEventCreate) X(cuEventDestroy_v2) X(cuEventRecord) X(cuEventRecord_ptsz) \
     X(cuEventQuery) X(cuEventElapsedTime) X(cuEventElapsedTime_v2) \
     X(cuStreamIsCapturing) X(cuStreamIsCapturing_ptsz)
