@@ -142,6 +142,50 @@ for dev, ptr in enumerate(ptrs):
     ok(cu.cuMemFree, ptr)
     ok(cu.cuDeviceGraphMemTrim, dev)
 assert used() == base
+# auto-free graphs: relaunches, frees of their live allocation (by
+# cuMemFree, cuMemFreeAsync, another graph's free node), destruction while
+# live, and a context destroyed with one live
+AUTO = cu.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH
+def left_live(nbytes):
+    g = ok(cu.cuGraphCreate, 0)
+    p = cu.CUDA_MEM_ALLOC_NODE_PARAMS()
+    p.poolProps.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    p.poolProps.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    p.poolProps.location.id = 0
+    p.bytesize = nbytes
+    ok(cu.cuGraphAddMemAllocNode, g, None, 0, p)
+    return g, ok(cu.cuGraphInstantiate, g, AUTO), p.dptr
+g, e, dptr = left_live(600 * MiB)
+for _ in range(3):
+    ok(cu.cuGraphLaunch, e, s)
+assert used() == base + 600 * MiB
+ok(cu.cuMemFree, dptr)
+ok(cu.cuGraphLaunch, e, s)
+ok(cu.cuMemFreeAsync, dptr, s)
+ok(cu.cuGraphLaunch, e, s)
+fg = ok(cu.cuGraphCreate, 0)
+ok(cu.cuGraphAddMemFreeNode, fg, None, 0, dptr)
+fe = ok(cu.cuGraphInstantiate, fg, 0)
+ok(cu.cuGraphLaunch, fe, s)
+ok(cu.cuGraphLaunch, e, s)
+ok(cu.cuGraphExecDestroy, e)
+ok(cu.cuGraphExecDestroy, fe)
+ok(cu.cuMemFree, dptr)
+ok(cu.cuDeviceGraphMemTrim, 0)
+assert used() == base
+primary = ok(cu.cuCtxGetCurrent)
+ctx = ok(cu.cuCtxCreate, None, 0, ok(cu.cuDeviceGet, 0))
+cs = ok(cu.cuStreamCreate, 0)
+e = ok(cu.cuGraphInstantiate, g, AUTO)
+ok(cu.cuGraphLaunch, e, cs)
+ok(cu.cuGraphLaunch, e, cs)
+ok(cu.cuCtxDestroy, ctx)
+ok(cu.cuCtxSetCurrent, primary)
+ok(cu.cuGraphExecDestroy, e)
+ok(cu.cuGraphDestroy, g)
+ok(cu.cuGraphDestroy, fg)
+ok(cu.cuDeviceGraphMemTrim, 0)
+assert used() == base
 # memory the driver takes on its own (a device heap), charged from NVML
 ok(cu.cuCtxSetLimit, cu.CUlimit.CU_LIMIT_MALLOC_HEAP_SIZE, 256 * MiB)
 assert used() == base + 248 * MiB
