@@ -254,6 +254,104 @@ def test_graph_memory_race_never_overshoots(node: SimNode, tmp_path: Path) -> No
     assert after["used"] == 0, after
 
 
+
+AUTO_FREE_CHURN = textwrap.dedent(
+    """
+    import random, sys, time
+    from tests.cuclient import *
+    init()
+    rng = random.Random(int(sys.argv[1]))
+    s = ok(cu.cuStreamCreate, 0)
+    g = ok(cu.cuGraphCreate, 0)
+    p = cu.CUDA_MEM_ALLOC_NODE_PARAMS()
+    p.poolProps.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    p.poolProps.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    p.poolProps.location.id = 0
+    p.bytesize = rng.choice((384, 640, 896)) * MiB
+    ok(cu.cuGraphAddMemAllocNode, g, None, 0, p)
+    auto = cu.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH
+    e = ok(cu.cuGraphInstantiate, g, auto)
+    print("ready", flush=True)
+    sys.stdin.readline()
+    launched = refused = refused_live = 0
+    live = False
+    for _ in range(int(sys.argv[2])):
+        err = call(cu.cuGraphLaunch, e, s)[0]
+        if err == SUCCESS:
+            launched += 1
+            live = True
+            time.sleep(rng.uniform(0, 0.003))      # hold it a little
+        elif err == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
+            refused += 1
+            refused_live += live
+        else:
+            raise SystemExit(f"launch: {err}")
+        r = rng.random()
+        if live and r < 0.35:                     # give it back to the others
+            if r < 0.2:
+                ok(cu.cuMemFree, p.dptr)
+            else:
+                ok(cu.cuMemFreeAsync, p.dptr, s)
+                ok(cu.cuStreamSynchronize, s)
+            live = False
+            ok(cu.cuDeviceGraphMemTrim, 0)
+        elif r < 0.45:
+            ok(cu.cuDeviceGraphMemTrim, 0)        # keeps what is live
+    print(f"launched={launched} refused={refused} refused_live={refused_live}", flush=True)
+    """
+)
+
+
+def test_auto_free_graph_relaunch_race_never_overshoots(node: SimNode, tmp_path: Path) -> None:
+    """Five processes of one container relaunch auto-free graphs of 384-896
+    MiB under a 2 GiB quota, now and then freeing their allocation and
+    trimming the pool, which lets the others in.  A relaunch while its own
+    allocation is live needs nothing more (the driver frees it first) and is
+    never refused; the simulated driver's count of device memory in use
+    never passes the quota; everything comes back.  Relaunches used to be
+    charged again for the live allocation, and refused."""
+    limit = 2 * GiB
+    env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT=str(limit))
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", AUTO_FREE_CHURN, str(seed), "150"],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+        )
+        for seed in range(5)
+    ]
+    for p in procs:
+        wait_ready(p)
+    stop = tmp_path / "stop"
+    observer = subprocess.Popen(
+        [sys.executable, "-c", OBSERVER, str(stop), "ready"],
+        env=node.env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    wait_ready(observer)
+    go(procs)
+    outputs = [p.communicate(timeout=120) for p in procs]
+    stop.touch()
+    seen = json.loads(observer.communicate(timeout=30)[0])
+    totals = {"launched": 0, "refused": 0, "refused_live": 0}
+    for p, (stdout, stderr) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, stderr
+        fields = dict(kv.split("=") for kv in stdout.split()[-3:])
+        for k in totals:
+            totals[k] += int(fields[k])
+    print(f"{totals} peak={seen['peak']} samples={seen['samples']}")
+    assert seen["samples"] > 10
+    assert totals["launched"] > 100, "the race must make progress"
+    assert totals["refused"] > 10, "the race must actually contend for the quota"
+    assert totals["refused_live"] == 0, totals
+    assert seen["peak"] <= limit
+    assert region_usage(node)["used"] == 0
+
 @pytest.mark.parametrize("free", ["async", "sync"])
 def test_a_block_freed_while_its_pool_is_destroyed_stays_counted(
     node: SimNode, build_dir: Path, free: str
