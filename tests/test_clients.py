@@ -1102,6 +1102,7 @@ emit(trimmed=trimmed, full=full, refused=refused, rcs=rcs, end=region_used() - b
     assert out["rcs"] == ["CUDA_SUCCESS"] * 3, out
     assert out["end"] == 2816 * MiB, out
 
+
 HEAP = "cu.CUlimit.CU_LIMIT_MALLOC_HEAP_SIZE"
 
 

@@ -254,7 +254,6 @@ def test_graph_memory_race_never_overshoots(node: SimNode, tmp_path: Path) -> No
     assert after["used"] == 0, after
 
 
-
 AUTO_FREE_CHURN = textwrap.dedent(
     """
     import random, sys, time
@@ -351,6 +350,7 @@ def test_auto_free_graph_relaunch_race_never_overshoots(node: SimNode, tmp_path:
     assert totals["refused_live"] == 0, totals
     assert seen["peak"] <= limit
     assert region_usage(node)["used"] == 0
+
 
 @pytest.mark.parametrize("free", ["async", "sync"])
 def test_a_block_freed_while_its_pool_is_destroyed_stays_counted(
