@@ -169,7 +169,8 @@ static void rec_put(gexec *r)
 }
 
 /* g's memory nodes, in a record with one reference; NULL when it has none
- * or its nodes cannot be read (*has = 0), or out of memory (*has = 1). */
+ * or its nodes cannot be read (*has = 0), or out of memory (*has = 1: its
+ * launches are refused, as it may have some). */
 static gexec *read_graph(CUgraph g, unsigned long long flags, int *has)
 {
     *has = 0;
@@ -177,8 +178,10 @@ static gexec *read_graph(CUgraph g, unsigned long long flags, int *has)
     if (GV_REAL(cuGraphGetNodes, nodes_fn)(g, NULL, &n) != CUDA_SUCCESS || n == 0)
         return NULL;
     CUgraphNode *nodes = calloc(n, sizeof *nodes);
-    if (!nodes)
+    if (!nodes) {
+        *has = 1;
         return NULL;
+    }
     gexec *r = NULL;
     if (GV_REAL(cuGraphGetNodes, nodes_fn)(g, nodes, &n) != CUDA_SUCCESS)
         goto out;
@@ -227,8 +230,11 @@ static gexec *read_graph(CUgraph g, unsigned long long flags, int *has)
             /* Made by another graph, on a device not known here: every
              * device's pool is locked for its launch. */
             int count = 0;
-            GV_REAL(cuDeviceGetCount, CUresult (*)(int *))(&count);
-            r->lock |= count >= GV_MAX_ORDINALS ? ~0ULL : (1ULL << count) - 1;
+            if (GV_REAL(cuDeviceGetCount, CUresult (*)(int *))(&count) != CUDA_SUCCESS ||
+                count <= 0 || count >= GV_MAX_ORDINALS)
+                r->lock = ~0ULL;
+            else
+                r->lock |= (1ULL << count) - 1;
         }
     }
 out:
