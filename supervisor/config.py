@@ -149,7 +149,15 @@ def validate_shim_environment(env: Mapping[str, str]) -> None:
 
 
 def effective_policy(env: Mapping[str, str]) -> str:
-    if env.get(ENV_HAMI_POLICY, "").strip().lower() == "force":
+    """The policy the library configures the region with, as reported.
+
+    GPU_CORE_UTILIZATION_POLICY=force makes the limit a hard cap; =disable
+    ignores the SM limits: the library then configures every device with
+    no limit and fixed-share (limits_sm_policy), whatever
+    GPUVISOR_SM_POLICY says, so burst-share or best-effort would name a
+    policy that nothing applies (and a limit pushed live later is a hard
+    cap, as fixed-share's)."""
+    if env.get(ENV_HAMI_POLICY, "").strip().lower() in ("force", "disable"):
         return "fixed-share"
     policy = env.get(ENV_POLICY, "").strip().lower()
     return policy if policy in POLICIES else "fixed-share"

@@ -400,6 +400,42 @@ def test_reports_and_final_report(env, agent):
     assert any(r.pids for r in with_dev)
 
 
+@pytest.mark.parametrize("core_policy", ["disable", "DISABLE"])
+def test_disabled_core_policy_reports_the_policy_the_library_applies(env, agent, node, core_policy):
+    """GPU_CORE_UTILIZATION_POLICY=disable ignores the SM limits: the
+    library configures the device with no limit and fixed-share whatever
+    GPUVISOR_SM_POLICY says, so the reports name fixed-share (as `gpuvisor
+    status` reads the region), not the burst-share nothing applies."""
+    env.update(GPUVISOR_NODE_SOCKET=str(agent.path), GPU_CORE_UTILIZATION_POLICY=core_policy)
+    proc = run(
+        env,
+        "--report-interval",
+        "0.1",
+        "--cores",
+        "50",
+        "--policy",
+        "burst-share",
+        "--",
+        *py(MEMINFO + "import time; time.sleep(0.3)\n"),
+    )
+    assert proc.returncode == 0, proc.stderr
+    with_dev = [r for r in agent.reports if r.devices]
+    assert with_dev, agent.reports
+    assert {r.policy for r in agent.reports} == {"fixed-share"}
+    assert all(d.sm_limit is None for r in with_dev for d in r.devices)
+    region = subprocess.run(
+        [*py(READ_SM + "print(r.sm(0).policy)"), str(node.region)],
+        env=node.env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+        cwd=REPO_ROOT,
+    ).stdout.splitlines()
+    assert json.loads(region[0])["limit"] is None
+    assert region[1] == "fixed-share"
+
+
 def test_agent_error_reply_is_logged_once(env, agent):
     agent.reply_error = "container not admitted"
     env["GPUVISOR_NODE_SOCKET"] = str(agent.path)
