@@ -303,6 +303,15 @@ def _opt_interval(value: Any) -> float | None:
     return v if v > 0 else None
 
 
+def _opt_limit(value: Any, name: str, lo: int, hi: int) -> int | None:
+    """A pushed limit: an integer in [lo, hi], or null for "no limit"."""
+    if value is not None and (not is_int(value) or not lo <= value <= hi):
+        raise ProtocolError(
+            f"{name}={value!r}: expected an integer in [{lo}, {hi}] or null (no limit)"
+        )
+    return None if value is None else int(value)
+
+
 def parse_ack(obj: dict[str, Any]) -> Instructions:
     """Validate an `ack` (supervisor side)."""
     if obj.get("type") != "ack":
@@ -316,10 +325,14 @@ def parse_ack(obj: dict[str, Any]) -> Instructions:
     for uuid, lim in limits.items():
         if not isinstance(lim, dict):
             raise ProtocolError(f"limits.{uuid}: expected an object")
+        # "No limit" is null alone: 0 is what CUDA_DEVICE_SM_LIMIT and the
+        # region use for it, but in an ack it would be a second spelling
+        # that set-limit never sends (it takes 1-100 or null, as reports'
+        # sm_limit): an agent sending it is broken, and its ack is refused.
         if "memory" in lim:
-            mem[uuid] = _opt_int(lim["memory"], f"limits.{uuid}.memory", 1)
+            mem[uuid] = _opt_limit(lim["memory"], f"limits.{uuid}.memory", 1, 2**64 - 1)
         if "sm" in lim:
-            sm[uuid] = _opt_int(lim["sm"], f"limits.{uuid}.sm", 0, 100)
+            sm[uuid] = _opt_limit(lim["sm"], f"limits.{uuid}.sm", 1, 100)
     others = obj.get("others", {})
     if not isinstance(others, dict):
         raise ProtocolError("others: expected an object")

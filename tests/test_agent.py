@@ -34,7 +34,9 @@ from gpuvisor.supervisor.protocol import (
     MAX_MESSAGE_BYTES,
     ContainerId,
     DeviceReport,
+    ProtocolError,
     Report,
+    decode,
     encode,
     parse_ack,
     report_message,
@@ -971,6 +973,27 @@ def test_set_limit_takes_the_sm_limit_as_the_library_reads_it(sock_path, cores):
     proc = set_limit(sock_path, "any", "--cores", cores)
     assert proc.returncode == 2, proc.stderr
     assert "expected a percent 1-100" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("sm", 0), ("sm", 101), ("sm", True), ("sm", 50.0), ("memory", 0), ("memory", 2**64)],
+)
+def test_an_ack_pushing_a_limit_out_of_range_is_refused(field, value):
+    """In an ack "no limit" is null alone: an SM limit of 0 (what the
+    environment variable and the region use for none) is out of the range
+    set-limit sends, 1-100, and is refused with the field and the value."""
+    ack = {"v": 1, "type": "ack", "seq": 1, "limits": {"GPU-a": {field: value}}}
+    with pytest.raises(ProtocolError) as exc:
+        parse_ack(decode(encode(ack)))
+    lo, hi = (1, 100) if field == "sm" else (1, 2**64 - 1)
+    assert str(exc.value) == (
+        f"limits.GPU-a.{field}={value!r}: expected an integer in [{lo}, {hi}] or null (no limit)"
+    )
+    ok = {"GPU-a": {"sm": None, "memory": None}, "GPU-b": {"sm": 1}, "GPU-c": {"sm": 100}}
+    instr = parse_ack({"v": 1, "type": "ack", "seq": 1, "limits": ok})
+    assert instr.sm_limits == {"GPU-a": None, "GPU-b": 1, "GPU-c": 100}
+    assert instr.memory_limits == {"GPU-a": None}
 
 
 def test_set_limit_is_refused_on_the_reporting_socket(sock_path):

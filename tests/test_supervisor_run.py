@@ -509,6 +509,38 @@ def test_agent_steers_yield_and_sm_limit_live(env, agent, node):
             sup.communicate()
 
 
+def test_an_ack_pushing_sm_limit_0_is_refused_and_the_limit_stands(env, agent, node):
+    """An agent that pushes an SM limit of 0 (null is "no limit" in an ack)
+    is broken: its ack is refused with one line naming the field and the
+    value, and the container's limit is not lifted."""
+    env["GPUVISOR_NODE_SOCKET"] = str(agent.path)
+    stop = node.dir / "stop"
+    sup = start_launcher(env, stop, "--report-interval", "0.1", "--cores", "50")
+    try:
+        assert sup.stdout is not None
+        assert sup.stdout.readline() == "launching\n"
+        uuid = agent.wait_for(lambda r: bool(r.devices)).devices[0].uuid
+        with agent.lock:
+            agent.instructions = Instructions(sm_limits={uuid: 0})
+            pushed = len(agent.acked)
+        deadline = time.monotonic() + 15
+        while len(agent.acked) < pushed + 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(agent.acked) >= pushed + 3  # three acks pushing 0 went out
+        time.sleep(0.3)  # a few tuner ticks
+        assert read_sm(node)["limit"] == 50
+        assert all(d.sm_limit == 50 for r in agent.reports[-3:] for d in r.devices)
+    finally:
+        stop.touch()
+        _, err = sup.communicate(timeout=30)
+    assert sup.returncode == 0, err
+    bad = [line for line in err.splitlines() if "bad ack" in line]
+    assert bad == [
+        f"gpuvisor run: bad ack from the node agent: limits.{uuid}.sm=0: "
+        "expected an integer in [1, 100] or null (no limit)"
+    ], err
+
+
 def test_supervisor_cpu_at_10hz(env, agent, node):
     """The supervisor's own CPU time while tuning (10 Hz) and reporting."""
     env["GPUVISOR_NODE_SOCKET"] = str(agent.path)
