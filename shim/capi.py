@@ -16,7 +16,7 @@ from typing import Any
 
 from .loader import library_path
 
-API_VERSION = 1
+API_VERSION = 2
 UNLIMITED = (1 << 64) - 1  # GV_UNLIMITED
 
 ERROR_NAMES = {
@@ -79,7 +79,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "gv_device_get_sm": (ctypes.c_int, [ctypes.c_int, _pu32, _pu32, _pu32, _pu32]),
     "gv_device_get_sm_usage": (ctypes.c_int, [ctypes.c_int, _pu64, _pu64, _pu64]),
     "gv_device_set_sm_limit": (ctypes.c_int, [ctypes.c_int, ctypes.c_uint32]),
-    "gv_device_set_sm_yield": (ctypes.c_int, [ctypes.c_int, ctypes.c_int]),
+    "gv_device_set_sm_yield": (ctypes.c_int, [ctypes.c_int, ctypes.c_uint32]),
     "gv_device_set_sm_others": (ctypes.c_int, [ctypes.c_int, ctypes.c_uint32]),
     "gv_device_get_sm_others": (ctypes.c_int, [ctypes.c_int, _pu32, _pu64]),
     "gv_process_list": (ctypes.c_int, [_i32p, ctypes.c_int]),

@@ -7,6 +7,7 @@ attaching to another path in the same process fails (GV_EINVAL).
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ class DeviceUsage:
 
 
 SM_POLICIES = ("fixed-share", "burst-share", "best-effort")
+YIELD_MAX_S = 60.0  # the longest yield lease (GV_SM_YIELD_MAX_MS)
 
 
 @dataclass(frozen=True)
@@ -187,11 +189,17 @@ class Region:
             raise GpuvisorError(GV_EINVAL, f"gpuvisor: sm limit={percent!r} is not 0..100")
         check(lib().gv_device_set_sm_limit(_dev(dev), value), "gv_device_set_sm_limit")
 
-    def set_sm_yield(self, dev: int, yield_: bool) -> None:
-        """Pause (True) or resume (False) the container's launches on dev."""
-        check(
-            lib().gv_device_set_sm_yield(_dev(dev), 1 if yield_ else 0), "gv_device_set_sm_yield"
-        )
+    def set_sm_yield(self, dev: int, seconds: float) -> None:
+        """Pause the container's launches on dev for `seconds` from now, at
+        most YIELD_MAX_S (a lease: set it again before it ends to keep the
+        pause), or resume them at once (0)."""
+        ok = isinstance(seconds, (int, float)) and not isinstance(seconds, bool)
+        if not ok or not 0 <= seconds <= YIELD_MAX_S:
+            raise GpuvisorError(
+                GV_EINVAL, f"gpuvisor: yield seconds={seconds!r} is not 0..{YIELD_MAX_S:g}"
+            )
+        ms = math.ceil(seconds * 1000)  # a lease under 1 ms is 1 ms, not a resume
+        check(lib().gv_device_set_sm_yield(_dev(dev), ms), "gv_device_set_sm_yield")
 
     def set_sm_others(self, dev: int, percent: float) -> None:
         """The node agent's figure for the other containers' use of dev (percent)."""

@@ -220,7 +220,10 @@ def run(
 
     Checks the limits, starts COMMAND with the shim preloaded, forwards
     signals, reaps zombies, reports to the node agent and exits with
-    COMMAND's exit code (128+N if signal N killed it).
+    COMMAND's exit code (128+N if signal N killed it).  A pause the node
+    agent asks for is a 2 s lease renewed every 100 ms: if this supervisor
+    dies while COMMAND lives on (SIGKILL when it is not PID 1), COMMAND
+    runs again within 2 s.
 
     Where the node agent keeps context.lock beside its socket,
     GPUVISOR_NODE_LOCK is unset and HAMi's /tmp/vgpulock is not mounted,

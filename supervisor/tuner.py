@@ -14,6 +14,10 @@ seconds (agent_ack_timeout: 3 report intervals, at least 2 s), or at once
 when the reporter loses the connection (agent_lost), every yield flag the
 agent set is cleared and no others' share is passed on until the next ack;
 limits the agent pushed stay (an administrator's change, applied).
+A yield flag is a lease of YIELD_LEASE_S that every tick renews while the
+agent asks for it: a supervisor that dies (SIGKILL, when it is not PID 1
+and the workload outlives it) or hangs leaves the workload paused for at
+most that long, never for good.
 Once a second it also refreshes the workload's process tree (psutil),
 NVML's device utilisation (pynvml, when it loads) and reclaims the region
 slots of dead processes.
@@ -46,6 +50,9 @@ TICK_S = 0.1
 SLOW_EVERY = 10  # ticks between process-tree / NVML / reclaim refreshes
 ACK_TIMEOUT_INTERVALS = 3  # report intervals without an ack before the agent's view lapses
 ACK_TIMEOUT_MIN_S = 2.0
+# How long a yield flag holds unless a tick renews it (20 ticks: a tuner
+# held up for a moment does not let it lapse).
+YIELD_LEASE_S = 2.0
 _UNSET = object()
 
 
@@ -128,11 +135,12 @@ def clear_yields(region: Region) -> None:
 
     The region file outlives its supervisor (a restarted container keeps
     it): a flag the agent had a previous supervisor set would otherwise
-    pause the new workload until an agent answers, and for good without
-    one.  Only the agent's acks set them again."""
+    pause the new workload until its lease ends (2 s, or up to 60 s when
+    another caller of the API set it).  Only the agent's acks set them
+    again."""
     try:
         for d in region.devices():
-            region.set_sm_yield(d.index, False)
+            region.set_sm_yield(d.index, 0)
     except GpuvisorError as exc:
         log.warning("clearing the region's yield flags failed: %s", exc)
 
@@ -294,16 +302,18 @@ class Tuner:
                         current = self.region.sm(d.index).limit
                         value = value or None  # 0: no limit, as the region reads it
                     else:
-                        current = self._applied.get((kind, d.uuid), _UNSET)
+                        # A yield is a lease, renewed at every tick while wanted.
+                        current = _UNSET if value else self._applied.get((kind, d.uuid), _UNSET)
                     if current == value:
                         continue
                     if kind == "yield":
-                        self.region.set_sm_yield(d.index, bool(value))
+                        self.region.set_sm_yield(d.index, YIELD_LEASE_S if value else 0)
                     elif kind == "memory":
                         self.region.set_limit(d.index, None if value is None else int(value))
                     else:
                         self.region.set_sm_limit(d.index, None if value is None else int(value))
-                    log.info("%s on %s set to %s", kind, d.uuid, value)
+                    if self._applied.get((kind, d.uuid), _UNSET) != value:
+                        log.info("%s on %s set to %s", kind, d.uuid, value)
                 except GpuvisorError as exc:
                     self._log_once(f"setting {kind} on {d.uuid} to {value} failed", exc)
                 self._applied[(kind, d.uuid)] = value

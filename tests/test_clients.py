@@ -745,7 +745,7 @@ e, s, _ = graph_of(1 * GiB)
 ok(cu.cuGraphLaunch, e, s)                # starts the meter; the pool keeps 1 GiB
 ok(cu.cuStreamSynchronize, s)
 region = Region.attach()
-region.set_sm_yield(0, True)
+region.set_sm_yield(0, 30)
 time.sleep(0.5)                           # the meter's next update pauses launches
 result = {}
 def launch():
@@ -755,7 +755,7 @@ def launch():
 t = threading.Thread(target=launch)
 t.start()
 time.sleep(0.3)
-lift = threading.Timer(3.0, region.set_sm_yield, (0, False))
+lift = threading.Timer(3.0, region.set_sm_yield, (0, 0))
 lift.start()
 t0 = time.monotonic()
 ok(cu.cuDeviceGraphMemTrim, 0)

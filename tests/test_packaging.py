@@ -12,6 +12,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from gpuvisor.shim.capi import API_VERSION
 
 from tests.helpers import repo_files
 
@@ -107,7 +108,7 @@ def test_wheel_finds_its_own_libraries(wheel: Path, tmp_path: Path) -> None:
     lib, sim, version = proc.stdout.split()
     assert lib == str(root / NATIVE / "libgpuvisor.so")
     assert sim == str(root / NATIVE.rstrip("/"))
-    assert version == "1"
+    assert version == str(API_VERSION)
 
 
 def test_make_rules_list_every_header_their_sources_include(

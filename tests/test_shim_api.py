@@ -341,7 +341,7 @@ errors = errors_of({{
     "negative": lambda: r.get_limit(-(1 << 32)),
     "bool": lambda: r.used(True),
     "sm-limit": lambda: r.set_sm_limit(1 << 32, 50),
-    "yield": lambda: r.set_sm_yield(1 << 32, True),
+    "yield": lambda: r.set_sm_yield(1 << 32, 1),
     "others": lambda: r.set_sm_others(1 << 32, 50),
     "pid": lambda: r.process_used((1 << 32) + os.getpid(), 0),
 }})
@@ -355,6 +355,38 @@ emit(errors=errors, limit=r.get_limit(0), sm=r.sm(0).limit, others=r.sm_others(0
     assert out["limit"] == 4 * GiB  # device 0 untouched
     assert out["sm"] is None
     assert out["others"] is None
+
+
+def test_a_yield_is_a_lease_of_at_most_60_s(node) -> None:
+    """A yield lasts the lease given, 60 s at most: a longer one (or a bare
+    True, which used to mean "until cleared") is refused, naming the value,
+    in Python and in C."""
+    out = api(
+        node,
+        f"""
+from gpuvisor.shim.capi import lib
+r = Region.attach()
+r.register_device({UUID0!r}, 16 << 30, 4 << 30)
+errors = errors_of({{
+    "long": lambda: r.set_sm_yield(0, 61),
+    "bool": lambda: r.set_sm_yield(0, True),
+    "negative": lambda: r.set_sm_yield(0, -1),
+    "nan": lambda: r.set_sm_yield(0, float("nan")),
+    "max": lambda: r.set_sm_yield(0, 60),
+    "clear": lambda: r.set_sm_yield(0, 0),
+}})
+rc = lib().gv_device_set_sm_yield(0, 60001)
+emit(errors=errors, rc=rc, c_error=lib().gv_last_error().decode())
+""",
+    )
+    errors = out["errors"]
+    assert errors["long"] == ["GV_EINVAL", "gpuvisor: yield seconds=61 is not 0..60 (GV_EINVAL)"]
+    assert errors["bool"] == ["GV_EINVAL", "gpuvisor: yield seconds=True is not 0..60 (GV_EINVAL)"]
+    assert errors["negative"][0] == errors["nan"][0] == "GV_EINVAL"
+    assert errors["max"] is None
+    assert errors["clear"] is None
+    assert out["rc"] == GV_EINVAL
+    assert out["c_error"] == "gpuvisor: gv_device_set_sm_yield: lease_ms=60001: more than 60000 ms"
 
 
 def test_attach_a_path_that_is_not_utf8(node, tmp_path) -> None:

@@ -432,12 +432,12 @@ def test_yield_pauses_and_resumes(node: SimNode, limit: str | None) -> None:
     w = start(env, "kernel", LONG_RUN, 2)
     go(w)
     time.sleep(0.8)
-    region_call(node, "r.set_sm_yield(0, True)\nassert r.sm(0).priority == 1")
+    region_call(node, "r.set_sm_yield(0, 30)\nassert r.sm(0).priority == 1")
     time.sleep(0.4)  # queued work drains
     since = int(time.time() * 1e6)
     time.sleep(1.0)
     paused = nvml_shares(node, since).get(str(w.pid), 0)
-    region_call(node, "r.set_sm_yield(0, False)")
+    region_call(node, "r.set_sm_yield(0, 0)")
     time.sleep(0.3)
     since = int(time.time() * 1e6)
     time.sleep(0.8)
@@ -449,6 +449,28 @@ def test_yield_pauses_and_resumes(node: SimNode, limit: str | None) -> None:
         assert abs(resumed - 50) <= 8
     else:
         assert resumed >= 90
+
+
+def test_a_yield_lease_ends_by_itself(node: SimNode) -> None:
+    """A yield is a lease: set for 2 s and never cleared (its setter died),
+    the container's launches pause, then go on once it ends."""
+    env = node.shimmed(CUDA_TASK_PRIORITY="1")
+    w = start(env, "kernel", LONG_RUN, 2)
+    go(w)
+    time.sleep(0.8)
+    region_call(node, "r.set_sm_yield(0, 2.0)")
+    time.sleep(0.4)  # queued work drains
+    since = int(time.time() * 1e6)
+    time.sleep(0.8)
+    paused = nvml_shares(node, since).get(str(w.pid), 0)
+    time.sleep(1.2)  # the lease ends 2 s after it was set
+    since = int(time.time() * 1e6)
+    time.sleep(0.8)
+    resumed = nvml_shares(node, since).get(str(w.pid), 0)
+    stop(w)
+    print(f"paused={paused} resumed={resumed}")
+    assert paused <= 2
+    assert resumed >= 90
 
 
 # A container with its own PID namespace: NVML reports host PIDs, which the

@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
@@ -637,6 +639,68 @@ def test_yield_lapses_when_the_agent_goes_away(env, agent, node, how):
     assert sup.returncode == 0
 
 
+# Launches 200 us kernels until the file argv[1] exists, then says so.
+LAUNCH_UNTIL_DONE = LAUNCHER + 'print("done", flush=True)\n'
+
+
+def _not_exited(proc: psutil.Process) -> bool:
+    """Still running (a zombie has exited: an orphan's reaper may be slow)."""
+    try:
+        return bool(proc.status() != psutil.STATUS_ZOMBIE)
+    except psutil.Error:
+        return False
+
+
+def test_a_killed_supervisor_never_leaves_the_workload_paused(env, agent, node):
+    """A supervisor that is not PID 1, SIGKILLed while the agent has its
+    workload yield: nothing clears the yield flag it set, and nothing kills
+    the workload (the kernel does that only when PID 1 of a PID namespace
+    dies).  The pause is a lease the supervisor renews at every tick: it
+    ends within 2 s and the workload finishes its work."""
+    env["GPUVISOR_NODE_SOCKET"] = str(agent.path)
+    stop = node.dir / "stop"
+    sup = start_run(
+        env, "--report-interval", "0.2", "--priority", "1", "--", *py(LAUNCH_UNTIL_DONE), str(stop)
+    )
+    workload: list[psutil.Process] = []
+    try:
+        assert sup.stdout is not None
+        assert sup.stdout.readline() == "launching\n"
+        workload = psutil.Process(sup.pid).children(recursive=True)
+        uuid = agent.wait_for(lambda r: bool(r.devices)).devices[0].uuid
+        with agent.lock:
+            agent.instructions = Instructions(yield_devices={uuid: True})
+        agent.wait_for(lambda r: any(d.sm_enforced == 0 for d in r.devices))
+        paused = read_sm(node)
+        time.sleep(0.3)
+        assert read_sm(node)["launches"] == paused["launches"]  # held at the gate
+
+        sup.kill()
+        assert sup.wait(timeout=10) == -signal.SIGKILL
+        assert all(p.is_running() for p in workload)  # orphaned, not killed
+        t0 = time.monotonic()
+        stop.touch()
+        state, t1 = _wait_sm(node, lambda s: s["share"] > 0)
+        assert state["share"] == 100, state
+        print(f"yield ended {t1 - t0:.2f} s after the supervisor was killed")
+        assert t1 - t0 < 4.0
+        ready, _, _ = select.select([sup.stdout], [], [], 15)
+        assert ready, "the workload is still paused"
+        assert sup.stdout.readline() == "done\n"
+        deadline = time.monotonic() + 15
+        while any(_not_exited(p) for p in workload) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_not_exited(p) for p in workload)
+    finally:
+        stop.touch()
+        for p in workload:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        if sup.poll() is None:
+            sup.kill()
+        sup.communicate(timeout=30)
+
+
 @pytest.mark.parametrize("close_on_next", [False, True], ids=["after-reply", "on-next-report"])
 def test_no_report_is_lost_when_the_agent_closes_connections(env, agent, close_on_next):
     """An agent that closes connections (as for idleness, when reports come
@@ -681,7 +745,7 @@ print("done", flush=True)
 SET_YIELD = """
 import sys
 from gpuvisor.shim import Region
-Region.attach(sys.argv[1]).set_sm_yield(0, True)
+Region.attach(sys.argv[1]).set_sm_yield(0, 60)  # the longest lease
 """
 
 

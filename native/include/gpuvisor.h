@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define GV_API_VERSION 1
+#define GV_API_VERSION 2
 
 enum {
     GV_OK = 0,
@@ -90,9 +90,14 @@ int gv_device_get_sm(int dev, uint32_t *limit_pct, uint32_t *share_bp, uint32_t 
 int gv_device_get_sm_usage(int dev, uint64_t *busy_ns, uint64_t *wait_ns, uint64_t *launches);
 /* Change the SM limit live (0: none); applies to the next launches. */
 int gv_device_set_sm_limit(int dev, uint32_t pct);
-/* Pause (1) or resume (0) the container's launches on dev: set while a
- * higher-priority container is active (the supervisor decides). */
-int gv_device_set_sm_yield(int dev, int yield);
+/* Pause the container's launches on dev for lease_ms milliseconds from now
+ * (at most GV_SM_YIELD_MAX_MS), or resume them at once (0): set while a
+ * higher-priority container is active (the supervisor decides).  A lease:
+ * the caller sets it again before it ends to keep the pause, so a caller
+ * that dies (or hangs) cannot leave the container paused for good.
+ * GV_EINVAL for a longer lease. */
+#define GV_SM_YIELD_MAX_MS 60000u
+int gv_device_set_sm_yield(int dev, uint32_t lease_ms);
 
 /* The other containers' use of the device (1/100 %), as the node agent
  * sees it; the launch gate's burst-share/best-effort lending takes the

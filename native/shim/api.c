@@ -369,10 +369,20 @@ GV_EXPORT int gv_device_get_sm_others(int dev, uint32_t *share_bp, uint64_t *age
     return GV_OK;
 }
 
-GV_EXPORT int gv_device_set_sm_yield(int dev, int yield)
+GV_EXPORT int gv_device_set_sm_yield(int dev, uint32_t lease_ms)
 {
     NEED_DEV("gv_device_set_sm_yield", dev);
-    region_sm_set_yield(r, dev, yield);
+    if (lease_ms > GV_SM_YIELD_MAX_MS)
+        return fail(GV_EINVAL, "gpuvisor: gv_device_set_sm_yield: lease_ms=%u: more than %u ms",
+                    lease_ms, GV_SM_YIELD_MAX_MS);
+    uint64_t until = 0;
+    if (lease_ms != 0) {
+        struct timespec ts;
+        clock_gettime(CLOCK_MONOTONIC, &ts);
+        until = (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec +
+                (uint64_t)lease_ms * 1000000ULL;
+    }
+    region_sm_set_yield(r, dev, until);
     return GV_OK;
 }
 

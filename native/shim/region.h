@@ -29,7 +29,7 @@
 #include <stdint.h>
 
 #define GV_REGION_MAGIC 0x31485356504756ULL   /* "GVPVSH1" little-endian-ish tag */
-#define GV_REGION_VERSION 5u
+#define GV_REGION_VERSION 6u
 #define GV_MAX_SLOTS 1024
 #define GV_MAX_DEVICES 16
 #define GV_DEFAULT_REGION_PATH "/tmp/gpuvisor-region.shr"
@@ -104,7 +104,6 @@ struct gv_sm {
     _Atomic uint32_t share;      /* share enforced now, 1/100 % (0 = paused) */
     _Atomic uint32_t policy;     /* enum gv_sm_policy */
     _Atomic uint32_t priority;   /* CUDA_TASK_PRIORITY: 0 high, 1 low */
-    _Atomic uint32_t yield;      /* set from outside: a higher-priority container is active */
     _Atomic uint32_t configured; /* GV_SM_CONFIGURED | GV_SM_LIMIT_SET */
     _Atomic uint64_t busy_ns;    /* measured GPU time of the container's kernels */
     _Atomic uint64_t wait_ns;    /* time launches waited at the gate */
@@ -112,6 +111,11 @@ struct gv_sm {
     _Atomic uint32_t others;     /* other containers' use of the device, 1/100 %,
                                     as the node agent last reported it */
     _Atomic uint64_t others_at;  /* CLOCK_MONOTONIC ns of that report; 0: none */
+    /* Set from outside while a higher-priority container is active: launches
+     * pause until this CLOCK_MONOTONIC ns (a lease, renewed by whoever set
+     * it while the pause must hold, so a pauser that dies cannot leave the
+     * container paused); 0: never set, or cleared. */
+    _Atomic uint64_t yield_until;
 };
 
 /* Whether any device entry has ever had an SM limit, a low priority or
@@ -121,16 +125,24 @@ int region_sm_any(gv_region *r);
 _Atomic uint32_t *region_sm_any_flag(gv_region *r);
 /* Change an entry's SM limit live (0: none). */
 void region_sm_set_limit(gv_region *r, int dev, unsigned limit);
-/* Set or clear an entry's yield flag (launches pause while it is set,
- * with or without a limit). */
-void region_sm_set_yield(gv_region *r, int dev, int yield);
+/* Pause an entry's launches until CLOCK_MONOTONIC until_ns, with or
+ * without a limit (a lease: set it again before it ends to keep the
+ * pause); 0 clears the flag, and launches go on at once. */
+void region_sm_set_yield(gv_region *r, int dev, uint64_t until_ns);
+/* Is the entry's yield lease running at CLOCK_MONOTONIC now_ns? */
+static inline int region_sm_yielding(struct gv_sm *sm, uint64_t now_ns)
+{
+    uint64_t until = atomic_load_explicit(&sm->yield_until, memory_order_relaxed);
+    return until != 0 && now_ns < until;
+}
 /* Does this entry gate launches: an SM limit, a low priority (its yield
- * flag must be able to pause it) or its yield flag set? */
+ * flag must be able to pause it) or its yield flag set (a lease that ended
+ * but was not cleared included: the gate then runs it at its share)? */
 static inline int region_sm_gates(struct gv_sm *sm)
 {
     return atomic_load_explicit(&sm->limit, memory_order_relaxed) != 0 ||
            atomic_load_explicit(&sm->priority, memory_order_relaxed) != 0 ||
-           atomic_load_explicit(&sm->yield, memory_order_relaxed) != 0;
+           atomic_load_explicit(&sm->yield_until, memory_order_relaxed) != 0;
 }
 /* Does any device entry gate launches now (a limit, low priority or a
  * yield flag)?  Answered from *cache (the caller's, process-local) while

@@ -166,15 +166,23 @@ void region_sm_configure(gv_region *r, int dev, unsigned limit, unsigned policy,
     sm_change_end(r);
 }
 
-void region_sm_set_yield(gv_region *r, int dev, int yield)
+void region_sm_set_yield(gv_region *r, int dev, uint64_t until_ns)
 {
     struct gv_sm *sm = region_sm(r, dev);
     if (sm == NULL)
         return;
+    /* Renewing a lease that is set changes nothing a process may have
+     * cached (region_sm_gated: the entry gates either way), so it makes no
+     * change: one compare-and-swap, as the supervisor renews it at every
+     * tick.  If the flag was cleared meanwhile, the change below sets it. */
+    uint64_t cur = atomic_load(&sm->yield_until);
+    if (until_ns != 0 && cur != 0 &&
+        atomic_compare_exchange_strong(&sm->yield_until, &cur, until_ns))
+        return;
     sm_change_begin(r);
-    if (yield)
+    if (until_ns != 0)
         atomic_store(&r->m->hdr.sm_any, 1);   /* before the flag: no launch misses it */
-    atomic_store(&sm->yield, yield ? 1u : 0u);
+    atomic_store(&sm->yield_until, until_ns);
     sm_change_end(r);
 }
 

@@ -14,7 +14,8 @@
  *                when that is more;
  *   best-effort  what the other containers leave (minus 10 %), at least 1 %;
  * and 0 (paused) while the region's yield flag is set (a higher-priority
- * container is active; set by the supervisor), with or without a limit: a
+ * container is active; set by the supervisor, as a lease it renews: the
+ * pause ends by itself when the lease does), with or without a limit: a
  * low-priority container is gated at 100 % when it has no limit.  "The
  * other containers' use" is NVML's per-process utilisation over the last
  * 300 ms of every process that is not registered in this container's
@@ -256,7 +257,7 @@ static void update_share(struct watched *w, int *company, int *procs)
     uint32_t policy = atomic_load(&sm->policy);
     uint32_t share;
     uint64_t others = w->have_nvml ? others_recent(w, company, procs) : 0;
-    if (atomic_load(&sm->yield)) {
+    if (region_sm_yielding(sm, gv_mono_ns())) {
         share = 0;
     } else if (limit == 0) {
         share = 10000;

@@ -804,9 +804,19 @@ static void test_sm_gated(void)
     region_sm_set_limit(r, d, 0);
     CHECK_EQ(region_sm_gated(r, &cache), 0);
     CHECK_EQ(region_sm_gated(r, &cache), 0);                  /* from the cache */
-    region_sm_set_yield(r, d, 1);
+    struct gv_sm *sm = region_sm(r, d);
+    region_sm_set_yield(r, d, 5000);                          /* until 5 us */
     CHECK_EQ(region_sm_gated(r, &cache), 1);
+    CHECK(region_sm_yielding(sm, 4999));
+    CHECK(!region_sm_yielding(sm, 5000));                     /* the lease ended */
+    CHECK_EQ(region_sm_gated(r, &cache), 1);                  /* gated until cleared */
+    uint32_t gen = atomic_load(&r->m->hdr.sm_gen);
+    region_sm_set_yield(r, d, 9000);                          /* renewed: no change made */
+    CHECK_EQ(atomic_load(&r->m->hdr.sm_gen), gen);
+    CHECK(region_sm_yielding(sm, 8999));
     region_sm_set_yield(r, d, 0);
+    CHECK(atomic_load(&r->m->hdr.sm_gen) != gen);
+    CHECK(!region_sm_yielding(sm, 1));
     CHECK_EQ(region_sm_gated(r, &cache), 0);
 
     /* A writer killed after its store, before it finished the change. */
