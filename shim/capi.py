@@ -87,6 +87,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "gv_reclaim_dead": (ctypes.c_int, []),
 }
 
+
 def _bind(handle: ctypes.CDLL, path: Path, name: str) -> Any:
     """handle's function name with its signature declared."""
     try:

@@ -124,8 +124,7 @@ def read_sample(
         devices = region.devices()
     util = util or {}
     samples = [
-        DeviceSample(usage=d, sm=region.sm(d.index), utilization=util.get(d.uuid))
-        for d in devices
+        DeviceSample(usage=d, sm=region.sm(d.index), utilization=util.get(d.uuid)) for d in devices
     ]
     return Sample(ts=time.monotonic(), devices=samples, pids=list(pids or []))
 
