@@ -204,6 +204,7 @@ SIM_API CUresult cuCtxDestroy_v2(CUcontext ctx)
         return CUDA_ERROR_INVALID_CONTEXT;
     drop_from_stack(ctx);
     ctx_deactivate(ctx);
+    sim_free_delay();
     return CUDA_SUCCESS;
 }
 
@@ -372,9 +373,12 @@ SIM_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
         pthread_mutex_unlock(&g_prim_mu);
         return CUDA_ERROR_INVALID_CONTEXT;
     }
-    if (--c->refcount == 0 && c->alive)
+    int freed = --c->refcount == 0 && c->alive;
+    if (freed)
         ctx_deactivate(c);
     pthread_mutex_unlock(&g_prim_mu);
+    if (freed)
+        sim_free_delay();
     return CUDA_SUCCESS;
 }
 
@@ -394,9 +398,12 @@ SIM_API CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
      * release (also after the reset), and the next retain makes it anew. */
     struct CUctx_st *c = &g_primary[dev];
     pthread_mutex_lock(&g_prim_mu);
-    if (c->alive)
+    int freed = c->alive;
+    if (freed)
         ctx_deactivate(c);
     pthread_mutex_unlock(&g_prim_mu);
+    if (freed)
+        sim_free_delay();
     return CUDA_SUCCESS;
 }
 

@@ -18,7 +18,7 @@ static CUresult g_init_rc = CUDA_ERROR_NOT_INITIALIZED;
 static volatile int g_inited;
 static int g_nvis;
 static int g_vis[SIM_MAX_DEV];          /* CUDA ordinal -> node index */
-static unsigned long long g_fail_at, g_fail_every, g_ctx_ms, g_alloc_ms;
+static unsigned long long g_fail_at, g_fail_every, g_ctx_ms, g_alloc_ms, g_free_ms;
 static unsigned long long g_alloc_calls;
 
 /* One CUDA_VISIBLE_DEVICES token -> node index, -1 if invalid. */
@@ -111,6 +111,8 @@ static void do_init(void)
         g_ctx_ms = 0;
     if (sim_knob_uint("GPUVISOR_SIM_ALLOC_MS", &g_alloc_ms) <= 0)
         g_alloc_ms = 0;
+    if (sim_knob_uint("GPUVISOR_SIM_FREE_MS", &g_free_ms) <= 0)
+        g_free_ms = 0;
     parse_visible();
     if (g_nvis == 0) {
         g_init_rc = CUDA_ERROR_NO_DEVICE;
@@ -176,6 +178,12 @@ void sim_alloc_delay(void)
 {
     if (g_alloc_ms)
         sleep_ms(g_alloc_ms);
+}
+
+void sim_free_delay(void)
+{
+    if (g_free_ms)
+        sleep_ms(g_free_ms);
 }
 
 SIM_API CUresult cuDriverGetVersion(int *v)

@@ -135,6 +135,7 @@ SIM_API CUresult cuMemFree_v2(CUdeviceptr dptr)
     }
     sim_free_entry_locked(a);
     pthread_mutex_unlock(&sim_mu);
+    sim_free_delay();
     return CUDA_SUCCESS;
 }
 

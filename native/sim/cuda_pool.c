@@ -173,7 +173,10 @@ static CUresult free_async(CUdeviceptr dptr, CUstream s, int ptsz)
     if (a)
         sim_free_entry_locked(a);
     pthread_mutex_unlock(&sim_mu);
-    return a ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    if (!a)
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_free_delay();
+    return CUDA_SUCCESS;
 }
 
 SIM_API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *d, size_t n, CUmemoryPool p,

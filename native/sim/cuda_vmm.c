@@ -132,7 +132,10 @@ SIM_API CUresult cuMemRelease(CUmemGenericAllocationHandle h)
         handle_put(v);
     }
     pthread_mutex_unlock(&sim_mu);
-    return v ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    if (!v)
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_free_delay();
+    return CUDA_SUCCESS;
 }
 
 /* The handle mapped at addr (anywhere in a mapping), with one more
@@ -238,8 +241,12 @@ SIM_API CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
     if (r)
         unmap_range(r->base, r->size);
     pthread_mutex_unlock(&sim_mu);
+    int found = r != NULL;
     free(r);
-    return r ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    if (!found)
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_free_delay();
+    return CUDA_SUCCESS;
 }
 
 SIM_API CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
@@ -294,7 +301,10 @@ SIM_API CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
             bad = 1;                    /* would split a mapping */
     int n = bad ? 0 : unmap_range(ptr, size);
     pthread_mutex_unlock(&sim_mu);
-    return n ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    if (!n)
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_free_delay();
+    return CUDA_SUCCESS;
 }
 
 SIM_API CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size,

@@ -275,6 +275,9 @@ SIM_HIDDEN int sim_fault_alloc(void);       /* 1: this allocation fails */
  * or more): sleeps that long, once the context is registered. */
 SIM_HIDDEN void sim_ctx_create_delay(void);
 SIM_HIDDEN void sim_alloc_delay(void);       /* GPUVISOR_SIM_ALLOC_MS */
+/* A call that gave device memory back takes GPUVISOR_SIM_FREE_MS more,
+ * after the memory is given back (NVML shows it gone meanwhile). */
+SIM_HIDDEN void sim_free_delay(void);
 
 /* handle registry: membership test for opaque handles */
 SIM_HIDDEN void sim_reg_add(const void *p);
