@@ -15,10 +15,12 @@
  *     back) when the memory it took does not fit the quota;
  *   - after a context is destroyed, and before an allocation is refused.
  * A reading is used only if the process's own charge did not move while
- * NVML was read, no charge of this process was in flight (reserved before
- * its driver call answered, or a free between its driver call and its
- * release: the driver's figure and the charge disagree by that much then),
- * and not while this process is creating a context (its
+ * NVML was read, no charge of this process was in flight nor began
+ * meanwhile (reserved before its driver call answered, or a free from
+ * before its driver call until its charge is given back: the driver's
+ * figure and the charge disagree by that much then; every free that gives
+ * memory back is one, context destruction and VMM releases included), and
+ * not while this process is creating a context (its
  * memory is measured and charged then, hooks_context.c); differences under
  * 2 MiB are ignored.  Nothing happens where NVML does not list this process.
  */
@@ -71,10 +73,12 @@ void gv_untracked_reconcile(int ordinal)
     pthread_once(&setup_once, setup);
     struct held *h = &held[ordinal];
     pthread_mutex_lock(&h->lock);
+    uint64_t begun = gv_charges_begun();
     uint64_t before = region_slot_used(r, d->region_dev, slot), nvml = 0;
     int seen = !gv_ctx_creating() && !gv_charges_in_flight() && gv_nvml_self_used(d, &nvml);
     uint64_t after = region_slot_used(r, d->region_dev, slot);
-    if (seen && before == after && !gv_ctx_creating() && !gv_charges_in_flight()) {
+    if (seen && before == after && !gv_ctx_creating() && !gv_charges_in_flight() &&
+        gv_charges_begun() == begun) {
         uint64_t tracked = after > h->charged ? after - h->charged : 0;
         uint64_t want = nvml > tracked ? nvml - tracked : 0;
         want -= want % SLACK;
