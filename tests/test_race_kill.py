@@ -416,3 +416,37 @@ def test_a_context_is_charged_its_own_memory_while_another_thread_allocates(
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip() == "after_free_mib=64", proc.stdout
+
+
+@pytest.mark.parametrize(
+    "freed", ["destroy", "primary", "reset", "release", "unmap", "addrfree", "async"]
+)
+def test_memory_freed_while_untracked_memory_is_reread_is_not_taken_off_it(
+    node: SimNode, build_dir: Path, freed: str
+) -> None:
+    """A free takes time in the driver (here 1 s, GPUVISOR_SIM_FREE_MS), and
+    NVML shows the memory gone before the driver call answers and the quota
+    gets it back.  A reading of NVML in that time, to charge memory the
+    driver gave without an allocation call (a 1 GiB device heap), used to
+    take the freed object off the heap's charge: once the free was back,
+    the container's usage was short by the object's size (256 MiB for a
+    context, 512 MiB for a VMM handle or a block) until the next reading,
+    which waits while another thread's allocation is in the driver.  Now a
+    free is in flight for its whole driver call, and no reading is taken
+    then."""
+    proc = run_linked(
+        build_dir,
+        "t_link_free_race",
+        freed,
+        env=node.shimmed(
+            CUDA_DEVICE_MEMORY_LIMIT="4g",
+            GPUVISOR_SIM_DEVICES="2x16g:ctx=256m",
+            GPUVISOR_SIM_FREE_MS="1000",
+            GPUVISOR_SIM_ALLOC_MS="1500",
+        ),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = dict(item.split("=", 1) for item in proc.stdout.split())
+    assert (out["a"], out["b"], out["c"]) == ("0", "2", "0"), proc.stdout
+    # the context, the heap and C's 64 MiB
+    assert out["during"] == out["after"] == str(256 + 1024 + 64), proc.stdout

@@ -66,7 +66,9 @@ int gv_nvml_self_used(const gv_devinfo *d, uint64_t *used);
 int gv_ctx_creating(void);
 
 /* hooks_context.c: release everything charged against a context that the
- * driver destroyed together with the context. */
+ * driver destroyed together with the context (the caller has been in
+ * flight since before the driver call, and reads untracked memory again
+ * once it has landed). */
 void gv_release_ctx_objects(CUcontext ctx);
 
 /* Context creations are measured one at a time across the node (node_lock.c):

@@ -244,7 +244,6 @@ void gv_release_ctx_objects(CUcontext ctx)
     if (ctx)
         gv_table_take_all(owned_by, release_entry, ctx);
     gv_graph_mem_refresh();
-    gv_untracked_reconcile_all();
 }
 
 /* ---- created contexts --------------------------------------------------- */
@@ -333,10 +332,15 @@ GV_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *params, un
     CTX_CREATE_BODY(GV_REAL(cuCtxCreate_v4, create_v4_fn)(pctx, params, flags, dev), pctx, dev);
 }
 
+/* A context's memory, and everything allocated in it, goes in the driver
+ * call; its charges only after it.  In flight meanwhile, so that no reading
+ * of NVML takes what is gone but still charged for untracked memory that
+ * went (untracked.c); read again once the charges are back. */
 static CUresult destroy(destroy_fn real, CUcontext ctx)
 {
     GV_ENFORCING_ELSE_PASS(real(ctx));
     gv_graph_teardown_begin();
+    gv_charge_flying();
     CUresult rc = real(ctx);
     if (rc == CUDA_SUCCESS) {
         gv_alloc a;
@@ -345,6 +349,9 @@ static CUresult destroy(destroy_fn real, CUcontext ctx)
         gv_release_ctx_objects(ctx);
     }
     gv_graph_teardown_end(ctx, rc == CUDA_SUCCESS);
+    gv_charge_landed();
+    if (rc == CUDA_SUCCESS)
+        gv_untracked_reconcile_all();
     return rc;
 }
 
@@ -428,7 +435,8 @@ GV_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     return rc;
 }
 
-/* The primary context's memory is gone: release its charge and objects. */
+/* The primary context's memory is gone: release its charge and objects
+ * (in flight since before the driver call, as for cuCtxDestroy). */
 static void prim_drop(struct primary *p)
 {
     if (p->charged)
@@ -446,12 +454,16 @@ static CUresult prim_release(CUresult (*real)(CUdevice), CUdevice dev)
     struct primary *p = &prim[dev];
     pthread_mutex_lock(&p->lock);
     gv_graph_teardown_begin();
+    gv_charge_flying();
     CUresult rc = real(dev);
-    int gone = rc == CUDA_SUCCESS && p->refs > 0 && --p->refs == 0;
-    if (gone)
+    int dropped = rc == CUDA_SUCCESS && p->refs > 0 && --p->refs == 0;
+    if (dropped)
         prim_drop(p);
-    gv_graph_teardown_end(p->ctx, gone);
+    gv_graph_teardown_end(p->ctx, dropped);
+    gv_charge_landed();
     pthread_mutex_unlock(&p->lock);
+    if (dropped)
+        gv_untracked_reconcile_all();
     return rc;
 }
 
@@ -464,11 +476,15 @@ static CUresult prim_reset(CUresult (*real)(CUdevice), CUdevice dev)
     struct primary *p = &prim[dev];
     pthread_mutex_lock(&p->lock);
     gv_graph_teardown_begin();
+    gv_charge_flying();
     CUresult rc = real(dev);
     if (rc == CUDA_SUCCESS)
         prim_drop(p);       /* the next retain measures it again */
     gv_graph_teardown_end(p->ctx, rc == CUDA_SUCCESS);
+    gv_charge_landed();
     pthread_mutex_unlock(&p->lock);
+    if (rc == CUDA_SUCCESS)
+        gv_untracked_reconcile_all();
     return rc;
 }
 

@@ -306,6 +306,9 @@ int gv_pool_free_block(CUdeviceptr p, CUresult (*call)(void *), void *arg, CUres
             pthread_mutex_unlock(&r->lock);
         return 0;
     }
+    /* In flight until the charge follows: the driver may give the pool's
+     * memory back (a destroyed pool's, with its last block) in the call. */
+    gv_charge_flying();
     *rc = call(arg);
     if (*rc != CUDA_SUCCESS)
         gv_table_put(&a);
@@ -316,6 +319,7 @@ int gv_pool_free_block(CUdeviceptr p, CUresult (*call)(void *), void *arg, CUres
             settle(r);
         pthread_mutex_unlock(&r->lock);
     }
+    gv_charge_landed();
     return 1;
 }
 
@@ -476,15 +480,20 @@ static CUresult free_async(free_async_fn real, CUdeviceptr p, CUstream stream, i
         return rc;
     if (gv_graph_free_alloc(p, call_free_async, &f, &rc))
         return rc;
-    /* A plain allocation may also be freed stream-ordered. */
+    /* A plain allocation may also be freed stream-ordered (in flight, as
+     * cuMemFree's, until its charge is given back). */
     gv_alloc a;
-    if (!gv_table_take(GV_K_PTR, p, &a))
+    gv_charge_flying();
+    if (!gv_table_take(GV_K_PTR, p, &a)) {
+        gv_charge_landed();
         return real(p, stream);
+    }
     rc = real(p, stream);
     if (rc == CUDA_SUCCESS)
         gv_uncharge(a.dev, a.bytes);
     else
         gv_table_put(&a);
+    gv_charge_landed();
     return rc;
 }
 
@@ -561,8 +570,10 @@ GV_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep)
     if (!r || r->host)
         return real(pool, keep);
     pthread_mutex_lock(&r->lock);
+    gv_charge_flying();             /* the reserve shrinks before its charge */
     CUresult rc = real(pool, keep);
     settle(r);
+    gv_charge_landed();
     pthread_mutex_unlock(&r->lock);
     return rc;
 }
@@ -594,6 +605,7 @@ GV_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
             &dflt, r->ordinal) == CUDA_SUCCESS && dflt == pool)
         return real(pool);      /* refused by the driver: the pool stays as it is */
     pthread_mutex_lock(&r->lock);
+    gv_charge_flying();             /* the reserve goes before its charge */
     /* The driver keeps a destroyed pool's outstanding blocks until they are
      * freed: trim first, so that what stays charged is the reserve that
      * backs them, until the last of them is freed. */
@@ -610,6 +622,7 @@ GV_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
             release_rec(r);
         }
     }
+    gv_charge_landed();
     pthread_mutex_unlock(&r->lock);
     return rc;
 }

@@ -7,6 +7,12 @@
  * references cuMemRetainAllocationHandle added (bits 32-62: each takes a
  * cuMemRelease of its own), and RELEASED_BIT once the last reference was
  * released.
+ *
+ * The calls that may free a handle's memory (cuMemRelease, cuMemUnmap,
+ * cuMemAddressFree) are in flight from before the driver call until the
+ * charge is given back: NVML shows the memory gone before the quota does,
+ * and a reading of untracked memory meanwhile (untracked.c) would take
+ * the difference off it.
  */
 #include <stdlib.h>
 
@@ -98,12 +104,12 @@ GV_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h)
 {
     release_fn real = GV_REAL(cuMemRelease, release_fn);
     GV_ENFORCING_ELSE_PASS(real(h));
+    gv_charge_flying();
     CUresult rc = real(h);
-    if (rc != CUDA_SUCCESS)
-        return rc;
     struct edit e = { 0, 1, 0, 0 };
-    if (gv_table_modify(GV_K_VMM, h, edit_handle, &e))
+    if (rc == CUDA_SUCCESS && gv_table_modify(GV_K_VMM, h, edit_handle, &e))
         maybe_free(h, e.result);
+    gv_charge_landed();
     return rc;
 }
 
@@ -181,10 +187,14 @@ static void unmapped_range(CUdeviceptr ptr, size_t size)
     free(r.got);
 }
 
-static CUresult after_unmap(CUresult rc, CUdeviceptr ptr, size_t size)
+/* Unmap through real (cuMemUnmap or cuMemAddressFree), in flight. */
+static CUresult unmap(unmap_fn real, CUdeviceptr ptr, size_t size)
 {
+    gv_charge_flying();
+    CUresult rc = real(ptr, size);
     if (rc == CUDA_SUCCESS)
         unmapped_range(ptr, size);
+    gv_charge_landed();
     return rc;
 }
 
@@ -192,7 +202,7 @@ GV_EXPORT CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
 {
     unmap_fn real = GV_REAL(cuMemUnmap, unmap_fn);
     GV_ENFORCING_ELSE_PASS(real(ptr, size));
-    return after_unmap(real(ptr, size), ptr, size);
+    return unmap(real, ptr, size);
 }
 
 /* Freeing an address range unmaps what is still mapped in it. */
@@ -200,7 +210,7 @@ GV_EXPORT CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
 {
     addr_free_fn real = GV_REAL(cuMemAddressFree, addr_free_fn);
     GV_ENFORCING_ELSE_PASS(real(ptr, size));
-    return after_unmap(real(ptr, size), ptr, size);
+    return unmap(real, ptr, size);
 }
 
 const gv_hook gv_hooks_vmm[] = {
