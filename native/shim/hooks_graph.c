@@ -609,22 +609,29 @@ GV_EXPORT CUresult cuGraphExecDestroy(CUgraphExec e)
     gv_alloc a;
     if (!gv_graph_mem_seen() || !gv_table_take(GV_K_GEXEC, (uint64_t)(uintptr_t)e, &a))
         return real(e);
+    gv_charge_flying();             /* the pool may shrink before its charge */
     CUresult rc = real(e);
     if (rc != CUDA_SUCCESS) {
+        gv_charge_landed();
         gv_table_put(&a);
         return rc;
     }
     /* Its live allocations stay live (and charged) until freed. */
     gv_graph_exec_dropped(a.aux);
     settle_all();
+    gv_charge_landed();
     return rc;
 }
 
 GV_EXPORT CUresult cuDeviceGraphMemTrim(CUdevice dev)
 {
+    if (!gv_graph_mem_seen() || gv_mode_fast() != GV_MODE_ENFORCE)
+        return GV_REAL(cuDeviceGraphMemTrim, trim_fn)(dev);
+    gv_charge_flying();             /* the pool shrinks before its charge */
     CUresult rc = GV_REAL(cuDeviceGraphMemTrim, trim_fn)(dev);
-    if (rc == CUDA_SUCCESS && gv_graph_mem_seen() && gv_mode_fast() == GV_MODE_ENFORCE)
+    if (rc == CUDA_SUCCESS)
         settle_all();
+    gv_charge_landed();
     return rc;
 }
 
