@@ -450,3 +450,44 @@ def test_memory_freed_while_untracked_memory_is_reread_is_not_taken_off_it(
     assert (out["a"], out["b"], out["c"]) == ("0", "2", "0"), proc.stdout
     # the context, the heap and C's 64 MiB
     assert out["during"] == out["after"] == str(256 + 1024 + 64), proc.stdout
+
+
+@pytest.mark.parametrize("reached", ["sync", "ctxsync", "event", "ptsz", "poll", "destroy"])
+def test_a_block_freed_into_a_busy_stream_stays_charged_until_the_stream_gets_there(
+    node: SimNode, build_dir: Path, reached: str
+) -> None:
+    """cuMemFreeAsync of a cuMemAlloc block: the driver frees it when the
+    stream reaches the free.  Its charge used to go back at once, so with a
+    1 s kernel ahead of the free, a 512 MiB allocation passed a 1 GiB quota
+    next to the 768 MiB block still there.  Now it is refused while the free
+    is pending, and the charge goes back with the synchronisation that shows
+    the stream got there (or, with none, at the next allocation after it
+    did; or with the stream's context)."""
+    proc = run_linked(
+        build_dir, "t_link_free_async", reached, env=node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="1g")
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = dict(item.split("=", 1) for item in proc.stdout.split())
+    contexts = 64 if reached == "destroy" else 32
+    assert out["pending"] == "2", proc.stdout  # CUDA_ERROR_OUT_OF_MEMORY
+    assert int(out["during"]) == contexts + 768, proc.stdout
+    # gv_device_get_used gives nothing back itself: with no synchronisation,
+    # the block is released by the allocation that follows.
+    assert int(out["synced"]) == (32 + 768 if reached == "poll" else 32), proc.stdout
+    assert out["after"] == "0", proc.stdout
+    assert region_usage(node)["used"] == 0
+
+
+def test_more_pending_frees_than_the_table_holds_wait_for_their_stream(
+    node: SimNode, build_dir: Path
+) -> None:
+    """300 blocks freed behind a 1 s kernel: 256 wait in the table of
+    pending frees; the next free, finding it full, waits for its stream
+    itself (so its charge is never given back early), and the rest find
+    the table emptied.  Everything is back after a synchronisation."""
+    proc = run_linked(
+        build_dir, "t_link_free_async", "many", env=node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="1g")
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == "many blocked=1 used=32", proc.stdout
+    assert "more than 256 stream-ordered frees" in proc.stderr

@@ -62,6 +62,7 @@ void gv_charge_landed(void) { atomic_fetch_sub(&in_flight, 1); }
 CUresult gv_charge_begin(gv_charge *c, int ordinal, CUcontext ctx, uint64_t bytes)
 {
     memset(c, 0, sizeof *c);
+    gv_pending_frees_reap();
     /* Here, before the driver call, this process's charges and the
      * driver's figures agree; not in gv_charge_resize, which runs after the
      * driver has answered and before its answer is charged. */

@@ -156,4 +156,24 @@ void gv_uncharge(int dev, uint64_t bytes);
 typedef CUresult (*gv_destroy_fn)(uint64_t key, void *arg);
 int gv_untrack(uint32_t kind, uint64_t key, gv_destroy_fn destroy, void *arg, CUresult *rc);
 
+/* ---- stream-ordered frees of plain allocations (pending_free.c) ---- */
+/* A cuMemFreeAsync of bytes charged on region device dev was queued into
+ * stream (ptsz: its per-thread-default-stream variant); the caller is in
+ * flight (gv_charge_flying) and stays so until the charge is released,
+ * once the stream has reached the free. */
+void gv_pending_free(int dev, uint64_t bytes, CUstream stream, int ptsz);
+/* Release the charges of pending frees the streams have reached (cheap
+ * when none is pending). */
+void gv_pending_frees_reap(void);
+/* Around the destruction of a context: hold takes its pending frees out of
+ * the reapers' reach (before the driver call); unhold releases them (gone:
+ * the context is destroyed, their blocks and events with it) or lets them
+ * wait again. */
+#define GV_PENDING_MAX 256
+typedef struct gv_pending_set {
+    uint64_t bits[GV_PENDING_MAX / 64];
+} gv_pending_set;
+void gv_pending_frees_hold(CUcontext ctx, gv_pending_set *held);
+void gv_pending_frees_unhold(gv_pending_set *held, int gone);
+
 #endif /* GV_CORE_H */

@@ -38,7 +38,7 @@ static void table_build(void)
     const gv_hook *families[] = { gv_hooks_memory, gv_hooks_array, gv_hooks_vmm, gv_hooks_pool,
                                   gv_hooks_context, gv_hooks_info, gv_hooks_nvml,
                                   gv_hooks_procaddr, gv_hooks_launch, gv_hooks_graph,
-                                  gv_hooks_untracked };
+                                  gv_hooks_untracked, gv_hooks_sync };
     size_t n = 0;
     for (size_t f = 0; f < sizeof families / sizeof *families; f++)
         for (const gv_hook *h = families[f]; h->name; h++)
@@ -113,6 +113,7 @@ static const variant variants[] = {
                        { 12050, "cuCtxCreate_v4" } }, NULL },
     { "cuCtxDestroy", { { 0, "cuCtxDestroy" }, { 4000, "cuCtxDestroy_v2" } }, NULL },
     { "cuCtxSetLimit", { { 0, "cuCtxSetLimit" } }, NULL },
+    { "cuCtxSynchronize", { { 0, "cuCtxSynchronize" }, { 13000, "cuCtxSynchronize_v2" } }, NULL },
     { "cuDeviceGraphMemTrim", { { 0, "cuDeviceGraphMemTrim" } }, NULL },
     { "cuDevicePrimaryCtxRelease", { { 0, "cuDevicePrimaryCtxRelease" },
                                      { 11000, "cuDevicePrimaryCtxRelease_v2" } }, NULL },
@@ -120,6 +121,7 @@ static const variant variants[] = {
                                    { 11000, "cuDevicePrimaryCtxReset_v2" } }, NULL },
     { "cuDevicePrimaryCtxRetain", { { 0, "cuDevicePrimaryCtxRetain" } }, NULL },
     { "cuDeviceTotalMem", { { 0, "cuDeviceTotalMem" }, { 3020, "cuDeviceTotalMem_v2" } }, NULL },
+    { "cuEventSynchronize", { { 0, "cuEventSynchronize" } }, NULL },
     { "cuGetProcAddress", { { 0, "cuGetProcAddress" }, { 12000, "cuGetProcAddress_v2" } }, NULL },
     { "cuGraphExecDestroy", { { 0, "cuGraphExecDestroy" } }, NULL },
     { "cuGraphInstantiate", { { 0, "cuGraphInstantiate" }, { 11000, "cuGraphInstantiate_v2" },
@@ -156,6 +158,7 @@ static const variant variants[] = {
     { "cuMemUnmap", { { 0, "cuMemUnmap" } }, NULL },
     { "cuMipmappedArrayCreate", { { 0, "cuMipmappedArrayCreate" } }, NULL },
     { "cuMipmappedArrayDestroy", { { 0, "cuMipmappedArrayDestroy" } }, NULL },
+    { "cuStreamSynchronize", { { 0, "cuStreamSynchronize" } }, "cuStreamSynchronize_ptsz" },
 };
 
 static const variant *variant_of(const char *base)

@@ -165,6 +165,7 @@ static void snap(const gv_devinfo *d, snapshot *s)
 static void snap_after(const gv_devinfo *d, snapshot *s)
 {
     for (int i = 0;; i++) {
+        gv_pending_frees_reap();    /* stream-ordered frees land when reached */
         snap(d, s);
         if (!s->ok || !s->charged_read || s->charged_ok || i >= AFTER_TRIES)
             return;
@@ -340,6 +341,8 @@ static CUresult destroy(destroy_fn real, CUcontext ctx)
 {
     GV_ENFORCING_ELSE_PASS(real(ctx));
     gv_graph_teardown_begin();
+    gv_pending_set held;
+    gv_pending_frees_hold(ctx, &held);
     gv_charge_flying();
     CUresult rc = real(ctx);
     if (rc == CUDA_SUCCESS) {
@@ -348,6 +351,7 @@ static CUresult destroy(destroy_fn real, CUcontext ctx)
             gv_uncharge(a.dev, a.bytes);
         gv_release_ctx_objects(ctx);
     }
+    gv_pending_frees_unhold(&held, rc == CUDA_SUCCESS);
     gv_graph_teardown_end(ctx, rc == CUDA_SUCCESS);
     gv_charge_landed();
     if (rc == CUDA_SUCCESS)
@@ -454,11 +458,14 @@ static CUresult prim_release(CUresult (*real)(CUdevice), CUdevice dev)
     struct primary *p = &prim[dev];
     pthread_mutex_lock(&p->lock);
     gv_graph_teardown_begin();
+    gv_pending_set held;
+    gv_pending_frees_hold(p->refs == 1 ? p->ctx : NULL, &held);   /* the last release */
     gv_charge_flying();
     CUresult rc = real(dev);
     int dropped = rc == CUDA_SUCCESS && p->refs > 0 && --p->refs == 0;
     if (dropped)
         prim_drop(p);
+    gv_pending_frees_unhold(&held, dropped);
     gv_graph_teardown_end(p->ctx, dropped);
     gv_charge_landed();
     pthread_mutex_unlock(&p->lock);
@@ -476,10 +483,13 @@ static CUresult prim_reset(CUresult (*real)(CUdevice), CUdevice dev)
     struct primary *p = &prim[dev];
     pthread_mutex_lock(&p->lock);
     gv_graph_teardown_begin();
+    gv_pending_set held;
+    gv_pending_frees_hold(p->ctx, &held);
     gv_charge_flying();
     CUresult rc = real(dev);
     if (rc == CUDA_SUCCESS)
         prim_drop(p);       /* the next retain measures it again */
+    gv_pending_frees_unhold(&held, rc == CUDA_SUCCESS);
     gv_graph_teardown_end(p->ctx, rc == CUDA_SUCCESS);
     gv_charge_landed();
     pthread_mutex_unlock(&p->lock);

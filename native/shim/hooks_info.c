@@ -40,6 +40,7 @@ static CUresult quota_view(int ordinal, uint64_t *free_b, uint64_t *total_b)
     if (limit == GV_UNLIMITED)
         return CUDA_SUCCESS;
     gv_pools_refresh();
+    gv_pending_frees_reap();
     gv_core_tidy();
     gv_untracked_tick();
     uint64_t used = region_used(r, d->region_dev);

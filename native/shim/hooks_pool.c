@@ -480,8 +480,9 @@ static CUresult free_async(free_async_fn real, CUdeviceptr p, CUstream stream, i
         return rc;
     if (gv_graph_free_alloc(p, call_free_async, &f, &rc))
         return rc;
-    /* A plain allocation may also be freed stream-ordered (in flight, as
-     * cuMemFree's, until its charge is given back). */
+    /* A plain allocation may also be freed stream-ordered: the driver frees
+     * it when the stream gets there, and its charge stays until then
+     * (pending_free.c), in flight as cuMemFree's is. */
     gv_alloc a;
     gv_charge_flying();
     if (!gv_table_take(GV_K_PTR, p, &a)) {
@@ -489,11 +490,12 @@ static CUresult free_async(free_async_fn real, CUdeviceptr p, CUstream stream, i
         return real(p, stream);
     }
     rc = real(p, stream);
-    if (rc == CUDA_SUCCESS)
-        gv_uncharge(a.dev, a.bytes);
-    else
+    if (rc != CUDA_SUCCESS) {
         gv_table_put(&a);
-    gv_charge_landed();
+        gv_charge_landed();
+        return rc;
+    }
+    gv_pending_free(a.dev, a.bytes, stream, ptsz);
     return rc;
 }
 

@@ -58,7 +58,9 @@
     X(cuGraphMemAllocNodeGetParams) X(cuGraphMemFreeNodeGetParams) X(cuDeviceGraphMemTrim) X(cuDeviceGetGraphMemAttribute) \
     X(cuEventCreate) X(cuEventDestroy_v2) X(cuEventRecord) X(cuEventRecord_ptsz) \
     X(cuEventQuery) X(cuEventElapsedTime) X(cuEventElapsedTime_v2) \
-    X(cuStreamIsCapturing) X(cuStreamIsCapturing_ptsz)
+    X(cuStreamIsCapturing) X(cuStreamIsCapturing_ptsz) \
+    X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz) X(cuCtxSynchronize) \
+    X(cuCtxSynchronize_v2) X(cuEventSynchronize)
 
 /* Real NVML entry points the library calls. */
 #define GV_NVML_SYMS(X) \

@@ -101,6 +101,7 @@ void gv_untracked_reconcile(int ordinal)
 void gv_untracked_reconcile_all(void)
 {
     const gv_devinfo *d;
+    gv_pending_frees_reap();    /* a free the stream has reached is in flight no more */
     for (int i = 0; i < GV_MAX_ORDINALS; i++)
         if (gv_device_known(i, &d))
             gv_untracked_reconcile(i);

@@ -1,0 +1,259 @@
+/*
+ * pending_free.c - cuMemFreeAsync of a plain allocation (cuMemAlloc's, not
+ * a pool block's): its charge stays until the stream reaches the free.
+ *
+ * The driver frees such a block only when the work queued before the free
+ * is done.  Released at queue time, its charge let the container allocate
+ * past its quota while the old block still existed.  So an event is
+ * recorded behind the free, and the charge is released by the first hook to
+ * see that event complete: an allocation (gv_charge_begin), cuMemGetInfo or
+ * cuDeviceTotalMem, a reading of untracked memory, and the synchronisations
+ * that prove it (cuStreamSynchronize, cuCtxSynchronize, cuEventSynchronize,
+ * hooked here for that alone): never later than the synchronisation that
+ * shows the stream got there.  (The driver has no host callback the
+ * interposer could use without a thread of its own.)  Until then the free
+ * is in flight (charge.c): NVML may show the block or not, so no reading of
+ * untracked memory is taken meanwhile.
+ *
+ * At most MAX_PENDING frees wait at once, in a fixed table of slots, each
+ * claimed and handed over by compare-and-swap on its state (no lock).  A
+ * free that finds no slot, or whose event cannot be made, waits for its
+ * stream instead, then releases its charge.  A context destroyed (or a
+ * primary context released for the last time, or reset) takes its blocks
+ * and its events with it: its pending frees are taken out of the reapers'
+ * reach before the driver call (no event handle of a dead context is ever
+ * used) and released after it.  Everything here is process-local: a
+ * process killed at any point leaves nothing that others wait on, and its
+ * charges go with its region slot.
+ */
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <string.h>
+
+#include "hooks.h"
+#include "log.h"
+
+#define MAX_PENDING GV_PENDING_MAX
+
+enum { SLOT_FREE, SLOT_BUSY, SLOT_WAITING, SLOT_HELD };
+
+static struct pending {
+    atomic_int state;
+    int dev;                    /* region device entry */
+    uint64_t bytes;
+    CUcontext ctx;              /* the stream's, the event's */
+    CUevent ev;
+} slots[MAX_PENDING];
+static atomic_int waiting;      /* slots not free */
+static atomic_int top;          /* slots ever used: [0, top) */
+static pthread_once_t once = PTHREAD_ONCE_INIT;
+
+typedef CUresult (*ev_create_fn)(CUevent *, unsigned int);
+typedef CUresult (*ev_record_fn)(CUevent, CUstream);
+typedef CUresult (*ev_fn)(CUevent);
+typedef CUresult (*ctx_fn)(CUcontext);
+typedef CUresult (*ctx_out_fn)(CUcontext *);
+typedef CUresult (*stream_fn)(CUstream);
+typedef CUresult (*void_fn)(void);
+
+static void child_reset(void)
+{
+    /* A forked child cannot use its parent's CUDA objects, and charges
+     * nothing to its parent's slot. */
+    for (int i = 0; i < MAX_PENDING; i++)
+        atomic_store(&slots[i].state, SLOT_FREE);
+    atomic_store(&waiting, 0);
+    atomic_store(&top, 0);
+}
+
+static void setup(void) { pthread_atfork(NULL, NULL, child_reset); }
+
+/* An event behind what stream has queued so far, made in ctx (the stream's
+ * context); 0, or -1 when it cannot be made. */
+static int mark(CUstream stream, int ptsz, CUcontext ctx, CUevent *out)
+{
+    CUcontext cur = NULL;
+    GV_REAL(cuCtxGetCurrent, ctx_out_fn)(&cur);
+    int pushed = ctx && ctx != cur;
+    if (pushed && GV_REAL(cuCtxPushCurrent_v2, ctx_fn)(ctx) != CUDA_SUCCESS)
+        return -1;
+    CUevent ev = NULL;
+    CUresult rc = GV_REAL(cuEventCreate, ev_create_fn)(&ev, CU_EVENT_DISABLE_TIMING);
+    if (rc == CUDA_SUCCESS) {
+        rc = ptsz ? GV_REAL(cuEventRecord_ptsz, ev_record_fn)(ev, stream)
+                  : GV_REAL(cuEventRecord, ev_record_fn)(ev, stream);
+        if (rc != CUDA_SUCCESS)
+            GV_REAL(cuEventDestroy_v2, ev_fn)(ev);
+    }
+    if (pushed) {
+        CUcontext popped;
+        GV_REAL(cuCtxPopCurrent_v2, ctx_out_fn)(&popped);
+    }
+    if (rc != CUDA_SUCCESS)
+        return -1;
+    *out = ev;
+    return 0;
+}
+
+/* Slot s (held by the caller) is done: its charge goes back, and the free
+ * lands. */
+static void release(struct pending *s, int destroy_event)
+{
+    if (destroy_event)
+        GV_REAL(cuEventDestroy_v2, ev_fn)(s->ev);
+    gv_uncharge(s->dev, s->bytes);
+    atomic_fetch_sub(&waiting, 1);
+    atomic_store_explicit(&s->state, SLOT_FREE, memory_order_release);
+    gv_charge_landed();
+}
+
+static int put(int dev, uint64_t bytes, CUcontext ctx, CUevent ev)
+{
+    for (int i = 0; i < MAX_PENDING; i++) {
+        int expected = SLOT_FREE;
+        if (!atomic_compare_exchange_strong(&slots[i].state, &expected, SLOT_BUSY))
+            continue;
+        slots[i].dev = dev;
+        slots[i].bytes = bytes;
+        slots[i].ctx = ctx;
+        slots[i].ev = ev;
+        int t = atomic_load(&top);
+        while (t <= i && !atomic_compare_exchange_weak(&top, &t, i + 1))
+            ;
+        atomic_fetch_add(&waiting, 1);
+        atomic_store_explicit(&slots[i].state, SLOT_WAITING, memory_order_release);
+        return 0;
+    }
+    return -1;
+}
+
+void gv_pending_free(int dev, uint64_t bytes, CUstream stream, int ptsz)
+{
+    pthread_once(&once, setup);
+    int ordinal;
+    CUcontext ctx = NULL;
+    CUevent ev;
+    if (gv_ordinal_of_stream(stream, &ordinal, &ctx) == CUDA_SUCCESS &&
+        mark(stream, ptsz, ctx, &ev) == 0) {
+        if (put(dev, bytes, ctx, ev) == 0)
+            return;
+        gv_pending_frees_reap();
+        if (put(dev, bytes, ctx, ev) == 0)
+            return;
+        GV_REAL(cuEventDestroy_v2, ev_fn)(ev);
+        static atomic_int said;
+        if (!atomic_exchange(&said, 1))
+            gv_log(GV_LOG_WARN, "more than %d stream-ordered frees of cuMemAlloc blocks are "
+                   "pending; further ones wait for their stream", MAX_PENDING);
+    }
+    /* No way to tell when the stream gets there: wait until it has. */
+    if (ptsz)
+        GV_REAL(cuStreamSynchronize_ptsz, stream_fn)(stream);
+    else
+        GV_REAL(cuStreamSynchronize, stream_fn)(stream);
+    gv_uncharge(dev, bytes);
+    gv_charge_landed();
+}
+
+void gv_pending_frees_reap(void)
+{
+    if (atomic_load_explicit(&waiting, memory_order_acquire) == 0)
+        return;
+    int n = atomic_load(&top);
+    for (int i = 0; i < n; i++) {
+        int expected = SLOT_WAITING;
+        if (!atomic_compare_exchange_strong(&slots[i].state, &expected, SLOT_BUSY))
+            continue;
+        CUresult q = GV_REAL(cuEventQuery, ev_fn)(slots[i].ev);
+        if (q == CUDA_ERROR_NOT_READY) {
+            atomic_store_explicit(&slots[i].state, SLOT_WAITING, memory_order_release);
+            continue;
+        }
+        /* Reached; or the event answers an error (its context is broken):
+         * either way the block is no longer the quota's to hold. */
+        release(&slots[i], q == CUDA_SUCCESS);
+    }
+}
+
+void gv_pending_frees_hold(CUcontext ctx, gv_pending_set *held)
+{
+    memset(held, 0, sizeof *held);
+    if (!ctx || atomic_load_explicit(&waiting, memory_order_acquire) == 0)
+        return;
+    int n = atomic_load(&top);
+    for (int i = 0; i < n; i++) {
+        for (;;) {
+            int expected = SLOT_WAITING;
+            if (atomic_compare_exchange_strong(&slots[i].state, &expected, SLOT_BUSY)) {
+                int ours = slots[i].ctx == ctx;
+                atomic_store_explicit(&slots[i].state, ours ? SLOT_HELD : SLOT_WAITING,
+                                      memory_order_release);
+                if (ours)
+                    held->bits[i / 64] |= 1ULL << (i % 64);
+                break;
+            }
+            if (expected != SLOT_BUSY)
+                break;          /* free, or another destroyer's */
+            sched_yield();      /* a reaper's cuEventQuery, or a free being queued */
+        }
+    }
+}
+
+void gv_pending_frees_unhold(gv_pending_set *held, int gone)
+{
+    for (int i = 0; i < MAX_PENDING; i++) {
+        if (!(held->bits[i / 64] & (1ULL << (i % 64))))
+            continue;
+        if (gone)
+            release(&slots[i], 0);      /* its event went with the context */
+        else
+            atomic_store_explicit(&slots[i].state, SLOT_WAITING, memory_order_release);
+    }
+}
+
+/* ---- synchronisations: they may prove a pending free reached -------- */
+
+GV_EXPORT CUresult cuStreamSynchronize(CUstream s)
+{
+    CUresult rc = GV_REAL(cuStreamSynchronize, stream_fn)(s);
+    gv_pending_frees_reap();
+    return rc;
+}
+
+GV_EXPORT CUresult cuStreamSynchronize_ptsz(CUstream s)
+{
+    CUresult rc = GV_REAL(cuStreamSynchronize_ptsz, stream_fn)(s);
+    gv_pending_frees_reap();
+    return rc;
+}
+
+GV_EXPORT CUresult cuCtxSynchronize(void)
+{
+    CUresult rc = GV_REAL(cuCtxSynchronize, void_fn)();
+    gv_pending_frees_reap();
+    return rc;
+}
+
+GV_EXPORT CUresult cuCtxSynchronize_v2(CUcontext ctx)
+{
+    CUresult rc = GV_REAL(cuCtxSynchronize_v2, ctx_fn)(ctx);
+    gv_pending_frees_reap();
+    return rc;
+}
+
+GV_EXPORT CUresult cuEventSynchronize(CUevent e)
+{
+    CUresult rc = GV_REAL(cuEventSynchronize, ev_fn)(e);
+    gv_pending_frees_reap();
+    return rc;
+}
+
+const gv_hook gv_hooks_sync[] = {
+    { "cuStreamSynchronize", (void *)cuStreamSynchronize },
+    { "cuStreamSynchronize_ptsz", (void *)cuStreamSynchronize_ptsz },
+    { "cuCtxSynchronize", (void *)cuCtxSynchronize },
+    { "cuCtxSynchronize_v2", (void *)cuCtxSynchronize_v2 },
+    { "cuEventSynchronize", (void *)cuEventSynchronize },
+    { NULL, NULL }
+};

@@ -1,0 +1,228 @@
+/*
+ * t_link_free_async - cuMemFreeAsync of a cuMemAlloc block keeps its charge
+ * until the stream reaches the free.  Run under the shim with
+ * CUDA_DEVICE_MEMORY_LIMIT=1g on the simulator (32 MiB contexts):
+ *
+ *   a 768 MiB block is freed into a stream busy with a 1 s kernel; a
+ *   512 MiB allocation must be refused while the free is pending (the
+ *   driver frees the block only when the stream gets there), and succeed
+ *   once argv[1] has shown the stream got there:
+ *     sync     cuStreamSynchronize(stream)
+ *     ctxsync  cuCtxSynchronize()
+ *     event    cuEventSynchronize on an event recorded after the free
+ *     ptsz     as sync, through cuMemFreeAsync_ptsz and the per-thread
+ *              default stream (cuStreamSynchronize_ptsz(NULL))
+ *     poll     nothing: 1.2 s later the allocation itself sees it
+ *     destroy  the stream's context (not current) is destroyed, block and
+ *              all
+ *
+ * Prints "pending=<CUresult> during=<MiB> synced=<MiB> after=<CUresult>":
+ * during and synced are the container's usage (gv_device_get_used, which
+ * releases nothing itself) while pending and just after argv[1].
+ * Two more modes, "many" and "threads", are described at their functions.
+ */
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "cuda_protos.h"
+
+CUresult cuCtxPopCurrent_v2(CUcontext *);
+CUresult cuCtxPushCurrent_v2(CUcontext);
+CUresult cuCtxSynchronize(void);
+CUresult cuStreamCreate(CUstream *, unsigned int);
+CUresult cuStreamSynchronize(CUstream);
+CUresult cuStreamSynchronize_ptsz(CUstream);
+CUresult cuEventCreate(CUevent *, unsigned int);
+CUresult cuEventRecord(CUevent, CUstream);
+CUresult cuEventSynchronize(CUevent);
+CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
+CUresult cuMemFreeAsync_ptsz(CUdeviceptr, CUstream);
+CUresult cuModuleLoadData(CUmodule *, const void *);
+CUresult cuModuleGetFunction(CUfunction *, CUmodule, const char *);
+CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                        unsigned, CUstream, void **, void **);
+CUresult cuLaunchKernel_ptsz(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
+                             unsigned, unsigned, CUstream, void **, void **);
+
+#define MiB (1ULL << 20)
+#define MUST(call)                                                            \
+    do {                                                                      \
+        CUresult rc_ = (call);                                                \
+        if (rc_ != CUDA_SUCCESS) {                                            \
+            fprintf(stderr, "%s: %d\n", #call, (int)rc_);                     \
+            return 3;                                                         \
+        }                                                                     \
+    } while (0)
+
+static uint64_t used_mib(void)
+{
+    int (*get)(int, uint64_t *) = (int (*)(int, uint64_t *))dlsym(RTLD_DEFAULT,
+                                                                  "gv_device_get_used");
+    uint64_t v = 0;
+    if (!get || get(0, &v) != 0)
+        return UINT64_MAX;
+    return v / MiB;
+}
+
+/* ---- many: more frees pending than the table holds ------------------ */
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return ts.tv_sec + ts.tv_nsec / 1e9;
+}
+
+/* 300 blocks of 2 MiB freed behind a 1 s kernel: the first 256 wait in the
+ * table, the next free waits for the stream itself (about 1 s), and the
+ * rest find the table emptied by the allocation before them.  Prints
+ * "many blocked=<1 if some free waited> used=<MiB after a sync>". */
+static int many(CUfunction spin)
+{
+    CUstream s;
+    MUST(cuStreamCreate(&s, 0));
+    CUdeviceptr p[300];
+    for (int i = 0; i < 300; i++)
+        MUST(cuMemAlloc_v2(&p[i], 2 * MiB));
+    uint32_t us = 1000 * 1000;
+    void *params[] = { &us };
+    MUST(cuLaunchKernel(spin, 1, 1, 1, 1, 1, 1, 0, s, params, NULL));
+    double slowest = 0;
+    for (int i = 0; i < 300; i++) {
+        double t0 = now_s();
+        MUST(cuMemFreeAsync(p[i], s));
+        if (now_s() - t0 > slowest)
+            slowest = now_s() - t0;
+    }
+    MUST(cuStreamSynchronize(s));
+    printf("many blocked=%d used=%llu\n", slowest > 0.5, (unsigned long long)used_mib());
+    return 0;
+}
+
+/* ---- threads: frees queued, reached and synchronised concurrently ------ */
+
+static CUcontext shared_ctx;
+static CUfunction shared_spin;
+
+static void *churn(void *arg)
+{
+    (void)arg;
+    cuCtxSetCurrent(shared_ctx);
+    CUstream s;
+    if (cuStreamCreate(&s, 0))
+        return (void *)1;
+    uint32_t us = 200;
+    void *params[] = { &us };
+    for (int i = 0; i < 300; i++) {
+        CUdeviceptr p;
+        if (cuMemAlloc_v2(&p, 4 * MiB))
+            continue;                       /* the others' pending frees fill the quota */
+        cuLaunchKernel(shared_spin, 1, 1, 1, 1, 1, 1, 0, s, params, NULL);
+        if (cuMemFreeAsync(p, s))
+            return (void *)1;
+        if (i % 7 == 0)
+            cuStreamSynchronize(s);
+        if (i % 11 == 0) {
+            size_t f, t;
+            cuMemGetInfo_v2(&f, &t);
+        }
+    }
+    cuStreamSynchronize(s);
+    return NULL;
+}
+
+/* Four threads; then one more allocation (which releases whatever the
+ * streams reached since their last synchronisation).  Prints
+ * "threads failed=<n> used=<MiB>". */
+static int threads(CUcontext prim, CUfunction spin)
+{
+    shared_ctx = prim;
+    shared_spin = spin;
+    pthread_t t[4];
+    for (int i = 0; i < 4; i++)
+        pthread_create(&t[i], NULL, churn, NULL);
+    int failed = 0;
+    for (int i = 0; i < 4; i++) {
+        void *r;
+        pthread_join(t[i], &r);
+        failed += r != NULL;
+    }
+    MUST(cuCtxSynchronize());
+    printf("threads failed=%d used=%llu\n", failed, (unsigned long long)used_mib());
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 2)
+        return 2;
+    const char *mode = argv[1];
+    int ptsz = !strcmp(mode, "ptsz");
+    CUdevice d;
+    CUcontext prim, other = NULL;
+    MUST(cuInit(0));
+    MUST(cuDeviceGet(&d, 0));
+    MUST(cuDevicePrimaryCtxRetain(&prim, d));
+    MUST(cuCtxSetCurrent(prim));
+    if (!strcmp(mode, "destroy"))
+        MUST(cuCtxCreate_v2(&other, 0, d));     /* current until popped below */
+    CUstream s = NULL;
+    if (!ptsz)
+        MUST(cuStreamCreate(&s, 0));
+    CUmodule mod;
+    CUfunction spin;
+    MUST(cuModuleLoadData(&mod, "any image"));
+    MUST(cuModuleGetFunction(&spin, mod, "spin"));
+    if (!strcmp(mode, "many"))
+        return many(spin);
+    if (!strcmp(mode, "threads"))
+        return threads(prim, spin);
+    CUdeviceptr block;
+    MUST(cuMemAlloc_v2(&block, 768 * MiB));
+    uint32_t us = 1000 * 1000;
+    void *params[] = { &us };
+    if (ptsz) {
+        MUST(cuLaunchKernel_ptsz(spin, 1, 1, 1, 1, 1, 1, 0, NULL, params, NULL));
+        MUST(cuMemFreeAsync_ptsz(block, NULL));
+    } else {
+        MUST(cuLaunchKernel(spin, 1, 1, 1, 1, 1, 1, 0, s, params, NULL));
+        MUST(cuMemFreeAsync(block, s));
+    }
+    CUevent later = NULL;
+    if (!strcmp(mode, "event")) {
+        MUST(cuEventCreate(&later, 0));
+        MUST(cuEventRecord(later, s));
+    }
+    if (other) {
+        CUcontext popped;
+        MUST(cuCtxPopCurrent_v2(&popped));      /* the primary context is current again */
+    }
+    CUdeviceptr q;
+    CUresult pending = cuMemAlloc_v2(&q, 512 * MiB);
+    if (pending == CUDA_SUCCESS)
+        cuMemFree_v2(q);
+    uint64_t during = used_mib();
+    if (!strcmp(mode, "sync"))
+        MUST(cuStreamSynchronize(s));
+    else if (ptsz)
+        MUST(cuStreamSynchronize_ptsz(NULL));
+    else if (!strcmp(mode, "ctxsync"))
+        MUST(cuCtxSynchronize());
+    else if (!strcmp(mode, "event"))
+        MUST(cuEventSynchronize(later));
+    else if (!strcmp(mode, "poll"))
+        usleep(1200 * 1000);
+    else if (!strcmp(mode, "destroy"))
+        MUST(cuCtxDestroy_v2(other));
+    else
+        return 2;
+    uint64_t synced = used_mib();
+    CUresult after = cuMemAlloc_v2(&q, 512 * MiB);
+    printf("pending=%d during=%llu synced=%llu after=%d\n", (int)pending,
+           (unsigned long long)during, (unsigned long long)synced, (int)after);
+    return 0;
+}
