@@ -82,7 +82,8 @@ asan:
 	  EXTRA_CFLAGS="-fsanitize=address,undefined -fno-sanitize-recover=undefined" \
 	  EXTRA_LDFLAGS="-fsanitize=address,undefined"
 tsan:
-	$(MAKE) $(patsubst $(BUILD)/%,build-tsan/%,$(filter $(BUILD)/tests/t_region_%,$(CTESTS))) BUILD=build-tsan OPT="-O1 -g" \
+	$(MAKE) $(patsubst $(BUILD)/%,build-tsan/%,$(filter $(BUILD)/tests/t_region_%,$(CTESTS)) \
+	  $(LIB) $(SIMCUDA) $(SIMNVML) $(BUILD)/tests/t_link_free_async) BUILD=build-tsan OPT="-O1 -g" \
 	  EXTRA_CFLAGS="-fsanitize=thread" EXTRA_LDFLAGS="-fsanitize=thread"
 
 # --- Python side -------------------------------------------------------

@@ -230,3 +230,57 @@ def test_sm_gate_and_meter_under_asan(asan_env: dict[str, str]) -> None:
     proc = run([sys.executable, "-c", textwrap.dedent(LAUNCHES)], env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().endswith("clean")
+
+
+def test_stream_ordered_frees_pending_under_asan(asan_env: dict[str, str]) -> None:
+    """cuMemFreeAsync of a cuMemAlloc block held until its stream gets there:
+    the slot table, the event, the release at a synchronisation and with
+    the stream's context (tests/test_race_kill.py has what each shows)."""
+    prog = str(ASAN_DIR / "tests" / "t_link_free_async")
+    for mode in ("event", "ptsz", "destroy"):
+        proc = run([prog, mode], asan_env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert proc.stdout.startswith("pending=2 "), proc.stdout
+        assert proc.stdout.strip().endswith("after=0"), proc.stdout
+    proc = run([prog, "many"], asan_env)
+    assert proc.stdout.strip() == "many blocked=1 used=32", proc.stdout + proc.stderr
+    proc = run([prog, "threads"], asan_env)
+    assert proc.stdout.strip() == "threads failed=0 used=32", proc.stdout + proc.stderr
+
+
+def test_frees_in_flight_under_asan(asan_env: dict[str, str]) -> None:
+    """Frees in flight while another thread reads untracked memory."""
+    env = dict(
+        asan_env,
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+        GPUVISOR_SIM_DEVICES="2x16g:ctx=256m",
+        GPUVISOR_SIM_FREE_MS="1000",
+        GPUVISOR_SIM_ALLOC_MS="1500",
+    )
+    for mode in ("primary", "async"):
+        proc = run([str(ASAN_DIR / "tests" / "t_link_free_race"), mode], env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "during=1344 after=1344" in proc.stdout, proc.stdout
+
+
+def test_stream_ordered_frees_pending_under_tsan(node: SimNode) -> None:
+    """The table of pending frees is lock-free: four threads queue, reach
+    and synchronise frees at once under ThreadSanitizer (`make tsan` builds
+    the library, the simulator and this program into build-tsan/)."""
+    tsan = REPO_ROOT / "build-tsan"
+    prog = tsan / "tests" / "t_link_free_async"
+    if not (tsan / "libgpuvisor.so").is_file() or not prog.is_file():
+        pytest.skip("build-tsan/ missing: run `make tsan` (make test does)")
+    env = dict(
+        node.env,
+        LD_LIBRARY_PATH=str(tsan / "sim"),
+        LD_PRELOAD=str(tsan / "libgpuvisor.so"),
+        TSAN_OPTIONS="exitcode=66:halt_on_error=1",
+        CUDA_DEVICE_MEMORY_LIMIT="1g",
+    )
+    proc = run([str(prog), "threads"], env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == "threads failed=0 used=32", proc.stdout + proc.stderr
+    proc = run([str(prog), "destroy"], env)      # held, then released with the context
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == "pending=2 during=832 synced=32 after=0", proc.stdout
