@@ -21,14 +21,8 @@
  *  - a trim, an executable graph's destruction and a context's destruction
  *    settle it again.
  *
- * The graph's own live allocations are left out because a relaunch either
- * frees them first (CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH, which
- * PyTorch uses) or is refused by the driver (CUDA_ERROR_INVALID_VALUE).
- * Which are live is kept by address (GV_K_GALLOC, nothing charged): put by
- * the launch that ran an allocation node, taken by a free node's launch, by
- * cuMemFree / cuMemFreeAsync (under the device's pool mutex, so never while
- * a launch counts it) and by its context's destruction.  In doubt an
- * allocation counts as not live: the relaunch is then charged in full.
+ * The graph's own allocations still live are left out (graph_live.c keeps
+ * which are).
  *
  * One mutex per device, held across the launch of a graph with memory
  * nodes on it (several are taken in ascending order; a free node of
@@ -40,7 +34,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "hooks.h"
+#include "graph_int.h"
 #include "log.h"
 
 typedef CUresult (*inst_fn)(CUgraphExec *, CUgraph, CUgraphNode *, char *, size_t);
@@ -54,7 +48,6 @@ typedef CUresult (*nodes_fn)(CUgraph, CUgraphNode *, size_t *);
 typedef CUresult (*type_fn)(CUgraphNode, CUgraphNodeType *);
 typedef CUresult (*alloc_params_fn)(CUgraphNode, CUDA_MEM_ALLOC_NODE_PARAMS *);
 typedef CUresult (*free_params_fn)(CUgraphNode, CUdeviceptr *);
-typedef CUresult (*capturing_fn)(CUstream, CUstreamCaptureStatus *);
 
 static struct gpool {
     pthread_mutex_t lock;
@@ -64,31 +57,6 @@ static struct gpool {
 static atomic_int seen;          /* an executable graph here has memory nodes */
 static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
 
-/* What an executable graph's memory nodes do, read at its instantiation.
- * Shared by its table entry (GV_K_GEXEC, aux) and each launch in flight,
- * each holding a reference: a launch racing the graph's destruction
- * (a bug of the program's) reads no freed memory. */
-typedef struct gop {
-    CUdeviceptr addr;
-    uint64_t size;               /* 0: a free node */
-    int ordinal;                 /* -1: a free node of an allocation made elsewhere */
-} gop;
-
-typedef struct gexec {
-    atomic_int refs;
-    int autofree;                /* CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH */
-    int frees;                   /* it has free nodes */
-    uint64_t lock;               /* the devices whose pools a launch locks */
-    uint64_t per[GV_MAX_ORDINALS]; /* allocation bytes by device */
-    size_t n;
-    gop ops[];
-} gexec;
-
-/* Context destructions begun and done: the driver frees a destroyed
- * context's graph allocations before their GV_K_GALLOC entries go, so
- * while one is under way no entry is taken for live. */
-static atomic_ulong teardowns_begun, teardowns_done;
-
 static void child_reset(void)
 {
     /* A forked child holds no graph memory of its own. */
@@ -96,8 +64,7 @@ static void child_reset(void)
         pthread_mutex_init(&pools[i].lock, NULL);
         pools[i].charged = 0;
     }
-    atomic_store(&teardowns_begun, 0);
-    atomic_store(&teardowns_done, 0);
+    gv_graph_live_child_reset();
 }
 
 static void setup(void)
@@ -105,6 +72,12 @@ static void setup(void)
     for (int i = 0; i < GV_MAX_ORDINALS; i++)
         pthread_mutex_init(&pools[i].lock, NULL);
     pthread_atfork(NULL, NULL, child_reset);
+}
+
+pthread_mutex_t *gv_graph_pool_lock(int ordinal)
+{
+    pthread_once(&setup_once, setup);
+    return &pools[ordinal].lock;
 }
 
 int gv_graph_mem_seen(void) { return atomic_load_explicit(&seen, memory_order_relaxed); }
@@ -294,30 +267,6 @@ static void track_exec(CUgraphExec e, CUgraph g, unsigned long long flags)
 
 /* ---- launch and upload ------------------------------------------------ */
 
-/* Bytes of r's allocations on ordinal that are live now (GV_K_GALLOC; the
- * pool's lock held, which frees and launches of them take): with
- * CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH the driver frees them
- * before the launch allocates them again, and without it the launch is
- * refused.  Read after the pool's use: a free after that lowers both.
- * None while a context is being destroyed (its allocations freed by the
- * driver, their entries not yet gone): done is read first, so equal counts
- * mean none was under way then. */
-static uint64_t own_live(const gexec *r, int ordinal)
-{
-    unsigned long done = atomic_load(&teardowns_done);
-    if (atomic_load(&teardowns_begun) != done)
-        return 0;
-    uint64_t live = 0;
-    for (size_t i = 0; i < r->n; i++) {
-        gv_alloc a;
-        if (r->ops[i].size && r->ops[i].ordinal == ordinal &&
-            gv_table_get(GV_K_GALLOC, r->ops[i].addr, &a) &&
-            GV_GALLOC_ORDINAL(a.aux) == ordinal)
-            live += GV_GALLOC_SIZE(a.aux);
-    }
-    return live;
-}
-
 /* Lock ordinal's pool and charge what it may grow by for r's launch: its
  * use, less r's allocations that are live (freed or refused first), plus
  * r's allocation bytes there.  The lock stays held on success. */
@@ -332,7 +281,7 @@ static CUresult pool_begin(int ordinal, const gexec *r)
     uint64_t reserved = pool_attr(ordinal, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT);
     if (used == UINT64_MAX || reserved == UINT64_MAX)
         return CUDA_SUCCESS;
-    uint64_t live = own_live(r, ordinal);
+    uint64_t live = gv_graph_own_live(r, ordinal);
     if (live <= used)                   /* (more would be no use the driver counts) */
         used -= live;
     if (used + r->per[ordinal] > reserved) {
@@ -373,9 +322,7 @@ CUresult gv_graph_mem_begin(gv_graph_mem *m, CUgraphExec e)
         return CUDA_ERROR_OUT_OF_MEMORY;       /* its record could not be made */
     pthread_once(&setup_once, setup);
     m->rec = r;
-    unsigned long done = atomic_load(&teardowns_done);
-    m->begun = atomic_load(&teardowns_begun);
-    m->calm = m->begun == done;
+    m->begun = gv_graph_teardowns(&m->calm);
     /* Ascending order, so that launches on the same devices cannot deadlock. */
     for (int i = 0; i < GV_MAX_ORDINALS; i++) {
         if (!(r->lock & (1ULL << i)))
@@ -392,62 +339,6 @@ CUresult gv_graph_mem_begin(gv_graph_mem *m, CUgraphExec e)
     return CUDA_SUCCESS;
 }
 
-/* Take r's addresses for freed (in doubt, not live: a relaunch is then
- * charged in full). */
-static void forget_live(const gexec *r)
-{
-    for (size_t i = 0; i < r->n; i++)
-        gv_table_take(GV_K_GALLOC, r->ops[i].addr, NULL);
-}
-
-static int stream_capturing(CUstream s, int ptsz)
-{
-    CUstreamCaptureStatus st = CU_STREAM_CAPTURE_STATUS_NONE;
-    CUresult rc = ptsz ? GV_REAL(cuStreamIsCapturing_ptsz, capturing_fn)(s, &st)
-                       : GV_REAL(cuStreamIsCapturing, capturing_fn)(s, &st);
-    return rc != CUDA_SUCCESS || st != CU_STREAM_CAPTURE_STATUS_NONE;
-}
-
-void gv_graph_mem_launched(gv_graph_mem *m, CUresult rc, CUstream s, int ptsz)
-{
-    const gexec *r = m->rec;
-    if (!r)
-        return;
-    if (rc != CUDA_SUCCESS) {
-        /* Refused before it ran, as CUDA answers; but a launch that can
-         * free is not trusted to have freed nothing. */
-        if (r->autofree || r->frees)
-            forget_live(r);
-        return;
-    }
-    if (!m->calm || stream_capturing(s, ptsz) ||
-        atomic_load(&teardowns_begun) != m->begun) {
-        forget_live(r);
-        return;
-    }
-    CUcontext ctx = NULL;
-    int ord;
-    if (gv_ordinal_of_stream(s, &ord, &ctx) != CUDA_SUCCESS)
-        ctx = NULL;                     /* dropped at any context's destruction */
-    /* Live now: (what was) + its allocations - its frees. */
-    for (size_t i = 0; i < r->n; i++) {
-        const gop *op = &r->ops[i];
-        if (!op->size)
-            continue;
-        const gv_devinfo *d;
-        gv_alloc a = { .key = op->addr, .kind = GV_K_GALLOC,
-                       .dev = gv_device(op->ordinal, &d) == CUDA_SUCCESS ? d->region_dev : -1,
-                       .bytes = 0, .aux = GV_GALLOC_AUX(op->size, op->ordinal), .ctx = ctx };
-        gv_table_put(&a);               /* (out of memory: taken for not live) */
-    }
-    for (size_t i = 0; i < r->n; i++)
-        if (!r->ops[i].size)
-            gv_table_take(GV_K_GALLOC, r->ops[i].addr, NULL);
-    /* A context destruction begun meanwhile may have missed these entries. */
-    if (atomic_load(&teardowns_begun) != m->begun)
-        forget_live(r);
-}
-
 void gv_graph_mem_end(gv_graph_mem *m)
 {
     for (int i = 0; i < GV_MAX_ORDINALS; i++) {
@@ -461,51 +352,6 @@ void gv_graph_mem_end(gv_graph_mem *m)
     m->held = 0;
     rec_put(m->rec);
     m->rec = NULL;
-}
-
-/* Free p through call(arg) if it is a live graph allocation, under its
- * device's pool lock (so that no launch reads it live meanwhile): its
- * entry goes, and comes back if the driver refuses. */
-int gv_graph_free_alloc(CUdeviceptr p, CUresult (*call)(void *), void *arg, CUresult *rc)
-{
-    gv_alloc a;
-    if (!gv_graph_mem_seen() || !gv_table_get(GV_K_GALLOC, p, &a))
-        return 0;
-    int ordinal = GV_GALLOC_ORDINAL(a.aux);
-    if (ordinal < 0 || ordinal >= GV_MAX_ORDINALS)
-        return 0;
-    pthread_once(&setup_once, setup);
-    pthread_mutex_lock(&pools[ordinal].lock);
-    if (!gv_table_take(GV_K_GALLOC, p, &a)) {
-        pthread_mutex_unlock(&pools[ordinal].lock);
-        return 0;                       /* freed meanwhile: the driver answers */
-    }
-    *rc = call(arg);
-    if (*rc != CUDA_SUCCESS)
-        gv_table_put(&a);
-    pthread_mutex_unlock(&pools[ordinal].lock);
-    return 1;
-}
-
-/* A context is being destroyed: its graph allocations go with it. */
-void gv_graph_teardown_begin(void) { atomic_fetch_add(&teardowns_begun, 1); }
-
-static int galloc_of(const gv_alloc *a, void *ctx)
-{
-    return a->kind == GV_K_GALLOC && (a->ctx == ctx || a->ctx == NULL);
-}
-
-static void no_visit(const gv_alloc *a, void *arg)
-{
-    (void)a;
-    (void)arg;
-}
-
-void gv_graph_teardown_end(CUcontext ctx, int destroyed)
-{
-    if (destroyed && gv_graph_mem_seen())
-        gv_table_take_all(galloc_of, no_visit, ctx);
-    atomic_fetch_add(&teardowns_done, 1);
 }
 
 static CUresult upload(upload_fn real, CUgraphExec e, CUstream s)
