@@ -277,6 +277,8 @@ SIM_API CUresult cuGraphGetNodes(CUgraph g, CUgraphNode *nodes, size_t *n)
     CUresult rc = sim_check_init();
     if (rc)
         return rc;
+    if ((rc = sim_cuda_fail("cuGraphGetNodes")))
+        return rc;
     if (!n)
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_mu);
@@ -302,6 +304,8 @@ SIM_API CUresult cuGraphNodeGetType(CUgraphNode nd, CUgraphNodeType *type)
 {
     CUresult rc = sim_check_init();
     if (rc)
+        return rc;
+    if ((rc = sim_cuda_fail("cuGraphNodeGetType")))
         return rc;
     if (!type)
         return CUDA_ERROR_INVALID_VALUE;

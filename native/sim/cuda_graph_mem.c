@@ -254,6 +254,8 @@ SIM_API CUresult cuGraphMemAllocNodeGetParams(CUgraphNode nd,
     CUresult rc = node_record(nd, CU_GRAPH_NODE_TYPE_MEM_ALLOC, p, &gm);
     if (rc)
         return rc;
+    if ((rc = sim_cuda_fail("cuGraphMemAllocNodeGetParams")))
+        return rc;
     memset(p, 0, sizeof *p);
     p->poolProps.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
     p->poolProps.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
@@ -267,6 +269,8 @@ SIM_API CUresult cuGraphMemFreeNodeGetParams(CUgraphNode nd, CUdeviceptr *dptr)
 {
     struct sim_gmem gm;
     CUresult rc = node_record(nd, CU_GRAPH_NODE_TYPE_MEM_FREE, dptr, &gm);
+    if (rc == CUDA_SUCCESS)
+        rc = sim_cuda_fail("cuGraphMemFreeNodeGetParams");
     if (rc == CUDA_SUCCESS)
         *dptr = gm.addr;
     return rc;
@@ -330,7 +334,7 @@ SIM_API CUresult cuDeviceGetGraphMemAttribute(CUdevice dev, CUgraphMem_attribute
                                               void *value)
 {
     CUresult rc = device_ok(dev);
-    if (rc)
+    if (rc || (rc = sim_cuda_fail("cuDeviceGetGraphMemAttribute")))
         return rc;
     if (!value || attr < CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT ||
         attr > CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH)

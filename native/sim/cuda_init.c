@@ -1,6 +1,7 @@
 /*
  * cuda_init.c - cuInit, versions, error strings, CUDA_VISIBLE_DEVICES,
- * the allocation fault-injection counter and the handle registry.
+ * the allocation fault-injection counter, the GPUVISOR_SIM_CUDA_FAIL knob
+ * and the handle registry.
  */
 #include <ctype.h>
 #include <errno.h>
@@ -20,6 +21,7 @@ static int g_nvis;
 static int g_vis[SIM_MAX_DEV];          /* CUDA ordinal -> node index */
 static unsigned long long g_fail_at, g_fail_every, g_ctx_ms, g_alloc_ms, g_free_ms;
 static unsigned long long g_alloc_calls;
+static char g_cuda_fail[1024];          /* ",name1,name2," or "" */
 
 /* One CUDA_VISIBLE_DEVICES token -> node index, -1 if invalid. */
 static int vis_token(const char *t, int ndev)
@@ -113,6 +115,13 @@ static void do_init(void)
         g_alloc_ms = 0;
     if (sim_knob_uint("GPUVISOR_SIM_FREE_MS", &g_free_ms) <= 0)
         g_free_ms = 0;
+    const char *f = getenv("GPUVISOR_SIM_CUDA_FAIL");
+    if (f && *f) {
+        if (strlen(f) + 3 > sizeof g_cuda_fail)
+            sim_log("GPUVISOR_SIM_CUDA_FAIL=%s is too long; ignored", f);
+        else
+            snprintf(g_cuda_fail, sizeof g_cuda_fail, ",%s,", f);
+    }
     parse_visible();
     if (g_nvis == 0) {
         g_init_rc = CUDA_ERROR_NO_DEVICE;
@@ -159,6 +168,15 @@ int sim_fault_alloc(void)
     if (g_fail_every && n % g_fail_every == 0)
         return 1;
     return 0;
+}
+
+CUresult sim_cuda_fail(const char *fn)
+{
+    char key[128];
+    if (!g_cuda_fail[0] || strlen(fn) + 3 > sizeof key)
+        return CUDA_SUCCESS;
+    snprintf(key, sizeof key, ",%s,", fn);
+    return strstr(g_cuda_fail, key) ? CUDA_ERROR_UNKNOWN : CUDA_SUCCESS;
 }
 
 static void sleep_ms(unsigned long long ms)

@@ -271,6 +271,9 @@ SIM_HIDDEN int sim_ord_node(int ordinal);   /* -1 if invalid */
 SIM_HIDDEN CUresult sim_current(struct CUctx_st **out);
 SIM_HIDDEN int sim_ctx_valid(struct CUctx_st *c);
 SIM_HIDDEN int sim_fault_alloc(void);       /* 1: this allocation fails */
+/* GPUVISOR_SIM_CUDA_FAIL knob (read at cuInit): CUDA_ERROR_UNKNOWN if fn is
+ * listed, else CUDA_SUCCESS.  Only the functions that call it honour it. */
+SIM_HIDDEN CUresult sim_cuda_fail(const char *fn);
 /* A new context takes GPUVISOR_SIM_CTX_CREATE_MS (a real driver's take 100 ms
  * or more): sleeps that long, once the context is registered. */
 SIM_HIDDEN void sim_ctx_create_delay(void);
