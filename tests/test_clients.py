@@ -1103,6 +1103,42 @@ emit(trimmed=trimmed, full=full, refused=refused, rcs=rcs, end=region_used() - b
     assert out["end"] == 2816 * MiB, out
 
 
+def test_a_graph_pool_that_cannot_be_read_is_charged_in_full(node):
+    """When the driver will not tell the graph pool's use and reserve
+    (cuDeviceGetGraphMemAttribute fails), a launch is charged every byte its
+    allocation nodes may take, as the pool may grow that much: a 5 GiB
+    graph is refused under a 4 GiB quota, a 3 GiB one is charged 3 GiB, and
+    the charge stays (a trim cannot be read either), so relaunching it is
+    refused.  Such launches used to run uncharged."""
+    out = client(
+        node,
+        GRAPH_OF
+        + AUTO_FREE
+        + """
+init()
+base = region_used()
+big, s, _ = graph_of(5 * GiB)
+refused = call(cu.cuGraphLaunch, big, s)[0].name
+e, s, _ = graph_of(3 * GiB)
+first = call(cu.cuGraphLaunch, e, s)[0].name
+ok(cu.cuStreamSynchronize, s)
+launched = region_used() - base
+plain = call(cu.cuMemAlloc, 2 * GiB)[0].name
+ok(cu.cuDeviceGraphMemTrim, 0)
+trimmed = region_used() - base
+again = call(cu.cuGraphLaunch, e, s)[0].name
+emit(refused=refused, first=first, launched=launched, plain=plain, trimmed=trimmed, again=again)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+        GPUVISOR_SIM_CUDA_FAIL="cuDeviceGetGraphMemAttribute",
+    )
+    assert out["refused"] == OOM, out
+    assert out["first"] == "CUDA_SUCCESS", out
+    assert out["launched"] == out["trimmed"] == 3 * GiB, out
+    assert out["plain"] == OOM, out
+    assert out["again"] == OOM, out
+
+
 HEAP = "cu.CUlimit.CU_LIMIT_MALLOC_HEAP_SIZE"
 
 

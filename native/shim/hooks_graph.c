@@ -17,7 +17,9 @@
  *    live, plus its allocation bytes on the device, less its reserve) and
  *    fails with CUDA_ERROR_OUT_OF_MEMORY, without launching, when the quota
  *    cannot take it; afterwards the charge is settled on the pool's real
- *    reserve (CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT);
+ *    reserve (CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT).  A pool that cannot
+ *    be read is charged all the graph's allocation bytes (the most it can
+ *    grow by), kept until it can be read;
  *  - a trim, an executable graph's destruction and a context's destruction
  *    settle it again.
  *
@@ -55,6 +57,7 @@ static struct gpool {
     int dev;                     /* region device entry; valid once charged */
 } pools[GV_MAX_ORDINALS];
 static atomic_int seen;          /* an executable graph here has memory nodes */
+static atomic_int unreadable_logged;
 static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
 
 static void child_reset(void)
@@ -91,7 +94,9 @@ static uint64_t pool_attr(int ordinal, CUgraphMem_attribute attr)
     return v;
 }
 
-/* Bring ordinal's charge in line with its pool's reserve (lock held). */
+/* Bring ordinal's charge in line with its pool's reserve (lock held); an
+ * unreadable reserve leaves the charge as it is (a launch then charged all
+ * its allocations: nothing it took goes uncharged). */
 static void settle(int ordinal)
 {
     struct gpool *p = &pools[ordinal];
@@ -279,14 +284,22 @@ static CUresult pool_begin(int ordinal, const gexec *r)
         return CUDA_SUCCESS;            /* only frees there */
     uint64_t used = pool_attr(ordinal, CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT);
     uint64_t reserved = pool_attr(ordinal, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT);
-    if (used == UINT64_MAX || reserved == UINT64_MAX)
-        return CUDA_SUCCESS;
-    uint64_t live = gv_graph_own_live(r, ordinal);
-    if (live <= used)                   /* (more would be no use the driver counts) */
-        used -= live;
-    if (used + r->per[ordinal] > reserved) {
+    uint64_t grow = r->per[ordinal];
+    if (used == UINT64_MAX || reserved == UINT64_MAX) {
+        /* Unreadable: its use being within its reserve, the pool grows by
+         * at most r's allocations, charged until a settle can read it. */
+        if (!atomic_exchange(&unreadable_logged, 1))
+            gv_log(GV_LOG_WARN, "the graph memory pool of device %d cannot be read; "
+                   "graph launches are charged all their allocations", ordinal);
+    } else {
+        uint64_t live = gv_graph_own_live(r, ordinal);
+        if (live <= used)               /* (more would be no use the driver counts) */
+            used -= live;
+        grow = used + grow > reserved ? used + grow - reserved : 0;
+    }
+    if (grow) {
         gv_charge c;
-        CUresult rc = gv_charge_begin(&c, ordinal, NULL, used + r->per[ordinal] - reserved);
+        CUresult rc = gv_charge_begin(&c, ordinal, NULL, grow);
         if (rc != CUDA_SUCCESS) {
             pthread_mutex_unlock(&p->lock);
             return rc;
