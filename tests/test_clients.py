@@ -1139,6 +1139,43 @@ emit(refused=refused, first=first, launched=launched, plain=plain, trimmed=trimm
     assert out["again"] == OOM, out
 
 
+@pytest.mark.parametrize(
+    "query",
+    [
+        "cuGraphGetNodes",
+        "cuGraphNodeGetType",
+        "cuGraphMemAllocNodeGetParams",
+        "cuGraphMemFreeNodeGetParams",
+    ],
+)
+def test_a_graph_whose_memory_nodes_cannot_be_read_is_not_instantiated(node, query):
+    """The memory nodes of a graph are read when it is instantiated; if the
+    driver will not tell them, the graph may allocate without the quota
+    knowing, so the instantiation fails with the driver's error and nothing
+    can be launched.  Such a graph used to be left untracked: a 5 GiB graph
+    then launched under a 4 GiB quota, uncharged."""
+    out = client(
+        node,
+        GRAPH_OF
+        + AUTO_FREE
+        + """
+init()
+base = region_used()
+s = ok(cu.cuStreamCreate, 0)
+ok(cu.cuStreamBeginCapture, s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+ok(cu.cuMemFreeAsync, ok(cu.cuMemAllocAsync, 5 * GiB, s), s)
+g = ok(cu.cuStreamEndCapture, s)
+err, e = call(cu.cuGraphInstantiate, g, 0)
+launch = call(cu.cuGraphLaunch, e, s)[0].name if err == SUCCESS else None
+ok(cu.cuStreamSynchronize, s)
+emit(err=err.name, launch=launch, charged=region_used() - base)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+        GPUVISOR_SIM_CUDA_FAIL=query,
+    )
+    assert out == {"err": "CUDA_ERROR_UNKNOWN", "launch": None, "charged": 0}, out
+
+
 HEAP = "cu.CUlimit.CU_LIMIT_MALLOC_HEAP_SIZE"
 
 

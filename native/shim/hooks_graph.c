@@ -11,7 +11,9 @@
  *
  *  - instantiation records the executable graph's memory nodes (read with
  *    cuGraphGetNodes / cuGraphNodeGetType / cuGraphMem{Alloc,Free}Node-
- *    GetParams) and flags, in a record its GV_K_GEXEC entry points to;
+ *    GetParams) and flags, in a record its GV_K_GEXEC entry points to; a
+ *    graph whose nodes cannot be read or recorded is destroyed and its
+ *    instantiation fails (it may have memory nodes);
  *  - a launch or upload of such a graph first charges what the pool may
  *    have to grow (the pool's use, less the graph's own allocations still
  *    live, plus its allocation bytes on the device, less its reserve) and
@@ -146,50 +148,49 @@ static void rec_put(gexec *r)
         free(r);
 }
 
-/* g's memory nodes, in a record with one reference; NULL when it has none
- * or its nodes cannot be read (*has = 0), or out of memory (*has = 1: its
- * launches are refused, as it may have some). */
-static gexec *read_graph(CUgraph g, unsigned long long flags, int *has)
+/* g's memory nodes: *out a record of them with one reference, or NULL when
+ * it has none.  Fails, with the driver's error or CUDA_ERROR_OUT_OF_MEMORY,
+ * when they cannot all be read or recorded: the graph may have some. */
+static CUresult read_graph(CUgraph g, unsigned long long flags, gexec **out)
 {
-    *has = 0;
+    *out = NULL;
     size_t n = 0;
-    if (GV_REAL(cuGraphGetNodes, nodes_fn)(g, NULL, &n) != CUDA_SUCCESS || n == 0)
-        return NULL;
+    CUresult rc = GV_REAL(cuGraphGetNodes, nodes_fn)(g, NULL, &n);
+    if (rc != CUDA_SUCCESS || n == 0)
+        return rc;
     CUgraphNode *nodes = calloc(n, sizeof *nodes);
-    if (!nodes) {
-        *has = 1;
-        return NULL;
-    }
-    gexec *r = NULL;
-    if (GV_REAL(cuGraphGetNodes, nodes_fn)(g, nodes, &n) != CUDA_SUCCESS)
+    gexec *r = calloc(1, sizeof *r + n * sizeof r->ops[0]);
+    if (!nodes || !r) {
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
         goto out;
-    r = calloc(1, sizeof *r + n * sizeof r->ops[0]);
-    for (size_t i = 0; i < n; i++) {
+    }
+    rc = GV_REAL(cuGraphGetNodes, nodes_fn)(g, nodes, &n);
+    for (size_t i = 0; i < n && rc == CUDA_SUCCESS; i++) {
         CUgraphNodeType t;
-        if (GV_REAL(cuGraphNodeGetType, type_fn)(nodes[i], &t) != CUDA_SUCCESS)
-            continue;
+        rc = GV_REAL(cuGraphNodeGetType, type_fn)(nodes[i], &t);
         gop op = { 0, 0, -1 };
-        if (t == CU_GRAPH_NODE_TYPE_MEM_ALLOC) {
+        if (rc != CUDA_SUCCESS) {
+            break;
+        } else if (t == CU_GRAPH_NODE_TYPE_MEM_ALLOC) {
             CUDA_MEM_ALLOC_NODE_PARAMS prm;
             memset(&prm, 0, sizeof prm);
-            if (GV_REAL(cuGraphMemAllocNodeGetParams, alloc_params_fn)(nodes[i], &prm) !=
-                    CUDA_SUCCESS ||
-                prm.poolProps.location.id < 0 || prm.poolProps.location.id >= GV_MAX_ORDINALS ||
-                prm.bytesize == 0)
+            rc = GV_REAL(cuGraphMemAllocNodeGetParams, alloc_params_fn)(nodes[i], &prm);
+            if (rc == CUDA_SUCCESS && (prm.poolProps.location.id < 0 ||
+                                       prm.poolProps.location.id >= GV_MAX_ORDINALS))
+                rc = CUDA_ERROR_NOT_SUPPORTED;  /* a device not accounted for */
+            if (rc != CUDA_SUCCESS || prm.bytesize == 0)
                 continue;
             op = (gop){ prm.dptr, prm.bytesize, prm.poolProps.location.id };
         } else if (t == CU_GRAPH_NODE_TYPE_MEM_FREE) {
-            if (GV_REAL(cuGraphMemFreeNodeGetParams, free_params_fn)(nodes[i], &op.addr) !=
-                CUDA_SUCCESS)
+            rc = GV_REAL(cuGraphMemFreeNodeGetParams, free_params_fn)(nodes[i], &op.addr);
+            if (rc != CUDA_SUCCESS)
                 continue;
         } else {
             continue;
         }
-        *has = 1;
-        if (r)
-            r->ops[r->n++] = op;
+        r->ops[r->n++] = op;
     }
-    if (!*has || !r)
+    if (rc != CUDA_SUCCESS || r->n == 0)
         goto out;
     atomic_init(&r->refs, 1);
     r->autofree = (flags & CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH) != 0;
@@ -215,13 +216,12 @@ static gexec *read_graph(CUgraph g, unsigned long long flags, int *has)
                 r->lock |= (1ULL << count) - 1;
         }
     }
+    *out = r;
+    r = NULL;
 out:
     free(nodes);
-    if (r && !*has) {
-        free(r);
-        r = NULL;
-    }
-    return r;
+    free(r);
+    return rc;
 }
 
 /* An executable graph's entry is gone: drop its record's reference. */
@@ -239,35 +239,33 @@ static int untrack_exec(CUgraphExec e)
 
 /* After a successful instantiation: remember an executable graph with
  * memory nodes (GV_K_GEXEC, aux = its record, nothing charged to the
- * entry).  A record that could not be made (aux 0) has its launches
- * refused. */
-static void track_exec(CUgraphExec e, CUgraph g, unsigned long long flags)
+ * entry).  Fails when they cannot be read or recorded. */
+static CUresult track_exec(CUgraphExec e, CUgraph g, unsigned long long flags)
 {
-    int has;
-    gexec *r = read_graph(g, flags, &has);
-    if (!has)
-        return;
+    gexec *r;
+    CUresult rc = read_graph(g, flags, &r);
+    if (rc != CUDA_SUCCESS || !r)
+        return rc;
     int ordinal = -1;              /* the first device it allocates on */
-    for (int i = 0; r && i < GV_MAX_ORDINALS && ordinal < 0; i++)
+    for (int i = 0; i < GV_MAX_ORDINALS && ordinal < 0; i++)
         if (r->per[i])
             ordinal = i;
     const gv_devinfo *d = NULL;
-    if (ordinal >= 0 && gv_device(ordinal, &d) != CUDA_SUCCESS) {
+    if (ordinal >= 0 && (rc = gv_device(ordinal, &d)) != CUDA_SUCCESS) {
         rec_put(r);
-        return;
+        return rc;
     }
-    if (!r)
-        gv_log(GV_LOG_ERROR, "out of memory recording a graph's memory nodes");
-    untrack_exec(e);                            /* a reused handle's */
     CUcontext ctx = NULL;
     GV_REAL(cuCtxGetCurrent, CUresult (*)(CUcontext *))(&ctx);
     gv_alloc a = { .key = (uint64_t)(uintptr_t)e, .kind = GV_K_GEXEC,
                    .dev = d ? d->region_dev : -1, .bytes = 0, .aux = (uint64_t)(uintptr_t)r,
                    .ctx = ctx };
-    if (gv_table_put(&a) == 0)
-        atomic_store_explicit(&seen, 1, memory_order_relaxed);
-    else
+    if (gv_table_put(&a) != 0) {
         rec_put(r);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    atomic_store_explicit(&seen, 1, memory_order_relaxed);
+    return CUDA_SUCCESS;
 }
 
 /* ---- launch and upload ------------------------------------------------ */
@@ -332,7 +330,7 @@ CUresult gv_graph_mem_begin(gv_graph_mem *m, CUgraphExec e)
         return mode == GV_MODE_PASSTHROUGH ? CUDA_SUCCESS : GV_FAIL_CUDA;
     }
     if (!r)
-        return CUDA_ERROR_OUT_OF_MEMORY;       /* its record could not be made */
+        return CUDA_ERROR_OUT_OF_MEMORY;       /* (every entry has a record) */
     pthread_once(&setup_once, setup);
     m->rec = r;
     m->begun = gv_graph_teardowns(&m->calm);
@@ -390,12 +388,23 @@ GV_EXPORT CUresult cuGraphUpload_ptsz(CUgraphExec e, CUstream s)
 
 /* ---- instantiation hooks ---------------------------------------------- */
 
-/* After the real instantiation: track a graph with memory nodes.
- * (Failing closed needs nothing here: cuInit already refuses.) */
+/* After the real instantiation: track a graph with memory nodes.  One
+ * whose memory nodes cannot be read or recorded is destroyed and its
+ * instantiation fails (it may have some, whose launches would go
+ * uncharged).  (Failing closed needs nothing here: cuInit already refuses.) */
 static CUresult instantiated(CUresult rc, CUgraphExec *pe, CUgraph g, unsigned long long flags)
 {
-    if (rc == CUDA_SUCCESS && pe && gv_mode_fast() == GV_MODE_ENFORCE)
-        track_exec(*pe, g, flags);
+    if (rc != CUDA_SUCCESS || !pe || gv_mode_fast() != GV_MODE_ENFORCE)
+        return rc;
+    if (gv_graph_mem_seen())
+        untrack_exec(*pe);                      /* a reused handle's */
+    rc = track_exec(*pe, g, flags);
+    if (rc != CUDA_SUCCESS) {
+        gv_log(GV_LOG_ERROR, "the memory nodes of a graph being instantiated cannot be read "
+               "or recorded (CUDA error %d); the instantiation is refused", (int)rc);
+        GV_REAL(cuGraphExecDestroy, exec_fn)(*pe);
+        *pe = NULL;
+    }
     return rc;
 }
 
@@ -424,13 +433,17 @@ static CUresult inst_params(inst_params_fn real, upload_fn real_upload, CUgraphE
                             CUgraph g, CUDA_GRAPH_INSTANTIATE_PARAMS *prm)
 {
     if (!prm || !(prm->flags & CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD) ||
-        gv_mode_fast() != GV_MODE_ENFORCE)
-        return instantiated(real(pe, g, prm), pe, g, prm ? prm->flags : 0);
+        gv_mode_fast() != GV_MODE_ENFORCE) {
+        CUresult rc = instantiated(real(pe, g, prm), pe, g, prm ? prm->flags : 0);
+        if (rc != CUDA_SUCCESS && prm && prm->result_out == 0)
+            prm->result_out = 1;    /* CUDA_GRAPH_INSTANTIATE_ERROR: refused here */
+        return rc;
+    }
     CUDA_GRAPH_INSTANTIATE_PARAMS mine = *prm;
     mine.flags &= ~(cuuint64_t)CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD;
     CUresult rc = instantiated(real(pe, g, &mine), pe, g, mine.flags);
     prm->hErrNode_out = mine.hErrNode_out;
-    prm->result_out = mine.result_out;
+    prm->result_out = rc != CUDA_SUCCESS && mine.result_out == 0 ? 1 : mine.result_out;
     if (rc != CUDA_SUCCESS || !pe)
         return rc;
     rc = upload(real_upload, *pe, prm->hUploadStream);
