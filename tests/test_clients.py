@@ -1176,6 +1176,40 @@ emit(err=err.name, launch=launch, charged=region_used() - base)
     assert out == {"err": "CUDA_ERROR_UNKNOWN", "launch": None, "charged": 0}, out
 
 
+def test_a_graph_instantiated_in_a_destroyed_context_is_still_charged(node):
+    """An executable graph outlives the context it was instantiated in (CUDA
+    lists no CUgraphExec among what cuCtxDestroy takes, and the simulator
+    launches it), so its record stays until cuGraphExecDestroy: launched
+    from another context, a 5 GiB graph is refused under a 4 GiB quota and a
+    3 GiB one is charged.  Destroying the context used to drop the records,
+    and such launches ran uncharged."""
+    out = client(
+        node,
+        GRAPH_OF
+        + AUTO_FREE
+        + """
+prim = init()
+ctx = ok(cu.cuCtxCreate, None, 0, ok(cu.cuDeviceGet, 0))
+big, _, _ = graph_of(5 * GiB)
+e, _, _ = graph_of(3 * GiB)
+ok(cu.cuCtxDestroy, ctx)
+ok(cu.cuCtxSetCurrent, prim)
+base = region_used()
+s = ok(cu.cuStreamCreate, 0)
+refused = call(cu.cuGraphLaunch, big, s)[0].name
+fits = call(cu.cuGraphLaunch, e, s)[0].name
+ok(cu.cuStreamSynchronize, s)
+launched = region_used() - base
+ok(cu.cuGraphExecDestroy, e)
+ok(cu.cuGraphExecDestroy, big)
+ok(cu.cuDeviceGraphMemTrim, 0)
+emit(refused=refused, fits=fits, launched=launched, end=region_used() - base)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+    )
+    assert out == {"refused": OOM, "fits": "CUDA_SUCCESS", "launched": 3 * GiB, "end": 0}, out
+
+
 HEAP = "cu.CUlimit.CU_LIMIT_MALLOC_HEAP_SIZE"
 
 

@@ -28,9 +28,9 @@
  * is not one (nothing done), else 1 with the driver's answer in *rc. */
 int gv_pool_free_block(CUdeviceptr p, CUresult (*call)(void *), void *arg, CUresult *rc);
 
-/* hooks_graph.c: graph memory.  gv_graph_mem_seen: some executable graph
- * of this process has memory nodes (the launch hooks' only check
- * otherwise).  begin/end bracket a launch: begin charges what the graph
+/* hooks_graph.c, graph_live.c: graph memory.  gv_graph_mem_seen: some
+ * executable graph of this process has memory nodes (the launch hooks'
+ * only check otherwise).  begin/end bracket a launch: begin charges what the graph
  * pool may grow by and returns CUDA_ERROR_OUT_OF_MEMORY (nothing launched)
  * when the quota cannot take it; end settles on the pool's real reserve;
  * between them, gv_graph_mem_launched records, after the driver's answer
@@ -38,11 +38,10 @@ int gv_pool_free_block(CUdeviceptr p, CUresult (*call)(void *), void *arg, CUres
  * gv_graph_free_alloc frees p through call(arg) (cuMemFree or
  * cuMemFreeAsync) if it is a live graph allocation: 0 if it is not one
  * (nothing done), else 1 with the driver's answer in *rc.
- * gv_graph_mem_refresh re-reads every pool this process charged;
- * gv_graph_exec_dropped releases the record of an executable graph whose
- * GV_K_GEXEC entry (aux) is gone.  gv_graph_teardown_begin/end bracket a
- * context's destruction (destroyed: it was), which frees its graph
- * allocations. */
+ * gv_graph_mem_refresh re-reads every pool this process charged.
+ * gv_graph_teardown_begin/end bracket a context's destruction (destroyed:
+ * it was), which frees its graph allocations; its executable graphs' records
+ * stay, as their launches must still be charged. */
 typedef struct gv_graph_mem {
     uint64_t held;               /* ordinals whose pools are locked */
     void *rec;                   /* the graph's record, referenced */
@@ -55,7 +54,6 @@ void gv_graph_mem_launched(gv_graph_mem *m, CUresult rc, CUstream s, int ptsz);
 void gv_graph_mem_end(gv_graph_mem *m);
 int gv_graph_free_alloc(CUdeviceptr p, CUresult (*call)(void *), void *arg, CUresult *rc);
 void gv_graph_mem_refresh(void);
-void gv_graph_exec_dropped(uint64_t aux);
 void gv_graph_teardown_begin(void);
 void gv_graph_teardown_end(CUcontext ctx, int destroyed);
 

@@ -227,16 +227,16 @@ int gv_nvml_self_used(const gv_devinfo *d, uint64_t *used)
 
 /* ---- releasing what a destroyed context took -------------------------- */
 
+/* (Executable graphs' entries have no context: they outlive it.) */
 static int owned_by(const gv_alloc *a, void *ctx)
 {
-    return a->ctx == ctx && a->kind != GV_K_VMM && a->kind != GV_K_MAP;
+    return a->ctx == ctx && a->kind != GV_K_VMM && a->kind != GV_K_MAP &&
+           a->kind != GV_K_GEXEC;
 }
 
 static void release_entry(const gv_alloc *a, void *unused)
 {
     (void)unused;
-    if (a->kind == GV_K_GEXEC)
-        gv_graph_exec_dropped(a->aux);
     gv_uncharge(a->dev, a->bytes);
 }
 

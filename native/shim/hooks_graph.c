@@ -225,7 +225,7 @@ out:
 }
 
 /* An executable graph's entry is gone: drop its record's reference. */
-void gv_graph_exec_dropped(uint64_t aux) { rec_put((gexec *)(uintptr_t)aux); }
+static void exec_dropped(uint64_t aux) { rec_put((gexec *)(uintptr_t)aux); }
 
 /* e is gone: forget it; 1 if it was tracked. */
 static int untrack_exec(CUgraphExec e)
@@ -233,13 +233,16 @@ static int untrack_exec(CUgraphExec e)
     gv_alloc a;
     if (!gv_table_take(GV_K_GEXEC, (uint64_t)(uintptr_t)e, &a))
         return 0;
-    gv_graph_exec_dropped(a.aux);
+    exec_dropped(a.aux);
     return 1;
 }
 
 /* After a successful instantiation: remember an executable graph with
  * memory nodes (GV_K_GEXEC, aux = its record, nothing charged to the
- * entry).  Fails when they cannot be read or recorded. */
+ * entry).  Fails when they cannot be read or recorded.  The entry has no
+ * context, so a context's destruction leaves it: CUDA lists no CUgraphExec
+ * among what cuCtxDestroy takes, and a graph that can still be launched
+ * (the simulator's can, from another context) must still be charged. */
 static CUresult track_exec(CUgraphExec e, CUgraph g, unsigned long long flags)
 {
     gexec *r;
@@ -255,11 +258,9 @@ static CUresult track_exec(CUgraphExec e, CUgraph g, unsigned long long flags)
         rec_put(r);
         return rc;
     }
-    CUcontext ctx = NULL;
-    GV_REAL(cuCtxGetCurrent, CUresult (*)(CUcontext *))(&ctx);
     gv_alloc a = { .key = (uint64_t)(uintptr_t)e, .kind = GV_K_GEXEC,
                    .dev = d ? d->region_dev : -1, .bytes = 0, .aux = (uint64_t)(uintptr_t)r,
-                   .ctx = ctx };
+                   .ctx = NULL };
     if (gv_table_put(&a) != 0) {
         rec_put(r);
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -489,7 +490,7 @@ GV_EXPORT CUresult cuGraphExecDestroy(CUgraphExec e)
         return rc;
     }
     /* Its live allocations stay live (and charged) until freed. */
-    gv_graph_exec_dropped(a.aux);
+    exec_dropped(a.aux);
     settle_all();
     gv_charge_landed();
     return rc;
