@@ -208,6 +208,59 @@ def test_python_client_every_allocation_api_under_asan(asan_env: dict[str, str])
     assert proc.stdout.strip().endswith("clean")
 
 
+FAIL_CLOSED_GRAPHS = """
+from tests.cuclient import *
+import os
+UNKNOWN = cu.CUresult.CUDA_ERROR_UNKNOWN
+OOM = cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY
+primary = init()
+base = used()
+def captured(nbytes):
+    s = ok(cu.cuStreamCreate, 0)
+    ok(cu.cuStreamBeginCapture, s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+    ok(cu.cuMemFreeAsync, ok(cu.cuMemAllocAsync, nbytes, s), s)
+    return ok(cu.cuStreamEndCapture, s), s
+g, s = captured(64 * MiB)
+fail = os.environ["GPUVISOR_SIM_CUDA_FAIL"]
+if fail == "cuGraphNodeGetType":
+    # a graph whose nodes cannot be read: destroyed, its instantiation refused
+    assert call(cu.cuGraphInstantiate, g, 0)[0] == UNKNOWN
+else:
+    # a pool that cannot be read: each launch charged in full, kept
+    e = ok(cu.cuGraphInstantiate, g, 0)
+    ok(cu.cuGraphLaunch, e, s)
+    ok(cu.cuGraphLaunch, e, s)
+    assert used() == base + 128 * MiB
+    ok(cu.cuGraphExecDestroy, e)
+# an executable graph outliving its context, launched from another
+ctx = ok(cu.cuCtxCreate, None, 0, ok(cu.cuDeviceGet, 0))
+e2 = call(cu.cuGraphInstantiate, g, 0)[1]
+ok(cu.cuCtxDestroy, ctx)
+ok(cu.cuCtxSetCurrent, primary)
+if e2 is not None and fail != "cuGraphNodeGetType":
+    ok(cu.cuGraphLaunch, e2, s)
+    ok(cu.cuGraphExecDestroy, e2)
+ok(cu.cuGraphDestroy, g)
+print("clean")
+"""
+
+
+@pytest.mark.parametrize("query", ["cuGraphNodeGetType", "cuDeviceGetGraphMemAttribute"])
+def test_graph_memory_failing_closed_under_asan(asan_env: dict[str, str], query: str) -> None:
+    """The graph-memory paths that fail closed, sanitized: an instantiation
+    refused (its executable graph destroyed, its record freed), launches on
+    a pool that cannot be read, and a graph launched after its context."""
+    runtime = asan_runtime()
+    if not runtime:
+        pytest.skip("gcc has no libasan.so")
+    env = dict(asan_env, GPUVISOR_SIM_CUDA_FAIL=query)
+    env["LD_PRELOAD"] = f"{runtime}:{asan_env['LD_PRELOAD']}"
+    env["ASAN_OPTIONS"] = "detect_leaks=0:exitcode=86"
+    proc = run([sys.executable, "-c", textwrap.dedent(FAIL_CLOSED_GRAPHS)], env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().endswith("clean")
+
+
 LAUNCHES = (
     CU_SPIN_PRELUDE
     + """
