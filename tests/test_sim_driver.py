@@ -405,6 +405,27 @@ def test_nvml_fail_knob(tmp_path: Path) -> None:
     assert "Unknown Error" in cp.stderr
 
 
+@needs_cuda_python
+def test_cuda_fail_knob(tmp_path: Path) -> None:
+    """GPUVISOR_SIM_CUDA_FAIL: the listed graph-memory queries return
+    CUDA_ERROR_UNKNOWN, the others answer as usual; names of functions that
+    do not honour it change nothing."""
+    code = """
+        from cuda.bindings import driver as d
+        A = d.CUgraphMem_attribute.CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT
+        assert d.cuInit(0)[0] == 0
+        err, ctx = d.cuCtxCreate(None, 0, 0); assert err == 0, err
+        err, g = d.cuGraphCreate(0); assert err == 0, err
+        err, node = d.cuGraphAddEmptyNode(g, None, 0); assert err == 0, err
+        print(int(d.cuDeviceGetGraphMemAttribute(0, A)[0]), int(d.cuGraphGetNodes(g, 1)[0]),
+              int(d.cuGraphNodeGetType(node)[0]), int(d.cuMemGetInfo()[0]))
+        """
+    env = sim_env(tmp_path, "4g", GPUVISOR_SIM_CUDA_FAIL="cuMemGetInfo,cuGraphGetNodes")
+    assert ok(run_py(code, env)).split() == ["0", "999", "0", "0"]
+    env = sim_env(tmp_path, "4g", GPUVISOR_SIM_CUDA_FAIL="cuDeviceGetGraphMemAttribute")
+    assert ok(run_py(code, env)).split() == ["999", "0", "0", "0"]
+
+
 def _one_line_error(stderr: str, *needles: str) -> None:
     lines = [ln for ln in stderr.splitlines() if ln.startswith("gpuvisor-sim:")]
     assert len(lines) == 1, stderr
