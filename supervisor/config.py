@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from gpuvisor.shim.capi import GpuvisorError
+from gpuvisor.shim.capi import GpuvisorError, lib
 from gpuvisor.shim.limits import validate_environment
 from gpuvisor.shim.loader import preload_env
 from gpuvisor.shim.region import default_region_path
@@ -60,9 +60,9 @@ class RunOptions:
     """What was given on the command line (None: not given)."""
 
     memory: str | None = None
-    cores: int | None = None
+    cores: str | int | None = None
     policy: str | None = None
-    priority: int | None = None
+    priority: str | int | None = None
     socket: str | None = None
     simulate: bool = False
     report_interval: float | None = None
@@ -146,6 +146,12 @@ def validate_shim_environment(env: Mapping[str, str]) -> None:
             validate_environment()
         except GpuvisorError as exc:
             raise ConfigError(one_line(exc.message)) from None
+
+
+def check_shim_value(name: str, value: str) -> None:
+    """Check one library variable's value alone, by the library's own parser."""
+    lib()  # loaded first: the check empties the environment it is found by
+    validate_shim_environment({name: value})
 
 
 def effective_policy(env: Mapping[str, str]) -> str:

@@ -22,8 +22,10 @@ from gpuvisor.shim.loader import SIM_NVML_NAME, NativeLibraryNotFound, simulator
 from gpuvisor.shim.region import Region
 
 from .config import (
+    ENV_PRIORITY,
     ENV_REGION,
     ENV_SIM_STATE,
+    ENV_SM,
     MAX_GRACE,
     MAX_INTERVAL,
     MIN_INTERVAL,
@@ -32,6 +34,7 @@ from .config import (
     RunConfig,
     RunOptions,
     build,
+    check_shim_value,
     one_line,
 )
 from .pid1 import HANDLED, Pid1, SpawnError
@@ -69,7 +72,9 @@ class MemorySize(click.ParamType):  # type: ignore[type-arg]
     name = "SIZE"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
-        text = str(value).strip()
+        # As given: the C parser ignores the blanks it knows (str.strip()
+        # would also drop U+00A0 and others the library refuses).
+        text = str(value)
         try:
             # A percentage needs a device total; any total checks the form.
             parse_memory_limit(text, 1 << 40)
@@ -77,6 +82,29 @@ class MemorySize(click.ParamType):  # type: ignore[type-arg]
             self.fail(one_line(exc.message), param, ctx)
         except NativeLibraryNotFound as exc:
             # Not a bad value: the library is missing (exit 1, as documented).
+            raise click.ClickException(one_line(str(exc))) from None
+        return text
+
+
+class ShimValue(click.ParamType):  # type: ignore[type-arg]
+    """A value for one of the library's variables, checked by the library
+    itself (gv_validate_env): click's int() would also take "+50", "5_0"
+    or non-ASCII digits, which the variable refuses."""
+
+    def __init__(self, variable: str, metavar: str) -> None:
+        self.variable = variable
+        self.name = metavar
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> str:
+        text = str(value)
+        if not text:
+            # Empty would mean "unset" (no limit) to the library.
+            self.fail(f"{self.variable}=\"\": empty", param, ctx)
+        try:
+            check_shim_value(self.variable, text)
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
+        except NativeLibraryNotFound as exc:
             raise click.ClickException(one_line(str(exc))) from None
         return text
 
@@ -173,12 +201,13 @@ def supervise(cfg: RunConfig) -> int:
 )
 @click.option(
     "--cores",
-    type=click.IntRange(0, 100),
-    metavar="PCT",
+    type=ShimValue(ENV_SM, "PCT"),
     help="SM-time quota in percent, 0: none (CUDA_DEVICE_SM_LIMIT).",
 )
 @click.option("--policy", type=click.Choice(POLICIES), help="SM policy (GPUVISOR_SM_POLICY).")
-@click.option("--priority", type=click.IntRange(0, 1), help="0 high, 1 low (CUDA_TASK_PRIORITY).")
+@click.option(
+    "--priority", type=ShimValue(ENV_PRIORITY, "N"), help="0 high, 1 low (CUDA_TASK_PRIORITY)."
+)
 @click.option(
     "--socket",
     "socket_path",
@@ -206,9 +235,9 @@ def supervise(cfg: RunConfig) -> int:
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(
     memory: str | None,
-    cores: int | None,
+    cores: str | None,
     policy: str | None,
-    priority: int | None,
+    priority: str | None,
     socket_path: str | None,
     simulate: bool,
     report_interval: float | None,
