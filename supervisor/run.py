@@ -99,7 +99,7 @@ class ShimValue(click.ParamType):  # type: ignore[type-arg]
         text = str(value)
         if not text:
             # Empty would mean "unset" (no limit) to the library.
-            self.fail(f"{self.variable}=\"\": empty", param, ctx)
+            self.fail(f'{self.variable}="": empty', param, ctx)
         try:
             check_shim_value(self.variable, text)
         except ConfigError as exc:
