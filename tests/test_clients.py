@@ -1433,6 +1433,61 @@ def test_nvml_matches_devices_by_uuid(node):
     assert invisible["total"] == 16 * GiB
 
 
+# Two devices whose UUIDs share the prefix GPU-aaaa.
+TWINS = (
+    "16g:uuid=GPU-aaaa0000-0000-0000-0000-000000000000,"
+    "16g:uuid=GPU-aaaa1111-0000-0000-0000-000000000000"
+)
+
+
+@pytest.mark.parametrize(
+    "visible",
+    [
+        "1 ,0",
+        "1,\t0 ",
+        "1,1,0",
+        "0,,1",
+        "+1,0",
+        "gpu-aaaa1111,0",
+        "GPU-aaaa",
+        "GPU-aaaa1,GPU-aaaa",
+        "0,x,1",
+    ],
+)
+def test_nvml_only_process_counts_ordinals_as_the_driver_does(tmp_path, build_dir, visible):
+    """A process that has used only NVML matches NVML devices to CUDA
+    ordinals from CUDA_VISIBLE_DEVICES itself.  It must read the list as
+    the driver does (blanks around entries, UUID prefixes in any case, an
+    ambiguous prefix, a repeated or invalid entry ends the list): a device
+    given another ordinal's limit keeps that limit in the region for the
+    whole container, and a device the driver hides must not get one."""
+    node = SimNode.create(tmp_path, devices=TWINS)
+    limits = {
+        "CUDA_VISIBLE_DEVICES": visible,
+        "CUDA_DEVICE_MEMORY_LIMIT": "4g",
+        "CUDA_DEVICE_MEMORY_LIMIT_0": "2g",
+        "CUDA_DEVICE_MEMORY_LIMIT_1": "3g",
+    }
+    # The driver's own order (the simulator without the library).
+    plain = run_json(
+        PRELUDE
+        + "n = ok(cu.cuDeviceGetCount) if call(cu.cuInit, 0)[0] == SUCCESS else 0\n"
+        + "emit(uuids=[uuid(i) for i in range(n)])",
+        {**node.env, "CUDA_VISIBLE_DEVICES": visible},
+    )["uuids"]
+    quota = [2 * GiB, 3 * GiB] + [4 * GiB] * 8
+    # First in the container: a process that only asks NVML.
+    out = client(node, NVML + "emit(mem=[nvml_mem(i) for i in range(2)])", **limits)
+    for mem in out["mem"]:
+        want = quota[plain.index(mem["uuid"])] if mem["uuid"] in plain else 16 * GiB
+        assert mem["total"] == want, (visible, plain, out)
+    # The limits it put in the region are those of the CUDA ordinals.
+    if plain:
+        out = client(node, TOTALS, **limits)
+        assert out["uuids"] == plain
+        assert out["totals"] == quota[: len(plain)]
+
+
 def test_nvml_in_second_process_sees_first_process_usage(node):
     env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g")
     with Holder(PRELUDE + "init()\np = ok(cu.cuMemAlloc, 1 * GiB)\nhold(used=used())", env) as a:

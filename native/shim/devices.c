@@ -1,9 +1,11 @@
 /* devices.c - the CUDA ordinals this process sees, and their quota entries. */
+#include <ctype.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 
 #include "core.h"
 #include "limits.h"
@@ -231,6 +233,40 @@ static atomic_int cuda_inited;
 
 void gv_cuda_inited(void) { atomic_store(&cuda_inited, 1); }
 
+/* One CUDA_VISIBLE_DEVICES entry: the NVML index it names (its UUID parsed
+ * into *uuid), or -1 when the driver would take it as invalid. */
+static int visible_entry(char *tok, char uuids[][NVML_DEVICE_UUID_V2_BUFFER_SIZE],
+                         unsigned int n, unsigned char uuid[16])
+{
+    while (isspace((unsigned char)*tok))
+        tok++;
+    size_t len = strlen(tok);
+    while (len > 0 && isspace((unsigned char)tok[len - 1]))
+        len--;
+    tok[len] = '\0';
+    if (len == 0)
+        return -1;
+    int found = -1;
+    if (isdigit((unsigned char)tok[0])) {
+        unsigned long v = 0;
+        for (size_t i = 0; i < len; i++) {
+            if (!isdigit((unsigned char)tok[i]) || v > 100000)
+                return -1;
+            v = v * 10 + (unsigned long)(tok[i] - '0');
+        }
+        found = v < n ? (int)v : -1;
+    } else {
+        for (unsigned int i = 0; i < n; i++) {
+            if (uuids[i][0] == '\0' || strncasecmp(uuids[i], tok, len) != 0)
+                continue;
+            if (found >= 0)
+                return -1;              /* ambiguous prefix */
+            found = (int)i;
+        }
+    }
+    return found >= 0 && gv_uuid_parse(uuids[found], uuid) == 0 ? found : -1;
+}
+
 /* Without a usable CUDA driver, follow CUDA_VISIBLE_DEVICES over NVML's list
  * (NVML order is PCI order, which CUDA also uses unless told otherwise). */
 static void visible_from_nvml(void)
@@ -261,24 +297,25 @@ static void visible_from_nvml(void)
         by_nvml.count = count;
         return;
     }
+    /* Read as the driver reads it (the simulator does the same): entries
+     * between commas, blanks around them ignored; an index is decimal
+     * digits only; a UUID may be a prefix in any case, if only one device
+     * has it.  The list ends at the first invalid, ambiguous or repeated
+     * entry (an empty one too). */
     char buf[1024];
     snprintf(buf, sizeof buf, "%s", cvd);
-    for (char *save = NULL, *tok = strtok_r(buf, ",", &save); tok && count < GV_MAX_ORDINALS;
-         tok = strtok_r(NULL, ",", &save)) {
-        while (*tok == ' ') tok++;
-        int found = -1;
-        if (strncmp(tok, "GPU-", 4) == 0) {
-            for (unsigned int i = 0; i < n; i++)
-                if (strncmp(uuids[i], tok, strlen(tok)) == 0) { found = (int)i; break; }
-        } else {
-            char *end;
-            long v = strtol(tok, &end, 10);
-            if (end != tok && *end == '\0' && v >= 0 && (unsigned long)v < n)
-                found = (int)v;
-        }
-        if (found < 0 || gv_uuid_parse(uuids[found], visible[count]) != 0)
-            break;   /* like CUDA: the list ends at the first invalid entry */
+    for (char *tok = buf; tok != NULL && count < GV_MAX_ORDINALS;) {
+        char *comma = strchr(tok, ',');
+        if (comma != NULL)
+            *comma = '\0';
+        int found = visible_entry(tok, uuids, n, visible[count]);
+        for (int i = 0; found >= 0 && i < count; i++)
+            if (memcmp(visible[i], visible[count], 16) == 0)
+                found = -1;
+        if (found < 0)
+            break;
         count++;
+        tok = comma != NULL ? comma + 1 : NULL;
     }
     by_nvml.count = count;
 }
