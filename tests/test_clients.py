@@ -5,6 +5,8 @@ libgpuvisor.so preloaded and a fresh simulated node (2 x 16 GiB)."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -1590,6 +1592,56 @@ def test_corrupt_region_fails_closed(node):
     assert out["init"] == NOT_PERMITTED
     assert "CUDA_SUCCESS" not in out["allocs"]
     assert str(node.region) in proc.stderr
+
+
+# Takes 3 GiB on device 0 through ctypes (no imports from the checkout: it
+# runs in a directory of its own), prints the codes, then waits for stdin.
+TAKE_3G = """
+import ctypes, sys
+cu = ctypes.CDLL("libcuda.so.1")
+codes = [cu.cuInit(0)]
+dev, ctx, ptr = ctypes.c_int(), ctypes.c_void_p(), ctypes.c_uint64()
+codes.append(cu.cuDeviceGet(ctypes.byref(dev), 0))
+codes.append(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev))
+codes.append(cu.cuCtxSetCurrent(ctx))
+codes.append(cu.cuMemAlloc_v2(ctypes.byref(ptr), ctypes.c_size_t(3 << 30)))
+print(*codes, flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_relative_region_path_fails_closed(node, tmp_path):
+    """A relative CUDA_DEVICE_MEMORY_SHARED_CACHE names another file in
+    each working directory: two processes of one container would each get
+    the whole quota.  Refused, with one line naming it; no file is made."""
+    env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g", CUDA_DEVICE_MEMORY_SHARED_CACHE="r.shr")
+    procs = []
+    try:
+        for name in ("a", "b"):
+            (tmp_path / name).mkdir()
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-S", "-c", TAKE_3G],
+                    cwd=tmp_path / name,
+                    env=env,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
+            )
+            assert procs[-1].stdout is not None
+            codes = procs[-1].stdout.readline().split()
+            # Never 3 GiB each out of one 4 GiB quota; in fact nothing.
+            assert codes[0] == "800", codes
+            assert codes[-1] != "0", codes
+    finally:
+        outs = [p.communicate("\n", timeout=30) for p in procs]
+    for _, err in outs:
+        lines = err.strip().splitlines()
+        assert len(lines) == 1, err
+        assert 'CUDA_DEVICE_MEMORY_SHARED_CACHE="r.shr": not an absolute path' in lines[0]
+    assert not list(tmp_path.glob("*/r.shr*"))
 
 
 # --- the same on a real GPU (skipped without one) --------------------------------

@@ -42,10 +42,23 @@ static int fail(int code, const char *fmt, ...)
     return code;
 }
 
+/* The region path the environment names (the default when unset or
+ * empty), or NULL with t_err set.  A relative path is refused: processes
+ * of the container in other directories would each open a region of
+ * their own, and each would get the whole quota. */
 static const char *default_path(void)
 {
     const char *p = getenv("CUDA_DEVICE_MEMORY_SHARED_CACHE");
-    return (p != NULL && p[0] != '\0') ? p : GV_DEFAULT_REGION_PATH;
+    if (p == NULL || p[0] == '\0')
+        return GV_DEFAULT_REGION_PATH;
+    if (p[0] != '/') {
+        char q[161];
+        limits_quote(q, sizeof q, p, 160);
+        fail(GV_EINVAL, "gpuvisor: CUDA_DEVICE_MEMORY_SHARED_CACHE=\"%s\": not an absolute path "
+             "(processes in other directories would not share the region)", q);
+        return NULL;
+    }
+    return p;
 }
 
 static int same_file(const char *a, const char *b)
@@ -83,7 +96,8 @@ gv_region *gv_shared_region(void)
     pthread_once(&g_fork_once, register_fork);
     pthread_mutex_lock(&g_attach_lock);
     if (atomic_load(&g_region) == NULL && !g_lazy_failed) {
-        if (attach_locked(default_path()) != GV_OK) {
+        const char *path = default_path();
+        if (path == NULL || attach_locked(path) != GV_OK) {
             g_lazy_failed = 1;          /* fail closed, and say so once */
             gv_log(GV_LOG_ERROR, "%s", t_err);
         }
@@ -130,8 +144,8 @@ GV_EXPORT const char *gv_last_error(void)
 GV_EXPORT int gv_region_attach(const char *path)
 {
     pthread_once(&g_fork_once, register_fork);
-    if (path == NULL)
-        path = default_path();
+    if (path == NULL && (path = default_path()) == NULL)
+        return GV_EINVAL;
     if (path[0] == '\0')
         return fail(GV_EINVAL, "gpuvisor: gv_region_attach: empty path");
     pthread_mutex_lock(&g_attach_lock);
