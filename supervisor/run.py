@@ -204,7 +204,12 @@ def supervise(cfg: RunConfig) -> int:
     type=ShimValue(ENV_SM, "PCT"),
     help="SM-time quota in percent, 0: none (CUDA_DEVICE_SM_LIMIT).",
 )
-@click.option("--policy", type=click.Choice(POLICIES), help="SM policy (GPUVISOR_SM_POLICY).")
+@click.option(
+    "--policy",
+    # Any case, as the library reads GPUVISOR_SM_POLICY.
+    type=click.Choice(POLICIES, case_sensitive=False),
+    help="SM policy (GPUVISOR_SM_POLICY).",
+)
 @click.option(
     "--priority", type=ShimValue(ENV_PRIORITY, "N"), help="0 high, 1 low (CUDA_TASK_PRIORITY)."
 )

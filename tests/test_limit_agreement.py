@@ -103,6 +103,18 @@ SM_VALUES = [
 ]
 PRIORITY_VALUES = ["0", "1", " 1", "1 ", "+1", "01", "\u0661", "2", "-0", "", "true"]
 
+POLICY_VALUES = [
+    "burst-share",
+    "Burst-Share",
+    "BEST-EFFORT",
+    "fixed-share",
+    " burst-share",
+    "burst-share ",
+    "burst_share",
+    "burst",
+    "",
+]
+
 ROWS = (
     [("CUDA_DEVICE_MEMORY_LIMIT", v) for v in MEMORY_VALUES]
     + [("CUDA_DEVICE_MEMORY_LIMIT_1", v) for v in ("4g", "+4g", "4g\u00a0")]
@@ -111,11 +123,13 @@ ROWS = (
     + [("CUDA_DEVICE_SM_LIMIT", v) for v in SM_VALUES]
     + [("CUDA_DEVICE_SM_LIMIT_9", v) for v in ("50", "5_0")]
     + [("CUDA_TASK_PRIORITY", v) for v in PRIORITY_VALUES]
+    + [("GPUVISOR_SM_POLICY", v) for v in POLICY_VALUES]
 )
 OPTION = {
     "CUDA_DEVICE_MEMORY_LIMIT": "--memory",
     "CUDA_DEVICE_SM_LIMIT": "--cores",
     "CUDA_TASK_PRIORITY": "--priority",
+    "GPUVISOR_SM_POLICY": "--policy",
 }
 
 
@@ -159,7 +173,9 @@ def option_env(node: SimNode, option: str, value: str) -> dict[str, str] | None:
         message = exc.format_message()
     else:
         p = ctx.params
-        opts = config.RunOptions(memory=p["memory"], cores=p["cores"], priority=p["priority"])
+        opts = config.RunOptions(
+            memory=p["memory"], cores=p["cores"], priority=p["priority"], policy=p["policy"]
+        )
         built: dict[str, str] = config.build(opts, ["true"], node.env).env
         return built
     assert option in message, message
@@ -171,6 +187,8 @@ def meaning(name: str, value: str) -> object:
     """What an accepted value means to the library."""
     if name.startswith("CUDA_DEVICE_MEMORY_LIMIT"):
         return parse_memory_limit(value, 16 << 30)
+    if name == "GPUVISOR_SM_POLICY":
+        return value.lower()  # any case; blanks are refused
     return int(value.strip(" \t\n\v\f\r"))
 
 
