@@ -1449,7 +1449,6 @@ TWINS = (
         "1,\t0 ",
         "1,1,0",
         "0,,1",
-        "+1,0",
         "gpu-aaaa1111,0",
         "GPU-aaaa",
         "GPU-aaaa1,GPU-aaaa",

@@ -247,9 +247,11 @@ static int visible_entry(char *tok, char uuids[][NVML_DEVICE_UUID_V2_BUFFER_SIZE
     if (len == 0)
         return -1;
     int found = -1;
-    if (isdigit((unsigned char)tok[0])) {
+    /* A real driver reads an index like strtoul: a '+' may come first. */
+    size_t first = tok[0] == '+' ? 1 : 0;
+    if (isdigit((unsigned char)tok[first])) {
         unsigned long v = 0;
-        for (size_t i = 0; i < len; i++) {
+        for (size_t i = first; i < len; i++) {
             if (!isdigit((unsigned char)tok[i]) || v > 100000)
                 return -1;
             v = v * 10 + (unsigned long)(tok[i] - '0');
@@ -297,11 +299,11 @@ static void visible_from_nvml(void)
         by_nvml.count = count;
         return;
     }
-    /* Read as the driver reads it (the simulator does the same): entries
-     * between commas, blanks around them ignored; an index is decimal
-     * digits only; a UUID may be a prefix in any case, if only one device
-     * has it.  The list ends at the first invalid, ambiguous or repeated
-     * entry (an empty one too). */
+    /* Read as the driver reads it (the simulator does the same, but for a
+     * '+' before an index): entries between commas, blanks around them
+     * ignored; an index is decimal digits; a UUID may be a prefix in any
+     * case, if only one device has it.  The list ends at the first
+     * invalid, ambiguous or repeated entry (an empty one too). */
     char buf[1024];
     snprintf(buf, sizeof buf, "%s", cvd);
     for (char *tok = buf; tok != NULL && count < GV_MAX_ORDINALS;) {
