@@ -115,11 +115,18 @@ POLICY_VALUES = [
     "",
 ]
 
+# Suffixes that are not ordinals: refused whatever the value.
+NOT_ORDINALS = [
+    f"CUDA_DEVICE_MEMORY_LIMIT{suffix}"
+    for suffix in ("_01", "_1000000", "_\u0661", "_+1", "_ 1", "S", "_")
+]
+
 ROWS = (
     [("CUDA_DEVICE_MEMORY_LIMIT", v) for v in MEMORY_VALUES]
     + [("CUDA_DEVICE_MEMORY_LIMIT_1", v) for v in ("4g", "+4g", "4g\u00a0")]
     # Ordinals past the node's two devices: unused, but still checked.
     + [("CUDA_DEVICE_MEMORY_LIMIT_7", v) for v in ("1g", "abc", "-1")]
+    + [(name, "1g") for name in NOT_ORDINALS]
     + [("CUDA_DEVICE_SM_LIMIT", v) for v in SM_VALUES]
     + [("CUDA_DEVICE_SM_LIMIT_9", v) for v in ("50", "5_0")]
     + [("CUDA_TASK_PRIORITY", v) for v in PRIORITY_VALUES]
@@ -195,6 +202,8 @@ def meaning(name: str, value: str) -> object:
 @pytest.mark.parametrize(("name", "value"), ROWS, ids=[f"{n}={v!a}" for n, v in ROWS])
 def test_library_validator_and_option_agree(node, name, value):
     lib_ok = library_accepts(node, name, value)
+    if name in NOT_ORDINALS:
+        assert not lib_ok
     assert validator_accepts(node, name, value) == lib_ok
     option = OPTION.get(name)
     if option is None:
