@@ -104,7 +104,8 @@ class ShimValue(click.ParamType):  # type: ignore[type-arg]
             check_shim_value(self.variable, text)
         except ConfigError as exc:
             self.fail(str(exc), param, ctx)
-        except NativeLibraryNotFound as exc:
+        except (NativeLibraryNotFound, GpuvisorError) as exc:
+            # Not a bad value: the library is missing or not this version.
             raise click.ClickException(one_line(str(exc))) from None
         return text
 
