@@ -16,6 +16,7 @@
 struct CUevent_st {
     uint32_t magic;
     struct CUctx_st *ctx;
+    int ordinal;                        /* its context's device */
     unsigned flags;
     int recorded;
     uint64_t t;                         /* completion time, monotonic ns */
@@ -42,6 +43,7 @@ SIM_API CUresult cuEventCreate(CUevent *pe, unsigned int flags)
         return CUDA_ERROR_OUT_OF_MEMORY;
     e->magic = EVENT_MAGIC;
     e->ctx = c;
+    e->ordinal = c->ordinal;
     e->flags = flags;
     pthread_mutex_lock(&sim_mu);
     sim_reg_add(e);
@@ -132,8 +134,8 @@ SIM_API CUresult cuEventRecordWithFlags_ptsz(CUevent e, CUstream s,
     return record(e, s, flags, 1);
 }
 
-/* completion time of e (0: never recorded, complete) */
-static CUresult ev_time(CUevent e, uint64_t *t)
+/* completion time of e (0: never recorded, complete), and its device */
+static CUresult ev_time(CUevent e, uint64_t *t, int *ordinal)
 {
     CUresult rc = sim_check_init();
     if (rc)
@@ -141,6 +143,7 @@ static CUresult ev_time(CUevent e, uint64_t *t)
     pthread_mutex_lock(&sim_mu);
     int ok = ev_ok_locked(e);
     *t = ok && e->recorded ? e->t : 0;
+    *ordinal = ok ? e->ordinal : -1;
     pthread_mutex_unlock(&sim_mu);
     return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
@@ -148,7 +151,8 @@ static CUresult ev_time(CUevent e, uint64_t *t)
 SIM_API CUresult cuEventQuery(CUevent e)
 {
     uint64_t t;
-    CUresult rc = ev_time(e, &t);
+    int ordinal;
+    CUresult rc = ev_time(e, &t, &ordinal);
     if (rc)
         return rc;
     return t > sim_now_ns() ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
@@ -157,10 +161,12 @@ SIM_API CUresult cuEventQuery(CUevent e)
 SIM_API CUresult cuEventSynchronize(CUevent e)
 {
     uint64_t t;
-    CUresult rc = ev_time(e, &t);
+    int ordinal;
+    CUresult rc = ev_time(e, &t, &ordinal);
     if (rc)
         return rc;
     sim_sleep_until(t);
+    sim_pools_sync(ordinal);         /* a synchronisation: pools give memory back */
     return CUDA_SUCCESS;
 }
 

@@ -3,7 +3,8 @@
  * physical memory (charged to this process) of which `used` is handed out.
  *   alloc:  grow reserved by the shortfall rounded up to 2 MiB
  *   free:   used shrinks, reserved stays
- *   sync:   reserved shrinks to roundup2M(max(used, release threshold))
+ *   sync:   reserved shrinks to roundup2M(max(used, release threshold)), at
+ *           cuStreamSynchronize, cuCtxSynchronize and cuEventSynchronize
  *   trim:   reserved shrinks to roundup2M(max(used, keep))
  * Blocks are 512-byte aligned; they live in the allocation table as
  * SIM_K_POOL entries pointing at their pool.
@@ -51,27 +52,32 @@ static int pool_ok(struct CUmemPoolHandle_st *p)
     return p && sim_reg_has(p) && p->magic == POOL_MAGIC && !p->destroyed;
 }
 
-/* shrink reserved to roundup2M(max(used, keep)); sim_mu held */
-static void pool_shrink(struct CUmemPoolHandle_st *p, uint64_t keep)
+/* shrink reserved to roundup2M(max(used, keep)); sim_mu held.  Returns
+ * what it gave back. */
+static uint64_t pool_shrink(struct CUmemPoolHandle_st *p, uint64_t keep)
 {
     uint64_t want = p->used > keep ? p->used : keep;
     if (want >= p->reserved)
-        return;
+        return 0;
     want = sim_round_up(want, SIM_GRAN);
     if (want >= p->reserved)
-        return;
+        return 0;
     uint64_t give = p->reserved - want;
     p->reserved = want;
     sim_uncharge(p->node, give);
+    return give;
 }
 
 void sim_pools_sync(int ordinal)
 {
+    uint64_t given = 0;
     pthread_mutex_lock(&sim_mu);
     for (struct CUmemPoolHandle_st *p = g_pools; p; p = p->next)
         if (ordinal < 0 || p->ordinal == ordinal || p->ordinal < 0)
-            pool_shrink(p, p->destroyed ? 0 : p->threshold);
+            given += pool_shrink(p, p->destroyed ? 0 : p->threshold);
     pthread_mutex_unlock(&sim_mu);
+    if (given)
+        sim_free_delay();
 }
 
 void sim_pool_block_free_locked(sim_alloc *a)

@@ -351,7 +351,10 @@ SIM_HIDDEN int sim_capture_alloc(CUstream s, int ptsz, CUdeviceptr *dptr, size_t
 SIM_HIDDEN int sim_capture_free(CUstream s, int ptsz, CUdeviceptr dptr, CUresult *rc);
 
 /* pools (cuda_pool.c) */
-SIM_HIDDEN void sim_pools_sync(int ordinal);   /* -1: all devices */
+/* A synchronisation on ordinal (-1: all devices) shrinks pools to their
+ * release threshold; one that gave memory back then waits
+ * GPUVISOR_SIM_FREE_MS, as every call that gives memory back does. */
+SIM_HIDDEN void sim_pools_sync(int ordinal);
 SIM_HIDDEN void sim_pool_block_free_locked(sim_alloc *a);
 
 /* ---- NVML side (nvml_*.c) -------------------------------------------- */
