@@ -452,6 +452,36 @@ def test_memory_freed_while_untracked_memory_is_reread_is_not_taken_off_it(
     assert out["during"] == out["after"] == str(256 + 1024 + 64), proc.stdout
 
 
+@pytest.mark.parametrize("sync", ["stream", "ctx", "event", "ptsz"])
+def test_a_pool_shrunk_by_a_synchronisation_is_not_taken_off_untracked_memory(
+    node: SimNode, build_dir: Path, sync: str
+) -> None:
+    """A synchronisation gives a pool's reserve above its release threshold
+    back (512 MiB here, threshold 0), and NVML shows it gone before the
+    synchronisation returns (1.2 s here, GPUVISOR_SIM_FREE_MS).  The pool's
+    charge used to follow only at the next re-read of the pool: until then
+    the container was charged 512 MiB too much, and a reading of NVML for
+    memory the driver gave without an allocation call (a 1 GiB device heap),
+    taken by another thread's allocation meanwhile, took the 512 MiB off the
+    heap's charge; once the pool's charge followed, the container's usage
+    was 512 MiB short.  Now the pools are settled before each reading (and
+    no reading is used while one is charged more than its reserve), and
+    after each synchronisation."""
+    proc = run_linked(
+        build_dir,
+        "t_link_pool_sync_race",
+        sync,
+        env=node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g", GPUVISOR_SIM_FREE_MS="1200"),
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = {k: int(v) for k, v in (item.split("=", 1) for item in proc.stdout.split())}
+    base = 32 + 1024  # the context and the heap
+    assert out["synced_a"] == base, proc.stdout
+    assert out["n"] > 0, proc.stdout
+    assert out["synced"] == out["after"] == base + 2 * out["n"], proc.stdout
+    assert out["low"] == 0, proc.stdout
+
+
 @pytest.mark.parametrize("reached", ["sync", "ctxsync", "event", "ptsz", "poll", "destroy"])
 def test_a_block_freed_into_a_busy_stream_stays_charged_until_the_stream_gets_there(
     node: SimNode, build_dir: Path, reached: str

@@ -89,6 +89,10 @@ void gv_cuda_inited(void);
 void gv_pools_refresh(void);
 /* Whether the process holds any tracked pool. */
 int gv_pools_active(void);
+/* 1 when no live pool is charged more than the reserve the driver reports
+ * now; 0 when one is (the driver gave memory back, at a synchronisation
+ * say, that is still charged) or another thread is changing one. */
+int gv_pools_settled(void);
 /* untracked.c: memory the driver gave this process that no hook charged,
  * from NVML's per-process figure.  reconcile: re-read one device (or all)
  * now; tick: all devices, at most once a second. */

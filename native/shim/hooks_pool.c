@@ -6,6 +6,9 @@
  * gives it back.  So the quota is charged with each pool's reserve, read
  * from the driver (CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT), not with the
  * sizes of the blocks: nothing the driver really holds goes uncounted.
+ * The synchronisation hooks (pending_free.c) and every reading of untracked
+ * memory (untracked.c) settle the charges on the reserves, and no such
+ * reading is used while a pool is charged more than its reserve.
  *
  * Pools are found in a fixed table without a global lock (CAS to claim a
  * record); each record has its own mutex, held across the driver call that
@@ -254,6 +257,29 @@ void gv_pools_refresh(void)
             pthread_mutex_unlock(&r->lock);
         }
     }
+}
+
+int gv_pools_settled(void)
+{
+    if (!gv_pools_active())
+        return 1;
+    for (int i = 0; i < MAX_POOLS; i++) {
+        pool_rec *r = &pools[i];
+        uintptr_t p = atomic_load(&r->pool);
+        if (!p || !atomic_load(&r->ready) || atomic_load(&r->destroyed) || r->host)
+            continue;
+        if (pthread_mutex_trylock(&r->lock) != 0)
+            return 0;               /* being grown, shrunk or settled right now */
+        int ok = 1;
+        if (atomic_load(&r->pool) == p && !atomic_load(&r->destroyed)) {
+            uint64_t reserved = pool_attr((CUmemoryPool)p, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
+            ok = reserved == UINT64_MAX || reserved >= r->charged;
+        }
+        pthread_mutex_unlock(&r->lock);
+        if (!ok)
+            return 0;
+    }
+    return 1;
 }
 
 /* The record of the pool a block came from (aux of its GV_K_POOLPTR

@@ -9,8 +9,8 @@
  * see that event complete: an allocation (gv_charge_begin), cuMemGetInfo or
  * cuDeviceTotalMem, a reading of untracked memory, and the synchronisations
  * that prove it (cuStreamSynchronize, cuCtxSynchronize, cuEventSynchronize,
- * hooked here for that alone): never later than the synchronisation that
- * shows the stream got there.  (The driver has no host callback the
+ * hooked here for that, and to settle the memory pools they may shrink):
+ * never later than the synchronisation that shows the stream got there.  (The driver has no host callback the
  * interposer could use without a thread of its own.)  Until then the free
  * is in flight (charge.c): NVML may show the block or not, so no reading of
  * untracked memory is taken meanwhile.
@@ -214,38 +214,48 @@ void gv_pending_frees_unhold(gv_pending_set *held, int gone)
 
 /* ---- synchronisations: they may prove a pending free reached -------- */
 
+/* After a synchronisation: the frees it showed reached go back, and the
+ * pools it may have shrunk (the driver gives a pool's reserve above its
+ * release threshold back at a synchronisation) are charged their reserve
+ * again.  With neither, two atomic loads. */
+static void synced(void)
+{
+    gv_pending_frees_reap();
+    gv_pools_refresh();
+}
+
 GV_EXPORT CUresult cuStreamSynchronize(CUstream s)
 {
     CUresult rc = GV_REAL(cuStreamSynchronize, stream_fn)(s);
-    gv_pending_frees_reap();
+    synced();
     return rc;
 }
 
 GV_EXPORT CUresult cuStreamSynchronize_ptsz(CUstream s)
 {
     CUresult rc = GV_REAL(cuStreamSynchronize_ptsz, stream_fn)(s);
-    gv_pending_frees_reap();
+    synced();
     return rc;
 }
 
 GV_EXPORT CUresult cuCtxSynchronize(void)
 {
     CUresult rc = GV_REAL(cuCtxSynchronize, void_fn)();
-    gv_pending_frees_reap();
+    synced();
     return rc;
 }
 
 GV_EXPORT CUresult cuCtxSynchronize_v2(CUcontext ctx)
 {
     CUresult rc = GV_REAL(cuCtxSynchronize_v2, ctx_fn)(ctx);
-    gv_pending_frees_reap();
+    synced();
     return rc;
 }
 
 GV_EXPORT CUresult cuEventSynchronize(CUevent e)
 {
     CUresult rc = GV_REAL(cuEventSynchronize, ev_fn)(e);
-    gv_pending_frees_reap();
+    synced();
     return rc;
 }
 

@@ -21,8 +21,12 @@
  * figure and the charge disagree by that much then; every free that gives
  * memory back is one, context destruction and VMM releases included), and
  * not while this process is creating a context (its
- * memory is measured and charged then, hooks_context.c); differences under
- * 2 MiB are ignored.  Nothing happens where NVML does not list this process.
+ * memory is measured and charged then, hooks_context.c), nor while a
+ * memory pool is charged more than the reserve the driver reports after
+ * NVML was read (a synchronisation gave pool memory back and the charge
+ * has not followed yet: the pools are settled before each reading, and the
+ * synchronisation hooks settle them after the driver call); differences
+ * under 2 MiB are ignored.  Nothing happens where NVML does not list this process.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -70,12 +74,18 @@ void gv_untracked_reconcile(int ordinal)
     int slot = region_self_slot(r);
     if (slot < 0)
         return;
+    /* A pool the driver shrank since its charge was last settled (at a
+     * synchronisation, say) is charged what NVML no longer shows: settle
+     * first, and use no reading taken while one still is (the driver may
+     * shrink it meanwhile). */
+    gv_pools_refresh();
     pthread_once(&setup_once, setup);
     struct held *h = &held[ordinal];
     pthread_mutex_lock(&h->lock);
     uint64_t begun = gv_charges_begun();
     uint64_t before = region_slot_used(r, d->region_dev, slot), nvml = 0;
-    int seen = !gv_ctx_creating() && !gv_charges_in_flight() && gv_nvml_self_used(d, &nvml);
+    int seen = !gv_ctx_creating() && !gv_charges_in_flight() && gv_nvml_self_used(d, &nvml) &&
+               gv_pools_settled();
     uint64_t after = region_slot_used(r, d->region_dev, slot);
     if (seen && before == after && !gv_ctx_creating() && !gv_charges_in_flight() &&
         gv_charges_begun() == begun) {
