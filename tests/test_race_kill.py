@@ -508,6 +508,35 @@ def test_a_block_freed_into_a_busy_stream_stays_charged_until_the_stream_gets_th
     assert region_usage(node)["used"] == 0
 
 
+@pytest.mark.parametrize(
+    "query", ["query", "ptszquery", "evquery", "procaddr", "procaddr_ptsz", "dlsym"]
+)
+def test_a_query_that_finds_the_stream_done_releases_its_pending_free(
+    node: SimNode, build_dir: Path, query: str
+) -> None:
+    """A cuMemFreeAsync'd cuMemAlloc block (768 MiB, behind a 1 s kernel,
+    under a 1 GiB quota) is freed by the driver once the stream gets
+    there, and cuStreamQuery (_ptsz) or cuEventQuery answering
+    CUDA_SUCCESS proves it did.  Those were not hooked: a program that
+    polled them instead of synchronising kept the block's charge until its
+    own next allocation, and another process of the container was refused
+    512 MiB that fit.  Now the query releases it, whether called by name,
+    through cuGetProcAddress (with or without the per-thread stream flag)
+    or through dlsym."""
+    proc = run_linked(
+        build_dir, "t_link_free_async", query, env=node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="1g")
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = dict(item.split("=", 1) for item in proc.stdout.split())
+    assert out["pending"] == "2", proc.stdout  # CUDA_ERROR_OUT_OF_MEMORY
+    assert int(out["during"]) == 32 + 768, proc.stdout
+    assert int(out["polls"]) > 1, proc.stdout  # the stream was busy at first
+    assert int(out["synced"]) == 32, proc.stdout
+    assert out["take"] == "0", proc.stdout  # the other process got its 512 MiB
+    assert out["after"] == "0", proc.stdout
+    assert region_usage(node)["used"] == 0
+
+
 def test_more_pending_frees_than_the_table_holds_wait_for_their_stream(
     node: SimNode, build_dir: Path
 ) -> None:

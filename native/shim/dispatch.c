@@ -121,6 +121,7 @@ static const variant variants[] = {
                                    { 11000, "cuDevicePrimaryCtxReset_v2" } }, NULL },
     { "cuDevicePrimaryCtxRetain", { { 0, "cuDevicePrimaryCtxRetain" } }, NULL },
     { "cuDeviceTotalMem", { { 0, "cuDeviceTotalMem" }, { 3020, "cuDeviceTotalMem_v2" } }, NULL },
+    { "cuEventQuery", { { 0, "cuEventQuery" } }, NULL },
     { "cuEventSynchronize", { { 0, "cuEventSynchronize" } }, NULL },
     { "cuGetProcAddress", { { 0, "cuGetProcAddress" }, { 12000, "cuGetProcAddress_v2" } }, NULL },
     { "cuGraphExecDestroy", { { 0, "cuGraphExecDestroy" } }, NULL },
@@ -158,6 +159,7 @@ static const variant variants[] = {
     { "cuMemUnmap", { { 0, "cuMemUnmap" } }, NULL },
     { "cuMipmappedArrayCreate", { { 0, "cuMipmappedArrayCreate" } }, NULL },
     { "cuMipmappedArrayDestroy", { { 0, "cuMipmappedArrayDestroy" } }, NULL },
+    { "cuStreamQuery", { { 0, "cuStreamQuery" } }, "cuStreamQuery_ptsz" },
     { "cuStreamSynchronize", { { 0, "cuStreamSynchronize" } }, "cuStreamSynchronize_ptsz" },
 };
 

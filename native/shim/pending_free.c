@@ -7,10 +7,12 @@
  * past its quota while the old block still existed.  So an event is
  * recorded behind the free, and the charge is released by the first hook to
  * see that event complete: an allocation (gv_charge_begin), cuMemGetInfo or
- * cuDeviceTotalMem, a reading of untracked memory, and the synchronisations
+ * cuDeviceTotalMem, a reading of untracked memory, the synchronisations
  * that prove it (cuStreamSynchronize, cuCtxSynchronize, cuEventSynchronize,
- * hooked here for that, and to settle the memory pools they may shrink):
- * never later than the synchronisation that shows the stream got there.  (The driver has no host callback the
+ * hooked here for that, and to settle the memory pools they may shrink),
+ * and the queries that answer CUDA_SUCCESS (cuStreamQuery, cuEventQuery,
+ * hooked here for that alone): never later than the synchronisation or
+ * query that shows the stream got there.  (The driver has no host callback the
  * interposer could use without a thread of its own.)  Until then the free
  * is in flight (charge.c): NVML may show the block or not, so no reading of
  * untracked memory is taken meanwhile.
@@ -259,11 +261,44 @@ GV_EXPORT CUresult cuEventSynchronize(CUevent e)
     return rc;
 }
 
+/* ---- queries: an answer of CUDA_SUCCESS proves it as well ----------- */
+
+/* The stream (or the work before the event) is done, so are the frees
+ * queued in it: released now, not at the next allocation.  Nothing else is
+ * done here (the driver gives pool memory back only at synchronisations);
+ * with no free pending, one atomic load. */
+GV_EXPORT CUresult cuStreamQuery(CUstream s)
+{
+    CUresult rc = GV_REAL(cuStreamQuery, stream_fn)(s);
+    if (rc == CUDA_SUCCESS)
+        gv_pending_frees_reap();
+    return rc;
+}
+
+GV_EXPORT CUresult cuStreamQuery_ptsz(CUstream s)
+{
+    CUresult rc = GV_REAL(cuStreamQuery_ptsz, stream_fn)(s);
+    if (rc == CUDA_SUCCESS)
+        gv_pending_frees_reap();
+    return rc;
+}
+
+GV_EXPORT CUresult cuEventQuery(CUevent e)
+{
+    CUresult rc = GV_REAL(cuEventQuery, ev_fn)(e);
+    if (rc == CUDA_SUCCESS)
+        gv_pending_frees_reap();
+    return rc;
+}
+
 const gv_hook gv_hooks_sync[] = {
     { "cuStreamSynchronize", (void *)cuStreamSynchronize },
     { "cuStreamSynchronize_ptsz", (void *)cuStreamSynchronize_ptsz },
     { "cuCtxSynchronize", (void *)cuCtxSynchronize },
     { "cuCtxSynchronize_v2", (void *)cuCtxSynchronize_v2 },
     { "cuEventSynchronize", (void *)cuEventSynchronize },
+    { "cuStreamQuery", (void *)cuStreamQuery },
+    { "cuStreamQuery_ptsz", (void *)cuStreamQuery_ptsz },
+    { "cuEventQuery", (void *)cuEventQuery },
     { NULL, NULL }
 };

@@ -60,7 +60,7 @@
     X(cuEventQuery) X(cuEventElapsedTime) X(cuEventElapsedTime_v2) \
     X(cuStreamIsCapturing) X(cuStreamIsCapturing_ptsz) \
     X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz) X(cuCtxSynchronize) \
-    X(cuCtxSynchronize_v2) X(cuEventSynchronize)
+    X(cuCtxSynchronize_v2) X(cuEventSynchronize) X(cuStreamQuery) X(cuStreamQuery_ptsz)
 
 /* Real NVML entry points the library calls. */
 #define GV_NVML_SYMS(X) \

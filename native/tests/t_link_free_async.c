@@ -15,16 +15,31 @@
  *     poll     nothing: 1.2 s later the allocation itself sees it
  *     destroy  the stream's context (not current) is destroyed, block and
  *              all
+ *   or polls a query every 10 ms until it answers CUDA_SUCCESS (no
+ *   synchronisation at all):
+ *     query          cuStreamQuery(stream)
+ *     ptszquery      cuStreamQuery_ptsz(NULL), the free as in ptsz
+ *     evquery        cuEventQuery on an event recorded after the free
+ *     procaddr       cuStreamQuery from cuGetProcAddress_v2
+ *     procaddr_ptsz  the same with CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_
+ *                    STREAM (cuStreamQuery_ptsz), the free as in ptsz
+ *     dlsym          cuEventQuery from dlsym on a dlopen'ed libcuda.so.1
+ *   and then another process of the container ("take": this program again)
+ *   allocates 512 MiB, which fits only once the block's charge is back.
  *
  * Prints "pending=<CUresult> during=<MiB> synced=<MiB> after=<CUresult>":
  * during and synced are the container's usage (gv_device_get_used, which
- * releases nothing itself) while pending and just after argv[1].
+ * releases nothing itself) while pending and just after argv[1]; the query
+ * modes add "polls=<queries made>" and the other process prints
+ * "take=<CUresult>".
  * Two more modes, "many" and "threads", are described at their functions.
  */
 #include <dlfcn.h>
 #include <pthread.h>
+#include <spawn.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/wait.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -39,6 +54,9 @@ CUresult cuStreamSynchronize_ptsz(CUstream);
 CUresult cuEventCreate(CUevent *, unsigned int);
 CUresult cuEventRecord(CUevent, CUstream);
 CUresult cuEventSynchronize(CUevent);
+CUresult cuEventQuery(CUevent);
+CUresult cuStreamQuery(CUstream);
+CUresult cuStreamQuery_ptsz(CUstream);
 CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
 CUresult cuMemFreeAsync_ptsz(CUdeviceptr, CUstream);
 CUresult cuModuleLoadData(CUmodule *, const void *);
@@ -156,12 +174,108 @@ static int threads(CUcontext prim, CUfunction spin)
     return 0;
 }
 
+/* ---- query modes ------------------------------------------------------ */
+
+extern char **environ;
+
+/* "take": another process of the container allocates 512 MiB.  Prints
+ * "take=<CUresult>". */
+static int take(void)
+{
+    CUdevice d;
+    CUcontext c;
+    MUST(cuInit(0));
+    MUST(cuDeviceGet(&d, 0));
+    MUST(cuDevicePrimaryCtxRetain(&c, d));
+    MUST(cuCtxSetCurrent(c));
+    CUdeviceptr p;
+    CUresult rc = cuMemAlloc_v2(&p, 512 * MiB);
+    if (rc == CUDA_SUCCESS)
+        cuMemFree_v2(p);
+    printf("take=%d\n", (int)rc);
+    return 0;
+}
+
+/* Run "take" in a new process (this program again, same environment). */
+static int spawn_take(void)
+{
+    char self[4096];
+    ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
+    if (n <= 0)
+        return 3;
+    self[n] = 0;
+    char *args[] = { self, "take", NULL };
+    fflush(stdout);
+    pid_t pid;
+    if (posix_spawn(&pid, self, NULL, NULL, args, environ) != 0)
+        return 3;
+    int st;
+    if (waitpid(pid, &st, 0) != pid || !WIFEXITED(st) || WEXITSTATUS(st) != 0)
+        return 3;
+    return 0;
+}
+
+typedef CUresult (*stream_query_fn)(CUstream);
+typedef CUresult (*event_query_fn)(CUevent);
+
+/* Poll mode's query (of stream, or of the event later) every 10 ms until it
+ * answers CUDA_SUCCESS; the number of queries, or -1 on another answer or
+ * a query that cannot be found. */
+static int poll_query(const char *mode, CUstream stream, CUevent later)
+{
+    stream_query_fn sq = NULL;
+    event_query_fn eq = NULL;
+    void *fn = NULL;
+    CUdriverProcAddressQueryResult st;
+    if (!strcmp(mode, "query")) {
+        sq = cuStreamQuery;
+    } else if (!strcmp(mode, "ptszquery")) {
+        sq = cuStreamQuery_ptsz;
+    } else if (!strcmp(mode, "evquery")) {
+        eq = cuEventQuery;
+    } else if (!strcmp(mode, "procaddr") || !strcmp(mode, "procaddr_ptsz")) {
+        cuuint64_t flags = strcmp(mode, "procaddr") ? CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM
+                                                    : CU_GET_PROC_ADDRESS_DEFAULT;
+        if (cuGetProcAddress_v2("cuStreamQuery", &fn, 12000, flags, &st) != CUDA_SUCCESS)
+            return -1;
+        sq = (stream_query_fn)fn;
+    } else if (!strcmp(mode, "dlsym")) {
+        void *drv = dlopen("libcuda.so.1", RTLD_NOW);
+        if (!drv || !(fn = dlsym(drv, "cuEventQuery")))
+            return -1;
+        eq = (event_query_fn)fn;
+    }
+    if (!sq && !eq)
+        return -1;
+    for (int polls = 1;; polls++) {
+        CUresult rc = sq ? sq(stream) : eq(later);
+        if (rc == CUDA_SUCCESS)
+            return polls;
+        if (rc != CUDA_ERROR_NOT_READY)
+            return -1;
+        usleep(10 * 1000);
+    }
+}
+
+static int is_query_mode(const char *mode)
+{
+    static const char *const modes[] = { "query", "ptszquery", "evquery", "procaddr",
+                                         "procaddr_ptsz", "dlsym" };
+    for (size_t i = 0; i < sizeof modes / sizeof *modes; i++)
+        if (!strcmp(mode, modes[i]))
+            return 1;
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 2)
         return 2;
     const char *mode = argv[1];
-    int ptsz = !strcmp(mode, "ptsz");
+    if (!strcmp(mode, "take"))
+        return take();
+    int ptsz = !strcmp(mode, "ptsz") || !strcmp(mode, "ptszquery") ||
+               !strcmp(mode, "procaddr_ptsz");
     CUdevice d;
     CUcontext prim, other = NULL;
     MUST(cuInit(0));
@@ -193,7 +307,7 @@ int main(int argc, char **argv)
         MUST(cuMemFreeAsync(block, s));
     }
     CUevent later = NULL;
-    if (!strcmp(mode, "event")) {
+    if (!strcmp(mode, "event") || !strcmp(mode, "evquery") || !strcmp(mode, "dlsym")) {
         MUST(cuEventCreate(&later, 0));
         MUST(cuEventRecord(later, s));
     }
@@ -206,6 +320,18 @@ int main(int argc, char **argv)
     if (pending == CUDA_SUCCESS)
         cuMemFree_v2(q);
     uint64_t during = used_mib();
+    if (is_query_mode(mode)) {
+        int polls = poll_query(mode, s, later);
+        if (polls < 0)
+            return 3;
+        uint64_t synced = used_mib();
+        if (spawn_take())
+            return 3;
+        CUresult after = cuMemAlloc_v2(&q, 512 * MiB);
+        printf("pending=%d during=%llu synced=%llu after=%d polls=%d\n", (int)pending,
+               (unsigned long long)during, (unsigned long long)synced, (int)after, polls);
+        return 0;
+    }
     if (!strcmp(mode, "sync"))
         MUST(cuStreamSynchronize(s));
     else if (ptsz)

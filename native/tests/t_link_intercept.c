@@ -59,6 +59,8 @@ static void dlsym_path(void)
     CHECK(hook && seen == hook, "dlsym(libcuda, cuMemAlloc_v2) = %p, hook %p", seen, hook);
     CHECK(dlsym(drv, "cuLaunchKernel") == ours("cuLaunchKernel"), "dlsym(cuLaunchKernel) not hooked");
     CHECK(dlsym(drv, "cuGraphLaunch_ptsz") == ours("cuGraphLaunch_ptsz"), "dlsym(cuGraphLaunch_ptsz) not hooked");
+    CHECK(dlsym(drv, "cuStreamQuery_ptsz") == ours("cuStreamQuery_ptsz"), "dlsym(cuStreamQuery_ptsz) not hooked");
+    CHECK(lives_in(dlsym(drv, "cuEventQuery"), "libgpuvisor"), "dlsym(cuEventQuery) not hooked");
     CHECK(lives_in(seen, "libgpuvisor"), "dlsym answer is not the interposer's");
     void *nv = dlopen("libnvidia-ml.so.1", RTLD_NOW);
     CHECK(nv != NULL, "dlopen libnvidia-ml: %s", dlerror());
@@ -128,6 +130,10 @@ static void procaddr_path(void)
         { "cuLaunchCooperativeKernel", 9000, 0, "cuLaunchCooperativeKernel" },
         { "cuGraphLaunch", 10000, 0, "cuGraphLaunch" },
         { "cuGraphLaunch", 10000, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, "cuGraphLaunch_ptsz" },
+        { "cuStreamQuery", 2000, 0, "cuStreamQuery" },
+        { "cuStreamQuery", 12000, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, "cuStreamQuery_ptsz" },
+        { "cuEventQuery", 12000, 0, "cuEventQuery" },
+        { "cuEventQuery", 12000, CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM, "cuEventQuery" },
     };
     for (size_t i = 0; i < sizeof cases / sizeof *cases; i++) {
         void *fn = gpa(cases[i].base, cases[i].version, cases[i].flags, &rc, &st);
