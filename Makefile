@@ -83,7 +83,8 @@ asan:
 	  EXTRA_LDFLAGS="-fsanitize=address,undefined"
 tsan:
 	$(MAKE) $(patsubst $(BUILD)/%,build-tsan/%,$(filter $(BUILD)/tests/t_region_%,$(CTESTS)) \
-	  $(LIB) $(SIMCUDA) $(SIMNVML) $(BUILD)/tests/t_link_free_async) BUILD=build-tsan OPT="-O1 -g" \
+	  $(LIB) $(SIMCUDA) $(SIMNVML) $(BUILD)/tests/t_link_free_async \
+	  $(BUILD)/tests/t_link_pool_sync_race) BUILD=build-tsan OPT="-O1 -g" \
 	  EXTRA_CFLAGS="-fsanitize=thread" EXTRA_LDFLAGS="-fsanitize=thread"
 
 # --- Python side -------------------------------------------------------

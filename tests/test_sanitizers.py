@@ -295,6 +295,11 @@ def test_stream_ordered_frees_pending_under_asan(asan_env: dict[str, str]) -> No
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert proc.stdout.startswith("pending=2 "), proc.stdout
         assert proc.stdout.strip().endswith("after=0"), proc.stdout
+    for mode in ("evquery", "procaddr_ptsz"):  # released by a query, then another process
+        proc = run([prog, mode], asan_env)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "take=0" in proc.stdout, proc.stdout
+        assert "pending=2 during=800 synced=32 after=0 " in proc.stdout, proc.stdout
     proc = run([prog, "many"], asan_env)
     assert proc.stdout.strip() == "many blocked=1 used=32", proc.stdout + proc.stderr
     proc = run([prog, "threads"], asan_env)
@@ -314,6 +319,18 @@ def test_frees_in_flight_under_asan(asan_env: dict[str, str]) -> None:
         proc = run([str(ASAN_DIR / "tests" / "t_link_free_race"), mode], env)
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "during=1344 after=1344" in proc.stdout, proc.stdout
+
+
+def test_pool_shrunk_by_a_synchronisation_under_asan(asan_env: dict[str, str]) -> None:
+    """A synchronisation shrinks a pool while another thread's allocations
+    read untracked memory (tests/test_race_kill.py has what it shows)."""
+    env = dict(asan_env, CUDA_DEVICE_MEMORY_LIMIT="4g", GPUVISOR_SIM_FREE_MS="1200")
+    proc = run([str(ASAN_DIR / "tests" / "t_link_pool_sync_race"), "event"], env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = {k: int(v) for k, v in (item.split("=", 1) for item in proc.stdout.split())}
+    assert out["synced_a"] == 1056, proc.stdout
+    assert out["synced"] == out["after"] == 1056 + 2 * out["n"], proc.stdout
+    assert out["low"] == 0, proc.stdout
 
 
 def test_stream_ordered_frees_pending_under_tsan(node: SimNode) -> None:
@@ -337,3 +354,23 @@ def test_stream_ordered_frees_pending_under_tsan(node: SimNode) -> None:
     proc = run([str(prog), "destroy"], env)      # held, then released with the context
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip() == "pending=2 during=832 synced=32 after=0", proc.stdout
+
+
+def test_pool_shrunk_by_a_synchronisation_under_tsan(node: SimNode) -> None:
+    """A pool settled by a synchronisation and by another thread's readings
+    of untracked memory at once, under ThreadSanitizer."""
+    tsan = REPO_ROOT / "build-tsan"
+    prog = tsan / "tests" / "t_link_pool_sync_race"
+    if not (tsan / "libgpuvisor.so").is_file() or not prog.is_file():
+        pytest.skip("build-tsan/ missing: run `make tsan` (make test does)")
+    env = dict(
+        node.env,
+        LD_LIBRARY_PATH=str(tsan / "sim"),
+        LD_PRELOAD=str(tsan / "libgpuvisor.so"),
+        TSAN_OPTIONS="exitcode=66:halt_on_error=1",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+        GPUVISOR_SIM_FREE_MS="1200",
+    )
+    proc = run([str(prog), "ctx"], env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert " low=0" in proc.stdout, proc.stdout
