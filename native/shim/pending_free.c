@@ -12,8 +12,8 @@
  * hooked here for that, and to settle the memory pools they may shrink),
  * and the queries that answer CUDA_SUCCESS (cuStreamQuery, cuEventQuery,
  * hooked here for that alone): never later than the synchronisation or
- * query that shows the stream got there.  (The driver has no host callback the
- * interposer could use without a thread of its own.)  Until then the free
+ * query that shows the stream got there.  (The driver has no host callback
+ * the interposer could use without a thread of its own.)  Until then the free
  * is in flight (charge.c): NVML may show the block or not, so no reading of
  * untracked memory is taken meanwhile.
  *

@@ -26,7 +26,8 @@
  * NVML was read (a synchronisation gave pool memory back and the charge
  * has not followed yet: the pools are settled before each reading, and the
  * synchronisation hooks settle them after the driver call); differences
- * under 2 MiB are ignored.  Nothing happens where NVML does not list this process.
+ * under 2 MiB are ignored.  Nothing happens where NVML does not list this
+ * process.
  */
 #include <pthread.h>
 #include <stdatomic.h>
