@@ -351,7 +351,7 @@ def test_stream_ordered_frees_pending_under_tsan(node: SimNode) -> None:
     proc = run([str(prog), "threads"], env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip() == "threads failed=0 used=32", proc.stdout + proc.stderr
-    proc = run([str(prog), "destroy"], env)      # held, then released with the context
+    proc = run([str(prog), "destroy"], env)  # held, then released with the context
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip() == "pending=2 during=832 synced=32 after=0", proc.stdout
 
