@@ -17,8 +17,8 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from gpuvisor.shim.capi import GpuvisorError, lib
-from gpuvisor.shim.limits import validate_environment
+from gpuvisor.shim.capi import UNLIMITED, GpuvisorError, lib
+from gpuvisor.shim.limits import parse_memory_limit, validate_environment
 from gpuvisor.shim.loader import preload_env
 from gpuvisor.shim.region import default_region_path
 
@@ -70,6 +70,56 @@ class RunOptions:
     grace: float | None = None
 
 
+_PER_DEVICE = {
+    kind: re.compile(rf"{name}_[0-9]+") for kind, name in (("memory", ENV_MEMORY), ("sm", ENV_SM))
+}
+
+
+@dataclass(frozen=True)
+class EnvLimits:
+    """The limits the container's environment gives its devices, as the
+    library reads it (limits_memory_for_ordinal, limits_sm_for_ordinal),
+    where the supervisor can tell: what it puts back when an administrator
+    clears a limit of theirs (an ack's `restore`).
+
+    Per-device variables (CUDA_DEVICE_MEMORY_LIMIT_<n>) name CUDA ordinals,
+    which the region does not record: with one of a kind set, that kind's
+    limit is unknown here (None in memory_text/sm_known False), and the
+    tuner falls back on the region's value before it first applied an
+    administrator's limit."""
+
+    memory_text: str | None = None  # CUDA_DEVICE_MEMORY_LIMIT ("" : no limit)
+    sm: int | None = None  # percent; None: no limit
+    sm_known: bool = True
+
+    def memory(self, physical_total: int) -> tuple[bool, int | None]:
+        """(known, bytes or None for no limit) on a device of physical_total bytes."""
+        if self.memory_text is None:
+            return False, None
+        if not self.memory_text:
+            return True, None
+        try:
+            value = parse_memory_limit(self.memory_text, physical_total)
+        except GpuvisorError:  # a percentage of a size not known yet
+            return False, None
+        return True, None if value == UNLIMITED else value
+
+
+def env_limits(env: Mapping[str, str]) -> EnvLimits:
+    """The EnvLimits of a workload's environment (already validated)."""
+
+    def per_device(kind: str) -> bool:
+        return any(_PER_DEVICE[kind].fullmatch(k) and v for k, v in env.items())
+
+    memory = None if per_device("memory") else (_env(env, ENV_MEMORY) or "")
+    if env.get(ENV_HAMI_POLICY, "").strip().lower() == "disable":
+        return EnvLimits(memory, None, True)  # the library configures no SM limit
+    if per_device("sm"):
+        return EnvLimits(memory, None, False)
+    sm = int((_env(env, ENV_SM) or "0").strip())
+    return EnvLimits(memory, sm or None, True)
+
+
 @dataclass(frozen=True)
 class RunConfig:
     command: list[str]
@@ -81,6 +131,7 @@ class RunConfig:
     policy: str  # effective policy, as reported
     priority: int
     simulate: bool
+    limits: EnvLimits = EnvLimits()  # the environment's limits (restored on `restore`)
 
 
 def one_line(text: str) -> str:
@@ -232,4 +283,5 @@ def build(options: RunOptions, command: list[str], base_env: Mapping[str, str]) 
         policy=effective_policy(env),
         priority=priority,
         simulate=options.simulate,
+        limits=env_limits(env),
     )

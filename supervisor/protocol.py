@@ -101,6 +101,14 @@ class Instructions:
     # uuid -> percent of the device the OTHER containers used recently (the
     # node-wide view that burst-share and best-effort lend from)
     others_share: dict[str, float] = field(default_factory=dict)
+    # uuid -> the kinds ("memory", "sm") an administrator cleared there
+    # (set-limit "env"): the container's own limit of that kind is put back
+    restore: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+# What `restore` names, and set-limit's value that asks for it.
+LIMIT_KINDS = ("memory", "sm")
+OWN_LIMIT = "env"
 
 
 def encode(obj: dict[str, Any]) -> bytes:
@@ -130,6 +138,8 @@ def ack_message(seq: int, instructions: Instructions | None = None) -> dict[str,
         for uuid, sm in instructions.sm_limits.items():
             limits.setdefault(uuid, {})["sm"] = sm
         msg["limits"] = limits
+        if instructions.restore:
+            msg["restore"] = {u: list(kinds) for u, kinds in instructions.restore.items()}
         if instructions.others_share:
             msg["others"] = {u: round(v, 2) for u, v in instructions.others_share.items()}
     return msg
@@ -336,9 +346,32 @@ def parse_ack(obj: dict[str, Any]) -> Instructions:
     others = obj.get("others", {})
     if not isinstance(others, dict):
         raise ProtocolError("others: expected an object")
+    restore = _restore(obj.get("restore", {}))
+    for uuid, kinds in restore.items():
+        for kind in kinds:
+            if uuid in (mem if kind == "memory" else sm):
+                raise ProtocolError(f"restore.{uuid}={list(kinds)!r}: {kind} is in limits too")
     return Instructions(
         yield_devices={str(k): _bool(v, f"yield.{k}") for k, v in y.items()},
         memory_limits=mem,
         sm_limits=sm,
         others_share={str(k): _num(v, f"others.{k}", 0.0, 100.0) for k, v in others.items()},
+        restore=restore,
     )
+
+
+def _restore(value: Any) -> dict[str, tuple[str, ...]]:
+    """An ack's `restore`: uuid -> a list of limit kinds.  A kind this
+    supervisor does not know is skipped (a later agent may add some); a
+    kind that is also in `limits` for the device is refused, as the agent
+    never sends both."""
+    if not isinstance(value, dict):
+        raise ProtocolError(f"restore={value!r}: expected an object")
+    out: dict[str, tuple[str, ...]] = {}
+    for uuid, kinds in value.items():
+        if not isinstance(kinds, list) or not all(isinstance(k, str) for k in kinds):
+            raise ProtocolError(f"restore.{uuid}={kinds!r}: expected a list of limit kinds")
+        known = tuple(k for k in LIMIT_KINDS if k in kinds)
+        if known:
+            out[str(uuid)] = known
+    return out

@@ -160,6 +160,7 @@ def supervise(cfg: RunConfig) -> int:
             pid,
             nvml_loader=lambda: _nvml_loader(cfg),
             ack_timeout=agent_ack_timeout(cfg.report_interval),
+            env_limits=cfg.limits,
         )
         tuner.start()
         reporter = Reporter(

@@ -7,7 +7,9 @@ state and counters) and applies what the latest ack asked for:
 `sm_limits` -> Region.set_sm_limit, all live.  Instructions name devices by
 UUID; one for a device the region does not list yet (the workload has not
 used it) waits until the device appears.  In an ack's limits, a missing
-key leaves that limit as it is and null means "no limit" (protocol.py).
+key leaves that limit as it is and null means "no limit" (protocol.py);
+a kind in `restore` (an administrator cleared their limit) is no longer
+applied as pushed: the container's own limit is set instead (_own_limit).
 Yield flags and the others' share are the agent's live view: they hold
 only while the agent answers.  When no ack has come for ack_timeout
 seconds (agent_ack_timeout: 3 report intervals, at least 2 s), or at once
@@ -42,6 +44,7 @@ import psutil
 from gpuvisor.shim.capi import GpuvisorError
 from gpuvisor.shim.region import DeviceUsage, Region, SmState
 
+from .config import EnvLimits
 from .protocol import MAX_PIDS, Instructions
 
 log = logging.getLogger("gpuvisor.run")
@@ -153,8 +156,12 @@ class Tuner:
         tick: float = TICK_S,
         nvml_loader: Callable[[], Nvml | None] | None = None,
         ack_timeout: float | None = None,
+        env_limits: EnvLimits | None = None,
     ) -> None:
         self.region = region
+        # The container's own limits, put back when the agent says an
+        # administrator cleared theirs (None: not known, see _own_limit).
+        self.env_limits = env_limits or EnvLimits(memory_text=None, sm_known=False)
         self.root_pid = root_pid
         self.nvml = nvml
         self._nvml_loader = nvml_loader  # called in the thread: NVML may be slow to start
@@ -169,6 +176,13 @@ class Tuner:
         self._want_mem: dict[str, int | None] = {}  # None: no limit
         self._want_sm: dict[str, int | None] = {}
         self._want_others: dict[str, float] = {}
+        # (kind, uuid) whose administrator's limit was cleared: the
+        # container's own limit is set instead (an ack's `restore`)
+        self._restore: set[tuple[str, str]] = set()
+        # (kind, uuid) -> the region's limit before this supervisor first
+        # applied a pushed one there: the container's own, where the
+        # environment does not tell (per-device variables)
+        self._own_seen: dict[tuple[str, str], int | None] = {}
         self._applied: dict[tuple[str, str], object] = {}
         self._sample = Sample(ts=time.monotonic())
         self._pids: list[int] = [root_pid]
@@ -185,6 +199,15 @@ class Tuner:
         """Instructions of the latest ack; applied on the next tick."""
         with self._lock:
             self._last_ack = time.monotonic()
+            for uuid, kinds in instructions.restore.items():
+                for kind in kinds:
+                    (self._want_mem if kind == "memory" else self._want_sm).pop(uuid, None)
+                    self._restore.add((kind, uuid))
+            for kind, pushed in (
+                ("memory", instructions.memory_limits),
+                ("sm", instructions.sm_limits),
+            ):
+                self._restore.difference_update((kind, uuid) for uuid in pushed)
             self._want_yield.update(instructions.yield_devices)
             self._want_mem.update(instructions.memory_limits)
             self._want_sm.update(instructions.sm_limits)
@@ -271,6 +294,7 @@ class Tuner:
                 ("sm", dict(self._want_sm)),
             ]
             others = dict(self._want_others)
+            restore = set(self._restore)
         # The agent's view of the other containers, written again at every
         # tick while the agent answers (it is dropped with the agent's view):
         # the shim's burst-share/best-effort lending uses it only while its
@@ -286,23 +310,32 @@ class Tuner:
                     self._log_once(f"passing on the others' share on {d.uuid} failed", exc)
         for d in devices:
             for kind, want in wants:
-                if d.uuid not in want:
+                if (kind, d.uuid) in restore:
+                    value = self._own_limit(kind, d)
+                elif d.uuid not in want:
                     continue
-                value = want[d.uuid]
+                else:
+                    value = want[d.uuid]
                 try:
                     # Limits are compared with the region, not with what was
                     # last set: the agent repeats a pushed limit until the
                     # reports show it, so one the region lost (the entry's
                     # first CUDA use configures it from the environment, a
                     # process of the container sets its own) is set again.
-                    if kind == "memory":
-                        current: object = d.limit
-                    elif kind == "sm":
-                        current = self.region.sm(d.index).limit
-                        value = value or None  # 0: no limit, as the region reads it
-                    else:
+                    current: object
+                    if kind == "yield":
                         # A yield is a lease, renewed at every tick while wanted.
                         current = _UNSET if value else self._applied.get((kind, d.uuid), _UNSET)
+                    else:
+                        limit = d.limit if kind == "memory" else self.region.sm(d.index).limit
+                        if kind == "sm":
+                            value = value or None  # 0: no limit, as the region reads it
+                        if limit == value:
+                            continue
+                        # The container's own limit: the region's before the
+                        # first pushed one (put back on `restore`).
+                        self._own_seen.setdefault((kind, d.uuid), limit)
+                        current = limit
                     if current == value:
                         continue
                     if kind == "yield":
@@ -316,6 +349,22 @@ class Tuner:
                 except GpuvisorError as exc:
                     self._log_once(f"setting {kind} on {d.uuid} to {value} failed", exc)
                 self._applied[(kind, d.uuid)] = value
+
+    def _own_limit(self, kind: str, d: DeviceUsage) -> int | None:
+        """The container's own limit of kind on device d (None: no limit):
+        what its environment gives (EnvLimits), else the region's value
+        before this supervisor first applied a pushed limit there, else
+        the region's value now (a device it never changed keeps its own)."""
+        if kind == "memory":
+            known, value = self.env_limits.memory(d.physical_total)
+        else:
+            known, value = self.env_limits.sm_known, self.env_limits.sm
+        if known:
+            return value
+        if (kind, d.uuid) in self._own_seen:
+            return self._own_seen[(kind, d.uuid)]
+        now: int | None = d.limit if kind == "memory" else self.region.sm(d.index).limit
+        return now
 
     def tick(self) -> Sample:
         """One round: read the region, apply instructions, publish a sample."""

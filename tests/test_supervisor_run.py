@@ -913,3 +913,60 @@ def test_sm_share_is_measured_over_the_samples_own_interval():
         now[0] = t
         shares += [d.sm_share for d in rep.build(sample).devices]
     assert shares == [50.0] * 5, shares
+
+
+@pytest.mark.parametrize("per_device", [False, True], ids=["env", "per-device"])
+def test_a_restore_puts_the_containers_own_limits_back(env, agent, node, per_device):
+    """An ack's `restore` (an administrator cleared their limit): the
+    supervisor stops applying the limit it was pushed for that kind and
+    puts the container's own back, and keeps it there: its environment's
+    (CUDA_DEVICE_MEMORY_LIMIT, CUDA_DEVICE_SM_LIMIT), or, with per-device
+    variables (they name CUDA ordinals, which the region does not record),
+    the region's value before the first pushed limit."""
+    env["GPUVISOR_NODE_SOCKET"] = str(agent.path)
+    suffix = "_0" if per_device else ""
+    env["CUDA_DEVICE_MEMORY_LIMIT" + suffix] = "2g"
+    env["CUDA_DEVICE_SM_LIMIT" + suffix] = "50"
+    stop = node.dir / "stop"
+    sup = start_launcher(env, stop, "--report-interval", "0.1")
+
+    def shows(memory: int, sm: int):
+        return lambda r: any(d.memory_limit == memory and d.sm_limit == sm for d in r.devices)
+
+    def then(instructions: Instructions, pred) -> int:
+        """Ack with instructions from now on; wait for a later report
+        matching pred; the number of reports before it."""
+        with agent.lock:
+            agent.instructions = instructions
+            seen = len(agent.reports)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            with agent.lock:
+                if any(pred(r) for r in agent.reports[seen:]):
+                    return seen
+            time.sleep(0.05)
+        raise AssertionError(f"no matching report; got {agent.reports[-3:]}")
+
+    try:
+        assert sup.stdout is not None
+        assert sup.stdout.readline() == "launching\n"
+        uuid = agent.wait_for(shows(2 * GiB, 50)).devices[0].uuid
+        then(Instructions(memory_limits={uuid: GiB}, sm_limits={uuid: 20}), shows(GiB, 20))
+        restore = Instructions(restore={uuid: ("memory", "sm")})
+        then(restore, shows(2 * GiB, 50))
+        state = read_sm(node)
+        assert state["limit"] == 50
+        assert state["mem_limit"] == 2 * GiB
+        # It stays: the limits pushed before are not applied again.
+        with agent.lock:
+            base = agent.reports[-1].seq
+        seen = then(restore, lambda r: r.seq >= base + 5)
+        with agent.lock:
+            assert all(shows(2 * GiB, 50)(r) for r in agent.reports[seen:])
+        stop.touch()
+        sup.communicate(timeout=30)
+        assert sup.returncode == 0
+    finally:
+        if sup.poll() is None:
+            sup.kill()
+            sup.communicate()
