@@ -58,6 +58,7 @@ from .agent_state import (
 from .identity import PeerCred, claim_matches, is_admin, peer_cgroups, peer_cred
 from .protocol import (
     MAX_MESSAGE_BYTES,
+    OWN_LIMIT,
     ContainerId,
     ProtocolError,
     ack_message,
@@ -91,11 +92,13 @@ def _classify(exc: ProtocolError) -> str:
 
 
 def _opt_limit(msg: dict[str, Any], name: str, lo: int, hi: int) -> None:
-    if name not in msg or msg[name] is None:
+    if name not in msg or msg[name] is None or msg[name] == OWN_LIMIT:
         return
     v = msg[name]
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise ProtocolError(f"{name}={v!r}: expected null or an integer in [{lo}, {hi}]")
+        raise ProtocolError(
+            f"{name}={v!r}: expected null, {OWN_LIMIT!r} or an integer in [{lo}, {hi}]"
+        )
 
 
 class Connection(asyncio.Protocol):

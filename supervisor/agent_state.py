@@ -14,7 +14,17 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .identity import PeerCred
-from .protocol import MAX_DEVICES, ContainerId, DeviceReport, Instructions, Report
+from .protocol import (
+    LIMIT_KINDS,
+    MAX_DEVICES,
+    OWN_LIMIT,
+    ContainerId,
+    DeviceReport,
+    Instructions,
+    Report,
+)
+
+RestoreMap = dict[str, tuple[str, ...]]
 
 DEFAULT_SOCKET = "/run/gpuvisor/node.sock"
 SOCKET_ENV = "GPUVISOR_NODE_SOCKET"
@@ -132,27 +142,45 @@ class ContainerState:
 @dataclass
 class AdminLimits:
     """An administrator's limits for one container (set-limit), per device
-    uuid (None: no limit).  Kept while the agent knows the container."""
+    uuid (None: no limit), and the kinds the administrator cleared (set-limit
+    "env"): the container's own limit of that kind is to be put back.  Kept
+    while the agent knows the container."""
 
     memory: dict[str, int | None] = field(default_factory=dict)
     sm: dict[str, int | None] = field(default_factory=dict)
+    restore: dict[str, set[str]] = field(default_factory=dict)  # uuid -> kinds
 
     def devices(self) -> set[str]:
-        return self.memory.keys() | self.sm.keys()
+        return self.memory.keys() | self.sm.keys() | self.restore.keys()
 
     def unapplied(self, report: Report) -> AdminLimits:
         """The limits the report does not show applied: another value, or a
-        device it does not list (the workload has not used it yet)."""
+        device it does not list (the workload has not used it yet).  A
+        cleared kind is always due: only the supervisor knows the
+        container's own limit, and putting it back again changes nothing."""
         shown = {d.uuid: d for d in report.devices}
         return AdminLimits(
             memory={
                 u: v for u, v in self.memory.items() if u not in shown or shown[u].memory_limit != v
             },
             sm={u: v for u, v in self.sm.items() if u not in shown or shown[u].sm_limit != v},
+            restore={u: set(kinds) for u, kinds in self.restore.items()},
         )
 
-    def view(self) -> dict[str, dict[str, int | None]]:
-        return {"memory": dict(self.memory), "sm": dict(self.sm)}
+    def restore_map(self) -> RestoreMap:
+        """restore as an ack carries it: uuid -> kinds, in LIMIT_KINDS order."""
+        return {u: tuple(k for k in LIMIT_KINDS if k in kinds) for u, kinds in self.restore.items()}
+
+    def view(self) -> dict[str, dict[str, int | str | None]]:
+        """{"memory": {uuid: bytes, null or "env"}, "sm": {...}}: "env" for a
+        kind the administrator cleared."""
+        out: dict[str, dict[str, int | str | None]] = {"memory": {}, "sm": {}}
+        out["memory"].update(self.memory)
+        out["sm"].update(self.sm)
+        for uuid, kinds in self.restore.items():
+            for kind in kinds:
+                out[kind][uuid] = OWN_LIMIT
+        return out
 
 
 def _drop(table: dict[str, dict[str, float]], uuid: str, key: str) -> None:
@@ -286,6 +314,7 @@ class AgentState:
                 memory_limits=due.memory,
                 sm_limits=due.sm,
                 others_share=others,
+                restore=due.restore_map(),
             )
         if report.final:
             self.remove(key)
@@ -513,20 +542,31 @@ class AgentState:
     def set_limit(self, key: str, device: str, msg: dict[str, Any]) -> None:
         """Record an administrator's limit on one device of container `key`
         (set-limit); it replaces the admin's earlier one of that kind and
-        stays until the container goes.  ValueError: the container has
-        admin limits on MAX_DEVICES other devices already."""
+        stays until the container goes.  A kind given as "env" clears the
+        admin's setting: the supervisor is asked to put the container's own
+        limit back (also when the admin set none: that changes nothing).
+        ValueError: the container has admin limits on MAX_DEVICES other
+        devices already."""
         admin = self.admin_limits.get(key) or AdminLimits()
         if device not in admin.devices() and len(admin.devices()) >= MAX_DEVICES:
             raise ValueError(
                 f"device={device!r}: the container has limits on {MAX_DEVICES} devices already"
             )
         self.admin_limits[key] = admin
-        if "memory" in msg:
-            memory = msg["memory"]
-            # Pushed as null: the report shows it so (applied).
-            admin.memory[device] = None if memory == UNLIMITED_BYTES else memory
-        if "sm" in msg:
-            admin.sm[device] = msg["sm"]
+        for kind, table in (("memory", admin.memory), ("sm", admin.sm)):
+            if kind not in msg:
+                continue
+            value = msg[kind]
+            restore = admin.restore.setdefault(device, set())
+            if value == OWN_LIMIT:
+                table.pop(device, None)
+                restore.add(kind)
+            else:
+                restore.discard(kind)
+                # Pushed as null: the report shows it so (applied).
+                table[device] = None if value == UNLIMITED_BYTES else value
+            if not restore:
+                del admin.restore[device]
         self.limit_pushes_total += 1
 
     # ---- views -------------------------------------------------------------

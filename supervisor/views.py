@@ -21,7 +21,7 @@ from .agent_state import (
     admin_socket_problem,
     default_socket,
 )
-from .protocol import UUID_FORM, is_uuid
+from .protocol import OWN_LIMIT, UUID_FORM, is_uuid
 
 ADMIN_SOCKET_HELP = (
     "The admin socket (set-limit), mode 0600 in a directory of mode 0700 that must not be "
@@ -278,7 +278,9 @@ def node_agent(
         raise click.ClickException(str(exc)) from exc
 
 
-def _limit_value(value: str | None, what: str) -> int | None:
+def _limit_value(value: str | None, what: str) -> int | str | None:
+    if value is not None and value.lower() == OWN_LIMIT:
+        return OWN_LIMIT
     if value is None or value.lower() in ("none", "unlimited", "0"):
         return None
     if what == "sm":
@@ -320,9 +322,21 @@ def _limit_value(value: str | None, what: str) -> int | None:
     "--device", required=True, help=f"Device UUID, as the container reports it ({UUID_FORM})."
 )
 @click.option(
-    "--memory", default=None, help="New memory limit (4g, 512m, bytes; 'none': no limit)."
+    "--memory",
+    default=None,
+    help=(
+        "New memory limit (4g, 512m, bytes; 'none': no limit; 'env': clear the "
+        "administrator's, back to the container's own)."
+    ),
 )
-@click.option("--cores", default=None, help="New SM limit in percent (1-100; 'none': no limit).")
+@click.option(
+    "--cores",
+    default=None,
+    help=(
+        "New SM limit in percent (1-100; 'none': no limit; 'env': clear the "
+        "administrator's, back to the container's own)."
+    ),
+)
 def set_limit(
     socket_path: str,
     admin_socket: str | None,
@@ -332,7 +346,9 @@ def set_limit(
     cores: str | None,
 ) -> None:
     """Set a container's limit on one device: the agent pushes it in the container's acks,
-    and again whenever its reports show another value, until the container leaves."""
+    and again whenever its reports show another value, until the container leaves.  'env'
+    takes the administrator's limit of that kind back: the container's own limit (its
+    environment's) is put back."""
     if memory is None and cores is None:
         raise click.UsageError("give --memory and/or --cores")
     msg: dict[str, Any] = {

@@ -22,7 +22,7 @@ from typing import Any
 import psutil
 import pytest
 from gpuvisor.supervisor.agent import send_admin
-from gpuvisor.supervisor.agent_state import AgentConfig, AgentState
+from gpuvisor.supervisor.agent_state import AgentConfig, AgentState, admin_socket_for
 from gpuvisor.supervisor.identity import (
     PeerCred,
     accepted_cgroups,
@@ -962,6 +962,64 @@ def test_an_admins_limit_outlives_a_supervisor_reconnect(sock_path):
         assert c.report(device(limit=8 * GiB), final=True)["type"] == "ack"
         assert c.report(device(limit=8 * GiB))["limits"] == {}
         assert agent.status()["containers"][0]["admin_limits"] is None
+        c.close()
+
+
+def test_set_limit_env_takes_an_admins_limit_back(sock_path):
+    """`--memory env` / `--cores env` clear an administrator's limit of
+    that kind: it is no longer pushed, and every ack asks the supervisor
+    (restore) to put the container's own limit back, while the agent knows
+    the container.  A new value replaces the clearing; clearing what was
+    never set is accepted (the container's own limit stays)."""
+    with AgentProc(sock_path) as agent:
+        c = Client(sock_path, pod="tenant", namespace="team")
+        c.report(device(limit=8 * GiB))
+        name = "team/tenant/main"
+        assert set_limit(sock_path, name, "--memory", "4g", "--cores", "30").returncode == 0
+        assert c.report(device(limit=4 * GiB, sm_limit=30))["limits"] == {}
+        proc = set_limit(sock_path, name, "--memory", "env")
+        assert proc.returncode == 0, proc.stderr
+        ack = c.report(device(limit=4 * GiB))
+        assert ack["limits"] == {GPU_A: {"sm": 30}}
+        assert ack["restore"] == {GPU_A: ["memory"]}
+        instr = parse_ack(ack)
+        assert instr.restore == {GPU_A: ("memory",)}
+        assert instr.memory_limits == {}
+        # Repeated: only the supervisor knows the container's own limit.
+        ack = c.report(device(limit=8 * GiB, sm_limit=30))
+        assert ack["limits"] == {}
+        assert ack["restore"] == {GPU_A: ["memory"]}
+        st = agent.status()["containers"][0]
+        assert st["admin_limits"] == {"memory": {GPU_A: "env"}, "sm": {GPU_A: 30}}
+        assert set_limit(sock_path, name, "--cores", "ENV").returncode == 0
+        assert c.report(device(limit=8 * GiB, sm_limit=30))["restore"] == {GPU_A: ["memory", "sm"]}
+        # A value again: pushed, and no longer restored.
+        assert set_limit(sock_path, name, "--memory", "2g").returncode == 0
+        ack = c.report(device(limit=8 * GiB, sm_limit=30))
+        assert ack["limits"] == {GPU_A: {"memory": 2 * GiB}}
+        assert ack["restore"] == {GPU_A: ["sm"]}
+        # Clearing what was never set (another device) is accepted.
+        proc = set_limit(sock_path, name, "--memory", "env", "--cores", "env")
+        assert proc.returncode == 0, proc.stderr
+        other = "GPU-bbbbbbbb-bbbb-bbbb-bbbb-bbbbbbbbbbbb"
+        reply = send_admin(
+            admin_socket_for(sock_path),
+            {"v": 1, "type": "set-limit", "container": name, "device": other, "sm": "env"},
+        )
+        assert reply["type"] == "ack", reply
+        ack = c.report(device(limit=2 * GiB))
+        assert ack["restore"] == {GPU_A: ["memory", "sm"], other: ["sm"]}
+        # Another word is an error naming the field and the value.
+        reply = send_admin(
+            admin_socket_for(sock_path),
+            {"v": 1, "type": "set-limit", "container": name, "device": other, "sm": "own"},
+        )
+        assert reply["type"] == "error"
+        assert reply["error"].startswith("sm='own': expected null, 'env' or an integer")
+        proc = set_limit(sock_path, name, "--memory", "envy")
+        assert proc.returncode == 2
+        assert "'--memory'" in proc.stderr
+        assert "envy" in proc.stderr
         c.close()
 
 

@@ -47,7 +47,14 @@ chk(cu.cuStreamSynchronize(s))
 
 
 def supervised(
-    node: SimNode, sock: str, region: Path, pod: str, memory: str, cores: str, mib: int
+    node: SimNode,
+    sock: str,
+    region: Path,
+    pod: str,
+    memory: str,
+    cores: str,
+    mib: int,
+    seconds: float = 4,
 ) -> subprocess.Popen[str]:
     env = dict(node.env, POD_NAME=pod, POD_NAMESPACE="e2e", CONTAINER_NAME="main")
     return subprocess.Popen(
@@ -69,7 +76,7 @@ def supervised(
             "-c",
             textwrap.dedent(WORKLOAD),
             str(mib),
-            "4",
+            str(seconds),
         ],
         env=env,
         stdout=subprocess.PIPE,
@@ -349,3 +356,58 @@ def test_an_admins_limit_is_applied_again_by_a_restarted_supervisor(
         finally:
             second.kill()
             second.communicate(timeout=30)
+
+
+def admin_set_limit(sock: str, container: str, uuid: str, *args: str) -> None:
+    proc = subprocess.run(
+        [
+            *CLI,
+            "node-agent",
+            "set-limit",
+            "--socket",
+            sock,
+            "--container",
+            container,
+            "--device",
+            uuid,
+            *args,
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=30,
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_an_admin_clears_a_limit_and_the_containers_own_comes_back(
+    node: SimNode,
+    sock_path: str,  # noqa: F811
+) -> None:
+    """`set-limit --memory env` takes an administrator's limit back: the
+    container's environment gave it 2 GiB, the admin's 1 GiB is applied,
+    then cleared, and the supervisor puts 2 GiB back in the region (it
+    would otherwise keep applying the 1 GiB it was pushed)."""
+
+    def limit(agent: AgentProc) -> list[float]:
+        return find(agent.metrics(), "gpuvisor_container_memory_limit_bytes", podname="pod-c")
+
+    with AgentProc(sock_path, env=node.env) as agent:
+        sup = supervised(node, sock_path, node.dir / "c.shr", "pod-c", "2g", "0", 64, 20)
+        try:
+            assert sup.stdout is not None
+            assert sup.stdout.readline().strip() == "allocated"
+            assert wait_for(lambda: limit(agent) == [2 * GiB], timeout=5.0), limit(agent)
+            uuid = agent.status()["containers"][0]["devices"][0]["uuid"]
+            admin_set_limit(sock_path, "e2e/pod-c/main", uuid, "--memory", "1g")
+            assert wait_for(lambda: limit(agent) == [GiB], timeout=5.0), limit(agent)
+            admin_set_limit(sock_path, "e2e/pod-c/main", uuid, "--memory", "env")
+            assert wait_for(lambda: limit(agent) == [2 * GiB], timeout=5.0), limit(agent)
+            st = agent.status()["containers"][0]
+            assert st["admin_limits"] == {"memory": {uuid: "env"}, "sm": {}}
+            # It stays so: nothing pushes the admin's 1 GiB any more.
+            time.sleep(1.5)
+            assert limit(agent) == [2 * GiB]
+        finally:
+            sup.terminate()  # forwarded to the workload
+            sup.communicate(timeout=30)
