@@ -370,7 +370,9 @@ class Connection(asyncio.Protocol):
             alive = False
         if alive:
             return False
-        self.state.remove(holder.id.key)
+        # A restarted container (a new cgroup): it takes its predecessor's
+        # administrator's limits too, when it is of the same pod.
+        self.state.remove(holder.id.key, park=time.monotonic())
         return True
 
     def _set_limit(self, msg: dict[str, Any], seq: int | None) -> bytes:

@@ -115,6 +115,9 @@ class AgentConfig:
     max_expire: float = 300.0  # cap on 3 x a container's report interval
     # Bad messages in a row after which a connection is closed (0: never)
     max_errors: int = 10
+    # Seconds an administrator's limits outlive a container that left, for
+    # the container that replaces it in the same pod (0: forgotten at once)
+    limit_grace: float = 300.0
 
     @property
     def admin_socket_path(self) -> str:
@@ -183,6 +186,26 @@ class AdminLimits:
         return out
 
 
+@dataclass
+class ParkedLimits:
+    """An administrator's limits of a container that left (final report,
+    expiry, or a restarted container taking its labels over), kept for
+    --limit-grace seconds for the container that replaces it in the same
+    pod (same labels, a cgroup under the same parent)."""
+
+    limits: AdminLimits
+    scope: str  # the parent of the container's cgroup (its pod's, under Kubernetes)
+    until: float  # time.monotonic()
+
+
+def cgroup_scope(cgroup: str) -> str:
+    """The cgroup that holds a container's: under Kubernetes its pod's
+    (.../pod<uid>/<container>), which a restarted container shares and a
+    recreated pod of the same name does not."""
+    parent = cgroup.rstrip("/").rpartition("/")[0]
+    return parent or "/"
+
+
 def _drop(table: dict[str, dict[str, float]], uuid: str, key: str) -> None:
     """Take container `key` out of a per-device table; a device left with no
     entry is dropped (device UUIDs come from reports: any UUID in NVML's form)."""
@@ -229,6 +252,9 @@ class AgentState:
         self.connections_total = 0
         self.expired_total = 0
         self.limit_pushes_total = 0
+        # (namespace, pod, container) -> the administrator's limits of a
+        # container that left, until --limit-grace ends (remove, _adopt)
+        self.parked: dict[tuple[str, str, str], ParkedLimits] = {}
 
     # ---- reports -------------------------------------------------------
 
@@ -265,6 +291,7 @@ class AgentState:
             self._make_room(report.container.cgroup)
             self.containers[key] = st
             self.by_labels[report.container.labels] = key
+            self._adopt(report.container, now)
         else:
             dt = now - st.last_seen
             st.interval = dt if st.interval is None else 0.8 * st.interval + 0.2 * dt
@@ -317,7 +344,7 @@ class AgentState:
                 restore=due.restore_map(),
             )
         if report.final:
-            self.remove(key)
+            self.remove(key, park=now)
         return instr
 
     def _note_cgroup(self, cgroup: str, key: str) -> None:
@@ -474,8 +501,20 @@ class AgentState:
             for d in st.report.devices
         }
 
-    def remove(self, key: str) -> None:
+    def remove(self, key: str, park: float | None = None) -> None:
+        """Forget container `key`.  park: the monotonic time now, when the
+        container left in a way a restart follows (its final report,
+        expiry, a restarted container taking its labels over): its
+        administrator's limits are then kept for --limit-grace seconds for
+        the container that replaces it in the same pod (_adopt)."""
         st = self.containers.get(key)
+        admin = self.admin_limits.get(key)
+        if st is not None and admin is not None and park is not None:
+            grace = self.config.limit_grace
+            if grace > 0:
+                self.parked[st.id.labels] = ParkedLimits(
+                    admin, cgroup_scope(st.id.cgroup), park + grace
+                )
         if st is not None:
             self._update_claims(key, gone=True)
         self.containers.pop(key, None)
@@ -490,6 +529,18 @@ class AgentState:
         self.admin_limits.pop(key, None)
         self.nvml_share.pop(key, None)
         self._forget_active(key)
+
+    def _adopt(self, cid: ContainerId, now: float) -> None:
+        """A new container takes the administrator's limits its pod's
+        previous container with the same labels left (remove(park=...)),
+        within --limit-grace seconds.  A container of another pod (its
+        cgroup under another parent: a pod recreated with the same name)
+        does not; nor does one that already has limits of its own."""
+        parked = self.parked.get(cid.labels)
+        if parked is None or now > parked.until or parked.scope != cgroup_scope(cid.cgroup):
+            return
+        del self.parked[cid.labels]
+        self.admin_limits.setdefault(cid.key, parked.limits)
 
     def expiry(self, st: ContainerState) -> float:
         """Seconds without a report before the container expires: at least
@@ -508,8 +559,10 @@ class AgentState:
             if now - st.last_seen > self.expiry(st):
                 expired.append(key)
         for key in expired:
-            self.remove(key)
+            self.remove(key, park=now)
         self.expired_total += len(expired)
+        for labels in [k for k, p in self.parked.items() if now > p.until]:
+            del self.parked[labels]
         for uuid, entries in list(self.high_active.items()):
             for k in [k for k, until in entries.items() if now > until]:
                 _drop(self.high_active, uuid, k)
@@ -622,6 +675,8 @@ class AgentState:
                 "replaced_total": self.replaced_total,
                 "limit_pushes_total": self.limit_pushes_total,
                 "expire_after_s": self.config.expire_after,
+                "limit_grace_s": self.config.limit_grace,
+                "parked_limits": len(self.parked),
             },
             "containers": containers,
         }

@@ -185,6 +185,17 @@ POSITIVE = Finite(min=0, min_open=True)
         "percent, or its processes' use in NVML) keeps its device busy."
     ),
 )
+@click.option(
+    "--limit-grace",
+    default=300.0,
+    show_default=True,
+    type=Finite(min=0, max=86400),
+    help=(
+        "Seconds an administrator's limits (set-limit) outlive a container that left "
+        "(final report, expiry), for its restarted container in the same pod "
+        "(same labels); 0: forgotten at once."
+    ),
+)
 @click.option("--legacy-metrics", is_flag=True, help="Also export HAMi's legacy metric names.")
 @click.option(
     "--node-name",
@@ -217,6 +228,7 @@ def node_agent(
     max_containers_per_cgroup: int,
     max_expire: float,
     active_window: float,
+    limit_grace: float,
     legacy_metrics: bool,
     node_name: str,
     cpu: int | None,
@@ -257,6 +269,7 @@ def node_agent(
         max_per_cgroup=max_containers_per_cgroup,
         max_expire=max_expire,
         active_window=active_window,
+        limit_grace=limit_grace,
         legacy_metrics=legacy_metrics,
         node_name=node_name,
         cpu=cpu,
@@ -346,9 +359,10 @@ def set_limit(
     cores: str | None,
 ) -> None:
     """Set a container's limit on one device: the agent pushes it in the container's acks,
-    and again whenever its reports show another value, until the container leaves.  'env'
-    takes the administrator's limit of that kind back: the container's own limit (its
-    environment's) is put back."""
+    and again whenever its reports show another value, until the container leaves (and
+    for --limit-grace seconds to its pod's restarted container).  'env' takes the
+    administrator's limit of that kind back: the container's own limit (its environment's)
+    is put back."""
     if memory is None and cores is None:
         raise click.UsageError("give --memory and/or --cores")
     msg: dict[str, Any] = {

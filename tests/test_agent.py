@@ -958,11 +958,38 @@ def test_an_admins_limit_outlives_a_supervisor_reconnect(sock_path):
         assert set_limit(sock_path, "team/tenant/main", "--cores", "none").returncode == 0
         assert c.report(device(limit=4 * GiB, sm_limit=30))["limits"] == {GPU_A: {"sm": None}}
         assert c.report(device(limit=8 * GiB))["limits"] == {GPU_A: {"memory": 4 * GiB}}
-        # Gone (its final report), the container's admin limits go too.
+        # Gone (its final report), the container's admin limits are parked
+        # for --limit-grace: the same container starting again (a restart,
+        # same labels and cgroup) gets them back.
         assert c.report(device(limit=8 * GiB), final=True)["type"] == "ack"
-        assert c.report(device(limit=8 * GiB))["limits"] == {}
-        assert agent.status()["containers"][0]["admin_limits"] is None
+        assert agent.status()["containers"] == []
+        assert c.report(device(limit=8 * GiB))["limits"] == {GPU_A: {"memory": 4 * GiB}}
+        assert agent.status()["containers"][0]["admin_limits"] == {
+            "memory": {GPU_A: 4 * GiB},
+            "sm": {GPU_A: None},
+        }
         c.close()
+
+
+def test_with_limit_grace_0_a_final_report_forgets_the_admins_limits(sock_path):
+    """--limit-grace 0: an administrator's limits go with the container's
+    final report, a restarted container starts without them."""
+    with AgentProc(sock_path, "--limit-grace", "0") as agent:
+        c = Client(sock_path, pod="tenant", namespace="team")
+        c.report(device(limit=8 * GiB))
+        assert set_limit(sock_path, "team/tenant/main", "--memory", "4g").returncode == 0
+        assert c.report(device(limit=8 * GiB))["limits"] == {GPU_A: {"memory": 4 * GiB}}
+        assert c.report(device(limit=4 * GiB), final=True)["type"] == "ack"
+        assert c.report(device(limit=8 * GiB))["limits"] == {}
+        st = agent.status()
+        assert st["containers"][0]["admin_limits"] is None
+        assert st["agent"]["limit_grace_s"] == 0
+        assert st["agent"]["parked_limits"] == 0
+        c.close()
+    proc = run_cli("node-agent", "--socket", sock_path, "--limit-grace", "-1")
+    assert proc.returncode == 2
+    assert "--limit-grace" in proc.stderr
+    assert "-1" in proc.stderr
 
 
 def test_set_limit_env_takes_an_admins_limit_back(sock_path):
@@ -1313,3 +1340,58 @@ def test_a_device_nvml_cannot_read_does_not_hide_the_others():
     gpus._cache = (0.0, [])
     assert [(g.index, g.uuid) for g in gpus.read()] == [(0, "GPU-0"), (2, "GPU-2")]
     assert gpus.process_use(1.0) == {"GPU-0": {700: 30.0}, "GPU-2": {702: 30.0}}
+
+
+def test_parked_admin_limits_go_to_the_same_pods_next_container_within_the_grace():
+    """An administrator's limits outlive a container that left (final
+    report or expiry) for --limit-grace seconds, for the next container
+    with its labels whose cgroup is under the same parent (its pod's,
+    under Kubernetes): not for a pod recreated with the same name (another
+    pod cgroup), nor after the grace."""
+    peer = PeerCred(pid=1, uid=0, gid=0)
+
+    def report(cgroup: str, final: bool = False) -> Report:
+        cid = ContainerId(cgroup=cgroup, pod="web-0", namespace="ns", container="main")
+        return Report(
+            seq=1,
+            ts=0.0,
+            container=cid,
+            policy="fixed-share",
+            priority=0,
+            devices=[device(limit=8 * GiB)],
+            final=final,
+        )
+
+    def left(state: AgentState, how: str) -> None:
+        first = report("/kubepods/pod-1/ctr-a")
+        state.accept_report(first, peer, 0.0)
+        state.set_limit(first.container.key, GPU_A, {"memory": GiB, "sm": "env"})
+        if how == "final":
+            state.accept_report(report("/kubepods/pod-1/ctr-a", final=True), peer, 1.0)
+        else:
+            assert state.expire(100.0) == 1
+        assert state.containers == {}
+        assert len(state.parked) == 1
+
+    for how in ("final", "expiry"):
+        # The pod's restarted container (a new cgroup in the same pod).
+        state = AgentState(AgentConfig(limit_grace=300.0))
+        left(state, how)
+        instr = state.accept_report(report("/kubepods/pod-1/ctr-b"), peer, 200.0)
+        assert instr.memory_limits == {GPU_A: GiB}
+        assert instr.restore == {GPU_A: ("sm",)}
+        assert state.parked == {}
+        # Another pod of the same name: not its limits.
+        state = AgentState(AgentConfig(limit_grace=300.0))
+        left(state, how)
+        instr = state.accept_report(report("/kubepods/pod-2/ctr-c"), peer, 200.0)
+        assert instr.memory_limits == {}
+        assert instr.restore == {}
+        # After the grace: forgotten.
+        state = AgentState(AgentConfig(limit_grace=300.0))
+        left(state, how)
+        state.expire(1000.0)
+        assert state.parked == {}
+        instr = state.accept_report(report("/kubepods/pod-1/ctr-b"), peer, 1000.0)
+        assert instr.memory_limits == {}
+        assert instr.restore == {}

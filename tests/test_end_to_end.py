@@ -411,3 +411,46 @@ def test_an_admin_clears_a_limit_and_the_containers_own_comes_back(
         finally:
             sup.terminate()  # forwarded to the workload
             sup.communicate(timeout=30)
+
+
+def test_an_admins_limit_survives_a_clean_restart_of_the_container(
+    node: SimNode,
+    sock_path: str,  # noqa: F811
+) -> None:
+    """A container whose supervisor ends cleanly (its workload exits: a
+    final report) and starts again with the same labels (a restart in the
+    same pod) gets the admin's limit again, as after a crash: the agent
+    keeps it --limit-grace seconds after the final report."""
+
+    def limit(agent: AgentProc) -> list[float]:
+        return find(agent.metrics(), "gpuvisor_container_memory_limit_bytes", podname="pod-g")
+
+    with AgentProc(sock_path, env=node.env) as agent:
+        first = supervised(node, sock_path, node.dir / "g1.shr", "pod-g", "4g", "0", 64, 5)
+        try:
+            assert first.stdout is not None
+            assert first.stdout.readline().strip() == "allocated"
+            assert wait_for(lambda: limit(agent) == [4 * GiB], timeout=5.0), limit(agent)
+            uuid = agent.status()["containers"][0]["devices"][0]["uuid"]
+            admin_set_limit(sock_path, "e2e/pod-g/main", uuid, "--memory", "1g")
+            assert wait_for(lambda: limit(agent) == [GiB], timeout=5.0), limit(agent)
+            first.communicate(timeout=30)  # the workload ends: a clean exit
+            assert first.returncode == 0
+        finally:
+            if first.poll() is None:
+                first.kill()
+                first.communicate(timeout=30)
+        assert agent.status()["containers"] == []  # its final report came
+        parked = agent.status()["agent"].get("parked_limits")
+        second = supervised(node, sock_path, node.dir / "g2.shr", "pod-g", "4g", "0", 64, 20)
+        try:
+            assert second.stdout is not None
+            assert second.stdout.readline().strip() == "allocated"
+            assert wait_for(lambda: limit(agent) == [GiB], timeout=5.0), limit(agent)
+            assert parked == 1
+            st = agent.status()
+            assert st["containers"][0]["admin_limits"] == {"memory": {uuid: GiB}, "sm": {}}
+            assert st["agent"]["parked_limits"] == 0
+        finally:
+            second.terminate()
+            second.communicate(timeout=30)
