@@ -426,7 +426,7 @@ def test_an_admins_limit_survives_a_clean_restart_of_the_container(
         return find(agent.metrics(), "gpuvisor_container_memory_limit_bytes", podname="pod-g")
 
     with AgentProc(sock_path, env=node.env) as agent:
-        first = supervised(node, sock_path, node.dir / "g1.shr", "pod-g", "4g", "0", 64, 5)
+        first = supervised(node, sock_path, node.dir / "g1.shr", "pod-g", "4g", "0", 64, 8)
         try:
             assert first.stdout is not None
             assert first.stdout.readline().strip() == "allocated"
