@@ -1081,6 +1081,29 @@ def test_an_ack_pushing_a_limit_out_of_range_is_refused(field, value):
     assert instr.memory_limits == {"GPU-a": None}
 
 
+@pytest.mark.parametrize(
+    ("restore", "error"),
+    [
+        ("memory", "restore='memory': expected an object"),
+        ({"GPU-a": "memory"}, "restore.GPU-a='memory': expected a list of limit kinds"),
+        ({"GPU-a": [1]}, "restore.GPU-a=[1]: expected a list of limit kinds"),
+        ({"GPU-a": ["sm"]}, "restore.GPU-a=['sm']: sm is in limits too"),
+    ],
+)
+def test_an_ack_with_a_bad_restore_is_refused(restore, error):
+    """An ack's restore (uuid -> limit kinds) is checked as the rest: a bad
+    one refuses the ack whole, naming the field and the value; so does a
+    kind both restored and pushed on one device, which no agent sends.  A
+    kind the supervisor does not know is skipped (a later agent's)."""
+    ack = {"v": 1, "type": "ack", "seq": 1, "limits": {"GPU-a": {"sm": 30}}, "restore": restore}
+    with pytest.raises(ProtocolError) as exc:
+        parse_ack(decode(encode(ack)))
+    assert str(exc.value) == error
+    ok = {"GPU-a": ["sm", "memory", "future"], "GPU-b": ["future"]}
+    instr = parse_ack({"v": 1, "type": "ack", "seq": 1, "restore": ok})
+    assert instr.restore == {"GPU-a": ("memory", "sm")}
+
+
 def test_set_limit_is_refused_on_the_reporting_socket(sock_path):
     """The reporting socket is mounted into every workload: a set-limit
     there is refused whatever the peer's uid (this test may run as root or

@@ -970,3 +970,47 @@ def test_a_restore_puts_the_containers_own_limits_back(env, agent, node, per_dev
         if sup.poll() is None:
             sup.kill()
             sup.communicate()
+
+
+@pytest.mark.parametrize(
+    ("env", "memory", "sm"),
+    [
+        ({}, (True, None), (True, None)),
+        (
+            {"CUDA_DEVICE_MEMORY_LIMIT": "2g", "CUDA_DEVICE_SM_LIMIT": " 30 "},
+            (True, 2 * GiB),
+            (True, 30),
+        ),
+        (
+            {"CUDA_DEVICE_MEMORY_LIMIT": "25%", "CUDA_DEVICE_SM_LIMIT": "0"},
+            (True, 2 * GiB),
+            (True, None),
+        ),
+        (
+            {"CUDA_DEVICE_SM_LIMIT": "30", "GPU_CORE_UTILIZATION_POLICY": "Disable"},
+            (True, None),
+            (True, None),
+        ),
+        (
+            {"CUDA_DEVICE_MEMORY_LIMIT": "2g", "CUDA_DEVICE_MEMORY_LIMIT_1": "1g"},
+            (False, None),
+            (True, None),
+        ),
+        (
+            {"CUDA_DEVICE_MEMORY_LIMIT_0": "", "CUDA_DEVICE_SM_LIMIT_0": "20"},
+            (True, None),
+            (False, None),
+        ),
+    ],
+)
+def test_the_containers_own_limits_are_read_as_the_library_reads_them(env, memory, sm):
+    """What a supervisor puts back on `restore`: CUDA_DEVICE_MEMORY_LIMIT (a
+    percentage of the device's memory, here 8 GiB), CUDA_DEVICE_SM_LIMIT (0:
+    none; none at all under GPU_CORE_UTILIZATION_POLICY=disable); unknown
+    (the tuner falls back on the region) with a per-device variable of
+    that kind set, since it names a CUDA ordinal the region does not record."""
+    from gpuvisor.supervisor.config import env_limits
+
+    limits = env_limits(env)
+    assert limits.memory(8 * GiB) == memory
+    assert (limits.sm_known, limits.sm) == sm
