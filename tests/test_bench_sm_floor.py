@@ -5,8 +5,17 @@ up to 100 %, is reproducible, and counts runs within a goal correctly."""
 from __future__ import annotations
 
 import random
+import statistics
 
-from tests.bench.sm_floor import WINDOW_S, Floor, floor, kernel_s, runs_within, windows
+from tests.bench.sm_floor import (
+    WINDOW_S,
+    Floor,
+    floor,
+    kernel_s,
+    queued_windows,
+    runs_within,
+    windows,
+)
 
 
 def test_kernel_lengths_span_the_workloads_range() -> None:
@@ -66,3 +75,23 @@ def test_the_ideal_scheduler_misses_only_with_long_graphs() -> None:
     chained = [f for q, n in scenarios for f in floor(q, n, 7.0, 1.0, runs=20)]
     assert runs_within(short, 5.0) == 20
     assert runs_within(chained, 5.0) < 20
+
+
+def test_a_queued_scheduler_of_depth_1_without_latency_is_the_ideal_one() -> None:
+    """queued_windows at depth 1 and no latency decides as windows() does
+    (to within its 50 us steps while every container is ahead); a deeper
+    queue with latency keeps a full pair's device busy and each side at its
+    quota over the run, and its windows are wider."""
+    for qs in ([30, 70], [50, 50]):
+        ideal = windows(qs, [1, 2], 7.0, seed=51)
+        rows, idle = queued_windows(qs, [1, 2], 7.0, 51, depth=1, latency=0.0)
+        assert idle == 0.0
+        for q, a, b in zip(qs, ideal, rows, strict=True):
+            assert abs(statistics.pstdev(a) - statistics.pstdev(b)) < 0.1, (q, qs)
+    rows, idle = queued_windows([30, 70], [1, 2], 7.0, 51, depth=3, latency=100e-6)
+    assert idle < 1.0
+    for q, row in zip([30, 70], rows, strict=True):
+        assert abs(sum(row[10:]) / len(row[10:]) - q) < 0.5
+    sd_queued = statistics.pstdev([v - 30 for v in rows[0][10:]])
+    sd_ideal = statistics.pstdev([v - 30 for v in windows([30, 70], [1, 2], 7.0, seed=51)[0][10:]])
+    assert sd_queued > sd_ideal

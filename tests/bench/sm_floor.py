@@ -72,6 +72,7 @@ class WorkerProcess:
 
     def __init__(self, seed: int, short_graphs: bool = False) -> None:
         self.state = (seed * 0x9E3779B97F4A7C15 + 88172645463325252) & _M64
+        self.graph = False  # whether the last unit drawn was a graph
         self.graphs: list[float] = []
         for _ in range(GRAPHS):
             nodes = [self._node() for _ in range(1 + self._next() % MAX_NODES)]
@@ -100,7 +101,8 @@ class WorkerProcess:
 
     def next_unit(self) -> float:
         """The length of the next launch (a kernel or a whole graph), s."""
-        if self._unit() < GRAPH_CHANCE:
+        self.graph = self._unit() < GRAPH_CHANCE
+        if self.graph:
             return self.graphs[self._next() % GRAPHS]
         return self._node()
 
@@ -117,11 +119,14 @@ class Workload:
     def __init__(self, seeds: Sequence[int], short_graphs: bool = False) -> None:
         self.procs = [WorkerProcess(s, short_graphs) for s in seeds]
         self.turn = 0
+        self.graph = False  # whether the last unit drawn was a graph
 
     def next_unit(self) -> float:
         p = self.procs[self.turn % len(self.procs)]
         self.turn += 1
-        return p.next_unit()
+        d = p.next_unit()
+        self.graph = p.graph
+        return d
 
 
 def windows(
@@ -161,6 +166,64 @@ def windows(
         used[c] += d
         t = end
     return [[100 * b / WINDOW_S for b in row] for row in busy]
+
+
+def queued_windows(
+    quotas: Sequence[int],
+    processes: Sequence[int],
+    seconds: float,
+    seed: int,
+    depth: int,
+    latency: float,
+) -> tuple[list[list[float]], float]:
+    """windows() for a scheduler that must commit launches to the device's
+    queue ahead of time, as a real one does to keep the device busy: at most
+    `depth` launches committed and not yet known to have ended, and a
+    launch's end known only `latency` seconds after it.  Its accounting is
+    the gate's: known lengths exactly, a launch still in flight at its
+    estimate (a graph's exact length, which a per-graph average learns; for
+    a kernel the mean of all launches so far) or the time it has run, if
+    longer.  Returns the windows and the share of time the device idled
+    (percent)."""
+    shares = [q / 100 for q in quotas]
+    first = [sum(processes[:i]) for i in range(len(processes))]
+    loads = [
+        Workload([worker_seed(seed, f + k) for k in range(n)])
+        for f, n in zip(first, processes, strict=True)
+    ]
+    n_win = int(seconds / WINDOW_S + 1e-9)
+    busy = [[0.0] * n_win for _ in shares]
+    known = [0.0] * len(shares)
+    flying: list[tuple[int, float, float, float, float]] = []  # c, len, est, start, end
+    total = count = 0.0
+    t = dev_free = idle = 0.0
+    step = 50e-6
+    while t < seconds:
+        for u in [u for u in flying if u[4] + latency <= t]:
+            known[u[0]] += u[1]
+            flying.remove(u)
+        charge = list(known)
+        for c, _, est, start, _ in flying:
+            charge[c] += max(est, t - start) if start <= t else est
+        lead = [u / s - t for u, s in zip(charge, shares, strict=True)]
+        c = min(range(len(shares)), key=lambda i: lead[i])
+        if len(flying) < depth and lead[c] <= 0:
+            d = loads[c].next_unit()
+            est = d if loads[c].graph else (total / count if count else d)
+            total, count = total + d, count + 1
+            start = max(t, dev_free)
+            idle += start - dev_free
+            end = dev_free = start + d
+            flying.append((c, d, est, start, end))
+            k = int(start / WINDOW_S)
+            while start < end and k < n_win:
+                stop = min(end, (k + 1) * WINDOW_S)
+                busy[c][k] += stop - start
+                start, k = stop, k + 1
+            continue
+        ends = [u[4] + latency for u in flying]
+        t = min([t + step, *ends]) if ends else t + step
+    return [[100 * b / WINDOW_S for b in row] for row in busy], 100 * idle / seconds
 
 
 @dataclass
@@ -229,6 +292,27 @@ def runs_within(floors: Sequence[Floor], goal: float) -> int:
     return sum(all(f.worsts[r] <= goal for f in floors) for r in range(n))
 
 
+def queue_table(args: argparse.Namespace) -> int:
+    """The --queue table: per pair (the benchmark's seeds, 50 + i) and per
+    depth:latency, each side's window sd / worst and the device's idle."""
+    k0 = round(args.allowance / WINDOW_S)
+    print("| pair | depth | latency | A sd / worst | B sd / worst | device idle |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for i, split in enumerate(args.splits.split(",")):
+        qs = [int(x) for x in split.split(":")]
+        for spec in args.queue.split(","):
+            depth, lat = spec.split(":")
+            rows, idle = queued_windows(
+                qs, [*PAIR_PROCS], args.seconds, 50 + i, int(depth), float(lat) * 1e-6
+            )
+            cells = []
+            for q, row in zip(qs, rows, strict=True):
+                d = [v - q for v in row[k0:]]
+                cells.append(f"{statistics.pstdev(d):.2f} / {max(abs(x) for x in d):.1f}")
+            print(f"| {split} | {depth} | {lat} us | {cells[0]} | {cells[1]} | {idle:.2f} % |")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quotas", default=QUOTAS)
@@ -243,7 +327,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="graphs as long as one kernel (no launch over 5 ms) instead of 1-4 kernels",
     )
+    p.add_argument(
+        "--queue",
+        default="",
+        help="DEPTH:LATENCY_US,...: instead, the pairs on the benchmark's own launches "
+        "under a scheduler that commits up to DEPTH launches ahead and hears of a "
+        "launch's end LATENCY_US after it (queued_windows), e.g. 1:0,3:100,2:50",
+    )
     args = p.parse_args(argv)
+    if args.queue:
+        return queue_table(args)
     quotas = [int(q) for q in args.quotas.split(",")]
     procs = [int(n) for n in args.procs.split(",")]
     procs = (procs * len(quotas))[: len(quotas)]
