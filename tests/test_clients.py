@@ -1263,6 +1263,42 @@ emit(err=err.name, heap=int(ok(cu.cuCtxGetLimit, {HEAP})), base=base, after=used
     assert out["with_stack"] == out["base"] + 216 * MiB, out
 
 
+@pytest.mark.parametrize("kernel_us", [0, 300_000, 1_500_000], ids=["reached", "busy", "long"])
+def test_a_limit_raised_while_a_stream_ordered_free_is_pending_is_still_measured(node, kernel_us):
+    """A 5 GiB heap under a 4 GiB quota, asked for just after cuMemFreeAsync
+    of a cuMemAlloc block: the free is in flight until a hook sees its
+    stream get there, and no reading of NVML is used meanwhile.  The
+    reading that cuCtxSetLimit takes was skipped then, so the heap was
+    granted past the quota (whether the stream had reached the free, was
+    busy for 0.3 s, or for 1.5 s).  Now the pending frees the streams have
+    reached are released before the reading, cuCtxSetLimit waits (a second
+    at most) for a reading it can use, and without one it sets the old
+    limit back and answers CUDA_ERROR_OUT_OF_MEMORY."""
+    out = client(
+        node,
+        f"""
+import ctypes
+init()
+s = ok(cu.cuStreamCreate, 0)
+spin = ok(cu.cuModuleGetFunction, ok(cu.cuModuleLoadData, b"any image"), b"spin")
+base = used()
+p = ok(cu.cuMemAlloc, 64 * MiB)
+if {kernel_us}:
+    ok(cu.cuLaunchKernel, spin, 1, 1, 1, 32, 1, 1, 0, s, (({kernel_us},), (ctypes.c_uint32,)), 0)
+ok(cu.cuMemFreeAsync, p, s)
+err = call(cu.cuCtxSetLimit, {HEAP}, 5 * GiB)[0]
+heap = int(ok(cu.cuCtxGetLimit, {HEAP}))
+ok(cu.cuStreamSynchronize, s)
+fits = call(cu.cuCtxSetLimit, {HEAP}, 2 * GiB)[0]
+emit(err=err.name, heap=heap, base=base, fits=fits.name, after=used())
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+    )
+    assert (out["err"], out["heap"]) == (OOM, 8 * MiB), out
+    assert out["fits"] == "CUDA_SUCCESS", out
+    assert out["after"] == out["base"] + 2 * GiB - 8 * MiB, out
+
+
 def test_memory_the_driver_took_counts_for_the_container_until_the_process_dies(node):
     env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g")
     probe = "init()\nemit(big=call(cu.cuMemAlloc, 2 * GiB)[0].name)\n"

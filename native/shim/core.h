@@ -95,8 +95,12 @@ int gv_pools_active(void);
 int gv_pools_settled(void);
 /* untracked.c: memory the driver gave this process that no hook charged,
  * from NVML's per-process figure.  reconcile: re-read one device (or all)
- * now; tick: all devices, at most once a second. */
-void gv_untracked_reconcile(int ordinal);
+ * now; tick: all devices, at most once a second.  gv_untracked_reconcile
+ * returns 1 when it used a reading, 0 when there is none to take (NVML
+ * does not list this process), -1 when one was not used (a charge of this
+ * process in flight or begun meanwhile, a context being created, a pool
+ * being changed). */
+int gv_untracked_reconcile(int ordinal);
 void gv_untracked_reconcile_all(void);
 void gv_untracked_tick(void);
 /* Whether any such memory is charged now. */

@@ -12,7 +12,9 @@
  * follows it down.  The figure is re-read
  *   - at most once a second, on the allocation and memory-info paths;
  *   - at once after cuCtxSetLimit, which is refused (the old limit put
- *     back) when the memory it took does not fit the quota;
+ *     back) when the memory it took does not fit the quota, or, raising a
+ *     limit, when no reading can be used within a second (tried again
+ *     every millisecond: see below);
  *   - after a context is destroyed, and before an allocation is refused.
  * A reading is used only if the process's own charge did not move while
  * NVML was read, no charge of this process was in flight nor began
@@ -26,11 +28,13 @@
  * NVML was read (a synchronisation gave pool memory back and the charge
  * has not followed yet: the pools are settled before each reading, and the
  * synchronisation hooks settle them after the driver call); differences
- * under 2 MiB are ignored.  Nothing happens where NVML does not list this
- * process.
+ * under 2 MiB are ignored.  Stream-ordered frees the streams have reached
+ * are released before each reading.  Nothing happens where NVML does not
+ * list this process.
  */
 #include <pthread.h>
 #include <stdatomic.h>
+#include <time.h>
 
 #include "hooks.h"
 #include "log.h"
@@ -66,15 +70,18 @@ static void setup(void)
     pthread_atfork(NULL, NULL, child_reset);
 }
 
-void gv_untracked_reconcile(int ordinal)
+int gv_untracked_reconcile(int ordinal)
 {
     const gv_devinfo *d;
     gv_region *r = gv_core_region();
     if (!r || ordinal < 0 || ordinal >= GV_MAX_ORDINALS || gv_device(ordinal, &d) != CUDA_SUCCESS)
-        return;
+        return 0;
     int slot = region_self_slot(r);
     if (slot < 0)
-        return;
+        return 0;
+    /* A stream-ordered free the stream has reached is in flight until a
+     * hook sees it: release it first, or no reading could be taken. */
+    gv_pending_frees_reap();
     /* A pool the driver shrank since its charge was last settled (at a
      * synchronisation, say) is charged what NVML no longer shows: settle
      * first, and use no reading taken while one still is (the driver may
@@ -85,11 +92,13 @@ void gv_untracked_reconcile(int ordinal)
     pthread_mutex_lock(&h->lock);
     uint64_t begun = gv_charges_begun();
     uint64_t before = region_slot_used(r, d->region_dev, slot), nvml = 0;
-    int seen = !gv_ctx_creating() && !gv_charges_in_flight() && gv_nvml_self_used(d, &nvml) &&
-               gv_pools_settled();
+    int busy = gv_ctx_creating() || gv_charges_in_flight();
+    int listed = !busy && gv_nvml_self_used(d, &nvml);
+    int seen = listed && gv_pools_settled();
     uint64_t after = region_slot_used(r, d->region_dev, slot);
-    if (seen && before == after && !gv_ctx_creating() && !gv_charges_in_flight() &&
-        gv_charges_begun() == begun) {
+    int used = seen && before == after && !gv_ctx_creating() && !gv_charges_in_flight() &&
+               gv_charges_begun() == begun;
+    if (used) {
         uint64_t tracked = after > h->charged ? after - h->charged : 0;
         uint64_t want = nvml > tracked ? nvml - tracked : 0;
         want -= want % SLACK;
@@ -107,12 +116,12 @@ void gv_untracked_reconcile(int ordinal)
         h->charged = want;
     }
     pthread_mutex_unlock(&h->lock);
+    return used ? 1 : (!busy && !listed) ? 0 : -1;
 }
 
 void gv_untracked_reconcile_all(void)
 {
     const gv_devinfo *d;
-    gv_pending_frees_reap();    /* a free the stream has reached is in flight no more */
     for (int i = 0; i < GV_MAX_ORDINALS; i++)
         if (gv_device_known(i, &d))
             gv_untracked_reconcile(i);
@@ -129,6 +138,24 @@ void gv_untracked_tick(void)
 typedef CUresult (*set_limit_fn)(CUlimit, size_t);
 typedef CUresult (*get_limit_fn)(size_t *, CUlimit);
 
+/* A reading of ordinal that is used, if one can be had: while another
+ * charge of this process is in flight (an allocation in the driver, a
+ * stream-ordered free its stream has not reached yet) none is, so it is
+ * tried again every millisecond, for a second at most.  As
+ * gv_untracked_reconcile. */
+#define SETLIMIT_TRIES 1000
+
+static int reconcile_in_step(int ordinal)
+{
+    for (int i = 0;; i++) {
+        int got = gv_untracked_reconcile(ordinal);
+        if (got >= 0 || i >= SETLIMIT_TRIES)
+            return got;
+        struct timespec ts = { 0, 1000 * 1000 };
+        nanosleep(&ts, NULL);
+    }
+}
+
 GV_EXPORT CUresult cuCtxSetLimit(CUlimit which, size_t value)
 {
     set_limit_fn real = GV_REAL(cuCtxSetLimit, set_limit_fn);
@@ -141,16 +168,27 @@ GV_EXPORT CUresult cuCtxSetLimit(CUlimit which, size_t value)
     CUresult rc = real(which, value);
     if (rc != CUDA_SUCCESS)
         return rc;
-    gv_untracked_reconcile(ordinal);
+    int got = value > old ? reconcile_in_step(ordinal) : gv_untracked_reconcile(ordinal);
     const gv_devinfo *d;
     gv_region *r = gv_core_region();
     if (gv_device(ordinal, &d) != CUDA_SUCCESS || !r)
         return rc;
     uint64_t limit = region_limit(r, d->region_dev);
-    if (limit == GV_UNLIMITED || region_used(r, d->region_dev) <= limit || value <= old)
+    if (limit == GV_UNLIMITED || value <= old)
         return rc;
-    gv_log(GV_LOG_INFO, "cuCtxSetLimit(%d, %zu) took more device memory than the quota has left; "
-           "the limit is set back to %zu", (int)which, value, old);
+    /* No reading could be used: what the limit took is not known, and the
+     * quota fails closed.  (A skipped reading used to let a heap past the
+     * quota while another thread's charge, or a stream-ordered free, was in
+     * flight.) */
+    if (got < 0)
+        gv_log(GV_LOG_INFO, "cuCtxSetLimit(%d, %zu): the memory it took cannot be measured "
+               "while this process's other charges are in flight; the limit is set back to %zu",
+               (int)which, value, old);
+    else if (region_used(r, d->region_dev) <= limit)
+        return rc;
+    else
+        gv_log(GV_LOG_INFO, "cuCtxSetLimit(%d, %zu) took more device memory than the quota has "
+               "left; the limit is set back to %zu", (int)which, value, old);
     real(which, old);
     gv_untracked_reconcile(ordinal);
     return CUDA_ERROR_OUT_OF_MEMORY;
