@@ -1299,6 +1299,37 @@ emit(err=err.name, heap=heap, base=base, fits=fits.name, after=used())
     assert out["after"] == out["base"] + 2 * GiB - 8 * MiB, out
 
 
+def test_a_limit_lowered_while_a_stream_ordered_free_is_pending_gives_its_memory_back(node):
+    """A 2 GiB heap is lowered to 8 MiB just after cuMemFreeAsync of a
+    cuMemAlloc block queued behind a 0.3 s kernel.  The reading cuCtxSetLimit
+    took to give the heap's charge back was skipped while the free was in
+    flight, and so was every later one until the stream got there: a 3 GiB
+    allocation right after, which fits a 4 GiB quota once the heap is gone,
+    was refused.  Now cuCtxSetLimit waits for a reading it can use (a second
+    at most) whichever way the limit moves."""
+    out = client(
+        node,
+        f"""
+import ctypes
+init()
+s = ok(cu.cuStreamCreate, 0)
+spin = ok(cu.cuModuleGetFunction, ok(cu.cuModuleLoadData, b"any image"), b"spin")
+base = used()
+ok(cu.cuCtxSetLimit, {HEAP}, 2 * GiB)
+heap = used()
+p = ok(cu.cuMemAlloc, 64 * MiB)
+ok(cu.cuLaunchKernel, spin, 1, 1, 1, 32, 1, 1, 0, s, ((300_000,), (ctypes.c_uint32,)), 0)
+ok(cu.cuMemFreeAsync, p, s)
+ok(cu.cuCtxSetLimit, {HEAP}, 8 * MiB)
+big = call(cu.cuMemAlloc, 3 * GiB)[0]
+emit(base=base, heap=heap, big=big.name)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+    )
+    assert out["heap"] == out["base"] + 2 * GiB - 8 * MiB, out
+    assert out["big"] == "CUDA_SUCCESS", out
+
+
 def test_memory_the_driver_took_counts_for_the_container_until_the_process_dies(node):
     env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g")
     probe = "init()\nemit(big=call(cu.cuMemAlloc, 2 * GiB)[0].name)\n"

@@ -11,10 +11,10 @@
  * refused until the memory comes back.  When the figure falls, the charge
  * follows it down.  The figure is re-read
  *   - at most once a second, on the allocation and memory-info paths;
- *   - at once after cuCtxSetLimit, which is refused (the old limit put
- *     back) when the memory it took does not fit the quota, or, raising a
- *     limit, when no reading can be used within a second (tried again
- *     every millisecond: see below);
+ *   - at once after cuCtxSetLimit (tried again every millisecond, for a
+ *     second at most, until a reading can be used: see below), which is
+ *     refused (the old limit put back) when the memory it took does not
+ *     fit the quota, or, raising a limit, when no reading could be used;
  *   - after a context is destroyed, and before an allocation is refused.
  * A reading is used only if the process's own charge did not move while
  * NVML was read, no charge of this process was in flight nor began
@@ -168,7 +168,7 @@ GV_EXPORT CUresult cuCtxSetLimit(CUlimit which, size_t value)
     CUresult rc = real(which, value);
     if (rc != CUDA_SUCCESS)
         return rc;
-    int got = value > old ? reconcile_in_step(ordinal) : gv_untracked_reconcile(ordinal);
+    int got = value != old ? reconcile_in_step(ordinal) : gv_untracked_reconcile(ordinal);
     const gv_devinfo *d;
     gv_region *r = gv_core_region();
     if (gv_device(ordinal, &d) != CUDA_SUCCESS || !r)
