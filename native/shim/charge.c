@@ -1,4 +1,5 @@
 /* charge.c - reserving quota around a real allocation. */
+#include <pthread.h>
 #include <stdatomic.h>
 #include <string.h>
 
@@ -49,8 +50,15 @@ uint64_t gv_charges_begun(void) { return atomic_load_explicit(&begun, memory_ord
 
 void gv_charges_fork_child(void) { atomic_store(&in_flight, 0); }
 
+/* A child forked while another thread's charge was in flight has no such
+ * thread: its count starts at 0.  Registered with the first flight, so a
+ * fork during it is covered (untracked.c's child handler also resets it). */
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+static void register_fork(void) { pthread_atfork(NULL, NULL, gv_charges_fork_child); }
+
 static void flight_begins(void)
 {
+    pthread_once(&fork_once, register_fork);
     atomic_fetch_add(&begun, 1);
     atomic_fetch_add(&in_flight, 1);
 }

@@ -47,6 +47,7 @@ typedef struct gv_graph_mem {
     void *rec;                   /* the graph's record, referenced */
     unsigned long begun;         /* context destructions begun before */
     int calm;                    /* and none was under way */
+    int flying;                  /* in flight (charge.c) until _end */
 } gv_graph_mem;
 int gv_graph_mem_seen(void);
 CUresult gv_graph_mem_begin(gv_graph_mem *m, CUgraphExec e);

@@ -321,6 +321,7 @@ static void take_ref(gv_alloc *a, void *arg)
 CUresult gv_graph_mem_begin(gv_graph_mem *m, CUgraphExec e)
 {
     m->held = 0;
+    m->flying = 0;
     m->rec = NULL;
     gexec *r = NULL;
     if (!gv_table_modify(GV_K_GEXEC, (uint64_t)(uintptr_t)e, take_ref, &r))
@@ -335,6 +336,10 @@ CUresult gv_graph_mem_begin(gv_graph_mem *m, CUgraphExec e)
     pthread_once(&setup_once, setup);
     m->rec = r;
     m->begun = gv_graph_teardowns(&m->calm);
+    /* In flight from before the first charge until settled (the driver
+     * has not answered): no reading of untracked memory in between. */
+    m->flying = 1;
+    gv_charge_flying();
     /* Ascending order, so that launches on the same devices cannot deadlock. */
     for (int i = 0; i < GV_MAX_ORDINALS; i++) {
         if (!(r->lock & (1ULL << i)))
@@ -344,8 +349,6 @@ CUresult gv_graph_mem_begin(gv_graph_mem *m, CUgraphExec e)
             gv_graph_mem_end(m);      /* gives back what the others charged */
             return rc;
         }
-        if (!m->held)
-            gv_charge_flying();       /* until settled: the driver has not answered */
         m->held |= 1ULL << i;
     }
     return CUDA_SUCCESS;
@@ -359,8 +362,9 @@ void gv_graph_mem_end(gv_graph_mem *m)
         settle(i);
         pthread_mutex_unlock(&pools[i].lock);
     }
-    if (m->held)
+    if (m->flying)
         gv_charge_landed();
+    m->flying = 0;
     m->held = 0;
     rec_put(m->rec);
     m->rec = NULL;
