@@ -16,6 +16,9 @@ it, e.g. for idleness, and the send meets EPIPE) is sent again, once, on a
 new connection.  Between reports the reporter watches the connection: when
 the agent closes it (or the agent crashes) the tuner is told at once
 (Tuner.agent_lost: yield flags cleared) and the next report reconnects.
+A reply that takes longer than the socket timeout closes the connection
+too, but the agent is slow, not gone: its yield flags stand until the
+tuner's ack timeout.
 """
 
 from __future__ import annotations
@@ -338,15 +341,28 @@ class Reporter:
                 if now >= next_report:
                     next_report = max(next_report + self.interval, now)
                     if self._sock is not None:
+                        slow = False
                         try:
                             delivered = self.send(self.build(self.tuner.sample()))
+                        except TimeoutError as exc:
+                            # The agent is slow (starved of CPU, say), not
+                            # gone: the connection is closed, as its reply
+                            # may still come, but the agent's view stands
+                            # until the ack timeout lets it lapse.
+                            log.debug(
+                                "no reply from the node agent within %g s: %s",
+                                SOCKET_TIMEOUT_S,
+                                exc,
+                            )
+                            delivered, slow = False, True
                         except (OSError, ProtocolError) as exc:
                             log.debug("report failed: %s", exc)
                             delivered = False
                         if delivered:
                             self._backoff = BACKOFF_START_S
                         else:
-                            self._lost("the node agent stopped answering")
+                            if not slow:
+                                self._lost("the node agent stopped answering")
                             next_connect = self._clock() + self._backoff
                             self._backoff = min(BACKOFF_CAP_S, self._backoff * 2)
                     else:

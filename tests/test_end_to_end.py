@@ -289,6 +289,70 @@ def test_low_priority_yields_while_a_high_priority_container_works(
     assert share[0] <= after.get(low_pid, 0) <= share[1]
 
 
+# Samples a region's enforced SM share of device 0 (0 while it yields),
+# with CLOCK_MONOTONIC times, for argv[2] seconds.
+SHARE_POLL = """
+import sys, time
+from gpuvisor.shim.region import Region
+r = Region.attach(sys.argv[1])
+end = time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    print(f"{time.monotonic():.3f} {r.sm(0).share:.1f}", flush=True)
+    time.sleep(0.02)
+"""
+
+
+def test_a_slow_agent_does_not_end_a_yield_before_the_ack_timeout(
+    node: SimNode,
+    sock_path: str,  # noqa: F811
+) -> None:
+    """L (priority 1) yields to H (priority 0).  The node agent stops for
+    1.6 s (SIGSTOP: an agent starved of CPU), so L's next report gets no
+    reply within the reporter's 1 s socket timeout.  The agent is slow, not
+    gone: L's yield holds until its ack timeout (3 report intervals, at
+    least 2 s after its last ack), and L's gate enforces 0 % for all of
+    the 1.5 s after the stop.  (A reply timeout used to clear the yield
+    flags at once, about 1.2 s after the stop.)"""
+    import signal
+
+    region = node.dir / "low.shr"
+    with AgentProc(sock_path, "--active-window", "1", env=node.env) as agent:
+        low = spinning(node, sock_path, "low", ["--cores", "50", "--priority", "1"], 60.0)
+        high = spinning(node, sock_path, "high", ["--cores", "40", "--priority", "0"], 60.0)
+        try:
+            assert wait_for(
+                lambda: find(agent.metrics(), "gpuvisor_container_yield", podname="low") == [1.0],
+                timeout=10.0,
+            )
+            poll = subprocess.Popen(
+                [sys.executable, "-c", textwrap.dedent(SHARE_POLL), str(region), "3.5"],
+                env=node.env,
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd=REPO_ROOT,
+            )
+            time.sleep(1.0)  # the poller is up, the gate at 0 %
+            assert agent.proc is not None
+            stopped = time.monotonic()
+            agent.proc.send_signal(signal.SIGSTOP)
+            try:
+                time.sleep(1.6)
+            finally:
+                agent.proc.send_signal(signal.SIGCONT)
+            out, _ = poll.communicate(timeout=60)
+        finally:
+            for p in (high, low):
+                p.terminate()
+                p.communicate(timeout=60)
+    samples = [(float(t), float(v)) for t, v in (line.split() for line in out.splitlines())]
+    before = [v for t, v in samples if stopped - 0.5 <= t < stopped]
+    during = [(round(t - stopped, 2), v) for t, v in samples if stopped <= t <= stopped + 1.5]
+    assert before
+    assert max(before) == 0, before  # yielding before the stop
+    assert len(during) >= 20, during
+    assert all(v == 0 for _, v in during), [(t, v) for t, v in during if v]
+
+
 def test_an_admins_limit_is_applied_again_by_a_restarted_supervisor(
     node: SimNode,
     sock_path: str,  # noqa: F811
