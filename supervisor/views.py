@@ -192,8 +192,8 @@ POSITIVE = Finite(min=0, min_open=True)
     type=Finite(min=0, max=86400),
     help=(
         "Seconds an administrator's limits (set-limit) outlive a container that left "
-        "(final report, expiry), for its restarted container in the same pod "
-        "(same labels); 0: forgotten at once."
+        "(final report, expiry, a restarted container taking its labels over), for "
+        "its restarted container in the same pod (same labels); 0: forgotten at once."
     ),
 )
 @click.option("--legacy-metrics", is_flag=True, help="Also export HAMi's legacy metric names.")
