@@ -16,6 +16,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -207,15 +208,18 @@ GRAPH_CHURN = textwrap.dedent(
 )
 
 
-def test_graph_memory_race_never_overshoots(node: SimNode, tmp_path: Path) -> None:
-    """Six processes launch graphs that allocate 384-896 MiB (and trim after
-    each launch) under a 2 GiB quota.  The simulated driver's own count of
-    device memory in use never passes the quota, and everything comes back."""
-    limit = 2 * GiB
+def churn_observed(
+    node: SimNode, tmp_path: Path, script: str, processes: int, limit: int
+) -> tuple[list[subprocess.Popen[str]], list[tuple[str, str]], Any]:
+    """Run `processes` copies of a churn script (seeds 0..n-1, 150 rounds)
+    in one container with a memory limit, started together once each is
+    ready, while OBSERVER samples the simulated driver's own count of device
+    memory; returns the processes, their (stdout, stderr) and what the
+    observer saw."""
     env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT=str(limit))
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", GRAPH_CHURN, str(seed), "150"],
+            [sys.executable, "-c", script, str(seed), "150"],
             env=env,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -223,7 +227,7 @@ def test_graph_memory_race_never_overshoots(node: SimNode, tmp_path: Path) -> No
             text=True,
             cwd=Path(__file__).resolve().parents[1],
         )
-        for seed in range(6)
+        for seed in range(processes)
     ]
     for p in procs:
         wait_ready(p)
@@ -238,7 +242,15 @@ def test_graph_memory_race_never_overshoots(node: SimNode, tmp_path: Path) -> No
     go(procs)
     outputs = [p.communicate(timeout=120) for p in procs]
     stop.touch()
-    seen = json.loads(observer.communicate(timeout=30)[0])
+    return procs, outputs, json.loads(observer.communicate(timeout=30)[0])
+
+
+def test_graph_memory_race_never_overshoots(node: SimNode, tmp_path: Path) -> None:
+    """Six processes launch graphs that allocate 384-896 MiB (and trim after
+    each launch) under a 2 GiB quota.  The simulated driver's own count of
+    device memory in use never passes the quota, and everything comes back."""
+    limit = 2 * GiB
+    procs, outputs, seen = churn_observed(node, tmp_path, GRAPH_CHURN, 6, limit)
     launched = refused = 0
     for p, (stdout, stderr) in zip(procs, outputs, strict=True):
         assert p.returncode == 0, stderr
@@ -310,33 +322,7 @@ def test_auto_free_graph_relaunch_race_never_overshoots(node: SimNode, tmp_path:
     never passes the quota; everything comes back.  Relaunches used to be
     charged again for the live allocation, and refused."""
     limit = 2 * GiB
-    env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT=str(limit))
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", AUTO_FREE_CHURN, str(seed), "150"],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=Path(__file__).resolve().parents[1],
-        )
-        for seed in range(5)
-    ]
-    for p in procs:
-        wait_ready(p)
-    stop = tmp_path / "stop"
-    observer = subprocess.Popen(
-        [sys.executable, "-c", OBSERVER, str(stop), "ready"],
-        env=node.env,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    wait_ready(observer)
-    go(procs)
-    outputs = [p.communicate(timeout=120) for p in procs]
-    stop.touch()
-    seen = json.loads(observer.communicate(timeout=30)[0])
+    procs, outputs, seen = churn_observed(node, tmp_path, AUTO_FREE_CHURN, 5, limit)
     totals = {"launched": 0, "refused": 0, "refused_live": 0}
     for p, (stdout, stderr) in zip(procs, outputs, strict=True):
         assert p.returncode == 0, stderr
