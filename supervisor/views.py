@@ -292,23 +292,63 @@ def node_agent(
 
 
 def _limit_value(value: str | None, what: str) -> int | str | None:
+    """A set-limit option's value: an integer, None (no limit) or OWN_LIMIT.
+
+    Checked by the library's own parsers, as the variables are: --cores as
+    CUDA_DEVICE_SM_LIMIT (blanks around whole digits 0-100, 0: no limit),
+    --memory as CUDA_DEVICE_MEMORY_LIMIT, except that an amount of zero
+    bytes in any spelling ("0", "00", "0g") lifts the limit, where the
+    variable refuses it."""
     if value is not None and value.lower() == OWN_LIMIT:
         return OWN_LIMIT
-    if value is None or value.lower() in ("none", "unlimited", "0"):
+    if value is None or value.lower() in ("none", "unlimited"):
         return None
-    if what == "sm":
-        bad = click.BadParameter(f"{value!r}: expected a percent 1-100", param_hint="'--cores'")
-        # Digits only, as the library reads CUDA_DEVICE_SM_LIMIT: int() would
-        # also take "+30", "3_0", " 30" and non-ASCII digits.
-        if not (value.isascii() and value.isdigit()) or not 1 <= int(value) <= 100:
-            raise bad
-        return int(value)
+    from gpuvisor.shim.capi import GpuvisorError
     from gpuvisor.shim.limits import parse_memory_limit
+    from gpuvisor.shim.loader import NativeLibraryNotFound
+
+    from .config import ENV_SM, ConfigError, check_shim_value
 
     try:
-        return int(parse_memory_limit(value))
-    except Exception as exc:
-        raise click.BadParameter(f"{value!r}: {exc}", param_hint="'--memory'") from None
+        if what == "sm":
+            bad = click.BadParameter(
+                f"{value!r}: expected a percent 1-100 (0, none or unlimited: no limit)",
+                param_hint="'--cores'",
+            )
+            if not value:
+                raise bad  # empty: "unset" to the library
+            try:
+                check_shim_value(ENV_SM, value)
+            except ConfigError:
+                raise bad from None
+            # The library took it: ASCII digits, maybe inside C blanks.
+            pct = int(value.strip())
+            return pct if pct > 0 else None
+        try:
+            return int(parse_memory_limit(value))
+        except GpuvisorError as exc:
+            if _zero_amount(value):
+                return None
+            raise click.BadParameter(f"{value!r}: {exc}", param_hint="'--memory'") from None
+    except (NativeLibraryNotFound, GpuvisorError) as exc:
+        # Not a bad value: the library is missing or not this version.
+        raise click.ClickException(" ".join(str(exc).split())) from None
+
+
+def _zero_amount(value: str) -> bool:
+    """Whether the library refused value only for being zero bytes: the same
+    spelling with every 0 made a 1 ("00" -> "11", "0.0g" -> "1.1g") parses,
+    so the form is good and no digit is non-zero."""
+    from gpuvisor.shim.capi import GpuvisorError
+    from gpuvisor.shim.limits import parse_memory_limit
+
+    if not any(c == "0" for c in value):
+        return False
+    try:
+        parse_memory_limit(value.replace("0", "1"))
+    except GpuvisorError:
+        return False
+    return True
 
 
 @node_agent.command("set-limit")
@@ -338,16 +378,18 @@ def _limit_value(value: str | None, what: str) -> int | str | None:
     "--memory",
     default=None,
     help=(
-        "New memory limit (4g, 512m, bytes; 'none': no limit; 'env': clear the "
-        "administrator's, back to the container's own)."
+        "New memory limit (4g, 512m, bytes; 'none', 'unlimited' or zero in any "
+        "spelling (0, 00, 0g): no limit; 'env': clear the administrator's, back to "
+        "the container's own)."
     ),
 )
 @click.option(
     "--cores",
     default=None,
     help=(
-        "New SM limit in percent (1-100; 'none': no limit; 'env': clear the "
-        "administrator's, back to the container's own)."
+        "New SM limit in percent, as CUDA_DEVICE_SM_LIMIT reads it (1-100; "
+        "'none', 'unlimited' or 0: no limit; 'env': clear the administrator's, "
+        "back to the container's own)."
     ),
 )
 def set_limit(

@@ -1050,14 +1050,42 @@ def test_set_limit_env_takes_an_admins_limit_back(sock_path):
         c.close()
 
 
-@pytest.mark.parametrize("cores", ["+30", "3_0", " 30", "\u0663\u0660", "0x1e", "101"])
+@pytest.mark.parametrize("cores", ["+30", "3_0", "\u0663\u0660", "0x1e", "101", "", " "])
 def test_set_limit_takes_the_sm_limit_as_the_library_reads_it(sock_path, cores):
-    """--cores takes digits only, as CUDA_DEVICE_SM_LIMIT: Python's int()
-    also took "+30", "3_0", " 30" and Arabic-Indic digits, which the
-    library refuses.  Refused before the agent is asked (none runs here)."""
+    """--cores is read by the library's parser for CUDA_DEVICE_SM_LIMIT:
+    Python's int() also took "+30", "3_0" and Arabic-Indic digits, which
+    the library refuses.  Refused before the agent is asked (none runs here)."""
     proc = set_limit(sock_path, "any", "--cores", cores)
     assert proc.returncode == 2, proc.stderr
-    assert "expected a percent 1-100" in proc.stderr, proc.stderr
+    assert "expected a percent 1-100 (0, none or unlimited: no limit)" in proc.stderr, proc.stderr
+    assert repr(cores) in proc.stderr, proc.stderr
+
+
+def test_set_limit_values_mean_what_the_variables_mean(sock_path):
+    """--cores " 30" and "030" are 30 %, as CUDA_DEVICE_SM_LIMIT reads them,
+    and "00" no limit as "0"; --memory "00", "0g", " 0 " and "0.0GiB" are
+    zero bytes as "0" is: no limit.  "0x" stays refused, naming the value."""
+    with AgentProc(sock_path) as agent:
+        c = Client(sock_path, pod="tenant", namespace="team")
+        c.report(device(limit=8 * GiB))
+        name = "team/tenant/main"
+        for cores, want in ((" 30", 30), ("030\t", 30), ("00", None), (" 0", None)):
+            proc = set_limit(sock_path, name, "--cores", cores)
+            assert proc.returncode == 0, (cores, proc.stderr)
+            ack = c.report(device(limit=8 * GiB, sm_limit=50))
+            assert ack["limits"][GPU_A]["sm"] == want, cores
+        for memory in ("00", "0g", " 0 ", "0.0GiB", "0"):
+            assert set_limit(sock_path, name, "--memory", "4g").returncode == 0
+            assert c.report(device(limit=8 * GiB))["limits"][GPU_A]["memory"] == 4 * GiB
+            proc = set_limit(sock_path, name, "--memory", memory)
+            assert proc.returncode == 0, (memory, proc.stderr)
+            assert c.report(device(limit=8 * GiB))["limits"][GPU_A]["memory"] is None, memory
+        proc = set_limit(sock_path, name, "--memory", "0x")
+        assert proc.returncode == 2
+        assert "'--memory': '0x': " in proc.stderr, proc.stderr
+        c.close()
+        assert agent.proc is not None
+        assert agent.proc.poll() is None
 
 
 @pytest.mark.parametrize(
