@@ -139,8 +139,13 @@ class Reporter:
         self._logged: set[str] = set()
         self._connected_once = False
         self._sock_used = False  # the connection has carried a report and its reply
+        # Reports written to the socket; acks for them taken (their
+        # instructions handed to the tuner); acks for them refused whole
+        # for a bad field (logged, nothing applied: see protocol.md).  An
+        # ack for another seq counts in neither.
         self.sent = 0
         self.acked = 0
+        self.refused_acks = 0
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()  # stop() wakes the loop's select
         self._thread = threading.Thread(target=self._run, name="gpuvisor-reporter", daemon=True)
@@ -302,11 +307,14 @@ class Reporter:
             if reply.get("seq") != report.seq:
                 self._log_once("node agent", f"ack for seq {reply.get('seq')!r}, sent {report.seq}")
                 return
-            self.acked += 1
             try:
-                self.tuner.submit(parse_ack(reply))
+                instructions = parse_ack(reply)
             except ProtocolError as exc:
+                self.refused_acks += 1
                 self._log_once("bad ack from the node agent", exc)
+                return
+            self.acked += 1
+            self.tuner.submit(instructions)
         elif kind == "error":
             self._log_once("node agent refused a report", reply.get("error"))
         else:

@@ -1014,3 +1014,50 @@ def test_the_containers_own_limits_are_read_as_the_library_reads_them(env, memor
     limits = env_limits(env)
     assert limits.memory(8 * GiB) == memory
     assert (limits.sm_known, limits.sm) == sm
+
+
+def test_a_refused_ack_counts_apart_from_the_acks_taken(tmp_path):
+    """An ack the supervisor refuses for a bad field ("sm": 0) is not one it
+    took: it counts in refused_acks, not acked, and reaches no tuner; a good
+    ack afterwards counts in acked.  A real agent socket answers both."""
+    from gpuvisor.supervisor.protocol import ContainerId
+    from gpuvisor.supervisor.reporter import Reporter
+    from gpuvisor.supervisor.tuner import Sample
+
+    path = tmp_path / "agent.sock"
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+    acks = [{"GPU-a": {"sm": 0}}, {"GPU-a": {"sm": 30}}]
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        with conn, conn.makefile("rb") as f:
+            for line, limits in zip(f, acks, strict=False):
+                seq = parse_report(decode(line)).seq
+                conn.sendall(encode({"v": 1, "type": "ack", "seq": seq, "limits": limits}))
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+
+    class Tuner:
+        def __init__(self) -> None:
+            self.submitted: list[Instructions] = []
+
+        def submit(self, instructions: Instructions) -> None:
+            self.submitted.append(instructions)
+
+    tuner = Tuner()
+    rep = Reporter(str(path), 1.0, cast(Any, tuner), ContainerId(cgroup="/"), "fixed-share", 0)
+    try:
+        assert rep.send(rep.build(Sample(ts=time.monotonic())))
+        assert (rep.sent, rep.acked) == (1, 0)
+        assert rep.refused_acks == 1
+        assert tuner.submitted == []
+        assert rep.send(rep.build(Sample(ts=time.monotonic())))
+        assert (rep.sent, rep.acked, rep.refused_acks) == (2, 1, 1)
+        assert [i.sm_limits for i in tuner.submitted] == [{"GPU-a": 30}]
+    finally:
+        rep._close()
+        server.close()
+        thread.join(2)
