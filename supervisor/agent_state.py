@@ -152,9 +152,20 @@ class AdminLimits:
     memory: dict[str, int | None] = field(default_factory=dict)
     sm: dict[str, int | None] = field(default_factory=dict)
     restore: dict[str, set[str]] = field(default_factory=dict)  # uuid -> kinds
+    # Devices whose limits came from a container that left (parked, then
+    # adopted: _adopt) and that this container's reports have not listed
+    # yet; dropped at adopted_until (the grace's end) if still unlisted.
+    adopted: set[str] = field(default_factory=set)
+    adopted_until: float = 0.0  # time.monotonic()
 
     def devices(self) -> set[str]:
         return self.memory.keys() | self.sm.keys() | self.restore.keys()
+
+    def drop_device(self, uuid: str) -> None:
+        self.memory.pop(uuid, None)
+        self.sm.pop(uuid, None)
+        self.restore.pop(uuid, None)
+        self.adopted.discard(uuid)
 
     def unapplied(self, report: Report) -> AdminLimits:
         """The limits the report does not show applied: another value, or a
@@ -309,6 +320,7 @@ class AgentState:
             st.last_wall = time.time()
             st.reports += 1
         st.devices_seen.update(d.uuid for d in report.devices)
+        self._settle_adopted(key, now)
         self._note_cgroup(report.container.cgroup, key)
         self._update_claims(key)
         self.reports_total += 1
@@ -540,7 +552,28 @@ class AgentState:
         if parked is None or now > parked.until or parked.scope != cgroup_scope(cid.cgroup):
             return
         del self.parked[cid.labels]
-        self.admin_limits.setdefault(cid.key, parked.limits)
+        if cid.key not in self.admin_limits:
+            limits = parked.limits
+            limits.adopted = limits.devices()
+            limits.adopted_until = parked.until
+            self.admin_limits[cid.key] = limits
+
+    def _settle_adopted(self, key: str, now: float) -> None:
+        """Adopted limits (_adopt) are the container's own once its reports
+        list their device; those whose device it has not listed when the
+        grace ends are dropped (a device the restarted container does not
+        have would otherwise be pushed in every ack, show in pending_limits
+        and count toward MAX_DEVICES for good)."""
+        admin = self.admin_limits.get(key)
+        st = self.containers.get(key)
+        if admin is None or st is None or not admin.adopted:
+            return
+        admin.adopted -= st.devices_seen
+        if now > admin.adopted_until:
+            for uuid in list(admin.adopted):
+                admin.drop_device(uuid)
+            if not admin.devices():
+                del self.admin_limits[key]
 
     def expiry(self, st: ContainerState) -> float:
         """Seconds without a report before the container expires: at least
@@ -561,6 +594,8 @@ class AgentState:
         for key in expired:
             self.remove(key, park=now)
         self.expired_total += len(expired)
+        for key in [k for k, a in self.admin_limits.items() if a.adopted]:
+            self._settle_adopted(key, now)
         for labels in [k for k, p in self.parked.items() if now > p.until]:
             del self.parked[labels]
         for uuid, entries in list(self.high_active.items()):
@@ -606,6 +641,7 @@ class AgentState:
                 f"device={device!r}: the container has limits on {MAX_DEVICES} devices already"
             )
         self.admin_limits[key] = admin
+        admin.adopted.discard(device)  # set for this container: kept
         for kind, table in (("memory", admin.memory), ("sm", admin.sm)):
             if kind not in msg:
                 continue

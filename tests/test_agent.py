@@ -1393,6 +1393,43 @@ def test_a_device_nvml_cannot_read_does_not_hide_the_others():
     assert gpus.process_use(1.0) == {"GPU-0": {700: 30.0}, "GPU-2": {702: 30.0}}
 
 
+def test_adopted_limits_for_a_device_the_new_container_never_lists_end_with_the_grace(
+    sock_path,
+):
+    """A restarted container takes the limits parked for its pod
+    (--limit-grace); one on a device its reports have not listed when the
+    grace ends is dropped: no longer pushed in every ack, nor in
+    pending_limits, nor counted toward the 16-device cap.  One on a device
+    it did list stays its own."""
+    with AgentProc(sock_path, "--limit-grace", "1.5") as agent:
+        c = Client(sock_path, pod="tenant", namespace="team")
+        name = "team/tenant/main"
+        c.report(device(limit=8 * GiB), device(GPU_B, index=1, limit=8 * GiB))
+        assert set_limit(sock_path, name, "--memory", "4g").returncode == 0
+        proc = run_cli(
+            "node-agent", "set-limit", "--socket", sock_path, "--container", name,
+            "--device", GPU_B, "--memory", "2g",
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr
+        assert c.report(device(limit=4 * GiB), final=True)["type"] == "ack"
+        # The restarted container has GPU_A only: within the grace both are pushed.
+        c.close()
+        c.connect()
+        start = time.monotonic()
+        ack = c.report(device(limit=8 * GiB))
+        assert ack["limits"] == {GPU_A: {"memory": 4 * GiB}, GPU_B: {"memory": 2 * GiB}}
+        st = agent.status()["containers"][0]
+        assert st["pending_limits"]["memory"] == {GPU_A: 4 * GiB, GPU_B: 2 * GiB}
+        time.sleep(max(0.0, start + 2.0 - time.monotonic()))
+        # The grace is over: GPU_B's is dropped, GPU_A's (listed) stays.
+        assert c.report(device(limit=4 * GiB))["limits"] == {}
+        assert c.report(device(limit=8 * GiB))["limits"] == {GPU_A: {"memory": 4 * GiB}}
+        st = agent.status()["containers"][0]
+        assert st["admin_limits"] == {"memory": {GPU_A: 4 * GiB}, "sm": {}}
+        assert st["pending_limits"] == {"memory": {GPU_A: 4 * GiB}, "sm": {}}
+        c.close()
+
+
 def test_parked_admin_limits_go_to_the_same_pods_next_container_within_the_grace():
     """An administrator's limits outlive a container that left (final
     report or expiry) for --limit-grace seconds, for the next container
