@@ -531,3 +531,30 @@ def test_shim_info_cli(node) -> None:
     bad = run_py(cli, node.env, args=["shim-info"])
     assert bad.returncode != 0
     assert str(node.region) in bad.stderr
+
+
+@pytest.mark.parametrize("delta", [-1, 1, 4096], ids=["short", "long", "long-page"])
+def test_attach_region_of_the_wrong_size_says_which_way(node, delta) -> None:
+    """A region file whose size is not its header's total, smaller or larger,
+    is refused with one line naming the path, the size found and the size
+    expected, and which way it is off (a larger file is not "truncated")."""
+    api(node, "Region.attach()\nemit()")
+    expected = node.region.stat().st_size
+    with node.region.open("r+b") as f:
+        f.truncate(expected + delta)
+    out = api(
+        node,
+        """
+try:
+    Region.attach()
+    emit(err=None)
+except GpuvisorError as e:
+    emit(err=[e.code_name, e.message])
+""",
+    )
+    way = "small" if delta < 0 else "large"
+    assert out["err"] == [
+        "GV_ECORRUPT",
+        f"gpuvisor: region {node.region}: file is {expected + delta} bytes, "
+        f"expected {expected} (too {way})",
+    ]

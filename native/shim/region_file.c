@@ -103,8 +103,11 @@ static int validate(int fd, const char *path, char *err, size_t errlen)
         return GV_ECORRUPT;
     }
     if ((uint64_t)st.st_size != h.total_size) {
-        rg_set_err(err, errlen, "%s %s: file is %lld bytes, expected %llu (truncated?)",
-                pre, path, (long long)st.st_size, (unsigned long long)h.total_size);
+        /* Either way: cut short (truncated while in use) or grown past
+         * the region (written to, or another file under the magic). */
+        rg_set_err(err, errlen, "%s %s: file is %lld bytes, expected %llu (too %s)",
+                pre, path, (long long)st.st_size, (unsigned long long)h.total_size,
+                (uint64_t)st.st_size < h.total_size ? "small" : "large");
         return GV_ECORRUPT;
     }
     return GV_OK;

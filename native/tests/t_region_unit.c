@@ -234,8 +234,15 @@ static void test_open(void)
     expect_open(q, GV_ECORRUPT, "bad magic 0x");
     write_file(q, hdr, sizeof hdr, -1);             /* good header, no body */
     expect_open(q, GV_ECORRUPT, "expected");
+    char size_msg[96];
     write_file(q, hdr, sizeof hdr, (off_t)size - 8);
-    expect_open(q, GV_ECORRUPT, "truncated?");
+    snprintf(size_msg, sizeof size_msg, "file is %zu bytes, expected %zu (too small)",
+             size - 8, size);
+    expect_open(q, GV_ECORRUPT, size_msg);
+    write_file(q, hdr, sizeof hdr, (off_t)size + 8);  /* grown past the region */
+    snprintf(size_msg, sizeof size_msg, "file is %zu bytes, expected %zu (too large)",
+             size + 8, size);
+    expect_open(q, GV_ECORRUPT, size_msg);
     write_file(q, hdr, 12, -1);                      /* header cut short */
     expect_open(q, GV_ECORRUPT, "truncated header");
     unsigned char h2[64];
