@@ -5,9 +5,26 @@
 #ifndef GV_TEST_CUDA_PROTOS_H
 #define GV_TEST_CUDA_PROTOS_H
 
+#include <dlfcn.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include "gv_cuda.h"
+
+#define MiB (1ULL << 20)
+
+/* Region device 0's usage as the interposer counts it, in MiB
+ * (gv_device_get_used, found at run time: it settles nothing itself);
+ * UINT64_MAX without the interposer. */
+static inline uint64_t gv_test_used_mib(void)
+{
+    int (*get)(int, uint64_t *) = (int (*)(int, uint64_t *))dlsym(RTLD_DEFAULT,
+                                                                  "gv_device_get_used");
+    uint64_t v = 0;
+    if (!get || get(0, &v) != 0)
+        return UINT64_MAX;
+    return v / MiB;
+}
 
 CUresult cuInit(unsigned int);
 CUresult cuDeviceGet(CUdevice *, int);

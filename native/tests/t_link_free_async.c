@@ -66,7 +66,6 @@ CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsi
 CUresult cuLaunchKernel_ptsz(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
                              unsigned, unsigned, CUstream, void **, void **);
 
-#define MiB (1ULL << 20)
 #define MUST(call)                                                            \
     do {                                                                      \
         CUresult rc_ = (call);                                                \
@@ -75,16 +74,6 @@ CUresult cuLaunchKernel_ptsz(CUfunction, unsigned, unsigned, unsigned, unsigned,
             return 3;                                                         \
         }                                                                     \
     } while (0)
-
-static uint64_t used_mib(void)
-{
-    int (*get)(int, uint64_t *) = (int (*)(int, uint64_t *))dlsym(RTLD_DEFAULT,
-                                                                  "gv_device_get_used");
-    uint64_t v = 0;
-    if (!get || get(0, &v) != 0)
-        return UINT64_MAX;
-    return v / MiB;
-}
 
 /* ---- many: more frees pending than the table holds ------------------ */
 
@@ -117,7 +106,7 @@ static int many(CUfunction spin)
             slowest = now_s() - t0;
     }
     MUST(cuStreamSynchronize(s));
-    printf("many blocked=%d used=%llu\n", slowest > 0.5, (unsigned long long)used_mib());
+    printf("many blocked=%d used=%llu\n", slowest > 0.5, (unsigned long long)gv_test_used_mib());
     return 0;
 }
 
@@ -170,7 +159,7 @@ static int threads(CUcontext prim, CUfunction spin)
         failed += r != NULL;
     }
     MUST(cuCtxSynchronize());
-    printf("threads failed=%d used=%llu\n", failed, (unsigned long long)used_mib());
+    printf("threads failed=%d used=%llu\n", failed, (unsigned long long)gv_test_used_mib());
     return 0;
 }
 
@@ -319,12 +308,12 @@ int main(int argc, char **argv)
     CUresult pending = cuMemAlloc_v2(&q, 512 * MiB);
     if (pending == CUDA_SUCCESS)
         cuMemFree_v2(q);
-    uint64_t during = used_mib();
+    uint64_t during = gv_test_used_mib();
     if (is_query_mode(mode)) {
         int polls = poll_query(mode, s, later);
         if (polls < 0)
             return 3;
-        uint64_t synced = used_mib();
+        uint64_t synced = gv_test_used_mib();
         if (spawn_take())
             return 3;
         CUresult after = cuMemAlloc_v2(&q, 512 * MiB);
@@ -346,7 +335,7 @@ int main(int argc, char **argv)
         MUST(cuCtxDestroy_v2(other));
     else
         return 2;
-    uint64_t synced = used_mib();
+    uint64_t synced = gv_test_used_mib();
     CUresult after = cuMemAlloc_v2(&q, 512 * MiB);
     printf("pending=%d during=%llu synced=%llu after=%d\n", (int)pending,
            (unsigned long long)during, (unsigned long long)synced, (int)after);

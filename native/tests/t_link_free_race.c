@@ -45,7 +45,6 @@ CUresult cuMemMap(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle, uns
 CUresult cuMemUnmap(CUdeviceptr, size_t);
 CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
 
-#define MiB (1ULL << 20)
 #define OBJ (512 * MiB)
 
 static const char *mode;

@@ -56,7 +56,6 @@ CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *, size_t, CUmemoryPool, CUstr
 CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
 CUresult cuMemFreeAsync_ptsz(CUdeviceptr, CUstream);
 
-#define MiB (1ULL << 20)
 #define BASE (32 + 1024)        /* the context and the heap, MiB */
 #define MUST(call)                                                            \
     do {                                                                      \
@@ -74,16 +73,6 @@ static CUmemoryPool pool;
 static atomic_int stop;
 static int blocks, low;
 
-static uint64_t used_mib(void)
-{
-    int (*get)(int, uint64_t *) = (int (*)(int, uint64_t *))dlsym(RTLD_DEFAULT,
-                                                                  "gv_device_get_used");
-    uint64_t v = 0;
-    if (!get || get(0, &v) != 0)
-        return UINT64_MAX;
-    return v / MiB;
-}
-
 static void *allocator(void *arg)
 {
     (void)arg;
@@ -92,7 +81,7 @@ static void *allocator(void *arg)
         CUdeviceptr p;
         if (cuMemAlloc_v2(&p, 2 * MiB) == CUDA_SUCCESS)
             blocks++;
-        if (used_mib() < BASE + 2ULL * blocks)
+        if (gv_test_used_mib() < BASE + 2ULL * blocks)
             low++;
         usleep(25 * 1000);
     }
@@ -151,7 +140,7 @@ int main(int argc, char **argv)
     int rc = round_trip();
     if (rc)
         return rc;
-    uint64_t synced_a = used_mib();
+    uint64_t synced_a = gv_test_used_mib();
 
     pthread_t t;
     pthread_create(&t, NULL, allocator, NULL);
@@ -161,7 +150,7 @@ int main(int argc, char **argv)
     pthread_join(t, NULL);
     if (rc)
         return rc;
-    uint64_t synced = used_mib();
+    uint64_t synced = gv_test_used_mib();
     size_t f = 0, total = 0;
     MUST(cuMemGetInfo_v2(&f, &total));
     printf("synced_a=%llu n=%d synced=%llu after=%llu low=%d\n", (unsigned long long)synced_a,
