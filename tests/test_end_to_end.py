@@ -86,6 +86,11 @@ def supervised(
     )
 
 
+def memory_limit(agent: AgentProc, pod: str) -> list[float]:
+    """The agent's gpuvisor_container_memory_limit_bytes of a pod's container."""
+    return find(agent.metrics(), "gpuvisor_container_memory_limit_bytes", podname=pod)
+
+
 def test_agent_sees_two_supervised_containers(node: SimNode, sock_path: str) -> None:  # noqa: F811
     with AgentProc(sock_path, env=node.env) as agent:
         a = supervised(node, sock_path, node.dir / "a.shr", "pod-a", "4g", "30", 1024)
@@ -381,15 +386,14 @@ def test_an_admins_limit_is_applied_again_by_a_restarted_supervisor(
 
     import psutil
 
-    def limit(agent: AgentProc) -> list[float]:
-        return find(agent.metrics(), "gpuvisor_container_memory_limit_bytes", podname="pod-r")
-
     with AgentProc(sock_path, "--expire-after", "30", env=node.env) as agent:
         first = supervised(node, sock_path, node.dir / "r1.shr", "pod-r", "4g", "0", 64)
         try:
             assert first.stdout is not None
             assert first.stdout.readline().strip() == "allocated"
-            assert wait_for(lambda: limit(agent) == [4 * GiB], timeout=5.0), limit(agent)
+            assert wait_for(lambda: memory_limit(agent, "pod-r") == [4 * GiB], timeout=5.0), (
+                memory_limit(agent, "pod-r")
+            )
             uuid = agent.status()["containers"][0]["devices"][0]["uuid"]
             proc = subprocess.run(
                 [
@@ -411,7 +415,9 @@ def test_an_admins_limit_is_applied_again_by_a_restarted_supervisor(
                 timeout=30,
             )
             assert proc.returncode == 0, proc.stderr
-            assert wait_for(lambda: limit(agent) == [GiB], timeout=5.0), limit(agent)
+            assert wait_for(lambda: memory_limit(agent, "pod-r") == [GiB], timeout=5.0), (
+                memory_limit(agent, "pod-r")
+            )
             workload = psutil.Process(first.pid).children()
             first.send_signal(signal.SIGKILL)
             for p in workload:
@@ -429,7 +435,9 @@ def test_an_admins_limit_is_applied_again_by_a_restarted_supervisor(
                 return bool(st) and st[0]["peer"]["pid"] == second.pid
 
             assert wait_for(reported_by_second, timeout=5.0)
-            assert wait_for(lambda: limit(agent) == [GiB], timeout=5.0), limit(agent)
+            assert wait_for(lambda: memory_limit(agent, "pod-r") == [GiB], timeout=5.0), (
+                memory_limit(agent, "pod-r")
+            )
             assert len(agent.status()["containers"]) == 1
         finally:
             second.kill()
@@ -467,25 +475,28 @@ def test_an_admin_clears_a_limit_and_the_containers_own_comes_back(
     then cleared, and the supervisor puts 2 GiB back in the region (it
     would otherwise keep applying the 1 GiB it was pushed)."""
 
-    def limit(agent: AgentProc) -> list[float]:
-        return find(agent.metrics(), "gpuvisor_container_memory_limit_bytes", podname="pod-c")
-
     with AgentProc(sock_path, env=node.env) as agent:
         sup = supervised(node, sock_path, node.dir / "c.shr", "pod-c", "2g", "0", 64, 20)
         try:
             assert sup.stdout is not None
             assert sup.stdout.readline().strip() == "allocated"
-            assert wait_for(lambda: limit(agent) == [2 * GiB], timeout=5.0), limit(agent)
+            assert wait_for(lambda: memory_limit(agent, "pod-c") == [2 * GiB], timeout=5.0), (
+                memory_limit(agent, "pod-c")
+            )
             uuid = agent.status()["containers"][0]["devices"][0]["uuid"]
             admin_set_limit(sock_path, "e2e/pod-c/main", uuid, "--memory", "1g")
-            assert wait_for(lambda: limit(agent) == [GiB], timeout=5.0), limit(agent)
+            assert wait_for(lambda: memory_limit(agent, "pod-c") == [GiB], timeout=5.0), (
+                memory_limit(agent, "pod-c")
+            )
             admin_set_limit(sock_path, "e2e/pod-c/main", uuid, "--memory", "env")
-            assert wait_for(lambda: limit(agent) == [2 * GiB], timeout=5.0), limit(agent)
+            assert wait_for(lambda: memory_limit(agent, "pod-c") == [2 * GiB], timeout=5.0), (
+                memory_limit(agent, "pod-c")
+            )
             st = agent.status()["containers"][0]
             assert st["admin_limits"] == {"memory": {uuid: "env"}, "sm": {}}
             # It stays so: nothing pushes the admin's 1 GiB any more.
             time.sleep(1.5)
-            assert limit(agent) == [2 * GiB]
+            assert memory_limit(agent, "pod-c") == [2 * GiB]
         finally:
             sup.terminate()  # forwarded to the workload
             sup.communicate(timeout=30)
@@ -500,18 +511,19 @@ def test_an_admins_limit_survives_a_clean_restart_of_the_container(
     same pod) gets the admin's limit again, as after a crash: the agent
     keeps it --limit-grace seconds after the final report."""
 
-    def limit(agent: AgentProc) -> list[float]:
-        return find(agent.metrics(), "gpuvisor_container_memory_limit_bytes", podname="pod-g")
-
     with AgentProc(sock_path, env=node.env) as agent:
         first = supervised(node, sock_path, node.dir / "g1.shr", "pod-g", "4g", "0", 64, 8)
         try:
             assert first.stdout is not None
             assert first.stdout.readline().strip() == "allocated"
-            assert wait_for(lambda: limit(agent) == [4 * GiB], timeout=5.0), limit(agent)
+            assert wait_for(lambda: memory_limit(agent, "pod-g") == [4 * GiB], timeout=5.0), (
+                memory_limit(agent, "pod-g")
+            )
             uuid = agent.status()["containers"][0]["devices"][0]["uuid"]
             admin_set_limit(sock_path, "e2e/pod-g/main", uuid, "--memory", "1g")
-            assert wait_for(lambda: limit(agent) == [GiB], timeout=5.0), limit(agent)
+            assert wait_for(lambda: memory_limit(agent, "pod-g") == [GiB], timeout=5.0), (
+                memory_limit(agent, "pod-g")
+            )
             first.communicate(timeout=30)  # the workload ends: a clean exit
             assert first.returncode == 0
         finally:
@@ -524,7 +536,9 @@ def test_an_admins_limit_survives_a_clean_restart_of_the_container(
         try:
             assert second.stdout is not None
             assert second.stdout.readline().strip() == "allocated"
-            assert wait_for(lambda: limit(agent) == [GiB], timeout=5.0), limit(agent)
+            assert wait_for(lambda: memory_limit(agent, "pod-g") == [GiB], timeout=5.0), (
+                memory_limit(agent, "pod-g")
+            )
             assert parked == 1
             st = agent.status()
             assert st["containers"][0]["admin_limits"] == {"memory": {uuid: GiB}, "sm": {}}
