@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -333,12 +334,12 @@ def test_pool_shrunk_by_a_synchronisation_under_asan(asan_env: dict[str, str]) -
     assert out["low"] == 0, proc.stdout
 
 
-def test_stream_ordered_frees_pending_under_tsan(node: SimNode) -> None:
-    """The table of pending frees is lock-free: four threads queue, reach
-    and synchronise frees at once under ThreadSanitizer (`make tsan` builds
-    the library, the simulator and this program into build-tsan/)."""
+def tsan_program(node: SimNode, name: str) -> tuple[Path, dict[str, str]]:
+    """A C test program of build-tsan/ and the environment that runs it
+    with the ThreadSanitizer builds of the library and the simulator
+    (skips without them)."""
     tsan = REPO_ROOT / "build-tsan"
-    prog = tsan / "tests" / "t_link_free_async"
+    prog = tsan / "tests" / name
     if not (tsan / "libgpuvisor.so").is_file() or not prog.is_file():
         pytest.skip("build-tsan/ missing: run `make tsan` (make test does)")
     env = dict(
@@ -346,6 +347,16 @@ def test_stream_ordered_frees_pending_under_tsan(node: SimNode) -> None:
         LD_LIBRARY_PATH=str(tsan / "sim"),
         LD_PRELOAD=str(tsan / "libgpuvisor.so"),
         TSAN_OPTIONS="exitcode=66:halt_on_error=1",
+    )
+    return prog, env
+
+
+def test_stream_ordered_frees_pending_under_tsan(node: SimNode) -> None:
+    """The table of pending frees is lock-free: four threads queue, reach
+    and synchronise frees at once under ThreadSanitizer (`make tsan` builds
+    the library, the simulator and this program into build-tsan/)."""
+    prog, env = tsan_program(node, "t_link_free_async")
+    env.update(
         CUDA_DEVICE_MEMORY_LIMIT="1g",
     )
     proc = run([str(prog), "threads"], env)
@@ -359,15 +370,8 @@ def test_stream_ordered_frees_pending_under_tsan(node: SimNode) -> None:
 def test_pool_shrunk_by_a_synchronisation_under_tsan(node: SimNode) -> None:
     """A pool settled by a synchronisation and by another thread's readings
     of untracked memory at once, under ThreadSanitizer."""
-    tsan = REPO_ROOT / "build-tsan"
-    prog = tsan / "tests" / "t_link_pool_sync_race"
-    if not (tsan / "libgpuvisor.so").is_file() or not prog.is_file():
-        pytest.skip("build-tsan/ missing: run `make tsan` (make test does)")
-    env = dict(
-        node.env,
-        LD_LIBRARY_PATH=str(tsan / "sim"),
-        LD_PRELOAD=str(tsan / "libgpuvisor.so"),
-        TSAN_OPTIONS="exitcode=66:halt_on_error=1",
+    prog, env = tsan_program(node, "t_link_pool_sync_race")
+    env.update(
         CUDA_DEVICE_MEMORY_LIMIT="4g",
         GPUVISOR_SIM_FREE_MS="1200",
     )
