@@ -176,6 +176,13 @@ def nvml_shares(node: SimNode, since_us: int) -> dict[str, int]:
     return shares
 
 
+def shares_over(node: SimNode, seconds: float) -> dict[str, int]:
+    """NVML's per-process SM shares over the next `seconds` (waits them)."""
+    since = int(time.time() * 1e6)
+    time.sleep(seconds)
+    return nvml_shares(node, since)
+
+
 def region_call(node: SimNode, code: str) -> None:
     subprocess.run(
         [
@@ -390,9 +397,7 @@ def test_live_limit_change(node: SimNode) -> None:
     time.sleep(1.5)
     region_call(node, "r.set_sm_limit(0, 80)")
     time.sleep(0.5)
-    since = int(time.time() * 1e6)
-    time.sleep(1.5)
-    shares = nvml_shares(node, since)
+    shares = shares_over(node, 1.5)
     stop(w)
     print(f"after raising 20 -> 80: {shares}")
     assert abs(shares[str(w.pid)] - 80) <= 6
@@ -413,9 +418,7 @@ def test_lifted_limit_runs_free_and_a_new_limit_holds_again(node: SimNode) -> No
         time.sleep(1.0)
         region_call(node, f"r.set_sm_limit(0, {limit})")
         time.sleep(settle)
-        since = int(time.time() * 1e6)
-        time.sleep(1.0)
-        readings.append(nvml_shares(node, since)[str(w.pid)])
+        readings.append(shares_over(node, 1.0)[str(w.pid)])
     stop(w)
     print(f"30 -> lifted: {readings[0]} %, -> 30 again: {readings[1]} %")
     assert readings[0] >= 90
@@ -434,14 +437,10 @@ def test_yield_pauses_and_resumes(node: SimNode, limit: str | None) -> None:
     time.sleep(0.8)
     region_call(node, "r.set_sm_yield(0, 30)\nassert r.sm(0).priority == 1")
     time.sleep(0.4)  # queued work drains
-    since = int(time.time() * 1e6)
-    time.sleep(1.0)
-    paused = nvml_shares(node, since).get(str(w.pid), 0)
+    paused = shares_over(node, 1.0).get(str(w.pid), 0)
     region_call(node, "r.set_sm_yield(0, 0)")
     time.sleep(0.3)
-    since = int(time.time() * 1e6)
-    time.sleep(0.8)
-    resumed = nvml_shares(node, since).get(str(w.pid), 0)
+    resumed = shares_over(node, 0.8).get(str(w.pid), 0)
     stop(w)
     print(f"paused={paused} resumed={resumed}")
     assert paused <= 2
@@ -460,13 +459,9 @@ def test_a_yield_lease_ends_by_itself(node: SimNode) -> None:
     time.sleep(0.8)
     region_call(node, "r.set_sm_yield(0, 2.0)")
     time.sleep(0.4)  # queued work drains
-    since = int(time.time() * 1e6)
-    time.sleep(0.8)
-    paused = nvml_shares(node, since).get(str(w.pid), 0)
+    paused = shares_over(node, 0.8).get(str(w.pid), 0)
     time.sleep(1.2)  # the lease ends 2 s after it was set
-    since = int(time.time() * 1e6)
-    time.sleep(0.8)
-    resumed = nvml_shares(node, since).get(str(w.pid), 0)
+    resumed = shares_over(node, 0.8).get(str(w.pid), 0)
     stop(w)
     print(f"paused={paused} resumed={resumed}")
     assert paused <= 2
@@ -500,14 +495,10 @@ def test_burst_share_lends_idle_time_and_gives_it_back(
     b = start(b_env, "kernel", LONG_RUN, 4)
     go(a)
     time.sleep(1.0)
-    since = int(time.time() * 1e6)
-    time.sleep(0.8)
-    alone = nvml_shares(node, since).get(str(a.pid), 0)
+    alone = shares_over(node, 0.8).get(str(a.pid), 0)
     go(b)
     time.sleep(1.0)  # the promise: capacity comes back within 1 s
-    since = int(time.time() * 1e6)
-    time.sleep(1.5)
-    shared = nvml_shares(node, since)
+    shared = shares_over(node, 1.5)
     stop(a, b)
     print(f"A alone={alone} A with B={shared.get(str(a.pid))} B={shared.get(str(b.pid))}")
     assert alone >= 80
@@ -527,9 +518,7 @@ def test_processes_of_a_container_in_its_own_pid_namespace_know_each_other(
     procs = [start(env, "kernel", LONG_RUN, seed) for seed in (5, 6)]
     go(*procs)
     time.sleep(1.0)
-    since = int(time.time() * 1e6)
-    time.sleep(1.0)
-    shares = nvml_shares(node, since)
+    shares = shares_over(node, 1.0)
     stop(*procs)
     total = sum(shares.get(str(p.pid), 0) for p in procs)
     print(f"two processes alone: {shares} total {total}")
@@ -545,9 +534,7 @@ def test_best_effort_yields_to_others(node: SimNode, tmp_path: Path) -> None:
     b = start(b_env, "kernel", LONG_RUN, 6)
     go(a, b)
     time.sleep(1.5)
-    since = int(time.time() * 1e6)
-    time.sleep(1.5)
-    shares = nvml_shares(node, since)
+    shares = shares_over(node, 1.5)
     stop(a, b)
     print(f"best-effort A={shares.get(str(a.pid))} fixed 70 B={shares.get(str(b.pid))}")
     assert abs(shares.get(str(b.pid), 0) - 70) <= 6  # B gets its share
@@ -603,15 +590,11 @@ def test_a_container_killed_or_stopped_mid_launch_never_holds_another(
     b = start(b_env, "kernel", LONG_RUN, 8)
     go(a, b)
     time.sleep(1.0)
-    since = int(time.time() * 1e6)
-    time.sleep(1.0)
-    both = nvml_shares(node, since)
+    both = shares_over(node, 1.0)
     assert any(f.name.startswith("gpuvisor-sm-") for f in node.dir.iterdir())  # in play
     os.kill(a.pid, sig)
     time.sleep(0.5)
-    since = int(time.time() * 1e6)
-    time.sleep(1.0)
-    after = nvml_shares(node, since)
+    after = shares_over(node, 1.0)
     if sig == signal.SIGSTOP:
         os.kill(a.pid, signal.SIGCONT)
         stop(a, b)
