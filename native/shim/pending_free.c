@@ -267,29 +267,21 @@ GV_EXPORT CUresult cuEventSynchronize(CUevent e)
  * queued in it: released now, not at the next allocation.  Nothing else is
  * done here (the driver gives pool memory back only at synchronisations);
  * with no free pending, one atomic load. */
-GV_EXPORT CUresult cuStreamQuery(CUstream s)
+static CUresult answered(CUresult rc)
 {
-    CUresult rc = GV_REAL(cuStreamQuery, stream_fn)(s);
     if (rc == CUDA_SUCCESS)
         gv_pending_frees_reap();
     return rc;
 }
+
+GV_EXPORT CUresult cuStreamQuery(CUstream s) { return answered(GV_REAL(cuStreamQuery, stream_fn)(s)); }
 
 GV_EXPORT CUresult cuStreamQuery_ptsz(CUstream s)
 {
-    CUresult rc = GV_REAL(cuStreamQuery_ptsz, stream_fn)(s);
-    if (rc == CUDA_SUCCESS)
-        gv_pending_frees_reap();
-    return rc;
+    return answered(GV_REAL(cuStreamQuery_ptsz, stream_fn)(s));
 }
 
-GV_EXPORT CUresult cuEventQuery(CUevent e)
-{
-    CUresult rc = GV_REAL(cuEventQuery, ev_fn)(e);
-    if (rc == CUDA_SUCCESS)
-        gv_pending_frees_reap();
-    return rc;
-}
+GV_EXPORT CUresult cuEventQuery(CUevent e) { return answered(GV_REAL(cuEventQuery, ev_fn)(e)); }
 
 const gv_hook gv_hooks_sync[] = {
     { "cuStreamSynchronize", (void *)cuStreamSynchronize },
