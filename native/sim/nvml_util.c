@@ -12,7 +12,14 @@
  * lastSeenTimeStamp (at most the last HISTORY_NS, and only as far back as
  * the timeline still holds): smUtil = percent of those samples' time that
  * the process's kernels ran, timeStamp = the newest sample's.
+ *
+ * GPUVISOR_SIM_NVML_PUBLISH_MS=N: a process's samples are published only
+ * d ms after they end, d from 0 to N fixed per process (drawn from its
+ * PID), so the processes' samples of one period appear at different times,
+ * as a real driver's did (docs/simulator.md): a reader that asks from the
+ * newest timestamp of anyone's then misses the samples published later.
  */
+#include <pthread.h>
 #include <stdlib.h>
 #include <time.h>
 
@@ -64,6 +71,34 @@ SIM_API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t dev,
     return NVML_SUCCESS;
 }
 
+static unsigned long long publish_ms;
+static pthread_once_t publish_once = PTHREAD_ONCE_INIT;
+
+static void read_publish(void)
+{
+    if (sim_knob_uint("GPUVISOR_SIM_NVML_PUBLISH_MS", &publish_ms) <= 0)
+        publish_ms = 0;
+}
+
+/* How long after its end a sample of pid is published. */
+static uint64_t publish_delay_ns(unsigned pid)
+{
+    pthread_once(&publish_once, read_publish);
+    if (!publish_ms)
+        return 0;
+    uint64_t h = (uint64_t)pid * 0x9e3779b97f4a7c15ULL;
+    h ^= h >> 29;
+    return h % (publish_ms * 1000) * 1000;
+}
+
+/* The end of pid's newest published sample, at most hi. */
+static uint64_t published_until(unsigned pid, uint64_t now, uint64_t hi)
+{
+    uint64_t d = publish_delay_ns(pid);
+    uint64_t until = now > d ? (now - d) / SAMPLE_NS * SAMPLE_NS : 0;
+    return until < hi ? until : hi;
+}
+
 typedef struct pid_util {
     unsigned pid;
     unsigned sm;
@@ -105,30 +140,32 @@ static nvmlReturn_t proc_samples(int node, unsigned long long last_seen,
         free(iv);
         return NVML_SUCCESS;
     }
-    uint64_t busy[MAX_PIDS];
+    uint64_t busy[MAX_PIDS], until[MAX_PIDS];
     unsigned pids[MAX_PIDS];
     int np = 0;
     for (int i = 0; i < n; i++) {
-        uint64_t b = overlap(&iv[i], lo, hi);
+        unsigned pid = (unsigned)iv[i].pid;
+        int j;
+        for (j = 0; j < np && pids[j] != pid; j++)
+            ;
+        uint64_t top = j < np ? until[j] : published_until(pid, now, hi);
+        uint64_t b = overlap(&iv[i], lo, top);
         if (!b)
             continue;
-        int j;
-        for (j = 0; j < np && pids[j] != (unsigned)iv[i].pid; j++)
-            ;
         if (j == np) {
             if (np == MAX_PIDS)
                 continue;
-            pids[np] = (unsigned)iv[i].pid;
+            pids[np] = pid;
+            until[np] = top;
             busy[np++] = 0;
         }
         busy[j] += b;
     }
     free(iv);
-    unsigned long long ts = (hi + (uint64_t)mono_to_rt) / NS_PER_US;
     for (int j = 0; j < np; j++) {
         out[j].pid = pids[j];
-        out[j].sm = pct(busy[j], hi - lo);
-        out[j].ts = ts;
+        out[j].sm = pct(busy[j], until[j] - lo);
+        out[j].ts = (until[j] + (uint64_t)mono_to_rt) / NS_PER_US;
     }
     *nout = np;
     return NVML_SUCCESS;
