@@ -14,9 +14,16 @@
  * on average, and a ratio that wanders for a second or two shifts the
  * share for that long):
  *  - NVML's side is read sample by sample: each query asks for what is
- *    newer than the newest sample already taken, so each answer covers
- *    (previous sample, newest sample] exactly, rounded to a whole percent
- *    of one sample rather than of the whole window;
+ *    newer than this process's newest sample already taken, so each answer
+ *    covers (previous sample, newest sample] exactly, rounded to a whole
+ *    percent of one sample rather than of the whole window.  Only this
+ *    process's own timestamps count: the driver does not publish every
+ *    process's sample of a period at once, and asking from another
+ *    process's newer timestamp hides this one's when it comes (on an H200,
+ *    two processes sharing the GPU each lost about half of their samples
+ *    to a reader that asked from the newest of anyone's, so the ratio came
+ *    out low and their container ran 5-15 points over its limit:
+ *    docs/benchmarks.md, "SM quota on a real GPU");
  *  - the events' side is placed in time: each measured kernel is spread
  *    over 1 ms buckets from its end (when the meter saw it finish) back by
  *    its length, and the ratio compares the buckets of the same interval
@@ -131,17 +138,17 @@ static void take_samples(struct cal *c, unsigned long long since,
                          const nvmlProcessUtilizationSample_t *s, unsigned n, unsigned me,
                          uint64_t real_ns)
 {
-    /* The newest sample anyone has, and this process's part of the time
-     * since the last one taken.  NVML may answer with one entry per
-     * process covering all the new samples, or one per sample. */
+    /* This process's newest sample, and its part of the time since the
+     * last one taken.  NVML may answer with one entry per process covering
+     * all the new samples, or one per sample. */
     unsigned long long real_us = real_ns / 1000, newest = 0, prev = since;
     if (c->seen_us && since != c->seen_us)
         return;                               /* not an answer to gv_cal_since */
     for (unsigned i = 0; i < n; i++)
-        if (s[i].timeStamp > newest && s[i].timeStamp <= real_us)
+        if (s[i].pid == me && s[i].timeStamp > newest && s[i].timeStamp <= real_us)
             newest = s[i].timeStamp;
     if (newest <= since)
-        return;                               /* nothing new (or nobody ran) */
+        return;                               /* nothing new of this process's */
     if (!c->seen_us) {                        /* the first answer: where to start */
         c->seen_us = newest;
         return;
