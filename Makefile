@@ -128,6 +128,14 @@ $(BENCH_LAUNCH): native/tests/bench_launch.c native/tests/bench_common.h native/
 bench-sm: all venv $(BENCH_SM_WORKER) $(BENCH_LAUNCH)
 	$(VENV)/bin/python -m tests.bench.sm_bench --write docs/benchmarks.md
 
+# SM quota on a real GPU with PyTorch (tests/bench/torch_sm.py): needs an
+# NVIDIA GPU, and PyTorch and nvidia-ml-py in GPU_PYTHON; writes its tables to
+# build/bench-gpu/ (figures from an H200 are in docs/benchmarks.md).
+GPU_PYTHON ?= python3
+.PHONY: bench-gpu
+bench-gpu: lib
+	$(GPU_PYTHON) -m tests.bench.torch_sm --lib $(LIB) --out $(BUILD)/bench-gpu
+
 demo: all venv
 	$(VENV)/bin/python -m gpuvisor.supervisor demo --out build/demo
 

@@ -83,9 +83,13 @@ def test_torch_sees_quota_and_gets_oom(tmp_path: Path) -> None:
     assert out["error"] == "OutOfMemoryError"
 
 
+# The holder takes 2.5 GiB of the 4 GiB quota.  Each process's context is
+# charged too (about 0.5 GiB on an H200), so the second process's own context
+# must still fit: with 3 GiB held, its first CUDA call failed with
+# out-of-memory, as it would on a 4 GiB GPU.
 HOLD = """
 import json, sys, torch
-x = torch.empty(3 * 2**30, dtype=torch.uint8, device="cuda")
+x = torch.empty(5 * 2**29, dtype=torch.uint8, device="cuda")
 torch.cuda.synchronize()
 print("READY", flush=True)
 sys.stdin.readline()
@@ -146,3 +150,18 @@ def test_nvidia_smi_shows_quota(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     total_mib = int(proc.stdout.split(",")[0])
     assert total_mib == 4096
+
+
+def test_sm_limit_holds_on_the_gpu() -> None:
+    """CUDA_DEVICE_SM_LIMIT=50 on a PyTorch matmul loop: NVML's per-process
+    utilisation and the interposer's own meter both read 50 +- 5 points
+    (measured on an H200: 50.0 and 50.0; docs/benchmarks.md)."""
+    from tests.bench.torch_sm import batch_for, nvml_handle, run_together
+
+    handle = nvml_handle()
+    (r,) = run_together(LIBRARY, [50], 8192, batch_for(8192, 5.0), 1.5, 4.0, handle)
+    print("GPU-CHECK sm 50:", json.dumps(r))
+    assert isinstance(r["nvml_sm"], float)
+    assert 45 <= r["nvml_sm"] <= 55
+    assert isinstance(r["metered"], float)
+    assert 45 <= r["metered"] <= 55

@@ -1,0 +1,102 @@
+"""The real-GPU SM benchmark's arithmetic (tests/bench/torch_sm.py, make
+bench-gpu): throughput from the completion curve, the NVML samples and the
+interposer's meter taken inside the measured window only, steadiness of the
+100 ms windows, and a one-line refusal where there is no GPU.  The benchmark
+itself needs PyTorch and an NVIDIA GPU; these checks need neither."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from gpuvisor.shim.hardware import real_gpu_present
+
+from tests.bench.torch_sm import NvmlPoller, rate_between, summarise
+from tests.helpers import LIBRARY, REPO_ROOT, clean_env
+
+
+def test_rate_between_interpolates_the_completion_curve() -> None:
+    marks: list[list[float]] = [[0.1, 10], [0.2, 20], [0.4, 20], [0.5, 40]]
+    assert rate_between(marks, 0.1, 0.2) == pytest.approx(100)
+    assert rate_between(marks, 0.2, 0.4) == pytest.approx(0)  # nothing finished
+    assert rate_between(marks, 0.15, 0.25) == pytest.approx(50)  # half of each side
+    assert rate_between(marks, 0.0, 0.1) == pytest.approx(100)  # from (0, 0)
+
+
+def test_summary_uses_the_measured_window_only() -> None:
+    # 1000 products/s, steady, for 3 s; 1 s of warm-up.  The worker started at
+    # wall-clock 1000.0 s, so the window is [1001, 1003] s.
+    marks = [[i / 100, i * 10] for i in range(1, 301)]
+    r: dict[str, object] = {
+        "marks": marks,
+        "wall0": 1000.0,
+        "pid": 42,
+        # the interposer's meter at 1.0 s and 3.0 s: 0.6 s of GPU time between
+        "metered": [[1.0, 5_000_000_000], [3.0, 5_600_000_000]],
+    }
+    poller = NvmlPoller(handle=None)
+    us = 1_000_000
+    poller.proc = {
+        42: [(1000 * us + us // 2, 99), (1002 * us, 30), (1003 * us, 32)],
+        7: [(1002 * us, 5)],
+    }
+    poller.device = [(1000 * us, 100), (1002 * us, 40), (1002 * us + us // 2, 42)]
+    poller.clocks = [(1000 * us, 1500, 690.0), (1002 * us, 1980, 300.0)]
+    summarise(r, poller, warm=1.0)
+    assert r["rate"] == pytest.approx(1000)
+    assert r["nvml_sm"] == pytest.approx(31)  # not the warm-up's 99, not PID 7's
+    assert r["nvml_sm_samples"] == 2
+    assert r["nvml_gpu"] == pytest.approx(41)
+    assert r["metered"] == pytest.approx(30)  # 0.6 s of 2 s
+    assert r["sm_mhz"] == pytest.approx(1980)
+    assert r["win_sd"] == pytest.approx(0, abs=1e-6)  # steady
+    assert "marks" not in r
+
+
+def test_uneven_windows_show_in_the_spread() -> None:
+    # 2 s measured: the first second at 1500/s, the second at 500/s.
+    marks = [[0.01 * i, 15 * i] for i in range(1, 101)]
+    marks += [[1 + 0.01 * i, 1500 + 5 * i] for i in range(1, 101)]
+    r: dict[str, object] = {"marks": marks, "wall0": 0.0, "pid": 1, "metered": []}
+    summarise(r, NvmlPoller(handle=None), warm=0.0)
+    assert r["rate"] == pytest.approx(1000)
+    assert r["win_sd"] == pytest.approx(50, abs=3)  # windows at 150 % and 50 % of the mean
+    assert abs(r["win_worst"]) == pytest.approx(50, abs=3)  # type: ignore[arg-type]
+    assert r["metered"] is None  # no interposer: no meter
+
+
+def test_without_a_gpu_it_says_so_in_one_line() -> None:
+    if real_gpu_present():
+        pytest.skip("a real GPU is present")
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.bench.torch_sm", "--lib", str(LIBRARY)],
+        env=clean_env(),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("torch_sm: NVML:")
+    assert "needs an NVIDIA GPU" in lines[0]
+
+
+def test_a_missing_library_is_named() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.bench.torch_sm", "--lib", "/nonexistent/libgpuvisor.so"],
+        env=clean_env(),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip()
+        == "torch_sm: --lib /nonexistent/libgpuvisor.so: no such file (run make first)"
+    )
