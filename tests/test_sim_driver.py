@@ -210,6 +210,90 @@ def test_cuda_python_graph_memory_nodes(tmp_path: Path) -> None:
     )
 
 
+@needs_cuda_python
+def test_cuda_python_child_graphs_hold_memory_nodes_only_when_moved(tmp_path: Path) -> None:
+    """As in CUDA 12.9+: a child graph cloned into its node
+    (cuGraphAddChildGraphNode, cuGraphAddNode with _OWNERSHIP_CLONE) may hold
+    no memory nodes (CUDA_ERROR_INVALID_VALUE), and none can be added to a
+    graph a node owns (cuGraphChildGraphNodeGetGraph's); one moved into its
+    node (_OWNERSHIP_MOVE) may, at any depth, and its memory nodes run when
+    the parent is launched.  A moved graph can no longer be instantiated,
+    destroyed or added elsewhere."""
+    ok(
+        run_py(
+            f"""
+            from cuda.bindings import driver as d
+            R = d.CUresult.CUDA_SUCCESS
+            INVAL = d.CUresult.CUDA_ERROR_INVALID_VALUE
+            T = d.CUgraphNodeType
+            O = d.CUgraphChildGraphNodeOwnership
+            assert d.cuInit(0)[0] == R
+            err, ctx = d.cuCtxCreate(None, 0, 0); assert err == R, err
+            err, s = d.cuStreamCreate(0); assert err == R
+            def reserved():
+                A = d.CUgraphMem_attribute.CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT
+                err, v = d.cuDeviceGetGraphMemAttribute(0, A); assert err == R, err
+                return int(v)
+            def alloc_graph(nbytes):
+                err, g = d.cuGraphCreate(0); assert err == R
+                p = d.CUDA_MEM_ALLOC_NODE_PARAMS()
+                p.poolProps.allocType = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+                p.poolProps.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                p.poolProps.location.id = 0
+                p.bytesize = nbytes
+                assert d.cuGraphAddMemAllocNode(g, None, 0, p)[0] == R
+                assert d.cuGraphAddMemFreeNode(g, None, 0, p.dptr)[0] == R
+                return g, p
+            def child(parent, g, ownership):
+                prm = d.CUgraphNodeParams()
+                prm.type = T.CU_GRAPH_NODE_TYPE_GRAPH
+                prm.graph.graph = g
+                prm.graph.ownership = ownership
+                return d.cuGraphAddNode(parent, None, None, 0, prm)
+            err, parent = d.cuGraphCreate(0); assert err == R
+            inner, p = alloc_graph(1 * {GiB})
+            # cloned: refused while the child has memory nodes
+            assert d.cuGraphAddChildGraphNode(parent, None, 0, inner)[0] == INVAL
+            assert child(parent, inner, O.CU_GRAPH_CHILD_GRAPH_OWNERSHIP_CLONE)[0] == INVAL
+            # a clone of a graph without them: its graph takes none
+            err, plain = d.cuGraphCreate(0); assert err == R
+            assert d.cuGraphAddEmptyNode(plain, None, 0)[0] == R
+            err, cn = d.cuGraphAddChildGraphNode(parent, None, 0, plain); assert err == R, err
+            assert d.cuGraphNodeGetType(cn)[1] == T.CU_GRAPH_NODE_TYPE_GRAPH
+            err, cg = d.cuGraphChildGraphNodeGetGraph(cn); assert err == R, err
+            assert d.cuGraphAddMemAllocNode(cg, None, 0, p)[0] == INVAL
+            assert d.cuGraphDestroy(cg)[0] == INVAL
+            # moved, two levels down: allowed, and run by the parent's launch
+            err, mid = d.cuGraphCreate(0); assert err == R
+            err, mn = child(mid, inner, O.CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE); assert err == R, err
+            assert child(parent, mid, O.CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE)[0] == R
+            assert d.cuGraphInstantiate(inner, 0)[0] == INVAL
+            assert d.cuGraphDestroy(inner)[0] == INVAL
+            assert d.cuGraphAddChildGraphNode(plain, None, 0, inner)[0] == INVAL
+            assert child(plain, mid, O.CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE)[0] == INVAL
+            assert d.cuGraphAddMemAllocNode(inner, None, 0, p)[0] == INVAL
+            err, got = d.cuGraphChildGraphNodeGetGraph(mn); assert err == R
+            assert int(got) == int(inner)
+            # a graph moved into one it holds
+            err, loop = d.cuGraphCreate(0); assert err == R
+            assert child(loop, loop, O.CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE)[0] == INVAL
+            err, e = d.cuGraphInstantiate(parent, 0); assert err == R, err
+            assert reserved() == 0
+            assert d.cuGraphLaunch(e, s)[0] == R
+            assert reserved() == {GiB}, reserved()
+            assert d.cuGraphExecDestroy(e)[0] == R
+            assert d.cuGraphDestroy(parent)[0] == R   # and the graphs it holds
+            assert d.cuGraphDestroy(plain)[0] == R
+            assert d.cuGraphDestroy(loop)[0] == R
+            assert d.cuDeviceGraphMemTrim(0)[0] == R
+            assert d.cuCtxDestroy(ctx)[0] == R
+            print("done")
+            """,
+            sim_env(tmp_path, "4g"),
+        )
+    )
+
+
 def test_pynvml_basics_and_ignores_cuda_visible_devices(tmp_path: Path) -> None:
     out = ok(
         run_py(

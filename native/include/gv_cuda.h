@@ -382,6 +382,7 @@ enum { CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH = 1,
 
 typedef enum CUgraphNodeType_enum {
     CU_GRAPH_NODE_TYPE_KERNEL = 0,
+    CU_GRAPH_NODE_TYPE_GRAPH = 4,               /* a child graph */
     CU_GRAPH_NODE_TYPE_EMPTY = 5,
     CU_GRAPH_NODE_TYPE_MEM_ALLOC = 10,
     CU_GRAPH_NODE_TYPE_MEM_FREE = 11
@@ -397,6 +398,33 @@ typedef struct CUDA_MEM_ALLOC_NODE_PARAMS_v1_st {
     size_t bytesize;
     CUdeviceptr dptr;                   /* out */
 } CUDA_MEM_ALLOC_NODE_PARAMS;
+
+/* Child graph nodes (CUDA 12.9 added the ownership): a cloned child graph
+ * (cuGraphAddChildGraphNode, or cuGraphAddNode with _CLONE) may hold no
+ * memory nodes; one moved into its parent (cuGraphAddNode with _MOVE) may. */
+typedef enum CUgraphChildGraphNodeOwnership_enum {
+    CU_GRAPH_CHILD_GRAPH_OWNERSHIP_INVALID = -1,
+    CU_GRAPH_CHILD_GRAPH_OWNERSHIP_CLONE = 0,
+    CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE = 1
+} CUgraphChildGraphNodeOwnership;
+
+typedef struct CUDA_CHILD_GRAPH_NODE_PARAMS_st {
+    CUgraph graph;
+    CUgraphChildGraphNodeOwnership ownership;
+} CUDA_CHILD_GRAPH_NODE_PARAMS;
+
+/* cuGraphAddNode's parameters (CUDA 12.2): only the members used here of
+ * the union; 256 bytes in all, as in cuda.h. */
+typedef struct CUgraphNodeParams_st {
+    CUgraphNodeType type;
+    int reserved0[3];
+    union {
+        long long reserved1[29];
+        CUDA_CHILD_GRAPH_NODE_PARAMS graph;
+    };
+    long long reserved2;
+} CUgraphNodeParams;
+_Static_assert(sizeof(CUgraphNodeParams) == 256, "CUgraphNodeParams is 256 bytes");
 
 typedef struct CUDA_GRAPH_INSTANTIATE_PARAMS_st {
     cuuint64_t flags;                   /* CUDA_GRAPH_INSTANTIATE_FLAG_* */

@@ -10,6 +10,16 @@
  * capture graph instead of running.  Memory allocation and free nodes
  * (cuda_graph_mem.c) are run in node order when the graph is launched,
  * before its kernels are queued.
+ *
+ * Child graph nodes (CU_GRAPH_NODE_TYPE_GRAPH) own their graph, whose
+ * nodes run in place of the node.  As in CUDA, a child graph that is
+ * cloned into its node (cuGraphAddChildGraphNode, or cuGraphAddNode with
+ * CU_GRAPH_CHILD_GRAPH_OWNERSHIP_CLONE) may hold no memory nodes: the call
+ * fails with CUDA_ERROR_INVALID_VALUE.  One moved into its node
+ * (cuGraphAddNode with CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE, CUDA 12.9) may,
+ * and can then no longer be instantiated, destroyed, added to another
+ * graph or given memory nodes.  No memory node can be added to any graph
+ * a node owns (cuGraphChildGraphNodeGetGraph's).
  */
 #include <stdlib.h>
 #include <string.h>
@@ -26,12 +36,15 @@ struct CUgraphNode_st {
     struct CUgraph_st *g;
     sim_kern k;
     struct sim_gmem *gm;                /* memory nodes: one reference */
+    struct CUgraph_st *child;           /* child graph nodes: owned */
 };
 
 struct CUgraph_st {
     uint32_t magic;
     int n, cap;
     struct CUgraphNode_st **nodes;
+    struct CUgraphNode_st *owner;       /* the child graph node holding it */
+    int moved;                          /* moved into owner, not cloned */
 };
 
 struct CUgraphExec_st {
@@ -61,6 +74,8 @@ void sim_graph_free(struct CUgraph_st *g)
     for (int i = 0; i < g->n; i++) {
         if (g->nodes[i]->gm)
             sim_gmem_unref_locked(g->nodes[i]->gm);
+        if (g->nodes[i]->child)
+            sim_graph_free(g->nodes[i]->child);
         sim_reg_del(g->nodes[i]);
         g->nodes[i]->magic = 0;
         free(g->nodes[i]);
@@ -139,7 +154,7 @@ SIM_API CUresult cuGraphDestroy(CUgraph g)
     if (rc)
         return rc;
     pthread_mutex_lock(&sim_mu);
-    int ok = graph_ok_locked(g);
+    int ok = graph_ok_locked(g) && !g->owner;   /* its node's to destroy */
     if (ok)
         sim_graph_free(g);
     pthread_mutex_unlock(&sim_mu);
@@ -169,6 +184,8 @@ static CUresult add_node(CUgraphNode *out, CUgraph g, const CUgraphNode *deps,
     CUresult rc = CUDA_SUCCESS;
     if (!graph_ok_locked(g) || !deps_ok_locked(g, deps, ndeps))
         rc = CUDA_ERROR_INVALID_VALUE;
+    else if (gm && g->owner)
+        rc = CUDA_ERROR_INVALID_VALUE;  /* no memory node in a child graph */
     struct CUgraphNode_st *nd = rc ? NULL : add_node_locked(g, type, k, gm);
     if (!rc && !nd)
         rc = CUDA_ERROR_OUT_OF_MEMORY;
@@ -226,6 +243,140 @@ SIM_API CUresult cuGraphAddEmptyNode(CUgraphNode *out, CUgraph g,
     if (rc)
         return rc;
     return add_node(out, g, deps, n, CU_GRAPH_NODE_TYPE_EMPTY, NULL, NULL);
+}
+
+/* ---- child graphs ------------------------------------------------------ */
+
+/* Whether g, or a graph under it, has memory nodes; sim_mu held. */
+static int has_mem_locked(const struct CUgraph_st *g)
+{
+    for (int i = 0; i < g->n; i++)
+        if (g->nodes[i]->gm || (g->nodes[i]->child && has_mem_locked(g->nodes[i]->child)))
+            return 1;
+    return 0;
+}
+
+/* A copy of g, which has no memory nodes (NULL: out of memory); sim_mu
+ * held. */
+static struct CUgraph_st *clone_locked(const struct CUgraph_st *g)
+{
+    struct CUgraph_st *c = sim_graph_new();
+    for (int i = 0; c && i < g->n; i++) {
+        const struct CUgraphNode_st *src = g->nodes[i];
+        struct CUgraph_st *sub = src->child ? clone_locked(src->child) : NULL;
+        struct CUgraphNode_st *nd = NULL;
+        if (!src->child || sub)
+            nd = add_node_locked(c, src->type, &src->k, NULL);
+        if (!nd) {
+            if (sub)
+                sim_graph_free(sub);
+            sim_graph_free(c);
+            return NULL;
+        }
+        nd->child = sub;
+        if (sub)
+            sub->owner = nd;
+    }
+    return c;
+}
+
+/* Whether a is g or holds g (a graph moved into one of its own would hold
+ * itself); sim_mu held. */
+static int holds_locked(const struct CUgraph_st *a, const struct CUgraph_st *g)
+{
+    for (; g; g = g->owner ? g->owner->g : NULL)
+        if (g == a)
+            return 1;
+    return 0;
+}
+
+/* A child graph node in g running child: a copy of it, which may have no
+ * memory nodes, or (move) child itself, which then belongs to the node. */
+static CUresult child_node(CUgraphNode *out, CUgraph g, const CUgraphNode *deps, size_t ndeps,
+                           CUgraph child, int move)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!out)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_mu);
+    struct CUgraph_st *sub = NULL;
+    if (!graph_ok_locked(g) || !deps_ok_locked(g, deps, ndeps) || !graph_ok_locked(child) ||
+        (child->owner && child->moved))
+        rc = CUDA_ERROR_INVALID_VALUE;  /* a moved graph is its node's */
+    else if (!move)
+        rc = has_mem_locked(child) ? CUDA_ERROR_INVALID_VALUE
+             : (sub = clone_locked(child)) ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+    else if (child->owner || holds_locked(child, g) || (g->owner && has_mem_locked(child)))
+        rc = CUDA_ERROR_INVALID_VALUE;  /* (no memory node into a child graph) */
+    else
+        sub = child;
+    struct CUgraphNode_st *nd = NULL;
+    if (rc == CUDA_SUCCESS && !(nd = add_node_locked(g, CU_GRAPH_NODE_TYPE_GRAPH, NULL, NULL))) {
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
+        if (!move)
+            sim_graph_free(sub);
+    }
+    if (nd) {
+        nd->child = sub;
+        sub->owner = nd;
+        sub->moved = move;
+    }
+    pthread_mutex_unlock(&sim_mu);
+    if (nd)
+        *out = nd;
+    return rc;
+}
+
+SIM_API CUresult cuGraphAddChildGraphNode(CUgraphNode *out, CUgraph g, const CUgraphNode *deps,
+                                          size_t n, CUgraph child)
+{
+    return child_node(out, g, deps, n, child, 0);
+}
+
+/* cuGraphAddNode: child graph and empty nodes only (others not modelled). */
+SIM_API CUresult cuGraphAddNode_v2(CUgraphNode *out, CUgraph g, const CUgraphNode *deps,
+                                   const CUgraphEdgeData *edges, size_t n, CUgraphNodeParams *p)
+{
+    (void)edges;
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!p)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (p->type == CU_GRAPH_NODE_TYPE_EMPTY)
+        return add_node(out, g, deps, n, CU_GRAPH_NODE_TYPE_EMPTY, NULL, NULL);
+    if (p->type != CU_GRAPH_NODE_TYPE_GRAPH)
+        return CUDA_ERROR_NOT_SUPPORTED;
+    if (p->graph.ownership != CU_GRAPH_CHILD_GRAPH_OWNERSHIP_CLONE &&
+        p->graph.ownership != CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE)
+        return CUDA_ERROR_INVALID_VALUE;
+    return child_node(out, g, deps, n, p->graph.graph,
+                      p->graph.ownership == CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE);
+}
+
+SIM_API CUresult cuGraphAddNode(CUgraphNode *out, CUgraph g, const CUgraphNode *deps, size_t n,
+                                CUgraphNodeParams *p)
+{
+    return cuGraphAddNode_v2(out, g, deps, NULL, n, p);
+}
+
+SIM_API CUresult cuGraphChildGraphNodeGetGraph(CUgraphNode nd, CUgraph *pg)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if ((rc = sim_cuda_fail("cuGraphChildGraphNodeGetGraph")))
+        return rc;
+    if (!pg)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_mu);
+    int ok = nd && sim_reg_has(nd) && nd->magic == NODE_MAGIC && nd->child;
+    if (ok)
+        *pg = nd->child;
+    pthread_mutex_unlock(&sim_mu);
+    return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 /* A memory node holding gm (the caller's reference is kept by the node on
@@ -319,6 +470,34 @@ SIM_API CUresult cuGraphNodeGetType(CUgraphNode nd, CUgraphNodeType *type)
 
 /* ---- executable graphs ------------------------------------------------ */
 
+/* Nodes of g and of the graphs under it; sim_mu held. */
+static size_t nodes_under_locked(const struct CUgraph_st *g)
+{
+    size_t n = (size_t)g->n;
+    for (int i = 0; i < g->n; i++)
+        if (g->nodes[i]->child)
+            n += nodes_under_locked(g->nodes[i]->child);
+    return n;
+}
+
+/* Copy g's kernels and memory nodes into e, a child graph's in its node's
+ * place; sim_mu held. */
+static void flatten_locked(struct CUgraphExec_st *e, const struct CUgraph_st *g)
+{
+    for (int i = 0; i < g->n; i++) {
+        struct CUgraphNode_st *nd = g->nodes[i];
+        if (nd->type == CU_GRAPH_NODE_TYPE_KERNEL)
+            e->k[e->n++] = nd->k;
+        else if (nd->child)
+            flatten_locked(e, nd->child);
+        else if (nd->gm) {
+            sim_gmem_ref_locked(nd->gm);
+            e->m[e->nm].gm = nd->gm;
+            e->m[e->nm++].free = nd->type == CU_GRAPH_NODE_TYPE_MEM_FREE;
+        }
+    }
+}
+
 SIM_API CUresult cuGraphInstantiateWithFlags(CUgraphExec *pe, CUgraph g,
                                              unsigned long long flags)
 {
@@ -331,13 +510,14 @@ SIM_API CUresult cuGraphInstantiateWithFlags(CUgraphExec *pe, CUgraph g,
     if (!e)
         return CUDA_ERROR_OUT_OF_MEMORY;
     pthread_mutex_lock(&sim_mu);
-    if (!graph_ok_locked(g)) {
+    if (!graph_ok_locked(g) || (g->owner && g->moved)) {
         pthread_mutex_unlock(&sim_mu);
         free(e);
         return CUDA_ERROR_INVALID_VALUE;
     }
-    e->k = calloc((size_t)g->n + 1, sizeof *e->k);
-    e->m = calloc((size_t)g->n + 1, sizeof *e->m);
+    size_t n = nodes_under_locked(g);
+    e->k = calloc(n + 1, sizeof *e->k);
+    e->m = calloc(n + 1, sizeof *e->m);
     if (!e->k || !e->m) {
         pthread_mutex_unlock(&sim_mu);
         free(e->k);
@@ -345,16 +525,7 @@ SIM_API CUresult cuGraphInstantiateWithFlags(CUgraphExec *pe, CUgraph g,
         free(e);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    for (int i = 0; i < g->n; i++) {
-        struct CUgraphNode_st *nd = g->nodes[i];
-        if (nd->type == CU_GRAPH_NODE_TYPE_KERNEL)
-            e->k[e->n++] = nd->k;
-        else if (nd->gm) {
-            sim_gmem_ref_locked(nd->gm);
-            e->m[e->nm].gm = nd->gm;
-            e->m[e->nm++].free = nd->type == CU_GRAPH_NODE_TYPE_MEM_FREE;
-        }
-    }
+    flatten_locked(e, g);
     e->flags = flags;
     e->magic = EXEC_MAGIC;
     sim_reg_add(e);
