@@ -1178,6 +1178,94 @@ emit(err=err.name, launch=launch, charged=region_used() - base)
     assert out == {"err": "CUDA_ERROR_UNKNOWN", "launch": None, "charged": 0}, out
 
 
+NESTED = """
+OWN = cu.CUgraphChildGraphNodeOwnership
+def nest(g, depth, ownership=OWN.CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE):
+    \"\"\"g moved (or cloned) into a child graph node, depth levels down.\"\"\"
+    for _ in range(depth):
+        parent = ok(cu.cuGraphCreate, 0)
+        prm = cu.CUgraphNodeParams()
+        prm.type = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_GRAPH
+        prm.graph.graph = g
+        prm.graph.ownership = ownership
+        ok(cu.cuGraphAddNode, parent, None, None, 0, prm)
+        g = parent
+    return g
+"""
+
+
+@pytest.mark.parametrize("depth", [1, 32])
+def test_graph_memory_in_child_graphs_is_charged(node, depth):
+    """CUDA 12.9 lets a graph with memory nodes be moved into a child graph
+    node (cuGraphAddNode, CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE), at any
+    depth; a cloned child graph cannot hold them (cuGraphAddChildGraphNode
+    refuses).  A moved child's allocations are charged at the parent's
+    launch as the parent's own, one level down or 32 (as deep as the
+    interposer reads): 5 GiB is refused under a 4 GiB quota, 3 GiB is
+    charged 3 GiB.  Only the parent's own nodes used to be read, and such
+    a graph launched uncharged."""
+    out = client(
+        node,
+        EXPLICIT_GRAPH
+        + AUTO_FREE
+        + NESTED
+        + f"""
+init()
+base = region_used()
+s = ok(cu.cuStreamCreate, 0)
+big, _ = explicit_graph(5 * GiB)
+clone = call(cu.cuGraphAddChildGraphNode, ok(cu.cuGraphCreate, 0), None, 0, big)[0]
+big_e = ok(cu.cuGraphInstantiate, nest(big, {depth}), 0)
+refused = call(cu.cuGraphLaunch, big_e, s)[0].name
+g, dptr = explicit_graph(3 * GiB)
+e = ok(cu.cuGraphInstantiate, nest(g, {depth}), 0)
+launch = call(cu.cuGraphLaunch, e, s)[0].name
+ok(cu.cuStreamSynchronize, s)
+launched = region_used() - base
+ok(cu.cuMemFree, dptr)
+ok(cu.cuDeviceGraphMemTrim, 0)
+emit(clone=clone.name, refused=refused, launch=launch, launched=launched,
+     trimmed=region_used() - base)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+    )
+    assert out["clone"] == "CUDA_ERROR_INVALID_VALUE", out
+    assert out["refused"] == OOM, out
+    assert out["launch"] == "CUDA_SUCCESS", out
+    assert out["launched"] == 3 * GiB, out
+    assert out["trimmed"] == 0, out
+
+
+@pytest.mark.parametrize("how", ["unreadable", "too_deep"])
+def test_a_child_graph_that_cannot_be_read_fails_the_instantiation(node, how):
+    """A child graph whose nodes cannot be read (cuGraphChildGraphNodeGetGraph
+    fails: the driver's error), or that lies deeper than the interposer
+    reads (CUDA_ERROR_NOT_SUPPORTED), may hold memory nodes, so the
+    instantiation fails and nothing can be launched uncharged."""
+    deep = 33 if how == "too_deep" else 1
+    out = client(
+        node,
+        EXPLICIT_GRAPH
+        + AUTO_FREE
+        + NESTED
+        + f"""
+init()
+base = region_used()
+s = ok(cu.cuStreamCreate, 0)
+g, _ = explicit_graph(5 * GiB)
+err, e = call(cu.cuGraphInstantiate, nest(g, {deep}), 0)
+launch = call(cu.cuGraphLaunch, e, s)[0].name if err == SUCCESS else None
+ok(cu.cuStreamSynchronize, s)
+emit(err=err.name, launch=launch, charged=region_used() - base)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+        **({"GPUVISOR_SIM_CUDA_FAIL": "cuGraphChildGraphNodeGetGraph"} if how == "unreadable"
+           else {}),
+    )
+    err = "CUDA_ERROR_UNKNOWN" if how == "unreadable" else "CUDA_ERROR_NOT_SUPPORTED"
+    assert out == {"err": err, "launch": None, "charged": 0}, out
+
+
 def test_a_graph_instantiated_in_a_destroyed_context_is_still_charged(node):
     """An executable graph outlives the context it was instantiated in (CUDA
     lists no CUgraphExec among what cuCtxDestroy takes, and the simulator

@@ -143,6 +143,38 @@ for dev, ptr in enumerate(ptrs):
     ok(cu.cuMemFree, ptr)
     ok(cu.cuDeviceGraphMemTrim, dev)
 assert used() == base
+# memory nodes in child graphs (moved in, CUDA 12.9): read down to the
+# interposer's depth, charged; one deeper refuses the instantiation
+def nested(nbytes, depth):
+    g = ok(cu.cuGraphCreate, 0)
+    p = cu.CUDA_MEM_ALLOC_NODE_PARAMS()
+    p.poolProps.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    p.poolProps.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    p.poolProps.location.id = 0
+    p.bytesize = nbytes
+    ok(cu.cuGraphAddMemAllocNode, g, None, 0, p)
+    ok(cu.cuGraphAddMemFreeNode, g, None, 0, p.dptr)
+    for _ in range(depth):
+        parent = ok(cu.cuGraphCreate, 0)
+        ok(cu.cuGraphAddEmptyNode, parent, None, 0)
+        prm = cu.CUgraphNodeParams()
+        prm.type = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_GRAPH
+        prm.graph.graph = g
+        prm.graph.ownership = cu.CUgraphChildGraphNodeOwnership.CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE
+        ok(cu.cuGraphAddNode, parent, None, None, 0, prm)
+        g = parent
+    return g
+g = nested(64 * MiB, 3)
+e = ok(cu.cuGraphInstantiate, g, 0)
+ok(cu.cuGraphLaunch, e, s)
+assert used() == base + 64 * MiB
+ok(cu.cuGraphExecDestroy, e)
+ok(cu.cuGraphDestroy, g)
+g = nested(64 * MiB, 33)
+assert call(cu.cuGraphInstantiate, g, 0)[0] == cu.CUresult.CUDA_ERROR_NOT_SUPPORTED
+ok(cu.cuGraphDestroy, g)
+ok(cu.cuDeviceGraphMemTrim, 0)
+assert used() == base
 # auto-free graphs: relaunches, frees of their live allocation (by
 # cuMemFree, cuMemFreeAsync, another graph's free node), destruction while
 # live, and a context destroyed with one live
@@ -223,7 +255,17 @@ def captured(nbytes):
     return ok(cu.cuStreamEndCapture, s), s
 g, s = captured(64 * MiB)
 fail = os.environ["GPUVISOR_SIM_CUDA_FAIL"]
-if fail == "cuGraphNodeGetType":
+if fail == "cuGraphChildGraphNodeGetGraph":
+    # a child graph that cannot be read: the instantiation refused
+    parent = ok(cu.cuGraphCreate, 0)
+    prm = cu.CUgraphNodeParams()
+    prm.type = cu.CUgraphNodeType.CU_GRAPH_NODE_TYPE_GRAPH
+    prm.graph.graph = captured(64 * MiB)[0]
+    prm.graph.ownership = cu.CUgraphChildGraphNodeOwnership.CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE
+    ok(cu.cuGraphAddNode, parent, None, None, 0, prm)
+    assert call(cu.cuGraphInstantiate, parent, 0)[0] == UNKNOWN
+    ok(cu.cuGraphDestroy, parent)
+elif fail == "cuGraphNodeGetType":
     # a graph whose nodes cannot be read: destroyed, its instantiation refused
     assert call(cu.cuGraphInstantiate, g, 0)[0] == UNKNOWN
 else:
@@ -246,7 +288,9 @@ print("clean")
 """
 
 
-@pytest.mark.parametrize("query", ["cuGraphNodeGetType", "cuDeviceGetGraphMemAttribute"])
+@pytest.mark.parametrize(
+    "query", ["cuGraphNodeGetType", "cuGraphChildGraphNodeGetGraph", "cuDeviceGetGraphMemAttribute"]
+)
 def test_graph_memory_failing_closed_under_asan(asan_env: dict[str, str], query: str) -> None:
     """The graph-memory paths that fail closed, sanitized: an instantiation
     refused (its executable graph destroyed, its record freed), launches on

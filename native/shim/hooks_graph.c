@@ -11,8 +11,11 @@
  *
  *  - instantiation records the executable graph's memory nodes (read with
  *    cuGraphGetNodes / cuGraphNodeGetType / cuGraphMem{Alloc,Free}Node-
- *    GetParams) and flags, in a record its GV_K_GEXEC entry points to; a
- *    graph whose nodes cannot be read or recorded is destroyed and its
+ *    GetParams), those of its child graphs too (cuGraphChildGraphNode-
+ *    GetGraph: CUDA 12.9 lets a graph with memory nodes be moved into a
+ *    child graph node), and its flags, in a record its GV_K_GEXEC entry
+ *    points to; a graph whose nodes cannot be read or recorded, or with
+ *    child graphs nested deeper than GV_GRAPH_DEPTH, is destroyed and its
  *    instantiation fails (it may have memory nodes);
  *  - a launch or upload of such a graph first charges what the pool may
  *    have to grow (the pool's use, less the graph's own allocations still
@@ -52,6 +55,12 @@ typedef CUresult (*nodes_fn)(CUgraph, CUgraphNode *, size_t *);
 typedef CUresult (*type_fn)(CUgraphNode, CUgraphNodeType *);
 typedef CUresult (*alloc_params_fn)(CUgraphNode, CUDA_MEM_ALLOC_NODE_PARAMS *);
 typedef CUresult (*free_params_fn)(CUgraphNode, CUdeviceptr *);
+typedef CUresult (*child_fn)(CUgraphNode, CUgraph *);
+
+/* How deep child graphs are read below the graph instantiated; one deeper
+ * fails the instantiation (CUDA_ERROR_NOT_SUPPORTED), as its memory nodes
+ * would go uncharged.  (The recursion's stack is bounded by it too.) */
+#define GV_GRAPH_DEPTH 32
 
 static struct gpool {
     pthread_mutex_t lock;
@@ -148,22 +157,41 @@ static void rec_put(gexec *r)
         free(r);
 }
 
-/* g's memory nodes: *out a record of them with one reference, or NULL when
- * it has none.  Fails, with the driver's error or CUDA_ERROR_OUT_OF_MEMORY,
- * when they cannot all be read or recorded: the graph may have some. */
-static CUresult read_graph(CUgraph g, unsigned long long flags, gexec **out)
+/* Memory nodes read so far, in node order (a child graph's in its node's
+ * place). */
+typedef struct opvec {
+    gop *v;
+    size_t n, cap;
+} opvec;
+
+static CUresult push_op(opvec *o, gop op)
 {
-    *out = NULL;
+    if (o->n == o->cap) {
+        size_t cap = o->cap ? o->cap * 2 : 16;
+        gop *v = cap > SIZE_MAX / sizeof *v ? NULL : realloc(o->v, cap * sizeof *v);
+        if (!v)
+            return CUDA_ERROR_OUT_OF_MEMORY;
+        o->v = v;
+        o->cap = cap;
+    }
+    o->v[o->n++] = op;
+    return CUDA_SUCCESS;
+}
+
+/* Append g's memory nodes to o, and those of its child graphs, depth
+ * levels below the graph instantiated.  Fails, with the driver's error,
+ * CUDA_ERROR_OUT_OF_MEMORY or CUDA_ERROR_NOT_SUPPORTED (a device not
+ * accounted for, a child graph past GV_GRAPH_DEPTH), when they cannot all
+ * be read or recorded. */
+static CUresult read_nodes(CUgraph g, int depth, opvec *o)
+{
     size_t n = 0;
     CUresult rc = GV_REAL(cuGraphGetNodes, nodes_fn)(g, NULL, &n);
     if (rc != CUDA_SUCCESS || n == 0)
         return rc;
     CUgraphNode *nodes = calloc(n, sizeof *nodes);
-    gexec *r = calloc(1, sizeof *r + n * sizeof r->ops[0]);
-    if (!nodes || !r) {
-        rc = CUDA_ERROR_OUT_OF_MEMORY;
-        goto out;
-    }
+    if (!nodes)
+        return CUDA_ERROR_OUT_OF_MEMORY;
     rc = GV_REAL(cuGraphGetNodes, nodes_fn)(g, nodes, &n);
     for (size_t i = 0; i < n && rc == CUDA_SUCCESS; i++) {
         CUgraphNodeType t;
@@ -185,13 +213,43 @@ static CUresult read_graph(CUgraph g, unsigned long long flags, gexec **out)
             rc = GV_REAL(cuGraphMemFreeNodeGetParams, free_params_fn)(nodes[i], &op.addr);
             if (rc != CUDA_SUCCESS)
                 continue;
+        } else if (t == CU_GRAPH_NODE_TYPE_GRAPH) {
+            CUgraph child = NULL;
+            if (depth >= GV_GRAPH_DEPTH)
+                rc = CUDA_ERROR_NOT_SUPPORTED;  /* too deep to read */
+            else if ((rc = GV_REAL(cuGraphChildGraphNodeGetGraph, child_fn)(nodes[i], &child)) ==
+                     CUDA_SUCCESS)
+                rc = read_nodes(child, depth + 1, o);
+            continue;
         } else {
             continue;
         }
-        r->ops[r->n++] = op;
+        rc = push_op(o, op);
     }
-    if (rc != CUDA_SUCCESS || r->n == 0)
+    free(nodes);
+    return rc;
+}
+
+/* g's memory nodes, its child graphs' included: *out a record of them with
+ * one reference, or NULL when it has none.  Fails, with the driver's error,
+ * CUDA_ERROR_OUT_OF_MEMORY or CUDA_ERROR_NOT_SUPPORTED, when they cannot
+ * all be read or recorded: the graph may have some. */
+static CUresult read_graph(CUgraph g, unsigned long long flags, gexec **out)
+{
+    *out = NULL;
+    opvec o = { NULL, 0, 0 };
+    gexec *r = NULL;
+    CUresult rc = read_nodes(g, 0, &o);
+    if (rc != CUDA_SUCCESS || o.n == 0)
         goto out;
+    r = o.n > (SIZE_MAX - sizeof *r) / sizeof r->ops[0]
+            ? NULL : calloc(1, sizeof *r + o.n * sizeof r->ops[0]);
+    if (!r) {
+        rc = CUDA_ERROR_OUT_OF_MEMORY;
+        goto out;
+    }
+    memcpy(r->ops, o.v, o.n * sizeof r->ops[0]);
+    r->n = o.n;
     atomic_init(&r->refs, 1);
     r->autofree = (flags & CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH) != 0;
     for (size_t i = 0; i < r->n; i++) {
@@ -219,7 +277,7 @@ static CUresult read_graph(CUgraph g, unsigned long long flags, gexec **out)
     *out = r;
     r = NULL;
 out:
-    free(nodes);
+    free(o.v);
     free(r);
     return rc;
 }

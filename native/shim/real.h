@@ -54,7 +54,7 @@
     X(cuGraphLaunch) X(cuGraphLaunch_ptsz) X(cuGraphUpload) X(cuGraphUpload_ptsz) \
     X(cuGraphInstantiate) X(cuGraphInstantiate_v2) X(cuGraphInstantiateWithFlags) \
     X(cuGraphInstantiateWithParams) X(cuGraphInstantiateWithParams_ptsz) \
-    X(cuGraphExecDestroy) X(cuGraphGetNodes) X(cuGraphNodeGetType) \
+    X(cuGraphExecDestroy) X(cuGraphGetNodes) X(cuGraphNodeGetType) X(cuGraphChildGraphNodeGetGraph) \
     X(cuGraphMemAllocNodeGetParams) X(cuGraphMemFreeNodeGetParams) X(cuDeviceGraphMemTrim) X(cuDeviceGetGraphMemAttribute) \
     X(cuEventCreate) X(cuEventDestroy_v2) X(cuEventRecord) X(cuEventRecord_ptsz) \
     X(cuEventQuery) X(cuEventElapsedTime) X(cuEventElapsedTime_v2) \
