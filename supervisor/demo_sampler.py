@@ -69,20 +69,46 @@ class ProcessUtilization:
         self.handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(count)]
         now_us = int(time.time() * 1e6)
         self.last_seen = [now_us] * count
+        # Each PID's newest sample taken, per device: a known PID is asked
+        # for from its own, because a driver does not publish every
+        # process's sample of a period at once, and asking from another
+        # PID's newer timestamp loses the samples published later (on an
+        # H200 about half of each, with two busy processes).
+        self.pid_seen: list[dict[int, int]] = [{} for _ in range(count)]
         self.last_poll = time.monotonic()
+
+    FORGET_US = 10_000_000  # a PID with no sample for this long is asked for no more
+
+    def _samples(self, handle: Any, since: int) -> list[Any]:
+        try:
+            return list(self.nvml.nvmlDeviceGetProcessUtilization(handle, since))
+        except self.nvml.NVMLError:
+            return []  # NVML_ERROR_NOT_FOUND: no samples since `since`
 
     def poll(self) -> dict[int, float]:
         """Percent of each device's time each PID's kernels ran since the last poll."""
         shares: dict[int, float] = defaultdict(float)
+        now_us = int(time.time() * 1e6)
         for i, handle in enumerate(self.handles):
-            try:
-                samples = self.nvml.nvmlDeviceGetProcessUtilization(handle, self.last_seen[i])
-            except self.nvml.NVMLError:
-                continue  # NVML_ERROR_NOT_FOUND: no samples since last_seen
+            known = self.pid_seen[i]
             by_pid: dict[int, list[int]] = defaultdict(list)
-            for s in samples:
-                by_pid[int(s.pid)].append(int(s.smUtil))
-                self.last_seen[i] = max(self.last_seen[i], int(s.timeStamp))
+            newest: dict[int, int] = {}
+            # New PIDs, from the newest sample of anyone's; then each known
+            # PID from its own newest.
+            asks: list[tuple[int | None, int]] = [(None, self.last_seen[i])]
+            asks += list(known.items())
+            for who, since in asks:
+                for s in self._samples(handle, since):
+                    pid = int(s.pid)
+                    if pid != who and (who is not None or pid in known):
+                        continue
+                    by_pid[pid].append(int(s.smUtil))
+                    newest[pid] = max(newest.get(pid, 0), int(s.timeStamp))
+            for pid, ts in newest.items():
+                known[pid] = ts
+                self.last_seen[i] = max(self.last_seen[i], ts)
+            for pid in [p for p, ts in known.items() if ts + self.FORGET_US < now_us]:
+                del known[pid]
             for pid, vals in by_pid.items():
                 shares[pid] += sum(vals) / len(vals)
         return dict(shares)
