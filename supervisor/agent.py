@@ -49,6 +49,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from .agent_persist import encode_state, read_state, state_file_problem, write_state
 from .agent_state import (
     AgentConfig,
     AgentState,
@@ -341,6 +342,7 @@ class Connection(asyncio.Protocol):
             if churn is not None:
                 return self._refuse("devices", seq, churn)
             instr = state.accept_report(report, self.cred, now)
+            self.agent.save_state()  # a container that took parked limits, or left
             self.errors_in_a_row = 0
             return encode(ack_message(report.seq, instr))
         if mtype == "set-limit":
@@ -397,7 +399,12 @@ class Connection(asyncio.Protocol):
         except ValueError as exc:  # ProtocolError included
             return self._refuse("field", seq, str(exc))
         self.errors_in_a_row = 0
-        return encode({**ack_message(seq or 0), "container": key})
+        reply = {**ack_message(seq or 0), "container": key}
+        problem = self.agent.save_state()
+        if problem is not None:
+            # Set all the same (the container gets it), but the admin is told.
+            reply["warning"] = f"{problem}: the limit will not survive an agent restart"
+        return encode(reply)
 
 
 class _HttpHandler(BaseHTTPRequestHandler):
@@ -511,6 +518,8 @@ class Agent:
         self.sweeper: asyncio.Task[None] | None = None
         self.watcher: asyncio.Task[None] | None = None
         self.logged_errors: set[str] = set()  # exception types handle_safely logged
+        self.saved_gen = -1  # state.limits_gen last written to the state file
+        self.save_problem: str | None = None  # why the last save failed (logged once)
 
     def conns_of(self, admin: bool) -> set[Connection]:
         return self.admin_conns if admin else self.conns
@@ -519,6 +528,52 @@ class Agent:
         from .metrics import render
 
         return render(self.collector, accept)
+
+    # ---- the state file (supervisor/agent_persist.py) ----------------------------
+
+    def load_state(self) -> None:
+        """Take back the administrators' limits the state file holds (at
+        start, before anything is served).  StateFileError (a RuntimeError):
+        the file cannot be read or used; the agent does not start."""
+        path = self.config.state_file_path
+        problem = state_file_problem(self.config.socket_path, path)
+        if problem is not None:
+            raise RuntimeError(f"--state-file {problem}")
+        entries = read_state(path)
+        dropped = self.state.restore_saved(entries, time.monotonic(), time.time())
+        if entries:
+            log.info(
+                "%s: %d container(s)' administrator's limits restored, %d expired meanwhile",
+                path,
+                len(entries) - dropped,
+                dropped,
+            )
+        with contextlib.suppress(OSError):
+            Path(path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+
+    def save_state(self) -> str | None:
+        """Write the administrators' limits to the state file if they
+        changed since the last write.  Returns why it could not be written
+        (logged once per distinct problem; retried on the next change and
+        every sweep), else None."""
+        state = self.state
+        gen = state.limits_gen
+        if gen == self.saved_gen:
+            return None
+        path = self.config.state_file_path
+        try:
+            write_state(path, encode_state(state.saved_limits(), time.time()))
+        except OSError as exc:
+            problem = f"cannot save {path} ({exc.strerror or exc})"
+            if problem != self.save_problem:
+                log.warning("%s: administrators' limits will not survive a restart", problem)
+            self.save_problem = problem
+            return problem
+        self.saved_gen = gen
+        if self.save_problem is not None:
+            log.warning("%s saved again", path)
+        self.save_problem = None
+        return None
 
     # ---- lifecycle -----------------------------------------------------------
 
@@ -573,8 +628,10 @@ class Agent:
         return int(self.http.server_address[1])
 
     async def start(self) -> None:
+        self.load_state()  # first: a state file it cannot use stops it
         self._prepare_admin_socket()
         self._prepare_socket()
+        self.save_state()  # what it restored, less what expired meanwhile
         loop = asyncio.get_running_loop()
         admin = self.config.admin_socket_path
         self.admin_server = await loop.create_unix_server(
@@ -624,6 +681,7 @@ class Agent:
                 elif now - conn.last_activity > cfg.idle_timeout:
                     conn.disconnect("idle")
             self.state.expire(now)
+            self.save_state()
 
     async def run(self, ready: Any = None) -> None:
         await self.start()

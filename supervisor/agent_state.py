@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from .agent_persist import SavedLimits, state_file_for
 from .identity import PeerCred
 from .protocol import (
     LIMIT_KINDS,
@@ -118,10 +119,25 @@ class AgentConfig:
     # Seconds an administrator's limits outlive a container that left, for
     # the container that replaces it in the same pod (0: forgotten at once)
     limit_grace: float = 300.0
+    # Where the administrators' limits are kept across an agent restart
+    # ("": state_file_for(admin_socket_path), beside the admin socket)
+    state_file: str = ""
 
     @property
     def admin_socket_path(self) -> str:
         return self.admin_socket or admin_socket_for(self.socket_path)
+
+    @property
+    def state_file_path(self) -> str:
+        return self.state_file or state_file_for(self.admin_socket_path)
+
+    @property
+    def restore_window(self) -> float:
+        """Seconds a restarted agent waits for the containers that were
+        reporting when it stopped to take their administrators' limits
+        back: as long as it would have kept them had it stayed up (the
+        longest expiry, then --limit-grace)."""
+        return max(self.expire_after, self.max_expire) + self.limit_grace
 
 
 @dataclass
@@ -207,6 +223,10 @@ class ParkedLimits:
     limits: AdminLimits
     scope: str  # the parent of the container's cgroup (its pod's, under Kubernetes)
     until: float  # time.monotonic()
+    # Restored from the state file, of a container that was reporting when
+    # the agent stopped: saved again as such (until: null), so that the
+    # wait (AgentConfig.restore_window) runs from each start of the agent.
+    awaiting: bool = False
 
 
 def cgroup_scope(cgroup: str) -> str:
@@ -215,6 +235,19 @@ def cgroup_scope(cgroup: str) -> str:
     recreated pod of the same name does not."""
     parent = cgroup.rstrip("/").rpartition("/")[0]
     return parent or "/"
+
+
+def _saved(
+    admin: AdminLimits, labels: tuple[str, str, str], scope: str, until: float | None
+) -> SavedLimits:
+    return SavedLimits(
+        labels=labels,
+        scope=scope,
+        until=until,
+        memory=dict(admin.memory),
+        sm=dict(admin.sm),
+        restore=admin.restore_map(),
+    )
 
 
 def _drop(table: dict[str, dict[str, float]], uuid: str, key: str) -> None:
@@ -266,6 +299,12 @@ class AgentState:
         # (namespace, pod, container) -> the administrator's limits of a
         # container that left, until --limit-grace ends (remove, _adopt)
         self.parked: dict[tuple[str, str, str], ParkedLimits] = {}
+        # Bumped whenever admin_limits or parked change (the agent saves
+        # them to its state file when it differs from what it saved)
+        self.limits_gen = 0
+        # wall clock - monotonic clock, once: parked times in the state
+        # file are wall-clock, and stay the same from one save to the next
+        self.wall_offset = time.time() - time.monotonic()
 
     # ---- reports -------------------------------------------------------
 
@@ -521,6 +560,8 @@ class AgentState:
         the container that replaces it in the same pod (_adopt)."""
         st = self.containers.get(key)
         admin = self.admin_limits.get(key)
+        if admin is not None:
+            self.limits_gen += 1
         if st is not None and admin is not None and park is not None:
             grace = self.config.limit_grace
             if grace > 0:
@@ -552,6 +593,7 @@ class AgentState:
         if parked is None or now > parked.until or parked.scope != cgroup_scope(cid.cgroup):
             return
         del self.parked[cid.labels]
+        self.limits_gen += 1
         if cid.key not in self.admin_limits:
             limits = parked.limits
             limits.adopted = limits.devices()
@@ -570,6 +612,7 @@ class AgentState:
             return
         admin.adopted -= st.devices_seen
         if now > admin.adopted_until:
+            self.limits_gen += 1
             for uuid in list(admin.adopted):
                 admin.drop_device(uuid)
             if not admin.devices():
@@ -598,6 +641,7 @@ class AgentState:
             self._settle_adopted(key, now)
         for labels in [k for k, p in self.parked.items() if now > p.until]:
             del self.parked[labels]
+            self.limits_gen += 1
         for uuid, entries in list(self.high_active.items()):
             for k in [k for k, until in entries.items() if now > until]:
                 _drop(self.high_active, uuid, k)
@@ -641,6 +685,7 @@ class AgentState:
                 f"device={device!r}: the container has limits on {MAX_DEVICES} devices already"
             )
         self.admin_limits[key] = admin
+        self.limits_gen += 1
         admin.adopted.discard(device)  # set for this container: kept
         for kind, table in (("memory", admin.memory), ("sm", admin.sm)):
             if kind not in msg:
@@ -657,6 +702,50 @@ class AgentState:
             if not restore:
                 del admin.restore[device]
         self.limit_pushes_total += 1
+
+    # ---- the state file (supervisor/agent_persist.py) ----------------------
+
+    def saved_limits(self) -> list[SavedLimits]:
+        """The administrators' limits as the state file keeps them: those
+        of the containers the agent knows (until None), then the parked ones
+        (until: wall clock; None for one still awaiting its container)."""
+        out = []
+        for key, admin in list(self.admin_limits.items()):
+            st = self.containers.get(key)
+            if st is not None:
+                out.append(_saved(admin, st.id.labels, cgroup_scope(st.id.cgroup), None))
+        for labels, p in list(self.parked.items()):
+            until = None if p.awaiting else round(p.until + self.wall_offset, 3)
+            out.append(_saved(p.limits, labels, p.scope, until))
+        return out
+
+    def restore_saved(self, entries: list[SavedLimits], now: float, wall: float) -> int:
+        """Park the state file's entries (at agent start) for the
+        containers that take them back (_adopt): a parked entry until its
+        wall-clock end (one already past is dropped), a container's that
+        was reporting for restore_window seconds from now.  Two entries
+        with the same labels: the reporting container's wins, else the one
+        kept longer.  Returns how many were dropped as expired."""
+        dropped = 0
+        window = self.config.restore_window
+        for e in entries:
+            if e.until is not None and e.until <= wall:
+                dropped += 1
+                continue
+            awaiting = e.until is None
+            until = now + window if e.until is None else now + (e.until - wall)
+            held = self.parked.get(e.labels)
+            if held is not None and (held.awaiting or (not awaiting and held.until >= until)):
+                continue
+            limits = AdminLimits(
+                memory=dict(e.memory),
+                sm=dict(e.sm),
+                restore={u: set(kinds) for u, kinds in e.restore.items()},
+            )
+            if limits.devices():
+                self.parked[e.labels] = ParkedLimits(limits, e.scope, until, awaiting)
+        self.limits_gen += 1
+        return dropped
 
     # ---- views -------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from typing import Any
 import click
 
 from .agent import run_agent, send_admin
+from .agent_persist import state_file_for, state_file_problem
 from .agent_state import (
     ADMIN_SOCKET_ENV,
     AgentConfig,
@@ -196,6 +197,16 @@ POSITIVE = Finite(min=0, min_open=True)
         "its restarted container in the same pod (same labels); 0: forgotten at once."
     ),
 )
+@click.option(
+    "--state-file",
+    default=None,
+    show_default="limits.json beside the admin socket",
+    help=(
+        "Where the administrators' limits (set-limit) are kept across an agent restart; "
+        "never in the reporting socket's directory.  A file the agent cannot read or use "
+        "stops it: delete it to start without its limits."
+    ),
+)
 @click.option("--legacy-metrics", is_flag=True, help="Also export HAMi's legacy metric names.")
 @click.option(
     "--node-name",
@@ -229,6 +240,7 @@ def node_agent(
     max_expire: float,
     active_window: float,
     limit_grace: float,
+    state_file: str | None,
     legacy_metrics: bool,
     node_name: str,
     cpu: int | None,
@@ -247,6 +259,10 @@ def node_agent(
     problem = admin_socket_problem(socket_path, admin_socket)
     if problem is not None:
         raise click.BadParameter(problem, param_hint="'--admin-socket'")
+    state_file = state_file or state_file_for(admin_socket)
+    problem = state_file_problem(socket_path, state_file)
+    if problem is not None:
+        raise click.BadParameter(problem, param_hint="'--state-file'")
     import logging
 
     logging.basicConfig(
@@ -270,6 +286,7 @@ def node_agent(
         max_expire=max_expire,
         active_window=active_window,
         limit_grace=limit_grace,
+        state_file=state_file,
         legacy_metrics=legacy_metrics,
         node_name=node_name,
         cpu=cpu,
@@ -279,6 +296,7 @@ def node_agent(
         info = {
             "socket": socket_path,
             "admin_socket": admin_socket,
+            "state_file": state_file,
             "metrics_port": port,
             "pid": os.getpid(),
         }
@@ -431,6 +449,8 @@ def set_limit(
     if reply.get("type") != "ack":
         raise click.ClickException(str(reply.get("error", reply)))
     click.echo(f"limit change queued for {reply.get('container', container)}")
+    if reply.get("warning"):
+        click.echo(f"Warning: {reply['warning']}", err=True)
 
 
 # ---- status (inside a container) ----------------------------------------------------

@@ -1,0 +1,243 @@
+"""The node agent's state file: administrators' limits (set-limit) kept
+across an agent restart (docs/cli.md, `--state-file`).
+
+The file holds every container's administrator's limits (and cleared
+kinds) with the labels and pod cgroup that take them back, as JSON:
+
+    {"version": 1, "written": 1700000000.0, "limits": [
+      {"labels": ["ns", "pod", "main"], "scope": "/kubepods/pod<uid>",
+       "until": null, "memory": {"GPU-…": 4294967296}, "sm": {"GPU-…": null},
+       "restore": {"GPU-…": ["sm"]}}]}
+
+`until` is the wall-clock time (Unix seconds) at which a parked entry
+(its container had left) is forgotten, or null for a container that was
+reporting when the file was written: the restarted agent waits for it
+(restore_window) from its own start.
+
+Written atomically (a temporary file in the same directory, fsync, rename,
+fsync of the directory), so a reader sees the old file or the new one.
+Read once at start: a file that cannot be read or does not hold that
+shape stops the agent (fail closed: an administrator's limit may be a
+safety limit, and starting without it would silently lift it); deleting
+the file is the way to start without its limits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from typing import Any
+
+from .protocol import LIMIT_KINDS, MAX_DEVICES, is_uuid
+
+STATE_VERSION = 1
+STATE_FILE_NAME = "limits.json"
+# Far more than any node's containers' limits take (an entry is < 4 KiB):
+# a larger file is not one this agent wrote.
+MAX_STATE_BYTES = 64 * 1024 * 1024
+_MAX_MEMORY = 2**64 - 1
+
+
+def state_file_for(admin_socket: str) -> str:
+    """The default state file of an agent whose admin socket is
+    admin_socket: limits.json beside it, in the admin directory (mode 0700,
+    never mounted into containers: /run/gpuvisor-admin/limits.json)."""
+    return os.path.join(os.path.dirname(os.path.abspath(admin_socket)), STATE_FILE_NAME)
+
+
+def state_file_problem(socket_path: str, state_file: str) -> str | None:
+    """Why state_file cannot hold an agent's admin limits (None: it can):
+    not in, or below, the reporting socket's directory, which is mounted
+    into workloads (a workload could rewrite its own limits there)."""
+    shared = os.path.dirname(os.path.abspath(socket_path))
+    path = os.path.abspath(state_file)
+    if path == shared or path.startswith(shared.rstrip("/") + "/"):
+        return f"{state_file}: must not be in {shared}, the reporting socket's directory"
+    return None
+
+
+class StateFileError(RuntimeError):
+    """A state file that cannot be read or used; the text is one line
+    naming the file, the problem and the way out."""
+
+
+@dataclass
+class SavedLimits:
+    """One container's administrator's limits, as the file holds them."""
+
+    labels: tuple[str, str, str]  # (namespace, pod, container), ContainerId.labels
+    scope: str  # the parent of its cgroup (agent_state.cgroup_scope)
+    until: float | None  # wall clock; None: the container was reporting
+    memory: dict[str, int | None]
+    sm: dict[str, int | None]
+    restore: dict[str, tuple[str, ...]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "labels": list(self.labels),
+            "scope": self.scope,
+            "until": self.until,
+            "memory": dict(sorted(self.memory.items())),
+            "sm": dict(sorted(self.sm.items())),
+            "restore": {u: list(k) for u, k in sorted(self.restore.items())},
+        }
+
+
+def encode_state(entries: list[SavedLimits], written: float) -> bytes:
+    doc = {
+        "version": STATE_VERSION,
+        "written": round(written, 3),
+        "limits": [e.to_json() for e in entries],
+    }
+    return (json.dumps(doc, indent=1, allow_nan=False) + "\n").encode()
+
+
+def write_state(path: str, data: bytes) -> None:
+    """Replace path with data atomically: a temporary file beside it
+    (mode 0600), written and fsynced, renamed over it, and the directory
+    fsynced so the rename survives a crash of the node.  OSError: it could
+    not be written (the old file is left as it was)."""
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _fail(path: str, problem: str) -> StateFileError:
+    return StateFileError(
+        f"state file {path}: {problem}; the administrators' limits it holds cannot be "
+        "restored, so the agent does not start without them: repair the file, or delete "
+        "it to start with none"
+    )
+
+
+def read_state(path: str) -> list[SavedLimits]:
+    """The entries of the state file at path; [] when there is none (a
+    first start).  StateFileError: it cannot be read, or is not a state
+    file of this version (one line naming path and the problem)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_STATE_BYTES + 1)
+    except FileNotFoundError:
+        return []
+    except OSError as exc:
+        raise _fail(path, f"cannot read it ({exc.strerror or exc})") from None
+    if len(data) > MAX_STATE_BYTES:
+        raise _fail(path, f"larger than {MAX_STATE_BYTES} bytes")
+    try:
+        doc = json.loads(data.decode("utf-8"), parse_constant=_no_constant)
+    except UnicodeDecodeError:
+        raise _fail(path, "not UTF-8 text") from None
+    except (ValueError, RecursionError) as exc:
+        raise _fail(path, f"not valid JSON ({str(exc).splitlines()[0]})") from None
+    try:
+        return _parse(doc)
+    except ValueError as exc:
+        raise _fail(path, str(exc)) from None
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _parse(doc: Any) -> list[SavedLimits]:
+    if not isinstance(doc, dict):
+        raise ValueError("not a JSON object")
+    version = doc.get("version")
+    if version != STATE_VERSION or not _is_int(version):
+        raise ValueError(f"version={version!r}: this agent reads version {STATE_VERSION}")
+    entries = doc.get("limits")
+    if not isinstance(entries, list):
+        raise ValueError(f"limits={_short(entries)}: expected a list")
+    return [_entry(e, f"limits[{i}]") for i, e in enumerate(entries)]
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _entry(e: Any, where: str) -> SavedLimits:
+    if not isinstance(e, dict):
+        raise ValueError(f"{where}={_short(e)}: expected an object")
+    labels = e.get("labels")
+    if not (
+        isinstance(labels, list) and len(labels) == 3 and all(isinstance(s, str) for s in labels)
+    ):
+        raise ValueError(f"{where}.labels={_short(labels)}: expected 3 strings")
+    scope = e.get("scope")
+    if not isinstance(scope, str) or not scope.startswith("/"):
+        raise ValueError(f"{where}.scope={_short(scope)}: expected a cgroup path")
+    until = e.get("until")
+    if until is not None and (
+        isinstance(until, bool) or not isinstance(until, int | float) or not math.isfinite(until)
+    ):
+        raise ValueError(f"{where}.until={_short(until)}: expected a Unix time or null")
+    memory = _table(e.get("memory"), f"{where}.memory", 1, _MAX_MEMORY)
+    sm = _table(e.get("sm"), f"{where}.sm", 1, 100)
+    restore: dict[str, tuple[str, ...]] = {}
+    raw = e.get("restore")
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}.restore={_short(raw)}: expected an object")
+    for uuid, kinds in raw.items():
+        w = f"{where}.restore.{uuid}"
+        if not is_uuid(uuid):
+            raise ValueError(f"{w}: not a device UUID")
+        if not (
+            isinstance(kinds, list)
+            and kinds
+            and all(k in LIMIT_KINDS for k in kinds)
+            and len(set(kinds)) == len(kinds)
+        ):
+            raise ValueError(f"{w}={_short(kinds)}: expected a list of {list(LIMIT_KINDS)}")
+        restore[uuid] = tuple(k for k in LIMIT_KINDS if k in kinds)
+    for uuid, kinds in restore.items():
+        for kind, table in (("memory", memory), ("sm", sm)):
+            if kind in kinds and uuid in table:
+                raise ValueError(f"{where}.{kind}.{uuid}: both set and cleared (restore)")
+    if len(memory.keys() | sm.keys() | restore.keys()) > MAX_DEVICES:
+        raise ValueError(f"{where}: limits on more than {MAX_DEVICES} devices")
+    return SavedLimits(
+        labels=(labels[0], labels[1], labels[2]),
+        scope=scope,
+        until=None if until is None else float(until),
+        memory=memory,
+        sm=sm,
+        restore=restore,
+    )
+
+
+def _table(raw: Any, where: str, lo: int, hi: int) -> dict[str, int | None]:
+    if not isinstance(raw, dict):
+        raise ValueError(f"{where}={_short(raw)}: expected an object")
+    out: dict[str, int | None] = {}
+    for uuid, v in raw.items():
+        if not is_uuid(uuid):
+            raise ValueError(f"{where}.{_short(uuid)}: not a device UUID")
+        if v is not None and not (_is_int(v) and lo <= v <= hi):
+            raise ValueError(
+                f"{where}.{uuid}={_short(v)}: expected null or an integer in [{lo}, {hi}]"
+            )
+        out[uuid] = v
+    return out
