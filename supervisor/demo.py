@@ -98,7 +98,10 @@ class Node:
         self.logs = logs
         self.env = env
         self.simulate = simulate
-        self.socket = str(workdir / "node.sock")
+        # In a directory of its own, so that the agent's admin directory
+        # ("<socket's directory>-admin": admin socket, state file) is inside
+        # workdir too, and goes with it.
+        self.socket = str(workdir / "run" / "node.sock")
         self.agent: subprocess.Popen[str] | None = None
         self.procs: dict[str, subprocess.Popen[str]] = {}
         self.status_url = ""
