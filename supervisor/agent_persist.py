@@ -187,8 +187,8 @@ def _entry(e: Any, where: str) -> SavedLimits:
     ):
         raise ValueError(f"{where}.labels={_short(labels)}: expected 3 strings")
     scope = e.get("scope")
-    if not isinstance(scope, str) or not scope.startswith("/"):
-        raise ValueError(f"{where}.scope={_short(scope)}: expected a cgroup path")
+    if not isinstance(scope, str):
+        raise ValueError(f"{where}.scope={_short(scope)}: expected a cgroup path (a string)")
     until = e.get("until")
     if until is not None and (
         isinstance(until, bool) or not isinstance(until, int | float) or not math.isfinite(until)
