@@ -382,3 +382,34 @@ def test_an_agent_restart_reapplies_an_admins_limit_through_a_real_supervisor(
     finally:
         again.kill()
         again.communicate(timeout=30)
+
+
+def test_a_state_file_that_cannot_be_written_is_a_warning_and_the_limit_still_holds(
+    sock_path,  # noqa: F811
+):
+    """The state file's directory is replaced by a plain file while the
+    agent runs: set-limit still sets the limit, and says on stderr that it
+    will not survive a restart; the agent saves again once it can."""
+    directory = Path(os.path.dirname(sock_path) + "-state")
+    path = directory / "s.json"
+    with AgentProc(sock_path, "--state-file", str(path)):
+        c = Client(sock_path, pod="tenant", namespace="team")
+        try:
+            c.report(device(limit=8 * GiB))
+            path.unlink()
+            directory.rmdir()
+            directory.write_text("not a directory\n")
+            proc = set_limit(sock_path, "team/tenant/main", "--memory", "4g")
+            assert proc.returncode == 0
+            assert proc.stdout.startswith("limit change queued for ")
+            assert proc.stderr.splitlines() == [
+                f"Warning: cannot save {path} (Not a directory): "
+                "the limit will not survive an agent restart"
+            ]
+            assert c.report(device(limit=8 * GiB))["limits"] == {GPU_A: {"memory": 4 * GiB}}
+            directory.unlink()
+            directory.mkdir()
+            assert wait_for(path.exists, timeout=5.0)  # the sweep saves it
+            assert json.loads(path.read_text())["limits"][0]["memory"] == {GPU_A: 4 * GiB}
+        finally:
+            c.close()
