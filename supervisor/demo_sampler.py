@@ -75,9 +75,14 @@ class ProcessUtilization:
         # PID's newer timestamp loses the samples published later (on an
         # H200 about half of each, with two busy processes).
         self.pid_seen: list[dict[int, int]] = [{} for _ in range(count)]
+        self.start_us = now_us
         self.last_poll = time.monotonic()
 
-    FORGET_US = 10_000_000  # a PID with no sample for this long is asked for no more
+    # A PID this far behind the newest sample of anyone's is asked for no more.
+    FORGET_US = 10_000_000
+    # New PIDs are looked for this far behind the newest sample of anyone's
+    # (a PID whose samples are published later would never be found).
+    DISCOVER_US = 1_000_000
 
     def _samples(self, handle: Any, since: int) -> list[Any]:
         try:
@@ -88,14 +93,14 @@ class ProcessUtilization:
     def poll(self) -> dict[int, float]:
         """Percent of each device's time each PID's kernels ran since the last poll."""
         shares: dict[int, float] = defaultdict(float)
-        now_us = int(time.time() * 1e6)
         for i, handle in enumerate(self.handles):
             known = self.pid_seen[i]
             by_pid: dict[int, list[int]] = defaultdict(list)
             newest: dict[int, int] = {}
             # New PIDs, from the newest sample of anyone's; then each known
             # PID from its own newest.
-            asks: list[tuple[int | None, int]] = [(None, self.last_seen[i])]
+            discover = max(self.start_us, self.last_seen[i] - self.DISCOVER_US)
+            asks: list[tuple[int | None, int]] = [(None, discover)]
             asks += list(known.items())
             for who, since in asks:
                 for s in self._samples(handle, since):
@@ -107,7 +112,7 @@ class ProcessUtilization:
             for pid, ts in newest.items():
                 known[pid] = ts
                 self.last_seen[i] = max(self.last_seen[i], ts)
-            for pid in [p for p, ts in known.items() if ts + self.FORGET_US < now_us]:
+            for pid in [p for p, ts in known.items() if ts + self.FORGET_US < self.last_seen[i]]:
                 del known[pid]
             for pid, vals in by_pid.items():
                 shares[pid] += sum(vals) / len(vals)

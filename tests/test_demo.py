@@ -193,3 +193,46 @@ def test_demo_on_a_real_gpu(tmp_path: Path) -> None:
     for v in summary["verdicts"]:
         if v["policy"] == "fixed-share":
             assert abs(v["achieved"] - int(v["target"].split()[0])) <= 5, v
+
+
+def test_the_sampler_loses_no_sample_that_nvml_publishes_late() -> None:
+    """NVML may publish the processes' samples of one period at different
+    times (an H200 did).  Each known PID is asked for from its own newest
+    sample, and new PIDs are looked for up to a second back, so a sample
+    published after another PID's newer one still counts: asked from the
+    newest of anyone's, PID 2's samples were all lost."""
+    from gpuvisor.supervisor.demo_sampler import ProcessUtilization
+
+    class Sample:
+        def __init__(self, pid: int, ts: int, util: int) -> None:
+            self.pid, self.timeStamp, self.smUtil = pid, ts, util
+
+    class FakeNvml:
+        class NVMLError(Exception):
+            pass
+
+        now = 0  # the newest sample period published for PID 1; PID 2 lags one
+
+        @classmethod
+        def nvmlDeviceGetProcessUtilization(cls, h: int, since: int) -> list[Sample]:
+            published = [Sample(1, t, 60) for t in range(1, cls.now + 1)]
+            published += [Sample(2, t, 30) for t in range(1, cls.now)]
+            out = [s for s in published if s.timeStamp > since]
+            if not out:
+                raise cls.NVMLError("Not Found")
+            return out
+
+    pu = ProcessUtilization.__new__(ProcessUtilization)  # without loading NVML
+    pu.nvml = FakeNvml
+    pu.handles = [0]
+    pu.last_seen = [0]
+    pu.pid_seen = [{}]
+    pu.start_us = 0
+    seen: dict[int, int] = {1: 0, 2: 0}
+    for period in range(1, 8):
+        FakeNvml.now = period
+        for pid in pu.poll():
+            seen[pid] += 1
+    assert seen[1] == 7
+    assert seen[2] == 6  # every poll after PID 2's first sample (period 1, seen at poll 2)
+    assert pu.pid_seen[0] == {1: 7, 2: 6}
