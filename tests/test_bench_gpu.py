@@ -16,6 +16,18 @@ from tests.bench.torch_sm import NvmlPoller, rate_between, summarise
 from tests.helpers import LIBRARY, REPO_ROOT, clean_env
 
 
+def bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tests.bench.torch_sm", *args],
+        env=clean_env(),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
 def test_rate_between_interpolates_the_completion_curve() -> None:
     marks: list[list[float]] = [[0.1, 10], [0.2, 20], [0.4, 20], [0.5, 40]]
     assert rate_between(marks, 0.1, 0.2) == pytest.approx(100)
@@ -69,15 +81,7 @@ def test_uneven_windows_show_in_the_spread() -> None:
 def test_without_a_gpu_it_says_so_in_one_line() -> None:
     if real_gpu_present():
         pytest.skip("a real GPU is present")
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.bench.torch_sm", "--lib", str(LIBRARY)],
-        env=clean_env(),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = bench("--lib", str(LIBRARY))
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
@@ -86,15 +90,7 @@ def test_without_a_gpu_it_says_so_in_one_line() -> None:
 
 
 def test_a_missing_library_is_named() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.bench.torch_sm", "--lib", "/nonexistent/libgpuvisor.so"],
-        env=clean_env(),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = bench("--lib", "/nonexistent/libgpuvisor.so")
     assert proc.returncode == 2
     assert (
         proc.stderr.strip()
