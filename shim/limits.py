@@ -3,8 +3,19 @@
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Mapping
+from dataclasses import dataclass
 
-from .capi import GV_EINVAL, UNLIMITED, GpuvisorError, check, encode_text, lib
+from .capi import (
+    GV_EINVAL,
+    GV_ENOENT,
+    UNLIMITED,
+    GpuvisorError,
+    check,
+    encode_text,
+    last_error,
+    lib,
+)
 
 
 def parse_memory_limit(text: str, physical_total: int = 0) -> int:
@@ -39,3 +50,50 @@ def validate_environment() -> None:
     """
     # check(): the message quotes the value, which need not be UTF-8.
     check(lib().gv_validate_env(), "gv_validate_env")
+
+
+@dataclass(frozen=True)
+class DeviceEnvLimits:
+    """The limits an environment gives one device (env_device_limits)."""
+
+    ordinal: int | None  # the device's CUDA ordinal; None: not known
+    memory: int | None  # bytes; None: no limit
+    sm: int | None  # percent; None: no limit
+    why_unknown: str = ""  # the library's line when ordinal is None
+
+
+def env_device_limits(env: Mapping[str, str], uuid: str, physical_total: int) -> DeviceEnvLimits:
+    """The limits env gives the device uuid, exactly as a process of the
+    container with env configures the device at its first CUDA use
+    (gv_env_device_limits: CUDA_DEVICE_*_LIMIT_<i> for its CUDA ordinal <i>,
+    found from NVML's list through env's CUDA_VISIBLE_DEVICES, else the
+    plain variables; percentages of physical_total).
+
+    When the ordinal cannot be known, ordinal is None and memory / sm are
+    the strictest limits env gives any ordinal (None only where it gives
+    none at all).  Raises GpuvisorError (GV_EINVAL) for a malformed value.
+    The process's own environment is neither read nor changed."""
+    if (
+        isinstance(physical_total, bool)
+        or not isinstance(physical_total, int)
+        or not (0 <= physical_total <= UNLIMITED)
+    ):
+        raise GpuvisorError(GV_EINVAL, f"gpuvisor: physical_total={physical_total!r} is invalid")
+    items = [encode_text(k, "variable name") + b"=" + encode_text(v, k) for k, v in env.items()]
+    array = (ctypes.c_char_p * (len(items) + 1))(*items, None)
+    mem = ctypes.c_uint64()
+    sm = ctypes.c_uint32()
+    rc = lib().gv_env_device_limits(
+        array, encode_text(uuid, "uuid"), physical_total, ctypes.byref(mem), ctypes.byref(sm)
+    )
+    why = ""
+    if rc == GV_ENOENT:
+        why = last_error()
+    else:
+        check(rc, "gv_env_device_limits")
+    return DeviceEnvLimits(
+        ordinal=rc if rc >= 0 else None,
+        memory=None if mem.value == UNLIMITED else mem.value,
+        sm=sm.value or None,
+        why_unknown=why,
+    )

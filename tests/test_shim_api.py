@@ -558,3 +558,81 @@ except GpuvisorError as e:
         f"gpuvisor: region {node.region}: file is {expected + delta} bytes, "
         f"expected {expected} (too {way})",
     ]
+
+
+ENV_DEVICE_LIMITS = """
+import json, sys
+import pynvml
+from gpuvisor.shim.capi import GpuvisorError
+from gpuvisor.shim.limits import env_device_limits
+pynvml.nvmlInit()
+uuids = [pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i)) for i in range(2)]
+uuids = [u.decode() if isinstance(u, bytes) else u for u in uuids]
+uuids.append("GPU-00000000-1111-2222-3333-444444444444")  # not on this node
+out = {}
+for name, env in json.loads(sys.argv[1]).items():
+    row = []
+    for u in uuids:
+        try:
+            d = env_device_limits(env, u, 16 << 30)
+            row.append([d.ordinal, d.memory, d.sm, bool(d.why_unknown)])
+        except GpuvisorError as exc:
+            row.append(exc.code_name)
+    out[name] = row
+print(json.dumps(out))
+"""
+
+
+def test_env_device_limits_are_the_ones_of_the_devices_cuda_ordinal(node: SimNode) -> None:
+    """gv_env_device_limits: what a process of the container with that
+    environment configures a device with at its first CUDA use, found by
+    the device's UUID: its CUDA ordinal through the environment's
+    CUDA_VISIBLE_DEVICES (not the caller's), the per-device variable of
+    that ordinal else the plain one, a percentage of the size given, no SM
+    limit under GPU_CORE_UTILIZATION_POLICY=disable.  A device whose
+    ordinal cannot be known gets the strictest limits the environment gives
+    any ordinal (ordinal None); a malformed value is GV_EINVAL."""
+    G = GiB
+    envs = {
+        "plain": {"CUDA_DEVICE_MEMORY_LIMIT": "3g", "CUDA_DEVICE_SM_LIMIT": "40"},
+        "per-device": {
+            "CUDA_DEVICE_MEMORY_LIMIT_0": "25%",
+            "CUDA_DEVICE_MEMORY_LIMIT": "3g",
+            "CUDA_DEVICE_SM_LIMIT_1": "10",
+        },
+        "reordered": {
+            "CUDA_VISIBLE_DEVICES": "1,0",
+            "CUDA_DEVICE_MEMORY_LIMIT_0": "2g",
+            "CUDA_DEVICE_SM_LIMIT_0": "50",
+            "CUDA_DEVICE_SM_LIMIT_1": "20",
+        },
+        "hidden": {"CUDA_VISIBLE_DEVICES": "1", "CUDA_DEVICE_SM_LIMIT_0": "50"},
+        "disabled": {"CUDA_DEVICE_SM_LIMIT_0": "30", "GPU_CORE_UTILIZATION_POLICY": "Disable"},
+        "malformed": {"CUDA_DEVICE_SM_LIMIT_1": "abc"},
+    }
+    # The caller's own environment hides device 1 and limits everything:
+    # only the environment passed counts.
+    caller = node.shimmed(CUDA_VISIBLE_DEVICES="0", CUDA_DEVICE_SM_LIMIT="5")
+    del caller["LD_PRELOAD"]
+    proc = run_py(ENV_DEVICE_LIMITS, caller, args=[json.dumps(envs)])
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert got["plain"] == [[0, 3 * G, 40, False], [1, 3 * G, 40, False], [None, 3 * G, 40, True]]
+    assert got["per-device"] == [
+        [0, 4 * G, None, False],
+        [1, 3 * G, 10, False],
+        [None, 3 * G, 10, True],
+    ]
+    assert got["reordered"] == [
+        [1, None, 20, False],
+        [0, 2 * G, 50, False],
+        [None, 2 * G, 20, True],
+    ]
+    strict = [None, None, 50, True]
+    assert got["hidden"] == [strict, [0, None, 50, False], strict]
+    assert got["disabled"] == [
+        [0, None, None, False],
+        [1, None, None, False],
+        [None, None, None, True],
+    ]
+    assert got["malformed"] == ["GV_EINVAL"] * 3

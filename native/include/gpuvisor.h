@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define GV_API_VERSION 2
+#define GV_API_VERSION 3
 
 enum {
     GV_OK = 0,
@@ -64,6 +64,27 @@ int gv_parse_memory_limit(const char *text, uint64_t physical_total, uint64_t *b
  * GPU_CORE_UTILIZATION_POLICY and CUDA_TASK_PRIORITY.  GV_EINVAL with the
  * one-line reason (naming the variable and the value) in gv_last_error(). */
 int gv_validate_env(void);
+
+/* The limits an environment gives the device uuid ("GPU-..."), exactly as
+ * a process of the container with that environment configures the device's
+ * entry at its first CUDA use: CUDA_DEVICE_MEMORY_LIMIT_<i>, else
+ * CUDA_DEVICE_MEMORY_LIMIT (a percentage of physical_total bytes), and
+ * CUDA_DEVICE_SM_LIMIT_<i>, else CUDA_DEVICE_SM_LIMIT (0 under
+ * GPU_CORE_UTILIZATION_POLICY=disable), for the device's CUDA ordinal <i>.
+ * The ordinal is found as for a process that has only used NVML: NVML's
+ * list, through env's CUDA_VISIBLE_DEVICES.  env: NULL-terminated
+ * "NAME=value" strings (NULL: this process's environment), read in the
+ * calling thread only; the process's environment is not changed.
+ * *mem_bytes: GV_UNLIMITED for none; *sm_pct: 0 for none.
+ * Returns the ordinal (>= 0).  GV_ENOENT when the ordinal cannot be known
+ * (NVML cannot list the devices, or env's CUDA_VISIBLE_DEVICES hides the
+ * device): *mem_bytes and *sm_pct are then the strictest limits env gives
+ * any ordinal (GV_UNLIMITED / 0 only where it gives none at all), so that
+ * a caller can fail closed, and gv_last_error() says why.  GV_EINVAL for a
+ * bad uuid, a malformed value (as gv_validate_env), or a percentage with
+ * physical_total 0.  Since API version 3. */
+int gv_env_device_limits(const char *const *env, const char *uuid, uint64_t physical_total,
+                         uint64_t *mem_bytes, uint32_t *sm_pct);
 
 /* Device entries of the region, in the order processes first used them.
  * Indices run 0 .. gv_device_count()-1. */

@@ -32,8 +32,7 @@ static void fork_parent(void) { pthread_mutex_unlock(&g_attach_lock); }
 static void fork_child(void) { pthread_mutex_unlock(&g_attach_lock); }
 static void register_fork(void) { pthread_atfork(fork_prepare, fork_parent, fork_child); }
 
-static int fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static int fail(int code, const char *fmt, ...)
+int gv_api_fail(int code, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
@@ -41,6 +40,7 @@ static int fail(int code, const char *fmt, ...)
     va_end(ap);
     return code;
 }
+#define fail gv_api_fail
 
 /* The region path the environment names (the default when unset or
  * empty), or NULL with t_err set.  A relative path is refused: processes

@@ -80,6 +80,11 @@ CUresult gv_ordinal_of_ctx(CUcontext ctx, int *ordinal);
 CUresult gv_ordinal_of_stream(CUstream stream, int *ordinal, CUcontext *ctx);
 /* CUDA ordinal the process sees for a device UUID; -1 when invisible. */
 int gv_ordinal_of_uuid(const unsigned char uuid[16]);
+/* The CUDA ordinal a process that has only used NVML gives a device UUID
+ * (the map above, made afresh from NVML's list with CUDA_VISIBLE_DEVICES =
+ * cvd, NULL: unset); -1 when NVML cannot list the devices or cvd hides
+ * it.  For gv_env_device_limits, on behalf of another process. */
+int gv_ordinal_of_uuid_nvml(const unsigned char uuid[16], const char *cvd);
 /* The process called cuInit (hooks_info.c): from then on the UUID map is
  * CUDA's; before, NVML's, so that NVML calls do not initialise CUDA. */
 void gv_cuda_inited(void);

@@ -269,11 +269,13 @@ static int visible_entry(char *tok, char uuids[][NVML_DEVICE_UUID_V2_BUFFER_SIZE
     return found >= 0 && gv_uuid_parse(uuids[found], uuid) == 0 ? found : -1;
 }
 
-/* Without a usable CUDA driver, follow CUDA_VISIBLE_DEVICES over NVML's list
- * (NVML order is PCI order, which CUDA also uses unless told otherwise). */
-static void visible_from_nvml(void)
+/* Without a usable CUDA driver, follow CUDA_VISIBLE_DEVICES (cvd; NULL:
+ * unset) over NVML's list (NVML order is PCI order, which CUDA also uses
+ * unless told otherwise).  out->count stays 0 when NVML cannot list them. */
+static void nvml_visible(struct visible *out, const char *cvd)
 {
-    unsigned char (*visible)[16] = by_nvml.uuid;
+    unsigned char (*visible)[16] = out->uuid;
+    out->count = 0;
     typedef nvmlReturn_t (*count_fn)(unsigned int *);
     typedef nvmlReturn_t (*handle_fn)(unsigned int, nvmlDevice_t *);
     typedef nvmlReturn_t (*uuid_fn)(nvmlDevice_t, char *, unsigned int);
@@ -290,13 +292,12 @@ static void visible_from_nvml(void)
         if (GV_REAL(nvmlDeviceGetHandleByIndex_v2, handle_fn)(i, &h) == NVML_SUCCESS)
             GV_REAL(nvmlDeviceGetUUID, uuid_fn)(h, uuids[i], sizeof uuids[i]);
     }
-    const char *cvd = getenv("CUDA_VISIBLE_DEVICES");
     int count = 0;
     if (!cvd) {
         for (unsigned int i = 0; i < n; i++)
             if (gv_uuid_parse(uuids[i], visible[count]) == 0)
                 count++;
-        by_nvml.count = count;
+        out->count = count;
         return;
     }
     /* Read as the driver reads it (the simulator does the same, but for a
@@ -319,7 +320,12 @@ static void visible_from_nvml(void)
         count++;
         tok = comma != NULL ? comma + 1 : NULL;
     }
-    by_nvml.count = count;
+    out->count = count;
+}
+
+static void visible_from_nvml(void)
+{
+    nvml_visible(&by_nvml, getenv("CUDA_VISIBLE_DEVICES"));
 }
 
 /* CUDA's map: the process has initialised CUDA (or CUDA is how the
@@ -353,6 +359,16 @@ int gv_ordinal_of_uuid(const unsigned char uuid[16])
     }
     for (int i = 0; i < v->count; i++)
         if (memcmp(v->uuid[i], uuid, 16) == 0)
+            return i;
+    return -1;
+}
+
+int gv_ordinal_of_uuid_nvml(const unsigned char uuid[16], const char *cvd)
+{
+    struct visible v;
+    nvml_visible(&v, cvd);
+    for (int i = 0; i < v.count; i++)
+        if (memcmp(v.uuid[i], uuid, 16) == 0)
             return i;
     return -1;
 }

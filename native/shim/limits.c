@@ -176,11 +176,11 @@ int limits_memory_for_ordinal(int ordinal, uint64_t physical_total,
         return GV_EINVAL;
     if (ordinal >= 0) {
         snprintf(name, sizeof name, GV_ENV_LIMIT "_%d", ordinal);
-        value = getenv(name);
+        value = limits_getenv(name);
     }
     if (value == NULL || value[0] == '\0') {
         snprintf(name, sizeof name, GV_ENV_LIMIT);
-        value = getenv(name);
+        value = limits_getenv(name);
     }
     if (value == NULL || value[0] == '\0') {
         *bytes = GV_UNLIMITED;
@@ -207,6 +207,26 @@ static int ordinal_ok(const char *s, size_t len)
 
 extern char **environ;
 
+/* The environment the limits are read from: this thread's override
+ * (limits_use_env), else the process's. */
+static _Thread_local const char *const *t_env;
+
+void limits_use_env(const char *const *env)
+{
+    t_env = env;
+}
+
+const char *limits_getenv(const char *name)
+{
+    if (t_env == NULL)
+        return getenv(name);
+    size_t n = strlen(name);
+    for (const char *const *e = t_env; *e != NULL; e++)
+        if (strncmp(*e, name, n) == 0 && (*e)[n] == '=')
+            return *e + n + 1;
+    return NULL;
+}
+
 /* Check every variable of the family BASE and BASE_<ordinal> in the
  * environment: unknown suffixes fail, empty values count as unset, others
  * must pass why_bad (NULL: good; else the reason). */
@@ -214,7 +234,8 @@ static int check_family(const char *base, const char *(*why_bad)(const char *),
                         char *err, size_t errlen)
 {
     const size_t plen = strlen(base);
-    for (char **e = environ; e != NULL && *e != NULL; e++) {
+    for (const char *const *e = t_env != NULL ? t_env : (const char *const *)environ;
+         e != NULL && *e != NULL; e++) {
         const char *kv = *e;
         const char *eq = strchr(kv, '=');
         if (strncmp(kv, base, plen) != 0 || eq == NULL)
@@ -280,7 +301,7 @@ static int env_flag(const char *v)
 
 int limits_control_disabled(void)
 {
-    const char *v = getenv(GV_ENV_DISABLE);
+    const char *v = limits_getenv(GV_ENV_DISABLE);
     int f = env_flag(v);
     if (f >= 0)
         return f;
@@ -294,7 +315,7 @@ int limits_control_disabled(void)
 
 int limits_oversubscribe_requested(void)
 {
-    return env_flag(getenv(GV_ENV_OVERSUBSCRIBE)) != 0;
+    return env_flag(limits_getenv(GV_ENV_OVERSUBSCRIBE)) != 0;
 }
 
 /* ---- SM-time quota ---------------------------------------------------------- */
@@ -322,11 +343,11 @@ int limits_sm_for_ordinal(int ordinal, unsigned *pct, char *err, size_t errlen)
         return GV_EINVAL;
     if (ordinal >= 0) {
         snprintf(name, sizeof name, GV_ENV_SM_LIMIT "_%d", ordinal);
-        value = getenv(name);
+        value = limits_getenv(name);
     }
     if (value == NULL || value[0] == '\0') {
         snprintf(name, sizeof name, GV_ENV_SM_LIMIT);
-        value = getenv(name);
+        value = limits_getenv(name);
     }
     *pct = 0;
     if (value == NULL || value[0] == '\0')
@@ -360,17 +381,17 @@ int limits_sm_check_env(char *err, size_t errlen)
 {
     if (check_family(GV_ENV_SM_LIMIT, sm_why_bad, err, errlen) != GV_OK)
         return GV_EINVAL;
-    const char *v = getenv(GV_ENV_SM_POLICY);
+    const char *v = limits_getenv(GV_ENV_SM_POLICY);
     if (v != NULL && v[0] != '\0' && word_index(v, sm_policies, 3) < 0) {
         set_err(err, errlen, GV_ENV_SM_POLICY, v, "use fixed-share, burst-share or best-effort");
         return GV_EINVAL;
     }
-    v = getenv(GV_ENV_CORE_POLICY);
+    v = limits_getenv(GV_ENV_CORE_POLICY);
     if (v != NULL && v[0] != '\0' && word_index(v, core_policies, 3) < 0) {
         set_err(err, errlen, GV_ENV_CORE_POLICY, v, "use default, force or disable");
         return GV_EINVAL;
     }
-    v = getenv(GV_ENV_PRIORITY);
+    v = limits_getenv(GV_ENV_PRIORITY);
     if (v != NULL && v[0] != '\0' && strcmp(v, "0") != 0 && strcmp(v, "1") != 0) {
         set_err(err, errlen, GV_ENV_PRIORITY, v, "use 0 (high) or 1 (low)");
         return GV_EINVAL;
@@ -380,19 +401,19 @@ int limits_sm_check_env(char *err, size_t errlen)
 
 int limits_sm_policy(void)
 {
-    const char *core = getenv(GV_ENV_CORE_POLICY);
+    const char *core = limits_getenv(GV_ENV_CORE_POLICY);
     int c = (core != NULL && core[0] != '\0') ? word_index(core, core_policies, 3) : 0;
     if (c == 2)
         return -1;                       /* disable */
     if (c == 1)
         return 0;                        /* force: the limit is a hard cap */
-    const char *p = getenv(GV_ENV_SM_POLICY);
+    const char *p = limits_getenv(GV_ENV_SM_POLICY);
     int i = (p != NULL && p[0] != '\0') ? word_index(p, sm_policies, 3) : 0;
     return i < 0 ? 0 : i;
 }
 
 unsigned limits_task_priority(void)
 {
-    const char *v = getenv(GV_ENV_PRIORITY);
+    const char *v = limits_getenv(GV_ENV_PRIORITY);
     return (v != NULL && strcmp(v, "1") == 0) ? 1u : 0u;
 }

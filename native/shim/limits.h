@@ -25,6 +25,14 @@
 #define GV_ENV_DISABLE "CUDA_DISABLE_CONTROL"
 #define GV_ENV_OVERSUBSCRIBE "CUDA_OVERSUBSCRIBE"
 
+/* Where every function here reads the environment: env (a NULL-terminated
+ * array of "NAME=value" strings) in the calling thread from now on, or the
+ * process's own again (NULL).  gv_env_device_limits reads a workload's
+ * environment this way, without changing the process's. */
+void limits_use_env(const char *const *env);
+/* getenv(name) in that environment. */
+const char *limits_getenv(const char *name);
+
 /* Like gv_parse_memory_limit, and on failure *why gets a short reason
  * ("not a memory size ...", "must be greater than zero", ...). */
 int limits_parse(const char *text, uint64_t physical_total, uint64_t *bytes,

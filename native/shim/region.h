@@ -192,6 +192,10 @@ int gv_proc_maps_file(int32_t pid, const char *path);
  * the one-line reason (callers then fail closed). */
 gv_region *gv_shared_region(void);
 
+/* Set this thread's gv_last_error() (api.c) and return code: for the
+ * exported functions outside api.c. */
+int gv_api_fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
 /* --- test-only hooks (used by native/tests/t_region_*.c) ---------------- */
 
 /* Claim a free slot for an arbitrary (pid, start) owner, e.g. a live pid
