@@ -18,7 +18,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from gpuvisor.shim.capi import UNLIMITED, GpuvisorError, lib
-from gpuvisor.shim.limits import parse_memory_limit, validate_environment
+from gpuvisor.shim.limits import (
+    DeviceEnvLimits,
+    env_device_limits,
+    parse_memory_limit,
+    validate_environment,
+)
 from gpuvisor.shim.loader import preload_env
 from gpuvisor.shim.region import default_region_path
 
@@ -78,19 +83,21 @@ _PER_DEVICE = {
 @dataclass(frozen=True)
 class EnvLimits:
     """The limits the container's environment gives its devices, as the
-    library reads it (limits_memory_for_ordinal, limits_sm_for_ordinal),
-    where the supervisor can tell: what it puts back when an administrator
-    clears a limit of theirs (an ack's `restore`).
+    library reads it (limits_memory_for_ordinal, limits_sm_for_ordinal):
+    what the supervisor puts back when an administrator clears a limit of
+    theirs (an ack's `restore`).
 
     Per-device variables (CUDA_DEVICE_MEMORY_LIMIT_<n>) name CUDA ordinals,
     which the region does not record: with one of a kind set, that kind's
-    limit is unknown here (None in memory_text/sm_known False), and the
-    tuner falls back on the region's value before it first applied an
-    administrator's limit."""
+    limit is not known here (None in memory_text / sm_known False), and the
+    tuner asks the library for the device (device(): the UUID's ordinal as
+    the library maps it, from NVML's list through the environment's
+    CUDA_VISIBLE_DEVICES), from env, the workload's environment."""
 
     memory_text: str | None = None  # CUDA_DEVICE_MEMORY_LIMIT ("" : no limit)
     sm: int | None = None  # percent; None: no limit
     sm_known: bool = True
+    env: tuple[tuple[str, str], ...] = ()  # the workload's environment
 
     def memory(self, physical_total: int) -> tuple[bool, int | None]:
         """(known, bytes or None for no limit) on a device of physical_total bytes."""
@@ -104,6 +111,13 @@ class EnvLimits:
             return False, None
         return True, None if value == UNLIMITED else value
 
+    def device(self, uuid: str, physical_total: int) -> DeviceEnvLimits:
+        """The limits the environment gives the device uuid, from the
+        library (env_device_limits): its ordinal None when not known, and
+        then the strictest limits the environment gives any ordinal.
+        GpuvisorError for a value the library refuses."""
+        return env_device_limits(dict(self.env), uuid, physical_total)
+
 
 def env_limits(env: Mapping[str, str]) -> EnvLimits:
     """The EnvLimits of a workload's environment (already validated)."""
@@ -111,13 +125,14 @@ def env_limits(env: Mapping[str, str]) -> EnvLimits:
     def per_device(kind: str) -> bool:
         return any(_PER_DEVICE[kind].fullmatch(k) and v for k, v in env.items())
 
+    items = tuple(env.items())
     memory = None if per_device("memory") else (_env(env, ENV_MEMORY) or "")
     if env.get(ENV_HAMI_POLICY, "").strip().lower() == "disable":
-        return EnvLimits(memory, None, True)  # the library configures no SM limit
+        return EnvLimits(memory, None, True, items)  # the library configures no SM limit
     if per_device("sm"):
-        return EnvLimits(memory, None, False)
+        return EnvLimits(memory, None, False, items)
     sm = int((_env(env, ENV_SM) or "0").strip())
-    return EnvLimits(memory, sm or None, True)
+    return EnvLimits(memory, sm or None, True, items)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,10 @@ UUID; one for a device the region does not list yet (the workload has not
 used it) waits until the device appears.  In an ack's limits, a missing
 key leaves that limit as it is and null means "no limit" (protocol.py);
 a kind in `restore` (an administrator cleared their limit) is no longer
-applied as pushed: the container's own limit is set instead (_own_limit).
+applied as pushed: the container's own limit is set instead (_own_limit:
+what the container's first CUDA use of the device configures, from the
+library; the strictest the environment gives any device when the
+device's CUDA ordinal, which per-device variables name, cannot be known).
 Yield flags and the others' share are the agent's live view: they hold
 only while the agent answers.  When no ack has come for ack_timeout
 seconds (agent_ack_timeout: 3 report intervals, at least 2 s), or at once
@@ -42,6 +45,7 @@ from typing import Any
 
 import psutil
 from gpuvisor.shim.capi import GpuvisorError
+from gpuvisor.shim.limits import DeviceEnvLimits
 from gpuvisor.shim.region import DeviceUsage, Region, SmState
 
 from .config import EnvLimits
@@ -179,10 +183,9 @@ class Tuner:
         # (kind, uuid) whose administrator's limit was cleared: the
         # container's own limit is set instead (an ack's `restore`)
         self._restore: set[tuple[str, str]] = set()
-        # (kind, uuid) -> the region's limit before this supervisor first
-        # applied a pushed one there: the container's own, where the
-        # environment does not tell (per-device variables)
-        self._own_seen: dict[tuple[str, str], int | None] = {}
+        # uuid -> what the library says the environment gives the device
+        # (or why it cannot), and the tick it was asked at (_device_limits)
+        self._device_env: dict[str, tuple[DeviceEnvLimits | GpuvisorError, int]] = {}
         self._applied: dict[tuple[str, str], object] = {}
         self._sample = Sample(ts=time.monotonic())
         self._pids: list[int] = [root_pid]
@@ -332,9 +335,6 @@ class Tuner:
                             value = value or None  # 0: no limit, as the region reads it
                         if limit == value:
                             continue
-                        # The container's own limit: the region's before the
-                        # first pushed one (put back on `restore`).
-                        self._own_seen.setdefault((kind, d.uuid), limit)
                         current = limit
                     if current == value:
                         continue
@@ -352,19 +352,70 @@ class Tuner:
 
     def _own_limit(self, kind: str, d: DeviceUsage) -> int | None:
         """The container's own limit of kind on device d (None: no limit):
-        what its environment gives (EnvLimits), else the region's value
-        before this supervisor first applied a pushed limit there, else
-        the region's value now (a device it never changed keeps its own)."""
+        exactly what its first CUDA use of d configures.  From the
+        environment (EnvLimits) where no per-device variable of that kind
+        is set; else from the library, which maps d's UUID to its CUDA
+        ordinal as the container's processes do (env_device_limits).  When
+        the ordinal cannot be known, the strictest limit the environment
+        gives any ordinal (fail closed, never "no limit" by accident); when
+        the library refuses the environment, the region's limit as it is."""
         if kind == "memory":
             known, value = self.env_limits.memory(d.physical_total)
         else:
             known, value = self.env_limits.sm_known, self.env_limits.sm
         if known:
             return value
-        if (kind, d.uuid) in self._own_seen:
-            return self._own_seen[(kind, d.uuid)]
-        now: int | None = d.limit if kind == "memory" else self.region.sm(d.index).limit
-        return now
+        limits = self._device_limits(d)
+        variable = "CUDA_DEVICE_MEMORY_LIMIT" if kind == "memory" else "CUDA_DEVICE_SM_LIMIT"
+        if isinstance(limits, GpuvisorError):
+            current: int | None = d.limit if kind == "memory" else self.region.sm(d.index).limit
+            self._warn_once(
+                f"own {kind} {d.uuid}",
+                "cannot put the container's own %s limit back on %s (%s_<i>): %s; keeping %s",
+                kind,
+                d.uuid,
+                variable,
+                limits.message,
+                "no limit" if current is None else current,
+            )
+            return current
+        own: int | None = limits.memory if kind == "memory" else limits.sm
+        if limits.ordinal is None:
+            self._warn_once(
+                f"own {kind} {d.uuid}",
+                "%s: %s_<i> names CUDA device indices, and this device's is not known: "
+                "putting back the strictest %s limit the environment gives any device, %s",
+                limits.why_unknown.removeprefix("gpuvisor: "),
+                variable,
+                kind,
+                "none" if own is None else own,
+            )
+        return own
+
+    def _device_limits(self, d: DeviceUsage) -> DeviceEnvLimits | GpuvisorError:
+        """env_limits.device(d), kept once the device's ordinal is known (the
+        environment and the map do not change); asked again at most once a
+        second while it is not."""
+        cached = self._device_env.get(d.uuid)
+        if cached is not None:
+            limits, tick = cached
+            if (isinstance(limits, DeviceEnvLimits) and limits.ordinal is not None) or (
+                self._ticks - tick < SLOW_EVERY
+            ):
+                return limits
+        try:
+            result: DeviceEnvLimits | GpuvisorError = self.env_limits.device(
+                d.uuid, d.physical_total
+            )
+        except GpuvisorError as exc:
+            result = exc
+        self._device_env[d.uuid] = (result, self._ticks)
+        return result
+
+    def _warn_once(self, what: str, fmt: str, *args: object) -> None:
+        if what not in self._logged:
+            self._logged.add(what)
+            log.warning(fmt, *args)
 
     def tick(self) -> Sample:
         """One round: read the region, apply instructions, publish a sample."""

@@ -1061,3 +1061,166 @@ def test_a_refused_ack_counts_apart_from_the_acks_taken(tmp_path):
         rep._close()
         server.close()
         thread.join(2)
+
+
+# NVML first (every device's memory: a preloaded process enters the devices
+# it sees in the region, keyed by UUID), CUDA on ordinal 0 once argv[1]
+# exists, then wait for argv[2].
+NVML_ALL_THEN_CUDA = """
+import os, sys, time
+import pynvml
+pynvml.nvmlInit()
+for i in range(pynvml.nvmlDeviceGetCount()):
+    pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i))
+print("nvml", flush=True)
+def wait(path):
+    deadline = time.monotonic() + 30
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.02)
+wait(sys.argv[1])
+from tests.cuclient import init
+init()
+print("cuda", flush=True)
+wait(sys.argv[2])
+"""
+
+
+def _then(agent: FakeAgent, instructions: Instructions, pred: Any) -> int:
+    """Ack with instructions from now on; wait for a later report matching
+    pred; the number of reports before it."""
+    with agent.lock:
+        agent.instructions = instructions
+        seen = len(agent.reports)
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        with agent.lock:
+            if any(pred(r) for r in agent.reports[seen:]):
+                return seen
+        time.sleep(0.05)
+    with agent.lock:
+        raise AssertionError(f"no matching report; got {agent.reports[-2:]}")
+
+
+def _shows(uuid: str, memory: int | None, sm: int | None) -> Any:
+    return lambda r: any(
+        d.uuid == uuid and d.memory_limit == memory and d.sm_limit == sm for d in r.devices
+    )
+
+
+def test_a_restore_puts_back_the_per_device_limits_of_the_devices_cuda_index(env, agent, node):
+    """Per-device variables name CUDA ordinals (after CUDA_VISIBLE_DEVICES):
+    here node device 1 is ordinal 0.  NVML entered it in the region before
+    any CUDA call, so its SM limit was not configured yet, and the
+    administrator's limit came before the container's first CUDA use (which
+    then keeps it).  Taking the administrator's limits back must put back
+    exactly what that first CUDA use would have applied, the _0 values: the
+    region's value before the first pushed limit (no SM limit) left the
+    container unlimited."""
+    env["GPUVISOR_NODE_SOCKET"] = str(agent.path)
+    env["CUDA_VISIBLE_DEVICES"] = "1"
+    env.update(
+        CUDA_DEVICE_MEMORY_LIMIT_0="2g",
+        CUDA_DEVICE_SM_LIMIT_0="50",
+        CUDA_DEVICE_MEMORY_LIMIT_1="3g",  # a wrong map (NVML index 1) would give these
+        CUDA_DEVICE_SM_LIMIT_1="10",
+    )
+    go, stop = node.dir / "go", node.dir / "stop"
+    sup = start_run(
+        env, "--report-interval", "0.1", "--", *py(NVML_ALL_THEN_CUDA), str(go), str(stop)
+    )
+    try:
+        assert sup.stdout is not None
+        assert sup.stdout.readline() == "nvml\n"
+        report = agent.wait_for(lambda r: bool(r.devices))
+        assert len(report.devices) == 1
+        uuid = report.devices[0].uuid
+        assert uuid.endswith("1"), uuid  # node device 1
+        agent.wait_for(_shows(uuid, 2 * GiB, None))  # NVML's entry: no SM limit yet
+        _then(
+            agent,
+            Instructions(memory_limits={uuid: GiB}, sm_limits={uuid: 20}),
+            _shows(uuid, GiB, 20),
+        )
+        go.touch()
+        assert sup.stdout.readline() == "cuda\n"
+        state = read_sm(node)
+        assert (state["mem_limit"], state["limit"]) == (GiB, 20)  # the first CUDA use kept it
+        restore = Instructions(restore={uuid: ("memory", "sm")})
+        _then(agent, restore, _shows(uuid, 2 * GiB, 50))
+        state = read_sm(node)
+        assert (state["mem_limit"], state["limit"]) == (2 * GiB, 50)
+        time.sleep(0.5)  # it stays
+        with agent.lock:
+            assert _shows(uuid, 2 * GiB, 50)(agent.reports[-1]), agent.reports[-1]
+    finally:
+        stop.touch()
+        go.touch()
+        _, err = sup.communicate(timeout=30)
+    assert sup.returncode == 0, err
+    assert "not known" not in err, err
+
+
+REGISTER = """
+import sys
+from gpuvisor.shim import Region
+Region.attach(sys.argv[1]).register_device(sys.argv[2], 16 << 30, None)
+"""
+
+WAIT_FOR = """
+import os, sys, time
+print("waiting", flush=True)
+deadline = time.monotonic() + 60
+while not os.path.exists(sys.argv[1]) and time.monotonic() < deadline:
+    time.sleep(0.02)
+"""
+
+
+def test_a_restore_on_a_device_whose_cuda_index_is_not_known_fails_closed(env, agent, node):
+    """A region entry whose UUID the library cannot map to a CUDA ordinal
+    (not in NVML's list through CUDA_VISIBLE_DEVICES): with per-device
+    variables, its own limit cannot be known, and taking the
+    administrator's limit back puts back the strictest limit the
+    environment gives any device, with one line naming the device and the
+    variable; never no limit."""
+    fake = "GPU-00000000-1111-2222-3333-444444444444"
+    proc = subprocess.run(
+        [*py(REGISTER), str(node.region), fake],
+        env=node.env,
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    env["GPUVISOR_NODE_SOCKET"] = str(agent.path)
+    env.update(
+        CUDA_DEVICE_MEMORY_LIMIT_0="3g",
+        CUDA_DEVICE_MEMORY_LIMIT_1="2g",
+        CUDA_DEVICE_SM_LIMIT_0="30",
+        CUDA_DEVICE_SM_LIMIT_1="50",
+    )
+    stop = node.dir / "stop"
+    sup = start_run(env, "--report-interval", "0.1", "--", *py(WAIT_FOR), str(stop))
+    try:
+        assert sup.stdout is not None
+        assert sup.stdout.readline() == "waiting\n"
+        agent.wait_for(_shows(fake, None, None))
+        _then(
+            agent,
+            Instructions(memory_limits={fake: GiB}, sm_limits={fake: 20}),
+            _shows(fake, GiB, 20),
+        )
+        _then(agent, Instructions(restore={fake: ("memory", "sm")}), _shows(fake, 2 * GiB, 30))
+        time.sleep(0.5)  # it stays
+        with agent.lock:
+            assert _shows(fake, 2 * GiB, 30)(agent.reports[-1]), agent.reports[-1]
+    finally:
+        stop.touch()
+        _, err = sup.communicate(timeout=30)
+    assert sup.returncode == 0, err
+    lines = [line for line in err.splitlines() if fake in line and "not known" in line]
+    assert len(lines) == 2, err  # one per kind, once
+    assert any("CUDA_DEVICE_SM_LIMIT_<i>" in line and line.endswith(", 30") for line in lines), err
+    assert any(
+        "CUDA_DEVICE_MEMORY_LIMIT_<i>" in line and line.endswith(f", {2 * GiB}") for line in lines
+    ), err
