@@ -229,10 +229,13 @@ class CEnvScan:
             for f in self.functions:  # calls inside function bodies, not prototypes
                 for _, args in _calls(f.body, fname):
                     name = self._constant(args[index]) if index < len(args) else None
-                    if name is None:
-                        self.unresolved.append(f"{f.path.name}: {fname}({', '.join(args)})")
-                    else:
+                    built = self._built(args[index], f) if index < len(args) else None
+                    if name is not None:
                         self.names.add(name)
+                    elif built is not None:
+                        self.names |= built
+                    else:
+                        self.unresolved.append(f"{f.path.name}: {fname}({', '.join(args)})")
 
     def _constant(self, expr: str) -> str | None:
         """The string an expression of literals and string macros spells."""
@@ -259,15 +262,23 @@ class CEnvScan:
         if re.fullmatch(r"\w+", arg) and arg in f.params:
             wrappers.append((f.name, f.params.index(arg)))
             return
+        built = self._built(arg, f)
+        if built is not None:
+            self.names |= built
+            return
+        self.unresolved.append(f"{f.path.name}: {f.name}: getenv({arg})")
+
+    def _built(self, arg: str, f: CFunction) -> set[str] | None:
+        """The names f builds in the buffer arg with snprintf, if every
+        such call spells one (None otherwise)."""
         built = [
             self._constant(args[2])
             for _, args in _calls(f.body, "snprintf")
             if len(args) >= 3 and args[0] == arg
         ]
         if built and all(b is not None for b in built):
-            self.names |= {b for b in built if b is not None}
-            return
-        self.unresolved.append(f"{f.path.name}: {f.name}: getenv({arg})")
+            return {b for b in built if b is not None}
+        return None
 
 
 # ---- environment variables: the Python sources -----------------------------------
