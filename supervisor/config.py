@@ -17,7 +17,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from gpuvisor.shim.capi import UNLIMITED, GpuvisorError, lib
+from gpuvisor.shim.capi import GV_EINVAL, UNLIMITED, GpuvisorError, lib
 from gpuvisor.shim.limits import (
     DeviceEnvLimits,
     env_device_limits,
@@ -97,7 +97,8 @@ class EnvLimits:
     memory_text: str | None = None  # CUDA_DEVICE_MEMORY_LIMIT ("" : no limit)
     sm: int | None = None  # percent; None: no limit
     sm_known: bool = True
-    env: tuple[tuple[str, str], ...] = ()  # the workload's environment
+    # the workload's environment (None: not known, device() refuses)
+    env: tuple[tuple[str, str], ...] | None = None
 
     def memory(self, physical_total: int) -> tuple[bool, int | None]:
         """(known, bytes or None for no limit) on a device of physical_total bytes."""
@@ -115,7 +116,9 @@ class EnvLimits:
         """The limits the environment gives the device uuid, from the
         library (env_device_limits): its ordinal None when not known, and
         then the strictest limits the environment gives any ordinal.
-        GpuvisorError for a value the library refuses."""
+        GpuvisorError for a value the library refuses, or no environment."""
+        if self.env is None:
+            raise GpuvisorError(GV_EINVAL, "gpuvisor: the workload's environment is not known")
         return env_device_limits(dict(self.env), uuid, physical_total)
 
 

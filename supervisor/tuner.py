@@ -375,7 +375,7 @@ class Tuner:
                 kind,
                 d.uuid,
                 variable,
-                limits.message,
+                limits.message.removeprefix("gpuvisor: "),
                 "no limit" if current is None else current,
             )
             return current

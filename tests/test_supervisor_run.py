@@ -1224,3 +1224,40 @@ def test_a_restore_on_a_device_whose_cuda_index_is_not_known_fails_closed(env, a
     assert any(
         "CUDA_DEVICE_MEMORY_LIMIT_<i>" in line and line.endswith(f", {2 * GiB}") for line in lines
     ), err
+
+
+KEEP_WITHOUT_ENV = """
+import json, logging, os, sys
+from gpuvisor.shim import Region
+from gpuvisor.supervisor.protocol import Instructions
+from gpuvisor.supervisor.tuner import Tuner
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+uuid = "GPU-00000000-1111-2222-3333-444444444444"
+r = Region.attach(sys.argv[1])
+i = r.register_device(uuid, 16 << 30, 1 << 30)
+r.set_sm_limit(i, 20)
+tuner = Tuner(r, os.getpid())
+tuner.submit(Instructions(restore={uuid: ("memory", "sm")}))
+for _ in range(3):
+    tuner.tick()
+print(json.dumps([r.get_limit(i), r.sm(i).limit]))
+"""
+
+
+def test_a_restore_without_the_workloads_environment_keeps_the_regions_limit(tmp_path):
+    """A tuner not told the workload's environment (the default) cannot
+    know the container's own limit: a `restore` keeps the region's limits
+    as they are, with one warning per kind, and never lifts them."""
+    proc = subprocess.run(
+        [*py(KEEP_WITHOUT_ENV), str(tmp_path / "region.shr")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=REPO_ROOT,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [GiB, 20]
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 2, proc.stderr
+    assert all("environment is not known" in line and "keeping" in line for line in lines)
