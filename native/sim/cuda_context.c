@@ -70,6 +70,7 @@ static CUresult ctx_activate(struct CUctx_st *c)
         return CUDA_ERROR_OUT_OF_MEMORY;
     pthread_mutex_lock(&sim_mu);
     c->charged = sz;
+    c->epoch++;
     memcpy(c->limit, g_limit_default, sizeof c->limit);
     c->magic = SIM_CTX_MAGIC;
     c->alive = 1;

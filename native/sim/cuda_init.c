@@ -19,7 +19,7 @@ static CUresult g_init_rc = CUDA_ERROR_NOT_INITIALIZED;
 static volatile int g_inited;
 static int g_nvis;
 static int g_vis[SIM_MAX_DEV];          /* CUDA ordinal -> node index */
-static unsigned long long g_fail_at, g_fail_every, g_ctx_ms, g_alloc_ms, g_free_ms;
+static unsigned long long g_fail_at, g_fail_every, g_ctx_ms, g_alloc_ms, g_free_ms, g_module_mib;
 static unsigned long long g_alloc_calls;
 static char g_cuda_fail[1024];          /* ",name1,name2," or "" */
 
@@ -115,6 +115,9 @@ static void do_init(void)
         g_alloc_ms = 0;
     if (sim_knob_uint("GPUVISOR_SIM_FREE_MS", &g_free_ms) <= 0)
         g_free_ms = 0;
+    if (sim_knob_uint("GPUVISOR_SIM_MODULE_MIB", &g_module_mib) <= 0 ||
+        g_module_mib > (1ULL << 20))
+        g_module_mib = 0;
     const char *f = getenv("GPUVISOR_SIM_CUDA_FAIL");
     if (f && *f) {
         if (strlen(f) + 3 > sizeof g_cuda_fail)
@@ -202,6 +205,11 @@ void sim_free_delay(void)
 {
     if (g_free_ms)
         sleep_ms(g_free_ms);
+}
+
+uint64_t sim_module_bytes(void)
+{
+    return g_module_mib * SIM_MIB;
 }
 
 SIM_API CUresult cuDriverGetVersion(int *v)

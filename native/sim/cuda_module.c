@@ -24,7 +24,21 @@ static CUresult mod_new(CUmodule *out, int library)
     m->magic = SIM_MOD_MAGIC;
     m->library = library;
     m->ctx = c;
+    /* A module loaded into a context takes device memory (GPUVISOR_SIM_MODULE_MIB),
+     * charged with the context's own: given back at unload, or with the
+     * context. */
+    uint64_t sz = c ? sim_module_bytes() : 0;
     pthread_mutex_lock(&sim_mu);
+    if (sz && sim_charge(c->node, sz) < 0) {
+        pthread_mutex_unlock(&sim_mu);
+        free(m);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (sz) {
+        m->charged = sz;
+        m->epoch = c->epoch;
+        c->charged += sz;
+    }
     sim_reg_add(m);
     pthread_mutex_unlock(&sim_mu);
     *out = m;
@@ -84,6 +98,12 @@ static CUresult mod_unload(struct CUmod_st *m, int library)
     }
     sim_reg_del(m);
     m->magic = 0;
+    struct CUctx_st *c = m->ctx;
+    if (m->charged && c && sim_reg_has(c) && c->magic == SIM_CTX_MAGIC && c->alive &&
+        c->epoch == m->epoch && c->charged >= m->charged) {
+        sim_uncharge(c->node, m->charged);
+        c->charged -= m->charged;
+    }
     struct CUfunc_st *f = m->funcs;
     while (f) {
         struct CUfunc_st *n = f->next;

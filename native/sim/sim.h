@@ -176,7 +176,8 @@ struct CUctx_st {
     unsigned flags;
     int primary;
     int refcount;                       /* primary: retain count */
-    uint64_t charged;                   /* context memory + limits' */
+    uint64_t charged;                   /* context memory + limits' + modules' */
+    uint64_t epoch;                     /* activations so far */
     uint64_t limit[7];                  /* cuCtxSetLimit, by CUlimit */
     /* kernel timeline (cuda_launch.c), CLOCK_MONOTONIC ns, under sim_mu */
     uint64_t legacy_end;                /* work in the legacy stream */
@@ -253,6 +254,8 @@ struct CUmod_st {
     int library;                        /* made by cuLibraryLoadData */
     struct CUctx_st *ctx;
     struct CUfunc_st *funcs;
+    uint64_t charged;                   /* device memory, in ctx->charged */
+    uint64_t epoch;                     /* ctx->epoch when loaded */
 };
 
 /* one kernel ready to run: its duration is fixed when it is launched or
@@ -281,6 +284,9 @@ SIM_HIDDEN void sim_alloc_delay(void);       /* GPUVISOR_SIM_ALLOC_MS */
 /* A call that gave device memory back takes GPUVISOR_SIM_FREE_MS more,
  * after the memory is given back (NVML shows it gone meanwhile). */
 SIM_HIDDEN void sim_free_delay(void);
+/* Device memory a module loaded into a context takes (code and data), from
+ * GPUVISOR_SIM_MODULE_MIB: 0 unless set. */
+SIM_HIDDEN uint64_t sim_module_bytes(void);
 
 /* handle registry: membership test for opaque handles */
 SIM_HIDDEN void sim_reg_add(const void *p);
