@@ -1418,6 +1418,72 @@ emit(base=base, heap=heap, big=big.name)
     assert out["big"] == "CUDA_SUCCESS", out
 
 
+def test_memory_the_driver_takes_while_a_stream_ordered_free_is_always_pending_is_charged(node):
+    """A loop that always has a cuMemFreeAsync of a cuMemAlloc block pending
+    (2 MiB blocks freed into a stream kept 1 s or more behind, as an async
+    allocator's loop keeps one) loads a module, which takes 1 GiB of device
+    memory without any call the interposer charges (the simulator's
+    GPUVISOR_SIM_MODULE_MIB).  No reading of untracked memory was used while
+    any such free was pending, so the module was never charged and an
+    allocation that fits the quota only without it passed.  Now the reading
+    takes the pending blocks as a range (NVML may show them freed or not)
+    and charges what is certain: here everything, since the simulator shows
+    them freed, so the container's usage is what the device gave it."""
+    out = client(
+        node,
+        """
+import ctypes, time
+init()
+s = ok(cu.cuStreamCreate, 0)
+lib = ok(cu.cuLibraryLoadData, b"any image", None, None, 0, None, None, 0)
+spin = ok(cu.cuKernelGetFunction, ok(cu.cuLibraryGetKernel, lib, b"spin"))
+
+def launch(us):
+    ok(cu.cuLaunchKernel, spin, 1, 1, 1, 32, 1, 1, 0, s, ((us,), (ctypes.c_uint32,)), 0)
+
+def step():
+    p = ok(cu.cuMemAlloc, 2 * MiB)
+    launch(30_000)
+    ok(cu.cuMemFreeAsync, p, s)
+    time.sleep(0.025)
+    return used()
+
+base = used()
+launch(1_000_000)
+for _ in range(10):
+    step()
+mod = ok(cu.cuModuleLoadData, b"any image")
+t0 = time.monotonic()
+seen = None
+while time.monotonic() - t0 < 2.0:
+    u = step()
+    if seen is None and u >= base + GiB:
+        seen = time.monotonic() - t0
+pending = call(cu.cuStreamQuery, s)[0].name
+big, q = call(cu.cuMemAlloc, 4 * GiB - base - 512 * MiB)
+if big == SUCCESS:
+    ok(cu.cuMemFree, q)
+big = big.name
+ok(cu.cuStreamSynchronize, s)
+time.sleep(1.1)
+ok(cu.cuMemFree, ok(cu.cuMemAlloc, 2 * MiB))
+settled = used()
+ok(cu.cuModuleUnload, mod)
+time.sleep(1.1)
+ok(cu.cuMemFree, ok(cu.cuMemAlloc, 2 * MiB))
+emit(base=base, seen=seen, pending=pending, big=big, settled=settled, unloaded=used())
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+        GPUVISOR_SIM_MODULE_MIB="1024",
+    )
+    print(out)
+    assert out["pending"] == "CUDA_ERROR_NOT_READY", out  # a free was pending throughout
+    assert out["seen"] is not None and out["seen"] <= 1.5, out
+    assert out["big"] == OOM, out
+    assert out["settled"] == out["base"] + GiB, out
+    assert out["unloaded"] == out["base"], out
+
+
 def test_memory_the_driver_took_counts_for_the_container_until_the_process_dies(node):
     env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g")
     probe = "init()\nemit(big=call(cu.cuMemAlloc, 2 * GiB)[0].name)\n"

@@ -172,9 +172,18 @@ int gv_untrack(uint32_t kind, uint64_t key, gv_destroy_fn destroy, void *arg, CU
 /* ---- stream-ordered frees of plain allocations (pending_free.c) ---- */
 /* A cuMemFreeAsync of bytes charged on region device dev was queued into
  * stream (ptsz: its per-thread-default-stream variant); the caller is in
- * flight (gv_charge_flying) and stays so until the charge is released,
- * once the stream has reached the free. */
+ * flight (gv_charge_flying), and lands here once the bytes count as
+ * pending (or, with no room to keep the free pending, once the stream has
+ * reached it and the charge is released).  The charge is released once the
+ * stream has reached the free. */
 void gv_pending_free(int dev, uint64_t bytes, CUstream stream, int ptsz);
+/* Bytes of the frees pending on region device dev: NVML may or may not
+ * show them freed yet, while they are still charged.  Read after NVML and
+ * before the charge it is compared with: they leave this count only after
+ * their charge has gone back. */
+uint64_t gv_pending_frees_bytes(int dev);
+/* How many frees are pending (on any device). */
+int gv_pending_frees_waiting(void);
 /* Release the charges of pending frees the streams have reached (cheap
  * when none is pending). */
 void gv_pending_frees_reap(void);

@@ -147,7 +147,10 @@ static void snap(const gv_devinfo *d, snapshot *s)
     if (slot >= 0) {
         s->charged = region_slot_used(r, d->region_dev, slot);
         s->charged_read = 1;
-        s->charged_ok = !gv_charges_in_flight() && gv_charges_begun() == begun;
+        /* A pending stream-ordered free may land in NVML at any moment:
+         * the context would look smaller by its block. */
+        s->charged_ok = !gv_charges_in_flight() && !gv_pending_frees_waiting() &&
+                        gv_charges_begun() == begun;
     }
 }
 

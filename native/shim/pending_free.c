@@ -13,9 +13,12 @@
  * and the queries that answer CUDA_SUCCESS (cuStreamQuery, cuEventQuery,
  * hooked here for that alone): never later than the synchronisation or
  * query that shows the stream got there.  (The driver has no host callback
- * the interposer could use without a thread of its own.)  Until then the free
- * is in flight (charge.c): NVML may show the block or not, so no reading of
- * untracked memory is taken meanwhile.
+ * the interposer could use without a thread of its own.)  The free is in
+ * flight (charge.c) from before its driver call until its bytes are counted
+ * here as pending (gv_pending_frees_bytes); from then until its charge goes
+ * back NVML may show the block or not, so a reading of untracked memory
+ * takes NVML's figure as a range that wide (untracked.c).  A context's
+ * memory is not measured while any free is pending (hooks_context.c).
  *
  * At most MAX_PENDING frees wait at once, in a fixed table of slots, each
  * claimed and handed over by compare-and-swap on its state (no lock).  A
@@ -48,6 +51,9 @@ static struct pending {
     CUevent ev;
 } slots[MAX_PENDING];
 static atomic_int waiting;      /* slots not free */
+/* Bytes of the pending frees, by region device entry: added before the free
+ * lands (its flight ends) and taken off only after its charge went back. */
+static _Atomic uint64_t pending_bytes[GV_MAX_DEVICES];
 static atomic_int top;          /* slots ever used: [0, top) */
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 
@@ -65,6 +71,8 @@ static void child_reset(void)
      * nothing to its parent's slot. */
     for (int i = 0; i < MAX_PENDING; i++)
         atomic_store(&slots[i].state, SLOT_FREE);
+    for (int i = 0; i < GV_MAX_DEVICES; i++)
+        atomic_store(&pending_bytes[i], 0);
     atomic_store(&waiting, 0);
     atomic_store(&top, 0);
 }
@@ -98,16 +106,27 @@ static int mark(CUstream stream, int ptsz, CUcontext ctx, CUevent *out)
     return 0;
 }
 
-/* Slot s (held by the caller) is done: its charge goes back, and the free
- * lands. */
+static void count(int dev, uint64_t bytes, int sign)
+{
+    if (dev >= 0 && dev < GV_MAX_DEVICES) {
+        if (sign > 0)
+            atomic_fetch_add(&pending_bytes[dev], bytes);
+        else
+            atomic_fetch_sub(&pending_bytes[dev], bytes);
+    }
+}
+
+/* Slot s (held by the caller) is done: its charge goes back, and only then
+ * do its bytes leave the pending ones (a reading that saw them gone also
+ * sees the charge gone, or a charge that moved while it read). */
 static void release(struct pending *s, int destroy_event)
 {
     if (destroy_event)
         GV_REAL(cuEventDestroy_v2, ev_fn)(s->ev);
     gv_uncharge(s->dev, s->bytes);
+    count(s->dev, s->bytes, -1);
     atomic_fetch_sub(&waiting, 1);
     atomic_store_explicit(&s->state, SLOT_FREE, memory_order_release);
-    gv_charge_landed();
 }
 
 static int put(int dev, uint64_t bytes, CUcontext ctx, CUevent ev)
@@ -123,6 +142,7 @@ static int put(int dev, uint64_t bytes, CUcontext ctx, CUevent ev)
         int t = atomic_load(&top);
         while (t <= i && !atomic_compare_exchange_weak(&top, &t, i + 1))
             ;
+        count(dev, bytes, 1);
         atomic_fetch_add(&waiting, 1);
         atomic_store_explicit(&slots[i].state, SLOT_WAITING, memory_order_release);
         return 0;
@@ -138,11 +158,17 @@ void gv_pending_free(int dev, uint64_t bytes, CUstream stream, int ptsz)
     CUevent ev;
     if (gv_ordinal_of_stream(stream, &ordinal, &ctx) == CUDA_SUCCESS &&
         mark(stream, ptsz, ctx, &ev) == 0) {
-        if (put(dev, bytes, ctx, ev) == 0)
+        /* Once its bytes count as pending, the free lands: a reading of
+         * untracked memory takes them as a range (untracked.c). */
+        if (put(dev, bytes, ctx, ev) == 0) {
+            gv_charge_landed();
             return;
+        }
         gv_pending_frees_reap();
-        if (put(dev, bytes, ctx, ev) == 0)
+        if (put(dev, bytes, ctx, ev) == 0) {
+            gv_charge_landed();
             return;
+        }
         GV_REAL(cuEventDestroy_v2, ev_fn)(ev);
         static atomic_int said;
         if (!atomic_exchange(&said, 1))
@@ -157,6 +183,15 @@ void gv_pending_free(int dev, uint64_t bytes, CUstream stream, int ptsz)
     gv_uncharge(dev, bytes);
     gv_charge_landed();
 }
+
+uint64_t gv_pending_frees_bytes(int dev)
+{
+    if (dev < 0 || dev >= GV_MAX_DEVICES)
+        return 0;
+    return atomic_load_explicit(&pending_bytes[dev], memory_order_acquire);
+}
+
+int gv_pending_frees_waiting(void) { return atomic_load_explicit(&waiting, memory_order_acquire); }
 
 void gv_pending_frees_reap(void)
 {

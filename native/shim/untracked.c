@@ -21,7 +21,8 @@
  * meanwhile (reserved before its driver call answered, or a free from
  * before its driver call until its charge is given back: the driver's
  * figure and the charge disagree by that much then; every free that gives
- * memory back is one, context destruction and VMM releases included), and
+ * memory back is one, context destruction and VMM releases included;
+ * cuMemFreeAsync of a plain block only until it is pending), and
  * not while this process is creating a context (its
  * memory is measured and charged then, hooks_context.c), nor while a
  * memory pool is charged more than the reserve the driver reports after
@@ -29,8 +30,13 @@
  * has not followed yet: the pools are settled before each reading, and the
  * synchronisation hooks settle them after the driver call); differences
  * under 2 MiB are ignored.  Stream-ordered frees the streams have reached
- * are released before each reading.  Nothing happens where NVML does not
- * list this process.
+ * are released before each reading.  Those still pending (pending_free.c)
+ * are charged, and NVML may show them freed or not: the reading is then a
+ * range as wide as their bytes, and the charge moves only as far as the
+ * range makes certain (up to its low end, down to its high end), so a
+ * process that always has such a free pending (an async allocator's loop)
+ * is still read, short of the truth by at most the pending bytes.  Nothing
+ * happens where NVML does not list this process.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -95,13 +101,26 @@ int gv_untracked_reconcile(int ordinal)
     int busy = gv_ctx_creating() || gv_charges_in_flight();
     int listed = !busy && gv_nvml_self_used(d, &nvml);
     int seen = listed && gv_pools_settled();
+    /* After NVML, before the charge: a pending free released meanwhile
+     * moved the charge first. */
+    uint64_t pending = gv_pending_frees_bytes(d->region_dev);
     uint64_t after = region_slot_used(r, d->region_dev, slot);
     int used = seen && before == after && !gv_ctx_creating() && !gv_charges_in_flight() &&
                gv_charges_begun() == begun;
     if (used) {
+        /* The pending frees are still charged, and NVML shows anything from
+         * none to all of them freed: the untracked memory lies between lo
+         * and hi.  The charge moves only as far as is certain, up to lo or
+         * down to hi, so it never counts a pending block twice (the block's
+         * own charge stays until the stream reaches it) nor drops a block's
+         * charge before its stream has reached it.  With none pending, lo
+         * and hi are the same figure. */
         uint64_t tracked = after > h->charged ? after - h->charged : 0;
-        uint64_t want = nvml > tracked ? nvml - tracked : 0;
-        want -= want % SLACK;
+        uint64_t lo = nvml > tracked ? nvml - tracked : 0;
+        uint64_t hi = nvml + pending > tracked ? nvml + pending - tracked : 0;
+        lo -= lo % SLACK;
+        hi -= hi % SLACK;
+        uint64_t want = h->charged < lo ? lo : h->charged > hi ? hi : h->charged;
         if (want > h->charged) {
             region_charge_held(r, d->region_dev, slot, want - h->charged);
             if (!atomic_exchange(&logged, 1))
@@ -139,10 +158,9 @@ typedef CUresult (*set_limit_fn)(CUlimit, size_t);
 typedef CUresult (*get_limit_fn)(size_t *, CUlimit);
 
 /* A reading of ordinal that is used, if one can be had: while another
- * charge of this process is in flight (an allocation in the driver, a
- * stream-ordered free its stream has not reached yet) none is, so it is
- * tried again every millisecond, for a second at most.  As
- * gv_untracked_reconcile. */
+ * charge of this process is in flight (an allocation or a free in the
+ * driver) none is, so it is tried again every millisecond, for a second at
+ * most.  As gv_untracked_reconcile. */
 #define SETLIMIT_TRIES 1000
 
 static int reconcile_in_step(int ordinal)
@@ -178,8 +196,7 @@ GV_EXPORT CUresult cuCtxSetLimit(CUlimit which, size_t value)
         return rc;
     /* No reading could be used: what the limit took is not known, and the
      * quota fails closed.  (A skipped reading used to let a heap past the
-     * quota while another thread's charge, or a stream-ordered free, was in
-     * flight.) */
+     * quota while another thread's charge was in flight.) */
     if (got < 0)
         gv_log(GV_LOG_INFO, "cuCtxSetLimit(%d, %zu): the memory it took cannot be measured "
                "while this process's other charges are in flight; the limit is set back to %zu",
