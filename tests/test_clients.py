@@ -1428,7 +1428,9 @@ def test_memory_the_driver_takes_while_a_stream_ordered_free_is_always_pending_i
     allocation that fits the quota only without it passed.  Now the reading
     takes the pending blocks as a range (NVML may show them freed or not)
     and charges what is certain: here everything, since the simulator shows
-    them freed, so the container's usage is what the device gave it."""
+    them freed, so the container's usage is what the device gave it; and
+    when pending blocks are released, their charge going too, it is read
+    again at once, so the container's usage is never short of it."""
     out = client(
         node,
         """
@@ -1464,23 +1466,46 @@ big, q = call(cu.cuMemAlloc, 4 * GiB - base - 512 * MiB)
 if big == SUCCESS:
     ok(cu.cuMemFree, q)
 big = big.name
+short = max(base + GiB - step() for _ in range(20))
 ok(cu.cuStreamSynchronize, s)
-time.sleep(1.1)
-ok(cu.cuMemFree, ok(cu.cuMemAlloc, 2 * MiB))
+# Readings come once a second (when CLOCK_MONOTONIC's second changes): 16
+# blocks freed behind a kernel that ends 0.3 s into the next second, and a
+# second module loaded, are read (NVML shows the blocks freed) just after
+# that second begins; the blocks are released by a synchronisation within
+# the same second, so no tick reads again for it.
+edge = int(time.monotonic()) + 1
+launch(int((edge + 0.3 - time.monotonic()) * 1e6))
+for _ in range(16):
+    ok(cu.cuMemFreeAsync, ok(cu.cuMemAlloc, 2 * MiB), s)
+mod2 = ok(cu.cuModuleLoadData, b"any image")
+time.sleep(max(0.0, edge + 0.02 - time.monotonic()))
+read = used()
+still = call(cu.cuStreamQuery, s)[0].name
+ok(cu.cuStreamSynchronize, s)
 settled = used()
+same_second = int(time.monotonic()) == edge
+ok(cu.cuModuleUnload, mod2)
 ok(cu.cuModuleUnload, mod)
 time.sleep(1.1)
 ok(cu.cuMemFree, ok(cu.cuMemAlloc, 2 * MiB))
-emit(base=base, seen=seen, pending=pending, big=big, settled=settled, unloaded=used())
+emit(base=base, seen=seen, pending=pending, big=big, short=short, read=read, still=still,
+     settled=settled, same_second=same_second, unloaded=used())
 """,
         CUDA_DEVICE_MEMORY_LIMIT="4g",
         GPUVISOR_SIM_MODULE_MIB="1024",
     )
     print(out)
     assert out["pending"] == "CUDA_ERROR_NOT_READY", out  # a free was pending throughout
-    assert out["seen"] is not None and out["seen"] <= 1.5, out
+    assert out["seen"] is not None, out  # charged at all
+    assert out["seen"] <= 1.5, out  # within the re-read interval (1 s) and a step
     assert out["big"] == OOM, out
-    assert out["settled"] == out["base"] + GiB, out
+    # the pending blocks NVML showed freed were released at once, and read again then
+    assert out["short"] <= 0, out
+    assert out["still"] == "CUDA_ERROR_NOT_READY", out
+    assert out["read"] == out["base"] + 2 * GiB, out  # 2 GiB less 32 MiB, and the 32 MiB
+    assert out["same_second"], out
+    # released at the synchronisation, their charge gone: read again at once
+    assert out["settled"] == out["base"] + 2 * GiB, out
     assert out["unloaded"] == out["base"], out
 
 

@@ -110,6 +110,11 @@ void gv_untracked_reconcile_all(void);
 void gv_untracked_tick(void);
 /* Whether any such memory is charged now. */
 int gv_untracked_held(void);
+/* Stream-ordered frees were released (pending_free.c): a reading taken
+ * while they were pending may have left the charge short of the truth by
+ * up to their bytes (NVML showed them freed while they were still
+ * charged), so read again now where one did; else nothing (one load). */
+void gv_untracked_pending_released(void);
 
 /* ---- charging (charge.c) ---- */
 typedef struct gv_charge {
@@ -185,8 +190,10 @@ uint64_t gv_pending_frees_bytes(int dev);
 /* How many frees are pending (on any device). */
 int gv_pending_frees_waiting(void);
 /* Release the charges of pending frees the streams have reached (cheap
- * when none is pending). */
+ * when none is pending), then, if any was, gv_untracked_pending_released;
+ * _quietly: not that (a reading of untracked memory, which reads next). */
 void gv_pending_frees_reap(void);
+void gv_pending_frees_reap_quietly(void);
 /* Around the destruction of a context: hold takes its pending frees out of
  * the reapers' reach (before the driver call); unhold releases them (gone:
  * the context is destroyed, their blocks and events with it) or lets them

@@ -193,11 +193,15 @@ uint64_t gv_pending_frees_bytes(int dev)
 
 int gv_pending_frees_waiting(void) { return atomic_load_explicit(&waiting, memory_order_acquire); }
 
+/* Thread-local: a reading of untracked memory reaps first, and what it
+ * releases is read by it, not by a reading nested in it. */
+static _Thread_local int reading;
+
 void gv_pending_frees_reap(void)
 {
     if (atomic_load_explicit(&waiting, memory_order_acquire) == 0)
         return;
-    int n = atomic_load(&top);
+    int n = atomic_load(&top), released = 0;
     for (int i = 0; i < n; i++) {
         int expected = SLOT_WAITING;
         if (!atomic_compare_exchange_strong(&slots[i].state, &expected, SLOT_BUSY))
@@ -210,7 +214,21 @@ void gv_pending_frees_reap(void)
         /* Reached; or the event answers an error (its context is broken):
          * either way the block is no longer the quota's to hold. */
         release(&slots[i], q == CUDA_SUCCESS);
+        released++;
     }
+    if (released && !reading) {
+        reading = 1;
+        gv_untracked_pending_released();
+        reading = 0;
+    }
+}
+
+void gv_pending_frees_reap_quietly(void)
+{
+    int was = reading;
+    reading = 1;
+    gv_pending_frees_reap();
+    reading = was;
 }
 
 void gv_pending_frees_hold(CUcontext ctx, gv_pending_set *held)
@@ -243,7 +261,8 @@ void gv_pending_frees_unhold(gv_pending_set *held, int gone)
         if (!(held->bits[i / 64] & (1ULL << (i % 64))))
             continue;
         if (gone)
-            release(&slots[i], 0);      /* its event went with the context */
+            release(&slots[i], 0);      /* its event went with the context
+                                         * (and its destroyer reads again) */
         else
             atomic_store_explicit(&slots[i].state, SLOT_WAITING, memory_order_release);
     }

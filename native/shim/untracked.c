@@ -35,8 +35,12 @@
  * range as wide as their bytes, and the charge moves only as far as the
  * range makes certain (up to its low end, down to its high end), so a
  * process that always has such a free pending (an async allocator's loop)
- * is still read, short of the truth by at most the pending bytes.  Nothing
- * happens where NVML does not list this process.
+ * is still read.  The charge is then short of the truth by at most what
+ * NVML showed freed of the pending blocks, which are still charged
+ * themselves: the container's total is not short.  When they are released
+ * it would be, so releasing pending frees reads again at once wherever the
+ * charge was left below the reading's high end.  Nothing happens where
+ * NVML does not list this process.
  */
 #include <pthread.h>
 #include <stdatomic.h>
@@ -50,11 +54,13 @@
 static struct held {
     pthread_mutex_t lock;
     uint64_t charged;
+    int short_by_pending;       /* charged below the reading's high end */
 } held[GV_MAX_ORDINALS];
 static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
 static atomic_long last_tick;
 static atomic_int logged;
 static atomic_int holding;       /* devices with a charge */
+static atomic_int shorted;       /* devices whose charge may be short */
 
 int gv_untracked_held(void) { return atomic_load_explicit(&holding, memory_order_relaxed) > 0; }
 
@@ -64,8 +70,10 @@ static void child_reset(void)
     for (int i = 0; i < GV_MAX_ORDINALS; i++) {
         pthread_mutex_init(&held[i].lock, NULL);
         held[i].charged = 0;
+        held[i].short_by_pending = 0;
     }
     atomic_store(&holding, 0);
+    atomic_store(&shorted, 0);
     gv_charges_fork_child();
 }
 
@@ -85,9 +93,10 @@ int gv_untracked_reconcile(int ordinal)
     int slot = region_self_slot(r);
     if (slot < 0)
         return 0;
-    /* A stream-ordered free the stream has reached is in flight until a
-     * hook sees it: release it first, or no reading could be taken. */
-    gv_pending_frees_reap();
+    /* A stream-ordered free the stream has reached is pending until a
+     * hook sees it: release it first (this reading is the one that follows
+     * its release), so that its block widens no range. */
+    gv_pending_frees_reap_quietly();
     /* A pool the driver shrank since its charge was last settled (at a
      * synchronisation, say) is charged what NVML no longer shows: settle
      * first, and use no reading taken while one still is (the driver may
@@ -133,6 +142,13 @@ int gv_untracked_reconcile(int ordinal)
         if (!h->charged != !want)
             atomic_fetch_add(&holding, want ? 1 : -1);
         h->charged = want;
+        /* Below the high end, the charge may be short by pending blocks
+         * NVML showed freed: once they are released it is (their charge
+         * goes too), so they read again then (gv_untracked_pending_released). */
+        int shortish = want < hi;
+        if (shortish != h->short_by_pending)
+            atomic_fetch_add(&shorted, shortish ? 1 : -1);
+        h->short_by_pending = shortish;
     }
     pthread_mutex_unlock(&h->lock);
     return used ? 1 : (!busy && !listed) ? 0 : -1;
@@ -144,6 +160,12 @@ void gv_untracked_reconcile_all(void)
     for (int i = 0; i < GV_MAX_ORDINALS; i++)
         if (gv_device_known(i, &d))
             gv_untracked_reconcile(i);
+}
+
+void gv_untracked_pending_released(void)
+{
+    if (atomic_load_explicit(&shorted, memory_order_relaxed) > 0)
+        gv_untracked_reconcile_all();
 }
 
 void gv_untracked_tick(void)
