@@ -147,9 +147,10 @@ void gv_charge_cancel(gv_charge *c);
 /* Keep the reservation, recorded by the caller (not in the table). */
 void gv_charge_keep(gv_charge *c);
 /* Charges begun and not yet committed, cancelled or kept, and frees between
- * taking their entry and giving their charge back, in this process: while
- * any is in flight, this process's charges and the driver's figures need
- * not agree (untracked.c does not read NVML then). */
+ * taking their entry and giving their charge back (a cuMemFreeAsync of a
+ * plain block: until it is pending, gv_pending_frees_bytes), in this
+ * process: while any is in flight, this process's charges and the driver's
+ * figures need not agree (untracked.c does not read NVML then). */
 int gv_charges_in_flight(void);
 /* How many charges (and untracked frees) this process has begun so far. */
 uint64_t gv_charges_begun(void);
