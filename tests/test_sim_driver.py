@@ -574,6 +574,39 @@ def test_malformed_knob_is_reported_and_ignored(tmp_path: Path, var: str) -> Non
     _one_line_error(cp.stderr, var, "often")
 
 
+@needs_cuda_python
+def test_module_mib_makes_modules_take_device_memory(tmp_path: Path) -> None:
+    """GPUVISOR_SIM_MODULE_MIB: a module loaded into a context takes that
+    much device memory (not a library, which has no context), given back
+    at cuModuleUnload or with its context, and a device that cannot supply
+    it refuses the load."""
+    code = f"""
+        from cuda.bindings import driver as d
+        R = d.CUresult.CUDA_SUCCESS
+        def used():
+            err, free, total = d.cuMemGetInfo(); assert err == R
+            return (total - free) // {MiB}
+        assert d.cuInit(0)[0] == R
+        err, ctx = d.cuCtxCreate(None, 0, 0); assert err == R
+        base = used()
+        err, lib = d.cuLibraryLoadData(b"x", None, None, 0, None, None, 0); assert err == R
+        err, m = d.cuModuleLoadData(b"x"); assert err == R
+        loaded = used()
+        assert d.cuModuleUnload(m)[0] == R
+        unloaded = used()
+        err, m = d.cuModuleLoadData(b"x"); assert err == R
+        err, m2 = d.cuModuleLoadData(b"x"); assert err == R
+        full = d.cuModuleLoadData(b"x")[0].name
+        assert d.cuCtxDestroy(ctx)[0] == R
+        err, ctx = d.cuCtxCreate(None, 0, 0); assert err == R
+        after = used()
+        assert d.cuModuleUnload(m)[0] == R   # its context is gone: nothing more back
+        print(base, loaded, unloaded, full, after, used())
+        """
+    out = ok(run_py(code, sim_env(tmp_path, "4g", GPUVISOR_SIM_MODULE_MIB="1500")))
+    assert out.split() == ["32", "1532", "32", "CUDA_ERROR_OUT_OF_MEMORY", "32", "32"], out
+
+
 @pytest.mark.parametrize(("value", "slow"), [("300", True), ("soon", False)])
 def test_ctx_create_ms_slows_context_creation(tmp_path: Path, value: str, slow: bool) -> None:
     """GPUVISOR_SIM_CTX_CREATE_MS: a new context takes that long, and NVML
