@@ -294,6 +294,100 @@ def test_cuda_python_child_graphs_hold_memory_nodes_only_when_moved(tmp_path: Pa
     )
 
 
+@needs_cuda_python
+def test_a_graph_with_memory_nodes_has_one_instantiation_at_a_time(tmp_path: Path) -> None:
+    """As CUDA documents for cuGraphInstantiate: a graph with allocation or
+    free nodes (a moved child graph's included) can have at most one
+    executable graph at a time; instantiating it again before
+    cuGraphExecDestroy is an error (CUDA_ERROR_INVALID_VALUE here), and so
+    is instantiating a graph that holds a graph already instantiated.  Once
+    the executable graph is destroyed the graph instantiates again, and an
+    executable graph outlives its graph's destruction.  A graph without
+    memory nodes instantiates any number of times.  The simulator used to
+    instantiate such a graph any number of times."""
+    ok(
+        run_py(
+            f"""
+            from cuda.bindings import driver as d
+            R = d.CUresult.CUDA_SUCCESS
+            INVAL = d.CUresult.CUDA_ERROR_INVALID_VALUE
+            assert d.cuInit(0)[0] == R
+            err, ctx = d.cuCtxCreate(None, 0, 0); assert err == R, err
+            err, s = d.cuStreamCreate(0); assert err == R
+            def alloc_graph(nbytes, free=True):
+                err, g = d.cuGraphCreate(0); assert err == R
+                p = d.CUDA_MEM_ALLOC_NODE_PARAMS()
+                p.poolProps.allocType = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+                p.poolProps.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+                p.poolProps.location.id = 0
+                p.bytesize = nbytes
+                assert d.cuGraphAddMemAllocNode(g, None, 0, p)[0] == R
+                if free:
+                    assert d.cuGraphAddMemFreeNode(g, None, 0, p.dptr)[0] == R
+                return g, p
+            g, p = alloc_graph(64 * {MiB})
+            err, e = d.cuGraphInstantiate(g, 0); assert err == R, err
+            assert d.cuGraphInstantiate(g, 0)[0] == INVAL
+            prm = d.CUDA_GRAPH_INSTANTIATE_PARAMS()
+            assert d.cuGraphInstantiateWithParams(g, prm)[0] == INVAL
+            assert prm.result_out != d.CUgraphInstantiateResult.CUDA_GRAPH_INSTANTIATE_SUCCESS
+            assert d.cuGraphLaunch(e, s)[0] == R
+            assert d.cuGraphExecDestroy(e)[0] == R
+            err, e = d.cuGraphInstantiate(g, 0); assert err == R, err   # again
+            # the executable graph outlives its graph
+            assert d.cuGraphDestroy(g)[0] == R
+            assert d.cuGraphLaunch(e, s)[0] == R
+            assert d.cuGraphExecDestroy(e)[0] == R
+            # a graph with only a free node (of another graph's allocation)
+            a, pa = alloc_graph(64 * {MiB}, free=False)
+            err, ea = d.cuGraphInstantiate(a, 0); assert err == R
+            err, f = d.cuGraphCreate(0); assert err == R
+            assert d.cuGraphAddMemFreeNode(f, None, 0, pa.dptr)[0] == R
+            err, ef = d.cuGraphInstantiate(f, 0); assert err == R, err
+            assert d.cuGraphInstantiate(f, 0)[0] == INVAL
+            assert d.cuGraphLaunch(ea, s)[0] == R
+            assert d.cuGraphLaunch(ef, s)[0] == R
+            for x in (ea, ef):
+                assert d.cuGraphExecDestroy(x)[0] == R
+            # a moved child graph's memory nodes count for the parent
+            inner, _ = alloc_graph(64 * {MiB})
+            err, parent = d.cuGraphCreate(0); assert err == R
+            prm = d.CUgraphNodeParams()
+            prm.type = d.CUgraphNodeType.CU_GRAPH_NODE_TYPE_GRAPH
+            prm.graph.graph = inner
+            prm.graph.ownership = d.CUgraphChildGraphNodeOwnership.CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE
+            assert d.cuGraphAddNode(parent, None, None, 0, prm)[0] == R
+            err, ep = d.cuGraphInstantiate(parent, 0); assert err == R, err
+            assert d.cuGraphInstantiate(parent, 0)[0] == INVAL
+            assert d.cuGraphExecDestroy(ep)[0] == R
+            # a graph already instantiated, then moved into another
+            held, _ = alloc_graph(64 * {MiB})
+            err, eh = d.cuGraphInstantiate(held, 0); assert err == R
+            err, outer = d.cuGraphCreate(0); assert err == R
+            prm.graph.graph = held
+            assert d.cuGraphAddNode(outer, None, None, 0, prm)[0] == R
+            assert d.cuGraphInstantiate(outer, 0)[0] == INVAL
+            assert d.cuGraphExecDestroy(eh)[0] == R
+            err, eo = d.cuGraphInstantiate(outer, 0); assert err == R, err
+            assert d.cuGraphExecDestroy(eo)[0] == R
+            # no memory nodes: any number
+            err, k = d.cuGraphCreate(0); assert err == R
+            assert d.cuGraphAddEmptyNode(k, None, 0)[0] == R
+            ks = [d.cuGraphInstantiate(k, 0) for _ in range(3)]
+            assert [x[0] for x in ks] == [R] * 3, ks
+            for _, x in ks:
+                assert d.cuGraphExecDestroy(x)[0] == R
+            for x in (a, f, parent, outer, k):
+                assert d.cuGraphDestroy(x)[0] == R
+            assert d.cuDeviceGraphMemTrim(0)[0] == R
+            assert d.cuCtxDestroy(ctx)[0] == R
+            print("done")
+            """,
+            sim_env(tmp_path, "4g"),
+        )
+    )
+
+
 def test_pynvml_basics_and_ignores_cuda_visible_devices(tmp_path: Path) -> None:
     out = ok(
         run_py(

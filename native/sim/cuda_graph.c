@@ -9,7 +9,10 @@
  * capturing.  Kernels launched into a capturing stream are appended to the
  * capture graph instead of running.  Memory allocation and free nodes
  * (cuda_graph_mem.c) are run in node order when the graph is launched,
- * before its kernels are queued.
+ * before its kernels are queued.  As in CUDA, a graph with memory nodes
+ * (a moved child graph's included) has at most one executable graph at a
+ * time: another instantiation before cuGraphExecDestroy is
+ * CUDA_ERROR_INVALID_VALUE.
  *
  * Child graph nodes (CU_GRAPH_NODE_TYPE_GRAPH) own their graph, whose
  * nodes run in place of the node.  As in CUDA, a child graph that is
@@ -45,6 +48,9 @@ struct CUgraph_st {
     struct CUgraphNode_st **nodes;
     struct CUgraphNode_st *owner;       /* the child graph node holding it */
     int moved;                          /* moved into owner, not cloned */
+    struct CUgraphExec_st *inst;        /* its live instantiation, if it
+                                         * (or a graph under it) has memory
+                                         * nodes: there is at most one */
 };
 
 struct CUgraphExec_st {
@@ -54,6 +60,9 @@ struct CUgraphExec_st {
     int nm;                             /* memory nodes, in node order */
     sim_gmop *m;
     unsigned long long flags;
+    struct CUgraph_st *src;             /* the graph it is the one
+                                         * instantiation of (memory nodes),
+                                         * while both live */
 };
 
 static __thread CUstreamCaptureMode t_mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
@@ -71,6 +80,8 @@ struct CUgraph_st *sim_graph_new(void)
 
 void sim_graph_free(struct CUgraph_st *g)
 {
+    if (g->inst)
+        g->inst->src = NULL;            /* the executable graph outlives it */
     for (int i = 0; i < g->n; i++) {
         if (g->nodes[i]->gm)
             sim_gmem_unref_locked(g->nodes[i]->gm);
@@ -498,6 +509,18 @@ static void flatten_locked(struct CUgraphExec_st *e, const struct CUgraph_st *g)
     }
 }
 
+/* Whether g, or a graph under it, has a live instantiation (one with
+ * memory nodes); sim_mu held. */
+static int inst_under_locked(const struct CUgraph_st *g)
+{
+    if (g->inst)
+        return 1;
+    for (int i = 0; i < g->n; i++)
+        if (g->nodes[i]->child && inst_under_locked(g->nodes[i]->child))
+            return 1;
+    return 0;
+}
+
 SIM_API CUresult cuGraphInstantiateWithFlags(CUgraphExec *pe, CUgraph g,
                                              unsigned long long flags)
 {
@@ -510,7 +533,10 @@ SIM_API CUresult cuGraphInstantiateWithFlags(CUgraphExec *pe, CUgraph g,
     if (!e)
         return CUDA_ERROR_OUT_OF_MEMORY;
     pthread_mutex_lock(&sim_mu);
-    if (!graph_ok_locked(g) || (g->owner && g->moved)) {
+    /* As in CUDA: a graph with memory nodes (its child graphs' included)
+     * has at most one executable graph at a time; another instantiation
+     * before cuGraphExecDestroy is an error. */
+    if (!graph_ok_locked(g) || (g->owner && g->moved) || inst_under_locked(g)) {
         pthread_mutex_unlock(&sim_mu);
         free(e);
         return CUDA_ERROR_INVALID_VALUE;
@@ -526,6 +552,10 @@ SIM_API CUresult cuGraphInstantiateWithFlags(CUgraphExec *pe, CUgraph g,
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     flatten_locked(e, g);
+    if (e->nm) {
+        e->src = g;
+        g->inst = e;
+    }
     e->flags = flags;
     e->magic = EXEC_MAGIC;
     sim_reg_add(e);
@@ -605,6 +635,8 @@ SIM_API CUresult cuGraphExecDestroy(CUgraphExec e)
     if (ok) {
         sim_reg_del(e);
         e->magic = 0;
+        if (e->src)
+            e->src->inst = NULL;        /* the graph may be instantiated again */
         for (int i = 0; i < e->nm; i++)
             sim_gmem_unref_locked(e->m[i].gm);
     }
