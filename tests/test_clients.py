@@ -880,6 +880,55 @@ emit(base=base, big=big.name, err=err.name, uploaded=uploaded, launch=launch.nam
     assert out["trimmed"] == b, out
 
 
+def test_a_graph_with_memory_nodes_is_instantiated_once_at_a_time(node):
+    """CUDA lets a graph with memory nodes have one executable graph at a
+    time (cuGraphInstantiate's documentation): a second instantiation
+    before cuGraphExecDestroy gets the driver's CUDA_ERROR_INVALID_VALUE
+    through, charging and recording nothing, and the first one's launches
+    are still charged.  An instantiation the interposer refuses (here an
+    upload the 4 GiB quota cannot take) destroys the driver's executable
+    graph, so the graph can be instantiated again; after a destroy it can
+    too, and is charged again."""
+    out = client(
+        node,
+        GRAPH_OF
+        + EXPLICIT_GRAPH
+        + """
+init()
+base = used()
+s = ok(cu.cuStreamCreate, 0)
+big_g, _ = explicit_graph(5 * GiB)
+refused = instantiate_uploading(big_g, s)[0].name
+big = call(cu.cuGraphInstantiate, big_g, 0)
+again = call(cu.cuGraphInstantiate, big_g, 0)[0].name
+big_launch = call(cu.cuGraphLaunch, big[1], s)[0].name
+g, dptr = explicit_graph(3 * GiB)
+e = ok(cu.cuGraphInstantiate, g, 0)
+second = call(cu.cuGraphInstantiate, g, 0)[0].name
+launch = call(cu.cuGraphLaunch, e, s)[0].name
+launched = used()
+ok(cu.cuMemFree, dptr)
+ok(cu.cuGraphExecDestroy, e)
+ok(cu.cuDeviceGraphMemTrim, 0)
+trimmed = used()
+e = ok(cu.cuGraphInstantiate, g, 0)
+relaunch = call(cu.cuGraphLaunch, e, s)[0].name
+relaunched = used()
+emit(base=base, refused=refused, big=big[0].name, again=again, big_launch=big_launch,
+     second=second, launch=launch, launched=launched, trimmed=trimmed, relaunch=relaunch,
+     relaunched=relaunched)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+    )
+    b = out.pop("base")
+    assert out == {
+        "refused": OOM, "big": "CUDA_SUCCESS", "again": "CUDA_ERROR_INVALID_VALUE",
+        "big_launch": OOM, "second": "CUDA_ERROR_INVALID_VALUE", "launch": "CUDA_SUCCESS",
+        "launched": b + 3 * GiB, "trimmed": b, "relaunch": "CUDA_SUCCESS",
+        "relaunched": b + 3 * GiB,
+    }, out
+
+
 def test_graph_memory_on_two_devices_is_checked_on_each(node):
     """A graph whose allocation nodes are on devices 0 and 1 is checked
     against each device's own quota for the bytes it allocates there: 3 GiB
