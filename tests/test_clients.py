@@ -1349,6 +1349,52 @@ emit(refused=refused, fits=fits, launched=launched, end=region_used() - base)
     assert out == {"refused": OOM, "fits": "CUDA_SUCCESS", "launched": 3 * GiB, "end": 0}, out
 
 
+def test_executable_graphs_never_destroyed_across_contexts_are_all_recorded(node):
+    """A program whose contexts come and go, each instantiating graphs with
+    memory nodes it never destroys (2,000 here, in 20 contexts), is never
+    refused an instantiation: the records live in the process's table,
+    which grows with them (a record is refused only when host memory is
+    out).  Every record still charges its graph's launches after its
+    context is gone: the first one's 5 GiB is refused under a 4 GiB quota,
+    and the first and last 64 MiB ones are charged."""
+    out = client(
+        node,
+        EXPLICIT_GRAPH
+        + AUTO_FREE
+        + """
+prim = init()
+dev = ok(cu.cuDeviceGet, 0)
+execs, fails = [], []
+for c in range(20):
+    ctx = ok(cu.cuCtxCreate, None, 0, dev)
+    if c == 0:
+        big = ok(cu.cuGraphInstantiate, explicit_graph(5 * GiB)[0], 0)
+    for i in range(100):
+        g, dptr = explicit_graph(64 * MiB)
+        ok(cu.cuGraphAddMemFreeNode, g, None, 0, dptr)
+        err, e = call(cu.cuGraphInstantiate, g, 0)
+        if err.name != "CUDA_SUCCESS":
+            fails.append(err.name)
+        execs.append(e)
+        ok(cu.cuGraphDestroy, g)
+    ok(cu.cuCtxDestroy, ctx)
+ok(cu.cuCtxSetCurrent, prim)
+base = region_used()
+s = ok(cu.cuStreamCreate, 0)
+rcs = [call(cu.cuGraphLaunch, x, s)[0].name for x in (big, execs[0], execs[-1])]
+ok(cu.cuStreamSynchronize, s)
+launched = region_used() - base
+for x in execs + [big]:
+    ok(cu.cuGraphExecDestroy, x)
+ok(cu.cuDeviceGraphMemTrim, 0)
+emit(n=len(execs), fails=fails[:3], rcs=rcs, launched=launched, end=region_used() - base)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+    )
+    assert out == {"n": 2000, "fails": [], "rcs": [OOM, "CUDA_SUCCESS", "CUDA_SUCCESS"],
+                   "launched": 64 * MiB, "end": 0}, out
+
+
 HEAP = "cu.CUlimit.CU_LIMIT_MALLOC_HEAP_SIZE"
 
 
