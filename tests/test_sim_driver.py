@@ -355,7 +355,8 @@ def test_a_graph_with_memory_nodes_has_one_instantiation_at_a_time(tmp_path: Pat
             prm = d.CUgraphNodeParams()
             prm.type = d.CUgraphNodeType.CU_GRAPH_NODE_TYPE_GRAPH
             prm.graph.graph = inner
-            prm.graph.ownership = d.CUgraphChildGraphNodeOwnership.CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE
+            O = d.CUgraphChildGraphNodeOwnership
+            prm.graph.ownership = O.CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE
             assert d.cuGraphAddNode(parent, None, None, 0, prm)[0] == R
             err, ep = d.cuGraphInstantiate(parent, 0); assert err == R, err
             assert d.cuGraphInstantiate(parent, 0)[0] == INVAL
