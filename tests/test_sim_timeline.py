@@ -284,3 +284,41 @@ def test_duty_cycle_utilization(tmp_path: Path) -> None:
         assert r["since"] < ts <= r["now"], r
     assert r["newer_ok"], r
     assert r["future"] == "not found", r
+
+
+PUBLISH_QUERY = with_prelude(
+    """
+    import pynvml as n
+    s = chk(cu.cuStreamCreate(0))
+    launch_spin(s, 300_000)
+    chk(cu.cuStreamSynchronize(s))
+    time.sleep(0.25)
+    n.nvmlInit()
+    h = n.nvmlDeviceGetHandleByIndex(0)
+    print(len(n.nvmlDeviceGetProcessUtilization(h, 0)), flush=True)
+    """
+)
+
+
+@needs_cuda_python
+@pytest.mark.parametrize(
+    ("var", "value"),
+    [
+        # * 1000 wraps to 0 in 64 bits: a modulo by zero (SIGFPE) in the
+        # per-process sampler
+        ("GPUVISOR_SIM_NVML_PUBLISH_MS", str(1 << 61)),
+        ("GPUVISOR_SIM_NVML_PUBLISH_MS", "10001"),
+        ("GPUVISOR_SIM_MODULE_MIB", str((1 << 20) + 1)),
+    ],
+)
+def test_a_knob_out_of_range_is_named_and_ignored(tmp_path: Path, var: str, value: str) -> None:
+    """A delay or size knob past its range is a bad value like a malformed
+    one: one line naming the variable and the value, and the knob ignored
+    (a 2**61 ms publication delay used to crash the sampler with a modulo
+    by zero; a module size past 1 TiB was dropped without a word)."""
+    cp = run_py(PUBLISH_QUERY, sim_env(tmp_path, "1x8g", **{var: value}))
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    assert cp.stdout.split()[-1] == "1", cp.stdout  # this process, its kernel seen
+    lines = [ln for ln in cp.stderr.splitlines() if ln.startswith("gpuvisor-sim:")]
+    assert len(lines) == 1, cp.stderr
+    assert f"{var}={value}" in lines[0], lines[0]

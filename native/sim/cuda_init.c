@@ -115,9 +115,13 @@ static void do_init(void)
         g_alloc_ms = 0;
     if (sim_knob_uint("GPUVISOR_SIM_FREE_MS", &g_free_ms) <= 0)
         g_free_ms = 0;
-    if (sim_knob_uint("GPUVISOR_SIM_MODULE_MIB", &g_module_mib) <= 0 ||
-        g_module_mib > (1ULL << 20))
+    if (sim_knob_uint("GPUVISOR_SIM_MODULE_MIB", &g_module_mib) <= 0) {
         g_module_mib = 0;
+    } else if (g_module_mib > (1ULL << 20)) {
+        sim_log("GPUVISOR_SIM_MODULE_MIB=%s is not an integer from 1 to %llu; ignored",
+                getenv("GPUVISOR_SIM_MODULE_MIB"), 1ULL << 20);
+        g_module_mib = 0;
+    }
     const char *f = getenv("GPUVISOR_SIM_CUDA_FAIL");
     if (f && *f) {
         if (strlen(f) + 3 > sizeof g_cuda_fail)

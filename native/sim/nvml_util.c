@@ -74,10 +74,19 @@ SIM_API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t dev,
 static unsigned long long publish_ms;
 static pthread_once_t publish_once = PTHREAD_ONCE_INIT;
 
+/* Longer than the history kept (HISTORY_NS) publishes nothing, and the
+ * delay's arithmetic in ns would overflow far beyond it. */
+#define PUBLISH_MS_MAX 10000ULL
+
 static void read_publish(void)
 {
-    if (sim_knob_uint("GPUVISOR_SIM_NVML_PUBLISH_MS", &publish_ms) <= 0)
+    if (sim_knob_uint("GPUVISOR_SIM_NVML_PUBLISH_MS", &publish_ms) <= 0) {
         publish_ms = 0;
+    } else if (publish_ms > PUBLISH_MS_MAX) {
+        sim_log("GPUVISOR_SIM_NVML_PUBLISH_MS=%s is not an integer from 1 to %llu; ignored",
+                getenv("GPUVISOR_SIM_NVML_PUBLISH_MS"), PUBLISH_MS_MAX);
+        publish_ms = 0;
+    }
 }
 
 /* How long after its end a sample of pid is published. */
