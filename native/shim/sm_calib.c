@@ -125,12 +125,18 @@ static uint64_t measured(const struct cal *c, uint64_t lo, uint64_t hi)
     return sum;
 }
 
+/* Where the next query starts: this process's newest sample taken, but
+ * never more than CAL_WINDOW_NS back (what is older is not compared
+ * anyway): a process idle while others work would otherwise ask from
+ * further and further back, and an answer of one entry per sample could
+ * outgrow the meter's buffer, so that the ratio froze. */
 unsigned long long gv_cal_since(int dev, uint64_t real_ns)
 {
     struct cal *c = cal_of(dev);
-    if (c && c->seen_us)
+    unsigned long long floor = (real_ns - CAL_WINDOW_NS) / 1000;
+    if (c && c->seen_us > floor)
         return c->seen_us;
-    return (real_ns - CAL_WINDOW_NS) / 1000;
+    return floor;
 }
 
 /* Take NVML's answer for what is newer than `since`: one interval. */
@@ -142,7 +148,7 @@ static void take_samples(struct cal *c, unsigned long long since,
      * last one taken.  NVML may answer with one entry per process covering
      * all the new samples, or one per sample. */
     unsigned long long real_us = real_ns / 1000, newest = 0, prev = since;
-    if (c->seen_us && since != c->seen_us)
+    if (c->seen_us && since < c->seen_us)
         return;                               /* not an answer to gv_cal_since */
     for (unsigned i = 0; i < n; i++)
         if (s[i].pid == me && s[i].timeStamp > newest && s[i].timeStamp <= real_us)

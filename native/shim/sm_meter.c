@@ -175,7 +175,7 @@ static int try_settle(struct rec *r, CUcontext *current)
 
 /* NVML's per-process samples of a device newer than `since` (CPU time,
  * us): how many were written to s (at most MAX_SAMPLES), or -1. */
-#define MAX_SAMPLES 128u
+#define MAX_SAMPLES 1024u   /* 2 s of 200 ms samples of 100 processes (32 KiB) */
 static int proc_samples(nvmlDevice_t nvml, unsigned long long since,
                         nvmlProcessUtilizationSample_t s[MAX_SAMPLES])
 {

@@ -186,6 +186,17 @@ int main(void)
     feed(7, (struct run){ 1.0, 0, 1, 0, 60 * MS }, 8, &lo, &hi);
     CHECK(lo >= 0.98 && hi <= 1.02, "own samples published late: ratio %.4f..%.4f", lo, hi);
 
+    /* Idle for a minute after 3 s of work: the next query starts no more
+     * than the 2 s compared back (it used to start at the process's own
+     * newest sample, however old, and an answer of one entry per sample
+     * could then outgrow the meter's buffer and freeze the ratio). */
+    gv_cal_reset();
+    feed(8, (struct run){ 1.0, 0, 1, 0, 0 }, 3, &lo, &hi);
+    uint64_t later = REAL_OFF + MONO0 + 63000 * MS;
+    unsigned long long from = gv_cal_since(8, later);
+    CHECK(from * 1000 >= later - 2000 * MS && from * 1000 <= later,
+          "after a minute idle: asked from %.3f s back", (double)(later - from * 1000) / 1e9);
+
     /* NVML does not list this PID (another PID namespace): no change. */
     gv_cal_reset();
     feed(4, (struct run){ 1.25, 0, 0, 0, 0 }, 5, &lo, &hi);
