@@ -370,7 +370,7 @@ class Tuner:
         if isinstance(limits, GpuvisorError):
             current: int | None = d.limit if kind == "memory" else self.region.sm(d.index).limit
             self._warn_once(
-                f"own {kind} {d.uuid}",
+                f"own {kind} {d.uuid} refused",
                 "cannot put the container's own %s limit back on %s (%s_<i>): %s; keeping %s",
                 kind,
                 d.uuid,
@@ -382,7 +382,7 @@ class Tuner:
         own: int | None = limits.memory if kind == "memory" else limits.sm
         if limits.ordinal is None:
             self._warn_once(
-                f"own {kind} {d.uuid}",
+                f"own {kind} {d.uuid} unknown ordinal",
                 "%s: %s_<i> names CUDA device indices, and this device's is not known: "
                 "putting back the strictest %s limit the environment gives any device, %s",
                 limits.why_unknown.removeprefix("gpuvisor: "),
