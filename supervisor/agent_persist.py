@@ -28,6 +28,7 @@ import contextlib
 import json
 import math
 import os
+import stat
 import tempfile
 from dataclasses import dataclass
 from typing import Any
@@ -53,8 +54,9 @@ def state_file_problem(socket_path: str, state_file: str) -> str | None:
     """Why state_file cannot hold an agent's admin limits (None: it can):
     not in, or below, the reporting socket's directory, which is mounted
     into workloads (a workload could rewrite its own limits there)."""
-    shared = os.path.dirname(os.path.abspath(socket_path))
-    path = os.path.abspath(state_file)
+    # Resolved, so that a link into the socket's directory is seen for what it is.
+    shared = os.path.realpath(os.path.dirname(os.path.abspath(socket_path)))
+    path = os.path.realpath(state_file)
     if path == shared or path.startswith(shared.rstrip("/") + "/"):
         return f"{state_file}: must not be in {shared}, the reporting socket's directory"
     return None
@@ -133,12 +135,23 @@ def read_state(path: str) -> list[SavedLimits]:
     first start).  StateFileError: it cannot be read, or is not a state
     file of this version (one line naming path and the problem)."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_STATE_BYTES + 1)
+        # O_NONBLOCK: a FIFO put there must not hang the agent's start.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         return []
     except OSError as exc:
         raise _fail(path, f"cannot read it ({exc.strerror or exc})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise _fail(path, "not a regular file")
+        with os.fdopen(fd, "rb") as f:
+            fd = -1
+            data = f.read(MAX_STATE_BYTES + 1)
+    except OSError as exc:
+        raise _fail(path, f"cannot read it ({exc.strerror or exc})") from None
+    finally:
+        if fd >= 0:
+            os.close(fd)
     if len(data) > MAX_STATE_BYTES:
         raise _fail(path, f"larger than {MAX_STATE_BYTES} bytes")
     try:

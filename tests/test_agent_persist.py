@@ -188,21 +188,35 @@ def test_a_corrupt_state_file_stops_the_agent_with_one_line(sock_path, content, 
         assert agent.status()["containers"] == []
 
 
-def test_an_unreadable_state_file_stops_the_agent_with_one_line(sock_path):  # noqa: F811
+@pytest.mark.parametrize("what", ["directory", "fifo"])
+def test_an_unreadable_state_file_stops_the_agent_with_one_line(sock_path, what):  # noqa: F811
+    """A directory or a FIFO where the file should be (a FIFO used to hang
+    the agent's start, waiting for a writer)."""
     path = state_file(sock_path)
-    path.mkdir(parents=True)  # a directory where the file should be
+    path.parent.mkdir(parents=True)
+    if what == "directory":
+        path.mkdir()
+    else:
+        os.mkfifo(path)
     proc = run_cli("node-agent", "--socket", sock_path, "--metrics-port", "0")
     assert proc.returncode == 1
     assert proc.stderr.splitlines() == [
-        f"Error: state file {path}: cannot read it (Is a directory); the administrators' "
+        f"Error: state file {path}: not a regular file; the administrators' "
         "limits it holds cannot be restored, so the agent does not start without them: "
         "repair the file, or delete it to start with none"
     ]
 
 
-def test_the_state_file_may_not_be_in_the_reporting_sockets_directory(sock_path):  # noqa: F811
+@pytest.mark.parametrize("how", ["inside", "link"])
+def test_the_state_file_may_not_be_in_the_reporting_sockets_directory(sock_path, how):  # noqa: F811
+    """Not in it, nor through a link that leads into it."""
     inside = os.path.join(os.path.dirname(sock_path), "limits.json")
-    proc = run_cli("node-agent", "--socket", sock_path, "--state-file", inside)
+    given = inside
+    if how == "link":
+        given = os.path.dirname(sock_path) + "-link"
+        os.makedirs(os.path.dirname(sock_path), exist_ok=True)
+        os.symlink(inside, given)
+    proc = run_cli("node-agent", "--socket", sock_path, "--state-file", given)
     assert proc.returncode == 2
     assert "'--state-file'" in proc.stderr
     assert "reporting socket's directory" in proc.stderr
