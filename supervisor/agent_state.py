@@ -156,6 +156,9 @@ class ContainerState:
     # every device uuid its reports named (a region's devices never change:
     # at most MAX_DEVICES, see device_churn)
     devices_seen: set[str] = field(default_factory=set)
+    # the devices its latest report that said so can see (`visible`, at
+    # most MAX_VISIBLE; None: no report said, e.g. an older supervisor)
+    visible: frozenset[str] | None = None
 
 
 @dataclass
@@ -169,8 +172,9 @@ class AdminLimits:
     sm: dict[str, int | None] = field(default_factory=dict)
     restore: dict[str, set[str]] = field(default_factory=dict)  # uuid -> kinds
     # Devices whose limits came from a container that left (parked, then
-    # adopted: _adopt) and that this container's reports have not listed
-    # yet; dropped at adopted_until (the grace's end) if still unlisted.
+    # adopted: _adopt) that this container's reports have neither listed
+    # nor named visible yet; dropped at adopted_until (the grace's end) if
+    # still so.
     adopted: set[str] = field(default_factory=set)
     adopted_until: float = 0.0  # time.monotonic()
 
@@ -359,6 +363,8 @@ class AgentState:
             st.last_wall = time.time()
             st.reports += 1
         st.devices_seen.update(d.uuid for d in report.devices)
+        if report.visible is not None:
+            st.visible = frozenset(report.visible)
         self._settle_adopted(key, now)
         self._note_cgroup(report.container.cgroup, key)
         self._update_claims(key)
@@ -602,15 +608,22 @@ class AgentState:
 
     def _settle_adopted(self, key: str, now: float) -> None:
         """Adopted limits (_adopt) are the container's own once its reports
-        list their device; those whose device it has not listed when the
-        grace ends are dropped (a device the restarted container does not
-        have would otherwise be pushed in every ack, show in pending_limits
-        and count toward MAX_DEVICES for good)."""
+        list their device or name it visible (a device the container can
+        see but has not used yet: its limit is kept for the container's
+        life, as the administrator set it for the one before); those on
+        devices neither listed nor named visible when the grace ends are
+        dropped (a device the restarted container does not have would
+        otherwise be pushed in every ack, show in pending_limits and count
+        toward MAX_DEVICES for good).  A container whose reports do not
+        say what it can see (a supervisor older than `visible`) keeps only
+        those on the devices it listed."""
         admin = self.admin_limits.get(key)
         st = self.containers.get(key)
         if admin is None or st is None or not admin.adopted:
             return
         admin.adopted -= st.devices_seen
+        if st.visible is not None:
+            admin.adopted -= st.visible
         if now > admin.adopted_until:
             self.limits_gen += 1
             for uuid in list(admin.adopted):
@@ -780,6 +793,7 @@ class AgentState:
                     "age_s": round(wall - st.last_wall, 3),
                     "interval_s": None if interval is None else round(interval, 3),
                     "reports": st.reports,
+                    "visible": None if st.visible is None else sorted(st.visible),
                     "admin_limits": None if admin is None else admin.view(),
                     "pending_limits": None if admin is None else admin.unapplied(r).view(),
                 }

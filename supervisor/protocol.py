@@ -19,6 +19,9 @@ PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_DEVICES = 16
 MAX_PIDS = 1024
+# A report's `visible` lists at most this many devices (the library maps at
+# most GV_MAX_ORDINALS CUDA ordinals).
+MAX_VISIBLE = 64
 MAX_INTERVAL_S = 3600.0  # the longest report interval a report may declare
 MAX_ERROR_CHARS = 1024  # an error's text is cut to this (a field's value may be long)
 POLICIES = ("fixed-share", "burst-share", "best-effort")
@@ -89,6 +92,11 @@ class Report:
     # Seconds between the sender's reports (optional; None: not declared).
     # The agent keeps the container at least 3 intervals from the first report.
     interval: float | None = None
+    # Device UUIDs the container can see (its CUDA_VISIBLE_DEVICES through
+    # NVML's list, by the library's map), used or not; None: not known (or
+    # a supervisor that predates the field).  The agent keeps an
+    # administrator's limits on them for the container's life.
+    visible: list[str] | None = None
 
 
 @dataclass(frozen=True)
@@ -122,6 +130,8 @@ def report_message(report: Report) -> dict[str, Any]:
     body = asdict(report)
     if body["interval"] is None:
         del body["interval"]  # optional: not declared
+    if body["visible"] is None:
+        del body["visible"]  # optional: not known
     body.update(v=PROTOCOL_VERSION, type="report")
     return body
 
@@ -294,6 +304,7 @@ def parse_report(obj: dict[str, Any]) -> Report:
         devices=devices,
         final=_bool(obj.get("final", False), "final"),
         interval=_opt_interval(obj.get("interval")),
+        visible=_opt_visible(obj.get("visible")),
     )
 
 
@@ -311,6 +322,22 @@ def _opt_interval(value: Any) -> float | None:
         return None
     v = _num(value, "interval", 0.0, MAX_INTERVAL_S)
     return v if v > 0 else None
+
+
+def _opt_visible(value: Any) -> list[str] | None:
+    """The optional `visible` of a report: device UUIDs, each at most once,
+    at most MAX_VISIBLE; null or missing: not known."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) > MAX_VISIBLE:
+        raise ProtocolError(f"visible: expected a list of at most {MAX_VISIBLE} device UUIDs")
+    first: dict[str, int] = {}
+    for i, uuid in enumerate(value):
+        check_uuid(uuid, f"visible[{i}]")
+        j = first.setdefault(uuid, i)
+        if j != i:
+            raise ProtocolError(f"visible[{i}]={uuid!r}: the same device as visible[{j}]")
+    return [str(u) for u in value]
 
 
 def _opt_limit(value: Any, name: str, lo: int, hi: int) -> int | None:
