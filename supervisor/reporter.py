@@ -264,6 +264,7 @@ class Reporter:
             devices=devices,
             final=final,
             interval=self.interval,
+            visible=None if sample.visible is None else list(sample.visible),
         )
 
     def send(self, report: Report) -> bool:

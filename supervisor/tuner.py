@@ -25,7 +25,9 @@ and the workload outlives it) or hangs leaves the workload paused for at
 most that long, never for good.
 Once a second it also refreshes the workload's process tree (psutil),
 NVML's device utilisation (pynvml, when it loads) and reclaims the region
-slots of dead processes.
+slots of dead processes; once NVML has loaded, it reads which of the
+node's devices the workload can see (visible_devices), which the reports
+carry (`visible`: the agent keeps an administrator's limits on them).
 
 The shim adapts burst-share/best-effort shares from NVML by itself; the
 tuner carries out the node-wide view of the agent.  Everything runs in a
@@ -49,7 +51,7 @@ from gpuvisor.shim.limits import DeviceEnvLimits
 from gpuvisor.shim.region import DeviceUsage, Region, SmState
 
 from .config import EnvLimits
-from .protocol import MAX_PIDS, Instructions
+from .protocol import MAX_PIDS, MAX_VISIBLE, Instructions
 
 log = logging.getLogger("gpuvisor.run")
 
@@ -80,6 +82,9 @@ class Sample:
     ts: float  # time.monotonic()
     devices: list[DeviceSample] = field(default_factory=list)
     pids: list[int] = field(default_factory=list)
+    # The devices the container can see, used or not (visible_devices;
+    # None: not known yet)
+    visible: tuple[str, ...] | None = None
 
 
 class Nvml:
@@ -106,9 +111,46 @@ class Nvml:
         except Exception:
             return None
 
+    def devices(self) -> list[tuple[str, int]]:
+        """(uuid, total memory in bytes) of every device of the node, in
+        NVML's order; raises what NVML raises."""
+        out = []
+        for i in range(int(self._nvml.nvmlDeviceGetCount())):
+            handle = self._nvml.nvmlDeviceGetHandleByIndex(i)
+            uuid = self._nvml.nvmlDeviceGetUUID(handle)
+            if isinstance(uuid, bytes):  # older pynvml
+                uuid = uuid.decode()
+            out.append((str(uuid), int(self._nvml.nvmlDeviceGetMemoryInfo(handle).total)))
+        return out
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self._nvml.nvmlShutdown()
+
+
+def visible_devices(nvml: Nvml, env_limits: EnvLimits) -> tuple[str, ...] | None:
+    """The UUIDs of the node's devices the workload can see, in CUDA
+    ordinal order: those the library maps to a CUDA ordinal through the
+    workload's CUDA_VISIBLE_DEVICES (env_device_limits, as its processes
+    map them), at most MAX_VISIBLE.  None when it cannot be told (NVML's
+    list unreadable, the environment not known or refused)."""
+    if env_limits.env is None:
+        return None
+    try:
+        devices = nvml.devices()
+    except Exception as exc:
+        log.debug("listing the node's devices failed: %s", exc)
+        return None
+    ordinals: list[tuple[int, str]] = []
+    for uuid, total in devices:
+        try:
+            ordinal = env_limits.device(uuid, total).ordinal
+        except GpuvisorError as exc:
+            log.debug("the CUDA ordinal of %s: %s", uuid, exc)
+            return None
+        if ordinal is not None:
+            ordinals.append((ordinal, uuid))
+    return tuple(uuid for _, uuid in sorted(ordinals))[:MAX_VISIBLE]
 
 
 def open_nvml(simulator_nvml: str | None) -> Nvml | None:
@@ -124,6 +166,7 @@ def read_sample(
     devices: list[DeviceUsage] | None = None,
     util: Mapping[str, int | None] | None = None,
     pids: list[int] | None = None,
+    visible: tuple[str, ...] | None = None,
 ) -> Sample:
     """The region's devices (read now unless given) and their SM counters
     now, with NVML's utilisation by UUID where known."""
@@ -133,7 +176,7 @@ def read_sample(
     samples = [
         DeviceSample(usage=d, sm=region.sm(d.index), utilization=util.get(d.uuid)) for d in devices
     ]
-    return Sample(ts=time.monotonic(), devices=samples, pids=list(pids or []))
+    return Sample(ts=time.monotonic(), devices=samples, pids=list(pids or []), visible=visible)
 
 
 def clear_yields(region: Region) -> None:
@@ -190,6 +233,9 @@ class Tuner:
         self._sample = Sample(ts=time.monotonic())
         self._pids: list[int] = [root_pid]
         self._util: dict[str, int | None] = {}
+        # The devices the workload can see (visible_devices): the node's
+        # devices and the environment do not change, so read once known
+        self._visible: tuple[str, ...] | None = None
         self._root: psutil.Process | None = None
         self._ticks = 0
         self._logged: set[str] = set()
@@ -278,6 +324,8 @@ class Tuner:
             self._pids = []
         if self.nvml is not None:
             self._util = {d.uuid: self.nvml.utilization(d.uuid) for d in devices}
+            if self._visible is None:
+                self._visible = visible_devices(self.nvml, self.env_limits)
         try:
             self.region.reclaim_dead()
         except GpuvisorError as exc:
@@ -424,7 +472,7 @@ class Tuner:
             self._slow(devices)
         self._ticks += 1
         self._apply(devices)
-        sample = read_sample(self.region, devices, self._util, list(self._pids))
+        sample = read_sample(self.region, devices, self._util, list(self._pids), self._visible)
         with self._lock:
             self._sample = sample
         return sample
