@@ -6,6 +6,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import select
 import shutil
 import socket
@@ -39,11 +40,12 @@ from gpuvisor.supervisor.protocol import (
     decode,
     encode,
     parse_ack,
+    parse_report,
     report_message,
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import CLI, REPO_ROOT, clean_env, run_cli
+from tests.helpers import CLI, REPO_ROOT, SimNode, clean_env, run_cli, run_py
 
 GiB = 1 << 30
 # Device UUIDs in NVML's form (the agent takes no other)
@@ -1428,6 +1430,127 @@ def test_adopted_limits_for_a_device_the_new_container_never_lists_end_with_the_
         assert st["admin_limits"] == {"memory": {GPU_A: 4 * GiB}, "sm": {}}
         assert st["pending_limits"] == {"memory": {GPU_A: 4 * GiB}, "sm": {}}
         c.close()
+
+
+GPU_C = "GPU-cccccccc-cccc-cccc-cccc-cccccccccccc"
+
+
+def test_adopted_limits_on_a_device_the_container_can_see_outlive_the_grace() -> None:
+    """A restarted container that has not used a GPU within --limit-grace
+    keeps the administrator's limit on it while its reports name it
+    `visible` (it would otherwise run there under its own limit once it
+    uses it): for as long as it lives, and parked again when it leaves.
+    A limit on a device it cannot see still goes with the grace, and so
+    does one on a device it has not used when its reports do not say what
+    it can see (a supervisor older than `visible`)."""
+    peer = PeerCred(pid=1, uid=0, gid=0)
+
+    def report(
+        cgroup: str, visible: list[str] | None, final: bool = False, uuid: str = GPU_A
+    ) -> Report:
+        cid = ContainerId(cgroup=cgroup, pod="web-0", namespace="ns", container="main")
+        return Report(
+            seq=1, ts=0.0, container=cid, policy="fixed-share", priority=0,
+            devices=[device(uuid, limit=8 * GiB)], final=final, visible=visible,
+        )  # fmt: skip
+
+    def restarted(visible: list[str] | None) -> tuple[AgentState, str]:
+        state = AgentState(AgentConfig(limit_grace=300.0))
+        first = report("/kubepods/pod-1/ctr-a", [GPU_A, GPU_B])
+        state.accept_report(first, peer, 0.0)
+        for uuid in (GPU_A, GPU_B, GPU_C):
+            state.set_limit(first.container.key, uuid, {"memory": GiB})
+        state.accept_report(report("/kubepods/pod-1/ctr-a", None, final=True), peer, 1.0)
+        second = report("/kubepods/pod-1/ctr-b", visible)
+        state.accept_report(second, peer, 2.0)
+        return state, second.container.key
+
+    state, key = restarted([GPU_A, GPU_B])
+    # A report past the grace (adopted_until, 301.0):
+    instr = state.accept_report(report("/kubepods/pod-1/ctr-b", [GPU_A, GPU_B]), peer, 400.0)
+    assert instr.memory_limits == {GPU_A: GiB, GPU_B: GiB}  # GPU_B unused, still pushed
+    assert state.admin_limits[key].memory == {GPU_A: GiB, GPU_B: GiB}
+    assert state.status()["containers"][0]["visible"] == sorted([GPU_A, GPU_B])
+    # It leaves: parked with GPU_B's, for the next restart, which uses it.
+    state.accept_report(report("/kubepods/pod-1/ctr-b", None, final=True), peer, 401.0)
+    instr = state.accept_report(report("/kubepods/pod-1/ctr-c", None, uuid=GPU_B), peer, 402.0)
+    assert instr.memory_limits == {GPU_A: GiB, GPU_B: GiB}
+
+    # A later report without `visible` does not forget what an earlier said.
+    state, key = restarted([GPU_A, GPU_B])
+    instr = state.accept_report(report("/kubepods/pod-1/ctr-b", None), peer, 400.0)
+    assert instr.memory_limits == {GPU_A: GiB, GPU_B: GiB}
+
+    # A supervisor that does not say: only the devices it listed stay.
+    state, key = restarted(None)
+    instr = state.accept_report(report("/kubepods/pod-1/ctr-b", None), peer, 400.0)
+    assert instr.memory_limits == {GPU_A: GiB}
+    assert state.status()["containers"][0]["visible"] is None
+
+
+def test_a_reports_visible_devices_are_uuids_each_once() -> None:
+    """`visible` is optional (missing or null: not known, and not sent when
+    not known); when given, a list of at most 64 device UUIDs, each once."""
+    base = report_message(
+        Report(seq=1, ts=0.0, container=ContainerId(cgroup="/c"), policy="fixed-share", priority=0)
+    )
+    assert "visible" not in base
+    assert parse_report(base).visible is None
+    assert parse_report(dict(base, visible=None)).visible is None
+    assert parse_report(dict(base, visible=[GPU_B, GPU_A])).visible == [GPU_B, GPU_A]
+    sent = Report(
+        seq=1, ts=0.0, container=ContainerId(cgroup="/c"), policy="fixed-share", priority=0,
+        visible=[GPU_A],
+    )  # fmt: skip
+    assert report_message(sent)["visible"] == [GPU_A]
+    for bad, why in (
+        ("GPU-0", "visible[0]='GPU-0': expected a device UUID"),
+        ([GPU_A, "gpu-0"], "visible[1]='gpu-0': expected a device UUID"),
+        ([GPU_A, GPU_A], f"visible[1]={GPU_A!r}: the same device as visible[0]"),
+        ([f"GPU-00000000-0000-0000-0000-{i:012x}" for i in range(65)], "at most 64"),
+    ):
+        if isinstance(bad, str):
+            why = "visible: expected a list"
+        with pytest.raises(ProtocolError, match=re.escape(why)):
+            parse_report(dict(base, visible=bad))
+
+
+VISIBLE_DEVICES = """
+import json, sys
+from gpuvisor.shim.loader import SIM_NVML_NAME, simulator_dir
+from gpuvisor.supervisor.config import EnvLimits, env_limits
+from gpuvisor.supervisor.tuner import open_nvml, visible_devices
+nvml = open_nvml(str(simulator_dir() / SIM_NVML_NAME))
+assert nvml is not None
+out = {"node": [u for u, _ in nvml.devices()]}
+for name, env in json.loads(sys.argv[1]).items():
+    out[name] = visible_devices(nvml, env_limits(env))
+out["unknown"] = visible_devices(nvml, EnvLimits())
+print(json.dumps(out))
+"""
+
+
+def test_a_supervisor_reports_the_devices_its_workload_can_see(node: SimNode) -> None:
+    """visible_devices: the node's devices (NVML) the library maps to a CUDA
+    ordinal through the workload's CUDA_VISIBLE_DEVICES (not the
+    supervisor's own), in ordinal order; None when the environment is not
+    known."""
+    envs = {
+        "all": {},
+        "one": {"CUDA_VISIBLE_DEVICES": "1"},
+        "reordered": {"CUDA_VISIBLE_DEVICES": "1,0", "CUDA_DEVICE_MEMORY_LIMIT_0": "25%"},
+        "none": {"CUDA_VISIBLE_DEVICES": ""},
+    }
+    caller = dict(node.env, CUDA_VISIBLE_DEVICES="0")
+    proc = run_py(VISIBLE_DEVICES, caller, args=[json.dumps(envs)])
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    a, b = got["node"]
+    assert got["all"] == [a, b]
+    assert got["one"] == [b]
+    assert got["reordered"] == [b, a]
+    assert got["none"] == []
+    assert got["unknown"] is None
 
 
 def test_parked_admin_limits_go_to_the_same_pods_next_container_within_the_grace():

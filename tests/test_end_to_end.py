@@ -546,3 +546,98 @@ def test_an_admins_limit_survives_a_clean_restart_of_the_container(
         finally:
             second.terminate()
             second.communicate(timeout=30)
+
+
+# Uses device 0 at once, device 1 only after argv[1] seconds, then holds
+# both for argv[2] seconds.
+LATE_SECOND_DEVICE = (
+    CU_SPIN_PRELUDE
+    + """
+import sys, time
+held = chk(cu.cuMemAlloc(64 * 2**20))
+print("allocated", flush=True)
+time.sleep(float(sys.argv[1]))
+chk(cu.cuCtxSetCurrent(chk(cu.cuDevicePrimaryCtxRetain(1))))
+held1 = chk(cu.cuMemAlloc(64 * 2**20))
+print("second", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+)
+
+
+def supervised_late(
+    node: SimNode, sock: str, region: Path, pod: str, first_s: float, hold_s: float
+) -> subprocess.Popen[str]:
+    """`gpuvisor run --memory 4g` around LATE_SECOND_DEVICE (two devices visible)."""
+    env = dict(node.env, POD_NAME=pod, POD_NAMESPACE="e2e", CONTAINER_NAME="main")
+    return subprocess.Popen(
+        [
+            *CLI, "run", "--memory", "4g", "--socket", sock, "--region", str(region),
+            "--report-interval", "0.5", "--",
+            sys.executable, "-c", textwrap.dedent(LATE_SECOND_DEVICE), str(first_s), str(hold_s),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+    )  # fmt: skip
+
+
+def test_an_admins_limit_on_a_gpu_a_restarted_container_leaves_unused_is_kept(
+    node: SimNode,
+    sock_path: str,  # noqa: F811
+) -> None:
+    """A container restarts and does not touch its second GPU within
+    --limit-grace: the administrator's limit on that GPU stays its own (its
+    supervisor reports the devices the container can see), so it is parked
+    again when that container goes, and the next restart, which uses the
+    GPU at once, runs there under the administrator's 1 GiB, never under
+    its own 4 GiB."""
+    with AgentProc(sock_path, "--limit-grace", "2", env=node.env) as agent:
+        first = supervised_late(node, sock_path, node.dir / "l1.shr", "pod-l", 0.0, 60.0)
+        try:
+            assert first.stdout is not None
+            assert first.stdout.readline().strip() == "allocated"
+            assert first.stdout.readline().strip() == "second"
+            assert wait_for(lambda: memory_limit(agent, "pod-l") == [4 * GiB] * 2, timeout=5.0), (
+                memory_limit(agent, "pod-l")
+            )
+            uuids = [d["uuid"] for d in agent.status()["containers"][0]["devices"]]
+            for uuid in uuids:
+                admin_set_limit(sock_path, "e2e/pod-l/main", uuid, "--memory", "1g")
+            assert wait_for(lambda: memory_limit(agent, "pod-l") == [GiB] * 2, timeout=5.0), (
+                memory_limit(agent, "pod-l")
+            )
+        finally:
+            first.terminate()  # forwarded to the workload; a final report
+            first.communicate(timeout=30)
+        assert wait_for(lambda: agent.status()["agent"]["parked_limits"] == 1, timeout=5.0)
+        both = {"memory": dict.fromkeys(uuids, GiB), "sm": {}}
+        # Restarted, it uses its first GPU only, past the grace.
+        second = supervised_late(node, sock_path, node.dir / "l2.shr", "pod-l", 60.0, 0.0)
+        try:
+            assert second.stdout is not None
+            assert second.stdout.readline().strip() == "allocated"
+            assert wait_for(lambda: memory_limit(agent, "pod-l") == [GiB], timeout=5.0), (
+                memory_limit(agent, "pod-l")
+            )
+            time.sleep(3.0)  # the grace is over
+            assert agent.status()["containers"][0]["admin_limits"] == both
+        finally:
+            second.terminate()
+            second.communicate(timeout=30)
+        assert wait_for(lambda: agent.status()["agent"]["parked_limits"] == 1, timeout=5.0)
+        # Restarted again, it uses both at once: the admin's limit on each.
+        third = supervised_late(node, sock_path, node.dir / "l3.shr", "pod-l", 0.0, 60.0)
+        try:
+            assert third.stdout is not None
+            assert third.stdout.readline().strip() == "allocated"
+            assert third.stdout.readline().strip() == "second"
+            assert wait_for(lambda: memory_limit(agent, "pod-l") == [GiB] * 2, timeout=5.0), (
+                memory_limit(agent, "pod-l")
+            )
+            assert agent.status()["containers"][0]["admin_limits"] == both
+        finally:
+            third.terminate()
+            third.communicate(timeout=30)
