@@ -1066,23 +1066,12 @@ def test_a_refused_ack_counts_apart_from_the_acks_taken(tmp_path):
 # NVML first (every device's memory: a preloaded process enters the devices
 # it sees in the region, keyed by UUID), CUDA on ordinal 0 once argv[1]
 # exists, then wait for argv[2].
-NVML_ALL_THEN_CUDA = """
-import os, sys, time
-import pynvml
-pynvml.nvmlInit()
-for i in range(pynvml.nvmlDeviceGetCount()):
-    pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i))
-print("nvml", flush=True)
-def wait(path):
-    deadline = time.monotonic() + 30
-    while not os.path.exists(path) and time.monotonic() < deadline:
-        time.sleep(0.02)
-wait(sys.argv[1])
-from tests.cuclient import init
-init()
-print("cuda", flush=True)
-wait(sys.argv[2])
-"""
+NVML_ALL_THEN_CUDA = NVML_THEN_CUDA.replace(
+    "pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0))",
+    "for i in range(pynvml.nvmlDeviceGetCount()):\n"
+    "    pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i))",
+)
+assert NVML_ALL_THEN_CUDA != NVML_THEN_CUDA
 
 
 def _then(agent: FakeAgent, instructions: Instructions, pred: Any) -> int:
