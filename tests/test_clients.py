@@ -1605,6 +1605,67 @@ emit(base=base, seen=seen, pending=pending, big=big, short=short, read=read, sti
     assert out["unloaded"] == out["base"], out
 
 
+def test_pending_frees_of_another_device_released_by_a_reading_read_that_device_again(node):
+    """Device 1 has 16 blocks of 2 MiB freed into a stream behind a 0.1 s
+    kernel, and a 1 GiB module (GPUVISOR_SIM_MODULE_MIB) loaded meanwhile: a
+    reading of device 1 then (cuCtxSetLimit setting a limit to what it is)
+    charges the module only up to what is certain, 32 MiB short of it (the
+    simulator shows the blocks freed while they are still charged).  Once
+    the kernel is done, a reading of device 0 (cuCtxSetLimit there) releases
+    the pending frees first, of every device: device 1's among them, their
+    charge gone, but only device 0 was read after it, so device 1's usage
+    stayed 32 MiB short of what the device gave the process until the next
+    second's reading, and an allocation 16 MiB past its quota passed.  Now
+    a reading that releases another device's frees reads that device again
+    at once.  Everything happens within one second (same_second), so no
+    once-a-second reading makes up for it."""
+    out = client(
+        node,
+        """
+import ctypes, time
+STACK = cu.CUlimit.CU_LIMIT_STACK_SIZE
+init(0)
+ctx0 = ok(cu.cuCtxGetCurrent)
+ctx1 = ok(cu.cuDevicePrimaryCtxRetain, ok(cu.cuDeviceGet, 1))
+ok(cu.cuCtxSetCurrent, ctx1)
+s = ok(cu.cuStreamCreate, 0)
+lib = ok(cu.cuLibraryLoadData, b"any image", None, None, 0, None, None, 0)
+spin = ok(cu.cuKernelGetFunction, ok(cu.cuLibraryGetKernel, lib, b"spin"))
+blocks = [ok(cu.cuMemAlloc, 2 * MiB) for _ in range(16)]
+time.sleep(1.02 - time.monotonic() % 1)  # just after a second begins
+edge = int(time.monotonic())
+base = used()  # this second's reading (of every device)
+ok(cu.cuLaunchKernel, spin, 1, 1, 1, 32, 1, 1, 0, s, ((100_000,), (ctypes.c_uint32,)), 0)
+t0 = time.monotonic()
+for p in blocks:
+    ok(cu.cuMemFreeAsync, p, s)
+mod = ok(cu.cuModuleLoadData, b"any image")
+ok(cu.cuCtxSetLimit, STACK, int(ok(cu.cuCtxGetLimit, STACK)))  # reads device 1
+during = used()
+time.sleep(max(0.0, t0 + 0.15 - time.monotonic()))  # the stream reaches the frees
+ok(cu.cuCtxSetCurrent, ctx0)
+ok(cu.cuCtxSetLimit, STACK, int(ok(cu.cuCtxGetLimit, STACK)))  # reads device 0
+ok(cu.cuCtxSetCurrent, ctx1)
+after = used()
+truth = base - 32 * MiB + GiB  # the blocks gone, the module there
+big, q = call(cu.cuMemAlloc, 4 * GiB - truth + 16 * MiB)
+if big == SUCCESS:
+    ok(cu.cuMemFree, q)
+same_second = int(time.monotonic()) == edge
+emit(base=base, during=during, after=after, truth=truth, big=big.name, same_second=same_second)
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+        GPUVISOR_SIM_MODULE_MIB="1024",
+    )
+    print(out)
+    # read while the blocks were pending: the module charged 32 MiB short,
+    # the blocks still charged themselves, so the total is right
+    assert out["during"] == out["truth"], out
+    assert out["same_second"], out  # false only on a machine stalled 0.8 s
+    assert out["after"] == out["truth"], out
+    assert out["big"] == OOM, out
+
+
 def test_memory_the_driver_took_counts_for_the_container_until_the_process_dies(node):
     env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g")
     probe = "init()\nemit(big=call(cu.cuMemAlloc, 2 * GiB)[0].name)\n"
