@@ -1605,29 +1605,36 @@ emit(base=base, seen=seen, pending=pending, big=big, short=short, read=read, sti
     assert out["unloaded"] == out["base"], out
 
 
-def test_pending_frees_of_another_device_released_by_a_reading_read_that_device_again(node):
-    """Device 1 has 16 blocks of 2 MiB freed into a stream behind a 0.1 s
-    kernel, and a 1 GiB module (GPUVISOR_SIM_MODULE_MIB) loaded meanwhile: a
-    reading of device 1 then (cuCtxSetLimit setting a limit to what it is)
-    charges the module only up to what is certain, 32 MiB short of it (the
-    simulator shows the blocks freed while they are still charged).  Once
-    the kernel is done, a reading of device 0 (cuCtxSetLimit there) releases
-    the pending frees first, of every device: device 1's among them, their
-    charge gone, but only device 0 was read after it, so device 1's usage
-    stayed 32 MiB short of what the device gave the process until the next
-    second's reading, and an allocation 16 MiB past its quota passed.  Now
-    a reading that releases another device's frees reads that device again
-    at once.  Everything happens within one second (same_second), so no
-    once-a-second reading makes up for it."""
+@pytest.mark.parametrize(
+    ("short", "reader"), [(1, 0), (0, 1)], ids=["dev1-by-dev0", "dev0-by-dev1"]
+)
+def test_pending_frees_of_another_device_released_by_a_reading_read_that_device_again(
+    node, short, reader
+):
+    """One device (1, or 0) has 16 blocks of 2 MiB freed into a stream
+    behind a 0.1 s kernel, and a 1 GiB module (GPUVISOR_SIM_MODULE_MIB)
+    loaded meanwhile: a reading of it then (cuCtxSetLimit setting a limit to
+    what it is) charges the module only up to what is certain, 32 MiB short
+    of it (the simulator shows the blocks freed while they are still
+    charged).  Once the kernel is done, a reading of the other device
+    (cuCtxSetLimit there) releases the pending frees of every device first,
+    the first device's among them, their charge gone, but read only its own
+    device after it (as a reading of every device read none again that it
+    had read earlier in its loop), so the first device's usage stayed 32 MiB
+    short of what the device gave the process until the next second's
+    reading, and an allocation 16 MiB past its quota passed.  Now a reading
+    that releases another device's frees reads that device again at once.
+    Everything happens within one second (same_second), so no once-a-second
+    reading makes up for it."""
     out = client(
         node,
-        """
+        f"""
 import ctypes, time
 STACK = cu.CUlimit.CU_LIMIT_STACK_SIZE
-init(0)
-ctx0 = ok(cu.cuCtxGetCurrent)
-ctx1 = ok(cu.cuDevicePrimaryCtxRetain, ok(cu.cuDeviceGet, 1))
-ok(cu.cuCtxSetCurrent, ctx1)
+init({reader})
+ctx_reader = ok(cu.cuCtxGetCurrent)
+ctx_short = ok(cu.cuDevicePrimaryCtxRetain, ok(cu.cuDeviceGet, {short}))
+ok(cu.cuCtxSetCurrent, ctx_short)
 s = ok(cu.cuStreamCreate, 0)
 lib = ok(cu.cuLibraryLoadData, b"any image", None, None, 0, None, None, 0)
 spin = ok(cu.cuKernelGetFunction, ok(cu.cuLibraryGetKernel, lib, b"spin"))
@@ -1640,12 +1647,12 @@ t0 = time.monotonic()
 for p in blocks:
     ok(cu.cuMemFreeAsync, p, s)
 mod = ok(cu.cuModuleLoadData, b"any image")
-ok(cu.cuCtxSetLimit, STACK, int(ok(cu.cuCtxGetLimit, STACK)))  # reads device 1
+ok(cu.cuCtxSetLimit, STACK, int(ok(cu.cuCtxGetLimit, STACK)))  # reads the short device
 during = used()
 time.sleep(max(0.0, t0 + 0.15 - time.monotonic()))  # the stream reaches the frees
-ok(cu.cuCtxSetCurrent, ctx0)
-ok(cu.cuCtxSetLimit, STACK, int(ok(cu.cuCtxGetLimit, STACK)))  # reads device 0
-ok(cu.cuCtxSetCurrent, ctx1)
+ok(cu.cuCtxSetCurrent, ctx_reader)
+ok(cu.cuCtxSetLimit, STACK, int(ok(cu.cuCtxGetLimit, STACK)))  # reads the other one
+ok(cu.cuCtxSetCurrent, ctx_short)
 after = used()
 truth = base - 32 * MiB + GiB  # the blocks gone, the module there
 big, q = call(cu.cuMemAlloc, 4 * GiB - truth + 16 * MiB)
