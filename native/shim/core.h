@@ -192,9 +192,11 @@ uint64_t gv_pending_frees_bytes(int dev);
 int gv_pending_frees_waiting(void);
 /* Release the charges of pending frees the streams have reached (cheap
  * when none is pending), then, if any was, gv_untracked_pending_released;
- * _quietly: not that (a reading of untracked memory, which reads next). */
+ * _quietly: not that (a reading of untracked memory, which reads next),
+ * but answer the region device entries whose frees it released, as a mask
+ * (bit dev), so that the reading can read the others again. */
 void gv_pending_frees_reap(void);
-void gv_pending_frees_reap_quietly(void);
+unsigned gv_pending_frees_reap_quietly(void);
 /* Around the destruction of a context: hold takes its pending frees out of
  * the reapers' reach (before the driver call); unhold releases them (gone:
  * the context is destroyed, their blocks and events with it) or lets them

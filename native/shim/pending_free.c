@@ -194,13 +194,20 @@ uint64_t gv_pending_frees_bytes(int dev)
 int gv_pending_frees_waiting(void) { return atomic_load_explicit(&waiting, memory_order_acquire); }
 
 /* Thread-local: a reading of untracked memory reaps first, and what it
- * releases is read by it, not by a reading nested in it. */
+ * releases is read by it (and by the readings it makes of the other
+ * devices it released frees of, untracked.c), not by a reading nested in
+ * it. */
 static _Thread_local int reading;
 
-void gv_pending_frees_reap(void)
+_Static_assert(GV_MAX_DEVICES <= 32, "a mask of region device entries fits an unsigned");
+
+/* Releases the frees the streams have reached; returns how many, and puts
+ * the region device entries they were charged to in *devs. */
+static int reap(unsigned *devs)
 {
+    *devs = 0;
     if (atomic_load_explicit(&waiting, memory_order_acquire) == 0)
-        return;
+        return 0;
     int n = atomic_load(&top), released = 0;
     for (int i = 0; i < n; i++) {
         int expected = SLOT_WAITING;
@@ -213,22 +220,33 @@ void gv_pending_frees_reap(void)
         }
         /* Reached; or the event answers an error (its context is broken):
          * either way the block is no longer the quota's to hold. */
+        int dev = slots[i].dev;
         release(&slots[i], q == CUDA_SUCCESS);
+        if (dev >= 0 && dev < GV_MAX_DEVICES)
+            *devs |= 1u << dev;
         released++;
     }
-    if (released && !reading) {
+    return released;
+}
+
+void gv_pending_frees_reap(void)
+{
+    unsigned devs;
+    if (reap(&devs) && !reading) {
         reading = 1;
         gv_untracked_pending_released();
         reading = 0;
     }
 }
 
-void gv_pending_frees_reap_quietly(void)
+unsigned gv_pending_frees_reap_quietly(void)
 {
     int was = reading;
     reading = 1;
-    gv_pending_frees_reap();
+    unsigned devs;
+    reap(&devs);
     reading = was;
+    return devs;
 }
 
 void gv_pending_frees_hold(CUcontext ctx, gv_pending_set *held)

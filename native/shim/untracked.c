@@ -39,7 +39,9 @@
  * NVML showed freed of the pending blocks, which are still charged
  * themselves: the container's total is not short.  When they are released
  * it would be, so releasing pending frees reads again at once wherever the
- * charge was left below the reading's high end.  Nothing happens where
+ * charge was left below the reading's high end: a reading releases those of
+ * every device before it reads its own, so it then reads again each other
+ * device whose frees it released (reread_owed).  Nothing happens where
  * NVML does not list this process.
  */
 #include <pthread.h>
@@ -54,13 +56,19 @@
 static struct held {
     pthread_mutex_t lock;
     uint64_t charged;
-    int short_by_pending;       /* charged below the reading's high end */
+    atomic_int short_by_pending; /* charged below the reading's high end
+                                  * (set under lock, read without) */
 } held[GV_MAX_ORDINALS];
 static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
 static atomic_long last_tick;
 static atomic_int logged;
 static atomic_int holding;       /* devices with a charge */
 static atomic_int shorted;       /* devices whose charge may be short */
+/* This thread's: the region device entries whose pending frees a reading
+ * released (before reading its own device) with no reading of them since,
+ * and whether they are being read again already (reread_owed). */
+static _Thread_local unsigned owed;
+static _Thread_local int owing;
 
 int gv_untracked_held(void) { return atomic_load_explicit(&holding, memory_order_relaxed) > 0; }
 
@@ -70,10 +78,12 @@ static void child_reset(void)
     for (int i = 0; i < GV_MAX_ORDINALS; i++) {
         pthread_mutex_init(&held[i].lock, NULL);
         held[i].charged = 0;
-        held[i].short_by_pending = 0;
+        atomic_store(&held[i].short_by_pending, 0);
     }
     atomic_store(&holding, 0);
     atomic_store(&shorted, 0);
+    owed = 0;
+    owing = 0;
     gv_charges_fork_child();
 }
 
@@ -82,6 +92,13 @@ static void setup(void)
     for (int i = 0; i < GV_MAX_ORDINALS; i++)
         pthread_mutex_init(&held[i].lock, NULL);
     pthread_atfork(NULL, NULL, child_reset);
+}
+
+static void reread_owed(void);
+
+static unsigned dev_bit(const gv_devinfo *d)
+{
+    return d->region_dev >= 0 && d->region_dev < 32 ? 1u << d->region_dev : 0;
 }
 
 int gv_untracked_reconcile(int ordinal)
@@ -95,8 +112,10 @@ int gv_untracked_reconcile(int ordinal)
         return 0;
     /* A stream-ordered free the stream has reached is pending until a
      * hook sees it: release it first (this reading is the one that follows
-     * its release), so that its block widens no range. */
-    gv_pending_frees_reap_quietly();
+     * its release), so that its block widens no range.  Those of other
+     * devices it releases are read again after this reading (reread_owed);
+     * this device's are read by it, whoever released them. */
+    owed = (owed | gv_pending_frees_reap_quietly()) & ~dev_bit(d);
     /* A pool the driver shrank since its charge was last settled (at a
      * synchronisation, say) is charged what NVML no longer shows: settle
      * first, and use no reading taken while one still is (the driver may
@@ -146,20 +165,61 @@ int gv_untracked_reconcile(int ordinal)
          * NVML showed freed: once they are released it is (their charge
          * goes too), so they read again then (gv_untracked_pending_released). */
         int shortish = want < hi;
-        if (shortish != h->short_by_pending)
+        if (shortish != atomic_load_explicit(&h->short_by_pending, memory_order_relaxed))
             atomic_fetch_add(&shorted, shortish ? 1 : -1);
-        h->short_by_pending = shortish;
+        atomic_store_explicit(&h->short_by_pending, shortish, memory_order_relaxed);
     }
     pthread_mutex_unlock(&h->lock);
+    /* Outside the lock: with nothing released elsewhere, one load. */
+    if (owed && !owing)
+        reread_owed();
     return used ? 1 : (!busy && !listed) ? 0 : -1;
+}
+
+/* Rounds of reread_owed: a device read again may release frees of one
+ * read before it, which is then read again in the next round.  Frees other
+ * threads keep queueing could go on forever: past this many rounds, what is
+ * left waits for the next reading (a second at most on the allocation
+ * paths), as it did before. */
+#define REREAD_ROUNDS 4
+
+/* A reading released pending frees of other devices (owed) and read only
+ * its own: a device whose charge was left below its range's high end is
+ * short by up to their bytes now that their charge is gone, as after any
+ * release (gv_untracked_pending_released), so it is read again now.  The
+ * readings made here add to owed rather than come back here (owing). */
+static void reread_owed(void)
+{
+    owing = 1;
+    for (int round = 0; owed && round < REREAD_ROUNDS; round++) {
+        unsigned devs = owed;
+        owed = 0;
+        if (atomic_load_explicit(&shorted, memory_order_relaxed) == 0)
+            break;
+        const gv_devinfo *d;
+        for (int i = 0; i < GV_MAX_ORDINALS; i++)
+            if (gv_device_known(i, &d) && (devs & dev_bit(d)) &&
+                atomic_load_explicit(&held[i].short_by_pending, memory_order_relaxed))
+                gv_untracked_reconcile(i);
+    }
+    owed = 0;
+    owing = 0;
 }
 
 void gv_untracked_reconcile_all(void)
 {
+    /* Each device is read in turn; what a reading releases of a device read
+     * earlier in the loop is read again after it (of one read later, by
+     * that device's own reading). */
+    int was = owing;
+    owing = 1;
     const gv_devinfo *d;
     for (int i = 0; i < GV_MAX_ORDINALS; i++)
         if (gv_device_known(i, &d))
             gv_untracked_reconcile(i);
+    owing = was;
+    if (owed && !owing)
+        reread_owed();
 }
 
 void gv_untracked_pending_released(void)
