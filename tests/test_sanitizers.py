@@ -349,6 +349,8 @@ def test_stream_ordered_frees_pending_under_asan(asan_env: dict[str, str]) -> No
     assert proc.stdout.strip() == "many blocked=1 used=32", proc.stdout + proc.stderr
     proc = run([prog, "threads"], asan_env)
     assert proc.stdout.strip() == "threads failed=0 used=32", proc.stdout + proc.stderr
+    proc = run([prog, "devices"], dict(asan_env, GPUVISOR_SIM_MODULE_MIB="64"))
+    assert proc.stdout.strip() == "devices failed=0 used=96,96", proc.stdout + proc.stderr
 
 
 def test_frees_in_flight_under_asan(asan_env: dict[str, str]) -> None:
@@ -409,6 +411,11 @@ def test_stream_ordered_frees_pending_under_tsan(node: SimNode) -> None:
     proc = run([str(prog), "destroy"], env)  # held, then released with the context
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip() == "pending=2 during=832 synced=32 after=0", proc.stdout
+    # two devices, each one's readings releasing (and reading again) the
+    # other's frees; a 64 MiB module on each is memory only NVML shows
+    proc = run([str(prog), "devices"], dict(env, GPUVISOR_SIM_MODULE_MIB="64"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == "devices failed=0 used=96,96", proc.stdout + proc.stderr
 
 
 def test_pool_shrunk_by_a_synchronisation_under_tsan(node: SimNode) -> None:

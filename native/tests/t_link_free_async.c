@@ -32,7 +32,8 @@
  * releases nothing itself) while pending and just after argv[1]; the query
  * modes add "polls=<queries made>" and the other process prints
  * "take=<CUresult>".
- * Two more modes, "many" and "threads", are described at their functions.
+ * Three more modes, "many", "threads" and "devices", are described at
+ * their functions.
  */
 #include <dlfcn.h>
 #include <pthread.h>
@@ -58,6 +59,8 @@ CUresult cuEventQuery(CUevent);
 CUresult cuStreamQuery(CUstream);
 CUresult cuStreamQuery_ptsz(CUstream);
 CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
+CUresult cuCtxSetLimit(CUlimit, size_t);
+CUresult cuCtxGetLimit(size_t *, CUlimit);
 CUresult cuMemFreeAsync_ptsz(CUdeviceptr, CUstream);
 CUresult cuModuleLoadData(CUmodule *, const void *);
 CUresult cuModuleGetFunction(CUfunction *, CUmodule, const char *);
@@ -160,6 +163,85 @@ static int threads(CUcontext prim, CUfunction spin)
     }
     MUST(cuCtxSynchronize());
     printf("threads failed=%d used=%llu\n", failed, (unsigned long long)gv_test_used_mib());
+    return 0;
+}
+
+/* ---- devices: frees of two devices released by each other's readings -- */
+
+static CUcontext dev_ctx[2];
+static CUfunction dev_spin[2];
+
+/* As churn, on device (arg), and every third block a reading of untracked
+ * memory (cuCtxSetLimit setting the stack limit to what it is), which
+ * releases the frees the streams reached on both devices and reads again
+ * the other device where its charge may be short. */
+static void *churn_device(void *arg)
+{
+    int dev = (int)(intptr_t)arg;
+    cuCtxSetCurrent(dev_ctx[dev]);
+    CUstream s;
+    if (cuStreamCreate(&s, 0))
+        return (void *)1;
+    uint32_t us = 200;
+    void *params[] = { &us };
+    size_t stack;
+    if (cuCtxGetLimit(&stack, CU_LIMIT_STACK_SIZE))
+        return (void *)1;
+    for (int i = 0; i < 200; i++) {
+        CUdeviceptr p;
+        if (cuMemAlloc_v2(&p, 4 * MiB))
+            continue;
+        cuLaunchKernel(dev_spin[dev], 1, 1, 1, 1, 1, 1, 0, s, params, NULL);
+        if (cuMemFreeAsync(p, s))
+            return (void *)1;
+        if (i % 3 == 0 && cuCtxSetLimit(CU_LIMIT_STACK_SIZE, stack))
+            return (void *)1;
+        if (i % 7 == 0)
+            cuStreamSynchronize(s);
+    }
+    cuStreamSynchronize(s);
+    return NULL;
+}
+
+static uint64_t used_mib(int dev)
+{
+    int (*get)(int, uint64_t *) = (int (*)(int, uint64_t *))dlsym(RTLD_DEFAULT,
+                                                                  "gv_device_get_used");
+    uint64_t v = 0;
+    if (!get || get(dev, &v) != 0)
+        return UINT64_MAX;
+    return v / MiB;
+}
+
+/* Four threads, two on each device's primary context (device 0's is prim,
+ * with spin).  Then, a second later, a reading of every device
+ * (cuMemGetInfo).  Prints "devices failed=<n> used=<MiB on 0>,<MiB on 1>". */
+static int devices(CUcontext prim, CUfunction spin)
+{
+    CUdevice d1;
+    CUmodule mod;
+    dev_ctx[0] = prim;
+    dev_spin[0] = spin;
+    MUST(cuDeviceGet(&d1, 1));
+    MUST(cuDevicePrimaryCtxRetain(&dev_ctx[1], d1));
+    MUST(cuCtxSetCurrent(dev_ctx[1]));
+    MUST(cuModuleLoadData(&mod, "any image"));
+    MUST(cuModuleGetFunction(&dev_spin[1], mod, "spin"));
+    pthread_t t[4];
+    for (int i = 0; i < 4; i++)
+        pthread_create(&t[i], NULL, churn_device, (void *)(intptr_t)(i % 2));
+    int failed = 0;
+    for (int i = 0; i < 4; i++) {
+        void *r;
+        pthread_join(t[i], &r);
+        failed += r != NULL;
+    }
+    struct timespec ts = { 1, 100 * 1000 * 1000 };
+    nanosleep(&ts, NULL);
+    size_t f, tot;
+    MUST(cuMemGetInfo_v2(&f, &tot));
+    printf("devices failed=%d used=%llu,%llu\n", failed, (unsigned long long)used_mib(0),
+           (unsigned long long)used_mib(1));
     return 0;
 }
 
@@ -284,6 +366,8 @@ int main(int argc, char **argv)
         return many(spin);
     if (!strcmp(mode, "threads"))
         return threads(prim, spin);
+    if (!strcmp(mode, "devices"))
+        return devices(prim, spin);
     CUdeviceptr block;
     MUST(cuMemAlloc_v2(&block, 768 * MiB));
     uint32_t us = 1000 * 1000;
