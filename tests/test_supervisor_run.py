@@ -934,18 +934,7 @@ def test_a_restore_puts_the_containers_own_limits_back(env, agent, node, per_dev
         return lambda r: any(d.memory_limit == memory and d.sm_limit == sm for d in r.devices)
 
     def then(instructions: Instructions, pred) -> int:
-        """Ack with instructions from now on; wait for a later report
-        matching pred; the number of reports before it."""
-        with agent.lock:
-            agent.instructions = instructions
-            seen = len(agent.reports)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            with agent.lock:
-                if any(pred(r) for r in agent.reports[seen:]):
-                    return seen
-            time.sleep(0.05)
-        raise AssertionError(f"no matching report; got {agent.reports[-3:]}")
+        return _then(agent, instructions, pred)
 
     try:
         assert sup.stdout is not None
