@@ -69,14 +69,7 @@ CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsi
 CUresult cuLaunchKernel_ptsz(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned,
                              unsigned, unsigned, CUstream, void **, void **);
 
-#define MUST(call)                                                            \
-    do {                                                                      \
-        CUresult rc_ = (call);                                                \
-        if (rc_ != CUDA_SUCCESS) {                                            \
-            fprintf(stderr, "%s: %d\n", #call, (int)rc_);                     \
-            return 3;                                                         \
-        }                                                                     \
-    } while (0)
+#include "link_must.h"
 
 /* ---- many: more frees pending than the table holds ------------------ */
 

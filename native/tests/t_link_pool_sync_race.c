@@ -57,14 +57,7 @@ CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
 CUresult cuMemFreeAsync_ptsz(CUdeviceptr, CUstream);
 
 #define BASE (32 + 1024)        /* the context and the heap, MiB */
-#define MUST(call)                                                            \
-    do {                                                                      \
-        CUresult rc_ = (call);                                                \
-        if (rc_ != CUDA_SUCCESS) {                                            \
-            fprintf(stderr, "%s: %d\n", #call, (int)rc_);                     \
-            return 3;                                                         \
-        }                                                                     \
-    } while (0)
+#include "link_must.h"
 
 static const char *mode;
 static CUcontext ctx;
