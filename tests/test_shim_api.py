@@ -636,3 +636,33 @@ def test_env_device_limits_are_the_ones_of_the_devices_cuda_ordinal(node: SimNod
         [None, None, None, True],
     ]
     assert got["malformed"] == ["GV_EINVAL"] * 3
+
+
+ENV_LIMITS_THEN_SHUTDOWN = r"""
+import pynvml
+from gpuvisor.shim.limits import env_device_limits
+pynvml.nvmlInit()
+uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(0))
+uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+for _ in range(5):
+    assert env_device_limits({"CUDA_DEVICE_SM_LIMIT": "30"}, uuid, 16 << 30).ordinal == 0
+pynvml.nvmlShutdown()
+try:
+    pynvml.nvmlDeviceGetCount()
+except pynvml.NVMLError_Uninitialized:
+    print("shut down")
+else:
+    print("still initialised")
+"""
+
+
+def test_env_device_limits_leave_nvml_as_the_caller_had_it(node: SimNode) -> None:
+    """NVML counts its initialisations: gv_env_device_limits reads NVML's
+    device list with an initialisation of its own and gives it back, so a
+    caller's nvmlShutdown after any number of calls still shuts NVML down
+    (each call left one behind before, and NVML stayed up)."""
+    caller = node.shimmed()
+    del caller["LD_PRELOAD"]
+    proc = run_py(ENV_LIMITS_THEN_SHUTDOWN, caller)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "shut down"

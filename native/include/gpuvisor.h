@@ -72,7 +72,9 @@ int gv_validate_env(void);
  * CUDA_DEVICE_SM_LIMIT_<i>, else CUDA_DEVICE_SM_LIMIT (0 under
  * GPU_CORE_UTILIZATION_POLICY=disable), for the device's CUDA ordinal <i>.
  * The ordinal is found as for a process that has only used NVML: NVML's
- * list, through env's CUDA_VISIBLE_DEVICES.  env: NULL-terminated
+ * list, through env's CUDA_VISIBLE_DEVICES (NVML is initialised for the
+ * call and given back: a caller's own nvmlShutdown still shuts it down).
+ * env: NULL-terminated
  * "NAME=value" strings (NULL: this process's environment), read in the
  * calling thread only; the process's environment is not changed.
  * *mem_bytes: GV_UNLIMITED for none; *sm_pct: 0 for none.

@@ -269,10 +269,9 @@ static int visible_entry(char *tok, char uuids[][NVML_DEVICE_UUID_V2_BUFFER_SIZE
     return found >= 0 && gv_uuid_parse(uuids[found], uuid) == 0 ? found : -1;
 }
 
-/* Without a usable CUDA driver, follow CUDA_VISIBLE_DEVICES (cvd; NULL:
- * unset) over NVML's list (NVML order is PCI order, which CUDA also uses
- * unless told otherwise).  out->count stays 0 when NVML cannot list them. */
-static void nvml_visible(struct visible *out, const char *cvd)
+/* NVML's list of devices, through CUDA_VISIBLE_DEVICES (cvd; NULL: unset),
+ * NVML already initialised. */
+static void nvml_list(struct visible *out, const char *cvd)
 {
     unsigned char (*visible)[16] = out->uuid;
     out->count = 0;
@@ -280,8 +279,7 @@ static void nvml_visible(struct visible *out, const char *cvd)
     typedef nvmlReturn_t (*handle_fn)(unsigned int, nvmlDevice_t *);
     typedef nvmlReturn_t (*uuid_fn)(nvmlDevice_t, char *, unsigned int);
     unsigned int n = 0;
-    if (GV_REAL(nvmlInit_v2, nvmlReturn_t (*)(void))() != NVML_SUCCESS ||
-        GV_REAL(nvmlDeviceGetCount_v2, count_fn)(&n) != NVML_SUCCESS)
+    if (GV_REAL(nvmlDeviceGetCount_v2, count_fn)(&n) != NVML_SUCCESS)
         return;
     char uuids[GV_MAX_ORDINALS][NVML_DEVICE_UUID_V2_BUFFER_SIZE];
     if (n > GV_MAX_ORDINALS)
@@ -323,9 +321,24 @@ static void nvml_visible(struct visible *out, const char *cvd)
     out->count = count;
 }
 
+/* Without a usable CUDA driver, follow CUDA_VISIBLE_DEVICES (cvd; NULL:
+ * unset) over NVML's list (NVML order is PCI order, which CUDA also uses
+ * unless told otherwise).  out->count stays 0 when NVML cannot list them. */
+static void nvml_visible(struct visible *out, const char *cvd, int release)
+{
+    out->count = 0;
+    if (GV_REAL(nvmlInit_v2, nvmlReturn_t (*)(void))() != NVML_SUCCESS)
+        return;
+    nvml_list(out, cvd);
+    /* NVML counts its initialisations: a one-off reading gives its own
+     * back, so that the caller's nvmlShutdown still shuts NVML down. */
+    if (release)
+        GV_REAL(nvmlShutdown, nvmlReturn_t (*)(void))();
+}
+
 static void visible_from_nvml(void)
 {
-    nvml_visible(&by_nvml, getenv("CUDA_VISIBLE_DEVICES"));
+    nvml_visible(&by_nvml, getenv("CUDA_VISIBLE_DEVICES"), 0);
 }
 
 /* CUDA's map: the process has initialised CUDA (or CUDA is how the
@@ -366,7 +379,7 @@ int gv_ordinal_of_uuid(const unsigned char uuid[16])
 int gv_ordinal_of_uuid_nvml(const unsigned char uuid[16], const char *cvd)
 {
     struct visible v;
-    nvml_visible(&v, cvd);
+    nvml_visible(&v, cvd, 1);
     for (int i = 0; i < v.count; i++)
         if (memcmp(v.uuid[i], uuid, 16) == 0)
             return i;

@@ -68,7 +68,7 @@
     X(nvmlDeviceGetMemoryInfo) X(nvmlDeviceGetMemoryInfo_v2) \
     X(nvmlDeviceGetComputeRunningProcesses_v3) X(nvmlDeviceGetCount_v2) \
     X(nvmlDeviceGetHandleByIndex_v2) X(nvmlDeviceGetUtilizationRates) \
-    X(nvmlDeviceGetProcessUtilization)
+    X(nvmlDeviceGetProcessUtilization) X(nvmlShutdown)
 
 #define GV_ENUM_ITEM(name) GV_SYM_##name,
 enum gv_sym {
