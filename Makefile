@@ -136,6 +136,19 @@ GPU_PYTHON ?= python3
 bench-gpu: lib
 	$(GPU_PYTHON) -m tests.bench.torch_sm --lib $(LIB) --out $(BUILD)/bench-gpu
 
+# Every real-GPU check in one command, for a machine lent for minutes: the
+# `gpu` tests, then bench-gpu.  GPU_PYTHON needs PyTorch, nvidia-ml-py and
+# pytest, not this package: the tree is put on its path (build/gpu-path).
+GPU_PATH = PYTHONPATH=$(CURDIR)/$(BUILD)/gpu-path:$(CURDIR)
+.PHONY: gpu-check
+gpu-check: lib sim
+	@mkdir -p $(BUILD)/gpu-path/gpuvisor
+	@ln -sfn $(CURDIR)/shim $(BUILD)/gpu-path/gpuvisor/shim
+	@ln -sfn $(CURDIR)/supervisor $(BUILD)/gpu-path/gpuvisor/supervisor
+	-$(GPU_PATH) $(GPU_PYTHON) -m pytest -m gpu -s -o addopts=-ra -p no:cacheprovider \
+		tests/test_gpu_torch.py tests/test_visible_devices.py
+	$(GPU_PATH) $(GPU_PYTHON) -m tests.bench.torch_sm --lib $(LIB) --out $(BUILD)/bench-gpu
+
 demo: all venv
 	$(VENV)/bin/python -m gpuvisor.supervisor demo --out build/demo
 
