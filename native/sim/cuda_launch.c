@@ -8,7 +8,7 @@
  * pending launches remember the end time.  A context holds at most
  * SIM_QUEUE_DEPTH pending (not yet completed) launches: the next launch
  * sleeps until the oldest completes.  A kernel launched into a capturing
- * stream is appended to the capture graph instead (cuda_graph.c).
+ * stream is appended to the capture graph instead (cuda_graph_capture.c).
  *
  * Durations: a function named "spin" runs for kernelParams[0] (a uint32)
  * microseconds; any other function 1 us per block of its grid.
