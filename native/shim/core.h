@@ -89,7 +89,7 @@ int gv_ordinal_of_uuid_nvml(const unsigned char uuid[16], const char *cvd);
  * CUDA's; before, NVML's, so that NVML calls do not initialise CUDA. */
 void gv_cuda_inited(void);
 
-/* ---- memory pools (hooks_pool.c) ---- */
+/* ---- memory pools (pool_account.c) ---- */
 /* Re-read the reserve of every pool the process holds (uncontended ones). */
 void gv_pools_refresh(void);
 /* Whether the process holds any tracked pool. */

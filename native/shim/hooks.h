@@ -23,7 +23,7 @@
             return (passcall);                                              \
     } while (0)
 
-/* hooks_pool.c: free p through call(arg) if it is a recorded block of a
+/* pool_account.c: free p through call(arg) if it is a recorded block of a
  * memory pool (cuMemFree or cuMemFreeAsync), under the pool's lock; 0 if it
  * is not one (nothing done), else 1 with the driver's answer in *rc. */
 int gv_pool_free_block(CUdeviceptr p, CUresult (*call)(void *), void *arg, CUresult *rc);

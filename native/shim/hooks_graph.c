@@ -6,7 +6,7 @@
  * memory only when the graph is launched or uploaded, from a per-device
  * graph pool that keeps it after the allocation is freed, until
  * cuDeviceGraphMemTrim.  A cuMemAllocAsync captured into a graph therefore
- * takes nothing (hooks_pool.c settles on the ordinary pool's reserve, which
+ * takes nothing (pool_account.c settles on the ordinary pool's reserve, which
  * it does not move), and the quota is charged here instead:
  *
  *  - instantiation records the executable graph's memory nodes (read with

@@ -1,200 +1,17 @@
 /*
- * hooks_pool.c - the stream-ordered allocator (memory pools).
- *
- * A pool holds physical memory (its reserve) beyond what is allocated from
- * it, and keeps it after cuMemFreeAsync until a synchronisation or a trim
- * gives it back.  So the quota is charged with each pool's reserve, read
- * from the driver (CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT), not with the
- * sizes of the blocks: nothing the driver really holds goes uncounted.
- * The synchronisation hooks (pending_free.c) and every reading of untracked
- * memory (untracked.c) settle the charges on the reserves, and no such
- * reading is used while a pool is charged more than its reserve.
- *
- * Pools are found in a fixed table without a global lock (CAS to claim a
- * record); each record has its own mutex, held across the driver call that
- * may grow or shrink that pool.
+ * hooks_pool.c - the stream-ordered allocator (memory pools): the hooks of
+ * cuMemAllocAsync, cuMemAllocFromPoolAsync, cuMemFreeAsync and the
+ * cuMemPool* calls that grow, shrink or end a pool.  What a pool is charged
+ * (its reserve, as the driver reports it), and the records that hold it,
+ * are in pool_account.c.
  */
 #include <pthread.h>
 #include <stdatomic.h>
-#include <stdlib.h>
-#include <string.h>
 
-#include "hooks.h"
-#include "log.h"
+#include "pool_int.h"
 
-#define MAX_POOLS 256
-
-typedef struct pool_rec {
-    _Atomic(uintptr_t) pool;     /* 0 = free record */
-    atomic_int ready;
-    atomic_int destroyed;        /* destroyed with blocks still allocated */
-    int host;                    /* host-located: nothing to charge */
-    pthread_mutex_t lock;
-    int ordinal;
-    int dev;                     /* region device entry */
-    uint64_t charged;            /* reserve charged to the quota */
-    uint64_t blocks;             /* destroyed: blocks not yet freed */
-} pool_rec;
-
-
-static pool_rec pools[MAX_POOLS];
-static atomic_int active;        /* records in use */
-/* Serialises claiming records (once per pool, off the allocation path), so
- * that two threads meeting a pool for the first time make one record. */
-static pthread_mutex_t claim_lock = PTHREAD_MUTEX_INITIALIZER;
-static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
-
-typedef CUresult (*getattr_fn)(CUmemoryPool, CUmemPool_attribute, void *);
 typedef CUresult (*alloc_async_fn)(CUdeviceptr *, size_t, CUstream);
 typedef CUresult (*alloc_pool_fn)(CUdeviceptr *, size_t, CUmemoryPool, CUstream);
-typedef CUresult (*free_async_fn)(CUdeviceptr, CUstream);
-
-static void child_reset(void)
-{
-    /* A forked child holds no pools of its own. */
-    pthread_mutex_init(&claim_lock, NULL);
-    for (int i = 0; i < MAX_POOLS; i++) {
-        pthread_mutex_init(&pools[i].lock, NULL);
-        atomic_store(&pools[i].pool, 0);
-        atomic_store(&pools[i].ready, 0);
-        atomic_store(&pools[i].destroyed, 0);
-        pools[i].charged = 0;
-        pools[i].blocks = 0;
-    }
-    atomic_store(&active, 0);
-}
-
-static void setup(void)
-{
-    for (int i = 0; i < MAX_POOLS; i++)
-        pthread_mutex_init(&pools[i].lock, NULL);
-    pthread_atfork(NULL, NULL, child_reset);
-}
-
-static uint64_t pool_attr(CUmemoryPool p, CUmemPool_attribute attr)
-{
-    cuuint64_t v = 0;
-    if (GV_REAL(cuMemPoolGetAttribute, getattr_fn)(p, attr, &v) != CUDA_SUCCESS)
-        return UINT64_MAX;
-    return v;
-}
-
-/* The record of pool p: a live pool's, or (any) also a destroyed one's
- * whose blocks are not all freed yet. */
-static pool_rec *lookup(CUmemoryPool p, int any)
-{
-    for (int i = 0; i < MAX_POOLS; i++)
-        if (atomic_load_explicit(&pools[i].pool, memory_order_acquire) == (uintptr_t)p &&
-            atomic_load_explicit(&pools[i].ready, memory_order_acquire) &&
-            (any || !atomic_load(&pools[i].destroyed)))
-            return &pools[i];
-    return NULL;
-}
-
-static pool_rec *find(CUmemoryPool p) { return lookup(p, 0); }
-
-static void release_rec(pool_rec *r)
-{
-    r->charged = 0;
-    r->blocks = 0;
-    atomic_store(&r->ready, 0);
-    atomic_store(&r->destroyed, 0);
-    atomic_store(&r->pool, 0);
-    atomic_fetch_sub(&active, 1);
-}
-
-/* A new pool has the handle of a destroyed one that still had blocks: the
- * driver has let the old pool go, so its blocks went with it unseen (a
- * context destroyed, say).  Its charge goes too. */
-static void forget_destroyed(CUmemoryPool p)
-{
-    pool_rec *r = lookup(p, 1);
-    if (!r)
-        return;
-    pthread_mutex_lock(&r->lock);
-    if (atomic_load(&r->destroyed) && atomic_load(&r->pool) == (uintptr_t)p) {
-        gv_uncharge(r->dev, r->charged);
-        release_rec(r);
-    }
-    pthread_mutex_unlock(&r->lock);
-}
-
-/* Claim a record for pool p (claim_lock held), or find the one it has;
- * CUDA_ERROR_OUT_OF_MEMORY when every record is in use. */
-static CUresult claim(CUmemoryPool p, int ordinal, int dev, int host, pool_rec **out)
-{
-    for (int i = 0; i < MAX_POOLS; i++) {
-        for (;;) {
-            uintptr_t expected = 0;
-            if (atomic_compare_exchange_strong(&pools[i].pool, &expected, (uintptr_t)p)) {
-                pools[i].ordinal = ordinal;
-                pools[i].dev = dev;
-                pools[i].host = host;
-                pools[i].charged = 0;
-                atomic_fetch_add(&active, 1);
-                atomic_store_explicit(&pools[i].ready, 1, memory_order_release);
-                *out = &pools[i];
-                return CUDA_SUCCESS;
-            }
-            if (expected != (uintptr_t)p)
-                break;                      /* another pool's: the next record */
-            if (atomic_load_explicit(&pools[i].ready, memory_order_acquire)) {
-                *out = &pools[i];
-                return CUDA_SUCCESS;
-            }
-            /* p's record being released (release_rec clears ready before
-             * pool): look at it again. */
-        }
-    }
-    gv_log(GV_LOG_ERROR, "more than %d memory pools in use; allocations from another one "
-                         "are refused (CUDA_ERROR_OUT_OF_MEMORY)", MAX_POOLS);
-    return CUDA_ERROR_OUT_OF_MEMORY;
-}
-
-/* p's record, claimed under claim_lock unless it has one (fresh: p was just
- * created, so a destroyed pool's record with its handle is forgotten). */
-static CUresult claim_once(CUmemoryPool p, int ordinal, int dev, int host, int fresh,
-                           pool_rec **out)
-{
-    pthread_mutex_lock(&claim_lock);
-    if (fresh)
-        forget_destroyed(p);
-    pool_rec *r = find(p);
-    CUresult rc = r ? CUDA_SUCCESS : claim(p, ordinal, dev, host, &r);
-    pthread_mutex_unlock(&claim_lock);
-    *out = r;
-    return rc;
-}
-
-/* Record for the live device pool p on ordinal, claiming one if new (with
- * fresh set: p was just created, so a destroyed pool's record with its
- * handle is forgotten).  Fails with gv_device's error, or
- * CUDA_ERROR_OUT_OF_MEMORY when every record is in use: a pool that cannot
- * be accounted for is not used (fail closed). */
-static CUresult rec_for(CUmemoryPool p, int ordinal, int fresh, pool_rec **out)
-{
-    pthread_once(&setup_once, setup);
-    pool_rec *r = find(p);
-    if (r) {
-        *out = r;
-        return CUDA_SUCCESS;
-    }
-    const gv_devinfo *d;
-    CUresult rc = gv_device(ordinal, &d);
-    if (rc != CUDA_SUCCESS)
-        return rc;
-    return claim_once(p, ordinal, d->region_dev, 0, fresh, out);
-}
-
-/* Whether p is a pool the driver knows, and no destroyed one this process
- * still keeps a record of (it takes no allocations: the driver refuses it). */
-static int live_pool(CUmemoryPool p)
-{
-    pool_rec *r = lookup(p, 1);     /* (a live one: claimed by another thread) */
-    if (r && atomic_load(&r->destroyed))
-        return 0;
-    return pool_attr(p, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) != UINT64_MAX;
-}
 
 /* The device of a pool not made through cuMemPoolCreate here: a device's
  * default or current pool.  Pools may serve streams of other devices, so
@@ -214,186 +31,6 @@ static int pool_device(CUmemoryPool p, CUstream stream, int *ordinal)
         }
     }
     return gv_ordinal_of_stream(stream, ordinal, NULL) == CUDA_SUCCESS;
-}
-
-/* Bring the charge in line with the driver's reserve (lock held). */
-static void settle(pool_rec *r)
-{
-    if (r->host)
-        return;
-    uint64_t reserved = pool_attr((CUmemoryPool)atomic_load(&r->pool),
-                                  CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
-    if (reserved == UINT64_MAX || reserved == r->charged)
-        return;
-    if (reserved < r->charged) {
-        gv_uncharge(r->dev, r->charged - reserved);
-        r->charged = reserved;
-        return;
-    }
-    gv_charge c;
-    if (gv_charge_begin(&c, r->ordinal, NULL, reserved - r->charged) == CUDA_SUCCESS) {
-        r->charged += c.bytes;
-        gv_charge_keep(&c);
-    } else {
-        gv_log(GV_LOG_WARN, "pool reserve grew to %llu bytes past the quota",
-               (unsigned long long)reserved);
-    }
-}
-
-int gv_pools_active(void) { return atomic_load_explicit(&active, memory_order_relaxed) > 0; }
-
-void gv_pools_refresh(void)
-{
-    if (!gv_pools_active())
-        return;
-    for (int i = 0; i < MAX_POOLS; i++) {
-        pool_rec *r = &pools[i];
-        if (!atomic_load(&r->pool) || !atomic_load(&r->ready) || atomic_load(&r->destroyed) ||
-            r->host)
-            continue;
-        if (pthread_mutex_trylock(&r->lock) == 0) {
-            if (!atomic_load(&r->destroyed))
-                settle(r);
-            pthread_mutex_unlock(&r->lock);
-        }
-    }
-}
-
-int gv_pools_settled(void)
-{
-    if (!gv_pools_active())
-        return 1;
-    for (int i = 0; i < MAX_POOLS; i++) {
-        pool_rec *r = &pools[i];
-        uintptr_t p = atomic_load(&r->pool);
-        if (!p || !atomic_load(&r->ready) || atomic_load(&r->destroyed) || r->host)
-            continue;
-        if (pthread_mutex_trylock(&r->lock) != 0)
-            return 0;               /* being grown, shrunk or settled right now */
-        int ok = 1;
-        if (atomic_load(&r->pool) == p && !atomic_load(&r->destroyed)) {
-            uint64_t reserved = pool_attr((CUmemoryPool)p, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
-            ok = reserved == UINT64_MAX || reserved >= r->charged;
-        }
-        pthread_mutex_unlock(&r->lock);
-        if (!ok)
-            return 0;
-    }
-    return 1;
-}
-
-/* The record of the pool a block came from (aux of its GV_K_POOLPTR
- * entry).  A destroyed pool's handle cannot be given to a new pool while
- * the driver still keeps the old one for its blocks. */
-static pool_rec *rec_of_block(uint64_t aux) { return lookup((CUmemoryPool)(uintptr_t)aux, 1); }
-
-/* A block of r was freed (lock held): a live pool's charge follows its
- * reserve; a destroyed pool's keeps what it held until its last block is
- * freed, when the driver releases the pool. */
-static void block_freed(pool_rec *r)
-{
-    if (!atomic_load(&r->destroyed)) {
-        settle(r);
-        return;
-    }
-    if (--r->blocks == 0) {
-        gv_uncharge(r->dev, r->charged);
-        release_rec(r);
-    }
-}
-
-/* Free block p through call(arg) (cuMemFree or cuMemFreeAsync) under its
- * pool record's lock, taking the block's entry only once that lock is held.
- * cuMemPoolDestroy counts a pool's blocks under the same lock, so it counts
- * this block or sees it freed, never an entry already taken whose free has
- * not reached the pool: that left the count one short, and a destroyed
- * pool's charge went back while the driver still held its last block.
- * Returns 0 when p is no recorded pool block (nothing done), else 1 with
- * the driver's answer in *rc. */
-int gv_pool_free_block(CUdeviceptr p, CUresult (*call)(void *), void *arg, CUresult *rc)
-{
-    pthread_once(&setup_once, setup);
-    gv_alloc a;
-    pool_rec *r;
-    for (;;) {
-        if (!gv_table_get(GV_K_POOLPTR, p, &a))
-            return 0;
-        r = rec_of_block(a.aux);
-        if (!r)
-            break;
-        pthread_mutex_lock(&r->lock);
-        if (atomic_load(&r->pool) == (uintptr_t)a.aux && atomic_load(&r->ready))
-            break;
-        pthread_mutex_unlock(&r->lock);     /* released meanwhile: look again */
-    }
-    if (!gv_table_take(GV_K_POOLPTR, p, &a)) {
-        /* Another thread freed it first: the driver answers this free. */
-        if (r)
-            pthread_mutex_unlock(&r->lock);
-        return 0;
-    }
-    /* In flight until the charge follows: the driver may give the pool's
-     * memory back (a destroyed pool's, with its last block) in the call. */
-    gv_charge_flying();
-    *rc = call(arg);
-    if (*rc != CUDA_SUCCESS)
-        gv_table_put(&a);
-    if (r) {
-        if (*rc == CUDA_SUCCESS)
-            block_freed(r);
-        else if (!atomic_load(&r->destroyed))
-            settle(r);
-        pthread_mutex_unlock(&r->lock);
-    }
-    gv_charge_landed();
-    return 1;
-}
-
-/* Allocate n bytes from pool record r through `call`; lock held by caller.
- * Charges the growth the pool may need first, then settles on the driver's
- * reserve afterwards. */
-static CUresult pool_alloc(pool_rec *r, size_t n, CUdeviceptr *dptr, CUstream stream,
-                           CUresult rc_call(void *), void *arg, free_async_fn real_free)
-{
-    CUmemoryPool p = (CUmemoryPool)atomic_load(&r->pool);
-    settle(r);
-    uint64_t reserved = pool_attr(p, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
-    uint64_t used = pool_attr(p, CU_MEMPOOL_ATTR_USED_MEM_CURRENT);
-    uint64_t spare = (reserved != UINT64_MAX && used != UINT64_MAX && reserved > used)
-                     ? reserved - used : 0;
-    gv_charge c;
-    memset(&c, 0, sizeof c);
-    if (n > spare) {
-        CUresult rc = gv_charge_begin(&c, r->ordinal, NULL, n - spare);
-        if (rc != CUDA_SUCCESS)
-            return rc;
-    }
-    CUresult rc = rc_call(arg);
-    if (rc != CUDA_SUCCESS) {
-        if (c.active)
-            gv_charge_cancel(&c);
-        settle(r);                   /* in case the pool grew all the same */
-        return rc;
-    }
-    if (c.active) {
-        r->charged += c.bytes;       /* settle() below trims it to the truth */
-        gv_charge_keep(&c);
-    }
-    uint64_t before = r->charged;
-    settle(r);
-    uint64_t now = pool_attr(p, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT);
-    if (now != UINT64_MAX && now > r->charged) {
-        /* The pool grew past what the quota could take: undo. */
-        real_free(*dptr, stream);
-        GV_REAL(cuMemPoolTrimTo, CUresult (*)(CUmemoryPool, size_t))(p, 0);
-        settle(r);
-        (void)before;
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    gv_alloc a = { .key = *dptr, .kind = GV_K_POOLPTR, .dev = r->dev, .bytes = 0,
-                   .aux = (uint64_t)(uintptr_t)p, .ctx = NULL };
-    gv_table_put(&a);
-    return CUDA_SUCCESS;
 }
 
 struct async_args {
@@ -439,16 +76,16 @@ static CUresult alloc_async(alloc_async_fn real, free_async_fn real_free,
         GV_REAL(cuDeviceGetMemPool, CUresult (*)(CUmemoryPool *, CUdevice))(&pool, ordinal) != CUDA_SUCCESS)
         return real(dptr, n, stream);
     pool_rec *r;
-    if (!find(pool) && !live_pool(pool))
+    if (!gv_pool_find(pool) && !gv_pool_live(pool))
         return real(dptr, n, stream);
-    CUresult rc = rec_for(pool, ordinal, 0, &r);
+    CUresult rc = gv_pool_rec_for(pool, ordinal, 0, &r);
     if (rc != CUDA_SUCCESS)
         return rc == CUDA_ERROR_INVALID_DEVICE ? real(dptr, n, stream) : rc;
     if (r->host)
         return real(dptr, n, stream);
     struct async_args a = { (void *)real, dptr, n, pool, stream };
     pthread_mutex_lock(&r->lock);
-    rc = pool_alloc(r, n, dptr, stream, call_alloc_async, &a, real_free);
+    rc = gv_pool_alloc(r, n, dptr, stream, call_alloc_async, &a, real_free);
     pthread_mutex_unlock(&r->lock);
     return rc;
 }
@@ -459,16 +96,16 @@ static CUresult alloc_from_pool(alloc_pool_fn real, free_async_fn real_free, CUd
     GV_ENFORCING_OR(real(dptr, n, pool, stream));
     if (!dptr || n == 0 || !pool || capturing(stream, ptsz))
         return real(dptr, n, pool, stream);
-    pthread_once(&setup_once, setup);
-    pool_rec *r = find(pool);
+    gv_pool_setup();
+    pool_rec *r = gv_pool_find(pool);
     int ordinal;
     if (!r) {
         /* Not recorded at cuMemPoolCreate: a device's default pool, or a
          * handle the driver refuses (destroyed, or no pool at all), which
          * takes no record and no charge. */
-        if (!live_pool(pool) || !pool_device(pool, stream, &ordinal))
+        if (!gv_pool_live(pool) || !pool_device(pool, stream, &ordinal))
             return real(dptr, n, pool, stream);
-        CUresult rc = rec_for(pool, ordinal, 0, &r);
+        CUresult rc = gv_pool_rec_for(pool, ordinal, 0, &r);
         if (rc != CUDA_SUCCESS)
             return rc == CUDA_ERROR_INVALID_DEVICE ? real(dptr, n, pool, stream) : rc;
     }
@@ -476,7 +113,7 @@ static CUresult alloc_from_pool(alloc_pool_fn real, free_async_fn real_free, CUd
         return real(dptr, n, pool, stream);
     struct async_args a = { (void *)real, dptr, n, pool, stream };
     pthread_mutex_lock(&r->lock);
-    CUresult rc = pool_alloc(r, n, dptr, stream, call_alloc_pool, &a, real_free);
+    CUresult rc = gv_pool_alloc(r, n, dptr, stream, call_alloc_pool, &a, real_free);
     pthread_mutex_unlock(&r->lock);
     return rc;
 }
@@ -571,12 +208,12 @@ GV_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *pro
     pool_rec *r;
     CUresult own;
     if (props->location.type == CU_MEM_LOCATION_TYPE_DEVICE) {
-        own = rec_for(*pool, props->location.id, 1, &r);
+        own = gv_pool_rec_for(*pool, props->location.id, 1, &r);
     } else {
         /* Host-located (CUDA 12.2+): recorded so that its allocations pass
          * uncharged; unrecorded, they would be charged to a device. */
-        pthread_once(&setup_once, setup);
-        own = claim_once(*pool, -1, -1, 1, 1, &r);
+        gv_pool_setup();
+        own = gv_pool_claim_once(*pool, -1, -1, 1, 1, &r);
     }
     if (own != CUDA_SUCCESS && own != CUDA_ERROR_INVALID_DEVICE) {
         /* It could not be accounted for: refused now rather than at its
@@ -593,14 +230,14 @@ GV_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep)
     typedef CUresult (*fn)(CUmemoryPool, size_t);
     fn real = GV_REAL(cuMemPoolTrimTo, fn);
     GV_ENFORCING_ELSE_PASS(real(pool, keep));
-    pthread_once(&setup_once, setup);
-    pool_rec *r = find(pool);
+    gv_pool_setup();
+    pool_rec *r = gv_pool_find(pool);
     if (!r || r->host)
         return real(pool, keep);
     pthread_mutex_lock(&r->lock);
     gv_charge_flying();             /* the reserve shrinks before its charge */
     CUresult rc = real(pool, keep);
-    settle(r);
+    gv_pool_settle(r);
     gv_charge_landed();
     pthread_mutex_unlock(&r->lock);
     return rc;
@@ -616,15 +253,15 @@ GV_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
     typedef CUresult (*fn)(CUmemoryPool);
     fn real = GV_REAL(cuMemPoolDestroy, fn);
     GV_ENFORCING_ELSE_PASS(real(pool));
-    pthread_once(&setup_once, setup);
-    pool_rec *r = find(pool);
+    gv_pool_setup();
+    pool_rec *r = gv_pool_find(pool);
     if (!r)
         return real(pool);
     if (r->host) {
         pthread_mutex_lock(&r->lock);
         CUresult rc = real(pool);
         if (rc == CUDA_SUCCESS)
-            release_rec(r);
+            gv_pool_release_rec(r);
         pthread_mutex_unlock(&r->lock);
         return rc;
     }
@@ -638,7 +275,7 @@ GV_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
      * freed: trim first, so that what stays charged is the reserve that
      * backs them, until the last of them is freed. */
     GV_REAL(cuMemPoolTrimTo, CUresult (*)(CUmemoryPool, size_t))(pool, 0);
-    settle(r);
+    gv_pool_settle(r);
     uint64_t blocks = gv_table_count_if(is_block_of, pool);
     CUresult rc = real(pool);
     if (rc == CUDA_SUCCESS) {
@@ -647,7 +284,7 @@ GV_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
             atomic_store(&r->destroyed, 1);
         } else {
             gv_uncharge(r->dev, r->charged);
-            release_rec(r);
+            gv_pool_release_rec(r);
         }
     }
     gv_charge_landed();
