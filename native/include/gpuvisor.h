@@ -105,7 +105,7 @@ int gv_device_get_oom_count(int dev, uint64_t *count);      /* refused allocatio
  * limit_pct: CUDA_DEVICE_SM_LIMIT (1..100; 0 = none); share_bp: the share
  * the launch gate enforces right now, in 1/100 % (10000 = whole GPU, 0 =
  * paused); policy: 0 fixed-share, 1 burst-share, 2 best-effort; priority:
- * CUDA_TASK_PRIORITY (0 high, 1 low). */
+ * CUDA_TASK_PRIORITY (0 high, 1 low; unset or empty: 1, as in HAMi-core). */
 int gv_device_get_sm(int dev, uint32_t *limit_pct, uint32_t *share_bp, uint32_t *policy,
                      uint32_t *priority);
 /* Cumulative GPU time measured for the container's kernels, time its

@@ -8,7 +8,9 @@
  * any launch may be gated, rather than let through unpaced.
  *
  * Fast path: without any SM limit in the container the hook costs two
- * loads and a call.  With one, the launch is paced and measured (sm.h).
+ * loads and a call, whatever the container's priority; a low-priority
+ * container without a limit leaves it only while it is asked to yield.
+ * With a limit, the launch is paced and measured (sm.h).
  */
 #include <stdatomic.h>
 
@@ -154,8 +156,9 @@ GV_EXPORT CUresult cuLaunchCooperativeKernelMultiDevice(void *list, unsigned n, 
     static atomic_int said;
     if (!atomic_exchange(&said, 1))
         gv_log(GV_LOG_ERROR, "cuLaunchCooperativeKernelMultiDevice is refused "
-                             "(CUDA_ERROR_NOT_SUPPORTED) while an SM limit is set: it cannot "
-                             "be paced; launch on each device with cuLaunchCooperativeKernel");
+                             "(CUDA_ERROR_NOT_SUPPORTED) while an SM limit or a yield is set: it "
+                             "cannot be paced; launch on each device with "
+                             "cuLaunchCooperativeKernel");
     return CUDA_ERROR_NOT_SUPPORTED;
 }
 

@@ -414,6 +414,8 @@ int limits_sm_policy(void)
 
 unsigned limits_task_priority(void)
 {
+    /* Unset or empty: low, as in HAMi-core (its region starts with
+     * priority 1 and only the variable set to 0 makes a container high). */
     const char *v = limits_getenv(GV_ENV_PRIORITY);
-    return (v != NULL && strcmp(v, "1") == 0) ? 1u : 0u;
+    return (v != NULL && strcmp(v, "0") == 0) ? 0u : 1u;
 }

@@ -70,8 +70,9 @@ int limits_oversubscribe_requested(void);
  * fixed-share (default), burst-share, best-effort.  GPU_CORE_UTILIZATION_POLICY
  * (HAMi's): default (GPUVISOR_SM_POLICY decides), force (fixed-share whatever
  * GPUVISOR_SM_POLICY says), disable (SM limits are ignored).
- * CUDA_TASK_PRIORITY: 0 high (default), 1 low.  Anything else is reported
- * and fails closed, like a bad memory limit.
+ * CUDA_TASK_PRIORITY: 0 high, 1 low; unset or empty means 1 (low), as in
+ * HAMi-core.  Anything else is reported and fails closed, like a bad
+ * memory limit.
  */
 #define GV_ENV_SM_LIMIT "CUDA_DEVICE_SM_LIMIT"
 #define GV_ENV_SM_POLICY "GPUVISOR_SM_POLICY"
@@ -85,7 +86,7 @@ int limits_sm_check_env(char *err, size_t errlen);
 /* The policy (enum gv_sm_policy), or -1 when SM limits are disabled.
  * Call after limits_sm_check_env succeeded. */
 int limits_sm_policy(void);
-/* CUDA_TASK_PRIORITY: 0 or 1. */
+/* CUDA_TASK_PRIORITY: 0 or 1 (unset or empty: 1). */
 unsigned limits_task_priority(void);
 
 #endif /* GV_LIMITS_H */

@@ -118,8 +118,10 @@ struct gv_sm {
     _Atomic uint64_t yield_until;
 };
 
-/* Whether any device entry has ever had an SM limit, a low priority or
- * its yield flag set (one load: the launch hooks' fast path). */
+/* Whether any device entry has ever had an SM limit or its yield flag set
+ * (one load: the launch hooks' fast path).  A priority alone does not set
+ * it: a low-priority container without a limit keeps the fast path until
+ * it is asked to yield. */
 int region_sm_any(gv_region *r);
 /* The word region_sm_any reads, for a load without a call. */
 _Atomic uint32_t *region_sm_any_flag(gv_region *r);
@@ -127,25 +129,32 @@ _Atomic uint32_t *region_sm_any_flag(gv_region *r);
 void region_sm_set_limit(gv_region *r, int dev, unsigned limit);
 /* Pause an entry's launches until CLOCK_MONOTONIC until_ns, with or
  * without a limit (a lease: set it again before it ends to keep the
- * pause); 0 clears the flag, and launches go on at once. */
+ * pause); 0 clears the flag, and launches go on at once (an entry without
+ * a limit then gets its whole share back, and the fast path). */
 void region_sm_set_yield(gv_region *r, int dev, uint64_t until_ns);
+/* A lease that ended (until_ns, as read) and was not cleared: clear it,
+ * unless it was renewed meanwhile, so that an entry without a limit is no
+ * longer gated (region_sm_gates) and its processes go back to the fast
+ * path. */
+void region_sm_end_yield(gv_region *r, int dev, uint64_t until_ns);
 /* Is the entry's yield lease running at CLOCK_MONOTONIC now_ns? */
 static inline int region_sm_yielding(struct gv_sm *sm, uint64_t now_ns)
 {
     uint64_t until = atomic_load_explicit(&sm->yield_until, memory_order_relaxed);
     return until != 0 && now_ns < until;
 }
-/* Does this entry gate launches: an SM limit, a low priority (its yield
- * flag must be able to pause it) or its yield flag set (a lease that ended
- * but was not cleared included: the gate then runs it at its share)? */
+/* Does this entry gate launches: an SM limit, or its yield flag set (a
+ * lease that ended but was not cleared included: the gate then runs it at
+ * its share, and clears the lease when it has no limit,
+ * region_sm_end_yield)?  Not the priority: a low-priority entry without a
+ * limit is gated only while it is asked to yield, so that it keeps the
+ * launch fast path otherwise (CUDA_TASK_PRIORITY unset means low). */
 static inline int region_sm_gates(struct gv_sm *sm)
 {
     return atomic_load_explicit(&sm->limit, memory_order_relaxed) != 0 ||
-           atomic_load_explicit(&sm->priority, memory_order_relaxed) != 0 ||
            atomic_load_explicit(&sm->yield_until, memory_order_relaxed) != 0;
 }
-/* Does any device entry gate launches now (a limit, low priority or a
- * yield flag)?  Answered from *cache (the caller's, process-local) while
+/* Does any device entry gate launches now (a limit or a yield flag)?  Answered from *cache (the caller's, process-local) while
  * no change to those was made or is in progress since it was filled: a
  * few loads.  region_sm_any's flag stays set once set; this is what tells
  * a container whose limit was lifted that it is free again. */

@@ -142,6 +142,15 @@ static void sm_change_end(gv_region *r)
     atomic_fetch_sub(&r->m->hdr.sm_writers, 1);
 }
 
+/* The yield flag was cleared: an entry without a limit runs at the whole
+ * GPU at once, rather than at the 0 % its processes' meters last set
+ * (none may run to set it again once its launches are no longer gated). */
+static void sm_unpause(struct gv_sm *sm)
+{
+    if (atomic_load(&sm->limit) == 0)
+        atomic_store(&sm->share, 10000);
+}
+
 void region_sm_configure(gv_region *r, int dev, unsigned limit, unsigned policy, unsigned priority)
 {
     struct gv_sm *sm = region_sm(r, dev);
@@ -158,10 +167,10 @@ void region_sm_configure(gv_region *r, int dev, unsigned limit, unsigned policy,
     atomic_store(&sm->priority, priority);
     atomic_store(&sm->share, (limit == 0 || limit > 100 ? 100 : limit) * 100);
     atomic_fetch_or(&sm->configured, GV_SM_CONFIGURED);
-    /* A low-priority container goes through the gate even without a limit:
-     * its yield flag pauses it there, and the gate's short queue makes the
-     * pause take effect within milliseconds. */
-    if (limit > 0 || priority != 0)
+    /* Not for a low priority alone: a low-priority container without a
+     * limit keeps the fast path until its yield flag is set
+     * (region_sm_set_yield sets sm_any then). */
+    if (limit > 0)
         atomic_store(&r->m->hdr.sm_any, 1);
     sm_change_end(r);
 }
@@ -183,6 +192,22 @@ void region_sm_set_yield(gv_region *r, int dev, uint64_t until_ns)
     if (until_ns != 0)
         atomic_store(&r->m->hdr.sm_any, 1);   /* before the flag: no launch misses it */
     atomic_store(&sm->yield_until, until_ns);
+    if (until_ns == 0)
+        sm_unpause(sm);
+    sm_change_end(r);
+}
+
+void region_sm_end_yield(gv_region *r, int dev, uint64_t until_ns)
+{
+    struct gv_sm *sm = region_sm(r, dev);
+    if (sm == NULL || until_ns == 0)
+        return;
+    sm_change_begin(r);
+    /* Only the lease that was read: one renewed meanwhile stands (and a
+     * renewal that meets 0 here sets the flag again as a change). */
+    uint64_t cur = until_ns;
+    if (atomic_compare_exchange_strong(&sm->yield_until, &cur, 0))
+        sm_unpause(sm);
     sm_change_end(r);
 }
 

@@ -32,7 +32,7 @@ struct gv_header {
     uint32_t max_slots;
     uint32_t max_devices;
     _Atomic uint32_t slot_hwm; /* slots [0, hwm) have ever been claimed */
-    _Atomic uint32_t sm_any;   /* 1 once any device entry has an SM limit, low priority or yield */
+    _Atomic uint32_t sm_any;   /* 1 once any device entry has an SM limit or a yield flag */
     uint64_t created_unix;
     /* Changes to what gates launches (limits, priority, yield flags):
      * writers in progress, and a count bumped before and after each

@@ -90,8 +90,9 @@ typedef struct gv_sm_launch {
 int gv_sm_gating(void);
 
 /* Could any launch of this process be gated?  Two loads for a container
- * that never had an SM limit: the fast path; a few more for one whose
- * limit was lifted. */
+ * that never had an SM limit nor a yield flag (whatever its priority): the
+ * fast path; a few more for one whose limit was lifted or whose yield
+ * flag was cleared. */
 static inline int gv_sm_maybe(void)
 {
     return gv_mode_fast() == GV_MODE_ENFORCE &&

@@ -175,7 +175,10 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
         uint64_t now = gv_mono_ns();
         if (!start)
             start = now;
-        if (share == 0) {                           /* paused: yielding */
+        /* The yield flag is read here too: a container without a limit
+         * is on the fast path until it is set, so no meter of its own may
+         * yet have set the share to 0 (the gate must pause at once). */
+        if (share == 0 || region_sm_yielding(sm, now)) {   /* paused: yielding */
             sleep_ns(1000000);
             continue;
         }

@@ -16,7 +16,9 @@
  * and 0 (paused) while the region's yield flag is set (a higher-priority
  * container is active; set by the supervisor, as a lease it renews: the
  * pause ends by itself when the lease does), with or without a limit: a
- * low-priority container is gated at 100 % when it has no limit.  "The
+ * container without a limit is gated only while its flag is set (at 0 %,
+ * or 100 % once the lease ended), and goes back to the fast path when the
+ * flag is cleared or, the lease ended, at its next launch.  "The
  * other containers' use" is NVML's per-process utilisation over the last
  * 300 ms of every process that is not registered in this container's
  * region, or the node agent's figure for the other containers (passed on by
@@ -477,7 +479,18 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
         return 0;
     struct gv_sm *sm = region_sm(gv_core_region(), d->region_dev);
     if (!sm || !region_sm_gates(sm))
-        return 0;   /* no limit, and nothing can ask it to yield */
+        return 0;   /* no limit, and not asked to yield */
+    if (atomic_load_explicit(&sm->limit, memory_order_relaxed) == 0) {
+        /* Gated only by its yield flag: once the lease has ended without
+         * being cleared (its setter died or hung), clear it, so that this
+         * and the container's other processes go back to the fast path. */
+        uint64_t until = atomic_load(&sm->yield_until);
+        if (until != 0 && !region_sm_yielding(sm, gv_mono_ns())) {
+            region_sm_end_yield(gv_core_region(), d->region_dev, until);
+            if (!region_sm_gates(sm))
+                return 0;
+        }
+    }
     int capturing = 0;     /* recorded into a graph, not run: nothing to pace */
     if (ptsz)
         GV_REAL(cuStreamIsCapturing_ptsz, capturing_fn)(stream, &capturing);

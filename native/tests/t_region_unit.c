@@ -806,6 +806,37 @@ static void test_sm_gated(void)
     _Atomic uint64_t cache = 0;
     CHECK_EQ(region_sm_gated(r, &cache), 0);
     CHECK(atomic_load(&cache) != 0);                          /* filled */
+
+    /* A low priority without a limit gates nothing (CUDA_TASK_PRIORITY
+     * unset means low: the fast path stays) until a yield flag is set;
+     * a lease that ended is cleared by region_sm_end_yield unless renewed. */
+    unsigned char u2[16];
+    t_uuid(u2, 8);
+    int d2 = region_device_lookup(r, u2, GIB, GV_UNLIMITED);
+    CHECK_EQ(d2, 1);
+    region_sm_configure(r, d2, 0, 0, 1);
+    CHECK_EQ(atomic_load(&region_sm(r, d2)->priority), 1);
+    CHECK(!region_sm_any(r));
+    CHECK_EQ(region_sm_gated(r, &cache), 0);
+    region_sm_set_yield(r, d2, 5000);
+    CHECK(region_sm_any(r));
+    CHECK_EQ(region_sm_gated(r, &cache), 1);
+    atomic_store(&region_sm(r, d2)->share, 0);                /* as a meter pauses it */
+    region_sm_set_yield(r, d2, 7000);                         /* renewed */
+    region_sm_end_yield(r, d2, 5000);                         /* stale: no effect */
+    CHECK_EQ(atomic_load(&region_sm(r, d2)->yield_until), 7000);
+    CHECK_EQ(region_sm_gated(r, &cache), 1);
+    region_sm_end_yield(r, d2, 7000);
+    CHECK_EQ(atomic_load(&region_sm(r, d2)->yield_until), 0);
+    CHECK_EQ(atomic_load(&region_sm(r, d2)->share), 10000);   /* whole GPU again */
+    CHECK_EQ(region_sm_gated(r, &cache), 0);                  /* fast path again */
+    region_sm_set_yield(r, d2, 9000);
+    CHECK_EQ(region_sm_gated(r, &cache), 1);
+    atomic_store(&region_sm(r, d2)->share, 0);
+    region_sm_set_yield(r, d2, 0);
+    CHECK_EQ(atomic_load(&region_sm(r, d2)->share), 10000);
+    CHECK_EQ(region_sm_gated(r, &cache), 0);
+
     region_sm_configure(r, d, 30, 0, 0);
     CHECK_EQ(region_sm_gated(r, &cache), 1);
     region_sm_set_limit(r, d, 0);
