@@ -38,7 +38,7 @@ class SmState:
     limit: int | None  # percent; None: no limit
     share: float  # percent the launch gate enforces now (0: paused, 100: whole GPU)
     policy: str
-    priority: int  # CUDA_TASK_PRIORITY: 0 high, 1 low
+    priority: int  # CUDA_TASK_PRIORITY: 0 high, 1 low (unset: 1, as in HAMi-core)
     busy_ns: int  # GPU time measured for the container's kernels
     wait_ns: int  # time launches waited at the gate
     launches: int

@@ -648,10 +648,11 @@ class Agent:
 
     async def _watch_process_use(self) -> None:
         """Read NVML's per-process utilisation while some container's gate
-        measures nothing (no SM limit, priority 0: it reports 0 %, but NVML
-        sees its processes work), or a low-priority container reports beside
-        a high-priority one: the figures mark high-priority containers
-        active and stand in for the unmeasured containers' SM share."""
+        measures nothing (no SM limit, whatever its priority: it reports
+        0 %, but NVML sees its processes work), or a low-priority container
+        reports beside a high-priority one: the figures mark high-priority
+        containers active and stand in for the unmeasured containers' SM
+        share."""
         period = max(0.05, min(0.5, self.config.active_window / 4))
         loop = asyncio.get_running_loop()
         while True:

@@ -278,9 +278,11 @@ class AgentState:
         # active report keeps the device busy (active_hold)}
         self.high_active: dict[str, dict[str, float]] = {}
         # device uuid -> {container key: monotonic time NVML last showed the
-        # container's processes working there}: high-priority containers
-        # without an SM limit measure no GPU time of their own (their
-        # launches are not gated), so their reports say 0 %
+        # container's processes working there}: containers without an SM
+        # limit measure no GPU time of their own (their launches are not
+        # gated, whatever their priority, except a low-priority one's while
+        # it yields), so their reports say 0 %.  Only the high-priority
+        # entries make a device busy (busy_for).
         self.nvml_active: dict[str, dict[str, float]] = {}
         # container key -> {device uuid: (percent, monotonic time)}: NVML's
         # figure for each container's processes, last read
@@ -443,13 +445,24 @@ class AgentState:
             return True
         window = self.config.active_window
         seen = self.nvml_active.get(uuid) or {}
-        return any(k != key and now - ts <= window for k, ts in list(seen.items()))
+        return any(
+            k != key and now - ts <= window and self._priority(k) == 0
+            for k, ts in list(seen.items())
+        )
+
+    def _priority(self, key: str) -> int:
+        st = self.containers.get(key)
+        return st.report.priority if st is not None else 1
 
     @staticmethod
     def unmeasured(report: Report, d: DeviceReport) -> bool:
         """Does the container's gate measure nothing on this device?  Its
-        launches are gated only with an SM limit or a low priority."""
-        return d.sm_limit is None and report.priority == 0
+        launches are gated only with an SM limit (or, with a low priority,
+        while it yields, when it launches nothing anyway): a low-priority
+        container without a limit keeps the fast path, as a high-priority
+        one does."""
+        del report  # the priority no longer decides
+        return d.sm_limit is None
 
     def wants_process_use(self) -> bool:
         """Is NVML's per-process use worth reading: does some container
@@ -500,7 +513,13 @@ class AgentState:
                     totals[owners[0]] += pct
             for k, total in totals.items():
                 self.nvml_share.setdefault(k, {})[uuid] = (min(100.0, total), now)
-                if total > threshold and on_dev[k].report.priority == 0:
+                st = on_dev[k]
+                if total > threshold and (
+                    st.report.priority == 0
+                    or any(
+                        self.unmeasured(st.report, d) for d in st.report.devices if d.uuid == uuid
+                    )
+                ):
                     active = self.nvml_active.setdefault(uuid, {})
                     new = k not in active
                     active[k] = now

@@ -223,6 +223,14 @@ def check_shim_value(name: str, value: str) -> None:
     validate_shim_environment({name: value})
 
 
+def task_priority(env: Mapping[str, str]) -> int:
+    """CUDA_TASK_PRIORITY as the library reads it (limits_task_priority),
+    for an environment validate_shim_environment accepted: 0 (high) only
+    when set to "0"; unset or empty means 1 (low), as in HAMi-core, whose
+    region starts with priority 1."""
+    return 0 if env.get(ENV_PRIORITY) == "0" else 1
+
+
 def effective_policy(env: Mapping[str, str]) -> str:
     """The policy the library configures the region with, as reported.
 
@@ -290,7 +298,7 @@ def build(options: RunOptions, command: list[str], base_env: Mapping[str, str]) 
     if options.simulate:
         env.setdefault(ENV_SIM_STATE, default_sim_state())
     env = preload_env(env, simulate=options.simulate)
-    priority = 1 if env.get(ENV_PRIORITY, "0").strip() == "1" else 0
+    priority = task_priority(env)
     return RunConfig(
         command=list(command),
         env=env,

@@ -214,7 +214,9 @@ class AgentCollector(Collector):
             "gpuvisor_container_processes", "Processes the container reported", ctr_labels
         )
         prio = _gauge(
-            "gpuvisor_container_priority", "Container's task priority (0 high, 1 low)", ctr_labels
+            "gpuvisor_container_priority",
+            "Container's task priority (0 high, 1 low; CUDA_TASK_PRIORITY unset: 1)",
+            ctr_labels,
         )
         last = _gauge(
             "gpuvisor_container_last_report_timestamp_seconds",

@@ -213,7 +213,13 @@ def supervise(cfg: RunConfig) -> int:
     help="SM policy (GPUVISOR_SM_POLICY).",
 )
 @click.option(
-    "--priority", type=ShimValue(ENV_PRIORITY, "N"), help="0 high, 1 low (CUDA_TASK_PRIORITY)."
+    "--priority",
+    type=ShimValue(ENV_PRIORITY, "N"),
+    help=(
+        "0 high, 1 low (CUDA_TASK_PRIORITY); unset means 1 (low), as in HAMi.  "
+        "A low-priority container pauses its launches while a high-priority one "
+        "works on the device; without an SM limit it is gated only while it yields."
+    ),
 )
 @click.option(
     "--socket",

@@ -473,8 +473,10 @@ def region_status(region_path: str | None, sample: float) -> dict[str, Any]:
         dev = region.device(i)
         sm = region.sm(i)
         achieved = 100.0 * (sm.busy_ns - before[i].busy_ns) / (dt * 1e9) if dt > 0 else None
-        if not (sm.limit or sm.priority or sm.launches != before[i].launches):
-            achieved = None  # nothing is gated, so nothing is measured
+        if not (sm.limit or sm.launches != before[i].launches):
+            # nothing is gated (a low priority alone gates only while the
+            # container yields), so nothing is measured
+            achieved = None
         procs = []
         for pid, used in region.usage_by_process(i).items():
             if used:

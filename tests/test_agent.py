@@ -715,8 +715,13 @@ def test_nvml_use_marks_a_high_priority_container_without_a_limit_active():
         return cgroups[pid]
 
     t = 100.0
+    limited_low = replace(low, devices=[device(share=0.0, sm_limit=50)])
+    state.accept_report(limited_low, peer, t)
+    assert not state.wants_process_use()  # its gate measures it
+    # Without an SM limit a low-priority container is not gated either (it
+    # keeps the launch fast path until it must yield): NVML is its figure.
     state.accept_report(low, peer, t)
-    assert not state.wants_process_use()
+    assert state.wants_process_use()
     state.accept_report(high, peer, t)
     assert state.wants_process_use()
     assert state.accept_report(low, peer, t).yield_devices == {GPU_A: False}
@@ -724,6 +729,8 @@ def test_nvml_use_marks_a_high_priority_container_without_a_limit_active():
     # threshold: nobody high is active.
     state.note_process_use({GPU_A: {200: 60.0, 999: 50.0, 100: 0.5}}, cgroups_of, t)
     assert state.accept_report(low, peer, t).yield_devices == {GPU_A: False}
+    (ld,) = low.devices
+    assert state.share_of(low.container.key, low, ld, t) == 60.0
     state.note_process_use({GPU_A: {100: 40.0}}, cgroups_of, t)
     assert state.accept_report(low, peer, t + 0.5).yield_devices == {GPU_A: True}
     # NVML's figure is also the share of a container whose gate measures
@@ -751,6 +758,45 @@ def test_nvml_use_marks_a_high_priority_container_without_a_limit_active():
     # A high-priority container that leaves stops counting at once.
     state.remove(twin2.container.key)
     assert state.accept_report(low, peer, t + 2.1).yield_devices == {GPU_A: False}
+
+
+def test_two_low_priority_containers_without_limits_do_not_make_each_other_yield():
+    """CUDA_TASK_PRIORITY unset means 1 (low), so most containers are low:
+    two of them, both working without an SM limit (NVML sees them; their
+    gates measure nothing), are each other's claims, but neither makes the
+    device busy for the other.  A priority-0 one that starts does."""
+    state = AgentState(AgentConfig(active_window=1.0))
+    peer = PeerCred(pid=1, uid=0, gid=0)
+
+    def report(pod: str, priority: int) -> Report:
+        return Report(
+            seq=1,
+            ts=0.0,
+            container=ContainerId(cgroup=f"/kubepods/{pod}", pod=pod),
+            policy="fixed-share",
+            priority=priority,
+            pids=[],
+            devices=[device(share=0.0)],
+        )
+
+    a, b, high = report("a", 1), report("b", 1), report("high", 0)
+
+    def cgroups_of(pid: int) -> frozenset[str]:
+        return frozenset({{1: "/kubepods/a", 2: "/kubepods/b", 3: "/kubepods/high"}[pid]})
+
+    t = 100.0
+    state.accept_report(a, peer, t)
+    state.accept_report(b, peer, t)
+    assert state.wants_process_use()
+    state.note_process_use({GPU_A: {1: 50.0, 2: 45.0}}, cgroups_of, t)
+    ia = state.accept_report(a, peer, t + 0.1)
+    ib = state.accept_report(b, peer, t + 0.1)
+    assert ia.yield_devices == ib.yield_devices == {GPU_A: False}
+    assert ia.others_share[GPU_A] == ib.others_share[GPU_A] == 100.0  # each claims it
+    state.accept_report(high, peer, t + 0.2)
+    state.note_process_use({GPU_A: {1: 30.0, 2: 30.0, 3: 40.0}}, cgroups_of, t + 0.2)
+    assert state.accept_report(a, peer, t + 0.3).yield_devices == {GPU_A: True}
+    assert state.accept_report(b, peer, t + 0.3).yield_devices == {GPU_A: True}
 
 
 def test_a_container_measuring_nothing_claims_the_device_while_nvml_sees_it_work():
