@@ -434,18 +434,49 @@ def test_lifted_limit_runs_free_and_a_new_limit_holds_again(node: SimNode) -> No
     assert abs(readings[1] - 30) <= 6
 
 
-@pytest.mark.parametrize("limit", ["50", None])
-def test_yield_pauses_and_resumes(node: SimNode, limit: str | None) -> None:
+def region_sm0(node: SimNode) -> dict[str, object]:
+    """Device entry 0's SM state in the node's region, as the API reads it."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import dataclasses, json\nfrom gpuvisor.shim.region import Region\n"
+            "print(json.dumps(dataclasses.asdict(Region.attach().sm(0))))",
+        ],
+        env=node.env,
+        check=True,
+        timeout=60,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    )
+    state: dict[str, object] = json.loads(out.stdout)
+    return state
+
+
+# Without an SM limit nothing is paced, so a worker keeps the simulator's
+# whole launch queue (1024 launches, about 1 s of its kernels) ahead of the
+# device: a pause shows once that has run.
+FAST_PATH_DRAIN = 1.5
+
+
+@pytest.mark.parametrize(
+    ("limit", "priority"), [("50", "1"), (None, "1"), (None, None)], ids=["50", "none", "unset"]
+)
+def test_yield_pauses_and_resumes(node: SimNode, limit: str | None, priority: str | None) -> None:
     """The supervisor's priority decision: a low-priority container's
     launches stop while its yield flag is set, with an SM limit or without
-    one (then it runs at 100 % otherwise)."""
+    one (then it runs at 100 % otherwise).  CUDA_TASK_PRIORITY unset is
+    low too (HAMi-core's default)."""
     limits = {"CUDA_DEVICE_SM_LIMIT": limit} if limit else {}
-    env = node.shimmed(CUDA_TASK_PRIORITY="1", **limits)
+    if priority is not None:
+        limits["CUDA_TASK_PRIORITY"] = priority
+    env = node.shimmed(**limits)
     w = start(env, "kernel", LONG_RUN, 2)
     go(w)
     time.sleep(0.8)
     region_call(node, "r.set_sm_yield(0, 30)\nassert r.sm(0).priority == 1")
-    time.sleep(0.4)  # queued work drains
+    time.sleep(0.4 if limit else FAST_PATH_DRAIN)  # queued work drains
     paused = shares_over(node, 1.0).get(str(w.pid), 0)
     region_call(node, "r.set_sm_yield(0, 0)")
     time.sleep(0.3)
@@ -460,21 +491,61 @@ def test_yield_pauses_and_resumes(node: SimNode, limit: str | None) -> None:
 
 
 def test_a_yield_lease_ends_by_itself(node: SimNode) -> None:
-    """A yield is a lease: set for 2 s and never cleared (its setter died),
-    the container's launches pause, then go on once it ends."""
+    """A yield is a lease: set for 4 s and never cleared (its setter died),
+    the container's launches pause, then go on once it ends, on the fast
+    path again (no SM limit: nothing is gated once the lease is over)."""
     env = node.shimmed(CUDA_TASK_PRIORITY="1")
     w = start(env, "kernel", LONG_RUN, 2)
     go(w)
     time.sleep(0.8)
-    region_call(node, "r.set_sm_yield(0, 2.0)")
-    time.sleep(0.4)  # queued work drains
+    t0 = time.monotonic()
+    region_call(node, "r.set_sm_yield(0, 4.0)")
+    time.sleep(FAST_PATH_DRAIN)  # queued work drains
     paused = shares_over(node, 0.8).get(str(w.pid), 0)
-    time.sleep(1.2)  # the lease ends 2 s after it was set
+    time.sleep(max(0.0, 4.3 - (time.monotonic() - t0)))  # the lease ends 4 s after it was set
     resumed = shares_over(node, 0.8).get(str(w.pid), 0)
+    before = region_sm0(node)["launches"]
+    time.sleep(0.3)
+    after = region_sm0(node)["launches"]
     stop(w)
-    print(f"paused={paused} resumed={resumed}")
+    print(f"paused={paused} resumed={resumed} gated launches {before} -> {after}")
     assert paused <= 2
     assert resumed >= 90
+    assert before == after  # the ended lease was cleared: the fast path is back
+
+
+@pytest.mark.parametrize("priority", [None, "1", "0"], ids=["unset", "low", "high"])
+def test_no_limit_keeps_the_fast_path_whatever_the_priority(
+    node: SimNode, priority: str | None
+) -> None:
+    """Without an SM limit no launch goes through the gate (the hooks' fast
+    path: no pacing, no events, no meter), whatever CUDA_TASK_PRIORITY says,
+    unset (low, as in HAMi-core) included.  A yield flag brings the gate in
+    while it is set; cleared, the fast path comes back.  The gate counts
+    each launch it admits (gv_device_get_sm_usage)."""
+    extra = {} if priority is None else {"CUDA_TASK_PRIORITY": priority}
+    w = start(node.shimmed(**extra), "kernel", LONG_RUN, 3)
+    go(w)
+    time.sleep(0.8)
+    alone = region_sm0(node)
+    assert alone["priority"] == (0 if priority == "0" else 1)
+    assert alone["limit"] is None
+    assert alone["launches"] == 0, alone  # nothing gated
+    assert alone["share"] == 100.0
+    region_call(node, "r.set_sm_yield(0, 30)")
+    time.sleep(FAST_PATH_DRAIN)
+    paused = shares_over(node, 0.6).get(str(w.pid), 0)
+    region_call(node, "r.set_sm_yield(0, 0)")
+    time.sleep(0.3)
+    cleared = region_sm0(node)
+    time.sleep(0.5)
+    later = region_sm0(node)
+    stop(w)
+    print(f"alone {alone}; paused {paused} %; cleared {cleared}; later {later}")
+    assert paused <= 2
+    assert later["share"] == 100.0
+    # The launch the pause held went through the gate; none since.
+    assert 1 <= int(cleared["launches"]) == later["launches"] <= 4
 
 
 # A container with its own PID namespace: NVML reports host PIDs, which the
