@@ -214,19 +214,27 @@ def test_burst_share_gives_back_to_a_starved_container_via_the_agent(
     assert both[b_pid] >= 80
 
 
-@pytest.mark.parametrize(("low_cores", "high_cores"), [("50", "40"), (None, None)])
+@pytest.mark.parametrize(
+    ("low_cores", "high_cores", "low_priority"),
+    [("50", "40", "1"), (None, None, "1"), (None, None, None)],
+    ids=["limits", "no-limits", "unset"],
+)
 def test_low_priority_yields_while_a_high_priority_container_works(
     node: SimNode,
     sock_path: str,  # noqa: F811
     low_cores: str | None,
     high_cores: str | None,
+    low_priority: str | None,
 ) -> None:
-    """CUDA_TASK_PRIORITY end to end: L (priority 1; fixed-share 50 %, or no
-    SM limit) runs alone at its share; H (priority 0; 40 %, or no SM limit)
-    starts, the agent sees H active on the device (from H's reports, or
-    from NVML when H has no limit and so measures nothing itself) and tells
-    L to yield, so L's kernels stop while H gets its share; H exits, and
-    after the agent's active window L resumes."""
+    """CUDA_TASK_PRIORITY end to end: L (priority 1, or unset, which means
+    1 as in HAMi-core; fixed-share 50 %, or no SM limit) runs alone at its
+    share; H (priority 0; 40 %, or no SM limit) starts, the agent sees H
+    active on the device (from H's reports, or from NVML when H has no
+    limit and so measures nothing itself) and tells L to yield, so L's
+    kernels stop while H gets its share; H exits, and after the agent's
+    active window L resumes.  Without a limit L measures nothing either
+    (it keeps the launch fast path until told to yield): the agent's
+    figure for it is NVML's."""
     from tests.test_sm_quota import nvml_shares
 
     def yielding(agent: AgentProc) -> list[float]:
@@ -234,9 +242,10 @@ def test_low_priority_yields_while_a_high_priority_container_works(
 
     with AgentProc(sock_path, "--active-window", "1", env=node.env) as agent:
         cores = ["--cores", low_cores] if low_cores else []
-        low = spinning(node, sock_path, "low", [*cores, "--priority", "1"], 60.0)
+        prio = ["--priority", low_priority] if low_priority else []
+        low = spinning(node, sock_path, "low", [*cores, *prio], 60.0)
         try:
-            # L launching (its gate measures it, priority 1) before the
+            # L launching (its gate, or NVML without a limit, measures it) before the
             # reading: on a loaded 2-core machine its start (Python, CUDA
             # init) took over 1.5 s, and the reading caught none of it, or
             # a part (69 % instead of about 100 %).
@@ -262,9 +271,12 @@ def test_low_priority_yields_while_a_high_priority_container_works(
                 # carries the yield; L's queued work drains.  Without a
                 # limit H keeps up to 1024 launches (about 1 s) queued, and
                 # on the simulator's launch-order device the kernels L had
-                # queued run after them.
+                # queued (as many, without a limit of its own) run after
+                # them.
                 assert wait_for(lambda: yielding(agent) == [1.0], timeout=3.0)
-                time.sleep(0.5 if high_cores else 1.5)
+                # Without a limit of its own, L's queue is as deep, and
+                # the two drain interleaved: about 2 s.
+                time.sleep(0.5 if high_cores else 1.5 if low_cores else 2.5)
                 since = int(time.time() * 1e6)
                 # The agent's figure for H meanwhile (its gate's over each
                 # 0.2 s report, or NVML's without a limit): the median of
@@ -306,6 +318,55 @@ def test_low_priority_yields_while_a_high_priority_container_works(
     assert (30 <= both[high_pid] <= 45) if high_cores else both[high_pid] >= 90
     assert abs(h_metric * 100 - both[high_pid]) <= 10, h_metric
     assert share[0] <= after.get(low_pid, 0) <= share[1]
+
+
+def test_containers_with_priority_unset_do_not_make_each_other_yield(
+    node: SimNode,
+    sock_path: str,  # noqa: F811
+) -> None:
+    """CUDA_TASK_PRIORITY unset means 1 (low), as in HAMi-core: two such
+    containers without SM limits share the device, each reported as
+    priority 1, and neither is told to yield to the other (only a
+    priority-0 container makes a device busy)."""
+    from tests.test_sm_quota import nvml_shares
+
+    with AgentProc(sock_path, "--active-window", "1", env=node.env) as agent:
+        a = spinning(node, sock_path, "a", [], 6.0)
+        b = spinning(node, sock_path, "b", [], 6.0)
+        try:
+
+            def both_working() -> bool:
+                m = agent.metrics()
+                return all(
+                    any(v > 0.2 for v in find(m, "gpuvisor_container_sm_share_ratio", podname=p))
+                    for p in ("a", "b")
+                )
+
+            assert wait_for(both_working, timeout=20.0), agent.get("/metrics")
+            m = agent.metrics()
+            for pod in ("a", "b"):
+                assert find(m, "gpuvisor_container_priority", podname=pod) == [1.0]
+            since = int(time.time() * 1e6)
+            yields = []
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 1.5:
+                m = agent.metrics()
+                yields += [
+                    v for p in ("a", "b") for v in find(m, "gpuvisor_container_yield", podname=p)
+                ]
+                time.sleep(0.1)
+            shares = nvml_shares(node, since)
+            assert a.poll() is None, "a ended before the reading"
+            assert b.poll() is None, "b ended before the reading"
+        finally:
+            outs = [p.communicate(timeout=60) for p in (a, b)]
+    for p, (_, err) in zip((a, b), outs, strict=True):
+        assert p.returncode == 0, err
+    print(f"yield metrics {sorted(set(yields))}, NVML shares {shares}")
+    assert yields
+    assert set(yields) == {0.0}
+    assert len(shares) == 2, shares
+    assert all(v >= 25 for v in shares.values()), shares
 
 
 # Samples a region's enforced SM share of device 0 (0 while it yields),
