@@ -216,3 +216,45 @@ def test_library_validator_and_option_agree(node, name, value):
     assert (env is not None) == lib_ok, f"{option} {value!a}: library says {lib_ok}"
     if env is not None:
         assert meaning(name, env[name]) == meaning(name, value)
+
+
+# A process of the container configures device 0's region entry from its
+# environment at its first CUDA use, then reads the priority stored there.
+PRIORITY_PROBE = """
+import ctypes
+lib = ctypes.CDLL("libcuda.so.1")
+ctx = ctypes.c_void_p()
+assert lib.cuInit(0) == 0
+assert lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+assert lib.cuCtxSetCurrent(ctx) == 0
+free, total = ctypes.c_size_t(), ctypes.c_size_t()
+assert lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) == 0
+from gpuvisor.shim.region import Region
+print(Region.attach().sm(0).priority)
+"""
+
+
+@pytest.mark.parametrize("value", [None, "", "0", "1"], ids=["unset", "empty", "0", "1"])
+def test_library_and_supervisor_read_the_priority_alike(node, tmp_path, value):
+    """CUDA_TASK_PRIORITY unset or empty means 1 (low), as in HAMi-core
+    (whose region starts with priority 1): the library stores what the
+    supervisor reports (config.build), for every value both accept."""
+    env = node.shimmed(CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "prio.shr"))
+    env.pop("CUDA_TASK_PRIORITY", None)
+    if value is not None:
+        env["CUDA_TASK_PRIORITY"] = value
+    proc = subprocess.run(
+        [sys.executable, "-c", PRIORITY_PROBE],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    stored = int(proc.stdout.split()[-1])
+    base = {k: v for k, v in node.env.items() if k != "CUDA_TASK_PRIORITY"}
+    if value is not None:
+        base["CUDA_TASK_PRIORITY"] = value
+    reported = config.build(config.RunOptions(), ["true"], base).priority
+    assert stored == reported == (0 if value == "0" else 1)
