@@ -356,6 +356,20 @@ def agent(node: SimNode) -> Iterator[FakeAgent]:
     a.close()
 
 
+@pytest.mark.parametrize("priority", [None, "", "0", "1"], ids=["unset", "empty", "0", "1"])
+def test_priority_unset_is_reported_low(env, agent, priority):
+    """CUDA_TASK_PRIORITY unset (or empty) means 1 (low), as in HAMi-core:
+    the reports say so, and only 0 makes a container high."""
+    env.pop("CUDA_TASK_PRIORITY", None)
+    if priority is not None:
+        env["CUDA_TASK_PRIORITY"] = priority
+    env.update(POD_NAME="pod-p", GPUVISOR_NODE_SOCKET=str(agent.path))
+    proc = run(env, "--report-interval", "0.1", "--", *py("import time; time.sleep(0.3)\n"))
+    assert proc.returncode == 0, proc.stderr
+    assert agent.reports
+    assert {r.priority for r in agent.reports} == {0 if priority == "0" else 1}
+
+
 def test_reports_and_final_report(env, agent):
     env.update(
         POD_NAME="pod-a",
