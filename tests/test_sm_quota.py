@@ -20,6 +20,7 @@ import sys
 import textwrap
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -434,7 +435,7 @@ def test_lifted_limit_runs_free_and_a_new_limit_holds_again(node: SimNode) -> No
     assert abs(readings[1] - 30) <= 6
 
 
-def region_sm0(node: SimNode) -> dict[str, object]:
+def region_sm0(node: SimNode) -> dict[str, Any]:
     """Device entry 0's SM state in the node's region, as the API reads it."""
     out = subprocess.run(
         [
@@ -450,7 +451,7 @@ def region_sm0(node: SimNode) -> dict[str, object]:
         capture_output=True,
         text=True,
     )
-    state: dict[str, object] = json.loads(out.stdout)
+    state: dict[str, Any] = json.loads(out.stdout)
     return state
 
 
