@@ -49,13 +49,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+from .agent_config import AgentConfig, admin_socket_problem, context_lock_path
 from .agent_persist import encode_state, read_state, state_file_problem, write_state
-from .agent_state import (
-    AgentConfig,
-    AgentState,
-    admin_socket_problem,
-    context_lock_path,
-)
+from .agent_state import AgentState
 from .identity import PeerCred, claim_matches, is_admin, peer_cgroups, peer_cred
 from .protocol import (
     MAX_MESSAGE_BYTES,

@@ -72,7 +72,7 @@ class SavedLimits:
     """One container's administrator's limits, as the file holds them."""
 
     labels: tuple[str, str, str]  # (namespace, pod, container), ContainerId.labels
-    scope: str  # the parent of its cgroup (agent_state.cgroup_scope)
+    scope: str  # the parent of its cgroup (agent_records.cgroup_scope)
     until: float | None  # wall clock; None: the container was reporting
     memory: dict[str, int | None]
     sm: dict[str, int | None]

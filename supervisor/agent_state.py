@@ -1,5 +1,7 @@
 """What the node agent knows: containers, their latest reports, admins' limits,
 priority and the others' shares per device (supervisor/agent.py serves it).
+Its configuration is in agent_config.py, its records in agent_records.py, and
+the decisions per device (yields, shares, NVML's view) in agent_shares.py.
 
 Mutated only by the agent's event-loop thread; read by the HTTP thread for
 /metrics and /status.
@@ -9,26 +11,21 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
-from .agent_persist import SavedLimits, state_file_for
+from .agent_config import AgentConfig
+from .agent_persist import SavedLimits
+from .agent_records import AdminLimits, ContainerState, ParkedLimits, cgroup_scope
+from .agent_shares import DeviceShares, drop_entry
 from .identity import PeerCred
 from .protocol import (
-    LIMIT_KINDS,
     MAX_DEVICES,
     OWN_LIMIT,
     ContainerId,
-    DeviceReport,
     Instructions,
     Report,
 )
-
-RestoreMap = dict[str, tuple[str, ...]]
-
-DEFAULT_SOCKET = "/run/gpuvisor/node.sock"
-SOCKET_ENV = "GPUVISOR_NODE_SOCKET"
 
 REJECT_REASONS = (
     "malformed",  # not JSON, not an object
@@ -48,199 +45,6 @@ DISCONNECT_REASONS = ("oversize", "timeout", "slow-reader", "idle", "too-many", 
 UNLIMITED_BYTES = 2**64 - 1
 
 
-def default_socket() -> str:
-    return os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
-
-
-# The admin socket (set-limit) lives in a directory of its own, beside the
-# reporting socket's directory and never inside it: that one is mounted into
-# every workload, this one must not be (docs/protocol.md, "Admin").
-ADMIN_SOCKET_ENV = "GPUVISOR_ADMIN_SOCKET"
-ADMIN_SOCKET_NAME = "admin.sock"
-
-
-def admin_socket_for(socket_path: str) -> str:
-    """The default admin socket of an agent on socket_path: admin.sock in
-    the sibling directory "<socket's directory>-admin"
-    (/run/gpuvisor/node.sock -> /run/gpuvisor-admin/admin.sock)."""
-    parent = os.path.dirname(os.path.abspath(socket_path)).rstrip("/") or "/gpuvisor"
-    return os.path.join(parent + "-admin", ADMIN_SOCKET_NAME)
-
-
-def admin_socket_problem(socket_path: str, admin_path: str) -> str | None:
-    """Why admin_path cannot be the admin socket of an agent on socket_path
-    (None: it can): its directory must not be the reporting socket's
-    directory or lie below it, since that one is mounted into workloads."""
-    shared = os.path.dirname(os.path.abspath(socket_path))
-    admin_dir = os.path.dirname(os.path.abspath(admin_path))
-    if admin_dir == shared or admin_dir.startswith(shared.rstrip("/") + "/"):
-        return f"{admin_path}: must not be in {shared}, the reporting socket's directory"
-    return None
-
-
-# The file the agent keeps beside its socket, for the library to serialise
-# context creations across the node with flock (native/shim/node_lock.c):
-# containers that mount the socket's directory share it.
-CONTEXT_LOCK_NAME = "context.lock"
-NODE_LOCK_ENV = "GPUVISOR_NODE_LOCK"
-# The library's default (native/shim/node_lock.c): in the directory HAMi's
-# device plugin mounts from the host into every container it shares a GPU with.
-HAMI_LOCK_DIR = "/tmp/vgpulock"
-
-
-def context_lock_path(socket_path: str) -> str:
-    return os.path.join(os.path.dirname(socket_path), CONTEXT_LOCK_NAME)
-
-
-@dataclass
-class AgentConfig:
-    socket_path: str = DEFAULT_SOCKET
-    admin_socket: str = ""  # "": admin_socket_for(socket_path)
-    metrics_host: str = "0.0.0.0"
-    metrics_port: int = 9400  # 0: any free port (printed in the ready line)
-    expire_after: float = 10.0  # seconds without a report before a container expires
-    read_timeout: float = 5.0  # a partial line or unread replies older than this: disconnect
-    idle_timeout: float = 120.0  # no message at all for this long: disconnect
-    http_timeout: float = 10.0  # an HTTP client stalled this long (read or write): disconnect
-    rate: float = 50.0  # messages/s per connection (0: unlimited)
-    burst: float = 100.0
-    max_connections: int = 4096
-    active_threshold: float = 1.0  # sm_share percent above which a container is active
-    active_window: float = 3.0  # seconds an active report keeps a device "busy"
-    legacy_metrics: bool = False
-    node_name: str = ""  # the host series' node label ("": the host name)
-    cpu: int | None = None  # pin the agent to this CPU
-    # Containers (label sets) one verified cgroup may hold; a new one
-    # replaces the one that reported least recently.
-    max_per_cgroup: int = 16
-    max_expire: float = 300.0  # cap on 3 x a container's report interval
-    # Bad messages in a row after which a connection is closed (0: never)
-    max_errors: int = 10
-    # Seconds an administrator's limits outlive a container that left, for
-    # the container that replaces it in the same pod (0: forgotten at once)
-    limit_grace: float = 300.0
-    # Where the administrators' limits are kept across an agent restart
-    # ("": state_file_for(admin_socket_path), beside the admin socket)
-    state_file: str = ""
-
-    @property
-    def admin_socket_path(self) -> str:
-        return self.admin_socket or admin_socket_for(self.socket_path)
-
-    @property
-    def state_file_path(self) -> str:
-        return self.state_file or state_file_for(self.admin_socket_path)
-
-    @property
-    def restore_window(self) -> float:
-        """Seconds a restarted agent waits for the containers that were
-        reporting when it stopped to take their administrators' limits
-        back: as long as it would have kept them had it stayed up (the
-        longest expiry, then --limit-grace)."""
-        return max(self.expire_after, self.max_expire) + self.limit_grace
-
-
-@dataclass
-class ContainerState:
-    id: ContainerId
-    report: Report
-    peer: PeerCred
-    first_seen: float  # time.time()
-    last_seen: float  # time.monotonic()
-    last_wall: float  # time.time() of the last report
-    interval: float | None = None  # smoothed seconds between reports
-    reports: int = 1
-    # device uuid -> what the container's claim added to device_share (what
-    # is taken back when the report, NVML's view or the container changes)
-    claims: dict[str, float] = field(default_factory=dict)
-    # every device uuid its reports named (a region's devices never change:
-    # at most MAX_DEVICES, see device_churn)
-    devices_seen: set[str] = field(default_factory=set)
-    # the devices its latest report that said so can see (`visible`, at
-    # most MAX_VISIBLE; None: no report said, e.g. an older supervisor)
-    visible: frozenset[str] | None = None
-
-
-@dataclass
-class AdminLimits:
-    """An administrator's limits for one container (set-limit), per device
-    uuid (None: no limit), and the kinds the administrator cleared (set-limit
-    "env"): the container's own limit of that kind is to be put back.  Kept
-    while the agent knows the container."""
-
-    memory: dict[str, int | None] = field(default_factory=dict)
-    sm: dict[str, int | None] = field(default_factory=dict)
-    restore: dict[str, set[str]] = field(default_factory=dict)  # uuid -> kinds
-    # Devices whose limits came from a container that left (parked, then
-    # adopted: _adopt) that this container's reports have neither listed
-    # nor named visible yet; dropped at adopted_until (the grace's end) if
-    # still so.
-    adopted: set[str] = field(default_factory=set)
-    adopted_until: float = 0.0  # time.monotonic()
-
-    def devices(self) -> set[str]:
-        return self.memory.keys() | self.sm.keys() | self.restore.keys()
-
-    def drop_device(self, uuid: str) -> None:
-        self.memory.pop(uuid, None)
-        self.sm.pop(uuid, None)
-        self.restore.pop(uuid, None)
-        self.adopted.discard(uuid)
-
-    def unapplied(self, report: Report) -> AdminLimits:
-        """The limits the report does not show applied: another value, or a
-        device it does not list (the workload has not used it yet).  A
-        cleared kind is always due: only the supervisor knows the
-        container's own limit, and putting it back again changes nothing."""
-        shown = {d.uuid: d for d in report.devices}
-        return AdminLimits(
-            memory={
-                u: v for u, v in self.memory.items() if u not in shown or shown[u].memory_limit != v
-            },
-            sm={u: v for u, v in self.sm.items() if u not in shown or shown[u].sm_limit != v},
-            restore={u: set(kinds) for u, kinds in self.restore.items()},
-        )
-
-    def restore_map(self) -> RestoreMap:
-        """restore as an ack carries it: uuid -> kinds, in LIMIT_KINDS order."""
-        return {u: tuple(k for k in LIMIT_KINDS if k in kinds) for u, kinds in self.restore.items()}
-
-    def view(self) -> dict[str, dict[str, int | str | None]]:
-        """{"memory": {uuid: bytes, null or "env"}, "sm": {...}}: "env" for a
-        kind the administrator cleared."""
-        out: dict[str, dict[str, int | str | None]] = {"memory": {}, "sm": {}}
-        out["memory"].update(self.memory)
-        out["sm"].update(self.sm)
-        for uuid, kinds in self.restore.items():
-            for kind in kinds:
-                out[kind][uuid] = OWN_LIMIT
-        return out
-
-
-@dataclass
-class ParkedLimits:
-    """An administrator's limits of a container that left (final report,
-    expiry, or a restarted container taking its labels over), kept for
-    --limit-grace seconds for the container that replaces it in the same
-    pod (same labels, a cgroup under the same parent)."""
-
-    limits: AdminLimits
-    scope: str  # the parent of the container's cgroup (its pod's, under Kubernetes)
-    until: float  # time.monotonic()
-    # Restored from the state file, of a container that was reporting when
-    # the agent stopped: saved again as such (until: null), so that the
-    # wait (AgentConfig.restore_window) runs from each start of the agent.
-    awaiting: bool = False
-
-
-def cgroup_scope(cgroup: str) -> str:
-    """The cgroup that holds a container's: under Kubernetes its pod's
-    (.../pod<uid>/<container>), which a restarted container shares and a
-    recreated pod of the same name does not."""
-    parent = cgroup.rstrip("/").rpartition("/")[0]
-    return parent or "/"
-
-
 def _saved(
     admin: AdminLimits, labels: tuple[str, str, str], scope: str, until: float | None
 ) -> SavedLimits:
@@ -254,42 +58,16 @@ def _saved(
     )
 
 
-def _drop(table: dict[str, dict[str, float]], uuid: str, key: str) -> None:
-    """Take container `key` out of a per-device table; a device left with no
-    entry is dropped (device UUIDs come from reports: any UUID in NVML's form)."""
-    entries = table.get(uuid)
-    if entries is not None:
-        entries.pop(key, None)
-        if not entries:
-            del table[uuid]
-
-
-class AgentState:
+class AgentState(DeviceShares):
     """Everything the agent knows; mutated only by the event loop thread."""
 
     def __init__(self, config: AgentConfig) -> None:
-        self.config = config
+        super().__init__(config)  # the per-device tables (agent_shares.py)
         self.started = time.time()
         self.containers: dict[str, ContainerState] = {}
         # container key -> its administrator's limits (set-limit): pushed in
         # every ack whose report does not show them, until the container goes
         self.admin_limits: dict[str, AdminLimits] = {}
-        # device uuid -> {container key: monotonic time until which its last
-        # active report keeps the device busy (active_hold)}
-        self.high_active: dict[str, dict[str, float]] = {}
-        # device uuid -> {container key: monotonic time NVML last showed the
-        # container's processes working there}: containers without an SM
-        # limit measure no GPU time of their own (their launches are not
-        # gated, whatever their priority, except a low-priority one's while
-        # it yields), so their reports say 0 %.  Only the high-priority
-        # entries make a device busy (busy_for).
-        self.nvml_active: dict[str, dict[str, float]] = {}
-        # container key -> {device uuid: (percent, monotonic time)}: NVML's
-        # figure for each container's processes, last read
-        self.nvml_share: dict[str, dict[str, tuple[float, float]]] = {}
-        # device uuid -> sum of the containers' claims there (kept
-        # incrementally, so "the others' claim" costs O(devices) per report)
-        self.device_share: dict[str, float] = {}
         # verified cgroup -> its containers' keys, least recently reported first
         self.by_cgroup: dict[str, dict[str, None]] = {}
         # (namespace, pod, container) -> the key of the container holding them
@@ -357,8 +135,8 @@ class AgentState:
                 listed = {d.uuid for d in report.devices}
                 for d in st.report.devices:
                     if d.uuid not in listed:
-                        _drop(self.high_active, d.uuid, key)
-                        _drop(self.nvml_active, d.uuid, key)
+                        drop_entry(self.high_active, d.uuid, key)
+                        drop_entry(self.nvml_active, d.uuid, key)
             st.report = report
             st.peer = peer
             st.last_seen = now
@@ -383,7 +161,7 @@ class AgentState:
                 if d.sm_share > threshold:
                     self.high_active.setdefault(d.uuid, {})[key] = now + self.active_hold(st)
                 else:
-                    _drop(self.high_active, d.uuid, key)
+                    drop_entry(self.high_active, d.uuid, key)
 
         others = self._others_share(st)
         admin = self.admin_limits.get(key)
@@ -421,161 +199,6 @@ class AgentState:
             self.remove(oldest)
             keys.pop(oldest, None)
             self.replaced_total += 1
-
-    def _forget_active(self, key: str) -> None:
-        for table in (self.high_active, self.nvml_active):
-            for uuid in [u for u, entries in table.items() if key in entries]:
-                _drop(table, uuid, key)
-        self._update_claims(key)
-
-    def active_hold(self, st: ContainerState) -> float:
-        """Seconds an active report of st keeps its devices busy: the
-        active window, or until its next report is due if it reports less
-        often (its sm_share covers the time since its previous report):
-        two of its report intervals, declared or else measured."""
-        interval = st.report.interval if st.report.interval is not None else st.interval
-        return max(self.config.active_window, 2 * interval if interval is not None else 0.0)
-
-    def busy_for(self, key: str, uuid: str, now: float) -> bool:
-        """Must container `key` (low priority) yield device `uuid`: is
-        another, high-priority container active there, by its last report
-        (active_hold) or by NVML within the active window?"""
-        entries = self.high_active.get(uuid)
-        if entries and any(k != key and now <= until for k, until in list(entries.items())):
-            return True
-        window = self.config.active_window
-        seen = self.nvml_active.get(uuid) or {}
-        return any(
-            k != key and now - ts <= window and self._priority(k) == 0
-            for k, ts in list(seen.items())
-        )
-
-    def _priority(self, key: str) -> int:
-        st = self.containers.get(key)
-        return st.report.priority if st is not None else 1
-
-    @staticmethod
-    def unmeasured(report: Report, d: DeviceReport) -> bool:
-        """Does the container's gate measure nothing on this device?  Its
-        launches are gated only with an SM limit (or, with a low priority,
-        while it yields, when it launches nothing anyway): a low-priority
-        container without a limit keeps the fast path, as a high-priority
-        one does."""
-        del report  # the priority no longer decides
-        return d.sm_limit is None
-
-    def wants_process_use(self) -> bool:
-        """Is NVML's per-process use worth reading: does some container
-        report without measuring its GPU time, or a low-priority container
-        beside a high-priority one?"""
-        prios = set()
-        for st in list(self.containers.values()):
-            r = st.report
-            if any(self.unmeasured(r, d) for d in r.devices):
-                return True
-            prios.add(r.priority)
-        return 0 in prios and len(prios) > 1
-
-    def note_process_use(
-        self,
-        use: Mapping[str, Mapping[int, float]],
-        cgroups_of: Callable[[int], frozenset[str]],
-        now: float,
-    ) -> None:
-        """NVML's per-process utilisation (device uuid -> {pid: percent}),
-        summed per container: it marks the high-priority containers whose
-        processes worked, and is the SM share of containers whose gate
-        measures nothing (share_of).
-
-        A PID belongs to the container whose cgroup (as the agent read it)
-        the process is in; containers that share a cgroup (processes
-        started side by side outside a container runtime, as in the tests)
-        are told apart by the PIDs they report, which are then in the
-        agent's PID namespace.  A PID that matches no container, or more
-        than one, is left out."""
-        threshold = self.config.active_threshold
-        for uuid, procs in use.items():
-            on_dev = {
-                k: st
-                for k, st in list(self.containers.items())
-                if any(d.uuid == uuid for d in st.report.devices)
-            }
-            totals = dict.fromkeys(on_dev, 0.0)
-            for pid, pct in procs.items():
-                try:
-                    groups = cgroups_of(pid)
-                except OSError:
-                    continue  # gone, or not visible from here
-                owners = [k for k, st in on_dev.items() if st.report.container.cgroup in groups]
-                if len(owners) > 1:
-                    owners = [k for k in owners if pid in on_dev[k].report.pids]
-                if len(owners) == 1:
-                    totals[owners[0]] += pct
-            for k, total in totals.items():
-                self.nvml_share.setdefault(k, {})[uuid] = (min(100.0, total), now)
-                st = on_dev[k]
-                if total > threshold and (
-                    st.report.priority == 0
-                    or any(
-                        self.unmeasured(st.report, d) for d in st.report.devices if d.uuid == uuid
-                    )
-                ):
-                    active = self.nvml_active.setdefault(uuid, {})
-                    new = k not in active
-                    active[k] = now
-                    if new:
-                        self._update_claims(k)
-
-    def share_of(self, key: str, report: Report, d: DeviceReport, now: float) -> float:
-        """The container's SM share of device d: what its gate measured, or
-        for a container whose gate measures nothing, NVML's figure while
-        one is fresh (within the active window)."""
-        if self.unmeasured(report, d):
-            seen = self.nvml_share.get(key, {}).get(d.uuid)
-            if seen is not None and now - seen[1] <= self.config.active_window:
-                return seen[0]
-        return d.sm_share
-
-    def _claim(self, key: str, report: Report, d: DeviceReport) -> float:
-        """What a container claims of a device: nothing while idle; while
-        active, its SM limit (the whole device without one) or its use if
-        higher.  A starved container (using less than its limit because
-        others crowd the device) still claims its limit.  A container whose
-        gate measures nothing reports 0 %: it is active while NVML saw its
-        processes work within the active window (nvml_active)."""
-        active = d.sm_share > self.config.active_threshold or (
-            self.unmeasured(report, d) and key in self.nvml_active.get(d.uuid, {})
-        )
-        if not active:
-            return 0.0
-        return max(d.sm_share, float(d.sm_limit) if d.sm_limit is not None else 100.0)
-
-    def _update_claims(self, key: str, gone: bool = False) -> None:
-        """Replace what container `key` claims in device_share with what
-        its last report and NVML's view say now (nothing once it is gone)."""
-        st = self.containers.get(key)
-        if st is None:
-            return
-        new: dict[str, float] = {}
-        for d in [] if gone else st.report.devices:
-            new[d.uuid] = new.get(d.uuid, 0.0) + self._claim(key, st.report, d)
-        for uuid in st.claims.keys() | new.keys():
-            total = self.device_share.get(uuid, 0.0) - st.claims.get(uuid, 0.0) + new.get(uuid, 0.0)
-            if total > 1e-6:
-                self.device_share[uuid] = total
-            else:  # nobody claims it: keep no entry for a device that may be gone
-                self.device_share.pop(uuid, None)
-        st.claims = new
-
-    def _others_share(self, st: ContainerState) -> dict[str, float]:
-        """Per device of the container's report: what the other containers
-        claim there."""
-        return {
-            d.uuid: min(
-                100.0, max(0.0, self.device_share.get(d.uuid, 0.0) - st.claims.get(d.uuid, 0.0))
-            )
-            for d in st.report.devices
-        }
 
     def remove(self, key: str, park: float | None = None) -> None:
         """Forget container `key`.  park: the monotonic time now, when the
@@ -676,11 +299,11 @@ class AgentState:
             self.limits_gen += 1
         for uuid, entries in list(self.high_active.items()):
             for k in [k for k, until in entries.items() if now > until]:
-                _drop(self.high_active, uuid, k)
+                drop_entry(self.high_active, uuid, k)
         window = self.config.active_window
         for uuid, entries in list(self.nvml_active.items()):
             for k in [k for k, ts in entries.items() if now - ts > window]:
-                _drop(self.nvml_active, uuid, k)
+                drop_entry(self.nvml_active, uuid, k)
                 self._update_claims(k)
         return len(expired)
 

@@ -27,7 +27,7 @@ from gpuvisor.shim.limits import (
 from gpuvisor.shim.loader import preload_env
 from gpuvisor.shim.region import default_region_path
 
-from .agent_state import (
+from .agent_config import (
     DEFAULT_SOCKET,
     HAMI_LOCK_DIR,
     NODE_LOCK_ENV,

@@ -14,14 +14,14 @@ from typing import Any
 import click
 
 from .agent import run_agent, send_admin
-from .agent_persist import state_file_for, state_file_problem
-from .agent_state import (
+from .agent_config import (
     ADMIN_SOCKET_ENV,
     AgentConfig,
     admin_socket_for,
     admin_socket_problem,
     default_socket,
 )
+from .agent_persist import state_file_for, state_file_problem
 from .protocol import OWN_LIMIT, UUID_FORM, is_uuid
 
 ADMIN_SOCKET_HELP = (

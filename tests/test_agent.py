@@ -23,7 +23,8 @@ from typing import Any
 import psutil
 import pytest
 from gpuvisor.supervisor.agent import send_admin
-from gpuvisor.supervisor.agent_state import AgentConfig, AgentState, admin_socket_for
+from gpuvisor.supervisor.agent_config import AgentConfig, admin_socket_for
+from gpuvisor.supervisor.agent_state import AgentState
 from gpuvisor.supervisor.identity import (
     PeerCred,
     accepted_cgroups,

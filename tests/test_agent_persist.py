@@ -16,17 +16,14 @@ from typing import Any
 
 import psutil
 import pytest
+from gpuvisor.supervisor.agent_config import AgentConfig, admin_socket_for
 from gpuvisor.supervisor.agent_persist import (
     encode_state,
     read_state,
     state_file_for,
 )
-from gpuvisor.supervisor.agent_state import (
-    AdminLimits,
-    AgentConfig,
-    AgentState,
-    admin_socket_for,
-)
+from gpuvisor.supervisor.agent_records import AdminLimits
+from gpuvisor.supervisor.agent_state import AgentState
 from gpuvisor.supervisor.identity import PeerCred
 from gpuvisor.supervisor.protocol import ContainerId, Report, encode
 

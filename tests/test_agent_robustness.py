@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 from gpuvisor.supervisor import agent as agent_module
 from gpuvisor.supervisor.agent import Agent, Connection, send_admin
-from gpuvisor.supervisor.agent_state import AgentConfig, AgentState
+from gpuvisor.supervisor.agent_config import AgentConfig
+from gpuvisor.supervisor.agent_state import AgentState
 from gpuvisor.supervisor.identity import PeerCred
 from gpuvisor.supervisor.protocol import (
     ContainerId,

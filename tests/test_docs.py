@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import click
-from gpuvisor.supervisor.agent_state import AgentConfig, AgentState
+from gpuvisor.supervisor.agent_config import AgentConfig
+from gpuvisor.supervisor.agent_state import AgentState
 from gpuvisor.supervisor.cli import main as cli_main
 from gpuvisor.supervisor.identity import PeerCred
 from gpuvisor.supervisor.metrics import AgentCollector, HostGpu

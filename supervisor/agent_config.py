@@ -1,0 +1,109 @@
+"""The node agent's configuration (AgentConfig) and where its files lie:
+the reporting socket, the admin socket beside it, the context lock.
+
+Read by `gpuvisor node-agent` (supervisor/agent.py, views.py) and by
+`gpuvisor run` (supervisor/config.py), which finds the agent's socket and the
+node lock from the same defaults.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .agent_persist import state_file_for
+
+DEFAULT_SOCKET = "/run/gpuvisor/node.sock"
+SOCKET_ENV = "GPUVISOR_NODE_SOCKET"
+
+
+def default_socket() -> str:
+    return os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
+
+
+# The admin socket (set-limit) lives in a directory of its own, beside the
+# reporting socket's directory and never inside it: that one is mounted into
+# every workload, this one must not be (docs/protocol.md, "Admin").
+ADMIN_SOCKET_ENV = "GPUVISOR_ADMIN_SOCKET"
+ADMIN_SOCKET_NAME = "admin.sock"
+
+
+def admin_socket_for(socket_path: str) -> str:
+    """The default admin socket of an agent on socket_path: admin.sock in
+    the sibling directory "<socket's directory>-admin"
+    (/run/gpuvisor/node.sock -> /run/gpuvisor-admin/admin.sock)."""
+    parent = os.path.dirname(os.path.abspath(socket_path)).rstrip("/") or "/gpuvisor"
+    return os.path.join(parent + "-admin", ADMIN_SOCKET_NAME)
+
+
+def admin_socket_problem(socket_path: str, admin_path: str) -> str | None:
+    """Why admin_path cannot be the admin socket of an agent on socket_path
+    (None: it can): its directory must not be the reporting socket's
+    directory or lie below it, since that one is mounted into workloads."""
+    shared = os.path.dirname(os.path.abspath(socket_path))
+    admin_dir = os.path.dirname(os.path.abspath(admin_path))
+    if admin_dir == shared or admin_dir.startswith(shared.rstrip("/") + "/"):
+        return f"{admin_path}: must not be in {shared}, the reporting socket's directory"
+    return None
+
+
+# The file the agent keeps beside its socket, for the library to serialise
+# context creations across the node with flock (native/shim/node_lock.c):
+# containers that mount the socket's directory share it.
+CONTEXT_LOCK_NAME = "context.lock"
+NODE_LOCK_ENV = "GPUVISOR_NODE_LOCK"
+# The library's default (native/shim/node_lock.c): in the directory HAMi's
+# device plugin mounts from the host into every container it shares a GPU with.
+HAMI_LOCK_DIR = "/tmp/vgpulock"
+
+
+def context_lock_path(socket_path: str) -> str:
+    return os.path.join(os.path.dirname(socket_path), CONTEXT_LOCK_NAME)
+
+
+@dataclass
+class AgentConfig:
+    socket_path: str = DEFAULT_SOCKET
+    admin_socket: str = ""  # "": admin_socket_for(socket_path)
+    metrics_host: str = "0.0.0.0"
+    metrics_port: int = 9400  # 0: any free port (printed in the ready line)
+    expire_after: float = 10.0  # seconds without a report before a container expires
+    read_timeout: float = 5.0  # a partial line or unread replies older than this: disconnect
+    idle_timeout: float = 120.0  # no message at all for this long: disconnect
+    http_timeout: float = 10.0  # an HTTP client stalled this long (read or write): disconnect
+    rate: float = 50.0  # messages/s per connection (0: unlimited)
+    burst: float = 100.0
+    max_connections: int = 4096
+    active_threshold: float = 1.0  # sm_share percent above which a container is active
+    active_window: float = 3.0  # seconds an active report keeps a device "busy"
+    legacy_metrics: bool = False
+    node_name: str = ""  # the host series' node label ("": the host name)
+    cpu: int | None = None  # pin the agent to this CPU
+    # Containers (label sets) one verified cgroup may hold; a new one
+    # replaces the one that reported least recently.
+    max_per_cgroup: int = 16
+    max_expire: float = 300.0  # cap on 3 x a container's report interval
+    # Bad messages in a row after which a connection is closed (0: never)
+    max_errors: int = 10
+    # Seconds an administrator's limits outlive a container that left, for
+    # the container that replaces it in the same pod (0: forgotten at once)
+    limit_grace: float = 300.0
+    # Where the administrators' limits are kept across an agent restart
+    # ("": state_file_for(admin_socket_path), beside the admin socket)
+    state_file: str = ""
+
+    @property
+    def admin_socket_path(self) -> str:
+        return self.admin_socket or admin_socket_for(self.socket_path)
+
+    @property
+    def state_file_path(self) -> str:
+        return self.state_file or state_file_for(self.admin_socket_path)
+
+    @property
+    def restore_window(self) -> float:
+        """Seconds a restarted agent waits for the containers that were
+        reporting when it stopped to take their administrators' limits
+        back: as long as it would have kept them had it stayed up (the
+        longest expiry, then --limit-grace)."""
+        return max(self.expire_after, self.max_expire) + self.limit_grace
