@@ -19,9 +19,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gpuvisor.supervisor import agent as agent_module
-from gpuvisor.supervisor.agent import Agent, Connection, send_admin
+from gpuvisor.supervisor import agent_connection as connection_module
+from gpuvisor.supervisor.agent import Agent, send_admin
 from gpuvisor.supervisor.agent_config import AgentConfig
+from gpuvisor.supervisor.agent_connection import Connection
 from gpuvisor.supervisor.agent_state import AgentState
 from gpuvisor.supervisor.identity import PeerCred
 from gpuvisor.supervisor.protocol import (
@@ -171,7 +172,7 @@ def test_any_exception_while_handling_is_a_malformed_error(sock_path, monkeypatc
         def broken(obj: dict[str, Any]) -> Report:
             raise RuntimeError("a bug")
 
-        monkeypatch.setattr(agent_module, "parse_report", broken)
+        monkeypatch.setattr(connection_module, "parse_report", broken)
         msg = report_message(_report(None))
         conn.data_received(encode(msg) + encode(msg))
         replies = [json.loads(x) for x in transport.written.splitlines()]
@@ -526,7 +527,7 @@ def test_labels_another_live_cgroup_reports_under_are_refused(sock_path, monkeyp
             raise FileNotFoundError(pid)
         return live[pid]
 
-    monkeypatch.setattr(agent_module, "peer_cgroups", cgroups_of)
+    monkeypatch.setattr(connection_module, "peer_cgroups", cgroups_of)
     agent = Agent(AgentConfig(socket_path=sock_path))
     try:
 
@@ -584,7 +585,7 @@ def test_a_label_set_naming_an_unlabelled_container_is_refused(sock_path, monkey
     refused as a conflict, like any label set another live cgroup holds.
     Explicitly empty labels are no label: two such cgroups do not clash."""
     live = {101: frozenset({"/kubepods/plain"}), 202: frozenset({"/kubepods/intruder"})}
-    monkeypatch.setattr(agent_module, "peer_cgroups", lambda pid: live[pid])
+    monkeypatch.setattr(connection_module, "peer_cgroups", lambda pid: live[pid])
     agent = Agent(AgentConfig(socket_path=sock_path))
     try:
 

@@ -1,0 +1,89 @@
+"""The node agent's HTTP server: /metrics (Prometheus,
+supervisor/metrics.py), /status (JSON) and /healthz, served from a thread of
+its own, each client cut off --http-timeout seconds after it connected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .agent import Agent
+
+log = logging.getLogger("gpuvisor.agent")
+
+
+class HttpHandler(BaseHTTPRequestHandler):
+    agent: Agent  # set on the subclass made per agent
+    # Seconds a client may stall a read or write (StreamRequestHandler sets
+    # it on the socket); the subclass made per agent sets --http-timeout.
+    timeout = 10.0
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path == "/metrics":
+            body, ctype = self.agent.metrics_payload(self.headers.get("Accept"))
+        elif path in ("/status", "/status/"):
+            body = json.dumps(self.agent.state.status()).encode()
+            ctype = "application/json"
+        elif path == "/healthz":
+            body, ctype = b"ok\n", "text/plain"
+        else:
+            self.send_error(404, "try /metrics or /status")
+            return
+        self.send_response(200)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("http: " + format, *args)
+
+
+class HttpServer(ThreadingHTTPServer):
+    """One thread per connection, at most MAX_HANDLERS at once (more are
+    closed at once), each cut off `deadline` seconds after it was accepted
+    however slowly its client trickles the request or reads the reply."""
+
+    daemon_threads = True
+    request_queue_size = 128  # listen backlog
+    MAX_HANDLERS = 32
+
+    def __init__(self, address: tuple[str, int], handler: Any, deadline: float) -> None:
+        self.deadline = deadline
+        self.slots = threading.BoundedSemaphore(self.MAX_HANDLERS)
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)  # too many at once: closed unanswered
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        timer = threading.Timer(self.deadline, _cut_off, (request,))
+        timer.daemon = True
+        timer.start()
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            timer.cancel()
+            self.slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that went away mid-reply (BrokenPipeError, reset): not
+        # worth a traceback on stderr.
+        log.debug("http: request from %s failed", client_address, exc_info=True)
+
+
+def _cut_off(sock: socket.socket) -> None:
+    """End a request past its deadline: its handler's blocked read or write fails."""
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
