@@ -1,7 +1,7 @@
 """The node agent's configuration (AgentConfig) and where its files lie:
 the reporting socket, the admin socket beside it, the context lock.
 
-Read by `gpuvisor node-agent` (supervisor/agent.py, views.py) and by
+Read by `gpuvisor node-agent` (supervisor/agent.py, agent_cli.py) and by
 `gpuvisor run` (supervisor/config.py), which finds the agent's socket and the
 node lock from the same defaults.
 """

@@ -5,9 +5,10 @@ from __future__ import annotations
 import click
 from gpuvisor.shim.cli import shim_info
 
+from .agent_cli import node_agent
 from .demo import demo
 from .run import run
-from .views import node_agent, status, top
+from .views import status, top
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

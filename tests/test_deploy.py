@@ -35,11 +35,11 @@ import pytest
 import yaml
 from gpuvisor.shim.limits import parse_memory_limit
 from gpuvisor.supervisor import config as run_config
+from gpuvisor.supervisor.agent_cli import node_agent
 from gpuvisor.supervisor.agent_config import admin_socket_for, admin_socket_problem
 from gpuvisor.supervisor.protocol import MAX_MESSAGE_BYTES
 from gpuvisor.supervisor.reporter import CONTAINER_VARS, NAMESPACE_VARS, POD_VARS
 from gpuvisor.supervisor.run import ENV_LOG_LEVEL
-from gpuvisor.supervisor.views import node_agent
 
 from tests.helpers import CLI, LIBRARY, REPO_ROOT, SimNode, missing_build_outputs
 from tests.test_agent import AgentProc, find, wait_for

@@ -1,0 +1,409 @@
+"""The node agent's command line (docs/cli.md): `gpuvisor node-agent`, which
+checks its options and runs the agent (supervisor/agent.py), and
+`gpuvisor node-agent set-limit`, which sends an administrator's limit to the
+agent's admin socket."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import click
+
+from .agent import run_agent, send_admin
+from .agent_config import (
+    ADMIN_SOCKET_ENV,
+    AgentConfig,
+    admin_socket_for,
+    admin_socket_problem,
+    default_socket,
+)
+from .agent_persist import state_file_for, state_file_problem
+from .cli_types import POSITIVE, Finite
+from .protocol import OWN_LIMIT, UUID_FORM, is_uuid
+
+ADMIN_SOCKET_HELP = (
+    "The admin socket (set-limit), mode 0600 in a directory of mode 0700 that must not be "
+    "the reporting socket's: never mount it into containers."
+)
+ADMIN_SOCKET_DEFAULT = "$GPUVISOR_ADMIN_SOCKET, else admin.sock in '<socket's directory>-admin'"
+
+
+@click.group("node-agent", invoke_without_command=True)
+@click.option(
+    "--socket",
+    "socket_path",
+    default=default_socket,
+    show_default="$GPUVISOR_NODE_SOCKET or /run/gpuvisor/node.sock",
+    help="The reporting socket (mode 0666): mount its directory into containers.",
+)
+@click.option(
+    "--admin-socket",
+    envvar=ADMIN_SOCKET_ENV,
+    default=None,
+    show_default=ADMIN_SOCKET_DEFAULT,
+    help=ADMIN_SOCKET_HELP,
+)
+@click.option(
+    "--metrics-host",
+    default="0.0.0.0",
+    show_default=True,
+    help="Address the HTTP server (/metrics, /status, /healthz) listens on.",
+)
+@click.option(
+    "--metrics-port",
+    default=9400,
+    show_default=True,
+    type=click.IntRange(0, 65535),
+    help="0: any free port",
+)
+@click.option(
+    "--expire-after",
+    default=10.0,
+    show_default=True,
+    type=POSITIVE,
+    help="Seconds without a report (or 3 report intervals, if longer) before a container expires.",
+)
+@click.option(
+    "--read-timeout",
+    default=5.0,
+    show_default=True,
+    type=POSITIVE,
+    help="Disconnect a peer whose line stays incomplete (or who leaves replies unread) this long.",
+)
+@click.option(
+    "--idle-timeout",
+    default=120.0,
+    show_default=True,
+    type=POSITIVE,
+    help="Disconnect a peer that sends nothing for this long.",
+)
+@click.option(
+    "--http-timeout",
+    default=10.0,
+    show_default=True,
+    type=POSITIVE,
+    help="Disconnect an HTTP client (/metrics, /status) this long after it connected.",
+)
+@click.option(
+    "--rate",
+    default=50.0,
+    show_default=True,
+    type=Finite(min=0),
+    help="Messages per second per connection (token bucket; 0: unlimited).",
+)
+@click.option(
+    "--burst",
+    default=100.0,
+    show_default=True,
+    type=Finite(min=1),
+    help="Messages a connection may send at once (token bucket size; at least 1).",
+)
+@click.option(
+    "--max-connections",
+    default=4096,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Most connections served at once; more get an error and are closed.",
+)
+@click.option(
+    "--max-errors",
+    default=10,
+    show_default=True,
+    type=click.IntRange(min=0),
+    help="Disconnect a peer after this many bad messages in a row (0: never).",
+)
+@click.option(
+    "--max-containers-per-cgroup",
+    default=16,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help=(
+        "Containers (label sets) one cgroup may report; a new one replaces the one that "
+        "reported least recently."
+    ),
+)
+@click.option(
+    "--max-expire",
+    default=300.0,
+    show_default=True,
+    type=POSITIVE,
+    help="Longest a container is kept without a report, however long its report interval.",
+)
+@click.option(
+    "--active-window",
+    default=3.0,
+    show_default=True,
+    type=POSITIVE,
+    help=(
+        "Seconds a high-priority container's activity (a report with sm_share above 1 "
+        "percent, or its processes' use in NVML) keeps its device busy."
+    ),
+)
+@click.option(
+    "--limit-grace",
+    default=300.0,
+    show_default=True,
+    type=Finite(min=0, max=86400),
+    help=(
+        "Seconds an administrator's limits (set-limit) outlive a container that left "
+        "(final report, expiry, a restarted container taking its labels over), for "
+        "its restarted container in the same pod (same labels); 0: forgotten at once."
+    ),
+)
+@click.option(
+    "--state-file",
+    default=None,
+    show_default="limits.json beside the admin socket",
+    help=(
+        "Where the administrators' limits (set-limit) are kept across an agent restart; "
+        "never in the reporting socket's directory.  A file the agent cannot read or use "
+        "stops it: delete it to start without its limits."
+    ),
+)
+@click.option("--legacy-metrics", is_flag=True, help="Also export HAMi's legacy metric names.")
+@click.option(
+    "--node-name",
+    envvar="NODE_NAME",
+    default="",
+    help="The node label of the host series (default: $NODE_NAME, else the host name).",
+)
+@click.option("--cpu", type=click.IntRange(min=0), default=None, help="Pin the agent to this CPU.")
+@click.option(
+    "-v",
+    "--verbose",
+    count=True,
+    help="Log more on stderr: -v info, -vv debug (default: warnings).",
+)
+@click.pass_context
+def node_agent(
+    ctx: click.Context,
+    socket_path: str,
+    admin_socket: str | None,
+    metrics_host: str,
+    metrics_port: int,
+    expire_after: float,
+    read_timeout: float,
+    idle_timeout: float,
+    http_timeout: float,
+    rate: float,
+    burst: float,
+    max_connections: int,
+    max_errors: int,
+    max_containers_per_cgroup: int,
+    max_expire: float,
+    active_window: float,
+    limit_grace: float,
+    state_file: str | None,
+    legacy_metrics: bool,
+    node_name: str,
+    cpu: int | None,
+    verbose: int,
+) -> None:
+    """Run the node agent: collect the supervisors' reports, serve /metrics and /status."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if cpu is not None and cpu not in os.sched_getaffinity(0):
+        allowed = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
+        raise click.BadParameter(
+            f"{cpu} is not a CPU this process may run on (allowed: {allowed}).",
+            param_hint="'--cpu'",
+        )
+    admin_socket = admin_socket or admin_socket_for(socket_path)
+    problem = admin_socket_problem(socket_path, admin_socket)
+    if problem is not None:
+        raise click.BadParameter(problem, param_hint="'--admin-socket'")
+    state_file = state_file or state_file_for(admin_socket)
+    problem = state_file_problem(socket_path, state_file)
+    if problem is not None:
+        raise click.BadParameter(problem, param_hint="'--state-file'")
+    import logging
+
+    logging.basicConfig(
+        level=logging.WARNING - 10 * min(verbose, 2),
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    config = AgentConfig(
+        socket_path=socket_path,
+        admin_socket=admin_socket,
+        metrics_host=metrics_host,
+        metrics_port=metrics_port,
+        expire_after=expire_after,
+        read_timeout=read_timeout,
+        idle_timeout=idle_timeout,
+        http_timeout=http_timeout,
+        rate=rate,
+        burst=burst,
+        max_connections=max_connections,
+        max_errors=max_errors,
+        max_per_cgroup=max_containers_per_cgroup,
+        max_expire=max_expire,
+        active_window=active_window,
+        limit_grace=limit_grace,
+        state_file=state_file,
+        legacy_metrics=legacy_metrics,
+        node_name=node_name,
+        cpu=cpu,
+    )
+
+    def ready(port: int) -> None:
+        info = {
+            "socket": socket_path,
+            "admin_socket": admin_socket,
+            "state_file": state_file,
+            "metrics_port": port,
+            "pid": os.getpid(),
+        }
+        click.echo("gpuvisor node-agent ready " + json.dumps(info))
+        sys.stdout.flush()
+
+    try:
+        run_agent(config, ready)
+    except (RuntimeError, OSError) as exc:
+        raise click.ClickException(str(exc)) from exc
+
+
+def _limit_value(value: str | None, what: str) -> int | str | None:
+    """A set-limit option's value: an integer, None (no limit) or OWN_LIMIT.
+
+    Checked by the library's own parsers, as the variables are: --cores as
+    CUDA_DEVICE_SM_LIMIT (blanks around whole digits 0-100, 0: no limit),
+    --memory as CUDA_DEVICE_MEMORY_LIMIT, except that an amount of zero
+    bytes in any spelling ("0", "00", "0g") lifts the limit, where the
+    variable refuses it."""
+    if value is not None and value.lower() == OWN_LIMIT:
+        return OWN_LIMIT
+    if value is None or value.lower() in ("none", "unlimited"):
+        return None
+    from gpuvisor.shim.capi import GpuvisorError
+    from gpuvisor.shim.limits import parse_memory_limit
+    from gpuvisor.shim.loader import NativeLibraryNotFound
+
+    from .config import ENV_SM, ConfigError, check_shim_value
+
+    try:
+        if what == "sm":
+            bad = click.BadParameter(
+                f"{value!r}: expected a percent 1-100 (0, none or unlimited: no limit)",
+                param_hint="'--cores'",
+            )
+            if not value:
+                raise bad  # empty: "unset" to the library
+            try:
+                check_shim_value(ENV_SM, value)
+            except ConfigError:
+                raise bad from None
+            # The library took it: ASCII digits, maybe inside C blanks.
+            pct = int(value.strip())
+            return pct if pct > 0 else None
+        try:
+            return int(parse_memory_limit(value))
+        except GpuvisorError as exc:
+            if _zero_amount(value):
+                return None
+            raise click.BadParameter(f"{value!r}: {exc}", param_hint="'--memory'") from None
+    except (NativeLibraryNotFound, GpuvisorError) as exc:
+        # Not a bad value: the library is missing or not this version.
+        raise click.ClickException(" ".join(str(exc).split())) from None
+
+
+def _zero_amount(value: str) -> bool:
+    """Whether the library refused value only for being zero bytes: the same
+    spelling with every 0 made a 1 ("00" -> "11", "0.0g" -> "1.1g") parses,
+    so the form is good and no digit is non-zero."""
+    from gpuvisor.shim.capi import GpuvisorError
+    from gpuvisor.shim.limits import parse_memory_limit
+
+    if not any(c == "0" for c in value):
+        return False
+    try:
+        parse_memory_limit(value.replace("0", "1"))
+    except GpuvisorError:
+        return False
+    return True
+
+
+@node_agent.command("set-limit")
+@click.option(
+    "--socket",
+    "socket_path",
+    default=default_socket,
+    show_default="$GPUVISOR_NODE_SOCKET or /run/gpuvisor/node.sock",
+    help="The agent's reporting socket: the default admin socket is found beside it.",
+)
+@click.option(
+    "--admin-socket",
+    envvar=ADMIN_SOCKET_ENV,
+    default=None,
+    show_default=ADMIN_SOCKET_DEFAULT,
+    help="The agent's admin socket (its --admin-socket).",
+)
+@click.option(
+    "--container",
+    required=True,
+    help="Container key (see `gpuvisor top`) or namespace/pod/container.",
+)
+@click.option(
+    "--device", required=True, help=f"Device UUID, as the container reports it ({UUID_FORM})."
+)
+@click.option(
+    "--memory",
+    default=None,
+    help=(
+        "New memory limit (4g, 512m, bytes; 'none', 'unlimited' or zero in any "
+        "spelling (0, 00, 0g): no limit; 'env': clear the administrator's, back to "
+        "the container's own)."
+    ),
+)
+@click.option(
+    "--cores",
+    default=None,
+    help=(
+        "New SM limit in percent, as CUDA_DEVICE_SM_LIMIT reads it (1-100; "
+        "'none', 'unlimited' or 0: no limit; 'env': clear the administrator's, "
+        "back to the container's own)."
+    ),
+)
+def set_limit(
+    socket_path: str,
+    admin_socket: str | None,
+    container: str,
+    device: str,
+    memory: str | None,
+    cores: str | None,
+) -> None:
+    """Set a container's limit on one device: the agent pushes it in the container's acks,
+    and again whenever its reports show another value, until the container leaves (and
+    for --limit-grace seconds to its pod's restarted container).  'env' takes the
+    administrator's limit of that kind back: the container's own limit (its environment's)
+    is put back."""
+    if memory is None and cores is None:
+        raise click.UsageError("give --memory and/or --cores")
+    msg: dict[str, Any] = {
+        "v": 1,
+        "type": "set-limit",
+        "seq": 1,
+        "container": container,
+        "device": device,
+    }
+    if memory is not None:
+        msg["memory"] = _limit_value(memory, "memory")
+    if cores is not None:
+        msg["sm"] = _limit_value(cores, "sm")
+    if not is_uuid(device):
+        raise click.BadParameter(
+            f"{device!r}: expected a device UUID, {UUID_FORM} (lowercase hex)",
+            param_hint="'--device'",
+        )
+    path = admin_socket or admin_socket_for(socket_path)
+    try:
+        reply = send_admin(path, msg)
+    except OSError as exc:
+        raise click.ClickException(f"cannot reach the node agent at {path}: {exc}") from exc
+    if reply.get("type") != "ack":
+        raise click.ClickException(str(reply.get("error", reply)))
+    click.echo(f"limit change queued for {reply.get('container', container)}")
+    if reply.get("warning"):
+        click.echo(f"Warning: {reply['warning']}", err=True)
