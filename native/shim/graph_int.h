@@ -1,6 +1,8 @@
 /*
- * graph_int.h - what hooks_graph.c (the pool charge, instantiation) and
- * graph_live.c (which graph allocations are live) share.  Internal to them.
+ * graph_int.h - what hooks_graph.c (the pool charge, the hooks),
+ * graph_record.c (an executable graph's memory nodes, read at its
+ * instantiation) and graph_live.c (which graph allocations are live)
+ * share.  Internal to them.
  */
 #ifndef GV_GRAPH_INT_H
 #define GV_GRAPH_INT_H
@@ -32,6 +34,15 @@ typedef struct gexec {
 
 /* hooks_graph.c: ordinal's graph pool mutex (set up on first use). */
 pthread_mutex_t *gv_graph_pool_lock(int ordinal);
+
+/* graph_record.c: drop a reference to r (freed with the last); an
+ * executable graph's entry is gone (aux: its record); forget e (1 if it was
+ * tracked); after a successful instantiation, remember e if g has memory
+ * nodes (fails when they cannot be read or recorded). */
+void gv_graph_rec_put(gexec *r);
+void gv_graph_exec_dropped(uint64_t aux);
+int gv_graph_untrack_exec(CUgraphExec e);
+CUresult gv_graph_track_exec(CUgraphExec e, CUgraph g, unsigned long long flags);
 
 /* graph_live.c */
 uint64_t gv_graph_own_live(const gexec *r, int ordinal);

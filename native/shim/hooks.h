@@ -28,9 +28,9 @@
  * is not one (nothing done), else 1 with the driver's answer in *rc. */
 int gv_pool_free_block(CUdeviceptr p, CUresult (*call)(void *), void *arg, CUresult *rc);
 
-/* hooks_graph.c, graph_live.c: graph memory.  gv_graph_mem_seen: some
- * executable graph of this process has memory nodes (the launch hooks'
- * only check otherwise).  begin/end bracket a launch: begin charges what the graph
+/* hooks_graph.c, graph_record.c, graph_live.c: graph memory.
+ * gv_graph_mem_seen: some executable graph of this process has memory
+ * nodes (the launch hooks' only check otherwise).  begin/end bracket a launch: begin charges what the graph
  * pool may grow by and returns CUDA_ERROR_OUT_OF_MEMORY (nothing launched)
  * when the quota cannot take it; end settles on the pool's real reserve;
  * between them, gv_graph_mem_launched records, after the driver's answer

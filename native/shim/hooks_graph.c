@@ -14,9 +14,9 @@
  *    GetParams), those of its child graphs too (cuGraphChildGraphNode-
  *    GetGraph: CUDA 12.9 lets a graph with memory nodes be moved into a
  *    child graph node), and its flags, in a record its GV_K_GEXEC entry
- *    points to; a graph whose nodes cannot be read or recorded, or with
- *    child graphs nested deeper than GV_GRAPH_DEPTH, is destroyed and its
- *    instantiation fails (it may have memory nodes);
+ *    points to (graph_record.c); a graph whose nodes cannot be read or
+ *    recorded, or with child graphs nested deeper than GV_GRAPH_DEPTH, is
+ *    destroyed and its instantiation fails (it may have memory nodes);
  *  - a launch or upload of such a graph first charges what the pool may
  *    have to grow (the pool's use, less the graph's own allocations still
  *    live, plus its allocation bytes on the device, less its reserve) and
@@ -38,8 +38,6 @@
  */
 #include <pthread.h>
 #include <stdatomic.h>
-#include <stdlib.h>
-#include <string.h>
 
 #include "graph_int.h"
 #include "log.h"
@@ -51,23 +49,12 @@ typedef CUresult (*exec_fn)(CUgraphExec);
 typedef CUresult (*upload_fn)(CUgraphExec, CUstream);
 typedef CUresult (*trim_fn)(CUdevice);
 typedef CUresult (*attr_fn)(CUdevice, CUgraphMem_attribute, void *);
-typedef CUresult (*nodes_fn)(CUgraph, CUgraphNode *, size_t *);
-typedef CUresult (*type_fn)(CUgraphNode, CUgraphNodeType *);
-typedef CUresult (*alloc_params_fn)(CUgraphNode, CUDA_MEM_ALLOC_NODE_PARAMS *);
-typedef CUresult (*free_params_fn)(CUgraphNode, CUdeviceptr *);
-typedef CUresult (*child_fn)(CUgraphNode, CUgraph *);
-
-/* How deep child graphs are read below the graph instantiated; one deeper
- * fails the instantiation (CUDA_ERROR_NOT_SUPPORTED), as its memory nodes
- * would go uncharged.  (The recursion's stack is bounded by it too.) */
-#define GV_GRAPH_DEPTH 32
 
 static struct gpool {
     pthread_mutex_t lock;
     uint64_t charged;            /* the pool's reserve, as charged */
     int dev;                     /* region device entry; valid once charged */
 } pools[GV_MAX_ORDINALS];
-static atomic_int seen;          /* an executable graph here has memory nodes */
 static atomic_int unreadable_logged;
 static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
 
@@ -93,8 +80,6 @@ pthread_mutex_t *gv_graph_pool_lock(int ordinal)
     pthread_once(&setup_once, setup);
     return &pools[ordinal].lock;
 }
-
-int gv_graph_mem_seen(void) { return atomic_load_explicit(&seen, memory_order_relaxed); }
 
 static uint64_t pool_attr(int ordinal, CUgraphMem_attribute attr)
 {
@@ -147,184 +132,6 @@ static void settle_all(void)
         settle(i);
         pthread_mutex_unlock(&pools[i].lock);
     }
-}
-
-/* ---- instantiation: what an executable graph's memory nodes do -------- */
-
-static void rec_put(gexec *r)
-{
-    if (r && atomic_fetch_sub(&r->refs, 1) == 1)
-        free(r);
-}
-
-/* Memory nodes read so far, in node order (a child graph's in its node's
- * place). */
-typedef struct opvec {
-    gop *v;
-    size_t n, cap;
-} opvec;
-
-static CUresult push_op(opvec *o, gop op)
-{
-    if (o->n == o->cap) {
-        size_t cap = o->cap ? o->cap * 2 : 16;
-        gop *v = cap > SIZE_MAX / sizeof *v ? NULL : realloc(o->v, cap * sizeof *v);
-        if (!v)
-            return CUDA_ERROR_OUT_OF_MEMORY;
-        o->v = v;
-        o->cap = cap;
-    }
-    o->v[o->n++] = op;
-    return CUDA_SUCCESS;
-}
-
-/* Append g's memory nodes to o, and those of its child graphs, depth
- * levels below the graph instantiated.  Fails, with the driver's error,
- * CUDA_ERROR_OUT_OF_MEMORY or CUDA_ERROR_NOT_SUPPORTED (a device not
- * accounted for, a child graph past GV_GRAPH_DEPTH), when they cannot all
- * be read or recorded. */
-static CUresult read_nodes(CUgraph g, int depth, opvec *o)
-{
-    size_t n = 0;
-    CUresult rc = GV_REAL(cuGraphGetNodes, nodes_fn)(g, NULL, &n);
-    if (rc != CUDA_SUCCESS || n == 0)
-        return rc;
-    CUgraphNode *nodes = calloc(n, sizeof *nodes);
-    if (!nodes)
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    rc = GV_REAL(cuGraphGetNodes, nodes_fn)(g, nodes, &n);
-    for (size_t i = 0; i < n && rc == CUDA_SUCCESS; i++) {
-        CUgraphNodeType t;
-        rc = GV_REAL(cuGraphNodeGetType, type_fn)(nodes[i], &t);
-        gop op = { 0, 0, -1 };
-        if (rc != CUDA_SUCCESS) {
-            break;
-        } else if (t == CU_GRAPH_NODE_TYPE_MEM_ALLOC) {
-            CUDA_MEM_ALLOC_NODE_PARAMS prm;
-            memset(&prm, 0, sizeof prm);
-            rc = GV_REAL(cuGraphMemAllocNodeGetParams, alloc_params_fn)(nodes[i], &prm);
-            if (rc == CUDA_SUCCESS && (prm.poolProps.location.id < 0 ||
-                                       prm.poolProps.location.id >= GV_MAX_ORDINALS))
-                rc = CUDA_ERROR_NOT_SUPPORTED;  /* a device not accounted for */
-            if (rc != CUDA_SUCCESS || prm.bytesize == 0)
-                continue;
-            op = (gop){ prm.dptr, prm.bytesize, prm.poolProps.location.id };
-        } else if (t == CU_GRAPH_NODE_TYPE_MEM_FREE) {
-            rc = GV_REAL(cuGraphMemFreeNodeGetParams, free_params_fn)(nodes[i], &op.addr);
-            if (rc != CUDA_SUCCESS)
-                continue;
-        } else if (t == CU_GRAPH_NODE_TYPE_GRAPH) {
-            CUgraph child = NULL;
-            if (depth >= GV_GRAPH_DEPTH)
-                rc = CUDA_ERROR_NOT_SUPPORTED;  /* too deep to read */
-            else if ((rc = GV_REAL(cuGraphChildGraphNodeGetGraph, child_fn)(nodes[i], &child)) ==
-                     CUDA_SUCCESS)
-                rc = read_nodes(child, depth + 1, o);
-            continue;
-        } else {
-            continue;
-        }
-        rc = push_op(o, op);
-    }
-    free(nodes);
-    return rc;
-}
-
-/* g's memory nodes, its child graphs' included: *out a record of them with
- * one reference, or NULL when it has none.  Fails, with the driver's error,
- * CUDA_ERROR_OUT_OF_MEMORY or CUDA_ERROR_NOT_SUPPORTED, when they cannot
- * all be read or recorded: the graph may have some. */
-static CUresult read_graph(CUgraph g, unsigned long long flags, gexec **out)
-{
-    *out = NULL;
-    opvec o = { NULL, 0, 0 };
-    gexec *r = NULL;
-    CUresult rc = read_nodes(g, 0, &o);
-    if (rc != CUDA_SUCCESS || o.n == 0)
-        goto out;
-    r = o.n > (SIZE_MAX - sizeof *r) / sizeof r->ops[0]
-            ? NULL : calloc(1, sizeof *r + o.n * sizeof r->ops[0]);
-    if (!r) {
-        rc = CUDA_ERROR_OUT_OF_MEMORY;
-        goto out;
-    }
-    memcpy(r->ops, o.v, o.n * sizeof r->ops[0]);
-    r->n = o.n;
-    atomic_init(&r->refs, 1);
-    r->autofree = (flags & CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH) != 0;
-    for (size_t i = 0; i < r->n; i++) {
-        gop *op = &r->ops[i];
-        if (op->size) {
-            r->per[op->ordinal] += op->size;
-            r->lock |= 1ULL << op->ordinal;
-            continue;
-        }
-        r->frees = 1;
-        for (size_t j = 0; j < r->n && op->ordinal < 0; j++)
-            if (r->ops[j].size && r->ops[j].addr == op->addr)
-                op->ordinal = r->ops[j].ordinal;
-        if (op->ordinal < 0) {
-            /* Made by another graph, on a device not known here: every
-             * device's pool is locked for its launch. */
-            int count = 0;
-            if (GV_REAL(cuDeviceGetCount, CUresult (*)(int *))(&count) != CUDA_SUCCESS ||
-                count <= 0 || count >= GV_MAX_ORDINALS)
-                r->lock = ~0ULL;
-            else
-                r->lock |= (1ULL << count) - 1;
-        }
-    }
-    *out = r;
-    r = NULL;
-out:
-    free(o.v);
-    free(r);
-    return rc;
-}
-
-/* An executable graph's entry is gone: drop its record's reference. */
-static void exec_dropped(uint64_t aux) { rec_put((gexec *)(uintptr_t)aux); }
-
-/* e is gone: forget it; 1 if it was tracked. */
-static int untrack_exec(CUgraphExec e)
-{
-    gv_alloc a;
-    if (!gv_table_take(GV_K_GEXEC, (uint64_t)(uintptr_t)e, &a))
-        return 0;
-    exec_dropped(a.aux);
-    return 1;
-}
-
-/* After a successful instantiation: remember an executable graph with
- * memory nodes (GV_K_GEXEC, aux = its record, nothing charged to the
- * entry).  Fails when they cannot be read or recorded.  The entry has no
- * context, so a context's destruction leaves it: CUDA lists no CUgraphExec
- * among what cuCtxDestroy takes, and a graph that can still be launched
- * (the simulator's can, from another context) must still be charged. */
-static CUresult track_exec(CUgraphExec e, CUgraph g, unsigned long long flags)
-{
-    gexec *r;
-    CUresult rc = read_graph(g, flags, &r);
-    if (rc != CUDA_SUCCESS || !r)
-        return rc;
-    int ordinal = -1;              /* the first device it allocates on */
-    for (int i = 0; i < GV_MAX_ORDINALS && ordinal < 0; i++)
-        if (r->per[i])
-            ordinal = i;
-    const gv_devinfo *d = NULL;
-    if (ordinal >= 0 && (rc = gv_device(ordinal, &d)) != CUDA_SUCCESS) {
-        rec_put(r);
-        return rc;
-    }
-    gv_alloc a = { .key = (uint64_t)(uintptr_t)e, .kind = GV_K_GEXEC,
-                   .dev = d ? d->region_dev : -1, .bytes = 0, .aux = (uint64_t)(uintptr_t)r,
-                   .ctx = NULL };
-    if (gv_table_put(&a) != 0) {
-        rec_put(r);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    atomic_store_explicit(&seen, 1, memory_order_relaxed);
-    return CUDA_SUCCESS;
 }
 
 /* ---- launch and upload ------------------------------------------------ */
@@ -386,7 +193,7 @@ CUresult gv_graph_mem_begin(gv_graph_mem *m, CUgraphExec e)
         return CUDA_SUCCESS;
     int mode = gv_mode_fast();
     if (mode != GV_MODE_ENFORCE) {
-        rec_put(r);
+        gv_graph_rec_put(r);
         return mode == GV_MODE_PASSTHROUGH ? CUDA_SUCCESS : GV_FAIL_CUDA;
     }
     if (!r)
@@ -424,7 +231,7 @@ void gv_graph_mem_end(gv_graph_mem *m)
         gv_charge_landed();
     m->flying = 0;
     m->held = 0;
-    rec_put(m->rec);
+    gv_graph_rec_put(m->rec);
     m->rec = NULL;
 }
 
@@ -460,8 +267,8 @@ static CUresult instantiated(CUresult rc, CUgraphExec *pe, CUgraph g, unsigned l
     if (rc != CUDA_SUCCESS || !pe || gv_mode_fast() != GV_MODE_ENFORCE)
         return rc;
     if (gv_graph_mem_seen())
-        untrack_exec(*pe);                      /* a reused handle's */
-    rc = track_exec(*pe, g, flags);
+        gv_graph_untrack_exec(*pe);             /* a reused handle's */
+    rc = gv_graph_track_exec(*pe, g, flags);
     if (rc != CUDA_SUCCESS) {
         gv_log(GV_LOG_ERROR, "the memory nodes of a graph being instantiated cannot be read "
                "or recorded (CUDA error %d); the instantiation is refused", (int)rc);
@@ -511,7 +318,7 @@ static CUresult inst_params(inst_params_fn real, upload_fn real_upload, CUgraphE
         return rc;
     rc = upload(real_upload, *pe, prm->hUploadStream);
     if (rc != CUDA_SUCCESS) {
-        untrack_exec(*pe);
+        gv_graph_untrack_exec(*pe);
         GV_REAL(cuGraphExecDestroy, exec_fn)(*pe);
         *pe = NULL;
     }
@@ -552,7 +359,7 @@ GV_EXPORT CUresult cuGraphExecDestroy(CUgraphExec e)
         return rc;
     }
     /* Its live allocations stay live (and charged) until freed. */
-    exec_dropped(a.aux);
+    gv_graph_exec_dropped(a.aux);
     settle_all();
     gv_charge_landed();
     return rc;
