@@ -83,13 +83,12 @@ class DeviceShares:
         return st.report.priority if st is not None else 1
 
     @staticmethod
-    def unmeasured(report: Report, d: DeviceReport) -> bool:
+    def unmeasured(d: DeviceReport) -> bool:
         """Does the container's gate measure nothing on this device?  Its
         launches are gated only with an SM limit (or, with a low priority,
         while it yields, when it launches nothing anyway): a low-priority
         container without a limit keeps the fast path, as a high-priority
-        one does."""
-        del report  # the priority no longer decides
+        one does, whatever its priority."""
         return d.sm_limit is None
 
     def wants_process_use(self) -> bool:
@@ -99,7 +98,7 @@ class DeviceShares:
         prios = set()
         for st in list(self.containers.values()):
             r = st.report
-            if any(self.unmeasured(r, d) for d in r.devices):
+            if any(self.unmeasured(d) for d in r.devices):
                 return True
             prios.add(r.priority)
         return 0 in prios and len(prios) > 1
@@ -144,9 +143,7 @@ class DeviceShares:
                 st = on_dev[k]
                 if total > threshold and (
                     st.report.priority == 0
-                    or any(
-                        self.unmeasured(st.report, d) for d in st.report.devices if d.uuid == uuid
-                    )
+                    or any(self.unmeasured(d) for d in st.report.devices if d.uuid == uuid)
                 ):
                     active = self.nvml_active.setdefault(uuid, {})
                     new = k not in active
@@ -158,7 +155,7 @@ class DeviceShares:
         """The container's SM share of device d: what its gate measured, or
         for a container whose gate measures nothing, NVML's figure while
         one is fresh (within the active window)."""
-        if self.unmeasured(report, d):
+        if self.unmeasured(d):
             seen = self.nvml_share.get(key, {}).get(d.uuid)
             if seen is not None and now - seen[1] <= self.config.active_window:
                 return seen[0]
@@ -172,7 +169,7 @@ class DeviceShares:
         gate measures nothing reports 0 %: it is active while NVML saw its
         processes work within the active window (nvml_active)."""
         active = d.sm_share > self.config.active_threshold or (
-            self.unmeasured(report, d) and key in self.nvml_active.get(d.uuid, {})
+            self.unmeasured(d) and key in self.nvml_active.get(d.uuid, {})
         )
         if not active:
             return 0.0

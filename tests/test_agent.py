@@ -761,6 +761,9 @@ def test_nvml_use_marks_a_high_priority_container_without_a_limit_active():
     assert state.accept_report(low, peer, t + 2.1).yield_devices == {GPU_A: False}
 
 
+LOW_LOW_HIGH = (("a", 1), ("b", 1), ("high", 0))
+
+
 def test_two_low_priority_containers_without_limits_do_not_make_each_other_yield():
     """CUDA_TASK_PRIORITY unset means 1 (low), so most containers are low:
     two of them, both working without an SM limit (NVML sees them; their
@@ -769,18 +772,7 @@ def test_two_low_priority_containers_without_limits_do_not_make_each_other_yield
     state = AgentState(AgentConfig(active_window=1.0))
     peer = PeerCred(pid=1, uid=0, gid=0)
 
-    def report(pod: str, priority: int) -> Report:
-        return Report(
-            seq=1,
-            ts=0.0,
-            container=ContainerId(cgroup=f"/kubepods/{pod}", pod=pod),
-            policy="fixed-share",
-            priority=priority,
-            pids=[],
-            devices=[device(share=0.0)],
-        )
-
-    a, b, high = report("a", 1), report("b", 1), report("high", 0)
+    a, b, high = (pod_report(pod, prio, [device(share=0.0)]) for pod, prio in LOW_LOW_HIGH)
 
     def cgroups_of(pid: int) -> frozenset[str]:
         return frozenset({{1: "/kubepods/a", 2: "/kubepods/b", 3: "/kubepods/high"}[pid]})
