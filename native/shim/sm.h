@@ -1,7 +1,7 @@
 /*
- * sm.h - the SM-time quota: pacing (sm_gate.c), measurement and policies
- * (sm_meter.c), calibration of measured times against NVML (sm_calib.c),
- * used by the launch hooks (hooks_launch.c).
+ * sm.h - the SM-time quota: pacing (sm_gate.c), measurement (sm_meter.c),
+ * policies (sm_policy.c), calibration of measured times against NVML
+ * (sm_calib.c), used by the launch hooks (hooks_launch.c).
  */
 #ifndef GV_SM_H
 #define GV_SM_H
@@ -70,6 +70,16 @@ void gv_arb_alive(int dev, uint64_t now);
 void gv_arb_not_waiting(int dev);
 /* Reset process-local gate state in a forked child. */
 void gv_sm_fork_child(void);
+/* The policies (sm_policy.c), per region device this process launches on:
+ *  - gv_sm_watch: d (gated launches go to it, through sm) is to be
+ *    watched from now on;
+ *  - gv_sm_policies: set the share of every device watched, tell the gate
+ *    who else works on it and feed the calibration (the meter thread,
+ *    every 100 ms);
+ *  - gv_sm_policy_reset: watch nothing (a forked child). */
+void gv_sm_watch(const gv_devinfo *d, struct gv_sm *sm);
+void gv_sm_policies(void);
+void gv_sm_policy_reset(void);
 
 /* A launch going through the gate. */
 typedef struct gv_sm_launch {

@@ -30,9 +30,9 @@
  *    as NVML's samples, so that a long kernel or graph at the window's
  *    edge is split as NVML splits it instead of counted whole on one side.
  *
- * Only the meter thread (sm_meter.c) calls these, so the state is plain;
- * it asks NVML and hands the answer over, so this file is plain arithmetic
- * (native/tests/t_sm_calib.c tests it alone).
+ * Only the meter thread (sm_meter.c; its policy updates, sm_policy.c) calls
+ * these, so the state is plain; it asks NVML and hands the answer over, so
+ * this file is plain arithmetic (native/tests/t_sm_calib.c tests it alone).
  */
 #include <stdlib.h>
 #include <string.h>

@@ -35,7 +35,7 @@
  * containers' kernels runs later at more than the share.  At least one
  * launch always goes; two while no other process of the container keeps
  * the device busy, so that it does not wait for the meter thread's
- * settling between a process's kernels (sm_meter.c tells which).
+ * settling between a process's kernels (sm_policy.c tells which).
  *
  * With no other container on the device, the whole container keeps at
  * most 4 ms x share in flight, split evenly between its processes that

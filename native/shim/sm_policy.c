@@ -1,0 +1,223 @@
+/*
+ * sm_policy.c - the share the SM gate enforces, from the container's policy.
+ *
+ * Every 100 ms the meter thread (sm_meter.c) sets the share the gate
+ * (sm_gate.c) enforces:
+ *   fixed-share  the limit, even when the GPU is idle;
+ *   burst-share  the limit, or what the other containers leave (minus 10 %)
+ *                when that is more;
+ *   best-effort  what the other containers leave (minus 10 %), at least 1 %;
+ * and 0 (paused) while the region's yield flag is set (a higher-priority
+ * container is active; set by the supervisor, as a lease it renews: the
+ * pause ends by itself when the lease does), with or without a limit: a
+ * container without a limit is gated only while its flag is set (at 0 %,
+ * or 100 % once the lease ended), and goes back to the fast path when the
+ * flag is cleared or, the lease ended, at its next launch.  "The
+ * other containers' use" is NVML's per-process utilisation over the last
+ * 300 ms of every process that is not registered in this container's
+ * region, or the node agent's figure for the other containers (passed on by
+ * the supervisor) when that is larger and fresh, so lent capacity comes back
+ * within a few hundred milliseconds once another container works.  The
+ * same update hands NVML's per-process samples to the calibration
+ * (sm_calib.c) and tells the gate who else works on the device.
+ */
+#include <stdatomic.h>
+#include <time.h>
+
+#include "sm.h"
+
+#define OTHERS_ACTIVE 300                   /* 3 %: someone else is working */
+#define MARGIN 1000                         /* 10 % kept free for the others */
+#define RECENT_US 300000ULL                 /* window for the others' use */
+#define AGENT_FRESH_NS (2ULL * 1000000000ULL) /* the agent's figure counts this long */
+#define OTHERS_RISE 500                     /* 5 %: the others want more */
+#define LEND_STEP 1000                      /* lend back 10 % more per update */
+#define FULL_USE 9900                       /* 99 %: the device has no idle time */
+
+/* Devices this process has gated launches on, for the policy updates. */
+static struct watched {
+    _Atomic(const gv_devinfo *) info;
+    struct gv_sm *sm;
+    nvmlDevice_t nvml;
+    int have_nvml;
+    uint64_t others_before;     /* the others' use at the last update */
+    uint64_t lent;              /* the lent share at the last update */
+} watched[GV_MAX_DEVICES];
+
+void gv_sm_watch(const gv_devinfo *d, struct gv_sm *sm)
+{
+    if (!atomic_load_explicit(&watched[d->region_dev].info, memory_order_relaxed)) {
+        watched[d->region_dev].sm = sm;
+        atomic_store(&watched[d->region_dev].info, d);
+    }
+}
+
+void gv_sm_policy_reset(void)
+{
+    for (int i = 0; i < GV_MAX_DEVICES; i++) {
+        atomic_store(&watched[i].info, NULL);
+        watched[i].others_before = watched[i].lent = 0;
+    }
+}
+
+/* NVML's per-process samples of a device newer than `since` (CPU time,
+ * us): how many were written to s (at most MAX_SAMPLES), or -1. */
+#define MAX_SAMPLES 1024u   /* 2 s of 200 ms samples of 100 processes (32 KiB) */
+static int proc_samples(nvmlDevice_t nvml, unsigned long long since,
+                        nvmlProcessUtilizationSample_t s[MAX_SAMPLES])
+{
+    typedef nvmlReturn_t (*procutil_fn)(nvmlDevice_t, nvmlProcessUtilizationSample_t *,
+                                        unsigned int *, unsigned long long);
+    unsigned int n = MAX_SAMPLES;
+    if (GV_REAL(nvmlDeviceGetProcessUtilization, procutil_fn)(nvml, s, &n, since) != NVML_SUCCESS)
+        return -1;
+    return (int)(n < MAX_SAMPLES ? n : MAX_SAMPLES);
+}
+
+/* The other containers' use of w's device over the last RECENT_US, in 1/100 %:
+ * NVML per-process utilisation of every PID that is not one of ours.
+ * *company: who else used it meanwhile (GV_SM_OTHERS: other containers'
+ * processes, GV_SM_MATES: other processes of this one, or 0), and
+ * GV_SM_FULL when all processes together kept it busy (>= FULL_USE);
+ * *procs: how many of this container's processes used it (this one
+ * counted always). */
+static uint64_t others_recent(struct watched *w, int *company, int *procs)
+{
+    nvmlProcessUtilizationSample_t samples[MAX_SAMPLES];
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    unsigned long long since = (unsigned long long)ts.tv_sec * 1000000ULL +
+                               (unsigned long long)ts.tv_nsec / 1000 - RECENT_US;
+    *company = GV_SM_OTHERS;             /* not known: as if others worked */
+    *procs = 1;
+    int got = proc_samples(w->nvml, since, samples);
+    if (got < 0)
+        return 0;
+    unsigned int n = (unsigned int)got;
+    /* This container's processes, by the PIDs NVML may show for them: the
+     * registered ones and, inside a PID namespace, the host's they learned. */
+    uint32_t ours[512];
+    int nlocal = region_process_list(gv_core_region(), (int32_t *)ours, 256);
+    int nours = nlocal < 0 ? 0 : nlocal < 256 ? nlocal : 256;
+    int nhost = region_nvml_pid_list(gv_core_region(), ours + nours, 256);
+    nours += nhost < 0 ? 0 : nhost < 256 ? nhost : 256;
+    unsigned int me = gv_nvml_self_pid();
+    /* A PID may have several samples: average them, then add up the PIDs;
+     * a PID with any busy sample counts as working on the device. */
+    int others = 0, mates = 0;
+    uint64_t total = 0, all = 0;
+    for (unsigned int i = 0; i < n; i++) {
+        unsigned int pid = samples[i].pid;
+        int mine = pid == me, seen = 0;
+        for (int k = 0; k < nours && !mine; k++)
+            mine = ours[k] == pid;
+        for (unsigned int j = 0; j < i && !seen; j++)
+            seen = samples[j].pid == pid;
+        if (seen)
+            continue;
+        uint64_t sum = 0, cnt = 0;
+        for (unsigned int j = i; j < n; j++)
+            if (samples[j].pid == pid) {
+                sum += samples[j].smUtil;
+                cnt++;
+            }
+        all += sum * 100 / cnt;
+        if (!mine)
+            total += sum * 100 / cnt;
+        if (sum && pid != me) {
+            mates += mine;
+            others |= !mine;
+        }
+    }
+    *company = (others ? GV_SM_OTHERS : 0) | (mates ? GV_SM_MATES : 0);
+    *procs = 1 + mates;
+    if (all >= FULL_USE)
+        *company |= GV_SM_FULL;
+    return total > 10000 ? 10000 : total;
+}
+
+/* Set w's share; *company, *procs: who else works on its device. */
+static void update_share(struct watched *w, int *company, int *procs)
+{
+    struct gv_sm *sm = w->sm;
+    uint32_t limit = atomic_load(&sm->limit);
+    uint32_t policy = atomic_load(&sm->policy);
+    uint32_t share;
+    uint64_t others = w->have_nvml ? others_recent(w, company, procs) : 0;
+    if (region_sm_yielding(sm, gv_mono_ns())) {
+        share = 0;
+    } else if (limit == 0) {
+        share = 10000;
+    } else if (policy == GV_SM_FIXED || !w->have_nvml) {
+        share = limit * 100;
+    } else {
+        /* Lend what the others leave: their use over the last 300 ms (NVML
+         * per-process samples; every PID not in this container), minus a
+         * margin, never below the floor (how fast it moves: below). */
+        /* The node agent's view, when the supervisor passed one on lately. */
+        uint64_t at = atomic_load(&sm->others_at), now = gv_mono_ns();
+        uint64_t agent = atomic_load(&sm->others);
+        if (at && now >= at && now - at < AGENT_FRESH_NS && agent > others)
+            others = agent;
+        uint64_t floor = policy == GV_SM_BURST ? (uint64_t)limit * 100 : 100;
+        uint64_t room = others < OTHERS_ACTIVE ? 10000
+                        : (others + MARGIN < 10000 ? 10000 - others - MARGIN : 0);
+        /* What the others use is also what this container leaves them: on a
+         * time-sliced device a container that wants more than it gets
+         * shows only what it gets.  So when their use grows, give back all
+         * that was lent at once (their growth shows within one or two NVML
+         * samples), and lend again step by step while their use holds;
+         * with nobody else working, or their use falling, lend all there
+         * is at once. */
+        uint64_t lend;
+        if (others >= OTHERS_ACTIVE && others >= w->others_before + OTHERS_RISE)
+            lend = 0;
+        else if (others < OTHERS_ACTIVE || others + OTHERS_RISE <= w->others_before)
+            lend = room;
+        else
+            lend = w->lent + LEND_STEP < room ? w->lent + LEND_STEP : room;
+        w->others_before = others;
+        w->lent = lend;
+        share = (uint32_t)(lend > floor ? lend : floor);
+    }
+    gv_sm_set_share(sm, share);
+}
+
+/* Hand NVML's per-process samples newer than the last taken to sm_calib.c. */
+static void calibrate(int dev, nvmlDevice_t nvml)
+{
+    struct timespec rt;
+    clock_gettime(CLOCK_REALTIME, &rt);
+    uint64_t mono = gv_mono_ns();
+    uint64_t real_ns = (uint64_t)rt.tv_sec * 1000000000ULL + (uint64_t)rt.tv_nsec;
+    unsigned long long since = gv_cal_since(dev, real_ns);
+    nvmlProcessUtilizationSample_t samples[MAX_SAMPLES];
+    int n = proc_samples(nvml, since, samples);
+    if (n >= 0)
+        gv_cal_update(dev, since, samples, (unsigned)n, gv_nvml_self_pid(), real_ns, mono);
+}
+
+void gv_sm_policies(void)
+{
+    static int nvml_tried;
+    if (!nvml_tried) {
+        nvml_tried = 1;
+        GV_REAL(nvmlInit_v2, nvmlReturn_t (*)(void))();
+    }
+    for (int i = 0; i < GV_MAX_DEVICES; i++) {
+        struct watched *w = &watched[i];
+        const gv_devinfo *info = atomic_load(&w->info);
+        if (!info)
+            continue;
+        if (!w->have_nvml) {
+            typedef nvmlReturn_t (*by_uuid_fn)(const char *, nvmlDevice_t *);
+            w->have_nvml = GV_REAL(nvmlDeviceGetHandleByUUID, by_uuid_fn)(info->uuid_str, &w->nvml) ==
+                           NVML_SUCCESS;
+        }
+        int c = GV_SM_OTHERS, p = 1;
+        update_share(w, &c, &p);
+        gv_sm_set_company(i, c, p);
+        if (w->have_nvml)
+            calibrate(i, w->nvml);
+    }
+}
