@@ -435,6 +435,52 @@ def test_lifted_limit_runs_free_and_a_new_limit_holds_again(node: SimNode) -> No
     assert abs(readings[1] - 30) <= 6
 
 
+def wakeups_off_main(pid: int, seconds: float) -> int:
+    """How often the process's threads other than its main one went to
+    sleep and woke (voluntary context switches) over the next seconds."""
+
+    def count() -> int:
+        total = 0
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            if task.name == str(pid):
+                continue
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith("voluntary_ctxt_switches:"):
+                    total += int(line.split()[1])
+        return total
+
+    first = count()
+    time.sleep(seconds)
+    return count() - first
+
+
+def test_a_lifted_limit_lets_the_meter_thread_sleep(node: SimNode) -> None:
+    """Once a limit is lifted nothing gates the process's launches and its
+    meter thread has no share to set: it sleeps until a launch is gated
+    again, instead of waking every 10 ms, and reading NVML every 100 ms,
+    for the rest of the process's life (about 100 wake-ups a second
+    before).  A limit set again wakes it: the limit holds again."""
+    env = node.shimmed(CUDA_DEVICE_SM_LIMIT="30")
+    w = start(env, "kernel", LONG_RUN, 1)
+    go(w)
+    time.sleep(1.0)
+    limited = wakeups_off_main(w.pid, 0.5)
+    region_call(node, "r.set_sm_limit(0, 0)")
+    time.sleep(1.0)  # the kernels it had in flight settle
+    lifted = wakeups_off_main(w.pid, 1.0)
+    region_call(node, "r.set_sm_limit(0, 30)")
+    time.sleep(2.0)  # the up to 1024 launches queued while free run first
+    again = shares_over(node, 1.0)[str(w.pid)]
+    stop(w)
+    print(
+        f"wake-ups off the main thread: limited {limited} in 0.5 s, lifted {lifted} in 1 s; "
+        f"limit again: {again} %"
+    )
+    assert limited >= 50  # the meter at work: the count shows it
+    assert lifted <= 10
+    assert abs(again - 30) <= 6
+
+
 def region_sm0(node: SimNode) -> dict[str, Any]:
     """Device entry 0's SM state in the node's region, as the API reads it."""
     out = subprocess.run(

@@ -146,7 +146,10 @@ static int try_settle(struct rec *r, CUcontext *current)
  * in-flight bound while the device drained.  make bench-sm workload, 7 s
  * runs, seeds 1-4, two sittings, window standard deviation before ->
  * after: 90 % x 2 processes 1.15-1.3 -> 1.0-1.1, 75 % x 4 1.5-1.55 ->
- * 1.2-1.35, 50 % x 3 1.8 -> 1.4-1.55; pairs within the noise.  A
+ * 1.2-1.35, 50 % x 3 1.8 -> 1.4-1.55; pairs within the noise.  While
+ * nothing in the region gates launches (a limit lifted, a yield over),
+ * there is no share to set: sleep until the next gated launch, instead of
+ * reading NVML every 100 ms for as long as the process lives.  A
  * process-private futex word: no lock to leave held if the process dies
  * or forks. */
 static void nap(void)
@@ -154,7 +157,7 @@ static void nap(void)
     atomic_store(&napping, 1);
     if (!atomic_load(&inbox)) {
         struct timespec ts = { 0, NAP_NS };
-        syscall(SYS_futex, &napping, FUTEX_WAIT_PRIVATE, 1, &ts, NULL, 0);
+        syscall(SYS_futex, &napping, FUTEX_WAIT_PRIVATE, 1, gv_sm_gating() ? &ts : NULL, NULL, 0);
     }
     atomic_store(&napping, 0);
 }
