@@ -20,6 +20,7 @@ static volatile int g_inited;
 static int g_nvis;
 static int g_vis[SIM_MAX_DEV];          /* CUDA ordinal -> node index */
 static unsigned long long g_fail_at, g_fail_every, g_ctx_ms, g_alloc_ms, g_free_ms, g_module_mib;
+static unsigned long long g_launch_us;
 static unsigned long long g_alloc_calls;
 static char g_cuda_fail[1024];          /* ",name1,name2," or "" */
 
@@ -115,6 +116,13 @@ static void do_init(void)
         g_alloc_ms = 0;
     if (sim_knob_uint("GPUVISOR_SIM_FREE_MS", &g_free_ms) <= 0)
         g_free_ms = 0;
+    if (sim_knob_uint("GPUVISOR_SIM_LAUNCH_US", &g_launch_us) <= 0) {
+        g_launch_us = 0;
+    } else if (g_launch_us > 1000000) {
+        sim_log("GPUVISOR_SIM_LAUNCH_US=%s is not an integer from 1 to 1000000; ignored",
+                getenv("GPUVISOR_SIM_LAUNCH_US"));
+        g_launch_us = 0;
+    }
     if (sim_knob_uint("GPUVISOR_SIM_MODULE_MIB", &g_module_mib) <= 0) {
         g_module_mib = 0;
     } else if (g_module_mib > (1ULL << 20)) {
@@ -203,6 +211,16 @@ void sim_alloc_delay(void)
 {
     if (g_alloc_ms)
         sleep_ms(g_alloc_ms);
+}
+
+void sim_launch_delay(void)
+{
+    if (g_launch_us) {
+        struct timespec ts = { (time_t)(g_launch_us / 1000000),
+                               (long)(g_launch_us % 1000000) * 1000L };
+        while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+            ;
+    }
 }
 
 void sim_free_delay(void)

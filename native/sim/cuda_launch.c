@@ -88,6 +88,7 @@ CUresult sim_kern_make(sim_kern *k, CUfunction f, const unsigned grid[3],
 CUresult sim_launch(const sim_sref *r, const sim_kern *k, int n)
 {
     struct CUctx_st *c = r->ctx;
+    sim_launch_delay();                 /* the driver's own time, before it enqueues */
     for (int i = 0; i < n; i++) {
         for (;;) {
             pthread_mutex_lock(&sim_mu);
