@@ -67,10 +67,11 @@ $(BUILD)/tests/t_sm_calib: native/tests/t_sm_calib.c native/shim/sm_calib.c $(CT
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_ALL) -Inative/tests -o $@ $< native/shim/sm_calib.c $(LDLIBS_ALL) -lm
 
-# So is the launch order between containers, with stand-ins for the rest.
-$(BUILD)/tests/t_sm_arbiter: native/tests/t_sm_arbiter.c native/shim/sm_arbiter.c $(CTEST_HDRS) $(SHIM_HDRS)
+# So are the launch order between containers and the enqueue word, with
+# stand-ins for the rest.
+$(BUILD)/tests/t_sm_arbiter: native/tests/t_sm_arbiter.c native/shim/sm_arbiter.c native/shim/sm_enqueue.c $(CTEST_HDRS) $(SHIM_HDRS)
 	@mkdir -p $(@D)
-	$(CC) $(CFLAGS_ALL) -Inative/tests -o $@ $< native/shim/sm_arbiter.c $(LDLIBS_ALL)
+	$(CC) $(CFLAGS_ALL) -Inative/tests -o $@ $< native/shim/sm_arbiter.c native/shim/sm_enqueue.c $(LDLIBS_ALL)
 
 $(BUILD)/tests/t_%: native/tests/t_%.c $(CTEST_HDRS)
 	@mkdir -p $(@D)

@@ -29,7 +29,7 @@
 #include <stdint.h>
 
 #define GV_REGION_MAGIC 0x31485356504756ULL   /* "GVPVSH1" little-endian-ish tag */
-#define GV_REGION_VERSION 6u
+#define GV_REGION_VERSION 7u
 #define GV_MAX_SLOTS 1024
 #define GV_MAX_DEVICES 16
 #define GV_DEFAULT_REGION_PATH "/tmp/gpuvisor-region.shr"
@@ -116,6 +116,11 @@ struct gv_sm {
      * it while the pause must hold, so a pauser that dies cannot leave the
      * container paused); 0: never set, or cleared. */
     _Atomic uint64_t yield_until;
+    /* Held while a process makes a gated launch's begin event, kernel and
+     * end event, where no node directory holds the word for every
+     * container (sm_enqueue.c): the holder's CLOCK_MONOTONIC ns | 1, 0 =
+     * free. */
+    _Atomic uint64_t enqueue;
 };
 
 /* Whether any device entry has ever had an SM limit or its yield flag set

@@ -68,6 +68,14 @@ void gv_arb_admitted(int dev, const char *uuid, uint64_t now);
 void gv_arb_settled(int dev);
 void gv_arb_alive(int dev, uint64_t now);
 void gv_arb_not_waiting(int dev);
+/* The node-wide enqueue word of region device dev (sm_enqueue.c), once
+ * this process has mapped the device's launch-order file; else NULL. */
+_Atomic uint64_t *gv_arb_enqueue_word(int dev);
+/* A gated launch's begin event, kernel and end event are made between
+ * these two (sm_enqueue.c): returns what to give back, never 0, after at
+ * most a couple of milliseconds whoever holds it. */
+uint64_t gv_sm_enqueue_begin(struct gv_sm *sm, int dev);
+void gv_sm_enqueue_end(struct gv_sm *sm, int dev, uint64_t held);
 /* Reset process-local gate state in a forked child. */
 void gv_sm_fork_child(void);
 /* The policies (sm_policy.c), per region device this process launches on:
@@ -93,6 +101,7 @@ typedef struct gv_sm_launch {
     uint64_t est;
     uint32_t share;         /* the share the launch was charged at */
     CUevent begin, end;     /* NULL when they could not be made */
+    uint64_t enqueue;       /* the enqueue word held (sm_enqueue.c); 0: none */
 } gv_sm_launch;
 
 /* Does anything in the region gate launches now?  A few loads while nothing

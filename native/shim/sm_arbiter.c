@@ -74,7 +74,10 @@ struct arb_file {
     _Atomic uint64_t magic;
     _Atomic uint32_t used;          /* slots [0, used) were ever claimed */
     uint32_t pad0;
-    uint64_t pad[6];
+    /* The enqueue word of every container on the GPU (sm_enqueue.c); a
+     * library without it left this word 0 and never reads it. */
+    _Atomic uint64_t enqueue;
+    uint64_t pad[5];
     struct arb_slot slot[ARB_SLOTS];
 };
 
@@ -333,4 +336,12 @@ void gv_arb_not_waiting(int dev)
     struct arb_slot *s = mine(dev);
     if (s)
         atomic_store_explicit(&s->wait_at, 0, memory_order_relaxed);
+}
+
+_Atomic uint64_t *gv_arb_enqueue_word(int dev)
+{
+    if (dev < 0 || dev >= GV_MAX_DEVICES ||
+        atomic_load_explicit(&arbs[dev].state, memory_order_acquire) != MAPPED)
+        return NULL;
+    return &arbs[dev].f->enqueue;
 }

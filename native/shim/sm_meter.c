@@ -328,8 +328,15 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
     ev_create_fn create = GV_REAL(cuEventCreate, ev_create_fn);
     ev_record_fn record = ptsz ? GV_REAL(cuEventRecord_ptsz, ev_record_fn)
                                : GV_REAL(cuEventRecord, ev_record_fn);
-    if (create(&l->begin, 0) != CUDA_SUCCESS || create(&l->end, 0) != CUDA_SUCCESS ||
-        record(l->begin, stream) != CUDA_SUCCESS) {
+    /* From the begin event to the end event (gv_sm_end), no other gated
+     * process on the device enqueues: its kernel would run, and be
+     * measured, between them (sm_enqueue.c). */
+    int made = create(&l->begin, 0) == CUDA_SUCCESS && create(&l->end, 0) == CUDA_SUCCESS;
+    if (made)
+        l->enqueue = gv_sm_enqueue_begin(sm, l->dev);
+    if (!made || record(l->begin, stream) != CUDA_SUCCESS) {
+        gv_sm_enqueue_end(sm, l->dev, l->enqueue);
+        l->enqueue = 0;
         if (l->begin)
             GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->begin);
         if (l->end)
@@ -349,6 +356,7 @@ void gv_sm_end(gv_sm_launch *l, CUresult rc)
     if (!l->gated)
         return;
     if (rc != CUDA_SUCCESS || !l->begin) {
+        gv_sm_enqueue_end(l->sm, l->dev, l->enqueue);
         /* Not launched: give the charge back.  Unmeasured: keep it. */
         gv_sm_settle(l->sm, l->dev, l->share, l->est, rc != CUDA_SUCCESS ? 0 : l->est);
         if (l->begin) {
@@ -360,7 +368,9 @@ void gv_sm_end(gv_sm_launch *l, CUresult rc)
     ev_record_fn record = l->ptsz ? GV_REAL(cuEventRecord_ptsz, ev_record_fn)
                                   : GV_REAL(cuEventRecord, ev_record_fn);
     struct rec *r = NULL;
-    if (record(l->end, l->stream) != CUDA_SUCCESS)
+    CUresult recorded = record(l->end, l->stream);
+    gv_sm_enqueue_end(l->sm, l->dev, l->enqueue);
+    if (recorded != CUDA_SUCCESS)
         unmeasured();
     else
         r = malloc(sizeof *r);

@@ -247,11 +247,11 @@ static void test_open(void)
     expect_open(q, GV_ECORRUPT, "truncated header");
     unsigned char h2[64];
     memcpy(h2, hdr, sizeof h2);
-    uint32_t v7 = 7;
-    memcpy(h2 + 8, &v7, 4);                          /* version */
+    uint32_t v8 = 8;
+    memcpy(h2 + 8, &v8, 4);                          /* version */
     write_file(q, h2, sizeof h2, (off_t)size);
     char want[64];
-    snprintf(want, sizeof want, "version 7, this library speaks %u", GV_REGION_VERSION);
+    snprintf(want, sizeof want, "version 8, this library speaks %u", GV_REGION_VERSION);
     expect_open(q, GV_ECORRUPT, want);
     memcpy(h2, hdr, sizeof h2);
     uint32_t slots = 8;

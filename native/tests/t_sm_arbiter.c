@@ -1,7 +1,8 @@
 /*
  * t_sm_arbiter - unit tests of the launch order between containers
- * (native/shim/sm_arbiter.c, linked alone with stand-ins for the region
- * path, the node directory and the log).
+ * (native/shim/sm_arbiter.c) and of the enqueue word (sm_enqueue.c), linked
+ * alone with stand-ins for the region path, the node directory and the
+ * log.
  *
  * Each "container" is a forked process with its own region path (the
  * container's identity is its region file's); they share one node
@@ -16,9 +17,11 @@
 #include <poll.h>
 #include <signal.h>
 #include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -37,6 +40,9 @@
 static char node_dir[512];
 static char region_file[600];
 static int logged;
+/* The region's device entry, shared by every process forked from here
+ * (the enqueue word where there is no node directory). */
+static struct gv_sm *entry_sm;
 
 uint64_t gv_mono_ns(void)
 {
@@ -90,10 +96,16 @@ static void be_container(const char *name)
  * after 2 s, then stays alive), 'k' kill that child; with a clock `arg`
  * ns ahead, as if this process's clock were ahead (a file from before a
  * reboot, or another process's 1 s later): 'F' admitted three times, 'T'
- * check. */
+ * check.  'E' takes the enqueue word and keeps it (answers a struct took:
+ * what it holds and when it asked), 'e' gives it back. */
+struct took {
+    uint64_t held, asked;
+};
+
 static void child_loop(int in, int out)
 {
     pid_t grandchild = -1;
+    uint64_t held = 0;
     for (;;) {
         char cmd;
         long long arg;
@@ -126,6 +138,17 @@ static void child_loop(int in, int out)
             break;
         case 's':
             gv_arb_settled(0);
+            break;
+        case 'E': {
+            struct took t = { 0, now };
+            t.held = held = gv_sm_enqueue_begin(entry_sm, 0);
+            if (write(out, &t, sizeof t) != sizeof t)
+                _exit(1);
+            continue;
+        }
+        case 'e':
+            gv_sm_enqueue_end(entry_sm, 0, held);
+            held = 0;
             break;
         case 'f': {
             pid_t p = fork();
@@ -194,6 +217,62 @@ static int ask(struct child *c, char cmd, long long arg)
     if (read(c->from, &r, sizeof r) != sizeof r)
         return -97;
     return r;
+}
+
+/* c takes the enqueue word: what it holds, when it asked, and when it got
+ * the answer (the parent's clock). */
+static struct took take(struct child *c, uint64_t *answered)
+{
+    struct took t = { 0, 0 };
+    char cmd = 'E';
+    long long arg = 0;
+    if (write(c->to, &cmd, 1) != 1 || write(c->to, &arg, sizeof arg) != sizeof arg ||
+        read(c->from, &t, sizeof t) != sizeof t)
+        t.held = 0;
+    *answered = gv_mono_ns();
+    return t;
+}
+
+/* Two processes (containers on one node, or processes of one container)
+ * take the enqueue word: the second waits until the first gives it back,
+ * or for at most 2 ms after the first took it (STALE_NS), killed or not;
+ * never longer.  word: where it is, for the parent to read. */
+static void check_enqueue(struct child *a, struct child *b, _Atomic uint64_t *word,
+                          const char *where)
+{
+    uint64_t got;
+    struct took ta = take(a, &got);
+    CHECK(ta.held && atomic_load(word) == ta.held, "%s: a holds the word", where);
+    ask(a, 'e', 0);
+    CHECK(atomic_load(word) == 0, "%s: given back", where);
+
+    /* Held by a: b gets it 2 ms after a took it, not before. */
+    ta = take(a, &got);
+    struct took tb = take(b, &got);
+    CHECK(tb.held && tb.held >= ta.held + 2 * MS,
+          "%s: b took the word %lld us after a, who kept it", where,
+          (long long)(tb.held - ta.held) / 1000);
+    ask(a, 'e', 0);
+    CHECK(atomic_load(word) == tb.held, "%s: a's late give-back left b's hold", where);
+    ask(b, 'e', 0);
+
+    /* Killed while holding it: b waits no longer than that. */
+    ta = take(a, &got);
+    kill(a->pid, SIGKILL);
+    waitpid(a->pid, NULL, 0);
+    tb = take(b, &got);
+    CHECK(tb.held >= ta.held + 2 * MS && got - tb.asked < 100 * MS,
+          "%s: a killed while holding the word held b for %lld us", where,
+          (long long)(got - tb.asked) / 1000);
+    ask(b, 'e', 0);
+
+    /* A word from before a reboot (an hour ahead of the clock): free. */
+    atomic_store(word, (gv_mono_ns() + 3600000 * MS) | 1);
+    tb = take(b, &got);
+    CHECK(tb.held && tb.held < gv_mono_ns() && got - tb.asked < 100 * MS,
+          "%s: a word from before a reboot held b for %lld us", where,
+          (long long)(got - tb.asked) / 1000);
+    ask(b, 'e', 0);
 }
 
 static void tell(struct child *c, char cmd)
@@ -266,6 +345,10 @@ int main(int argc, char **argv)
     char path[700];
     snprintf(path, sizeof path, "%s/gpuvisor-sm-%s", node_dir, UUID);
     unlink(path);                   /* a fresh node */
+    entry_sm = mmap(NULL, sizeof *entry_sm, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS,
+                     -1, 0);
+    if (entry_sm == MAP_FAILED)
+        return 2;
 
     /* Alone on the device: not in play. */
     struct child x = spawn("x"), y = spawn("y");
@@ -396,11 +479,35 @@ int main(int argc, char **argv)
     finish(&x);
     finish(&y);
 
-    /* No node directory: not in play. */
+    /* No node directory: not in play; the enqueue word is the region's,
+     * for the container's processes. */
     node_dir[0] = 0;
     x = spawn("x");
     CHECK(ask(&x, 'c', 0) == -1, "no node directory: not in play");
     finish(&x);
+    struct child ea = spawn("x"), eb = spawn("x");
+    ask(&ea, 'a', 0);
+    ask(&eb, 'a', 0);
+    check_enqueue(&ea, &eb, &entry_sm->enqueue, "region");
+    finish(&ea);
+    finish(&eb);
+
+    /* The enqueue word in the node's file, for every container (last: the
+     * parent maps the file, and its children would inherit that). */
+    snprintf(node_dir, sizeof node_dir, "%s/node", argv[1]);
+    unlink(path);
+    ea = spawn("x");
+    eb = spawn("y");
+    ask(&ea, 'a', 0);
+    ask(&eb, 'a', 0);
+    gv_arb_check(0, UUID, gv_mono_ns(), gv_mono_ns());    /* maps it here too */
+    _Atomic uint64_t *node_word = gv_arb_enqueue_word(0);
+    CHECK(node_word != NULL, "the node's file holds an enqueue word");
+    if (node_word)
+        check_enqueue(&ea, &eb, node_word, "node");
+    CHECK(atomic_load(&entry_sm->enqueue) == 0, "with a node file the region's word is unused");
+    finish(&ea);
+    finish(&eb);
 
     if (gv_test_failures) {
         fprintf(stderr, "t_sm_arbiter: %d failure(s)\n", gv_test_failures);
