@@ -309,6 +309,7 @@ PUBLISH_QUERY = with_prelude(
         ("GPUVISOR_SIM_NVML_PUBLISH_MS", str(1 << 61)),
         ("GPUVISOR_SIM_NVML_PUBLISH_MS", "10001"),
         ("GPUVISOR_SIM_MODULE_MIB", str((1 << 20) + 1)),
+        ("GPUVISOR_SIM_LAUNCH_US", "1000001"),
     ],
 )
 def test_a_knob_out_of_range_is_named_and_ignored(tmp_path: Path, var: str, value: str) -> None:
@@ -322,3 +323,41 @@ def test_a_knob_out_of_range_is_named_and_ignored(tmp_path: Path, var: str, valu
     lines = [ln for ln in cp.stderr.splitlines() if ln.startswith("gpuvisor-sim:")]
     assert len(lines) == 1, cp.stderr
     assert f"{var}={value}" in lines[0], lines[0]
+
+
+SLOW_LAUNCH = with_prelude(
+    """
+    s = chk(cu.cuStreamCreate(0))
+    g = chk(cu.cuGraphCreate(0))
+    p = cu.CUDA_KERNEL_NODE_PARAMS()
+    p.func = spin
+    p.gridDimX = p.gridDimY = p.gridDimZ = p.blockDimY = p.blockDimZ = 1
+    p.blockDimX = 128
+    p.kernelParams = spin_args(0)
+    chk(cu.cuGraphAddKernelNode(g, None, 0, p))
+    ge = chk(cu.cuGraphInstantiate(g, 0))
+    t0 = time.monotonic()
+    for _ in range(5):
+        launch_spin(s, 0)
+    t1 = time.monotonic()
+    for _ in range(5):
+        chk(cu.cuGraphLaunch(ge, s))
+    t2 = time.monotonic()
+    chk(cu.cuStreamSynchronize(s))
+    print(json.dumps({"kernel_ms": (t1 - t0) * 200, "graph_ms": (t2 - t1) * 200}))
+    """
+)
+
+
+@needs_cuda_python
+def test_a_slow_driver_launch_takes_its_time(tmp_path: Path) -> None:
+    """GPUVISOR_SIM_LAUNCH_US=20000: each launch call, of a kernel or a
+    graph, takes 20 ms before it returns (the 0 us kernels take nothing);
+    without the knob it takes well under a millisecond."""
+    env = sim_env(tmp_path, "1x8g", GPUVISOR_SIM_LAUNCH_US="20000")
+    slow = json.loads(ok(run_py(SLOW_LAUNCH, env)))
+    assert slow["kernel_ms"] >= 20, slow
+    assert slow["graph_ms"] >= 20, slow
+    fast = json.loads(ok(run_py(SLOW_LAUNCH, sim_env(tmp_path, "1x8g"))))
+    assert fast["kernel_ms"] < 10, fast
+    assert fast["graph_ms"] < 10, fast

@@ -87,4 +87,3 @@ def test_measure_worker_runs_alone(node: SimNode) -> None:
     got = run_json(BUSY, node.shimmed())
     assert got["launches"] == 100
     assert abs(got["busy_ns"] / launched - 1) < 0.03
-
