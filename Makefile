@@ -155,6 +155,7 @@ demo: all venv
 
 lint: venv
 	$(VENV)/bin/ruff check shim tests setup.py $(wildcard supervisor)
+	$(VENV)/bin/ruff format --check shim tests setup.py $(wildcard supervisor)
 	$(VENV)/bin/mypy
 
 clean:

@@ -922,9 +922,15 @@ emit(base=base, refused=refused, big=big[0].name, again=again, big_launch=big_la
     )
     b = out.pop("base")
     assert out == {
-        "refused": OOM, "big": "CUDA_SUCCESS", "again": "CUDA_ERROR_INVALID_VALUE",
-        "big_launch": OOM, "second": "CUDA_ERROR_INVALID_VALUE", "launch": "CUDA_SUCCESS",
-        "launched": b + 3 * GiB, "trimmed": b, "relaunch": "CUDA_SUCCESS",
+        "refused": OOM,
+        "big": "CUDA_SUCCESS",
+        "again": "CUDA_ERROR_INVALID_VALUE",
+        "big_launch": OOM,
+        "second": "CUDA_ERROR_INVALID_VALUE",
+        "launch": "CUDA_SUCCESS",
+        "launched": b + 3 * GiB,
+        "trimmed": b,
+        "relaunch": "CUDA_SUCCESS",
         "relaunched": b + 3 * GiB,
     }, out
 
@@ -1308,8 +1314,11 @@ ok(cu.cuStreamSynchronize, s)
 emit(err=err.name, launch=launch, charged=region_used() - base)
 """,
         CUDA_DEVICE_MEMORY_LIMIT="4g",
-        **({"GPUVISOR_SIM_CUDA_FAIL": "cuGraphChildGraphNodeGetGraph"} if how == "unreadable"
-           else {}),
+        **(
+            {"GPUVISOR_SIM_CUDA_FAIL": "cuGraphChildGraphNodeGetGraph"}
+            if how == "unreadable"
+            else {}
+        ),
     )
     err = "CUDA_ERROR_UNKNOWN" if how == "unreadable" else "CUDA_ERROR_NOT_SUPPORTED"
     assert out == {"err": err, "launch": None, "charged": 0}, out
@@ -1391,8 +1400,13 @@ emit(n=len(execs), fails=fails[:3], rcs=rcs, launched=launched, end=region_used(
 """,
         CUDA_DEVICE_MEMORY_LIMIT="4g",
     )
-    assert out == {"n": 2000, "fails": [], "rcs": [OOM, "CUDA_SUCCESS", "CUDA_SUCCESS"],
-                   "launched": 64 * MiB, "end": 0}, out
+    assert out == {
+        "n": 2000,
+        "fails": [],
+        "rcs": [OOM, "CUDA_SUCCESS", "CUDA_SUCCESS"],
+        "launched": 64 * MiB,
+        "end": 0,
+    }, out
 
 
 HEAP = "cu.CUlimit.CU_LIMIT_MALLOC_HEAP_SIZE"
