@@ -213,12 +213,13 @@ void sim_alloc_delay(void)
         sleep_ms(g_alloc_ms);
 }
 
+/* Spent on the CPU, as a driver's own work is: a sleep would add the
+ * scheduler's wake-up latency on a loaded machine (milliseconds). */
 void sim_launch_delay(void)
 {
     if (g_launch_us) {
-        struct timespec ts = { (time_t)(g_launch_us / 1000000),
-                               (long)(g_launch_us % 1000000) * 1000L };
-        while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+        uint64_t until = sim_now_ns() + g_launch_us * 1000;
+        while (sim_now_ns() < until)
             ;
     }
 }
