@@ -20,6 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from .metrics import process_samples
 from .views import fetch_status
 
 
@@ -86,9 +87,9 @@ class ProcessUtilization:
 
     def _samples(self, handle: Any, since: int) -> list[Any]:
         try:
-            return list(self.nvml.nvmlDeviceGetProcessUtilization(handle, since))
+            return process_samples(self.nvml, handle, since)
         except self.nvml.NVMLError:
-            return []  # NVML_ERROR_NOT_FOUND: no samples since `since`
+            return []  # the device lost, or samples kept changing
 
     def poll(self) -> dict[int, float]:
         """Percent of each device's time each PID's kernels ran since the last poll."""

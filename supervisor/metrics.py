@@ -44,6 +44,32 @@ class HostGpu:
     utilization: float | None  # percent, None: not supported
 
 
+# Times nvmlDeviceGetProcessUtilization is asked before its samples are given
+# up for the round (process_samples).
+SAMPLE_TRIES = 5
+
+
+def process_samples(nv: Any, handle: Any, since: int) -> list[Any]:
+    """nvmlDeviceGetProcessUtilization(handle, since) with nv (pynvml):
+    [] when no process has samples since then.  The binding asks NVML for
+    the number of samples, then for the samples; when there are more by
+    then (a process that started, or on a real driver a sample period that
+    ended in between) the second call fails with INSUFFICIENT_SIZE, so it
+    is asked again, up to SAMPLE_TRIES times.  Other NVML errors, and the
+    last INSUFFICIENT_SIZE, are raised."""
+    for _ in range(SAMPLE_TRIES - 1):
+        try:
+            return list(nv.nvmlDeviceGetProcessUtilization(handle, since))
+        except nv.NVMLError_NotFound:
+            return []
+        except nv.NVMLError_InsufficientSize:
+            continue
+    try:
+        return list(nv.nvmlDeviceGetProcessUtilization(handle, since))
+    except nv.NVMLError_NotFound:
+        return []
+
+
 class HostGpus:
     """Host-level device numbers from NVML; empty when NVML is unavailable."""
 
@@ -125,8 +151,8 @@ class HostGpus:
                 try:
                     h = nv.nvmlDeviceGetHandleByIndex(i)
                     uuid = nv.nvmlDeviceGetUUID(h)
-                    samples = nv.nvmlDeviceGetProcessUtilization(h, since)
-                except nv.NVMLError:  # NOT_FOUND: no process ran kernels; or lost
+                    samples = process_samples(nv, h, since)
+                except nv.NVMLError:  # the device lost, or samples kept changing
                     continue
                 seen: dict[int, list[float]] = {}
                 for smp in samples:
