@@ -85,7 +85,7 @@ asan:
 tsan:
 	$(MAKE) $(patsubst $(BUILD)/%,build-tsan/%,$(filter $(BUILD)/tests/t_region_%,$(CTESTS)) \
 	  $(LIB) $(SIMCUDA) $(SIMNVML) $(BUILD)/tests/t_link_free_async \
-	  $(BUILD)/tests/t_link_pool_sync_race) BUILD=build-tsan OPT="-O1 -g" \
+	  $(BUILD)/tests/t_link_pool_sync_race $(BUILD)/tests/t_link_sm_threads) BUILD=build-tsan OPT="-O1 -g" \
 	  EXTRA_CFLAGS="-fsanitize=thread" EXTRA_LDFLAGS="-fsanitize=thread"
 
 # --- Python side -------------------------------------------------------

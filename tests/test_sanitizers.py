@@ -418,6 +418,20 @@ def test_stream_ordered_frees_pending_under_tsan(node: SimNode) -> None:
     assert proc.stdout.strip() == "devices failed=0 used=96,96", proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("where", ["node", "region"])
+def test_gated_launches_from_threads_under_tsan(node: SimNode, where: str) -> None:
+    """Four threads launch kernels and graphs through the SM gate at once:
+    the pacing clock, the enqueue word (the node directory's, or without
+    one the region's) and the meter thread, under ThreadSanitizer."""
+    prog, env = tsan_program(node, "t_link_sm_threads")
+    env.update(CUDA_DEVICE_SM_LIMIT="60")
+    if where == "region":
+        env["GPUVISOR_NODE_LOCK"] = ""
+    proc = run([str(prog)], env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip() == "launched=400 failed=0", proc.stdout + proc.stderr
+
+
 def test_pool_shrunk_by_a_synchronisation_under_tsan(node: SimNode) -> None:
     """A pool settled by a synchronisation and by another thread's readings
     of untracked memory at once, under ThreadSanitizer."""
