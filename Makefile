@@ -119,7 +119,7 @@ bench: all $(BENCH_MEMORY)
 .PHONY: bench-sm
 BENCH_SM_WORKER := $(BUILD)/bench/bench_sm_worker
 BENCH_LAUNCH := $(BUILD)/bench/bench_launch
-$(BENCH_SM_WORKER): native/tests/bench_sm_worker.c native/include/gv_cuda.h $(SIMCUDA) $(SIMNVML)
+$(BENCH_SM_WORKER): native/tests/bench_sm_worker.c native/tests/cuda_protos.h native/include/gv_cuda.h $(SIMCUDA) $(SIMNVML)
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_ALL) -o $@ $< -L$(BUILD)/sim -lcuda -lm $(LDLIBS_ALL)
 $(BENCH_LAUNCH): native/tests/bench_launch.c native/tests/bench_common.h native/include/gpuvisor.h native/include/gv_cuda.h

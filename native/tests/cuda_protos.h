@@ -40,6 +40,20 @@ CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
 CUresult cuMemFree_v2(CUdeviceptr);
 CUresult cuGetProcAddress_v2(const char *, void **, int, cuuint64_t, CUdriverProcAddressQueryResult *);
 CUresult cuGetProcAddress(const char *, void **, int, cuuint64_t);
+/* Launching: contexts, modules, streams, kernels and graphs. */
+CUresult cuModuleLoadData(CUmodule *, const void *);
+CUresult cuModuleGetFunction(CUfunction *, CUmodule, const char *);
+CUresult cuStreamCreate(CUstream *, unsigned int);
+CUresult cuStreamSynchronize(CUstream);
+CUresult cuStreamDestroy_v2(CUstream);
+CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                        unsigned, CUstream, void **, void **);
+CUresult cuLaunchKernelEx(const CUlaunchConfig *, CUfunction, void **, void **);
+CUresult cuGraphCreate(CUgraph *, unsigned int);
+CUresult cuGraphAddKernelNode_v2(CUgraphNode *, CUgraph, const CUgraphNode *, size_t,
+                                 const CUDA_KERNEL_NODE_PARAMS *);
+CUresult cuGraphInstantiateWithFlags(CUgraphExec *, CUgraph, unsigned long long);
+CUresult cuGraphLaunch(CUgraphExec, CUstream);
 nvmlReturn_t nvmlInit_v2(void);
 nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *);
 nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int, nvmlDevice_t *);

@@ -12,25 +12,7 @@
 #include <stdint.h>
 #include <stdio.h>
 
-#include "gv_cuda.h"
-
-/* our own prototypes (gv_cuda.h declares types only) */
-CUresult cuInit(unsigned int);
-CUresult cuDeviceGet(CUdevice *, int);
-CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
-CUresult cuCtxSetCurrent(CUcontext);
-CUresult cuModuleLoadData(CUmodule *, const void *);
-CUresult cuModuleGetFunction(CUfunction *, CUmodule, const char *);
-CUresult cuStreamCreate(CUstream *, unsigned int);
-CUresult cuStreamSynchronize(CUstream);
-CUresult cuStreamDestroy_v2(CUstream);
-CUresult cuLaunchKernel(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                        unsigned, CUstream, void **, void **);
-CUresult cuGraphCreate(CUgraph *, unsigned int);
-CUresult cuGraphAddKernelNode_v2(CUgraphNode *, CUgraph, const CUgraphNode *, size_t,
-                                 const CUDA_KERNEL_NODE_PARAMS *);
-CUresult cuGraphInstantiateWithFlags(CUgraphExec *, CUgraph, unsigned long long);
-CUresult cuGraphLaunch(CUgraphExec, CUstream);
+#include "cuda_protos.h"
 
 #define THREADS 4
 #define LAUNCHES 100
