@@ -57,17 +57,19 @@ def process_samples(nv: Any, handle: Any, since: int) -> list[Any]:
     ended in between) the second call fails with INSUFFICIENT_SIZE, so it
     is asked again, up to SAMPLE_TRIES times.  Other NVML errors, and the
     last INSUFFICIENT_SIZE, are raised."""
-    for _ in range(SAMPLE_TRIES - 1):
+
+    def once() -> list[Any]:
         try:
             return list(nv.nvmlDeviceGetProcessUtilization(handle, since))
         except nv.NVMLError_NotFound:
             return []
+
+    for _ in range(SAMPLE_TRIES - 1):
+        try:
+            return once()
         except nv.NVMLError_InsufficientSize:
             continue
-    try:
-        return list(nv.nvmlDeviceGetProcessUtilization(handle, since))
-    except nv.NVMLError_NotFound:
-        return []
+    return once()
 
 
 class HostGpus:

@@ -71,6 +71,7 @@ _SCRUBBED_PREFIXES = ("CUDA_", "GPUVISOR_", "LIBCUDA_", "NVIDIA_")
 SAMPLER = r"""
 import json, sys, time
 import pynvml as n
+from gpuvisor.supervisor.metrics import process_samples
 S = 100_000_000
 n.nvmlInit()
 h = n.nvmlDeviceGetHandleByIndex(0)
@@ -88,16 +89,9 @@ while prev < end:
     off = time.time_ns() - time.monotonic_ns()
     before = time.monotonic_ns()
     seen = (prev + off) // 1000
-    for _ in range(5):
-        try:
-            got = n.nvmlDeviceGetProcessUtilization(h, seen)
-            break
-        except n.NVMLError_NotFound:
-            got = []
-            break
-        except n.NVMLError_InsufficientSize:   # a sample completed between the two calls
-            continue
-    else:
+    try:
+        got = process_samples(n, h, seen)        # asked again if samples grew meanwhile
+    except n.NVMLError:
         got = []
     if got:
         hi = (got[0].timeStamp * 1000 - off + S // 2) // S * S
