@@ -119,6 +119,7 @@ bench: all $(BENCH_MEMORY)
 .PHONY: bench-sm
 BENCH_SM_WORKER := $(BUILD)/bench/bench_sm_worker
 BENCH_LAUNCH := $(BUILD)/bench/bench_launch
+BENCH_STALL_PROBE := $(BUILD)/bench/bench_stall_probe
 $(BENCH_SM_WORKER): native/tests/bench_sm_worker.c native/tests/cuda_protos.h native/include/gv_cuda.h $(SIMCUDA) $(SIMNVML)
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_ALL) -o $@ $< -L$(BUILD)/sim -lcuda -lm $(LDLIBS_ALL)
@@ -126,7 +127,11 @@ $(BENCH_LAUNCH): native/tests/bench_launch.c native/tests/bench_common.h native/
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_ALL) -o $@ $< $(LDLIBS_ALL)
 
-bench-sm: all venv $(BENCH_SM_WORKER) $(BENCH_LAUNCH)
+$(BENCH_STALL_PROBE): native/tests/bench_stall_probe.c
+	@mkdir -p $(@D)
+	$(CC) $(CFLAGS_ALL) -o $@ $< $(LDLIBS_ALL)
+
+bench-sm: all venv $(BENCH_SM_WORKER) $(BENCH_LAUNCH) $(BENCH_STALL_PROBE)
 	$(VENV)/bin/python -m tests.bench.sm_bench --write docs/benchmarks.md
 
 # SM quota on a real GPU with PyTorch (tests/bench/torch_sm.py): needs an

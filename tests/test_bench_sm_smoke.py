@@ -39,6 +39,7 @@ def built(build_dir: Path) -> Path:
                 str(REPO_ROOT),
                 "build/bench/bench_sm_worker",
                 "build/bench/bench_launch",
+                "build/bench/bench_stall_probe",
             ],
             check=True,
             capture_output=True,
@@ -94,6 +95,10 @@ def test_quick_run_writes_well_formed_sections(built: Path, tmp_path: Path) -> N
     assert stolen, out
     assert re.fullmatch(r"(\d+x\d+(:\d+x\d+)* \d+ %(, )?)+", stolen.group(1)), stolen.group(1)
     assert stolen.group(1).count("%") == 3  # one container, a fixed pair, a burst pair
+    # What the stall probe saw while each scenario ran: one figure per scenario.
+    stalls = re.search(r"1 ms or more late, count \(longest\): (.+?)\. ", out)
+    assert stalls, out
+    assert re.fullmatch(r"(\d+x\d+(:\d+x\d+)* \d+ \(\d+\.\d ms\)(, )?){3}", stalls.group(1))
 
     acc, cost = out.split(COST)
     single, fixed, burst = tables(acc)
@@ -183,3 +188,83 @@ def test_the_model_replays_the_workers_launches(built: Path, tmp_path: Path) -> 
         model = WorkerProcess(seed)
         total_us = sum(model.next_unit() for _ in range(launches)) * 1e6
         assert round(total_us) == rep["gpu_us"], (seed, launches)
+
+
+def test_the_stall_probe_reports_a_stopped_cpu(built: Path) -> None:
+    """bench_stall_probe notes the wake-ups its threads could not get: the
+    process stopped for 60 ms, the thread of every CPU reports a stall of
+    40 ms or more, due when the stop began."""
+    import os
+    import signal
+    import time
+
+    end = time.monotonic_ns() + 800_000_000
+    proc = subprocess.Popen(
+        [str(built / "bench_stall_probe"), str(end)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    time.sleep(0.3)
+    stop_at = time.monotonic_ns()
+    os.kill(proc.pid, signal.SIGSTOP)
+    time.sleep(0.06)
+    os.kill(proc.pid, signal.SIGCONT)
+    out, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
+    got = json.loads(out)
+    assert got["period_us"] == 250
+    assert got["cpus"] >= 1
+    assert isinstance(got["fifo"], bool)
+    cpus = {cpu for cpu, _, _ in got["stalls"]}
+    assert len(cpus) == got["cpus"], got  # every CPU's thread saw the stop
+    for cpu in cpus:
+        # Its wake-up due when the stop began came 40 ms or more late (a
+        # thread already held up by other load may have been due earlier).
+        assert any(
+            c == cpu and stop_at - 50_000_000 <= at <= stop_at + 1_000_000 and late >= 40_000_000
+            for c, at, late in got["stalls"]
+        ), (cpu, stop_at, got["stalls"])
+    for _, at, late in got["stalls"]:
+        assert 1_000_000 <= late < 1_000_000_000
+        assert at < end
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["x"], "END_NS: not a CLOCK_MONOTONIC time: 'x'"),
+        (["1", "0"], "PERIOD_US: expected 1..100000, got '0'"),
+        (["1", "7us"], "PERIOD_US: expected 1..100000, got '7us'"),
+        ([], "usage: bench_stall_probe END_NS [PERIOD_US]"),
+    ],
+)
+def test_the_stall_probe_refuses_bad_arguments(built: Path, args: list[str], message: str) -> None:
+    proc = subprocess.run(
+        [str(built / "bench_stall_probe"), *args], capture_output=True, text=True, timeout=10
+    )
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert message in proc.stderr.strip().splitlines()[0]
+
+
+def test_misses_name_the_longest_stall_near_them() -> None:
+    """accuracy() lists every window beyond the goal with the longest machine
+    stall in it or in the 10 ms before it; stalls elsewhere do not count."""
+    from tests.bench.sm_bench import SAMPLE_NS, accuracy, longest_stall
+
+    ms = 1_000_000
+    series = [50.0] * 10 + [50.0, 43.0, 50.0, 58.0, 50.0, 40.0, 50.0]
+    stalls = [
+        (11 * SAMPLE_NS + 30 * ms, 4 * ms),  # in window 11
+        (13 * SAMPLE_NS - 8 * ms, 3 * ms),  # ends 5 ms before window 13
+        (15 * SAMPLE_NS - 30 * ms, 9 * ms),  # ends 21 ms before window 15: not its
+        (16 * SAMPLE_NS + 1 * ms, 7 * ms),  # in window 16, which is within the goal
+    ]
+    a = accuracy(series, 50, 1.0, stalls)
+    assert a.misses == [(11, -7.0, 4 * ms), (13, 8.0, 3 * ms), (15, -10.0, 0)]
+    assert a.worst == -10.0
+    assert longest_stall(stalls, 16) == 7 * ms
+    assert longest_stall(stalls, 12) == 3 * ms  # the stall is in window 12 itself
+    assert longest_stall(stalls, 10) == 0
+    assert accuracy(series, 50, 1.0).misses == [(11, -7.0, 0), (13, 8.0, 0), (15, -10.0, 0)]

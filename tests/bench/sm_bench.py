@@ -53,6 +53,7 @@ LIBRARY = BUILD / "libgpuvisor.so"
 SIM_DIR = BUILD / "sim"
 WORKER = BUILD / "bench" / "bench_sm_worker"
 LAUNCH_BENCH = BUILD / "bench" / "bench_launch"
+STALL_PROBE = BUILD / "bench" / "bench_stall_probe"
 
 ACCURACY = "## SM quota: accuracy (make bench-sm)"
 COST = "## SM quota: per-launch cost (make bench-sm)"
@@ -62,6 +63,8 @@ GOAL_ERROR = 2.0  # points, achieved share
 GOAL_SETTLE = 1.0  # seconds
 GOAL_WINDOW = 5.0  # points, every 100 ms window
 ROLLING = 5  # windows: the 500 ms rolling mean of the settling rule
+STALL_NS = 2_000_000  # a machine stall this long can be what a window misses
+STALL_BEFORE_NS = 10_000_000  # ... also when it ended this soon before the window
 
 _SCRUBBED_PREFIXES = ("CUDA_", "GPUVISOR_", "LIBCUDA_", "NVIDIA_")
 
@@ -125,6 +128,8 @@ class Container:
     pids: list[int] = field(default_factory=list)
     series: list[float] = field(default_factory=list)
     reports: list[dict[str, float]] = field(default_factory=list)
+    # the scenario's machine stalls: (start, length) in ns from the common start
+    stalls: list[tuple[int, int]] = field(default_factory=list)
 
 
 def node_env(tmp: Path) -> dict[str, str]:
@@ -146,6 +151,46 @@ def node_env(tmp: Path) -> dict[str, str]:
 # the order the scenarios ran: on a virtual machine whose host is busy, the
 # launching processes stall for tens of milliseconds and windows show it.
 STEAL: list[tuple[str, float]] = []
+
+
+@dataclass
+class Stalls:
+    """What bench_stall_probe saw while one scenario ran."""
+
+    label: str
+    fifo: bool  # the probe threads ran SCHED_FIFO (else their lateness counts our load)
+    spans: list[tuple[int, int]]  # (start, length) ns from the scenario's start
+
+
+# Per scenario, in the order they ran.
+STALLS: list[Stalls] = []
+
+
+def start_probe(end_ns: int) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [str(STALL_PROBE), str(end_ns)],
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def probe_result(label: str, probe: subprocess.Popen[str], t_go: int) -> Stalls:
+    out, err = probe.communicate(timeout=60)
+    if probe.returncode != 0:
+        raise RuntimeError(f"{STALL_PROBE} failed ({probe.returncode}): {err}")
+    raw = json.loads(out.strip().splitlines()[-1])
+    spans = sorted((int(at) - t_go, int(late)) for _, at, late in raw["stalls"])
+    return Stalls(label, bool(raw["fifo"]), spans)
+
+
+def longest_stall(spans: Sequence[tuple[int, int]], k: int) -> int:
+    """The longest machine stall (ns) overlapping window k or ending less
+    than STALL_BEFORE_NS before it (the device drains while the launchers
+    cannot run, and the container makes the time up only at its share)."""
+    lo, hi = k * SAMPLE_NS - STALL_BEFORE_NS, (k + 1) * SAMPLE_NS
+    return max((n for at, n in spans if at < hi and at + n > lo), default=0)
 
 
 def cpu_steal(before: Sequence[float], after: Sequence[float]) -> float:
@@ -209,6 +254,7 @@ def run_scenario(containers: Sequence[Container], seconds: float, seed: int) -> 
                     raise RuntimeError(f"a benchmark process failed to start: {line}{err}")
             # Start on a sample boundary, at least 50 ms from now.
             t_go = (time.monotonic_ns() + 50_000_000) // SAMPLE_NS * SAMPLE_NS + SAMPLE_NS
+            probe = start_probe(t_go + int((seconds + 0.3) * 1e9))
             assert sampler.stdin is not None
             sampler.stdin.write(f"{t_go}\n")
             sampler.stdin.flush()
@@ -229,6 +275,7 @@ def run_scenario(containers: Sequence[Container], seconds: float, seed: int) -> 
             out, err = sampler.communicate(timeout=60)
             if sampler.returncode != 0:
                 raise RuntimeError(f"sampler failed: {err}")
+            stalls = probe_result(label, probe, t_go)
         finally:
             for _, p in workers:
                 if p.poll() is None:
@@ -250,6 +297,9 @@ def run_scenario(containers: Sequence[Container], seconds: float, seed: int) -> 
                 for k in range(k0, min(k1, windows)):
                     c.series[k] = v
         STEAL.append((label, cpu_steal(times0, psutil.cpu_times())))
+        STALLS.append(stalls)
+        for c in containers:
+            c.stalls = stalls.spans
         return merged
 
 
@@ -278,18 +328,33 @@ class Accuracy:
     worst: float  # signed: the window furthest from target, minus target
     sd: float  # standard deviation of the windows from target, points
     label: str = ""
+    # windows beyond +-GOAL_WINDOW: (window, points from target, longest
+    # machine stall in or just before it, ns)
+    misses: list[tuple[int, float, int]] = field(default_factory=list)
 
     @property
     def error(self) -> float:
         return self.achieved - self.target
 
 
-def accuracy(series: Sequence[float], target: float, allowance: float) -> Accuracy:
+def accuracy(
+    series: Sequence[float],
+    target: float,
+    allowance: float,
+    stalls: Sequence[tuple[int, int]] = (),
+) -> Accuracy:
     settle = settling(series, target)
     # A fixed window: starting it at the settling time instead would pick,
     # by the settling rule's own definition, the tail that looks good.
     k0 = round(allowance * 1e9 / SAMPLE_NS)
-    part = list(series[k0:]) or list(series)
+    if k0 >= len(series):
+        k0 = 0
+    part = list(series[k0:])
+    misses = [
+        (k, series[k] - target, longest_stall(stalls, k))
+        for k in range(k0, len(series))
+        if abs(series[k] - target) > GOAL_WINDOW
+    ]
     worst = max(part, key=lambda v: abs(v - target)) - target
     sd = (sum((v - target) ** 2 for v in part) / len(part)) ** 0.5
     return Accuracy(
@@ -299,6 +364,7 @@ def accuracy(series: Sequence[float], target: float, allowance: float) -> Accura
         measured_s=len(part) * SAMPLE_NS / 1e9,
         worst=worst,
         sd=sd,
+        misses=misses,
     )
 
 
@@ -338,7 +404,7 @@ def single_container(
         merged += run_scenario([c], seconds, seed=i + 1)
         same = same_launches([q], [n], seconds, allowance, seed=i + 1)
         sames += same
-        a = accuracy(c.series, q, allowance)
+        a = accuracy(c.series, q, allowance, c.stalls)
         a.label = f"one container {q} %"
         results.append(a)
         launches = sum(r["launch_kernel"] + r["launch_ex"] + r["graph_launch"] for r in c.reports)
@@ -372,7 +438,7 @@ def two_fixed(
         sames += same
         cells = []
         for c, f, sf in zip((a, b), fl, same, strict=True):
-            r = accuracy(c.series, c.limit, allowance)
+            r = accuracy(c.series, c.limit, allowance, c.stalls)
             r.label = f"{qa}:{qb} {c.name.upper()}"
             results.append(r)
             cells.append(
@@ -459,6 +525,7 @@ def render_accuracy(args: argparse.Namespace) -> str:
     splits2 = [(s[0], s[1]) for s in splits]
     t0 = time.monotonic()
     STEAL.clear()
+    STALLS.clear()
     single_rows, single, m1, floors1, same1 = single_container(
         quotas, procs, args.seconds, args.allowance
     )
@@ -604,6 +671,43 @@ def render_accuracy(args: argparse.Namespace) -> str:
         f"scenarios within +-{GOAL_WINDOW:.0f} points in {model_ok}; with graphs as long as "
         f"one kernel (no launch over 5 ms) in {short_ok}."
     )
+    misses = [(a.label, k, dev, st) for a in every for k, dev, st in a.misses]
+    if misses:
+        calm = [f"{label} ({dev:+.0f})" for label, _, dev, st in misses if st < STALL_NS]
+        out.append(
+            f"  Windows beyond +-{GOAL_WINDOW:.0f} points: {len(misses)}; in "
+            f"{len(misses) - len(calm)} of them a CPU of this machine stalled for "
+            f"{STALL_NS / 1e6:.0f} ms or more (next item) within the window or the "
+            f"{STALL_BEFORE_NS / 1e6:.0f} ms before it"
+            + (f"; with no such stall: {', '.join(calm)}." if calm else ".")
+            + " Each miss, window (s from the start): points, longest stall: "
+            + ", ".join(
+                f"{label} {k * SAMPLE_NS / 1e9:.1f} s: {dev:+.0f}, {st / 1e6:.1f} ms"
+                for label, k, dev, st in misses
+            )
+            + "."
+        )
+    if STALLS:
+        fifo = all(x.fifo for x in STALLS)
+        out.append(
+            "- Machine stalls while each scenario ran, quota x processes: wake-ups of "
+            f"`build/bench/bench_stall_probe` (`native/tests/bench_stall_probe.c`: one "
+            f"{'SCHED_FIFO' if fifo else 'SCHED_OTHER (SCHED_FIFO was refused)'} thread pinned to "
+            "each CPU, woken every 250 us) 1 ms or more late, count (longest): "
+            + ", ".join(
+                f"{x.label} {len(x.spans)} ({max((n for _, n in x.spans), default=0) / 1e6:.1f} ms)"
+                for x in STALLS
+            )
+            + ". "
+            + (
+                "A thread the kernel may run at once is that late only when its CPU was "
+                "taken (the hypervisor, or kernel work that is not preempted); the launching "
+                "processes and their meter threads wait as long, and the device drains "
+                "meanwhile."
+                if fifo
+                else "These threads also waited for the benchmark's own processes."
+            )
+        )
     if STEAL:
         out.append(
             "- CPU time the hypervisor took (Linux `steal`) while each scenario ran, "
