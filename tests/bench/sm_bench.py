@@ -702,8 +702,10 @@ def render_accuracy(args: argparse.Namespace) -> str:
             + (
                 "A thread the kernel may run at once is that late only when its CPU was "
                 "taken (the hypervisor, or kernel work that is not preempted); the launching "
-                "processes and their meter threads wait as long, and the device drains "
-                "meanwhile."
+                "processes and their meter threads wait at least as long, and the device "
+                "drains meanwhile. A miss with no such stall near it is not the machine's "
+                "doing (the launchers, being SCHED_OTHER, can still be held up by other "
+                "threads, which these do not count)."
                 if fifo
                 else "These threads also waited for the benchmark's own processes."
             )
