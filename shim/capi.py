@@ -16,7 +16,7 @@ from typing import Any
 
 from .loader import library_path
 
-API_VERSION = 3
+API_VERSION = 4
 UNLIMITED = (1 << 64) - 1  # GV_UNLIMITED
 
 ERROR_NAMES = {
@@ -72,6 +72,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
         ctypes.c_int,
         [ctypes.POINTER(ctypes.c_char_p), ctypes.c_char_p, _u64, _pu64, _pu32],
     ),
+    "gv_env_sm_settings": (ctypes.c_int, [ctypes.POINTER(ctypes.c_char_p), _pu32, _pu32]),
     "gv_device_count": (ctypes.c_int, []),
     "gv_device_uuid": (ctypes.c_int, [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]),
     "gv_device_register": (ctypes.c_int, [ctypes.c_char_p, _u64, _u64]),

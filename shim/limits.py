@@ -1,4 +1,4 @@
-"""Memory-limit values, parsed by the C library (the single parser)."""
+"""Limit variables and values, read by the C library (the single parser)."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from .capi import (
     last_error,
     lib,
 )
+from .region import SM_POLICIES
 
 
 def parse_memory_limit(text: str, physical_total: int = 0) -> int:
@@ -52,6 +53,12 @@ def validate_environment() -> None:
     check(lib().gv_validate_env(), "gv_validate_env")
 
 
+def _env_array(env: Mapping[str, str]) -> ctypes.Array[ctypes.c_char_p]:
+    """env as the NULL-terminated "NAME=value" array the library reads."""
+    items = [encode_text(k, "variable name") + b"=" + encode_text(v, k) for k, v in env.items()]
+    return (ctypes.c_char_p * (len(items) + 1))(*items, None)
+
+
 @dataclass(frozen=True)
 class DeviceEnvLimits:
     """The limits an environment gives one device (env_device_limits)."""
@@ -79,12 +86,14 @@ def env_device_limits(env: Mapping[str, str], uuid: str, physical_total: int) ->
         or not (0 <= physical_total <= UNLIMITED)
     ):
         raise GpuvisorError(GV_EINVAL, f"gpuvisor: physical_total={physical_total!r} is invalid")
-    items = [encode_text(k, "variable name") + b"=" + encode_text(v, k) for k, v in env.items()]
-    array = (ctypes.c_char_p * (len(items) + 1))(*items, None)
     mem = ctypes.c_uint64()
     sm = ctypes.c_uint32()
     rc = lib().gv_env_device_limits(
-        array, encode_text(uuid, "uuid"), physical_total, ctypes.byref(mem), ctypes.byref(sm)
+        _env_array(env),
+        encode_text(uuid, "uuid"),
+        physical_total,
+        ctypes.byref(mem),
+        ctypes.byref(sm),
     )
     why = ""
     if rc == GV_ENOENT:
@@ -97,3 +106,27 @@ def env_device_limits(env: Mapping[str, str], uuid: str, physical_total: int) ->
         sm=sm.value or None,
         why_unknown=why,
     )
+
+
+@dataclass(frozen=True)
+class SmSettings:
+    """The SM policy and task priority an environment gives (env_sm_settings)."""
+
+    policy: str  # one of SM_POLICIES
+    priority: int  # 0 high, 1 low
+
+
+def env_sm_settings(env: Mapping[str, str]) -> SmSettings:
+    """The SM policy and CUDA_TASK_PRIORITY env gives every device, as a
+    process of the container with env configures them (gv_env_sm_settings:
+    GPU_CORE_UTILIZATION_POLICY=force or disable mean fixed-share; an unset
+    or empty priority means 1, low).  Raises GpuvisorError (GV_EINVAL) for a
+    malformed SM variable.  The process's own environment is neither read
+    nor changed."""
+    policy = ctypes.c_uint32()
+    priority = ctypes.c_uint32()
+    check(
+        lib().gv_env_sm_settings(_env_array(env), ctypes.byref(policy), ctypes.byref(priority)),
+        "gv_env_sm_settings",
+    )
+    return SmSettings(policy=SM_POLICIES[policy.value], priority=priority.value)

@@ -20,12 +20,14 @@ from dataclasses import dataclass
 from gpuvisor.shim.capi import GV_EINVAL, UNLIMITED, GpuvisorError, lib
 from gpuvisor.shim.limits import (
     DeviceEnvLimits,
+    SmSettings,
     env_device_limits,
+    env_sm_settings,
     parse_memory_limit,
     validate_environment,
 )
 from gpuvisor.shim.loader import preload_env
-from gpuvisor.shim.region import default_region_path
+from gpuvisor.shim.region import SM_POLICIES, default_region_path
 
 from .agent_config import (
     DEFAULT_SOCKET,
@@ -53,7 +55,7 @@ DEFAULT_GRACE = 10.0
 MIN_INTERVAL, MAX_INTERVAL = 0.1, 3600.0
 MAX_GRACE = 3600.0
 SUN_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1
-POLICIES = ("fixed-share", "burst-share", "best-effort")
+POLICIES = SM_POLICIES
 
 
 class ConfigError(ValueError):
@@ -223,27 +225,21 @@ def check_shim_value(name: str, value: str) -> None:
     validate_shim_environment({name: value})
 
 
-def task_priority(env: Mapping[str, str]) -> int:
-    """CUDA_TASK_PRIORITY as the library reads it (limits_task_priority),
-    for an environment validate_shim_environment accepted: 0 (high) only
-    when set to "0"; unset or empty means 1 (low), as in HAMi-core, whose
-    region starts with priority 1."""
-    return 0 if env.get(ENV_PRIORITY) == "0" else 1
-
-
-def effective_policy(env: Mapping[str, str]) -> str:
-    """The policy the library configures the region with, as reported.
-
-    GPU_CORE_UTILIZATION_POLICY=force makes the limit a hard cap; =disable
-    ignores the SM limits: the library then configures every device with
-    no limit and fixed-share (limits_sm_policy), whatever
+def sm_settings(env: Mapping[str, str]) -> SmSettings:
+    """The policy and priority the library configures the region with, for
+    an environment validate_shim_environment accepted, asked of the library
+    itself (gv_env_sm_settings).  CUDA_TASK_PRIORITY is 0 (high) only when
+    set to "0"; unset or empty means 1 (low), as in HAMi-core, whose region
+    starts with priority 1.  GPU_CORE_UTILIZATION_POLICY=force makes the
+    limit a hard cap; =disable ignores the SM limits: the library then
+    configures every device with no limit and fixed-share, whatever
     GPUVISOR_SM_POLICY says, so burst-share or best-effort would name a
     policy that nothing applies (and a limit pushed live later is a hard
     cap, as fixed-share's)."""
-    if env.get(ENV_HAMI_POLICY, "").strip().lower() in ("force", "disable"):
-        return "fixed-share"
-    policy = env.get(ENV_POLICY, "").strip().lower()
-    return policy if policy in POLICIES else "fixed-share"
+    try:
+        return env_sm_settings(env)
+    except GpuvisorError as exc:
+        raise ConfigError(one_line(exc.message)) from None
 
 
 def build(options: RunOptions, command: list[str], base_env: Mapping[str, str]) -> RunConfig:
@@ -298,7 +294,7 @@ def build(options: RunOptions, command: list[str], base_env: Mapping[str, str]) 
     if options.simulate:
         env.setdefault(ENV_SIM_STATE, default_sim_state())
     env = preload_env(env, simulate=options.simulate)
-    priority = task_priority(env)
+    settings = sm_settings(env)
     return RunConfig(
         command=list(command),
         env=env,
@@ -306,8 +302,8 @@ def build(options: RunOptions, command: list[str], base_env: Mapping[str, str]) 
         report_interval=interval,
         grace=grace,
         region=env[ENV_REGION],
-        policy=effective_policy(env),
-        priority=priority,
+        policy=settings.policy,
+        priority=settings.priority,
         simulate=options.simulate,
         limits=env_limits(env),
     )

@@ -15,6 +15,8 @@ import re
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeGuard
 
+from gpuvisor.shim.region import SM_POLICIES
+
 PROTOCOL_VERSION = 1
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_DEVICES = 16
@@ -24,7 +26,7 @@ MAX_PIDS = 1024
 MAX_VISIBLE = 64
 MAX_INTERVAL_S = 3600.0  # the longest report interval a report may declare
 MAX_ERROR_CHARS = 1024  # an error's text is cut to this (a field's value may be long)
-POLICIES = ("fixed-share", "burst-share", "best-effort")
+POLICIES = SM_POLICIES  # the names the library gives its policies 0, 1, 2
 # A device UUID as NVML and the library write it (nvmlDeviceGetUUID,
 # gv_uuid_format): "GPU-" and 32 lowercase hex digits in groups 8-4-4-4-12.
 # Only this form is taken, so one device has one spelling (one set of
@@ -266,7 +268,7 @@ def parse_report(obj: dict[str, Any]) -> Report:
         container=_str(c.get("container"), "container.container", 253, optional=True),
     )
     policy = _str(_get(obj, "policy", ""), "policy", 32)
-    if policy not in POLICIES:
+    if policy is None or policy not in POLICIES:
         raise ProtocolError(f"policy={policy!r}: expected one of {', '.join(POLICIES)}")
     pids = _get(obj, "pids", "")
     if not isinstance(pids, list) or len(pids) > MAX_PIDS:

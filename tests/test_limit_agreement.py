@@ -230,19 +230,41 @@ assert lib.cuCtxSetCurrent(ctx) == 0
 free, total = ctypes.c_size_t(), ctypes.c_size_t()
 assert lib.cuMemGetInfo_v2(ctypes.byref(free), ctypes.byref(total)) == 0
 from gpuvisor.shim.region import Region
-print(Region.attach().sm(0).priority)
+sm = Region.attach().sm(0)
+print(sm.policy, sm.priority)
 """
 
+SM_SETTINGS = ("CUDA_TASK_PRIORITY", "GPUVISOR_SM_POLICY", "GPU_CORE_UTILIZATION_POLICY")
+# (priority, policy, core policy); None: unset.
+SETTINGS_ROWS = [
+    (None, None, None),
+    ("", None, None),
+    ("0", None, None),
+    ("1", None, None),
+    ("0", "burst-share", None),
+    (None, "Best-Effort", None),
+    ("1", "best-effort", "default"),
+    ("0", "burst-share", "force"),
+    (None, "best-effort", "Disable"),
+]
 
-@pytest.mark.parametrize("value", [None, "", "0", "1"], ids=["unset", "empty", "0", "1"])
-def test_library_and_supervisor_read_the_priority_alike(node, tmp_path, value):
-    """CUDA_TASK_PRIORITY unset or empty means 1 (low), as in HAMi-core
-    (whose region starts with priority 1): the library stores what the
-    supervisor reports (config.build), for every value both accept."""
+
+@pytest.mark.parametrize(
+    "row", SETTINGS_ROWS, ids=["-".join(str(v) for v in row) for row in SETTINGS_ROWS]
+)
+def test_library_and_supervisor_read_policy_and_priority_alike(node, tmp_path, row):
+    """What the supervisor reports (config.build: policy and priority) is
+    what a process of the container stores in the region at its first CUDA
+    use.  CUDA_TASK_PRIORITY unset or empty means 1 (low), as in HAMi-core
+    (whose region starts with priority 1); GPU_CORE_UTILIZATION_POLICY=force
+    or disable mean fixed-share."""
     env = node.shimmed(CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "prio.shr"))
-    env.pop("CUDA_TASK_PRIORITY", None)
-    if value is not None:
-        env["CUDA_TASK_PRIORITY"] = value
+    base = dict(node.env)
+    for name, value in zip(SM_SETTINGS, row, strict=True):
+        env.pop(name, None)
+        base.pop(name, None)
+        if value is not None:
+            env[name] = base[name] = value
     proc = subprocess.run(
         [sys.executable, "-c", PRIORITY_PROBE],
         env=env,
@@ -252,9 +274,10 @@ def test_library_and_supervisor_read_the_priority_alike(node, tmp_path, value):
         check=False,
     )
     assert proc.returncode == 0, proc.stderr
-    stored = int(proc.stdout.split()[-1])
-    base = {k: v for k, v in node.env.items() if k != "CUDA_TASK_PRIORITY"}
-    if value is not None:
-        base["CUDA_TASK_PRIORITY"] = value
-    reported = config.build(config.RunOptions(), ["true"], base).priority
-    assert stored == reported == (0 if value == "0" else 1)
+    policy, priority = proc.stdout.split()[-2:]
+    built = config.build(config.RunOptions(), ["true"], base)
+    assert (policy, int(priority)) == (built.policy, built.priority)
+    prio, pol, core = row
+    assert built.priority == (0 if prio == "0" else 1)
+    plain = pol.lower() if pol and (core or "").lower() not in ("force", "disable") else None
+    assert built.policy == (plain or "fixed-share")

@@ -638,6 +638,66 @@ def test_env_device_limits_are_the_ones_of_the_devices_cuda_ordinal(node: SimNod
     assert got["malformed"] == ["GV_EINVAL"] * 3
 
 
+ENV_SM_SETTINGS = r"""
+import ctypes, json, sys
+from gpuvisor.shim.capi import GpuvisorError, lib
+from gpuvisor.shim.limits import env_sm_settings
+out = {}
+for name, env in json.loads(sys.argv[1]).items():
+    try:
+        got = env_sm_settings(env)
+        out[name] = [got.policy, got.priority]
+    except GpuvisorError as exc:
+        out[name] = [exc.code_name, exc.message]
+out["null outputs"] = lib().gv_env_sm_settings(None, None, None)
+print(json.dumps(out))
+"""
+
+
+def test_env_sm_settings_are_read_by_the_librarys_rules(node: SimNode) -> None:
+    """gv_env_sm_settings: the policy and priority an environment gives,
+    from the environment passed only (the caller's own says best-effort and
+    priority 0): GPUVISOR_SM_POLICY in any case, fixed-share when unset or
+    under GPU_CORE_UTILIZATION_POLICY=force or disable; CUDA_TASK_PRIORITY
+    0 only when "0".  A malformed value is GV_EINVAL with one line naming
+    the variable and the value; NULL outputs are GV_EINVAL."""
+    envs = {
+        "empty": {},
+        "burst": {"GPUVISOR_SM_POLICY": "Burst-Share", "CUDA_TASK_PRIORITY": "0"},
+        "best-effort low": {"GPUVISOR_SM_POLICY": "best-effort", "CUDA_TASK_PRIORITY": "1"},
+        "forced": {"GPUVISOR_SM_POLICY": "burst-share", "GPU_CORE_UTILIZATION_POLICY": "force"},
+        "disabled": {"GPUVISOR_SM_POLICY": "best-effort", "GPU_CORE_UTILIZATION_POLICY": "DISABLE"},
+        "default": {"GPUVISOR_SM_POLICY": "best-effort", "GPU_CORE_UTILIZATION_POLICY": "default"},
+        "priority empty": {"CUDA_TASK_PRIORITY": ""},
+        "bad policy": {"GPUVISOR_SM_POLICY": "burst"},
+        "bad priority": {"CUDA_TASK_PRIORITY": "2"},
+        "bad limit": {"CUDA_DEVICE_SM_LIMIT": "101"},
+    }
+    caller = node.shimmed(GPUVISOR_SM_POLICY="best-effort", CUDA_TASK_PRIORITY="0")
+    del caller["LD_PRELOAD"]
+    proc = run_py(ENV_SM_SETTINGS, caller, args=[json.dumps(envs)])
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert got["empty"] == ["fixed-share", 1]
+    assert got["burst"] == ["burst-share", 0]
+    assert got["best-effort low"] == ["best-effort", 1]
+    assert got["forced"] == ["fixed-share", 1]
+    assert got["disabled"] == ["fixed-share", 1]
+    assert got["default"] == ["best-effort", 1]
+    assert got["priority empty"] == ["fixed-share", 1]
+    for name, var, value in (
+        ("bad policy", "GPUVISOR_SM_POLICY", "burst"),
+        ("bad priority", "CUDA_TASK_PRIORITY", "2"),
+        ("bad limit", "CUDA_DEVICE_SM_LIMIT", "101"),
+    ):
+        code, message = got[name]
+        assert code == "GV_EINVAL"
+        assert var in message, message
+        assert value in message, message
+        assert "\n" not in message, message
+    assert got["null outputs"] == GV_EINVAL
+
+
 ENV_LIMITS_THEN_SHUTDOWN = r"""
 import pynvml
 from gpuvisor.shim.limits import env_device_limits

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define GV_API_VERSION 3
+#define GV_API_VERSION 4
 
 enum {
     GV_OK = 0,
@@ -87,6 +87,17 @@ int gv_validate_env(void);
  * physical_total 0.  Since API version 3. */
 int gv_env_device_limits(const char *const *env, const char *uuid, uint64_t physical_total,
                          uint64_t *mem_bytes, uint32_t *sm_pct);
+
+/* The SM policy and task priority an environment gives every device, as a
+ * process of the container with that environment configures them (the
+ * values gv_device_get_sm reports): *policy 0 fixed-share, 1 burst-share,
+ * 2 best-effort (fixed-share under GPU_CORE_UTILIZATION_POLICY=force or
+ * disable, which make the limit a hard cap or drop it); *priority 0 high,
+ * 1 low (CUDA_TASK_PRIORITY unset or empty: 1).  env as for
+ * gv_env_device_limits (NULL: this process's environment), which is
+ * neither read otherwise nor changed.  GV_EINVAL, as gv_validate_env, for
+ * a malformed SM variable.  Since API version 4. */
+int gv_env_sm_settings(const char *const *env, uint32_t *policy, uint32_t *priority);
 
 /* Device entries of the region, in the order processes first used them.
  * Indices run 0 .. gv_device_count()-1. */

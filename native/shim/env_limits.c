@@ -2,7 +2,9 @@
  * env_limits.c - gv_env_device_limits (gpuvisor.h): the limits a workload's
  * environment gives a device, for the supervisor, which puts them back
  * when an administrator clears theirs.  Apart from api.c because it needs
- * the UUID -> CUDA ordinal map of devices.c.
+ * the UUID -> CUDA ordinal map of devices.c.  Also gv_env_sm_settings: the
+ * SM policy and priority the environment gives, which the supervisor
+ * reports, read by the same rules (limits.c) the devices are set up with.
  */
 #include "gpuvisor.h"
 
@@ -77,4 +79,21 @@ GV_EXPORT int gv_env_device_limits(const char *const *env, const char *uuid, uin
     int rc = env_device_limits(uuid, physical_total, mem_bytes, sm_pct);
     limits_use_env(NULL);
     return rc;
+}
+
+GV_EXPORT int gv_env_sm_settings(const char *const *env, uint32_t *policy, uint32_t *priority)
+{
+    if (policy == NULL || priority == NULL)
+        return fail(GV_EINVAL, "gpuvisor: gv_env_sm_settings: an output is NULL");
+    char err[512];
+    limits_use_env(env);
+    int rc = limits_sm_check_env(err, sizeof err);
+    int p = limits_sm_policy();
+    unsigned prio = limits_task_priority();
+    limits_use_env(NULL);
+    if (rc != GV_OK)
+        return fail(GV_EINVAL, "%s", err);
+    *policy = p < 0 ? 0u : (uint32_t)p;   /* disable: no limit, fixed-share */
+    *priority = prio;
+    return GV_OK;
 }
