@@ -165,13 +165,24 @@ class DeviceShares:
         """What a container claims of a device: nothing while idle; while
         active, its SM limit (the whole device without one) or its use if
         higher.  A starved container (using less than its limit because
-        others crowd the device) still claims its limit.  A container whose
+        others crowd the device) still claims its limit.  A best-effort
+        container with a limit claims nothing: it has no guarantee, and
+        yields to the others.  A container whose
         gate measures nothing reports 0 %: it is active while NVML saw its
         processes work within the active window (nvml_active)."""
         active = d.sm_share > self.config.active_threshold or (
             self.unmeasured(d) and key in self.nvml_active.get(d.uuid, {})
         )
         if not active:
+            return 0.0
+        if d.sm_limit is not None and report.policy == "best-effort":
+            # No guarantee to get back: its limit only turns its gate on
+            # (its floor is 1 %), and what it uses is what the others left
+            # it.  Claimed (its limit, or even its use), it told a
+            # burst-share neighbour to keep off that part of the device, so
+            # the neighbour could not take it back: the opposite of
+            # yielding.  The lenders see its use in NVML's figures, as
+            # without the agent, and take it back when they need it.
             return 0.0
         return max(d.sm_share, float(d.sm_limit) if d.sm_limit is not None else 100.0)
 

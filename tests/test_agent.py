@@ -183,6 +183,7 @@ class Client:
         container: str = "main",
         cgroup: str | None = None,
         priority: int = 0,
+        policy: str = "fixed-share",
     ) -> None:
         self.path = sock
         self.cid = ContainerId(
@@ -192,6 +193,7 @@ class Client:
             container=container,
         )
         self.priority = priority
+        self.policy = policy
         self.seq = 0
         self.sock: socket.socket | None = None
         self.buf = b""
@@ -233,7 +235,7 @@ class Client:
                 seq=self.seq,
                 ts=time.time(),
                 container=self.cid,
-                policy="fixed-share",
+                policy=self.policy,
                 priority=self.priority,
                 pids=[os.getpid()],
                 devices=list(devices) or [device()],

@@ -214,6 +214,49 @@ def test_burst_share_gives_back_to_a_starved_container_via_the_agent(
     assert both[b_pid] >= 80
 
 
+@pytest.mark.parametrize("first", ["burst", "best-effort"])
+def test_best_effort_yields_to_a_burst_share_container_via_the_agent(
+    node: SimNode,
+    sock_path: str,  # noqa: F811
+    first: str,
+) -> None:
+    """A (burst-share, 30 %) and B (best-effort, limit 50) both want the
+    whole GPU; one starts alone and takes it, then the other starts.
+    Best-effort has no guarantee and yields: B ends with what A leaves (1 %
+    or so), A with the rest, as without the agent.  The agent used to
+    count B's limit as a claim, which A then kept off: whichever started
+    first, A ended near 40 % and B near its 50 %."""
+    from tests.test_sm_quota import nvml_shares
+
+    a_args = ["--cores", "30", "--policy", "burst-share"]
+    b_args = ["--cores", "50", "--policy", "best-effort"]
+    with AgentProc(sock_path, env=node.env):
+        one, two = ("a", a_args), ("b", b_args)
+        if first != "burst":
+            one, two = two, one
+        p1 = spinning(node, sock_path, one[0], one[1], 12.0)
+        try:
+            time.sleep(2.5)
+            since = int(time.time() * 1e6)
+            time.sleep(1.0)
+            alone = nvml_shares(node, since)
+            p2 = spinning(node, sock_path, two[0], two[1], 6.0)
+            time.sleep(2.5)
+            since = int(time.time() * 1e6)
+            time.sleep(1.5)
+            both = nvml_shares(node, since)
+            p2.communicate(timeout=60)
+        finally:
+            p1.communicate(timeout=60)
+    (pid1,) = alone
+    pid2 = next((p for p in both if p != pid1), None)
+    shares = {one[0]: both.get(pid1, 0), two[0]: both.get(pid2, 0) if pid2 else 0}
+    print(f"{one[0]} alone {alone[pid1]} %, then A {shares['a']} % and B {shares['b']} %")
+    assert alone[pid1] >= 80
+    assert shares["a"] >= 75
+    assert shares["b"] <= 15
+
+
 @pytest.mark.parametrize(
     ("low_cores", "high_cores", "low_priority"),
     [("50", "40", "1"), (None, None, "1"), (None, None, None)],

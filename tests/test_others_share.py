@@ -53,6 +53,23 @@ def test_agent_tells_each_container_what_the_others_use(sock_path: str) -> None:
         assert a.report(device(uuid=GPU_X, share=30.0, sm_limit=30))["others"] == {GPU_X: 0.0}
 
 
+def test_a_best_effort_container_claims_nothing(sock_path: str) -> None:  # noqa: F811
+    """Best-effort has no guarantee: its SM limit only turns its gate on
+    (its floor is 1 %), and it yields to the others, so it claims nothing
+    whatever it uses (the lenders see its use in NVML's figures, and take
+    it back when they need it).  Its limit counted as a claim: a
+    best-effort newcomer took its limit from a burst-share container that
+    was using the idle GPU, as the lender was told the others claim it."""
+    with AgentProc(sock_path):
+        a = Client(sock_path, pod="a", policy="burst-share")
+        b = Client(sock_path, pod="b", policy="best-effort")
+        a.report(device(uuid=GPU_X, share=90.0, sm_limit=30))
+        assert b.report(device(uuid=GPU_X, share=5.0, sm_limit=50))["others"] == {GPU_X: 90.0}
+        assert a.report(device(uuid=GPU_X, share=90.0, sm_limit=30))["others"] == {GPU_X: 0.0}
+        b.report(device(uuid=GPU_X, share=70.0, sm_limit=50))
+        assert a.report(device(uuid=GPU_X, share=20.0, sm_limit=30))["others"] == {GPU_X: 0.0}
+
+
 READ_OTHERS = """
 import json, sys
 from gpuvisor.shim.region import Region
