@@ -652,6 +652,47 @@ def test_processes_of_a_container_in_its_own_pid_namespace_know_each_other(
     assert total >= 80
 
 
+@pytest.mark.parametrize("policy", ["burst-share", "best-effort"])
+def test_no_lending_while_nvml_cannot_say_who_else_works(
+    node: SimNode, tmp_path: Path, policy: str
+) -> None:
+    """Burst-share and best-effort lend what the others leave, which the
+    library reads from NVML's per-process utilisation.  When that query
+    fails (NVML_ERROR_NOT_SUPPORTED here, as on GPUs or vGPU setups without
+    per-process accounting), what the others use is not known: the
+    container runs at its limit, as without NVML, and says so once.  It
+    used to take the failure for "nobody else works" and lend the whole
+    GPU for good: A (burst-share 30 %) took 85 % and left B, a fixed-share
+    70 % container, 15 %."""
+    a_env = node.shimmed(
+        CUDA_DEVICE_SM_LIMIT="30",
+        GPUVISOR_SM_POLICY=policy,
+        GPUVISOR_SIM_NVML_FAIL="nvmlDeviceGetProcessUtilization",
+        GPUVISOR_SIM_NVML_FAIL_CODE="3",
+    )
+    b_env = node.shimmed(
+        CUDA_DEVICE_SM_LIMIT="70", CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "b.shr")
+    )
+    a = start(a_env, "kernel", LONG_RUN, 3)
+    b = start(b_env, "kernel", LONG_RUN, 4)
+    go(a)
+    time.sleep(1.0)
+    alone = shares_over(node, 0.8).get(str(a.pid), 0)
+    go(b)
+    time.sleep(1.0)
+    shared = shares_over(node, 1.5)
+    a.kill()
+    _, a_err = a.communicate(timeout=30)
+    stop(b)
+    print(f"A alone={alone} A with B={shared.get(str(a.pid))} B={shared.get(str(b.pid))}")
+    assert abs(alone - 30) <= 6
+    assert abs(shared.get(str(a.pid), 0) - 30) <= 6
+    assert abs(shared.get(str(b.pid), 0) - 70) <= 6
+    warnings = [ln for ln in a_err.splitlines() if "nvmlDeviceGetProcessUtilization" in ln]
+    assert len(warnings) == 1, a_err
+    assert "run at the limit" in warnings[0]
+
+
 def test_best_effort_yields_to_others(node: SimNode, tmp_path: Path) -> None:
     a_env = node.shimmed(CUDA_DEVICE_SM_LIMIT="30", GPUVISOR_SM_POLICY="best-effort")
     b_env = node.shimmed(

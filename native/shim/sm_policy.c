@@ -17,13 +17,16 @@
  * 300 ms of every process that is not registered in this container's
  * region, or the node agent's figure for the other containers (passed on by
  * the supervisor) when that is larger and fresh, so lent capacity comes back
- * within a few hundred milliseconds once another container works.  The
+ * within a few hundred milliseconds once another container works.  While
+ * that use cannot be read (no NVML, or its per-process query fails with
+ * anything but "no samples"), nothing is lent: the share is the limit.  The
  * same update hands NVML's per-process samples to the calibration
  * (sm_calib.c) and tells the gate who else works on the device.
  */
 #include <stdatomic.h>
 #include <time.h>
 
+#include "log.h"
 #include "sm.h"
 
 #define OTHERS_ACTIVE 300                   /* 3 %: someone else is working */
@@ -61,16 +64,20 @@ void gv_sm_policy_reset(void)
 }
 
 /* NVML's per-process samples of a device newer than `since` (CPU time,
- * us): how many were written to s (at most MAX_SAMPLES), or -1. */
+ * us): how many were written to s (at most MAX_SAMPLES); NO_SAMPLES when
+ * NVML has none (NVML_ERROR_NOT_FOUND: no process ran kernels since), or
+ * -(NVML's error code) when the query failed otherwise. */
 #define MAX_SAMPLES 1024u   /* 2 s of 200 ms samples of 100 processes (32 KiB) */
+#define NO_SAMPLES (-(int)NVML_ERROR_NOT_FOUND)
 static int proc_samples(nvmlDevice_t nvml, unsigned long long since,
                         nvmlProcessUtilizationSample_t s[MAX_SAMPLES])
 {
     typedef nvmlReturn_t (*procutil_fn)(nvmlDevice_t, nvmlProcessUtilizationSample_t *,
                                         unsigned int *, unsigned long long);
     unsigned int n = MAX_SAMPLES;
-    if (GV_REAL(nvmlDeviceGetProcessUtilization, procutil_fn)(nvml, s, &n, since) != NVML_SUCCESS)
-        return -1;
+    nvmlReturn_t rc = GV_REAL(nvmlDeviceGetProcessUtilization, procutil_fn)(nvml, s, &n, since);
+    if (rc != NVML_SUCCESS)
+        return rc == NVML_ERROR_NOT_FOUND ? NO_SAMPLES : -(int)(rc > 0 && rc < 1000000 ? rc : 999);
     return (int)(n < MAX_SAMPLES ? n : MAX_SAMPLES);
 }
 
@@ -80,8 +87,9 @@ static int proc_samples(nvmlDevice_t nvml, unsigned long long since,
  * processes, GV_SM_MATES: other processes of this one, or 0), and
  * GV_SM_FULL when all processes together kept it busy (>= FULL_USE);
  * *procs: how many of this container's processes used it (this one
- * counted always). */
-static uint64_t others_recent(struct watched *w, int *company, int *procs)
+ * counted always); *error: 0, or NVML's error code when the query failed
+ * (the use is then not known: 0 is returned, and must not be lent from). */
+static uint64_t others_recent(struct watched *w, int *company, int *procs, int *error)
 {
     nvmlProcessUtilizationSample_t samples[MAX_SAMPLES];
     struct timespec ts;
@@ -90,9 +98,13 @@ static uint64_t others_recent(struct watched *w, int *company, int *procs)
                                (unsigned long long)ts.tv_nsec / 1000 - RECENT_US;
     *company = GV_SM_OTHERS;             /* not known: as if others worked */
     *procs = 1;
+    *error = 0;
     int got = proc_samples(w->nvml, since, samples);
-    if (got < 0)
+    if (got < 0) {
+        if (got != NO_SAMPLES)
+            *error = -got;
         return 0;
+    }
     unsigned int n = (unsigned int)got;
     /* This container's processes, by the PIDs NVML may show for them: the
      * registered ones and, inside a PID namespace, the host's they learned. */
@@ -136,6 +148,16 @@ static uint64_t others_recent(struct watched *w, int *company, int *procs)
     return total > 10000 ? 10000 : total;
 }
 
+/* A lending policy that cannot read the others' use: said once a process. */
+static void cannot_lend(const char *uuid, int error)
+{
+    static atomic_int said;
+    if (!atomic_exchange(&said, 1))
+        gv_log(GV_LOG_WARN, "%s: nvmlDeviceGetProcessUtilization failed (NVML error %d): what the "
+               "other containers use is not known, so burst-share and best-effort run at the "
+               "limit", uuid, error);
+}
+
 /* Set w's share; *company, *procs: who else works on its device. */
 static void update_share(struct watched *w, int *company, int *procs)
 {
@@ -143,12 +165,20 @@ static void update_share(struct watched *w, int *company, int *procs)
     uint32_t limit = atomic_load(&sm->limit);
     uint32_t policy = atomic_load(&sm->policy);
     uint32_t share;
-    uint64_t others = w->have_nvml ? others_recent(w, company, procs) : 0;
+    int error = 0;
+    uint64_t others = w->have_nvml ? others_recent(w, company, procs, &error) : 0;
     if (region_sm_yielding(sm, gv_mono_ns())) {
         share = 0;
     } else if (limit == 0) {
         share = 10000;
-    } else if (policy == GV_SM_FIXED || !w->have_nvml) {
+    } else if (policy == GV_SM_FIXED || !w->have_nvml || error) {
+        /* Without the others' use nothing is lent: a failed query is not
+         * "nobody else works" (taken so, a lender kept the whole GPU from
+         * a fixed-share neighbour for good). */
+        if (policy != GV_SM_FIXED && w->have_nvml) {
+            cannot_lend(atomic_load(&w->info)->uuid_str, error);
+            w->lent = 0;
+        }
         share = limit * 100;
     } else {
         /* Lend what the others leave: their use over the last 300 ms (NVML
