@@ -76,6 +76,9 @@ _Atomic uint64_t *gv_arb_enqueue_word(int dev);
  * most a couple of milliseconds whoever holds it. */
 uint64_t gv_sm_enqueue_begin(struct gv_sm *sm, int dev);
 void gv_sm_enqueue_end(struct gv_sm *sm, int dev, uint64_t held);
+/* The share may be stale (0 with no pause in force): the meter thread
+ * runs the policies at once, woken if it sleeps (sm_meter.c). */
+void gv_sm_meter_refresh(void);
 /* Reset process-local gate state in a forked child. */
 void gv_sm_fork_child(void);
 /* The policies (sm_policy.c), per region device this process launches on:

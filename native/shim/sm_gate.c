@@ -179,6 +179,14 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
          * is on the fast path until it is set, so no meter of its own may
          * yet have set the share to 0 (the gate must pause at once). */
         if (share == 0 || region_sm_yielding(sm, now)) {   /* paused: yielding */
+            /* A share of 0 outside a pause is one the meter set while the
+             * pause lasted (or set from a look taken just before it was
+             * cleared).  Only its next policy update changes it, and a
+             * meter with nothing gated in its region (the pause cleared
+             * and the limit lifted at once) sleeps until the next gated
+             * launch is posted: this one, which waited here for good. */
+            if (share == 0 && !region_sm_yielding(sm, now))
+                gv_sm_meter_refresh();
             sleep_ns(1000000);
             continue;
         }

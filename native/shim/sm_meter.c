@@ -46,6 +46,9 @@ static atomic_int started;
 /* 1 while the meter thread naps with nothing in flight: the next launch
  * wakes it (futex), so its kernel is measured from the first poll on. */
 static atomic_int napping;
+/* 1: run the policies at the next turn, not only every POLICY_PERIOD_NS
+ * (gv_sm_meter_refresh). */
+static atomic_int refresh;
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 
 typedef CUresult (*ev_create_fn)(CUevent *, unsigned int);
@@ -61,6 +64,7 @@ static void fork_child(void)
     atomic_store(&inbox, NULL);
     atomic_store(&started, 0);
     atomic_store(&napping, 0);
+    atomic_store(&refresh, 0);
     gv_sm_fork_child();
     gv_cal_reset();
     gv_sm_policy_reset();
@@ -155,7 +159,7 @@ static int try_settle(struct rec *r, CUcontext *current)
 static void nap(void)
 {
     atomic_store(&napping, 1);
-    if (!atomic_load(&inbox)) {
+    if (!atomic_load(&inbox) && !atomic_load(&refresh)) {
         struct timespec ts = { 0, NAP_NS };
         syscall(SYS_futex, &napping, FUTEX_WAIT_PRIVATE, 1, gv_sm_gating() ? &ts : NULL, NULL, 0);
     }
@@ -220,7 +224,7 @@ static void *meter(void *unused)
         }
         tail = pp;
         uint64_t now = gv_mono_ns();
-        if (now >= next_policy) {
+        if (now >= next_policy || atomic_exchange(&refresh, 0)) {
             gv_sm_policies();
             next_policy = now + POLICY_PERIOD_NS;
         }
@@ -263,6 +267,19 @@ static void start_meter(void)
 }
 
 /* ---- the launch side ---------------------------------------------------------- */
+
+/* Wake the meter thread if it naps. */
+static void wake(void)
+{
+    if (atomic_load(&napping) && atomic_exchange(&napping, 0))
+        syscall(SYS_futex, &napping, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+}
+
+void gv_sm_meter_refresh(void)
+{
+    if (!atomic_exchange(&refresh, 1))
+        wake();
+}
 
 /* A gated launch could not be measured: charged its estimate (said once). */
 static void unmeasured(void)
@@ -386,6 +403,5 @@ void gv_sm_end(gv_sm_launch *l, CUresult rc)
     r->next = atomic_load(&inbox);
     while (!atomic_compare_exchange_weak(&inbox, &r->next, r))
         ;
-    if (atomic_load(&napping) && atomic_exchange(&napping, 0))
-        syscall(SYS_futex, &napping, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
+    wake();
 }

@@ -1,0 +1,110 @@
+"""The SM quota changed live while launches wait at the gate.
+
+A worker launches 1 ms `spin` kernels back to back on the simulated device;
+another process (as the supervisor or an operator would) changes the
+container's yield flag and SM limit through the region API.  NVML's
+per-process utilisation, computed by the simulator from its timeline, shows
+what the worker gets.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from tests.helpers import CU_SPIN_PRELUDE, REPO_ROOT, SimNode, start_ready
+
+WORKER = (
+    CU_SPIN_PRELUDE
+    + """
+import sys
+print("ready", flush=True)
+sys.stdin.readline()
+while True:
+    launch(1000)
+"""
+)
+
+NVML_SHARES = """
+import json, sys
+import pynvml as n
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+try:
+    samples = n.nvmlDeviceGetProcessUtilization(h, int(sys.argv[1]))
+except n.NVMLError:
+    samples = []
+print(json.dumps({str(s.pid): s.smUtil for s in samples}))
+"""
+
+
+def region_call(node: SimNode, code: str) -> str:
+    return subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from gpuvisor.shim.region import Region\nr = Region.attach()\n" + code,
+        ],
+        env=node.env,
+        check=True,
+        timeout=60,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    ).stdout
+
+
+def share_over(node: SimNode, pid: int, seconds: float) -> int:
+    """NVML's SM share of pid over the next `seconds` (waits them)."""
+    import json
+
+    since = int(time.time() * 1e6)
+    time.sleep(seconds)
+    out = subprocess.run(
+        [sys.executable, "-c", NVML_SHARES, str(since)],
+        env=node.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    shares: dict[str, int] = json.loads(out)
+    return shares.get(str(pid), 0)
+
+
+def test_a_pause_ended_then_a_lifted_limit_frees_a_waiting_launch(node: SimNode) -> None:
+    """A burst-share container at 30 % is paused (its yield flag: its meter
+    sets the share to 0 and the launch waits at the gate); then the pause
+    is cleared and at once the limit lifted.  Nothing gates the container
+    any more, so its meter thread sleeps until the next gated launch, and
+    the launch that waited at the gate must not wait on for a share of 0
+    that nobody will update: it ran 0 % for good before.  Nor may a limit
+    set again later meet that share of 0 (the meter asleep)."""
+    env = node.shimmed(CUDA_DEVICE_SM_LIMIT="30", GPUVISOR_SM_POLICY="burst-share")
+    w = start_ready(WORKER, env)
+    try:
+        assert w.stdin is not None
+        w.stdin.write("go\n")
+        w.stdin.flush()
+        time.sleep(0.8)
+        region_call(node, "r.set_sm_yield(0, 30)")
+        time.sleep(0.5)  # its meter sets the share to 0: the launch waits
+        paused_share = region_call(node, "print(r.sm(0).share)").strip()
+        region_call(node, "r.set_sm_yield(0, 0)\nr.set_sm_limit(0, 0)")
+        time.sleep(1.0)
+        free = share_over(node, w.pid, 1.0)
+        region_call(node, "r.set_sm_limit(0, 30)")
+        time.sleep(2.0)  # the up to 1024 launches queued while free run first
+        again = share_over(node, w.pid, 1.0)
+        print(
+            f"share while paused: {paused_share}; after the pause and the limit: {free} %; "
+            f"limit 30 again: {again} %"
+        )
+        assert w.poll() is None
+        assert float(paused_share) == 0
+        assert free >= 80
+        assert again >= 24  # at least its limit (alone, burst-share lends it the rest)
+    finally:
+        w.kill()
+        w.communicate(timeout=30)
