@@ -9,6 +9,7 @@ what the worker gets.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -57,8 +58,6 @@ def region_call(node: SimNode, code: str) -> str:
 
 def share_over(node: SimNode, pid: int, seconds: float) -> int:
     """NVML's SM share of pid over the next `seconds` (waits them)."""
-    import json
-
     since = int(time.time() * 1e6)
     time.sleep(seconds)
     out = subprocess.run(
@@ -105,6 +104,43 @@ def test_a_pause_ended_then_a_lifted_limit_frees_a_waiting_launch(node: SimNode)
         assert float(paused_share) == 0
         assert free >= 80
         assert again >= 24  # at least its limit (alone, burst-share lends it the rest)
+    finally:
+        w.kill()
+        w.communicate(timeout=30)
+
+
+LONG_THEN_SHORT = (
+    CU_SPIN_PRELUDE
+    + """
+import json, sys, time
+launch(200000)                      # 200 ms: far past its 1 ms first estimate
+chk(cu.cuStreamSynchronize(s))
+print("ready", flush=True)
+sys.stdin.readline()
+t0 = time.monotonic()
+launch(1000)
+print(json.dumps({"waited": time.monotonic() - t0}), flush=True)
+"""
+)
+
+
+def test_a_limit_raised_live_applies_to_the_next_launch(node: SimNode) -> None:
+    """A fixed-share container at 5 % runs a 200 ms kernel: its clock moves
+    4 s ahead (200 ms at 5 %).  The limit raised live to 100 % applies to
+    its next launch: the debt run up at 5 % is paid at 100 %, as when the
+    meter changes the share (about 0.2 s), not at the old share.  Before,
+    the launch waited the whole 4 s."""
+    env = node.shimmed(CUDA_DEVICE_SM_LIMIT="5")
+    w = start_ready(LONG_THEN_SHORT, env)
+    try:
+        region_call(node, "r.set_sm_limit(0, 100)")
+        assert w.stdin is not None
+        assert w.stdout is not None
+        w.stdin.write("go\n")
+        w.stdin.flush()
+        waited = json.loads(w.stdout.readline())["waited"]
+        print(f"next launch after 5 -> 100 %: waited {waited:.2f} s")
+        assert waited < 1.0
     finally:
         w.kill()
         w.communicate(timeout=30)

@@ -130,6 +130,9 @@ struct gv_sm {
 int region_sm_any(gv_region *r);
 /* The word region_sm_any reads, for a load without a call. */
 _Atomic uint32_t *region_sm_any_flag(gv_region *r);
+/* Change the share the entry's gate enforces (1/100 %), rescaling the
+ * debt its pacing clock ran up at the old share (sm_gate.c). */
+void region_sm_set_share(struct gv_sm *sm, uint32_t share);
 /* Change an entry's SM limit live (0: none). */
 void region_sm_set_limit(gv_region *r, int dev, unsigned limit);
 /* Pause an entry's launches until CLOCK_MONOTONIC until_ns, with or

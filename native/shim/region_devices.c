@@ -5,6 +5,7 @@
 #include "log.h"
 
 #include <string.h>
+#include <time.h>
 
 /* ---- devices ---------------------------------------------------------------- */
 
@@ -142,6 +143,23 @@ static void sm_change_end(gv_region *r)
     atomic_fetch_sub(&r->m->hdr.sm_writers, 1);
 }
 
+void region_sm_set_share(struct gv_sm *sm, uint32_t share)
+{
+    uint32_t old = atomic_exchange(&sm->share, share);
+    if (old == share || old == 0 || share == 0)
+        return;
+    /* Debt run up at the old share is paid at the new one. */
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    uint64_t now = (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+    uint64_t t = atomic_load(&sm->tat);
+    while (t > now) {
+        uint64_t nt = now + (t - now) * (old > 10000 ? 10000 : old) / (share > 10000 ? 10000 : share);
+        if (atomic_compare_exchange_weak(&sm->tat, &t, nt))
+            break;
+    }
+}
+
 /* The yield flag was cleared: an entry without a limit runs at the whole
  * GPU at once, rather than at the 0 % its processes' meters last set
  * (none may run to set it again once its launches are no longer gated). */
@@ -221,8 +239,12 @@ void region_sm_set_limit(gv_region *r, int dev, unsigned limit)
     sm_change_begin(r);
     atomic_store(&sm->limit, limit);
     atomic_fetch_or(&sm->configured, GV_SM_LIMIT_SET);
+    /* The debt run up at the old share is rescaled, as when the meter
+     * changes the share: a limit raised from 5 to 100 % applies to the next
+     * launch, which otherwise waited out at 5 % what a long kernel ran up
+     * (4 s after a 200 ms kernel). */
     if (atomic_load(&sm->policy) == GV_SM_FIXED)
-        atomic_store(&sm->share, (limit == 0 ? 100 : limit) * 100);
+        region_sm_set_share(sm, (limit == 0 ? 100 : limit) * 100);
     if (limit > 0)
         atomic_store(&r->m->hdr.sm_any, 1);
     sm_change_end(r);

@@ -298,20 +298,6 @@ void gv_sm_settle(struct gv_sm *sm, int dev, uint32_t share, uint64_t charged_ns
         ;
 }
 
-void gv_sm_set_share(struct gv_sm *sm, uint32_t share)
-{
-    uint32_t old = atomic_exchange(&sm->share, share);
-    if (old == share || old == 0 || share == 0)
-        return;
-    /* Debt run up at the old share is paid at the new one. */
-    uint64_t now = gv_mono_ns(), t = atomic_load(&sm->tat);
-    while (t > now) {
-        uint64_t nt = now + (t - now) * (old > 10000 ? 10000 : old) / (share > 10000 ? 10000 : share);
-        if (atomic_compare_exchange_weak(&sm->tat, &t, nt))
-            break;
-    }
-}
-
 void gv_sm_fork_child(void)
 {
     for (int i = 0; i < GV_MAX_DEVICES; i++) {

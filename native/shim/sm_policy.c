@@ -210,7 +210,7 @@ static void update_share(struct watched *w, int *company, int *procs)
         w->lent = lend;
         share = (uint32_t)(lend > floor ? lend : floor);
     }
-    gv_sm_set_share(sm, share);
+    region_sm_set_share(sm, share);
 }
 
 /* Hand NVML's per-process samples newer than the last taken to sm_calib.c. */
