@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tests.helpers import CU_SPIN_PRELUDE, REPO_ROOT, SimNode, start_ready
 
 WORKER = (
@@ -140,6 +142,45 @@ def test_a_limit_raised_live_applies_to_the_next_launch(node: SimNode) -> None:
         w.stdin.flush()
         waited = json.loads(w.stdout.readline())["waited"]
         print(f"next launch after 5 -> 100 %: waited {waited:.2f} s")
+        assert waited < 1.0
+    finally:
+        w.kill()
+        w.communicate(timeout=30)
+
+
+LONG_THEN_WAITING = (
+    CU_SPIN_PRELUDE
+    + """
+import json, sys, time
+launch(200000)                      # 200 ms: far past its 1 ms first estimate
+chk(cu.cuStreamSynchronize(s))
+print("ready", flush=True)
+t0 = time.monotonic()
+launch(1000)                        # waits at the gate: the clock is 4 s ahead
+print(json.dumps({"waited": time.monotonic() - t0}), flush=True)
+"""
+)
+
+
+@pytest.mark.parametrize("policy", ["fixed-share", "burst-share"])
+def test_a_limit_lifted_frees_a_launch_that_waits(node: SimNode, policy: str) -> None:
+    """A container at 5 % runs a 200 ms kernel: its clock moves 4 s ahead,
+    and its next launch waits at the gate.  The limit lifted meanwhile
+    frees that launch at once: nothing gates the container any more.
+    (NVML's device handles fail, so that burst-share lends nothing and
+    runs at its limit: the others' use is not known.)"""
+    env = node.shimmed(
+        CUDA_DEVICE_SM_LIMIT="5",
+        GPUVISOR_SM_POLICY=policy,
+        GPUVISOR_SIM_NVML_FAIL="nvmlDeviceGetHandleByUUID",
+    )
+    w = start_ready(LONG_THEN_WAITING, env)
+    try:
+        time.sleep(0.3)
+        region_call(node, "r.set_sm_limit(0, 0)")
+        assert w.stdout is not None
+        waited = json.loads(w.stdout.readline())["waited"]
+        print(f"{policy}: the launch waiting at 5 % went {waited:.2f} s later (lifted at 0.3 s)")
         assert waited < 1.0
     finally:
         w.kill()

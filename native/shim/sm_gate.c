@@ -175,6 +175,16 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
         uint64_t now = gv_mono_ns();
         if (!start)
             start = now;
+        /* The limit was lifted (and no pause is set) while this launch
+         * waited: nothing gates it any more, as nothing gates the
+         * container's next launches.  Waiting on would pay out, at the old
+         * share, the lead a long kernel ran up (4 s after a 200 ms kernel
+         * at 5 %), unless the meter happened to update the share first. */
+        if (!region_sm_gates(sm)) {
+            if (share == 0)
+                share = 10000;
+            break;
+        }
         /* The yield flag is read here too: a container without a limit
          * is on the fast path until it is set, so no meter of its own may
          * yet have set the share to 0 (the gate must pause at once). */
