@@ -240,6 +240,20 @@ static void *meter(void *unused)
     return NULL;
 }
 
+/* Launches posted with no meter thread to measure them (it could not be
+ * started): settled at what they were charged, as unmeasured launches
+ * are, or they stayed in flight for good, and the gate's in-flight bound
+ * held the process's launches longer and longer (200 launches of 100 us
+ * at 50 % took 18 s), then for good at MAX_INFLIGHT_LAUNCHES. */
+static void settle_unmetered(void)
+{
+    for (struct rec *r = atomic_exchange(&inbox, NULL), *next; r; r = next) {
+        next = r->next;
+        gv_sm_settle(r->sm, r->dev, r->share, r->est, r->est);
+        drop(r);
+    }
+}
+
 static void start_meter(void)
 {
     if (atomic_load(&started))
@@ -259,8 +273,14 @@ static void start_meter(void)
     pthread_attr_setdetachstate(&a, PTHREAD_CREATE_DETACHED);
     pthread_t t;
     if (pthread_create(&t, &a, meter, NULL) != 0) {
-        gv_log(GV_LOG_ERROR, "cannot start the SM meter thread; launches are paced on estimates");
+        /* Tried again at the next gated launch (threads may be free then);
+         * said once. */
+        static atomic_int said;
+        if (!atomic_exchange(&said, 1))
+            gv_log(GV_LOG_ERROR, "cannot start the SM meter thread; launches are paced on "
+                                 "estimates until it starts");
         atomic_store(&started, 0);
+        settle_unmetered();     /* what another thread posted meanwhile */
     }
     pthread_attr_destroy(&a);
     pthread_sigmask(SIG_SETMASK, &old, NULL);
@@ -348,7 +368,10 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
     /* From the begin event to the end event (gv_sm_end), no other gated
      * process on the device enqueues: its kernel would run, and be
      * measured, between them (sm_enqueue.c). */
-    int made = create(&l->begin, 0) == CUDA_SUCCESS && create(&l->end, 0) == CUDA_SUCCESS;
+    /* No meter thread (it could not be started): nothing would read the
+     * events; the launch is charged its estimate. */
+    int made = atomic_load(&started) && create(&l->begin, 0) == CUDA_SUCCESS &&
+               create(&l->end, 0) == CUDA_SUCCESS;
     if (made)
         l->enqueue = gv_sm_enqueue_begin(sm, l->dev);
     if (!made || record(l->begin, stream) != CUDA_SUCCESS) {
@@ -359,7 +382,8 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
         if (l->end)
             GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->end);
         l->begin = l->end = NULL;
-        unmeasured();
+        if (atomic_load(&started))
+            unmeasured();
     }
     if (pushed) {
         CUcontext popped;
@@ -403,5 +427,9 @@ void gv_sm_end(gv_sm_launch *l, CUresult rc)
     r->next = atomic_load(&inbox);
     while (!atomic_compare_exchange_weak(&inbox, &r->next, r))
         ;
+    /* A meter start that failed after this launch found it started:
+     * either that start's settle_unmetered took r, or this sees 0. */
+    if (!atomic_load(&started))
+        settle_unmetered();
     wake();
 }
