@@ -310,6 +310,7 @@ PUBLISH_QUERY = with_prelude(
         ("GPUVISOR_SIM_NVML_PUBLISH_MS", "10001"),
         ("GPUVISOR_SIM_MODULE_MIB", str((1 << 20) + 1)),
         ("GPUVISOR_SIM_LAUNCH_US", "1000001"),
+        ("GPUVISOR_SIM_LAUNCH_EVERY", "1000001"),
     ],
 )
 def test_a_knob_out_of_range_is_named_and_ignored(tmp_path: Path, var: str, value: str) -> None:
@@ -361,3 +362,15 @@ def test_a_slow_driver_launch_takes_its_time(tmp_path: Path) -> None:
     fast = json.loads(ok(run_py(SLOW_LAUNCH, sim_env(tmp_path, "1x8g"))))
     assert fast["kernel_ms"] < 10, fast
     assert fast["graph_ms"] < 10, fast
+
+
+@needs_cuda_python
+def test_a_launch_held_up_now_and_then(tmp_path: Path) -> None:
+    """GPUVISOR_SIM_LAUNCH_EVERY=5 with GPUVISOR_SIM_LAUNCH_US=20000: only
+    the 5th and 10th of the process's ten launch calls (five kernels, then
+    five graphs) take the 20 ms, so each group of five takes 20 ms in all,
+    4 ms a launch on average, not 20."""
+    env = sim_env(tmp_path, "1x8g", GPUVISOR_SIM_LAUNCH_US="20000", GPUVISOR_SIM_LAUNCH_EVERY="5")
+    got = json.loads(ok(run_py(SLOW_LAUNCH, env)))
+    for kind in ("kernel_ms", "graph_ms"):
+        assert 4 <= got[kind] < 10, got

@@ -38,8 +38,28 @@ struct rec {
     uint64_t est;
     uint64_t started;           /* when its begin event was first seen done; 0: not yet */
     uint64_t over;              /* run time past est charged while it ran */
+    uint64_t stretch;           /* CPU time from the begin event to the launch's
+                                 * return, when over STRETCH_NS; else 0 */
     uint32_t share;
 };
+
+/* A launch whose calls, from recording the begin event to the launch's
+ * return, took longer than this on the CPU (its thread was not run, or the
+ * driver blocked) may be measured long: on a device that had nothing else
+ * to do, the begin event is done when recorded, and the kernel starts only
+ * when it is launched, so the events also hold the wait, up to that CPU
+ * time.  At a 10 % limit every such millisecond holds the container's
+ * next launches back 10 ms.  A driver's launch takes microseconds. */
+#define STRETCH_NS (500ULL * 1000)
+
+/* What a launch's events measured (ns), for one whose CPU side stretched:
+ * the kernel ran at most `measured` and at least `measured - stretch`;
+ * the function's recent average, within those bounds. */
+static uint64_t unstretched(uint64_t measured, uint64_t stretch, uint64_t est)
+{
+    uint64_t lo = measured > stretch ? measured - stretch : 0;
+    return est < lo ? lo : est > measured ? measured : est;
+}
 
 static _Atomic(struct rec *) inbox;
 static atomic_int started;
@@ -131,9 +151,12 @@ static int try_settle(struct rec *r, CUcontext *current)
     float ms = 0;
     if (q == CUDA_SUCCESS && elapsed(&ms, r->begin, r->end) == CUDA_SUCCESS && ms >= 0) {
         uint64_t raw = (uint64_t)((double)ms * 1e6);
+        if (r->stretch)
+            raw = unstretched(raw, r->stretch, r->est);
         gv_cal_record(r->dev, gv_mono_ns(), raw);
         uint64_t ns = gv_cal_scale(r->dev, raw);
-        gv_sm_learn(r->key, ns);
+        if (!r->stretch)
+            gv_sm_learn(r->key, ns);    /* a stretched one taught nothing new */
         gv_sm_settle(r->sm, r->dev, r->share, r->est + r->over, ns);
     } else {
         uint64_t kept = r->est + r->over;   /* unknown: keep what was charged */
@@ -409,6 +432,9 @@ void gv_sm_end(gv_sm_launch *l, CUresult rc)
     ev_record_fn record = l->ptsz ? GV_REAL(cuEventRecord_ptsz, ev_record_fn)
                                   : GV_REAL(cuEventRecord, ev_record_fn);
     struct rec *r = NULL;
+    /* The enqueue word holds the time it was taken, just before the begin
+     * event was recorded. */
+    uint64_t stretch = l->enqueue ? gv_mono_ns() - (l->enqueue & ~1ULL) : 0;
     CUresult recorded = record(l->end, l->stream);
     gv_sm_enqueue_end(l->sm, l->dev, l->enqueue);
     if (recorded != CUDA_SUCCESS)
@@ -423,7 +449,7 @@ void gv_sm_end(gv_sm_launch *l, CUresult rc)
     }
     *r = (struct rec){ .ctx = l->ctx, .stream = l->stream, .begin = l->begin, .end = l->end,
                        .sm = l->sm, .dev = l->dev, .key = l->key, .est = l->est,
-                       .share = l->share };
+                       .stretch = stretch > STRETCH_NS ? stretch : 0, .share = l->share };
     r->next = atomic_load(&inbox);
     while (!atomic_compare_exchange_weak(&inbox, &r->next, r))
         ;

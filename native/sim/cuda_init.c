@@ -5,6 +5,7 @@
  */
 #include <ctype.h>
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -21,6 +22,8 @@ static int g_nvis;
 static int g_vis[SIM_MAX_DEV];          /* CUDA ordinal -> node index */
 static unsigned long long g_fail_at, g_fail_every, g_ctx_ms, g_alloc_ms, g_free_ms, g_module_mib;
 static unsigned long long g_launch_us;
+static unsigned long long g_launch_every = 1;   /* GPUVISOR_SIM_LAUNCH_EVERY */
+static _Atomic unsigned long long g_launches;
 static unsigned long long g_alloc_calls;
 static char g_cuda_fail[1024];          /* ",name1,name2," or "" */
 
@@ -123,6 +126,13 @@ static void do_init(void)
                 getenv("GPUVISOR_SIM_LAUNCH_US"));
         g_launch_us = 0;
     }
+    if (sim_knob_uint("GPUVISOR_SIM_LAUNCH_EVERY", &g_launch_every) <= 0) {
+        g_launch_every = 1;
+    } else if (g_launch_every > 1000000) {
+        sim_log("GPUVISOR_SIM_LAUNCH_EVERY=%s is not an integer from 1 to 1000000; ignored",
+                getenv("GPUVISOR_SIM_LAUNCH_EVERY"));
+        g_launch_every = 1;
+    }
     if (sim_knob_uint("GPUVISOR_SIM_MODULE_MIB", &g_module_mib) <= 0) {
         g_module_mib = 0;
     } else if (g_module_mib > (1ULL << 20)) {
@@ -214,10 +224,13 @@ void sim_alloc_delay(void)
 }
 
 /* Spent on the CPU, as a driver's own work is: a sleep would add the
- * scheduler's wake-up latency on a loaded machine (milliseconds). */
+ * scheduler's wake-up latency on a loaded machine (milliseconds).  With
+ * GPUVISOR_SIM_LAUNCH_EVERY=K only the process's K-th, 2K-th, ... launch
+ * call takes it: a launching thread that the machine does not run for a
+ * while, now and then. */
 void sim_launch_delay(void)
 {
-    if (g_launch_us) {
+    if (g_launch_us && (atomic_fetch_add(&g_launches, 1) + 1) % g_launch_every == 0) {
         uint64_t until = sim_now_ns() + g_launch_us * 1000;
         while (sim_now_ns() < until)
             ;
