@@ -8,6 +8,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -260,3 +261,57 @@ def repo_files(root: Path = REPO_ROOT) -> list[str]:
         check=True,
     ).stdout.split(b"\0")
     return [name.decode() for name in out if name and (root / name.decode()).is_file()]
+
+
+# NVML's per-process SM utilisation of device 0 since a timestamp (us), as
+# {pid: smUtil}; {} when NVML has no samples since then.
+NVML_SHARES = """
+import json, sys
+import pynvml as n
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+try:
+    samples = n.nvmlDeviceGetProcessUtilization(h, int(sys.argv[1]))
+except n.NVMLError:
+    samples = []
+print(json.dumps({str(s.pid): s.smUtil for s in samples}))
+"""
+
+
+def nvml_shares(node: SimNode, since_us: int) -> dict[str, int]:
+    """NVML's per-process SM shares on node's device 0 since since_us."""
+    out = subprocess.run(
+        [sys.executable, "-c", NVML_SHARES, str(since_us)],
+        env=node.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    shares: dict[str, int] = json.loads(out)
+    return shares
+
+
+def shares_over(node: SimNode, seconds: float) -> dict[str, int]:
+    """NVML's per-process SM shares over the next `seconds` (waits them)."""
+    since = int(time.time() * 1e6)
+    time.sleep(seconds)
+    return nvml_shares(node, since)
+
+
+def region_call(node: SimNode, code: str) -> str:
+    """Run code with `r`, the node's region attached, in another process (as
+    the supervisor or an operator would); its stdout."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from gpuvisor.shim.region import Region\nr = Region.attach()\n" + code,
+        ],
+        env=node.env,
+        check=True,
+        timeout=60,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+    ).stdout

@@ -181,7 +181,7 @@ def test_burst_share_gives_back_to_a_starved_container_via_the_agent(
     """A (burst-share, 10 %) alone takes the idle GPU.  B (fixed-share, 90 %)
     starts: the agent tells A that B claims 90 %, so A drops to its 10 %
     and B gets its 90 %, although B's own use starts low."""
-    from tests.test_sm_quota import nvml_shares
+    from tests.helpers import nvml_shares
 
     with AgentProc(sock_path, env=node.env):
         # A outlives the last reading even when helper processes start
@@ -226,7 +226,7 @@ def test_best_effort_yields_to_a_burst_share_container_via_the_agent(
     or so), A with the rest, as without the agent.  The agent used to
     count B's limit as a claim, which A then kept off: whichever started
     first, A ended near 40 % and B near its 50 %."""
-    from tests.test_sm_quota import nvml_shares
+    from tests.helpers import nvml_shares
 
     a_args = ["--cores", "30", "--policy", "burst-share"]
     b_args = ["--cores", "50", "--policy", "best-effort"]
@@ -278,7 +278,7 @@ def test_low_priority_yields_while_a_high_priority_container_works(
     active window L resumes.  Without a limit L measures nothing either
     (it keeps the launch fast path until told to yield): the agent's
     figure for it is NVML's."""
-    from tests.test_sm_quota import nvml_shares
+    from tests.helpers import nvml_shares
 
     def yielding(agent: AgentProc) -> list[float]:
         return find(agent.metrics(), "gpuvisor_container_yield", podname="low")
@@ -376,7 +376,7 @@ def test_containers_with_priority_unset_do_not_make_each_other_yield(
     containers without SM limits share the device, each reported as
     priority 1, and neither is told to yield to the other (only a
     priority-0 container makes a device busy)."""
-    from tests.test_sm_quota import nvml_shares
+    from tests.helpers import nvml_shares
 
     with AgentProc(sock_path, "--active-window", "1", env=node.env) as agent:
         a = spinning(node, sock_path, "a", [], 6.0)

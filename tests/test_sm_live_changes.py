@@ -10,13 +10,11 @@ what the worker gets.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
 import pytest
 
-from tests.helpers import CU_SPIN_PRELUDE, REPO_ROOT, SimNode, start_ready
+from tests.helpers import CU_SPIN_PRELUDE, SimNode, region_call, shares_over, start_ready
 
 WORKER = (
     CU_SPIN_PRELUDE
@@ -29,49 +27,10 @@ while True:
 """
 )
 
-NVML_SHARES = """
-import json, sys
-import pynvml as n
-n.nvmlInit()
-h = n.nvmlDeviceGetHandleByIndex(0)
-try:
-    samples = n.nvmlDeviceGetProcessUtilization(h, int(sys.argv[1]))
-except n.NVMLError:
-    samples = []
-print(json.dumps({str(s.pid): s.smUtil for s in samples}))
-"""
-
-
-def region_call(node: SimNode, code: str) -> str:
-    return subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from gpuvisor.shim.region import Region\nr = Region.attach()\n" + code,
-        ],
-        env=node.env,
-        check=True,
-        timeout=60,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-    ).stdout
-
 
 def share_over(node: SimNode, pid: int, seconds: float) -> int:
     """NVML's SM share of pid over the next `seconds` (waits them)."""
-    since = int(time.time() * 1e6)
-    time.sleep(seconds)
-    out = subprocess.run(
-        [sys.executable, "-c", NVML_SHARES, str(since)],
-        env=node.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    shares: dict[str, int] = json.loads(out)
-    return shares.get(str(pid), 0)
+    return shares_over(node, seconds).get(str(pid), 0)
 
 
 def test_a_pause_ended_then_a_lifted_limit_frees_a_waiting_launch(node: SimNode) -> None:

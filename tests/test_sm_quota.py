@@ -17,14 +17,20 @@ import os
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import CU_SPIN_PRELUDE, REPO_ROOT, SimNode, run_json, start_ready
+from tests.helpers import (
+    CU_SPIN_PRELUDE,
+    SimNode,
+    region_call,
+    run_json,
+    shares_over,
+    start_ready,
+)
 
 WORKER = """
 import ctypes, json, random, sys, time
@@ -107,18 +113,6 @@ wall = time.monotonic() - t0
 print(json.dumps({"share": gpu / 1e6 / wall * 100, "wall": wall}), flush=True)
 """
 
-NVML_SHARES = """
-import json, sys
-import pynvml as n
-n.nvmlInit()
-h = n.nvmlDeviceGetHandleByIndex(0)
-try:
-    samples = n.nvmlDeviceGetProcessUtilization(h, int(sys.argv[1]))
-except n.NVMLError:
-    samples = []
-print(json.dumps({str(s.pid): s.smUtil for s in samples}))
-"""
-
 
 def start(env: dict[str, str], path: str, seconds: float, seed: int) -> subprocess.Popen[str]:
     return start_ready(WORKER, env, path, str(seconds), str(seed))
@@ -162,40 +156,6 @@ def run_container(
     workers = [start(env, path, seconds, seed) for seed in range(procs)]
     go(*workers)
     return sum(finish(w) for w in workers)
-
-
-def nvml_shares(node: SimNode, since_us: int) -> dict[str, int]:
-    out = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(NVML_SHARES), str(since_us)],
-        env=node.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    shares: dict[str, int] = json.loads(out)
-    return shares
-
-
-def shares_over(node: SimNode, seconds: float) -> dict[str, int]:
-    """NVML's per-process SM shares over the next `seconds` (waits them)."""
-    since = int(time.time() * 1e6)
-    time.sleep(seconds)
-    return nvml_shares(node, since)
-
-
-def region_call(node: SimNode, code: str) -> None:
-    subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "from gpuvisor.shim.region import Region\nr = Region.attach()\n" + code,
-        ],
-        env=node.env,
-        check=True,
-        timeout=60,
-        cwd=REPO_ROOT,
-    )
 
 
 @pytest.mark.parametrize("limit", [30, 70])
@@ -483,21 +443,10 @@ def test_a_lifted_limit_lets_the_meter_thread_sleep(node: SimNode) -> None:
 
 def region_sm0(node: SimNode) -> dict[str, Any]:
     """Device entry 0's SM state in the node's region, as the API reads it."""
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import dataclasses, json\nfrom gpuvisor.shim.region import Region\n"
-            "print(json.dumps(dataclasses.asdict(Region.attach().sm(0))))",
-        ],
-        env=node.env,
-        check=True,
-        timeout=60,
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
+    out = region_call(
+        node, "import dataclasses, json\nprint(json.dumps(dataclasses.asdict(r.sm(0))))"
     )
-    state: dict[str, Any] = json.loads(out.stdout)
+    state: dict[str, Any] = json.loads(out)
     return state
 
 

@@ -648,7 +648,7 @@ def test_yield_lapses_when_the_agent_goes_away(env, agent, node, how):
         # The workload works again: without an SM limit its launches are
         # no longer gated once the flag is cleared (the fast path), so NVML
         # is the witness, not the gate's count.
-        from tests.test_sm_quota import nvml_shares
+        from tests.helpers import nvml_shares
 
         deadline = time.monotonic() + 5
         while True:
