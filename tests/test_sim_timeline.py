@@ -374,3 +374,51 @@ def test_a_launch_held_up_now_and_then(tmp_path: Path) -> None:
     got = json.loads(ok(run_py(SLOW_LAUNCH, env)))
     for kind in ("kernel_ms", "graph_ms"):
         assert 4 <= got[kind] < 10, got
+
+
+@needs_cuda_python
+def test_an_event_is_recorded_only_in_its_own_context(tmp_path: Path) -> None:
+    """cuEventRecord: "hEvent and hStream must be from the same context
+    otherwise CUDA_ERROR_INVALID_HANDLE is returned" (CUDA driver API).  The
+    simulator recorded an event of one context on another context's stream
+    (an explicit stream, or the legacy stream of the other current context)
+    and answered CUDA_SUCCESS, so an interposer that records its timing
+    events in the wrong context was never told.  Waiting on an event from
+    another context stays allowed (cuStreamWaitEvent documents it)."""
+    out = ok(
+        run_py(
+            with_prelude(
+                """
+            ctx2 = chk(cu.cuCtxCreate(None, 0, 0))      # now current
+            s2 = chk(cu.cuStreamCreate(0))
+            chk(cu.cuCtxSetCurrent(ctx))
+            s1 = chk(cu.cuStreamCreate(0))
+            e = chk(cu.cuEventCreate(0))
+            res = {}
+            res["own"] = int(cu.cuEventRecord(e, s1)[0])
+            res["other_stream"] = int(cu.cuEventRecord(e, s2)[0])
+            res["other_stream_flags"] = int(cu.cuEventRecordWithFlags(e, s2, 0)[0])
+            chk(cu.cuCtxSetCurrent(ctx2))
+            res["other_legacy"] = int(cu.cuEventRecord(e, 0)[0])
+            res["other_per_thread"] = int(cu.cuEventRecord(e, cu.CU_STREAM_PER_THREAD)[0])
+            res["wait_other"] = int(cu.cuStreamWaitEvent(s2, e, 0)[0])
+            chk(cu.cuCtxSetCurrent(ctx))
+            res["own_legacy"] = int(cu.cuEventRecord(e, 0)[0])
+            chk(cu.cuEventSynchronize(e))
+            print(json.dumps(res))
+            """
+            ),
+            sim_env(tmp_path, "1x8g"),
+        )
+    )
+    r = json.loads(out.splitlines()[-1])
+    bad = 400  # CUDA_ERROR_INVALID_HANDLE
+    assert r == {
+        "own": 0,
+        "other_stream": bad,
+        "other_stream_flags": bad,
+        "other_legacy": bad,
+        "other_per_thread": bad,
+        "wait_other": 0,
+        "own_legacy": 0,
+    }, r

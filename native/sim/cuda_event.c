@@ -5,7 +5,9 @@
  * time-slice the device), or now when both are done; the event is complete
  * once the clock has passed that time.  cuStreamWaitEvent makes later work in a stream start
  * no earlier than the event.  Recording into a capturing stream records
- * nothing (the capture graph has kernel nodes only).
+ * nothing (the capture graph has kernel nodes only).  An event is recorded
+ * only in a stream of its own context (CUDA_ERROR_INVALID_HANDLE otherwise);
+ * any stream may wait for it.
  */
 #include <stdlib.h>
 
@@ -87,7 +89,9 @@ static CUresult record(CUevent e, CUstream hs, unsigned flags, int ptsz)
     if (rc)
         return rc;
     pthread_mutex_lock(&sim_mu);
-    if (!ev_ok_locked(e)) {
+    /* As CUDA documents: the event and the stream must be from the same
+     * context, else CUDA_ERROR_INVALID_HANDLE. */
+    if (!ev_ok_locked(e) || e->ctx != r.ctx) {
         pthread_mutex_unlock(&sim_mu);
         return CUDA_ERROR_INVALID_HANDLE;
     }
