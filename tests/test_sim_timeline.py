@@ -422,3 +422,50 @@ def test_an_event_is_recorded_only_in_its_own_context(tmp_path: Path) -> None:
         "wait_other": 0,
         "own_legacy": 0,
     }, r
+
+
+@needs_cuda_python
+def test_last_seen_selects_every_sample_with_a_greater_timestamp(tmp_path: Path) -> None:
+    """NVML returns "only samples with timestamp greater than
+    lastSeenTimeStamp".  The simulator added 1 ms to lastSeenTimeStamp
+    (against jitter in its clock offset), so a sample stamped less than
+    1 ms after it was left out: asking from just before the newest
+    sample's timestamp found nothing (NVML_ERROR_NOT_FOUND) while that
+    sample was busy.  Handing back the timestamp itself must still leave
+    its sample out."""
+    out = ok(
+        run_py(
+            with_prelude(
+                """
+            import os
+            import pynvml as n
+            n.nvmlInit()
+            h = n.nvmlDeviceGetHandleByIndex(0)
+            me = os.getpid()
+            s = chk(cu.cuStreamCreate(0))
+            launch_spin(s, 3_000_000)           # busy for 3 s
+            time.sleep(0.35)
+            def mine(fn, since):
+                try:
+                    return [x.timeStamp for x in fn(h, since) if x.pid == me]
+                except n.NVMLError_NotFound:
+                    return []
+            res = []
+            for fn in (n.nvmlDeviceGetProcessUtilization, n.nvmlDeviceGetProcessesUtilizationInfo):
+                for _ in range(5):
+                    t = max(mine(fn, 0))
+                    got = {d: mine(fn, t - d) for d in (0, 1, 500, 999)}
+                    if max(mine(fn, 0)) == t:   # no sample completed meanwhile
+                        break
+                res.append({"t": t, "got": got})
+            print(json.dumps(res))
+            """
+            ),
+            sim_env(tmp_path, "1x8g"),
+        )
+    )
+    for r in json.loads(out.splitlines()[-1]):
+        t, got = r["t"], r["got"]
+        assert got["0"] == [], r  # the sample handed back is not newer than itself
+        for d in ("1", "500", "999"):
+            assert got[d] == [t], r

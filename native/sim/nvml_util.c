@@ -114,29 +114,56 @@ typedef struct pid_util {
     unsigned long long ts;
 } pid_util;
 
+/* CLOCK_REALTIME - CLOCK_MONOTONIC, ns, as this process stamps samples
+ * with.  Measured between two monotonic reads (the narrowest of a few
+ * tries), and kept unless it moves by more than OFFSET_STEP_NS (the
+ * realtime clock was stepped): a sample's timestamp must come out the same
+ * in every call, so that handing it back as lastSeenTimeStamp leaves out
+ * that sample and nothing newer, whatever the jitter of one measurement. */
+#define OFFSET_STEP_NS (10ULL * 1000 * 1000)
+static uint64_t rt_offset(void)
+{
+    static _Atomic uint64_t kept;
+    uint64_t best = 0, width = UINT64_MAX;
+    for (int i = 0; i < 3; i++) {
+        struct timespec rt;
+        uint64_t m0 = sim_now_ns();
+        clock_gettime(CLOCK_REALTIME, &rt);
+        uint64_t m1 = sim_now_ns();
+        uint64_t rt_ns = (uint64_t)rt.tv_sec * NS_PER_S + (uint64_t)rt.tv_nsec;
+        if (m1 - m0 < width) {
+            width = m1 - m0;
+            best = rt_ns - (m0 + (m1 - m0) / 2);
+        }
+    }
+    uint64_t k = kept;
+    uint64_t d = k > best ? k - best : best - k;
+    if (!k || d > OFFSET_STEP_NS) {
+        kept = best;
+        return best;
+    }
+    return k;
+}
+
 /* one entry per pid that ran in the samples newer than last_seen */
 static nvmlReturn_t proc_samples(int node, unsigned long long last_seen,
                                  pid_util *out, int *nout)
 {
     *nout = 0;
-    struct timespec rt;
-    clock_gettime(CLOCK_REALTIME, &rt);
     uint64_t now = sim_now_ns();
-    uint64_t rt_ns = (uint64_t)rt.tv_sec * NS_PER_S + (uint64_t)rt.tv_nsec;
-    int64_t mono_to_rt = (int64_t)(rt_ns - now);
+    uint64_t mono_to_rt = rt_offset();
     /* complete samples: [k*S, (k+1)*S) with (k+1)*S <= now */
     uint64_t hi = now / SAMPLE_NS * SAMPLE_NS;
     uint64_t lo = hi > HISTORY_NS ? hi - HISTORY_NS : 0;
-    /* samples whose timestamp is newer than last_seen */
-    uint64_t seen_ns = last_seen * NS_PER_US;
-    if (seen_ns > (uint64_t)mono_to_rt) {
-        /* + 1 ms: the monotonic/realtime offset jitters between calls,
-         * so a timestamp handed back must not select its sample again */
-        uint64_t seen_mono = seen_ns - (uint64_t)mono_to_rt + 1000000ULL;
-        /* first sample end > seen_mono: start = floor(seen_mono/S)*S */
-        uint64_t first = seen_mono / SAMPLE_NS * SAMPLE_NS;
-        if (first > lo)
-            lo = first;
+    /* Only samples whose timestamp, (end + mono_to_rt) / 1000, is greater
+     * than last_seen: end >= (last_seen + 1) * 1000 - mono_to_rt. */
+    if (last_seen >= UINT64_MAX / NS_PER_US - 1)
+        return NVML_SUCCESS;            /* none, ever */
+    uint64_t need = (last_seen + 1) * NS_PER_US;
+    if (need > mono_to_rt) {
+        uint64_t end = sim_round_up(need - mono_to_rt, SAMPLE_NS);
+        if (end - SAMPLE_NS > lo)
+            lo = end - SAMPLE_NS;       /* the start of the first such sample */
     }
     sim_interval *iv = malloc(SIM_TL_RING * sizeof *iv);
     if (!iv)
@@ -174,7 +201,7 @@ static nvmlReturn_t proc_samples(int node, unsigned long long last_seen,
     for (int j = 0; j < np; j++) {
         out[j].pid = pids[j];
         out[j].sm = pct(busy[j], until[j] - lo);
-        out[j].ts = (until[j] + (uint64_t)mono_to_rt) / NS_PER_US;
+        out[j].ts = (until[j] + mono_to_rt) / NS_PER_US;
     }
     *nout = np;
     return NVML_SUCCESS;
