@@ -82,6 +82,7 @@ windows = int(sys.argv[1])
 print("ready", flush=True)
 t_go = int(sys.stdin.readline())
 prev = t_go                                  # end of the last sample read (monotonic ns)
+last_ts = 0                                  # NVML's newest sample timestamp read (us)
 end = t_go + windows * S
 out = []
 while prev < end:
@@ -91,19 +92,25 @@ while prev < end:
         time.sleep(d / 1e9)
     off = time.time_ns() - time.monotonic_ns()
     before = time.monotonic_ns()
-    seen = (prev + off) // 1000
+    # From NVML's own timestamp of the last sample read, as NVML means
+    # lastSeenTimeStamp: the end of the previous sample by this process's
+    # clock may lie a few us before that stamp, and then the previous
+    # sample is read again, averaged into this window.
+    seen = last_ts or (prev + off) // 1000
     try:
         got = process_samples(n, h, seen)        # asked again if samples grew meanwhile
     except n.NVMLError:
         got = []
     if got:
-        hi = (got[0].timeStamp * 1000 - off + S // 2) // S * S
+        newest = max(s.timeStamp for s in got)
+        hi = (newest * 1000 - off + S // 2) // S * S
     else:
         hi = before // S * S
     if hi <= prev:
         continue
     out.append([prev - t_go, hi - t_go, {str(s.pid): s.smUtil for s in got}])
     prev = hi
+    last_ts = newest if got else (hi + off) // 1000
 print(json.dumps(out), flush=True)
 """
 
