@@ -5,7 +5,6 @@
 #include "log.h"
 
 #include <string.h>
-#include <time.h>
 
 /* ---- devices ---------------------------------------------------------------- */
 
@@ -149,9 +148,7 @@ void region_sm_set_share(struct gv_sm *sm, uint32_t share)
     if (old == share || old == 0 || share == 0)
         return;
     /* Debt run up at the old share is paid at the new one. */
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    uint64_t now = (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+    uint64_t now = rg_now_ns();
     uint64_t t = atomic_load(&sm->tat);
     while (t > now) {
         uint64_t nt = now + (t - now) * (old > 10000 ? 10000 : old) / (share > 10000 ? 10000 : share);

@@ -78,7 +78,7 @@ uint64_t rg_thread_owner(void)
     return t_owner;
 }
 
-static uint64_t now_ns(void)
+uint64_t rg_now_ns(void)
 {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -89,7 +89,7 @@ uint64_t rg_image_id(void)
 {
     uint64_t v = atomic_load(&g_image);
     if (v == 0) {
-        uint64_t n = now_ns() ^ ((uint64_t)(uintptr_t)&g_image << 16) ^
+        uint64_t n = rg_now_ns() ^ ((uint64_t)(uintptr_t)&g_image << 16) ^
                      ((uint64_t)getpid() << 40);
         n = n * UINT64_C(0x9E3779B97F4A7C15) | 1;
         uint64_t zero = 0;
@@ -122,7 +122,7 @@ static void cpu_relax(void)
 void rg_backoff(int slot, int tries)
 {
     if (t_rng == 0)
-        t_rng = (now_ns() ^ (uint64_t)(uintptr_t)&t_rng) | 1;
+        t_rng = (rg_now_ns() ^ (uint64_t)(uintptr_t)&t_rng) | 1;
     t_rng ^= t_rng << 13;
     t_rng ^= t_rng >> 7;
     t_rng ^= t_rng << 17;

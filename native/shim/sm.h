@@ -25,7 +25,6 @@ void gv_sm_settle(struct gv_sm *sm, int dev, uint32_t share, uint64_t charged_ns
 
 /* A kernel still running has taken extra_ns past what it was charged. */
 void gv_sm_overrun(struct gv_sm *sm, int dev, uint32_t share, uint64_t extra_ns);
-/* (The enforced share is changed with region_sm_set_share, region.h.) */
 /* Who else works on the device (sets how much work this process may keep
  * in flight): a mask of other containers' processes, other processes of
  * this container, and whether the device was busy all the time lately;
