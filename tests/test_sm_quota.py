@@ -550,6 +550,22 @@ def test_no_limit_keeps_the_fast_path_whatever_the_priority(
 PID_NS = {"GPUVISOR_SIM_NVML_PID_OFFSET": "1000000"}
 
 
+def alone_then_beside(
+    node: SimNode, a_env: dict[str, str], b_env: dict[str, str]
+) -> tuple[subprocess.Popen[str], subprocess.Popen[str], int, dict[str, int]]:
+    """Container A works alone (NVML's share over 0.8 s after 1 s), then B
+    starts beside it (NVML's shares over 1.5 s, 1 s later: lent capacity
+    comes back within 1 s).  Both keep running: the caller stops them."""
+    a = start(a_env, "kernel", LONG_RUN, 3)
+    b = start(b_env, "kernel", LONG_RUN, 4)
+    go(a)
+    time.sleep(1.0)
+    alone = shares_over(node, 0.8).get(str(a.pid), 0)
+    go(b)
+    time.sleep(1.0)
+    return a, b, alone, shares_over(node, 1.5)
+
+
 @pytest.mark.parametrize("pid_ns", [False, True], ids=["one-pid-ns", "own-pid-ns"])
 def test_burst_share_lends_idle_time_and_gives_it_back(
     node: SimNode, tmp_path: Path, pid_ns: bool
@@ -567,14 +583,7 @@ def test_burst_share_lends_idle_time_and_gives_it_back(
     b_env = node.shimmed(
         CUDA_DEVICE_SM_LIMIT="100", CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "b.shr"), **ns
     )
-    a = start(a_env, "kernel", LONG_RUN, 3)
-    b = start(b_env, "kernel", LONG_RUN, 4)
-    go(a)
-    time.sleep(1.0)
-    alone = shares_over(node, 0.8).get(str(a.pid), 0)
-    go(b)
-    time.sleep(1.0)  # the promise: capacity comes back within 1 s
-    shared = shares_over(node, 1.5)
+    a, b, alone, shared = alone_then_beside(node, a_env, b_env)
     stop(a, b)
     print(f"A alone={alone} A with B={shared.get(str(a.pid))} B={shared.get(str(b.pid))}")
     assert alone >= 80
@@ -622,14 +631,7 @@ def test_no_lending_while_nvml_cannot_say_who_else_works(
     b_env = node.shimmed(
         CUDA_DEVICE_SM_LIMIT="70", CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "b.shr")
     )
-    a = start(a_env, "kernel", LONG_RUN, 3)
-    b = start(b_env, "kernel", LONG_RUN, 4)
-    go(a)
-    time.sleep(1.0)
-    alone = shares_over(node, 0.8).get(str(a.pid), 0)
-    go(b)
-    time.sleep(1.0)
-    shared = shares_over(node, 1.5)
+    a, b, alone, shared = alone_then_beside(node, a_env, b_env)
     a.kill()
     _, a_err = a.communicate(timeout=30)
     stop(b)
