@@ -427,7 +427,7 @@ static char proc_state(pid_t pid)
  * parent the slot, and stay. */
 static void *leader_exits_worker(void *arg)
 {
-    int fd = *(int *)arg;
+    int fd = (int)(intptr_t)arg;   /* by value: the creator's frame dies with pthread_exit */
     gv_region *q = t_open_region(path_in("procs.shr"));
     unsigned char u[16];
     t_uuid(u, 3);
@@ -593,7 +593,7 @@ static void test_processes(const char *self_exe)
     if (c == 0) {
         prctl(PR_SET_PDEATHSIG, SIGKILL);        /* not left behind if a CHECK fails */
         pthread_t t;
-        if (pthread_create(&t, NULL, leader_exits_worker, &fds[1]) != 0)
+        if (pthread_create(&t, NULL, leader_exits_worker, (void *)(intptr_t)fds[1]) != 0)
             _exit(3);
         pthread_exit(NULL);
     }
