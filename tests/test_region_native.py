@@ -92,7 +92,10 @@ def test_region_unit(build: str, tmp_path: Path) -> None:
     out = run(build, "t_region_unit", [str(tmp_path / "scratch")], tmp_path, timeout=60)
     assert "t_region_unit: OK" in out
     # The corrupt-file messages are one line each and name the file.
-    assert re.search(r"version 8, this library speaks \d+", out)
+    m = re.search(r"version (\d+), this library speaks (\d+)", out)
+    assert m, out
+    assert int(m.group(1)) == int(m.group(2)) + 1, out
+    assert "region outliving a reboot: ok" in out
     assert re.search(r"bad magic 0x[0-9a-f]{16}, not a gpuvisor region", out)
 
 

@@ -29,7 +29,7 @@
 #include <stdint.h>
 
 #define GV_REGION_MAGIC 0x31485356504756ULL   /* "GVPVSH1" little-endian-ish tag */
-#define GV_REGION_VERSION 7u
+#define GV_REGION_VERSION 8u
 #define GV_MAX_SLOTS 1024
 #define GV_MAX_DEVICES 16
 #define GV_DEFAULT_REGION_PATH "/tmp/gpuvisor-region.shr"
@@ -225,6 +225,9 @@ int region_test_mark_reclaiming(gv_region *r, int slot, int32_t pid, uint64_t st
  * each device-entry initialisation (widens the windows a SIGKILL can hit).
  * Process-wide; 0 (the default) disables it. */
 void region_test_set_delay_us(unsigned us);
+/* Take boot for this boot's identity when opening a region (0, the
+ * default: the kernel's boot id), to fake a reboot.  Process-wide. */
+void region_test_set_boot(uint64_t boot);
 /* Sum of dev's inside[] counters (operations in progress, 0 when idle). */
 uint64_t region_test_inside(gv_region *r, int dev);
 /* Sum of dev's per-slot counters (equals region_used when idle). */

@@ -12,6 +12,65 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+/* ---- a file that outlived a reboot -------------------------------------- */
+
+static _Atomic uint64_t g_test_boot;   /* region_test_set_boot */
+
+void region_test_set_boot(uint64_t boot)
+{
+    atomic_store(&g_test_boot, boot);
+}
+
+/* This boot's identity: a hash of the kernel's random boot id, never 0;
+ * 0 when it cannot be read. */
+static uint64_t boot_stamp(void)
+{
+    uint64_t t = atomic_load(&g_test_boot);
+    if (t != 0)
+        return t;
+    int fd = open("/proc/sys/kernel/random/boot_id", O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return 0;
+    char buf[64];
+    ssize_t n = read(fd, buf, sizeof buf);
+    close(fd);
+    uint64_t h = UINT64_C(14695981039346656037);   /* FNV-1a */
+    for (ssize_t i = 0; i < n && buf[i] != '\n'; i++) {
+        h ^= (unsigned char)buf[i];
+        h *= UINT64_C(1099511628211);
+    }
+    return n <= 0 ? 0 : (h ? h : 1);
+}
+
+/* CLOCK_MONOTONIC starts again at every boot, but a region file kept on
+ * disk (a host directory mounted into the container) outlives a reboot:
+ * a pacing clock or a pause lease of the last boot would lie up to that
+ * boot's uptime in the future, and the container's launches would wait
+ * until this boot's clock caught up.  The first process of a new boot to
+ * open the file forgets every time kept there.  Nothing of the last boot
+ * can still be running, so nobody is using them meanwhile.  A file made
+ * where the boot id could not be read (0) is left as it is. */
+static void forget_other_boot(gv_region *r)
+{
+    uint64_t boot = boot_stamp();
+    uint64_t was = atomic_load(&r->m->hdr.boot);
+    if (boot == 0 || was == boot || !atomic_compare_exchange_strong(&r->m->hdr.boot, &was, boot))
+        return;
+    if (was == 0)
+        return;
+    for (int i = 0; i < GV_MAX_DEVICES; i++) {
+        if (!dev_ready(r, i))
+            continue;
+        struct gv_sm *sm = &r->m->dev[i].sm;
+        atomic_store(&sm->tat, 0);
+        atomic_store(&sm->others_at, 0);
+        atomic_store(&sm->enqueue, 0);
+        region_sm_set_yield(r, i, 0);   /* a change: cached answers look again */
+    }
+    gv_log(GV_LOG_INFO, "%s: made in another boot: its pacing clocks and pauses are reset",
+           r->path);
+}
+
 /* ---- open / close ------------------------------------------------------- */
 
 static int io_error(const char *path, const char *what, char *err, size_t errlen)
@@ -45,6 +104,7 @@ static int create_file(const char *path, char *err, size_t errlen)
     h.max_slots = GV_MAX_SLOTS;
     h.max_devices = GV_MAX_DEVICES;
     h.created_unix = (uint64_t)time(NULL);
+    h.boot = boot_stamp();
     int rc = 0;
     /* Shared by every user of the container. */
     if (fchmod(fd, 0666) != 0 || ftruncate(fd, (off_t)sizeof(struct gv_shm)) != 0 ||
@@ -153,6 +213,7 @@ int region_open(const char *path, gv_region **out, char *err, size_t errlen)
     r->m = p;
     atomic_init(&r->slot_cache, 0);
     memcpy(r->path, path, len + 1);
+    forget_other_boot(r);
     *out = r;
     return GV_OK;
 }

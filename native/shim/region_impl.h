@@ -41,7 +41,10 @@ struct gv_header {
      * of writers above 0, and every launch then looks again. */
     _Atomic uint32_t sm_writers;
     _Atomic uint32_t sm_gen;
-    uint64_t reserved[1];
+    /* The boot the file was last opened in (region_file.c, a hash of the
+     * kernel's boot id; 0: not known): CLOCK_MONOTONIC times kept in the
+     * file mean nothing in another boot. */
+    _Atomic uint64_t boot;
 };
 
 struct gv_dev {

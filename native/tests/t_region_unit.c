@@ -247,11 +247,11 @@ static void test_open(void)
     expect_open(q, GV_ECORRUPT, "truncated header");
     unsigned char h2[64];
     memcpy(h2, hdr, sizeof h2);
-    uint32_t v8 = 8;
-    memcpy(h2 + 8, &v8, 4);                          /* version */
+    uint32_t vnext = GV_REGION_VERSION + 1;
+    memcpy(h2 + 8, &vnext, 4);                       /* version */
     write_file(q, h2, sizeof h2, (off_t)size);
     char want[64];
-    snprintf(want, sizeof want, "version 8, this library speaks %u", GV_REGION_VERSION);
+    snprintf(want, sizeof want, "version %u, this library speaks %u", vnext, GV_REGION_VERSION);
     expect_open(q, GV_ECORRUPT, want);
     memcpy(h2, hdr, sizeof h2);
     uint32_t slots = 8;
@@ -881,6 +881,68 @@ static void test_sm_gated(void)
     printf("sm gating cache, writer killed mid-change: ok\n");
 }
 
+/* A region file that outlived a reboot: CLOCK_MONOTONIC started again, so
+ * the pacing clock, the pause lease, the node agent's report time and the
+ * enqueue word of the last boot lie in the future; the first open in the
+ * new boot forgets them, and later opens in the same boot keep them. */
+static void test_reboot(void)
+{
+    const char *p = path_in("reboot.shr");
+    region_test_set_boot(111);
+    gv_region *r = t_fresh_region(p);
+    CHECK_EQ(atomic_load(&r->m->hdr.boot), 111);
+    unsigned char u[16];
+    t_uuid(u, 9);
+    int d = region_device_lookup(r, u, GIB, GV_UNLIMITED);
+    CHECK_EQ(d, 0);
+    struct gv_sm *sm = region_sm(r, d);
+    uint64_t later = rg_now_ns() + UINT64_C(3600) * 1000000000;  /* an hour of old uptime */
+    region_sm_configure(r, d, 0, 0, 1);
+    atomic_store(&sm->tat, later);
+    atomic_store(&sm->others_at, later);
+    atomic_store(&sm->enqueue, later | 1);
+    region_sm_set_yield(r, d, later);
+    atomic_store(&sm->share, 0);                              /* as the meter pauses it */
+    CHECK(region_sm_yielding(sm, rg_now_ns()));
+
+    gv_region *same = NULL;                                   /* the same boot: kept */
+    char err[256];
+    CHECK_EQ(region_open(p, &same, err, sizeof err), GV_OK);
+    CHECK_EQ(atomic_load(&sm->tat), later);
+    CHECK(region_sm_yielding(sm, rg_now_ns()));
+    region_close(same);
+
+    region_test_set_boot(222);                                /* rebooted */
+    _Atomic uint64_t cache = 0;
+    CHECK_EQ(region_sm_gated(r, &cache), 1);
+    gv_region *next = NULL;
+    CHECK_EQ(region_open(p, &next, err, sizeof err), GV_OK);
+    CHECK_EQ(atomic_load(&next->m->hdr.boot), 222);
+    struct gv_sm *nsm = region_sm(next, d);
+    CHECK_EQ(atomic_load(&nsm->tat), 0);
+    CHECK_EQ(atomic_load(&nsm->others_at), 0);
+    CHECK_EQ(atomic_load(&nsm->enqueue), 0);
+    CHECK_EQ(atomic_load(&nsm->yield_until), 0);
+    CHECK_EQ(atomic_load(&nsm->share), 10000);                /* no limit: whole GPU */
+    CHECK_EQ(region_sm_gated(next, &cache), 0);               /* fast path again */
+    CHECK_EQ(atomic_load(&nsm->priority), 1);                 /* settings kept */
+
+    /* A file whose boot is not known (made where the boot id could not be
+     * read) is left as it is. */
+    atomic_store(&next->m->hdr.boot, 0);
+    atomic_store(&nsm->tat, later);
+    region_test_set_boot(333);
+    gv_region *unknown = NULL;
+    CHECK_EQ(region_open(p, &unknown, err, sizeof err), GV_OK);
+    CHECK_EQ(atomic_load(&nsm->tat), later);
+    CHECK_EQ(atomic_load(&next->m->hdr.boot), 333);
+    region_close(unknown);
+    region_close(next);
+    region_close(r);
+    region_test_set_boot(0);
+    printf("region outliving a reboot: ok\n");
+}
+
 int main(int argc, char **argv)
 {
     if (argc == 4 && strcmp(argv[1], "--exec-child") == 0)
@@ -905,6 +967,7 @@ int main(int argc, char **argv)
     test_processes(exe);
     test_device_race();
     test_sm_gated();
+    test_reboot();
     printf("t_region_unit: OK (%d table checks)\n", g_checks);
     return 0;
 }
