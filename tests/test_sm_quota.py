@@ -644,6 +644,47 @@ def test_no_lending_while_nvml_cannot_say_who_else_works(
     assert "run at the limit" in warnings[0]
 
 
+# Containers side by side, all saturating: (limit, policy) each, and the
+# shares NVML must show (the spare capacity split in proportion to the
+# burst-share limits; a fixed-share one at its cap keeps its limit).
+SPLITS = [
+    ([(30, "burst-share"), (30, "burst-share")], [50, 50]),
+    ([(20, "burst-share"), (40, "burst-share")], [33, 67]),
+    ([(30, "fixed-share"), (20, "burst-share"), (20, "burst-share")], [30, 35, 35]),
+    ([(10, "best-effort"), (10, "best-effort")], [50, 50]),
+]
+
+
+@pytest.mark.parametrize(
+    ("terms", "want"), SPLITS, ids=["30b-30b", "20b-40b", "30f-20b-20b", "10e-10e"]
+)
+def test_lenders_side_by_side_split_the_spare_capacity(
+    node: SimNode, tmp_path: Path, terms: list[tuple[int, str]], want: list[int]
+) -> None:
+    """Several lending containers that all want more than their limits
+    split what is left past the limits, in proportion to them.  The first
+    to borrow used to keep all it took: its use showed as the others', so
+    it was never lent to them (30 % and 30 % burst-share came out 60 % and
+    30 %; 20 % and 40 %, 50 % and 40 %); and a fixed-share neighbour at its
+    cap left 10 % of the GPU idle."""
+    procs = []
+    for i, (limit, policy) in enumerate(terms):
+        env = node.shimmed(
+            CUDA_DEVICE_SM_LIMIT=str(limit),
+            GPUVISOR_SM_POLICY=policy,
+            CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / f"c{i}.shr"),
+        )
+        procs.append(start(env, "kernel", LONG_RUN, 10 + i))
+    go(*procs)
+    time.sleep(1.5)
+    shares = shares_over(node, 1.5)
+    stop(*procs)
+    got = [shares.get(str(p.pid), 0) for p in procs]
+    print(f"terms {terms}: shares {got}, want {want}")
+    for g, w in zip(got, want, strict=True):
+        assert abs(g - w) <= 6
+
+
 def test_best_effort_yields_to_others(node: SimNode, tmp_path: Path) -> None:
     a_env = node.shimmed(CUDA_DEVICE_SM_LIMIT="30", GPUVISOR_SM_POLICY="best-effort")
     b_env = node.shimmed(

@@ -60,12 +60,26 @@ void gv_cal_reset(void);
  *    on the device lately).  It also says this process waits to launch;
  *  - gv_arb_admitted / gv_arb_settled: a gated launch went / was measured;
  *  - gv_arb_alive: this process is alive (the meter, while in flight);
- *  - gv_arb_not_waiting: it no longer waits (its clock ran ahead). */
+ *  - gv_arb_ahead: its clock ran ahead: it no longer waits for the order,
+ *    and its container uses all of its share;
+ *  - gv_arb_set_terms: this process's NVML PID and its container's limit
+ *    and policy (the meter, at every policy update);
+ *  - gv_arb_terms_of: those of the container whose process NVML shows as
+ *    nvml_pid, and whether it used all of its share in the last 300 ms
+ *    (1; 0 when no live slot says so). */
 int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now);
 void gv_arb_admitted(int dev, const char *uuid, uint64_t now);
 void gv_arb_settled(int dev);
 void gv_arb_alive(int dev, uint64_t now);
-void gv_arb_not_waiting(int dev);
+void gv_arb_ahead(int dev, uint64_t now);
+struct gv_arb_terms {
+    uint64_t container;     /* the container's identity on the node */
+    unsigned limit;         /* its SM limit, % (0: none) */
+    unsigned policy;        /* enum gv_sm_policy */
+    int wants;              /* it used all of its share lately */
+};
+void gv_arb_set_terms(int dev, uint32_t nvml_pid, unsigned limit, unsigned policy);
+int gv_arb_terms_of(int dev, uint32_t nvml_pid, uint64_t now, struct gv_arb_terms *out);
 /* The node-wide enqueue word of region device dev (sm_enqueue.c), once
  * this process has mapped the device's launch-order file; else NULL. */
 _Atomic uint64_t *gv_arb_enqueue_word(int dev);

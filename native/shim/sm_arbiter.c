@@ -27,6 +27,11 @@
  * so a peer that misbehaves can cost a container a few milliseconds of
  * its share, never more.
  *
+ * Each slot also carries its container's terms (limit, policy, the PID
+ * NVML shows for the process) and when the container last used all of its
+ * share, so that lenders next to each other split the spare capacity
+ * (sm_policy.c) instead of the first keeping what it took.
+ *
  * Each process has a slot (claimed with CAS, no lock).  Everything it says
  * expires on its own: its in-flight count stops counting FRESH_NS after
  * its process last showed signs of life (the meter renews it every poll
@@ -57,6 +62,7 @@
 #define WAITING_NS (300ULL * 1000)
 #define ACTIVE_NS (50ULL * 1000 * 1000)
 #define STALE_NS (1000ULL * 1000 * 1000)
+#define WANTS_NS (300ULL * 1000 * 1000)   /* "used all its share" lasts this long */
 
 struct arb_slot {
     _Atomic uint64_t owner;         /* the owning process's token; 0: free */
@@ -66,8 +72,13 @@ struct arb_slot {
     _Atomic uint64_t wait_at;       /* when it last said it is waiting; 0: not */
     _Atomic uint64_t launched_at;   /* its last gated launch */
     _Atomic uint32_t inflight;      /* its gated launches not yet measured */
-    uint32_t pad0;
-    uint64_t pad1;
+    /* Its container's terms, for the lenders' split (sm_policy.c): the
+     * PID NVML shows for the process | limit % << 22 | policy << 29; 0: not
+     * said (a library before this word left it 0).  Set by the meter. */
+    _Atomic uint32_t terms;
+    /* When its container last used all of its share here (a launch held
+     * because its clock ran ahead); 0: never. */
+    _Atomic uint64_t held_at;
 };
 
 struct arb_file {
@@ -228,6 +239,8 @@ static struct arb_slot *claim(struct arb_file *f, uint64_t now)
         atomic_store(&s->inflight, 0);
         atomic_store(&s->wait_at, 0);
         atomic_store(&s->launched_at, 0);
+        atomic_store(&s->terms, 0);
+        atomic_store(&s->held_at, 0);
         atomic_store(&s->container, who);
         uint32_t used = atomic_load(&f->used);
         while (used < (uint32_t)i + 1 &&
@@ -331,11 +344,57 @@ void gv_arb_alive(int dev, uint64_t now)
         atomic_store_explicit(&s->beat, now, memory_order_relaxed);
 }
 
-void gv_arb_not_waiting(int dev)
+void gv_arb_ahead(int dev, uint64_t now)
 {
     struct arb_slot *s = mine(dev);
-    if (s)
-        atomic_store_explicit(&s->wait_at, 0, memory_order_relaxed);
+    if (!s)
+        return;
+    atomic_store_explicit(&s->wait_at, 0, memory_order_relaxed);
+    atomic_store_explicit(&s->held_at, now, memory_order_relaxed);
+}
+
+#define TERMS_PID_MASK ((1u << 22) - 1)
+
+void gv_arb_set_terms(int dev, uint32_t nvml_pid, unsigned limit, unsigned policy)
+{
+    struct arb_slot *s = mine(dev);
+    if (!s || nvml_pid == 0 || nvml_pid > TERMS_PID_MASK || limit > 100 || policy > 3)
+        return;
+    uint32_t t = nvml_pid | (uint32_t)limit << 22 | (uint32_t)policy << 29;
+    if (atomic_load_explicit(&s->terms, memory_order_relaxed) != t)
+        atomic_store_explicit(&s->terms, t, memory_order_relaxed);
+}
+
+int gv_arb_terms_of(int dev, uint32_t nvml_pid, uint64_t now, struct gv_arb_terms *out)
+{
+    if (dev < 0 || dev >= GV_MAX_DEVICES || nvml_pid == 0 ||
+        atomic_load_explicit(&arbs[dev].state, memory_order_acquire) != MAPPED)
+        return 0;
+    struct arb_file *f = arbs[dev].f;
+    uint32_t used = atomic_load_explicit(&f->used, memory_order_relaxed);
+    for (uint32_t i = 0; i < used && i < ARB_SLOTS; i++) {
+        struct arb_slot *s = &f->slot[i];
+        uint32_t t = atomic_load_explicit(&s->terms, memory_order_relaxed);
+        if ((t & TERMS_PID_MASK) != nvml_pid || !atomic_load_explicit(&s->owner, memory_order_relaxed) ||
+            stale(atomic_load_explicit(&s->beat, memory_order_relaxed), now))
+            continue;
+        out->container = atomic_load_explicit(&s->container, memory_order_relaxed);
+        out->limit = t >> 22 & 0x7f;
+        out->policy = t >> 29;
+        uint64_t held = 0;
+        /* Whether any process of that container used all of its share lately. */
+        for (uint32_t j = 0; j < used && j < ARB_SLOTS; j++) {
+            struct arb_slot *m = &f->slot[j];
+            if (atomic_load_explicit(&m->container, memory_order_relaxed) != out->container ||
+                !atomic_load_explicit(&m->owner, memory_order_relaxed))
+                continue;
+            uint64_t h = atomic_load_explicit(&m->held_at, memory_order_relaxed);
+            held = h > held ? h : held;
+        }
+        out->wants = held && held <= now + STALE_NS && held + WANTS_NS >= now;
+        return 1;
+    }
+    return 0;
 }
 
 _Atomic uint64_t *gv_arb_enqueue_word(int dev)

@@ -264,7 +264,7 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
         uint64_t floor = now > LAG_NS ? now - LAG_NS : 0;
         uint64_t base = t > floor ? t : floor;
         if (base > now + TOLERANCE_NS) {
-            gv_arb_not_waiting(dev);
+            gv_arb_ahead(dev, now);
             uint64_t ahead = base - now - TOLERANCE_NS;
             sleep_ns(ahead < MAX_SLEEP_NS ? ahead : MAX_SLEEP_NS);
             continue;

@@ -7,6 +7,9 @@
  *   burst-share  the limit, or what the other containers leave (minus 10 %)
  *                when that is more;
  *   best-effort  what the other containers leave (minus 10 %), at least 1 %;
+ * next to other containers that use all of their share (their slots in
+ * the launch-order file say so), the lenders split the spare capacity in
+ * proportion to their limits instead (split_share);
  * and 0 (paused) while the region's yield flag is set (a higher-priority
  * container is active; set by the supervisor, as a lease it renews: the
  * pause ends by itself when the lease does), with or without a limit: a
@@ -81,6 +84,52 @@ static int proc_samples(nvmlDevice_t nvml, unsigned long long since,
     return (int)(n < MAX_SAMPLES ? n : MAX_SAMPLES);
 }
 
+/* The other containers on the device that used all of their share lately
+ * (their processes' slots in the launch-order file say so, sm_arbiter.c),
+ * and what everything else there used. */
+struct lenders {
+    uint64_t rest;          /* 1/100 %: the use of every other process not in one of them */
+    uint64_t guaranteed;    /* 1/100 %: the limits of the burst-share ones */
+    unsigned weight;        /* the same, %: their weights */
+    int burst, best;        /* how many are burst-share, best-effort */
+    uint64_t fixed;         /* 1/100 %: the limits of the fixed-share ones */
+    int nfixed;             /* how many are fixed-share */
+};
+
+#define MAX_LENDERS 64
+
+/* Count pid's use (1/100 %) into l: its container is a lender that wants
+ * more (each container once, seen[] holding those counted), or it is in
+ * the rest. */
+static void count_other(int dev, unsigned pid, uint64_t use, uint64_t now, struct lenders *l,
+                        uint64_t seen[MAX_LENDERS], int *nseen)
+{
+    struct gv_arb_terms t;
+    if (!gv_arb_terms_of(dev, pid, now, &t) || !t.wants || t.limit == 0 ||
+        t.policy > GV_SM_BEST_EFFORT) {
+        l->rest += use;
+        return;
+    }
+    for (int k = 0; k < *nseen; k++)
+        if (seen[k] == t.container)
+            return;
+    if (*nseen >= MAX_LENDERS) {
+        l->rest += use;
+        return;
+    }
+    seen[(*nseen)++] = t.container;
+    if (t.policy == GV_SM_FIXED) {
+        l->nfixed++;            /* at its cap: uses its limit, never more */
+        l->fixed += (uint64_t)t.limit * 100;
+    } else if (t.policy == GV_SM_BURST) {
+        l->burst++;
+        l->weight += t.limit;
+        l->guaranteed += (uint64_t)t.limit * 100;
+    } else {
+        l->best++;
+    }
+}
+
 /* The other containers' use of w's device over the last RECENT_US, in 1/100 %:
  * NVML per-process utilisation of every PID that is not one of ours.
  * *company: who else used it meanwhile (GV_SM_OTHERS: other containers'
@@ -88,9 +137,16 @@ static int proc_samples(nvmlDevice_t nvml, unsigned long long since,
  * GV_SM_FULL when all processes together kept it busy (>= FULL_USE);
  * *procs: how many of this container's processes used it (this one
  * counted always); *error: 0, or NVML's error code when the query failed
- * (the use is then not known: 0 is returned, and must not be lent from). */
-static uint64_t others_recent(struct watched *w, int *company, int *procs, int *error)
+ * (the use is then not known: 0 is returned, and must not be lent from);
+ * *l: the other lenders that want more, and the rest's use. */
+static uint64_t others_recent(struct watched *w, int *company, int *procs, int *error,
+                              struct lenders *l)
 {
+    uint64_t counted[MAX_LENDERS];
+    int ncounted = 0;
+    uint64_t mono = gv_mono_ns();
+    int dev = (int)(w - watched);
+    *l = (struct lenders){ 0 };
     nvmlProcessUtilizationSample_t samples[MAX_SAMPLES];
     struct timespec ts;
     clock_gettime(CLOCK_REALTIME, &ts);
@@ -134,8 +190,10 @@ static uint64_t others_recent(struct watched *w, int *company, int *procs, int *
                 cnt++;
             }
         all += sum * 100 / cnt;
-        if (!mine)
+        if (!mine) {
             total += sum * 100 / cnt;
+            count_other(dev, pid, sum * 100 / cnt, mono, l, counted, &ncounted);
+        }
         if (sum && pid != me) {
             mates += mine;
             others |= !mine;
@@ -158,6 +216,32 @@ static void cannot_lend(const char *uuid, int error)
                "limit", uuid, error);
 }
 
+/* Lending next to other containers that use all of their share: the
+ * fixed-share ones among them keep their limits; the lenders among them
+ * and this one split what is left past their limits (less the margin
+ * while the rest work), in proportion to their limits (burst-share), or
+ * evenly between best-effort ones when no burst-share one wants more.
+ * Lent by the rule below instead, the first to borrow kept all it took:
+ * it showed as the others' use, so it was not lent again (two burst-share
+ * containers of 30 % came out 60 % and 30 %, of 20 % and 40 % 50 % and
+ * 40 %); and a fixed-share neighbour at its cap left the margin idle. */
+static uint32_t split_share(const struct lenders *l, uint32_t limit, uint32_t policy)
+{
+    uint64_t margin = l->rest >= OTHERS_ACTIVE ? MARGIN : 0;
+    uint64_t taken = l->rest + margin + l->fixed;
+    uint64_t cap = taken < 10000 ? 10000 - taken : 0;
+    uint64_t own = policy == GV_SM_BURST ? (uint64_t)limit * 100 : 0;
+    uint64_t left = cap > own + l->guaranteed ? cap - own - l->guaranteed : 0;
+    uint64_t part;
+    if (policy == GV_SM_BURST)
+        part = left * limit / (limit + l->weight);
+    else
+        part = l->burst ? 0 : left / (uint64_t)(1 + l->best);
+    uint64_t floor = policy == GV_SM_BURST ? (uint64_t)limit * 100 : 100;
+    uint64_t share = own + part;
+    return (uint32_t)(share > floor ? share : floor);
+}
+
 /* Set w's share; *company, *procs: who else works on its device. */
 static void update_share(struct watched *w, int *company, int *procs)
 {
@@ -166,7 +250,9 @@ static void update_share(struct watched *w, int *company, int *procs)
     uint32_t policy = atomic_load(&sm->policy);
     uint32_t share;
     int error = 0;
-    uint64_t others = w->have_nvml ? others_recent(w, company, procs, &error) : 0;
+    struct lenders l = { 0 };
+    gv_arb_set_terms((int)(w - watched), gv_nvml_self_pid(), limit, policy);
+    uint64_t others = w->have_nvml ? others_recent(w, company, procs, &error, &l) : 0;
     if (region_sm_yielding(sm, gv_mono_ns())) {
         share = 0;
     } else if (limit == 0) {
@@ -180,6 +266,10 @@ static void update_share(struct watched *w, int *company, int *procs)
             w->lent = 0;
         }
         share = limit * 100;
+    } else if (l.burst + l.best + l.nfixed > 0) {
+        share = split_share(&l, limit, policy);
+        w->others_before = others;
+        w->lent = share;
     } else {
         /* Lend what the others leave: their use over the last 300 ms (NVML
          * per-process samples; every PID not in this container), minus a
