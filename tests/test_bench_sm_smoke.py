@@ -94,14 +94,14 @@ def test_quick_run_writes_well_formed_sections(built: Path, tmp_path: Path) -> N
     stolen = re.search(r"while each scenario ran, quota x processes: (.+?) \(time", out)
     assert stolen, out
     assert re.fullmatch(r"(\d+x\d+(:\d+x\d+)* \d+ %(, )?)+", stolen.group(1)), stolen.group(1)
-    assert stolen.group(1).count("%") == 3  # one container, a fixed pair, a burst pair
+    assert stolen.group(1).count("%") == 4  # one container, a fixed pair, two burst pairs
     # What the stall probe saw while each scenario ran: one figure per scenario.
     stalls = re.search(r"1 ms or more late, count \(longest\): (.+?)\. ", out)
     assert stalls, out
-    assert re.fullmatch(r"(\d+x\d+(:\d+x\d+)* \d+ \(\d+\.\d ms\)(, )?){3}", stalls.group(1))
+    assert re.fullmatch(r"(\d+x\d+(:\d+x\d+)* \d+ \(\d+\.\d ms\)(, )?){4}", stalls.group(1))
 
     acc, cost = out.split(COST)
-    single, fixed, burst = tables(acc)
+    single, fixed, burst, lenders = tables(acc)
     assert single[0][:5] == [
         "quota",
         "processes",
@@ -132,6 +132,14 @@ def test_quick_run_writes_well_formed_sections(built: Path, tmp_path: Path) -> N
     assert len(burst) == 2
     assert burst[1][0] == "30:70"
     assert all(re.fullmatch(NUM + " %", c) for c in burst[1][1:4])
+    assert len(lenders) == 2
+    row = lenders[1]
+    assert row[0] == "20:40"
+    assert (row[1], row[4]) == ("33.3 %", "66.7 %")
+    for c in (row[2], row[5]):
+        assert re.fullmatch(NUM + r" % \(" + NUM + r"\)", c), c
+    assert re.fullmatch(NUM + " %", row[7])
+    assert "split the GPU in proportion to their quotas" in acc
     assert "Goals" in acc
     assert "|error| <= 2 points" in acc
 
