@@ -23,6 +23,9 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
 /* A launch charged charged_ns at share turned out to take actual_ns. */
 void gv_sm_settle(struct gv_sm *sm, int dev, uint32_t share, uint64_t charged_ns, uint64_t actual_ns);
 
+/* Whether a launch on region device dev waited because the container's
+ * clock ran ahead (it used all of its share) since the last call. */
+int gv_sm_took_held(int dev);
 /* A kernel still running has taken extra_ns past what it was charged. */
 void gv_sm_overrun(struct gv_sm *sm, int dev, uint32_t share, uint64_t extra_ns);
 /* Who else works on the device (sets how much work this process may keep
@@ -60,8 +63,8 @@ void gv_cal_reset(void);
  *    on the device lately).  It also says this process waits to launch;
  *  - gv_arb_admitted / gv_arb_settled: a gated launch went / was measured;
  *  - gv_arb_alive: this process is alive (the meter, while in flight);
- *  - gv_arb_ahead: its clock ran ahead: it no longer waits for the order,
- *    and its container uses all of its share;
+ *  - gv_arb_not_waiting: it no longer waits (its clock ran ahead);
+ *  - gv_arb_wants: its container uses all of its share (sm_policy.c);
  *  - gv_arb_set_terms: this process's NVML PID and its container's limit
  *    and policy (the meter, at every policy update);
  *  - gv_arb_terms_of: those of the container whose process NVML shows as
@@ -71,7 +74,8 @@ int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now);
 void gv_arb_admitted(int dev, const char *uuid, uint64_t now);
 void gv_arb_settled(int dev);
 void gv_arb_alive(int dev, uint64_t now);
-void gv_arb_ahead(int dev, uint64_t now);
+void gv_arb_not_waiting(int dev);
+void gv_arb_wants(int dev, uint64_t now);
 struct gv_arb_terms {
     uint64_t container;     /* the container's identity on the node */
     unsigned limit;         /* its SM limit, % (0: none) */

@@ -76,9 +76,9 @@ struct arb_slot {
      * PID NVML shows for the process | limit % << 22 | policy << 29; 0: not
      * said (a library before this word left it 0).  Set by the meter. */
     _Atomic uint32_t terms;
-    /* When its container last used all of its share here (a launch held
-     * because its clock ran ahead); 0: never. */
-    _Atomic uint64_t held_at;
+    /* When its process last found its container using all of its share
+     * (sm_policy.c); 0: never. */
+    _Atomic uint64_t wants_at;
 };
 
 struct arb_file {
@@ -240,7 +240,7 @@ static struct arb_slot *claim(struct arb_file *f, uint64_t now)
         atomic_store(&s->wait_at, 0);
         atomic_store(&s->launched_at, 0);
         atomic_store(&s->terms, 0);
-        atomic_store(&s->held_at, 0);
+        atomic_store(&s->wants_at, 0);
         atomic_store(&s->container, who);
         uint32_t used = atomic_load(&f->used);
         while (used < (uint32_t)i + 1 &&
@@ -344,13 +344,18 @@ void gv_arb_alive(int dev, uint64_t now)
         atomic_store_explicit(&s->beat, now, memory_order_relaxed);
 }
 
-void gv_arb_ahead(int dev, uint64_t now)
+void gv_arb_not_waiting(int dev)
 {
     struct arb_slot *s = mine(dev);
-    if (!s)
-        return;
-    atomic_store_explicit(&s->wait_at, 0, memory_order_relaxed);
-    atomic_store_explicit(&s->held_at, now, memory_order_relaxed);
+    if (s)
+        atomic_store_explicit(&s->wait_at, 0, memory_order_relaxed);
+}
+
+void gv_arb_wants(int dev, uint64_t now)
+{
+    struct arb_slot *s = mine(dev);
+    if (s)
+        atomic_store_explicit(&s->wants_at, now, memory_order_relaxed);
 }
 
 #define TERMS_PID_MASK ((1u << 22) - 1)
@@ -388,7 +393,7 @@ int gv_arb_terms_of(int dev, uint32_t nvml_pid, uint64_t now, struct gv_arb_term
             if (atomic_load_explicit(&m->container, memory_order_relaxed) != out->container ||
                 !atomic_load_explicit(&m->owner, memory_order_relaxed))
                 continue;
-            uint64_t h = atomic_load_explicit(&m->held_at, memory_order_relaxed);
+            uint64_t h = atomic_load_explicit(&m->wants_at, memory_order_relaxed);
             held = h > held ? h : held;
         }
         out->wants = held && held <= now + STALE_NS && held + WANTS_NS >= now;

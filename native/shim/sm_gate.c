@@ -147,6 +147,7 @@ static struct inflight {
     _Atomic uint32_t n;
     atomic_int company;         /* 0 until the meter first says: see fork_child */
     atomic_int procs;
+    atomic_int held;            /* a launch waited for the clock since the meter last asked */
 } inflight[GV_MAX_DEVICES];
 
 static struct inflight *inflight_of(int dev)
@@ -264,7 +265,10 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
         uint64_t floor = now > LAG_NS ? now - LAG_NS : 0;
         uint64_t base = t > floor ? t : floor;
         if (base > now + TOLERANCE_NS) {
-            gv_arb_ahead(dev, now);
+            gv_arb_not_waiting(dev);
+            struct inflight *h = inflight_of(dev);
+            if (!atomic_load_explicit(&h->held, memory_order_relaxed))
+                atomic_store_explicit(&h->held, 1, memory_order_relaxed);
             uint64_t ahead = base - now - TOLERANCE_NS;
             sleep_ns(ahead < MAX_SLEEP_NS ? ahead : MAX_SLEEP_NS);
             continue;
@@ -308,9 +312,15 @@ void gv_sm_settle(struct gv_sm *sm, int dev, uint32_t share, uint64_t charged_ns
         ;
 }
 
+int gv_sm_took_held(int dev)
+{
+    return atomic_exchange_explicit(&inflight_of(dev)->held, 0, memory_order_relaxed);
+}
+
 void gv_sm_fork_child(void)
 {
     for (int i = 0; i < GV_MAX_DEVICES; i++) {
+        atomic_store(&inflight[i].held, 0);
         atomic_store(&inflight[i].ns, 0);
         atomic_store(&inflight[i].n, 0);
         atomic_store(&inflight[i].company, 0);

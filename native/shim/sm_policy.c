@@ -39,6 +39,7 @@
 #define OTHERS_RISE 500                     /* 5 %: the others want more */
 #define LEND_STEP 1000                      /* lend back 10 % more per update */
 #define FULL_USE 9900                       /* 99 %: the device has no idle time */
+#define WANT_SLACK 500                      /* 5 %: using "all of its share" */
 
 /* Devices this process has gated launches on, for the policy updates. */
 static struct watched {
@@ -138,10 +139,12 @@ static void count_other(int dev, unsigned pid, uint64_t use, uint64_t now, struc
  * *procs: how many of this container's processes used it (this one
  * counted always); *error: 0, or NVML's error code when the query failed
  * (the use is then not known: 0 is returned, and must not be lent from);
- * *l: the other lenders that want more, and the rest's use. */
+ * *l: the other lenders that want more, and the rest's use; *own: this
+ * container's use. */
 static uint64_t others_recent(struct watched *w, int *company, int *procs, int *error,
-                              struct lenders *l)
+                              struct lenders *l, uint64_t *own)
 {
+    *own = 0;
     uint64_t counted[MAX_LENDERS];
     int ncounted = 0;
     uint64_t mono = gv_mono_ns();
@@ -199,6 +202,7 @@ static uint64_t others_recent(struct watched *w, int *company, int *procs, int *
             others |= !mine;
         }
     }
+    *own = all - total;
     *company = (others ? GV_SM_OTHERS : 0) | (mates ? GV_SM_MATES : 0);
     *procs = 1 + mates;
     if (all >= FULL_USE)
@@ -251,8 +255,18 @@ static void update_share(struct watched *w, int *company, int *procs)
     uint32_t share;
     int error = 0;
     struct lenders l = { 0 };
-    gv_arb_set_terms((int)(w - watched), gv_nvml_self_pid(), limit, policy);
-    uint64_t others = w->have_nvml ? others_recent(w, company, procs, &error, &l) : 0;
+    int dev = (int)(w - watched);
+    uint64_t own = 0;
+    gv_arb_set_terms(dev, gv_nvml_self_pid(), limit, policy);
+    uint64_t others = w->have_nvml ? others_recent(w, company, procs, &error, &l, &own) : 0;
+    /* Does this container use all of its share: its launches waited for
+     * its clock lately, and NVML shows it using about the share that was
+     * in force?  A container whose launches wait now and then in bursts,
+     * but which uses less, does not: lenders beside it would keep room for
+     * it that it leaves idle. */
+    uint32_t was = atomic_load(&sm->share);
+    if (gv_sm_took_held(dev) && w->have_nvml && !error && limit && own + WANT_SLACK >= was)
+        gv_arb_wants(dev, gv_mono_ns());
     if (region_sm_yielding(sm, gv_mono_ns())) {
         share = 0;
     } else if (limit == 0) {
