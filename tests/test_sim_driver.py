@@ -4,6 +4,7 @@ in a child process with its own state file."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import signal
@@ -925,6 +926,78 @@ def test_a_destroyed_context_still_current_is_context_is_destroyed(tmp_path: Pat
         "released CUDA_ERROR_CONTEXT_IS_DESTROYED",
         "retained CUDA_SUCCESS True",
     ], out
+
+
+@needs_cuda_python
+def test_a_destroyed_contexts_events_are_gone(tmp_path: Path) -> None:
+    """Destroying a context destroys its events, as a real driver does:
+    every call on one is then CUDA_ERROR_INVALID_HANDLE, and its memory is
+    freed, so events made later may get the same handles (glibc reuses the
+    chunks).  So for a created context, a primary context reset and one
+    released to zero references; events of other contexts live on."""
+    out = ok(
+        run_py(
+            """
+            import json
+            from cuda.bindings import driver as d
+            R = d.CUresult.CUDA_SUCCESS
+            def chk(r):
+                assert r[0] == R, r
+                return r[1] if len(r) == 2 else None
+            chk(d.cuInit(0))
+            keep = chk(d.cuCtxCreate(None, 0, 0))
+            other = chk(d.cuEventCreate(0))
+            def events(n):
+                evs = [chk(d.cuEventCreate(0)) for _ in range(n)]
+                for e in evs:
+                    chk(d.cuEventRecord(e, None))
+                return evs
+            def calls(e, e2):
+                return [
+                    d.cuEventQuery(e)[0].name,
+                    d.cuEventSynchronize(e)[0].name,
+                    d.cuEventRecord(e, None)[0].name,
+                    d.cuEventElapsedTime(e, e2)[0].name,
+                    d.cuEventDestroy(e)[0].name,
+                ]
+            out = {}
+            for how in ("destroy", "reset", "release"):
+                if how == "destroy":
+                    ctx = chk(d.cuCtxCreate(None, 0, 0))
+                else:
+                    ctx = chk(d.cuDevicePrimaryCtxRetain(0))
+                    chk(d.cuCtxPushCurrent(ctx))
+                old = events(8)
+                gone = {int(e) for e in old}
+                if how == "destroy":
+                    chk(d.cuCtxDestroy(ctx))
+                else:
+                    chk(d.cuCtxPopCurrent())
+                    if how == "reset":
+                        chk(d.cuDevicePrimaryCtxReset(0))
+                    chk(d.cuDevicePrimaryCtxRelease(0))   # (after a reset: to zero)
+                chk(d.cuCtxSetCurrent(keep))
+                stale = calls(old[0], old[1])     # before any handle is reused
+                new = events(8)
+                out[how] = {
+                    "old": stale,
+                    "reused": len(gone & {int(e) for e in new}),
+                    "new": [d.cuEventSynchronize(e)[0].name for e in new],
+                    "other": d.cuEventQuery(other)[0].name,
+                }
+                for e in new:
+                    chk(d.cuEventDestroy(e))
+            print(json.dumps(out))
+            """,
+            sim_env(tmp_path, "4g"),
+        )
+    )
+    got = json.loads(out.strip().splitlines()[-1])
+    for how in ("destroy", "reset", "release"):
+        assert got[how]["old"] == ["CUDA_ERROR_INVALID_HANDLE"] * 5, got
+        assert got[how]["reused"] > 0, got
+        assert got[how]["new"] == ["CUDA_SUCCESS"] * 8, got
+        assert got[how]["other"] == "CUDA_SUCCESS", got
 
 
 @needs_cuda_python

@@ -91,6 +91,7 @@ static void ctx_deactivate(struct CUctx_st *c)
     pthread_mutex_unlock(&sim_mu);
     if (!was)
         return;
+    sim_ctx_drop_events(c);
     sim_ctx_release_allocs(c);
     sim_uncharge(c->node, ch);
 }

@@ -7,7 +7,11 @@
  * no earlier than the event.  Recording into a capturing stream records
  * nothing (the capture graph has kernel nodes only).  An event is recorded
  * only in a stream of its own context (CUDA_ERROR_INVALID_HANDLE otherwise);
- * any stream may wait for it.
+ * any stream may wait for it.  Destroying an event's context (cuCtxDestroy,
+ * a primary context's reset or its release to zero references) destroys
+ * the event, as a real driver does: its handle is then unknown
+ * (CUDA_ERROR_INVALID_HANDLE) and its memory freed, so a later event may
+ * get the same address.
  */
 #include <stdlib.h>
 
@@ -22,7 +26,51 @@ struct CUevent_st {
     unsigned flags;
     int recorded;
     uint64_t t;                         /* completion time, monotonic ns */
+    struct CUevent_st *prev, *next;     /* every live event, under sim_mu */
 };
+
+static struct CUevent_st *g_events;
+
+static void ev_link_locked(struct CUevent_st *e)
+{
+    e->prev = NULL;
+    e->next = g_events;
+    if (g_events)
+        g_events->prev = e;
+    g_events = e;
+}
+
+/* Forget e (sim_mu held): no call finds it from now on; free it after. */
+static void ev_unlink_locked(struct CUevent_st *e)
+{
+    sim_reg_del(e);
+    e->magic = 0;
+    if (e->prev)
+        e->prev->next = e->next;
+    else
+        g_events = e->next;
+    if (e->next)
+        e->next->prev = e->prev;
+}
+
+void sim_ctx_drop_events(struct CUctx_st *c)
+{
+    struct CUevent_st *gone = NULL;
+    pthread_mutex_lock(&sim_mu);
+    for (struct CUevent_st *e = g_events, *n; e; e = n) {
+        n = e->next;
+        if (e->ctx == c) {
+            ev_unlink_locked(e);
+            e->next = gone;
+            gone = e;
+        }
+    }
+    pthread_mutex_unlock(&sim_mu);
+    for (struct CUevent_st *n; gone; gone = n) {
+        n = gone->next;
+        free(gone);
+    }
+}
 
 /* validate under sim_mu */
 static int ev_ok_locked(struct CUevent_st *e)
@@ -48,8 +96,18 @@ SIM_API CUresult cuEventCreate(CUevent *pe, unsigned int flags)
     e->ordinal = c->ordinal;
     e->flags = flags;
     pthread_mutex_lock(&sim_mu);
-    sim_reg_add(e);
+    /* The context may have been destroyed since sim_current: the event
+     * would outlive it. */
+    int live = c->alive;
+    if (live) {
+        sim_reg_add(e);
+        ev_link_locked(e);
+    }
     pthread_mutex_unlock(&sim_mu);
+    if (!live) {
+        free(e);
+        return CUDA_ERROR_CONTEXT_IS_DESTROYED;
+    }
     *pe = e;
     return CUDA_SUCCESS;
 }
@@ -61,10 +119,8 @@ SIM_API CUresult cuEventDestroy_v2(CUevent e)
         return rc;
     pthread_mutex_lock(&sim_mu);
     int ok = ev_ok_locked(e);
-    if (ok) {
-        sim_reg_del(e);
-        e->magic = 0;
-    }
+    if (ok)
+        ev_unlink_locked(e);
     pthread_mutex_unlock(&sim_mu);
     if (!ok)
         return CUDA_ERROR_INVALID_HANDLE;

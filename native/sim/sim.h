@@ -306,6 +306,8 @@ SIM_HIDDEN CUdeviceptr sim_va_next(int node, uint64_t size, int low);
 SIM_HIDDEN CUresult sim_dev_alloc(CUdeviceptr *out, uint64_t size, int low);
 SIM_HIDDEN void sim_free_entry_locked(sim_alloc *a);
 SIM_HIDDEN void sim_ctx_release_allocs(struct CUctx_st *c);
+/* Destroy every event of c (cuda_event.c): its context is destroyed. */
+SIM_HIDDEN void sim_ctx_drop_events(struct CUctx_st *c);
 
 /* VMM mappings (cuda_vmm.c): range of the mapping containing p */
 SIM_HIDDEN int sim_vmm_range(CUdeviceptr p, CUdeviceptr *base, uint64_t *size);
