@@ -164,13 +164,15 @@ def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def run_json(code: str, env: Mapping[str, str], timeout: float = 60) -> Any:
+def run_json(
+    code: str, env: Mapping[str, str], timeout: float = 60, *, args: list[str] | None = None
+) -> Any:
     """Run code that prints one JSON document as its last stdout line; return it.
 
     Fails the test with the process's output when it exits non-zero or
     prints no JSON.
     """
-    proc = run_py(code, env, timeout)
+    proc = run_py(code, env, timeout, args=args)
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         raise AssertionError(

@@ -12,7 +12,8 @@
  * (node_lock.c), so other containers' new contexts stay out of them.
  *
  * Destroying a context also frees every allocation made in it, so those
- * charges are released with it.
+ * charges are released with it; and its events, so the SM meter is done
+ * with the launches made in it first (gv_sm_ctx_destroying).
  */
 #include <pthread.h>
 #include <stdlib.h>
@@ -22,6 +23,7 @@
 
 #include "hooks.h"
 #include "log.h"
+#include "sm.h"
 
 #define MAX_CTX_COST (16ULL << 30)   /* a larger delta is noise from others */
 
@@ -343,6 +345,7 @@ GV_EXPORT CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *params, un
 static CUresult destroy(destroy_fn real, CUcontext ctx)
 {
     GV_ENFORCING_ELSE_PASS(real(ctx));
+    gv_sm_ctx_destroying(ctx);
     gv_graph_teardown_begin();
     gv_pending_set held;
     gv_pending_frees_hold(ctx, &held);
@@ -460,6 +463,8 @@ static CUresult prim_release(CUresult (*real)(CUdevice), CUdevice dev)
     pthread_once(&prim_once, prim_setup);
     struct primary *p = &prim[dev];
     pthread_mutex_lock(&p->lock);
+    if (p->refs == 1)       /* the last release destroys it */
+        gv_sm_ctx_destroying(p->ctx);
     gv_graph_teardown_begin();
     gv_pending_set held;
     gv_pending_frees_hold(p->refs == 1 ? p->ctx : NULL, &held);   /* the last release */
@@ -485,6 +490,7 @@ static CUresult prim_reset(CUresult (*real)(CUdevice), CUdevice dev)
     pthread_once(&prim_once, prim_setup);
     struct primary *p = &prim[dev];
     pthread_mutex_lock(&p->lock);
+    gv_sm_ctx_destroying(p->ctx);
     gv_graph_teardown_begin();
     gv_pending_set held;
     gv_pending_frees_hold(p->ctx, &held);

@@ -95,6 +95,11 @@ void gv_sm_enqueue_end(struct gv_sm *sm, int dev, uint64_t held);
 /* The share may be stale (0 with no pause in force): the meter thread
  * runs the policies at once, woken if it sleeps (sm_meter.c). */
 void gv_sm_meter_refresh(void);
+/* ctx is about to be destroyed (cuCtxDestroy, a primary context's reset
+ * or last release): its work is waited for and the meter settles every
+ * launch made in it and destroys their events while it still lives;
+ * returns within about a second whatever the meter does (sm_meter.c). */
+void gv_sm_ctx_destroying(CUcontext ctx);
 /* Reset process-local gate state in a forked child. */
 void gv_sm_fork_child(void);
 /* The policies (sm_policy.c), per region device this process launches on:

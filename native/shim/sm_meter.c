@@ -9,6 +9,7 @@
  * and, for the policies the meter runs every 100 ms to set the share the
  * gate enforces (sm_policy.c), NVML device utilisation.
  */
+#include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>
 #include <signal.h>
@@ -69,6 +70,12 @@ static atomic_int napping;
 /* 1: run the policies at the next turn, not only every POLICY_PERIOD_NS
  * (gv_sm_meter_refresh). */
 static atomic_int refresh;
+/* A context about to be destroyed (gv_sm_ctx_destroying): the meter drops
+ * its launches at its next turn, then clears the word and adds 1 to
+ * `forgot` (a futex word the destroying thread waits on).  Process-private
+ * words, as `napping`: no lock to leave held if the process dies or forks. */
+static _Atomic(CUcontext) forget_req;
+static atomic_uint forgot;
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
 
 typedef CUresult (*ev_create_fn)(CUevent *, unsigned int);
@@ -85,6 +92,8 @@ static void fork_child(void)
     atomic_store(&started, 0);
     atomic_store(&napping, 0);
     atomic_store(&refresh, 0);
+    atomic_store(&forget_req, NULL);
+    atomic_store(&forgot, 0);
     gv_sm_fork_child();
     gv_cal_reset();
     gv_sm_policy_reset();
@@ -136,8 +145,10 @@ static void running(struct rec *r)
     }
 }
 
-/* Settle r if its kernel has finished; 0 if it is still running. */
-static int try_settle(struct rec *r, CUcontext *current)
+/* Settle r if its kernel has finished; 0 if it is still running.  With
+ * `force` (its context is about to be destroyed), settled anyway: one
+ * still running keeps what it was charged so far. */
+static int try_settle(struct rec *r, CUcontext *current, int force)
 {
     if (*current != r->ctx) {
         GV_REAL(cuCtxSetCurrent, CUresult (*)(CUcontext))(r->ctx);
@@ -146,7 +157,8 @@ static int try_settle(struct rec *r, CUcontext *current)
     CUresult q = GV_REAL(cuEventQuery, ev_query_fn)(r->end);
     if (q == CUDA_ERROR_NOT_READY) {
         running(r);
-        return 0;
+        if (!force)
+            return 0;
     }
     float ms = 0;
     if (q == CUDA_SUCCESS && elapsed(&ms, r->begin, r->end) == CUDA_SUCCESS && ms >= 0) {
@@ -166,6 +178,27 @@ static int try_settle(struct rec *r, CUcontext *current)
     return 1;
 }
 
+/* ctx is about to be destroyed, and its events with it (a real driver
+ * destroys them; their handles are reused for the program's next events):
+ * settle and drop every launch made in it while ctx still lives, and make
+ * it no longer this thread's current context. */
+static void forget(CUcontext ctx, struct rec **head, CUcontext *current)
+{
+    for (struct rec **pp = head; *pp;) {
+        struct rec *r = *pp;
+        if (r->ctx != ctx) {
+            pp = &r->next;
+            continue;
+        }
+        *pp = r->next;
+        try_settle(r, current, 1);      /* frees r */
+    }
+    if (*current == ctx) {
+        GV_REAL(cuCtxSetCurrent, CUresult (*)(CUcontext))(NULL);
+        *current = NULL;
+    }
+}
+
 /* Nothing in flight for 1 ms: sleep until the next launch is posted (it
  * wakes the futex) or for at most NAP_NS, which bounds how late a policy
  * update can be.  Sleeping 1 ms instead, as before, left a kernel launched
@@ -182,7 +215,7 @@ static int try_settle(struct rec *r, CUcontext *current)
 static void nap(void)
 {
     atomic_store(&napping, 1);
-    if (!atomic_load(&inbox) && !atomic_load(&refresh)) {
+    if (!atomic_load(&inbox) && !atomic_load(&refresh) && !atomic_load(&forget_req)) {
         struct timespec ts = { 0, NAP_NS };
         syscall(SYS_futex, &napping, FUTEX_WAIT_PRIVATE, 1, gv_sm_gating() ? &ts : NULL, NULL, 0);
     }
@@ -197,6 +230,9 @@ static void *meter(void *unused)
     uint64_t next_policy = 0;
     unsigned idle = 0;
     for (;;) {
+        /* Read before the inbox: every launch posted before the request
+         * was is in it. */
+        CUcontext gone = atomic_load(&forget_req);
         struct rec *got = atomic_exchange(&inbox, NULL);
         if (got || head)
             idle = 0;
@@ -212,6 +248,15 @@ static void *meter(void *unused)
             tail = &rev->next;
         }
         *tail = NULL;
+        if (gone) {
+            forget(gone, &head, &current);
+            /* (Not cleared if the destroying thread gave up waiting and
+             * another context was posted since.) */
+            CUcontext expected = gone;
+            atomic_compare_exchange_strong(&forget_req, &expected, NULL);
+            atomic_fetch_add(&forgot, 1);
+            syscall(SYS_futex, &forgot, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+        }
         /* Alive on every device with kernels in flight: a slot not renewed
          * stops counting them after 20 ms (sm_arbiter.c). */
         if (head) {
@@ -235,7 +280,7 @@ static void *meter(void *unused)
             unsigned b = 0;     /* a stream found running: what follows waits */
             while (b < nbusy && (busy[b].ctx != r->ctx || busy[b].stream != r->stream))
                 b++;
-            if (b == nbusy && try_settle(r, &current)) {   /* frees r */
+            if (b == nbusy && try_settle(r, &current, 0)) {    /* frees r */
                 *pp = next;
                 continue;
             }
@@ -458,4 +503,82 @@ void gv_sm_end(gv_sm_launch *l, CUresult rc)
     if (!atomic_load(&started))
         settle_unmetered();
     wake();
+}
+
+/* ---- a context being destroyed ---------------------------------------------- */
+
+#define FORGET_WAIT_NS (1000ULL * 1000 * 1000)
+
+/* Sleep on `forgot` while it reads seen, until the deadline, at most 10 ms. */
+static void wait_forgot(unsigned seen, uint64_t deadline)
+{
+    uint64_t now = gv_mono_ns();
+    if (now >= deadline)
+        return;
+    uint64_t left = deadline - now;
+    struct timespec ts = { 0, (long)(left < 10000000ULL ? left : 10000000ULL) };
+    syscall(SYS_futex, &forgot, FUTEX_WAIT_PRIVATE, seen, &ts, NULL, 0);
+}
+
+/* The meter took too long (stuck in a driver call?): the context is
+ * destroyed all the same, or cuCtxDestroy would hang with it. */
+static void gave_up(void)
+{
+    static atomic_int said;
+    if (!atomic_exchange(&said, 1))
+        gv_log(GV_LOG_ERROR, "the SM meter did not let go of a context being destroyed within "
+                             "1 s; its launches' events may be used after it");
+}
+
+void gv_sm_ctx_destroying(CUcontext ctx)
+{
+    if (!ctx)
+        return;
+    if (!atomic_load(&started)) {
+        /* No meter thread (none started yet, it could not start, or a
+         * forked child): a launch posted meanwhile is settled here. */
+        settle_unmetered();
+        return;
+    }
+    /* The driver waits for the context's work when it destroys it: waited
+     * for here, so that the meter measures its last kernels as any other,
+     * rather than settling them at what they were charged. */
+    if (GV_REAL(cuCtxPushCurrent_v2, CUresult (*)(CUcontext))(ctx) == CUDA_SUCCESS) {
+        GV_REAL(cuCtxSynchronize, CUresult (*)(void))();
+        CUcontext popped;
+        GV_REAL(cuCtxPopCurrent_v2, CUresult (*)(CUcontext *))(&popped);
+    }
+    uint64_t deadline = gv_mono_ns() + FORGET_WAIT_NS;
+    for (;;) {      /* one context at a time: another thread's first */
+        unsigned seen = atomic_load(&forgot);
+        CUcontext none = NULL;
+        if (atomic_compare_exchange_strong(&forget_req, &none, ctx))
+            break;
+        if (!atomic_load(&started)) {
+            settle_unmetered();
+            return;
+        }
+        if (gv_mono_ns() >= deadline) {
+            gave_up();
+            return;
+        }
+        wake();
+        wait_forgot(seen, deadline);
+    }
+    wake();
+    for (;;) {
+        unsigned seen = atomic_load(&forgot);
+        if (atomic_load(&forget_req) != ctx)
+            return;     /* done (or the same context posted again: done too) */
+        int no_meter = !atomic_load(&started);
+        if (no_meter || gv_mono_ns() >= deadline) {
+            CUcontext mine = ctx;
+            if (atomic_compare_exchange_strong(&forget_req, &mine, NULL) && no_meter)
+                settle_unmetered();
+            if (!no_meter)
+                gave_up();
+            return;
+        }
+        wait_forgot(seen, deadline);
+    }
 }

@@ -1,0 +1,107 @@
+"""Destroying a context while its gated launches are in flight.
+
+Under an SM limit every gated launch is bracketed by two events made in its
+stream's context, which the meter thread reads and destroys later
+(native/shim/sm_meter.c).  Destroying the context destroys those events
+(the simulator does so too, as a real driver does), and their memory is
+reused for the program's next events: a meter that went on with the old
+handles queried and destroyed the program's own events, whose next
+cuEventRecord failed with CUDA_ERROR_INVALID_HANDLE.  The interposer now
+has the meter settle and drop a context's launches before the driver
+destroys it (cuCtxDestroy, a primary context's reset, its release to zero
+references); the settled launches leave nothing in flight, so launches in
+another context go on at once.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.helpers import SimNode, run_json
+
+ROUNDS = 5
+
+PROGRAM = """
+import ctypes, json, sys, time
+from cuda.bindings import driver as cu
+R = cu.CUresult.CUDA_SUCCESS
+def chk(r):
+    e = r[0] if isinstance(r, tuple) else r
+    assert e == R, e
+    return r[1] if isinstance(r, tuple) and len(r) == 2 else None
+def kernel_in(ctx):
+    mod = chk(cu.cuModuleLoadData(b"any image"))
+    return chk(cu.cuModuleGetFunction(mod, b"spin")), chk(cu.cuStreamCreate(0))
+def launch(f, s, us):
+    chk(cu.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, s, ((us,), (ctypes.c_uint32,)), 0))
+how, rounds = sys.argv[1], int(sys.argv[2])
+chk(cu.cuInit(0))
+# The context the program goes on with, made beforehand: its events come
+# right after the destruction, in the memory the destroyed events had,
+# before the meter's next poll (every 100 us) would have found them gone.
+other = chk(cu.cuCtxCreate(None, 0, 0))
+spin2, s2 = kernel_in(other)
+inflight, errors, slowest = [], {}, 0.0
+for _ in range(rounds):
+    if how == "destroy":
+        ctx = chk(cu.cuCtxCreate(None, 0, 0))            # pushed: current
+    else:
+        ctx = chk(cu.cuDevicePrimaryCtxRetain(0))
+        chk(cu.cuCtxPushCurrent(ctx))
+    spin, s = kernel_in(ctx)
+    for _ in range(4):
+        launch(spin, s, 30000)
+    inflight.append(cu.cuStreamQuery(s)[0].name)
+    if how == "destroy":
+        chk(cu.cuCtxDestroy(ctx))                        # pops it: other is current
+    else:
+        chk(cu.cuCtxPopCurrent())
+        if how == "reset":
+            chk(cu.cuDevicePrimaryCtxReset(0))
+        chk(cu.cuDevicePrimaryCtxRelease(0))             # (after a reset: to zero)
+    events = [cu.cuEventCreate(0) for _ in range(16)]
+    for e in events:
+        chk(e[0])
+    events = [e[1] for e in events]
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.1:
+        for e in events:
+            for name, rc in (("record", cu.cuEventRecord(e, s2)[0]),
+                             ("sync", cu.cuEventSynchronize(e)[0])):
+                if rc != R:
+                    errors[name + " " + rc.name] = errors.get(name + " " + rc.name, 0) + 1
+    for e in events:
+        rc = cu.cuEventDestroy(e)[0]
+        if rc != R:
+            errors["destroy " + rc.name] = errors.get("destroy " + rc.name, 0) + 1
+    # Gated launches in the other context: nothing of the destroyed one
+    # may still count as in flight and hold them at the bound.
+    t0 = time.monotonic()
+    for _ in range(10):
+        launch(spin2, s2, 1000)
+    chk(cu.cuStreamSynchronize(s2))
+    slowest = max(slowest, time.monotonic() - t0)
+print(json.dumps({"inflight": inflight, "errors": errors, "slowest": slowest}))
+"""
+
+
+@pytest.mark.parametrize("how", ["destroy", "reset", "release"])
+def test_a_destroyed_contexts_launches_leave_the_programs_events_alone(
+    node: SimNode, how: str
+) -> None:
+    """A context with 4 kernels of 30 ms in flight is destroyed (created:
+    cuCtxDestroy; primary: cuDevicePrimaryCtxReset, or its last
+    cuDevicePrimaryCtxRelease), 5 times.  After each, 16 new events in
+    another context are recorded and synchronized for 0.1 s: every call
+    succeeds (before the fix, the meter destroyed some of them: their
+    records failed with CUDA_ERROR_INVALID_HANDLE).  Then 10 gated launches
+    of 1 ms in the other context finish within 2 s at a 50 % limit (20 ms
+    of pacing; what a stuck in-flight count would hold for good; the
+    child's timeout catches a hang)."""
+    got = run_json(
+        PROGRAM, node.shimmed(CUDA_DEVICE_SM_LIMIT="50"), timeout=120, args=[how, str(ROUNDS)]
+    )
+    print(got)
+    assert got["inflight"] == ["CUDA_ERROR_NOT_READY"] * ROUNDS, got
+    assert got["errors"] == {}, got
+    assert got["slowest"] < 2.0, got
