@@ -39,7 +39,8 @@
 #define OTHERS_RISE 500                     /* 5 %: the others want more */
 #define LEND_STEP 1000                      /* lend back 10 % more per update */
 #define FULL_USE 9900                       /* 99 %: the device has no idle time */
-#define WANT_SLACK 500                      /* 5 %: using "all of its share" */
+#define WANT_SLACK 500                      /* using "all of its share": within 5 %, */
+#define WANT_SLACK_PART 5                   /* or a fifth of the share if more */
 
 /* Devices this process has gated launches on, for the policy updates. */
 static struct watched {
@@ -261,11 +262,12 @@ static void update_share(struct watched *w, int *company, int *procs)
     uint64_t others = w->have_nvml ? others_recent(w, company, procs, &error, &l, &own) : 0;
     /* Does this container use all of its share: its launches waited for
      * its clock lately, and NVML shows it using about the share that was
-     * in force?  A container whose launches wait now and then in bursts,
+     * in force (a busy machine may keep it a little below)?  A container whose launches wait now and then in bursts,
      * but which uses less, does not: lenders beside it would keep room for
      * it that it leaves idle. */
     uint32_t was = atomic_load(&sm->share);
-    if (gv_sm_took_held(dev) && w->have_nvml && !error && limit && own + WANT_SLACK >= was)
+    uint64_t slack = was / WANT_SLACK_PART > WANT_SLACK ? was / WANT_SLACK_PART : WANT_SLACK;
+    if (gv_sm_took_held(dev) && w->have_nvml && !error && limit && own + slack >= was)
         gv_arb_wants(dev, gv_mono_ns());
     if (region_sm_yielding(sm, gv_mono_ns())) {
         share = 0;
