@@ -156,7 +156,9 @@ static struct arb_slot *mine(int dev)
 {
     if (dev < 0 || dev >= GV_MAX_DEVICES)
         return NULL;
-    struct arb_slot *s = atomic_load_explicit(&arbs[dev].me, memory_order_relaxed);
+    /* Acquire: the slot lies in a mapping another thread may have made
+     * (the meter reads it; a launching thread mapped it). */
+    struct arb_slot *s = atomic_load_explicit(&arbs[dev].me, memory_order_acquire);
     if (!s || atomic_load_explicit(&s->owner, memory_order_relaxed) !=
                   atomic_load_explicit(&token, memory_order_relaxed))
         return NULL;
