@@ -47,3 +47,57 @@ def test_launches_go_on_estimates_without_a_meter_thread(node: SimNode) -> None:
     assert not out["threads"]  # the premise: no thread can start
     assert out["seconds"] < 3.0
     assert len(errors) == 1
+
+
+DESTROY_WITHOUT_METER = (
+    CU_SPIN_PRELUDE
+    + """
+import json, resource, threading, time
+other = chk(cu.cuCtxCreate(None, 0, 0))                  # current from here on
+spin2 = chk(cu.cuModuleGetFunction(chk(cu.cuModuleLoadData(b"any image")), b"spin"))
+s2 = chk(cu.cuStreamCreate(0))
+with open("/proc/self/status") as f:
+    vm = int(next(ln for ln in f if ln.startswith("VmSize")).split()[1]) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm + 4 * 1024 * 1024, resource.RLIM_INFINITY))
+try:
+    threading.Thread(target=lambda: None).start()
+    threads = True
+except RuntimeError:
+    threads = False
+chk(cu.cuCtxPushCurrent(chk(cu.cuDevicePrimaryCtxRetain(0))))
+for _ in range(4):
+    launch(30000)                                         # in flight on the primary
+busy = cu.cuStreamQuery(s)[0].name
+chk(cu.cuCtxPopCurrent())
+t0 = time.monotonic()
+chk(cu.cuDevicePrimaryCtxReset(0))
+reset_s = time.monotonic() - t0
+events = [chk(cu.cuEventCreate(0)) for _ in range(16)]
+# A gated launch in the other context: nothing of the reset one may be
+# left to settle then (the program's new events lie where its events were).
+chk(cu.cuLaunchKernel(spin2, 1, 1, 1, 32, 1, 1, 0, s2, ((100,), (ctypes.c_uint32,)), 0))
+bad = 0
+for _ in range(20):
+    for e in events:
+        bad += cu.cuEventRecord(e, s2)[0] != cu.CUresult.CUDA_SUCCESS
+        bad += cu.cuEventSynchronize(e)[0] != cu.CUresult.CUDA_SUCCESS
+print(json.dumps({"threads": threads, "busy": busy, "reset_s": reset_s, "bad": bad}))
+"""
+)
+
+
+def test_a_context_reset_without_a_meter_thread_settles_its_launches(node: SimNode) -> None:
+    """Without a meter thread each gated launch is settled at its estimate
+    as it returns (its events destroyed then), so a context reset with 4
+    kernels of 30 ms in flight finds nothing to hand over: it must not wait
+    for a meter that is not there (the handover gives up only after 1 s),
+    and the program's new events in another context all work, also after
+    its next gated launch."""
+    proc = run_py(DESTROY_WITHOUT_METER, node.shimmed(CUDA_DEVICE_SM_LIMIT="50"), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(out)
+    assert not out["threads"]  # the premise: no thread can start
+    assert out["busy"] == "CUDA_ERROR_NOT_READY"
+    assert out["bad"] == 0
+    assert out["reset_s"] < 1.0
