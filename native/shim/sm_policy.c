@@ -262,9 +262,9 @@ static void update_share(struct watched *w, int *company, int *procs)
     uint64_t others = w->have_nvml ? others_recent(w, company, procs, &error, &l, &own) : 0;
     /* Does this container use all of its share: its launches waited for
      * its clock lately, and NVML shows it using about the share that was
-     * in force (a busy machine may keep it a little below)?  A container whose launches wait now and then in bursts,
-     * but which uses less, does not: lenders beside it would keep room for
-     * it that it leaves idle. */
+     * in force (a busy machine may keep it a little below)?  One whose
+     * launches wait now and then in bursts, but which uses less, does
+     * not: lenders beside it would keep room for it that it leaves idle. */
     uint32_t was = atomic_load(&sm->share);
     uint64_t slack = was / WANT_SLACK_PART > WANT_SLACK ? was / WANT_SLACK_PART : WANT_SLACK;
     if (gv_sm_took_held(dev) && w->have_nvml && !error && limit && own + slack >= was)
