@@ -690,6 +690,33 @@ def test_lenders_side_by_side_split_the_spare_capacity(
         assert abs(g * 100 / total - w) <= 5
 
 
+def test_a_killed_lenders_part_comes_back_within_a_second(node: SimNode, tmp_path: Path) -> None:
+    """Two burst-share containers of 30 % split the GPU; B is SIGKILLed.
+    What B said in its launch-order slot (that it uses all of its share)
+    lapses with its last NVML samples: A has the whole GPU again within a
+    second, not after B's slot goes stale."""
+    procs = []
+    for i in range(2):
+        env = node.shimmed(
+            CUDA_DEVICE_SM_LIMIT="30",
+            GPUVISOR_SM_POLICY="burst-share",
+            CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / f"c{i}.shr"),
+        )
+        procs.append(start(env, "kernel", LONG_RUN, 20 + i))
+    a, b = procs
+    go(a, b)
+    time.sleep(1.5)
+    split = shares_over(node, 1.0)
+    b.kill()
+    b.wait(timeout=30)
+    time.sleep(1.0)
+    alone = shares_over(node, 1.0).get(str(a.pid), 0)
+    stop(a)
+    print(f"split {split}; A after B was killed {alone}")
+    assert abs(split.get(str(a.pid), 0) - 50) <= 8
+    assert alone >= 85
+
+
 def test_best_effort_yields_to_others(node: SimNode, tmp_path: Path) -> None:
     a_env = node.shimmed(CUDA_DEVICE_SM_LIMIT="30", GPUVISOR_SM_POLICY="best-effort")
     b_env = node.shimmed(
