@@ -55,6 +55,18 @@ def run(cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]
     )
 
 
+def python_asan_env(asan_env: dict[str, str], **extra: str) -> dict[str, str]:
+    """asan_env for a Python client: Python itself is not sanitized, so the
+    ASan runtime must be loaded first (skips when gcc has none)."""
+    runtime = asan_runtime()
+    if not runtime:
+        pytest.skip("gcc has no libasan.so")
+    env = dict(asan_env, **extra)
+    env["LD_PRELOAD"] = f"{runtime}:{asan_env['LD_PRELOAD']}"
+    env["ASAN_OPTIONS"] = "detect_leaks=0:exitcode=86"
+    return env
+
+
 def test_interception_paths_under_asan(asan_env: dict[str, str]) -> None:
     proc = run([str(ASAN_DIR / "tests" / "t_link_intercept")], asan_env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -229,13 +241,7 @@ print("clean")
 
 
 def test_python_client_every_allocation_api_under_asan(asan_env: dict[str, str]) -> None:
-    runtime = asan_runtime()
-    if not runtime:
-        pytest.skip("gcc has no libasan.so")
-    env = dict(asan_env)
-    # Python itself is not sanitized: the runtime must be loaded first.
-    env["LD_PRELOAD"] = f"{runtime}:{asan_env['LD_PRELOAD']}"
-    env["ASAN_OPTIONS"] = "detect_leaks=0:exitcode=86"
+    env = python_asan_env(asan_env)
     proc = run([sys.executable, "-c", textwrap.dedent(CLIENT)], env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().endswith("clean")
@@ -295,12 +301,7 @@ def test_graph_memory_failing_closed_under_asan(asan_env: dict[str, str], query:
     """The graph-memory paths that fail closed, sanitized: an instantiation
     refused (its executable graph destroyed, its record freed), launches on
     a pool that cannot be read, and a graph launched after its context."""
-    runtime = asan_runtime()
-    if not runtime:
-        pytest.skip("gcc has no libasan.so")
-    env = dict(asan_env, GPUVISOR_SIM_CUDA_FAIL=query)
-    env["LD_PRELOAD"] = f"{runtime}:{asan_env['LD_PRELOAD']}"
-    env["ASAN_OPTIONS"] = "detect_leaks=0:exitcode=86"
+    env = python_asan_env(asan_env, GPUVISOR_SIM_CUDA_FAIL=query)
     proc = run([sys.executable, "-c", textwrap.dedent(FAIL_CLOSED_GRAPHS)], env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().endswith("clean")
@@ -319,12 +320,7 @@ print("clean")
 
 def test_sm_gate_and_meter_under_asan(asan_env: dict[str, str]) -> None:
     """Paced launches, the meter thread and its event handling, sanitized."""
-    runtime = asan_runtime()
-    if not runtime:
-        pytest.skip("gcc has no libasan.so")
-    env = dict(asan_env, CUDA_DEVICE_SM_LIMIT="50")
-    env["LD_PRELOAD"] = f"{runtime}:{asan_env['LD_PRELOAD']}"
-    env["ASAN_OPTIONS"] = "detect_leaks=0:exitcode=86"
+    env = python_asan_env(asan_env, CUDA_DEVICE_SM_LIMIT="50")
     proc = run([sys.executable, "-c", textwrap.dedent(LAUNCHES)], env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip().endswith("clean")
@@ -340,12 +336,7 @@ def test_a_context_destroyed_under_the_meter_under_asan(asan_env: dict[str, str]
     defect does not show here)."""
     from tests.test_sm_context_destroy import PROGRAM
 
-    runtime = asan_runtime()
-    if not runtime:
-        pytest.skip("gcc has no libasan.so")
-    env = dict(asan_env, CUDA_DEVICE_SM_LIMIT="50")
-    env["LD_PRELOAD"] = f"{runtime}:{asan_env['LD_PRELOAD']}"
-    env["ASAN_OPTIONS"] = "detect_leaks=0:exitcode=86"
+    env = python_asan_env(asan_env, CUDA_DEVICE_SM_LIMIT="50")
     proc = run([sys.executable, "-c", textwrap.dedent(PROGRAM), how, "2"], env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert '"errors": {}' in proc.stdout, proc.stdout

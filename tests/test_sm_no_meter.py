@@ -12,10 +12,10 @@ import json
 
 from tests.helpers import CU_SPIN_PRELUDE, SimNode, run_py
 
-NO_THREADS = (
-    CU_SPIN_PRELUDE
-    + """
-import json, resource, threading, time
+# Caps the address space just above what the process maps, so that no
+# thread stack can be mapped; `threads` says whether one could start.
+CANNOT_START_THREADS = """
+import resource, threading
 with open("/proc/self/status") as f:
     vm = int(next(ln for ln in f if ln.startswith("VmSize")).split()[1]) * 1024
 resource.setrlimit(resource.RLIMIT_AS, (vm + 4 * 1024 * 1024, resource.RLIM_INFINITY))
@@ -24,6 +24,13 @@ try:
     threads = True
 except RuntimeError:
     threads = False
+"""
+
+NO_THREADS = (
+    CU_SPIN_PRELUDE
+    + CANNOT_START_THREADS
+    + """
+import json, time
 t0 = time.monotonic()
 for _ in range(300):
     launch(100)
@@ -52,18 +59,13 @@ def test_launches_go_on_estimates_without_a_meter_thread(node: SimNode) -> None:
 DESTROY_WITHOUT_METER = (
     CU_SPIN_PRELUDE
     + """
-import json, resource, threading, time
+import json, time
 other = chk(cu.cuCtxCreate(None, 0, 0))                  # current from here on
 spin2 = chk(cu.cuModuleGetFunction(chk(cu.cuModuleLoadData(b"any image")), b"spin"))
 s2 = chk(cu.cuStreamCreate(0))
-with open("/proc/self/status") as f:
-    vm = int(next(ln for ln in f if ln.startswith("VmSize")).split()[1]) * 1024
-resource.setrlimit(resource.RLIMIT_AS, (vm + 4 * 1024 * 1024, resource.RLIM_INFINITY))
-try:
-    threading.Thread(target=lambda: None).start()
-    threads = True
-except RuntimeError:
-    threads = False
+"""
+    + CANNOT_START_THREADS
+    + """
 chk(cu.cuCtxPushCurrent(chk(cu.cuDevicePrimaryCtxRetain(0))))
 for _ in range(4):
     launch(30000)                                         # in flight on the primary
