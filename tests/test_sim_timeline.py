@@ -308,6 +308,7 @@ PUBLISH_QUERY = with_prelude(
         # per-process sampler
         ("GPUVISOR_SIM_NVML_PUBLISH_MS", str(1 << 61)),
         ("GPUVISOR_SIM_NVML_PUBLISH_MS", "10001"),
+        ("GPUVISOR_SIM_NVML_UTIL_MS", "10001"),
         ("GPUVISOR_SIM_MODULE_MIB", str((1 << 20) + 1)),
         ("GPUVISOR_SIM_LAUNCH_US", "1000001"),
         ("GPUVISOR_SIM_LAUNCH_EVERY", "1000001"),
@@ -324,6 +325,44 @@ def test_a_knob_out_of_range_is_named_and_ignored(tmp_path: Path, var: str, valu
     lines = [ln for ln in cp.stderr.splitlines() if ln.startswith("gpuvisor-sim:")]
     assert len(lines) == 1, cp.stderr
     assert f"{var}={value}" in lines[0], lines[0]
+
+
+SLOW_QUERY = with_prelude(
+    """
+    import pynvml as n
+    s = chk(cu.cuStreamCreate(0))
+    launch_spin(s, 150_000)
+    chk(cu.cuStreamSynchronize(s))
+    time.sleep(0.15)
+    n.nvmlInit()
+    h = n.nvmlDeviceGetHandleByIndex(0)
+    t0 = time.monotonic()
+    old = n.nvmlDeviceGetProcessUtilization(h, 0)
+    t1 = time.monotonic()
+    new = n.nvmlDeviceGetProcessesUtilizationInfo(h, 0)
+    t2 = time.monotonic()
+    print(json.dumps({"util_ms": (t1 - t0) * 1e3, "info_ms": (t2 - t1) * 1e3,
+                      "util_n": len(old), "info_n": len(new)}))
+    """
+)
+
+
+@needs_cuda_python
+@pytest.mark.parametrize("knob", ["", "60"])
+def test_a_slow_nvml_query_takes_its_time(tmp_path: Path, knob: str) -> None:
+    """GPUVISOR_SIM_NVML_UTIL_MS=60: both per-process utilisation queries
+    take 60 ms (pynvml calls each twice: for the size, then the samples),
+    and still answer (this process, its kernel seen); without the knob
+    each takes well under that."""
+    env = sim_env(tmp_path, "1x8g", GPUVISOR_SIM_NVML_UTIL_MS=knob)
+    r = json.loads(ok(run_py(SLOW_QUERY, env)))
+    assert r["util_n"] == 1, r
+    assert r["info_n"] == 1, r
+    for query in ("util_ms", "info_ms"):
+        if knob:
+            assert r[query] >= 60, r
+        else:
+            assert r[query] < 30, r
 
 
 SLOW_LAUNCH = with_prelude(

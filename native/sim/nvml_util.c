@@ -18,6 +18,10 @@
  * PID), so the processes' samples of one period appear at different times,
  * as a real driver's did (docs/simulator.md): a reader that asks from the
  * newest timestamp of anyone's then misses the samples published later.
+ *
+ * GPUVISOR_SIM_NVML_UTIL_MS=N: each per-process query takes N ms (it
+ * sleeps, then reads the samples), as the real query can take
+ * milliseconds: whatever calls it waits that long.
  */
 #include <pthread.h>
 #include <stdlib.h>
@@ -145,6 +149,29 @@ static uint64_t rt_offset(void)
     return k;
 }
 
+static unsigned long long query_ms;
+static pthread_once_t query_once = PTHREAD_ONCE_INIT;
+#define QUERY_MS_MAX 10000ULL
+
+static void read_query_ms(void)
+{
+    if (sim_knob_uint("GPUVISOR_SIM_NVML_UTIL_MS", &query_ms) <= 0) {
+        query_ms = 0;
+    } else if (query_ms > QUERY_MS_MAX) {
+        sim_log("GPUVISOR_SIM_NVML_UTIL_MS=%s is not an integer from 1 to %llu; ignored",
+                getenv("GPUVISOR_SIM_NVML_UTIL_MS"), QUERY_MS_MAX);
+        query_ms = 0;
+    }
+}
+
+/* The time a per-process query takes (GPUVISOR_SIM_NVML_UTIL_MS). */
+static void query_takes_time(void)
+{
+    pthread_once(&query_once, read_query_ms);
+    if (query_ms)
+        sim_sleep_until(sim_now_ns() + query_ms * 1000000ULL);
+}
+
 /* one entry per pid that ran in the samples newer than last_seen */
 static nvmlReturn_t proc_samples(int node, unsigned long long last_seen,
                                  pid_util *out, int *nout)
@@ -215,6 +242,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetProcessUtilization(
     int node = sim_nvml_node(dev);
     if (node < 0 || !count)
         return NVML_ERROR_INVALID_ARGUMENT;
+    query_takes_time();
     pid_util s[MAX_PIDS];
     int n;
     nvmlReturn_t rc = proc_samples(node, last_seen, s, &n);
@@ -249,6 +277,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(
         return NVML_ERROR_INVALID_ARGUMENT;
     if (info->version != nvmlProcessesUtilizationInfo_v1)
         return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    query_takes_time();
     pid_util s[MAX_PIDS];
     int n;
     nvmlReturn_t rc = proc_samples(node, info->lastSeenTimeStamp, s, &n);
