@@ -37,8 +37,8 @@ void gv_sm_overrun(struct gv_sm *sm, int dev, uint32_t share, uint64_t extra_ns)
  * other containers). */
 enum { GV_SM_OTHERS = 1, GV_SM_MATES = 2, GV_SM_FULL = 4, GV_SM_KNOWN = 8 };
 void gv_sm_set_company(int dev, int company, int procs);
-/* Calibration against NVML (sm_calib.c; the meter thread only), per
- * region device:
+/* Calibration against NVML (sm_calib.c; the meter and policy threads),
+ * per region device:
  *  - gv_cal_record: a measured kernel that ended at `end` (monotonic)
  *    after raw_ns;
  *  - gv_cal_since: the lastSeenTimeStamp to ask NVML's per-process
@@ -92,8 +92,8 @@ _Atomic uint64_t *gv_arb_enqueue_word(int dev);
  * most a couple of milliseconds whoever holds it. */
 uint64_t gv_sm_enqueue_begin(struct gv_sm *sm, int dev);
 void gv_sm_enqueue_end(struct gv_sm *sm, int dev, uint64_t held);
-/* The share may be stale (0 with no pause in force): the meter thread
- * runs the policies at once, woken if it sleeps (sm_meter.c). */
+/* The share may be stale (0 with no pause in force): the policies run at
+ * once, the meter thread woken if it sleeps (sm_meter.c). */
 void gv_sm_meter_refresh(void);
 /* ctx is about to be destroyed (cuCtxDestroy, a primary context's reset
  * or last release): its work is waited for and the meter settles every
@@ -106,12 +106,16 @@ void gv_sm_fork_child(void);
  *  - gv_sm_watch: d (gated launches go to it, through sm) is to be
  *    watched from now on;
  *  - gv_sm_policies: set the share of every device watched, tell the gate
- *    who else works on it and feed the calibration (the meter thread,
+ *    who else works on it and feed the calibration (the policy thread,
  *    every 100 ms);
  *  - gv_sm_policy_reset: watch nothing (a forked child). */
 void gv_sm_watch(const gv_devinfo *d, struct gv_sm *sm);
 void gv_sm_policies(void);
 void gv_sm_policy_reset(void);
+/* The thread that runs gv_sm_policies (sm_policy_thread.c): the meter
+ * says an update is due; a forked child starts its own thread. */
+void gv_sm_policy_due(void);
+void gv_sm_policy_thread_fork(void);
 
 /* A launch going through the gate. */
 typedef struct gv_sm_launch {

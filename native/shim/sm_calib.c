@@ -30,10 +30,14 @@
  *    as NVML's samples, so that a long kernel or graph at the window's
  *    edge is split as NVML splits it instead of counted whole on one side.
  *
- * Only the meter thread (sm_meter.c; its policy updates, sm_policy.c) calls
- * these, so the state is plain; it asks NVML and hands the answer over, so
- * this file is plain arithmetic (native/tests/t_sm_calib.c tests it alone).
+ * The meter thread (sm_meter.c) records measured kernels and scales
+ * settlements; the policy thread (sm_policy_thread.c) asks NVML and hands
+ * the answer over.  A process-private spinlock keeps the two apart, held
+ * only for this file's arithmetic (never across NVML's query); a forked
+ * child clears it.  native/tests/t_sm_calib.c tests the file alone.
  */
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -60,6 +64,15 @@ struct cal {
     double ratio;
 };
 static struct cal *cals[GV_MAX_DEVICES];
+static atomic_flag busy = ATOMIC_FLAG_INIT;
+
+static void lock(void)
+{
+    while (atomic_flag_test_and_set_explicit(&busy, memory_order_acquire))
+        sched_yield();
+}
+
+static void unlock(void) { atomic_flag_clear_explicit(&busy, memory_order_release); }
 
 static struct cal *cal_of(int dev)
 {
@@ -75,6 +88,7 @@ static struct cal *cal_of(int dev)
 
 void gv_cal_reset(void)
 {
+    atomic_flag_clear(&busy);       /* a forked child: nobody else runs */
     for (int d = 0; d < GV_MAX_DEVICES; d++)
         if (cals[d]) {
             memset(cals[d], 0, sizeof *cals[d]);
@@ -82,7 +96,7 @@ void gv_cal_reset(void)
         }
 }
 
-void gv_cal_record(int dev, uint64_t end, uint64_t ns)
+static void record(int dev, uint64_t end, uint64_t ns)
 {
     struct cal *c = cal_of(dev);
     if (!c || !ns || !end)
@@ -103,6 +117,13 @@ void gv_cal_record(int dev, uint64_t end, uint64_t ns)
         }
         s->ns += hi - lo;
     }
+}
+
+void gv_cal_record(int dev, uint64_t end, uint64_t ns)
+{
+    lock();
+    record(dev, end, ns);
+    unlock();
 }
 
 /* Measured time in [lo, hi), a bucket cut by either end counted pro rata. */
@@ -132,11 +153,12 @@ static uint64_t measured(const struct cal *c, uint64_t lo, uint64_t hi)
  * outgrow the meter's buffer, so that the ratio froze. */
 unsigned long long gv_cal_since(int dev, uint64_t real_ns)
 {
+    lock();
     struct cal *c = cal_of(dev);
     unsigned long long floor = (real_ns - CAL_WINDOW_NS) / 1000;
-    if (c && c->seen_us > floor)
-        return c->seen_us;
-    return floor;
+    unsigned long long since = c && c->seen_us > floor ? c->seen_us : floor;
+    unlock();
+    return since;
 }
 
 /* Take NVML's answer for what is newer than `since`: one interval. */
@@ -187,7 +209,7 @@ static void take_samples(struct cal *c, unsigned long long since,
     c->seen_us = newest;
 }
 
-void gv_cal_update(int dev, unsigned long long since, const nvmlProcessUtilizationSample_t *s,
+static void update(int dev, unsigned long long since, const nvmlProcessUtilizationSample_t *s,
                    unsigned n, unsigned me, uint64_t real_ns, uint64_t mono_ns)
 {
     struct cal *c = cal_of(dev);
@@ -222,10 +244,21 @@ void gv_cal_update(int dev, unsigned long long since, const nvmlProcessUtilizati
     c->ratio = r > 1.25 ? 1.25 : (r < 0.3 ? 0.3 : r);
 }
 
+void gv_cal_update(int dev, unsigned long long since, const nvmlProcessUtilizationSample_t *s,
+                   unsigned n, unsigned me, uint64_t real_ns, uint64_t mono_ns)
+{
+    lock();
+    update(dev, since, s, n, me, real_ns, mono_ns);
+    unlock();
+}
+
 double gv_cal_ratio(int dev)
 {
+    lock();
     const struct cal *c = dev >= 0 && dev < GV_MAX_DEVICES ? cals[dev] : NULL;
-    return c ? c->ratio : 1.0;
+    double r = c ? c->ratio : 1.0;
+    unlock();
+    return r;
 }
 
 uint64_t gv_cal_scale(int dev, uint64_t raw)

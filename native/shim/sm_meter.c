@@ -6,8 +6,9 @@
  * event, reads the elapsed time, teaches the estimate table and settles
  * the difference between what was charged and what the kernel took on the
  * pacing clock (sm_gate.c).  Only real driver APIs are used: events here
- * and, for the policies the meter runs every 100 ms to set the share the
- * gate enforces (sm_policy.c), NVML device utilisation.
+ * and, for the policies it has run every 100 ms to set the share the gate
+ * enforces (sm_policy.c, on a thread of their own: sm_policy_thread.c),
+ * NVML device utilisation.
  */
 #include <limits.h>
 #include <linux/futex.h>
@@ -97,6 +98,7 @@ static void fork_child(void)
     gv_sm_fork_child();
     gv_cal_reset();
     gv_sm_policy_reset();
+    gv_sm_policy_thread_fork();
 }
 
 static void register_atfork(void) { pthread_atfork(NULL, NULL, fork_child); }
@@ -293,7 +295,7 @@ static void *meter(void *unused)
         tail = pp;
         uint64_t now = gv_mono_ns();
         if (now >= next_policy || atomic_exchange(&refresh, 0)) {
-            gv_sm_policies();
+            gv_sm_policy_due();     /* run on its own thread: NVML can be slow */
             next_policy = now + POLICY_PERIOD_NS;
         }
         /* Polling on for 1 ms after the last launch: a process launching

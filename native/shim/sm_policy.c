@@ -1,8 +1,9 @@
 /*
  * sm_policy.c - the share the SM gate enforces, from the container's policy.
  *
- * Every 100 ms while anything in the region gates launches, the meter
- * thread (sm_meter.c) sets the share the gate (sm_gate.c) enforces:
+ * Every 100 ms while anything in the region gates launches, the policy
+ * thread (sm_policy_thread.c, when the meter in sm_meter.c says) sets the
+ * share the gate (sm_gate.c) enforces:
  *   fixed-share  the limit, even when the GPU is idle;
  *   burst-share  the limit, or what the other containers leave (minus 10 %)
  *                when that is more;
