@@ -11,30 +11,67 @@ typedef CUresult (*mip_destroy_fn)(CUmipmappedArray);
 typedef CUresult (*arr_req_fn)(CUDA_ARRAY_MEMORY_REQUIREMENTS *, CUarray, CUdevice);
 typedef CUresult (*mip_req_fn)(CUDA_ARRAY_MEMORY_REQUIREMENTS *, CUmipmappedArray, CUdevice);
 
-static uint64_t format_bytes(CUarray_format f)
+/* How a format stores texels: blocks of `block` x `block` texels (4 for
+ * the block-compressed formats, whose Width and Height count texels) of
+ * `bytes` each, those of the classic formats once per channel; NV12 adds
+ * a half-height plane of interleaved U/V bytes.  A format not known here
+ * is taken at 4 bytes a channel: under what the driver takes it is
+ * charged the rest by the NVML reconciliation, over it never given back. */
+typedef struct { unsigned block, bytes, per_channel, nv12; } texel_layout;
+
+static texel_layout layout_of(CUarray_format f)
 {
-    switch (f) {
-    case CU_AD_FORMAT_UNSIGNED_INT8: case CU_AD_FORMAT_SIGNED_INT8: return 1;
+    switch ((int)f) {
+    case CU_AD_FORMAT_UNSIGNED_INT8: case CU_AD_FORMAT_SIGNED_INT8:
+        return (texel_layout){ 1, 1, 1, 0 };
     case CU_AD_FORMAT_UNSIGNED_INT16: case CU_AD_FORMAT_SIGNED_INT16:
-    case CU_AD_FORMAT_HALF: return 2;
-    default: return 4;  /* estimate; settled below from the driver's figure */
+    case CU_AD_FORMAT_HALF:
+        return (texel_layout){ 1, 2, 1, 0 };
+    case CU_AD_FORMAT_UNORM_INT8X1: case CU_AD_FORMAT_SNORM_INT8X1:
+        return (texel_layout){ 1, 1, 0, 0 };
+    case CU_AD_FORMAT_UNORM_INT8X2: case CU_AD_FORMAT_SNORM_INT8X2:
+    case CU_AD_FORMAT_UNORM_INT16X1: case CU_AD_FORMAT_SNORM_INT16X1:
+        return (texel_layout){ 1, 2, 0, 0 };
+    case CU_AD_FORMAT_UNORM_INT8X4: case CU_AD_FORMAT_SNORM_INT8X4:
+    case CU_AD_FORMAT_UNORM_INT16X2: case CU_AD_FORMAT_SNORM_INT16X2:
+        return (texel_layout){ 1, 4, 0, 0 };
+    case CU_AD_FORMAT_UNORM_INT16X4: case CU_AD_FORMAT_SNORM_INT16X4:
+        return (texel_layout){ 1, 8, 0, 0 };
+    case CU_AD_FORMAT_BC1_UNORM: case CU_AD_FORMAT_BC1_UNORM_SRGB:
+    case CU_AD_FORMAT_BC4_UNORM: case CU_AD_FORMAT_BC4_SNORM:
+        return (texel_layout){ 4, 8, 0, 0 };
+    case CU_AD_FORMAT_BC2_UNORM: case CU_AD_FORMAT_BC2_UNORM_SRGB:
+    case CU_AD_FORMAT_BC3_UNORM: case CU_AD_FORMAT_BC3_UNORM_SRGB:
+    case CU_AD_FORMAT_BC5_UNORM: case CU_AD_FORMAT_BC5_SNORM:
+    case CU_AD_FORMAT_BC6H_UF16: case CU_AD_FORMAT_BC6H_SF16:
+    case CU_AD_FORMAT_BC7_UNORM: case CU_AD_FORMAT_BC7_UNORM_SRGB:
+        return (texel_layout){ 4, 16, 0, 0 };
+    case CU_AD_FORMAT_NV12:
+        return (texel_layout){ 1, 1, 0, 1 };
+    default:
+        return (texel_layout){ 1, 4, 1, 0 };
     }
 }
 
 /* Bytes of a w x h x d array, rows padded to 512 bytes; 0 on overflow. */
 static uint64_t array_bytes(uint64_t w, uint64_t h, uint64_t d, CUarray_format f, unsigned ch)
 {
-    uint64_t row = w * format_bytes(f) * (ch ? ch : 1);
-    if (w && row / w != format_bytes(f) * (ch ? ch : 1))
+    texel_layout l = layout_of(f);
+    uint64_t per = l.per_channel ? (uint64_t)l.bytes * (ch ? ch : 1) : l.bytes;
+    uint64_t cols = w / l.block + (w % l.block != 0);
+    if (cols && cols * per / cols != per)
         return 0;
-    row = gv_round_up(row, 512);
+    uint64_t row = gv_round_up(cols * per, 512);
     h = h ? h : 1;
+    uint64_t rows = h / l.block + (h % l.block != 0);
+    if (l.nv12)
+        rows += h / 2 + h % 2;
     d = d ? d : 1;
-    if (row && h > UINT64_MAX / row)
+    if (row && rows > UINT64_MAX / row)
         return 0;
-    if (row != 0 && d > UINT64_MAX / (row * h))
+    if (row != 0 && d > UINT64_MAX / (row * rows))
         return 0;
-    return row * h * d;
+    return row * rows * d;
 }
 
 /* Reserve the estimate, create, then settle on the driver's own figure. */

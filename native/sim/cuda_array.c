@@ -1,6 +1,8 @@
 /*
  * cuda_array.c - CUDA arrays and mipmapped arrays.  An array charges
  *   roundup2M( roundup512(width * channels * bpe) * max(h,1) * max(d,1) )
+ * (block-compressed formats: per row of 4x4 blocks of 8 or 16 bytes;
+ * NV12: one byte a texel and a half-height U/V plane: layout_of below)
  * and a mipmapped array the sum of its levels (each level halves every
  * non-zero dimension, minimum 1, but for the layer count of a layered or
  * cubemap array) rounded up to 2 MiB once.  Sparse and
@@ -34,29 +36,79 @@ struct CUmipmappedArray_st {
     CUDA_ARRAY3D_DESCRIPTOR d;
 };
 
-static unsigned bpe(CUarray_format f)
+/* How a format lays texels out: blocks of `block` x `block` texels of
+ * `bytes` each, and the NumChannels it takes (0: 1, 2 or 4, each channel
+ * `bytes` wide).  The block-compressed formats count Width and Height in
+ * texels; NV12 adds a half-height plane of interleaved U/V bytes.  The
+ * channel counts of the newer formats are those cudaCreateChannelDesc
+ * gives the runtime (BC6H and NV12: 3).  0: a format the driver refuses. */
+struct layout { unsigned block, bytes, channels, nv12; };
+
+static int layout_of(CUarray_format f, struct layout *l)
 {
-    switch (f) {
-    case CU_AD_FORMAT_UNSIGNED_INT8: case CU_AD_FORMAT_SIGNED_INT8: return 1;
-    case CU_AD_FORMAT_UNSIGNED_INT16: case CU_AD_FORMAT_SIGNED_INT16:
-    case CU_AD_FORMAT_HALF: return 2;
-    case CU_AD_FORMAT_UNSIGNED_INT32: case CU_AD_FORMAT_SIGNED_INT32:
-    case CU_AD_FORMAT_FLOAT: return 4;
-    default: return 0;
-    }
+    static const struct { int f; struct layout l; } known[] = {
+        { CU_AD_FORMAT_UNSIGNED_INT8, { 1, 1, 0, 0 } },
+        { CU_AD_FORMAT_SIGNED_INT8, { 1, 1, 0, 0 } },
+        { CU_AD_FORMAT_UNSIGNED_INT16, { 1, 2, 0, 0 } },
+        { CU_AD_FORMAT_SIGNED_INT16, { 1, 2, 0, 0 } },
+        { CU_AD_FORMAT_HALF, { 1, 2, 0, 0 } },
+        { CU_AD_FORMAT_UNSIGNED_INT32, { 1, 4, 0, 0 } },
+        { CU_AD_FORMAT_SIGNED_INT32, { 1, 4, 0, 0 } },
+        { CU_AD_FORMAT_FLOAT, { 1, 4, 0, 0 } },
+        { CU_AD_FORMAT_UNORM_INT8X1, { 1, 1, 1, 0 } },
+        { CU_AD_FORMAT_SNORM_INT8X1, { 1, 1, 1, 0 } },
+        { CU_AD_FORMAT_UNORM_INT8X2, { 1, 2, 2, 0 } },
+        { CU_AD_FORMAT_SNORM_INT8X2, { 1, 2, 2, 0 } },
+        { CU_AD_FORMAT_UNORM_INT8X4, { 1, 4, 4, 0 } },
+        { CU_AD_FORMAT_SNORM_INT8X4, { 1, 4, 4, 0 } },
+        { CU_AD_FORMAT_UNORM_INT16X1, { 1, 2, 1, 0 } },
+        { CU_AD_FORMAT_SNORM_INT16X1, { 1, 2, 1, 0 } },
+        { CU_AD_FORMAT_UNORM_INT16X2, { 1, 4, 2, 0 } },
+        { CU_AD_FORMAT_SNORM_INT16X2, { 1, 4, 2, 0 } },
+        { CU_AD_FORMAT_UNORM_INT16X4, { 1, 8, 4, 0 } },
+        { CU_AD_FORMAT_SNORM_INT16X4, { 1, 8, 4, 0 } },
+        { CU_AD_FORMAT_BC1_UNORM, { 4, 8, 4, 0 } },
+        { CU_AD_FORMAT_BC1_UNORM_SRGB, { 4, 8, 4, 0 } },
+        { CU_AD_FORMAT_BC4_UNORM, { 4, 8, 1, 0 } },
+        { CU_AD_FORMAT_BC4_SNORM, { 4, 8, 1, 0 } },
+        { CU_AD_FORMAT_BC2_UNORM, { 4, 16, 4, 0 } },
+        { CU_AD_FORMAT_BC2_UNORM_SRGB, { 4, 16, 4, 0 } },
+        { CU_AD_FORMAT_BC3_UNORM, { 4, 16, 4, 0 } },
+        { CU_AD_FORMAT_BC3_UNORM_SRGB, { 4, 16, 4, 0 } },
+        { CU_AD_FORMAT_BC5_UNORM, { 4, 16, 2, 0 } },
+        { CU_AD_FORMAT_BC5_SNORM, { 4, 16, 2, 0 } },
+        { CU_AD_FORMAT_BC6H_UF16, { 4, 16, 3, 0 } },
+        { CU_AD_FORMAT_BC6H_SF16, { 4, 16, 3, 0 } },
+        { CU_AD_FORMAT_BC7_UNORM, { 4, 16, 4, 0 } },
+        { CU_AD_FORMAT_BC7_UNORM_SRGB, { 4, 16, 4, 0 } },
+        { CU_AD_FORMAT_NV12, { 1, 1, 3, 1 } },
+    };
+    for (size_t i = 0; i < sizeof known / sizeof *known; i++)
+        if (known[i].f == (int)f) {
+            *l = known[i].l;
+            return 1;
+        }
+    return 0;
 }
 
 /* unrounded byte size of one level; 0 if the descriptor is invalid */
 static uint64_t level_bytes(size_t w, size_t h, size_t d, CUarray_format f,
                             unsigned ch)
 {
-    unsigned b = bpe(f);
-    if (!b || !w || (ch != 1 && ch != 2 && ch != 4) || (d && !h))
+    struct layout l;
+    if (!layout_of(f, &l) || !w || (d && !h) || (l.nv12 && (!h || d)))
+        return 0;
+    if (l.channels ? ch != l.channels : (ch != 1 && ch != 2 && ch != 4))
         return 0;
     if (w > (1ULL << 30) || h > (1ULL << 30) || d > (1ULL << 30))
         return 0;
-    uint64_t row = sim_round_up((uint64_t)w * ch * b, SIM_ALIGN);
-    return row * (h ? h : 1) * (d ? d : 1);
+    uint64_t per = l.channels ? l.bytes : (uint64_t)l.bytes * ch;
+    uint64_t cols = (w + l.block - 1) / l.block;
+    uint64_t rows = ((h ? h : 1) + l.block - 1) / l.block;
+    if (l.nv12)
+        rows += (h + 1) / 2;
+    uint64_t row = sim_round_up(cols * per, SIM_ALIGN);
+    return row * rows * (d ? d : 1);
 }
 
 static CUresult charge_new(uint64_t raw, unsigned flags, int *node, uint64_t *size,
