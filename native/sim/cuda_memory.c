@@ -293,12 +293,29 @@ SIM_API CUresult cuMemsetD8(CUdeviceptr_v1 d, unsigned char v, unsigned int n)
     return cuMemsetD8_v2(d, v, n);
 }
 
-/* ---- page-locked host memory (plain malloc; no device memory) -------- */
+/* ---- page-locked host memory (plain malloc; no device memory) -------- *
+ *
+ * cuMemAllocHost / cuMemHostAlloc blocks are the simulator's own;
+ * cuMemHostRegister ranges the caller's (registered, never freed here).
+ * A mapped block's device address is its host address, as under UVA. */
 
-struct host_blk { void *p; struct host_blk *next; };
+#define HOST_ALLOC_FLAGS 0x7u       /* PORTABLE | DEVICEMAP | WRITECOMBINED */
+#define HOST_REGISTER_FLAGS 0xfu    /* PORTABLE | DEVICEMAP | IOMEMORY | READ_ONLY */
+
+struct host_blk { char *p; size_t size; int registered; struct host_blk *next; };
 static struct host_blk *g_host;
 
-SIM_API CUresult cuMemAllocHost_v2(void **pp, size_t size)
+/* the block or registered range holding [p, p + n); sim_mu held */
+static struct host_blk *host_find(const void *p, size_t n)
+{
+    const char *c = p;
+    for (struct host_blk *b = g_host; b; b = b->next)
+        if (c < b->p + b->size && c + n > b->p)
+            return b;
+    return NULL;
+}
+
+static CUresult host_alloc(void **pp, size_t size)
 {
     struct CUctx_st *c;
     CUresult rc = sim_current(&c);
@@ -314,6 +331,8 @@ SIM_API CUresult cuMemAllocHost_v2(void **pp, size_t size)
     }
     pthread_mutex_lock(&sim_mu);
     b->p = p;
+    b->size = size;
+    b->registered = 0;
     b->next = g_host;
     g_host = b;
     pthread_mutex_unlock(&sim_mu);
@@ -321,9 +340,36 @@ SIM_API CUresult cuMemAllocHost_v2(void **pp, size_t size)
     return CUDA_SUCCESS;
 }
 
+SIM_API CUresult cuMemAllocHost_v2(void **pp, size_t size)
+{
+    return host_alloc(pp, size);
+}
+
 SIM_API CUresult cuMemAllocHost(void **pp, unsigned int size)
 {
-    return cuMemAllocHost_v2(pp, size);
+    return host_alloc(pp, size);
+}
+
+SIM_API CUresult cuMemHostAlloc(void **pp, size_t size, unsigned int flags)
+{
+    if (flags & ~HOST_ALLOC_FLAGS)
+        return sim_check_init() ? sim_check_init() : CUDA_ERROR_INVALID_VALUE;
+    return host_alloc(pp, size);
+}
+
+/* Unlink the entry starting at p, if it is of the kind asked for. */
+static struct host_blk *host_take(void *p, int registered)
+{
+    pthread_mutex_lock(&sim_mu);
+    struct host_blk **pp = &g_host, *b = NULL;
+    for (; *pp; pp = &(*pp)->next)
+        if ((*pp)->p == p && (*pp)->registered == registered) {
+            b = *pp;
+            *pp = b->next;
+            break;
+        }
+    pthread_mutex_unlock(&sim_mu);
+    return b;
 }
 
 SIM_API CUresult cuMemFreeHost(void *p)
@@ -331,18 +377,83 @@ SIM_API CUresult cuMemFreeHost(void *p)
     CUresult rc = sim_check_init();
     if (rc)
         return rc;
-    pthread_mutex_lock(&sim_mu);
-    struct host_blk **pp = &g_host, *b = NULL;
-    for (; *pp; pp = &(*pp)->next)
-        if ((*pp)->p == p) {
-            b = *pp;
-            *pp = b->next;
-            break;
-        }
-    pthread_mutex_unlock(&sim_mu);
+    struct host_blk *b = host_take(p, 0);
     if (!b)
         return CUDA_ERROR_INVALID_VALUE;
     free(b->p);
     free(b);
     return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuMemHostRegister_v2(void *p, size_t size, unsigned int flags)
+{
+    struct CUctx_st *c;
+    CUresult rc = sim_current(&c);
+    if (rc)
+        return rc;
+    if (!p || !size || (flags & ~HOST_REGISTER_FLAGS))
+        return CUDA_ERROR_INVALID_VALUE;
+    struct host_blk *b = malloc(sizeof *b);
+    if (!b)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&sim_mu);
+    if (host_find(p, size)) {
+        pthread_mutex_unlock(&sim_mu);
+        free(b);
+        return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
+    }
+    b->p = p;
+    b->size = size;
+    b->registered = 1;
+    b->next = g_host;
+    g_host = b;
+    pthread_mutex_unlock(&sim_mu);
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuMemHostRegister(void *p, size_t size, unsigned int flags)
+{
+    return cuMemHostRegister_v2(p, size, flags);
+}
+
+SIM_API CUresult cuMemHostUnregister(void *p)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!p)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct host_blk *b = host_take(p, 1);
+    if (!b)
+        return CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
+    free(b);
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *d, void *p, unsigned int flags)
+{
+    struct CUctx_st *c;
+    CUresult rc = sim_current(&c);
+    if (rc)
+        return rc;
+    if (!d || !p || flags)
+        return CUDA_ERROR_INVALID_VALUE;
+    pthread_mutex_lock(&sim_mu);
+    int known = host_find(p, 1) != NULL;
+    pthread_mutex_unlock(&sim_mu);
+    if (!known)
+        return CUDA_ERROR_INVALID_VALUE;
+    *d = (CUdeviceptr)(uintptr_t)p;
+    return CUDA_SUCCESS;
+}
+
+SIM_API CUresult cuMemHostGetDevicePointer(CUdeviceptr_v1 *d, void *p, unsigned int flags)
+{
+    CUdeviceptr v = 0;
+    if (!d)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = cuMemHostGetDevicePointer_v2(&v, p, flags);
+    if (rc == CUDA_SUCCESS)
+        *d = (CUdeviceptr_v1)v;
+    return rc;
 }
