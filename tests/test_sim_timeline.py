@@ -309,6 +309,8 @@ PUBLISH_QUERY = with_prelude(
         ("GPUVISOR_SIM_NVML_PUBLISH_MS", str(1 << 61)),
         ("GPUVISOR_SIM_NVML_PUBLISH_MS", "10001"),
         ("GPUVISOR_SIM_NVML_UTIL_MS", "10001"),
+        ("GPUVISOR_SIM_NVML_SAMPLE_MS", "9"),
+        ("GPUVISOR_SIM_NVML_SAMPLE_MS", "1001"),
         ("GPUVISOR_SIM_MODULE_MIB", str((1 << 20) + 1)),
         ("GPUVISOR_SIM_LAUNCH_US", "1000001"),
         ("GPUVISOR_SIM_LAUNCH_EVERY", "1000001"),
@@ -325,6 +327,41 @@ def test_a_knob_out_of_range_is_named_and_ignored(tmp_path: Path, var: str, valu
     lines = [ln for ln in cp.stderr.splitlines() if ln.startswith("gpuvisor-sim:")]
     assert len(lines) == 1, cp.stderr
     assert f"{var}={value}" in lines[0], lines[0]
+
+
+SAMPLE_GRID = with_prelude(
+    """
+    import pynvml as n
+    n.nvmlInit()
+    h = n.nvmlDeviceGetHandleByIndex(0)
+    s = chk(cu.cuStreamCreate(0))
+    launch_spin(s, 1_200_000)
+    seen = []
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 1.1:
+        try:
+            ts = max(x.timeStamp for x in n.nvmlDeviceGetProcessUtilization(h, 0))
+        except n.NVMLError_NotFound:    # no sample has ended yet
+            ts = None
+        if ts is not None and (not seen or ts != seen[-1]):
+            seen.append(ts)
+        time.sleep(0.01)
+    print(json.dumps([b - a for a, b in zip(seen[1:], seen[2:])]))
+    """
+)
+
+
+@needs_cuda_python
+@pytest.mark.parametrize(("knob", "period_us"), [("", 100_000), ("200", 200_000)])
+def test_the_nvml_sample_period_is_a_knob(tmp_path: Path, knob: str, period_us: int) -> None:
+    """Per-process samples end every 100 ms, or every
+    GPUVISOR_SIM_NVML_SAMPLE_MS (an H200 sampled every 200 ms): the newest
+    sample's timestamp moves on in steps of the period."""
+    env = sim_env(tmp_path, "1x8g", GPUVISOR_SIM_NVML_SAMPLE_MS=knob)
+    steps = json.loads(ok(run_py(SAMPLE_GRID, env)))
+    assert len(steps) >= 2, steps
+    for step in steps:
+        assert abs(step - period_us) <= 50, steps
 
 
 SLOW_QUERY = with_prelude(

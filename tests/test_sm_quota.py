@@ -580,9 +580,13 @@ def alone_then_beside(
     return a, b, alone, shares_over(node, 1.5)
 
 
-@pytest.mark.parametrize("pid_ns", [False, True], ids=["one-pid-ns", "own-pid-ns"])
+@pytest.mark.parametrize(
+    ("pid_ns", "sample_ms"),
+    [(False, ""), (True, ""), (False, "200")],
+    ids=["one-pid-ns", "own-pid-ns", "nvml-samples-200ms"],
+)
 def test_burst_share_lends_idle_time_and_gives_it_back(
-    node: SimNode, tmp_path: Path, pid_ns: bool
+    node: SimNode, tmp_path: Path, pid_ns: bool, sample_ms: str
 ) -> None:
     """Container A (burst-share, 30 %) alone uses the idle GPU; once
     container B (its own region, allowed the whole GPU: limit 100) wants all
@@ -591,7 +595,10 @@ def test_burst_share_lends_idle_time_and_gives_it_back(
     simulator's launch-order device its deep queue would crowd everyone.)
     Also when NVML shows the containers' processes under other PIDs than
     their own (a PID namespace): A must learn which PID is its own, or it
-    takes its own use for another container's and does not lend."""
+    takes its own use for another container's and does not lend.  Also
+    when NVML samples every 200 ms (GPUVISOR_SIM_NVML_SAMPLE_MS), as an
+    H200 did, instead of the simulator's 100 ms."""
+    node.env["GPUVISOR_SIM_NVML_SAMPLE_MS"] = sample_ms  # the readers' too
     ns = PID_NS if pid_ns else {}
     a_env = node.shimmed(CUDA_DEVICE_SM_LIMIT="30", GPUVISOR_SM_POLICY="burst-share", **ns)
     b_env = node.shimmed(

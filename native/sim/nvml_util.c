@@ -5,7 +5,8 @@
  * nvmlDeviceGetUtilizationRates: percent of the last second during which a
  * kernel ran (memory utilization is 0).
  *
- * Per-process samples: the driver samples every SAMPLE_NS on a fixed grid
+ * Per-process samples: the driver samples every SAMPLE_NS (100 ms, or
+ * GPUVISOR_SIM_NVML_SAMPLE_MS: an H200 sampled every 200 ms) on a fixed grid
  * of CLOCK_MONOTONIC; a sample's timestamp is the CPU time (us since the
  * epoch) of its end, and only complete samples exist.  A query returns
  * one entry per process that ran kernels in the samples newer than
@@ -31,7 +32,32 @@
 
 #define NS_PER_US 1000ULL
 #define NS_PER_S 1000000000ULL
-#define SAMPLE_NS (100ULL * 1000 * 1000)        /* 100 ms */
+#define SAMPLE_MS_DEFAULT 100ULL
+#define SAMPLE_MS_MIN 10ULL
+#define SAMPLE_MS_MAX 1000ULL
+
+static uint64_t sample_ns_v = SAMPLE_MS_DEFAULT * 1000000ULL;
+static pthread_once_t sample_once = PTHREAD_ONCE_INIT;
+
+static void read_sample_ms(void)
+{
+    unsigned long long ms;
+    int got = sim_knob_uint("GPUVISOR_SIM_NVML_SAMPLE_MS", &ms);
+    if (got > 0 && (ms < SAMPLE_MS_MIN || ms > SAMPLE_MS_MAX)) {
+        sim_log("GPUVISOR_SIM_NVML_SAMPLE_MS=%s is not an integer from %llu to %llu; ignored",
+                getenv("GPUVISOR_SIM_NVML_SAMPLE_MS"), SAMPLE_MS_MIN, SAMPLE_MS_MAX);
+        got = 0;
+    }
+    sample_ns_v = (got > 0 ? ms : SAMPLE_MS_DEFAULT) * 1000000ULL;
+}
+
+/* The per-process sampling period (GPUVISOR_SIM_NVML_SAMPLE_MS; 100 ms). */
+static uint64_t sample_ns(void)
+{
+    pthread_once(&sample_once, read_sample_ms);
+    return sample_ns_v;
+}
+#define SAMPLE_NS sample_ns()
 #define HISTORY_NS (10ULL * NS_PER_S)
 #define UTIL_WINDOW_NS NS_PER_S
 #define MAX_PIDS 256
