@@ -276,7 +276,15 @@ try:
     samples = n.nvmlDeviceGetProcessUtilization(h, int(sys.argv[1]))
 except n.NVMLError:
     samples = []
-print(json.dumps({str(s.pid): s.smUtil for s in samples}))
+# One entry per process over the samples asked for, or one per process and
+# sample (GPUVISOR_SIM_NVML_PER_SAMPLE, as a real driver may answer): then a
+# process's share is its entries' sum over the samples there were.
+pids = [s.pid for s in samples]
+periods = len({s.timeStamp for s in samples}) if len(set(pids)) < len(pids) else 1
+shares = {}
+for s in samples:
+    shares[str(s.pid)] = shares.get(str(s.pid), 0) + s.smUtil
+print(json.dumps({pid: round(v / periods) for pid, v in shares.items()}))
 """
 
 

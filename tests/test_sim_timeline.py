@@ -7,6 +7,7 @@ loaded 2-core CI machines."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -310,6 +311,7 @@ PUBLISH_QUERY = with_prelude(
         ("GPUVISOR_SIM_NVML_PUBLISH_MS", "10001"),
         ("GPUVISOR_SIM_NVML_UTIL_MS", "10001"),
         ("GPUVISOR_SIM_NVML_SAMPLE_MS", "9"),
+        ("GPUVISOR_SIM_NVML_PER_SAMPLE", "2"),
         ("GPUVISOR_SIM_NVML_SAMPLE_MS", "1001"),
         ("GPUVISOR_SIM_MODULE_MIB", str((1 << 20) + 1)),
         ("GPUVISOR_SIM_LAUNCH_US", "1000001"),
@@ -362,6 +364,41 @@ def test_the_nvml_sample_period_is_a_knob(tmp_path: Path, knob: str, period_us: 
     assert len(steps) >= 2, steps
     for step in steps:
         assert abs(step - period_us) <= 50, steps
+
+
+PER_SAMPLE = with_prelude(
+    """
+    import pynvml as n
+    s = chk(cu.cuStreamCreate(0))
+    launch_spin(s, 250_000)
+    chk(cu.cuStreamSynchronize(s))
+    time.sleep(0.25)
+    n.nvmlInit()
+    h = n.nvmlDeviceGetHandleByIndex(0)
+    old = n.nvmlDeviceGetProcessUtilization(h, 0)
+    new = n.nvmlDeviceGetProcessesUtilizationInfo(h, 0)
+    print(json.dumps([[[x.pid, x.smUtil, x.timeStamp] for x in got] for got in (old, new)]))
+    """
+)
+
+
+@needs_cuda_python
+@pytest.mark.parametrize("knob", ["", "1"])
+def test_nvml_answers_per_sample_when_asked(tmp_path: Path, knob: str) -> None:
+    """GPUVISOR_SIM_NVML_PER_SAMPLE=1: a 250 ms kernel shows as one entry
+    per 100 ms sample it ran in (3 or 4), each sample's own share and
+    timestamp, 100 ms apart, adding up to its 250 ms; without the knob, as
+    one entry over all of them.  Both queries alike."""
+    env = sim_env(tmp_path, "1x8g", GPUVISOR_SIM_NVML_PER_SAMPLE=knob)
+    for entries in json.loads(ok(run_py(PER_SAMPLE, env))):
+        assert len({pid for pid, _, _ in entries}) == 1, entries
+        if not knob:
+            assert len(entries) == 1, entries
+            continue
+        assert 3 <= len(entries) <= 4, entries
+        stamps = [ts for _, _, ts in entries]
+        assert all(b - a == 100_000 for a, b in itertools.pairwise(stamps)), entries
+        assert abs(sum(util for _, util, _ in entries) - 250) <= 2, entries
 
 
 SLOW_QUERY = with_prelude(

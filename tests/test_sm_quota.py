@@ -165,16 +165,22 @@ def test_fixed_share_holds(node: SimNode, limit: int) -> None:
     assert abs(share - limit) <= 5
 
 
-@pytest.mark.parametrize("publish_ms", ["", "100"])
+@pytest.mark.parametrize("publish_ms", ["", "100", "100-per-sample"])
 def test_processes_of_one_container_share_one_budget(node: SimNode, publish_ms: str) -> None:
     """Two processes, limit 40: 40 in all.  Also when NVML publishes each
     process's samples at its own time (GPUVISOR_SIM_NVML_PUBLISH_MS), as a
-    real driver did: the meter's calibration once asked NVML from the newest
+    real driver did, and with one entry per process and sample
+    (GPUVISOR_SIM_NVML_PER_SAMPLE): the meter's calibration once asked NVML from the newest
     sample of anyone's, lost the samples published later, scaled its
     measurements down and let the container run over its limit (40.2-46.4
     here, depending on the two PIDs' delays; 55-65 on an H200 at limit 50).
     native/tests/t_sm_calib.c checks the calibration itself."""
-    env = node.shimmed(CUDA_DEVICE_SM_LIMIT="40", GPUVISOR_SIM_NVML_PUBLISH_MS=publish_ms)
+    ms, _, form = publish_ms.partition("-")
+    env = node.shimmed(
+        CUDA_DEVICE_SM_LIMIT="40",
+        GPUVISOR_SIM_NVML_PUBLISH_MS=ms,
+        GPUVISOR_SIM_NVML_PER_SAMPLE="1" if form else "",
+    )
     share = run_container(env, procs=2)
     print(f"two processes, limit=40, publish={publish_ms} ms: achieved={share:.1f}")
     assert abs(share - 40) <= 5
@@ -583,7 +589,7 @@ def alone_then_beside(
 @pytest.mark.parametrize(
     ("pid_ns", "sample_ms"),
     [(False, ""), (True, ""), (False, "200")],
-    ids=["one-pid-ns", "own-pid-ns", "nvml-samples-200ms"],
+    ids=["one-pid-ns", "own-pid-ns", "nvml-200ms-per-sample"],
 )
 def test_burst_share_lends_idle_time_and_gives_it_back(
     node: SimNode, tmp_path: Path, pid_ns: bool, sample_ms: str
@@ -597,8 +603,10 @@ def test_burst_share_lends_idle_time_and_gives_it_back(
     their own (a PID namespace): A must learn which PID is its own, or it
     takes its own use for another container's and does not lend.  Also
     when NVML samples every 200 ms (GPUVISOR_SIM_NVML_SAMPLE_MS), as an
-    H200 did, instead of the simulator's 100 ms."""
+    H200 did, instead of the simulator's 100 ms, and answers with one entry
+    per process and sample (GPUVISOR_SIM_NVML_PER_SAMPLE)."""
     node.env["GPUVISOR_SIM_NVML_SAMPLE_MS"] = sample_ms  # the readers' too
+    node.env["GPUVISOR_SIM_NVML_PER_SAMPLE"] = "1" if sample_ms else ""
     ns = PID_NS if pid_ns else {}
     a_env = node.shimmed(CUDA_DEVICE_SM_LIMIT="30", GPUVISOR_SM_POLICY="burst-share", **ns)
     b_env = node.shimmed(

@@ -20,12 +20,15 @@
  * as a real driver's did (docs/simulator.md): a reader that asks from the
  * newest timestamp of anyone's then misses the samples published later.
  *
+ * GPUVISOR_SIM_NVML_PER_SAMPLE=1: one entry per process and sample.
+ *
  * GPUVISOR_SIM_NVML_UTIL_MS=N: each per-process query takes N ms (it
  * sleeps, then reads the samples), as the real query can take
  * milliseconds: whatever calls it waits that long.
  */
 #include <pthread.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include "sim.h"
@@ -198,7 +201,73 @@ static void query_takes_time(void)
         sim_sleep_until(sim_now_ns() + query_ms * 1000000ULL);
 }
 
-/* one entry per pid that ran in the samples newer than last_seen */
+/* GPUVISOR_SIM_NVML_PER_SAMPLE=1: one entry per process and sample (each
+ * with that sample's utilisation and timestamp) instead of one per
+ * process over all the samples asked for. */
+static int per_sample;
+static pthread_once_t per_sample_once = PTHREAD_ONCE_INIT;
+
+static void read_per_sample(void)
+{
+    const char *v = getenv("GPUVISOR_SIM_NVML_PER_SAMPLE");
+    if (!v || !*v || !strcmp(v, "0"))
+        return;
+    if (!strcmp(v, "1"))
+        per_sample = 1;
+    else
+        sim_log("GPUVISOR_SIM_NVML_PER_SAMPLE=%s is not 0 or 1; ignored", v);
+}
+
+#define MAX_ENTRIES 4096
+
+/* Entries per process and sample: pid j's busy time in each whole sample
+ * of [lo, until[j]) from the intervals iv, those with any (each interval
+ * spread over the samples it overlaps: one pass). */
+static int per_sample_entries(const sim_interval *iv, int n, const unsigned *pids,
+                              const uint64_t *until, int np, uint64_t lo,
+                              uint64_t mono_to_rt, pid_util *out)
+{
+    uint64_t S = SAMPLE_NS, k0 = (lo + S - 1) / S;     /* whole samples only */
+    uint64_t k1 = k0;                                   /* past the last one */
+    for (int j = 0; j < np; j++)
+        if (until[j] / S > k1)
+            k1 = until[j] / S;
+    size_t ns = (size_t)(k1 - k0);
+    if (!np || !ns)
+        return 0;
+    uint64_t *busy = calloc((size_t)np * ns, sizeof *busy);
+    if (!busy)
+        return 0;
+    for (int i = 0; i < n; i++) {
+        int j = 0;
+        while (j < np && pids[j] != (unsigned)iv[i].pid)
+            j++;
+        if (j == np)
+            continue;
+        uint64_t a = iv[i].start > k0 * S ? iv[i].start : k0 * S;
+        uint64_t z = iv[i].end < until[j] ? iv[i].end : until[j];
+        for (uint64_t k = a / S; a < z && k < k1; k++) {
+            uint64_t to = (k + 1) * S < z ? (k + 1) * S : z;
+            busy[(size_t)j * ns + (k - k0)] += to - a;
+            a = to;
+        }
+    }
+    int nout = 0;
+    for (int j = 0; j < np; j++)
+        for (uint64_t k = k0; k < k1 && (k + 1) * S <= until[j] && nout < MAX_ENTRIES; k++) {
+            uint64_t b = busy[(size_t)j * ns + (k - k0)];
+            if (!b)
+                continue;
+            out[nout].pid = pids[j];
+            out[nout].sm = pct(b, S);
+            out[nout++].ts = ((k + 1) * S + mono_to_rt) / NS_PER_US;
+        }
+    free(busy);
+    return nout;
+}
+
+/* one entry per pid that ran in the samples newer than last_seen (or one
+ * per pid and sample: GPUVISOR_SIM_NVML_PER_SAMPLE); out holds MAX_ENTRIES */
 static nvmlReturn_t proc_samples(int node, unsigned long long last_seen,
                                  pid_util *out, int *nout)
 {
@@ -250,6 +319,12 @@ static nvmlReturn_t proc_samples(int node, unsigned long long last_seen,
         }
         busy[j] += b;
     }
+    pthread_once(&per_sample_once, read_per_sample);
+    if (per_sample) {
+        *nout = per_sample_entries(iv, n, pids, until, np, lo, mono_to_rt, out);
+        free(iv);
+        return NVML_SUCCESS;
+    }
     free(iv);
     for (int j = 0; j < np; j++) {
         out[j].pid = pids[j];
@@ -269,29 +344,34 @@ SIM_API nvmlReturn_t nvmlDeviceGetProcessUtilization(
     if (node < 0 || !count)
         return NVML_ERROR_INVALID_ARGUMENT;
     query_takes_time();
-    pid_util s[MAX_PIDS];
+    pid_util *s = malloc(MAX_ENTRIES * sizeof *s);
+    if (!s)
+        return NVML_ERROR_MEMORY;
     int n;
     nvmlReturn_t rc = proc_samples(node, last_seen, s, &n);
-    if (rc)
+    if (rc) {
+        free(s);
         return rc;
+    }
     if (!n) {
         *count = 0;
-        return NVML_ERROR_NOT_FOUND;
-    }
-    if (!util || *count < (unsigned)n) {
+        rc = NVML_ERROR_NOT_FOUND;
+    } else if (!util || *count < (unsigned)n) {
         *count = (unsigned)n;
-        return NVML_ERROR_INSUFFICIENT_SIZE;
+        rc = NVML_ERROR_INSUFFICIENT_SIZE;
+    } else {
+        for (int i = 0; i < n; i++) {
+            util[i].pid = sim_nvml_pid(s[i].pid);
+            util[i].timeStamp = s[i].ts;
+            util[i].smUtil = s[i].sm;
+            util[i].memUtil = 0;
+            util[i].encUtil = 0;
+            util[i].decUtil = 0;
+        }
+        *count = (unsigned)n;
     }
-    for (int i = 0; i < n; i++) {
-        util[i].pid = sim_nvml_pid(s[i].pid);
-        util[i].timeStamp = s[i].ts;
-        util[i].smUtil = s[i].sm;
-        util[i].memUtil = 0;
-        util[i].encUtil = 0;
-        util[i].decUtil = 0;
-    }
-    *count = (unsigned)n;
-    return NVML_SUCCESS;
+    free(s);
+    return rc;
 }
 
 SIM_API nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(
@@ -304,26 +384,31 @@ SIM_API nvmlReturn_t nvmlDeviceGetProcessesUtilizationInfo(
     if (info->version != nvmlProcessesUtilizationInfo_v1)
         return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     query_takes_time();
-    pid_util s[MAX_PIDS];
+    pid_util *s = malloc(MAX_ENTRIES * sizeof *s);
+    if (!s)
+        return NVML_ERROR_MEMORY;
     int n;
     nvmlReturn_t rc = proc_samples(node, info->lastSeenTimeStamp, s, &n);
-    if (rc)
+    if (rc) {
+        free(s);
         return rc;
+    }
     if (!n) {
         info->processSamplesCount = 0;
-        return NVML_ERROR_NOT_FOUND;
-    }
-    if (!info->procUtilArray || info->processSamplesCount < (unsigned)n) {
+        rc = NVML_ERROR_NOT_FOUND;
+    } else if (!info->procUtilArray || info->processSamplesCount < (unsigned)n) {
         info->processSamplesCount = (unsigned)n;
-        return NVML_ERROR_INSUFFICIENT_SIZE;
+        rc = NVML_ERROR_INSUFFICIENT_SIZE;
+    } else {
+        for (int i = 0; i < n; i++) {
+            nvmlProcessUtilizationInfo_v1_t *p = &info->procUtilArray[i];
+            p->timeStamp = s[i].ts;
+            p->pid = sim_nvml_pid(s[i].pid);
+            p->smUtil = s[i].sm;
+            p->memUtil = p->encUtil = p->decUtil = p->jpgUtil = p->ofaUtil = 0;
+        }
+        info->processSamplesCount = (unsigned)n;
     }
-    for (int i = 0; i < n; i++) {
-        nvmlProcessUtilizationInfo_v1_t *p = &info->procUtilArray[i];
-        p->timeStamp = s[i].ts;
-        p->pid = sim_nvml_pid(s[i].pid);
-        p->smUtil = s[i].sm;
-        p->memUtil = p->encUtil = p->decUtil = p->jpgUtil = p->ofaUtil = 0;
-    }
-    info->processSamplesCount = (unsigned)n;
-    return NVML_SUCCESS;
+    free(s);
+    return rc;
 }
