@@ -40,6 +40,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
 
+from .cli_types import Finite
 from .demo_report import live_table, plot, summary_table, verdicts
 from .demo_sampler import ProcessUtilization, Sampler
 
@@ -334,7 +335,9 @@ def _watch(
 @click.command("demo")
 @click.option(
     "--seconds",
-    type=click.FloatRange(9, 600),
+    # Finite: click's FloatRange lets nan through (every comparison with it
+    # is false), and a demo of nan seconds never ends.
+    type=Finite(min=9, max=600),
     default=24.0,
     show_default=True,
     help="How long the demo runs.",

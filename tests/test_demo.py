@@ -119,6 +119,17 @@ def test_demo_rejects_a_bad_duration(tmp_path: Path, seconds: str) -> None:
     assert not (tmp_path / "summary.json").exists()
 
 
+@pytest.mark.parametrize("seconds", ["nan", "NaN"])
+def test_demo_rejects_a_duration_that_is_not_a_number(tmp_path: Path, seconds: str) -> None:
+    """nan passes click's FloatRange (every comparison with it is false):
+    the demo then ran for ever, its containers "starting nan s"."""
+    proc = run_demo(tmp_path, "--seconds", seconds)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "--seconds" in proc.stderr
+    assert seconds in proc.stderr
+    assert not (tmp_path / "logs").exists()
+
+
 def test_give_back_is_timed_from_the_neighbours_first_gpu_use() -> None:
     """A neighbour that takes 1.5 s to start its processes (a loaded machine)
     does not need the GPU yet: the burst-share container's give-back, and
