@@ -19,6 +19,7 @@ from .agent_config import (
     admin_socket_for,
     admin_socket_problem,
     default_socket,
+    socket_path_problem,
 )
 from .agent_persist import state_file_for, state_file_problem
 from .cli_types import POSITIVE, Finite
@@ -211,8 +212,11 @@ def node_agent(
             f"{cpu} is not a CPU this process may run on (allowed: {allowed}).",
             param_hint="'--cpu'",
         )
+    problem = socket_path_problem(socket_path)
+    if problem is not None:
+        raise click.BadParameter(problem, param_hint="'--socket'")
     admin_socket = admin_socket or admin_socket_for(socket_path)
-    problem = admin_socket_problem(socket_path, admin_socket)
+    problem = socket_path_problem(admin_socket) or admin_socket_problem(socket_path, admin_socket)
     if problem is not None:
         raise click.BadParameter(problem, param_hint="'--admin-socket'")
     state_file = state_file or state_file_for(admin_socket)

@@ -21,6 +21,17 @@ def default_socket() -> str:
     return os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
 
 
+SUN_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1
+
+
+def socket_path_problem(path: str) -> str | None:
+    """Why path cannot be a Unix socket's (None: it can): bind and connect
+    take at most SUN_PATH_MAX bytes."""
+    if len(os.fsencode(path)) > SUN_PATH_MAX:
+        return f"{path}: longer than {SUN_PATH_MAX} bytes (a Unix socket path)"
+    return None
+
+
 # The admin socket (set-limit) lives in a directory of its own, beside the
 # reporting socket's directory and never inside it: that one is mounted into
 # every workload, this one must not be (docs/protocol.md, "Admin").

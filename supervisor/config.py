@@ -34,6 +34,7 @@ from .agent_config import (
     HAMI_LOCK_DIR,
     NODE_LOCK_ENV,
     SOCKET_ENV,
+    SUN_PATH_MAX,
     context_lock_path,
 )
 
@@ -54,7 +55,6 @@ DEFAULT_INTERVAL = 1.0
 DEFAULT_GRACE = 10.0
 MIN_INTERVAL, MAX_INTERVAL = 0.1, 3600.0
 MAX_GRACE = 3600.0
-SUN_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1
 POLICIES = SM_POLICIES
 
 

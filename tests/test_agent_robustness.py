@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 from gpuvisor.supervisor import agent_connection as connection_module
 from gpuvisor.supervisor.agent import Agent, send_admin
-from gpuvisor.supervisor.agent_config import AgentConfig
+from gpuvisor.supervisor.agent_config import AgentConfig, admin_socket_for
 from gpuvisor.supervisor.agent_connection import Connection
 from gpuvisor.supervisor.agent_state import AgentState
 from gpuvisor.supervisor.identity import PeerCred
@@ -426,6 +426,49 @@ def test_a_taken_metrics_port_is_named_and_leaves_no_socket(sock_path):
     assert proc.returncode == 1, proc.stderr
     assert "--metrics-port" in _error_line(proc.stderr)
     assert not Path(sock_path).exists()
+
+
+@pytest.mark.parametrize("which", ["--socket", "--admin-socket"])
+def test_a_socket_path_too_long_for_sun_path_is_named_before_anything_is_made(tmp_path, which):
+    """A Unix socket path holds at most 107 bytes: past that the agent said
+    only `Error: AF_UNIX path too long` (exit 1), after it had made both
+    directories and written its state file."""
+    top = tmp_path / "gvl"
+    long_dir = top / ("d" * 110)
+    sock = str(top / "run" / "node.sock")
+    args = ["--metrics-port", "0", "--state-file", str(tmp_path / "limits.json")]
+    if which == "--socket":
+        sock = str(long_dir / "node.sock")
+        # The admin socket's default would be as long: give a short one.
+        args += ["--admin-socket", str(top / "adm" / "admin.sock")]
+    else:
+        args += ["--admin-socket", str(long_dir / "admin.sock")]
+    bad = str(long_dir / ("node.sock" if which == "--socket" else "admin.sock"))
+    proc = _agent_cli(sock, *args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = _error_line(proc.stderr)
+    assert f"'{which}'" in line
+    assert bad in line
+    assert "107 bytes" in line
+    assert not top.exists()
+    assert not (tmp_path / "limits.json").exists()
+
+
+def test_a_default_admin_socket_too_long_is_named(tmp_path):
+    """--socket fits, but the admin socket beside it ('<dir>-admin/admin.sock',
+    longer) does not: named, with its path, before anything is made."""
+    top = tmp_path / "gvl"
+    # node.sock in a directory whose -admin sibling's admin.sock passes 107 bytes
+    sock = top / ("d" * (107 - len(os.fsencode(str(top))) - len("/node.sock") - 1)) / "node.sock"
+    assert len(os.fsencode(str(sock))) <= 107
+    admin = admin_socket_for(str(sock))
+    assert len(os.fsencode(admin)) > 107
+    proc = _agent_cli(str(sock), "--metrics-port", "0")
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = _error_line(proc.stderr)
+    assert "'--admin-socket'" in line
+    assert admin in line
+    assert not top.exists()
 
 
 @pytest.mark.parametrize(
