@@ -165,9 +165,21 @@ def status(region_path: str | None, sample: float, as_json: bool) -> None:
 # ---- top (on the node) ---------------------------------------------------------------
 
 
+NOT_STATUS = "not a gpuvisor node agent's /status document"
+
+
 def fetch_status(url: str, timeout: float = 5.0) -> dict[str, Any]:
+    """The agent's /status document at url.  ValueError for JSON of another
+    form (another service, a proxy's error object): an object with an
+    `agent` object and a `containers` list is what the callers read."""
     with urllib.request.urlopen(url, timeout=timeout) as resp:
-        data: dict[str, Any] = json.loads(resp.read())
+        data = json.loads(resp.read())
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("agent"), dict)
+        or not isinstance(data.get("containers"), list)
+    ):
+        raise ValueError(f"{NOT_STATUS} (an object with 'agent' and 'containers')")
     return data
 
 
@@ -234,6 +246,16 @@ def render_top(data: dict[str, Any]) -> str:
     return head + "\n\n" + table
 
 
+def _render(data: dict[str, Any]) -> str:
+    """render_top(data); ValueError naming what is missing or ill-typed when
+    a container entry is not what an agent writes."""
+    try:
+        return render_top(data)
+    except (KeyError, TypeError, AttributeError, ValueError) as exc:
+        what = f"no {exc}" if isinstance(exc, KeyError) else f"{type(exc).__name__}: {exc}"
+        raise ValueError(f"{NOT_STATUS} (a container entry: {what})") from None
+
+
 @click.command("top")
 @click.option(
     "--url",
@@ -255,13 +277,11 @@ def top(url: str, interval: float, once: bool, as_json: bool) -> None:
     while True:
         try:
             data = fetch_status(url)
+            text = json.dumps(data, indent=2) if as_json else _render(data)
         except (OSError, urllib.error.URLError, ValueError) as exc:
             if once:
                 raise click.ClickException(f"cannot read {url}: {exc}") from exc
-            data = None
             text = f"cannot read {url}: {exc}"
-        if data is not None:
-            text = json.dumps(data, indent=2) if as_json else render_top(data)
         if once:
             click.echo(text)
             return

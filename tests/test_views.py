@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
+
+import pytest
 
 from tests.helpers import CLI, REPO_ROOT, GiB, clean_env, run_py
 from tests.test_agent import AgentProc, Client, device, sock_path  # noqa: F401 (fixture)
@@ -118,3 +121,89 @@ main(sys.argv[1:])
     assert proc.returncode == 0, proc.stderr
     info = json.loads(proc.stdout)
     assert [d["processes"] for d in info["devices"]] == [[]]
+
+
+class _JsonServer:
+    """An HTTP server on 127.0.0.1 that answers every GET with body."""
+
+    def __init__(self, body: bytes) -> None:
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/status"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def __enter__(self) -> _JsonServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+NOT_STATUS = [
+    b"[1, 2]",
+    b'"ok"',
+    b'{"agent": "x", "containers": []}',
+    b'{"agent": {}, "containers": {}}',
+    b'{"agent": {}, "containers": [{"x": 1}]}',
+    b'{"agent": {}, "containers": [{"container": {}, "devices": [{"uuid": 7}]}]}',
+]
+
+
+@pytest.mark.parametrize(
+    ("body", "as_json"),
+    [(b, False) for b in NOT_STATUS] + [(b, True) for b in NOT_STATUS[:4]],
+)
+def test_top_once_names_a_document_that_is_not_an_agents_status(body, as_json):
+    """A URL that answers JSON of another form (another service on the port,
+    a proxy's error object, a list): `top --once` ended in a Python
+    traceback (AttributeError, KeyError) instead of one line."""
+    with _JsonServer(body) as server:
+        args = [*CLI, "top", "--once", "--url", server.url, *(["--json"] if as_json else [])]
+        out = subprocess.run(
+            args, env=clean_env(), capture_output=True, text=True, cwd=REPO_ROOT, timeout=60
+        )
+    assert "Traceback" not in out.stderr, out.stderr
+    assert out.returncode == 1, out.stdout + out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith(f"Error: cannot read {server.url}: ")
+    assert "not a gpuvisor node agent's /status document" in lines[0]
+    assert out.stdout == ""
+
+
+def test_top_keeps_refreshing_past_a_document_that_is_not_an_agents_status():
+    """Without --once, such an answer is shown as one line and retried, as
+    an unreachable agent is: it used to end `top` with a traceback."""
+    with _JsonServer(b'{"agent": {}, "containers": [{"x": 1}]}') as server:
+        proc = subprocess.Popen(
+            [*CLI, "top", "--interval", "0.1", "--url", server.url],
+            env=clean_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=REPO_ROOT,
+        )
+        try:
+            time.sleep(3)
+            assert proc.poll() is None, proc.communicate()
+        finally:
+            proc.terminate()
+            out, err = proc.communicate(timeout=30)
+    assert "Traceback" not in err, err
+    shown = [line for line in out.splitlines() if line.startswith("cannot read ")]
+    assert len(shown) >= 2, out + err
+    assert all("not a gpuvisor node agent's /status document" in line for line in shown)
