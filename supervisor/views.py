@@ -194,9 +194,11 @@ def render_top(data: dict[str, Any]) -> str:
     rows = []
     for c in data.get("containers", []):
         cid = c["container"]
-        name = "/".join(
-            x or "-" for x in (cid.get("namespace"), cid.get("pod"), cid.get("container"))
-        )
+        ns, pod, ctr = cid.get("namespace"), cid.get("pod"), cid.get("container")
+        if not (ns or pod or ctr):
+            # Named by its cgroup, as in /metrics (ContainerId.labels).
+            ctr = cid.get("cgroup")
+        name = "/".join(x or "-" for x in (ns, pod, ctr))
         for d in c["devices"] or [None]:
             if d is None:
                 rows.append(

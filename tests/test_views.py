@@ -207,3 +207,27 @@ def test_top_keeps_refreshing_past_a_document_that_is_not_an_agents_status():
     shown = [line for line in out.splitlines() if line.startswith("cannot read ")]
     assert len(shown) >= 2, out + err
     assert all("not a gpuvisor node agent's /status document" in line for line in shown)
+
+
+def test_top_names_a_container_without_labels_by_its_cgroup(sock_path):  # noqa: F811
+    """A container whose supervisor has no POD_NAME, POD_NAMESPACE or
+    CONTAINER_NAME (plain docker) is named by its cgroup path, in /metrics
+    (ctrname) as in protocol.md: `top` showed it as '-/-/-', the same for
+    every such container on the node."""
+    with AgentProc(sock_path) as agent:
+        c = Client(sock_path, pod="", namespace="", container="")
+        c.report(device(used=GiB))
+        out = subprocess.run(
+            [*CLI, "top", "--once", "--url", agent.url + "/status"],
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            cwd=REPO_ROOT,
+            timeout=60,
+            check=False,
+        )
+        c.close()
+    assert out.returncode == 0, out.stderr
+    rows = [line for line in out.stdout.splitlines() if "1.0 GiB" in line]
+    assert len(rows) == 1, out.stdout
+    assert rows[0].split()[0] == "-/-/" + c.cid.cgroup, out.stdout
