@@ -59,7 +59,9 @@ def region_status(region_path: str | None, sample: float) -> dict[str, Any]:
     for i in range(n):
         dev = region.device(i)
         sm = region.sm(i)
-        achieved = 100.0 * (sm.busy_ns - before[i].busy_ns) / (dt * 1e9) if dt > 0 else None
+        # --sample 0: not measured (the few microseconds between the two
+        # reads would make any figure, 0 % or 100 %, meaningless).
+        achieved = 100.0 * (sm.busy_ns - before[i].busy_ns) / (dt * 1e9) if sample > 0 else None
         if not (sm.limit or sm.launches != before[i].launches):
             # nothing is gated (a low priority alone gates only while the
             # container yields), so nothing is measured

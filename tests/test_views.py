@@ -231,3 +231,38 @@ def test_top_names_a_container_without_labels_by_its_cgroup(sock_path):  # noqa:
     rows = [line for line in out.stdout.splitlines() if "1.0 GiB" in line]
     assert len(rows) == 1, out.stdout
     assert rows[0].split()[0] == "-/-/" + c.cid.cgroup, out.stdout
+
+
+def test_status_sample_0_measures_nothing(node):
+    """--sample 0 is documented as "not measured": status gave the SM
+    share over the microseconds between two reads instead (0 %, or 100 %
+    when a kernel's time landed in them), for a device with an SM limit."""
+    proc = run_py(
+        f"""
+        from gpuvisor.shim import Region
+        r = Region.attach({str(node.region)!r})
+        dev = r.register_device("GPU-00000000-0000-0000-0000-000000000000", 16 * {GiB}, None)
+        r.set_sm_limit(dev, 30)
+        """,
+        node.env,
+    )
+    assert proc.returncode == 0, proc.stderr
+    run = [*CLI, "status", "--region", str(node.region), "--sample", "0"]
+    out = subprocess.run(
+        [*run, "--json"], env=node.env, capture_output=True, text=True, cwd=REPO_ROOT, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    [dev] = json.loads(out.stdout)["devices"]
+    assert dev["sm_limit"] == 30
+    assert dev["sm_achieved"] is None
+    out = subprocess.run(
+        run, env=node.env, capture_output=True, text=True, cwd=REPO_ROOT, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    header, row = out.stdout.splitlines()[1:3]
+
+    def cell(name: str) -> str:
+        return row[header.index(name) :].split()[0]
+
+    assert cell("SM-LIMIT") == "30%"
+    assert cell("SM-ACHIEVED") == "-"
