@@ -4,17 +4,26 @@ range (seconds, a rate), and POSITIVE, a finite number above zero."""
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import click
 
+# A plain decimal (blanks around it are ignored): float() alone would also
+# take "1_0" (as 10), non-ASCII digits ("\u0661" as 1), "inf" and "nan".
+DECIMAL = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+
 
 class Finite(click.FloatRange):
-    """A finite number (no nan, no inf) in a range: seconds, or a rate."""
+    """A finite number (no nan, no inf) in a range: seconds, or a rate.
+    Given as text, a plain decimal (DECIMAL), as the variables that hold
+    seconds are read (supervisor/config.py)."""
 
     name = "number"
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and not DECIMAL.fullmatch(value.strip()):
+            self.fail(f"{value!r} is not a decimal number.", param, ctx)
         rv = super().convert(value, param, ctx)
         if not math.isfinite(rv):
             self.fail(f"{value!r} is not a finite number.", param, ctx)

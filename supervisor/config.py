@@ -37,6 +37,7 @@ from .agent_config import (
     SUN_PATH_MAX,
     context_lock_path,
 )
+from .cli_types import DECIMAL
 
 # Variables the shim reads (HAMi's names).
 ENV_MEMORY = "CUDA_DEVICE_MEMORY_LIMIT"
@@ -163,13 +164,8 @@ def default_sim_state() -> str:
     return f"/tmp/gpuvisor-sim-{os.getuid()}.state"  # the simulator's own default
 
 
-# A plain decimal (blanks around it are ignored): float() alone would also
-# take "1_0" (as 10), non-ASCII digits, "inf" and "nan".
-_DECIMAL = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
-
-
 def _seconds(value: str | float, name: str, lo: float, hi: float, lo_open: bool) -> float:
-    if isinstance(value, str) and not _DECIMAL.fullmatch(value.strip()):
+    if isinstance(value, str) and not DECIMAL.fullmatch(value.strip()):
         raise ConfigError(f"{name}={value!r}: not a number of seconds")
     try:
         v = float(value)

@@ -21,6 +21,7 @@ from gpuvisor.shim.limits import parse_memory_limit
 from gpuvisor.shim.loader import SIM_NVML_NAME, NativeLibraryNotFound, simulator_dir
 from gpuvisor.shim.region import Region
 
+from .cli_types import Finite
 from .config import (
     ENV_PRIORITY,
     ENV_REGION,
@@ -230,7 +231,7 @@ def supervise(cfg: RunConfig) -> int:
 @click.option("--simulate", is_flag=True, help="Use the simulated GPU driver.")
 @click.option(
     "--report-interval",
-    type=click.FloatRange(MIN_INTERVAL, MAX_INTERVAL),
+    type=Finite(MIN_INTERVAL, MAX_INTERVAL),
     metavar="SECONDS",
     help="Seconds between reports (GPUVISOR_REPORT_INTERVAL; default 1).",
 )
@@ -241,7 +242,7 @@ def supervise(cfg: RunConfig) -> int:
 )
 @click.option(
     "--grace",
-    type=click.FloatRange(0, MAX_GRACE),
+    type=Finite(0, MAX_GRACE),
     metavar="SECONDS",
     help="Seconds between SIGTERM and SIGKILL (GPUVISOR_KILL_GRACE; default 10).",
 )

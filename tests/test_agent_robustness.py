@@ -415,6 +415,19 @@ def test_out_of_range_agent_options_are_named(sock_path, args, option):
     assert not Path(sock_path).exists()
 
 
+@pytest.mark.parametrize("option", ["--expire-after", "--rate", "--limit-grace"])
+@pytest.mark.parametrize("value", ["1_0", "\u0661"])
+def test_agent_durations_are_plain_decimals(sock_path, option, value):
+    """float() takes "1_0" as 10 and non-ASCII digits: the agent's
+    durations are read as gpuvisor run reads GPUVISOR_REPORT_INTERVAL."""
+    proc = _agent_cli(sock_path, "--metrics-port", "0", option, value)
+    assert proc.returncode == 2, proc.stderr
+    line = _error_line(proc.stderr)
+    assert option in line
+    assert value in line
+    assert not Path(sock_path).exists()
+
+
 def test_a_taken_metrics_port_is_named_and_leaves_no_socket(sock_path):
     taken = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     taken.bind(("127.0.0.1", 0))

@@ -179,6 +179,30 @@ def test_bad_value_stops_before_the_workload(env, tmp_path, args, variables, nam
     assert not marker.exists()
 
 
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("--grace", "1_0"),  # float() took it as 10
+        ("--report-interval", "1_0"),
+        ("--report-interval", "\u0661"),  # float() took it as 1
+        ("--grace", "\u0665"),
+    ],
+)
+def test_seconds_options_are_read_as_their_variables(env, tmp_path, option, value):
+    """GPUVISOR_KILL_GRACE=1_0 and GPUVISOR_REPORT_INTERVAL=\u0661 are
+    refused (test_bad_value_stops_before_the_workload), but the options that
+    override them took the same text through float(): --grace 1_0 ran with
+    a 10 s grace period."""
+    marker = tmp_path / "started"
+    proc = run(env, option, value, "--", "sh", "-c", f"touch {marker}")
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert option in lines[0]
+    assert value in lines[0]
+    assert not marker.exists()
+
+
 def test_empty_variables_count_as_unset(node, env):
     """As in the library and the node agent: a variable set but empty means
     its default, not an error."""
