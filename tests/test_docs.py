@@ -701,3 +701,24 @@ def test_link_checker_sees_anchors() -> None:
     """The slug rule matches GitHub's on the headings the docs link to."""
     text = "# A\n## `error` (agent \u2192 sender)\n## SM-time quota\n## Dup\n## Dup\n"
     assert slugs(text) == {"a", "error-agent--sender", "sm-time-quota", "dup", "dup-1"}
+
+
+def test_troubleshooting_quotes_what_run_prints_for_a_bad_option(tmp_path: Path) -> None:
+    """The first example of 'gpuvisor run exits with status 2' is the line
+    `gpuvisor run --cores 101` prints (it quoted click's range message,
+    which --cores no longer gives: the library's parser checks it)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "gpuvisor.supervisor", "run", "--cores", "101", "--", "true"],
+        env={**clean_env(), "CUDA_DEVICE_MEMORY_SHARED_CACHE": str(tmp_path / "r.shr")},
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr
+    [line] = proc.stderr.splitlines()
+    text = (REPO_ROOT / "docs" / "troubleshooting.md").read_text()
+    section = text.split("## `gpuvisor run` exits with status 2", 1)[1].split("\n## ", 1)[0]
+    assert line in section.splitlines(), line
+    assert "is not in the range 0<=x<=100" not in section
