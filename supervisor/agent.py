@@ -56,7 +56,7 @@ from .agent_http import HttpHandler, HttpServer
 from .agent_persist import encode_state, read_state, state_file_problem, write_state
 from .agent_state import AgentState
 from .identity import peer_cgroups
-from .protocol import encode, error_message
+from .protocol import MAX_MESSAGE_BYTES, encode, error_message
 
 log = logging.getLogger("gpuvisor.agent")
 
@@ -316,18 +316,36 @@ def run_agent(config: AgentConfig, ready: Any = None) -> None:
 # ---- admin client ---------------------------------------------------------------
 
 
+class NotAnAgentReply(ValueError):
+    """What came back from an admin socket is not a node agent's reply."""
+
+
 def send_admin(socket_path: str, msg: dict[str, Any], timeout: float = 5.0) -> dict[str, Any]:
     """Send one admin message to the agent's admin socket; return its
-    (decoded) reply."""
+    (decoded) reply: an `ack`, or an `error` with its text.  OSError when
+    the socket cannot be reached or closes without a reply (the agent
+    stopped); NotAnAgentReply for a reply of another form (another
+    daemon's socket)."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
         s.settimeout(timeout)
         s.connect(socket_path)
         s.sendall(encode(msg))
         data = b""
-        while not data.endswith(b"\n"):
+        while not data.endswith(b"\n") and len(data) <= MAX_MESSAGE_BYTES:
             chunk = s.recv(65536)
             if not chunk:
                 break
             data += chunk
-    reply: dict[str, Any] = json.loads(data.splitlines()[0]) if data else {}
+    if not data:
+        raise ConnectionError("the node agent closed the connection without a reply")
+    line = data.split(b"\n", 1)[0]
+    try:
+        reply = json.loads(line)
+    except (ValueError, RecursionError):
+        reply = None
+    if not (
+        isinstance(reply, dict)
+        and (reply.get("type") == "ack" or isinstance(reply.get("error"), str))
+    ):
+        raise NotAnAgentReply(f"not a gpuvisor node agent's reply: {line[:80]!r}")
     return reply

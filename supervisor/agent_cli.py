@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from .agent import run_agent, send_admin
+from .agent import NotAnAgentReply, run_agent, send_admin
 from .agent_config import (
     ADMIN_SOCKET_ENV,
     AgentConfig,
@@ -406,8 +406,10 @@ def set_limit(
         reply = send_admin(path, msg)
     except OSError as exc:
         raise click.ClickException(f"cannot reach the node agent at {path}: {exc}") from exc
+    except NotAnAgentReply as exc:
+        raise click.ClickException(f"{path}: {exc}") from None
     if reply.get("type") != "ack":
-        raise click.ClickException(str(reply.get("error", reply)))
+        raise click.ClickException(" ".join(str(reply["error"]).split()))
     click.echo(f"limit change queued for {reply.get('container', container)}")
     if reply.get("warning"):
         click.echo(f"Warning: {reply['warning']}", err=True)

@@ -484,6 +484,54 @@ def test_a_default_admin_socket_too_long_is_named(tmp_path):
     assert not top.exists()
 
 
+@contextlib.contextmanager
+def _fake_admin_socket(path: str, reply: bytes) -> Iterator[None]:
+    """A Unix socket at path that reads one request, writes reply and closes:
+    another daemon's socket, or an agent that stops before it answers."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(4)
+
+    def serve() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = srv.accept()
+                with conn:
+                    conn.recv(65536)
+                    if reply:
+                        conn.sendall(reply)
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        yield
+    finally:
+        srv.close()
+
+
+@pytest.mark.parametrize(
+    ("reply", "says"),
+    [
+        (b"", "closed the connection without a reply"),
+        (b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n", "not a gpuvisor node agent"),
+        (b"[1]\n", "not a gpuvisor node agent"),
+        (b'{"v": 1, "type": "error"}\n', "not a gpuvisor node agent"),
+    ],
+)
+def test_set_limit_names_a_socket_that_gives_no_agents_reply(tmp_path, reply, says):
+    """set-limit against a socket that is not the agent's admin socket (an
+    HTTP daemon's, a typo), or an agent that stops before it answers: a
+    traceback (JSONDecodeError, AttributeError) or `Error: {}` before."""
+    admin = str(tmp_path / "admin.sock")
+    args = ["--container", "c", "--device", GPU_A, "--cores", "30", "--admin-socket", admin]
+    with _fake_admin_socket(admin, reply):
+        proc = run_cli("node-agent", "set-limit", *args)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    line = _error_line(proc.stderr)
+    assert admin in line
+    assert says in line
+    assert proc.stdout == ""
+
+
 @pytest.mark.parametrize(
     ("args", "option"),
     [
