@@ -58,12 +58,13 @@ class RunError(click.ClickException):
 
 
 class _RunCommand(click.Command):
-    """Reports a bad option value as one line (no usage block)."""
+    """Reports a bad option or value as one line (no usage block): the
+    container's log shows the error alone (docs/cli.md)."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         try:
             return super().parse_args(ctx, args)
-        except click.BadParameter as exc:
+        except click.UsageError as exc:  # BadParameter, NoSuchOption, ...
             raise RunError(exc.format_message()) from None
 
 

@@ -203,6 +203,26 @@ def test_seconds_options_are_read_as_their_variables(env, tmp_path, option, valu
     assert not marker.exists()
 
 
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--bogus", "--", "true"], "--bogus"),
+        (["--memry", "4g", "--", "true"], "--memry"),
+        (["--simulate=3", "--", "true"], "--simulate"),
+    ],
+)
+def test_a_usage_error_is_one_line(env, args, says):
+    """cli.md: usage errors come after the usage lines for every command
+    but `gpuvisor run`, whose errors are one line (a container's log).  An
+    unknown option printed 'Usage: ...', 'Try ...' and a blank line first."""
+    proc = run(env, *args)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("Error: ")
+    assert says in lines[0]
+
+
 def test_empty_variables_count_as_unset(node, env):
     """As in the library and the node agent: a variable set but empty means
     its default, not an error."""
