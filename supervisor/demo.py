@@ -356,6 +356,13 @@ def _watch(
 )
 def demo(seconds: float, simulate: bool | None, out: Path) -> None:
     """Three containers sharing GPUs: live view, summary and a plot of SM shares."""
+    try:
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise click.BadParameter(
+            f"{str(out)!r}: cannot create {exc.filename or out} ({exc.strerror or exc})",
+            param_hint="'--out'",
+        ) from None
     if simulate is None:
         simulate = not real_gpu_present()
     # Not a terminal (a log, CI): plain tables wide enough for every column.

@@ -130,6 +130,19 @@ def test_demo_rejects_a_duration_that_is_not_a_number(tmp_path: Path, seconds: s
     assert not (tmp_path / "logs").exists()
 
 
+def test_demo_names_an_out_directory_it_cannot_create(tmp_path: Path) -> None:
+    """--out below a regular file: a traceback (NotADirectoryError) before."""
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    proc = run_demo(afile / "demo", "--seconds", "9")
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1, proc.stderr
+    assert "'--out'" in errors[0]
+    assert str(afile / "demo") in errors[0]
+
+
 def test_give_back_is_timed_from_the_neighbours_first_gpu_use() -> None:
     """A neighbour that takes 1.5 s to start its processes (a loaded machine)
     does not need the GPU yet: the burst-share container's give-back, and
