@@ -35,12 +35,18 @@ from typing import IO
 import click
 from gpuvisor.shim.hardware import real_gpu_present
 from gpuvisor.shim.limits import parse_memory_limit
-from gpuvisor.shim.loader import SIM_NVML_NAME, simulator_dir
+from gpuvisor.shim.loader import (
+    SIM_NVML_NAME,
+    NativeLibraryNotFound,
+    library_path,
+    simulator_dir,
+)
 from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
 
 from .cli_types import Finite
+from .config import one_line
 from .demo_report import live_table, plot, summary_table, verdicts
 from .demo_sampler import ProcessUtilization, Sampler
 
@@ -365,6 +371,12 @@ def demo(seconds: float, simulate: bool | None, out: Path) -> None:
         ) from None
     if simulate is None:
         simulate = not real_gpu_present()
+    try:  # the containers' library, and the simulated driver they run on
+        library_path()
+        if simulate:
+            simulator_dir()
+    except NativeLibraryNotFound as exc:
+        raise click.ClickException(one_line(str(exc))) from None
     # Not a terminal (a log, CI): plain tables wide enough for every column.
     console = Console() if sys.stdout.isatty() else Console(width=150)
     sys.exit(run_demo(seconds, simulate, out, console))

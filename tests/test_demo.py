@@ -143,6 +143,26 @@ def test_demo_names_an_out_directory_it_cannot_create(tmp_path: Path) -> None:
     assert str(afile / "demo") in errors[0]
 
 
+def test_demo_without_the_library_says_so_in_one_line(tmp_path: Path) -> None:
+    """environment.md: a GPUVISOR_NATIVE_DIR without libgpuvisor.so is one
+    line and exit status 1 for every command that needs the library; the
+    demo ended in a traceback (NativeLibraryNotFound)."""
+    env = {**clean_env(), "GPUVISOR_NATIVE_DIR": str(tmp_path / "nothing")}
+    proc = subprocess.run(
+        [*DEMO, "--simulate", "--out", str(tmp_path / "demo"), "--seconds", "9"],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"Error: GPUVISOR_NATIVE_DIR={str(tmp_path / 'nothing')!r} has no libgpuvisor.so"
+    ]
+
+
 def test_give_back_is_timed_from_the_neighbours_first_gpu_use() -> None:
     """A neighbour that takes 1.5 s to start its processes (a loaded machine)
     does not need the GPU yet: the burst-share container's give-back, and
