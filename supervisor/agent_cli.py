@@ -401,6 +401,8 @@ def set_limit(
             f"{device!r}: expected a device UUID, {UUID_FORM} (lowercase hex)",
             param_hint="'--device'",
         )
+    if not admin_socket and not socket_path:
+        raise click.BadParameter(f"{socket_path!r}: not a usable path", param_hint="'--socket'")
     path = admin_socket or admin_socket_for(socket_path)
     try:
         reply = send_admin(path, msg)

@@ -26,7 +26,10 @@ SUN_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1
 
 def socket_path_problem(path: str) -> str | None:
     """Why path cannot be a Unix socket's (None: it can): bind and connect
-    take at most SUN_PATH_MAX bytes."""
+    take at most SUN_PATH_MAX bytes, and an empty one names no file (the
+    admin socket's default beside it would be '<cwd's parent>-admin')."""
+    if not path:
+        return f"{path!r}: not a usable path"
     if len(os.fsencode(path)) > SUN_PATH_MAX:
         return f"{path}: longer than {SUN_PATH_MAX} bytes (a Unix socket path)"
     return None

@@ -35,7 +35,7 @@ from gpuvisor.supervisor.protocol import (
     report_message,
 )
 
-from tests.helpers import run_cli
+from tests.helpers import CLI, clean_env, run_cli
 from tests.test_agent import GPU_A, GPU_B, AgentProc, Client, device, find, wait_for
 
 
@@ -465,6 +465,31 @@ def test_a_socket_path_too_long_for_sun_path_is_named_before_anything_is_made(tm
     assert "107 bytes" in line
     assert not top.exists()
     assert not (tmp_path / "limits.json").exists()
+
+
+@pytest.mark.parametrize("command", [[], ["set-limit", "--container", "c", "--cores", "30"]])
+def test_an_empty_socket_path_is_a_usage_error(tmp_path, command):
+    """`--socket ''` made the agent create '<cwd's parent>-admin' (the admin
+    directory beside an empty path) and a context.lock in the working
+    directory, then fail with `Error: . exists and is not a socket`, naming
+    neither the option nor the value; gpuvisor run refuses it by name."""
+    cwd = tmp_path / "work" / "here"
+    cwd.mkdir(parents=True)
+    args = ["node-agent", *command, "--socket", ""]
+    if command:
+        args += ["--device", GPU_A]
+    else:
+        args += ["--metrics-host", "127.0.0.1", "--metrics-port", "0"]
+    proc = subprocess.run(
+        [*CLI, *args], env=clean_env(), capture_output=True, text=True, cwd=cwd, timeout=30
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    line = _error_line(proc.stderr)
+    assert "'--socket'" in line
+    assert "''" in line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]
+    assert sorted(p.name for p in (tmp_path / "work").iterdir()) == ["here"]
+    assert list(cwd.iterdir()) == []
 
 
 def test_a_default_admin_socket_too_long_is_named(tmp_path):
