@@ -307,10 +307,31 @@ def _limit_value(value: str | None, what: str) -> int | str | None:
         except GpuvisorError as exc:
             if _zero_amount(value):
                 return None
-            raise click.BadParameter(f"{value!r}: {exc}", param_hint="'--memory'") from None
+            raise click.BadParameter(
+                f"{value!r}: {_memory_problem(value, exc)}", param_hint="'--memory'"
+            ) from None
     except (NativeLibraryNotFound, GpuvisorError) as exc:
         # Not a bad value: the library is missing or not this version.
         raise click.ClickException(" ".join(str(exc).split())) from None
+
+
+def _memory_problem(value: str, exc: Exception) -> str:
+    """Why the library refused value as a memory limit, for set-limit: no
+    percentages here (the agent does not know the device's total, so the
+    library's hint to use one would mislead), and without the library's
+    'gpuvisor: memory limit "..."' prefix and error code."""
+    if value.strip().endswith("%"):
+        return (
+            "a percentage is not taken here (the device's total is not known): "
+            "give bytes, or a number with k/m/g/t such as 4g"
+        )
+    why = str(exc)
+    _, sep, rest = why.partition(f"{json.dumps(value)}: ")
+    why = rest if sep else why
+    why = why.removesuffix(" (GV_EINVAL)")
+    return why.replace(
+        "bytes, a number with k/m/g/t, or a percentage like 50%", "bytes or a number with k/m/g/t"
+    )
 
 
 def _zero_amount(value: str) -> bool:

@@ -1132,6 +1132,28 @@ def test_set_limit_values_mean_what_the_variables_mean(sock_path):
 
 
 @pytest.mark.parametrize(
+    ("memory", "says"),
+    [
+        ("4x", "'4x': not a memory size (use bytes or a number with k/m/g/t)"),
+        ("50%", "'50%': a percentage is not taken here (the device's total is not known)"),
+        ("99999999999t", "'99999999999t': too large (more than 2^64-1 bytes)"),
+    ],
+)
+def test_set_limit_names_a_bad_memory_value_in_its_own_terms(sock_path, memory, says):
+    """A --memory value the library refuses is one line naming the option
+    and the value, without the library's prefix and error code, and without
+    its hint to give a percentage, which set-limit does not take (it said
+    'or a percentage like 50%' to '4x', and refused '50%' next).  Refused
+    before the agent is asked (none runs here)."""
+    proc = set_limit(sock_path, "any", "--memory", memory)
+    assert proc.returncode == 2, proc.stderr
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"Error: Invalid value for '--memory': {says}"), line
+    assert "GV_EINVAL" not in line, line
+    assert "gpuvisor:" not in line, line
+
+
+@pytest.mark.parametrize(
     ("field", "value"),
     [("sm", 0), ("sm", 101), ("sm", True), ("sm", 50.0), ("memory", 0), ("memory", 2**64)],
 )
