@@ -12,7 +12,7 @@ import sys
 import pytest
 from gpuvisor.shim.hardware import real_gpu_present
 
-from tests.bench.torch_sm import NvmlPoller, rate_between, summarise
+from tests.bench.torch_sm import NvmlPoller, QueryLog, rate_between, summarise
 from tests.helpers import LIBRARY, REPO_ROOT, clean_env
 
 
@@ -96,3 +96,27 @@ def test_a_missing_library_is_named() -> None:
         proc.stderr.strip()
         == "torch_sm: --lib /nonexistent/libgpuvisor.so: no such file (run make first)"
     )
+
+
+class _Sample:
+    def __init__(self, pid: int, ts: int) -> None:
+        self.pid, self.timeStamp, self.smUtil = pid, ts, 50
+
+
+def test_the_nvml_query_log_tells_the_answers_form_and_pace() -> None:
+    """What a future GPU run must tell the simulator's knobs: the query's
+    time, one entry per process or per process and sample, and the step
+    between a process's samples."""
+    log = QueryLog()
+    assert log.summary() == "NVML per-process query: never called"
+    log.record(0.002, [_Sample(1, 1_000_000), _Sample(2, 1_000_000)])
+    assert log.most_entries == 1  # one entry over all samples
+    per_sample = [_Sample(1, t) for t in (1_200_000, 1_400_000, 1_600_000)]
+    log.record(0.004, [*per_sample, _Sample(2, 1_600_000)])
+    assert log.most_entries == 3
+    assert log.steps_us == [200_000, 200_000]
+    line = log.summary()
+    assert "2 calls" in line
+    assert "median 3.00 ms, max 4.00 ms" in line
+    assert "at most 3 entries for one process" in line
+    assert line.endswith("median step between a process's samples 200 ms")

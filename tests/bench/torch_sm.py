@@ -29,6 +29,11 @@ Columns:
   (interpolated between batches) as a percentage of the run's mean rate,
   so they show steadiness, not the level.
 
+A closing line says how NVML's per-process query behaved (QueryLog): its
+time per call, whether an answer holds one entry per process or one per
+process and sample, and the step between a process's samples; the
+simulator models each (GPUVISOR_SIM_NVML_UTIL_MS, _PER_SAMPLE, _SAMPLE_MS).
+
 The quota is one of GPU time (docs/interposer.md), so NVML's figures are the
 ones to hold against the limit.  Throughput can differ: a GPU kept below its
 power limit runs its clocks higher (docs/benchmarks.md, "SM quota on a real
@@ -42,6 +47,7 @@ Markdown tables and writes them, with every figure as JSON, to DIR.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import select
@@ -52,7 +58,9 @@ import tempfile
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pynvml
 
@@ -113,6 +121,45 @@ def nvml_handle() -> object:
     return pynvml.nvmlDeviceGetHandleByIndex(0)
 
 
+@dataclass
+class QueryLog:
+    """How NVML's per-process query behaves on this GPU, which the
+    interposer's policies depend on and the simulator can only be told
+    (GPUVISOR_SIM_NVML_UTIL_MS, _PER_SAMPLE, _SAMPLE_MS): how long a call
+    takes, whether an answer has one entry per process or one per process
+    and sample, and the step between a process's sample timestamps."""
+
+    ms: list[float] = field(default_factory=list)
+    most_entries: int = 0  # the most entries one process had in one answer
+    steps_us: list[int] = field(default_factory=list)
+
+    def record(self, seconds: float, samples: Sequence[Any]) -> None:
+        self.ms.append(seconds * 1e3)
+        stamps: dict[int, list[int]] = {}
+        for s in samples:
+            stamps.setdefault(int(s.pid), []).append(int(s.timeStamp))
+        for ts in stamps.values():
+            self.most_entries = max(self.most_entries, len(ts))
+            ts.sort()
+            self.steps_us += [b - a for a, b in itertools.pairwise(ts) if b > a]
+
+    def summary(self) -> str:
+        if not self.ms:
+            return "NVML per-process query: never called"
+        ms = sorted(self.ms)
+        step = f"{statistics.median(self.steps_us) / 1e3:.0f} ms" if self.steps_us else "-"
+        return (
+            f"NVML per-process query (1 s asked for, {len(ms)} calls): "
+            f"median {statistics.median(ms):.2f} ms, max {ms[-1]:.2f} ms; "
+            f"at most {self.most_entries} entries for one process in one answer "
+            f"(1: one entry over all samples; more: one per sample); "
+            f"median step between a process's samples {step}"
+        )
+
+
+QUERIES = QueryLog()
+
+
 class NvmlPoller:
     """Reads the device's per-process and device utilisation samples every 0.5 s.
 
@@ -152,10 +199,12 @@ class NvmlPoller:
 
     def _poll(self) -> None:
         since = max(self._last_proc, int(time.time() * 1e6) - self.PROC_LOOKBACK_US)
+        t0 = time.perf_counter()
         try:
             samples = pynvml.nvmlDeviceGetProcessUtilization(self.handle, since)
         except pynvml.NVMLError:
             samples = []
+        QUERIES.record(time.perf_counter() - t0, samples)
         for s in samples:
             key = (int(s.pid), int(s.timeStamp))
             if key not in self._proc_seen:
@@ -433,6 +482,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             r.update(run=spec)
             pairs.append(r)
             emit(f"| {spec} | {tag} | {cells(r, flop, base_rate.get(size))} |")
+    emit("")
+    emit(QUERIES.summary())
+    report["nvml_query"] = {
+        "ms": QUERIES.ms,
+        "most_entries": QUERIES.most_entries,
+        "steps_us": QUERIES.steps_us,
+    }
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "torch_sm.json").write_text(json.dumps(report, indent=1))
