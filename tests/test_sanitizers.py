@@ -444,6 +444,21 @@ def test_gated_launches_from_threads_under_tsan(node: SimNode, where: str) -> No
     assert proc.stdout.strip() == "launched=400 failed=0", proc.stdout + proc.stderr
 
 
+def test_policy_updates_beside_the_meter_under_tsan(node: SimNode) -> None:
+    """Gated launches for 2.5 s, so that the policy thread's updates (every
+    100 ms) and the calibration against NVML's samples (from 0.5 s of
+    them) run beside the meter thread's settling, which shares the
+    calibration state with them (sm_policy_thread.c, sm_calib.c), under
+    ThreadSanitizer."""
+    prog, env = tsan_program(node, "t_link_sm_threads")
+    env.update(CUDA_DEVICE_SM_LIMIT="60")
+    proc = run([str(prog), "2.5"], env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    launched, failed = (int(w.split("=")[1]) for w in proc.stdout.split())
+    assert failed == 0, proc.stdout + proc.stderr
+    assert launched > 400, proc.stdout
+
+
 def test_pool_shrunk_by_a_synchronisation_under_tsan(node: SimNode) -> None:
     """A pool settled by a synchronisation and by another thread's readings
     of untracked memory at once, under ThreadSanitizer."""

@@ -3,14 +3,19 @@
  * thread launches `spin` kernels on a stream of its own, through the pacing
  * gate, the enqueue word (sm_enqueue.c) and the meter thread, and a graph
  * now and then.  Run under the shim with an SM limit, and under
- * ThreadSanitizer (tests/test_sanitizers.py).
+ * ThreadSanitizer (tests/test_sanitizers.py).  Given a number of seconds,
+ * each thread launches for that long (at least LAUNCHES times): long
+ * enough for the policy thread's updates and the calibration against NVML
+ * (sm_policy_thread.c, sm_calib.c) to run beside the meter's settling.
  *
- *   t_link_sm_threads   prints "launched=<N> failed=<M>"
+ *   t_link_sm_threads [SECONDS]   prints "launched=<N> failed=<M>"
  */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
 
 #include "cuda_protos.h"
 
@@ -20,6 +25,14 @@
 static CUcontext ctx;
 static CUfunction spin;
 static atomic_int launched, failed;
+static double seconds;
+
+static double now_s(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec / 1e9;
+}
 
 static void *worker(void *arg)
 {
@@ -42,7 +55,8 @@ static void *worker(void *arg)
         atomic_fetch_add(&failed, 1);
         return NULL;
     }
-    for (int i = 0; i < LAUNCHES; i++) {
+    double end = now_s() + seconds;
+    for (int i = 0; i < LAUNCHES || now_s() < end; i++) {
         seed = seed * 1103515245u + 12345u;
         uint32_t us = 50 + (seed >> 16) % 250;
         void *args[] = { &us };
@@ -55,8 +69,10 @@ static void *worker(void *arg)
     return NULL;
 }
 
-int main(void)
+int main(int argc, char **argv)
 {
+    if (argc > 1)
+        seconds = atof(argv[1]);
     CUdevice d;
     CUmodule m;
     if (cuInit(0) || cuDeviceGet(&d, 0) || cuDevicePrimaryCtxRetain(&ctx, d) ||
