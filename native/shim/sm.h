@@ -66,7 +66,7 @@ void gv_cal_reset(void);
  *  - gv_arb_not_waiting: it no longer waits (its clock ran ahead);
  *  - gv_arb_wants: its container uses all of its share (sm_policy.c);
  *  - gv_arb_set_terms: this process's NVML PID and its container's limit
- *    and policy (the meter, at every policy update);
+ *    and policy (the policy thread, at every update);
  *  - gv_arb_terms_of: those of the container whose process NVML shows as
  *    nvml_pid, and whether it used all of its share in the last 300 ms
  *    (1; 0 when no live slot says so). */

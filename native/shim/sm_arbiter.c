@@ -74,7 +74,8 @@ struct arb_slot {
     _Atomic uint32_t inflight;      /* its gated launches not yet measured */
     /* Its container's terms, for the lenders' split (sm_policy.c): the
      * PID NVML shows for the process | limit % << 22 | policy << 29; 0: not
-     * said (a library before this word left it 0).  Set by the meter. */
+     * said (a library before this word left it 0).  Set by the policy
+     * thread (sm_policy_thread.c). */
     _Atomic uint32_t terms;
     /* When its process last found its container using all of its share
      * (sm_policy.c); 0: never. */
@@ -157,7 +158,8 @@ static struct arb_slot *mine(int dev)
     if (dev < 0 || dev >= GV_MAX_DEVICES)
         return NULL;
     /* Acquire: the slot lies in a mapping another thread may have made
-     * (the meter reads it; a launching thread mapped it). */
+     * (the meter and policy threads read it; a launching thread mapped
+     * it). */
     struct arb_slot *s = atomic_load_explicit(&arbs[dev].me, memory_order_acquire);
     if (!s || atomic_load_explicit(&s->owner, memory_order_relaxed) !=
                   atomic_load_explicit(&token, memory_order_relaxed))

@@ -145,9 +145,9 @@ int gv_sm_gating(void)
 static struct inflight {
     _Atomic uint64_t ns;
     _Atomic uint32_t n;
-    atomic_int company;         /* 0 until the meter first says: see fork_child */
+    atomic_int company;         /* 0 until the policies first say: see fork_child */
     atomic_int procs;
-    atomic_int held;            /* a launch waited for the clock since the meter last asked */
+    atomic_int held;            /* a launch waited for the clock since the policies last asked */
 } inflight[GV_MAX_DEVICES];
 
 static struct inflight *inflight_of(int dev)
