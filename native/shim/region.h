@@ -29,7 +29,7 @@
 #include <stdint.h>
 
 #define GV_REGION_MAGIC 0x31485356504756ULL   /* "GVPVSH1" little-endian-ish tag */
-#define GV_REGION_VERSION 8u
+#define GV_REGION_VERSION 9u
 #define GV_MAX_SLOTS 1024
 #define GV_MAX_DEVICES 16
 #define GV_DEFAULT_REGION_PATH "/tmp/gpuvisor-region.shr"
@@ -86,6 +86,14 @@ uint64_t region_device_physical_total(gv_region *r, int dev);
 
 uint64_t region_limit(gv_region *r, int dev);
 void region_set_limit(gv_region *r, int dev, uint64_t limit);
+
+/* The memory a context takes on entry dev, as the container measured it:
+ * the smallest non-zero cost any of its processes measured (so that a
+ * context that would fit at the smallest size seen is never refused in
+ * advance); 0 while none was.  region_learn_ctx_cost lowers it to cost
+ * if cost is non-zero and smaller (one compare-and-swap loop). */
+uint64_t region_ctx_cost(gv_region *r, int dev);
+void region_learn_ctx_cost(gv_region *r, int dev, uint64_t cost);
 
 /* --- SM-time quota ----------------------------------------------------- */
 

@@ -18,6 +18,7 @@ static void init_device(struct gv_dev *d, const unsigned char uuid[16],
     atomic_store(&d->limit, limit);
     atomic_store(&d->physical_total, physical_total);
     atomic_store(&d->oom_count, 0);
+    atomic_store(&d->ctx_cost, 0);
     for (int i = 0; i < GV_MAX_SLOTS; i++) {
         atomic_store_explicit(&d->used[i], 0, memory_order_relaxed);
         atomic_store_explicit(&d->inside[i], 0, memory_order_relaxed);
@@ -116,6 +117,21 @@ void region_set_limit(gv_region *r, int dev, uint64_t limit)
 {
     if (dev_ok(r, dev))
         atomic_store(&r->m->dev[dev].limit, limit);
+}
+
+uint64_t region_ctx_cost(gv_region *r, int dev)
+{
+    return dev_ready(r, dev) ? atomic_load(&r->m->dev[dev].ctx_cost) : 0;
+}
+
+void region_learn_ctx_cost(gv_region *r, int dev, uint64_t cost)
+{
+    if (!dev_ready(r, dev) || cost == 0)
+        return;
+    _Atomic uint64_t *c = &r->m->dev[dev].ctx_cost;
+    uint64_t old = atomic_load(c);
+    while ((old == 0 || cost < old) && !atomic_compare_exchange_weak(c, &old, cost))
+        ;
 }
 
 uint64_t region_oom_count(gv_region *r, int dev)

@@ -52,6 +52,11 @@ struct gv_dev {
     _Atomic uint64_t limit;                       /* GV_UNLIMITED: none */
     _Atomic uint64_t physical_total;
     _Atomic uint64_t oom_count;
+    /* The smallest non-zero memory a context of the container was measured
+     * to take on this device (hooks_context.c); 0 until one was.  Lowered
+     * only, by compare-and-swap: a process killed anywhere leaves the old
+     * or the new value. */
+    _Atomic uint64_t ctx_cost;
     unsigned char uuid[16];                       /* valid once READY */
     _Alignas(CACHELINE) _Atomic uint64_t total;   /* sum of used[]: see below */
     _Alignas(CACHELINE) _Atomic uint64_t gate;    /* 0 open, else closer|FLAG_BIT */

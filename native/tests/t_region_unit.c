@@ -943,6 +943,54 @@ static void test_reboot(void)
     printf("region outliving a reboot: ok\n");
 }
 
+/* The context cost a container learned: the smallest non-zero one, also
+ * when many threads learn at once. */
+struct cost_arg { gv_region *r; int dev; uint64_t base; };
+
+static void *learn_costs(void *p)
+{
+    struct cost_arg *a = p;
+    for (uint64_t i = 0; i < 2000; i++)
+        region_learn_ctx_cost(a->r, a->dev, a->base + (i * 7919) % 2000);
+    return NULL;
+}
+
+static void test_ctx_cost(void)
+{
+    gv_region *r = t_fresh_region(path_in("ctxcost.shr"));
+    unsigned char u[16];
+    t_uuid(u, 5);
+    CHECK_EQ(region_ctx_cost(r, 0), 0);                      /* no entry yet */
+    region_learn_ctx_cost(r, 0, MIB);                         /* ignored */
+    int d = region_device_lookup(r, u, GIB, GIB);
+    CHECK_EQ(d, 0);
+    CHECK_EQ(region_ctx_cost(r, d), 0);                       /* none measured */
+    region_learn_ctx_cost(r, d, 0);                           /* 0 teaches nothing */
+    CHECK_EQ(region_ctx_cost(r, d), 0);
+    region_learn_ctx_cost(r, d, 500 * MIB);
+    CHECK(region_ctx_cost(r, d) == 500 * MIB);
+    region_learn_ctx_cost(r, d, 600 * MIB);                   /* larger: kept smaller */
+    CHECK(region_ctx_cost(r, d) == 500 * MIB);
+    region_learn_ctx_cost(r, d, 0);
+    CHECK(region_ctx_cost(r, d) == 500 * MIB);
+    region_learn_ctx_cost(r, d, 300 * MIB);
+    CHECK(region_ctx_cost(r, d) == 300 * MIB);
+    CHECK_EQ(region_ctx_cost(r, -1), 0);
+    CHECK_EQ(region_ctx_cost(r, GV_MAX_DEVICES), 0);
+
+    pthread_t t[4];
+    struct cost_arg a[4];
+    for (int i = 0; i < 4; i++) {
+        a[i] = (struct cost_arg){ r, d, (uint64_t)(4 - i) * 1000 + 1 };
+        CHECK_EQ(pthread_create(&t[i], NULL, learn_costs, &a[i]), 0);
+    }
+    for (int i = 0; i < 4; i++)
+        pthread_join(t[i], NULL);
+    CHECK_EQ(region_ctx_cost(r, d), 1001);
+    region_close(r);
+    printf("context cost: ok\n");
+}
+
 int main(int argc, char **argv)
 {
     if (argc == 4 && strcmp(argv[1], "--exec-child") == 0)
@@ -968,6 +1016,7 @@ int main(int argc, char **argv)
     test_device_race();
     test_sm_gated();
     test_reboot();
+    test_ctx_cost();
     printf("t_region_unit: OK (%d table checks)\n", g_checks);
     return 0;
 }
