@@ -11,6 +11,16 @@
  * Both snapshots and the creation are made under the node lock
  * (node_lock.c), so other containers' new contexts stay out of them.
  *
+ * A context that does not fit would still take its memory on the device
+ * while it is created and measured, past the quota.  So the container
+ * learns what a context costs on each device (the smallest non-zero cost
+ * any of its processes measured, kept in the region: region_ctx_cost) and
+ * reserves that much before the driver is called; a reservation that does
+ * not fit fails the call with CUDA_ERROR_OUT_OF_MEMORY and the driver
+ * creates nothing.  The reservation is then settled on the measured cost
+ * (more reserved, or the difference given back).  While no cost is known,
+ * nothing is reserved in advance.
+ *
  * Destroying a context also frees every allocation made in it, so those
  * charges are released with it; and its events, so the SM meter is done
  * with the launches made in it first (gv_sm_ctx_destroying).
@@ -252,23 +262,87 @@ void gv_release_ctx_objects(CUcontext ctx)
     gv_graph_mem_refresh();
 }
 
+/* ---- reserving a context's cost before it is created -------------------- */
+
+/* Reserve the cost the container learned for a context on d (nothing while
+ * none is known: *held 0).  Made before the "before" snapshot and kept out
+ * of flight (gv_charge_keep): the reservation is then in both snapshots'
+ * charged figure and cancels out of the measured cost, and it does not
+ * make the "after" reading wait for a charge to land.  Called with this
+ * process's creation begun (creating_begin), so no reading of NVML takes
+ * the reservation for memory given back meanwhile (untracked.c).
+ * CUDA_ERROR_OUT_OF_MEMORY: it does not fit, and nothing was reserved. */
+static CUresult ctx_reserve(int ordinal, const gv_devinfo *d, uint64_t *held)
+{
+    *held = 0;
+    gv_region *r = gv_core_region();
+    uint64_t want = r ? region_ctx_cost(r, d->region_dev) : 0;
+    if (want == 0)
+        return CUDA_SUCCESS;
+    gv_charge c;
+    CUresult rc = gv_charge_begin(&c, ordinal, NULL, want);
+    if (rc != CUDA_SUCCESS) {
+        if (rc == CUDA_ERROR_OUT_OF_MEMORY)
+            gv_log(GV_LOG_INFO, "a context takes %llu bytes on device %d, as measured before: "
+                   "refused before creating it", (unsigned long long)want, ordinal);
+        return rc;
+    }
+    *held = c.bytes;
+    gv_charge_keep(&c);
+    return CUDA_SUCCESS;
+}
+
+/* The driver created a context on d and it was measured: n bytes.  The
+ * container's cost for d is the smallest non-zero one measured. */
+static void ctx_learn(const gv_devinfo *d, uint64_t n)
+{
+    gv_region *r = gv_core_region();
+    if (r)
+        region_learn_ctx_cost(r, d->region_dev, n);
+}
+
+/* Charge a context measured at n bytes, taking over the reservation held
+ * (gv_charge_begin's rounding on both, so the charge is what it was
+ * without one).  On failure, nothing is charged or held any more. */
+static CUresult ctx_charge(gv_charge *c, int ordinal, CUcontext ctx, const gv_devinfo *d,
+                           uint64_t held, uint64_t n)
+{
+    if (held == 0)
+        return gv_charge_begin(c, ordinal, ctx, n);
+    CUresult rc = gv_charge_begin(c, ordinal, ctx, 0);
+    if (rc != CUDA_SUCCESS) {
+        gv_uncharge(d->region_dev, held);
+        return rc;
+    }
+    c->bytes = held;            /* the charge's own now */
+    rc = gv_charge_resize(c, n);
+    if (rc != CUDA_SUCCESS)
+        gv_charge_cancel(c);    /* gives the reservation back too */
+    return rc;
+}
+
 /* ---- created contexts --------------------------------------------------- */
 
 /* After the real call (rc): the "after" snapshot, which ends the node lock
- * taken for the "before" one (ctx_prepare). */
+ * taken for the "before" one (ctx_prepare), and the charge, which takes
+ * over the reservation held (given back if the creation failed). */
 static CUresult charge_new_ctx_measured(CUresult rc, CUcontext *pctx, int ordinal,
-                                        const snapshot *before, const gv_devinfo *d, int lock)
+                                        const snapshot *before, const gv_devinfo *d, int lock,
+                                        uint64_t held)
 {
     if (rc != CUDA_SUCCESS || !pctx) {
         gv_node_unlock(lock);
+        gv_uncharge(d->region_dev, held);
         return rc;
     }
     snapshot after;
     snap_after(d, &after);
     gv_node_unlock(lock);
     learn_self(before, &after);
+    uint64_t n = cost(before, &after);
+    ctx_learn(d, n);
     gv_charge c;
-    rc = gv_charge_begin(&c, ordinal, *pctx, cost(before, &after));
+    rc = ctx_charge(&c, ordinal, *pctx, d, held, n);
     if (rc != CUDA_SUCCESS) {
         GV_REAL(cuCtxDestroy_v2, CUresult (*)(CUcontext))(*pctx);
         *pctx = NULL;
@@ -280,22 +354,29 @@ static CUresult charge_new_ctx_measured(CUresult rc, CUcontext *pctx, int ordina
 
 /* The same, and the end of this process's context creation. */
 static CUresult charge_new_ctx(CUresult rc, CUcontext *pctx, int ordinal, const snapshot *before,
-                               const gv_devinfo *d, int lock)
+                               const gv_devinfo *d, int lock, uint64_t held)
 {
-    rc = charge_new_ctx_measured(rc, pctx, ordinal, before, d, lock);
+    rc = charge_new_ctx_measured(rc, pctx, ordinal, before, d, lock, held);
     atomic_fetch_sub(&creating, 1);
     return rc;
 }
 
-/* Prepare: device info, the node lock and the "before" snapshot.  Non-zero:
- * pass through (nothing locked). */
+/* Prepare: device info, the reservation of the learned cost, the node lock
+ * and the "before" snapshot.  Non-zero: nothing held or locked; *err is
+ * GV_FAIL_CUDA or CUDA_ERROR_OUT_OF_MEMORY (fail without the driver), or
+ * anything else (pass through). */
 static int ctx_prepare(int ordinal, const gv_devinfo **d, snapshot *before, CUresult *err,
-                       int *lock)
+                       int *lock, uint64_t *held)
 {
     *err = gv_device(ordinal, d);
     if (*err != CUDA_SUCCESS)
         return 1;
     creating_begin();
+    *err = ctx_reserve(ordinal, *d, held);
+    if (*err != CUDA_SUCCESS) {
+        atomic_fetch_sub(&creating, 1);
+        return 1;
+    }
     *lock = gv_node_lock();
     snap(*d, before);
     return 0;
@@ -307,9 +388,10 @@ static int ctx_prepare(int ordinal, const gv_devinfo **d, snapshot *before, CUre
     snapshot before;                                                           \
     CUresult err;                                                              \
     int lock = -1;                                                             \
-    if (ctx_prepare(dev, &d, &before, &err, &lock))                            \
-        return err == GV_FAIL_CUDA ? err : call;                               \
-    return charge_new_ctx(call, pctx, dev, &before, d, lock)
+    uint64_t held = 0;                                                         \
+    if (ctx_prepare(dev, &d, &before, &err, &lock, &held))                     \
+        return err == GV_FAIL_CUDA || err == CUDA_ERROR_OUT_OF_MEMORY ? err : call; \
+    return charge_new_ctx(call, pctx, dev, &before, d, lock, held)
 
 typedef CUresult (*create_v2_fn)(CUcontext *, unsigned int, CUdevice);
 typedef CUresult (*create_v3_fn)(CUcontext *, CUexecAffinityParam *, int, unsigned int, CUdevice);
@@ -409,15 +491,26 @@ GV_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     struct primary *p = &prim[dev];
     pthread_mutex_lock(&p->lock);
     snapshot before;
-    int measure = p->charged == 0, lock = -1;
+    int measure = p->charged == 0, lock = -1, creates = p->refs == 0;
+    uint64_t held = 0;
     if (measure) {
         creating_begin();
+        /* Only where the driver will create it: a context this process
+         * holds already but was charged nothing for (a measurement that
+         * found nothing) takes no more memory when retained again. */
+        rc = creates ? ctx_reserve(dev, d, &held) : CUDA_SUCCESS;
+        if (rc != CUDA_SUCCESS) {
+            atomic_fetch_sub(&creating, 1);
+            pthread_mutex_unlock(&p->lock);
+            return rc;
+        }
         lock = gv_node_lock();
         snap(d, &before);
     }
     rc = real(pctx, dev);
     if (rc != CUDA_SUCCESS) {
         gv_node_unlock(lock);
+        gv_uncharge(d->region_dev, held);
     } else {
         p->refs++;
         p->ctx = *pctx;
@@ -428,11 +521,13 @@ GV_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
             learn_self(&before, &after);
             gv_charge c;
             uint64_t n = cost(&before, &after);
-            if (n && gv_charge_begin(&c, dev, *pctx, n) != CUDA_SUCCESS) {
+            if (creates)
+                ctx_learn(d, n);
+            if ((n || held) && ctx_charge(&c, dev, *pctx, d, held, n) != CUDA_SUCCESS) {
                 GV_REAL(cuDevicePrimaryCtxRelease_v2, CUresult (*)(CUdevice))(dev);
                 p->refs--;
                 rc = CUDA_ERROR_OUT_OF_MEMORY;
-            } else if (n) {
+            } else if (n || held) {
                 p->charged = c.bytes;
                 p->dev = c.dev;
                 gv_charge_keep(&c);

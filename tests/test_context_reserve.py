@@ -1,0 +1,210 @@
+"""A context's learned cost is reserved before the driver creates it.
+
+A context takes device memory of its own (32 MiB in the simulator).  The
+library measures it around the creation (hooks_context.c); a context that
+does not fit the quota used to be created, measured, then destroyed again,
+so the device's physical use passed the quota meanwhile.  The container now
+keeps the smallest cost its processes measured on each device, and reserves
+it before the driver is called: a context that cannot fit is refused
+without being created.  Physical use is read through NVML by a process
+without the library (the simulator's figure for the whole device), sampled
+in a loop while the creation is tried.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+
+from tests.helpers import Holder, SimNode, region_call, run_json, start_ready
+
+MiB = 1 << 20
+SIM_CONTEXT = 32 * MiB
+
+# Device 0's used memory as NVML reports it, read as fast as it can be
+# until a line comes on stdin: the first, peak and last readings.
+SAMPLER = """
+import json, sys, threading
+import pynvml as n
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+def used():
+    return n.nvmlDeviceGetMemoryInfo(h).used
+first = used()
+stop = threading.Event()
+threading.Thread(target=lambda: (sys.stdin.readline(), stop.set()), daemon=True).start()
+print("ready", flush=True)
+peak, count = first, 0
+while not stop.is_set():
+    peak = max(peak, used())
+    count += 1
+print(json.dumps({"first": first, "peak": peak, "last": used(), "samples": count}))
+"""
+
+HOLD = """
+from tests.cuclient import *
+init(0)
+ptr = ok(cu.cuMemAlloc, {alloc})
+hold(used=used())
+"""
+
+# Try a context (primary or cuCtxCreate) once; report the CUDA result.
+TRY = """
+import json, os
+from tests.cuclient import *
+ok(cu.cuInit, 0)
+dev = ok(cu.cuDeviceGet, 0)
+if {create}:
+    err, ctx = call(cu.cuCtxCreate, None, 0, dev)
+else:
+    err, ctx = call(cu.cuDevicePrimaryCtxRetain, dev)
+print(json.dumps({{"err": int(err), "pid": os.getpid()}}))
+"""
+
+OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY
+
+# NVML's per-process figures on device 0, read without the library.
+NVML_PROCS = """
+import json
+import pynvml as n
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+print(json.dumps({p.pid: p.usedGpuMemory for p in n.nvmlDeviceGetComputeRunningProcesses(h)}))
+"""
+
+
+def env_for(node: SimNode, limit: str = "1g", **extra: str) -> dict[str, str]:
+    return node.shimmed(CUDA_DEVICE_MEMORY_LIMIT=limit, LIBCUDA_LOG_LEVEL="2", **extra)
+
+
+def sampled(node: SimNode, code: str, env: dict[str, str]) -> tuple[dict[str, Any], Any]:
+    """Run code in env while a sampler without the library reads NVML's
+    device figure; (the sampler's readings, the code's JSON)."""
+    sampler = start_ready(SAMPLER, node.env)
+    try:
+        out = run_json(code, env)
+    finally:
+        assert sampler.stdin is not None
+        sampler.stdin.write("\n")
+        sampler.stdin.flush()
+        stdout, stderr = sampler.communicate(timeout=30)
+    assert sampler.returncode == 0, stderr
+    return json.loads(stdout.strip().splitlines()[-1]), out
+
+
+def region_used(node: SimNode) -> int:
+    return int(region_call(node, "print(r.used(0))").strip())
+
+
+def nvml_processes(node: SimNode) -> dict[str, int]:
+    out = subprocess.run(
+        [sys.executable, "-c", NVML_PROCS],
+        env=node.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    procs: dict[str, int] = json.loads(out)
+    return procs
+
+
+@pytest.mark.parametrize("create", [False, True], ids=["primary-ctx", "cuCtxCreate"])
+def test_a_context_that_cannot_fit_is_refused_before_it_is_created(
+    node: SimNode, create: bool
+) -> None:
+    """The QA scenario: a 1 GiB quota, one process holding 1008 MiB (its
+    context and 976 MiB); a second process's context is refused with
+    CUDA_ERROR_OUT_OF_MEMORY, and the device's physical use never rises
+    above what the first holds (it reached 1040 MiB before)."""
+    with Holder(HOLD.format(alloc=976 * MiB), env_for(node)) as held:
+        assert held["used"] == 1008 * MiB
+        assert region_used(node) == 1008 * MiB
+        env = env_for(node, GPUVISOR_SIM_CTX_CREATE_MS="300")
+        seen, out = sampled(node, TRY.format(create=create), env)
+        assert out["err"] == OOM
+        assert seen["samples"] > 10, seen
+        assert seen["first"] == 1008 * MiB, seen
+        assert seen["peak"] == 1008 * MiB, seen  # 1040 MiB without the reservation
+        assert seen["last"] == 1008 * MiB, seen
+        assert region_used(node) == 1008 * MiB
+
+
+@pytest.mark.parametrize("create", [False, True], ids=["primary-ctx", "cuCtxCreate"])
+def test_a_context_that_fits_is_created_and_charged_its_measured_cost(
+    node: SimNode, create: bool
+) -> None:
+    """With the cost learned, a context that fits is created as before and
+    charged what it takes: the region's total is NVML's figure for the
+    container's processes."""
+    keep = """
+from tests.cuclient import *
+init(0, create={create})
+hold(used=used())
+"""
+    with Holder(HOLD.format(alloc=200 * MiB), env_for(node)) as first:
+        assert first["used"] == SIM_CONTEXT + 200 * MiB
+        second = Holder(keep.format(create=create), env_for(node))
+        with second as out:
+            assert out["used"] == 2 * SIM_CONTEXT + 200 * MiB  # the container's
+            procs = nvml_processes(node)
+            charged = json.loads(region_call(node, "import json\nprint(json.dumps(r.usage_by_process(0)))"))
+            assert procs[str(second.pid)] == SIM_CONTEXT, procs
+            assert charged == procs, (charged, procs)
+            assert region_used(node) == sum(procs.values()) == 264 * MiB
+
+
+def test_without_a_learned_cost_the_context_is_created_then_measured(node: SimNode) -> None:
+    """The container's first context is created and measured as before,
+    even if it then does not fit (a 16 MiB quota, a 32 MiB context: the
+    device's use rises for the while); its cost is learned all the same, so
+    the next process's context is refused without being created."""
+    env = env_for(node, limit="16m", GPUVISOR_SIM_CTX_CREATE_MS="300")
+    first, out = sampled(node, TRY.format(create=False), env)
+    assert out["err"] == OOM
+    assert first["first"] == 0 and first["last"] == 0, first
+    assert first["peak"] == SIM_CONTEXT, first
+    again, out = sampled(node, TRY.format(create=False), env)
+    assert out["err"] == OOM
+    assert again["peak"] == 0, again
+    assert region_used(node) == 0
+
+
+SLOW = """
+import sys
+from tests.cuclient import *
+ok(cu.cuInit, 0)
+dev = ok(cu.cuDeviceGet, 0)
+print("ready", flush=True)
+call(cu.cuDevicePrimaryCtxRetain, dev)
+"""
+
+def test_a_process_killed_after_reserving_leaves_no_reservation(node: SimNode) -> None:
+    """SIGKILLed while its context is being created, with the learned cost
+    reserved: once its slot is reclaimed the container's other processes
+    get the whole quota back."""
+    with Holder(HOLD.format(alloc=2 * MiB), env_for(node)):
+        assert region_used(node) == SIM_CONTEXT + 2 * MiB
+        slow = start_ready(SLOW, env_for(node, GPUVISOR_SIM_CTX_CREATE_MS="20000"))
+        try:
+            deadline = time.monotonic() + 15
+            while region_used(node) < 2 * SIM_CONTEXT + 2 * MiB:  # reserved
+                assert time.monotonic() < deadline, "the slow process never reserved"
+                time.sleep(0.05)
+            assert region_used(node) == 2 * SIM_CONTEXT + 2 * MiB
+        finally:
+            os.kill(slow.pid, signal.SIGKILL)
+            slow.wait(10)
+        # The next process fills what is left of the quota with its own
+        # context: it fits only once the dead reservation is reclaimed.
+        rest = 1024 * MiB - 2 * SIM_CONTEXT - 2 * MiB
+        with Holder(HOLD.format(alloc=rest), env_for(node)) as out:
+            assert out["used"] == 1024 * MiB
+            assert region_used(node) == 1024 * MiB
