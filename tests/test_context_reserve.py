@@ -80,6 +80,9 @@ print(json.dumps({p.pid: p.usedGpuMemory for p in n.nvmlDeviceGetComputeRunningP
 """
 
 
+USAGE = "import json\nprint(json.dumps(r.usage_by_process(0)))"
+
+
 def env_for(node: SimNode, limit: str = "1g", **extra: str) -> dict[str, str]:
     return node.shimmed(CUDA_DEVICE_MEMORY_LIMIT=limit, LIBCUDA_LOG_LEVEL="2", **extra)
 
@@ -155,7 +158,7 @@ hold(used=used())
         with second as out:
             assert out["used"] == 2 * SIM_CONTEXT + 200 * MiB  # the container's
             procs = nvml_processes(node)
-            charged = json.loads(region_call(node, "import json\nprint(json.dumps(r.usage_by_process(0)))"))
+            charged = json.loads(region_call(node, USAGE))
             assert procs[str(second.pid)] == SIM_CONTEXT, procs
             assert charged == procs, (charged, procs)
             assert region_used(node) == sum(procs.values()) == 264 * MiB
@@ -169,7 +172,8 @@ def test_without_a_learned_cost_the_context_is_created_then_measured(node: SimNo
     env = env_for(node, limit="16m", GPUVISOR_SIM_CTX_CREATE_MS="300")
     first, out = sampled(node, TRY.format(create=False), env)
     assert out["err"] == OOM
-    assert first["first"] == 0 and first["last"] == 0, first
+    assert first["first"] == 0, first
+    assert first["last"] == 0, first
     assert first["peak"] == SIM_CONTEXT, first
     again, out = sampled(node, TRY.format(create=False), env)
     assert out["err"] == OOM
@@ -185,6 +189,7 @@ dev = ok(cu.cuDeviceGet, 0)
 print("ready", flush=True)
 call(cu.cuDevicePrimaryCtxRetain, dev)
 """
+
 
 def test_a_process_killed_after_reserving_leaves_no_reservation(node: SimNode) -> None:
     """SIGKILLed while its context is being created, with the learned cost
