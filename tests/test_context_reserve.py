@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -65,7 +66,11 @@ if {create}:
     err, ctx = call(cu.cuCtxCreate, None, 0, dev)
 else:
     err, ctx = call(cu.cuDevicePrimaryCtxRetain, dev)
-print(json.dumps({{"err": int(err), "pid": os.getpid()}}))
+# What the container holds on the device, read before this process exits
+# (and gives back all it holds).
+from gpuvisor.shim.region import Region
+held = Region.attach().used(0)
+print(json.dumps({{"err": int(err), "pid": os.getpid(), "held": held}}))
 """
 
 OOM = 2  # CUDA_ERROR_OUT_OF_MEMORY
@@ -133,6 +138,7 @@ def test_a_context_that_cannot_fit_is_refused_before_it_is_created(
         env = env_for(node, GPUVISOR_SIM_CTX_CREATE_MS="300")
         seen, out = sampled(node, TRY.format(create=create), env)
         assert out["err"] == OOM
+        assert out["held"] == 1008 * MiB
         assert seen["samples"] > 10, seen
         assert seen["first"] == 1008 * MiB, seen
         assert seen["peak"] == 1008 * MiB, seen  # 1040 MiB without the reservation
@@ -177,6 +183,7 @@ def test_without_a_learned_cost_the_context_is_created_then_measured(node: SimNo
     assert first["peak"] == SIM_CONTEXT, first
     again, out = sampled(node, TRY.format(create=False), env)
     assert out["err"] == OOM
+    assert out["held"] == 0
     assert again["peak"] == 0, again
     assert region_used(node) == 0
 
@@ -213,3 +220,100 @@ def test_a_process_killed_after_reserving_leaves_no_reservation(node: SimNode) -
         with Holder(HOLD.format(alloc=rest), env_for(node)) as out:
             assert out["used"] == 1024 * MiB
             assert region_used(node) == 1024 * MiB
+
+
+UUID = "GPU-12345678-1234-1234-1234-123456789abc"
+
+
+def two_sizes(tmp_path: Path, first: str, second: str) -> tuple[SimNode, SimNode]:
+    """Two simulated nodes whose one device has the same UUID but contexts
+    of different sizes, and one region file: the container's processes see
+    one device entry, so the second learns the first's cost."""
+    nodes = []
+    for name, ctx in (("a", first), ("b", second)):
+        directory = tmp_path / name
+        directory.mkdir()
+        node = SimNode.create(directory, devices=f"16g:uuid={UUID}:ctx={ctx}")
+        node.env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = str(tmp_path / "region.shr")
+        nodes.append(node)
+    return nodes[0], nodes[1]
+
+
+KEEP = """
+from tests.cuclient import *
+init(0, create={create})
+hold(used=used())
+"""
+
+
+@pytest.mark.parametrize("create", [False, True], ids=["primary-ctx", "cuCtxCreate"])
+def test_a_context_larger_than_reserved_is_charged_its_measured_cost(
+    tmp_path: Path, create: bool
+) -> None:
+    """The cost reserved (16 MiB, learned) is less than the context takes
+    (48 MiB): the difference is charged after the creation."""
+    a, b = two_sizes(tmp_path, "16m", "48m")
+    with Holder(KEEP.format(create=create), env_for(a)) as first:
+        assert first["used"] == 16 * MiB
+        with Holder(KEEP.format(create=create), env_for(b)) as second:
+            assert second["used"] == 64 * MiB
+            assert region_used(a) == 64 * MiB
+
+
+@pytest.mark.parametrize("create", [False, True], ids=["primary-ctx", "cuCtxCreate"])
+def test_a_context_larger_than_reserved_that_does_not_fit_is_destroyed(
+    tmp_path: Path, create: bool
+) -> None:
+    """The reservation fits (16 MiB of the 40 MiB left) but the context
+    takes 48 MiB: it is destroyed again and the call fails, leaving
+    nothing charged (the reservation given back with it)."""
+    a, b = two_sizes(tmp_path, "16m", "48m")
+    with Holder(HOLD.format(alloc=968 * MiB), env_for(a)) as first:
+        assert first["used"] == 984 * MiB
+        seen, out = sampled(
+            b, TRY.format(create=create), env_for(b, GPUVISOR_SIM_CTX_CREATE_MS="300")
+        )
+        assert out["err"] == OOM
+        assert out["held"] == 984 * MiB
+        assert seen["peak"] == 48 * MiB, seen  # created, as without a reservation
+        assert seen["last"] == 0, seen
+        assert region_used(a) == 984 * MiB
+
+
+@pytest.mark.parametrize("create", [False, True], ids=["primary-ctx", "cuCtxCreate"])
+def test_a_context_smaller_than_reserved_gives_the_difference_back(
+    tmp_path: Path, create: bool
+) -> None:
+    """The cost reserved (48 MiB) is more than the context takes (16 MiB):
+    the difference is given back, and the smaller cost learned."""
+    a, b = two_sizes(tmp_path, "48m", "16m")
+    with Holder(KEEP.format(create=create), env_for(a)) as first:
+        assert first["used"] == 48 * MiB
+        with Holder(KEEP.format(create=create), env_for(b)) as second:
+            assert second["used"] == 64 * MiB
+            assert region_used(a) == 64 * MiB
+    # The smallest cost is kept: with 24 MiB left, a 16 MiB context is
+    # created (48 MiB reserved would have refused it in advance).
+    with Holder(HOLD.format(alloc=984 * MiB), env_for(b)) as first:
+        assert first["used"] == 1000 * MiB
+        with Holder(KEEP.format(create=create), env_for(b)) as second:
+            assert second["used"] == 1016 * MiB
+
+
+@pytest.mark.parametrize("create", [False, True], ids=["primary-ctx", "cuCtxCreate"])
+def test_a_creation_the_driver_refuses_gives_the_reservation_back(
+    tmp_path: Path, create: bool
+) -> None:
+    """The learned cost fits the quota, but the device itself is full
+    (another container holds the rest of a 1 GiB GPU): the driver refuses
+    the context, and the reservation is given back."""
+    node = SimNode.create(tmp_path, devices="1g")
+    mine = env_for(node, limit="4g")
+    other = env_for(node, limit="4g", CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "o.shr"))
+    with Holder(KEEP.format(create=create), mine) as first:
+        assert first["used"] == SIM_CONTEXT
+        with Holder(HOLD.format(alloc=960 * MiB), other):
+            out = run_json(TRY.format(create=create), mine)
+            assert out["err"] == OOM
+            assert out["held"] == SIM_CONTEXT
+            assert region_used(node) == SIM_CONTEXT
