@@ -16,8 +16,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -112,15 +110,7 @@ def region_used(node: SimNode) -> int:
 
 
 def nvml_processes(node: SimNode) -> dict[str, int]:
-    out = subprocess.run(
-        [sys.executable, "-c", NVML_PROCS],
-        env=node.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    procs: dict[str, int] = json.loads(out)
+    procs: dict[str, int] = run_json(NVML_PROCS, node.env)
     return procs
 
 
