@@ -12,6 +12,19 @@ from tests.helpers import CLI, REPO_ROOT, GiB, clean_env, run_py
 from tests.test_agent import AgentProc, Client, device, sock_path  # noqa: F401 (fixture)
 
 
+def gpuvisor(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """Run the gpuvisor CLI with args (in a clean environment unless env)."""
+    return subprocess.run(
+        [*CLI, *args],
+        env=clean_env() if env is None else env,
+        capture_output=True,
+        text=True,
+        cwd=REPO_ROOT,
+        timeout=60,
+        check=False,
+    )
+
+
 def test_status_json_reads_the_region(node):
     proc = run_py(
         f"""
@@ -23,15 +36,7 @@ def test_status_json_reads_the_region(node):
         node.env,
     )
     assert proc.returncode == 0, proc.stderr
-    out = subprocess.run(
-        [*CLI, "status", "--json", "--sample", "0.05"],
-        env=node.env,
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        timeout=60,
-        check=False,
-    )
+    out = gpuvisor("status", "--json", "--sample", "0.05", env=node.env)
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     assert info["region"] == str(node.region)
@@ -42,15 +47,7 @@ def test_status_json_reads_the_region(node):
     assert devs["GPU-00000000-0000-0000-0000-000000000000"]["sm_limit"] is None
     assert devs["GPU-00000000-0000-0000-0000-000000000000"]["processes"] == []
     # The table form names the devices too.
-    out = subprocess.run(
-        [*CLI, "status", "--region", str(node.region), "--sample", "0"],
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        timeout=60,
-        check=False,
-    )
+    out = gpuvisor("status", "--region", str(node.region), "--sample", "0")
     assert out.returncode == 0, out.stderr
     assert "GPU-00000000-0000-0000-0000-000000000000" in out.stdout
     assert "4.0 GiB" in out.stdout
@@ -60,28 +57,12 @@ def test_top_once_json_and_table(sock_path):  # noqa: F811
     with AgentProc(sock_path) as agent:
         c = Client(sock_path, pod="topped", namespace="ns1")
         c.report(device(used=2 * GiB))
-        out = subprocess.run(
-            [*CLI, "top", "--once", "--json", "--url", agent.url + "/status"],
-            env=clean_env(),
-            capture_output=True,
-            text=True,
-            cwd=REPO_ROOT,
-            timeout=60,
-            check=False,
-        )
+        out = gpuvisor("top", "--once", "--json", "--url", agent.url + "/status")
         assert out.returncode == 0, out.stderr
         data = json.loads(out.stdout)
         assert [x["container"]["pod"] for x in data["containers"]] == ["topped"]
         assert data["containers"][0]["devices"][0]["memory_used"] == 2 * GiB
-        out = subprocess.run(
-            [*CLI, "top", "--once", "--url", agent.url + "/status"],
-            env=clean_env(),
-            capture_output=True,
-            text=True,
-            cwd=REPO_ROOT,
-            timeout=60,
-            check=False,
-        )
+        out = gpuvisor("top", "--once", "--url", agent.url + "/status")
         assert out.returncode == 0, out.stderr
         assert "ns1/topped/main" in out.stdout
         assert "2.0 GiB" in out.stdout
@@ -89,15 +70,7 @@ def test_top_once_json_and_table(sock_path):  # noqa: F811
 
 
 def test_top_once_unreachable_agent_fails_cleanly():
-    out = subprocess.run(
-        [*CLI, "top", "--once", "--url", "http://127.0.0.1:1/status"],
-        env=clean_env(),
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        timeout=60,
-        check=False,
-    )
+    out = gpuvisor("top", "--once", "--url", "http://127.0.0.1:1/status")
     assert out.returncode != 0
     assert "cannot read" in out.stderr
 
@@ -172,10 +145,7 @@ def test_top_once_names_a_document_that_is_not_an_agents_status(body, as_json):
     a proxy's error object, a list): `top --once` ended in a Python
     traceback (AttributeError, KeyError) instead of one line."""
     with _JsonServer(body) as server:
-        args = [*CLI, "top", "--once", "--url", server.url, *(["--json"] if as_json else [])]
-        out = subprocess.run(
-            args, env=clean_env(), capture_output=True, text=True, cwd=REPO_ROOT, timeout=60
-        )
+        out = gpuvisor("top", "--once", "--url", server.url, *(["--json"] if as_json else []))
     assert "Traceback" not in out.stderr, out.stderr
     assert out.returncode == 1, out.stdout + out.stderr
     lines = out.stderr.splitlines()
@@ -217,15 +187,7 @@ def test_top_names_a_container_without_labels_by_its_cgroup(sock_path):  # noqa:
     with AgentProc(sock_path) as agent:
         c = Client(sock_path, pod="", namespace="", container="")
         c.report(device(used=GiB))
-        out = subprocess.run(
-            [*CLI, "top", "--once", "--url", agent.url + "/status"],
-            env=clean_env(),
-            capture_output=True,
-            text=True,
-            cwd=REPO_ROOT,
-            timeout=60,
-            check=False,
-        )
+        out = gpuvisor("top", "--once", "--url", agent.url + "/status")
         c.close()
     assert out.returncode == 0, out.stderr
     rows = [line for line in out.stdout.splitlines() if "1.0 GiB" in line]
@@ -247,17 +209,13 @@ def test_status_sample_0_measures_nothing(node):
         node.env,
     )
     assert proc.returncode == 0, proc.stderr
-    run = [*CLI, "status", "--region", str(node.region), "--sample", "0"]
-    out = subprocess.run(
-        [*run, "--json"], env=node.env, capture_output=True, text=True, cwd=REPO_ROOT, timeout=60
-    )
+    run = ["status", "--region", str(node.region), "--sample", "0"]
+    out = gpuvisor(*run, "--json", env=node.env)
     assert out.returncode == 0, out.stderr
     [dev] = json.loads(out.stdout)["devices"]
     assert dev["sm_limit"] == 30
     assert dev["sm_achieved"] is None
-    out = subprocess.run(
-        run, env=node.env, capture_output=True, text=True, cwd=REPO_ROOT, timeout=60
-    )
+    out = gpuvisor(*run, env=node.env)
     assert out.returncode == 0, out.stderr
     header, row = out.stdout.splitlines()[1:3]
 
