@@ -119,27 +119,9 @@ static void do_init(void)
         g_alloc_ms = 0;
     if (sim_knob_uint("GPUVISOR_SIM_FREE_MS", &g_free_ms) <= 0)
         g_free_ms = 0;
-    if (sim_knob_uint("GPUVISOR_SIM_LAUNCH_US", &g_launch_us) <= 0) {
-        g_launch_us = 0;
-    } else if (g_launch_us > 1000000) {
-        sim_log("GPUVISOR_SIM_LAUNCH_US=%s is not an integer from 1 to 1000000; ignored",
-                getenv("GPUVISOR_SIM_LAUNCH_US"));
-        g_launch_us = 0;
-    }
-    if (sim_knob_uint("GPUVISOR_SIM_LAUNCH_EVERY", &g_launch_every) <= 0) {
-        g_launch_every = 1;
-    } else if (g_launch_every > 1000000) {
-        sim_log("GPUVISOR_SIM_LAUNCH_EVERY=%s is not an integer from 1 to 1000000; ignored",
-                getenv("GPUVISOR_SIM_LAUNCH_EVERY"));
-        g_launch_every = 1;
-    }
-    if (sim_knob_uint("GPUVISOR_SIM_MODULE_MIB", &g_module_mib) <= 0) {
-        g_module_mib = 0;
-    } else if (g_module_mib > (1ULL << 20)) {
-        sim_log("GPUVISOR_SIM_MODULE_MIB=%s is not an integer from 1 to %llu; ignored",
-                getenv("GPUVISOR_SIM_MODULE_MIB"), 1ULL << 20);
-        g_module_mib = 0;
-    }
+    g_launch_us = sim_knob_range("GPUVISOR_SIM_LAUNCH_US", 1, 1000000, 0);
+    g_launch_every = sim_knob_range("GPUVISOR_SIM_LAUNCH_EVERY", 1, 1000000, 1);
+    g_module_mib = sim_knob_range("GPUVISOR_SIM_MODULE_MIB", 1, 1ULL << 20, 0);
     const char *f = getenv("GPUVISOR_SIM_CUDA_FAIL");
     if (f && *f) {
         if (strlen(f) + 3 > sizeof g_cuda_fail)

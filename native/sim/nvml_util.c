@@ -44,14 +44,8 @@ static pthread_once_t sample_once = PTHREAD_ONCE_INIT;
 
 static void read_sample_ms(void)
 {
-    unsigned long long ms;
-    int got = sim_knob_uint("GPUVISOR_SIM_NVML_SAMPLE_MS", &ms);
-    if (got > 0 && (ms < SAMPLE_MS_MIN || ms > SAMPLE_MS_MAX)) {
-        sim_log("GPUVISOR_SIM_NVML_SAMPLE_MS=%s is not an integer from %llu to %llu; ignored",
-                getenv("GPUVISOR_SIM_NVML_SAMPLE_MS"), SAMPLE_MS_MIN, SAMPLE_MS_MAX);
-        got = 0;
-    }
-    sample_ns_v = (got > 0 ? ms : SAMPLE_MS_DEFAULT) * 1000000ULL;
+    sample_ns_v = sim_knob_range("GPUVISOR_SIM_NVML_SAMPLE_MS", SAMPLE_MS_MIN, SAMPLE_MS_MAX,
+                                 SAMPLE_MS_DEFAULT) * 1000000ULL;
 }
 
 /* The per-process sampling period (GPUVISOR_SIM_NVML_SAMPLE_MS; 100 ms). */
@@ -113,13 +107,7 @@ static pthread_once_t publish_once = PTHREAD_ONCE_INIT;
 
 static void read_publish(void)
 {
-    if (sim_knob_uint("GPUVISOR_SIM_NVML_PUBLISH_MS", &publish_ms) <= 0) {
-        publish_ms = 0;
-    } else if (publish_ms > PUBLISH_MS_MAX) {
-        sim_log("GPUVISOR_SIM_NVML_PUBLISH_MS=%s is not an integer from 1 to %llu; ignored",
-                getenv("GPUVISOR_SIM_NVML_PUBLISH_MS"), PUBLISH_MS_MAX);
-        publish_ms = 0;
-    }
+    publish_ms = sim_knob_range("GPUVISOR_SIM_NVML_PUBLISH_MS", 1, PUBLISH_MS_MAX, 0);
 }
 
 /* How long after its end a sample of pid is published. */
@@ -184,13 +172,7 @@ static pthread_once_t query_once = PTHREAD_ONCE_INIT;
 
 static void read_query_ms(void)
 {
-    if (sim_knob_uint("GPUVISOR_SIM_NVML_UTIL_MS", &query_ms) <= 0) {
-        query_ms = 0;
-    } else if (query_ms > QUERY_MS_MAX) {
-        sim_log("GPUVISOR_SIM_NVML_UTIL_MS=%s is not an integer from 1 to %llu; ignored",
-                getenv("GPUVISOR_SIM_NVML_UTIL_MS"), QUERY_MS_MAX);
-        query_ms = 0;
-    }
+    query_ms = sim_knob_range("GPUVISOR_SIM_NVML_UTIL_MS", 1, QUERY_MS_MAX, 0);
 }
 
 /* The time a per-process query takes (GPUVISOR_SIM_NVML_UTIL_MS). */

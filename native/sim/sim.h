@@ -150,6 +150,11 @@ SIM_HIDDEN int sim_parse_spec(const char *s, sim_spec *out); /* 0 / -1 */
 SIM_HIDDEN int sim_uuid_bytes(const char *uuid, unsigned char out[16]);
 SIM_HIDDEN void sim_default_uuid(int index, char *buf, size_t len);
 SIM_HIDDEN int sim_knob_uint(const char *var, unsigned long long *out);
+/* var as an integer from lo to hi; fallback when unset, or when malformed or
+ * out of range (said in one line naming var and its value). */
+SIM_HIDDEN unsigned long long sim_knob_range(const char *var, unsigned long long lo,
+                                             unsigned long long hi,
+                                             unsigned long long fallback);
 
 /* ---- CUDA side, process local (cuda_*.c) ---------------------------- */
 

@@ -219,3 +219,17 @@ int sim_knob_uint(const char *var, unsigned long long *out)
     *out = n;
     return 1;
 }
+
+unsigned long long sim_knob_range(const char *var, unsigned long long lo, unsigned long long hi,
+                                  unsigned long long fallback)
+{
+    unsigned long long v;
+    int got = sim_knob_uint(var, &v);
+    if (got <= 0)
+        return fallback;
+    if (v < lo || v > hi) {
+        sim_log("%s=%s is not an integer from %llu to %llu; ignored", var, getenv(var), lo, hi);
+        return fallback;
+    }
+    return v;
+}
