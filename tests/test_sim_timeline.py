@@ -287,17 +287,28 @@ def test_duty_cycle_utilization(tmp_path: Path) -> None:
     assert r["future"] == "not found", r
 
 
-PUBLISH_QUERY = with_prelude(
+def after_one_kernel(us: int, body: str) -> str:
+    """A program that runs one `us`-long kernel, waits for its samples to
+    end (as long again, at most 250 ms), opens NVML (`n`, handle `h`) and
+    then runs body."""
+    return with_prelude(
+        f"""
+        import pynvml as n
+        s = chk(cu.cuStreamCreate(0))
+        launch_spin(s, {us})
+        chk(cu.cuStreamSynchronize(s))
+        time.sleep({min(us, 250_000) / 1e6})
+        n.nvmlInit()
+        h = n.nvmlDeviceGetHandleByIndex(0)
+        """
+    ) + textwrap.dedent(body)
+
+
+PUBLISH_QUERY = after_one_kernel(
+    300_000,
     """
-    import pynvml as n
-    s = chk(cu.cuStreamCreate(0))
-    launch_spin(s, 300_000)
-    chk(cu.cuStreamSynchronize(s))
-    time.sleep(0.25)
-    n.nvmlInit()
-    h = n.nvmlDeviceGetHandleByIndex(0)
     print(len(n.nvmlDeviceGetProcessUtilization(h, 0)), flush=True)
-    """
+    """,
 )
 
 
@@ -366,19 +377,13 @@ def test_the_nvml_sample_period_is_a_knob(tmp_path: Path, knob: str, period_us: 
         assert abs(step - period_us) <= 50, steps
 
 
-PER_SAMPLE = with_prelude(
+PER_SAMPLE = after_one_kernel(
+    250_000,
     """
-    import pynvml as n
-    s = chk(cu.cuStreamCreate(0))
-    launch_spin(s, 250_000)
-    chk(cu.cuStreamSynchronize(s))
-    time.sleep(0.25)
-    n.nvmlInit()
-    h = n.nvmlDeviceGetHandleByIndex(0)
     old = n.nvmlDeviceGetProcessUtilization(h, 0)
     new = n.nvmlDeviceGetProcessesUtilizationInfo(h, 0)
     print(json.dumps([[[x.pid, x.smUtil, x.timeStamp] for x in got] for got in (old, new)]))
-    """
+    """,
 )
 
 
@@ -401,15 +406,9 @@ def test_nvml_answers_per_sample_when_asked(tmp_path: Path, knob: str) -> None:
         assert abs(sum(util for _, util, _ in entries) - 250) <= 2, entries
 
 
-SLOW_QUERY = with_prelude(
+SLOW_QUERY = after_one_kernel(
+    150_000,
     """
-    import pynvml as n
-    s = chk(cu.cuStreamCreate(0))
-    launch_spin(s, 150_000)
-    chk(cu.cuStreamSynchronize(s))
-    time.sleep(0.15)
-    n.nvmlInit()
-    h = n.nvmlDeviceGetHandleByIndex(0)
     t0 = time.monotonic()
     old = n.nvmlDeviceGetProcessUtilization(h, 0)
     t1 = time.monotonic()
@@ -417,7 +416,7 @@ SLOW_QUERY = with_prelude(
     t2 = time.monotonic()
     print(json.dumps({"util_ms": (t1 - t0) * 1e3, "info_ms": (t2 - t1) * 1e3,
                       "util_n": len(old), "info_n": len(new)}))
-    """
+    """,
 )
 
 
