@@ -226,15 +226,19 @@ class CEnvScan:
             for fn in ("getenv", "secure_getenv"):
                 for _, args in _calls(f.body, fn):
                     self._resolve_arg(args[0], f, wrappers)
-        for fname, index in wrappers:
+        for fname, index in wrappers:  # grows: a wrapper may call another one
             for f in self.functions:  # calls inside function bodies, not prototypes
                 for _, args in _calls(f.body, fname):
-                    name = self._constant(args[index]) if index < len(args) else None
-                    built = self._built(args[index], f) if index < len(args) else None
+                    arg = args[index] if index < len(args) else ""
+                    name = self._constant(arg) if arg else None
+                    built = self._built(arg, f) if arg else None
                     if name is not None:
                         self.names.add(name)
                     elif built is not None:
                         self.names |= built
+                    elif re.fullmatch(r"\w+", arg) and arg in f.params:
+                        if (f.name, f.params.index(arg)) not in wrappers:
+                            wrappers.append((f.name, f.params.index(arg)))
                     else:
                         self.unresolved.append(f"{f.path.name}: {fname}({', '.join(args)})")
 
