@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 import urllib.error
@@ -113,6 +114,19 @@ def region_status(region_path: str | None, sample: float) -> dict[str, Any]:
 def status(region_path: str | None, sample: float, as_json: bool) -> None:
     """This container's GPU limits and usage, per device, from its region."""
     from gpuvisor.shim import GpuvisorError, NativeLibraryNotFound
+
+    if region_path is not None and not os.path.isabs(region_path):
+        # Refused as the library refuses it: a relative region would be
+        # another file from every directory (and be created, empty, here).
+        source = click.get_current_context().get_parameter_source("region_path")
+        named = REGION_ENV if source == click.core.ParameterSource.ENVIRONMENT else "--region"
+        why = (
+            "not an absolute path (the library refuses one: processes in other "
+            "directories would not share the region)"
+            if region_path
+            else "not a usable path"
+        )
+        raise click.BadParameter(f"{region_path!r}: {why}", param_hint=f"'{named}'")
 
     try:
         info = region_status(region_path, sample)

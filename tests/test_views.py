@@ -224,3 +224,38 @@ def test_status_sample_0_measures_nothing(node):
 
     assert cell("SM-LIMIT") == "30%"
     assert cell("SM-ACHIEVED") == "-"
+
+
+@pytest.mark.parametrize(
+    ("how", "value", "says"),
+    [
+        ("option", "rel.shr", "Invalid value for '--region': 'rel.shr': not an absolute path"),
+        ("option", "", "Invalid value for '--region': '': not a usable path"),
+        (
+            "variable",
+            "rel.shr",
+            "Invalid value for 'CUDA_DEVICE_MEMORY_SHARED_CACHE': 'rel.shr': not an absolute path",
+        ),
+    ],
+)
+def test_status_refuses_a_relative_region_as_the_library_does(tmp_path, how, value, says):
+    """The library refuses a relative CUDA_DEVICE_MEMORY_SHARED_CACHE (the
+    container's processes in other directories would each get a region, and
+    the whole quota, of their own); `status` attached it, creating an empty
+    region in its working directory and showing nothing."""
+    env = clean_env()
+    args = ["status", "--sample", "0"]
+    if how == "option":
+        args += ["--region", value]
+    else:
+        env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = value
+    out = subprocess.run(
+        [*CLI, *args], env=env, capture_output=True, text=True, cwd=tmp_path, timeout=60
+    )
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert out.stderr.strip().splitlines()[-1] == f"Error: {says}" + (
+        " (the library refuses one: processes in other directories would not share the region)"
+        if value
+        else ""
+    )
+    assert list(tmp_path.iterdir()) == []
