@@ -315,6 +315,16 @@ static struct host_blk *host_find(const void *p, size_t n)
     return NULL;
 }
 
+/* Link b in as [p, p + size); sim_mu held. */
+static void host_push(struct host_blk *b, void *p, size_t size, int registered)
+{
+    b->p = p;
+    b->size = size;
+    b->registered = registered;
+    b->next = g_host;
+    g_host = b;
+}
+
 static CUresult host_alloc(void **pp, size_t size)
 {
     struct CUctx_st *c;
@@ -330,11 +340,7 @@ static CUresult host_alloc(void **pp, size_t size)
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     pthread_mutex_lock(&sim_mu);
-    b->p = p;
-    b->size = size;
-    b->registered = 0;
-    b->next = g_host;
-    g_host = b;
+    host_push(b, p, size, 0);
     pthread_mutex_unlock(&sim_mu);
     *pp = p;
     return CUDA_SUCCESS;
@@ -402,11 +408,7 @@ SIM_API CUresult cuMemHostRegister_v2(void *p, size_t size, unsigned int flags)
         free(b);
         return CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED;
     }
-    b->p = p;
-    b->size = size;
-    b->registered = 1;
-    b->next = g_host;
-    g_host = b;
+    host_push(b, p, size, 1);
     pthread_mutex_unlock(&sim_mu);
     return CUDA_SUCCESS;
 }
