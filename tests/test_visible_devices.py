@@ -66,13 +66,46 @@ print(json.dumps(out))
 """
 
 
+# What a real driver made of each value with one GPU (an H100, driver
+# 580.159.04; `make gpu-check`, 2026-11-26): True where it listed the GPU.
+# {u} stands for the GPU's UUID ("GPU-" and 36 characters), {u12} and {u8}
+# for its first 12 and 8 characters, {hex} for it without "GPU-".
+SEEN_ON_A_REAL_DRIVER = {
+    "0": True, " 0 ": True, "0,0": False, "0,1": True, "1,0": False, "1": False,
+    "-1": False, "": False, ",0": False, "0,": True, "00": True, "0x0": True,
+    "0a": True, "0 1": True, "9": False, "0,9,1": True, "+0": True,
+    "{u}": True, "{u12}": True, "{u8}": True, "GPU-": False, "{hex}": False,
+    "{u}0": True, "{u},0": True, "0,{u}": True, "{u12},1": True, "{u} , 1": True,
+}  # fmt: skip
+
+
+def test_the_simulated_driver_reads_the_list_as_a_real_driver_did(tmp_path) -> None:
+    """Index entries end at the first non-digit ("0a" is 0), a UUID may run on
+    past its end but not stop at "GPU-", and an index given twice leaves no
+    device, on the simulator as on the H100 (which the library's reading
+    follows through the test below)."""
+    node = SimNode.create(tmp_path, devices="16g:uuid=GPU-5c780be2-2c26-9481-0fec-15b04e6cc710")
+    env = node.shimmed()
+    del env["LD_PRELOAD"]
+    u = "GPU-5c780be2-2c26-9481-0fec-15b04e6cc710"
+    wrong = []
+    for value, listed in SEEN_ON_A_REAL_DRIVER.items():
+        cvd = value.format(u=u, u12=u[:12], u8=u[:8], hex=u[4:])
+        drv = run_py(DRIVER_LIST, {**env, "CUDA_VISIBLE_DEVICES": cvd})
+        assert drv.returncode == 0, drv.stderr
+        got = json.loads(drv.stdout.strip().splitlines()[-1])
+        if got != ([u] if listed else []):
+            wrong.append(f"{cvd!r}: simulator {got}, real driver {'[u]' if listed else '[]'}")
+    assert not wrong, "\n".join(wrong)
+
+
 def values(uuids: list[str]) -> list[str]:
     """CUDA_VISIBLE_DEVICES values worth comparing, for NVML's devices."""
     u = uuids[0]
     out = [
         "0", " 0 ", "0,0", "0,1", "1,0", "1", "-1", "", ",0", "0,", "00", "0x0", "0a",
-        "0 1", "9", "0,9,1",
-        u, u.upper(), u[:12], u[:8], u[:4], u[4:], u[4:12], u + "0",
+        "0 1", "9", "0,9,1", "+0", "0,0,1", "0,+0",
+        u, u.upper(), u[:12], u[:8], u[:5], u[:4], u[:3], u[4:], u[4:12], u + "0",
         f"{u},0", f"0,{u}", f"{u[:12]},1", f"{u} , 1",
     ]  # fmt: skip
     if len(uuids) > 1:
@@ -135,6 +168,6 @@ def test_nvml_only_reading_of_cuda_visible_devices_matches_the_real_driver() -> 
     proc = run_py(LIBRARY_READING, env, args=["uuids"])
     assert proc.returncode == 0, proc.stderr
     uuids = json.loads(proc.stdout)
-    bad, seen = mismatches(env, [*values(uuids), "+0", "GPU-" + uuids[0][4:].upper()])
+    bad, seen = mismatches(env, [*values(uuids), "GPU-" + uuids[0][4:].upper()])
     print("GPU-CHECK visible:", json.dumps({"nvml": uuids, "driver": seen, "differ": bad}))
     assert not bad, "\n".join(bad)

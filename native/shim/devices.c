@@ -234,9 +234,10 @@ static atomic_int cuda_inited;
 void gv_cuda_inited(void) { atomic_store(&cuda_inited, 1); }
 
 /* One CUDA_VISIBLE_DEVICES entry: the NVML index it names (its UUID parsed
- * into *uuid), or -1 when the driver would take it as invalid. */
+ * into *uuid; *is_index set when it was written as an index), or -1 when
+ * the driver would take it as invalid. */
 static int visible_entry(char *tok, char uuids[][NVML_DEVICE_UUID_V2_BUFFER_SIZE],
-                         unsigned int n, unsigned char uuid[16])
+                         unsigned int n, unsigned char uuid[16], int *is_index)
 {
     while (isspace((unsigned char)*tok))
         tok++;
@@ -247,19 +248,25 @@ static int visible_entry(char *tok, char uuids[][NVML_DEVICE_UUID_V2_BUFFER_SIZE
     if (len == 0)
         return -1;
     int found = -1;
-    /* A real driver reads an index like strtoul: a '+' may come first. */
+    /* A real driver reads an index like strtoul: a '+' may come first, and
+     * whatever follows the digits is ignored ("0a", "0x0" and "0 1" name
+     * device 0; seen on an H100, driver 580.159). */
     size_t first = tok[0] == '+' ? 1 : 0;
-    if (isdigit((unsigned char)tok[first])) {
+    *is_index = isdigit((unsigned char)tok[first]) != 0;
+    if (*is_index) {
         unsigned long v = 0;
-        for (size_t i = first; i < len; i++) {
-            if (!isdigit((unsigned char)tok[i]) || v > 100000)
+        for (size_t i = first; i < len && isdigit((unsigned char)tok[i]); i++) {
+            if (v > 100000)
                 return -1;
             v = v * 10 + (unsigned long)(tok[i] - '0');
         }
         found = v < n ? (int)v : -1;
-    } else {
+    } else if (len > 4) {
+        /* A UUID may be cut short after "GPU-" (not to nothing), and what
+         * runs past the whole UUID is ignored (same driver). */
         for (unsigned int i = 0; i < n; i++) {
-            if (uuids[i][0] == '\0' || strncasecmp(uuids[i], tok, len) != 0)
+            size_t ulen = strlen(uuids[i]);
+            if (ulen == 0 || strncasecmp(uuids[i], tok, len < ulen ? len : ulen) != 0)
                 continue;
             if (found >= 0)
                 return -1;              /* ambiguous prefix */
@@ -298,21 +305,28 @@ static void nvml_list(struct visible *out, const char *cvd)
         out->count = count;
         return;
     }
-    /* Read as the driver reads it (the simulator does the same, but for a
-     * '+' before an index): entries between commas, blanks around them
-     * ignored; an index is decimal digits; a UUID may be a prefix in any
-     * case, if only one device has it.  The list ends at the first
-     * invalid, ambiguous or repeated entry (an empty one too). */
+    /* Read as the driver reads it (the simulator does the same): entries between commas, blanks before them
+     * ignored; an index is decimal digits, what follows them ignored; a
+     * UUID may be a prefix in any case, if only one device has it.  The
+     * list ends at the first invalid, ambiguous or repeated entry (an
+     * empty one too), except that an index given twice leaves no device
+     * at all ("0,0"; but "GPU-<0's UUID>,0" is device 0). */
     char buf[1024];
+    int index_form[GV_MAX_ORDINALS];
     snprintf(buf, sizeof buf, "%s", cvd);
     for (char *tok = buf; tok != NULL && count < GV_MAX_ORDINALS;) {
         char *comma = strchr(tok, ',');
         if (comma != NULL)
             *comma = '\0';
-        int found = visible_entry(tok, uuids, n, visible[count]);
-        for (int i = 0; found >= 0 && i < count; i++)
-            if (memcmp(visible[i], visible[count], 16) == 0)
-                found = -1;
+        int found = visible_entry(tok, uuids, n, visible[count], &index_form[count]);
+        for (int i = 0; found >= 0 && i < count; i++) {
+            if (memcmp(visible[i], visible[count], 16) != 0)
+                continue;
+            if (index_form[i] && index_form[count])
+                count = 0;
+            found = -1;
+            break;
+        }
         if (found < 0)
             break;
         count++;

@@ -27,8 +27,12 @@ static _Atomic unsigned long long g_launches;
 static unsigned long long g_alloc_calls;
 static char g_cuda_fail[1024];          /* ",name1,name2," or "" */
 
-/* One CUDA_VISIBLE_DEVICES token -> node index, -1 if invalid. */
-static int vis_token(const char *t, int ndev)
+/* One CUDA_VISIBLE_DEVICES token -> node index, -1 if invalid; *is_index
+ * says whether it was written as an index.  As a real driver reads it
+ * (seen on an H100, driver 580.159): digits, a '+' before them allowed,
+ * then anything ignored ("0a" is 0); a UUID cut short after "GPU-" but not to nothing, or running on past
+ * the whole UUID. */
+static int vis_token(const char *t, int ndev, int *is_index)
 {
     while (isspace((unsigned char)*t))
         t++;
@@ -37,20 +41,23 @@ static int vis_token(const char *t, int ndev)
         len--;
     if (!len)
         return -1;
-    if (isdigit((unsigned char)t[0])) {
+    size_t first = t[0] == '+' ? 1 : 0;
+    *is_index = isdigit((unsigned char)t[first]) != 0;
+    if (*is_index) {
         long v = 0;
-        for (size_t i = 0; i < len; i++) {
-            if (!isdigit((unsigned char)t[i]))
-                return -1;
+        for (size_t i = first; i < len && isdigit((unsigned char)t[i]); i++) {
             v = v * 10 + (t[i] - '0');
             if (v > 1000)
                 return -1;
         }
         return v < ndev ? (int)v : -1;
     }
+    if (len <= 4)
+        return -1;
     int found = -1;
     for (int i = 0; i < ndev; i++) {
-        if (strncasecmp(sim_dev(i)->uuid, t, len) == 0) {
+        size_t ulen = strlen(sim_dev(i)->uuid);
+        if (strncasecmp(sim_dev(i)->uuid, t, len < ulen ? len : ulen) == 0) {
             if (found >= 0)
                 return -1;              /* ambiguous prefix */
             found = i;
@@ -70,18 +77,23 @@ static void parse_visible(void)
         return;
     }
     char buf[1024];
+    int index_form[SIM_MAX_DEV];
     snprintf(buf, sizeof buf, "%s", v);
     char *p = buf;
     while (p && g_nvis < SIM_MAX_DEV) {
         char *comma = strchr(p, ',');
         if (comma)
             *comma = 0;
-        int node = vis_token(p, ndev);
+        int node = vis_token(p, ndev, &index_form[g_nvis]);
         if (node < 0)
             break;                      /* list stops at an invalid token */
-        for (int i = 0; i < g_nvis; i++)
-            if (g_vis[i] == node)
-                node = -1;
+        for (int i = 0; i < g_nvis && node >= 0; i++) {
+            if (g_vis[i] != node)
+                continue;
+            if (index_form[i] && index_form[g_nvis])
+                g_nvis = 0;             /* an index twice: no device at all */
+            node = -1;                  /* otherwise the list stops there */
+        }
         if (node < 0)
             break;
         g_vis[g_nvis++] = node;
