@@ -8,11 +8,19 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from gpuvisor.shim.hardware import real_gpu_present
 
-from tests.bench.torch_sm import NvmlPoller, QueryLog, rate_between, summarise
+from tests.bench.torch_sm import (
+    NvmlPoller,
+    QueryLog,
+    parse_mixed,
+    rate_between,
+    summarise,
+    worker_env,
+)
 from tests.helpers import LIBRARY, REPO_ROOT, clean_env
 
 
@@ -120,3 +128,16 @@ def test_the_nvml_query_log_tells_the_answers_form_and_pace() -> None:
     assert "median 3.00 ms, max 4.00 ms" in line
     assert "at most 3 entries for one process" in line
     assert line.endswith("median step between a process's samples 200 ms")
+
+
+def test_mixed_runs_name_each_containers_policy_and_limit(tmp_path: Path) -> None:
+    assert parse_mixed("burst-share:30+fixed-share:50") == [
+        ("burst-share", 30),
+        ("fixed-share", 50),
+    ]
+    with pytest.raises(ValueError, match="'burst-share' is not POLICY:LIMIT"):
+        parse_mixed("burst-share")
+    env = worker_env(LIBRARY, 30, tmp_path / "r.shr", tmp_path, "burst-share")
+    assert env["GPUVISOR_SM_POLICY"] == "burst-share"
+    assert env["CUDA_DEVICE_SM_LIMIT"] == "30"
+    assert "GPUVISOR_SM_POLICY" not in worker_env(LIBRARY, 30, tmp_path / "r.shr", tmp_path)

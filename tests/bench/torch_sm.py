@@ -13,7 +13,11 @@ Runs, for each size:
 then, at the first size:
 - two containers at once (a region file each, one node directory):
   10:90, 30:70, 50:50;
-- one container of two processes (one region file) at 50.
+- one container of two processes (one region file) at 50;
+- containers with SM policies (--mixed): burst-share 30 alone (lends the
+  idle GPU), beside fixed-share 50 (about 40: what 50 leaves less 10),
+  best-effort 10 beside fixed-share 50 (the same), two burst-share 30
+  (about 50 each).
 
 Columns:
 - TFLOP/s and "% of unlimited": throughput over the measured window (after
@@ -228,7 +232,9 @@ class NvmlPoller:
         self.clocks.append((int(time.time() * 1e6), int(mhz), float(watts)))
 
 
-def worker_env(lib: Path, limit: int | None, region: Path, node_dir: Path) -> dict[str, str]:
+def worker_env(
+    lib: Path, limit: int | None, region: Path, node_dir: Path, policy: str | None = None
+) -> dict[str, str]:
     env = {
         k: v
         for k, v in os.environ.items()
@@ -243,7 +249,21 @@ def worker_env(lib: Path, limit: int | None, region: Path, node_dir: Path) -> di
     env["GPUVISOR_NODE_LOCK"] = str(node_dir / "vgpu.lock")
     if limit:
         env["CUDA_DEVICE_SM_LIMIT"] = str(limit)
+    if policy:
+        env["GPUVISOR_SM_POLICY"] = policy
     return env
+
+
+def parse_mixed(spec: str) -> list[tuple[str, int]]:
+    """'burst-share:30+fixed-share:50' -> [('burst-share', 30), ('fixed-share', 50)]:
+    one container per term, each with its policy and SM limit."""
+    out = []
+    for term in spec.split("+"):
+        policy, sep, limit = term.partition(":")
+        if not sep or not limit.isdigit() or not 0 <= int(limit) <= 100:
+            raise ValueError(f"--mixed {spec!r}: {term!r} is not POLICY:LIMIT (0-100)")
+        out.append((policy, int(limit)))
+    return out
 
 
 def run_together(
@@ -255,16 +275,19 @@ def run_together(
     seconds: float,
     handle: object,
     one_container: bool = False,
+    policies: Sequence[str | None] | None = None,
 ) -> list[dict[str, object]]:
     """Start one worker per limit, release them at once, return what each measured.
 
     Each worker is a container of its own, or with one_container all share one region.
+    policies, if given, sets each worker's GPUVISOR_SM_POLICY.
     """
     with tempfile.TemporaryDirectory(prefix="gv-torch-sm-") as tmp:
         root = Path(tmp)
         procs = []
         for i, limit in enumerate(limits):
-            env = worker_env(lib, limit, root / f"region{0 if one_container else i}.shr", root)
+            region = root / f"region{0 if one_container else i}.shr"
+            env = worker_env(lib, limit, region, root, policies[i] if policies else None)
             procs.append(
                 subprocess.Popen(
                     [sys.executable, "-c", WORKER, str(size), str(batch), str(warm), str(seconds)],
@@ -415,6 +438,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--no-overhead", action="store_true", help="skip the no-limit run")
     ap.add_argument("--pairs", default="10:90,30:70,50:50", help="two containers (first size)")
     ap.add_argument("--mates", default="50", help="limits of one container of two processes")
+    ap.add_argument(
+        "--mixed",
+        default="burst-share:30,burst-share:30+fixed-share:50,"
+        "best-effort:10+fixed-share:50,burst-share:30+burst-share:30",
+        help="containers with policies, run together (first size): POLICY:LIMIT+...,...",
+    )
     a = ap.parse_args(argv)
     if not a.lib.is_file():
         print(f"torch_sm: --lib {a.lib}: no such file (run make first)", file=sys.stderr)
@@ -481,6 +510,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             tag = f"process {i + 1} ({limit})" if one else f"{'AB'[i]} ({limit})"
             r.update(run=spec)
             pairs.append(r)
+            emit(f"| {spec} | {tag} | {cells(r, flop, base_rate.get(size))} |")
+    mixed = [(spec, parse_mixed(spec)) for spec in a.mixed.split(",") if spec]
+    if mixed:
+        emit("")
+        emit(f"| size {size}, policies | container | {COLUMNS} |")
+        emit("|---|---|" + "---:|" * COLUMNS.count("|") + "---:|")
+    for spec, terms in mixed:
+        try:
+            rs = run_together(
+                a.lib,
+                [t[1] for t in terms],
+                size,
+                batch,
+                a.warm,
+                a.seconds,
+                handle,
+                policies=[t[0] for t in terms],
+            )
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            emit(f"| {spec} | FAILED |")
+            print(e, file=sys.stderr, flush=True)
+            pairs.append({"run": spec, "error": str(e)})
+            continue
+        for i, ((policy, limit), r) in enumerate(zip(terms, rs, strict=True)):
+            r.update(run=spec, policy=policy)
+            pairs.append(r)
+            tag = f"{'ABCD'[i]} ({policy} {limit})"
             emit(f"| {spec} | {tag} | {cells(r, flop, base_rate.get(size))} |")
     emit("")
     emit(QUERIES.summary())
