@@ -233,8 +233,16 @@ class NvmlPoller:
 
 
 def worker_env(
-    lib: Path, limit: int | None, region: Path, node_dir: Path, policy: str | None = None
+    lib: Path,
+    limit: int | None,
+    region: Path,
+    node_dir: Path,
+    policy: str | None = None,
+    order: bool = True,
 ) -> dict[str, str]:
+    """A worker's environment: no interposer (limit None), or the interposer
+    with its limit (0: none), region, node directory (order False: none, so
+    no launch order between containers) and policy."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -246,7 +254,7 @@ def worker_env(
         return env
     env["LD_PRELOAD"] = str(lib)
     env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = str(region)
-    env["GPUVISOR_NODE_LOCK"] = str(node_dir / "vgpu.lock")
+    env["GPUVISOR_NODE_LOCK"] = str(node_dir / "vgpu.lock") if order else ""
     if limit:
         env["CUDA_DEVICE_SM_LIMIT"] = str(limit)
     if policy:
@@ -276,18 +284,20 @@ def run_together(
     handle: object,
     one_container: bool = False,
     policies: Sequence[str | None] | None = None,
+    order: bool = True,
 ) -> list[dict[str, object]]:
     """Start one worker per limit, release them at once, return what each measured.
 
     Each worker is a container of its own, or with one_container all share one region.
-    policies, if given, sets each worker's GPUVISOR_SM_POLICY.
+    policies, if given, sets each worker's GPUVISOR_SM_POLICY; order False
+    gives them no node directory (no launch order between containers).
     """
     with tempfile.TemporaryDirectory(prefix="gv-torch-sm-") as tmp:
         root = Path(tmp)
         procs = []
         for i, limit in enumerate(limits):
             region = root / f"region{0 if one_container else i}.shr"
-            env = worker_env(lib, limit, region, root, policies[i] if policies else None)
+            env = worker_env(lib, limit, region, root, policies[i] if policies else None, order)
             procs.append(
                 subprocess.Popen(
                     [sys.executable, "-c", WORKER, str(size), str(batch), str(warm), str(seconds)],
@@ -436,7 +446,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--limits", default="25,50,75")
     ap.add_argument("--no-overhead", action="store_true", help="skip the no-limit run")
-    ap.add_argument("--pairs", default="10:90,30:70,50:50", help="two containers (first size)")
+    ap.add_argument(
+        "--pairs",
+        default="10:90,30:70,50:50",
+        help="two containers (first size); '-' for a side without the interposer",
+    )
+    ap.add_argument(
+        "--no-order",
+        action="store_true",
+        help="no node directory: no launch order between containers",
+    )
     ap.add_argument("--mates", default="50", help="limits of one container of two processes")
     ap.add_argument(
         "--mixed",
@@ -494,20 +513,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     emit("")
     emit(f"| size {size} | container | {COLUMNS} |")
     emit("|---|---|" + "---:|" * COLUMNS.count("|") + "---:|")
-    runs: list[tuple[str, list[int], bool]] = [
-        (spec, [int(x) for x in spec.split(":")], False) for spec in a.pairs.split(",") if spec
+    runs: list[tuple[str, list[int | None], bool]] = [
+        (spec, [None if x == "-" else int(x) for x in spec.split(":")], False)
+        for spec in a.pairs.split(",")
+        if spec
     ]
     runs += [(f"{m}, one container", [int(m)] * 2, True) for m in a.mates.split(",") if m]
+    order = not a.no_order
     for spec, lims, one in runs:
         try:
-            rs = run_together(a.lib, list(lims), size, batch, a.warm, a.seconds, handle, one)
+            rs = run_together(
+                a.lib, list(lims), size, batch, a.warm, a.seconds, handle, one, order=order
+            )
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             emit(f"| {spec} | FAILED |")
             print(e, file=sys.stderr, flush=True)
             pairs.append({"run": spec, "error": str(e)})
             continue
         for i, (limit, r) in enumerate(zip(lims, rs, strict=True)):
-            tag = f"process {i + 1} ({limit})" if one else f"{'AB'[i]} ({limit})"
+            said = "no interposer" if limit is None else limit
+            tag = f"process {i + 1} ({said})" if one else f"{'AB'[i]} ({said})"
             r.update(run=spec)
             pairs.append(r)
             emit(f"| {spec} | {tag} | {cells(r, flop, base_rate.get(size))} |")
@@ -527,6 +552,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 a.seconds,
                 handle,
                 policies=[t[0] for t in terms],
+                order=order,
             )
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             emit(f"| {spec} | FAILED |")
