@@ -771,7 +771,6 @@ BAD = [
     ("GPUVISOR_SM_POLICY", "fair"),
     ("GPU_CORE_UTILIZATION_POLICY", "sometimes"),
     ("CUDA_TASK_PRIORITY", "2"),
-    ("GPUVISOR_SM_TURNS", "maybe"),
 ]
 
 
@@ -793,10 +792,9 @@ def test_bad_values_fail_closed(node: SimNode, name: str, value: str) -> None:
     assert value in lines[0]
 
 
-@pytest.mark.parametrize("turns", ["", "1"], ids=["", "taking-turns"])
 @pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
 def test_a_container_killed_or_stopped_mid_launch_never_holds_another(
-    node: SimNode, tmp_path: Path, sig: signal.Signals, turns: str
+    node: SimNode, tmp_path: Path, sig: signal.Signals
 ) -> None:
     """Two containers (30 % and 70 %, own regions) share the GPU through the
     node-wide launch order (sm_arbiter.c, a file in the node directory):
@@ -804,13 +802,10 @@ def test_a_container_killed_or_stopped_mid_launch_never_holds_another(
     device has 3 launches in flight.  A's process is SIGKILLed or SIGSTOPped
     while it launches back to back, so its slot is left saying it waits or
     has launches in flight; what it said lapses within 20 ms, and B keeps
-    its whole share.  The same with GPUVISOR_SM_TURNS, where B also waits
-    while A has launches in flight."""
-    a_env = node.shimmed(CUDA_DEVICE_SM_LIMIT="30", GPUVISOR_SM_TURNS=turns)
+    its whole share."""
+    a_env = node.shimmed(CUDA_DEVICE_SM_LIMIT="30")
     b_env = node.shimmed(
-        CUDA_DEVICE_SM_LIMIT="70",
-        CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "b.shr"),
-        GPUVISOR_SM_TURNS=turns,
+        CUDA_DEVICE_SM_LIMIT="70", CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "b.shr")
     )
     a = start(a_env, "kernel", LONG_RUN, 7)
     b = start(b_env, "kernel", LONG_RUN, 8)

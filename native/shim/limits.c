@@ -396,17 +396,7 @@ int limits_sm_check_env(char *err, size_t errlen)
         set_err(err, errlen, GV_ENV_PRIORITY, v, "use 0 (high) or 1 (low)");
         return GV_EINVAL;
     }
-    v = limits_getenv(GV_ENV_SM_TURNS);
-    if (env_flag(v) < 0) {
-        set_err(err, errlen, GV_ENV_SM_TURNS, v, "use true/false, 1/0, yes/no or on/off");
-        return GV_EINVAL;
-    }
     return GV_OK;
-}
-
-int limits_sm_turns(void)
-{
-    return env_flag(limits_getenv(GV_ENV_SM_TURNS)) == 1;
 }
 
 int limits_sm_policy(void)

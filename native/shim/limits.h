@@ -88,10 +88,5 @@ int limits_sm_check_env(char *err, size_t errlen);
 int limits_sm_policy(void);
 /* CUDA_TASK_PRIORITY: 0 or 1 (unset or empty: 1). */
 unsigned limits_task_priority(void);
-/* GPUVISOR_SM_TURNS (a boolean; unset: off): containers take turns on a
- * GPU instead of having kernels in flight at once (sm_arbiter.c).  A value
- * that is not a boolean fails limits_sm_check_env. */
-#define GV_ENV_SM_TURNS "GPUVISOR_SM_TURNS"
-int limits_sm_turns(void);
 
 #endif /* GV_LIMITS_H */

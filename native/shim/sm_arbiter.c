@@ -27,17 +27,6 @@
  * so a peer that misbehaves can cost a container a few milliseconds of
  * its share, never more.
  *
- * With GPUVISOR_SM_TURNS set, containers also take turns: a launch waits
- * while another container has gated launches in flight.  A GPU without
- * MPS time-slices the contexts that have work at the same moment, and
- * then a kernel's events also span the other context's slices: on an H100
- * two fixed-share 50 % containers, each metering 50 %, got 41 % and 51 %
- * of the unlimited throughput, with 100 ms windows of sd 12 % (two raw
- * processes: 46 % each, sd 2 %).  Turns keep each kernel's measured time
- * its own, at the cost of a gap at each handover (the holder's meter
- * noticing its last kernel's end, the next launch's poll); a turn lasts
- * until the holder's clock is TURN_MARGIN_NS past a waiting container's.
- *
  * Each slot also carries its container's terms (limit, policy, the PID
  * NVML shows for the process) and when the container last used all of its
  * share, so that lenders next to each other split the spare capacity
@@ -62,7 +51,6 @@
 #include <unistd.h>
 
 #include "hooks.h"
-#include "limits.h"
 #include "log.h"
 #include "sm.h"
 
@@ -70,7 +58,6 @@
 #define ARB_SLOTS 128
 #define DEPTH 3u
 #define MARGIN_NS (500ULL * 1000)
-#define TURN_MARGIN_NS (2ULL * 1000 * 1000)
 #define FRESH_NS (20ULL * 1000 * 1000)
 #define WAITING_NS (300ULL * 1000)
 #define ACTIVE_NS (50ULL * 1000 * 1000)
@@ -113,11 +100,6 @@ static struct arb_dev {
     struct arb_file *f;
     _Atomic(struct arb_slot *) me;  /* NULL: no slot (yet) */
 } arbs[GV_MAX_DEVICES];
-
-static pthread_once_t turns_once = PTHREAD_ONCE_INIT;
-static int turns;                   /* GPUVISOR_SM_TURNS, read once */
-
-static void read_turns(void) { turns = limits_sm_turns(); }
 
 static _Atomic uint64_t container_id;
 static _Atomic uint64_t token;
@@ -311,7 +293,7 @@ int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now)
     atomic_store_explicit(&me->beat, now, memory_order_relaxed);
     atomic_store_explicit(&me->tat, tat, memory_order_relaxed);
     atomic_store_explicit(&me->wait_at, now, memory_order_relaxed);
-    uint32_t total = 0, theirs = 0;
+    uint32_t total = 0;
     int others = 0;
     uint64_t first = UINT64_MAX;    /* the least advanced clock waiting elsewhere */
     uint32_t used = atomic_load_explicit(&f->used, memory_order_relaxed);
@@ -324,7 +306,6 @@ int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now)
         total += n < DEPTH ? n : DEPTH;
         if (atomic_load_explicit(&s->container, memory_order_relaxed) == who)
             continue;
-        theirs += n;
         if (atomic_load_explicit(&s->launched_at, memory_order_relaxed) + ACTIVE_NS >= now)
             others = 1;
         if (atomic_load_explicit(&s->wait_at, memory_order_relaxed) + WAITING_NS >= now) {
@@ -334,10 +315,9 @@ int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now)
     }
     if (!others)
         return -1;
-    pthread_once(&turns_once, read_turns);
-    if (total >= DEPTH || (turns && theirs > 0))
+    if (total >= DEPTH)
         return 0;
-    return first == UINT64_MAX || tat <= first + (turns ? TURN_MARGIN_NS : MARGIN_NS);
+    return first == UINT64_MAX || tat <= first + MARGIN_NS;
 }
 
 void gv_arb_admitted(int dev, const char *uuid, uint64_t now)

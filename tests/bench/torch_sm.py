@@ -239,11 +239,10 @@ def worker_env(
     node_dir: Path,
     policy: str | None = None,
     order: bool = True,
-    turns: bool = False,
 ) -> dict[str, str]:
     """A worker's environment: no interposer (limit None), or the interposer
     with its limit (0: none), region, node directory (order False: none, so
-    no launch order between containers), policy, and GPUVISOR_SM_TURNS."""
+    no launch order between containers) and policy."""
     env = {
         k: v
         for k, v in os.environ.items()
@@ -260,8 +259,6 @@ def worker_env(
         env["CUDA_DEVICE_SM_LIMIT"] = str(limit)
     if policy:
         env["GPUVISOR_SM_POLICY"] = policy
-    if turns:
-        env["GPUVISOR_SM_TURNS"] = "1"
     return env
 
 
@@ -285,26 +282,22 @@ def run_together(
     warm: float,
     seconds: float,
     handle: object,
-    *,
     one_container: bool = False,
     policies: Sequence[str | None] | None = None,
     order: bool = True,
-    turns: bool = False,
 ) -> list[dict[str, object]]:
     """Start one worker per limit, release them at once, return what each measured.
 
     Each worker is a container of its own, or with one_container all share one region.
     policies, if given, sets each worker's GPUVISOR_SM_POLICY; order False
-    gives them no node directory (no launch order between containers);
-    turns sets GPUVISOR_SM_TURNS.
+    gives them no node directory (no launch order between containers).
     """
     with tempfile.TemporaryDirectory(prefix="gv-torch-sm-") as tmp:
         root = Path(tmp)
         procs = []
         for i, limit in enumerate(limits):
             region = root / f"region{0 if one_container else i}.shr"
-            policy = policies[i] if policies else None
-            env = worker_env(lib, limit, region, root, policy, order, turns)
+            env = worker_env(lib, limit, region, root, policies[i] if policies else None, order)
             procs.append(
                 subprocess.Popen(
                     [sys.executable, "-c", WORKER, str(size), str(batch), str(warm), str(seconds)],
@@ -463,11 +456,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         action="store_true",
         help="no node directory: no launch order between containers",
     )
-    ap.add_argument(
-        "--turns",
-        action="store_true",
-        help="GPUVISOR_SM_TURNS=1: containers take turns on the GPU",
-    )
     ap.add_argument("--mates", default="50", help="limits of one container of two processes")
     ap.add_argument(
         "--mixed",
@@ -535,16 +523,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for spec, lims, one in runs:
         try:
             rs = run_together(
-                a.lib,
-                list(lims),
-                size,
-                batch,
-                a.warm,
-                a.seconds,
-                handle,
-                one_container=one,
-                order=order,
-                turns=a.turns,
+                a.lib, list(lims), size, batch, a.warm, a.seconds, handle, one, order=order
             )
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             emit(f"| {spec} | FAILED |")
@@ -574,7 +553,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 handle,
                 policies=[t[0] for t in terms],
                 order=order,
-                turns=a.turns,
             )
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             emit(f"| {spec} | FAILED |")
