@@ -26,10 +26,19 @@ class HttpHandler(BaseHTTPRequestHandler):
     timeout = 10.0
 
     def do_GET(self) -> None:
-        path = self.path.split("?", 1)[0]
+        self._answer(with_body=True)
+
+    def do_HEAD(self) -> None:
+        """What GET would answer, without the body (load balancers' and
+        uptime probes' health checks use HEAD)."""
+        self._answer(with_body=False)
+
+    def _answer(self, with_body: bool) -> None:
+        # A trailing slash names the same page ("/metrics/" as "/metrics").
+        path = self.path.split("?", 1)[0].rstrip("/") or "/"
         if path == "/metrics":
             body, ctype = self.agent.metrics_payload(self.headers.get("Accept"))
-        elif path in ("/status", "/status/"):
+        elif path == "/status":
             body = json.dumps(self.agent.state.status()).encode()
             ctype = "application/json"
         elif path == "/healthz":
@@ -41,7 +50,8 @@ class HttpHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        if with_body:
+            self.wfile.write(body)
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("http: " + format, *args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import http.client
 import json
 import os
 import re
@@ -378,6 +379,28 @@ def test_two_clients_metrics_status_expiry(sock_path):
         assert agent.status()["containers"] == []
         a.close()
         b.close()
+
+
+def test_every_page_answers_head_and_a_trailing_slash(sock_path):
+    """Probes use HEAD, and people type "/metrics/": both used to fail (501
+    Unsupported method, 404).  HEAD gives GET's status and headers, no body."""
+    with AgentProc(sock_path) as agent:
+        assert agent.get("/healthz/") == "ok\n"
+        assert json.loads(agent.get("/status/")).keys() == agent.status().keys()
+        names = {f.name for f in text_string_to_metric_families(agent.get("/metrics/"))}
+        assert names == {f.name for f in text_string_to_metric_families(agent.get("/metrics"))}
+        for page in ("/metrics", "/status", "/healthz"):
+            conn = http.client.HTTPConnection("127.0.0.1", agent.port, timeout=5)
+            conn.request("HEAD", page)
+            resp = conn.getresponse()
+            assert resp.status == 200, page
+            assert int(resp.getheader("Content-Length", "0")) > 0, page
+            assert resp.read() == b"", page
+            conn.close()
+        conn = http.client.HTTPConnection("127.0.0.1", agent.port, timeout=5)
+        conn.request("HEAD", "/nothing")
+        assert conn.getresponse().status == 404
+        conn.close()
 
 
 def test_legacy_metrics_flag(sock_path):
