@@ -97,6 +97,7 @@ class Agent:
         )
         self.server: asyncio.AbstractServer | None = None
         self.admin_server: asyncio.AbstractServer | None = None
+        self.bound: list[str] = []  # socket paths this agent bound, to unlink at close
         self.http: ThreadingHTTPServer | None = None
         self.stopping: asyncio.Event | None = None
         self.sweeper: asyncio.Task[None] | None = None
@@ -221,10 +222,12 @@ class Agent:
         self.admin_server = await loop.create_unix_server(
             lambda: Connection(self, admin=True), path=admin, backlog=16
         )
+        self.bound.append(admin)
         os.chmod(admin, 0o600)  # the agent's uid (and root) only
         self.server = await loop.create_unix_server(
             lambda: Connection(self), path=self.config.socket_path, backlog=1024
         )
+        self.bound.append(self.config.socket_path)
         os.chmod(self.config.socket_path, 0o666)  # containers run as any uid
         self.stopping = asyncio.Event()
         self.sweeper = loop.create_task(self._sweeper())
@@ -269,8 +272,8 @@ class Agent:
             self.save_state()
 
     async def run(self, ready: Any = None) -> None:
-        await self.start()
         try:
+            await self.start()
             port = self.start_http()
         except BaseException:
             self.close()  # no stale socket left behind
@@ -291,9 +294,12 @@ class Agent:
         for conn in [*self.conns, *self.admin_conns]:
             if conn.transport is not None:
                 conn.transport.close()
-        for path in (self.config.socket_path, self.config.admin_socket_path):
+        # Only the sockets this agent bound: one it failed to bind may be
+        # another agent's.
+        for path in self.bound:
             with contextlib.suppress(OSError):
                 os.unlink(path)
+        self.bound.clear()
         if self.http is not None:
             self.http.shutdown()
             self.http.server_close()

@@ -4,6 +4,7 @@ declare their interval, and out-of-range command-line values."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -856,3 +857,34 @@ def test_a_containers_series_are_those_of_its_latest_report(sock_path):
         assert agent.status()["containers"] == []
         a.close()
         b.close()
+
+
+def test_a_node_socket_that_cannot_be_bound_leaves_no_admin_socket(tmp_path, monkeypatch):
+    """The admin socket is bound first: when the node socket's bind then
+    failed, the agent exited with the admin socket left on disk.  Now it
+    unlinks what it bound, and only that (a socket it failed to bind may be
+    another agent's)."""
+    sock = tmp_path / "run" / "node.sock"
+    admin = tmp_path / "adm" / "admin.sock"
+    config = AgentConfig(
+        socket_path=str(sock),
+        admin_socket=str(admin),
+        metrics_host="127.0.0.1",
+        metrics_port=0,
+        state_file=str(tmp_path / "limits.json"),
+    )
+    real = asyncio.SelectorEventLoop.create_unix_server  # the Unix loop asyncio.run uses
+
+    async def refuse_the_node_socket(
+        self: asyncio.SelectorEventLoop, factory: Any, path: str | None = None, **kw: Any
+    ) -> Any:
+        if path == str(sock):
+            sock.write_text("someone else's")  # what a failed bind must not remove
+            raise OSError(98, "Address already in use")
+        return await real(self, factory, path, **kw)
+
+    monkeypatch.setattr(asyncio.SelectorEventLoop, "create_unix_server", refuse_the_node_socket)
+    with pytest.raises(OSError, match="Address already in use"):
+        asyncio.run(Agent(config).run())
+    assert not admin.exists()
+    assert sock.read_text() == "someone else's"
