@@ -186,7 +186,8 @@ static void test_visible(void)
     cvd_case("GPU-1111", 1, 2);                 /* unique UUID prefix */
     cvd_case(UUID2, 1, 2);
     cvd_case("1,bogus,0", 1, 1);                /* stops at bad token */
-    cvd_case("0,0,1", 1, 0);                    /* duplicate stops */
+    cvd_case("0,0,1", 0, 0);                    /* an index twice: none (driver 580) */
+    cvd_case("GPU-1111,2", 1, 2);               /* a repeat by UUID stops there */
     cvd_case("GPU-6776a51d", 0, 0);             /* ambiguous prefix */
     cvd_case("", 0, 0);
     cvd_case("7", 0, 0);
