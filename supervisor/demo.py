@@ -19,6 +19,7 @@ each container's SM share over time.
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
 import os
@@ -28,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import IO
@@ -92,6 +94,24 @@ def _base_env() -> dict[str, str]:
     return env
 
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _ends_with_the_demo() -> Callable[[], None]:
+    """A preexec_fn for the demo's children (the agent, the containers):
+    each gets SIGTERM when the demo dies, SIGKILL included, so that none
+    outlives it (an agent left running kept its socket and port)."""
+    libc = ctypes.CDLL(None, use_errno=True)  # loaded before the fork
+    demo_pid = os.getpid()
+
+    def arm() -> None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+        if os.getppid() != demo_pid:  # the demo died before prctl
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return arm
+
+
 def _readline(stream: IO[str], timeout: float) -> str:
     ready, _, _ = select.select([stream], [], [], timeout)
     return stream.readline() if ready else ""
@@ -124,6 +144,7 @@ class Node:
             stdout=subprocess.PIPE,
             stderr=(self.logs / "node-agent.log").open("w"),
             text=True,
+            preexec_fn=_ends_with_the_demo(),
         )
         assert self.agent.stdout is not None
         line = _readline(self.agent.stdout, 30.0)
@@ -167,7 +188,12 @@ class Node:
         ]
         log = (self.logs / f"{w.name}.log").open("w")
         self.procs[w.name] = subprocess.Popen(
-            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, text=True
+            cmd,
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+            preexec_fn=_ends_with_the_demo(),
         )
 
     def running(self) -> bool:

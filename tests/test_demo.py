@@ -9,13 +9,16 @@ agent saw the refusals, the plot is a PNG.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from gpuvisor.supervisor.demo import Workload, scenario
 from gpuvisor.supervisor.demo_report import verdicts
@@ -280,3 +283,46 @@ def test_the_sampler_loses_no_sample_that_nvml_publishes_late() -> None:
     assert seen[1] == 7
     assert seen[2] == 6  # every poll after PID 2's first sample (period 1, seen at poll 2)
     assert pu.pid_seen[0] == {1: 7, 2: 6}
+
+
+def _cmdline(p: psutil.Process) -> str:
+    """Its command line; "" for one that has exited meanwhile (a zombie too)."""
+    try:
+        return " ".join(p.cmdline())
+    except psutil.Error:
+        return ""
+
+
+def test_a_demo_killed_leaves_no_agent_or_container_running(tmp_path: Path) -> None:
+    """SIGKILL gives the demo no chance to stop its children: the node agent
+    used to run on (its socket and port held) until someone found it."""
+    demo = subprocess.Popen(
+        [*DEMO, "--simulate", "--out", str(tmp_path / "demo"), "--seconds", "60"],
+        env=clean_env(),
+        cwd=REPO_ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    kids: list[psutil.Process] = []
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            kids = psutil.Process(demo.pid).children(recursive=True)
+            lines = [_cmdline(k) for k in kids]
+            if any("node-agent" in ln for ln in lines) and any(" run " in ln for ln in lines):
+                break
+            time.sleep(0.2)
+        else:
+            pytest.fail(f"the demo did not start its agent and a container: {lines}")
+        demo.kill()
+        demo.wait()
+        _, alive = psutil.wait_procs(kids, timeout=20)
+        assert not alive, [_cmdline(p) for p in alive]
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+        for k in kids:  # what a failure left behind
+            with contextlib.suppress(psutil.NoSuchProcess):
+                k.kill()
