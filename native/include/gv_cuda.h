@@ -146,6 +146,27 @@ typedef enum CUarray_format_enum {
     CU_AD_FORMAT_SIGNED_INT32 = 0x0a,
     CU_AD_FORMAT_HALF = 0x10,
     CU_AD_FORMAT_FLOAT = 0x20,
+    /* 4 channels packed in 32 bits (10, 10, 10 and 2 bits) */
+    CU_AD_FORMAT_UNORM_INT_101010_2 = 0x50,
+    /* YUV with 8- or 16-bit samples: packed (4:2:2: a Y for every texel, a
+     * U and a V for every two; 4:4:4: four bytes a texel), semi-planar (a Y
+     * plane and a plane of interleaved U/V) or planar (Y, U and V planes),
+     * the chroma taken every other texel and row (4:2:0), every other texel
+     * (4:2:2) or at every texel (4:4:4) */
+    CU_AD_FORMAT_UINT8_PACKED_422 = 0x51,
+    CU_AD_FORMAT_UINT8_PACKED_444 = 0x52,
+    CU_AD_FORMAT_UINT8_SEMIPLANAR_420 = 0x53,
+    CU_AD_FORMAT_UINT16_SEMIPLANAR_420 = 0x54,
+    CU_AD_FORMAT_UINT8_SEMIPLANAR_422 = 0x55,
+    CU_AD_FORMAT_UINT16_SEMIPLANAR_422 = 0x56,
+    CU_AD_FORMAT_UINT8_SEMIPLANAR_444 = 0x57,
+    CU_AD_FORMAT_UINT16_SEMIPLANAR_444 = 0x58,
+    CU_AD_FORMAT_UINT8_PLANAR_420 = 0x59,
+    CU_AD_FORMAT_UINT16_PLANAR_420 = 0x5a,
+    CU_AD_FORMAT_UINT8_PLANAR_422 = 0x5b,
+    CU_AD_FORMAT_UINT16_PLANAR_422 = 0x5c,
+    CU_AD_FORMAT_UINT8_PLANAR_444 = 0x5d,
+    CU_AD_FORMAT_UINT16_PLANAR_444 = 0x5e,
     /* CUDA 11.5: block-compressed texels (4x4 blocks of 8 or 16 bytes) */
     CU_AD_FORMAT_BC1_UNORM = 0x91,
     CU_AD_FORMAT_BC1_UNORM_SRGB = 0x92,
@@ -161,8 +182,31 @@ typedef enum CUarray_format_enum {
     CU_AD_FORMAT_BC6H_SF16 = 0x9c,
     CU_AD_FORMAT_BC7_UNORM = 0x9d,
     CU_AD_FORMAT_BC7_UNORM_SRGB = 0x9e,
+    /* Video surfaces by their FOURCC names.  Semi-planar: a Y plane and a
+     * plane of interleaved U/V, of 8-bit samples (NV12, NV16) or 10- or
+     * 16-bit ones held in 16 bits (P010, P016: 4:2:0; P210, P216: 4:2:2).
+     * Packed: YUY2 (4:2:2, 8-bit: 2 bytes a texel), Y210 and Y216 (4:2:2
+     * in 16-bit words: 4 bytes a texel), AYUV (8-bit A, Y, U, V) and Y410
+     * (10-10-10-2 bits) in 4 bytes a texel, Y416 (four 16-bit words).
+     * Planar 4:4:4: three planes of 8-bit (Y444_PLANAR8) or 16-bit samples
+     * (Y444_PLANAR10); semi-planar 4:4:4: YUV444_8bit/16bit_SemiPlanar. */
+    CU_AD_FORMAT_P010 = 0x9f,
+    CU_AD_FORMAT_P016 = 0xa1,
+    CU_AD_FORMAT_NV16 = 0xa2,
+    CU_AD_FORMAT_P210 = 0xa3,
+    CU_AD_FORMAT_P216 = 0xa4,
+    CU_AD_FORMAT_YUY2 = 0xa5,
+    CU_AD_FORMAT_Y210 = 0xa6,
+    CU_AD_FORMAT_Y216 = 0xa7,
+    CU_AD_FORMAT_AYUV = 0xa8,
+    CU_AD_FORMAT_Y410 = 0xa9,
     /* 8-bit Y plane and a half-height plane of interleaved U/V bytes */
     CU_AD_FORMAT_NV12 = 0xb0,
+    CU_AD_FORMAT_Y416 = 0xb1,
+    CU_AD_FORMAT_Y444_PLANAR8 = 0xb2,
+    CU_AD_FORMAT_Y444_PLANAR10 = 0xb3,
+    CU_AD_FORMAT_YUV444_8bit_SemiPlanar = 0xb4,
+    CU_AD_FORMAT_YUV444_16bit_SemiPlanar = 0xb5,
     /* normalized integers: the channel count is in the name */
     CU_AD_FORMAT_UNORM_INT8X1 = 0xc0,
     CU_AD_FORMAT_UNORM_INT8X2 = 0xc1,
