@@ -11,67 +11,107 @@ typedef CUresult (*mip_destroy_fn)(CUmipmappedArray);
 typedef CUresult (*arr_req_fn)(CUDA_ARRAY_MEMORY_REQUIREMENTS *, CUarray, CUdevice);
 typedef CUresult (*mip_req_fn)(CUDA_ARRAY_MEMORY_REQUIREMENTS *, CUmipmappedArray, CUdevice);
 
-/* How a format stores texels: blocks of `block` x `block` texels (4 for
- * the block-compressed formats, whose Width and Height count texels) of
- * `bytes` each, those of the classic formats once per channel; NV12 adds
- * a half-height plane of interleaved U/V bytes.  A format not known here
- * is taken at 4 bytes a channel: under what the driver takes it is
+/* How a format stores texels: up to three planes, each holding `bytes`
+ * for every group of `across` x `down` texels, its rows padded to 512
+ * bytes.  The classic formats take `bytes` once per channel (per_channel);
+ * the others name their element size: the normalized ones their channel
+ * count, the block-compressed ones 4x4-texel blocks of 8 or 16 bytes (their
+ * Width and Height count texels).  The YUV formats are laid out as their
+ * FOURCC names define them, 10-bit samples held in 16 bits: semi-planar, a
+ * Y plane and a plane of interleaved U/V pairs (one pair for every 2x2
+ * texels in 4:2:0, 2x1 in 4:2:2, 1x1 in 4:4:4); planar, separate U and V
+ * planes; packed 4:2:2, Y0 U Y1 V for every two texels.  A format not known
+ * here is taken at 4 bytes a channel: under what the driver takes it is
  * charged the rest by the NVML reconciliation, over it never given back. */
-typedef struct { unsigned block, bytes, per_channel, nv12; } texel_layout;
+typedef struct { unsigned char bytes, across, down; } plane;
+typedef struct { unsigned char per_channel; plane p[3]; } texel_layout;
+
+#define L_CHANNEL(b) ((texel_layout){ 1, { { b, 1, 1 } } })
+#define L_TEXEL(b) ((texel_layout){ 0, { { b, 1, 1 } } })
+#define L_BLOCK(b) ((texel_layout){ 0, { { b, 4, 4 } } })
+#define L_PACKED422(s) ((texel_layout){ 0, { { 4 * (s), 2, 1 } } })
+#define L_SEMI(s, a, d) ((texel_layout){ 0, { { s, 1, 1 }, { 2 * (s), a, d } } })
+#define L_PLANAR(s, a, d) ((texel_layout){ 0, { { s, 1, 1 }, { s, a, d }, { s, a, d } } })
 
 static texel_layout layout_of(CUarray_format f)
 {
     switch ((int)f) {
     case CU_AD_FORMAT_UNSIGNED_INT8: case CU_AD_FORMAT_SIGNED_INT8:
-        return (texel_layout){ 1, 1, 1, 0 };
+        return L_CHANNEL(1);
     case CU_AD_FORMAT_UNSIGNED_INT16: case CU_AD_FORMAT_SIGNED_INT16:
     case CU_AD_FORMAT_HALF:
-        return (texel_layout){ 1, 2, 1, 0 };
+        return L_CHANNEL(2);
     case CU_AD_FORMAT_UNORM_INT8X1: case CU_AD_FORMAT_SNORM_INT8X1:
-        return (texel_layout){ 1, 1, 0, 0 };
+        return L_TEXEL(1);
     case CU_AD_FORMAT_UNORM_INT8X2: case CU_AD_FORMAT_SNORM_INT8X2:
     case CU_AD_FORMAT_UNORM_INT16X1: case CU_AD_FORMAT_SNORM_INT16X1:
-        return (texel_layout){ 1, 2, 0, 0 };
+        return L_TEXEL(2);
     case CU_AD_FORMAT_UNORM_INT8X4: case CU_AD_FORMAT_SNORM_INT8X4:
     case CU_AD_FORMAT_UNORM_INT16X2: case CU_AD_FORMAT_SNORM_INT16X2:
-        return (texel_layout){ 1, 4, 0, 0 };
+    case CU_AD_FORMAT_UNORM_INT_101010_2: case CU_AD_FORMAT_UINT8_PACKED_444:
+    case CU_AD_FORMAT_AYUV: case CU_AD_FORMAT_Y410:
+        return L_TEXEL(4);
     case CU_AD_FORMAT_UNORM_INT16X4: case CU_AD_FORMAT_SNORM_INT16X4:
-        return (texel_layout){ 1, 8, 0, 0 };
+    case CU_AD_FORMAT_Y416:
+        return L_TEXEL(8);
     case CU_AD_FORMAT_BC1_UNORM: case CU_AD_FORMAT_BC1_UNORM_SRGB:
     case CU_AD_FORMAT_BC4_UNORM: case CU_AD_FORMAT_BC4_SNORM:
-        return (texel_layout){ 4, 8, 0, 0 };
+        return L_BLOCK(8);
     case CU_AD_FORMAT_BC2_UNORM: case CU_AD_FORMAT_BC2_UNORM_SRGB:
     case CU_AD_FORMAT_BC3_UNORM: case CU_AD_FORMAT_BC3_UNORM_SRGB:
     case CU_AD_FORMAT_BC5_UNORM: case CU_AD_FORMAT_BC5_SNORM:
     case CU_AD_FORMAT_BC6H_UF16: case CU_AD_FORMAT_BC6H_SF16:
     case CU_AD_FORMAT_BC7_UNORM: case CU_AD_FORMAT_BC7_UNORM_SRGB:
-        return (texel_layout){ 4, 16, 0, 0 };
-    case CU_AD_FORMAT_NV12:
-        return (texel_layout){ 1, 1, 0, 1 };
-    default:
-        return (texel_layout){ 1, 4, 1, 0 };
+        return L_BLOCK(16);
+    case CU_AD_FORMAT_UINT8_PACKED_422: case CU_AD_FORMAT_YUY2:
+        return L_PACKED422(1);
+    case CU_AD_FORMAT_Y210: case CU_AD_FORMAT_Y216:
+        return L_PACKED422(2);
+    case CU_AD_FORMAT_NV12: case CU_AD_FORMAT_UINT8_SEMIPLANAR_420:
+        return L_SEMI(1, 2, 2);
+    case CU_AD_FORMAT_P010: case CU_AD_FORMAT_P016: case CU_AD_FORMAT_UINT16_SEMIPLANAR_420:
+        return L_SEMI(2, 2, 2);
+    case CU_AD_FORMAT_NV16: case CU_AD_FORMAT_UINT8_SEMIPLANAR_422:
+        return L_SEMI(1, 2, 1);
+    case CU_AD_FORMAT_P210: case CU_AD_FORMAT_P216: case CU_AD_FORMAT_UINT16_SEMIPLANAR_422:
+        return L_SEMI(2, 2, 1);
+    case CU_AD_FORMAT_YUV444_8bit_SemiPlanar: case CU_AD_FORMAT_UINT8_SEMIPLANAR_444:
+        return L_SEMI(1, 1, 1);
+    case CU_AD_FORMAT_YUV444_16bit_SemiPlanar: case CU_AD_FORMAT_UINT16_SEMIPLANAR_444:
+        return L_SEMI(2, 1, 1);
+    case CU_AD_FORMAT_UINT8_PLANAR_420:
+        return L_PLANAR(1, 2, 2);
+    case CU_AD_FORMAT_UINT16_PLANAR_420:
+        return L_PLANAR(2, 2, 2);
+    case CU_AD_FORMAT_UINT8_PLANAR_422:
+        return L_PLANAR(1, 2, 1);
+    case CU_AD_FORMAT_UINT16_PLANAR_422:
+        return L_PLANAR(2, 2, 1);
+    case CU_AD_FORMAT_Y444_PLANAR8: case CU_AD_FORMAT_UINT8_PLANAR_444:
+        return L_PLANAR(1, 1, 1);
+    case CU_AD_FORMAT_Y444_PLANAR10: case CU_AD_FORMAT_UINT16_PLANAR_444:
+        return L_PLANAR(2, 1, 1);
+    default:    /* UNSIGNED_INT32, SIGNED_INT32, FLOAT, and any not known */
+        return L_CHANNEL(4);
     }
 }
 
-/* Bytes of a w x h x d array, rows padded to 512 bytes; 0 on overflow. */
+static uint64_t ceil_div(uint64_t n, uint64_t d) { return n / d + (n % d != 0); }
+
+/* Bytes of a w x h x d array; 0 on overflow (no driver makes one). */
 static uint64_t array_bytes(uint64_t w, uint64_t h, uint64_t d, CUarray_format f, unsigned ch)
 {
     texel_layout l = layout_of(f);
-    uint64_t per = l.per_channel ? (uint64_t)l.bytes * (ch ? ch : 1) : l.bytes;
-    uint64_t cols = w / l.block + (w % l.block != 0);
-    if (cols && cols * per / cols != per)
-        return 0;
-    uint64_t row = gv_round_up(cols * per, 512);
-    h = h ? h : 1;
-    uint64_t rows = h / l.block + (h % l.block != 0);
-    if (l.nv12)
-        rows += h / 2 + h % 2;
-    d = d ? d : 1;
-    if (row && rows > UINT64_MAX / row)
-        return 0;
-    if (row != 0 && d > UINT64_MAX / (row * rows))
-        return 0;
-    return row * rows * d;
+    uint64_t sum = 0;
+    for (int i = 0; i < 3 && l.p[i].bytes; i++) {
+        const plane *p = &l.p[i];
+        uint64_t per = l.per_channel ? (uint64_t)p->bytes * (ch ? ch : 1) : p->bytes, row, bytes;
+        if (__builtin_mul_overflow(ceil_div(w, p->across), per, &row) || row > UINT64_MAX - 511 ||
+            __builtin_mul_overflow(gv_round_up(row, 512), ceil_div(h ? h : 1, p->down), &bytes) ||
+            __builtin_add_overflow(sum, bytes, &sum))
+            return 0;
+    }
+    return __builtin_mul_overflow(sum, d ? d : 1, &sum) ? 0 : sum;
 }
 
 /* Reserve the estimate, create, then settle on the driver's own figure. */

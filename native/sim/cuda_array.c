@@ -1,8 +1,8 @@
 /*
  * cuda_array.c - CUDA arrays and mipmapped arrays.  An array charges
  *   roundup2M( roundup512(width * channels * bpe) * max(h,1) * max(d,1) )
- * (block-compressed formats: per row of 4x4 blocks of 8 or 16 bytes;
- * NV12: one byte a texel and a half-height U/V plane: layout_of below)
+ * (block-compressed formats: per row of 4x4 blocks of 8 or 16 bytes; YUV
+ * formats: each plane so, at its own width and height: layout_of below)
  * and a mipmapped array the sum of its levels (each level halves every
  * non-zero dimension, minimum 1, but for the layer count of a layered or
  * cubemap array) rounded up to 2 MiB once.  Sparse and
@@ -36,52 +36,93 @@ struct CUmipmappedArray_st {
     CUDA_ARRAY3D_DESCRIPTOR d;
 };
 
-/* How a format lays texels out: blocks of `block` x `block` texels of
- * `bytes` each, and the NumChannels it takes (0: 1, 2 or 4, each channel
- * `bytes` wide).  The block-compressed formats count Width and Height in
- * texels; NV12 adds a half-height plane of interleaved U/V bytes.  The
- * channel counts of the newer formats are those cudaCreateChannelDesc
- * gives the runtime (BC6H and NV12: 3).  0: a format the driver refuses. */
-struct layout { unsigned block, bytes, channels, nv12; };
+/* How a format lays texels out: up to three planes, each `bytes` for every
+ * group of `across` x `down` texels (a 4x4 block of the block-compressed
+ * formats, whose Width and Height count texels; a texel pair of packed
+ * 4:2:2 YUV; the 2x2, 2x1 or 1x1 texels a chroma sample covers in a 4:2:0,
+ * 4:2:2 or 4:4:4 U/V plane), and the NumChannels the format takes (0: 1, 2
+ * or 4, each channel `bytes` wide).  The channel counts are those CUDA
+ * documents (those cudaCreateChannelDesc gives the runtime: BC6H and NV12
+ * 3); where it gives none, 3 for the semi-planar video formats, as NV12,
+ * and 4 for Y410 (A, Y, U, V).  Formats of more than one plane are 2D only
+ * (Height set, no Depth).  0: a format the driver refuses. */
+struct plane { unsigned char bytes, across, down; };
+struct layout { unsigned channels; struct plane p[3]; };
+
+#define TEXEL(b, ch) { ch, { { b, 1, 1 } } }
+#define BLOCK(b, ch) { ch, { { b, 4, 4 } } }
+#define PACKED422(s, ch) { ch, { { 4 * (s), 2, 1 } } }
+#define SEMI(s, a, d) { 3, { { s, 1, 1 }, { 2 * (s), a, d } } }
+#define PLANAR(s, a, d) { 3, { { s, 1, 1 }, { s, a, d }, { s, a, d } } }
 
 static int layout_of(CUarray_format f, struct layout *l)
 {
     static const struct { int f; struct layout l; } known[] = {
-        { CU_AD_FORMAT_UNSIGNED_INT8, { 1, 1, 0, 0 } },
-        { CU_AD_FORMAT_SIGNED_INT8, { 1, 1, 0, 0 } },
-        { CU_AD_FORMAT_UNSIGNED_INT16, { 1, 2, 0, 0 } },
-        { CU_AD_FORMAT_SIGNED_INT16, { 1, 2, 0, 0 } },
-        { CU_AD_FORMAT_HALF, { 1, 2, 0, 0 } },
-        { CU_AD_FORMAT_UNSIGNED_INT32, { 1, 4, 0, 0 } },
-        { CU_AD_FORMAT_SIGNED_INT32, { 1, 4, 0, 0 } },
-        { CU_AD_FORMAT_FLOAT, { 1, 4, 0, 0 } },
-        { CU_AD_FORMAT_UNORM_INT8X1, { 1, 1, 1, 0 } },
-        { CU_AD_FORMAT_SNORM_INT8X1, { 1, 1, 1, 0 } },
-        { CU_AD_FORMAT_UNORM_INT8X2, { 1, 2, 2, 0 } },
-        { CU_AD_FORMAT_SNORM_INT8X2, { 1, 2, 2, 0 } },
-        { CU_AD_FORMAT_UNORM_INT8X4, { 1, 4, 4, 0 } },
-        { CU_AD_FORMAT_SNORM_INT8X4, { 1, 4, 4, 0 } },
-        { CU_AD_FORMAT_UNORM_INT16X1, { 1, 2, 1, 0 } },
-        { CU_AD_FORMAT_SNORM_INT16X1, { 1, 2, 1, 0 } },
-        { CU_AD_FORMAT_UNORM_INT16X2, { 1, 4, 2, 0 } },
-        { CU_AD_FORMAT_SNORM_INT16X2, { 1, 4, 2, 0 } },
-        { CU_AD_FORMAT_UNORM_INT16X4, { 1, 8, 4, 0 } },
-        { CU_AD_FORMAT_SNORM_INT16X4, { 1, 8, 4, 0 } },
-        { CU_AD_FORMAT_BC1_UNORM, { 4, 8, 4, 0 } },
-        { CU_AD_FORMAT_BC1_UNORM_SRGB, { 4, 8, 4, 0 } },
-        { CU_AD_FORMAT_BC4_UNORM, { 4, 8, 1, 0 } },
-        { CU_AD_FORMAT_BC4_SNORM, { 4, 8, 1, 0 } },
-        { CU_AD_FORMAT_BC2_UNORM, { 4, 16, 4, 0 } },
-        { CU_AD_FORMAT_BC2_UNORM_SRGB, { 4, 16, 4, 0 } },
-        { CU_AD_FORMAT_BC3_UNORM, { 4, 16, 4, 0 } },
-        { CU_AD_FORMAT_BC3_UNORM_SRGB, { 4, 16, 4, 0 } },
-        { CU_AD_FORMAT_BC5_UNORM, { 4, 16, 2, 0 } },
-        { CU_AD_FORMAT_BC5_SNORM, { 4, 16, 2, 0 } },
-        { CU_AD_FORMAT_BC6H_UF16, { 4, 16, 3, 0 } },
-        { CU_AD_FORMAT_BC6H_SF16, { 4, 16, 3, 0 } },
-        { CU_AD_FORMAT_BC7_UNORM, { 4, 16, 4, 0 } },
-        { CU_AD_FORMAT_BC7_UNORM_SRGB, { 4, 16, 4, 0 } },
-        { CU_AD_FORMAT_NV12, { 1, 1, 3, 1 } },
+        { CU_AD_FORMAT_UNSIGNED_INT8, TEXEL(1, 0) },
+        { CU_AD_FORMAT_SIGNED_INT8, TEXEL(1, 0) },
+        { CU_AD_FORMAT_UNSIGNED_INT16, TEXEL(2, 0) },
+        { CU_AD_FORMAT_SIGNED_INT16, TEXEL(2, 0) },
+        { CU_AD_FORMAT_HALF, TEXEL(2, 0) },
+        { CU_AD_FORMAT_UNSIGNED_INT32, TEXEL(4, 0) },
+        { CU_AD_FORMAT_SIGNED_INT32, TEXEL(4, 0) },
+        { CU_AD_FORMAT_FLOAT, TEXEL(4, 0) },
+        { CU_AD_FORMAT_UNORM_INT8X1, TEXEL(1, 1) },
+        { CU_AD_FORMAT_SNORM_INT8X1, TEXEL(1, 1) },
+        { CU_AD_FORMAT_UNORM_INT8X2, TEXEL(2, 2) },
+        { CU_AD_FORMAT_SNORM_INT8X2, TEXEL(2, 2) },
+        { CU_AD_FORMAT_UNORM_INT8X4, TEXEL(4, 4) },
+        { CU_AD_FORMAT_SNORM_INT8X4, TEXEL(4, 4) },
+        { CU_AD_FORMAT_UNORM_INT16X1, TEXEL(2, 1) },
+        { CU_AD_FORMAT_SNORM_INT16X1, TEXEL(2, 1) },
+        { CU_AD_FORMAT_UNORM_INT16X2, TEXEL(4, 2) },
+        { CU_AD_FORMAT_SNORM_INT16X2, TEXEL(4, 2) },
+        { CU_AD_FORMAT_UNORM_INT16X4, TEXEL(8, 4) },
+        { CU_AD_FORMAT_SNORM_INT16X4, TEXEL(8, 4) },
+        { CU_AD_FORMAT_BC1_UNORM, BLOCK(8, 4) },
+        { CU_AD_FORMAT_BC1_UNORM_SRGB, BLOCK(8, 4) },
+        { CU_AD_FORMAT_BC4_UNORM, BLOCK(8, 1) },
+        { CU_AD_FORMAT_BC4_SNORM, BLOCK(8, 1) },
+        { CU_AD_FORMAT_BC2_UNORM, BLOCK(16, 4) },
+        { CU_AD_FORMAT_BC2_UNORM_SRGB, BLOCK(16, 4) },
+        { CU_AD_FORMAT_BC3_UNORM, BLOCK(16, 4) },
+        { CU_AD_FORMAT_BC3_UNORM_SRGB, BLOCK(16, 4) },
+        { CU_AD_FORMAT_BC5_UNORM, BLOCK(16, 2) },
+        { CU_AD_FORMAT_BC5_SNORM, BLOCK(16, 2) },
+        { CU_AD_FORMAT_BC6H_UF16, BLOCK(16, 3) },
+        { CU_AD_FORMAT_BC6H_SF16, BLOCK(16, 3) },
+        { CU_AD_FORMAT_BC7_UNORM, BLOCK(16, 4) },
+        { CU_AD_FORMAT_BC7_UNORM_SRGB, BLOCK(16, 4) },
+        { CU_AD_FORMAT_UNORM_INT_101010_2, TEXEL(4, 4) },
+        { CU_AD_FORMAT_UINT8_PACKED_422, PACKED422(1, 4) },
+        { CU_AD_FORMAT_UINT8_PACKED_444, TEXEL(4, 4) },
+        { CU_AD_FORMAT_UINT8_SEMIPLANAR_420, SEMI(1, 2, 2) },
+        { CU_AD_FORMAT_UINT16_SEMIPLANAR_420, SEMI(2, 2, 2) },
+        { CU_AD_FORMAT_UINT8_SEMIPLANAR_422, SEMI(1, 2, 1) },
+        { CU_AD_FORMAT_UINT16_SEMIPLANAR_422, SEMI(2, 2, 1) },
+        { CU_AD_FORMAT_UINT8_SEMIPLANAR_444, SEMI(1, 1, 1) },
+        { CU_AD_FORMAT_UINT16_SEMIPLANAR_444, SEMI(2, 1, 1) },
+        { CU_AD_FORMAT_UINT8_PLANAR_420, PLANAR(1, 2, 2) },
+        { CU_AD_FORMAT_UINT16_PLANAR_420, PLANAR(2, 2, 2) },
+        { CU_AD_FORMAT_UINT8_PLANAR_422, PLANAR(1, 2, 1) },
+        { CU_AD_FORMAT_UINT16_PLANAR_422, PLANAR(2, 2, 1) },
+        { CU_AD_FORMAT_UINT8_PLANAR_444, PLANAR(1, 1, 1) },
+        { CU_AD_FORMAT_UINT16_PLANAR_444, PLANAR(2, 1, 1) },
+        { CU_AD_FORMAT_NV12, SEMI(1, 2, 2) },
+        { CU_AD_FORMAT_P010, SEMI(2, 2, 2) },
+        { CU_AD_FORMAT_P016, SEMI(2, 2, 2) },
+        { CU_AD_FORMAT_NV16, SEMI(1, 2, 1) },
+        { CU_AD_FORMAT_P210, SEMI(2, 2, 1) },
+        { CU_AD_FORMAT_P216, SEMI(2, 2, 1) },
+        { CU_AD_FORMAT_YUY2, PACKED422(1, 2) },
+        { CU_AD_FORMAT_Y210, PACKED422(2, 2) },
+        { CU_AD_FORMAT_Y216, PACKED422(2, 2) },
+        { CU_AD_FORMAT_AYUV, TEXEL(4, 4) },
+        { CU_AD_FORMAT_Y410, TEXEL(4, 4) },
+        { CU_AD_FORMAT_Y416, TEXEL(8, 4) },
+        { CU_AD_FORMAT_Y444_PLANAR8, PLANAR(1, 1, 1) },
+        { CU_AD_FORMAT_Y444_PLANAR10, PLANAR(2, 1, 1) },
+        { CU_AD_FORMAT_YUV444_8bit_SemiPlanar, SEMI(1, 1, 1) },
+        { CU_AD_FORMAT_YUV444_16bit_SemiPlanar, SEMI(2, 1, 1) },
     };
     for (size_t i = 0; i < sizeof known / sizeof *known; i++)
         if (known[i].f == (int)f) {
@@ -96,19 +137,21 @@ static uint64_t level_bytes(size_t w, size_t h, size_t d, CUarray_format f,
                             unsigned ch)
 {
     struct layout l;
-    if (!layout_of(f, &l) || !w || (d && !h) || (l.nv12 && (!h || d)))
+    if (!layout_of(f, &l) || !w || (d && !h) || (l.p[1].bytes && (!h || d)))
         return 0;
     if (l.channels ? ch != l.channels : (ch != 1 && ch != 2 && ch != 4))
         return 0;
     if (w > (1ULL << 30) || h > (1ULL << 30) || d > (1ULL << 30))
         return 0;
-    uint64_t per = l.channels ? l.bytes : (uint64_t)l.bytes * ch;
-    uint64_t cols = (w + l.block - 1) / l.block;
-    uint64_t rows = ((h ? h : 1) + l.block - 1) / l.block;
-    if (l.nv12)
-        rows += (h + 1) / 2;
-    uint64_t row = sim_round_up(cols * per, SIM_ALIGN);
-    return row * rows * (d ? d : 1);
+    uint64_t sum = 0;
+    for (int i = 0; i < 3 && l.p[i].bytes; i++) {
+        const struct plane *p = &l.p[i];
+        uint64_t per = l.channels ? p->bytes : (uint64_t)p->bytes * ch;
+        uint64_t cols = (w + p->across - 1) / p->across;
+        uint64_t rows = ((h ? h : 1) + p->down - 1) / p->down;
+        sum += sim_round_up(cols * per, SIM_ALIGN) * rows;
+    }
+    return sum * (d ? d : 1);
 }
 
 static CUresult charge_new(uint64_t raw, unsigned flags, int *node, uint64_t *size,
