@@ -468,7 +468,9 @@ def test_a_pool_shrunk_by_a_synchronisation_is_not_taken_off_untracked_memory(
     assert out["low"] == 0, proc.stdout
 
 
-@pytest.mark.parametrize("reached", ["sync", "ctxsync", "event", "ptsz", "poll", "destroy"])
+@pytest.mark.parametrize(
+    "reached", ["sync", "ctxsync", "event", "ptsz", "poll", "destroy", "sdestroy"]
+)
 def test_a_block_freed_into_a_busy_stream_stays_charged_until_the_stream_gets_there(
     node: SimNode, build_dir: Path, reached: str
 ) -> None:
@@ -478,7 +480,10 @@ def test_a_block_freed_into_a_busy_stream_stays_charged_until_the_stream_gets_th
     next to the 768 MiB block still there.  Now it is refused while the free
     is pending, and the charge goes back with the synchronisation that shows
     the stream got there (or, with none, at the next allocation after it
-    did; or with the stream's context)."""
+    did; or with the stream's context).  A stream destroyed once it got
+    there (sdestroy) releases it too: another process of the container then
+    gets its 512 MiB with no further call from this one (cuStreamDestroy
+    was not hooked, and the charge stayed until this process's next hook)."""
     proc = run_linked(
         build_dir, "t_link_free_async", reached, env=node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="1g")
     )
@@ -490,6 +495,8 @@ def test_a_block_freed_into_a_busy_stream_stays_charged_until_the_stream_gets_th
     # gv_device_get_used gives nothing back itself: with no synchronisation,
     # the block is released by the allocation that follows.
     assert int(out["synced"]) == (32 + 768 if reached == "poll" else 32), proc.stdout
+    # the other process (sdestroy only) got its 512 MiB
+    assert out.get("take") == ("0" if reached == "sdestroy" else None), proc.stdout
     assert out["after"] == "0", proc.stdout
     assert region_usage(node)["used"] == 0
 

@@ -357,6 +357,10 @@ def test_stream_ordered_frees_pending_under_asan(asan_env: dict[str, str]) -> No
         assert proc.returncode == 0, proc.stdout + proc.stderr
         assert "take=0" in proc.stdout, proc.stdout
         assert "pending=2 during=800 synced=32 after=0 " in proc.stdout, proc.stdout
+    proc = run([prog, "sdestroy"], asan_env)  # released by the stream's destruction
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "take=0" in proc.stdout, proc.stdout
+    assert "pending=2 during=800 synced=32 after=0" in proc.stdout, proc.stdout
     proc = run([prog, "many"], asan_env)
     assert proc.stdout.strip() == "many blocked=1 used=32", proc.stdout + proc.stderr
     proc = run([prog, "threads"], asan_env)

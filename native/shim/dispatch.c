@@ -159,6 +159,7 @@ static const variant variants[] = {
     { "cuMemUnmap", { { 0, "cuMemUnmap" } }, NULL },
     { "cuMipmappedArrayCreate", { { 0, "cuMipmappedArrayCreate" } }, NULL },
     { "cuMipmappedArrayDestroy", { { 0, "cuMipmappedArrayDestroy" } }, NULL },
+    { "cuStreamDestroy", { { 0, "cuStreamDestroy" }, { 4000, "cuStreamDestroy_v2" } }, NULL },
     { "cuStreamQuery", { { 0, "cuStreamQuery" } }, "cuStreamQuery_ptsz" },
     { "cuStreamSynchronize", { { 0, "cuStreamSynchronize" } }, "cuStreamSynchronize_ptsz" },
 };

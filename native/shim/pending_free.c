@@ -10,9 +10,11 @@
  * cuDeviceTotalMem, a reading of untracked memory, the synchronisations
  * that prove it (cuStreamSynchronize, cuCtxSynchronize, cuEventSynchronize,
  * hooked here for that, and to settle the memory pools they may shrink),
- * and the queries that answer CUDA_SUCCESS (cuStreamQuery, cuEventQuery,
- * hooked here for that alone): never later than the synchronisation or
- * query that shows the stream got there.  (The driver has no host callback
+ * the queries that answer CUDA_SUCCESS (cuStreamQuery, cuEventQuery,
+ * hooked here for that alone), and cuStreamDestroy (hooked here for that
+ * alone too: after it a program may make no call at all): never later than
+ * the synchronisation, query or destruction that shows the stream got
+ * there.  (The driver has no host callback
  * the interposer could use without a thread of its own.)  The free is in
  * flight (charge.c) from before its driver call until its bytes are counted
  * here as pending (gv_pending_frees_bytes); from then until its charge goes
@@ -355,6 +357,28 @@ GV_EXPORT CUresult cuStreamQuery_ptsz(CUstream s)
 
 GV_EXPORT CUresult cuEventQuery(CUevent e) { return answered(GV_REAL(cuEventQuery, ev_fn)(e)); }
 
+/* ---- a stream destroyed: the frees queued in it may be done --------- */
+
+/* cuStreamDestroy returns at once, and the driver lets the work queued in
+ * the stream finish on its own: the frees the stream has reached by now
+ * (their events, made apart from the stream, outlive it) are released
+ * here, not at the process's next hook call, which may never come, while
+ * the other processes of the container read the charge.  Those it has not
+ * reached stay charged until a later hook finds them complete.  With no
+ * free pending, one atomic load after the driver's answer. */
+static CUresult destroyed(CUresult rc)
+{
+    gv_pending_frees_reap();
+    return rc;
+}
+
+GV_EXPORT CUresult cuStreamDestroy_v2(CUstream s)
+{
+    return destroyed(GV_REAL(cuStreamDestroy_v2, stream_fn)(s));
+}
+
+GV_EXPORT CUresult cuStreamDestroy(CUstream s) { return destroyed(GV_REAL(cuStreamDestroy, stream_fn)(s)); }
+
 const gv_hook gv_hooks_sync[] = {
     { "cuStreamSynchronize", (void *)cuStreamSynchronize },
     { "cuStreamSynchronize_ptsz", (void *)cuStreamSynchronize_ptsz },
@@ -364,5 +388,7 @@ const gv_hook gv_hooks_sync[] = {
     { "cuStreamQuery", (void *)cuStreamQuery },
     { "cuStreamQuery_ptsz", (void *)cuStreamQuery_ptsz },
     { "cuEventQuery", (void *)cuEventQuery },
+    { "cuStreamDestroy", (void *)cuStreamDestroy },
+    { "cuStreamDestroy_v2", (void *)cuStreamDestroy_v2 },
     { NULL, NULL }
 };

@@ -60,7 +60,8 @@
     X(cuEventQuery) X(cuEventElapsedTime) X(cuEventElapsedTime_v2) \
     X(cuStreamIsCapturing) X(cuStreamIsCapturing_ptsz) \
     X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz) X(cuCtxSynchronize) \
-    X(cuCtxSynchronize_v2) X(cuEventSynchronize) X(cuStreamQuery) X(cuStreamQuery_ptsz)
+    X(cuCtxSynchronize_v2) X(cuEventSynchronize) X(cuStreamQuery) X(cuStreamQuery_ptsz) \
+    X(cuStreamDestroy) X(cuStreamDestroy_v2)
 
 /* Real NVML entry points the library calls. */
 #define GV_NVML_SYMS(X) \

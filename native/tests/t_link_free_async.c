@@ -15,6 +15,9 @@
  *     poll     nothing: 1.2 s later the allocation itself sees it
  *     destroy  the stream's context (not current) is destroyed, block and
  *              all
+ *     sdestroy 1.2 s later (no CUDA call meanwhile), cuStreamDestroy_v2 of
+ *              the stream, which has got there; then "take" runs with no
+ *              further call from this process
  *   or polls a query every 10 ms until it answers CUDA_SUCCESS (no
  *   synchronisation at all):
  *     query          cuStreamQuery(stream)
@@ -410,9 +413,14 @@ int main(int argc, char **argv)
         usleep(1200 * 1000);
     else if (!strcmp(mode, "destroy"))
         MUST(cuCtxDestroy_v2(other));
-    else
+    else if (!strcmp(mode, "sdestroy")) {
+        usleep(1200 * 1000);
+        MUST(cuStreamDestroy_v2(s));
+    } else
         return 2;
     uint64_t synced = gv_test_used_mib();
+    if (!strcmp(mode, "sdestroy") && spawn_take())
+        return 3;
     CUresult after = cuMemAlloc_v2(&q, 512 * MiB);
     printf("pending=%d during=%llu synced=%llu after=%d\n", (int)pending,
            (unsigned long long)during, (unsigned long long)synced, (int)after);
