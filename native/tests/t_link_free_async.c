@@ -109,7 +109,8 @@ static int many(CUfunction spin)
     return 0;
 }
 
-/* ---- threads: frees queued, reached and synchronised concurrently ------ */
+/* ---- threads: frees queued, reached, synchronised and their streams
+ *      destroyed concurrently ---------------------------------------- */
 
 static CUcontext shared_ctx;
 static CUfunction shared_spin;
@@ -135,6 +136,10 @@ static void *churn(void *arg)
         if (i % 11 == 0) {
             size_t f, t;
             cuMemGetInfo_v2(&f, &t);
+        }
+        if (i % 13 == 0) {                  /* its frees reached, or not yet */
+            if (cuStreamDestroy_v2(s) || cuStreamCreate(&s, 0))
+                return (void *)1;
         }
     }
     cuStreamSynchronize(s);
