@@ -87,3 +87,26 @@ def test_a_stream_destroyed_before_it_reaches_the_free_keeps_the_charge(node):
         out = other_process(node)
     assert out["seen"] == 2 * SIM_CONTEXT + 768 * MiB, out
     assert out["err"] == OOM, out
+
+
+def test_the_freeing_process_nvml_reading_releases_a_free_reached_after_the_destroy(node):
+    """The stream is destroyed while busy (1 s kernel), so the free is still
+    pending then; 1.2 s later, with no CUDA call since, the process reads
+    its memory through NVML.  cuMemGetInfo released the frees the streams
+    had reached before reading, NVML's query did not: it showed the 768 MiB
+    block used after the device had freed it."""
+    code = FREER.format(kernel_us=1_000_000, sleep=0, last=LAST_CALLS["cuStreamDestroy"])
+    code = (
+        "import pynvml\n"
+        "pynvml.nvmlInit()\n"
+        "h = pynvml.nvmlDeviceGetHandleByIndex(0)\n"
+        + code.replace(
+            "hold()",
+            "busy = pynvml.nvmlDeviceGetMemoryInfo(h).used\n"
+            "time.sleep(1.2)\n"
+            "emit(busy=busy, done=pynvml.nvmlDeviceGetMemoryInfo(h).used)",
+        )
+    )
+    out = run_json(code, node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="1g"))
+    assert out["busy"] == SIM_CONTEXT + 768 * MiB, out  # not freed yet: still charged
+    assert out["done"] == SIM_CONTEXT, out

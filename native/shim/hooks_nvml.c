@@ -59,6 +59,9 @@ static nvmlReturn_t quota_view(nvmlDevice_t dev, unsigned long long *total,
     uint64_t limit = region_limit(r, e);
     if (limit == GV_UNLIMITED)
         return NVML_SUCCESS;
+    /* As cuMemGetInfo: the stream-ordered frees the streams have reached
+     * are not the quota's any more (one atomic load with none pending). */
+    gv_pending_frees_reap();
     gv_core_tidy();
     uint64_t u = region_used(r, e);
     uint64_t t = limit < *total ? limit : *total;

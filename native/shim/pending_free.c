@@ -6,8 +6,8 @@
  * is done.  Released at queue time, its charge let the container allocate
  * past its quota while the old block still existed.  So an event is
  * recorded behind the free, and the charge is released by the first hook to
- * see that event complete: an allocation (gv_charge_begin), cuMemGetInfo or
- * cuDeviceTotalMem, a reading of untracked memory, the synchronisations
+ * see that event complete: an allocation (gv_charge_begin), cuMemGetInfo,
+ * cuDeviceTotalMem or NVML's memory query, a reading of untracked memory, the synchronisations
  * that prove it (cuStreamSynchronize, cuCtxSynchronize, cuEventSynchronize,
  * hooked here for that, and to settle the memory pools they may shrink),
  * the queries that answer CUDA_SUCCESS (cuStreamQuery, cuEventQuery,
