@@ -37,6 +37,7 @@ Defences against bad clients, all with bounded memory:
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import json
 import logging
@@ -46,9 +47,10 @@ import socket
 import stat
 import threading
 import time
+from collections.abc import Callable
 from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .agent_config import AgentConfig, admin_socket_problem, context_lock_path
 from .agent_connection import Connection
@@ -57,6 +59,8 @@ from .agent_persist import encode_state, read_state, state_file_problem, write_s
 from .agent_state import AgentState
 from .identity import peer_cgroups
 from .protocol import MAX_MESSAGE_BYTES, encode, error_message
+
+T = TypeVar("T")
 
 log = logging.getLogger("gpuvisor.agent")
 
@@ -97,6 +101,7 @@ class Agent:
         )
         self.server: asyncio.AbstractServer | None = None
         self.admin_server: asyncio.AbstractServer | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None  # set by start()
         self.bound: list[str] = []  # socket paths this agent bound, to unlink at close
         self.http: ThreadingHTTPServer | None = None
         self.stopping: asyncio.Event | None = None
@@ -112,7 +117,38 @@ class Agent:
     def metrics_payload(self, accept: str | None) -> tuple[bytes, str]:
         from .metrics import render
 
-        return render(self.collector, accept)
+        self.gpus.read()  # NVML off the event loop: the collector gets it cached
+        return self.on_loop(lambda: render(self.collector, accept))
+
+    def status_payload(self) -> bytes:
+        return self.on_loop(lambda: json.dumps(self.state.status()).encode())
+
+    def on_loop(self, fn: Callable[[], T]) -> T:
+        """fn's result, computed on the event loop's thread, where reports
+        and admin messages change the state: a page read on the HTTP thread
+        meanwhile could see a table change size under it and fail (one
+        scrape in about 6,000 with set-limit running flat out).  Without a
+        running loop (tests, shutdown) fn runs here.  TimeoutError when the
+        loop does not get to it within --http-timeout."""
+        loop = self.loop
+        if loop is None or loop.is_closed() or not loop.is_running():
+            return fn()
+        done: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def call() -> None:
+            if not done.set_running_or_notify_cancel():
+                return  # the HTTP thread gave up waiting
+            try:
+                done.set_result(fn())
+            except BaseException as exc:
+                done.set_exception(exc)
+
+        loop.call_soon_threadsafe(call)
+        try:
+            return done.result(timeout=self.config.http_timeout)
+        except concurrent.futures.TimeoutError:
+            done.cancel()
+            raise TimeoutError("the agent's event loop did not answer in time") from None
 
     # ---- the state file (supervisor/agent_persist.py) ----------------------------
 
@@ -213,6 +249,7 @@ class Agent:
         return int(self.http.server_address[1])
 
     async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
         self.load_state()  # first: a state file it cannot use stops it
         self._prepare_admin_socket()
         self._prepare_socket()

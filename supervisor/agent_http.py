@@ -6,7 +6,6 @@ its own, each client cut off --http-timeout seconds after it connected.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import socket
 import threading
@@ -36,22 +35,33 @@ class HttpHandler(BaseHTTPRequestHandler):
     def _answer(self, with_body: bool) -> None:
         # A trailing slash names the same page ("/metrics/" as "/metrics").
         path = self.path.split("?", 1)[0].rstrip("/") or "/"
-        if path == "/metrics":
-            body, ctype = self.agent.metrics_payload(self.headers.get("Accept"))
-        elif path == "/status":
-            body = json.dumps(self.agent.state.status()).encode()
-            ctype = "application/json"
-        elif path == "/healthz":
-            body, ctype = b"ok\n", "text/plain"
-        else:
+        try:
+            page = self._page(path)
+        except TimeoutError as exc:
+            self.send_error(503, str(exc))
+            return
+        if page is None:
             self.send_error(404, "try /metrics or /status")
             return
+        body, ctype = page
         self.send_response(200)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
         if with_body:
             self.wfile.write(body)
+
+    def _page(self, path: str) -> tuple[bytes, str] | None:
+        """The page's body and content type; None: no such page."""
+        if path == "/metrics":
+            body, ctype = self.agent.metrics_payload(self.headers.get("Accept"))
+        elif path == "/status":
+            body, ctype = self.agent.status_payload(), "application/json"
+        elif path == "/healthz":
+            body, ctype = b"ok\n", "text/plain"
+        else:
+            return None
+        return body, ctype
 
     def log_message(self, format: str, *args: Any) -> None:
         log.debug("http: " + format, *args)

@@ -95,6 +95,9 @@ class HostGpus:
         nv = self._nvml
         if nv is None:
             return []
+        ts, cached = self._cache  # fresh: no wait for a per-process query holding the lock
+        if time.monotonic() - ts < max_age:
+            return cached
         with self._lock:
             ts, cached = self._cache
             if time.monotonic() - ts < max_age:

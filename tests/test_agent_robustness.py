@@ -14,6 +14,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -888,3 +889,99 @@ def test_a_node_socket_that_cannot_be_bound_leaves_no_admin_socket(tmp_path, mon
         asyncio.run(Agent(config).run())
     assert not admin.exists()
     assert sock.read_text() == "someone else's"
+
+
+def test_pages_are_read_on_the_event_loop_while_set_limit_runs(sock_path, monkeypatch):
+    """Reports and admin messages change the agent's tables on its event
+    loop; /metrics and /status used to read them on the HTTP thread, and a
+    scrape during a set-limit could see a table change size under it (one
+    read in about 6,000 failed with set-limit running flat out).  Each page
+    is now read on the loop: checked where the status is made, then with
+    set-limit churning on the loop while two threads scrape both pages."""
+    top = Path(sock_path).parent.parent
+    config = AgentConfig(
+        socket_path=sock_path,
+        admin_socket=str(top / "adm" / "admin.sock"),
+        metrics_host="127.0.0.1",
+        metrics_port=0,
+        state_file=str(top / "limits.json"),
+    )
+    agent = Agent(config)
+    ports: list[int] = []
+    ready = threading.Event()
+
+    async def serve() -> None:  # Agent.run less its signal handlers (main thread only)
+        await agent.start()
+        ports.append(agent.start_http())
+        ready.set()
+        assert agent.stopping is not None
+        await agent.stopping.wait()
+        agent.close()
+
+    runner = threading.Thread(target=lambda: asyncio.run(serve()), daemon=True)
+    runner.start()
+    assert ready.wait(30)
+    loop = agent.loop
+    assert loop is not None
+    url = f"http://127.0.0.1:{ports[0]}"
+    try:
+        seen: list[int] = []
+        status = agent.state.status
+
+        def spied() -> dict[str, Any]:
+            seen.append(threading.get_ident())
+            result: dict[str, Any] = status()
+            return result
+
+        monkeypatch.setattr(agent.state, "status", spied)
+        with urllib.request.urlopen(url + "/status", timeout=5) as resp:
+            assert resp.status == 200
+        assert seen == [runner.ident]
+
+        report = _report(None)
+        peer = PeerCred(pid=1, uid=0, gid=0)
+        agent.on_loop(lambda: agent.state.accept_report(report, peer, time.monotonic()))
+        key = next(iter(agent.state.containers))
+        gpus = [f"GPU-{i:08d}-0000-0000-0000-000000000000" for i in range(8)]
+
+        async def churn(seconds: float) -> int:
+            cycles = 0
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                for value in (50, "env"):
+                    for gpu in gpus:
+                        agent.state.set_limit(key, gpu, {"memory": 1 << 30, "sm": value})
+                agent.state.admin_limits.pop(key, None)
+                cycles += 1
+                await asyncio.sleep(0.001)  # the GIL for the HTTP threads too
+            return cycles
+
+        failures: list[str] = []
+        reads = [0]
+
+        def scrape(page: str) -> None:
+            end = time.monotonic() + 2.0
+            while time.monotonic() < end:
+                try:
+                    with urllib.request.urlopen(url + page, timeout=5) as resp:
+                        body = resp.read()
+                    if page == "/status":
+                        json.loads(body)
+                    reads[0] += 1
+                except Exception as exc:  # an HTTP error, a cut connection, bad JSON
+                    failures.append(f"{page}: {exc!r}")
+
+        work = asyncio.run_coroutine_threadsafe(churn(2.0), loop)
+        scrapers = [threading.Thread(target=scrape, args=(p,)) for p in ("/metrics", "/status")]
+        for t in scrapers:
+            t.start()
+        for t in scrapers:
+            t.join()
+        cycles = work.result(timeout=10)
+        print(f"{reads[0]} pages read during {cycles} set-limit cycles")
+        assert not failures, failures[:5]
+        assert reads[0] > 10
+        assert cycles > 10
+    finally:
+        loop.call_soon_threadsafe(lambda: agent.stopping and agent.stopping.set())
+        runner.join(10)
