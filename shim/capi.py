@@ -16,7 +16,7 @@ from typing import Any
 
 from .loader import library_path
 
-API_VERSION = 4
+API_VERSION = 5
 UNLIMITED = (1 << 64) - 1  # GV_UNLIMITED
 
 ERROR_NAMES = {
@@ -81,6 +81,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "gv_device_get_used": (ctypes.c_int, [ctypes.c_int, _pu64]),
     "gv_device_get_physical_total": (ctypes.c_int, [ctypes.c_int, _pu64]),
     "gv_device_get_oom_count": (ctypes.c_int, [ctypes.c_int, _pu64]),
+    "gv_device_get_context_cost": (ctypes.c_int, [ctypes.c_int, _pu64]),
     "gv_device_get_sm": (ctypes.c_int, [ctypes.c_int, _pu32, _pu32, _pu32, _pu32]),
     "gv_device_get_sm_usage": (ctypes.c_int, [ctypes.c_int, _pu64, _pu64, _pu64]),
     "gv_device_set_sm_limit": (ctypes.c_int, [ctypes.c_int, ctypes.c_uint32]),

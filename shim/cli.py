@@ -41,6 +41,7 @@ def _region_info(region: Region) -> dict[str, Any]:
                 "used": dev.used,
                 "physical_total": dev.physical_total,
                 "oom_count": dev.oom_count,
+                "context_cost": dev.context_cost,
                 "processes": [
                     {"pid": pid, "name": _process_name(pid), "used": used}
                     for pid, used in per_pid.items()

@@ -25,6 +25,9 @@ class DeviceUsage:
     used: int
     physical_total: int
     oom_count: int
+    # What a new context of the container is reserved before it is created
+    # (the smallest any of its processes measured); 0 while none was.
+    context_cost: int
 
 
 SM_POLICIES = ("fixed-share", "burst-share", "best-effort")
@@ -118,6 +121,7 @@ class Region:
             used=_u64_out("gv_device_get_used", dev),
             physical_total=_u64_out("gv_device_get_physical_total", dev),
             oom_count=_u64_out("gv_device_get_oom_count", dev),
+            context_cost=_u64_out("gv_device_get_context_cost", dev),
         )
 
     def devices(self) -> list[DeviceUsage]:

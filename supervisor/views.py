@@ -83,6 +83,7 @@ def region_status(region_path: str | None, sample: float) -> dict[str, Any]:
                 "memory_used": dev.used,
                 "memory_physical": dev.physical_total,
                 "oom_refusals": dev.oom_count,
+                "context_cost": dev.context_cost,
                 "sm_limit": sm.limit,
                 "sm_enforced": sm.share,
                 "sm_achieved": None if achieved is None else round(min(achieved, 100.0), 2),
@@ -148,6 +149,7 @@ def status(region_path: str | None, sample: float, as_json: bool) -> None:
             d["policy"],
             str(d["priority"]),
             str(d["oom_refusals"]),
+            _size(d["context_cost"]) if d["context_cost"] else "-",
         ]
         for d in info["devices"]
     ]
@@ -164,6 +166,7 @@ def status(region_path: str | None, sample: float, as_json: bool) -> None:
                 "POLICY",
                 "PRIO",
                 "OOM",
+                "CTX",
             ],
             rows,
         )

@@ -16,13 +16,14 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import Holder, SimNode, region_call, run_json, start_ready
+from tests.helpers import CLI, Holder, SimNode, region_call, run_json, start_ready
 
 MiB = 1 << 20
 SIM_CONTEXT = 32 * MiB
@@ -307,3 +308,36 @@ def test_a_creation_the_driver_refuses_gives_the_reservation_back(
             assert out["err"] == OOM
             assert out["held"] == SIM_CONTEXT
             assert region_used(node) == SIM_CONTEXT
+
+
+def test_status_shows_what_a_new_context_is_reserved(node: SimNode) -> None:
+    """The learned cost is what each next context of the container is
+    reserved: `gpuvisor status` (CTX, and context_cost in --json) and the
+    Python API show it, 0 until a process measured one."""
+    region_call(
+        node, 'r.register_device("GPU-6776a51d-5e11-4000-8000-000000000000", 1 << 34, 1 << 30)'
+    )
+    assert region_call(node, "print(r.device(0).context_cost)").strip() == "0"
+    with Holder(HOLD.format(alloc=MiB), env_for(node)):
+        assert region_call(node, "print(r.device(0).context_cost)").strip() == str(SIM_CONTEXT)
+        proc = subprocess.run(
+            [*CLI, "status", "--json", "--sample", "0"],
+            env=node.env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["devices"][0]["context_cost"] == SIM_CONTEXT
+        table = subprocess.run(
+            [*CLI, "status", "--sample", "0"],
+            env=node.env,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        print(table.stdout)
+        header, row = table.stdout.splitlines()[1:3]
+        assert header.rstrip().endswith("CTX"), table.stdout
+        assert row.rstrip().endswith("32 MiB"), table.stdout

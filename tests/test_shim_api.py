@@ -246,6 +246,7 @@ emit(path=str(r.path), i=[i0, i1, again], before=before, mid=mid,
             "used": 0,
             "physical_total": 16 * GiB,
             "oom_count": 0,
+            "context_cost": 0,
         },
         {
             "index": 1,
@@ -254,6 +255,7 @@ emit(path=str(r.path), i=[i0, i1, again], before=before, mid=mid,
             "used": 0,
             "physical_total": 24 * GiB,
             "oom_count": 0,
+            "context_cost": 0,
         },
     ]
     assert out["mid"] == [8 * GiB, 2 * GiB]

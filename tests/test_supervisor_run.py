@@ -934,7 +934,9 @@ def _steady_sample(ts: float, busy_s: float) -> Any:
     from gpuvisor.shim.region import DeviceUsage, SmState
     from gpuvisor.supervisor.tuner import DeviceSample, Sample
 
-    usage = DeviceUsage(index=0, uuid="GPU-x", limit=None, used=0, physical_total=GiB, oom_count=0)
+    usage = DeviceUsage(
+        index=0, uuid="GPU-x", limit=None, used=0, physical_total=GiB, oom_count=0, context_cost=0
+    )
     sm = SmState(
         limit=50,
         share=50.0,

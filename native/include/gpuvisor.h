@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define GV_API_VERSION 4
+#define GV_API_VERSION 5
 
 enum {
     GV_OK = 0,
@@ -111,6 +111,10 @@ int gv_device_set_limit(int dev, uint64_t bytes);           /* applies to the ne
 int gv_device_get_used(int dev, uint64_t *bytes);           /* container-wide */
 int gv_device_get_physical_total(int dev, uint64_t *bytes);
 int gv_device_get_oom_count(int dev, uint64_t *count);      /* refused allocations */
+/* What a new context of the container is reserved before it is created:
+ * the smallest context cost any of its processes measured; 0 while none
+ * was (API version 5). */
+int gv_device_get_context_cost(int dev, uint64_t *bytes);
 
 /* SM-time quota of a device entry.
  * limit_pct: CUDA_DEVICE_SM_LIMIT (1..100; 0 = none); share_bp: the share

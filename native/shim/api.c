@@ -408,6 +408,14 @@ GV_EXPORT int gv_device_get_oom_count(int dev, uint64_t *count)
     return GV_OK;
 }
 
+GV_EXPORT int gv_device_get_context_cost(int dev, uint64_t *bytes)
+{
+    NONNULL("gv_device_get_context_cost", bytes);
+    NEED_DEV("gv_device_get_context_cost", dev);
+    *bytes = region_ctx_cost(r, dev);
+    return GV_OK;
+}
+
 GV_EXPORT int gv_process_list(int32_t *pids, int cap)
 {
     if (cap < 0 || (pids == NULL && cap > 0))
