@@ -341,3 +341,31 @@ def test_status_shows_what_a_new_context_is_reserved(node: SimNode) -> None:
         header, row = table.stdout.splitlines()[1:3]
         assert header.rstrip().endswith("CTX"), table.stdout
         assert row.rstrip().endswith("32 MiB"), table.stdout
+
+
+@pytest.mark.parametrize("create", [False, True], ids=["primary", "cuCtxCreate"])
+def test_a_containers_first_context_is_reserved_what_the_node_measured(
+    node: SimNode, tmp_path: Path, create: bool
+) -> None:
+    """A container that has measured no context yet reserves what another
+    container of the node measured on the GPU (kept in the node directory's
+    file for that GPU), so its first context is covered too: under a 16 MiB
+    quota a 32 MiB context is refused without being created (the device's
+    use never rises), where it used to be created, measured and destroyed.
+    One that fits is created and charged its own measured cost."""
+    first = run_json(TRY.format(create=create), env_for(node))
+    assert first["err"] == 0
+    small = env_for(
+        node,
+        limit="16m",
+        CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "small.shr"),
+        GPUVISOR_SIM_CTX_CREATE_MS="300",
+    )
+    seen, out = sampled(node, TRY.format(create=create), small)
+    assert out["err"] == OOM
+    assert out["held"] == 0
+    assert seen["peak"] == 0, seen
+    roomy = env_for(node, CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "roomy.shr"))
+    out = run_json(TRY.format(create=create), roomy)
+    assert out["err"] == 0
+    assert out["held"] == SIM_CONTEXT

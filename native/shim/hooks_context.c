@@ -18,8 +18,11 @@
  * reserves that much before the driver is called; a reservation that does
  * not fit fails the call with CUDA_ERROR_OUT_OF_MEMORY and the driver
  * creates nothing.  The reservation is then settled on the measured cost
- * (more reserved, or the difference given back).  While no cost is known,
- * nothing is reserved in advance.
+ * (more reserved, or the difference given back).  A container that has
+ * measured no context yet reserves what the containers of the node
+ * measured on the GPU (the smallest, kept in the node-wide file of the
+ * launch order: sm_arbiter.c), so that its first context is covered too.
+ * While no cost is known at all, nothing is reserved in advance.
  *
  * Destroying a context also frees every allocation made in it, so those
  * charges are released with it; and its events, so the SM meter is done
@@ -277,14 +280,19 @@ static CUresult ctx_reserve(int ordinal, const gv_devinfo *d, uint64_t *held)
     *held = 0;
     gv_region *r = gv_core_region();
     uint64_t want = r ? region_ctx_cost(r, d->region_dev) : 0;
+    const char *who = "as measured before";
+    if (want == 0) {
+        want = gv_arb_ctx_cost(d->region_dev, d->uuid_str);
+        who = "as another container of this node measured";
+    }
     if (want == 0)
         return CUDA_SUCCESS;
     gv_charge c;
     CUresult rc = gv_charge_begin(&c, ordinal, NULL, want);
     if (rc != CUDA_SUCCESS) {
         if (rc == CUDA_ERROR_OUT_OF_MEMORY)
-            gv_log(GV_LOG_INFO, "a context takes %llu bytes on device %d, as measured before: "
-                   "refused before creating it", (unsigned long long)want, ordinal);
+            gv_log(GV_LOG_INFO, "a context takes %llu bytes on device %d, %s: "
+                   "refused before creating it", (unsigned long long)want, ordinal, who);
         return rc;
     }
     *held = c.bytes;
@@ -299,6 +307,7 @@ static void ctx_learn(const gv_devinfo *d, uint64_t n)
     gv_region *r = gv_core_region();
     if (r)
         region_learn_ctx_cost(r, d->region_dev, n);
+    gv_arb_learn_ctx_cost(d->region_dev, d->uuid_str, n);
 }
 
 /* Charge a context measured at n bytes, taking over the reservation held

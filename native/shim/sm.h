@@ -84,6 +84,11 @@ struct gv_arb_terms {
 };
 void gv_arb_set_terms(int dev, uint32_t nvml_pid, unsigned limit, unsigned policy);
 int gv_arb_terms_of(int dev, uint32_t nvml_pid, uint64_t now, struct gv_arb_terms *out);
+/* The smallest non-zero context cost any container measured on the GPU,
+ * kept in the same node-wide file (0: none, or no node directory), and
+ * lowering it to cost (hooks_context.c). */
+uint64_t gv_arb_ctx_cost(int dev, const char *uuid);
+void gv_arb_learn_ctx_cost(int dev, const char *uuid, uint64_t cost);
 /* The node-wide enqueue word of region device dev (sm_enqueue.c), once
  * this process has mapped the device's launch-order file; else NULL. */
 _Atomic uint64_t *gv_arb_enqueue_word(int dev);

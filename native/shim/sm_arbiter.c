@@ -89,7 +89,11 @@ struct arb_file {
     /* The enqueue word of every container on the GPU (sm_enqueue.c); a
      * library without it left this word 0 and never reads it. */
     _Atomic uint64_t enqueue;
-    uint64_t pad[5];
+    /* The smallest non-zero context cost any container measured on the GPU
+     * (hooks_context.c), for a container that has measured none yet; 0
+     * while none did (a library before this word never writes it). */
+    _Atomic uint64_t ctx_cost;
+    uint64_t pad[4];
     struct arb_slot slot[ARB_SLOTS];
 };
 
@@ -255,8 +259,9 @@ static struct arb_slot *claim(struct arb_file *f, uint64_t now)
     return NULL;
 }
 
-/* This process's slot for region device dev, or NULL. */
-static struct arb_slot *slot_for(int dev, const char *uuid, uint64_t now)
+/* The node-wide file of region device dev (mapped at the first call), or
+ * NULL: no node directory, or another thread is mapping it right now. */
+static struct arb_file *file_for(int dev, const char *uuid)
 {
     if (dev < 0 || dev >= GV_MAX_DEVICES)
         return NULL;
@@ -270,8 +275,15 @@ static struct arb_slot *slot_for(int dev, const char *uuid, uint64_t now)
         atomic_store_explicit(&a->state, a->f ? MAPPED : NONE, memory_order_release);
         st = a->f ? MAPPED : NONE;
     }
-    if (st != MAPPED)
+    return st == MAPPED ? a->f : NULL;
+}
+
+/* This process's slot for region device dev, or NULL. */
+static struct arb_slot *slot_for(int dev, const char *uuid, uint64_t now)
+{
+    if (!file_for(dev, uuid))
         return NULL;
+    struct arb_dev *a = &arbs[dev];
     struct arb_slot *s = atomic_load(&a->me);
     /* Taken over while this process was idle for over STALE_NS: another. */
     if (s && atomic_load_explicit(&s->owner, memory_order_relaxed) != my_token())
@@ -412,4 +424,20 @@ _Atomic uint64_t *gv_arb_enqueue_word(int dev)
         atomic_load_explicit(&arbs[dev].state, memory_order_acquire) != MAPPED)
         return NULL;
     return &arbs[dev].f->enqueue;
+}
+
+uint64_t gv_arb_ctx_cost(int dev, const char *uuid)
+{
+    struct arb_file *f = file_for(dev, uuid);
+    return f ? atomic_load_explicit(&f->ctx_cost, memory_order_relaxed) : 0;
+}
+
+void gv_arb_learn_ctx_cost(int dev, const char *uuid, uint64_t cost)
+{
+    struct arb_file *f = file_for(dev, uuid);
+    if (!f || cost == 0)
+        return;
+    uint64_t old = atomic_load(&f->ctx_cost);
+    while ((old == 0 || cost < old) && !atomic_compare_exchange_weak(&f->ctx_cost, &old, cost))
+        ;
 }
