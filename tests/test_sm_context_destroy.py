@@ -15,9 +15,11 @@ another context go on at once.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from tests.helpers import SimNode, run_json
+from tests.helpers import SimNode, run_json, run_py
 
 ROUNDS = 5
 
@@ -105,3 +107,44 @@ def test_a_destroyed_contexts_launches_leave_the_programs_events_alone(
     assert got["inflight"] == ["CUDA_ERROR_NOT_READY"] * ROUNDS, got
     assert got["errors"] == {}, got
     assert got["slowest"] < 2.0, got
+
+
+STUCK = """
+import ctypes, json, time
+from cuda.bindings import driver as cu
+R = cu.CUresult.CUDA_SUCCESS
+def chk(r):
+    e = r[0] if isinstance(r, tuple) else r
+    assert e == R, e
+    return r[1] if isinstance(r, tuple) and len(r) == 2 else None
+chk(cu.cuInit(0))
+ctx = chk(cu.cuCtxCreate(None, 0, 0))
+spin = chk(cu.cuModuleGetFunction(chk(cu.cuModuleLoadData(b"any image")), b"spin"))
+s = chk(cu.cuStreamCreate(0))
+for _ in range(4):
+    chk(cu.cuLaunchKernel(spin, 1, 1, 1, 32, 1, 1, 0, s, ((30000,), (ctypes.c_uint32,)), 0))
+time.sleep(0.05)  # the meter is now inside a cuEventQuery that takes 1.5 s
+t0 = time.monotonic()
+chk(cu.cuCtxDestroy(ctx))
+took = time.monotonic() - t0
+again = chk(cu.cuCtxCreate(None, 0, 0))  # the program goes on
+chk(cu.cuCtxDestroy(again))
+print(json.dumps({"took": took}))
+"""
+
+
+def test_a_context_is_destroyed_even_while_the_meter_is_stuck(node: SimNode) -> None:
+    """The meter lets go of a context's launches before the driver destroys
+    it, and cuCtxDestroy waits for that; a meter stuck in a driver call (each
+    cuEventQuery taking 1.5 s) must not hold the destruction for good: after
+    1 s it goes ahead, with one error line saying so."""
+    proc = run_py(
+        STUCK,
+        node.shimmed(CUDA_DEVICE_SM_LIMIT="50", GPUVISOR_SIM_EVENT_QUERY_MS="1500"),
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    took = json.loads(proc.stdout.strip().splitlines()[-1])["took"]
+    assert 0.9 <= took < 3.0, took
+    said = [ln for ln in proc.stderr.splitlines() if "did not let go of a context" in ln]
+    assert len(said) == 1, proc.stderr

@@ -212,6 +212,7 @@ SIM_API CUresult cuEventQuery(CUevent e)
 {
     uint64_t t;
     int ordinal;
+    sim_event_query_delay();
     CUresult rc = ev_time(e, &t, &ordinal);
     if (rc)
         return rc;

@@ -22,6 +22,7 @@ static int g_nvis;
 static int g_vis[SIM_MAX_DEV];          /* CUDA ordinal -> node index */
 static unsigned long long g_fail_at, g_fail_every, g_ctx_ms, g_alloc_ms, g_free_ms, g_module_mib;
 static unsigned long long g_launch_us;
+static unsigned long long g_event_query_ms;      /* GPUVISOR_SIM_EVENT_QUERY_MS */
 static unsigned long long g_launch_every = 1;   /* GPUVISOR_SIM_LAUNCH_EVERY */
 static _Atomic unsigned long long g_launches;
 static unsigned long long g_alloc_calls;
@@ -134,6 +135,7 @@ static void do_init(void)
     g_launch_us = sim_knob_range("GPUVISOR_SIM_LAUNCH_US", 1, 1000000, 0);
     g_launch_every = sim_knob_range("GPUVISOR_SIM_LAUNCH_EVERY", 1, 1000000, 1);
     g_module_mib = sim_knob_range("GPUVISOR_SIM_MODULE_MIB", 1, 1ULL << 20, 0);
+    g_event_query_ms = sim_knob_range("GPUVISOR_SIM_EVENT_QUERY_MS", 1, 10000, 0);
     const char *f = getenv("GPUVISOR_SIM_CUDA_FAIL");
     if (f && *f) {
         if (strlen(f) + 3 > sizeof g_cuda_fail)
@@ -215,6 +217,14 @@ void sim_alloc_delay(void)
 {
     if (g_alloc_ms)
         sleep_ms(g_alloc_ms);
+}
+
+/* A driver call that hangs for a while: the interposer's SM meter polls
+ * its launches' events with cuEventQuery (tests of what waits on it). */
+void sim_event_query_delay(void)
+{
+    if (g_event_query_ms)
+        sleep_ms(g_event_query_ms);
 }
 
 /* Spent on the CPU, as a driver's own work is: a sleep would add the
