@@ -148,3 +148,57 @@ def test_a_context_is_destroyed_even_while_the_meter_is_stuck(node: SimNode) -> 
     assert 0.9 <= took < 3.0, took
     said = [ln for ln in proc.stderr.splitlines() if "did not let go of a context" in ln]
     assert len(said) == 1, proc.stderr
+
+
+RACING = """
+import ctypes, json, threading, time
+from cuda.bindings import driver as cu
+R = cu.CUresult.CUDA_SUCCESS
+def chk(r):
+    e = r[0] if isinstance(r, tuple) else r
+    assert e == R, e
+    return r[1] if isinstance(r, tuple) and len(r) == 2 else None
+chk(cu.cuInit(0))
+other = chk(cu.cuCtxCreate(None, 0, 0))
+spin2 = chk(cu.cuModuleGetFunction(chk(cu.cuModuleLoadData(b"any image")), b"spin"))
+s2 = chk(cu.cuStreamCreate(0))
+doomed = chk(cu.cuCtxCreate(None, 0, 0))
+spin = chk(cu.cuModuleGetFunction(chk(cu.cuModuleLoadData(b"any image")), b"spin"))
+s = chk(cu.cuStreamCreate(0))
+results = {}
+started = threading.Event()
+def launcher():
+    chk(cu.cuCtxSetCurrent(doomed))
+    started.set()
+    end = time.monotonic() + 1.0
+    while time.monotonic() < end:
+        rc = cu.cuLaunchKernel(spin, 1, 1, 1, 32, 1, 1, 0, s, ((2000,), (ctypes.c_uint32,)), 0)[0]
+        results[rc.name] = results.get(rc.name, 0) + 1
+t = threading.Thread(target=launcher)
+t.start()
+started.wait()
+time.sleep(0.2)
+chk(cu.cuCtxDestroy(doomed))  # while the other thread launches in it
+t.join(30)
+chk(cu.cuCtxSetCurrent(other))
+t0 = time.monotonic()
+for _ in range(10):
+    chk(cu.cuLaunchKernel(spin2, 1, 1, 1, 32, 1, 1, 0, s2, ((1000,), (ctypes.c_uint32,)), 0))
+chk(cu.cuStreamSynchronize(s2))
+print(json.dumps({"alive": t.is_alive(), "results": results, "after": time.monotonic() - t0}))
+"""
+
+
+def test_launches_racing_the_destruction_of_their_context(node: SimNode) -> None:
+    """One thread launches back to back into a context that another thread
+    destroys (a program's bug, but one that must not hang or crash the
+    interposer): launches before it succeed, launches after it fail with a
+    CUDA error, the launching thread ends, and gated launches in another
+    context then run at once (nothing of the destroyed context is left
+    counting as in flight)."""
+    got = run_json(RACING, node.shimmed(CUDA_DEVICE_SM_LIMIT="50"), timeout=60)
+    print(got)
+    assert got["alive"] is False
+    assert got["results"].get("CUDA_SUCCESS", 0) > 0, got
+    assert set(got["results"]) - {"CUDA_SUCCESS"}, got  # some after the destroy failed
+    assert got["after"] < 2.0, got
