@@ -68,10 +68,10 @@ def physical_used(node: SimNode) -> int:
     return int(out.stdout)
 
 
-@pytest.mark.parametrize(("fmt", "channels", "width", "height", "size"), FORMATS)
-@pytest.mark.parametrize("api", ["cuArrayCreate", "cuArray3DCreate"])
-def test_an_array_is_charged_what_its_format_takes(node, api, fmt, channels, width, height, size):
-    code = f"""
+# Make one array (cuArrayCreate, cuArray3DCreate, or a 13-level
+# cuMipmappedArrayCreate) under a 1 GiB quota; what the container, the
+# region and the device held with it, and after it was destroyed.
+MAKE = """
 import os, subprocess, sys
 from gpuvisor.shim.region import Region
 init()
@@ -85,16 +85,31 @@ d.Width, d.Height = {width}, {height}
 d.Format = cu.CUarray_format.CU_AD_FORMAT_{fmt}
 d.NumChannels = {channels}
 base = used()
-err, a = call(cu.{api}, d)
+if "{api}" == "cuMipmappedArrayCreate":
+    err, a = call(cu.cuMipmappedArrayCreate, d, 13)
+    destroy = cu.cuMipmappedArrayDestroy
+else:
+    err, a = call(cu.{api}, d)
+    destroy = cu.cuArrayDestroy
 held = used()
 region = Region.attach().used(0)
 env = {{k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}}
-phys = int(subprocess.run([sys.executable, "-c", {PHYSICAL!r}], env=env,
+phys = int(subprocess.run([sys.executable, "-c", {physical!r}], env=env,
                           capture_output=True, text=True, check=True).stdout)
 if err == SUCCESS:
-    ok(cu.cuArrayDestroy, a)
+    ok(destroy, a)
 emit(err=err.name, base=base, held=held, region=region, phys=phys, after=used())
 """
+
+
+def made_and_charged(
+    node: SimNode, api: str, fmt: str, channels: int, width: int, height: int, size: int
+) -> None:
+    """The array is charged size bytes, the region and the device hold as
+    much, and it all goes back."""
+    code = MAKE.format(
+        api=api, fmt=fmt, channels=channels, width=width, height=height, physical=PHYSICAL
+    )
     out = run_json(PRELUDE + code, node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="1g"))
     assert out["err"] == "CUDA_SUCCESS", out
     assert out["base"] == SIM_CONTEXT, out
@@ -103,6 +118,12 @@ emit(err=err.name, base=base, held=held, region=region, phys=phys, after=used())
     assert out["phys"] == out["held"], out  # charged == what the device holds
     assert out["after"] == SIM_CONTEXT, out
     assert physical_used(node) == 0
+
+
+@pytest.mark.parametrize(("fmt", "channels", "width", "height", "size"), FORMATS)
+@pytest.mark.parametrize("api", ["cuArrayCreate", "cuArray3DCreate"])
+def test_an_array_is_charged_what_its_format_takes(node, api, fmt, channels, width, height, size):
+    made_and_charged(node, api, fmt, channels, width, height, size)
 
 
 def test_a_block_compressed_mipmapped_array_is_charged_what_the_device_holds(node):
@@ -296,40 +317,4 @@ def test_a_video_format_is_charged_what_its_planes_take(node, api, fmt, channels
     P010 frame (48 MiB) was charged 192 MiB, a YUY2 one (32 MiB) 128."""
     assert level_bytes(planes, 4096, 4096) == mib * MiB
     size = mipmap_bytes(planes, 4096, 4096) if api == "cuMipmappedArrayCreate" else mib * MiB
-    code = f"""
-import os, subprocess, sys
-from gpuvisor.shim.region import Region
-init()
-if "{api}" == "cuArrayCreate":
-    d = cu.CUDA_ARRAY_DESCRIPTOR()
-else:
-    d = cu.CUDA_ARRAY3D_DESCRIPTOR()
-    d.Depth = 0
-    d.Flags = 0
-d.Width, d.Height = 4096, 4096
-d.Format = cu.CUarray_format.CU_AD_FORMAT_{fmt}
-d.NumChannels = {channels}
-base = used()
-if "{api}" == "cuMipmappedArrayCreate":
-    err, a = call(cu.cuMipmappedArrayCreate, d, 13)
-    destroy = cu.cuMipmappedArrayDestroy
-else:
-    err, a = call(cu.{api}, d)
-    destroy = cu.cuArrayDestroy
-held = used()
-region = Region.attach().used(0)
-env = {{k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}}
-phys = int(subprocess.run([sys.executable, "-c", {PHYSICAL!r}], env=env,
-                          capture_output=True, text=True, check=True).stdout)
-if err == SUCCESS:
-    ok(destroy, a)
-emit(err=err.name, base=base, held=held, region=region, phys=phys, after=used())
-"""
-    out = run_json(PRELUDE + code, node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="1g"))
-    assert out["err"] == "CUDA_SUCCESS", out
-    assert out["base"] == SIM_CONTEXT, out
-    assert out["held"] - out["base"] == size, out
-    assert out["region"] == out["held"], out
-    assert out["phys"] == out["held"], out  # charged == what the device holds
-    assert out["after"] == SIM_CONTEXT, out
-    assert physical_used(node) == 0
+    made_and_charged(node, api, fmt, channels, 4096, 4096, size)

@@ -23,8 +23,10 @@ from tests.helpers import SimNode, run_json, run_py
 
 ROUNDS = 5
 
-PROGRAM = """
-import ctypes, json, sys, time
+# Every program's start: chk, a spin kernel and a stream in the current
+# context (kernel_in), and one launch of it for us microseconds.
+HEAD = """
+import ctypes, json, sys, threading, time
 from cuda.bindings import driver as cu
 R = cu.CUresult.CUDA_SUCCESS
 def chk(r):
@@ -35,7 +37,12 @@ def kernel_in(ctx):
     mod = chk(cu.cuModuleLoadData(b"any image"))
     return chk(cu.cuModuleGetFunction(mod, b"spin")), chk(cu.cuStreamCreate(0))
 def launch(f, s, us):
-    chk(cu.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, s, ((us,), (ctypes.c_uint32,)), 0))
+    return cu.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, s, ((us,), (ctypes.c_uint32,)), 0)[0]
+"""
+
+PROGRAM = (
+    HEAD
+    + """
 how, rounds = sys.argv[1], int(sys.argv[2])
 chk(cu.cuInit(0))
 # The context the program goes on with, made beforehand: its events come
@@ -52,7 +59,7 @@ for _ in range(rounds):
         chk(cu.cuCtxPushCurrent(ctx))
     spin, s = kernel_in(ctx)
     for _ in range(4):
-        launch(spin, s, 30000)
+        chk(launch(spin, s, 30000))
     inflight.append(cu.cuStreamQuery(s)[0].name)
     if how == "destroy":
         chk(cu.cuCtxDestroy(ctx))                        # pops it: other is current
@@ -80,11 +87,12 @@ for _ in range(rounds):
     # may still count as in flight and hold them at the bound.
     t0 = time.monotonic()
     for _ in range(10):
-        launch(spin2, s2, 1000)
+        chk(launch(spin2, s2, 1000))
     chk(cu.cuStreamSynchronize(s2))
     slowest = max(slowest, time.monotonic() - t0)
 print(json.dumps({"inflight": inflight, "errors": errors, "slowest": slowest}))
 """
+)
 
 
 @pytest.mark.parametrize("how", ["destroy", "reset", "release"])
@@ -109,20 +117,14 @@ def test_a_destroyed_contexts_launches_leave_the_programs_events_alone(
     assert got["slowest"] < 2.0, got
 
 
-STUCK = """
-import ctypes, json, time
-from cuda.bindings import driver as cu
-R = cu.CUresult.CUDA_SUCCESS
-def chk(r):
-    e = r[0] if isinstance(r, tuple) else r
-    assert e == R, e
-    return r[1] if isinstance(r, tuple) and len(r) == 2 else None
+STUCK = (
+    HEAD
+    + """
 chk(cu.cuInit(0))
 ctx = chk(cu.cuCtxCreate(None, 0, 0))
-spin = chk(cu.cuModuleGetFunction(chk(cu.cuModuleLoadData(b"any image")), b"spin"))
-s = chk(cu.cuStreamCreate(0))
+spin, s = kernel_in(ctx)
 for _ in range(4):
-    chk(cu.cuLaunchKernel(spin, 1, 1, 1, 32, 1, 1, 0, s, ((30000,), (ctypes.c_uint32,)), 0))
+    chk(launch(spin, s, 30000))
 time.sleep(0.05)  # the meter is now inside a cuEventQuery that takes 1.5 s
 t0 = time.monotonic()
 chk(cu.cuCtxDestroy(ctx))
@@ -131,6 +133,7 @@ again = chk(cu.cuCtxCreate(None, 0, 0))  # the program goes on
 chk(cu.cuCtxDestroy(again))
 print(json.dumps({"took": took}))
 """
+)
 
 
 def test_a_context_is_destroyed_even_while_the_meter_is_stuck(node: SimNode) -> None:
@@ -150,21 +153,14 @@ def test_a_context_is_destroyed_even_while_the_meter_is_stuck(node: SimNode) -> 
     assert len(said) == 1, proc.stderr
 
 
-RACING = """
-import ctypes, json, threading, time
-from cuda.bindings import driver as cu
-R = cu.CUresult.CUDA_SUCCESS
-def chk(r):
-    e = r[0] if isinstance(r, tuple) else r
-    assert e == R, e
-    return r[1] if isinstance(r, tuple) and len(r) == 2 else None
+RACING = (
+    HEAD
+    + """
 chk(cu.cuInit(0))
 other = chk(cu.cuCtxCreate(None, 0, 0))
-spin2 = chk(cu.cuModuleGetFunction(chk(cu.cuModuleLoadData(b"any image")), b"spin"))
-s2 = chk(cu.cuStreamCreate(0))
+spin2, s2 = kernel_in(other)
 doomed = chk(cu.cuCtxCreate(None, 0, 0))
-spin = chk(cu.cuModuleGetFunction(chk(cu.cuModuleLoadData(b"any image")), b"spin"))
-s = chk(cu.cuStreamCreate(0))
+spin, s = kernel_in(doomed)
 results = {}
 started = threading.Event()
 def launcher():
@@ -172,7 +168,7 @@ def launcher():
     started.set()
     end = time.monotonic() + 1.0
     while time.monotonic() < end:
-        rc = cu.cuLaunchKernel(spin, 1, 1, 1, 32, 1, 1, 0, s, ((2000,), (ctypes.c_uint32,)), 0)[0]
+        rc = launch(spin, s, 2000)
         results[rc.name] = results.get(rc.name, 0) + 1
 t = threading.Thread(target=launcher)
 t.start()
@@ -183,10 +179,11 @@ t.join(30)
 chk(cu.cuCtxSetCurrent(other))
 t0 = time.monotonic()
 for _ in range(10):
-    chk(cu.cuLaunchKernel(spin2, 1, 1, 1, 32, 1, 1, 0, s2, ((1000,), (ctypes.c_uint32,)), 0))
+    chk(launch(spin2, s2, 1000))
 chk(cu.cuStreamSynchronize(s2))
 print(json.dumps({"alive": t.is_alive(), "results": results, "after": time.monotonic() - t0}))
 """
+)
 
 
 def test_launches_racing_the_destruction_of_their_context(node: SimNode) -> None:
