@@ -305,12 +305,13 @@ static void nvml_list(struct visible *out, const char *cvd)
         out->count = count;
         return;
     }
-    /* Read as the driver reads it (the simulator does the same): entries between commas, blanks before them
-     * ignored; an index is decimal digits, what follows them ignored; a
-     * UUID may be a prefix in any case, if only one device has it.  The
-     * list ends at the first invalid, ambiguous or repeated entry (an
-     * empty one too), except that an index given twice leaves no device
-     * at all ("0,0"; but "GPU-<0's UUID>,0" is device 0). */
+    /* Read as the driver reads it (the simulator does the same): entries
+     * between commas, blanks before them ignored; an index is decimal
+     * digits, what follows them ignored; a UUID may be a prefix in any
+     * case, if only one device has it.  The list ends at the first
+     * invalid, ambiguous or repeated entry (an empty one too), except that
+     * an index given twice leaves no device at all ("0,0"; but
+     * "GPU-<0's UUID>,0" is device 0). */
     char buf[1024];
     int index_form[GV_MAX_ORDINALS];
     snprintf(buf, sizeof buf, "%s", cvd);

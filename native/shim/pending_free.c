@@ -7,9 +7,10 @@
  * past its quota while the old block still existed.  So an event is
  * recorded behind the free, and the charge is released by the first hook to
  * see that event complete: an allocation (gv_charge_begin), cuMemGetInfo,
- * cuDeviceTotalMem or NVML's memory query, a reading of untracked memory, the synchronisations
- * that prove it (cuStreamSynchronize, cuCtxSynchronize, cuEventSynchronize,
- * hooked here for that, and to settle the memory pools they may shrink),
+ * cuDeviceTotalMem or NVML's memory query, a reading of untracked memory,
+ * the synchronisations that prove it (cuStreamSynchronize,
+ * cuCtxSynchronize, cuEventSynchronize, hooked here for that, and to
+ * settle the memory pools they may shrink),
  * the queries that answer CUDA_SUCCESS (cuStreamQuery, cuEventQuery,
  * hooked here for that alone), and cuStreamDestroy (hooked here for that
  * alone too: after it a program may make no call at all): never later than
