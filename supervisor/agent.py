@@ -62,6 +62,15 @@ from .protocol import MAX_MESSAGE_BYTES, encode, error_message
 
 T = TypeVar("T")
 
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    """The event loop running in this thread, if any."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 log = logging.getLogger("gpuvisor.agent")
 
 
@@ -131,8 +140,8 @@ class Agent:
         running loop (tests, shutdown) fn runs here.  TimeoutError when the
         loop does not get to it within --http-timeout."""
         loop = self.loop
-        if loop is None or loop.is_closed() or not loop.is_running():
-            return fn()
+        if loop is None or loop.is_closed() or not loop.is_running() or _running_loop() is loop:
+            return fn()  # no loop to wait for, or already on it
         done: concurrent.futures.Future[T] = concurrent.futures.Future()
 
         def call() -> None:

@@ -31,8 +31,8 @@ static char g_cuda_fail[1024];          /* ",name1,name2," or "" */
 /* One CUDA_VISIBLE_DEVICES token -> node index, -1 if invalid; *is_index
  * says whether it was written as an index.  As a real driver reads it
  * (seen on an H100, driver 580.159): digits, a '+' before them allowed,
- * then anything ignored ("0a" is 0); a UUID cut short after "GPU-" but not to nothing, or running on past
- * the whole UUID. */
+ * then anything ignored ("0a" is 0); a UUID cut short after "GPU-" but
+ * not to nothing, or running on past the whole UUID. */
 static int vis_token(const char *t, int ndev, int *is_index)
 {
     while (isspace((unsigned char)*t))
