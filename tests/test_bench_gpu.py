@@ -9,6 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from gpuvisor.shim.hardware import real_gpu_present
@@ -19,6 +20,7 @@ from tests.bench.torch_sm import (
     parse_mixed,
     rate_between,
     summarise,
+    together_windows,
     worker_env,
 )
 from tests.helpers import LIBRARY, REPO_ROOT, clean_env
@@ -141,3 +143,36 @@ def test_mixed_runs_name_each_containers_policy_and_limit(tmp_path: Path) -> Non
     assert env["GPUVISOR_SM_POLICY"] == "burst-share"
     assert env["CUDA_DEVICE_SM_LIMIT"] == "30"
     assert "GPUVISOR_SM_POLICY" not in worker_env(LIBRARY, 30, tmp_path / "r.shr", tmp_path)
+
+
+def curve(
+    rate: float, seconds: float, pause: tuple[float, float] | None = None
+) -> list[list[float]]:
+    """A completion curve marked every 10 ms: rate products/s, none while paused."""
+    marks, done = [], 0.0
+    for i in range(1, round(seconds * 100) + 1):
+        t = i / 100
+        if pause is None or not pause[0] < t <= pause[1]:
+            done += rate / 100
+        marks.append([t, done])
+    return marks
+
+
+def test_two_workers_windows_are_taken_on_one_wall_clock() -> None:
+    """A at 1000 products/s, B at 3000/s, B started 0.5 s later (its own
+    clock starts at its wall0): over the time both ran after the warm-up,
+    A did 25 % of the work in every window, and both together were steady.
+    Then B stalls from its 1.5 s to 1.7 s: the split and the total show it."""
+    a: dict[str, Any] = {"wall0": 100.0, "marks": curve(1000, 4.0)}
+    b: dict[str, Any] = {"wall0": 100.5, "marks": curve(3000, 3.0)}
+    t = together_windows([a, b], warm=0.5)
+    assert t is not None
+    assert t["split"] == pytest.approx(25)
+    assert t["split_sd"] == pytest.approx(0, abs=1e-6)
+    assert t["total_sd"] == pytest.approx(0, abs=1e-6)
+    stalled: dict[str, Any] = {"wall0": 100.5, "marks": curve(3000, 3.0, pause=(1.5, 1.7))}
+    t = together_windows([a, stalled], warm=0.5)
+    assert t is not None
+    assert t["split_worst"] > 50  # A alone in those windows: 100 % against about 27
+    assert t["total_worst"] < -50
+    assert together_windows([a], warm=0.5) is None

@@ -33,6 +33,11 @@ Columns:
   (interpolated between batches) as a percentage of the run's mean rate,
   so they show steadiness, not the level.
 
+Under the tables, a line for each run of two workers (together_windows):
+the first worker's part of both's work, mean and 100 ms windows (the
+real-GPU analogue of bench-sm's window shares), and how steady both
+together were (for one container of two processes, the container).
+
 A closing line says how NVML's per-process query behaved (QueryLog): its
 time per call, whether an answer holds one entry per process or one per
 process and sample, and the step between a process's samples; the
@@ -337,8 +342,11 @@ def run_together(
             for p in procs:
                 if p.poll() is None:
                     p.kill()
+        together = together_windows(out, warm)
         for r in out:
             summarise(r, poller, warm)
+        if together is not None:
+            out[0]["together"] = together
         return out
 
 
@@ -393,6 +401,55 @@ def summarise(r: dict[str, object], poller: NvmlPoller, warm: float) -> None:
     r["win_worst"] = max(rel, key=lambda w: abs(w - 100)) - 100 if rel else None
     del r["windows"]
     del r["marks"]
+
+
+def together_windows(rs: Sequence[dict[str, Any]], warm: float) -> dict[str, float] | None:
+    """Two workers run together, on one wall clock (their completion curves
+    start at their own wall0): each 100 ms window's split, the first
+    worker's part of both's work in percent (the real-GPU analogue of
+    bench-sm's window shares), and the sum of both's work as a percentage
+    of its own mean (a container of two processes: how steady the
+    container is, whatever its processes do between them).  None unless
+    exactly two workers."""
+    if len(rs) != 2:
+        return None
+    starts = [float(r["wall0"]) for r in rs]
+    ends = [s + float(r["marks"][-1][0]) for s, r in zip(starts, rs, strict=True)]
+    lo, hi = max(starts) + warm, min(ends)
+    split: list[float] = []
+    total: list[float] = []
+    for t in _steps(lo, hi - 0.1, 0.1):
+        a, b = (
+            rate_between(r["marks"], t - s, t + 0.1 - s) for r, s in zip(rs, starts, strict=True)
+        )
+        if a + b > 0:
+            split.append(100 * a / (a + b))
+            total.append(a + b)
+    if len(split) < 2:
+        return None
+    mean_split = statistics.fmean(split)
+    mean_total = statistics.fmean(total)
+    rel = [100 * t / mean_total for t in total]
+    return {
+        "split": mean_split,
+        "split_sd": statistics.pstdev(split),
+        "split_worst": max(split, key=lambda x: abs(x - mean_split)) - mean_split,
+        "total_sd": statistics.pstdev(rel),
+        "total_worst": max(rel, key=lambda x: abs(x - 100)) - 100,
+    }
+
+
+def together_line(spec: str, r: dict[str, object]) -> str | None:
+    """One line on how two workers shared the GPU (together_windows)."""
+    t = r.get("together")
+    if not isinstance(t, dict):
+        return None
+    return (
+        f"{spec}: first worker's part of both's work {t['split']:.1f} % "
+        f"(100 ms windows sd {t['split_sd']:.1f} points, worst {t['split_worst']:+.1f}); "
+        f"both together, windows sd {t['total_sd']:.1f} % of their mean, "
+        f"worst {t['total_worst']:+.1f}"
+    )
 
 
 def _steps(start: float, stop: float, step: float) -> list[float]:
@@ -520,6 +577,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     runs += [(f"{m}, one container", [int(m)] * 2, True) for m in a.mates.split(",") if m]
     order = not a.no_order
+    together: list[str | None] = []
     for spec, lims, one in runs:
         try:
             rs = run_together(
@@ -536,6 +594,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             r.update(run=spec)
             pairs.append(r)
             emit(f"| {spec} | {tag} | {cells(r, flop, base_rate.get(size))} |")
+        together.append(together_line(spec, rs[0]))
     mixed = [(spec, parse_mixed(spec)) for spec in a.mixed.split(",") if spec]
     if mixed:
         emit("")
@@ -564,6 +623,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             pairs.append(r)
             tag = f"{'ABCD'[i]} ({policy} {limit})"
             emit(f"| {spec} | {tag} | {cells(r, flop, base_rate.get(size))} |")
+        together.append(together_line(spec, rs[0]))
+    emit("")
+    for line in together:
+        if line:
+            emit(line + "  ")
     emit("")
     emit(QUERIES.summary())
     report["nvml_query"] = {
