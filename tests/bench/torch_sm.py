@@ -15,9 +15,10 @@ then, at the first size:
   10:90, 30:70, 50:50;
 - one container of two processes (one region file) at 50;
 - containers with SM policies (--mixed): burst-share 30 alone (lends the
-  idle GPU), beside fixed-share 50 (about 40: what 50 leaves less 10),
-  best-effort 10 beside fixed-share 50 (the same), two burst-share 30
-  (about 50 each).
+  idle GPU), beside fixed-share 50 (the lender takes the other 50 while
+  the fixed-share one uses all of its share: docs/interposer.md, the
+  split), best-effort 10 beside fixed-share 50 (the same), two
+  burst-share 30 (50 each).
 
 Columns:
 - TFLOP/s and "% of unlimited": throughput over the measured window (after
