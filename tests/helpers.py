@@ -151,14 +151,17 @@ def start_ready(
 CLI = [sys.executable, "-c", "from gpuvisor.supervisor.cli import main; main()"]
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    """Run the gpuvisor command line (from this checkout) with args."""
+def run_cli(
+    *args: str, env: Mapping[str, str] | None = None, timeout: float = 30
+) -> subprocess.CompletedProcess[str]:
+    """Run the gpuvisor command line (from this checkout) with args, in env
+    (a clean environment unless given)."""
     return subprocess.run(
         [*CLI, *args],
-        env=clean_env(),
+        env=clean_env() if env is None else dict(env),
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=timeout,
         check=False,
         cwd=REPO_ROOT,
     )

@@ -16,14 +16,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import CLI, Holder, SimNode, region_call, run_json, start_ready
+from tests.helpers import Holder, SimNode, region_call, run_cli, run_json, start_ready
 
 MiB = 1 << 20
 SIM_CONTEXT = 32 * MiB
@@ -320,23 +319,10 @@ def test_status_shows_what_a_new_context_is_reserved(node: SimNode) -> None:
     assert region_call(node, "print(r.device(0).context_cost)").strip() == "0"
     with Holder(HOLD.format(alloc=MiB), env_for(node)):
         assert region_call(node, "print(r.device(0).context_cost)").strip() == str(SIM_CONTEXT)
-        proc = subprocess.run(
-            [*CLI, "status", "--json", "--sample", "0"],
-            env=node.env,
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
+        proc = run_cli("status", "--json", "--sample", "0", env=node.env)
         assert proc.returncode == 0, proc.stderr
         assert json.loads(proc.stdout)["devices"][0]["context_cost"] == SIM_CONTEXT
-        table = subprocess.run(
-            [*CLI, "status", "--sample", "0"],
-            env=node.env,
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
+        table = run_cli("status", "--sample", "0", env=node.env)
         print(table.stdout)
         header, row = table.stdout.splitlines()[1:3]
         assert header.rstrip().endswith("CTX"), table.stdout

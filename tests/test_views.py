@@ -8,21 +8,13 @@ import time
 
 import pytest
 
-from tests.helpers import CLI, REPO_ROOT, GiB, clean_env, run_py
+from tests.helpers import CLI, REPO_ROOT, GiB, clean_env, run_cli, run_py
 from tests.test_agent import AgentProc, Client, device, sock_path  # noqa: F401 (fixture)
 
 
 def gpuvisor(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """Run the gpuvisor CLI with args (in a clean environment unless env)."""
-    return subprocess.run(
-        [*CLI, *args],
-        env=clean_env() if env is None else env,
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        timeout=60,
-        check=False,
-    )
+    return run_cli(*args, env=env, timeout=60)
 
 
 def test_status_json_reads_the_region(node):
