@@ -355,3 +355,59 @@ def test_a_containers_first_context_is_reserved_what_the_node_measured(
     out = run_json(TRY.format(create=create), roomy)
     assert out["err"] == 0
     assert out["held"] == SIM_CONTEXT
+
+
+# A primary context reset (its retain kept, as CUDA does), then retained
+# again with the quota nearly full: the driver makes the context anew.
+RETAIN_AFTER_RESET = """
+import os
+import pynvml as n
+from gpuvisor.shim.region import Region
+from tests.cuclient import *
+init()
+dev = ok(cu.cuDeviceGet, 0)
+ok(cu.cuDevicePrimaryCtxReset, dev)      # the context goes, its retain stays
+ok(cu.cuCtxCreate, None, 0, dev)
+ok(cu.cuMemAlloc, {fill})
+err = call(cu.cuDevicePrimaryCtxRetain, dev)[0]
+active = ok(cu.cuDevicePrimaryCtxGetState, dev)[1]
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+mine = sum(p.usedGpuMemory for p in n.nvmlDeviceGetComputeRunningProcesses(h)
+           if p.pid == os.getpid())
+emit(err=int(err), active=active, physical=mine, held=Region.attach().used(0))
+"""
+
+
+def test_a_primary_context_retained_after_a_reset_is_reserved_before_it_is_made(
+    node: SimNode,
+) -> None:
+    """After cuDevicePrimaryCtxReset the next retain makes the context anew,
+    so its learned cost is reserved first, as for the first retain: one that
+    cannot fit is refused and nothing is made.  The retain made after a
+    reset used to reserve nothing (the process still held a retain), and
+    the context it made did not fit: the call failed, but the context stayed
+    (the earlier retain held it), its 32 MiB uncharged and the device's use
+    past the 1 GiB quota."""
+    out = run_json(RETAIN_AFTER_RESET.format(fill=976 * MiB), env_for(node))
+    assert out["err"] == OOM, out
+    assert out["active"] == 0, out
+    assert out["physical"] == SIM_CONTEXT + 976 * MiB, out
+    assert out["held"] == out["physical"], out
+
+
+def test_a_primary_context_made_anew_that_does_not_fit_is_reset_again(
+    tmp_path: Path,
+) -> None:
+    """The learned cost (16 MiB) fits, but the context made anew after a
+    reset takes 48 MiB, which does not: the call fails and the context is
+    reset again, as it was before the call.  Released once, it used to stay
+    (the retain from before the reset held it) with nothing charged."""
+    a, b = two_sizes(tmp_path, "16m", "48m")
+    with Holder(HOLD.format(alloc=MiB), env_for(a)) as first:
+        assert first["used"] == 18 * MiB
+        out = run_json(RETAIN_AFTER_RESET.format(fill=934 * MiB), env_for(b))
+    assert out["err"] == OOM, out
+    assert out["active"] == 0, out
+    assert out["physical"] == 48 * MiB + 934 * MiB, out
+    assert out["held"] == 18 * MiB + out["physical"], out

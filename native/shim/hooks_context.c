@@ -464,6 +464,7 @@ GV_EXPORT CUresult cuCtxDestroy(CUcontext ctx) { return destroy(GV_REAL(cuCtxDes
 static struct primary {
     pthread_mutex_t lock;
     int refs;
+    int reset;              /* reset while retained: the next retain makes it anew */
     uint64_t charged;       /* 0 until measured */
     int dev;
     CUcontext ctx;
@@ -475,6 +476,7 @@ static void prim_child(void)
     for (int i = 0; i < GV_MAX_ORDINALS; i++) {
         pthread_mutex_init(&prim[i].lock, NULL);
         prim[i].refs = 0;
+        prim[i].reset = 0;
         prim[i].charged = 0;
         prim[i].ctx = NULL;
     }
@@ -500,7 +502,9 @@ GV_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     struct primary *p = &prim[dev];
     pthread_mutex_lock(&p->lock);
     snapshot before;
-    int measure = p->charged == 0, lock = -1, creates = p->refs == 0;
+    /* The driver makes the context at the first retain, and at the first
+     * one after a reset (which leaves the retains as they were). */
+    int measure = p->charged == 0, lock = -1, creates = p->refs == 0 || p->reset;
     uint64_t held = 0;
     if (measure) {
         creating_begin();
@@ -522,6 +526,7 @@ GV_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
         gv_uncharge(d->region_dev, held);
     } else {
         p->refs++;
+        p->reset = 0;
         p->ctx = *pctx;
         if (measure) {
             snapshot after;
@@ -534,7 +539,16 @@ GV_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
                 ctx_learn(d, n);
             if ((n || held) && ctx_charge(&c, dev, *pctx, d, held, n) != CUDA_SUCCESS) {
                 GV_REAL(cuDevicePrimaryCtxRelease_v2, CUresult (*)(CUdevice))(dev);
-                p->refs--;
+                /* Made anew after a reset, it outlives this retain's
+                 * release (the earlier retains still hold it): reset it
+                 * again, as it was before the call, not left uncharged. */
+                if (--p->refs > 0 && creates) {
+                    gv_charge_flying();
+                    GV_REAL(cuDevicePrimaryCtxReset_v2, CUresult (*)(CUdevice))(dev);
+                    gv_release_ctx_objects(*pctx);
+                    gv_charge_landed();
+                    p->reset = 1;
+                }
                 rc = CUDA_ERROR_OUT_OF_MEMORY;
             } else if (n || held) {
                 p->charged = c.bytes;
@@ -600,8 +614,10 @@ static CUresult prim_reset(CUresult (*real)(CUdevice), CUdevice dev)
     gv_pending_frees_hold(p->ctx, &held);
     gv_charge_flying();
     CUresult rc = real(dev);
-    if (rc == CUDA_SUCCESS)
+    if (rc == CUDA_SUCCESS) {
         prim_drop(p);       /* the next retain measures it again */
+        p->reset = 1;       /* ... and the driver makes it anew then */
+    }
     gv_pending_frees_unhold(&held, rc == CUDA_SUCCESS);
     gv_graph_teardown_end(p->ctx, rc == CUDA_SUCCESS);
     gv_charge_landed();
