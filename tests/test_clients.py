@@ -1410,6 +1410,7 @@ emit(n=len(execs), fails=fails[:3], rcs=rcs, launched=launched, end=region_used(
 
 
 HEAP = "cu.CUlimit.CU_LIMIT_MALLOC_HEAP_SIZE"
+PENDING = "cu.CUlimit.CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT"
 
 
 def test_memory_the_driver_takes_on_its_own_is_charged(node):
@@ -1458,6 +1459,33 @@ emit(err=err.name, heap=int(ok(cu.cuCtxGetLimit, {HEAP})), base=base, after=used
     # 1 KiB more stack for 2048 threads on each of the 108 default SMs
     assert out["stack"] == "CUDA_SUCCESS", out
     assert out["with_stack"] == out["base"] + 216 * MiB, out
+
+
+def test_a_pending_launch_buffer_that_does_not_fit_the_quota_is_refused_and_set_back(node):
+    """The device runtime's buffer of pending launches is device memory the
+    driver sets aside (CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT; 1 KiB a
+    launch in the simulator): 5M launches, 5 GiB, under a 4 GiB quota are
+    refused with out-of-memory and the old count kept, as a heap would be;
+    1M fit and are charged.  Only the stack, FIFO and heap were checked, so
+    the buffer was granted past the quota (the reading after it charged
+    it, 5 GiB held under a 4 GiB quota)."""
+    out = client(
+        node,
+        f"""
+init()
+base = used()
+err = call(cu.cuCtxSetLimit, {PENDING}, 5 << 20)[0]
+kept = int(ok(cu.cuCtxGetLimit, {PENDING}))
+refused = used()
+fits = call(cu.cuCtxSetLimit, {PENDING}, 1 << 20)[0]
+emit(err=err.name, kept=kept, base=base, refused=refused, fits=fits.name, after=used())
+""",
+        CUDA_DEVICE_MEMORY_LIMIT="4g",
+    )
+    assert (out["err"], out["kept"]) == (OOM, 2048), out
+    assert out["refused"] == out["base"], out
+    assert out["fits"] == "CUDA_SUCCESS", out
+    assert out["after"] == out["base"] + 1 * GiB - 2 * MiB, out
 
 
 @pytest.mark.parametrize("kernel_us", [0, 300_000, 1_500_000], ids=["reached", "busy", "long"])

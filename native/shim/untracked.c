@@ -256,13 +256,24 @@ static int reconcile_in_step(int ordinal)
     }
 }
 
+/* The limits whose memory the driver sets aside on the device: the stack,
+ * printf FIFO and heap, and the device runtime's (CUDA dynamic
+ * parallelism) reserve for synchronisation depth and pending launches.
+ * The others (L2 cache, shared memory) take no device memory. */
+static int takes_memory(CUlimit which)
+{
+    return (int)which >= CU_LIMIT_STACK_SIZE &&
+           (which <= CU_LIMIT_MALLOC_HEAP_SIZE || which == CU_LIMIT_DEV_RUNTIME_SYNC_DEPTH ||
+            which == CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT);
+}
+
 GV_EXPORT CUresult cuCtxSetLimit(CUlimit which, size_t value)
 {
     set_limit_fn real = GV_REAL(cuCtxSetLimit, set_limit_fn);
     GV_ENFORCING_ELSE_PASS(real(which, value));
     int ordinal;
     size_t old = 0;
-    if (which > CU_LIMIT_MALLOC_HEAP_SIZE || gv_current(&ordinal, NULL) != CUDA_SUCCESS ||
+    if (!takes_memory(which) || gv_current(&ordinal, NULL) != CUDA_SUCCESS ||
         GV_REAL(cuCtxGetLimit, get_limit_fn)(&old, which) != CUDA_SUCCESS)
         return real(which, value);
     CUresult rc = real(which, value);

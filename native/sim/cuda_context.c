@@ -97,13 +97,21 @@ static void ctx_deactivate(struct CUctx_st *c)
 }
 
 /* Device memory a limit takes beyond its default: the stack for every
- * thread the device can hold (2048 per SM), the printf FIFO, the heap. */
+ * thread the device can hold (2048 per SM), the printf FIFO, the heap, and
+ * the device runtime's buffer of pending launches (SIM_PENDING_LAUNCH_BYTES
+ * a launch, a model: CUDA documents that the buffer is device memory set
+ * aside, not its size per launch). */
+#define SIM_PENDING_LAUNCH_BYTES 1024ULL
 static uint64_t limit_bytes(const struct CUctx_st *c, int which, uint64_t v)
 {
     uint64_t d = g_limit_default[which];
-    if (which > CU_LIMIT_MALLOC_HEAP_SIZE || v <= d)
+    int takes = which <= CU_LIMIT_MALLOC_HEAP_SIZE ||
+                which == CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT;
+    if (!takes || v <= d)
         return 0;
-    uint64_t per = which == CU_LIMIT_STACK_SIZE ? 2048ULL * (uint64_t)sim_dev(c->node)->sms : 1;
+    uint64_t per = which == CU_LIMIT_STACK_SIZE ? 2048ULL * (uint64_t)sim_dev(c->node)->sms
+                 : which == CU_LIMIT_DEV_RUNTIME_PENDING_LAUNCH_COUNT ? SIM_PENDING_LAUNCH_BYTES
+                 : 1;
     if (v - d > UINT64_MAX / 2 / per)
         return UINT64_MAX / 2;
     return sim_round_up((v - d) * per, SIM_GRAN);
