@@ -489,6 +489,8 @@ static void prim_setup(void)
     pthread_atfork(NULL, NULL, prim_child);
 }
 
+static CUresult prim_reset_locked(struct primary *p, CUresult (*real)(CUdevice), CUdevice dev);
+
 GV_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 {
     typedef CUresult (*fn)(CUcontext *, CUdevice);
@@ -542,13 +544,9 @@ GV_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
                 /* Made anew after a reset, it outlives this retain's
                  * release (the earlier retains still hold it): reset it
                  * again, as it was before the call, not left uncharged. */
-                if (--p->refs > 0 && creates) {
-                    gv_charge_flying();
-                    GV_REAL(cuDevicePrimaryCtxReset_v2, CUresult (*)(CUdevice))(dev);
-                    gv_release_ctx_objects(*pctx);
-                    gv_charge_landed();
-                    p->reset = 1;
-                }
+                if (--p->refs > 0 && creates)
+                    prim_reset_locked(p, GV_REAL(cuDevicePrimaryCtxReset_v2, CUresult (*)(CUdevice)),
+                                      dev);
                 rc = CUDA_ERROR_OUT_OF_MEMORY;
             } else if (n || held) {
                 p->charged = c.bytes;
@@ -600,14 +598,9 @@ static CUresult prim_release(CUresult (*real)(CUdevice), CUdevice dev)
     return rc;
 }
 
-static CUresult prim_reset(CUresult (*real)(CUdevice), CUdevice dev)
+/* Reset p's context through real (p's lock held). */
+static CUresult prim_reset_locked(struct primary *p, CUresult (*real)(CUdevice), CUdevice dev)
 {
-    GV_ENFORCING_ELSE_PASS(real(dev));
-    if (dev < 0 || dev >= GV_MAX_ORDINALS)
-        return real(dev);
-    pthread_once(&prim_once, prim_setup);
-    struct primary *p = &prim[dev];
-    pthread_mutex_lock(&p->lock);
     gv_sm_ctx_destroying(p->ctx);
     gv_graph_teardown_begin();
     gv_pending_set held;
@@ -621,6 +614,18 @@ static CUresult prim_reset(CUresult (*real)(CUdevice), CUdevice dev)
     gv_pending_frees_unhold(&held, rc == CUDA_SUCCESS);
     gv_graph_teardown_end(p->ctx, rc == CUDA_SUCCESS);
     gv_charge_landed();
+    return rc;
+}
+
+static CUresult prim_reset(CUresult (*real)(CUdevice), CUdevice dev)
+{
+    GV_ENFORCING_ELSE_PASS(real(dev));
+    if (dev < 0 || dev >= GV_MAX_ORDINALS)
+        return real(dev);
+    pthread_once(&prim_once, prim_setup);
+    struct primary *p = &prim[dev];
+    pthread_mutex_lock(&p->lock);
+    CUresult rc = prim_reset_locked(p, real, dev);
     pthread_mutex_unlock(&p->lock);
     if (rc == CUDA_SUCCESS)
         gv_untracked_reconcile_all();
