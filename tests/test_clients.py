@@ -120,6 +120,36 @@ emit(base=base, too_big=too_big.name, after=after, one_more=one_more.name, freed
     assert out["freed"] == out["base"]
 
 
+ARGUMENT_CHECKS = """
+init()
+base = used()
+calls = {
+    "pitch, element size 3": lambda n: call(cu.cuMemAllocPitch, MiB, n // MiB, 3)[0].name,
+    "pitch, element size 4": lambda n: call(cu.cuMemAllocPitch, MiB, n // MiB, 4)[0].name,
+    "managed, attach flags 4": lambda n: call(cu.cuMemAllocManaged, n, 4)[0].name,
+    "managed, attach flags 1": lambda n: call(cu.cuMemAllocManaged, n, 1)[0].name,
+}
+invalid = ["pitch, element size 3", "managed, attach flags 4"]
+emit(fits={k: calls[k](64 * MiB) for k in invalid},
+     past={k: f(8 * GiB) for k, f in calls.items()}, grew=used() - base)
+"""
+
+
+def test_arguments_the_driver_refuses_are_refused_as_invalid_past_the_quota_too(node):
+    # The quota is checked before the driver sees the call; a call it would
+    # refuse for its arguments must get the driver's answer, not out of memory.
+    out = client(node, ARGUMENT_CHECKS, CUDA_DEVICE_MEMORY_LIMIT="1g")
+    invalid = "CUDA_ERROR_INVALID_VALUE"
+    assert out["fits"] == {"pitch, element size 3": invalid, "managed, attach flags 4": invalid}
+    assert out["past"] == {
+        "pitch, element size 3": invalid,
+        "pitch, element size 4": OOM,
+        "managed, attach flags 4": invalid,
+        "managed, attach flags 1": OOM,
+    }
+    assert out["grew"] == 0
+
+
 # --- every allocation API is counted and refused past the quota --------------
 
 ALLOCATION_APIS = [

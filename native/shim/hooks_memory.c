@@ -38,6 +38,20 @@ GV_EXPORT CUresult cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int bytesize)
     return gv_charge_settle(&c, rc, GV_K_PTR, rc == CUDA_SUCCESS ? *dptr : 0);
 }
 
+/* What a quota refusal returns: out of memory, unless the driver would have
+ * refused the call's arguments anyway (an element size other than 4, 8 or
+ * 16; attach flags other than global or host), as it does without a quota.
+ * The driver is not asked: the allocation would be made before the check. */
+static CUresult refused(CUresult rc, int args_valid)
+{
+    return rc == CUDA_ERROR_OUT_OF_MEMORY && !args_valid ? CUDA_ERROR_INVALID_VALUE : rc;
+}
+
+static int pitch_elem_valid(unsigned int elem)
+{
+    return elem == 4 || elem == 8 || elem == 16;
+}
+
 /* Pitched allocations: reserve an estimate (rows padded to 512 bytes), then
  * settle on what the driver chose: pitch x height. */
 static CUresult settle_pitch(gv_charge *c, CUresult rc, uint64_t pitch, uint64_t height,
@@ -67,11 +81,11 @@ GV_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t w
     if (!dptr || !pitch || width == 0 || height == 0)
         return real(dptr, pitch, width, height, elem);
     if (width > UINT64_MAX / height)
-        return CUDA_ERROR_OUT_OF_MEMORY;
+        return refused(CUDA_ERROR_OUT_OF_MEMORY, pitch_elem_valid(elem));
     gv_charge c;
     CUresult rc = gv_charge_begin_current(&c, gv_round_up(width, 512) * height);
     if (rc != CUDA_SUCCESS)
-        return rc;
+        return refused(rc, pitch_elem_valid(elem));
     rc = real(dptr, pitch, width, height, elem);
     return settle_pitch(&c, rc, rc == CUDA_SUCCESS ? *pitch : 0, height,
                         rc == CUDA_SUCCESS ? *dptr : 0, GV_REAL(cuMemFree_v2, free_v2_fn));
@@ -92,7 +106,7 @@ GV_EXPORT CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pitch, un
     gv_charge c;
     CUresult rc = gv_charge_begin_current(&c, gv_round_up(width, 512) * height);
     if (rc != CUDA_SUCCESS)
-        return rc;
+        return refused(rc, pitch_elem_valid(elem));
     rc = real(dptr, pitch, width, height, elem);
     return settle_pitch(&c, rc, rc == CUDA_SUCCESS ? *pitch : 0, height,
                         rc == CUDA_SUCCESS ? *dptr : 0, free_v1_as_v2);
@@ -108,7 +122,7 @@ GV_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigne
     gv_charge c;
     CUresult rc = gv_charge_begin_current(&c, bytesize);
     if (rc != CUDA_SUCCESS)
-        return rc;
+        return refused(rc, flags == CU_MEM_ATTACH_GLOBAL || flags == CU_MEM_ATTACH_HOST);
     rc = real(dptr, bytesize, flags);
     return gv_charge_settle(&c, rc, GV_K_PTR, rc == CUDA_SUCCESS ? *dptr : 0);
 }
