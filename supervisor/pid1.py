@@ -3,9 +3,10 @@
 - The workload runs in its own process group, spawned with the forwarded
   signals at their default disposition and an empty signal mask.
 - SIGTERM, SIGINT, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 sent to the
-  supervisor are forwarded to the workload's process group.  SIGTERM also
-  starts the grace period: if the workload is still running when it ends,
-  its process group is SIGKILLed.
+  supervisor are forwarded to the workload's process group.  SIGTERM is
+  followed by SIGCONT (a stopped workload could not handle it) and starts
+  the grace period: if the workload is still running when it ends, its
+  process group is SIGKILLed.
 - The workload's group gets the terminal's foreground when the supervisor
   has it, and gives it back at the end; when the workload stops on Ctrl-Z
   (or on using the terminal from the background) the supervisor stops too,
@@ -322,5 +323,11 @@ class Pid1:
                 continue
             log.debug("forwarding signal %d to process group %d", info.si_signo, self.pid)
             self._signal_group(info.si_signo)
-            if info.si_signo == signal.SIGTERM and self.kill_at is None:
-                self.kill_at = time.monotonic() + self.grace
+            if info.si_signo == signal.SIGTERM:
+                # A stopped workload (SIGSTOP, a debugger, a SIGTSTP not from
+                # its terminal) handles SIGTERM only once continued: continue
+                # it, as systemd and a shell's kill do, or its grace period
+                # would pass unused and end in SIGKILL.
+                self._signal_group(signal.SIGCONT)
+                if self.kill_at is None:
+                    self.kill_at = time.monotonic() + self.grace

@@ -216,6 +216,43 @@ def test_sigterm_then_sigkill_after_grace(env):
         assert not psutil.pid_exists(pid)
 
 
+def test_sigterm_reaches_a_stopped_workload(env):
+    # A workload stopped by SIGSTOP (a debugger, an operator, a SIGTSTP not
+    # from its terminal, which the supervisor leaves alone) can handle the
+    # forwarded SIGTERM only once continued.  The supervisor forwarded it
+    # and waited: the workload never ran its handler, and was SIGKILLed
+    # when the grace period ended (exit 137), as `docker stop` then does.
+    workload = py(
+        """
+        import os, signal, sys, time
+        def handler(n, frame):
+            print("got", n, flush=True)
+            sys.exit(40)
+        signal.signal(signal.SIGTERM, handler)
+        print(os.getpid(), flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)
+        for _ in range(600):
+            time.sleep(0.05)
+        sys.exit(1)
+        """
+    )
+    sup = start(env, "--grace", "3", "--", *workload)
+    assert sup.stdout is not None
+    pid = int(sup.stdout.readline())
+    deadline = time.monotonic() + 10
+    while psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+        assert time.monotonic() < deadline, "the workload never stopped"
+        time.sleep(0.02)
+    t0 = time.monotonic()
+    sup.send_signal(signal.SIGTERM)
+    out, err = sup.communicate(timeout=20)
+    elapsed = time.monotonic() - t0
+    assert sup.returncode == 40, (out, err)
+    assert out == f"got {int(signal.SIGTERM)}\n"
+    assert elapsed < 2.5, elapsed
+    assert "SIGKILL" not in err
+
+
 def test_leftover_group_members_are_terminated(env):
     # The workload's main process exits, leaving a background child behind.
     proc = run(env, "--", "sh", "-c", "sleep 60 & echo $!; exit 4", timeout=20)
