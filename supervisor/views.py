@@ -192,7 +192,11 @@ def fetch_status(url: str, timeout: float = 5.0) -> dict[str, Any]:
     form (another service, a proxy's error object): an object with an
     `agent` object and a `containers` list is what the callers read."""
     with urllib.request.urlopen(url, timeout=timeout) as resp:
-        data = json.loads(resp.read())
+        body = resp.read()
+    try:
+        data = json.loads(body)
+    except (ValueError, RecursionError) as exc:  # another page (/metrics), not UTF-8
+        raise ValueError(f"{NOT_STATUS} (not JSON: {exc})") from None
     if (
         not isinstance(data, dict)
         or not isinstance(data.get("agent"), dict)

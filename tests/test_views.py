@@ -125,6 +125,7 @@ NOT_STATUS = [
     b'{"agent": {}, "containers": {}}',
     b'{"agent": {}, "containers": [{"x": 1}]}',
     b'{"agent": {}, "containers": [{"container": {}, "devices": [{"uuid": 7}]}]}',
+    b"[" * 100_000,  # nested past the JSON parser's recursion limit: a traceback
 ]
 
 
@@ -144,6 +145,24 @@ def test_top_once_names_a_document_that_is_not_an_agents_status(body, as_json):
     assert len(lines) == 1, out.stderr
     assert lines[0].startswith(f"Error: cannot read {server.url}: ")
     assert "not a gpuvisor node agent's /status document" in lines[0]
+    assert out.stdout == ""
+
+
+@pytest.mark.parametrize("page", ["/metrics", "/healthz"])
+def test_top_once_names_a_page_that_is_not_json(sock_path, page):  # noqa: F811
+    """--url pointed at the agent's /metrics (or /healthz) instead of its
+    /status, a likely slip: `top --once` said only `cannot read URL:
+    Expecting value: line 1 column 1 (char 0)`, the JSON parser's words,
+    where docs/cli.md promises `not a gpuvisor node agent's /status
+    document (...)`."""
+    with AgentProc(sock_path) as agent:
+        url = agent.url + page
+        out = gpuvisor("top", "--once", "--url", url)
+    assert "Traceback" not in out.stderr, out.stderr
+    assert out.returncode == 1, out.stdout + out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith(f"Error: cannot read {url}: not a gpuvisor node agent's /status")
     assert out.stdout == ""
 
 
