@@ -206,6 +206,17 @@ def fetch_status(url: str, timeout: float = 5.0) -> dict[str, Any]:
     return data
 
 
+def _shown(text: str) -> str:
+    """text for a terminal: what is not printable (control characters,
+    line breaks, bidi overrides) escaped, as Python writes it (\\n, \\x1b).
+    Labels are whatever a report says, and any process of a container may
+    report for its cgroup: raw, they could drive the administrator's
+    terminal or forge rows of the table."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
 def render_top(data: dict[str, Any]) -> str:
     agent = data.get("agent", {})
     rej = sum(agent.get("rejected_reports_total", {}).values())
@@ -221,7 +232,7 @@ def render_top(data: dict[str, Any]) -> str:
         if not (ns or pod or ctr):
             # Named by its cgroup, as in /metrics (ContainerId.labels).
             ctr = cid.get("cgroup")
-        name = "/".join(x or "-" for x in (ns, pod, ctr))
+        name = "/".join(_shown(x) if x else "-" for x in (ns, pod, ctr))
         for d in c["devices"] or [None]:
             if d is None:
                 rows.append(

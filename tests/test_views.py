@@ -206,6 +206,25 @@ def test_top_names_a_container_without_labels_by_its_cgroup(sock_path):  # noqa:
     assert rows[0].split()[0] == "-/-/" + c.cid.cgroup, out.stdout
 
 
+def test_top_shows_control_characters_in_labels_escaped(sock_path):  # noqa: F811
+    """Labels are whatever a report says, and any process of a container
+    can report for its cgroup over the socket mounted into it: `top`
+    printed them raw on the administrator's terminal, so a label could
+    retitle or clear that terminal (escape sequences) or forge rows of the
+    table (a newline)."""
+    with AgentProc(sock_path) as agent:
+        c = Client(sock_path, pod="evil\x1b]0;pwned\x07", namespace="ns\nfake/row/x")
+        c.report(device(used=GiB))
+        out = gpuvisor("top", "--once", "--url", agent.url + "/status")
+        c.close()
+    assert out.returncode == 0, out.stderr
+    assert "\x1b" not in out.stdout, repr(out.stdout)
+    assert "\x07" not in out.stdout, repr(out.stdout)
+    rows = [line for line in out.stdout.splitlines() if "fake" in line or "evil" in line]
+    assert len(rows) == 1, out.stdout
+    assert rows[0].split()[0] == "ns\\nfake/row/x/evil\\x1b]0;pwned\\x07/main", rows
+
+
 def test_status_sample_0_measures_nothing(node):
     """--sample 0 is documented as "not measured": status gave the SM
     share over the microseconds between two reads instead (0 %, or 100 %
