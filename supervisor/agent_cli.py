@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 import click
+from click.core import ParameterSource
 
 from .agent import NotAnAgentReply, run_agent, send_admin
 from .agent_config import (
@@ -205,6 +206,7 @@ def node_agent(
 ) -> None:
     """Run the node agent: collect the supervisors' reports, serve /metrics and /status."""
     if ctx.invoked_subcommand is not None:
+        _refuse_agent_options(ctx, ctx.invoked_subcommand)
         return
     if cpu is not None and cpu not in os.sched_getaffinity(0):
         allowed = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)))
@@ -267,6 +269,20 @@ def node_agent(
         run_agent(config, ready)
     except (RuntimeError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
+
+
+def _refuse_agent_options(ctx: click.Context, subcommand: str) -> None:
+    """A usage error for an option of the agent itself given on the command
+    line before subcommand (`node-agent --socket PATH set-limit ...`): it
+    would be ignored, and set-limit would reach the default socket's agent,
+    not the one named.  Those from the environment are not given here."""
+    for param in ctx.command.params:
+        if ctx.get_parameter_source(param.name or "") is ParameterSource.COMMANDLINE:
+            name = max(param.opts, key=len)
+            raise click.UsageError(
+                f"{name} is an option of the node agent, not of {subcommand}: "
+                f"give {subcommand}'s options after it"
+            )
 
 
 def _limit_value(value: str | None, what: str) -> int | str | None:

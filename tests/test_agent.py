@@ -996,6 +996,33 @@ def test_pushed_limit_reaches_next_ack(sock_path):
         c.close()
 
 
+@pytest.mark.parametrize("before", [["--socket"], ["--admin-socket"], ["--rate", "7"]])
+def test_agent_options_before_set_limit_are_refused(sock_path, before):
+    """`gpuvisor node-agent --socket PATH set-limit ...`: the agent's own
+    options, given before the subcommand, were silently ignored, so the
+    change went to the default socket's agent (here none: 'cannot reach
+    the node agent at /run/gpuvisor-admin/admin.sock', exit 1; on a node
+    with an agent there, that agent) and never to the one named."""
+    if before[0] == "--socket":
+        before = [before[0], sock_path]
+    elif before[0] == "--admin-socket":
+        before = [before[0], admin_socket_for(sock_path)]
+    with AgentProc(sock_path):
+        c = Client(sock_path, pod="tenant", namespace="team")
+        c.report(device(limit=8 * GiB))
+        proc = run_cli(
+            "node-agent", *before, "set-limit", "--container", "team/tenant/main",
+            "--device", GPU_A, "--cores", "30",
+        )  # fmt: skip
+        assert c.report(device(limit=8 * GiB))["limits"] == {}
+        c.close()
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"Error: {before[0]} is an option of the node agent, not of set-limit: "
+        "give set-limit's options after it"
+    )
+
+
 def test_an_admins_limit_outlives_a_supervisor_reconnect(sock_path):
     """An admin's limit stays the container's while the agent knows it: a
     supervisor that reconnects (or restarts, so its region is configured
