@@ -166,7 +166,7 @@ class Agent:
         start, before anything is served).  StateFileError (a RuntimeError):
         the file cannot be read or used; the agent does not start."""
         path = self.config.state_file_path
-        problem = state_file_problem(self.config.socket_path, path)
+        problem = state_file_problem(self.config.socket_path, path, self.config.admin_socket_path)
         if problem is not None:
             raise RuntimeError(f"--state-file {problem}")
         entries = read_state(path)

@@ -222,7 +222,7 @@ def node_agent(
     if problem is not None:
         raise click.BadParameter(problem, param_hint="'--admin-socket'")
     state_file = state_file or state_file_for(admin_socket)
-    problem = state_file_problem(socket_path, state_file)
+    problem = state_file_problem(socket_path, state_file, admin_socket)
     if problem is not None:
         raise click.BadParameter(problem, param_hint="'--state-file'")
     import logging

@@ -50,15 +50,18 @@ def state_file_for(admin_socket: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(admin_socket)), STATE_FILE_NAME)
 
 
-def state_file_problem(socket_path: str, state_file: str) -> str | None:
+def state_file_problem(socket_path: str, state_file: str, admin_socket: str) -> str | None:
     """Why state_file cannot hold an agent's admin limits (None: it can):
     not in, or below, the reporting socket's directory, which is mounted
-    into workloads (a workload could rewrite its own limits there)."""
+    into workloads (a workload could rewrite its own limits there); not
+    the admin socket's own path (the file would take the socket's place)."""
     # Resolved, so that a link into the socket's directory is seen for what it is.
     shared = os.path.realpath(os.path.dirname(os.path.abspath(socket_path)))
     path = os.path.realpath(state_file)
     if path == shared or path.startswith(shared.rstrip("/") + "/"):
         return f"{state_file}: must not be in {shared}, the reporting socket's directory"
+    if path == os.path.realpath(admin_socket):
+        return f"{state_file}: the admin socket's path"
     return None
 
 

@@ -219,6 +219,21 @@ def test_the_state_file_may_not_be_in_the_reporting_sockets_directory(sock_path,
     assert "reporting socket's directory" in proc.stderr
 
 
+def test_the_state_file_may_not_be_the_admin_socket(sock_path):  # noqa: F811
+    """--state-file naming the admin socket's path (a slip between two
+    options that sit in the same directory): the agent wrote its state
+    file there, then failed to bind the admin socket with `Error: [Errno
+    98] Address '...admin.sock' is already in use`, naming no option, and
+    left a regular file where the socket goes."""
+    admin = admin_socket_for(sock_path)
+    proc = run_cli("node-agent", "--socket", sock_path, "--state-file", admin)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[-1] == (
+        f"Error: Invalid value for '--state-file': {admin}: the admin socket's path"
+    )
+    assert not os.path.lexists(admin)
+
+
 def test_two_rapid_set_limits_leave_the_file_consistent(sock_path):  # noqa: F811
     """Two set-limits pipelined on one admin connection, then two CLIs at
     once: every write replaces the file whole (no temporary file left),
