@@ -21,6 +21,18 @@ def _mib(n: int | None) -> str:
     return "unlimited" if n is None else f"{n / 2**20:.0f} MiB"
 
 
+def shown(text: str) -> str:
+    """text for a terminal: what is not printable (control characters,
+    line breaks, bidi overrides) escaped, as Python writes it (\\n, \\x1b).
+    Process names, a region's contents and a report's labels are whatever a
+    workload made them: raw, they could drive the terminal of whoever looks
+    at them (an administrator on the node), or forge rows of a table.  For
+    tables only: JSON output escapes them itself, and keeps them as they are."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
+
+
 def _process_name(pid: int) -> str:
     try:
         return str(psutil.Process(pid).name())
@@ -98,8 +110,9 @@ def shim_info(region_path: str | None, as_json: bool) -> None:
     click.echo(header)
     for d in info["devices"]:
         click.echo(
-            f"{d['index']:>3}  {d['uuid']:<40}  {_mib(d['limit']):>12}  {_mib(d['used']):>12}  "
+            f"{d['index']:>3}  {shown(d['uuid']):<40}  {_mib(d['limit']):>12}  "
+            f"{_mib(d['used']):>12}  "
             f"{_mib(d['physical_total']):>12}  {d['oom_count']:>5}"
         )
         for p in d["processes"]:
-            click.echo(f"     pid {p['pid']} ({p['name']}): {_mib(p['used'])}")
+            click.echo(f"     pid {p['pid']} ({shown(p['name'])}): {_mib(p['used'])}")

@@ -11,6 +11,7 @@ import urllib.request
 from typing import Any
 
 import click
+from gpuvisor.shim.cli import shown
 
 from .cli_types import Finite
 
@@ -140,7 +141,7 @@ def status(region_path: str | None, sample: float, as_json: bool) -> None:
     rows = [
         [
             str(d["index"]),
-            d["uuid"],
+            shown(d["uuid"]),
             _size(d["memory_used"]),
             "unlimited" if d["memory_limit"] is None else _size(d["memory_limit"]),
             _pct(d["sm_limit"]) if d["sm_limit"] else "none",
@@ -172,7 +173,7 @@ def status(region_path: str | None, sample: float, as_json: bool) -> None:
         )
     )
     prows = [
-        [str(p["pid"]), p["name"], str(d["index"]), _size(p["used"])]
+        [str(p["pid"]), shown(p["name"]), str(d["index"]), _size(p["used"])]
         for d in info["devices"]
         for p in d["processes"]
     ]
@@ -206,17 +207,6 @@ def fetch_status(url: str, timeout: float = 5.0) -> dict[str, Any]:
     return data
 
 
-def _shown(text: str) -> str:
-    """text for a terminal: what is not printable (control characters,
-    line breaks, bidi overrides) escaped, as Python writes it (\\n, \\x1b).
-    Labels are whatever a report says, and any process of a container may
-    report for its cgroup: raw, they could drive the administrator's
-    terminal or forge rows of the table."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode() for c in text)
-
-
 def render_top(data: dict[str, Any]) -> str:
     agent = data.get("agent", {})
     rej = sum(agent.get("rejected_reports_total", {}).values())
@@ -232,7 +222,7 @@ def render_top(data: dict[str, Any]) -> str:
         if not (ns or pod or ctr):
             # Named by its cgroup, as in /metrics (ContainerId.labels).
             ctr = cid.get("cgroup")
-        name = "/".join(_shown(x) if x else "-" for x in (ns, pod, ctr))
+        name = "/".join(shown(x) if x else "-" for x in (ns, pod, ctr))
         for d in c["devices"] or [None]:
             if d is None:
                 rows.append(

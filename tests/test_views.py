@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import subprocess
+import textwrap
 import time
 
 import pytest
 
-from tests.helpers import CLI, REPO_ROOT, GiB, clean_env, run_cli, run_py
+from tests.helpers import CLI, REPO_ROOT, GiB, Holder, clean_env, run_cli, run_py
 from tests.test_agent import AgentProc, Client, device, sock_path  # noqa: F401 (fixture)
 
 
@@ -223,6 +224,28 @@ def test_top_shows_control_characters_in_labels_escaped(sock_path):  # noqa: F81
     rows = [line for line in out.stdout.splitlines() if "fake" in line or "evil" in line]
     assert len(rows) == 1, out.stdout
     assert rows[0].split()[0] == "ns\\nfake/row/x/evil\\x1b]0;pwned\\x07/main", rows
+
+
+@pytest.mark.parametrize("command", [["status", "--sample", "0"], ["shim-info"]])
+def test_process_names_are_shown_with_control_characters_escaped(node, command):
+    """A process names itself (prctl PR_SET_NAME): status, and shim-info,
+    which an administrator may run on the node against a container's
+    region, printed the name raw, so a workload could retitle or drive the
+    terminal of whoever looked at its region."""
+    holder = """
+        import ctypes
+        from tests.cuclient import *
+        init()
+        p = ok(cu.cuMemAlloc, 64 * MiB)
+        ctypes.CDLL(None).prctl(15, b"\\x1b]0;pwned\\x07", 0, 0, 0)  # PR_SET_NAME
+        hold()
+        """
+    with Holder(textwrap.dedent(holder), node.shimmed()):
+        out = gpuvisor(*command, env=node.env)
+    assert out.returncode == 0, out.stderr
+    assert "\x1b" not in out.stdout, repr(out.stdout)
+    assert "\x07" not in out.stdout, repr(out.stdout)
+    assert "\\x1b]0;pwned\\x07" in out.stdout, out.stdout
 
 
 def test_status_sample_0_measures_nothing(node):
