@@ -79,6 +79,10 @@ class HostGpus:
         self._lock = threading.Lock()
         self._nvml: Any = None
         self._cache: tuple[float, list[HostGpu]] = (0.0, [])
+        # What failed, by query, as last logged: a failure goes on for as
+        # long as the driver is in trouble, and the queries run every
+        # scrape and every per-process read (2 a second).
+        self._problems: dict[str, str] = {}
         try:
             import pynvml
 
@@ -90,6 +94,19 @@ class HostGpus:
     @property
     def available(self) -> bool:
         return self._nvml is not None
+
+    def _failed(self, query: str, exc: Exception) -> None:
+        """Log that query failed, once while it keeps failing the same way
+        (call with the lock held)."""
+        text = str(exc)
+        if self._problems.get(query) != text:
+            self._problems[query] = text
+            log.warning("%s failed: %s", query, text)
+
+    def _answered(self, query: str) -> None:
+        """query worked: a later failure is logged again (lock held)."""
+        if self._problems.pop(query, None) is not None:
+            log.warning("%s works again", query)
 
     def read(self, max_age: float = 1.0) -> list[HostGpu]:
         nv = self._nvml
@@ -105,16 +122,18 @@ class HostGpus:
             gpus: list[HostGpu] = []
             try:
                 count = nv.nvmlDeviceGetCount()
+                self._answered("NVML query")
             except nv.NVMLError as exc:
-                log.warning("NVML query failed: %s", exc)
+                self._failed("NVML query", exc)
                 count = 0
             for i in range(count):
                 # A device NVML cannot read (lost, resetting) is left out,
                 # not the whole node.
                 try:
                     gpus.append(self._read_device(nv, i))
+                    self._answered(f"NVML query of device {i}")
                 except nv.NVMLError as exc:
-                    log.warning("NVML query of device %d failed: %s", i, exc)
+                    self._failed(f"NVML query of device {i}", exc)
             self._cache = (time.monotonic(), gpus)
             return gpus
 
@@ -149,8 +168,9 @@ class HostGpus:
         with self._lock:
             try:
                 count = nv.nvmlDeviceGetCount()
+                self._answered("NVML per-process query")
             except nv.NVMLError as exc:
-                log.warning("NVML per-process query failed: %s", exc)
+                self._failed("NVML per-process query", exc)
                 count = 0
             for i in range(count):
                 try:

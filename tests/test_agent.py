@@ -435,6 +435,29 @@ def test_host_metrics_from_nvml(sock_path, node):
         assert len(find(m, "hami_host_gpu_memory_used_bytes", node=socket.gethostname())) == 2
 
 
+def test_a_failing_nvml_is_logged_once_not_at_every_poll(sock_path, node):
+    """NVML failing on the node (nvmlDeviceGetCount, a driver in trouble):
+    while a container without an SM limit reports, the agent reads NVML's
+    per-process use every min(0.5, --active-window / 4) s, and it logged
+    `NVML per-process query failed` at every read, two lines a second for
+    as long as the failure lasted (and every scrape added one more)."""
+    env = dict(node.env, GPUVISOR_SIM_NVML_FAIL="nvmlDeviceGetCount")
+    with AgentProc(sock_path, env=env) as agent:
+        c = Client(sock_path)
+        deadline = time.monotonic() + 4
+        while time.monotonic() < deadline:
+            c.report(device())  # no SM limit: its share comes from NVML
+            agent.metrics()
+            time.sleep(0.4)
+        c.close()
+        agent.stop()
+        agent.stderr.seek(0)
+        log = agent.stderr.read()
+    failed = [line for line in log.splitlines() if "NVML" in line and "failed" in line]
+    # Once for the host series, once for the per-process reading.
+    assert len(failed) == 2, log
+
+
 def test_host_metrics_carry_the_node_name(sock_path, node):
     """HAMi's dashboards select host panels by `node` (NODE_NAME, from the
     pod's spec.nodeName); the legacy series carry it as `nodeid`."""
@@ -1504,6 +1527,7 @@ def test_a_device_nvml_cannot_read_does_not_hide_the_others():
     gpus._lock = threading.Lock()
     gpus._nvml = FakeNvml()
     gpus._cache = (0.0, [])
+    gpus._problems = {}
     assert [(g.index, g.uuid) for g in gpus.read()] == [(0, "GPU-0"), (2, "GPU-2")]
     assert gpus.process_use(1.0) == {"GPU-0": {700: 30.0}, "GPU-2": {702: 30.0}}
 
