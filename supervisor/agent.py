@@ -52,7 +52,13 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .agent_config import AgentConfig, admin_socket_problem, context_lock_path
+from .agent_config import (
+    AgentConfig,
+    admin_dir_problem,
+    admin_socket_problem,
+    context_lock_path,
+    socket_dir_is_own,
+)
 from .agent_connection import Connection
 from .agent_http import HttpHandler, HttpServer
 from .agent_persist import encode_state, read_state, state_file_problem, write_state
@@ -209,16 +215,20 @@ class Agent:
 
     def _prepare_socket(self) -> None:
         path = Path(self.config.socket_path)
+        own = socket_dir_is_own(str(path))
         path.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(OSError):
-            os.chmod(path.parent, os.stat(path.parent).st_mode | 0o055)
+        if own:  # reachable by containers of any uid; never a directory shared with others
+            with contextlib.suppress(OSError):
+                os.chmod(path.parent, os.stat(path.parent).st_mode | 0o055)
         self._prepare_context_lock()
         _clear_stale(path)
 
     def _prepare_admin_socket(self) -> None:
         """The admin socket's directory: the agent's uid only (0700)."""
         admin = self.config.admin_socket_path
-        problem = admin_socket_problem(self.config.socket_path, admin)
+        problem = admin_socket_problem(self.config.socket_path, admin) or admin_dir_problem(
+            admin, self.config.state_file_path
+        )
         if problem is not None:
             raise RuntimeError(f"--admin-socket {problem}")
         path = Path(admin)

@@ -17,6 +17,7 @@ from .agent import NotAnAgentReply, run_agent, send_admin
 from .agent_config import (
     ADMIN_SOCKET_ENV,
     AgentConfig,
+    admin_dir_problem,
     admin_socket_for,
     admin_socket_problem,
     default_socket,
@@ -225,6 +226,9 @@ def node_agent(
     problem = state_file_problem(socket_path, state_file, admin_socket)
     if problem is not None:
         raise click.BadParameter(problem, param_hint="'--state-file'")
+    problem = admin_dir_problem(admin_socket, state_file)
+    if problem is not None:
+        raise click.BadParameter(problem, param_hint="'--admin-socket'")
     import logging
 
     logging.basicConfig(

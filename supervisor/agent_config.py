@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .agent_persist import state_file_for
+from .agent_persist import STATE_FILE_NAME, state_file_for
 
 DEFAULT_SOCKET = "/run/gpuvisor/node.sock"
 SOCKET_ENV = "GPUVISOR_NODE_SOCKET"
@@ -73,6 +73,58 @@ HAMI_LOCK_DIR = "/tmp/vgpulock"
 
 def context_lock_path(socket_path: str) -> str:
     return os.path.join(os.path.dirname(socket_path), CONTEXT_LOCK_NAME)
+
+
+# The library's per-GPU launch-order files, in the node lock's directory
+# (native/shim/sm_arbiter.c): the socket's, where gpuvisor run points it.
+SM_FILE_PREFIX = "gpuvisor-sm-"
+
+
+def _foreign(directory: str, own: set[str], own_prefixes: tuple[str, ...]) -> list[str]:
+    """The entries of directory that are none of the agent's files, sorted
+    ([] when it does not exist yet).  OSError: it cannot be listed."""
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    return sorted(n for n in names if n not in own and not n.startswith(own_prefixes))
+
+
+def socket_dir_is_own(socket_path: str) -> bool:
+    """Whether the reporting socket's directory holds nothing but the
+    agent's files (or does not exist yet): the agent opens only such a
+    directory to containers of every uid, never one shared with other files
+    (--socket /root/node.sock must not open /root to every user)."""
+    directory = os.path.dirname(os.path.abspath(socket_path))
+    own = {os.path.basename(socket_path), CONTEXT_LOCK_NAME}
+    try:
+        return not _foreign(directory, own, (SM_FILE_PREFIX,))
+    except OSError:
+        return False
+
+
+def admin_dir_problem(admin_path: str, state_file: str) -> str | None:
+    """Why the admin socket's directory cannot be made the agent's alone,
+    mode 0700 (None: it can): it holds other files than the agent's (admin
+    socket, state file): /tmp or /run made 0700 would lock every other user
+    out of them."""
+    directory = os.path.dirname(os.path.abspath(admin_path))
+    names = {STATE_FILE_NAME}
+    if os.path.dirname(os.path.abspath(state_file)) == directory:
+        names.add(os.path.basename(state_file))
+    # write_state's temporary files: ".<name>.<random>"
+    prefixes = tuple(f".{name}." for name in names)
+    try:
+        foreign = _foreign(directory, names | {os.path.basename(admin_path)}, prefixes)
+    except OSError as exc:
+        return f"{admin_path}: cannot list {directory} ({exc.strerror or exc})"
+    if not foreign:
+        return None
+    shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+    return (
+        f"{admin_path}: {directory} holds other files ({shown}): the admin socket needs "
+        "a directory of its own, which the agent makes mode 0700"
+    )
 
 
 @dataclass

@@ -1348,6 +1348,62 @@ def test_an_admin_socket_in_the_reporting_directory_is_refused(sock_path):
     assert not Path(inside).exists()
 
 
+def _agent_exit(*args: str) -> tuple[int | None, str]:
+    """Start `gpuvisor node-agent args`; its exit status and stderr, or
+    None when it started instead (then stopped: it should not have)."""
+    proc = subprocess.Popen(
+        [*CLI, "node-agent", "--metrics-host", "127.0.0.1", "--metrics-port", "0", *args],
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+    try:
+        _, err = proc.communicate(timeout=10)
+        return proc.returncode, err
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        _, err = proc.communicate(timeout=10)
+        return None, err
+
+
+def test_an_admin_socket_in_a_shared_directory_is_refused(sock_path):
+    """--admin-socket /tmp/admin.sock (or one in /run): the agent made the
+    directory mode 0700 as it makes its own admin directory, locking every
+    other user out of /tmp (or every unprivileged daemon out of /run)."""
+    shared = Path(sock_path).parent.parent / "shared"
+    shared.mkdir(parents=True)
+    shared.chmod(0o1777)
+    (shared / "someone-elses-file").write_text("x")
+    admin = str(shared / "admin.sock")
+    code, err = _agent_exit("--socket", sock_path, "--admin-socket", admin)
+    assert shared.stat().st_mode & 0o7777 == 0o1777
+    assert code == 2, err
+    assert err.splitlines()[-1] == (
+        f"Error: Invalid value for '--admin-socket': {admin}: {shared} holds other files "
+        "(someone-elses-file): the admin socket needs a directory of its own, which the "
+        "agent makes mode 0700"
+    )
+    assert not os.path.lexists(admin)
+
+
+def test_the_reporting_sockets_existing_directory_keeps_its_mode(sock_path):
+    """--socket in a directory that holds other files (/root/node.sock, say):
+    the agent opened it to every user (go+rx), where the docs say only that
+    the directory is created and the socket made 0666.  A directory that
+    holds nothing but the agent's files is still opened for containers."""
+    private = Path(sock_path).parent
+    private.mkdir(parents=True)
+    private.chmod(0o700)
+    (private / "secret").write_text("x")
+    with AgentProc(sock_path):
+        assert private.stat().st_mode & 0o777 == 0o700
+    (private / "secret").unlink()
+    with AgentProc(sock_path):
+        assert private.stat().st_mode & 0o777 == 0o755
+
+
 def test_socket_created_with_directory_and_open_mode(sock_path):
     with AgentProc(sock_path):
         assert Path(sock_path).is_socket()
