@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import sys
@@ -191,9 +192,14 @@ NOT_STATUS = "not a gpuvisor node agent's /status document"
 def fetch_status(url: str, timeout: float = 5.0) -> dict[str, Any]:
     """The agent's /status document at url.  ValueError for JSON of another
     form (another service, a proxy's error object): an object with an
-    `agent` object and a `containers` list is what the callers read."""
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        body = resp.read()
+    `agent` object and a `containers` list is what the callers read.
+    OSError (urllib's URLError included) when it cannot be read."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            body = resp.read()
+    except http.client.HTTPException as exc:  # a bad URL, or a peer that is no HTTP server
+        # Neither OSError nor ValueError: say it in one line, as an unreachable agent.
+        raise OSError(shown(" ".join(f"{type(exc).__name__}: {exc}".split()))) from None
     try:
         data = json.loads(body)
     except (ValueError, RecursionError) as exc:  # another page (/metrics), not UTF-8

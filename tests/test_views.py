@@ -167,6 +167,61 @@ def test_top_once_names_a_page_that_is_not_json(sock_path, page):  # noqa: F811
     assert out.stdout == ""
 
 
+class _RawServer:
+    """A TCP server on 127.0.0.1 that answers every connection with reply
+    (whatever it is, HTTP or not) and closes it."""
+
+    def __init__(self, reply: bytes) -> None:
+        import socket
+        import threading
+
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}/status"
+
+        def serve() -> None:
+            while True:
+                try:
+                    conn, _ = self.sock.accept()
+                except OSError:
+                    return
+                with conn:
+                    conn.recv(65536)
+                    conn.sendall(reply)
+
+        threading.Thread(target=serve, daemon=True).start()
+
+    def __enter__(self) -> _RawServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize(
+    ("reply", "url", "says"),
+    [
+        (None, "http://127.0.0.1:abc/status", "InvalidURL: nonnumeric port: 'abc'"),
+        (None, "http://local host/status", "InvalidURL: URL can't contain control characters"),
+        (b"SSH-2.0-OpenSSH_9.6\r\n", None, "BadStatusLine: SSH-2.0-OpenSSH_9.6"),
+        (b"HTTP/1.1 200 OK\r\nContent-Length: 500\r\n\r\n{}", None, "IncompleteRead"),
+    ],
+    ids=["port", "space", "not-http", "short-body"],
+)
+def test_top_once_names_a_url_it_cannot_read_in_one_line(reply, url, says):
+    """A mistyped --url (a port that is not a number, a blank), or a port
+    that does not answer HTTP (an SSH server) or cuts its body short:
+    http.client's exceptions are neither OSError nor ValueError, and `top`
+    ended in a Python traceback."""
+    with _RawServer(reply or b"") as server:
+        url = url or server.url
+        out = gpuvisor("top", "--once", "--url", url)
+    assert "Traceback" not in out.stderr, out.stderr
+    assert out.returncode == 1, out.stdout + out.stderr
+    lines = out.stderr.splitlines()
+    assert len(lines) == 1, out.stderr
+    assert lines[0].startswith(f"Error: cannot read {url}: {says}"), lines[0]
+
+
 def test_top_keeps_refreshing_past_a_document_that_is_not_an_agents_status():
     """Without --once, such an answer is shown as one line and retried, as
     an unreachable agent is: it used to end `top` with a traceback."""
