@@ -216,6 +216,8 @@ SIM_API CUresult cuEventQuery(CUevent e)
     CUresult rc = ev_time(e, &t, &ordinal);
     if (rc)
         return rc;
+    if (sim_capture_forbids())
+        return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     return t > sim_now_ns() ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
 }
 
@@ -226,6 +228,8 @@ SIM_API CUresult cuEventSynchronize(CUevent e)
     CUresult rc = ev_time(e, &t, &ordinal);
     if (rc)
         return rc;
+    if (sim_capture_forbids())
+        return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     sim_sleep_until(t);
     sim_pools_sync(ordinal);         /* a synchronisation: pools give memory back */
     return CUDA_SUCCESS;

@@ -4,11 +4,67 @@
  * to the capture graph instead of running (cuda_launch.c), and
  * cuMemAllocAsync / cuMemFreeAsync add memory nodes to it
  * (cuda_graph_mem.c); cuStreamEndCapture hands the graph over.
+ *
+ * Capture modes are enforced for the "potentially unsafe" calls
+ * cuEventQuery and cuEventSynchronize, as CUDA documents them: a thread
+ * whose interaction mode (cuThreadExchangeStreamCaptureMode) is GLOBAL may
+ * not make them while another thread captures in GLOBAL mode, and a thread
+ * in GLOBAL or THREAD_LOCAL mode may not while it captures itself in a
+ * mode other than RELAXED; a thread in RELAXED mode always may.  Such a
+ * call answers CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED and invalidates the
+ * captures that forbade it (a watchdog thread's cudaEventQuery broke
+ * PyTorch's graph captures so on a real driver: pytorch/pytorch#104555).
+ * Captures of the per-thread default stream are left out of the rule.
  */
 #include "sim.h"
 
 static __thread CUstreamCaptureMode t_mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
+static __thread char t_me;                  /* its address names the thread */
 static unsigned long long g_capture_ids;
+
+/* The streams capturing now (sim_mu). */
+#define MAX_CAPTURES 64
+static struct CUstream_st *g_captures[MAX_CAPTURES];
+
+static void captures_add_locked(struct CUstream_st *s)
+{
+    if (!sim_reg_has(s))
+        return;                             /* a per-thread stream */
+    for (int i = 0; i < MAX_CAPTURES; i++)
+        if (!g_captures[i]) {
+            g_captures[i] = s;
+            return;
+        }
+}
+
+void sim_capture_forget_locked(struct CUstream_st *s)
+{
+    for (int i = 0; i < MAX_CAPTURES; i++)
+        if (g_captures[i] == s)
+            g_captures[i] = NULL;
+}
+
+int sim_capture_forbids(void)
+{
+    if (t_mode == CU_STREAM_CAPTURE_MODE_RELAXED)
+        return 0;
+    int forbidden = 0;
+    pthread_mutex_lock(&sim_mu);
+    for (int i = 0; i < MAX_CAPTURES; i++) {
+        struct CUstream_st *s = g_captures[i];
+        if (!s || s->capture != CU_STREAM_CAPTURE_STATUS_ACTIVE)
+            continue;
+        int mine = s->cap_thread == &t_me;
+        if ((mine && s->cap_mode != CU_STREAM_CAPTURE_MODE_RELAXED) ||
+            (!mine && t_mode == CU_STREAM_CAPTURE_MODE_GLOBAL &&
+             s->cap_mode == CU_STREAM_CAPTURE_MODE_GLOBAL)) {
+            s->capture = CU_STREAM_CAPTURE_STATUS_INVALIDATED;
+            forbidden = 1;
+        }
+    }
+    pthread_mutex_unlock(&sim_mu);
+    return forbidden;
+}
 
 static CUresult begin_capture(CUstream hs, int mode, int ptsz)
 {
@@ -34,7 +90,9 @@ static CUresult begin_capture(CUstream hs, int mode, int ptsz)
         r.s->cap_graph = g;
         r.s->cap_mode = mode;
         r.s->cap_id = ++g_capture_ids;
+        r.s->cap_thread = &t_me;
         r.s->capture = CU_STREAM_CAPTURE_STATUS_ACTIVE;
+        captures_add_locked(r.s);
     }
     pthread_mutex_unlock(&sim_mu);
     return g ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
@@ -79,6 +137,7 @@ static CUresult end_capture(CUstream hs, CUgraph *pg, int ptsz)
     struct CUgraph_st *g = r.s->cap_graph;
     r.s->capture = CU_STREAM_CAPTURE_STATUS_NONE;
     r.s->cap_graph = NULL;
+    sim_capture_forget_locked(r.s);
     if (st == CU_STREAM_CAPTURE_STATUS_INVALIDATED && g) {
         sim_graph_free(g);
         g = NULL;

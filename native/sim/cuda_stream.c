@@ -173,6 +173,7 @@ SIM_API CUresult cuStreamDestroy_v2(CUstream s)
     int ok = sim_reg_has(s) && s->magic == STREAM_MAGIC;
     if (ok) {
         sim_reg_del(s);
+        sim_capture_forget_locked(s);
         s->magic = 0;
         if (s->cap_graph)
             sim_graph_free(s->cap_graph);

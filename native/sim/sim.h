@@ -229,6 +229,7 @@ struct CUstream_st {
     int cap_mode;
     struct CUgraph_st *cap_graph;
     unsigned long long cap_id;
+    const void *cap_thread;             /* the thread that began the capture */
 };
 
 /* a resolved stream: s == NULL is the context's legacy default stream;
@@ -364,6 +365,13 @@ SIM_HIDDEN struct sim_gmem *sim_graph_node_gmem(CUgraphNode nd, int type);
 SIM_HIDDEN int sim_capture_alloc(CUstream s, int ptsz, CUdeviceptr *dptr, size_t size,
                                  CUresult *rc);
 SIM_HIDDEN int sim_capture_free(CUstream s, int ptsz, CUdeviceptr dptr, CUresult *rc);
+/* A "potentially unsafe" call (cuEventQuery, cuEventSynchronize) made by
+ * this thread while a capture forbids it (its capture mode rules, see
+ * cuda_graph_capture.c): the captures that forbid it are invalidated and
+ * it returns 1 (the call answers CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED). */
+SIM_HIDDEN int sim_capture_forbids(void);
+/* s, being destroyed, no longer captures (sim_mu held). */
+SIM_HIDDEN void sim_capture_forget_locked(struct CUstream_st *s);
 
 /* pools (cuda_pool.c) */
 /* A synchronisation on ordinal (-1: all devices) shrinks pools to their
