@@ -58,7 +58,7 @@
     X(cuGraphMemAllocNodeGetParams) X(cuGraphMemFreeNodeGetParams) X(cuDeviceGraphMemTrim) X(cuDeviceGetGraphMemAttribute) \
     X(cuEventCreate) X(cuEventDestroy_v2) X(cuEventRecord) X(cuEventRecord_ptsz) \
     X(cuEventQuery) X(cuEventElapsedTime) X(cuEventElapsedTime_v2) \
-    X(cuStreamIsCapturing) X(cuStreamIsCapturing_ptsz) \
+    X(cuStreamIsCapturing) X(cuStreamIsCapturing_ptsz) X(cuThreadExchangeStreamCaptureMode) \
     X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz) X(cuCtxSynchronize) \
     X(cuCtxSynchronize_v2) X(cuEventSynchronize) X(cuStreamQuery) X(cuStreamQuery_ptsz) \
     X(cuStreamDestroy) X(cuStreamDestroy_v2)

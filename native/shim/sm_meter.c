@@ -227,6 +227,14 @@ static void nap(void)
 static void *meter(void *unused)
 {
     (void)unused;
+    /* This thread queries events, a "potentially unsafe" call that CUDA
+     * forbids to a thread in the default (GLOBAL) capture interaction mode
+     * while another thread captures a graph in GLOBAL mode, as
+     * torch.cuda.graph does: the query fails and invalidates that capture.
+     * In THREAD_LOCAL mode only this thread's own captures (none) concern
+     * it, as for PyTorch's NCCL watchdog (pytorch/pytorch#148594). */
+    CUstreamCaptureMode mode = CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+    GV_REAL(cuThreadExchangeStreamCaptureMode, CUresult (*)(CUstreamCaptureMode *))(&mode);
     struct rec *head = NULL, **tail = &head;
     CUcontext current = NULL;
     uint64_t next_policy = 0;

@@ -1,0 +1,100 @@
+"""Stream capture next to the SM quota's own threads.
+
+CUDA forbids "potentially unsafe" calls, cuEventQuery among them, to any
+thread in the default (GLOBAL) capture interaction mode while another
+thread captures a graph in GLOBAL mode, the mode PyTorch's torch.cuda.graph
+uses by default: such a call fails and invalidates the capture.  The SM
+meter thread polls its launches' events every 100 us while kernels are in
+flight; the simulator enforces the rule for cuEventQuery and
+cuEventSynchronize (docs/simulator.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import SimNode, run_json
+
+CAPTURE_BESIDE_GATED_WORK = """
+import ctypes, time
+from tests.cuclient import *
+init()
+spin = ok(cu.cuModuleGetFunction, ok(cu.cuModuleLoadData, b"any image"), b"spin")
+s = ok(cu.cuStreamCreate, 0)
+c = ok(cu.cuStreamCreate, 0)
+def launch(stream, us):
+    ok(cu.cuLaunchKernel, spin, 1, 1, 1, 32, 1, 1, 0, stream, ((us,), (ctypes.c_uint32,)), 0)
+launch(s, 300_000)          # gated under a limit: in flight while we capture
+ok(cu.cuStreamBeginCapture, c, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+launch(c, 1000)
+time.sleep(0.05)
+err, g = call(cu.cuStreamEndCapture, c)
+ok(cu.cuStreamSynchronize, s)
+emit(end_capture=err.name)
+"""
+
+
+def test_a_graph_captured_while_gated_kernels_run_is_not_invalidated(
+    node: SimNode, tmp_path: Path
+) -> None:
+    """A graph captured in GLOBAL mode while a gated kernel is in flight:
+    the meter thread's cuEventQuery invalidated the capture
+    (CUDA_ERROR_STREAM_CAPTURE_INVALIDATED from cuStreamEndCapture) under
+    any SM limit; the meter thread now polls in THREAD_LOCAL interaction
+    mode, which other threads' captures do not concern.  Without a limit
+    (no meter) the capture always succeeded."""
+    free = run_json(
+        CAPTURE_BESIDE_GATED_WORK,
+        node.shimmed(CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "free.shr")),
+    )
+    limited = run_json(CAPTURE_BESIDE_GATED_WORK, node.shimmed(CUDA_DEVICE_SM_LIMIT="50"))
+    assert free["end_capture"] == "CUDA_SUCCESS", free
+    assert limited["end_capture"] == "CUDA_SUCCESS", limited
+
+
+UNSAFE_QUERY = """
+import threading
+from tests.cuclient import *
+init()
+s = ok(cu.cuStreamCreate, 0)
+c = ok(cu.cuStreamCreate, 0)
+e = ok(cu.cuEventCreate, 0)
+ok(cu.cuEventRecord, e, s)
+mode = getattr(cu.CUstreamCaptureMode, sys.argv[1])
+got = {}
+def other():
+    ok(cu.cuCtxSetCurrent, CTX)
+    ok(cu.cuThreadExchangeStreamCaptureMode, mode)
+    got["query"] = call(cu.cuEventQuery, e)[0].name
+CTX = ok(cu.cuCtxGetCurrent)
+ok(cu.cuStreamBeginCapture, c, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+t = threading.Thread(target=other)
+t.start()
+t.join()
+err, g = call(cu.cuStreamEndCapture, c)
+emit(query=got["query"], end_capture=err.name)
+"""
+
+
+@pytest.mark.parametrize(
+    ("mode", "query", "end"),
+    [
+        (
+            "CU_STREAM_CAPTURE_MODE_GLOBAL",
+            "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED",
+            "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED",
+        ),
+        ("CU_STREAM_CAPTURE_MODE_THREAD_LOCAL", "CUDA_SUCCESS", "CUDA_SUCCESS"),
+        ("CU_STREAM_CAPTURE_MODE_RELAXED", "CUDA_SUCCESS", "CUDA_SUCCESS"),
+    ],
+)
+def test_the_simulator_forbids_an_event_query_during_another_threads_global_capture(
+    node: SimNode, mode: str, query: str, end: str
+) -> None:
+    """The rule the test above depends on, without the interposer: another
+    thread's cuEventQuery in GLOBAL interaction mode fails and invalidates
+    a GLOBAL capture; in THREAD_LOCAL or RELAXED mode it is allowed."""
+    out = run_json("import sys\n" + UNSAFE_QUERY, dict(node.env), args=[mode])
+    assert out == {"query": query, "end_capture": end}, out
