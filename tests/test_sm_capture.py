@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import SimNode, run_json
+from tests.helpers import MiB, SimNode, run_json
 
 CAPTURE_BESIDE_GATED_WORK = """
 import ctypes, time
@@ -98,3 +98,51 @@ def test_the_simulator_forbids_an_event_query_during_another_threads_global_capt
     a GLOBAL capture; in THREAD_LOCAL or RELAXED mode it is allowed."""
     out = run_json("import sys\n" + UNSAFE_QUERY, dict(node.env), args=[mode])
     assert out == {"query": query, "end_capture": end}, out
+
+
+# A stream-ordered free still waiting for its stream (a 0.3 s kernel ahead of
+# it), then a GLOBAL capture in this thread while another thread, in the
+# default GLOBAL interaction mode, asks for the memory figures as a monitor
+# does (cuMemGetInfo, or NVML's, which a process's pynvml monitor calls): the
+# library looks at the waiting free's event there.
+CAPTURE_BESIDE_A_MONITOR = """
+import ctypes, sys, threading
+import pynvml
+from tests.cuclient import *
+ctx = init()
+pynvml.nvmlInit()
+handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+spin = ok(cu.cuModuleGetFunction, ok(cu.cuModuleLoadData, b"any image"), b"spin")
+s = ok(cu.cuStreamCreate, 0)
+c = ok(cu.cuStreamCreate, 0)
+p = ok(cu.cuMemAlloc, 64 * MiB)
+ok(cu.cuLaunchKernel, spin, 1, 1, 1, 32, 1, 1, 0, s, ((300_000,), (ctypes.c_uint32,)), 0)
+ok(cu.cuMemFreeAsync, p, s)
+def monitor():
+    ok(cu.cuCtxSetCurrent, ctx)
+    if sys.argv[1] == "cuMemGetInfo":
+        mem_info()
+    else:
+        pynvml.nvmlDeviceGetMemoryInfo(handle)
+ok(cu.cuStreamBeginCapture, c, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+t = threading.Thread(target=monitor)
+t.start()
+t.join()
+err, g = call(cu.cuStreamEndCapture, c)
+ok(cu.cuStreamSynchronize, s)
+emit(end_capture=err.name, used=used())
+"""
+
+
+@pytest.mark.parametrize("query", ["cuMemGetInfo", "nvmlDeviceGetMemoryInfo"])
+def test_a_memory_query_beside_a_capture_does_not_invalidate_it(node: SimNode, query: str) -> None:
+    """The library's look at a waiting stream-ordered free (cuEventQuery)
+    was made in the calling thread's interaction mode: from a monitoring
+    thread in GLOBAL mode it invalidated the GLOBAL capture of another
+    thread, which made no forbidden call itself.  It is now made in RELAXED
+    mode, and the free is still given back once the stream reaches it."""
+    out = run_json(
+        CAPTURE_BESIDE_A_MONITOR, node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="1g"), args=[query]
+    )
+    assert out["end_capture"] == "CUDA_SUCCESS", out
+    assert out["used"] == 32 * MiB, out  # the context alone: the free was given back

@@ -179,10 +179,13 @@ void gv_pending_free(int dev, uint64_t bytes, CUstream stream, int ptsz)
                    "pending; further ones wait for their stream", MAX_PENDING);
     }
     /* No way to tell when the stream gets there: wait until it has. */
+    CUstreamCaptureMode mode;
+    int relaxed = gv_capture_relax(&mode);
     if (ptsz)
         GV_REAL(cuStreamSynchronize_ptsz, stream_fn)(stream);
     else
         GV_REAL(cuStreamSynchronize, stream_fn)(stream);
+    gv_capture_restore(relaxed, mode);
     gv_uncharge(dev, bytes);
     gv_charge_landed();
 }
@@ -212,6 +215,8 @@ static int reap(unsigned *devs)
     if (atomic_load_explicit(&waiting, memory_order_acquire) == 0)
         return 0;
     int n = atomic_load(&top), released = 0;
+    CUstreamCaptureMode mode;
+    int relaxed = gv_capture_relax(&mode);
     for (int i = 0; i < n; i++) {
         int expected = SLOT_WAITING;
         if (!atomic_compare_exchange_strong(&slots[i].state, &expected, SLOT_BUSY))
@@ -229,6 +234,7 @@ static int reap(unsigned *devs)
             *devs |= 1u << dev;
         released++;
     }
+    gv_capture_restore(relaxed, mode);
     return released;
 }
 

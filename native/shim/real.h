@@ -115,4 +115,24 @@ static inline void *gv_real_fast(enum gv_sym id)
     return __builtin_expect(fn != NULL, 1) ? fn : gv_real_or_missing(id);
 }
 
+/* The library's own event queries and waits, made from a program's
+ * threads: CUDA forbids such "potentially unsafe" calls to a thread in the
+ * default GLOBAL interaction mode while another thread captures a graph in
+ * GLOBAL mode (as torch.cuda.graph does), and the forbidden call
+ * invalidates that capture.  Made in RELAXED mode, they are always
+ * allowed (the events are never recorded in a capture), and the thread's
+ * mode is put back after.  Returns whether there is a mode to put back. */
+static inline int gv_capture_relax(CUstreamCaptureMode *saved)
+{
+    *saved = CU_STREAM_CAPTURE_MODE_RELAXED;
+    return GV_REAL(cuThreadExchangeStreamCaptureMode, CUresult (*)(CUstreamCaptureMode *))(saved) ==
+           CUDA_SUCCESS;
+}
+
+static inline void gv_capture_restore(int relaxed, CUstreamCaptureMode saved)
+{
+    if (relaxed)
+        GV_REAL(cuThreadExchangeStreamCaptureMode, CUresult (*)(CUstreamCaptureMode *))(&saved);
+}
+
 #endif /* GV_REAL_H */
