@@ -9,8 +9,10 @@ paced on their estimates, as the library's one error line says.
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 
-from tests.helpers import CU_SPIN_PRELUDE, SimNode, run_py
+from tests.helpers import CU_SPIN_PRELUDE, SimNode, region_call, run_py, start_ready
 
 # Caps the address space just above what the process maps, so that no
 # thread stack can be mapped; `threads` says whether one could start.
@@ -103,3 +105,62 @@ def test_a_context_reset_without_a_meter_thread_settles_its_launches(node: SimNo
     assert out["busy"] == "CUDA_ERROR_NOT_READY"
     assert out["bad"] == 0
     assert out["reset_s"] < 1.0
+
+
+# Launches back to back, until killed.
+LAUNCHER = (
+    CU_SPIN_PRELUDE
+    + """
+import sys
+print("ready", flush=True)
+sys.stdin.readline()
+while True:
+    launch(1000)
+"""
+)
+
+FEW_WITHOUT_THREADS = (
+    CU_SPIN_PRELUDE
+    + CANNOT_START_THREADS
+    + """
+import json, time
+t0 = time.monotonic()
+for _ in range(20):
+    launch(100)
+chk(cu.cuStreamSynchronize(s))
+print(json.dumps({"threads": threads, "seconds": time.monotonic() - t0}))
+"""
+)
+
+
+def test_a_share_of_0_left_by_a_process_killed_in_a_pause_does_not_hold_one_without_a_meter(
+    node: SimNode,
+) -> None:
+    """A process of a container at 50 % is killed while its container is
+    paused (its yield flag set): its meter had set the region's share to
+    0, and nothing sets it back once the pause is cleared but another
+    process's policy update.  A process that cannot start its meter thread
+    has none: its launches waited for that update for good (20 launches of
+    100 us had not gone after 15 s); the limit now stands in for it."""
+    env = node.shimmed(CUDA_DEVICE_SM_LIMIT="50")
+    w = start_ready(LAUNCHER, env)
+    assert w.stdin is not None
+    w.stdin.write("go\n")
+    w.stdin.flush()
+    time.sleep(0.5)
+    region_call(node, "r.set_sm_yield(0, 30)")
+    time.sleep(0.5)  # its meter sets the share to 0
+    w.kill()
+    w.communicate(timeout=30)
+    region_call(node, "r.set_sm_yield(0, 0)")
+    left = float(region_call(node, "print(r.sm(0).share)").strip())
+    try:
+        proc = run_py(FEW_WITHOUT_THREADS, env, timeout=20)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError(f"20 launches of 100 us did not go within 20 s (share {left})") from e
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"share left {left}; {out}")
+    assert left == 0  # the premise: the killed process's 0 stands
+    assert not out["threads"]  # the premise: no thread can start
+    assert out["seconds"] < 3.0

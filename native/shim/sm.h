@@ -98,8 +98,9 @@ _Atomic uint64_t *gv_arb_enqueue_word(int dev);
 uint64_t gv_sm_enqueue_begin(struct gv_sm *sm, int dev);
 void gv_sm_enqueue_end(struct gv_sm *sm, int dev, uint64_t held);
 /* The share may be stale (0 with no pause in force): the policies run at
- * once, the meter thread woken if it sleeps (sm_meter.c). */
-void gv_sm_meter_refresh(void);
+ * once, the meter thread woken if it sleeps (sm_meter.c); 0 when no meter
+ * thread runs in this process to run them (it could not be started). */
+int gv_sm_meter_refresh(void);
 /* ctx is about to be destroyed (cuCtxDestroy, a primary context's reset
  * or last release): its work is waited for and the meter settles every
  * launch made in it and destroys their events while it still lives;

@@ -189,15 +189,24 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
         /* The yield flag is read here too: a container without a limit
          * is on the fast path until it is set, so no meter of its own may
          * yet have set the share to 0 (the gate must pause at once). */
-        if (share == 0 || region_sm_yielding(sm, now)) {   /* paused: yielding */
+        int yielding = region_sm_yielding(sm, now);
+        if (share == 0 && !yielding && !gv_sm_meter_refresh()) {
+            /* A share of 0 outside a pause, and no meter thread in this
+             * process (it could not be started) to run the policies that
+             * change it: the limit stands in.  The share is the region's:
+             * a process killed while the pause lasted leaves the 0 its
+             * meter set (the pause cleared or its lease ended since), and
+             * this process's launches waited for good. */
+            uint32_t limit = atomic_load_explicit(&sm->limit, memory_order_relaxed);
+            share = limit && limit < 100 ? limit * 100 : 10000;
+        } else if (share == 0 || yielding) {   /* paused: yielding */
             /* A share of 0 outside a pause is one the meter set while the
              * pause lasted (or set from a look taken just before it was
              * cleared).  Only its next policy update changes it, and a
              * meter with nothing gated in its region (the pause cleared
              * and the limit lifted at once) sleeps until the next gated
-             * launch is posted: this one, which waited here for good. */
-            if (share == 0 && !region_sm_yielding(sm, now))
-                gv_sm_meter_refresh();
+             * launch is posted: this one, which waited here for good; so
+             * it is woken (gv_sm_meter_refresh, above). */
             sleep_ns(1000000);
             continue;
         }

@@ -373,10 +373,13 @@ static void wake(void)
         syscall(SYS_futex, &napping, FUTEX_WAKE_PRIVATE, 1, NULL, NULL, 0);
 }
 
-void gv_sm_meter_refresh(void)
+int gv_sm_meter_refresh(void)
 {
+    if (!atomic_load(&started))
+        return 0;
     if (!atomic_exchange(&refresh, 1))
         wake();
+    return 1;
 }
 
 /* A gated launch could not be measured: charged its estimate (said once). */
