@@ -10,6 +10,7 @@ what the worker gets.
 from __future__ import annotations
 
 import json
+import select
 import time
 
 import pytest
@@ -140,6 +141,44 @@ def test_a_limit_lifted_frees_a_launch_that_waits(node: SimNode, policy: str) ->
         assert w.stdout is not None
         waited = json.loads(w.stdout.readline())["waited"]
         print(f"{policy}: the launch waiting at 5 % went {waited:.2f} s later (lifted at 0.3 s)")
+        assert waited < 1.0
+    finally:
+        w.kill()
+        w.communicate(timeout=30)
+
+
+@pytest.mark.parametrize("after", [None, 5], ids=["raised", "raised-then-lowered"])
+def test_a_limit_raised_during_a_pause_rescales_the_clock(node: SimNode, after: int | None) -> None:
+    """A fixed-share container at 5 % runs a 200 ms kernel (its clock 4 s
+    ahead), then is paused (its yield flag set: its meter sets the share to
+    0), and its limit is raised to 100 % meanwhile.  After the pause the
+    debt is paid at 100 %, as for a change outside a pause (about 0.2 s,
+    already past).  Before, a share coming out of 0 was never rescaled: the
+    next launch still waited out the 4 s run up at 5 % (3.1 s); and a limit
+    lowered back to 5 % after the pause multiplied that unpaid debt by 20
+    (a single launch waited about a minute)."""
+    env = node.shimmed(CUDA_DEVICE_SM_LIMIT="5")
+    w = start_ready(LONG_THEN_SHORT, env)
+    try:
+        region_call(node, "r.set_sm_yield(0, 30)")
+        time.sleep(0.5)  # its meter sets the share to 0
+        paused = float(region_call(node, "print(r.sm(0).share)").strip())
+        region_call(node, "r.set_sm_limit(0, 100)\nr.set_sm_yield(0, 0)")
+        if after is not None:
+            time.sleep(0.3)  # its meter sets the share to 100 % again
+            region_call(node, f"r.set_sm_limit(0, {after})")
+        assert w.stdin is not None
+        assert w.stdout is not None
+        w.stdin.write("go\n")
+        w.stdin.flush()
+        ready, _, _ = select.select([w.stdout], [], [], 10.0)
+        assert ready, "the next launch still waited after 10 s"
+        waited = json.loads(w.stdout.readline())["waited"]
+        print(
+            f"5 -> 100 % in a pause (share {paused}), then {after}: "
+            f"next launch waited {waited:.2f} s"
+        )
+        assert paused == 0
         assert waited < 1.0
     finally:
         w.kill()

@@ -118,6 +118,11 @@ struct gv_sm {
     _Atomic uint64_t launches;   /* launches through the gate */
     _Atomic uint32_t others;     /* other containers' use of the device, 1/100 %,
                                     as the node agent last reported it */
+    /* The share in force when the entry was last paused (share set to 0):
+     * the scale of the debt its clock ran up, for the share that ends the
+     * pause (region_sm_set_share); 0: none known.  (Padding before: a file
+     * of an earlier library holds 0 here.) */
+    _Atomic uint32_t paused_from;
     _Atomic uint64_t others_at;  /* CLOCK_MONOTONIC ns of that report; 0: none */
     /* Set from outside while a higher-priority container is active: launches
      * pause until this CLOCK_MONOTONIC ns (a lease, renewed by whoever set

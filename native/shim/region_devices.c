@@ -161,7 +161,19 @@ static void sm_change_end(gv_region *r)
 void region_sm_set_share(struct gv_sm *sm, uint32_t share)
 {
     uint32_t old = atomic_exchange(&sm->share, share);
-    if (old == share || old == 0 || share == 0)
+    /* A pause (0) has no scale: the debt keeps the one before it, and the
+     * share that ends the pause rescales it from there.  Skipped instead,
+     * a limit raised from 5 to 100 % during a pause left the debt run up
+     * at 5 % to be paid at 100 %, and one lowered again after it
+     * multiplied that by 20 (every such pause did it once more). */
+    if (share == 0) {
+        if (old != 0)
+            atomic_store(&sm->paused_from, old);
+        return;
+    }
+    if (old == 0)
+        old = atomic_load(&sm->paused_from);
+    if (old == share || old == 0)
         return;
     /* Debt run up at the old share is paid at the new one. */
     uint64_t now = rg_now_ns();
