@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .loader import library_path
+from .loader import LIBRARY_NAME, library_path
 
 API_VERSION = 5
 UNLIMITED = (1 << 64) - 1  # GV_UNLIMITED
@@ -118,7 +118,14 @@ def lib() -> ctypes.CDLL:
     with _lock:
         if _lib is None:
             path = library_path()
-            handle = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
+            try:
+                handle = ctypes.CDLL(str(path), mode=ctypes.RTLD_LOCAL)
+            except OSError as exc:
+                # Cut short, another architecture, a missing dependency:
+                # dlerror's text already names the file.
+                raise GpuvisorError(
+                    GV_EINVAL, f"gpuvisor: cannot load {LIBRARY_NAME}: {exc}"
+                ) from None
             # The version first, then every function: a stale build or
             # another library under this name is one clear error, not a
             # bare AttributeError from ctypes.

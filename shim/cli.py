@@ -84,7 +84,7 @@ def shim_info(region_path: str | None, as_json: bool) -> None:
         info: dict[str, Any] = {"library": str(library_path()), "native_dir": str(native_dir())}
         if not region_path:
             region_path = default_region_path()
-    except NativeLibraryNotFound as exc:
+    except (NativeLibraryNotFound, GpuvisorError) as exc:  # none, or not one it can use
         raise click.ClickException(str(exc)) from exc
     info["region"] = os.path.abspath(region_path)
     # Reading must not create a region: report a missing file as such.

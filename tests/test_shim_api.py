@@ -98,6 +98,43 @@ except GpuvisorError as e:
     assert "gv_api_version" in out["err"][1]
 
 
+@pytest.mark.parametrize("content", ["garbage", "foreign"])
+def test_a_library_that_cannot_be_used_is_one_line_from_api_and_shim_info(
+    build_dir: Path, tmp_path: Path, node: SimNode, content: str
+) -> None:
+    """A libgpuvisor.so that the dynamic linker cannot load (cut short, of
+    another architecture) escaped lib() as a bare OSError from ctypes, not
+    the GpuvisorError the API promises; and `gpuvisor shim-info` without
+    --region died with a traceback for it, or for a foreign library (it
+    asks the library its default path before anything else)."""
+    lib_file = tmp_path / "libgpuvisor.so"
+    if content == "garbage":
+        lib_file.write_bytes(b"not a shared object")
+    else:
+        shutil.copyfile(build_dir / "sim" / "libcuda.so.1", lib_file)
+    env = {**node.env, "GPUVISOR_NATIVE_DIR": str(tmp_path)}
+    out = run_json(
+        API
+        + """
+from gpuvisor.shim.capi import lib
+try:
+    lib()
+    emit(err=None)
+except GpuvisorError as e:
+    emit(err=[e.code_name, str(e)])
+""",
+        env,
+    )
+    assert out["err"] is not None and out["err"][0] == "GV_EINVAL"
+    assert str(lib_file) in out["err"][1]
+    env.pop("CUDA_DEVICE_MEMORY_SHARED_CACHE", None)  # the library's default path
+    proc = run_py("from gpuvisor.shim.cli import main; main()", env, args=["shim-info"])
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: gpuvisor: ") and str(lib_file) in lines[0]
+
+
 def test_preload_env_prepends_and_keeps_entries(build_dir: Path) -> None:
     env = preload_env(
         {"LD_PRELOAD": "/x/liba.so /x/libb.so", "LD_LIBRARY_PATH": "/opt/lib", "K": "v"},
