@@ -459,6 +459,31 @@ except GpuvisorError as e:
     assert str(bad) in out["err"][1]
 
 
+def test_attach_a_dangling_symlink_says_so(node, tmp_path) -> None:
+    """A region path that is a symbolic link to a missing file cannot be
+    created (link() finds the name taken) nor opened: the attach tried 16
+    times and then reported "open: File exists", leaving the reader to
+    guess which file exists."""
+    target = tmp_path / "gone" / "region.shr"
+    link = tmp_path / "region-link.shr"
+    link.symlink_to(target)
+    out = api(
+        node,
+        f"""
+try:
+    Region.attach({str(link)!r})
+    emit(err=None)
+except GpuvisorError as e:
+    emit(err=[e.code_name, e.message])
+""",
+    )
+    assert out["err"] == [
+        "GV_EIO",
+        f"gpuvisor: region {link}: a symbolic link to {target}, which does not exist",
+    ]
+    assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("region-link.shr.")]
+
+
 @pytest.mark.parametrize(
     "content",
     [b"garbage" * 1000, b"", b"\0" * 4096, b"GVPVSH1\0" + b"\xff" * 64],

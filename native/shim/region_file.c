@@ -118,6 +118,23 @@ static int create_file(const char *path, char *err, size_t errlen)
     return rc;
 }
 
+/* GV_EIO with the message if path is a symbolic link (to a missing file:
+ * open() said ENOENT), else 0. */
+static int dangling_link(const char *path, char *err, size_t errlen)
+{
+    struct stat st;
+    if (lstat(path, &st) != 0 || !S_ISLNK(st.st_mode))
+        return 0;
+    char target[512];
+    ssize_t n = readlink(path, target, sizeof target - 1);
+    if (n < 0)
+        n = 0;
+    target[n] = '\0';
+    rg_set_err(err, errlen, "gpuvisor: region %s: a symbolic link to %s, which does not exist",
+               path, n > 0 ? target : "a missing file");
+    return GV_EIO;
+}
+
 static int validate(int fd, const char *path, char *err, size_t errlen)
 {
     struct stat st;
@@ -185,7 +202,12 @@ int region_open(const char *path, gv_region **out, char *err, size_t errlen)
         fd = open(path, O_RDWR | O_CLOEXEC);
         if (fd >= 0 || errno != ENOENT)
             break;
-        int rc = create_file(path, err, errlen);
+        /* A symbolic link to a missing file: link() would find the name
+         * taken, and open() the file missing, for ever. */
+        int rc = dangling_link(path, err, errlen);
+        if (rc != 0)
+            return rc;
+        rc = create_file(path, err, errlen);
         if (rc != 0)
             return rc;
     }
