@@ -8,9 +8,12 @@ call gv_reclaim_dead().
 
 from __future__ import annotations
 
+import os
+import subprocess
 import time
+from pathlib import Path
 
-from tests.helpers import GiB, Holder, MiB, SimNode, run_json
+from tests.helpers import LIBRARY, SIM_DIR, GiB, Holder, MiB, SimNode, run_json
 
 USAGE = """
 import json
@@ -39,3 +42,57 @@ def test_killed_process_leaves_usage_reports_within_a_second(node: SimNode) -> N
         "from tests.cuclient import *\ninit()\nfree, total = mem_info()\nemit(free=free)", env
     )
     assert out["free"] == 4 * GiB - CTX  # only this process's own context
+
+
+# A library whose constructor allocates 1 GiB through the shim and whose
+# destructor frees it: preloaded after libgpuvisor.so, its destructor runs
+# after the shim's (which gives the process's slot back).
+LATE_FREE_C = r"""
+#include <stddef.h>
+#include <stdio.h>
+typedef int CUresult;
+typedef int CUdevice;
+typedef void *CUcontext;
+typedef unsigned long long CUdeviceptr;
+CUresult cuInit(unsigned);
+CUresult cuDeviceGet(CUdevice *, int);
+CUresult cuDevicePrimaryCtxRetain(CUcontext *, CUdevice);
+CUresult cuCtxSetCurrent(CUcontext);
+CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
+CUresult cuMemFree_v2(CUdeviceptr);
+static CUdeviceptr held;
+__attribute__((constructor)) static void early(void)
+{
+    CUdevice d;
+    CUcontext c;
+    int rc = cuInit(0) || cuDeviceGet(&d, 0) || cuDevicePrimaryCtxRetain(&c, d) ||
+             cuCtxSetCurrent(c) || cuMemAlloc_v2(&held, 1u << 30);
+    fprintf(stderr, "alloc %d\n", rc);
+}
+__attribute__((destructor)) static void late(void)
+{
+    fprintf(stderr, "free %d\n", cuMemFree_v2(held));
+}
+"""
+
+
+def test_a_free_after_the_slot_was_given_back_is_not_an_accounting_bug(
+    node: SimNode, tmp_path: Path
+) -> None:
+    """Memory freed after the shim's destructor gave the slot back (by a
+    library whose destructor runs later, or a thread still running while
+    the process exits) registered the process anew to take the bytes from
+    its new, empty slot: an "accounting bug" error at every such exit, and
+    the exited process listed in the region until someone reclaimed it."""
+    src, lib = tmp_path / "late_free.c", tmp_path / "late_free.so"
+    src.write_text(LATE_FREE_C)
+    cc = os.environ.get("CC", "cc")
+    subprocess.run(
+        [cc, "-shared", "-fPIC", "-o", str(lib), str(src), f"-L{SIM_DIR}", "-l:libcuda.so.1"],
+        check=True,
+    )
+    env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g", LD_PRELOAD=f"{LIBRARY} {lib}")
+    proc = subprocess.run(["true"], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    assert proc.stderr.splitlines() == ["alloc 0", "free 0"]  # nothing from the shim
+    assert run_json(USAGE, node.env) == {"used": 0, "procs": []}

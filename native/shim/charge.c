@@ -183,7 +183,9 @@ void gv_uncharge(int dev, uint64_t bytes)
 {
     if (bytes == 0)
         return;
-    int slot = self_slot();
+    /* No slot: nothing charged here, or the slot was given back at exit
+     * with all it held (region_own_slot). */
+    int slot = region_own_slot(gv_core_region());
     if (slot >= 0)
         region_release(gv_core_region(), dev, slot, bytes);
 }

@@ -51,6 +51,14 @@ const char *region_path(const gv_region *r);
  * Returns the slot index, or a negative GV_E* code. */
 int region_self_slot(gv_region *r);
 
+/* The calling process's slot as it stands, never registering: GV_ENOENT
+ * when it has none (never registered in this fork generation, or given
+ * back at exit: what it held went with it).  For releases, so that memory
+ * freed after region_leave (a library destructor that runs after this
+ * one's, a thread still running while the process exits) is not taken
+ * from a slot registered anew for the purpose. */
+int region_own_slot(gv_region *r);
+
 /* Give up the calling process's slot (at exit), releasing what it holds.
  * GV_OK, GV_ENOENT (no slot), or GV_EINVAL when a thread of the process is
  * in the middle of an accounting operation (the slot is then left to be

@@ -105,6 +105,17 @@ int region_self_slot(gv_region *r)
     return s;
 }
 
+int region_own_slot(gv_region *r)
+{
+    if (r == NULL)
+        return GV_EINVAL;
+    uint64_t gen = atomic_load_explicit(&rg_fork_gen, memory_order_relaxed);
+    uint64_t c = atomic_load_explicit(&r->slot_cache, memory_order_acquire);
+    if ((c >> 32) != gen || (uint32_t)c == SLOT_NONE)
+        return GV_ENOENT;
+    return region_self_slot(r);     /* registered, or another thread is at it */
+}
+
 /* Give up this process's slot when it exits, so that others see its memory
  * gone at once rather than at the next rg_reclaim.  Only when no thread of ours
  * is inside an accounting operation; otherwise the slot is left for the
