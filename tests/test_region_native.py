@@ -141,6 +141,19 @@ def test_region_kill(build: str, tmp_path: Path) -> None:
     assert "t_region_kill: OK" in out
 
 
+@pytest.mark.parametrize("build", list(BUILDS))
+def test_region_exec_from_a_thread(build: str, tmp_path: Path) -> None:
+    """A process whose other thread exec()s a program without the region
+    while its main thread holds a device's gate, a slot being reclaimed or
+    a device entry being initialised: exec() keeps the pid and start time
+    that name the holder, so it looked alive for good and every other
+    process of the container waited for it (20 s alarm in the test)."""
+    out = run(build, "t_region_exec", [str(tmp_path / "exec.shr")], tmp_path, timeout=60)
+    assert "gate and slot of an exec'd closer taken over: ok" in out
+    assert "device entry of an exec'd initialiser taken over: ok" in out
+    assert "t_region_exec: OK" in out
+
+
 @pytest.mark.parametrize("build", ["build", "build-asan"])
 def test_sm_calibration_unit(build: str, tmp_path: Path) -> None:
     """The SM meter's calibration against NVML (native/shim/sm_calib.c)

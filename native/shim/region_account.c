@@ -37,7 +37,8 @@ static void wait_gate(gv_region *r, int dev)
         uint64_t g = atomic_load(&d->gate);
         if (g == 0)
             return;
-        if (waits % 64 == 0 && !rg_owner_alive(g)) {
+        if ((waits % 64 == 0 && !rg_owner_alive(g)) ||
+            (waits % 4096 == 0 && rg_owner_left(r, g))) {
             recompute(r, dev, -1);       /* finish the dead closer's work */
             continue;
         }
@@ -71,7 +72,8 @@ void rg_close_gate(gv_region *r, int dev)
         uint64_t g = atomic_load(&d->gate);
         if (g == mine)
             return;
-        if (g == 0 || (waits % 64 == 0 && !rg_owner_alive(g))) {
+        if (g == 0 || (waits % 64 == 0 && !rg_owner_alive(g)) ||
+            (waits % 4096 == 0 && rg_owner_left(r, g))) {
             if (atomic_compare_exchange_strong(&d->gate, &g, mine))
                 return;
             continue;

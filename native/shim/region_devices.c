@@ -51,7 +51,8 @@ int region_device_lookup(gv_region *r, const unsigned char uuid[16],
             if (s != DEV_FREE && s != (rg_thread_owner() | FLAG_BIT)) {
                 /* Someone is initialising it; wait unless they died.  The
                  * liveness check reads /proc, so do it only now and then. */
-                if (++waits % 16 != 0 || rg_owner_alive(s)) {
+                if (++waits % 16 != 0 ||
+                    (rg_owner_alive(s) && (waits % 4096 != 0 || !rg_owner_left(r, s)))) {
                     sched_yield();
                     continue;
                 }

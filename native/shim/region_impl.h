@@ -104,6 +104,12 @@ void rg_register_atfork(void);
 
 uint64_t rg_make_owner(int32_t pid, uint64_t start);
 int rg_owner_alive(uint64_t w);
+/* 1 when the process behind owner word w (a thread's or a process's)
+ * is known to no longer map the region: it exec()ed while one of its
+ * threads held what w marks.  exec() from any thread keeps the process's
+ * pid and start time, so the main thread's identity looks alive for good
+ * although that thread is gone.  Reads /proc/<pid>/maps: call it rarely. */
+int rg_owner_left(gv_region *r, uint64_t w);
 uint64_t rg_self_owner(void);
 uint64_t rg_thread_owner(void);
 uint64_t rg_image_id(void);

@@ -48,6 +48,12 @@ int rg_owner_alive(uint64_t w)
     return gv_proc_alive((int32_t)(w & PID_MASK), w >> PID_BITS);
 }
 
+int rg_owner_left(gv_region *r, uint64_t w)
+{
+    w &= ~FLAG_BIT;
+    return gv_proc_maps_file((int32_t)(w & PID_MASK), r->path) == 0;
+}
+
 uint64_t rg_self_owner(void)
 {
     uint64_t w = atomic_load(&g_self_owner);

@@ -177,8 +177,10 @@ int rg_reclaim(gv_region *r, int dev)
         if (o == 0) {
             /* given up, with a straggler's charge: reclaimed like a dead one */
         } else if (o & FLAG_BIT) {
-            /* Being reclaimed: by a live thread (not this one) -> leave it. */
-            if (o != (rg_thread_owner() | FLAG_BIT) && rg_owner_alive(o))
+            /* Being reclaimed: by a live thread (not this one) -> leave it;
+             * unless its process exec()ed a program without the region. */
+            if (o != (rg_thread_owner() | FLAG_BIT) && rg_owner_alive(o) &&
+                !rg_owner_left(r, o))
                 continue;
         } else if (rg_owner_alive(o) &&
                    (!holds(r, i, dev) ||
