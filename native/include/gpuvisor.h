@@ -100,7 +100,9 @@ int gv_env_device_limits(const char *const *env, const char *uuid, uint64_t phys
 int gv_env_sm_settings(const char *const *env, uint32_t *policy, uint32_t *priority);
 
 /* Device entries of the region, in the order processes first used them.
- * Indices run 0 .. gv_device_count()-1. */
+ * Indices run 0 .. gv_device_count()-1.  An entry still being initialised
+ * (or left so by a process killed half-way, until another process that
+ * uses the device takes it over) is not counted. */
 int gv_device_count(void);
 int gv_device_uuid(int dev, char *buf, size_t len);        /* "GPU-xxxxxxxx-..." */
 /* Register a device entry ahead of any CUDA process (e.g. the supervisor).

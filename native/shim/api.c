@@ -207,7 +207,14 @@ static int check_dev(gv_region *r, int dev, const char *fn)
 GV_EXPORT int gv_device_count(void)
 {
     NEED("gv_device_count");
-    return region_device_count(r);
+    /* Entries are claimed in order, and nobody passes one that is being
+     * initialised: one being initialised, or left so by an initialiser
+     * killed half-way until another process takes it over, is the last.
+     * It is not counted, so that every index below the count answers. */
+    int n = region_device_count(r);
+    while (n > 0 && !region_device_ready(r, n - 1))
+        n--;
+    return n;
 }
 
 GV_EXPORT int gv_device_uuid(int dev, char *buf, size_t len)
