@@ -125,14 +125,17 @@ except GpuvisorError as e:
 """,
         env,
     )
-    assert out["err"] is not None and out["err"][0] == "GV_EINVAL"
+    assert out["err"] is not None
+    assert out["err"][0] == "GV_EINVAL"
     assert str(lib_file) in out["err"][1]
     env.pop("CUDA_DEVICE_MEMORY_SHARED_CACHE", None)  # the library's default path
     proc = run_py("from gpuvisor.shim.cli import main; main()", env, args=["shim-info"])
     assert proc.returncode == 1
     assert "Traceback" not in proc.stderr
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("Error: gpuvisor: ") and str(lib_file) in lines[0]
+    assert len(lines) == 1
+    assert lines[0].startswith("Error: gpuvisor: ")
+    assert str(lib_file) in lines[0]
 
 
 def test_preload_env_prepends_and_keeps_entries(build_dir: Path) -> None:
