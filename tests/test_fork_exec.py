@@ -138,3 +138,42 @@ def test_exec_into_a_program_without_the_gpu_gives_the_memory_back(node: SimNode
         away.kill()
         away.communicate(timeout=30)
     assert out["err"] == "CUDA_SUCCESS", out
+
+
+EXEC_NVML = """
+import os, sys
+from tests.cuclient import *
+init()
+a = ok(cu.cuMemAlloc, 512 * MiB)
+os.execv(sys.executable, [sys.executable, "-c", sys.argv[1]])
+"""
+
+# What the process runs after exec(): no CUDA, only NVML's memory figures,
+# through the shim it still preloads (LD_PRELOAD is inherited), as a
+# monitoring tool does.
+NVML_MONITOR = """
+import pynvml
+pynvml.nvmlInit()
+m = pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(0))
+print("ready", flush=True)
+input()
+"""
+
+
+def test_exec_into_an_nvml_program_under_the_shim_gives_the_memory_back(node: SimNode) -> None:
+    """As above, but the program exec() runs loads the shim too and asks
+    NVML for memory figures, so it maps the region: the others could no
+    longer tell it from the old image, and the old image's 512 MiB stayed
+    charged for as long as it ran (a 600 MiB allocation next to it failed
+    under a 1 GiB quota).  The new image drops the old image's slot when
+    it attaches."""
+    from tests.helpers import start_ready
+
+    env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="1g")
+    away = start_ready(EXEC_NVML, env, NVML_MONITOR)
+    try:
+        out = run_json(ALLOC_600, env)
+    finally:
+        away.kill()
+        away.communicate(timeout=30)
+    assert out["err"] == "CUDA_SUCCESS", out

@@ -33,8 +33,13 @@ static void init(void)
                "allocations past the memory limit fail with CUDA_ERROR_OUT_OF_MEMORY",
                getenv(GV_ENV_OVERSUBSCRIBE));
     region = gv_shared_region();
-    if (region)
+    if (region) {
         gv_sm_any_flag = region_sm_any_flag(region);
+        /* Under pthread_once: no thread of this image has a slot yet. */
+        if (region_drop_old_image(region))
+            gv_log(GV_LOG_INFO, "region %s: dropped what this process held before its exec()",
+                   region_path(region));
+    }
     if (!region) {
         /* gv_shared_region has printed why; never run unlimited. */
         atomic_store(&gv_mode_word, GV_MODE_FAILED);

@@ -51,6 +51,15 @@ const char *region_path(const gv_region *r);
  * Returns the slot index, or a negative GV_E* code. */
 int region_self_slot(gv_region *r);
 
+/* Drop the slot the image before an exec() of this process left (same pid
+ * and start time, another image): the driver freed its memory, and a new
+ * image that maps the region without charging anything (NVML only, or
+ * CUDA before its first context) would otherwise keep it charged, since
+ * the others cannot tell it from the old one.  Called once when the
+ * library sets itself up, before any of its threads uses a slot.
+ * Returns 1 if one was dropped. */
+int region_drop_old_image(gv_region *r);
+
 /* The calling process's slot as it stands, never registering: GV_ENOENT
  * when it has none (never registered in this fork generation, or given
  * back at exit: what it held went with it).  For releases, so that memory

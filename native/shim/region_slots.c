@@ -33,6 +33,36 @@ int rg_claim_free_slot(gv_region *r, uint64_t w)
     return GV_EFULL;
 }
 
+/* Slot i is ours (same pid and start) but was claimed by the image before
+ * an exec(): drop what it held.  That image may have left threads' inside
+ * counts behind (they vanished mid-update).  None of this image's threads
+ * can be inside with the slot yet (they wait for the caller), so they are
+ * all stale: cleared first, or a gate closer waiting on them would keep
+ * the gate, and this forget would wait for it. */
+static void drop_old_image(gv_region *r, uint32_t i)
+{
+    for (int dev = 0; dev < GV_MAX_DEVICES; dev++)
+        atomic_store(&r->m->dev[dev].inside[i], 0);
+    rg_forget_slot(r, (int)i);
+}
+
+int region_drop_old_image(gv_region *r)
+{
+    uint64_t me = rg_self_owner(), img = rg_image_id();
+    if (r == NULL || (me >> PID_BITS) == 0)
+        return 0;
+    uint32_t hwm = hwm_of(r);
+    for (uint32_t i = 0; i < hwm; i++) {
+        if (atomic_load(&r->m->owner[i]) != me || atomic_load(&r->m->image[i]) == img)
+            continue;
+        drop_old_image(r, i);
+        atomic_store(&r->m->image[i], 0);
+        atomic_compare_exchange_strong(&r->m->owner[i], &me, 0);
+        return 1;
+    }
+    return 0;
+}
+
 static int claim_self_slot(gv_region *r)
 {
     uint64_t me = rg_self_owner(), img = rg_image_id();
@@ -50,15 +80,7 @@ static int claim_self_slot(gv_region *r)
         /* Ours already: another handle of this image shares it; a slot of
          * the image before exec() (same pid and start) is reset. */
         if (atomic_load(&r->m->image[i]) != img) {
-            /* The image before exec() may have left threads' inside counts
-             * behind (they vanished mid-update).  None of this image's
-             * threads can be inside with this slot yet (they wait for this
-             * claim), so they are all stale: cleared first, or a gate
-             * closer waiting on them would keep the gate, and this forget
-             * would wait for it. */
-            for (int dev = 0; dev < GV_MAX_DEVICES; dev++)
-                atomic_store(&r->m->dev[dev].inside[i], 0);
-            rg_forget_slot(r, (int)i);
+            drop_old_image(r, i);
             atomic_store(&r->m->image[i], img);
         }
         return (int)i;
