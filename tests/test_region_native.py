@@ -151,6 +151,9 @@ def test_region_exec_from_a_thread(build: str, tmp_path: Path) -> None:
     out = run(build, "t_region_exec", [str(tmp_path / "exec.shr")], tmp_path, timeout=60)
     assert "gate and slot of an exec'd closer taken over: ok" in out
     assert "device entry of an exec'd initialiser taken over: ok" in out
+    # The program exec()ed uses the region itself, first from another thread
+    # than its main one (which has the old main thread's identity).
+    assert "old main thread's holdings taken over by the new image: ok" in out
     assert "t_region_exec: OK" in out
 
 

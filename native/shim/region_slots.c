@@ -46,6 +46,40 @@ static void drop_old_image(gv_region *r, uint32_t i)
     rg_forget_slot(r, (int)i);
 }
 
+/* What the old image's main thread held when another of its threads
+ * exec()ed: its identity is the process's (pid, start), which this image's
+ * main thread has too, so to the others it stays alive, and a thread of
+ * this image other than the main one would wait for it for good.  None of
+ * this image's threads holds anything yet (the caller runs before they
+ * use the region), so whatever carries that identity is the old image's:
+ * a device entry it was initialising (the last entry: free again), a gate
+ * it had closed (the recomputation finished), a slot it was reclaiming. */
+static void take_over_old_main(gv_region *r, uint64_t me)
+{
+    uint64_t old = me | FLAG_BIT, mine = rg_thread_owner() | FLAG_BIT;
+    for (int dev = 0; dev < GV_MAX_DEVICES; dev++) {
+        struct gv_dev *d = &r->m->dev[dev];
+        uint64_t s = old;
+        if (atomic_compare_exchange_strong(&d->state, &s, DEV_FREE))
+            continue;
+        uint64_t g = old;
+        if (atomic_compare_exchange_strong(&d->gate, &g, mine)) {
+            rg_wait_outside(r, dev, -1);
+            rg_recompute_locked(r, dev);
+        }
+    }
+    uint32_t hwm = hwm_of(r);
+    for (uint32_t i = 0; i < hwm; i++) {
+        uint64_t o = old;
+        if (!atomic_compare_exchange_strong(&r->m->owner[i], &o, mine))
+            continue;
+        rg_forget_slot(r, (int)i);
+        atomic_store(&r->m->image[i], 0);
+        uint64_t m = mine;
+        atomic_compare_exchange_strong(&r->m->owner[i], &m, 0);
+    }
+}
+
 int region_drop_old_image(gv_region *r)
 {
     uint64_t me = rg_self_owner(), img = rg_image_id();
@@ -55,6 +89,12 @@ int region_drop_old_image(gv_region *r)
     for (uint32_t i = 0; i < hwm; i++) {
         if (atomic_load(&r->m->owner[i]) != me || atomic_load(&r->m->image[i]) == img)
             continue;
+        /* The old threads' inside counts first (the gates' recomputations
+         * would wait for them), then the old main thread's holdings (the
+         * drop's own recomputation needs the gates). */
+        for (int dev = 0; dev < GV_MAX_DEVICES; dev++)
+            atomic_store(&r->m->dev[dev].inside[i], 0);
+        take_over_old_main(r, me);
         drop_old_image(r, i);
         atomic_store(&r->m->image[i], 0);
         atomic_compare_exchange_strong(&r->m->owner[i], &me, 0);

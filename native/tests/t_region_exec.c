@@ -27,12 +27,46 @@ static void on_alarm(int sig)
     _exit(1);
 }
 
+static const char *g_path;
+
+/* arg NULL: exec sleep; else exec this test as the new image. */
 static void *exec_soon(void *arg)
 {
-    (void)arg;
     usleep(300 * 1000);           /* the main thread is in the reclaim's delay */
-    execl("/bin/sleep", "sleep", "30", (char *)NULL);
+    if (arg != NULL)
+        execl("/proc/self/exe", "t_region_exec", g_path, "--new-image", (char *)NULL);
+    else
+        execl("/bin/sleep", "sleep", "30", (char *)NULL);
     _exit(4);
+}
+
+static void *first_use_in_a_worker(void *arg)
+{
+    gv_region *r = arg;
+    if (region_drop_old_image(r) != 1)   /* the library's set-up, in this thread */
+        _exit(7);
+    int s = region_self_slot(r);
+    unsigned char u[16];
+    t_uuid(u, 3);
+    int dev = region_device_lookup(r, u, 0, 0);
+    if (s < 0 || dev < 0 || region_reserve(r, dev, s, 2 * MIB) != 0)
+        _exit(6);
+    return NULL;
+}
+
+/* The image a thread exec()ed while the main thread held the gate: it
+ * uses the region first from a thread other than the main one (whose
+ * identity the old main thread had), which sets the library up (drops
+ * the old image's slot) as a hook called there first would. */
+static int new_image(void)
+{
+    alarm(10);
+    gv_region *r = t_open_region(g_path);
+    pthread_t t;
+    CHECK(pthread_create(&t, NULL, first_use_in_a_worker, r) == 0);
+    CHECK(pthread_join(t, NULL) == 0);
+    region_close(r);
+    return 0;
 }
 
 /* Until child (forked, exec_soon) runs sleep. */
@@ -60,6 +94,9 @@ int main(int argc, char **argv)
     }
     setvbuf(stdout, NULL, _IOLBF, 0);
     const char *path = argv[1];
+    g_path = path;
+    if (t_flag(argc, argv, "--new-image"))
+        return new_image();
     gv_region *r = t_fresh_region(path);
     unsigned char u[16];
     t_uuid(u, 3);
@@ -122,9 +159,42 @@ int main(int argc, char **argv)
     CHECK_EQ(region_limit(r, dev2), 32 * MIB);   /* initialised again, by us */
     alarm(0);
     printf("device entry of an exec'd initialiser taken over: ok\n");
-
     kill(child, SIGKILL);
     waitpid(child, NULL, 0);
+
+    /* 3: as 1, but the program exec()ed uses the region, first from a
+     * thread other than its main one. */
+    child = fork();
+    CHECK(child >= 0);
+    if (child == 0) {
+        int mine = region_self_slot(r);
+        CHECK(mine >= 0);
+        CHECK_EQ(region_reserve(r, dev, mine, MIB), 0);
+        int dead = region_test_claim_slot(r, getpid(), 1);
+        CHECK(dead >= 0);
+        CHECK_EQ(region_reserve(r, dev, dead, 4 * MIB), 0);
+        region_test_set_delay_us(5 * 1000 * 1000);
+        pthread_t t;
+        CHECK(pthread_create(&t, NULL, exec_soon, (void *)1) == 0);
+        region_reclaim_dead(r);
+        _exit(5);
+    }
+    int st;
+    CHECK(waitpid(child, &st, 0) == child);
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0)
+        fprintf(stderr, "new image: %s %d\n", WIFEXITED(st) ? "exit" : "signal",
+                WIFEXITED(st) ? WEXITSTATUS(st) : WTERMSIG(st));
+    CHECK(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+    alarm(20);
+    CHECK_EQ(region_reserve(r, dev, me, 8 * MIB), 0);
+    region_release(r, dev, me, 8 * MIB);
+    region_reclaim_dead(r);       /* the new image exited without leaving */
+    CHECK_EQ(region_process_list(r, pids, 8), 1);
+    CHECK_EQ(region_used(r, dev), 0);
+    CHECK_EQ(region_test_inside(r, dev), 0);
+    alarm(0);
+    printf("old main thread's holdings taken over by the new image: ok\n");
+
     region_close(r);
     unlink(path);
     printf("t_region_exec: OK\n");
