@@ -16,6 +16,8 @@
  * PyTorch's graph captures so on a real driver: pytorch/pytorch#104555).
  * Captures of the per-thread default stream are left out of the rule.
  */
+#include <stdatomic.h>
+
 #include "sim.h"
 
 static __thread CUstreamCaptureMode t_mode = CU_STREAM_CAPTURE_MODE_GLOBAL;
@@ -25,6 +27,9 @@ static unsigned long long g_capture_ids;
 /* The streams capturing now (sim_mu). */
 #define MAX_CAPTURES 64
 static struct CUstream_st *g_captures[MAX_CAPTURES];
+/* How many of g_captures are set: with none, a query need not take sim_mu
+ * (the SM meter polls events every 100 us; the lock slowed launches). */
+static _Atomic int g_ncaptures;
 
 static void captures_add_locked(struct CUstream_st *s)
 {
@@ -33,6 +38,7 @@ static void captures_add_locked(struct CUstream_st *s)
     for (int i = 0; i < MAX_CAPTURES; i++)
         if (!g_captures[i]) {
             g_captures[i] = s;
+            atomic_fetch_add(&g_ncaptures, 1);
             return;
         }
 }
@@ -40,13 +46,15 @@ static void captures_add_locked(struct CUstream_st *s)
 void sim_capture_forget_locked(struct CUstream_st *s)
 {
     for (int i = 0; i < MAX_CAPTURES; i++)
-        if (g_captures[i] == s)
+        if (g_captures[i] == s) {
             g_captures[i] = NULL;
+            atomic_fetch_sub(&g_ncaptures, 1);
+        }
 }
 
 int sim_capture_forbids(void)
 {
-    if (t_mode == CU_STREAM_CAPTURE_MODE_RELAXED)
+    if (t_mode == CU_STREAM_CAPTURE_MODE_RELAXED || atomic_load(&g_ncaptures) == 0)
         return 0;
     int forbidden = 0;
     pthread_mutex_lock(&sim_mu);
