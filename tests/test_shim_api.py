@@ -72,6 +72,21 @@ def test_empty_native_dir_counts_as_unset(
     assert preload_env({})["LD_PRELOAD"] == str(build_dir / "libgpuvisor.so")
 
 
+# lib() on the library GPUVISOR_NATIVE_DIR names: err is None, or
+# [code name, message] of the GpuvisorError it raised.
+LOAD_THE_LIBRARY = (
+    API
+    + """
+from gpuvisor.shim.capi import lib
+try:
+    lib()
+    emit(err=None)
+except GpuvisorError as e:
+    emit(err=[e.code_name, str(e)])
+"""
+)
+
+
 def test_a_library_without_the_api_is_a_clear_error(
     build_dir: Path, tmp_path: Path, node: SimNode
 ) -> None:
@@ -80,18 +95,7 @@ def test_a_library_without_the_api_is_a_clear_error(
     from ctypes, before the API version was even checked."""
     shutil.copyfile(build_dir / "sim" / "libcuda.so.1", tmp_path / "libgpuvisor.so")
     env = {**node.env, "GPUVISOR_NATIVE_DIR": str(tmp_path)}
-    out = run_json(
-        API
-        + """
-from gpuvisor.shim.capi import lib
-try:
-    lib()
-    emit(err=None)
-except GpuvisorError as e:
-    emit(err=[e.code_name, str(e)])
-""",
-        env,
-    )
+    out = run_json(LOAD_THE_LIBRARY, env)
     assert out["err"] is not None
     assert out["err"][0] == "GV_EINVAL"
     assert str(tmp_path / "libgpuvisor.so") in out["err"][1]
@@ -113,18 +117,7 @@ def test_a_library_that_cannot_be_used_is_one_line_from_api_and_shim_info(
     else:
         shutil.copyfile(build_dir / "sim" / "libcuda.so.1", lib_file)
     env = {**node.env, "GPUVISOR_NATIVE_DIR": str(tmp_path)}
-    out = run_json(
-        API
-        + """
-from gpuvisor.shim.capi import lib
-try:
-    lib()
-    emit(err=None)
-except GpuvisorError as e:
-    emit(err=[e.code_name, str(e)])
-""",
-        env,
-    )
+    out = run_json(LOAD_THE_LIBRARY, env)
     assert out["err"] is not None
     assert out["err"][0] == "GV_EINVAL"
     assert str(lib_file) in out["err"][1]
