@@ -47,6 +47,19 @@ def launch(us):
     chk(cu.cuLaunchKernel(spin, 1, 1, 1, 32, 1, 1, 0, s, ((us,), (ctypes.c_uint32,)), 0))
 """
 
+# Says "ready", waits for a line on stdin, then launches 1 ms kernels back
+# to back until killed (start_ready starts it).
+CU_SPIN_LAUNCHER = (
+    CU_SPIN_PRELUDE
+    + """
+import sys
+print("ready", flush=True)
+sys.stdin.readline()
+while True:
+    launch(1000)
+"""
+)
+
 
 def missing_build_outputs() -> list[Path]:
     return [p for p in (LIBRARY, *SIM_LIBS) if not p.is_file()]

@@ -122,22 +122,28 @@ emit(err=err.name)
 """
 
 
+def alloc_600_beside(node: SimNode, code: str, *args: str) -> str:
+    """What cuMemAlloc of 600 MiB answers under a 1 GiB quota while code
+    (started with args, holding 512 MiB and then exec()ing) waits."""
+    from tests.helpers import start_ready
+
+    env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="1g")
+    away = start_ready(code, env, *args)
+    try:
+        out = run_json(ALLOC_600, env)
+    finally:
+        away.kill()
+        away.communicate(timeout=30)
+    return str(out["err"])
+
+
 def test_exec_into_a_program_without_the_gpu_gives_the_memory_back(node: SimNode) -> None:
     """A process that allocates and then exec()s a program that never uses
     the GPU keeps its pid and start time, but the driver freed its memory
     at exec: the others may use it.  Before, its slot stayed charged until
     that program ended (a 600 MiB allocation next to it failed under a
     1 GiB quota)."""
-    from tests.helpers import start_ready
-
-    env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="1g")
-    away = start_ready(EXEC_AWAY, env)
-    try:
-        out = run_json(ALLOC_600, env)
-    finally:
-        away.kill()
-        away.communicate(timeout=30)
-    assert out["err"] == "CUDA_SUCCESS", out
+    assert alloc_600_beside(node, EXEC_AWAY) == "CUDA_SUCCESS"
 
 
 EXEC_NVML = """
@@ -167,13 +173,4 @@ def test_exec_into_an_nvml_program_under_the_shim_gives_the_memory_back(node: Si
     charged for as long as it ran (a 600 MiB allocation next to it failed
     under a 1 GiB quota).  The new image drops the old image's slot when
     it attaches."""
-    from tests.helpers import start_ready
-
-    env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="1g")
-    away = start_ready(EXEC_NVML, env, NVML_MONITOR)
-    try:
-        out = run_json(ALLOC_600, env)
-    finally:
-        away.kill()
-        away.communicate(timeout=30)
-    assert out["err"] == "CUDA_SUCCESS", out
+    assert alloc_600_beside(node, EXEC_NVML, NVML_MONITOR) == "CUDA_SUCCESS"

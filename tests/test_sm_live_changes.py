@@ -15,18 +15,16 @@ import time
 
 import pytest
 
-from tests.helpers import CU_SPIN_PRELUDE, SimNode, region_call, shares_over, start_ready
-
-WORKER = (
-    CU_SPIN_PRELUDE
-    + """
-import sys
-print("ready", flush=True)
-sys.stdin.readline()
-while True:
-    launch(1000)
-"""
+from tests.helpers import (
+    CU_SPIN_LAUNCHER,
+    CU_SPIN_PRELUDE,
+    SimNode,
+    region_call,
+    shares_over,
+    start_ready,
 )
+
+WORKER = CU_SPIN_LAUNCHER
 
 
 def share_over(node: SimNode, pid: int, seconds: float) -> int:

@@ -12,7 +12,14 @@ import json
 import subprocess
 import time
 
-from tests.helpers import CU_SPIN_PRELUDE, SimNode, region_call, run_py, start_ready
+from tests.helpers import (
+    CU_SPIN_LAUNCHER,
+    CU_SPIN_PRELUDE,
+    SimNode,
+    region_call,
+    run_py,
+    start_ready,
+)
 
 # Caps the address space just above what the process maps, so that no
 # thread stack can be mapped; `threads` says whether one could start.
@@ -28,18 +35,26 @@ except RuntimeError:
     threads = False
 """
 
-NO_THREADS = (
-    CU_SPIN_PRELUDE
-    + CANNOT_START_THREADS
-    + """
+
+def launches_without_threads(n: int) -> str:
+    """n launches of 100 us by a process that cannot start threads, then
+    one JSON line: whether threads could start, and the seconds it took."""
+    return (
+        CU_SPIN_PRELUDE
+        + CANNOT_START_THREADS
+        + f"""
 import json, time
 t0 = time.monotonic()
-for _ in range(300):
+for _ in range({n}):
     launch(100)
 chk(cu.cuStreamSynchronize(s))
-print(json.dumps({"threads": threads, "seconds": time.monotonic() - t0}))
+print(json.dumps({{"threads": threads, "seconds": time.monotonic() - t0}}))
 """
-)
+    )
+
+
+NO_THREADS = launches_without_threads(300)
+FEW_WITHOUT_THREADS = launches_without_threads(20)
 
 
 def test_launches_go_on_estimates_without_a_meter_thread(node: SimNode) -> None:
@@ -107,32 +122,6 @@ def test_a_context_reset_without_a_meter_thread_settles_its_launches(node: SimNo
     assert out["reset_s"] < 1.0
 
 
-# Launches back to back, until killed.
-LAUNCHER = (
-    CU_SPIN_PRELUDE
-    + """
-import sys
-print("ready", flush=True)
-sys.stdin.readline()
-while True:
-    launch(1000)
-"""
-)
-
-FEW_WITHOUT_THREADS = (
-    CU_SPIN_PRELUDE
-    + CANNOT_START_THREADS
-    + """
-import json, time
-t0 = time.monotonic()
-for _ in range(20):
-    launch(100)
-chk(cu.cuStreamSynchronize(s))
-print(json.dumps({"threads": threads, "seconds": time.monotonic() - t0}))
-"""
-)
-
-
 def test_a_share_of_0_left_by_a_process_killed_in_a_pause_does_not_hold_one_without_a_meter(
     node: SimNode,
 ) -> None:
@@ -143,7 +132,7 @@ def test_a_share_of_0_left_by_a_process_killed_in_a_pause_does_not_hold_one_with
     has none: its launches waited for that update for good (20 launches of
     100 us had not gone after 15 s); the limit now stands in for it."""
     env = node.shimmed(CUDA_DEVICE_SM_LIMIT="50")
-    w = start_ready(LAUNCHER, env)
+    w = start_ready(CU_SPIN_LAUNCHER, env)
     assert w.stdin is not None
     w.stdin.write("go\n")
     w.stdin.flush()
