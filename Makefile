@@ -151,6 +151,7 @@ gpu-check: lib sim
 	@mkdir -p $(BUILD)/gpu-path/gpuvisor
 	@ln -sfn $(CURDIR)/shim $(BUILD)/gpu-path/gpuvisor/shim
 	@ln -sfn $(CURDIR)/supervisor $(BUILD)/gpu-path/gpuvisor/supervisor
+	@ln -sfn $(CURDIR)/cluster $(BUILD)/gpu-path/gpuvisor/cluster
 	-$(GPU_PATH) $(GPU_PYTHON) -m pytest -m gpu -s -o addopts=-ra -p no:cacheprovider \
 		tests/test_gpu_torch.py tests/test_visible_devices.py
 	$(GPU_PATH) $(GPU_PYTHON) -m tests.bench.torch_sm --lib $(LIB) --out $(BUILD)/bench-gpu
@@ -159,8 +160,8 @@ demo: all venv
 	$(VENV)/bin/python -m gpuvisor.supervisor demo --out build/demo
 
 lint: venv
-	$(VENV)/bin/ruff check shim tests setup.py $(wildcard supervisor)
-	$(VENV)/bin/ruff format --check shim tests setup.py $(wildcard supervisor)
+	$(VENV)/bin/ruff check shim tests setup.py $(wildcard supervisor cluster)
+	$(VENV)/bin/ruff format --check shim tests setup.py $(wildcard supervisor cluster)
 	$(VENV)/bin/mypy
 
 clean:
