@@ -7,7 +7,8 @@ PYTHON  ?= python3
 VENV    ?= .venv
 
 WARN    := -Wall -Wextra -Werror
-BASEFL  := -std=c11 -D_GNU_SOURCE -fPIC -pthread -fvisibility=hidden -Inative/include -iquote native/shim
+BASEFL  := -std=c11 -D_GNU_SOURCE -fPIC -pthread -fvisibility=hidden -Inative/include -iquote native/shim \
+           -include native/include/gv_glibc.h
 OPT     ?= -O2 -g
 CFLAGS_ALL = $(BASEFL) $(WARN) $(OPT) $(EXTRA_CFLAGS)
 LDLIBS_ALL = -ldl -pthread $(EXTRA_LDFLAGS)
@@ -36,7 +37,7 @@ ctests: $(CTESTS)
 
 $(LIB): $(SHIM_SRCS) $(SHIM_HDRS)
 	@mkdir -p $(@D)
-	$(CC) $(CFLAGS_ALL) -shared -Wl,-soname,libgpuvisor.so -o $@ $(SHIM_SRCS) $(LDLIBS_ALL)
+	$(CC) $(CFLAGS_ALL) -DGV_DEFINES_DLSYM -shared -Wl,-soname,libgpuvisor.so -o $@ $(SHIM_SRCS) $(LDLIBS_ALL)
 
 # The simulated driver is linked like the real one: -Bsymbolic, so its own
 # internal calls never reach an interposer.
