@@ -55,12 +55,17 @@ class NativeDistribution(Distribution):
         return True
 
 
+# The native libraries bind only GLIBC_2.17 symbol versions
+# (native/include/gv_glibc.h), which is what manylinux2014 allows.
+MANYLINUX = {"linux_x86_64": "manylinux2014_x86_64", "linux_aarch64": "manylinux2014_aarch64"}
+
+
 class PlatformWheel(bdist_wheel):
-    """Tag the wheel for this platform and any Python 3 (no CPython ABI used)."""
+    """Tag the wheel manylinux2014 (GLIBC_2.17) and any Python 3 (no CPython ABI used)."""
 
     def get_tag(self) -> tuple[str, str, str]:
         _, _, plat = super().get_tag()
-        return "py3", "none", plat
+        return "py3", "none", MANYLINUX.get(plat, plat)
 
 
 setup(

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from gpuvisor.shim.capi import API_VERSION
 
-from tests.helpers import repo_files
+from tests.helpers import LIBRARY, SIM_LIBS, repo_files
 
 NATIVE = "gpuvisor/shim/_native/"
 MODULES = ["__init__", "loader", "capi", "region", "limits", "cli", "driver", "hardware"]
@@ -79,7 +79,7 @@ def test_wheel_contents(wheel: Path) -> None:
     assert not [n for n in names if n.startswith(("shim/", "tests/", "native/"))]
     # ELF inside: platform-specific, any Python 3.
     assert wheel.name.endswith(".whl")
-    assert "-py3-none-linux_" in wheel.name
+    assert "-py3-none-manylinux2014_" in wheel.name
     entry_points = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "gpuvisor = gpuvisor.supervisor.cli:main" in text
@@ -216,3 +216,39 @@ def test_sdist_rebuilds_the_native_libraries(repo_root: Path, tmp_path: Path) ->
     names = set(zipfile.ZipFile(built).namelist())
     for lib in ("libgpuvisor.so", "libcuda.so.1", "libnvidia-ml.so.1"):
         assert NATIVE + lib in names
+
+
+def _glibc_versions(path: Path) -> set[tuple[int, ...]]:
+    """The GLIBC_x.y symbol versions that an ELF file needs (objdump -T)."""
+    out = subprocess.run(
+        ["objdump", "-T", str(path)], capture_output=True, text=True, timeout=60, check=True
+    ).stdout
+    found = set()
+    for word in out.split():
+        name = word.strip("()")
+        if name.startswith("GLIBC_") and name[6:7].isdigit():
+            found.add(tuple(int(part) for part in name[6:].split(".")))
+    return found
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="objdump (binutils) is not installed")
+@pytest.mark.parametrize("lib", [LIBRARY, *SIM_LIBS], ids=lambda p: p.name)
+def test_native_libraries_need_only_glibc_2_17(lib: Path) -> None:
+    """The library is preloaded into images we did not build: a build on any
+    glibc binds no symbol version newer than GLIBC_2.17 (gv_glibc.h)."""
+    versions = _glibc_versions(lib)
+    assert versions, f"{lib} binds no GLIBC_ versions: is it linked against glibc?"
+    assert max(versions) <= (2, 17), f"{lib} needs GLIBC_{'.'.join(map(str, max(versions)))}"
+
+
+def test_wheel_passes_auditwheel_as_manylinux2014(wheel: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "auditwheel", "show", str(wheel)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert 'consistent with the following platform tag: "manylinux_2_17_' in text, text
