@@ -252,3 +252,14 @@ def test_wheel_passes_auditwheel_as_manylinux2014(wheel: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     text = " ".join(proc.stdout.split())
     assert 'consistent with the following platform tag: "manylinux_2_17_' in text, text
+
+
+def test_wheel_ships_the_apache_license(wheel: Path, repo_root: Path) -> None:
+    """pyproject.toml and the image labels say Apache-2.0: the text ships with the wheel."""
+    text = (repo_root / "LICENSE").read_text()
+    assert "Apache License" in text
+    assert "Version 2.0, January 2004" in text
+    names = zipfile.ZipFile(wheel).namelist()
+    shipped = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+    assert shipped, names
+    assert zipfile.ZipFile(wheel).read(shipped[0]).decode() == text
