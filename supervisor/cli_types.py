@@ -17,7 +17,7 @@ DECIMAL = re.compile(r"-?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
 class Finite(click.FloatRange):
     """A finite number (no nan, no inf) in a range: seconds, or a rate.
     Given as text, a plain decimal (DECIMAL), as the variables that hold
-    seconds are read (supervisor/config.py)."""
+    seconds are read (supervisor/entrypoint/config.py)."""
 
     name = "number"
 

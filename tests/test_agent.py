@@ -23,9 +23,9 @@ from typing import Any
 
 import psutil
 import pytest
-from gpuvisor.supervisor.agent import send_admin
-from gpuvisor.supervisor.agent_config import AgentConfig, admin_socket_for
-from gpuvisor.supervisor.agent_state import AgentState
+from gpuvisor.supervisor.agent.config import AgentConfig, admin_socket_for
+from gpuvisor.supervisor.agent.server import send_admin
+from gpuvisor.supervisor.agent.state import AgentState
 from gpuvisor.supervisor.identity import (
     PeerCred,
     accepted_cgroups,
@@ -1535,7 +1535,7 @@ def test_an_admin_sets_limits_on_at_most_16_devices_of_a_container():
 def test_a_device_nvml_cannot_read_does_not_hide_the_others():
     """A GPU that fails its NVML queries (fallen off the bus: GPU_IS_LOST)
     leaves the host series of the other GPUs in place."""
-    from gpuvisor.supervisor.metrics import HostGpus
+    from gpuvisor.supervisor.agent.metrics import HostGpus
 
     class LostError(Exception):
         pass
@@ -1711,8 +1711,8 @@ def test_a_reports_visible_devices_are_uuids_each_once() -> None:
 VISIBLE_DEVICES = """
 import json, sys
 from gpuvisor.shim.loader import SIM_NVML_NAME, simulator_dir
-from gpuvisor.supervisor.config import EnvLimits, env_limits
-from gpuvisor.supervisor.tuner import open_nvml, visible_devices
+from gpuvisor.supervisor.entrypoint.config import EnvLimits, env_limits
+from gpuvisor.supervisor.entrypoint.tuner import open_nvml, visible_devices
 nvml = open_nvml(str(simulator_dir() / SIM_NVML_NAME))
 assert nvml is not None
 out = {"node": [u for u, _ in nvml.devices()]}

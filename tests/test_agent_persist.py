@@ -1,5 +1,5 @@
 """Administrators' limits across a node agent restart (--state-file,
-supervisor/agent_persist.py): an agent killed and started again on its
+supervisor/agent/persist.py): an agent killed and started again on its
 state file pushes them again; cleared ones stay cleared, expired ones are
 dropped, and a file it cannot use stops it with one line."""
 
@@ -16,14 +16,14 @@ from typing import Any
 
 import psutil
 import pytest
-from gpuvisor.supervisor.agent_config import AgentConfig, admin_socket_for
-from gpuvisor.supervisor.agent_persist import (
+from gpuvisor.supervisor.agent.config import AgentConfig, admin_socket_for
+from gpuvisor.supervisor.agent.persist import (
     encode_state,
     read_state,
     state_file_for,
 )
-from gpuvisor.supervisor.agent_records import AdminLimits
-from gpuvisor.supervisor.agent_state import AgentState
+from gpuvisor.supervisor.agent.records import AdminLimits
+from gpuvisor.supervisor.agent.state import AgentState
 from gpuvisor.supervisor.identity import PeerCred
 from gpuvisor.supervisor.protocol import ContainerId, Report, encode
 

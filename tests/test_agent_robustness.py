@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gpuvisor.supervisor import agent_connection as connection_module
-from gpuvisor.supervisor.agent import Agent, send_admin
-from gpuvisor.supervisor.agent_config import AgentConfig, admin_socket_for
-from gpuvisor.supervisor.agent_connection import Connection
-from gpuvisor.supervisor.agent_state import AgentState
+from gpuvisor.supervisor.agent import connection as connection_module
+from gpuvisor.supervisor.agent.config import AgentConfig, admin_socket_for
+from gpuvisor.supervisor.agent.connection import Connection
+from gpuvisor.supervisor.agent.server import Agent, send_admin
+from gpuvisor.supervisor.agent.state import AgentState
 from gpuvisor.supervisor.identity import PeerCred
 from gpuvisor.supervisor.protocol import (
     ContainerId,

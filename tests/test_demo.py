@@ -20,9 +20,9 @@ from typing import Any
 
 import psutil
 import pytest
-from gpuvisor.supervisor.demo import Workload, scenario
-from gpuvisor.supervisor.demo_report import verdicts
-from gpuvisor.supervisor.demo_sampler import Point, Series
+from gpuvisor.supervisor.demo.report import verdicts
+from gpuvisor.supervisor.demo.sampler import Point, Series
+from gpuvisor.supervisor.demo.scenario import Workload, scenario
 
 from tests.helpers import REPO_ROOT, clean_env
 
@@ -248,7 +248,7 @@ def test_the_sampler_loses_no_sample_that_nvml_publishes_late() -> None:
     sample, and new PIDs are looked for up to a second back, so a sample
     published after another PID's newer one still counts: asked from the
     newest of anyone's, PID 2's samples were all lost."""
-    from gpuvisor.supervisor.demo_sampler import ProcessUtilization
+    from gpuvisor.supervisor.demo.sampler import ProcessUtilization
 
     class Sample:
         def __init__(self, pid: int, ts: int, util: int) -> None:

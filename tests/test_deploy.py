@@ -34,12 +34,12 @@ import kubernetes_validate
 import pytest
 import yaml
 from gpuvisor.shim.limits import parse_memory_limit
-from gpuvisor.supervisor import config as run_config
-from gpuvisor.supervisor.agent_cli import node_agent
-from gpuvisor.supervisor.agent_config import admin_socket_for, admin_socket_problem
+from gpuvisor.supervisor.agent.cli import node_agent
+from gpuvisor.supervisor.agent.config import admin_socket_for, admin_socket_problem
+from gpuvisor.supervisor.entrypoint import config as run_config
+from gpuvisor.supervisor.entrypoint.reporter import CONTAINER_VARS, NAMESPACE_VARS, POD_VARS
+from gpuvisor.supervisor.entrypoint.run import ENV_LOG_LEVEL
 from gpuvisor.supervisor.protocol import MAX_MESSAGE_BYTES
-from gpuvisor.supervisor.reporter import CONTAINER_VARS, NAMESPACE_VARS, POD_VARS
-from gpuvisor.supervisor.run import ENV_LOG_LEVEL
 
 from tests.helpers import CLI, LIBRARY, REPO_ROOT, SimNode, missing_build_outputs
 from tests.test_agent import AgentProc, find, wait_for

@@ -28,11 +28,11 @@ from pathlib import Path
 from typing import Any
 
 import click
-from gpuvisor.supervisor.agent_config import AgentConfig
-from gpuvisor.supervisor.agent_state import AgentState
+from gpuvisor.supervisor.agent.config import AgentConfig
+from gpuvisor.supervisor.agent.metrics import AgentCollector, HostGpu
+from gpuvisor.supervisor.agent.state import AgentState
 from gpuvisor.supervisor.cli import main as cli_main
 from gpuvisor.supervisor.identity import PeerCred
-from gpuvisor.supervisor.metrics import AgentCollector, HostGpu
 from gpuvisor.supervisor.protocol import PROTOCOL_VERSION, ContainerId, DeviceReport, Report
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families

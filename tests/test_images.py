@@ -23,7 +23,7 @@ from pathlib import Path, PurePosixPath
 import pytest
 from dockerfile_parse import DockerfileParser
 from gpuvisor.shim import loader
-from gpuvisor.supervisor.agent_cli import node_agent
+from gpuvisor.supervisor.agent.cli import node_agent
 from gpuvisor.supervisor.cli import main as cli_main
 
 from tests.helpers import BUILD_DIR, CLI, REPO_ROOT, SimNode, clean_env, repo_files

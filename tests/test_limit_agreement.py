@@ -18,8 +18,8 @@ import sys
 import click
 import pytest
 from gpuvisor.shim import parse_memory_limit
-from gpuvisor.supervisor import config
-from gpuvisor.supervisor.run import run as run_command
+from gpuvisor.supervisor.entrypoint import config
+from gpuvisor.supervisor.entrypoint.run import run as run_command
 
 from tests.helpers import SimNode
 

@@ -33,7 +33,7 @@ while time.monotonic() - t0 < 20:
 READ = """
 import json, subprocess, sys, time
 import pynvml
-from gpuvisor.supervisor.metrics import HostGpus
+from gpuvisor.supervisor.agent.metrics import HostGpus
 
 ONE_KERNEL = @ONE_KERNEL@
 real = pynvml._nvmlGetFunctionPointer

@@ -18,7 +18,7 @@ from tests.helpers import LIBRARY, SIM_LIBS, repo_files
 
 NATIVE = "gpuvisor/shim/_native/"
 MODULES = ["__init__", "loader", "capi", "region", "limits", "cli", "driver", "hardware"]
-DEMO_MODULES = ["demo", "demo_workload", "demo_sampler", "demo_report"]
+DEMO_MODULES = ["demo/cli", "demo/scenario", "demo/workload", "demo/sampler", "demo/report"]
 
 
 # Programs make builds besides `all` (make bench, make bench-sm).

@@ -294,7 +294,7 @@ def test_workload_gets_a_clean_signal_state(env):
 SIGTERM_DURING_STARTUP = """
 import os, signal, sys
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
-from gpuvisor.supervisor import run as run_module
+from gpuvisor.supervisor.entrypoint import run as run_module
 attach = run_module.Region.attach
 def attach_then_sigterm(*args, **kwargs):
     region = attach(*args, **kwargs)

@@ -227,7 +227,7 @@ def test_empty_variables_count_as_unset(node, env):
     """As in the library and the node agent: a variable set but empty means
     its default, not an error."""
     from gpuvisor.shim.region import default_region_path
-    from gpuvisor.supervisor import config
+    from gpuvisor.supervisor.entrypoint import config
 
     for name in ("GPUVISOR_NODE_SOCKET", "GPUVISOR_REPORT_INTERVAL", "GPUVISOR_KILL_GRACE"):
         env[name] = ""
@@ -246,7 +246,7 @@ def test_workload_gets_the_agents_context_lock(env, tmp_path, monkeypatch):
     """Where the node agent keeps context.lock beside its socket, the
     workload's library is told to use it (GPUVISOR_NODE_LOCK); a value the
     container sets itself, empty (off) included, is kept."""
-    from gpuvisor.supervisor import config
+    from gpuvisor.supervisor.entrypoint import config
 
     env["GPUVISOR_NODE_SOCKET"] = str(tmp_path / "node.sock")
     env.pop("GPUVISOR_NODE_LOCK", None)
@@ -635,7 +635,7 @@ def test_supervisor_cpu_at_10hz(env, agent, node):
     ],
 )
 def test_own_cgroup(tmp_path, text, expected):
-    from gpuvisor.supervisor.reporter import own_cgroup
+    from gpuvisor.supervisor.entrypoint.reporter import own_cgroup
 
     f = tmp_path / "cgroup"
     f.write_text(text)
@@ -920,7 +920,7 @@ def test_labels_that_are_not_utf8_are_sent_as_valid_text():
     """A label's bytes that are not UTF-8 (Python's surrogate escapes) would
     reach the agent as lone surrogates, which no UTF-8 page can carry: the
     agent's /metrics then failed for every container of the node."""
-    from gpuvisor.supervisor.reporter import container_identity
+    from gpuvisor.supervisor.entrypoint.reporter import container_identity
 
     ident = container_identity(
         {"POD_NAME": "p\udcff", "POD_NAMESPACE": "ns\udce9", "CONTAINER_NAME": "c"}
@@ -932,7 +932,7 @@ def test_labels_that_are_not_utf8_are_sent_as_valid_text():
 def _steady_sample(ts: float, busy_s: float) -> Any:
     """The tuner's sample at ts of a container that used busy_s of GPU time."""
     from gpuvisor.shim.region import DeviceUsage, SmState
-    from gpuvisor.supervisor.tuner import DeviceSample, Sample
+    from gpuvisor.supervisor.entrypoint.tuner import DeviceSample, Sample
 
     usage = DeviceUsage(
         index=0, uuid="GPU-x", limit=None, used=0, physical_total=GiB, oom_count=0, context_cost=0
@@ -954,9 +954,9 @@ def test_sm_share_is_measured_over_the_samples_own_interval():
     them, not over the time between two reports: a steady 50 % container
     reads 50 % whenever the tuner's sample was taken (its first tick comes
     late while NVML starts; a tick may miss a report)."""
+    from gpuvisor.supervisor.entrypoint.reporter import Reporter
+    from gpuvisor.supervisor.entrypoint.tuner import Sample
     from gpuvisor.supervisor.protocol import ContainerId
-    from gpuvisor.supervisor.reporter import Reporter
-    from gpuvisor.supervisor.tuner import Sample
 
     now = [100.0]
     rep = Reporter(
@@ -1069,7 +1069,7 @@ def test_the_containers_own_limits_are_read_as_the_library_reads_them(env, memor
     none; none at all under GPU_CORE_UTILIZATION_POLICY=disable); unknown
     (the tuner falls back on the region) with a per-device variable of
     that kind set, since it names a CUDA ordinal the region does not record."""
-    from gpuvisor.supervisor.config import env_limits
+    from gpuvisor.supervisor.entrypoint.config import env_limits
 
     limits = env_limits(env)
     assert limits.memory(8 * GiB) == memory
@@ -1080,9 +1080,9 @@ def test_a_refused_ack_counts_apart_from_the_acks_taken(tmp_path):
     """An ack the supervisor refuses for a bad field ("sm": 0) is not one it
     took: it counts in refused_acks, not acked, and reaches no tuner; a good
     ack afterwards counts in acked.  A real agent socket answers both."""
+    from gpuvisor.supervisor.entrypoint.reporter import Reporter
+    from gpuvisor.supervisor.entrypoint.tuner import Sample
     from gpuvisor.supervisor.protocol import ContainerId
-    from gpuvisor.supervisor.reporter import Reporter
-    from gpuvisor.supervisor.tuner import Sample
 
     path = tmp_path / "agent.sock"
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -1279,7 +1279,7 @@ KEEP_WITHOUT_ENV = """
 import json, logging, os, sys
 from gpuvisor.shim import Region
 from gpuvisor.supervisor.protocol import Instructions
-from gpuvisor.supervisor.tuner import Tuner
+from gpuvisor.supervisor.entrypoint.tuner import Tuner
 logging.basicConfig(level=logging.WARNING, format="%(message)s")
 uuid = "GPU-00000000-1111-2222-3333-444444444444"
 r = Region.attach(sys.argv[1])

@@ -74,7 +74,7 @@ _SCRUBBED_PREFIXES = ("CUDA_", "GPUVISOR_", "LIBCUDA_", "NVIDIA_")
 SAMPLER = r"""
 import json, sys, time
 import pynvml as n
-from gpuvisor.supervisor.metrics import process_samples
+from gpuvisor.supervisor.agent.metrics import process_samples
 S = 100_000_000
 n.nvmlInit()
 h = n.nvmlDeviceGetHandleByIndex(0)

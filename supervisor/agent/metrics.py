@@ -22,7 +22,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from .agent_state import AgentState
+    from .state import AgentState
 
 log = logging.getLogger("gpuvisor.metrics")
 

@@ -1,7 +1,7 @@
 """What the node agent knows: containers, their latest reports, admins' limits,
-priority and the others' shares per device (supervisor/agent.py serves it).
-Its configuration is in agent_config.py, its records in agent_records.py, and
-the decisions per device (yields, shares, NVML's view) in agent_shares.py.
+priority and the others' shares per device (server.py serves it).
+Its configuration is in config.py, its records in records.py, and the
+decisions per device (yields, shares, NVML's view) in shares.py.
 
 Mutated only by the agent's event-loop thread; read by the HTTP thread for
 /metrics and /status.
@@ -14,18 +14,18 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from .agent_config import AgentConfig
-from .agent_persist import SavedLimits
-from .agent_records import AdminLimits, ContainerState, ParkedLimits, cgroup_scope
-from .agent_shares import DeviceShares, drop_entry
-from .identity import PeerCred
-from .protocol import (
+from ..identity import PeerCred
+from ..protocol import (
     MAX_DEVICES,
     OWN_LIMIT,
     ContainerId,
     Instructions,
     Report,
 )
+from .config import AgentConfig
+from .persist import SavedLimits
+from .records import AdminLimits, ContainerState, ParkedLimits, cgroup_scope
+from .shares import DeviceShares, drop_entry
 
 REJECT_REASONS = (
     "malformed",  # not JSON, not an object
@@ -62,7 +62,7 @@ class AgentState(DeviceShares):
     """Everything the agent knows; mutated only by the event loop thread."""
 
     def __init__(self, config: AgentConfig) -> None:
-        super().__init__(config)  # the per-device tables (agent_shares.py)
+        super().__init__(config)  # the per-device tables (shares.py)
         self.started = time.time()
         self.containers: dict[str, ContainerState] = {}
         # container key -> its administrator's limits (set-limit): pushed in
@@ -358,7 +358,7 @@ class AgentState(DeviceShares):
                 del admin.restore[device]
         self.limit_pushes_total += 1
 
-    # ---- the state file (supervisor/agent_persist.py) ----------------------
+    # ---- the state file (persist.py) ----------------------------------
 
     def saved_limits(self) -> list[SavedLimits]:
         """The administrators' limits as the state file keeps them: those

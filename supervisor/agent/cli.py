@@ -1,5 +1,5 @@
 """The node agent's command line (docs/cli.md): `gpuvisor node-agent`, which
-checks its options and runs the agent (supervisor/agent.py), and
+checks its options and runs the agent (server.py), and
 `gpuvisor node-agent set-limit`, which sends an administrator's limit to the
 agent's admin socket."""
 
@@ -13,19 +13,19 @@ from typing import Any
 import click
 from click.core import ParameterSource
 
-from .agent import NotAnAgentReply, run_agent, send_admin
-from .agent_config import (
+from ..cli_types import POSITIVE, Finite
+from ..paths import default_socket
+from ..protocol import OWN_LIMIT, UUID_FORM, is_uuid
+from .config import (
     ADMIN_SOCKET_ENV,
     AgentConfig,
     admin_dir_problem,
     admin_socket_for,
     admin_socket_problem,
-    default_socket,
     socket_path_problem,
 )
-from .agent_persist import state_file_for, state_file_problem
-from .cli_types import POSITIVE, Finite
-from .protocol import OWN_LIMIT, UUID_FORM, is_uuid
+from .persist import state_file_for, state_file_problem
+from .server import NotAnAgentReply, run_agent, send_admin
 
 ADMIN_SOCKET_HELP = (
     "The admin socket (set-limit), mode 0600 in a directory of mode 0700 that must not be "
@@ -305,7 +305,7 @@ def _limit_value(value: str | None, what: str) -> int | str | None:
     from gpuvisor.shim.limits import parse_memory_limit
     from gpuvisor.shim.loader import NativeLibraryNotFound
 
-    from .config import ENV_SM, ConfigError, check_shim_value
+    from ..entrypoint.config import ENV_SM, ConfigError, check_shim_value
 
     try:
         if what == "sm":

@@ -29,7 +29,8 @@ from gpuvisor.shim.limits import (
 from gpuvisor.shim.loader import preload_env
 from gpuvisor.shim.region import SM_POLICIES, default_region_path
 
-from .agent_config import (
+from ..cli_types import DECIMAL
+from ..paths import (
     DEFAULT_SOCKET,
     HAMI_LOCK_DIR,
     NODE_LOCK_ENV,
@@ -37,7 +38,6 @@ from .agent_config import (
     SUN_PATH_MAX,
     context_lock_path,
 )
-from .cli_types import DECIMAL
 
 # Variables the shim reads (HAMi's names).
 ENV_MEMORY = "CUDA_DEVICE_MEMORY_LIMIT"

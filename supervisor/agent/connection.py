@@ -2,9 +2,9 @@
 reporting socket, or an administrator's on the admin socket (set-limit only).
 
 It reads the lines of supervisor/protocol.py, answers them in order, and
-holds the defences against bad clients that supervisor/agent.py lists (line
+holds the defences against bad clients that server.py lists (line
 length, rate, unread replies, read and idle timeouts, identity, errors in a
-row).  Agent (supervisor/agent.py) accepts the connections and sweeps them.
+row).  Agent (server.py) accepts the connections and sweeps them.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import contextlib
 import logging
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from .identity import PeerCred, claim_matches, is_admin, peer_cgroups, peer_cred
-from .protocol import (
+from ..identity import PeerCred, claim_matches, is_admin, peer_cgroups, peer_cred
+from ..protocol import (
     MAX_MESSAGE_BYTES,
     OWN_LIMIT,
     ContainerId,
@@ -30,9 +30,24 @@ from .protocol import (
     is_int,
     parse_report,
 )
+from .config import AgentConfig
+from .state import AgentState
 
-if TYPE_CHECKING:
-    from .agent import Agent
+
+class Server(Protocol):
+    """What a connection asks of the agent that accepted it (server.Agent),
+    which passes itself in."""
+
+    config: AgentConfig
+    state: AgentState
+    conns: set[Connection]  # on the reporting socket
+    logged_errors: set[str]  # exception types already logged
+    rate_error: bytes  # the encoded reply to a client over its rate
+
+    def conns_of(self, admin: bool) -> set[Connection]: ...
+
+    def save_state(self) -> str | None: ...
+
 
 log = logging.getLogger("gpuvisor.agent")
 
@@ -69,7 +84,7 @@ class Connection(asyncio.Protocol):
     """One supervisor connection (on the reporting socket), or one admin
     connection (on the admin socket: set-limit only)."""
 
-    def __init__(self, agent: Agent, admin: bool = False) -> None:
+    def __init__(self, agent: Server, admin: bool = False) -> None:
         self.agent = agent
         self.admin = admin
         self.state = agent.state

@@ -3,7 +3,7 @@ container must yield (busy_for), what each container claims of a device and
 the others' share there, and NVML's per-process use standing in for the
 containers whose gate measures nothing.
 
-DeviceShares is AgentState's base (supervisor/agent_state.py): the same
+DeviceShares is AgentState's base (state.py): the same
 object, mutated only by the agent's event-loop thread.
 """
 
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from .agent_config import AgentConfig
-from .agent_records import ContainerState
-from .protocol import DeviceReport, Report
+from ..protocol import DeviceReport, Report
+from .config import AgentConfig
+from .records import ContainerState
 
 
 def drop_entry(table: dict[str, dict[str, float]], uuid: str, key: str) -> None:

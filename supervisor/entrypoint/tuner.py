@@ -50,8 +50,8 @@ from gpuvisor.shim.capi import GpuvisorError
 from gpuvisor.shim.limits import DeviceEnvLimits
 from gpuvisor.shim.region import DeviceUsage, Region, SmState
 
+from ..protocol import MAX_PIDS, MAX_VISIBLE, Instructions
 from .config import EnvLimits
-from .protocol import MAX_PIDS, MAX_VISIBLE, Instructions
 
 log = logging.getLogger("gpuvisor.run")
 

@@ -34,8 +34,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from .identity import parse_cgroup
-from .protocol import (
+from ..identity import parse_cgroup
+from ..protocol import (
     MAX_MESSAGE_BYTES,
     ContainerId,
     DeviceReport,

@@ -1,7 +1,7 @@
 """The workload of `gpuvisor demo`: hold some memory, keep the GPU busy, and
 optionally try to grow past the memory quota.
 
-    python -m gpuvisor.supervisor.demo_workload --seconds 20 --hold 1g \
+    python -m gpuvisor.supervisor.demo.workload --seconds 20 --hold 1g \
         [--grow-to 6g --step 512m --every 1] [--backend driver|torch]
 
 It runs on device 0 of what CUDA_VISIBLE_DEVICES leaves visible.  It

@@ -1,7 +1,7 @@
 """`gpuvisor demo` (make demo): GPU sharing at work on one node.
 
 It starts a node agent and three containers, each a `gpuvisor run`
-supervisor around a workload (demo_workload.py) with its own memory quota,
+supervisor around a workload (workload.py) with its own memory quota,
 SM quota and policy, on a simulated two-GPU node (or on the real GPUs when
 present):
 
@@ -30,13 +30,12 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import IO
 
 import click
 from gpuvisor.shim.hardware import real_gpu_present
-from gpuvisor.shim.limits import parse_memory_limit
 from gpuvisor.shim.loader import (
     SIM_NVML_NAME,
     NativeLibraryNotFound,
@@ -47,43 +46,16 @@ from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
 
-from .cli_types import Finite
-from .config import one_line
-from .demo_report import live_table, plot, summary_table, verdicts
-from .demo_sampler import ProcessUtilization, Sampler
+from ..cli_types import Finite
+from ..entrypoint.config import one_line
+from .report import live_table, plot, summary_table, verdicts
+from .sampler import ProcessUtilization, Sampler
+from .scenario import Workload, scenario
 
 GPUVISOR = [sys.executable, "-m", "gpuvisor.supervisor"]
 POLL_S = 0.5
 _SCRUB_PREFIXES = ("CUDA_DEVICE_", "GPUVISOR_", "CUDA_TASK_", "GPU_CORE_")
 _SCRUB = {"LD_PRELOAD", "CUDA_VISIBLE_DEVICES", "CUDA_DISABLE_CONTROL"}
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    gpu: int
-    policy: str
-    sm: int
-    memory: str
-    start: float  # seconds after the demo starts
-    hold: str
-    grow_to: str | None = None
-
-    @property
-    def memory_bytes(self) -> int:
-        return int(parse_memory_limit(self.memory, 1 << 40))
-
-
-def scenario(seconds: float, gpus: int) -> list[Workload]:
-    """The three containers; with one GPU they all share GPU 0."""
-    late = round(seconds / 3, 1)
-    second = 1 if gpus > 1 else 0
-    trainer_sm = 60 if gpus > 1 else 50
-    return [
-        Workload("notebook", 0, "burst-share", 20, "4g", 0.0, "1g", grow_to="6g"),
-        Workload("trainer", 0, "fixed-share", trainer_sm, "8g", late, "6g"),
-        Workload("batch", second, "fixed-share", 25, "2g", 0.0, "1g"),
-    ]
 
 
 def _base_env() -> dict[str, str]:
@@ -177,7 +149,7 @@ class Node:
             "--",
             sys.executable,
             "-m",
-            "gpuvisor.supervisor.demo_workload",
+            "gpuvisor.supervisor.demo.workload",
             "--seconds",
             f"{seconds:.1f}",
             "--hold",

@@ -21,7 +21,7 @@ from gpuvisor.shim.limits import parse_memory_limit
 from gpuvisor.shim.loader import SIM_NVML_NAME, NativeLibraryNotFound, simulator_dir
 from gpuvisor.shim.region import Region
 
-from .cli_types import Finite
+from ..cli_types import Finite
 from .config import (
     ENV_PRIORITY,
     ENV_REGION,

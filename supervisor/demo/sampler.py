@@ -20,8 +20,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .metrics import process_samples
-from .views import fetch_status
+from ..agent.metrics import process_samples
+from ..views import fetch_status
 
 
 @dataclass

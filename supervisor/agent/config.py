@@ -1,9 +1,9 @@
 """The node agent's configuration (AgentConfig) and where its files lie:
 the reporting socket, the admin socket beside it, the context lock.
 
-Read by `gpuvisor node-agent` (supervisor/agent.py, agent_cli.py) and by
-`gpuvisor run` (supervisor/config.py), which finds the agent's socket and the
-node lock from the same defaults.
+Read by `gpuvisor node-agent` (agent/server.py, agent/cli.py).  Where the
+socket and the node lock lie by default is in ../paths.py, which `gpuvisor
+run` reads too.
 """
 
 from __future__ import annotations
@@ -11,17 +11,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .agent_persist import STATE_FILE_NAME, state_file_for
-
-DEFAULT_SOCKET = "/run/gpuvisor/node.sock"
-SOCKET_ENV = "GPUVISOR_NODE_SOCKET"
-
-
-def default_socket() -> str:
-    return os.environ.get(SOCKET_ENV) or DEFAULT_SOCKET
-
-
-SUN_PATH_MAX = 107  # sizeof(sockaddr_un.sun_path) - 1
+from ..paths import CONTEXT_LOCK_NAME, DEFAULT_SOCKET, SUN_PATH_MAX
+from .persist import STATE_FILE_NAME, state_file_for
 
 
 def socket_path_problem(path: str) -> str | None:
@@ -59,20 +50,6 @@ def admin_socket_problem(socket_path: str, admin_path: str) -> str | None:
     if admin_dir == shared or admin_dir.startswith(shared.rstrip("/") + "/"):
         return f"{admin_path}: must not be in {shared}, the reporting socket's directory"
     return None
-
-
-# The file the agent keeps beside its socket, for the library to serialise
-# context creations across the node with flock (native/shim/node_lock.c):
-# containers that mount the socket's directory share it.
-CONTEXT_LOCK_NAME = "context.lock"
-NODE_LOCK_ENV = "GPUVISOR_NODE_LOCK"
-# The library's default (native/shim/node_lock.c): in the directory HAMi's
-# device plugin mounts from the host into every container it shares a GPU with.
-HAMI_LOCK_DIR = "/tmp/vgpulock"
-
-
-def context_lock_path(socket_path: str) -> str:
-    return os.path.join(os.path.dirname(socket_path), CONTEXT_LOCK_NAME)
 
 
 # The library's per-GPU launch-order files, in the node lock's directory

@@ -2,9 +2,9 @@
 
 One process, one asyncio loop: a Unix-socket server speaking
 supervisor/protocol.py (docs/protocol.md), plus a small HTTP server thread
-for /metrics (Prometheus, supervisor/metrics.py) and /status (JSON).
-The connections are in supervisor/agent_connection.py, the HTTP server in
-agent_http.py, what the agent knows in agent_state.py.
+for /metrics (Prometheus, metrics.py) and /status (JSON).
+The connections are in connection.py, the HTTP server in http.py, what
+the agent knows in state.py.
 
 Defences against bad clients, all with bounded memory:
 - a line longer than MAX_MESSAGE_BYTES: error reply, then disconnect (the
@@ -52,19 +52,19 @@ from http.server import ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .agent_config import (
+from ..identity import peer_cgroups
+from ..paths import context_lock_path
+from ..protocol import MAX_MESSAGE_BYTES, encode, error_message
+from .config import (
     AgentConfig,
     admin_dir_problem,
     admin_socket_problem,
-    context_lock_path,
     socket_dir_is_own,
 )
-from .agent_connection import Connection
-from .agent_http import HttpHandler, HttpServer
-from .agent_persist import encode_state, read_state, state_file_problem, write_state
-from .agent_state import AgentState
-from .identity import peer_cgroups
-from .protocol import MAX_MESSAGE_BYTES, encode, error_message
+from .connection import Connection
+from .http import HttpHandler, HttpServer
+from .persist import encode_state, read_state, state_file_problem, write_state
+from .state import AgentState
 
 T = TypeVar("T")
 
@@ -165,7 +165,7 @@ class Agent:
             done.cancel()
             raise TimeoutError("the agent's event loop did not answer in time") from None
 
-    # ---- the state file (supervisor/agent_persist.py) ----------------------------
+    # ---- the state file (persist.py) ----------------------------------------------
 
     def load_state(self) -> None:
         """Take back the administrators' limits the state file holds (at

@@ -33,7 +33,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from .protocol import LIMIT_KINDS, MAX_DEVICES, is_uuid
+from ..protocol import LIMIT_KINDS, MAX_DEVICES, is_uuid
 
 STATE_VERSION = 1
 STATE_FILE_NAME = "limits.json"
@@ -75,7 +75,7 @@ class SavedLimits:
     """One container's administrator's limits, as the file holds them."""
 
     labels: tuple[str, str, str]  # (namespace, pod, container), ContainerId.labels
-    scope: str  # the parent of its cgroup (agent_records.cgroup_scope)
+    scope: str  # the parent of its cgroup (records.cgroup_scope)
     until: float | None  # wall clock; None: the container was reporting
     memory: dict[str, int | None]
     sm: dict[str, int | None]

@@ -10,10 +10,10 @@ from typing import TYPE_CHECKING
 
 from rich.table import Table
 
-from .demo_sampler import Series
+from .sampler import Series
 
 if TYPE_CHECKING:
-    from .demo import Workload
+    from .scenario import Workload
 
 GiB = float(1 << 30)
 SPARK = " ▁▂▃▄▅▆▇█"

@@ -1,5 +1,5 @@
 """The node agent's HTTP server: /metrics (Prometheus,
-supervisor/metrics.py), /status (JSON) and /healthz, served from a thread of
+metrics.py), /status (JSON) and /healthz, served from a thread of
 its own, each client cut off --http-timeout seconds after it connected.
 """
 
@@ -10,16 +10,22 @@ import logging
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from .agent import Agent
+
+class Pages(Protocol):
+    """What the server asks of the agent that starts it (server.Agent)."""
+
+    def metrics_payload(self, accept: str | None) -> tuple[bytes, str]: ...
+
+    def status_payload(self) -> bytes: ...
+
 
 log = logging.getLogger("gpuvisor.agent")
 
 
 class HttpHandler(BaseHTTPRequestHandler):
-    agent: Agent  # set on the subclass made per agent
+    agent: Pages  # the agent, set on the subclass made per agent
     # Seconds a client may stall a read or write (StreamRequestHandler sets
     # it on the socket); the subclass made per agent sets --http-timeout.
     timeout = 10.0

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .identity import PeerCred
-from .protocol import LIMIT_KINDS, OWN_LIMIT, ContainerId, Report
+from ..identity import PeerCred
+from ..protocol import LIMIT_KINDS, OWN_LIMIT, ContainerId, Report
 
 RestoreMap = dict[str, tuple[str, ...]]
 
