@@ -129,6 +129,17 @@ def pyproject_value(table: str, key: str) -> str:
     return value.group(1)
 
 
+def package_dirs() -> list[str]:
+    """The source folders pyproject.toml installs packages from."""
+    section = re.search(
+        r"^\[tool\.setuptools\.package-dir\]\n(.*?)(?=^\[|\Z)", PYPROJECT, re.M | re.S
+    )
+    assert section, "[tool.setuptools.package-dir] missing from pyproject.toml"
+    folders = re.findall(r'^"[^"]+"\s*=\s*"([^"]+)"', section.group(1), re.M)
+    assert folders, "no package-dir entries in pyproject.toml"
+    return folders
+
+
 def documented_images() -> dict[str, str]:
     """Dockerfile path (relative to the repo) -> image name, from the README's build commands."""
     found = re.findall(r"docker build -f (images/\S+/Dockerfile) -t (\S+) \.", README.read_text())
@@ -241,6 +252,9 @@ def test_copy_sources_exist_and_are_in_the_build_context(dockerfile: Path) -> No
     # Everything `pip wheel .` and `make lib` read is copied.
     for needed in ("pyproject.toml", "setup.py", "Makefile", "README.md", "native/shim/core.c"):
         assert needed in copied, needed
+    # ... and every package's folder (pyproject.toml's package-dir).
+    for folder in package_dirs():
+        assert f"{folder}/__init__.py" in copied, f"{folder}/ (a package) is not copied"
     # Host build outputs and environments never reach the context.
     for outside in (
         "build/libgpuvisor.so",

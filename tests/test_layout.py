@@ -89,13 +89,14 @@ def area(module: str) -> str:
     return "cli" if rest[0] in ("cli", "__main__") else "shared"
 
 
-# What each part of gpuvisor.supervisor may import besides itself
-# (docs/architecture.md, "Packages").
+# What each part may import besides itself (docs/architecture.md,
+# "Packages"); the CLI group may import everything.
 ALLOWED = {
     "shared": {"shim", "shared"},
     "entrypoint": {"shim", "shared"},
     "agent": {"shim", "shared", "entrypoint.config"},
     "demo": {"shim", "shared", "entrypoint", "agent"},
+    "cluster": {"shim", "shared"},
 }
 
 
@@ -105,7 +106,7 @@ def allowed(src: str, dst: str) -> bool:
         return True
     if have == "shim":
         return want == "shim"
-    if have not in ALLOWED:  # the CLI group assembles everything; cluster: not mapped yet
+    if have not in ALLOWED:  # the CLI group assembles everything
         return True
     rules = ALLOWED[have]
     return want in rules or dst.removeprefix(f"{SUPERVISOR}.") in rules
@@ -183,5 +184,9 @@ def test_the_map_check_refuses_a_wrong_way_import() -> None:
     assert not allowed("gpuvisor.supervisor.agent.cli", "gpuvisor.supervisor.entrypoint.run")
     assert not allowed("gpuvisor.supervisor.protocol", "gpuvisor.supervisor.agent.state")
     assert not allowed("gpuvisor.shim.region", "gpuvisor.supervisor.protocol")
+    assert not allowed("gpuvisor.supervisor.agent.server", "gpuvisor.cluster.inventory")
+    assert not allowed("gpuvisor.cluster.plugin", "gpuvisor.supervisor.agent.config")
+    assert allowed("gpuvisor.cluster.plugin", "gpuvisor.supervisor.paths")
+    assert allowed("gpuvisor.supervisor.cli", "gpuvisor.cluster.inventory")
     assert allowed("gpuvisor.supervisor.agent.cli", "gpuvisor.supervisor.entrypoint.config")
     assert allowed("gpuvisor.supervisor.cli", "gpuvisor.supervisor.demo.cli")
