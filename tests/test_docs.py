@@ -41,7 +41,8 @@ from tests.helpers import REPO_ROOT, clean_env
 
 DOCS = REPO_ROOT / "docs"
 C_SOURCE_DIRS = (REPO_ROOT / "native" / "shim", REPO_ROOT / "native" / "sim")
-PY_SOURCE_DIRS = (REPO_ROOT / "shim", REPO_ROOT / "supervisor")
+# Each folder and its subpackages.
+PY_SOURCE_DIRS = (REPO_ROOT / "shim", REPO_ROOT / "supervisor", REPO_ROOT / "cluster")
 
 
 # ---- markdown helpers ----------------------------------------------------------
@@ -326,7 +327,7 @@ class PyEnvScan(ast.NodeVisitor):
     envvar=, and name tuples passed along with an environment."""
 
     def __init__(self, dirs: tuple[Path, ...]) -> None:
-        trees = {p: ast.parse(p.read_text(), str(p)) for d in dirs for p in sorted(d.glob("*.py"))}
+        trees = {p: ast.parse(p.read_text(), str(p)) for d in dirs for p in sorted(d.rglob("*.py"))}
         self.consts = _py_constants(trees)
         self.names: set[str] = set()
         for tree in trees.values():
@@ -413,7 +414,9 @@ def test_python_environment_variables_are_documented() -> None:
         assert expected in names, f"the Python scan missed {expected}: {sorted(names)}"
     doc = (DOCS / "environment.md").read_text()
     missing = sorted(n for n in names if not _documented(doc, n))
-    assert not missing, f"read by shim/ or supervisor/, missing in docs/environment.md: {missing}"
+    assert not missing, (
+        f"read by shim/, supervisor/ or cluster/, missing in docs/environment.md: {missing}"
+    )
 
 
 def test_every_documented_variable_is_read() -> None:

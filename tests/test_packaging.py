@@ -18,7 +18,18 @@ from tests.helpers import LIBRARY, SIM_LIBS, repo_files
 
 NATIVE = "gpuvisor/shim/_native/"
 MODULES = ["__init__", "loader", "capi", "region", "limits", "cli", "driver", "hardware"]
-DEMO_MODULES = ["demo/cli", "demo/scenario", "demo/workload", "demo/sampler", "demo/report"]
+# One module at least of each subpackage, and the demo whole.
+SUPERVISOR_MODULES = [
+    "cli",
+    "paths",
+    "entrypoint/run",
+    "agent/server",
+    "demo/cli",
+    "demo/scenario",
+    "demo/workload",
+    "demo/sampler",
+    "demo/report",
+]
 
 
 # Programs make builds besides `all` (make bench, make bench-sm).
@@ -71,7 +82,7 @@ def test_wheel_contents(wheel: Path) -> None:
         assert NATIVE + lib in names
     for mod in MODULES:
         assert f"gpuvisor/shim/{mod}.py" in names
-    for mod in DEMO_MODULES:
+    for mod in SUPERVISOR_MODULES:
         assert f"gpuvisor/supervisor/{mod}.py" in names
     assert "gpuvisor/shim/py.typed" in names
     # One namespace: no gpuvisor/__init__.py, no top-level shim package.
