@@ -140,6 +140,12 @@ def package_dirs() -> list[str]:
     return folders
 
 
+def license_files() -> list[str]:
+    """The files pyproject.toml's project.license-files names."""
+    found = re.search(r"^license-files\s*=\s*\[(.*?)\]", PYPROJECT, re.M)
+    return re.findall(r'"([^"]+)"', found.group(1)) if found else []
+
+
 def documented_images() -> dict[str, str]:
     """Dockerfile path (relative to the repo) -> image name, from the README's build commands."""
     found = re.findall(r"docker build -f (images/\S+/Dockerfile) -t (\S+) \.", README.read_text())
@@ -252,6 +258,9 @@ def test_copy_sources_exist_and_are_in_the_build_context(dockerfile: Path) -> No
     # Everything `pip wheel .` and `make lib` read is copied.
     for needed in ("pyproject.toml", "setup.py", "Makefile", "README.md", "native/shim/core.c"):
         assert needed in copied, needed
+    # ... and the files pyproject.toml's license-files names (setuptools fails without them).
+    for needed in license_files():
+        assert needed in copied, f"{needed} (project.license-files) is not copied"
     # ... and every package's folder (pyproject.toml's package-dir).
     for folder in package_dirs():
         assert f"{folder}/__init__.py" in copied, f"{folder}/ (a package) is not copied"
