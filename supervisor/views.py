@@ -132,7 +132,16 @@ def status(region_path: str | None, sample: float, as_json: bool) -> None:
         raise click.BadParameter(f"{region_path!r}: {why}", param_hint=f"'{named}'")
 
     try:
-        info = region_status(region_path, sample)
+        from gpuvisor.shim.region import default_region_path
+
+        path = region_path or os.environ.get(REGION_ENV) or default_region_path()
+        if not os.path.lexists(path):
+            # Attaching creates the file: a look must change nothing.
+            raise click.ClickException(
+                f"no region at {shown(path)}: no process of this container has used "
+                "the GPU through the library yet (status creates none)"
+            )
+        info = region_status(path, sample)
     except (GpuvisorError, NativeLibraryNotFound, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
     if as_json:

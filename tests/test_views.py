@@ -367,3 +367,23 @@ def test_status_refuses_a_relative_region_as_the_library_does(tmp_path, how, val
         else ""
     )
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("how", ["option", "variable"])
+def test_status_never_creates_a_region(tmp_path, how):
+    """`status` attached the region, which creates it: where none existed it
+    left a 281 KiB world-writable file behind and showed an empty table."""
+    region = tmp_path / "absent.shr"
+    env = clean_env()
+    args = ["status", "--sample", "0"]
+    if how == "option":
+        args += ["--region", str(region)]
+    else:
+        env["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = str(region)
+    out = run_cli(*args, env=env, timeout=60)
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert out.stderr.strip().splitlines() == [
+        f"Error: no region at {region}: no process of this container has used the GPU "
+        "through the library yet (status creates none)"
+    ]
+    assert not region.exists()
