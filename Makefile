@@ -24,6 +24,9 @@ CTESTS := $(patsubst native/tests/%.c,$(BUILD)/tests/%,$(CTEST_SRCS))
 # the t_sim_* programs, whose rule names no other header.
 CTEST_HDRS := $(wildcard native/tests/*.h) $(wildcard native/include/*.h)
 
+# The release, written once: pyproject.toml's version (gv_version()).
+GV_VERSION := $(shell sed -n 's/^version = "\(.*\)"$$/\1/p' pyproject.toml)
+
 LIB      := $(BUILD)/libgpuvisor.so
 SIMCUDA  := $(BUILD)/sim/libcuda.so.1
 SIMNVML  := $(BUILD)/sim/libnvidia-ml.so.1
@@ -35,9 +38,9 @@ lib: $(LIB)
 sim: $(SIMCUDA) $(SIMNVML)
 ctests: $(CTESTS)
 
-$(LIB): $(SHIM_SRCS) $(SHIM_HDRS)
+$(LIB): $(SHIM_SRCS) $(SHIM_HDRS) pyproject.toml
 	@mkdir -p $(@D)
-	$(CC) $(CFLAGS_ALL) -DGV_DEFINES_DLSYM -shared -Wl,-soname,libgpuvisor.so -o $@ $(SHIM_SRCS) $(LDLIBS_ALL)
+	$(CC) $(CFLAGS_ALL) -DGV_DEFINES_DLSYM -DGV_VERSION='"$(GV_VERSION)"' -Wl,--build-id -shared -Wl,-soname,libgpuvisor.so -o $@ $(SHIM_SRCS) $(LDLIBS_ALL)
 
 # The simulated driver is linked like the real one: -Bsymbolic, so its own
 # internal calls never reach an interposer.

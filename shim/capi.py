@@ -16,7 +16,7 @@ from typing import Any
 
 from .loader import LIBRARY_NAME, library_path
 
-API_VERSION = 5
+API_VERSION = 6
 UNLIMITED = (1 << 64) - 1  # GV_UNLIMITED
 
 ERROR_NAMES = {
@@ -62,6 +62,8 @@ _pu32 = ctypes.POINTER(ctypes.c_uint32)
 # name -> (restype, argtypes), one line per function of gpuvisor.h.
 _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "gv_api_version": (ctypes.c_int, []),
+    "gv_version": (ctypes.c_char_p, []),
+    "gv_build_id": (ctypes.c_char_p, []),
     "gv_last_error": (ctypes.c_char_p, []),
     "gv_region_attach": (ctypes.c_int, [ctypes.c_char_p]),
     "gv_region_default_path": (ctypes.c_char_p, []),

@@ -13,6 +13,7 @@ import psutil
 from .capi import GpuvisorError
 from .loader import NativeLibraryNotFound, library_path, native_dir
 from .region import Region, default_region_path
+from .version import library_version, package_version
 
 REGION_ENV = "CUDA_DEVICE_MEMORY_SHARED_CACHE"
 
@@ -82,6 +83,9 @@ def shim_info(region_path: str | None, as_json: bool) -> None:
     """Where the shim library is, and the region's per-device usage."""
     try:
         info: dict[str, Any] = {"library": str(library_path()), "native_dir": str(native_dir())}
+        found = library_version()
+        info["library_version"], info["library_build_id"] = found.version, found.build_id
+        info["package_version"] = package_version()
         if not region_path:
             region_path = default_region_path()
     except (NativeLibraryNotFound, GpuvisorError) as exc:  # none, or not one it can use
@@ -98,7 +102,10 @@ def shim_info(region_path: str | None, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
-    click.echo(f"library: {info['library']}")
+    click.echo(
+        f"library: {info['library']} (release {info['library_version']}, "
+        f"build {info['library_build_id']}; package {info['package_version']})"
+    )
     click.echo(
         f"region:  {info['region']}" + ("" if info["region_exists"] else " (not created yet)")
     )

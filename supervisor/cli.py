@@ -4,6 +4,8 @@ list it in COMMANDS."""
 
 from __future__ import annotations
 
+import contextlib
+
 import click
 from gpuvisor.shim.cli import shim_info
 
@@ -23,9 +25,41 @@ COMMANDS: tuple[click.Command, ...] = (
 )
 
 
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """--version: the package's release, and the library's release and build id."""
+    if not value or ctx.resilient_parsing:
+        return
+    from gpuvisor.shim import GpuvisorError, NativeLibraryNotFound
+    from gpuvisor.shim.version import library_version, package_version
+
+    click.echo(f"gpuvisor {package_version()}")
+    try:
+        found = library_version()
+    except (GpuvisorError, NativeLibraryNotFound) as exc:
+        click.echo(f"library: not usable ({exc})")
+    else:
+        click.echo(f"library: {found.path} {found.version} (build {found.build_id})")
+    ctx.exit()
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_print_version,
+    help="Print the package's release and the library's release and build id, and exit.",
+)
 def main() -> None:
     """gpuvisor: GPU sharing for containers that holds its promises."""
+    from gpuvisor.shim import GpuvisorError, NativeLibraryNotFound
+    from gpuvisor.shim.version import warn_on_mismatch
+
+    # One line when the package and the library differ; commands that need
+    # the library say themselves when it cannot be used.
+    with contextlib.suppress(GpuvisorError, NativeLibraryNotFound):
+        warn_on_mismatch()
 
 
 for _command in COMMANDS:

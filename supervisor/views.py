@@ -95,7 +95,14 @@ def region_status(region_path: str | None, sample: float) -> dict[str, Any]:
                 "processes": procs,
             }
         )
-    return {"region": str(region.path), "devices": devices, "processes": pids}
+    from gpuvisor.shim.version import build_info
+
+    return {
+        "region": str(region.path),
+        "build": build_info(),
+        "devices": devices,
+        "processes": pids,
+    }
 
 
 @click.command("status")
@@ -148,6 +155,11 @@ def status(region_path: str | None, sample: float, as_json: bool) -> None:
         click.echo(json.dumps(info, indent=2))
         return
     click.echo(f"region {info['region']}")
+    library = info["build"]["library"]
+    click.echo(
+        f"gpuvisor {info['build']['version']}, library "
+        + (f"{library['version']} (build {library['build_id']})" if library else "not usable")
+    )
     rows = [
         [
             str(d["index"]),

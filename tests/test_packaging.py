@@ -17,7 +17,7 @@ from gpuvisor.shim.capi import API_VERSION
 from tests.helpers import LIBRARY, SIM_LIBS, repo_files
 
 NATIVE = "gpuvisor/shim/_native/"
-MODULES = ["__init__", "loader", "capi", "region", "limits", "cli", "driver", "hardware"]
+MODULES = ["__init__", "loader", "capi", "region", "limits", "cli", "driver", "hardware", "version"]
 # One module at least of each subpackage, and the demo whole.
 SUPERVISOR_MODULES = [
     "cli",

@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define GV_API_VERSION 5
+#define GV_API_VERSION 6
 
 enum {
     GV_OK = 0,
@@ -37,6 +37,13 @@ enum {
 
 /* Version of this API (GV_API_VERSION). */
 int gv_api_version(void);
+
+/* This library's release ("0.1.0", pyproject.toml's version). */
+const char *gv_version(void);
+
+/* This library's build id: the hex of its GNU build-id note (a hash of the
+ * file's contents), or "unknown" when it has none. */
+const char *gv_build_id(void);
 
 /* One-line description of the last failure in this thread. */
 const char *gv_last_error(void);

@@ -373,6 +373,22 @@ class AgentCollector(Collector):
 
     def _agent_metrics(self) -> Iterator[Metric]:
         state = self.state
+        library = state.build["library"]
+        lib_fields = library if isinstance(library, dict) else {}
+        build = GaugeMetricFamily(
+            "gpuvisor_build_info",
+            "Always 1: the node agent's release and the library's release and build id",
+            labels=["version", "library_version", "library_build_id"],
+        )
+        build.add_metric(
+            [
+                str(state.build["version"]),
+                str(lib_fields.get("version", "")),
+                str(lib_fields.get("build_id", "")),
+            ],
+            1.0,
+        )
+        yield build
         reports = CounterMetricFamily(
             "gpuvisor_agent_reports", "Reports accepted by the node agent"
         )

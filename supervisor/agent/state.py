@@ -14,6 +14,8 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from gpuvisor.shim.version import build_info
+
 from ..identity import PeerCred
 from ..protocol import (
     MAX_DEVICES,
@@ -64,6 +66,8 @@ class AgentState(DeviceShares):
     def __init__(self, config: AgentConfig) -> None:
         super().__init__(config)  # the per-device tables (shares.py)
         self.started = time.time()
+        # what is installed: the package's release, the library's release and build id
+        self.build = build_info()
         self.containers: dict[str, ContainerState] = {}
         # container key -> its administrator's limits (set-limit): pushed in
         # every ack whose report does not show them, until the container goes
@@ -458,6 +462,7 @@ class AgentState(DeviceShares):
                 "expire_after_s": self.config.expire_after,
                 "limit_grace_s": self.config.limit_grace,
                 "parked_limits": len(self.parked),
+                "build": self.build,
             },
             "containers": containers,
         }
