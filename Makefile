@@ -31,7 +31,7 @@ LIB      := $(BUILD)/libgpuvisor.so
 SIMCUDA  := $(BUILD)/sim/libcuda.so.1
 SIMNVML  := $(BUILD)/sim/libnvidia-ml.so.1
 
-.PHONY: all lib sim ctests asan tsan venv test test-fast bench demo lint clean
+.PHONY: all lib sim ctests asan tsan venv test test-fast bench demo lint clean k8s
 all: lib sim ctests
 
 lib: $(LIB)
@@ -92,6 +92,34 @@ tsan:
 	  $(BUILD)/tests/t_link_pool_sync_race $(BUILD)/tests/t_link_sm_threads) BUILD=build-tsan OPT="-O1 -g" \
 	  EXTRA_CFLAGS="-fsanitize=thread" EXTRA_LDFLAGS="-fsanitize=thread"
 
+# --- Kubernetes for the cluster tests -----------------------------------
+# etcd, kube-apiserver and kube-scheduler, built from their published Go
+# modules at the versions tests/k8s/go.mod pins (docs/kubernetes.md, "How the
+# cluster half is tested"): one multi-call binary, a link per component.
+# Built once; rebuilt only when tests/k8s/ changes.  Go is needed for this
+# alone (>= the go line of tests/k8s/go.mod).
+GO      ?= $(shell command -v go 2>/dev/null || echo /usr/local/go/bin/go)
+K8S_DIR := $(BUILD)/k8s
+K8S_BIN := $(K8S_DIR)/k8s-testenv
+K8S_COMPONENTS := $(addprefix $(K8S_DIR)/,etcd kube-apiserver kube-scheduler)
+# The version the components report (/version), as Kubernetes' own build
+# stamps it, read from the one place it is pinned.
+K8S_VERSION = $(shell sed -n 's/^[[:space:]]*k8s\.io\/kubernetes \(v[0-9.]*\)$$/\1/p' tests/k8s/go.mod)
+K8S_STAMP = $(foreach kv,gitVersion=$(K8S_VERSION) gitMajor=$(patsubst v%,%,$(word 1,$(subst ., ,$(K8S_VERSION)))) \
+  gitMinor=$(word 2,$(subst ., ,$(K8S_VERSION))) gitTreeState=clean,-X k8s.io/component-base/version.$(kv))
+
+k8s: $(K8S_COMPONENTS)
+
+$(K8S_BIN): tests/k8s/main.go tests/k8s/go.mod tests/k8s/go.sum
+	@mkdir -p $(@D)
+	@command -v $(GO) >/dev/null || { echo "make k8s: Go not found: $(GO) (install Go, or make k8s GO=/path/to/go)" >&2; exit 1; }
+	cd tests/k8s && nice -n 10 $(GO) build -mod=readonly -trimpath -buildvcs=false \
+	  -ldflags='-s -w $(K8S_STAMP)' -o $(CURDIR)/$@.tmp .
+	mv $@.tmp $@
+
+$(K8S_COMPONENTS): $(K8S_BIN)
+	ln -sf $(notdir $(K8S_BIN)) $@
+
 # --- Python side -------------------------------------------------------
 $(VENV)/.installed: pyproject.toml setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -100,7 +128,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 	touch $@
 venv: $(VENV)/.installed
 
-test: all asan tsan lint
+test: all asan tsan lint k8s
 	$(VENV)/bin/python -m pytest -n auto -q tests
 
 test-fast: all venv
