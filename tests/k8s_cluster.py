@@ -23,6 +23,7 @@ workdir (so xdist workers never share one), dies with the test process
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import ctypes
 import json
@@ -33,6 +34,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -169,6 +171,37 @@ class Component:
                 self.proc.wait()
 
 
+def start_on_free_ports(
+    name: str,
+    count: int,
+    argv: Callable[[list[int]], list[str]],
+    log: Path,
+    probe: Callable[[list[int]], Callable[[], bool]],
+    attempts: int = 3,
+) -> tuple[Component, list[int]]:
+    """Starts `argv(ports)` on `count` free ports and waits until `probe(ports)()`.
+
+    A port found free can be taken by another process (another xdist worker)
+    before the component binds it: then it starts again on other ports, with
+    a log of its own per attempt.  Returns the ready component and its ports.
+    """
+    for attempt in range(attempts):
+        ports = [free_port() for _ in range(count)]
+        path = log if attempt == 0 else log.with_suffix(f".retry{attempt}{log.suffix}")
+        component = Component(name, argv(ports), path)
+        try:
+            component.wait_ready(probe(ports))
+            return component, ports
+        except RuntimeError as error:
+            component.stop()
+            if "address already in use" not in str(error) or attempt == attempts - 1:
+                raise
+        except BaseException:
+            component.stop()
+            raise
+    raise AssertionError("unreachable")
+
+
 def _https_ok(url: str, context: ssl.SSLContext) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=5, context=context) as response:
@@ -177,10 +210,10 @@ def _https_ok(url: str, context: ssl.SSLContext) -> bool:
         return False
 
 
-def _http_json_ok(url: str, key: str) -> bool:
+def _etcd_healthy(port: int) -> bool:
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:
-            return bool(json.load(response).get(key) == "true")
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as response:
+            return bool(json.load(response).get("health") == "true")
     except (OSError, ValueError):
         return False
 
@@ -243,38 +276,39 @@ class KubeCluster:
 
         components: list[Component] = []
         try:
-            etcd_port, peer_port, api_port = free_port(), free_port(), free_port()
-            etcd_url = f"http://127.0.0.1:{etcd_port}"
-            peer_url = f"http://127.0.0.1:{peer_port}"
-            etcd = Component(
-                "etcd",
-                [
+
+            def etcd_argv(ports: list[int]) -> list[str]:
+                client, peer = (f"http://127.0.0.1:{p}" for p in ports)
+                return [
                     str(bins["etcd"]),
                     "--name=test",
-                    f"--data-dir={workdir / 'etcd'}",
-                    f"--listen-client-urls={etcd_url}",
-                    f"--advertise-client-urls={etcd_url}",
-                    f"--listen-peer-urls={peer_url}",
-                    f"--initial-advertise-peer-urls={peer_url}",
-                    f"--initial-cluster=test={peer_url}",
+                    f"--data-dir={workdir / f'etcd-{ports[0]}'}",
+                    f"--listen-client-urls={client}",
+                    f"--advertise-client-urls={client}",
+                    f"--listen-peer-urls={peer}",
+                    f"--initial-advertise-peer-urls={peer}",
+                    f"--initial-cluster=test={peer}",
                     "--log-level=warn",
                     # A test cluster's data dies with it: no fsync per write.
                     "--unsafe-no-fsync",
-                ],
+                ]
+
+            etcd, (etcd_port, _) = start_on_free_ports(
+                "etcd",
+                2,
+                etcd_argv,
                 workdir / "etcd.log",
+                lambda ports: lambda: _etcd_healthy(ports[0]),
             )
             components.append(etcd)
-            etcd.wait_ready(lambda: _http_json_ok(f"{etcd_url}/health", "health"))
 
-            server = f"https://127.0.0.1:{api_port}"
-            apiserver = Component(
-                "kube-apiserver",
-                [
+            def apiserver_argv(ports: list[int]) -> list[str]:
+                return [
                     str(bins["kube-apiserver"]),
-                    f"--etcd-servers={etcd_url}",
+                    f"--etcd-servers=http://127.0.0.1:{etcd_port}",
                     "--bind-address=127.0.0.1",
                     "--advertise-address=127.0.0.1",
-                    f"--secure-port={api_port}",
+                    f"--secure-port={ports[0]}",
                     f"--tls-cert-file={serving_file}",
                     f"--tls-private-key-file={serving_file}",
                     f"--client-ca-file={ca_file}",
@@ -291,15 +325,21 @@ class KubeCluster:
                     # addresses, and nothing here needs them.
                     "--endpoint-reconciler-type=none",
                     "--profiling=false",
-                ],
-                workdir / "kube-apiserver.log",
-            )
-            components.append(apiserver)
-            kubeconfig = workdir / "admin.kubeconfig"
-            _write_kubeconfig(kubeconfig, server, ca_file, admin)
+                ]
+
             probe_ctx = ssl.create_default_context(cafile=str(ca_file))
             admin.configure_cert(probe_ctx)
-            apiserver.wait_ready(lambda: _https_ok(f"{server}/readyz", probe_ctx))
+            apiserver, (api_port,) = start_on_free_ports(
+                "kube-apiserver",
+                1,
+                apiserver_argv,
+                workdir / "kube-apiserver.log",
+                lambda ports: lambda: _https_ok(f"https://127.0.0.1:{ports[0]}/readyz", probe_ctx),
+            )
+            components.append(apiserver)
+            server = f"https://127.0.0.1:{api_port}"
+            kubeconfig = workdir / "admin.kubeconfig"
+            _write_kubeconfig(kubeconfig, server, ca_file, admin)
             api = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
         except BaseException:
             for component in reversed(components):
@@ -334,37 +374,35 @@ class KubeCluster:
         }
         full.setdefault("clientConnection", {}).setdefault("kubeconfig", str(self.kubeconfig))
         full.setdefault("leaderElection", {"leaderElect": False})
-        n = len(self._schedulers)
-        directory = self.workdir / f"scheduler-{n}"
-        directory.mkdir()
+        directory = Path(tempfile.mkdtemp(prefix="scheduler-", dir=self.workdir))
         config_file = directory / "config.json"  # JSON is YAML
         config_file.write_text(json.dumps(full, indent=1))
-        port = free_port()
-        component = Component(
-            "kube-scheduler",
-            [
+
+        def argv(ports: list[int]) -> list[str]:
+            return [
                 str(binaries()["kube-scheduler"]),
                 f"--config={config_file}",
                 "--bind-address=127.0.0.1",
-                f"--secure-port={port}",
+                f"--secure-port={ports[0]}",
                 f"--cert-dir={directory}",
                 f"--authentication-kubeconfig={self.kubeconfig}",
                 f"--authorization-kubeconfig={self.kubeconfig}",
-            ],
-            directory / "kube-scheduler.log",
-        )
-        scheduler = KubeScheduler(component, full, port)
-        self._schedulers.append(scheduler)
+            ]
+
         # The scheduler serves a certificate of its own making; /readyz turns
         # 200 once its informers have synced.
         insecure = ssl.create_default_context()
         insecure.check_hostname = False
         insecure.verify_mode = ssl.CERT_NONE
-        try:
-            component.wait_ready(lambda: _https_ok(f"https://127.0.0.1:{port}/readyz", insecure))
-        except BaseException:
-            component.stop()
-            raise
+        component, (port,) = start_on_free_ports(
+            "kube-scheduler",
+            1,
+            argv,
+            directory / "kube-scheduler.log",
+            lambda ports: lambda: _https_ok(f"https://127.0.0.1:{ports[0]}/readyz", insecure),
+        )
+        scheduler = KubeScheduler(component, full, port)
+        self._schedulers.append(scheduler)
         return scheduler
 
     def stop(self) -> None:
@@ -376,8 +414,6 @@ class KubeCluster:
 
 
 def _b64(data: bytes) -> str:
-    import base64
-
     return base64.b64encode(data).decode()
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import json
+import socket
 import ssl
 import threading
 import time
@@ -23,18 +24,17 @@ import kubernetes.client
 import pytest
 from kubernetes.utils import parse_quantity
 
+from tests import k8s_cluster
 from tests.k8s_cluster import (
     GPU,
     GPUMEM,
     KubeCluster,
     KubeTest,
+    free_port,
     gpu_pod,
     kubernetes_version,
     must,
 )
-
-# One cluster for the module, on one xdist worker.
-pytestmark = pytest.mark.xdist_group("k8s")
 
 Handler = Callable[[str, Any], Any]
 
@@ -253,3 +253,21 @@ def test_mutating_webhook_is_called_over_tls(
     assert review["kind"] == "AdmissionReview"
     assert review["request"]["object"]["metadata"]["name"] == "mutated"
     assert review["request"]["dryRun"] is False
+
+
+def test_a_port_taken_before_the_component_binds_it_is_tried_again(
+    k8s: KubeTest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Another process (another xdist worker) takes the port that was found
+    # free: the component fails to bind and is started again on another.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ports = iter([port])
+        monkeypatch.setattr(k8s_cluster, "free_port", lambda: next(ports, None) or free_port())
+        scheduler = k8s.start_scheduler()
+    assert scheduler.port != port
+    first = scheduler.log.with_name("kube-scheduler.log").read_text()
+    assert "address already in use" in first
+    assert scheduler.log.name == "kube-scheduler.retry1.log"
