@@ -35,6 +35,7 @@ import socket
 import ssl
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -171,6 +172,11 @@ class Component:
                 self.proc.wait()
 
 
+def _import_client_apis() -> None:
+    for name in ("CoreV1Api", "AdmissionregistrationV1Api"):
+        getattr(kubernetes.client, name)
+
+
 def start_on_free_ports(
     name: str,
     count: int,
@@ -274,6 +280,10 @@ class KubeCluster:
         sa_file = workdir / "service-accounts.key"
         ca.issue_cert("service-accounts").private_key_pem.write_to_path(str(sa_file))
 
+        # Importing the client's API classes takes seconds: do it while the
+        # control plane starts.
+        warm = threading.Thread(target=_import_client_apis, daemon=True)
+        warm.start()
         components: list[Component] = []
         try:
 
@@ -341,6 +351,7 @@ class KubeCluster:
             kubeconfig = workdir / "admin.kubeconfig"
             _write_kubeconfig(kubeconfig, server, ca_file, admin)
             api = kubernetes.config.new_client_from_config(config_file=str(kubeconfig))
+            warm.join()
         except BaseException:
             for component in reversed(components):
                 component.stop()
