@@ -31,7 +31,7 @@ LIB      := $(BUILD)/libgpuvisor.so
 SIMCUDA  := $(BUILD)/sim/libcuda.so.1
 SIMNVML  := $(BUILD)/sim/libnvidia-ml.so.1
 
-.PHONY: all lib sim ctests asan tsan venv test test-fast bench demo lint clean k8s
+.PHONY: all lib sim ctests asan tsan venv test test-fast bench demo lint clean k8s protos
 all: lib sim ctests
 
 lib: $(LIB)
@@ -195,6 +195,11 @@ lint: venv
 	$(VENV)/bin/ruff check shim tests setup.py $(wildcard supervisor cluster)
 	$(VENV)/bin/ruff format --check shim tests setup.py $(wildcard supervisor cluster)
 	$(VENV)/bin/mypy
+
+# The device plugin's gRPC modules, generated from its .proto files and
+# committed (tests/test_deviceplugin_proto.py checks they are up to date).
+protos: venv
+	$(VENV)/bin/python -m gpuvisor.cluster.deviceplugin.api.generate
 
 clean:
 	rm -rf build build-asan build-tsan

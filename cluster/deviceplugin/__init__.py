@@ -1,0 +1,1 @@
+"""kubelet device plugin (`gpuvisor device-plugin`)."""
