@@ -5,10 +5,14 @@
 #include "log.h"
 
 #include <ctype.h>
+#include <stdarg.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <unistd.h>
 
 typedef unsigned __int128 u128;
 
@@ -156,6 +160,170 @@ void limits_quote(char *out, size_t outlen, const char *value, size_t max)
     out[o] = '\0';
 }
 
+/* ---- the limits file (GPUVISOR_LIMITS_FILE) ---------------------------------
+ *
+ * When GPUVISOR_LIMITS_FILE names a file, the limit variables (file_name())
+ * are read from it instead of the environment: lines NAME=value, blank lines
+ * and lines starting with # ignored, each name at most once, the values in
+ * the grammar of the variables.  A file that cannot be read, is larger than
+ * LF_MAX, has a line that is not NAME=value of a limit variable, or sets
+ * nothing, is an error that the checks report (fail closed).  Loaded per
+ * thread: at every limits_check_env, and on first use after the path or the
+ * environment changed. */
+#define GV_ENV_LIMITS_FILE "GPUVISOR_LIMITS_FILE"
+#define LF_MAX 4096
+#define LF_ENTRIES 64
+
+enum { LF_NONE, LF_OK, LF_BAD };
+
+struct limits_file {
+    int state;
+    const char *const *env;             /* the environment it was loaded for */
+    char path[256];
+    char buf[LF_MAX + 1];
+    const char *entry[LF_ENTRIES + 1];  /* "NAME=value", NULL-terminated */
+    char why[192];                      /* LF_BAD: what is wrong */
+};
+
+static _Thread_local struct limits_file t_file;
+static _Thread_local const char *const *t_env;
+extern char **environ;
+
+static const char *raw_getenv(const char *name)
+{
+    if (t_env == NULL)
+        return getenv(name);
+    size_t n = strlen(name);
+    for (const char *const *e = t_env; *e != NULL; e++)
+        if (strncmp(*e, name, n) == 0 && (*e)[n] == '=')
+            return *e + n + 1;
+    return NULL;
+}
+
+/* 1 if name (len bytes) is a variable the limits file gives. */
+static int file_name(const char *name, size_t len)
+{
+    static const char *const families[] = {GV_ENV_LIMIT, GV_ENV_SM_LIMIT};
+    static const char *const words[] = {GV_ENV_SM_POLICY, GV_ENV_CORE_POLICY, GV_ENV_PRIORITY};
+    for (size_t i = 0; i < 2; i++) {
+        size_t l = strlen(families[i]);
+        if (len >= l && strncmp(name, families[i], l) == 0)
+            return 1;
+    }
+    for (size_t i = 0; i < 3; i++)
+        if (len == strlen(words[i]) && strncmp(name, words[i], len) == 0)
+            return 1;
+    return 0;
+}
+
+static int file_bad(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static int file_bad(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(t_file.why, sizeof t_file.why, fmt, ap);
+    va_end(ap);
+    t_file.state = LF_BAD;
+    return LF_BAD;
+}
+
+static int file_parse(size_t n)
+{
+    char *buf = t_file.buf;
+    size_t count = 0;
+    unsigned line = 0;
+    buf[n] = '\0';
+    if (memchr(buf, '\0', n) != NULL)
+        return file_bad("has a NUL byte");
+    for (char *p = buf; *p != '\0';) {
+        char *eol = strchr(p, '\n');
+        char *next = eol != NULL ? eol + 1 : p + strlen(p);
+        if (eol != NULL)
+            *eol = '\0';
+        line++;
+        size_t len = strlen(p);
+        if (len > 0 && p[len - 1] == '\r')
+            p[--len] = '\0';
+        if (len > 0 && p[0] != '#') {
+            char *eq = strchr(p, '=');
+            size_t nlen = eq != NULL ? (size_t)(eq - p) : len;
+            char q[65];
+            limits_quote(q, sizeof q, p, nlen < 64 ? nlen : 64);
+            if (eq == NULL || nlen == 0)
+                return file_bad("line %u: \"%s\" is not NAME=value", line, q);
+            if (!file_name(p, nlen))
+                return file_bad("line %u: %s is not a limit variable", line, q);
+            for (size_t i = 0; i < count; i++)
+                if (strncmp(t_file.entry[i], p, nlen + 1) == 0)
+                    return file_bad("line %u: %s is set twice", line, q);
+            if (count == LF_ENTRIES)
+                return file_bad("more than %d variables", LF_ENTRIES);
+            t_file.entry[count++] = p;
+        }
+        p = next;
+    }
+    t_file.entry[count] = NULL;
+    if (count == 0)
+        return file_bad("sets no limit (an empty file is refused)");
+    t_file.state = LF_OK;
+    return LF_OK;
+}
+
+static int file_load(const char *path)
+{
+    t_file.env = t_env;
+    t_file.entry[0] = NULL;
+    if (strlen(path) >= sizeof t_file.path) {
+        t_file.path[0] = '\0';
+        return file_bad("path longer than %zu bytes", sizeof t_file.path - 1);
+    }
+    strcpy(t_file.path, path);
+    if (path[0] != '/')
+        return file_bad("not an absolute path");
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY);
+    if (fd < 0) {
+        char e[96];
+        int saved = errno;
+        snprintf(e, sizeof e, "%s", saved == ENOENT ? "no such file" : strerror(saved));
+        return file_bad("cannot open: %s", e);
+    }
+    size_t n = 0;
+    for (;;) {
+        ssize_t r = read(fd, t_file.buf + n, LF_MAX + 1 - n);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r < 0) {
+            int saved = errno;
+            close(fd);
+            return file_bad("cannot read: %s", strerror(saved));
+        }
+        if (r == 0)
+            break;
+        n += (size_t)r;
+        if (n > LF_MAX) {
+            close(fd);
+            return file_bad("larger than %d bytes", LF_MAX);
+        }
+    }
+    close(fd);
+    return file_parse(n);
+}
+
+/* The state of the limits file of the current environment, (re)loaded
+ * when force, or when the path or the environment changed. */
+static int file_state(int force)
+{
+    const char *path = raw_getenv(GV_ENV_LIMITS_FILE);
+    if (path == NULL || path[0] == '\0') {
+        t_file.state = LF_NONE;
+        return LF_NONE;
+    }
+    if (force || t_file.state == LF_NONE || t_file.env != t_env ||
+        strncmp(t_file.path, path, sizeof t_file.path) != 0)
+        return file_load(path);
+    return t_file.state;
+}
+
 static void set_err(char *err, size_t errlen, const char *name,
                     const char *value, const char *why)
 {
@@ -164,7 +332,27 @@ static void set_err(char *err, size_t errlen, const char *name,
         return;
     limits_quote(qname, sizeof qname, name, 90);
     limits_quote(qvalue, sizeof qvalue, value, 80);
+    if (t_file.state != LF_NONE && file_name(name, strlen(name))) {
+        char qpath[121];
+        limits_quote(qpath, sizeof qpath, t_file.path, 120);
+        snprintf(err, errlen, "gpuvisor: %s=\"%s\": %s=\"%s\": %s", GV_ENV_LIMITS_FILE, qpath,
+                 qname, qvalue, why);
+        return;
+    }
     snprintf(err, errlen, "gpuvisor: %s=\"%s\": %s", qname, qvalue, why);
+}
+
+/* GV_EINVAL with the file's problem in err when the limits file is bad. */
+static int file_check(int force, char *err, size_t errlen)
+{
+    if (file_state(force) != LF_BAD)
+        return GV_OK;
+    if (err != NULL && errlen > 0) {
+        char qpath[121];
+        limits_quote(qpath, sizeof qpath, t_file.path[0] ? t_file.path : "(too long)", 120);
+        snprintf(err, errlen, "gpuvisor: %s=\"%s\": %s", GV_ENV_LIMITS_FILE, qpath, t_file.why);
+    }
+    return GV_EINVAL;
 }
 
 int limits_memory_for_ordinal(int ordinal, uint64_t physical_total,
@@ -173,6 +361,8 @@ int limits_memory_for_ordinal(int ordinal, uint64_t physical_total,
     char name[64];
     const char *value = NULL;
     if (bytes == NULL)
+        return GV_EINVAL;
+    if (file_check(0, err, errlen) != GV_OK)
         return GV_EINVAL;
     if (ordinal >= 0) {
         snprintf(name, sizeof name, GV_ENV_LIMIT "_%d", ordinal);
@@ -205,26 +395,24 @@ static int ordinal_ok(const char *s, size_t len)
     return 1;
 }
 
-extern char **environ;
-
 /* The environment the limits are read from: this thread's override
- * (limits_use_env), else the process's. */
-static _Thread_local const char *const *t_env;
-
+ * (limits_use_env, t_env), else the process's. */
 void limits_use_env(const char *const *env)
 {
     t_env = env;
+    t_file.state = LF_NONE;             /* loaded again for this one */
 }
 
 const char *limits_getenv(const char *name)
 {
-    if (t_env == NULL)
-        return getenv(name);
-    size_t n = strlen(name);
-    for (const char *const *e = t_env; *e != NULL; e++)
-        if (strncmp(*e, name, n) == 0 && (*e)[n] == '=')
-            return *e + n + 1;
-    return NULL;
+    if (file_name(name, strlen(name)) && file_state(0) != LF_NONE) {
+        size_t n = strlen(name);
+        for (const char *const *e = t_file.entry; t_file.state == LF_OK && *e != NULL; e++)
+            if (strncmp(*e, name, n) == 0 && (*e)[n] == '=')
+                return *e + n + 1;
+        return NULL;                    /* a bad file: the checks report it */
+    }
+    return raw_getenv(name);
 }
 
 /* Check every variable of the family BASE and BASE_<ordinal> in the
@@ -234,8 +422,10 @@ static int check_family(const char *base, const char *(*why_bad)(const char *),
                         char *err, size_t errlen)
 {
     const size_t plen = strlen(base);
-    for (const char *const *e = t_env != NULL ? t_env : (const char *const *)environ;
-         e != NULL && *e != NULL; e++) {
+    const char *const *vars = t_env != NULL ? t_env : (const char *const *)environ;
+    if (file_state(0) == LF_OK)
+        vars = t_file.entry;
+    for (const char *const *e = vars; e != NULL && *e != NULL; e++) {
         const char *kv = *e;
         const char *eq = strchr(kv, '=');
         if (strncmp(kv, base, plen) != 0 || eq == NULL)
@@ -268,6 +458,8 @@ static const char *memory_why_bad(const char *value)
 
 int limits_check_env(char *err, size_t errlen)
 {
+    if (file_check(1, err, errlen) != GV_OK)
+        return GV_EINVAL;
     return check_family(GV_ENV_LIMIT, memory_why_bad, err, errlen);
 }
 
@@ -341,6 +533,8 @@ int limits_sm_for_ordinal(int ordinal, unsigned *pct, char *err, size_t errlen)
     const char *value = NULL;
     if (pct == NULL)
         return GV_EINVAL;
+    if (file_check(0, err, errlen) != GV_OK)
+        return GV_EINVAL;
     if (ordinal >= 0) {
         snprintf(name, sizeof name, GV_ENV_SM_LIMIT "_%d", ordinal);
         value = limits_getenv(name);
@@ -379,7 +573,8 @@ static const char *sm_why_bad(const char *value)
 
 int limits_sm_check_env(char *err, size_t errlen)
 {
-    if (check_family(GV_ENV_SM_LIMIT, sm_why_bad, err, errlen) != GV_OK)
+    if (file_check(0, err, errlen) != GV_OK ||
+        check_family(GV_ENV_SM_LIMIT, sm_why_bad, err, errlen) != GV_OK)
         return GV_EINVAL;
     const char *v = limits_getenv(GV_ENV_SM_POLICY);
     if (v != NULL && v[0] != '\0' && word_index(v, sm_policies, 3) < 0) {

@@ -14,6 +14,14 @@
  *
  * These run at process initialisation, not on the allocation path; they
  * read the environment every time (nothing is cached).
+ *
+ * GPUVISOR_LIMITS_FILE: when set, the limit variables below (the memory and
+ * SM limit families, GPUVISOR_SM_POLICY, GPU_CORE_UTILIZATION_POLICY,
+ * CUDA_TASK_PRIORITY) are read from that file (NAME=value lines, # comments)
+ * instead of the environment, with the same grammar; a file that is missing,
+ * malformed or empty is reported by limits_check_env, and by
+ * limits_memory_for_ordinal / limits_sm_for_ordinal, so it fails closed.
+ * gpuvisor device-plugin writes it for each container.
  */
 #ifndef GV_LIMITS_H
 #define GV_LIMITS_H

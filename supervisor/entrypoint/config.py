@@ -42,6 +42,7 @@ from ..paths import (
 # Variables the shim reads (HAMi's names).
 ENV_MEMORY = "CUDA_DEVICE_MEMORY_LIMIT"
 ENV_SM = "CUDA_DEVICE_SM_LIMIT"
+ENV_LIMITS_FILE = "GPUVISOR_LIMITS_FILE"
 ENV_POLICY = "GPUVISOR_SM_POLICY"
 ENV_HAMI_POLICY = "GPU_CORE_UTILIZATION_POLICY"
 ENV_PRIORITY = "CUDA_TASK_PRIORITY"
@@ -132,6 +133,10 @@ def env_limits(env: Mapping[str, str]) -> EnvLimits:
         return any(_PER_DEVICE[kind].fullmatch(k) and v for k, v in env.items())
 
     items = tuple(env.items())
+    if env.get(ENV_LIMITS_FILE):
+        # The limits are in the file (gpuvisor device-plugin's), which only
+        # the library reads: every device's limits are asked of it.
+        return EnvLimits(None, None, False, items)
     memory = None if per_device("memory") else (_env(env, ENV_MEMORY) or "")
     if env.get(ENV_HAMI_POLICY, "").strip().lower() == "disable":
         return EnvLimits(memory, None, True, items)  # the library configures no SM limit
