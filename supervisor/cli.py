@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 
 import click
+from gpuvisor.cluster.deviceplugin.cli import device_plugin
 from gpuvisor.shim.cli import shim_info
 
 from .agent.cli import node_agent
@@ -22,6 +23,7 @@ COMMANDS: tuple[click.Command, ...] = (
     status,
     top,
     demo,
+    device_plugin,
 )
 
 

@@ -1,0 +1,135 @@
+"""`gpuvisor device-plugin`: kubelet's device plugin for shared GPUs."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from pathlib import Path
+from types import FrameType
+
+import click
+
+from .gpus import NvmlGpus
+from .kube import KubePods
+from .owners import DEFAULT_SOCKET as POD_RESOURCES_SOCKET
+from .owners import PodResourcesOwners
+from .replicas import DEFAULT_SPLIT_COUNT
+from .runner import DEFAULT_ENDPOINT, DEFAULT_PLUGIN_DIR, PluginRunner
+from .service import DevicePluginService, PluginConfig
+
+_defaults = PluginConfig()
+
+
+@click.command("device-plugin")
+@click.option(
+    "--resource",
+    default=_defaults.resource,
+    show_default=True,
+    help="The extended resource the GPUs are advertised as.",
+)
+@click.option(
+    "--split-count",
+    type=click.IntRange(1, 1000),
+    default=DEFAULT_SPLIT_COUNT,
+    show_default=True,
+    help="Replicas per GPU (HAMi's deviceSplitCount): how many containers may share one.",
+)
+@click.option(
+    "--node-name",
+    envvar="NODE_NAME",
+    default="",
+    show_default="$NODE_NAME",
+    help="This node's name: GetPreferredAllocation prefers the GPUs of the pods bound to it.",
+)
+@click.option(
+    "--plugin-dir",
+    type=click.Path(path_type=Path),
+    default=DEFAULT_PLUGIN_DIR,
+    show_default=True,
+    help="kubelet's device-plugins directory (kubelet.sock).",
+)
+@click.option(
+    "--endpoint",
+    default=DEFAULT_ENDPOINT,
+    show_default=True,
+    help="This plugin's socket, a file name in --plugin-dir.",
+)
+@click.option(
+    "--pod-resources-socket",
+    type=click.Path(path_type=Path),
+    default=Path(POD_RESOURCES_SOCKET),
+    show_default=True,
+    help="kubelet's PodResources API socket.",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(path_type=Path),
+    default=_defaults.state_dir,
+    show_default=True,
+    help="Host directory of the per-container directories (region, limits file); "
+    "the plugin must see it at the same path.",
+)
+@click.option(
+    "--lib-dir",
+    type=click.Path(path_type=Path),
+    default=_defaults.lib_dir,
+    show_default=True,
+    help="Host directory holding libgpuvisor.so, mounted read-only into containers.",
+)
+@click.option(
+    "--node-dir",
+    type=click.Path(path_type=Path),
+    default=_defaults.node_dir,
+    show_default=True,
+    help="Host directory of the node agent's socket, mounted into containers.",
+)
+@click.option(
+    "--health-interval",
+    type=click.FloatRange(0.1),
+    default=5.0,
+    show_default=True,
+    help="Seconds between NVML health checks.",
+)
+def device_plugin(
+    resource: str,
+    split_count: int,
+    node_name: str,
+    plugin_dir: Path,
+    endpoint: str,
+    pod_resources_socket: Path,
+    state_dir: Path,
+    lib_dir: Path,
+    node_dir: Path,
+    health_interval: float,
+) -> None:
+    """Serve kubelet's device plugin API for RESOURCE on this node.
+
+    Each GPU is advertised SPLIT-COUNT times.  Allocate gives a container
+    the library, the node socket and a directory of its own; just before
+    the container starts (PreStartContainer), the plugin asks kubelet's
+    PodResources API whose container it is and writes that pod's limits
+    (its gpuvisor.io/allocation annotation) into the container's limits
+    file.  Re-registers whenever kubelet restarts.  See docs/kubernetes.md.
+    """
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if "/" in endpoint or not endpoint:
+        raise click.BadParameter(f"{endpoint!r}: must be a file name", param_hint="--endpoint")
+    config = PluginConfig(
+        resource=resource,
+        split_count=split_count,
+        node_name=node_name,
+        state_dir=state_dir,
+        lib_dir=lib_dir,
+        node_dir=node_dir,
+    )
+    service = DevicePluginService(
+        config, NvmlGpus(), KubePods(), PodResourcesOwners(str(pod_resources_socket))
+    )
+    runner = PluginRunner(service, plugin_dir, endpoint, health_interval)
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        runner.stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    runner.run()

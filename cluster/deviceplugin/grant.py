@@ -1,0 +1,122 @@
+"""A pod's placement as the device plugin reads it from the pod's
+`gpuvisor.io/allocation` annotation (JSON, one object per pod):
+
+    {"pod": "ns/name", "node": "n1", "containers": [
+        {"name": "main", "gpus": [{"uuid": "GPU-...", "index": 0,
+         "memory_mib": 3000, "cores": 30, "mig": null}],
+         "sm_policy": null, "priority": null}]}
+
+The allocator (gpuvisor.cluster) owns this format and writes it; this
+module reads only the fields the plugin acts on, and refuses anything it
+cannot act on with one line that names the field.  When the allocator's
+reader is on main, this module becomes a thin use of it."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+ANNOTATION = "gpuvisor.io/allocation"
+
+
+class GrantError(ValueError):
+    """A malformed allocation: the message names the field and the value."""
+
+
+@dataclass(frozen=True)
+class GpuGrant:
+    uuid: str
+    index: int
+    memory_mib: int
+    cores: int  # percent of the GPU's time; 0: no limit
+    mig: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class ContainerGrant:
+    name: str
+    gpus: tuple[GpuGrant, ...]
+    init: bool = False
+    sm_policy: str | None = None
+    priority: int | None = None
+
+
+@dataclass(frozen=True)
+class PodGrant:
+    pod: str
+    node: str
+    containers: tuple[ContainerGrant, ...]
+
+    def container(self, name: str) -> ContainerGrant | None:
+        for c in self.containers:
+            if c.name == name:
+                return c
+        return None
+
+
+def _bad(path: str, why: str, value: Any) -> GrantError:
+    return GrantError(f"{ANNOTATION}: {path}={json.dumps(value)[:80]}: {why}")
+
+
+def _str(m: dict[str, Any], key: str, path: str) -> str:
+    v = m.get(key)
+    if not isinstance(v, str) or not v:
+        raise _bad(f"{path}.{key}", "must be a non-empty string", v)
+    return v
+
+
+def _int(m: dict[str, Any], key: str, path: str, lo: int, hi: int | None = None) -> int:
+    v = m.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo or (hi is not None and v > hi):
+        rng = f"from {lo}" + (f" to {hi}" if hi is not None else "")
+        raise _bad(f"{path}.{key}", f"must be a whole number {rng}", v)
+    return v
+
+
+def _obj(v: Any, path: str) -> dict[str, Any]:
+    if not isinstance(v, dict):
+        raise _bad(path, "must be an object", v)
+    return v
+
+
+def _list(v: Any, path: str) -> list[Any]:
+    if not isinstance(v, list):
+        raise _bad(path, "must be a list", v)
+    return v
+
+
+def parse_grant(text: str) -> PodGrant:
+    """The PodGrant of an annotation value; GrantError names what is wrong."""
+    try:
+        doc = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise GrantError(f"{ANNOTATION}: not JSON ({exc.msg} at {exc.pos})") from None
+    m = _obj(doc, "allocation")
+    containers = []
+    for i, c in enumerate(_list(m.get("containers"), "containers")):
+        cp = f"containers[{i}]"
+        cm = _obj(c, cp)
+        gpus = []
+        for j, g in enumerate(_list(cm.get("gpus", []), f"{cp}.gpus")):
+            gp = f"{cp}.gpus[{j}]"
+            gm = _obj(g, gp)
+            mig = gm.get("mig")
+            gpus.append(
+                GpuGrant(
+                    uuid=_str(gm, "uuid", gp),
+                    index=_int(gm, "index", gp, 0),
+                    memory_mib=_int(gm, "memory_mib", gp, 1),
+                    cores=_int(gm, "cores", gp, 0, 100),
+                    mig=None if mig is None else _obj(mig, f"{gp}.mig"),
+                )
+            )
+        policy = cm.get("sm_policy")
+        if policy is not None and policy not in ("fixed-share", "burst-share", "best-effort"):
+            raise _bad(f"{cp}.sm_policy", "use fixed-share, burst-share or best-effort", policy)
+        priority = None if cm.get("priority") is None else _int(cm, "priority", cp, 0, 1)
+        init = cm.get("init", False)
+        if not isinstance(init, bool):
+            raise _bad(f"{cp}.init", "must be true or false", init)
+        containers.append(ContainerGrant(_str(cm, "name", cp), tuple(gpus), init, policy, priority))
+    return PodGrant(_str(m, "pod", "allocation"), _str(m, "node", "allocation"), tuple(containers))

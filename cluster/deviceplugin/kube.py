@@ -1,0 +1,59 @@
+"""The device plugin's view of the Kubernetes API: a pod's allocation
+annotation (read when its container starts), and the placements bound to
+this node that no container has realised yet (GetPreferredAllocation).
+
+PodSource is what the plugin needs; KubePods reads it with the Kubernetes
+client; tests pass their own."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from .grant import ANNOTATION, GrantError, PodGrant, parse_grant
+
+
+class PodSource(Protocol):
+    def allocation(self, namespace: str, pod: str) -> str | None:
+        """The pod's `gpuvisor.io/allocation` annotation; None if it has none."""
+        ...
+
+    def bound(self, node: str) -> list[PodGrant]:
+        """The grants of the pods bound to node, oldest bind first."""
+        ...
+
+
+class KubePods:
+    """PodSource through the Kubernetes API (in-cluster config, else kubeconfig)."""
+
+    def __init__(self, api: Any = None) -> None:
+        if api is None:
+            from kubernetes import client, config
+
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+            api = client.CoreV1Api()
+        self.api = api
+
+    def allocation(self, namespace: str, pod: str) -> str | None:
+        p = self.api.read_namespaced_pod(pod, namespace)
+        annotations = p.metadata.annotations or {}
+        value = annotations.get(ANNOTATION)
+        return value if isinstance(value, str) else None
+
+    def bound(self, node: str) -> list[PodGrant]:
+        pods = self.api.list_pod_for_all_namespaces(
+            field_selector=f"spec.nodeName={node},status.phase=Pending"
+        ).items
+        pods.sort(key=lambda p: p.metadata.creation_timestamp)
+        out = []
+        for p in pods:
+            text = (p.metadata.annotations or {}).get(ANNOTATION)
+            if not isinstance(text, str):
+                continue
+            try:
+                out.append(parse_grant(text))
+            except GrantError:
+                continue  # PreStartContainer reports it, for the pod concerned
+        return out

@@ -1,0 +1,55 @@
+"""Which pod and container hold a set of device IDs, from kubelet's
+PodResources API (v1 `List`, GA since Kubernetes 1.28): by the time kubelet
+calls PreStartContainer, its device manager has recorded the container's
+devices, so the owner is a fact kubelet states, not a guess."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+from gpuvisor.cluster.deviceplugin.api import podresources_v1_pb2_grpc as pr_grpc
+
+from .api import podresources_v1_pb2 as pr
+
+DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+
+
+@dataclass(frozen=True)
+class Owner:
+    namespace: str
+    pod: str
+    container: str
+
+    @property
+    def pod_key(self) -> str:
+        return f"{self.namespace}/{self.pod}"
+
+
+class OwnerLookup(Protocol):
+    def owners(self, resource: str, device_ids: Collection[str]) -> list[Owner]: ...
+
+
+class PodResourcesOwners:
+    """Asks kubelet's PodResources socket (one List per question)."""
+
+    def __init__(self, socket: str = DEFAULT_SOCKET, timeout: float = 10.0) -> None:
+        self.socket = socket
+        self.timeout = timeout
+
+    def owners(self, resource: str, device_ids: Collection[str]) -> list[Owner]:
+        """The containers whose devices of resource are exactly device_ids."""
+        want = set(device_ids)
+        with grpc.insecure_channel(f"unix://{self.socket}") as channel:
+            reply = pr_grpc.PodResourcesListerStub(channel).List(
+                pr.ListPodResourcesRequest(), timeout=self.timeout
+            )
+        found = []
+        for pod in reply.pod_resources:
+            for c in pod.containers:
+                ids = {d for cd in c.devices if cd.resource_name == resource for d in cd.device_ids}
+                if ids == want:
+                    found.append(Owner(pod.namespace, pod.name, c.name))
+        return found

@@ -1,0 +1,346 @@
+"""The DevicePlugin gRPC service kubelet calls (v1beta1).
+
+Allocate hands each container the library, the node socket, the GPUs and a
+fresh directory of its own, and sets no limit: kubelet does not say whose
+container it is.  PreStartContainer, which kubelet calls right before it
+starts the container, asks kubelet's PodResources API which pod and
+container hold the device IDs, reads that pod's allocation annotation and
+writes the container's limits file into its directory.  So a container gets
+its own pod's limits, and nothing serialises pods on a node.  Whatever goes
+wrong there fails the container's start with one clear line; it never
+starts without limits (the library refuses a missing limits file)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import shutil
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+from gpuvisor.cluster.deviceplugin.api import deviceplugin_v1beta1_pb2_grpc as dp_grpc
+
+from . import limits_file
+from .api import deviceplugin_v1beta1_pb2 as dp
+from .gpus import Gpu, GpuSource
+from .grant import ContainerGrant, GrantError, parse_grant
+from .kube import PodSource
+from .owners import Owner, OwnerLookup
+from .preferred import preferred
+from .replicas import DEFAULT_SPLIT_COUNT, Replicas, UnknownDevice
+
+log = logging.getLogger("gpuvisor.device-plugin")
+
+HEALTHY = "Healthy"
+UNHEALTHY = "Unhealthy"
+
+# Where a container sees what Allocate mounts (docs/kubernetes.md).
+CONTAINER_LIB_DIR = "/usr/local/gpuvisor/lib"
+CONTAINER_REGION_DIR = "/var/lib/gpuvisor"
+CONTAINER_LIMITS_DIR = "/etc/gpuvisor"
+CONTAINER_NODE_DIR = "/run/gpuvisor"
+LIBRARY = "libgpuvisor.so"
+REGION_FILE = "region.shr"
+DEVICES_FILE = "devices.json"  # the replica IDs a directory was allocated for
+OWNER_FILE = "owner.json"  # the pod/container whose limits it holds
+CLAIM_SECONDS = 120.0  # a preference not followed by a container start by then lapses
+
+
+@dataclass(frozen=True)
+class PluginConfig:
+    resource: str = "nvidia.com/gpu"
+    split_count: int = DEFAULT_SPLIT_COUNT
+    node_name: str = ""
+    # host paths (the plugin sees them at the same paths)
+    state_dir: Path = Path("/var/lib/gpuvisor/containers")
+    lib_dir: Path = Path("/usr/local/gpuvisor/lib")
+    node_dir: Path = Path("/run/gpuvisor")
+
+
+class PreStartRefused(Exception):
+    """PreStartContainer cannot give the container its limits: the message
+    says why, and kubelet fails the container's start with it."""
+
+
+class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
+    def __init__(
+        self,
+        config: PluginConfig,
+        gpus: GpuSource,
+        pods: PodSource,
+        owners: OwnerLookup,
+    ) -> None:
+        self.config = config
+        self.source = gpus
+        self.replicas = Replicas(tuple(gpus.gpus()), config.split_count)
+        self.pods = pods
+        self.owners = owners
+        self._cond = threading.Condition()
+        self._unhealthy: dict[str, str] = {}
+        self._generation = 0
+        self._stopping = False
+        self._lock = threading.Lock()  # _dirs, _realised
+        self._dirs: dict[frozenset[str], list[Path]] = {}
+        self._realised: set[tuple[str, str]] = set()
+        # placements GetPreferredAllocation steered a request to, until
+        # their container starts: (pod, container) -> when
+        self._claimed: dict[tuple[str, str], float] = {}
+        config.state_dir.mkdir(parents=True, exist_ok=True)
+        self._load_dirs()
+
+    # ---- health --------------------------------------------------------
+
+    def set_unhealthy(self, unhealthy: dict[str, str]) -> None:
+        """The GPUs unhealthy now (uuid -> why); ListAndWatch streams the change."""
+        with self._cond:
+            if unhealthy == self._unhealthy:
+                return
+            for uuid, why in unhealthy.items():
+                if uuid not in self._unhealthy:
+                    log.warning("GPU %s unhealthy: %s", uuid, why)
+            for uuid in self._unhealthy.keys() - unhealthy.keys():
+                log.info("GPU %s healthy again", uuid)
+            self._unhealthy = dict(unhealthy)
+            self._generation += 1
+            self._cond.notify_all()
+
+    def poll_health(self) -> None:
+        self.set_unhealthy(self.source.unhealthy())
+
+    def stop_streams(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    def devices(self) -> list[dp.Device]:
+        out = []
+        with self._cond:
+            bad = set(self._unhealthy)
+        for g in self.replicas.gpus:
+            topo = None
+            if g.numa_node is not None:
+                topo = dp.TopologyInfo(nodes=[dp.NUMANode(ID=g.numa_node)])
+            health = UNHEALTHY if g.uuid in bad else HEALTHY
+            out += [dp.Device(ID=d, health=health, topology=topo) for d in self.replicas.ids(g)]
+        return out
+
+    # ---- the gRPC methods ---------------------------------------------
+
+    def GetDevicePluginOptions(self, request: dp.Empty, context: Any) -> dp.DevicePluginOptions:
+        return options()
+
+    def ListAndWatch(self, request: dp.Empty, context: Any) -> Iterator[dp.ListAndWatchResponse]:
+        seen = -1
+        while context.is_active():
+            with self._cond:
+                if self._stopping:
+                    return
+                if seen == self._generation:
+                    self._cond.wait(timeout=1.0)
+                    continue
+                seen = self._generation
+            yield dp.ListAndWatchResponse(devices=self.devices())
+
+    def GetPreferredAllocation(
+        self, request: dp.PreferredAllocationRequest, context: Any
+    ) -> dp.PreferredAllocationResponse:
+        try:
+            candidates = self._unrealised()
+        except Exception as exc:  # the API may be away: spread instead
+            log.warning("GetPreferredAllocation: cannot list this node's pods: %s", exc)
+            candidates = []
+        out = []
+        with self._lock:
+            now = time.monotonic()
+            self._claimed = {k: t for k, t in self._claimed.items() if now - t < CLAIM_SECONDS}
+            for r in request.container_requests:
+                open_ = [(k, c) for k, c in candidates if k not in self._claimed]
+                ids, n = preferred(
+                    self.replicas,
+                    list(r.available_deviceIDs),
+                    list(r.must_include_deviceIDs),
+                    r.allocation_size,
+                    [c for _, c in open_],
+                )
+                if n is not None:
+                    self._claimed[open_[n][0]] = now
+                    log.info("GetPreferredAllocation: %s for %s/%s", ids, *open_[n][0])
+                out.append(dp.ContainerPreferredAllocationResponse(deviceIDs=ids))
+        return dp.PreferredAllocationResponse(container_responses=out)
+
+    def Allocate(self, request: dp.AllocateRequest, context: Any) -> dp.AllocateResponse:
+        out = []
+        for r in request.container_requests:
+            try:
+                gpus = self.replicas.physical(r.devices_ids)
+            except UnknownDevice as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                raise  # abort raises
+            out.append(self._allocate(list(r.devices_ids), gpus))
+        return dp.AllocateResponse(container_responses=out)
+
+    def PreStartContainer(
+        self, request: dp.PreStartContainerRequest, context: Any
+    ) -> dp.PreStartContainerResponse:
+        try:
+            self.prestart(list(request.devices_ids))
+        except PreStartRefused as exc:
+            log.error("PreStartContainer: %s", exc)
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"gpuvisor: {exc}")
+            raise  # abort raises
+        return dp.PreStartContainerResponse()
+
+    # ---- Allocate ----------------------------------------------------
+
+    def _allocate(self, ids: list[str], gpus: list[Gpu]) -> dp.ContainerAllocateResponse:
+        cfg = self.config
+        top = cfg.state_dir / secrets.token_hex(8)
+        (top / "region").mkdir(parents=True)
+        (top / "limits").mkdir()
+        # The container may run as any user: its region directory is its own.
+        os.chmod(top / "region", 0o1777)
+        os.chmod(top / "limits", 0o755)
+        (top / DEVICES_FILE).write_text(json.dumps(sorted(ids)))
+        with self._lock:
+            self._dirs.setdefault(frozenset(ids), []).append(top)
+        visible = ",".join(g.uuid for g in gpus)
+        envs = {
+            "NVIDIA_VISIBLE_DEVICES": visible,
+            "CUDA_VISIBLE_DEVICES": visible,
+            "LD_PRELOAD": f"{CONTAINER_LIB_DIR}/{LIBRARY}",
+            "CUDA_DEVICE_MEMORY_SHARED_CACHE": f"{CONTAINER_REGION_DIR}/{REGION_FILE}",
+            "GPUVISOR_LIMITS_FILE": f"{CONTAINER_LIMITS_DIR}/{limits_file.FILE_NAME}",
+            "GPUVISOR_NODE_SOCKET": f"{CONTAINER_NODE_DIR}/node.sock",
+            "GPUVISOR_NODE_LOCK": f"{CONTAINER_NODE_DIR}/context.lock",
+        }
+        mounts = [
+            dp.Mount(container_path=CONTAINER_LIB_DIR, host_path=str(cfg.lib_dir), read_only=True),
+            dp.Mount(
+                container_path=CONTAINER_REGION_DIR, host_path=str(top / "region"), read_only=False
+            ),
+            dp.Mount(
+                container_path=CONTAINER_LIMITS_DIR, host_path=str(top / "limits"), read_only=True
+            ),
+            dp.Mount(
+                container_path=CONTAINER_NODE_DIR, host_path=str(cfg.node_dir), read_only=False
+            ),
+        ]
+        log.info("Allocate %s -> %s (%s)", ids, top.name, visible)
+        return dp.ContainerAllocateResponse(envs=envs, mounts=mounts)
+
+    def _load_dirs(self) -> None:
+        """The directories of earlier runs (a plugin restart between a
+        container's Allocate and its PreStartContainer)."""
+        for top in sorted(self.config.state_dir.iterdir(), key=lambda p: p.stat().st_mtime):
+            try:
+                ids = json.loads((top / DEVICES_FILE).read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(ids, list) and all(isinstance(i, str) for i in ids):
+                self._dirs.setdefault(frozenset(ids), []).append(top)
+
+    # ---- PreStartContainer --------------------------------------------
+
+    def prestart(self, ids: list[str]) -> None:
+        cfg = self.config
+        try:
+            gpus = self.replicas.physical(ids)
+        except UnknownDevice as exc:
+            raise PreStartRefused(str(exc)) from None
+        with self._lock:
+            dirs = list(self._dirs.get(frozenset(ids), []))
+        if not dirs:
+            raise PreStartRefused(f"devices {sorted(ids)}: no Allocate was seen for them")
+        try:
+            owners = self.owners.owners(cfg.resource, ids)
+        except grpc.RpcError as exc:
+            raise PreStartRefused(
+                f"devices {sorted(ids)}: kubelet's PodResources API did not answer "
+                f"({exc.code().name}: {exc.details()})"
+            ) from None
+        if not owners:
+            raise PreStartRefused(
+                f"devices {sorted(ids)}: kubelet's PodResources API names no container "
+                "that holds exactly these devices"
+            )
+        texts = {self._limits_text(o, gpus) for o in owners}
+        if len(texts) != 1:
+            who = ", ".join(f"{o.pod_key}/{o.container}" for o in owners)
+            raise PreStartRefused(
+                f"devices {sorted(ids)}: held by {who}, whose allocations give different limits"
+            )
+        text = texts.pop()
+        owner = owners[0]
+        stamp = json.dumps([owner.namespace, owner.pod])
+        written = 0
+        for top in dirs:
+            if not top.is_dir():
+                continue
+            mark = top / OWNER_FILE
+            if mark.exists() and mark.read_text() != stamp:
+                # A pod that held these IDs before and is gone: not this one.
+                shutil.rmtree(top, ignore_errors=True)
+                with self._lock:
+                    kept = [d for d in self._dirs.get(frozenset(ids), []) if d != top]
+                    self._dirs[frozenset(ids)] = kept
+                continue
+            limits_file.write(top / "limits", text)
+            mark.write_text(stamp)
+            written += 1
+        if written == 0:
+            raise PreStartRefused(f"devices {sorted(ids)}: their Allocate directory is gone")
+        with self._lock:
+            for o in owners:
+                self._realised.add((o.pod_key, o.container))
+                self._claimed.pop((o.pod_key, o.container), None)
+        log.info(
+            "PreStartContainer %s: limits of %s/%s", sorted(ids), owner.pod_key, owner.container
+        )
+
+    def _limits_text(self, owner: Owner, gpus: list[Gpu]) -> str:
+        try:
+            text = self.pods.allocation(owner.namespace, owner.pod)
+        except Exception as exc:
+            raise PreStartRefused(
+                f"pod {owner.pod_key}: cannot read its allocation from the API: {exc}"
+            ) from None
+        if text is None:
+            raise PreStartRefused(
+                f"pod {owner.pod_key} has no gpuvisor.io/allocation annotation (it was not "
+                f"placed by gpuvisor's scheduler): container {owner.container} is not started "
+                "without limits"
+            )
+        try:
+            grant = parse_grant(text)
+            c = grant.container(owner.container)
+            if c is None:
+                raise GrantError(
+                    f"pod {owner.pod_key}: its allocation has no container {owner.container}"
+                )
+            return limits_file.render(owner.pod_key, c, gpus)
+        except GrantError as exc:
+            raise PreStartRefused(str(exc)) from None
+
+    def _unrealised(self) -> list[tuple[tuple[str, str], ContainerGrant]]:
+        """The containers of the pods bound here that have not started yet."""
+        if not self.config.node_name:
+            return []
+        with self._lock:
+            done = set(self._realised)
+        return [
+            ((pod.pod, c.name), c)
+            for pod in self.pods.bound(self.config.node_name)
+            for c in pod.containers
+            if c.gpus and (pod.pod, c.name) not in done
+        ]
+
+
+def options() -> dp.DevicePluginOptions:
+    return dp.DevicePluginOptions(pre_start_required=True, get_preferred_allocation_available=True)

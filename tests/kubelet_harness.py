@@ -1,0 +1,324 @@
+"""kubelet's side of the device plugin API, for tests: the real gRPC
+protocol over unix sockets, as kubelet's device manager speaks it.
+
+- a Registration server on <plugin dir>/kubelet.sock that validates
+  Register (version v1beta1, a bare endpoint file name in the same
+  directory, a domain/name resource) and then dials the plugin back:
+  GetDevicePluginOptions, and a ListAndWatch stream kept in a health map;
+- admit(pod): per container, in order (init containers first), choose
+  healthy free IDs, ask GetPreferredAllocation when the plugin offers it
+  (its answer is used only if it is a valid subset of the right size),
+  call Allocate with one container request and record pod/container -> IDs;
+- a PodResources server (v1 List and Get) that serves those records;
+- start(pod, container): PreStartContainer when the plugin requires it;
+- restart(): what a kubelet restart does to the directory (every socket in
+  it removed, kubelet.sock created again), so the plugin must re-register;
+- run(): the container's command on the simulated node with exactly the
+  environment and mounts Allocate returned.  Without mount namespaces, the
+  mounts are applied by translating each container path in the
+  environment to its host path (a read-only mount is not enforced).
+
+Kubelet behaviour not reproduced: devices of init containers are not
+handed on to the pod's app containers (each container gets its own), and
+admission is serial as in kubelet (one pod at a time) while container
+starts run concurrently.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from gpuvisor.cluster.deviceplugin.api import deviceplugin_v1beta1_pb2 as dp
+from gpuvisor.cluster.deviceplugin.api import deviceplugin_v1beta1_pb2_grpc as dp_grpc
+from gpuvisor.cluster.deviceplugin.api import podresources_v1_pb2 as pr
+from gpuvisor.cluster.deviceplugin.api import podresources_v1_pb2_grpc as pr_grpc
+
+from tests.helpers import REPO_ROOT
+
+PRESTART_TIMEOUT = 30.0  # kubelet's
+RESOURCE_RE = r"^[a-z0-9.-]+/[a-z0-9.-]+$"
+
+
+@dataclass
+class Container:
+    name: str
+    gpus: int  # replicas of the resource asked
+    init: bool = False
+
+
+@dataclass
+class Pod:
+    namespace: str
+    name: str
+    containers: list[Container]
+
+    @property
+    def key(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+@dataclass
+class Registered:
+    request: dp.RegisterRequest
+    options: dp.DevicePluginOptions
+    channel: grpc.Channel
+    stub: dp_grpc.DevicePluginStub
+
+
+class AdmissionError(Exception):
+    pass
+
+
+@dataclass
+class _State:
+    devices: dict[str, str] = field(default_factory=dict)  # ID -> health
+    updates: int = 0
+    assigned: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+    pods: dict[tuple[str, str], Pod] = field(default_factory=dict)
+
+
+class _Registration(dp_grpc.RegistrationServicer):
+    def __init__(self, kubelet: FakeKubelet) -> None:
+        self.kubelet = kubelet
+
+    def Register(self, request, context):
+        problem = self.kubelet.validate(request)
+        if problem:
+            self.kubelet.refused.append(problem)
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        # kubelet answers, then dials the plugin back
+        threading.Thread(target=self.kubelet.connect, args=(request,), daemon=True).start()
+        return dp.Empty()
+
+
+class _PodResources(pr_grpc.PodResourcesListerServicer):
+    def __init__(self, kubelet: FakeKubelet) -> None:
+        self.kubelet = kubelet
+
+    def List(self, request, context):
+        return pr.ListPodResourcesResponse(pod_resources=self.kubelet.pod_resources())
+
+    def Get(self, request, context):
+        for p in self.kubelet.pod_resources():
+            if p.name == request.pod_name and p.namespace == request.pod_namespace:
+                return pr.GetPodResourcesResponse(pod_resources=p)
+        context.abort(grpc.StatusCode.NOT_FOUND, f"pod {request.pod_namespace}/{request.pod_name}")
+        return None
+
+
+class FakeKubelet:
+    def __init__(self, plugin_dir: Path, pod_resources_socket: Path) -> None:
+        self.plugin_dir = plugin_dir
+        self.pod_resources_socket = pod_resources_socket
+        plugin_dir.mkdir(parents=True, exist_ok=True)
+        pod_resources_socket.parent.mkdir(parents=True, exist_ok=True)
+        self.cond = threading.Condition()
+        self.state = _State()
+        self.registered: Registered | None = None
+        self.registrations: list[dp.RegisterRequest] = []
+        self.refused: list[str] = []
+        self._admit = threading.Lock()
+        self._reg_server: grpc.Server | None = None
+        self._pr_server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+        pr_grpc.add_PodResourcesListerServicer_to_server(_PodResources(self), self._pr_server)
+        self._pr_server.add_insecure_port(f"unix://{pod_resources_socket}")
+        self._pr_server.start()
+        self._start_registration()
+
+    # ---- registration and the plugin's device list --------------------
+
+    def _start_registration(self) -> None:
+        server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        dp_grpc.add_RegistrationServicer_to_server(_Registration(self), server)
+        server.add_insecure_port(f"unix://{self.plugin_dir / 'kubelet.sock'}")
+        server.start()
+        self._reg_server = server
+
+    def validate(self, r: dp.RegisterRequest) -> str:
+        import re
+
+        if r.version != "v1beta1":
+            return f"version {r.version!r} is not supported"
+        if not r.endpoint or "/" in r.endpoint or not (self.plugin_dir / r.endpoint).exists():
+            return f"endpoint {r.endpoint!r} is not a socket in {self.plugin_dir}"
+        if not re.match(RESOURCE_RE, r.resource_name):
+            return f"resource name {r.resource_name!r} is not domain/name"
+        return ""
+
+    def connect(self, request: dp.RegisterRequest) -> None:
+        channel = grpc.insecure_channel(f"unix://{self.plugin_dir / request.endpoint}")
+        stub = dp_grpc.DevicePluginStub(channel)
+        opts = stub.GetDevicePluginOptions(dp.Empty(), timeout=10)
+        with self.cond:
+            self.registered = Registered(request, opts, channel, stub)
+            self.registrations.append(request)
+            self.cond.notify_all()
+        try:
+            for reply in stub.ListAndWatch(dp.Empty()):
+                with self.cond:
+                    self.state.devices = {d.ID: d.health for d in reply.devices}
+                    self.state.updates += 1
+                    self.cond.notify_all()
+        except grpc.RpcError:
+            pass  # the plugin went away (restart, stop)
+
+    def wait(self, predicate, timeout: float = 10.0) -> None:
+        with self.cond:
+            if not self.cond.wait_for(predicate, timeout):
+                raise TimeoutError("kubelet harness: condition not reached")
+
+    def wait_registered(self, count: int = 1, timeout: float = 10.0) -> Registered:
+        self.wait(lambda: len(self.registrations) >= count and bool(self.state.devices), timeout)
+        assert self.registered is not None
+        return self.registered
+
+    def restart(self) -> None:
+        """kubelet restarts: its sockets and every plugin's socket are removed,
+        then kubelet.sock is created again; the device list is forgotten."""
+        assert self._reg_server is not None
+        self._reg_server.stop(grace=None).wait()
+        with self.cond:
+            if self.registered is not None:
+                self.registered.channel.close()
+            self.registered = None
+            self.state.devices = {}
+        for sock in self.plugin_dir.iterdir():
+            if sock.is_socket():
+                sock.unlink()
+        time.sleep(0.05)
+        self._start_registration()
+
+    def stop(self) -> None:
+        if self._reg_server is not None:
+            self._reg_server.stop(grace=None).wait()
+        self._pr_server.stop(grace=None).wait()
+        if self.registered is not None:
+            self.registered.channel.close()
+
+    # ---- admission and container start -------------------------------
+
+    def _free(self) -> list[str]:
+        held = {d for ids in self.state.assigned.values() for d in ids}
+        return [d for d, h in self.state.devices.items() if h == "Healthy" and d not in held]
+
+    def admit(self, pod: Pod) -> dict[str, dp.ContainerAllocateResponse]:
+        """Allocate devices for every container of pod, as kubelet's
+        admission does; AdmissionError if they cannot be had."""
+        reg = self.registered
+        assert reg is not None, "no plugin registered"
+        out = {}
+        with self._admit:
+            for c in sorted(pod.containers, key=lambda c: not c.init):
+                if c.gpus == 0:
+                    continue
+                with self.cond:
+                    free = self._free()
+                if len(free) < c.gpus:
+                    raise AdmissionError(f"{pod.key}/{c.name}: {len(free)} free of {c.gpus}")
+                ids = free[: c.gpus]
+                if reg.options.get_preferred_allocation_available:
+                    want = reg.stub.GetPreferredAllocation(
+                        dp.PreferredAllocationRequest(
+                            container_requests=[
+                                dp.ContainerPreferredAllocationRequest(
+                                    available_deviceIDs=free, allocation_size=c.gpus
+                                )
+                            ]
+                        ),
+                        timeout=10,
+                    ).container_responses[0]
+                    got = list(want.deviceIDs)
+                    if len(got) == c.gpus and len(set(got)) == c.gpus and set(got) <= set(free):
+                        ids = got
+                resp = reg.stub.Allocate(
+                    dp.AllocateRequest(
+                        container_requests=[dp.ContainerAllocateRequest(devices_ids=ids)]
+                    ),
+                    timeout=10,
+                ).container_responses[0]
+                with self.cond:
+                    self.state.assigned[(pod.key, c.name)] = ids
+                    self.state.pods[(pod.namespace, pod.name)] = pod
+                out[c.name] = resp
+        return out
+
+    def start(self, pod: Pod, container: str) -> None:
+        """What kubelet does right before it starts the container:
+        PreStartContainer, when the plugin asked for it (grpc.RpcError when
+        the plugin refuses: kubelet then fails the start)."""
+        reg = self.registered
+        assert reg is not None
+        if not reg.options.pre_start_required:
+            return
+        ids = self.state.assigned[(pod.key, container)]
+        reg.stub.PreStartContainer(
+            dp.PreStartContainerRequest(devices_ids=ids), timeout=PRESTART_TIMEOUT
+        )
+
+    def pod_resources(self) -> list[pr.PodResources]:
+        resource = self.registered.request.resource_name if self.registered else ""
+        with self.cond:
+            out = []
+            for (ns, name), pod in self.state.pods.items():
+                containers = []
+                # kubelet lists app containers (and restartable init ones), not
+                # plain init containers
+                for c in pod.containers:
+                    if c.init:
+                        continue
+                    ids = self.state.assigned.get((pod.key, c.name), [])
+                    devs = [pr.ContainerDevices(resource_name=resource, device_ids=ids)]
+                    containers.append(pr.ContainerResources(name=c.name, devices=devs if ids else []))
+                out.append(pr.PodResources(name=name, namespace=ns, containers=containers))
+            return out
+
+    def release(self, pod: Pod) -> None:
+        """The pod is gone: its devices are free again."""
+        with self.cond:
+            for c in pod.containers:
+                self.state.assigned.pop((pod.key, c.name), None)
+            self.state.pods.pop((pod.namespace, pod.name), None)
+
+
+def host_env(resp: dp.ContainerAllocateResponse, base: Mapping[str, str]) -> dict[str, str]:
+    """base, then Allocate's environment with every container path of its
+    mounts translated to the mount's host path."""
+    mounts = sorted(resp.mounts, key=lambda m: -len(m.container_path))
+    env = dict(base)
+    for k, v in resp.envs.items():
+        for m in mounts:
+            cp = m.container_path.rstrip("/")
+            if v == cp or v.startswith(cp + "/"):
+                v = m.host_path + v[len(cp) :]
+                break
+        env[k] = v
+    return env
+
+
+def run(
+    resp: dp.ContainerAllocateResponse,
+    code: str,
+    base: Mapping[str, str],
+    args: Sequence[str] = (),
+    timeout: float = 60,
+) -> subprocess.CompletedProcess[str]:
+    """The container's command (`python -c code`) on the simulated node with
+    exactly Allocate's environment and mounts."""
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code), *args],
+        env=host_env(resp, base),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        cwd=REPO_ROOT,
+    )

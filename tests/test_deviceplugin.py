@@ -1,0 +1,381 @@
+"""gpuvisor device-plugin against kubelet's side of the device plugin API
+(tests/kubelet_harness.py: the real gRPC protocol over unix sockets), on a
+simulated node: registration, ListAndWatch and health, Allocate and
+PreStartContainer, each container's limits from its own pod's allocation,
+kubelet restarts; and the workloads run with exactly what Allocate
+returned, seeing their quotas through the real CUDA driver API."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+from gpuvisor.cluster.deviceplugin.gpus import Gpu
+from gpuvisor.cluster.deviceplugin.grant import PodGrant, parse_grant
+from gpuvisor.cluster.deviceplugin.owners import PodResourcesOwners
+from gpuvisor.cluster.deviceplugin.runner import PluginRunner
+from gpuvisor.cluster.deviceplugin.service import DevicePluginService, PluginConfig
+
+from tests.helpers import LIBRARY, MiB, SimNode, run_py
+from tests.kubelet_harness import Container, FakeKubelet, Pod, host_env, run
+
+NODE = "node-1"
+NOT_PERMITTED = 800
+
+# The workload: cuMemGetInfo's total on every device it sees, through
+# cuda-python and the preloaded library.
+PROBE = """
+import json
+from cuda.bindings import driver as cu
+from tests.cuclient import *
+err = cu.cuInit(0)[0]
+if err != 0:
+    print(json.dumps({"init": int(err)}))
+else:
+    n = ok(cu.cuDeviceGetCount)
+    totals = []
+    for d in range(n):
+        init(d)
+        totals.append(mem_info()[1] // (1 << 20))
+    print(json.dumps({"init": 0, "uuids": [uuid(d) for d in range(n)], "mib": totals}))
+"""
+
+LIST_GPUS = """
+import json
+from gpuvisor.cluster.deviceplugin.gpus import NvmlGpus
+print(json.dumps([[g.uuid, g.index, g.memory_mib] for g in NvmlGpus().gpus()]))
+"""
+
+
+class StaticGpus:
+    def __init__(self, gpus: list[Gpu]) -> None:
+        self._gpus = gpus
+        self.bad: dict[str, str] = {}
+
+    def gpus(self) -> list[Gpu]:
+        return list(self._gpus)
+
+    def unhealthy(self) -> dict[str, str]:
+        return dict(self.bad)
+
+
+class DictPods:
+    """The pods' allocation annotations, as a test sets them."""
+
+    def __init__(self) -> None:
+        self.annotations: dict[tuple[str, str], str] = {}
+
+    def allocation(self, namespace: str, pod: str) -> str | None:
+        return self.annotations.get((namespace, pod))
+
+    def bound(self, node: str) -> list[PodGrant]:
+        grants = [parse_grant(t) for t in self.annotations.values()]
+        return [g for g in grants if g.node == node]
+
+
+def annotation(pod: Pod, containers: dict[str, list[tuple[Gpu, int, int]]]) -> str:
+    return json.dumps(
+        {
+            "pod": pod.key,
+            "node": NODE,
+            "containers": [
+                {
+                    "name": name,
+                    "gpus": [
+                        {"uuid": g.uuid, "index": g.index, "memory_mib": m, "cores": c, "mig": None}
+                        for g, m, c in gpus
+                    ],
+                }
+                for name, gpus in containers.items()
+            ],
+        }
+    )
+
+
+@dataclass
+class Cluster:
+    node: SimNode
+    gpus: list[Gpu]
+    source: StaticGpus
+    pods: DictPods
+    kubelet: FakeKubelet
+    runner: PluginRunner
+    service: DevicePluginService
+    base_env: dict[str, str]
+
+    def place(self, pod: Pod, containers: dict[str, list[tuple[Gpu, int, int]]]) -> None:
+        self.pods.annotations[(pod.namespace, pod.name)] = annotation(pod, containers)
+
+    def probe(self, resp) -> dict:
+        proc = run(resp, PROBE, self.base_env)
+        assert proc.returncode == 0, proc.stderr
+        return json.loads(proc.stdout)
+
+
+@pytest.fixture(scope="module")
+def sim_gpus(tmp_path_factory, build_dir) -> list[Gpu]:
+    node = SimNode.create(tmp_path_factory.mktemp("inventory"))
+    proc = run_py(LIST_GPUS, node.env)
+    assert proc.returncode == 0, proc.stderr
+    return [Gpu(u, i, m) for u, i, m in json.loads(proc.stdout)]
+
+
+@pytest.fixture
+def cluster(node: SimNode, tmp_path: Path, sim_gpus: list[Gpu]) -> Iterator[Cluster]:
+    socks = Path(tempfile.mkdtemp(prefix="gvdp", dir="/tmp"))  # unix socket paths stay short
+    (tmp_path / "node").mkdir()
+    source = StaticGpus(sim_gpus)
+    pods = DictPods()
+    config = PluginConfig(
+        node_name=NODE,
+        state_dir=tmp_path / "state",
+        lib_dir=LIBRARY.parent,
+        node_dir=tmp_path / "node",
+    )
+    kubelet = FakeKubelet(socks / "dp", socks / "pr" / "kubelet.sock")
+    service = DevicePluginService(
+        config, source, pods, PodResourcesOwners(str(socks / "pr" / "kubelet.sock"))
+    )
+    runner = PluginRunner(service, socks / "dp", health_interval=0.05, watch_interval=0.05)
+    thread = threading.Thread(target=runner.run, daemon=True)
+    thread.start()
+    base = {
+        k: v
+        for k, v in node.env.items()
+        if k not in ("CUDA_DEVICE_MEMORY_SHARED_CACHE", "GPUVISOR_NODE_LOCK")
+    }
+    try:
+        kubelet.wait_registered()
+        yield Cluster(node, sim_gpus, source, pods, kubelet, runner, service, base)
+    finally:
+        runner.stop()
+        thread.join(timeout=10)
+        kubelet.stop()
+        shutil.rmtree(socks, ignore_errors=True)
+
+
+def test_registers_with_options_and_lists_replicas(cluster: Cluster) -> None:
+    reg = cluster.kubelet.registered
+    assert reg is not None
+    assert reg.request.version == "v1beta1"
+    assert reg.request.endpoint == "gpuvisor.sock"
+    assert reg.request.resource_name == "nvidia.com/gpu"
+    assert reg.request.options.pre_start_required
+    assert reg.request.options.get_preferred_allocation_available
+    assert reg.options == reg.request.options  # GetDevicePluginOptions agrees
+    want = {f"{g.uuid}-{i}": "Healthy" for g in cluster.gpus for i in range(10)}
+    assert cluster.kubelet.state.devices == want
+    assert cluster.kubelet.refused == []
+
+
+def test_listandwatch_streams_health_changes(cluster: Cluster) -> None:
+    k = cluster.kubelet
+    bad = cluster.gpus[1].uuid
+    cluster.source.bad = {bad: "fell off the bus"}
+    k.wait(lambda: k.state.devices.get(f"{bad}-0") == "Unhealthy")
+    devices = dict(k.state.devices)
+    assert {d for d, h in devices.items() if h == "Unhealthy"} == {f"{bad}-{i}" for i in range(10)}
+    cluster.source.bad = {}
+    k.wait(lambda: all(h == "Healthy" for h in k.state.devices.values()))
+    # kubelet admits onto healthy devices only
+    cluster.source.bad = {cluster.gpus[0].uuid: "lost"}
+    k.wait(lambda: k.state.devices.get(f"{cluster.gpus[0].uuid}-0") == "Unhealthy")
+    pod = Pod("default", "h", [Container("main", 1)])
+    cluster.place(pod, {"main": [(cluster.gpus[1], 1000, 0)]})
+    k.admit(pod)
+    assert k.state.assigned[(pod.key, "main")][0].startswith(cluster.gpus[1].uuid)
+
+
+def test_one_pod_gets_its_quota_through_allocate_and_prestart(cluster: Cluster) -> None:
+    """The environment/mounts contract of Allocate, and the workload seeing
+    the 3000 MiB its pod's allocation gives it (nvidia.com/gpumem: 3000)."""
+    k = cluster.kubelet
+    gpu = cluster.gpus[1]
+    pod = Pod("default", "train", [Container("main", 1)])
+    cluster.place(pod, {"main": [(gpu, 3000, 30)]})
+    resp = k.admit(pod)["main"]
+    # GetPreferredAllocation steered kubelet to the placed GPU
+    assert k.state.assigned[(pod.key, "main")][0].startswith(gpu.uuid + "-")
+    envs = dict(resp.envs)
+    assert envs == {
+        "NVIDIA_VISIBLE_DEVICES": gpu.uuid,
+        "CUDA_VISIBLE_DEVICES": gpu.uuid,
+        "LD_PRELOAD": "/usr/local/gpuvisor/lib/libgpuvisor.so",
+        "CUDA_DEVICE_MEMORY_SHARED_CACHE": "/var/lib/gpuvisor/region.shr",
+        "GPUVISOR_LIMITS_FILE": "/etc/gpuvisor/limits.env",
+        "GPUVISOR_NODE_SOCKET": "/run/gpuvisor/node.sock",
+        "GPUVISOR_NODE_LOCK": "/run/gpuvisor/context.lock",
+    }
+    mounts = {m.container_path: (m.host_path, m.read_only) for m in resp.mounts}
+    assert mounts["/usr/local/gpuvisor/lib"] == (str(LIBRARY.parent), True)
+    assert mounts["/run/gpuvisor"] == (str(cluster.node.dir / "node"), False)
+    region_dir, ro = mounts["/var/lib/gpuvisor"]
+    limits_dir, limits_ro = mounts["/etc/gpuvisor"]
+    assert (ro, limits_ro) == (False, True)
+    assert Path(region_dir).parent == Path(limits_dir).parent
+    assert Path(region_dir).parent.parent == cluster.node.dir / "state"
+    # No limits before PreStartContainer: the library refuses to run
+    assert not (Path(limits_dir) / "limits.env").exists()
+    assert cluster.probe(resp) == {"init": NOT_PERMITTED}
+    k.start(pod, "main")
+    text = (Path(limits_dir) / "limits.env").read_text()
+    assert "CUDA_DEVICE_MEMORY_LIMIT=3000m\nCUDA_DEVICE_SM_LIMIT=30\n" in text
+    got = cluster.probe(resp)
+    assert got == {"init": 0, "uuids": [gpu.uuid], "mib": [3000]}
+    assert (Path(region_dir) / "region.shr").exists()
+
+
+def test_two_containers_each_get_their_own_limits(cluster: Cluster) -> None:
+    """Two containers of one pod (one of them on both GPUs, with different
+    limits per GPU), and an init container, each with its own limits."""
+    k = cluster.kubelet
+    g0, g1 = cluster.gpus
+    pod = Pod(
+        "ml",
+        "pair",
+        [Container("setup", 1, init=True), Container("a", 2), Container("b", 1)],
+    )
+    cluster.place(
+        pod,
+        {
+            "setup": [(g0, 500, 10)],
+            "a": [(g0, 2000, 50), (g1, 5000, 50)],
+            "b": [(g1, 1500, 20)],
+        },
+    )
+    resp = k.admit(pod)
+    # an init container is not in PodResources: it cannot be told apart
+    # from the others, so its start fails closed
+    with pytest.raises(grpc.RpcError) as err:
+        k.start(pod, "setup")
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "PodResources API names no container" in err.value.details()
+    for name in ("a", "b"):
+        k.start(pod, name)
+    a = cluster.probe(resp["a"])
+    b = cluster.probe(resp["b"])
+    assert a == {"init": 0, "uuids": [g0.uuid, g1.uuid], "mib": [2000, 5000]}
+    assert b == {"init": 0, "uuids": [g1.uuid], "mib": [1500]}
+
+
+def test_many_pods_start_at_once_each_with_its_own_limits(cluster: Cluster) -> None:
+    """16 pods on the node's two GPUs, admitted one after another as kubelet
+    does, then started and run all at once: every container gets its own
+    pod's memory quota; no lock serialises them."""
+    k = cluster.kubelet
+    pods = [Pod("team", f"p{i}", [Container("main", 1)]) for i in range(16)]
+    for i, pod in enumerate(pods):
+        cluster.place(pod, {"main": [(cluster.gpus[i % 2], 600 + 37 * i, 5)]})
+    responses = [k.admit(pod)["main"] for pod in pods]
+
+    def start_and_run(i: int) -> tuple[int, dict]:
+        k.start(pods[i], "main")
+        return i, cluster.probe(responses[i])
+
+    with futures.ThreadPoolExecutor(max_workers=16) as ex:
+        results = dict(ex.map(start_and_run, range(16)))
+    for i in range(16):
+        gpu = cluster.gpus[i % 2]
+        assert results[i] == {"init": 0, "uuids": [gpu.uuid], "mib": [600 + 37 * i]}, i
+    # every container has a directory of its own
+    dirs = {host_env(r, {})["CUDA_DEVICE_MEMORY_SHARED_CACHE"] for r in responses}
+    assert len(dirs) == 16
+
+
+def test_a_pod_without_allocation_fails_closed(cluster: Cluster) -> None:
+    k = cluster.kubelet
+    pod = Pod("default", "stray", [Container("main", 1)])
+    resp = k.admit(pod)["main"]
+    with pytest.raises(grpc.RpcError) as err:
+        k.start(pod, "main")
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert err.value.details() == (
+        "gpuvisor: pod default/stray has no gpuvisor.io/allocation annotation (it was not "
+        "placed by gpuvisor's scheduler): container main is not started without limits"
+    )
+    # had it been started anyway, the library refuses it: no limits file
+    proc = run(resp, PROBE, cluster.base_env)
+    assert json.loads(proc.stdout) == {"init": NOT_PERMITTED}
+    assert 'GPUVISOR_LIMITS_FILE="' in proc.stderr
+    assert "cannot open: no such file" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("containers", "why"),
+    [
+        ({"other": "g0"}, "its allocation has no container main"),
+        ({"main": "g1"}, "but its allocation places it on"),
+        ({"main": "mig"}, "a MIG placement"),
+        ({"main": "bad"}, "memory_mib=0: must be a whole number from 1"),
+    ],
+)
+def test_an_allocation_that_does_not_fit_fails_closed(cluster: Cluster, containers, why) -> None:
+    k = cluster.kubelet
+    g0, g1 = cluster.gpus
+    pod = Pod("default", "odd", [Container("main", 1)])
+    # kubelet chooses GPU 0 (nothing steers it elsewhere)
+    k.admit(pod)
+    assert k.state.assigned[(pod.key, "main")][0].startswith(g0.uuid)
+    gpu = {"uuid": g0.uuid, "index": 0, "memory_mib": 1000, "cores": 0, "mig": None}
+    kinds = {
+        "g0": gpu,
+        "g1": dict(gpu, uuid=g1.uuid, index=1),
+        "mig": dict(gpu, mig={"profile": "1g.10gb", "placement": {"start": 0, "size": 1}}),
+        "bad": dict(gpu, memory_mib=0),
+    }
+    doc = {
+        "pod": pod.key,
+        "node": NODE,
+        "containers": [{"name": n, "gpus": [kinds[v]]} for n, v in containers.items()],
+    }
+    cluster.pods.annotations[("default", "odd")] = json.dumps(doc)
+    with pytest.raises(grpc.RpcError) as err:
+        k.start(pod, "main")
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert why in err.value.details()
+
+
+def test_kubelet_restart_makes_the_plugin_register_again(cluster: Cluster) -> None:
+    k = cluster.kubelet
+    first = cluster.runner.registrations
+    k.restart()
+    k.wait_registered(count=2, timeout=15)
+    assert cluster.runner.registrations == first + 1
+    assert len(k.state.devices) == 20
+    # and it serves the new kubelet: a pod starts with its limits
+    pod = Pod("default", "after", [Container("main", 1)])
+    cluster.place(pod, {"main": [(cluster.gpus[0], 2500, 0)]})
+    resp = k.admit(pod)["main"]
+    k.start(pod, "main")
+    assert cluster.probe(resp)["mib"] == [2500]
+
+
+def test_a_plugin_restart_between_allocate_and_prestart(cluster: Cluster) -> None:
+    """The per-container directories survive a restart of the plugin: a
+    container allocated before it still gets its limits after it."""
+    k = cluster.kubelet
+    pod = Pod("default", "span", [Container("main", 1)])
+    cluster.place(pod, {"main": [(cluster.gpus[0], 1234, 0)]})
+    resp = k.admit(pod)["main"]
+    fresh = DevicePluginService(
+        cluster.service.config, cluster.source, cluster.pods, cluster.service.owners
+    )
+    fresh.prestart(k.state.assigned[(pod.key, "main")])
+    assert cluster.probe(resp)["mib"] == [1234]
+
+
+def test_nvml_inventory_on_the_simulated_node(node: SimNode) -> None:
+    proc = run_py(LIST_GPUS, node.env)
+    assert proc.returncode == 0, proc.stderr
+    got = json.loads(proc.stdout)
+    assert [(i, m) for _, i, m in got] == [(0, 16384), (1, 16384)]
+    assert all(u.startswith("GPU-") for u, _, _ in got)
+    assert len({u for u, _, _ in got}) == 2
