@@ -5,9 +5,10 @@ protocol over unix sockets, as kubelet's device manager speaks it.
   Register (version v1beta1, a bare endpoint file name in the same
   directory, a domain/name resource) and then dials the plugin back:
   GetDevicePluginOptions, and a ListAndWatch stream kept in a health map;
-- admit(pod): per container, in order (init containers first), choose
-  healthy free IDs, ask GetPreferredAllocation when the plugin offers it
-  (its answer is used only if it is a valid subset of the right size),
+- admit(pod): per container, in order (init containers first), reuse
+  the init containers' IDs, choose healthy free IDs for the rest, asking
+  GetPreferredAllocation when the plugin offers it (its answer is used
+  only if it is a valid subset of the right size with must_include),
   call Allocate with one container request and record pod/container -> IDs;
 - a PodResources server (v1 List and Get) that serves those records;
 - start(pod, container): PreStartContainer when the plugin requires it;
@@ -18,10 +19,9 @@ protocol over unix sockets, as kubelet's device manager speaks it.
   mounts are applied by translating each container path in the
   environment to its host path (a read-only mount is not enforced).
 
-Kubelet behaviour not reproduced: devices of init containers are not
-handed on to the pod's app containers (each container gets its own), and
-admission is serial as in kubelet (one pod at a time) while container
-starts run concurrently.
+As in kubelet, admission is serial (one pod at a time) while container
+starts run concurrently, app containers reuse their init containers'
+devices first, and PodResources lists app containers, not init ones.
 """
 
 from __future__ import annotations
@@ -207,38 +207,28 @@ class FakeKubelet:
     # ---- admission and container start -------------------------------
 
     def _free(self) -> list[str]:
-        held = {d for ids in self.state.assigned.values() for d in ids}
+        held = {d for ids in self.state.assigned.values() for d in ids}  # init's too
         return [d for d, h in self.state.devices.items() if h == "Healthy" and d not in held]
 
     def admit(self, pod: Pod) -> dict[str, dp.ContainerAllocateResponse]:
-        """Allocate devices for every container of pod, as kubelet's
-        admission does; AdmissionError if they cannot be had."""
+        """Allocate devices for every container of pod, as kubelet's device
+        manager does at admission; AdmissionError if they cannot be had.
+
+        Init containers first; their devices may be reused by the pod's app
+        containers (kubelet's devicesToReuse): an app container takes them
+        first, without asking GetPreferredAllocation, and asks it for the
+        rest with the reused ones as must_include."""
         reg = self.registered
         assert reg is not None, "no plugin registered"
         out = {}
+        reuse: list[str] = []
         with self._admit:
             for c in sorted(pod.containers, key=lambda c: not c.init):
                 if c.gpus == 0:
                     continue
-                with self.cond:
-                    free = self._free()
-                if len(free) < c.gpus:
-                    raise AdmissionError(f"{pod.key}/{c.name}: {len(free)} free of {c.gpus}")
-                ids = free[: c.gpus]
-                if reg.options.get_preferred_allocation_available:
-                    want = reg.stub.GetPreferredAllocation(
-                        dp.PreferredAllocationRequest(
-                            container_requests=[
-                                dp.ContainerPreferredAllocationRequest(
-                                    available_deviceIDs=free, allocation_size=c.gpus
-                                )
-                            ]
-                        ),
-                        timeout=10,
-                    ).container_responses[0]
-                    got = list(want.deviceIDs)
-                    if len(got) == c.gpus and len(set(got)) == c.gpus and set(got) <= set(free):
-                        ids = got
+                ids = reuse[: c.gpus] if not c.init else []
+                if len(ids) < c.gpus:
+                    ids = self._choose(reg, pod, c, ids)
                 resp = reg.stub.Allocate(
                     dp.AllocateRequest(
                         container_requests=[dp.ContainerAllocateRequest(devices_ids=ids)]
@@ -248,8 +238,42 @@ class FakeKubelet:
                 with self.cond:
                     self.state.assigned[(pod.key, c.name)] = ids
                     self.state.pods[(pod.namespace, pod.name)] = pod
+                if c.init:
+                    reuse = list(dict.fromkeys(reuse + ids))
+                else:
+                    reuse = [d for d in reuse if d not in ids]
                 out[c.name] = resp
         return out
+
+    def _choose(self, reg: Registered, pod: Pod, c: Container, must: list[str]) -> list[str]:
+        with self.cond:
+            free = [d for d in self._free() if d not in must]
+        if len(free) + len(must) < c.gpus:
+            raise AdmissionError(f"{pod.key}/{c.name}: {len(free)} free of {c.gpus}")
+        ids = must + free[: c.gpus - len(must)]
+        if reg.options.get_preferred_allocation_available:
+            available = must + free
+            want = reg.stub.GetPreferredAllocation(
+                dp.PreferredAllocationRequest(
+                    container_requests=[
+                        dp.ContainerPreferredAllocationRequest(
+                            available_deviceIDs=available,
+                            must_include_deviceIDs=must,
+                            allocation_size=c.gpus,
+                        )
+                    ]
+                ),
+                timeout=10,
+            ).container_responses[0]
+            got = list(want.deviceIDs)
+            if (
+                len(got) == c.gpus
+                and len(set(got)) == c.gpus
+                and set(got) <= set(available)
+                and set(must) <= set(got)
+            ):
+                ids = got
+        return ids
 
     def start(self, pod: Pod, container: str) -> None:
         """What kubelet does right before it starts the container:
@@ -277,7 +301,9 @@ class FakeKubelet:
                         continue
                     ids = self.state.assigned.get((pod.key, c.name), [])
                     devs = [pr.ContainerDevices(resource_name=resource, device_ids=ids)]
-                    containers.append(pr.ContainerResources(name=c.name, devices=devs if ids else []))
+                    containers.append(
+                        pr.ContainerResources(name=c.name, devices=devs if ids else [])
+                    )
                 out.append(pr.PodResources(name=name, namespace=ns, containers=containers))
             return out
 

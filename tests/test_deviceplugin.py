@@ -24,7 +24,7 @@ from gpuvisor.cluster.deviceplugin.owners import PodResourcesOwners
 from gpuvisor.cluster.deviceplugin.runner import PluginRunner
 from gpuvisor.cluster.deviceplugin.service import DevicePluginService, PluginConfig
 
-from tests.helpers import LIBRARY, MiB, SimNode, run_py
+from tests.helpers import LIBRARY, SimNode, run_py
 from tests.kubelet_harness import Container, FakeKubelet, Pod, host_env, run
 
 NODE = "node-1"
@@ -82,6 +82,7 @@ class DictPods:
 
 
 def annotation(pod: Pod, containers: dict[str, list[tuple[Gpu, int, int]]]) -> str:
+    init = {c.name for c in pod.containers if c.init}
     return json.dumps(
         {
             "pod": pod.key,
@@ -89,6 +90,7 @@ def annotation(pod: Pod, containers: dict[str, list[tuple[Gpu, int, int]]]) -> s
             "containers": [
                 {
                     "name": name,
+                    "init": name in init,
                     "gpus": [
                         {"uuid": g.uuid, "index": g.index, "memory_mib": m, "cores": c, "mig": None}
                         for g, m, c in gpus
@@ -233,15 +235,19 @@ def test_one_pod_gets_its_quota_through_allocate_and_prestart(cluster: Cluster) 
     assert (Path(region_dir) / "region.shr").exists()
 
 
-def test_two_containers_each_get_their_own_limits(cluster: Cluster) -> None:
-    """Two containers of one pod (one of them on both GPUs, with different
-    limits per GPU), and an init container, each with its own limits."""
+def test_two_containers_and_an_init_container_each_get_their_own_limits(
+    cluster: Cluster,
+) -> None:
+    """An init container and two app containers of one pod, each with its
+    own limits: "a" on both GPUs with a different limit per GPU, reusing
+    the init container's device as kubelet does (PodResources then names
+    "a" as the holder of the init container's ID), "b" on one."""
     k = cluster.kubelet
     g0, g1 = cluster.gpus
     pod = Pod(
         "ml",
         "pair",
-        [Container("setup", 1, init=True), Container("a", 2), Container("b", 1)],
+        [Container("a", 2), Container("b", 1), Container("setup", 1, init=True)],
     )
     cluster.place(
         pod,
@@ -252,18 +258,30 @@ def test_two_containers_each_get_their_own_limits(cluster: Cluster) -> None:
         },
     )
     resp = k.admit(pod)
-    # an init container is not in PodResources: it cannot be told apart
-    # from the others, so its start fails closed
-    with pytest.raises(grpc.RpcError) as err:
-        k.start(pod, "setup")
-    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    assert "PodResources API names no container" in err.value.details()
+    setup_ids = k.state.assigned[(pod.key, "setup")]
+    assert setup_ids[0].startswith(g0.uuid)
+    assert setup_ids[0] in k.state.assigned[(pod.key, "a")]  # reused
+    k.start(pod, "setup")
+    assert cluster.probe(resp["setup"]) == {"init": 0, "uuids": [g0.uuid], "mib": [500]}
     for name in ("a", "b"):
         k.start(pod, name)
     a = cluster.probe(resp["a"])
     b = cluster.probe(resp["b"])
     assert a == {"init": 0, "uuids": [g0.uuid, g1.uuid], "mib": [2000, 5000]}
     assert b == {"init": 0, "uuids": [g1.uuid], "mib": [1500]}
+
+
+def test_an_init_container_of_its_own_devices(cluster: Cluster) -> None:
+    """An init container whose devices no app container reuses (the app
+    containers ask for none): PodResources lists none of its IDs, and the
+    limits come from the placement GetPreferredAllocation steered them to."""
+    k = cluster.kubelet
+    g1 = cluster.gpus[1]
+    pod = Pod("ml", "prep", [Container("main", 0), Container("fetch", 1, init=True)])
+    cluster.place(pod, {"fetch": [(g1, 700, 0)], "main": []})
+    resp = k.admit(pod)
+    k.start(pod, "fetch")
+    assert cluster.probe(resp["fetch"]) == {"init": 0, "uuids": [g1.uuid], "mib": [700]}
 
 
 def test_many_pods_start_at_once_each_with_its_own_limits(cluster: Cluster) -> None:

@@ -28,8 +28,14 @@ class Owner:
         return f"{self.namespace}/{self.pod}"
 
 
+@dataclass(frozen=True)
+class Holders:
+    owners: list[Owner]  # the containers whose devices are exactly the IDs
+    pods: set[str]  # every pod kubelet lists ("namespace/name")
+
+
 class OwnerLookup(Protocol):
-    def owners(self, resource: str, device_ids: Collection[str]) -> list[Owner]: ...
+    def holders(self, resource: str, device_ids: Collection[str]) -> Holders: ...
 
 
 class PodResourcesOwners:
@@ -39,7 +45,7 @@ class PodResourcesOwners:
         self.socket = socket
         self.timeout = timeout
 
-    def owners(self, resource: str, device_ids: Collection[str]) -> list[Owner]:
+    def holders(self, resource: str, device_ids: Collection[str]) -> Holders:
         """The containers whose devices of resource are exactly device_ids."""
         want = set(device_ids)
         with grpc.insecure_channel(f"unix://{self.socket}") as channel:
@@ -47,9 +53,11 @@ class PodResourcesOwners:
                 pr.ListPodResourcesRequest(), timeout=self.timeout
             )
         found = []
+        pods = set()
         for pod in reply.pod_resources:
+            pods.add(f"{pod.namespace}/{pod.name}")
             for c in pod.containers:
                 ids = {d for cd in c.devices if cd.resource_name == resource for d in cd.device_ids}
                 if ids == want:
                     found.append(Owner(pod.namespace, pod.name, c.name))
-        return found
+        return Holders(found, pods)

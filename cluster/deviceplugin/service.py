@@ -30,9 +30,9 @@ from gpuvisor.cluster.deviceplugin.api import deviceplugin_v1beta1_pb2_grpc as d
 from . import limits_file
 from .api import deviceplugin_v1beta1_pb2 as dp
 from .gpus import Gpu, GpuSource
-from .grant import ContainerGrant, GrantError, parse_grant
+from .grant import ContainerGrant, GrantError, PodGrant, parse_grant
 from .kube import PodSource
-from .owners import Owner, OwnerLookup
+from .owners import OwnerLookup
 from .preferred import preferred
 from .replicas import DEFAULT_SPLIT_COUNT, Replicas, UnknownDevice
 
@@ -50,6 +50,7 @@ LIBRARY = "libgpuvisor.so"
 REGION_FILE = "region.shr"
 DEVICES_FILE = "devices.json"  # the replica IDs a directory was allocated for
 OWNER_FILE = "owner.json"  # the pod/container whose limits it holds
+STEERED_FILE = "steered.json"  # the container GetPreferredAllocation chose these IDs for
 CLAIM_SECONDS = 120.0  # a preference not followed by a container start by then lapses
 
 
@@ -92,6 +93,9 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
         # placements GetPreferredAllocation steered a request to, until
         # their container starts: (pod, container) -> when
         self._claimed: dict[tuple[str, str], float] = {}
+        # the IDs GetPreferredAllocation answered, for which container; the
+        # next Allocate of exactly those IDs records it in its directory
+        self._steered: dict[frozenset[str], tuple[str, str]] = {}
         config.state_dir.mkdir(parents=True, exist_ok=True)
         self._load_dirs()
 
@@ -171,6 +175,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
                 )
                 if n is not None:
                     self._claimed[open_[n][0]] = now
+                    self._steered[frozenset(ids)] = open_[n][0]
                     log.info("GetPreferredAllocation: %s for %s/%s", ids, *open_[n][0])
                 out.append(dp.ContainerPreferredAllocationResponse(deviceIDs=ids))
         return dp.PreferredAllocationResponse(container_responses=out)
@@ -210,6 +215,9 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
         (top / DEVICES_FILE).write_text(json.dumps(sorted(ids)))
         with self._lock:
             self._dirs.setdefault(frozenset(ids), []).append(top)
+            steer = self._steered.pop(frozenset(ids), None)
+        if steer is not None:
+            (top / STEERED_FILE).write_text(json.dumps(list(steer)))
         visible = ",".join(g.uuid for g in gpus)
         envs = {
             "NVIDIA_VISIBLE_DEVICES": visible,
@@ -249,84 +257,117 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
     # ---- PreStartContainer --------------------------------------------
 
     def prestart(self, ids: list[str]) -> None:
+        """Write the limits of the container(s) that hold ids into the
+        directories Allocate made for ids; PreStartRefused says why not.
+
+        The owner is the container kubelet's PodResources API names (app
+        and sidecar containers).  PodResources does not list plain init
+        containers: a directory whose Allocate followed this plugin's
+        preference for an init container (GetPreferredAllocation answered
+        exactly these IDs for it) gets that init container's limits, when
+        its pod is the one kubelet lists (with these IDs reused by an app
+        container, or holding none listed)."""
         cfg = self.config
+        key = frozenset(ids)
         try:
             gpus = self.replicas.physical(ids)
         except UnknownDevice as exc:
             raise PreStartRefused(str(exc)) from None
         with self._lock:
-            dirs = list(self._dirs.get(frozenset(ids), []))
+            dirs = list(self._dirs.get(key, []))
         if not dirs:
             raise PreStartRefused(f"devices {sorted(ids)}: no Allocate was seen for them")
         try:
-            owners = self.owners.owners(cfg.resource, ids)
+            holders = self.owners.holders(cfg.resource, ids)
         except grpc.RpcError as exc:
             raise PreStartRefused(
                 f"devices {sorted(ids)}: kubelet's PodResources API did not answer "
                 f"({exc.code().name}: {exc.details()})"
             ) from None
-        if not owners:
-            raise PreStartRefused(
-                f"devices {sorted(ids)}: kubelet's PodResources API names no container "
-                "that holds exactly these devices"
-            )
-        texts = {self._limits_text(o, gpus) for o in owners}
-        if len(texts) != 1:
-            who = ", ".join(f"{o.pod_key}/{o.container}" for o in owners)
-            raise PreStartRefused(
-                f"devices {sorted(ids)}: held by {who}, whose allocations give different limits"
-            )
-        text = texts.pop()
-        owner = owners[0]
-        stamp = json.dumps([owner.namespace, owner.pod])
-        written = 0
+        owners = holders.owners
+        app: tuple[str, str] | None = None  # (pod key, limits text)
+        if owners:
+            texts = {self._limits_text(o.namespace, o.pod, o.container, gpus) for o in owners}
+            if len(texts) != 1 or len({o.pod_key for o in owners}) != 1:
+                who = ", ".join(f"{o.pod_key}/{o.container}" for o in owners)
+                raise PreStartRefused(
+                    f"devices {sorted(ids)}: held by {who}, whose allocations give different limits"
+                )
+            app = (owners[0].pod_key, texts.pop())
+        written: list[str] = []
         for top in dirs:
             if not top.is_dir():
                 continue
+            steer = _read_steer(top)
+            target: tuple[str, str] | None = app
+            who = "/".join(o.container for o in owners)
+            if steer is not None and (
+                steer[0] == (app[0] if app else None) or (app is None and steer[0] in holders.pods)
+            ):
+                ns, _, name = steer[0].partition("/")
+                init = self._init_limits(ns, name, steer[1], gpus)
+                if init is not None:
+                    target, who = (steer[0], init), steer[1]
+            if target is None:
+                continue
+            stamp = json.dumps(target[0])
             mark = top / OWNER_FILE
             if mark.exists() and mark.read_text() != stamp:
                 # A pod that held these IDs before and is gone: not this one.
                 shutil.rmtree(top, ignore_errors=True)
                 with self._lock:
-                    kept = [d for d in self._dirs.get(frozenset(ids), []) if d != top]
-                    self._dirs[frozenset(ids)] = kept
+                    self._dirs[key] = [d for d in self._dirs.get(key, []) if d != top]
                 continue
-            limits_file.write(top / "limits", text)
+            limits_file.write(top / "limits", target[1])
             mark.write_text(stamp)
-            written += 1
-        if written == 0:
-            raise PreStartRefused(f"devices {sorted(ids)}: their Allocate directory is gone")
-        with self._lock:
-            for o in owners:
-                self._realised.add((o.pod_key, o.container))
-                self._claimed.pop((o.pod_key, o.container), None)
-        log.info(
-            "PreStartContainer %s: limits of %s/%s", sorted(ids), owner.pod_key, owner.container
-        )
+            written.append(f"{target[0]}/{who}")
+            with self._lock:
+                for c in who.split("/"):
+                    self._realised.add((target[0], c))
+                    self._claimed.pop((target[0], c), None)
+        if not written:
+            raise PreStartRefused(
+                f"devices {sorted(ids)}: kubelet's PodResources API names no container "
+                "that holds exactly these devices"
+            )
+        log.info("PreStartContainer %s: limits of %s", sorted(ids), ", ".join(written))
 
-    def _limits_text(self, owner: Owner, gpus: list[Gpu]) -> str:
+    def _grant(self, namespace: str, pod: str, container: str) -> PodGrant:
+        key = f"{namespace}/{pod}"
         try:
-            text = self.pods.allocation(owner.namespace, owner.pod)
+            text = self.pods.allocation(namespace, pod)
         except Exception as exc:
             raise PreStartRefused(
-                f"pod {owner.pod_key}: cannot read its allocation from the API: {exc}"
+                f"pod {key}: cannot read its allocation from the API: {exc}"
             ) from None
         if text is None:
             raise PreStartRefused(
-                f"pod {owner.pod_key} has no gpuvisor.io/allocation annotation (it was not "
-                f"placed by gpuvisor's scheduler): container {owner.container} is not started "
-                "without limits"
+                f"pod {key} has no gpuvisor.io/allocation annotation (it was not placed by "
+                f"gpuvisor's scheduler): container {container} is not started without limits"
             )
         try:
-            grant = parse_grant(text)
-            c = grant.container(owner.container)
-            if c is None:
-                raise GrantError(
-                    f"pod {owner.pod_key}: its allocation has no container {owner.container}"
-                )
-            return limits_file.render(owner.pod_key, c, gpus)
+            return parse_grant(text)
+        except GrantError as exc:
+            raise PreStartRefused(f"pod {key}: {exc}") from None
+
+    def _limits_text(self, namespace: str, pod: str, container: str, gpus: list[Gpu]) -> str:
+        grant = self._grant(namespace, pod, container)
+        c = grant.container(container)
+        if c is None:
+            raise PreStartRefused(
+                f"pod {namespace}/{pod}: its allocation has no container {container}"
+            )
+        try:
+            return limits_file.render(f"{namespace}/{pod}", c, gpus)
         except GrantError as exc:
             raise PreStartRefused(str(exc)) from None
+
+    def _init_limits(self, namespace: str, pod: str, container: str, gpus: list[Gpu]) -> str | None:
+        """The limits of init container container; None if it is not one."""
+        c = self._grant(namespace, pod, container).container(container)
+        if c is None or not c.init:
+            return None
+        return self._limits_text(namespace, pod, container, gpus)
 
     def _unrealised(self) -> list[tuple[tuple[str, str], ContainerGrant]]:
         """The containers of the pods bound here that have not started yet."""
@@ -340,6 +381,16 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
             for c in pod.containers
             if c.gpus and (pod.pod, c.name) not in done
         ]
+
+
+def _read_steer(top: Path) -> tuple[str, str] | None:
+    try:
+        v = json.loads((top / STEERED_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    if isinstance(v, list) and len(v) == 2 and all(isinstance(x, str) for x in v):
+        return v[0], v[1]
+    return None
 
 
 def options() -> dp.DevicePluginOptions:
