@@ -85,6 +85,12 @@ def test_wheel_contents(wheel: Path) -> None:
     for mod in SUPERVISOR_MODULES:
         assert f"gpuvisor/supervisor/{mod}.py" in names
     assert "gpuvisor/shim/py.typed" in names
+    # the device plugin, with its generated gRPC modules and their sources
+    api = "gpuvisor/cluster/deviceplugin/api/"
+    for f in ("deviceplugin_v1beta1", "podresources_v1"):
+        for suffix in (".proto", "_pb2.py", "_pb2.pyi", "_pb2_grpc.py"):
+            assert api + f + suffix in names
+    assert "gpuvisor/cluster/deviceplugin/cli.py" in names
     # One namespace: no gpuvisor/__init__.py, no top-level shim package.
     assert "gpuvisor/__init__.py" not in names
     assert not [n for n in names if n.startswith(("shim/", "tests/", "native/"))]

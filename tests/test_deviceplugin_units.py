@@ -1,0 +1,159 @@
+"""The device plugin's pure parts: replica IDs, GetPreferredAllocation's
+choice, the allocation annotation reader and the limits file it writes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from gpuvisor.cluster.deviceplugin.gpus import Gpu
+from gpuvisor.cluster.deviceplugin.grant import (
+    ContainerGrant,
+    GpuGrant,
+    GrantError,
+    parse_grant,
+)
+from gpuvisor.cluster.deviceplugin.limits_file import render
+from gpuvisor.cluster.deviceplugin.preferred import preferred
+from gpuvisor.cluster.deviceplugin.replicas import Replicas, UnknownDevice
+
+GPUS = tuple(Gpu(f"GPU-0000000{i}-0000-4000-8000-00000000000{i}", i, 16384) for i in range(4))
+R = Replicas(GPUS, 4)
+
+
+def ids(gpu: int, *n: int) -> list[str]:
+    return [f"{GPUS[gpu].uuid}-{i}" for i in n]
+
+
+def grant(*gpus: int, name: str = "c") -> ContainerGrant:
+    return ContainerGrant(name, tuple(GpuGrant(GPUS[g].uuid, g, 1000, 0, None) for g in gpus))
+
+
+def test_replica_ids_map_to_their_gpu() -> None:
+    assert len(R.all_ids()) == 16
+    assert R.gpu_of(ids(2, 3)[0]) == GPUS[2]
+    assert R.physical(ids(3, 0) + ids(1, 2) + ids(3, 1)) == [GPUS[1], GPUS[3]]
+    for bad in ["GPU-x-1", f"{GPUS[0].uuid}-4", f"{GPUS[0].uuid}-01", GPUS[0].uuid, "", "-1"]:
+        with pytest.raises(UnknownDevice):
+            R.gpu_of(bad)
+
+
+def test_preferred_follows_a_bound_placement_of_the_right_size() -> None:
+    avail = R.all_ids()
+    got, n = preferred(R, avail, [], 2, [grant(0), grant(3, 1)])
+    assert n == 1
+    assert got == ids(3, 0) + ids(1, 0)
+    # a placement whose GPU has no free replica is passed over
+    avail = [d for d in avail if not d.startswith(GPUS[3].uuid)]
+    got, n = preferred(R, avail, [], 2, [grant(3, 1)])
+    assert n is None
+    assert len(got) == 2
+
+
+def test_preferred_spreads_over_the_least_shared_gpus() -> None:
+    # GPU 0 has one free replica, GPU 1 two, GPUs 2 and 3 four
+    avail = ids(0, 3) + ids(1, 2, 3) + ids(2, 0, 1, 2, 3) + ids(3, 0, 1, 2, 3)
+    got, n = preferred(R, avail, [], 3, [])
+    assert n is None
+    assert got == ids(2, 0) + ids(3, 0) + ids(1, 2)
+    # more than the GPUs: more replicas, each ID once
+    got, _ = preferred(R, ids(0, 0, 1), [], 2, [])
+    assert got == ids(0, 0, 1)
+
+
+def test_preferred_keeps_must_include() -> None:
+    avail = R.all_ids()
+    must = ids(1, 2)
+    got, n = preferred(R, avail, must, 2, [grant(0, 2), grant(1, 3)])
+    assert n == 1  # the placement that contains the must-include GPU
+    assert got[0] == must[0]
+    assert got[1] == ids(3, 0)[0]
+    got, _ = preferred(R, avail, must, 1, [grant(0)])
+    assert got == must
+
+
+def test_preferred_leaves_unknown_ids_to_kubelet() -> None:
+    assert preferred(R, ["other-1", "other-2"], [], 1, [grant(0)]) == (["other-1"], None)
+
+
+DOC = {
+    "pod": "ns/p",
+    "node": "n1",
+    "containers": [
+        {
+            "name": "main",
+            "gpus": [
+                {"uuid": GPUS[1].uuid, "index": 1, "memory_mib": 3000, "cores": 30, "mig": None}
+            ],
+            "sm_policy": "burst-share",
+            "priority": 0,
+        }
+    ],
+}
+
+
+def test_grant_reads_the_allocation_annotation() -> None:
+    g = parse_grant(json.dumps(DOC))
+    assert g.pod == "ns/p"
+    assert g.node == "n1"
+    c = g.container("main")
+    assert c is not None
+    assert c.gpus == (GpuGrant(GPUS[1].uuid, 1, 3000, 30, None),)
+    assert (c.sm_policy, c.priority, c.init) == ("burst-share", 0, False)
+    assert g.container("other") is None
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            lambda d: d.pop("pod"),
+            "gpuvisor.io/allocation: allocation.pod=null: must be a non-empty",
+        ),
+        (lambda d: d.update(containers={}), "containers={}: must be a list"),
+        (lambda d: d["containers"][0]["gpus"][0].update(cores=101), "cores=101: must be a whole"),
+        (lambda d: d["containers"][0]["gpus"][0].update(cores=True), "cores=true"),
+        (lambda d: d["containers"][0].update(sm_policy="fair"), 'sm_policy="fair": use fixed'),
+        (lambda d: d["containers"][0].update(priority=2), "priority=2: must be a whole number"),
+        (lambda d: d["containers"][0].update(init="yes"), 'init="yes": must be true or false'),
+    ],
+)
+def test_grant_refuses_what_it_cannot_act_on(change, message) -> None:
+    doc = json.loads(json.dumps(DOC))
+    change(doc)
+    with pytest.raises(GrantError, match=r"^gpuvisor\.io/allocation: ") as err:
+        parse_grant(json.dumps(doc))
+    assert message in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_grant_refuses_text_that_is_not_json() -> None:
+    with pytest.raises(GrantError, match=r"not JSON \(Expecting value at 0\)"):
+        parse_grant("nope")
+
+
+def test_limits_file_text() -> None:
+    same = ContainerGrant(
+        "m", (GpuGrant(GPUS[2].uuid, 2, 4096, 25, None), GpuGrant(GPUS[0].uuid, 0, 4096, 25, None))
+    )
+    assert render("ns/p", same, [GPUS[0], GPUS[2]]) == (
+        "# gpuvisor device-plugin: pod ns/p, container m\n"
+        "CUDA_DEVICE_MEMORY_LIMIT=4096m\nCUDA_DEVICE_SM_LIMIT=25\n"
+    )
+    differ = ContainerGrant(
+        "m",
+        (GpuGrant(GPUS[2].uuid, 2, 1000, 0, None), GpuGrant(GPUS[0].uuid, 0, 2000, 50, None)),
+        sm_policy="best-effort",
+        priority=1,
+    )
+    # ordinals follow the visible order (GPU 0 first), not the grant's
+    assert render("ns/p", differ, [GPUS[0], GPUS[2]]).splitlines()[1:] == [
+        "CUDA_DEVICE_MEMORY_LIMIT_0=2000m",
+        "CUDA_DEVICE_SM_LIMIT_0=50",
+        "CUDA_DEVICE_MEMORY_LIMIT_1=1000m",
+        "CUDA_DEVICE_SM_LIMIT_1=0",
+        "GPUVISOR_SM_POLICY=best-effort",
+        "CUDA_TASK_PRIORITY=1",
+    ]
+    with pytest.raises(GrantError, match="kubelet gave it GPUs"):
+        render("ns/p", same, [GPUS[0]])
