@@ -4,6 +4,8 @@ choice, the allocation annotation reader and the limits file it writes."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 from gpuvisor.cluster.deviceplugin.gpus import Gpu
@@ -157,3 +159,18 @@ def test_limits_file_text() -> None:
     ]
     with pytest.raises(GrantError, match="kubelet gave it GPUs"):
         render("ns/p", same, [GPUS[0]])
+
+
+def test_the_command_line_does_not_load_grpc() -> None:
+    """`gpuvisor run` starts every container: registering device-plugin in
+    the same command group must not make it load gRPC, NVML or the
+    Kubernetes client."""
+    code = (
+        "import sys, gpuvisor.supervisor.cli\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('grpc', 'pynvml', 'kubernetes', 'google')))"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert proc.stdout.strip() == "[]"

@@ -9,28 +9,20 @@ from types import FrameType
 
 import click
 
-from .gpus import NvmlGpus
-from .kube import KubePods
-from .owners import DEFAULT_SOCKET as POD_RESOURCES_SOCKET
-from .owners import PodResourcesOwners
-from .replicas import DEFAULT_SPLIT_COUNT
-from .runner import DEFAULT_ENDPOINT, DEFAULT_PLUGIN_DIR, PluginRunner
-from .service import DevicePluginService, PluginConfig
-
-_defaults = PluginConfig()
+from . import defaults
 
 
 @click.command("device-plugin")
 @click.option(
     "--resource",
-    default=_defaults.resource,
+    default=defaults.RESOURCE,
     show_default=True,
     help="The extended resource the GPUs are advertised as.",
 )
 @click.option(
     "--split-count",
     type=click.IntRange(1, 1000),
-    default=DEFAULT_SPLIT_COUNT,
+    default=defaults.SPLIT_COUNT,
     show_default=True,
     help="Replicas per GPU (HAMi's deviceSplitCount): how many containers may share one.",
 )
@@ -44,27 +36,27 @@ _defaults = PluginConfig()
 @click.option(
     "--plugin-dir",
     type=click.Path(path_type=Path),
-    default=DEFAULT_PLUGIN_DIR,
+    default=defaults.PLUGIN_DIR,
     show_default=True,
     help="kubelet's device-plugins directory (kubelet.sock).",
 )
 @click.option(
     "--endpoint",
-    default=DEFAULT_ENDPOINT,
+    default=defaults.ENDPOINT,
     show_default=True,
     help="This plugin's socket, a file name in --plugin-dir.",
 )
 @click.option(
     "--pod-resources-socket",
     type=click.Path(path_type=Path),
-    default=Path(POD_RESOURCES_SOCKET),
+    default=Path(defaults.POD_RESOURCES_SOCKET),
     show_default=True,
     help="kubelet's PodResources API socket.",
 )
 @click.option(
     "--state-dir",
     type=click.Path(path_type=Path),
-    default=_defaults.state_dir,
+    default=defaults.STATE_DIR,
     show_default=True,
     help="Host directory of the per-container directories (region, limits file); "
     "the plugin must see it at the same path.",
@@ -72,14 +64,14 @@ _defaults = PluginConfig()
 @click.option(
     "--lib-dir",
     type=click.Path(path_type=Path),
-    default=_defaults.lib_dir,
+    default=defaults.LIB_DIR,
     show_default=True,
     help="Host directory holding libgpuvisor.so, mounted read-only into containers.",
 )
 @click.option(
     "--node-dir",
     type=click.Path(path_type=Path),
-    default=_defaults.node_dir,
+    default=defaults.NODE_DIR,
     show_default=True,
     help="Host directory of the node agent's socket, mounted into containers.",
 )
@@ -111,6 +103,13 @@ def device_plugin(
     (its gpuvisor.io/allocation annotation) into the container's limits
     file.  Re-registers whenever kubelet restarts.  See docs/kubernetes.md.
     """
+    # gRPC, NVML and the Kubernetes client load only when the plugin runs
+    from .gpus import NvmlGpus
+    from .kube import KubePods
+    from .owners import PodResourcesOwners
+    from .runner import PluginRunner
+    from .service import DevicePluginService, PluginConfig
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     if "/" in endpoint or not endpoint:
         raise click.BadParameter(f"{endpoint!r}: must be a file name", param_hint="--endpoint")

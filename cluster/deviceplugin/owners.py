@@ -12,9 +12,10 @@ from typing import Protocol
 import grpc
 from gpuvisor.cluster.deviceplugin.api import podresources_v1_pb2_grpc as pr_grpc
 
+from . import defaults
 from .api import podresources_v1_pb2 as pr
 
-DEFAULT_SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
+DEFAULT_SOCKET = defaults.POD_RESOURCES_SOCKET
 
 
 @dataclass(frozen=True)

@@ -8,9 +8,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from . import defaults
 from .gpus import Gpu
 
-DEFAULT_SPLIT_COUNT = 10
+DEFAULT_SPLIT_COUNT = defaults.SPLIT_COUNT
 
 
 class UnknownDevice(ValueError):

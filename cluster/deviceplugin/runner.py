@@ -14,15 +14,16 @@ from pathlib import Path
 import grpc
 from gpuvisor.cluster.deviceplugin.api import deviceplugin_v1beta1_pb2_grpc as dp_grpc
 
+from . import defaults
 from .api import deviceplugin_v1beta1_pb2 as dp
 from .service import DevicePluginService, options
 
 log = logging.getLogger("gpuvisor.device-plugin")
 
 VERSION = "v1beta1"
-DEFAULT_PLUGIN_DIR = Path("/var/lib/kubelet/device-plugins")
+DEFAULT_PLUGIN_DIR = defaults.PLUGIN_DIR
 KUBELET_SOCKET = "kubelet.sock"
-DEFAULT_ENDPOINT = "gpuvisor.sock"
+DEFAULT_ENDPOINT = defaults.ENDPOINT
 
 
 class PluginRunner:

@@ -27,14 +27,14 @@ from typing import Any
 import grpc
 from gpuvisor.cluster.deviceplugin.api import deviceplugin_v1beta1_pb2_grpc as dp_grpc
 
-from . import limits_file
+from . import defaults, limits_file
 from .api import deviceplugin_v1beta1_pb2 as dp
 from .gpus import Gpu, GpuSource
 from .grant import ContainerGrant, GrantError, PodGrant, parse_grant
 from .kube import PodSource
 from .owners import OwnerLookup
 from .preferred import preferred
-from .replicas import DEFAULT_SPLIT_COUNT, Replicas, UnknownDevice
+from .replicas import Replicas, UnknownDevice
 
 log = logging.getLogger("gpuvisor.device-plugin")
 
@@ -56,13 +56,13 @@ CLAIM_SECONDS = 120.0  # a preference not followed by a container start by then 
 
 @dataclass(frozen=True)
 class PluginConfig:
-    resource: str = "nvidia.com/gpu"
-    split_count: int = DEFAULT_SPLIT_COUNT
+    resource: str = defaults.RESOURCE
+    split_count: int = defaults.SPLIT_COUNT
     node_name: str = ""
     # host paths (the plugin sees them at the same paths)
-    state_dir: Path = Path("/var/lib/gpuvisor/containers")
-    lib_dir: Path = Path("/usr/local/gpuvisor/lib")
-    node_dir: Path = Path("/run/gpuvisor")
+    state_dir: Path = defaults.STATE_DIR
+    lib_dir: Path = defaults.LIB_DIR
+    node_dir: Path = defaults.NODE_DIR
 
 
 class PreStartRefused(Exception):
