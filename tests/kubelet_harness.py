@@ -86,7 +86,7 @@ class _State:
     pods: dict[tuple[str, str], Pod] = field(default_factory=dict)
 
 
-class _Registration(dp_grpc.RegistrationServicer):
+class _Registration(dp_grpc.RegistrationServicer):  # type: ignore[misc]
     def __init__(self, kubelet: FakeKubelet) -> None:
         self.kubelet = kubelet
 
@@ -100,7 +100,7 @@ class _Registration(dp_grpc.RegistrationServicer):
         return dp.Empty()
 
 
-class _PodResources(pr_grpc.PodResourcesListerServicer):
+class _PodResources(pr_grpc.PodResourcesListerServicer):  # type: ignore[misc]
     def __init__(self, kubelet: FakeKubelet) -> None:
         self.kubelet = kubelet
 

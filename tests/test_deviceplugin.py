@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -116,10 +117,11 @@ class Cluster:
     def place(self, pod: Pod, containers: dict[str, list[tuple[Gpu, int, int]]]) -> None:
         self.pods.annotations[(pod.namespace, pod.name)] = annotation(pod, containers)
 
-    def probe(self, resp) -> dict:
+    def probe(self, resp) -> dict[str, Any]:
         proc = run(resp, PROBE, self.base_env)
         assert proc.returncode == 0, proc.stderr
-        return json.loads(proc.stdout)
+        out: dict[str, Any] = json.loads(proc.stdout)
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -294,7 +296,7 @@ def test_many_pods_start_at_once_each_with_its_own_limits(cluster: Cluster) -> N
         cluster.place(pod, {"main": [(cluster.gpus[i % 2], 600 + 37 * i, 5)]})
     responses = [k.admit(pod)["main"] for pod in pods]
 
-    def start_and_run(i: int) -> tuple[int, dict]:
+    def start_and_run(i: int) -> tuple[int, dict[str, Any]]:
         k.start(pods[i], "main")
         return i, cluster.probe(responses[i])
 
