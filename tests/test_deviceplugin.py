@@ -399,3 +399,28 @@ def test_nvml_inventory_on_the_simulated_node(node: SimNode) -> None:
     assert [(i, m) for _, i, m in got] == [(0, 16384), (1, 16384)]
     assert all(u.startswith("GPU-") for u, _, _ in got)
     assert len({u for u, _, _ in got}) == 2
+
+
+def test_directories_of_gone_containers_are_collected(cluster: Cluster) -> None:
+    k = cluster.kubelet
+    g0 = cluster.gpus[0]
+    live = Pod("default", "live", [Container("main", 1)])
+    gone = Pod("default", "gone", [Container("main", 1)])
+    never = Pod("default", "never", [Container("main", 1)])
+    for pod in (live, gone, never):
+        cluster.place(pod, {"main": [(g0, 1000, 0)]})
+    dirs = {}
+    for pod in (live, gone, never):
+        resp = k.admit(pod)["main"]
+        dirs[pod.name] = Path(host_env(resp, {})["GPUVISOR_LIMITS_FILE"]).parent.parent
+    k.start(live, "main")
+    k.start(gone, "main")
+    # nothing is collected while young
+    assert cluster.service.collect_garbage() == []
+    k.release(gone)
+    k.release(never)
+    removed = cluster.service.collect_garbage(grace=-1)  # any age
+    assert sorted(removed) == sorted([dirs["gone"], dirs["never"]])
+    assert dirs["live"].is_dir()
+    assert not dirs["gone"].exists()
+    assert not dirs["never"].exists()

@@ -11,6 +11,8 @@ from typing import Any, Protocol
 
 from .grant import ANNOTATION, GrantError, PodGrant, parse_grant
 
+API_TIMEOUT = 10.0  # seconds; kubelet gives PreStartContainer 30
+
 
 class PodSource(Protocol):
     def allocation(self, namespace: str, pod: str) -> str | None:
@@ -37,14 +39,15 @@ class KubePods:
         self.api = api
 
     def allocation(self, namespace: str, pod: str) -> str | None:
-        p = self.api.read_namespaced_pod(pod, namespace)
+        p = self.api.read_namespaced_pod(pod, namespace, _request_timeout=API_TIMEOUT)
         annotations = p.metadata.annotations or {}
         value = annotations.get(ANNOTATION)
         return value if isinstance(value, str) else None
 
     def bound(self, node: str) -> list[PodGrant]:
         pods = self.api.list_pod_for_all_namespaces(
-            field_selector=f"spec.nodeName={node},status.phase=Pending"
+            field_selector=f"spec.nodeName={node},status.phase=Pending",
+            _request_timeout=API_TIMEOUT,
         ).items
         pods.sort(key=lambda p: p.metadata.creation_timestamp)
         out = []

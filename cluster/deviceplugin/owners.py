@@ -33,6 +33,7 @@ class Owner:
 class Holders:
     owners: list[Owner]  # the containers whose devices are exactly the IDs
     pods: set[str]  # every pod kubelet lists ("namespace/name")
+    devices: set[str]  # every ID of the resource a listed container holds
 
 
 class OwnerLookup(Protocol):
@@ -55,10 +56,12 @@ class PodResourcesOwners:
             )
         found = []
         pods = set()
+        held: set[str] = set()
         for pod in reply.pod_resources:
             pods.add(f"{pod.namespace}/{pod.name}")
             for c in pod.containers:
                 ids = {d for cd in c.devices if cd.resource_name == resource for d in cd.device_ids}
-                if ids == want:
+                held |= ids
+                if ids and ids == want:
                     found.append(Owner(pod.namespace, pod.name, c.name))
-        return Holders(found, pods)
+        return Holders(found, pods, held)

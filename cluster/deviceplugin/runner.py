@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from concurrent import futures
 from pathlib import Path
 
@@ -24,6 +25,7 @@ VERSION = "v1beta1"
 DEFAULT_PLUGIN_DIR = defaults.PLUGIN_DIR
 KUBELET_SOCKET = "kubelet.sock"
 DEFAULT_ENDPOINT = defaults.ENDPOINT
+GC_INTERVAL = 60.0  # seconds between collections of old container directories
 
 
 class PluginRunner:
@@ -114,11 +116,18 @@ class PluginRunner:
         self.socket.unlink(missing_ok=True)
 
     def _health_loop(self) -> None:
+        last_gc = time.monotonic()
         while not self.stopping.is_set():
             try:
                 self.service.poll_health()
             except Exception:
                 log.exception("health poll failed")
+            if time.monotonic() - last_gc > GC_INTERVAL:
+                last_gc = time.monotonic()
+                try:
+                    self.service.collect_garbage()
+                except Exception as exc:  # kubelet away: next time
+                    log.warning("cannot collect old container directories: %s", exc)
             self.stopping.wait(self.health_interval)
 
     def stop(self) -> None:

@@ -51,6 +51,7 @@ REGION_FILE = "region.shr"
 DEVICES_FILE = "devices.json"  # the replica IDs a directory was allocated for
 OWNER_FILE = "owner.json"  # the pod/container whose limits it holds
 STEERED_FILE = "steered.json"  # the container GetPreferredAllocation chose these IDs for
+GC_GRACE_SECONDS = 600.0  # a directory younger than this is never collected
 CLAIM_SECONDS = 120.0  # a preference not followed by a container start by then lapses
 
 
@@ -320,6 +321,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
                 continue
             limits_file.write(top / "limits", target[1])
             mark.write_text(stamp)
+            os.utime(top)
             written.append(f"{target[0]}/{who}")
             with self._lock:
                 for c in who.split("/"):
@@ -368,6 +370,39 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
         if c is None or not c.init:
             return None
         return self._limits_text(namespace, pod, container, gpus)
+
+    def collect_garbage(self, grace: float = GC_GRACE_SECONDS) -> list[Path]:
+        """Remove the directories of containers that are gone: of a pod
+        kubelet no longer lists, or (never started) of IDs no listed
+        container holds; only those older than grace seconds, so a
+        container between Allocate and its start keeps its own."""
+        holders = self.owners.holders(self.config.resource, [])
+        now = time.time()
+        removed = []
+        with self._lock:
+            tops = [(key, top) for key, dirs in self._dirs.items() for top in dirs]
+        for key, top in tops:
+            try:
+                age = now - top.stat().st_mtime
+                stamp = (top / OWNER_FILE).read_text() if (top / OWNER_FILE).exists() else None
+            except OSError:
+                age, stamp = grace + 1, None
+            if age <= grace:
+                continue
+            if stamp is not None:
+                gone = json.loads(stamp) not in holders.pods
+            else:
+                gone = not (key & holders.devices)
+            if gone:
+                shutil.rmtree(top, ignore_errors=True)
+                with self._lock:
+                    self._dirs[key] = [d for d in self._dirs.get(key, []) if d != top]
+                    if not self._dirs[key]:
+                        del self._dirs[key]
+                removed.append(top)
+        if removed:
+            log.info("removed %d directories of containers that are gone", len(removed))
+        return removed
 
     def _unrealised(self) -> list[tuple[tuple[str, str], ContainerGrant]]:
         """The containers of the pods bound here that have not started yet."""
