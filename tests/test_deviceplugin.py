@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
+import subprocess
+import sys
 import tempfile
 import threading
 from collections.abc import Iterator
@@ -424,3 +427,86 @@ def test_directories_of_gone_containers_are_collected(cluster: Cluster) -> None:
     assert dirs["live"].is_dir()
     assert not dirs["gone"].exists()
     assert not dirs["never"].exists()
+
+
+KUBECONFIG = """apiVersion: v1
+kind: Config
+clusters: [{name: c, cluster: {server: "http://127.0.0.1:9"}}]
+users: [{name: u, user: {token: t}}]
+contexts: [{name: x, context: {cluster: c, user: u}}]
+current-context: x
+"""
+
+
+def test_the_command_on_the_simulated_node(node: SimNode, tmp_path: Path) -> None:
+    """`gpuvisor device-plugin` as a process: the GPUs from NVML (the
+    simulated driver's), registration with the harness, a container start
+    failing closed while the Kubernetes API cannot be reached, and a clean
+    stop on SIGTERM that removes its socket."""
+    socks = Path(tempfile.mkdtemp(prefix="gvdp", dir="/tmp"))
+    kubelet = FakeKubelet(socks / "dp", socks / "pr" / "kubelet.sock")
+    (tmp_path / "kubeconfig").write_text(KUBECONFIG)
+    env = dict(node.env, KUBECONFIG=str(tmp_path / "kubeconfig"), NODE_NAME=NODE)
+    args = [
+        sys.executable,
+        "-m",
+        "gpuvisor.supervisor",
+        "device-plugin",
+        "--plugin-dir",
+        str(socks / "dp"),
+        "--pod-resources-socket",
+        str(socks / "pr" / "kubelet.sock"),
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--split-count",
+        "3",
+    ]
+    proc = subprocess.Popen(args, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        kubelet.wait_registered(timeout=30)
+        devices = kubelet.state.devices
+        assert len(devices) == 6
+        assert all(d.startswith("GPU-") and h == "Healthy" for d, h in devices.items())
+        pod = Pod("default", "p", [Container("main", 1)])
+        kubelet.admit(pod)
+        with pytest.raises(grpc.RpcError) as err:
+            kubelet.start(pod, "main")
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert err.value.details().startswith(
+            "gpuvisor: pod default/p: cannot read its allocation from the API: "
+        )
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        assert not (socks / "dp" / "gpuvisor.sock").exists()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        kubelet.stop()
+        shutil.rmtree(socks, ignore_errors=True)
+    assert "registered nvidia.com/gpu with kubelet (6 devices" in (
+        proc.stderr.read() if proc.stderr else ""
+    )
+
+
+def test_the_command_refuses_to_start_without_kubernetes(node: SimNode, tmp_path: Path) -> None:
+    env = dict(node.env, KUBECONFIG=str(tmp_path / "none"), HOME=str(tmp_path))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "gpuvisor.supervisor",
+            "device-plugin",
+            "--state-dir",
+            str(tmp_path),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("Error: cannot configure the Kubernetes client: ")

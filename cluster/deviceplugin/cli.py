@@ -121,9 +121,15 @@ def device_plugin(
         lib_dir=lib_dir,
         node_dir=node_dir,
     )
-    service = DevicePluginService(
-        config, NvmlGpus(), KubePods(), PodResourcesOwners(str(pod_resources_socket))
-    )
+    try:
+        gpus = NvmlGpus()
+    except Exception as exc:
+        raise click.ClickException(f"cannot read the GPUs through NVML: {exc}") from None
+    try:
+        pods = KubePods()
+    except Exception as exc:
+        raise click.ClickException(f"cannot configure the Kubernetes client: {exc}") from None
+    service = DevicePluginService(config, gpus, pods, PodResourcesOwners(str(pod_resources_socket)))
     runner = PluginRunner(service, plugin_dir, endpoint, health_interval)
 
     def stop(signum: int, frame: FrameType | None) -> None:
