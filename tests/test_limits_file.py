@@ -6,11 +6,13 @@ malformed or empty."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import MiB, SimNode, run_py
+from tests.helpers import REPO_ROOT, MiB, SimNode, run_py
 
 NOT_PERMITTED = 800
 
@@ -132,3 +134,51 @@ def test_the_supervisor_checks_read_the_file_too(node: SimNode, tmp_path: Path) 
     v, e = json.loads(proc.stdout)
     for message in (v, e):
         assert f'GPUVISOR_LIMITS_FILE="{missing}": cannot open: no such file' in message
+
+
+RUN = [sys.executable, "-c", "from gpuvisor.supervisor.cli import main; main()", "run"]
+MEMINFO = [
+    sys.executable,
+    "-c",
+    "import json; from tests.cuclient import *; init(0); print(json.dumps(mem_info()))",
+]
+
+
+def gpuvisor_run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*RUN, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=REPO_ROOT,
+    )
+
+
+def test_gpuvisor_run_with_a_limits_file(node: SimNode, tmp_path: Path) -> None:
+    """`gpuvisor run` in a container the device plugin set up: the workload
+    gets the file's limits; an option that would be ignored, and a missing
+    file, stop it before the workload starts (status 2, one line)."""
+    f = tmp_path / "limits.env"
+    f.write_text("CUDA_DEVICE_MEMORY_LIMIT=3000m\n")
+    env = dict(node.env, GPUVISOR_LIMITS_FILE=str(f))
+    env["GPUVISOR_NODE_SOCKET"] = str(tmp_path / "no-agent.sock")
+    proc = gpuvisor_run(env, "--", *MEMINFO)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1])[1] == 3000 * MiB
+    proc = gpuvisor_run(env, "--memory", "4g", "--", "true")
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f"Error: --memory: the limits come from GPUVISOR_LIMITS_FILE='{f}' (gpuvisor "
+        "device-plugin's), which the library reads instead of the options"
+    )
+    env["GPUVISOR_LIMITS_FILE"] = str(tmp_path / "missing.env")
+    marker = tmp_path / "started"
+    proc = gpuvisor_run(env, "--", "touch", str(marker))
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        f'Error: GPUVISOR_LIMITS_FILE="{tmp_path / "missing.env"}": cannot open: '
+        "no such file"
+    )
+    assert not marker.exists()

@@ -248,6 +248,22 @@ def build(options: RunOptions, command: list[str], base_env: Mapping[str, str]) 
     if not command:
         raise ConfigError("no command given: gpuvisor run [OPTIONS] -- COMMAND [ARGS]...")
     env = dict(base_env)
+    if limits_file := _env(env, ENV_LIMITS_FILE):
+        given = [
+            name
+            for name, value in (
+                ("--memory", options.memory),
+                ("--cores", options.cores),
+                ("--policy", options.policy),
+                ("--priority", options.priority),
+            )
+            if value is not None
+        ]
+        if given:
+            raise ConfigError(
+                f"{given[0]}: the limits come from {ENV_LIMITS_FILE}={limits_file!r} "
+                "(gpuvisor device-plugin's), which the library reads instead of the options"
+            )
     if options.memory is not None:
         env[ENV_MEMORY] = options.memory
     if options.cores is not None:
