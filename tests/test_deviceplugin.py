@@ -276,6 +276,27 @@ def test_two_containers_and_an_init_container_each_get_their_own_limits(
     assert b == {"init": 0, "uuids": [g1.uuid], "mib": [1500]}
 
 
+def test_an_app_container_reusing_exactly_its_init_containers_devices(cluster: Cluster) -> None:
+    """kubelet hands the init container's one device on to the app container:
+    both are allocated the same IDs (two Allocate calls, two directories),
+    PodResources names the app container, and each still gets its own
+    limits."""
+    k = cluster.kubelet
+    g0 = cluster.gpus[0]
+    pod = Pod("ml", "same", [Container("main", 1), Container("setup", 1, init=True)])
+    cluster.place(pod, {"setup": [(g0, 500, 0)], "main": [(g0, 2000, 0)]})
+    resp = k.admit(pod)
+    assert k.state.assigned[(pod.key, "setup")] == k.state.assigned[(pod.key, "main")]
+    k.start(pod, "setup")
+    assert cluster.probe(resp["setup"])["mib"] == [500]
+    k.start(pod, "main")
+    assert cluster.probe(resp["main"])["mib"] == [2000]
+    # a restart of the app container (PreStartContainer again) keeps both right
+    k.start(pod, "main")
+    assert cluster.probe(resp["main"])["mib"] == [2000]
+    assert cluster.probe(resp["setup"])["mib"] == [500]
+
+
 def test_an_init_container_of_its_own_devices(cluster: Cluster) -> None:
     """An init container whose devices no app container reuses (the app
     containers ask for none): PodResources lists none of its IDs, and the

@@ -178,7 +178,6 @@ def test_gpuvisor_run_with_a_limits_file(node: SimNode, tmp_path: Path) -> None:
     proc = gpuvisor_run(env, "--", "touch", str(marker))
     assert proc.returncode == 2
     assert proc.stderr.strip() == (
-        f'Error: GPUVISOR_LIMITS_FILE="{tmp_path / "missing.env"}": cannot open: '
-        "no such file"
+        f'Error: GPUVISOR_LIMITS_FILE="{tmp_path / "missing.env"}": cannot open: no such file'
     )
     assert not marker.exists()
