@@ -14,7 +14,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +58,15 @@ import json
 from gpuvisor.cluster.deviceplugin.gpus import NvmlGpus
 print(json.dumps([[g.uuid, g.index, g.memory_mib] for g in NvmlGpus().gpus()]))
 """
+
+
+def eventually(predicate: Callable[[], bool], timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 class StaticGpus:
@@ -389,10 +399,11 @@ def test_an_allocation_that_does_not_fit_fails_closed(cluster: Cluster, containe
 
 def test_kubelet_restart_makes_the_plugin_register_again(cluster: Cluster) -> None:
     k = cluster.kubelet
-    first = cluster.runner.registrations
+    assert eventually(lambda: cluster.runner.registrations == 1)
     k.restart()
     k.wait_registered(count=2, timeout=15)
-    assert cluster.runner.registrations == first + 1
+    assert eventually(lambda: cluster.runner.registrations == 2)
+    assert [r.endpoint for r in k.registrations] == ["gpuvisor.sock"] * 2
     assert len(k.state.devices) == 20
     # and it serves the new kubelet: a pod starts with its limits
     pod = Pod("default", "after", [Container("main", 1)])
