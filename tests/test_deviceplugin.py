@@ -542,3 +542,29 @@ def test_the_command_refuses_to_start_without_kubernetes(node: SimNode, tmp_path
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("Error: cannot configure the Kubernetes client: ")
+
+
+def test_requests_for_devices_it_does_not_have_are_refused(cluster: Cluster) -> None:
+    from gpuvisor.cluster.deviceplugin.api import deviceplugin_v1beta1_pb2 as dp
+
+    reg = cluster.kubelet.registered
+    assert reg is not None
+    with pytest.raises(grpc.RpcError) as err:
+        reg.stub.Allocate(
+            dp.AllocateRequest(
+                container_requests=[dp.ContainerAllocateRequest(devices_ids=["GPU-bogus-1"])]
+            ),
+            timeout=10,
+        )
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "'GPU-bogus-1' is not a replica of a GPU of this node" in err.value.details()
+    for ids, why in [
+        (["GPU-bogus-1"], "is not a replica of a GPU of this node"),
+        ([f"{cluster.gpus[0].uuid}-9"], "no Allocate was seen for them"),
+    ]:
+        with pytest.raises(grpc.RpcError) as err:
+            reg.stub.PreStartContainer(dp.PreStartContainerRequest(devices_ids=ids), timeout=10)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert why in err.value.details()
+    # nothing was created for them
+    assert list((cluster.node.dir / "state").iterdir()) == []
