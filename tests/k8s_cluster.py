@@ -630,7 +630,7 @@ class KubeTest:
     def wait_bound(self, name: str, timeout: float = 30.0) -> str:
         """Waits until the Pod is bound to a node; returns the node's name."""
         pod = self.wait_pod(name, lambda p: bool(p.spec and p.spec.node_name), timeout, "binding")
-        return must(must(pod.spec, "spec").node_name, "spec.nodeName")
+        return str(must(must(pod.spec, "spec").node_name, "spec.nodeName"))
 
     def wait_unschedulable(self, name: str, timeout: float = 30.0) -> str:
         """Waits for the scheduler to mark the Pod Unschedulable; returns its message."""
