@@ -8,6 +8,7 @@ import contextlib
 
 import click
 from gpuvisor.cluster.deviceplugin.cli import device_plugin
+from gpuvisor.cluster.place_cli import place
 from gpuvisor.shim.cli import shim_info
 
 from .agent.cli import node_agent
@@ -24,6 +25,7 @@ COMMANDS: tuple[click.Command, ...] = (
     top,
     demo,
     device_plugin,
+    place,
 )
 
 

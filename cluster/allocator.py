@@ -1,0 +1,761 @@
+"""The allocator: where a pod goes and which GPUs it gets (docs/placement.md).
+
+`Allocator` holds the cluster's state (each node's inventory and what is
+allocated on it) and decides pods as a pure computation over that state:
+no I/O.  It is safe to share between threads: a decision reads the nodes
+without locking and `commit` takes only the chosen node's lock, re-checks the
+grants against that node's usage (optimistic check-and-commit) and applies
+them; a decision that lost a race is re-decided.  There is no cluster-wide
+or node-wide lock held across a decision.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import threading
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .allocation import (
+    Allocation,
+    ContainerGrant,
+    GpuGrant,
+    MigGrant,
+    load_allocation,
+)
+from .inventory_model import DocumentError, Gpu, Inventory, fail, load_inventory, obj
+from .mig import (
+    GeometryRule,
+    MigChoice,
+    geometries_for,
+    hami_first_geometry,
+    plan_instance,
+    profile_cores,
+)
+from .request import (
+    NOUSE_TYPE,
+    NOUSE_UUID,
+    USE_TYPE,
+    USE_UUID,
+    VGPU_MODE,
+    ContainerRequest,
+    PodRequest,
+)
+from .topology import Tier, best_tier, ranked_sets, set_tier, set_weight, topology
+
+
+class Conflict(RuntimeError):
+    """A commit found the node changed under the decision and the grants no longer fit."""
+
+
+@dataclass(frozen=True)
+class Config:
+    split_count: int = 10  # HAMi's deviceSplitCount
+    geometries: tuple[GeometryRule, ...] = ()  # HAMi's knownMigGeometries
+    finalists: int = 8  # nodes fully planned per decision, in cheap-score order
+    rules: str = "gpuvisor"  # "hami": the benchmark's baseline (docs/placement.md)
+
+
+@dataclass
+class GpuCharge:
+    slots: int = 0
+    memory_mib: int = 0
+    cores: int = 0
+    mig: list[MigGrant] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Decision:
+    pod: PodRequest
+    node: str | None
+    allocation: Allocation | None
+    charge: Mapping[int, GpuCharge]
+    version: int
+    reasons: Mapping[str, str]
+    score: Mapping[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"pod": self.pod.name, "node": self.node}
+        out["containers"] = (
+            [c.to_json() for c in self.allocation.containers] if self.allocation else []
+        )
+        out["reasons"] = dict(self.reasons)
+        out["score"] = dict(self.score)
+        return out
+
+
+def gpu_usage(
+    slots: int, mem: int, cores: int, mig_on: bool, mig_used: int, g: Gpu, split: int
+) -> float:
+    if mig_on and g.mig is not None:
+        return bin(mig_used).count("1") / g.mig.memory_slices
+    return (slots / split + min(cores, 100) / 100 + mem / g.memory_mib) / 3
+
+
+class NodeState:
+    """One node's inventory and usage.  Mutated only under `lock` by commit/release."""
+
+    def __init__(self, inv: Inventory, cfg: Config) -> None:
+        self.inv = inv
+        self.cfg = cfg
+        self.lock = threading.Lock()
+        self.version = 0
+        n = len(inv.gpus)
+        self.slots = [0] * n
+        self.mem = [0] * n
+        self.cores = [0] * n
+        self.mig_used = [0] * n
+        self.mig_profiles: list[Counter[str]] = [Counter() for _ in range(n)]
+        self.mig_refs: list[frozenset[str]] = [frozenset() for _ in range(n)]
+        self.mig_on = [g.mig is not None and g.mig.enabled for g in inv.gpus]
+        self.capable = [g.mig is not None and g.mig.capable for g in inv.gpus]
+        self.in_use = [
+            g.mig is not None and any(i.in_use for i in g.mig.instances) for g in inv.gpus
+        ]
+        # slices of instances in use by something this allocator did not place
+        self.fixed = [
+            sum(i.placement.mask for i in g.mig.instances if i.in_use) if g.mig else 0
+            for g in inv.gpus
+        ]
+        self.geometries = [
+            geometries_for(g.model, cfg.geometries) if cfg.geometries else None for g in inv.gpus
+        ]
+        self.pods: dict[str, tuple[Allocation, dict[int, GpuCharge]]] = {}
+        self.links_topo = topology(inv.links)
+        self.summarise()
+
+    def idle(self, i: int) -> bool:
+        return self.slots[i] == 0 and self.mig_used[i] == 0 and not self.in_use[i]
+
+    def summarise(self) -> None:
+        """The cheap per-node view a decision filters and orders nodes by."""
+        split = self.cfg.split_count
+        gpus = self.inv.gpus
+        n = len(gpus)
+        total = sum(
+            gpu_usage(
+                self.slots[i],
+                self.mem[i],
+                self.cores[i],
+                self.mig_on[i],
+                self.mig_used[i] | self.fixed[i],
+                gpus[i],
+                split,
+            )
+            for i in range(n)
+        )
+        self.usage = total / n if n else 1.0
+        self.free_mem = sorted(
+            gpus[i].memory_mib - self.mem[i]
+            for i in range(n)
+            if gpus[i].healthy
+            and not self.mig_on[i]
+            and self.slots[i] < split
+            and self.cores[i] < 100
+        )
+        self.idle_count = sum(1 for i in range(n) if gpus[i].healthy and self.idle(i))
+        self.mig_count = sum(
+            1
+            for i in range(n)
+            if gpus[i].healthy and self.capable[i] and (self.mig_on[i] or self.idle(i))
+        )
+
+    # -- applying and checking charges ---------------------------------------------------
+    def check(self, charge: Mapping[int, GpuCharge]) -> str | None:
+        split = self.cfg.split_count
+        for i, c in charge.items():
+            g = self.inv.gpus[i]
+            if c.slots:
+                if self.mig_on[i]:
+                    return f"GPU {i} is in MIG mode"
+                if self.slots[i] + c.slots > split:
+                    return f"GPU {i} has no free slot"
+                if self.mem[i] + c.memory_mib > g.memory_mib:
+                    return f"GPU {i} has not enough memory"
+                if self.cores[i] + c.cores > 100:
+                    return f"GPU {i} has not enough cores"
+                if c.cores >= 100 and self.slots[i]:
+                    return f"GPU {i} is not idle"
+                if c.cores == 0 and self.cores[i] >= 100:
+                    return f"GPU {i} has no cores free"
+            taken = self.mig_used[i]
+            for grant in c.mig:
+                if taken & grant.placement.mask:
+                    return f"GPU {i} MIG placement {grant.placement} is taken"
+                if grant.instance is not None and grant.instance in self.mig_refs[i]:
+                    return f"GPU {i} MIG instance {grant.instance} is taken"
+                if (grant.enable or grant.destroy) and not self.idle(i):
+                    return f"GPU {i} is not idle"
+                taken |= grant.placement.mask
+        return None
+
+    def apply(self, charge: Mapping[int, GpuCharge], sign: int) -> None:
+        for i, c in charge.items():
+            self.slots[i] += sign * c.slots
+            self.mem[i] += sign * c.memory_mib
+            self.cores[i] += sign * c.cores
+            for grant in c.mig:
+                self.mig_used[i] ^= grant.placement.mask
+                self.mig_profiles[i][grant.profile] += sign
+                if grant.instance is not None:
+                    self.mig_refs[i] = (
+                        self.mig_refs[i] | {grant.instance}
+                        if sign > 0
+                        else self.mig_refs[i] - {grant.instance}
+                    )
+                if grant.enable and sign > 0:
+                    self.mig_on[i] = True
+            self.mig_profiles[i] += Counter()  # drop zero counts
+        self.version += 1
+        self.summarise()
+
+
+# -- planning one pod on one node ---------------------------------------------------------
+@dataclass(frozen=True)
+class Option:
+    index: int
+    memory_mib: int
+    cores: int
+    mig: MigChoice | None
+    usage_after: float
+
+
+@dataclass
+class Work:
+    """A node's usage while a pod's containers are placed one after another."""
+
+    slots: list[int]
+    mem: list[int]
+    cores: list[int]
+    mig_used: list[int]
+    mig_profiles: list[Counter[str]]
+    mig_refs: list[frozenset[str]]
+    mig_on: list[bool]
+
+    @staticmethod
+    def of(node: NodeState) -> Work:
+        return Work(
+            list(node.slots),
+            list(node.mem),
+            list(node.cores),
+            list(node.mig_used),
+            [Counter(c) for c in node.mig_profiles],
+            list(node.mig_refs),
+            list(node.mig_on),
+        )
+
+
+def static_reason(g: Gpu, pod: PodRequest, node: NodeState) -> str | None:
+    """Filters that do not depend on usage: health, type, UUID, mode."""
+    if not g.healthy:
+        return f"GPU {g.index} unhealthy"
+    model = g.model.lower()
+    if pod.use_types and not any(t.lower() in model for t in pod.use_types):
+        return f"GPU type {g.model} not in {USE_TYPE}"
+    if any(t.lower() in model for t in pod.nouse_types):
+        return f"GPU type {g.model} excluded by {NOUSE_TYPE}"
+    if pod.use_uuids and g.uuid not in pod.use_uuids:
+        return f"GPU {g.uuid} not in {USE_UUID}"
+    if g.uuid in pod.nouse_uuids:
+        return f"GPU {g.uuid} excluded by {NOUSE_UUID}"
+    capable = g.mig is not None and g.mig.capable
+    if pod.mode == "mig" and not capable:
+        return f"GPU {g.index} ({g.model}) cannot do MIG ({VGPU_MODE}: mig)"
+    if pod.mode == "hami-core" and node.mig_on[g.index]:
+        return f"GPU {g.index} is in MIG mode ({VGPU_MODE}: hami-core)"
+    return None
+
+
+def option(
+    node: NodeState, work: Work, i: int, c: ContainerRequest, pod: PodRequest, hami: bool
+) -> Option | str:
+    g = node.inv.gpus[i]
+    split = node.cfg.split_count
+    m = c.memory_on(g.memory_mib)
+    idle = work.slots[i] == 0 and work.mig_used[i] == 0 and not node.in_use[i]
+    shared: Option | None = None
+    why = ""
+    if pod.mode != "mig" and not work.mig_on[i]:
+        if work.slots[i] >= split:
+            why = "no free slot"
+        elif work.mem[i] + m > g.memory_mib:
+            why = f"{g.memory_mib - work.mem[i]} MiB free"
+        elif c.cores >= 100 and work.slots[i]:
+            why = "not idle (exclusive request)"
+        elif work.cores[i] + c.cores > 100 or (c.cores == 0 and work.cores[i] >= 100):
+            why = f"{100 - work.cores[i]}% cores free"
+        else:
+            after = gpu_usage(
+                work.slots[i] + 1, work.mem[i] + m, work.cores[i] + c.cores, False, 0, g, split
+            )
+            shared = Option(i, m, c.cores, None, after)
+    if shared is not None:
+        return shared  # shared wastes no memory: it is the better fit when it fits
+    mig = g.mig
+    if pod.mode != "hami-core" and mig is not None and mig.capable:
+        enabled = work.mig_on[i]
+        if hami:
+            choice = hami_first_geometry(
+                mig,
+                enabled,
+                idle,
+                work.mig_used[i],
+                work.mig_profiles[i],
+                m,
+                node.geometries[i],
+            )
+        else:
+            choice = plan_instance(
+                mig,
+                enabled,
+                idle,
+                work.mig_used[i],
+                work.mig_profiles[i],
+                work.mig_refs[i],
+                m,
+                c.cores if c.cores < 100 else 0,
+                node.geometries[i],
+            )
+        if choice is not None:
+            used = work.mig_used[i] | node.fixed[i] | choice.placement.mask
+            after = bin(used).count("1") / mig.memory_slices
+            return Option(
+                i, choice.profile.memory_mib, profile_cores(mig, choice.profile), choice, after
+            )
+        why = why or "no MIG placement fits"
+    return why or "in MIG mode"
+
+
+def take(work: Work, o: Option, charge: dict[int, GpuCharge] | None) -> MigGrant | None:
+    i = o.index
+    grant = None
+    if o.mig is not None:
+        ch = o.mig
+        grant = MigGrant(
+            ch.profile.name, ch.profile.id, ch.placement, ch.instance, ch.destroy, ch.enable
+        )
+        work.mig_used[i] |= ch.placement.mask
+        work.mig_profiles[i][ch.profile.name] += 1
+        if ch.instance is not None:
+            work.mig_refs[i] = work.mig_refs[i] | {ch.instance}
+        if ch.enable:
+            work.mig_on[i] = True
+        if charge is not None:
+            charge.setdefault(i, GpuCharge()).mig.append(grant)
+    else:
+        work.slots[i] += 1
+        work.mem[i] += o.memory_mib
+        work.cores[i] += o.cores
+    return grant
+
+
+@dataclass
+class NodePlan:
+    containers: list[ContainerGrant]
+    charge: dict[int, GpuCharge]
+    key: tuple[Any, ...]
+    terms: dict[str, Any]
+
+
+def choose(
+    node: NodeState,
+    options: list[Option],
+    n: int,
+    idle_mask: int,
+    binpack: bool,
+    pod: PodRequest,
+    hami: bool,
+) -> tuple[list[Option], dict[str, Any]]:
+    sign = -1.0 if binpack else 1.0
+    by_index = {o.index: o for o in options}
+    mask = 0
+    for o in options:
+        mask |= 1 << o.index
+    offer = Tier(best_tier(node.inv.links, mask, n)).label
+    if hami:
+        topo = node.links_topo
+        if pod.topology_aware:
+            # HAMi's topology-aware: the k-combination with the highest summed pair score
+            members = max(
+                itertools.combinations(sorted(by_index), n),
+                key=lambda cb: (set_weight(topo, cb), [-j for j in cb]),
+            )
+            picked = [by_index[j] for j in members]
+        else:
+            # HAMi: sort by the linear score, take the first n (no link awareness)
+            picked = sorted(options, key=lambda o: (sign * o.usage_after, o.index))[:n]
+            members = tuple(o.index for o in picked)
+        tier = set_tier(topo, members)
+        return picked, {"tier": Tier(tier).label, "best_tier": offer}
+    keep = binpack or pod.topology_aware
+    ranked = ranked_sets(node.inv.links, mask, idle_mask, n, keep)
+    best_key = ranked[0][0]
+    best: tuple[float, tuple[int, ...]] | None = None
+    for key, combo in ranked:
+        if key != best_key:
+            break
+        s = sign * sum(by_index[j].usage_after for j in combo)
+        # waste first for MIG: least memory wasted
+        if best is None or (s, combo) < best:
+            best = (s, combo)
+    assert best is not None
+    picked = [by_index[j] for j in best[1]]
+    return picked, {"tier": Tier(best_key.tier).label, "best_tier": offer, "cut": -best_key.keep}
+
+
+def single_key(
+    o: Option, binpack: bool, node: NodeState, idle_mask: int, keep: bool
+) -> tuple[Any, ...]:
+    waste = o.mig.waste_mib if o.mig else 0
+    room = tuple(-r for r in o.mig.room) if o.mig else ()
+    cut = 0
+    if keep and idle_mask >> o.index & 1:
+        w = node.links_topo.weight[o.index]
+        cut = sum(w[j] for j in range(len(w)) if j != o.index and idle_mask >> j & 1)
+    usage = -o.usage_after if binpack else o.usage_after
+    return (usage, cut, waste, room, o.index)
+
+
+def plan_node(node: NodeState, pod: PodRequest, cfg: Config) -> NodePlan | str:
+    """Place every container of the pod on this node, or say in one line why not."""
+    hami = cfg.rules == "hami"
+    inv = node.inv
+    statics = [static_reason(g, pod, node) for g in inv.gpus]
+    allowed = [i for i, r in enumerate(statics) if r is None]
+    if not allowed and pod.wants_gpu:
+        distinct = list(dict.fromkeys(r for r in statics if r))
+        return "; ".join(distinct[:2]) if distinct else "no GPUs"
+    binpack = pod.gpu_policy == "binpack"
+    keep = (binpack or pod.topology_aware) and not hami
+    work = Work.of(node)
+    app_charge: dict[int, GpuCharge] = {}
+    grants: dict[str, list[GpuGrant]] = {}
+    terms: list[dict[str, Any]] = []
+    idle_mask = 0
+    for i in range(len(inv.gpus)):
+        if node.idle(i):
+            idle_mask |= 1 << i
+    order = [c for c in pod.containers if not c.init] + [c for c in pod.containers if c.init]
+    init_charges: list[dict[int, GpuCharge]] = []
+    app_gpus: set[int] = set()
+    for c in order:
+        if c.count == 0:
+            grants[c.name] = []
+            continue
+        w = work if not c.init else Work.of(node)
+        if c.init:
+            # an init container runs alone: it sees the node without this pod, and
+            # MIG slices the app containers hold (those cannot be shared in time)
+            w.mig_used = list(work.mig_used)
+            w.mig_refs = list(work.mig_refs)
+            w.mig_profiles = [Counter(p) for p in work.mig_profiles]
+            w.mig_on = list(work.mig_on)
+        opts: list[Option] = []
+        why: Counter[str] = Counter()
+        for i in allowed:
+            o = option(node, w, i, c, pod, hami)
+            if isinstance(o, str):
+                why[o] += 1
+            else:
+                opts.append(o)
+        if len(opts) < c.count:
+            mem = f"{c.memory_mib} MiB" if c.memory_mib is not None else f"{c.memory_pct}% memory"
+            need = f"{c.count} GPU{'s' if c.count > 1 else ''} with {mem}"
+            if c.cores:
+                need += f" and {c.cores}% cores"
+            detail = f" ({why.most_common(1)[0][0]})" if why and not opts else ""
+            return f"container {c.name}: needs {need} free, has {len(opts)}{detail}"
+        live_idle = idle_mask & ~sum(1 << j for j in app_gpus)
+        if c.count == 1:
+            if hami and pod.topology_aware:
+                # HAMi's topology-aware single GPU: the least connected to the others
+                wt = node.links_topo.weight
+                picked = [
+                    min(opts, key=lambda o: (sum(wt[o.index][p.index] for p in opts), o.index))
+                ]
+            elif hami:
+                sign = -1.0 if binpack else 1.0
+                picked = [min(opts, key=lambda o: (sign * o.usage_after, o.index))]
+            else:
+                if c.init:
+                    # prefer the GPUs the app containers already hold: no extra charge
+                    picked = [
+                        min(
+                            opts,
+                            key=lambda o: (
+                                o.index not in app_gpus,
+                                single_key(o, binpack, node, live_idle, keep),
+                            ),
+                        )
+                    ]
+                else:
+                    picked = [
+                        min(opts, key=lambda o: single_key(o, binpack, node, live_idle, keep))
+                    ]
+            t: dict[str, Any] = {"tier": Tier.SELF.label}
+        else:
+            picked, t = choose(node, opts, c.count, live_idle, binpack, pod, hami)
+        t["container"] = c.name
+        terms.append(t)
+        ch: dict[int, GpuCharge] = {} if c.init else app_charge
+        out = []
+        for o in picked:
+            grant = take(w, o, ch)
+            if o.mig is None:
+                g = ch.setdefault(o.index, GpuCharge())
+                g.slots += 1
+                g.memory_mib += o.memory_mib
+                g.cores += o.cores
+            out.append(GpuGrant(inv.gpus[o.index].uuid, o.index, o.memory_mib, o.cores, grant))
+            if not c.init:
+                app_gpus.add(o.index)
+        grants[c.name] = out
+        if c.init:
+            init_charges.append(ch)
+    # the pod's charge, as Kubernetes counts init containers: per GPU and per
+    # dimension the larger of the app containers' sum and each init container
+    charge = app_charge
+    for ic in init_charges:
+        for i, c2 in ic.items():
+            cur = charge.setdefault(i, GpuCharge())
+            cur.slots = max(cur.slots, c2.slots)
+            cur.memory_mib = max(cur.memory_mib, c2.memory_mib)
+            cur.cores = max(cur.cores, c2.cores)
+            cur.mig.extend(c2.mig)
+    split = cfg.split_count
+    n = len(inv.gpus)
+    after = 0.0
+    for i in range(n):
+        ch2 = charge.get(i)
+        used = node.mig_used[i] | node.fixed[i]
+        if ch2:
+            used |= sum(gr.placement.mask for gr in ch2.mig)
+        after += gpu_usage(
+            node.slots[i] + (ch2.slots if ch2 else 0),
+            node.mem[i] + (ch2.memory_mib if ch2 else 0),
+            node.cores[i] + (ch2.cores if ch2 else 0),
+            node.mig_on[i] or bool(ch2 and any(gr.enable for gr in ch2.mig)),
+            used,
+            inv.gpus[i],
+            split,
+        )
+    after /= max(n, 1)
+    node_binpack = pod.node_policy == "binpack"
+    if hami:
+        key: tuple[Any, ...] = ((-node.usage if node_binpack else node.usage), inv.node)
+    else:
+        cut = sum(t.get("cut", 0) for t in terms)
+        key = ((-after if node_binpack else after), cut, inv.node)
+    containers = [
+        ContainerGrant(c.name, c.init, tuple(grants.get(c.name, [])), pod.sm_policy, c.priority)
+        for c in pod.containers
+    ]
+    return NodePlan(
+        containers,
+        charge,
+        key,
+        {
+            "node_usage_before": round(node.usage, 4),
+            "node_usage_after": round(after, 4),
+            "gpu_sets": terms,
+        },
+    )
+
+
+def quick_reason(node: NodeState, pod: PodRequest) -> str | None:
+    """A necessary condition checked on the node's summary, before planning."""
+    if pod.use_types or pod.nouse_types or pod.use_uuids or pod.nouse_uuids or pod.mode:
+        return None
+    mig = node.mig_count
+    for c in pod.containers:
+        if not c.count:
+            continue
+        if c.exclusive:
+            have = node.idle_count
+        elif c.memory_mib is not None:
+            have = len(node.free_mem) - bisect.bisect_left(node.free_mem, c.memory_mib) + mig
+        else:
+            have = len(node.free_mem) + mig
+        if have < c.count:
+            mem = f"{c.memory_mib} MiB" if c.memory_mib is not None else f"{c.memory_pct}% memory"
+            return f"container {c.name}: needs {c.count} GPUs with {mem} free, has {have}"
+    return None
+
+
+class Allocator:
+    """The cluster's GPUs and allocations, and the decisions over them."""
+
+    def __init__(self, inventories: Iterable[Inventory] = (), config: Config | None = None) -> None:
+        self.config = config or Config()
+        self.nodes: dict[str, NodeState] = {}
+        self.order: list[str] = []
+        for inv in inventories:
+            self.add_node(inv)
+
+    def add_node(self, inv: Inventory) -> None:
+        if inv.node in self.nodes:
+            raise DocumentError(f"node {inv.node!r}: listed twice")
+        self.nodes[inv.node] = NodeState(inv, self.config)
+        self.order.append(inv.node)
+
+    @classmethod
+    def from_cluster(cls, doc: Any, config: Config | None = None) -> Allocator:
+        """Read CLUSTER.json: `{"nodes": {name: inventory + "allocations": [...]}}`."""
+        top = obj(doc, "cluster")
+        nodes = obj(top.get("nodes"), "cluster.nodes")
+        a = cls(config=config)
+        for name, entry in nodes.items():
+            path = f"cluster.nodes[{name}]"
+            inv = load_inventory(entry, path)
+            if inv.node != name:
+                raise fail(f"{path}.node", f"expected {name!r} (its key)", inv.node)
+            a.add_node(inv)
+            allocs = obj(entry, path).get("allocations", [])
+            if not isinstance(allocs, list):
+                raise fail(f"{path}.allocations", "expected a list", allocs)
+            for i, al in enumerate(allocs):
+                a.restore(
+                    load_allocation(al, f"{path}.allocations[{i}]", name),
+                    f"{path}.allocations[{i}]",
+                )
+        return a
+
+    def restore(self, allocation: Allocation, path: str = "allocation") -> None:
+        """Account an allocation made earlier (CLUSTER.json, or a pod's annotation)."""
+        node = self.nodes.get(allocation.node)
+        if node is None:
+            raise fail(f"{path}.node", "no such node", allocation.node)
+        charge = charge_of(allocation, node, path)
+        with node.lock:
+            if allocation.pod in node.pods:
+                raise fail(f"{path}.pod", "allocated twice", allocation.pod)
+            problem = node.check(charge)
+            if problem:
+                raise DocumentError(f"{path}: over-commits the node: {problem}")
+            node.apply(charge, +1)
+            node.pods[allocation.pod] = (allocation, charge)
+
+    def release(self, pod: str) -> bool:
+        """Forget a pod's allocation (it ended, or its bind failed)."""
+        for node in self.nodes.values():
+            with node.lock:
+                held = node.pods.pop(pod, None)
+                if held is not None:
+                    node.apply(held[1], -1)
+                    return True
+        return False
+
+    def decide(
+        self, pod: PodRequest, explain: bool = False, nodes: Sequence[str] | None = None
+    ) -> Decision:
+        """Where the pod would go, with no change to the state.
+
+        Nodes are ordered by their cheap usage score (policy order); the first
+        `finalists` that can hold the pod are planned in full and the best
+        plan wins.  With `explain`, every node is planned so each rejected one
+        gets its reason (the choice is the same).
+        """
+        cfg = self.config
+        names = list(nodes) if nodes is not None else self.order
+        states = []
+        reasons: dict[str, str] = {}
+        for name in names:
+            st = self.nodes.get(name)
+            if st is None:
+                reasons[name] = "unknown node"
+            else:
+                states.append(st)
+        binpack = pod.node_policy == "binpack"
+        states.sort(key=lambda s: ((-s.usage if binpack else s.usage), s.inv.node))
+        finalists: list[tuple[NodeState, int, NodePlan]] = []
+        for st in states:
+            if len(finalists) >= cfg.finalists and not explain:
+                break
+            quick = quick_reason(st, pod)
+            if quick is not None:
+                reasons[st.inv.node] = quick
+                continue
+            version = st.version
+            plan = plan_node(st, pod, cfg)
+            if isinstance(plan, str):
+                reasons[st.inv.node] = plan
+            elif len(finalists) < cfg.finalists:
+                finalists.append((st, version, plan))
+        if not finalists:
+            return Decision(pod, None, None, {}, 0, reasons, {})
+        st, version, plan = min(finalists, key=lambda f: f[2].key)
+        alloc = Allocation(pod.name, pod.uid, st.inv.node, tuple(plan.containers))
+        score = {
+            "node_policy": pod.node_policy,
+            "gpu_policy": pod.gpu_policy,
+            "finalists": [f[0].inv.node for f in finalists],
+            **plan.terms,
+        }
+        return Decision(pod, st.inv.node, alloc, plan.charge, version, reasons, score)
+
+    def commit(self, decision: Decision) -> Allocation:
+        """Take the decision's reservation, or raise Conflict if it no longer fits."""
+        if decision.allocation is None or decision.node is None:
+            raise ValueError("nothing to commit: the pod fits nowhere")
+        node = self.nodes[decision.node]
+        with node.lock:
+            if decision.pod.name in node.pods:
+                raise Conflict(f"{decision.pod.name} is already allocated on {decision.node}")
+            if node.version != decision.version:
+                problem = node.check(decision.charge)
+                if problem:
+                    raise Conflict(f"{decision.node}: {problem}")
+            node.apply(decision.charge, +1)
+            node.pods[decision.pod.name] = (decision.allocation, dict(decision.charge))
+        return decision.allocation
+
+    def place(self, pod: PodRequest, explain: bool = False, attempts: int = 5) -> Decision:
+        """Decide and commit; a decision that lost a race is decided again."""
+        for _ in range(attempts):
+            d = self.decide(pod, explain)
+            if d.allocation is None:
+                return d
+            try:
+                self.commit(d)
+                return d
+            except Conflict:
+                continue
+        raise Conflict(f"{pod.name}: lost {attempts} races in a row")
+
+    def allocations(self, node: str) -> list[Allocation]:
+        st = self.nodes[node]
+        with st.lock:
+            return [a for a, _c in st.pods.values()]
+
+
+def charge_of(allocation: Allocation, node: NodeState, path: str) -> dict[int, GpuCharge]:
+    """The per-GPU charge of an allocation, init containers counted as Kubernetes does."""
+    gpus = node.inv.gpus
+    app: dict[int, GpuCharge] = {}
+    inits: list[dict[int, GpuCharge]] = []
+    for ci, c in enumerate(allocation.containers):
+        ch: dict[int, GpuCharge] = {} if c.init else app
+        for gi, g in enumerate(c.gpus):
+            gp = f"{path}.containers[{ci}].gpus[{gi}]"
+            if g.index >= len(gpus) or gpus[g.index].uuid != g.uuid:
+                raise fail(f"{gp}.uuid", f"not GPU {g.index} of node {node.inv.node}", g.uuid)
+            cur = ch.setdefault(g.index, GpuCharge())
+            if g.mig is not None:
+                cur.mig.append(g.mig)
+            else:
+                cur.slots += 1
+                cur.memory_mib += g.memory_mib
+                cur.cores += g.cores
+        if c.init:
+            inits.append(ch)
+    for ic in inits:
+        for i, c2 in ic.items():
+            cur = app.setdefault(i, GpuCharge())
+            cur.slots = max(cur.slots, c2.slots)
+            cur.memory_mib = max(cur.memory_mib, c2.memory_mib)
+            cur.cores = max(cur.cores, c2.cores)
+            cur.mig.extend(c2.mig)
+    return app
