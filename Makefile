@@ -210,3 +210,10 @@ clean:
 .PHONY: bench-agent
 bench-agent: venv
 	$(VENV)/bin/python -m tests.bench.agent_bench --write docs/benchmarks.md
+
+# Allocator benchmark (make bench-place): decision speed on 1,000 nodes x 8
+# GPUs and placement quality against HAMi's rules and the exact optimum
+# (tests/bench/place_bench.py); writes its section of docs/benchmarks.md.
+.PHONY: bench-place
+bench-place: venv
+	$(VENV)/bin/python -m tests.bench.place_bench --write docs/benchmarks.md

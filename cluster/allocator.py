@@ -57,6 +57,10 @@ class Config:
     geometries: tuple[GeometryRule, ...] = ()  # HAMi's knownMigGeometries
     finalists: int = 8  # nodes fully planned per decision, in cheap-score order
     rules: str = "gpuvisor"  # "hami": the benchmark's baseline (docs/placement.md)
+    # policies for pods without hami.io/*-scheduler-policy.  HAMi's chart has node
+    # binpack, GPU spread; gpuvisor packs GPUs too (docs/placement.md says why)
+    node_policy: str = "binpack"
+    gpu_policy: str = "binpack"
 
 
 @dataclass
@@ -358,6 +362,7 @@ class NodePlan:
     charge: dict[int, GpuCharge]
     key: tuple[Any, ...]
     terms: dict[str, Any]
+    reconfigures: int = 0  # GPUs whose MIG mode or idle instances this plan changes
 
 
 def choose(
@@ -410,13 +415,26 @@ def single_key(
     o: Option, binpack: bool, node: NodeState, idle_mask: int, keep: bool
 ) -> tuple[Any, ...]:
     waste = o.mig.waste_mib if o.mig else 0
-    room = tuple(-r for r in o.mig.room) if o.mig else ()
+    lost = o.mig.room_lost if o.mig else ()
+    reconfig = o.mig is not None and o.mig.reconfigures
     cut = 0
     if keep and idle_mask >> o.index & 1:
         w = node.links_topo.weight[o.index]
         cut = sum(w[j] for j in range(len(w)) if j != o.index and idle_mask >> j & 1)
     usage = -o.usage_after if binpack else o.usage_after
-    return (usage, cut, waste, room, o.index)
+    return (reconfig, usage, spoils(node, o), cut, waste, lost, o.index)
+
+
+def spoils(node: NodeState, o: Option) -> bool:
+    """A shared grant on an idle GPU that could do MIG: keep those for MIG requests."""
+    return o.mig is None and node.capable[o.index] and node.idle(o.index)
+
+
+def gpu_policy(pod: PodRequest, cfg: Config) -> str:
+    """binpack or spread; `topology-aware` alone packs (keeps well-linked groups whole)."""
+    if pod.gpu_policy is not None:
+        return pod.gpu_policy
+    return "binpack" if pod.topology_aware and cfg.rules != "hami" else cfg.gpu_policy
 
 
 def plan_node(node: NodeState, pod: PodRequest, cfg: Config) -> NodePlan | str:
@@ -428,7 +446,7 @@ def plan_node(node: NodeState, pod: PodRequest, cfg: Config) -> NodePlan | str:
     if not allowed and pod.wants_gpu:
         distinct = list(dict.fromkeys(r for r in statics if r))
         return "; ".join(distinct[:2]) if distinct else "no GPUs"
-    binpack = pod.gpu_policy == "binpack"
+    binpack = gpu_policy(pod, cfg) == "binpack"
     keep = (binpack or pod.topology_aware) and not hami
     work = Work.of(node)
     app_charge: dict[int, GpuCharge] = {}
@@ -543,12 +561,23 @@ def plan_node(node: NodeState, pod: PodRequest, cfg: Config) -> NodePlan | str:
             split,
         )
     after /= max(n, 1)
-    node_binpack = pod.node_policy == "binpack"
+    node_binpack = (pod.node_policy or cfg.node_policy) == "binpack"
+    reconfigures = sum(
+        1 for ch3 in charge.values() if any(gr.enable or gr.destroy for gr in ch3.mig)
+    )
     if hami:
         key: tuple[Any, ...] = ((-node.usage if node_binpack else node.usage), inv.node)
     else:
+        # reconfiguring a GPU (MIG mode on, idle instances destroyed) only when no
+        # node can take the pod as its GPUs are
+        # binpack: first the plan that starts the fewest idle GPUs (fractions go
+        # to GPUs already in use, on any node), then the most used node
         cut = sum(t.get("cut", 0) for t in terms)
-        key = ((-after if node_binpack else after), cut, inv.node)
+        opened = sum(1 for i in charge if node.idle(i)) if node_binpack else 0
+        spoiled = sum(
+            1 for i, c4 in charge.items() if c4.slots and node.capable[i] and node.idle(i)
+        )
+        key = (reconfigures, opened, spoiled, (-after if node_binpack else after), cut, inv.node)
     containers = [
         ContainerGrant(c.name, c.init, tuple(grants.get(c.name, [])), pod.sm_policy, c.priority)
         for c in pod.containers
@@ -562,6 +591,7 @@ def plan_node(node: NodeState, pod: PodRequest, cfg: Config) -> NodePlan | str:
             "node_usage_after": round(after, 4),
             "gpu_sets": terms,
         },
+        reconfigures,
     )
 
 
@@ -668,11 +698,12 @@ class Allocator:
                 reasons[name] = "unknown node"
             else:
                 states.append(st)
-        binpack = pod.node_policy == "binpack"
+        binpack = (pod.node_policy or cfg.node_policy) == "binpack"
         states.sort(key=lambda s: ((-s.usage if binpack else s.usage), s.inv.node))
         finalists: list[tuple[NodeState, int, NodePlan]] = []
+        clean = changing = 0  # finalists without / with a GPU to reconfigure
         for st in states:
-            if len(finalists) >= cfg.finalists and not explain:
+            if clean >= cfg.finalists and not explain:
                 break
             quick = quick_reason(st, pod)
             if quick is not None:
@@ -682,15 +713,21 @@ class Allocator:
             plan = plan_node(st, pod, cfg)
             if isinstance(plan, str):
                 reasons[st.inv.node] = plan
-            elif len(finalists) < cfg.finalists:
+            elif clean >= cfg.finalists:
+                continue  # explaining only: the choice is already made
+            elif plan.reconfigures == 0:
+                clean += 1
+                finalists.append((st, version, plan))
+            elif changing < cfg.finalists:
+                changing += 1
                 finalists.append((st, version, plan))
         if not finalists:
             return Decision(pod, None, None, {}, 0, reasons, {})
         st, version, plan = min(finalists, key=lambda f: f[2].key)
         alloc = Allocation(pod.name, pod.uid, st.inv.node, tuple(plan.containers))
         score = {
-            "node_policy": pod.node_policy,
-            "gpu_policy": pod.gpu_policy,
+            "node_policy": pod.node_policy or cfg.node_policy,
+            "gpu_policy": gpu_policy(pod, cfg),
             "finalists": [f[0].inv.node for f in finalists],
             **plan.terms,
         }

@@ -127,12 +127,15 @@ class MigChoice:
     destroy: tuple[str, ...]  # idle instances to destroy first (only on an idle GPU)
     enable: bool  # turn MIG mode on first (only on an idle GPU)
     waste_mib: int
-    room: tuple[int, ...]
+    room_lost: tuple[int, ...]  # per profile, largest first: instances no longer possible
+
+    @property
+    def reconfigures(self) -> bool:
+        return self.enable or bool(self.destroy)
 
     def key(self) -> tuple[Any, ...]:
-        """Smaller is better: least waste, most room for larger profiles, least change."""
-        neg_room = tuple(-r for r in self.room)
-        return (self.waste_mib, neg_room, self.enable, len(self.destroy), self.instance is None)
+        """Smaller is better: least waste, least room lost for larger profiles, least change."""
+        return (self.waste_mib, self.room_lost, self.reconfigures, self.instance is None)
 
 
 def plan_instance(
@@ -167,6 +170,11 @@ def plan_instance(
         else:
             reusable.append(inst)
     best: MigChoice | None = None
+    before = room(mig, busy if not idle else used_mask)
+
+    def lost(after: int) -> tuple[int, ...]:
+        return tuple(b - a for b, a in zip(before, room(mig, after)))
+
     for prof in mig.profiles:
         if prof.memory_mib < memory_mib or profile_cores(mig, prof) < cores:
             continue
@@ -180,7 +188,7 @@ def plan_instance(
                 mix[inst.profile] += 1
             if not fits_geometry(mix, geometries):
                 continue
-            c = MigChoice(prof, inst.placement, inst.uuid, (), False, waste, room(mig, busy))
+            c = MigChoice(prof, inst.placement, inst.uuid, (), False, waste, lost(busy))
             if best is None or c.key() < best.key():
                 best = c
         # or create one in free slices
@@ -197,7 +205,7 @@ def plan_instance(
                 if idle and i.uuid not in referenced and i.placement.mask & pl.mask
             )
             after = busy | pl.mask
-            c = MigChoice(prof, pl, None, destroy, not enabled, waste, room(mig, after))
+            c = MigChoice(prof, pl, None, destroy, not enabled, waste, lost(after))
             if best is None or c.key() < best.key():
                 best = c
     return best
@@ -218,8 +226,9 @@ def hami_first_geometry(
     memory; once something is placed the geometry is fixed to the first one
     that holds what is there.  The first entry big enough, the lowest free
     placement.  Without geometries: the smallest profile with enough memory.
+    A GPU's mode is the node's configuration in HAMi: never switched here.
     """
-    if not mig.capable or (not enabled and not idle):
+    if not mig.capable or not enabled:
         return None
     busy = used_mask
     for inst in mig.instances:

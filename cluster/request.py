@@ -33,10 +33,6 @@ NODE_POLICIES = ("binpack", "spread")
 GPU_POLICIES = ("binpack", "spread", "topology-aware")
 MODES = ("hami-core", "mig")
 
-# HAMi's defaults (charts/hami values: node binpack, GPU spread; deviceSplitCount 10)
-DEFAULT_NODE_POLICY = "binpack"
-DEFAULT_GPU_POLICY = "spread"
-
 
 @dataclass(frozen=True)
 class ContainerRequest:
@@ -68,8 +64,8 @@ class PodRequest:
     use_uuids: tuple[str, ...]
     nouse_uuids: tuple[str, ...]
     mode: str | None  # hami-core, mig, or None (either)
-    node_policy: str
-    gpu_policy: str
+    node_policy: str | None  # None: the allocator's default (Config)
+    gpu_policy: str | None
     topology_aware: bool
     sm_policy: str | None
 
@@ -217,9 +213,8 @@ def pod_request(pod: Any) -> PodRequest:
         use_uuids=csv(ann, USE_UUID),
         nouse_uuids=csv(ann, NOUSE_UUID),
         mode=mode,
-        node_policy=node_pol[0] if node_pol else DEFAULT_NODE_POLICY,
-        # topology-aware alone: HAMi's topology policy keeps well-linked GPUs free
-        gpu_policy=packing[0] if packing else ("binpack" if topo else DEFAULT_GPU_POLICY),
+        node_policy=node_pol[0] if node_pol else None,
+        gpu_policy=packing[0] if packing else None,
         topology_aware=topo,
         sm_policy=sm,
     )
