@@ -173,7 +173,7 @@ def plan_instance(
     before = room(mig, busy if not idle else used_mask)
 
     def lost(after: int) -> tuple[int, ...]:
-        return tuple(b - a for b, a in zip(before, room(mig, after)))
+        return tuple(b - a for b, a in zip(before, room(mig, after), strict=True))
 
     for prof in mig.profiles:
         if prof.memory_mib < memory_mib or profile_cores(mig, prof) < cores:

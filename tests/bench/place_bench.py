@@ -23,7 +23,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import Any
 
@@ -250,12 +250,12 @@ def optimum(doc: dict[str, Any], reqs: list[PodRequest], split: int) -> int:
                     continue
                 tried.add(cur[j])
                 for new in options(g, cur[j], r):
-                    walk(j + 1, cur[:j] + (new,) + cur[j + 1 :], left - 1)
+                    walk(j + 1, (*cur[:j], new, *cur[j + 1 :]), left - 1)
 
         walk(0, tuple(sorted(gstates, reverse=True)), need)
         return found
 
-    @lru_cache(maxsize=None)
+    @cache
     def deepest(k: int, state: tuple[Any, ...]) -> int:
         if k == len(reqs):
             return k
@@ -264,7 +264,7 @@ def optimum(doc: dict[str, Any], reqs: list[PodRequest], split: int) -> int:
         best = k
         for ni, gstates in enumerate(state):
             for new in node_states(ni, gstates, r, need):
-                best = max(best, deepest(k + 1, state[:ni] + (new,) + state[ni + 1 :]))
+                best = max(best, deepest(k + 1, (*state[:ni], new, *state[ni + 1 :])))
                 if best == len(reqs):
                     return best
         return best
