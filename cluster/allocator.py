@@ -480,12 +480,8 @@ def plan_node(node: NodeState, pod: PodRequest, cfg: Config) -> NodePlan | str:
             else:
                 opts.append(o)
         if len(opts) < c.count:
-            mem = f"{c.memory_mib} MiB" if c.memory_mib is not None else f"{c.memory_pct}% memory"
-            need = f"{c.count} GPU{'s' if c.count > 1 else ''} with {mem}"
-            if c.cores:
-                need += f" and {c.cores}% cores"
             detail = f" ({why.most_common(1)[0][0]})" if why and not opts else ""
-            return f"container {c.name}: needs {need} free, has {len(opts)}{detail}"
+            return f"container {c.name}: {need_text(c)}, has {len(opts)}{detail}"
         live_idle = idle_mask & ~sum(1 << j for j in app_gpus)
         if c.count == 1:
             if hami and pod.topology_aware:
@@ -610,9 +606,18 @@ def quick_reason(node: NodeState, pod: PodRequest) -> str | None:
         else:
             have = len(node.free_mem) + mig
         if have < c.count:
-            mem = f"{c.memory_mib} MiB" if c.memory_mib is not None else f"{c.memory_pct}% memory"
-            return f"container {c.name}: needs {c.count} GPUs with {mem} free, has {have}"
+            return f"container {c.name}: {need_text(c)}, has {have}"
     return None
+
+
+def need_text(c: ContainerRequest) -> str:
+    if c.exclusive and c.memory_pct == 100:
+        return f"needs {c.count} idle GPU{'s' if c.count > 1 else ''}"
+    mem = f"{c.memory_mib} MiB" if c.memory_mib is not None else f"{c.memory_pct}% memory"
+    need = f"needs {c.count} GPU{'s' if c.count > 1 else ''} with {mem}"
+    if c.cores:
+        need += f" and {c.cores}% cores"
+    return need + " free"
 
 
 class Allocator:
@@ -705,7 +710,7 @@ class Allocator:
         for st in states:
             if clean >= cfg.finalists and not explain:
                 break
-            quick = quick_reason(st, pod)
+            quick = None if explain else quick_reason(st, pod)
             if quick is not None:
                 reasons[st.inv.node] = quick
                 continue

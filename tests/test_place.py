@@ -1,0 +1,449 @@
+"""The allocator's rules, table by table (docs/placement.md), and `gpuvisor place`."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import yaml
+from click.testing import CliRunner
+from gpuvisor.cluster.allocation import load_allocation
+from gpuvisor.cluster.allocator import Allocator, Config, Conflict
+from gpuvisor.cluster.inventory_model import DocumentError
+from gpuvisor.cluster.mig import load_geometries
+from gpuvisor.cluster.request import pod_request
+from gpuvisor.supervisor.cli import main
+
+from tests.inventories import (
+    cluster,
+    ctr,
+    dgx,
+    gpu,
+    inventory,
+    links_pcie,
+    mig_box,
+    pairs_box,
+    pcie_box,
+    pod,
+)
+
+BINPACK = {"hami.io/gpu-scheduler-policy": "binpack"}
+SPREAD = {"hami.io/gpu-scheduler-policy": "spread"}
+MIG = {"nvidia.com/vgpu-mode": "mig"}
+
+
+def place(alloc: Allocator, name: str, *containers, annotations=None, init=None):
+    return alloc.place(pod_request(pod(name, *containers, annotations=annotations, init=init)), True)
+
+
+def indices(d, container=0):
+    assert d.allocation is not None, d.reasons
+    return [g.index for g in d.allocation.containers[container].gpus]
+
+
+# -- topology: the issue's three cases on an NVLink-pair box, and the other boxes -------------
+@pytest.mark.parametrize(
+    ("taken", "count", "annotations", "expected", "tier"),
+    [
+        ([], 2, {}, [0, 1], "NVLink"),  # 2 GPUs -> an NVLink pair
+        ([], 4, {}, [0, 1, 2, 3], "same PCIe switch"),  # 4 -> one switch's two pairs
+        ([0], 1, BINPACK, [1], "one GPU"),  # binpack, GPU 0 taken -> its partner
+        ([0, 2], 2, {}, [4, 5], "NVLink"),  # broken pairs are skipped for a pair
+        ([0], 2, BINPACK, [2, 3], "NVLink"),
+        ([0, 1, 2, 3], 4, {}, [4, 5, 6, 7], "same PCIe switch"),
+        ([0], 4, {}, [4, 5, 6, 7], "same PCIe switch"),
+        ([1, 3], 1, BINPACK, [0], "one GPU"),
+        ([], 8, {}, list(range(8)), "across sockets"),
+    ],
+)
+def test_pairs_box_topology(taken, count, annotations, expected, tier):
+    a = Allocator.from_cluster(cluster(pairs_box("p")))
+    for i in taken:
+        place(a, f"t{i}", ctr(gpu=1), annotations={"nvidia.com/use-gpuuuid": f"GPU-p-{i}"})
+    d = place(a, "x", ctr(gpu=count), annotations=annotations)
+    assert sorted(indices(d)) == expected
+    assert d.score["gpu_sets"][0]["tier"] == tier
+
+
+def test_nvswitch_and_pcie_boxes():
+    a = Allocator.from_cluster(cluster(dgx("d")))
+    d = place(a, "x", ctr(gpu=4))
+    assert d.score["gpu_sets"][0]["tier"] == "NVLink"
+    b = Allocator.from_cluster(cluster(pcie_box("c")))
+    d = place(b, "y", ctr(gpu=2))
+    assert d.score["gpu_sets"][0]["tier"] == "same PCIe switch"
+    assert all(i < 4 for i in indices(d)) or all(i >= 4 for i in indices(d))
+
+
+def test_multi_gpu_gets_best_tier_under_spread_too():
+    a = Allocator.from_cluster(cluster(pairs_box("p")))
+    place(a, "f", ctr(gpu=1, gpumem=1000, gpucores=10), annotations=SPREAD)
+    d = place(a, "x", ctr(gpu=2), annotations=SPREAD)
+    assert d.score["gpu_sets"][0]["tier"] == "NVLink"
+
+
+# -- GPU and node policies ---------------------------------------------------------------
+@pytest.mark.parametrize(("annotations", "expected"), [(BINPACK, 0), (SPREAD, 1)])
+def test_gpu_policy(annotations, expected):
+    doc = inventory("n", [gpu("n", 0, "L4", 24000), gpu("n", 1, "L4", 24000)], links_pcie(2))
+    a = Allocator.from_cluster(cluster(doc))
+    place(a, "first", ctr(gpu=1, gpumem=4000, gpucores=10), annotations=BINPACK)
+    d = place(a, "second", ctr(gpu=1, gpumem=4000, gpucores=10), annotations=annotations)
+    assert indices(d) == [expected]
+
+
+@pytest.mark.parametrize(("policy", "expected"), [("binpack", "busy"), ("spread", "empty")])
+def test_node_policy(policy, expected):
+    a = Allocator.from_cluster(cluster(pcie_box("busy", 2), pcie_box("empty", 2)))
+    place(a, "x", ctr(gpu=1, gpumem=4000, gpucores=10), annotations={"nvidia.com/use-gpuuuid": "GPU-busy-0"})
+    d = place(a, "y", ctr(gpu=1, gpumem=4000, gpucores=10),
+              annotations={"hami.io/node-scheduler-policy": policy})
+    assert d.node == expected
+
+
+# -- fit: slots, memory, cores, health, type and UUID filters --------------------------------
+def small_node(**kw):
+    return cluster(inventory("n", [gpu("n", 0, "NVIDIA A100-SXM4-40GB", 40960, **kw)], [["X"]]))
+
+
+@pytest.mark.parametrize(
+    ("containers", "annotations", "reason"),
+    [
+        ([ctr(gpu=1, gpumem=50000)], {}, "container main: needs 1 GPU with 50000 MiB free, has 0 (40960 MiB free)"),
+        ([ctr(gpu=2)], {}, "container main: needs 2 idle GPUs, has 1"),
+        ([ctr(gpu=1)], {"nvidia.com/nouse-gputype": "a100"},
+         "GPU type NVIDIA A100-SXM4-40GB excluded by nvidia.com/nouse-gputype"),
+        ([ctr(gpu=1)], {"nvidia.com/use-gputype": "H100"},
+         "GPU type NVIDIA A100-SXM4-40GB not in nvidia.com/use-gputype"),
+        ([ctr(gpu=1)], {"nvidia.com/nouse-gpuuuid": "GPU-n-0"},
+         "GPU GPU-n-0 excluded by nvidia.com/nouse-gpuuuid"),
+        ([ctr(gpu=1)], {"nvidia.com/use-gpuuuid": "GPU-x"}, "GPU GPU-n-0 not in nvidia.com/use-gpuuuid"),
+        ([ctr(gpu=1)], MIG, "GPU 0 (NVIDIA A100-SXM4-40GB) cannot do MIG (nvidia.com/vgpu-mode: mig)"),
+    ],
+)
+def test_rejection_reasons(containers, annotations, reason):
+    a = Allocator.from_cluster(small_node())
+    d = place(a, "x", *containers, annotations=annotations)
+    assert d.node is None
+    assert d.reasons == {"n": reason}
+
+
+def test_unhealthy_gpu_is_never_chosen():
+    a = Allocator.from_cluster(small_node(healthy=False))
+    assert place(a, "x", ctr(gpu=1, gpumem=100)).reasons == {"n": "GPU 0 unhealthy"}
+
+
+@pytest.mark.parametrize(
+    ("first", "second", "fits"),
+    [
+        (ctr(gpu=1), ctr(gpu=1, gpumem=100), False),  # a count alone is exclusive
+        (ctr(gpu=1, gpumem=1000), ctr(gpu=1), False),  # exclusive needs an idle GPU
+        (ctr(gpu=1, gpumem=1000, gpucores=100), ctr(gpu=1, gpumem=1000), False),  # 0 cores, none free
+        (ctr(gpu=1, gpumem=1000, gpucores=60), ctr(gpu=1, gpumem=1000, gpucores=40), True),
+        (ctr(gpu=1, gpumem=1000, gpucores=60), ctr(gpu=1, gpumem=1000, gpucores=41), False),
+        (ctr(gpu=1, gpumem=30000), ctr(gpu=1, gpumem=10960), True),
+        (ctr(gpu=1, gpumem=30000), ctr(gpu=1, gpumem=10961), False),
+        (ctr(gpu=1, gpumem_percentage=50), ctr(gpu=1, gpumem=20480), True),
+        (ctr(gpu=1, gpumem_percentage=50), ctr(gpu=1, gpumem_percentage=51), False),
+    ],
+)
+def test_fit_on_one_gpu(first, second, fits):
+    a = Allocator.from_cluster(small_node())
+    assert place(a, "a", first).node == "n"
+    assert (place(a, "b", second).node == "n") is fits
+
+
+def test_split_count_caps_vgpus_per_gpu():
+    a = Allocator.from_cluster(small_node(), Config(split_count=3))
+    for i in range(3):
+        assert place(a, f"p{i}", ctr(gpu=1, gpumem=100, gpucores=1)).node == "n"
+    assert place(a, "p3", ctr(gpu=1, gpumem=100, gpucores=1)).node is None
+
+
+def test_defaults_as_hami():
+    r = pod_request(pod("x", ctr(gpumem=1000)))
+    c = r.containers[0]
+    assert (c.count, c.memory_mib, c.cores) == (1, 1000, 0)  # gpumem alone: one GPU
+    c = pod_request(pod("x", ctr(gpu=2))).containers[0]
+    assert (c.count, c.memory_pct, c.cores, c.exclusive) == (2, 100, 100, True)
+
+
+def test_init_containers_counted_as_kubernetes_does():
+    # the init container runs alone: the pod holds max(init, sum of app), not the sum
+    a = Allocator.from_cluster(small_node())
+    d = place(a, "x", ctr("app", gpu=1, gpumem=20000, gpucores=20),
+              init=[ctr("init", gpu=1, gpumem=30000, gpucores=50)])
+    assert d.node == "n"
+    assert [c.init for c in d.allocation.containers] == [True, False]
+    st = a.nodes["n"]
+    assert (st.slots[0], st.mem[0], st.cores[0]) == (1, 30000, 50)
+    assert place(a, "y", ctr(gpu=1, gpumem=10960, gpucores=50)).node == "n"
+    assert place(a, "z", ctr(gpu=1, gpumem=1, gpucores=1)).node is None
+
+
+def test_sm_policy_is_passed_through():
+    for key in ("gpuvisor.io/sm-policy", "metax-tech.com/sgpu-qos-policy"):
+        a = Allocator.from_cluster(small_node())
+        d = place(a, "x", ctr(gpu=1, gpumem=100, priority=1), annotations={key: "burst-share"})
+        c = d.allocation.containers[0]
+        assert (c.sm_policy, c.priority) == ("burst-share", 1)
+
+
+# -- MIG ---------------------------------------------------------------------------------
+def mig_grant(d):
+    g = d.allocation.containers[0].gpus[0]
+    return g.mig
+
+
+@pytest.mark.parametrize(
+    ("memory", "profile", "start"),
+    [
+        (9000, "1g.10gb", 6),  # least waste; slice 6 keeps every 2g, 3g@0 and 4g free
+        (18000, "1g.20gb", 6),  # waste as 2g.20gb; at slice 6 it leaves every 2g placement
+        (38000, "3g.40gb", 4),  # the 3g that leaves 4g.40gb possible
+        (60000, "7g.80gb", 0),
+    ],
+)
+def test_mig_least_waste_most_room(memory, profile, start):
+    a = Allocator.from_cluster(cluster(mig_box("m")))
+    g = mig_grant(place(a, "x", ctr(gpu=1, gpumem=memory), annotations=MIG))
+    assert (g.profile, g.placement.start, g.instance) == (profile, start, None)
+
+
+def test_mig_never_touches_an_instance_in_use():
+    a = Allocator.from_cluster(cluster(mig_box("m", instances=[("3g.40gb", 4, True)])))
+    g = mig_grant(place(a, "x", ctr(gpu=1, gpumem=38000), annotations=MIG))
+    assert (g.profile, g.placement.start) == ("3g.40gb", 0)
+    assert place(a, "y", ctr(gpu=1, gpumem=1000), annotations=MIG).node is None
+
+
+def test_mig_reuses_an_idle_instance_and_destroys_only_on_an_idle_gpu():
+    inst = [("1g.10gb", 0, False)]
+    a = Allocator.from_cluster(cluster(mig_box("m", instances=inst)))
+    g = mig_grant(place(a, "x", ctr(gpu=1, gpumem=9000), annotations=MIG))
+    assert g.instance == "MIG-m-0-1-1g.10gb" and g.placement.start == 0
+    # idle GPU: a 7g needs slice 0, so the idle 1g goes
+    b = Allocator.from_cluster(cluster(mig_box("m", instances=inst)))
+    g = mig_grant(place(b, "x", ctr(gpu=1, gpumem=60000), annotations=MIG))
+    assert (g.profile, g.destroy) == ("7g.80gb", ("MIG-m-0-1-1g.10gb",))
+    # busy GPU (another instance in use): the idle 1g stays and blocks the 7g
+    c = Allocator.from_cluster(
+        cluster(mig_box("m", instances=[("1g.10gb", 0, False), ("1g.10gb", 6, True)]))
+    )
+    assert place(c, "x", ctr(gpu=1, gpumem=60000), annotations=MIG).node is None
+
+
+def test_mig_mode_turned_on_only_on_an_idle_gpu():
+    a = Allocator.from_cluster(cluster(mig_box("m", enabled=False)))
+    place(a, "shared", ctr(gpu=1, gpumem=1000, gpucores=10))
+    assert place(a, "x", ctr(gpu=1, gpumem=9000), annotations=MIG).node is None
+    b = Allocator.from_cluster(cluster(mig_box("m", enabled=False)))
+    g = mig_grant(place(b, "x", ctr(gpu=1, gpumem=9000), annotations=MIG))
+    assert g.enable and g.profile == "1g.10gb"
+    # now in MIG mode: no shared grants on it
+    assert place(b, "y", ctr(gpu=1, gpumem=1000), annotations={"nvidia.com/vgpu-mode": "hami-core"}).node is None
+
+
+def test_no_vgpu_mode_takes_shared_or_mig_whichever_fits():
+    doc = inventory("n", [gpu("n", 0, "L4", 24000)], [["X"]])
+    a = Allocator.from_cluster(cluster(doc, mig_box("m")))
+    d = place(a, "x", ctr(gpu=1, gpumem=9000, gpucores=10))
+    assert d.node == "n" and mig_grant(d) is None  # shared fits: no memory wasted
+    d = place(a, "y", ctr(gpu=1, gpumem=19000, gpucores=10))
+    assert d.node == "m" and mig_grant(d).profile == "1g.20gb"  # shared does not fit: MIG
+
+
+HAMI_YAML = """
+nvidia:
+  resourceCountName: nvidia.com/gpu
+  deviceSplitCount: 10
+  knownMigGeometries:
+  - models: [ "A100-SXM4-80GB", "A100-80GB-PCIe" ]
+    allowedGeometries:
+      -
+        - name: 1g.10gb
+          memory: 10240
+          count: 7
+      -
+        - name: 2g.20gb
+          memory: 20480
+          count: 3
+        - name: 1g.10gb
+          memory: 10240
+          count: 1
+"""
+
+VOLCANO_YAML = """
+knownMigGeometries:
+- models: [ "A100-SXM4-80GB" ]
+  allowedGeometries:
+    - group: group1
+      geometries:
+      - name: 1g.10gb
+        memory: 10240
+        count: 7
+"""
+
+
+def test_known_mig_geometries_restrict_the_mix():
+    rules = load_geometries(yaml.safe_load(HAMI_YAML))
+    a = Allocator.from_cluster(cluster(mig_box("m")), Config(geometries=rules))
+    assert mig_grant(place(a, "x", ctr(gpu=1, gpumem=18000), annotations=MIG)).profile == "2g.20gb"
+    assert place(a, "y", ctr(gpu=1, gpumem=38000), annotations=MIG).node is None  # no 3g allowed
+    for i in range(3):  # 2 more 2g + one 1g fit the second geometry
+        assert place(a, f"z{i}", ctr(gpu=1, gpumem=9000 if i == 2 else 18000), annotations=MIG).node
+    assert place(a, "w", ctr(gpu=1, gpumem=9000), annotations=MIG).node is None
+    v = load_geometries(yaml.safe_load(VOLCANO_YAML))
+    b = Allocator.from_cluster(cluster(mig_box("m")), Config(geometries=v))
+    assert place(b, "x", ctr(gpu=1, gpumem=18000), annotations=MIG).node is None
+
+
+# -- reservations and concurrency ------------------------------------------------------------
+def test_back_to_back_decisions_never_overcommit():
+    a = Allocator.from_cluster(cluster(pcie_box("a", 1), pcie_box("b", 1)))
+    first = a.decide(pod_request(pod("x", ctr(gpu=1))))
+    second = a.decide(pod_request(pod("y", ctr(gpu=1))))
+    assert first.node == second.node  # both decided on the same state
+    a.commit(first)
+    with pytest.raises(Conflict):
+        a.commit(second)
+    d = a.place(pod_request(pod("y", ctr(gpu=1))))
+    assert d.node != first.node
+
+
+def test_threads_placing_at_once_never_overcommit():
+    a = Allocator.from_cluster(cluster(*(pcie_box(f"n{i}", 2, memory_mib=10000) for i in range(4))))
+    placed: list[str] = []
+    lock = threading.Lock()
+
+    def worker(k: int) -> None:
+        for j in range(40):
+            d = a.place(pod_request(pod(f"p{k}-{j}", ctr(gpu=1, gpumem=1000, gpucores=10))))
+            if d.node:
+                with lock:
+                    placed.append(d.pod.name)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(placed) == 8 * 10  # 10 per GPU by memory, cores and slots
+    for st in a.nodes.values():
+        assert all(m <= 10000 for m in st.mem) and all(c <= 100 for c in st.cores)
+
+
+def test_release_and_restore_round_trip():
+    a = Allocator.from_cluster(cluster(pairs_box("p"), mig_box("m")))
+    d1 = place(a, "x", ctr(gpu=2))
+    d2 = place(a, "y", ctr(gpu=1, gpumem=9000), annotations=MIG)
+    doc = cluster(pairs_box("p"), mig_box("m"))
+    doc["nodes"]["p"]["allocations"] = [json.loads(d1.allocation.annotation())]
+    doc["nodes"]["m"]["allocations"] = [d2.allocation.to_json()]
+    b = Allocator.from_cluster(doc)
+    for name in ("p", "m"):
+        sa, sb = a.nodes[name], b.nodes[name]
+        assert (sa.slots, sa.mem, sa.cores, sa.mig_used) == (sb.slots, sb.mem, sb.cores, sb.mig_used)
+    assert load_allocation(d1.allocation.annotation()) == d1.allocation
+    assert b.release("default/x") and not b.release("default/x")
+    assert b.nodes["p"].slots == [0] * 8
+
+
+# -- bad input: one line naming the field ----------------------------------------------------
+def broken(path, value):
+    doc = cluster(pcie_box("n", 2))
+    node = doc["nodes"]["n"]
+    *head, last = path
+    for k in head:
+        node = node[k]
+    if value is KeyError:
+        del node[last]
+    else:
+        node[last] = value
+    return doc
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        (["gpus", 0, "memory_mib"], KeyError, "cluster.nodes[n].gpus[0].memory_mib: missing"),
+        (["gpus", 1, "memory_mib"], -5, "cluster.nodes[n].gpus[1].memory_mib: expected an integer >= 1, got -5"),
+        (["kind"], "Node", "cluster.nodes[n].kind: expected 'gpuvisor.io/node-inventory', got 'Node'"),
+        (["version"], 2, "cluster.nodes[n].version: expected an integer 1..1, got 2"),
+        (["links", 0, 1], "NVX", "cluster.nodes[n].links[0][1]: expected X, NV<n>, PIX, PXB, PHB, NODE or SYS, got 'NVX'"),
+        (["links", 1, 0], "PHB", "cluster.nodes[n].links[1][0]: not symmetric with [0][1], got 'PHB'"),
+        (["node"], "other", "cluster.nodes[n].node: expected 'n' (its key), got 'other'"),
+        (["allocations"], [{"pod": "a/b", "containers": [{"name": "c", "gpus": [{"uuid": "GPU-x", "index": 0, "memory_mib": 1, "cores": 0, "mig": None}]}]}],
+         "cluster.nodes[n].allocations[0].containers[0].gpus[0].uuid: not GPU 0 of node n, got 'GPU-x'"),
+        (["allocations"], [{"pod": "a/b", "containers": [{"name": "c", "gpus": [{"uuid": "GPU-n-0", "index": 0, "memory_mib": 99999, "cores": 0, "mig": None}]}]}],
+         "cluster.nodes[n].allocations[0]: over-commits the node: GPU 0 has not enough memory"),
+    ],
+)
+def test_malformed_cluster(path, value, message):
+    with pytest.raises(DocumentError) as e:
+        Allocator.from_cluster(broken(path, value))
+    assert str(e.value) == message
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("manifest", "message"),
+    [
+        (pod("x", ctr(gpu=1, gpumem=100, gpumem_percentage=50)),
+         "spec.containers[0].resources.limits[nvidia.com/gpumem-percentage]: set together with nvidia.com/gpumem; give one of the two"),
+        (pod("x", ctr(gpu=1), annotations={"hami.io/gpu-scheduler-policy": "packed"}),
+         "metadata.annotations[hami.io/gpu-scheduler-policy]: unknown value 'packed', expected one of binpack, spread, topology-aware"),
+        (pod("x", ctr(gpu=1), annotations={"nvidia.com/vgpu-mode": "vgpu"}),
+         "metadata.annotations[nvidia.com/vgpu-mode]: unknown value 'vgpu', expected hami-core or mig"),
+        (pod("x", ctr(gpu=1), annotations={"metax-tech.com/sgpu-qos-policy": "fast"}),
+         "metadata.annotations[metax-tech.com/sgpu-qos-policy]: unknown value 'fast', expected one of fixed-share, burst-share, best-effort"),
+        (pod("x", ctr(gpu=1, gpumem_percentage=150)),
+         "spec.containers[0].resources.limits[nvidia.com/gpumem-percentage]: expected 1..100, got 150"),
+        (pod("x", ctr(gpu=1, gpumem="8Gi")),
+         "spec.containers[0].resources.limits[nvidia.com/gpumem]: expected a whole number, got '8Gi'"),
+        (pod("x", ctr(gpu=1, gpucores=101)),
+         "spec.containers[0].resources.limits[nvidia.com/gpucores]: expected 0..100, got 101"),
+    ],
+)
+def test_bad_pod(manifest, message):
+    with pytest.raises(DocumentError) as e:
+        pod_request(manifest)
+    assert str(e.value) == message
+
+
+# -- the command ---------------------------------------------------------------------------
+def write(tmp_path, cluster_doc, *pods_):
+    c = tmp_path / "cluster.json"
+    c.write_text(json.dumps(cluster_doc))
+    p = tmp_path / "pods.yaml"
+    p.write_text(yaml.safe_dump_all(list(pods_)))
+    return str(c), str(p)
+
+
+def test_place_command_json(tmp_path):
+    c, p = write(tmp_path, cluster(pairs_box("p")), pod("a", ctr(gpu=4)), pod("b", ctr(gpu=4)),
+                 pod("c", ctr(gpu=1)))
+    r = CliRunner().invoke(main, ["place", "--cluster", c, p, "--json"])
+    assert r.exit_code == 1, r.output
+    out = json.loads(r.output)
+    assert [o["pod"] for o in out] == ["default/a", "default/b", "default/c"]
+    assert [o["node"] for o in out] == ["p", "p", None]  # each sees those before it
+    g = out[0]["containers"][0]["gpus"][0]
+    assert set(g) >= {"uuid", "index", "memory_mib", "cores", "mig"}
+    assert out[2]["reasons"] == {"p": "container main: needs 1 idle GPU, has 0 (0 MiB free)"}
+
+
+def test_place_command_text_and_exit_codes(tmp_path):
+    c, p = write(tmp_path, cluster(mig_box("m")), pod("a", ctr(gpu=1, gpumem=9000), annotations=MIG))
+    r = CliRunner().invoke(main, ["place", "--cluster", c, p])
+    assert r.exit_code == 0, r.output
+    assert "pod default/a -> m" in r.output and "MIG 1g.10gb at 6+1 (create)" in r.output
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"nodes": {"m": {"kind": "gpuvisor.io/node-inventory"')
+    r = CliRunner().invoke(main, ["place", "--cluster", str(bad), p])
+    assert r.exit_code == 2
+    assert r.output.strip().count("\n") == 0 and "not JSON" in r.output
+    _c, p2 = write(tmp_path, cluster(), pod("a", ctr(gpu=1), annotations={"nvidia.com/vgpu-mode": "x"}))
+    r = CliRunner().invoke(main, ["place", "--cluster", c, p2])
+    assert r.exit_code == 2 and "metadata.annotations[nvidia.com/vgpu-mode]" in r.output
