@@ -128,6 +128,7 @@ class NodeState:
             geometries_for(g.model, cfg.geometries) if cfg.geometries else None for g in inv.gpus
         ]
         self.pods: dict[str, tuple[Allocation, dict[int, GpuCharge]]] = {}
+        self.indexed = 0.0  # the usage under which the allocator's index holds this node
         self.links_topo = topology(inv.links)
         self.summarise()
 
@@ -152,8 +153,8 @@ class NodeState:
             for i in range(n)
         )
         self.usage = total / n if n else 1.0
-        self.free_mem = sorted(
-            gpus[i].memory_mib - self.mem[i]
+        self.shareable = tuple(
+            (gpus[i].memory_mib - self.mem[i], 100 - self.cores[i])
             for i in range(n)
             if gpus[i].healthy
             and not self.mig_on[i]
@@ -203,7 +204,9 @@ class NodeState:
             self.cores[i] += sign * c.cores
             for grant in c.mig:
                 self.mig_used[i] ^= grant.placement.mask
-                self.mig_profiles[i][grant.profile] += sign
+                counts = Counter(self.mig_profiles[i])
+                counts[grant.profile] += sign
+                self.mig_profiles[i] = +counts
                 if grant.instance is not None:
                     self.mig_refs[i] = (
                         self.mig_refs[i] | {grant.instance}
@@ -212,7 +215,6 @@ class NodeState:
                     )
                 if grant.enable and sign > 0:
                     self.mig_on[i] = True
-            self.mig_profiles[i] += Counter()  # drop zero counts
         self.version += 1
         self.summarise()
 
@@ -246,7 +248,7 @@ class Work:
             list(node.mem),
             list(node.cores),
             list(node.mig_used),
-            [Counter(c) for c in node.mig_profiles],
+            list(node.mig_profiles),  # copied on write (take)
             list(node.mig_refs),
             list(node.mig_on),
         )
@@ -342,7 +344,7 @@ def take(work: Work, o: Option, charge: dict[int, GpuCharge] | None) -> MigGrant
             ch.profile.name, ch.profile.id, ch.placement, ch.instance, ch.destroy, ch.enable
         )
         work.mig_used[i] |= ch.placement.mask
-        work.mig_profiles[i][ch.profile.name] += 1
+        work.mig_profiles[i] = work.mig_profiles[i] + Counter({ch.profile.name: 1})
         if ch.instance is not None:
             work.mig_refs[i] = work.mig_refs[i] | {ch.instance}
         if ch.enable:
@@ -441,7 +443,10 @@ def plan_node(node: NodeState, pod: PodRequest, cfg: Config) -> NodePlan | str:
     """Place every container of the pod on this node, or say in one line why not."""
     hami = cfg.rules == "hami"
     inv = node.inv
-    statics = [static_reason(g, pod, node) for g in inv.gpus]
+    if pod.filtered:
+        statics = [static_reason(g, pod, node) for g in inv.gpus]
+    else:
+        statics = [None if g.healthy else f"GPU {g.index} unhealthy" for g in inv.gpus]
     allowed = [i for i, r in enumerate(statics) if r is None]
     if not allowed and pod.wants_gpu:
         distinct = list(dict.fromkeys(r for r in statics if r))
@@ -469,7 +474,7 @@ def plan_node(node: NodeState, pod: PodRequest, cfg: Config) -> NodePlan | str:
             # MIG slices the app containers hold (those cannot be shared in time)
             w.mig_used = list(work.mig_used)
             w.mig_refs = list(work.mig_refs)
-            w.mig_profiles = [Counter(p) for p in work.mig_profiles]
+            w.mig_profiles = list(work.mig_profiles)
             w.mig_on = list(work.mig_on)
         opts: list[Option] = []
         why: Counter[str] = Counter()
@@ -591,23 +596,32 @@ def plan_node(node: NodeState, pod: PodRequest, cfg: Config) -> NodePlan | str:
     )
 
 
-def quick_reason(node: NodeState, pod: PodRequest) -> str | None:
-    """A necessary condition checked on the node's summary, before planning."""
-    if pod.use_types or pod.nouse_types or pod.use_uuids or pod.nouse_uuids or pod.mode:
+Need = tuple[int, bool, int, int]  # count, exclusive, MiB (0: a percentage), cores
+
+
+def needs_of(pod: PodRequest) -> list[Need] | None:
+    """What quick_fit checks, once per decision; None when filters make it moot."""
+    if pod.filtered:
         return None
-    mig = node.mig_count
-    for c in pod.containers:
-        if not c.count:
+    return [(c.count, c.exclusive, c.memory_mib or 0, c.cores) for c in pod.containers if c.count]
+
+
+def quick_fit(node: NodeState, needs: list[Need] | None) -> bool:
+    """A necessary condition checked on the node's summary, before planning."""
+    if needs is None:
+        return True
+    for count, exclusive, m, k in needs:
+        if exclusive:
+            if node.idle_count < count:
+                return False
             continue
-        if c.exclusive:
-            have = node.idle_count
-        elif c.memory_mib is not None:
-            have = len(node.free_mem) - bisect.bisect_left(node.free_mem, c.memory_mib) + mig
-        else:
-            have = len(node.free_mem) + mig
-        if have < c.count:
-            return f"container {c.name}: {need_text(c)}, has {have}"
-    return None
+        have = node.mig_count
+        for fm, fc in node.shareable:
+            if fm >= m and fc >= k:
+                have += 1
+        if have < count:
+            return False
+    return True
 
 
 def need_text(c: ContainerRequest) -> str:
@@ -627,14 +641,31 @@ class Allocator:
         self.config = config or Config()
         self.nodes: dict[str, NodeState] = {}
         self.order: list[str] = []
+        # nodes by (usage, name); a short lock guards only this index
+        self.ranked: list[tuple[float, str]] = []
+        self.index_lock = threading.Lock()
         for inv in inventories:
             self.add_node(inv)
 
     def add_node(self, inv: Inventory) -> None:
         if inv.node in self.nodes:
             raise DocumentError(f"node {inv.node!r}: listed twice")
-        self.nodes[inv.node] = NodeState(inv, self.config)
+        st = NodeState(inv, self.config)
+        self.nodes[inv.node] = st
         self.order.append(inv.node)
+        st.indexed = st.usage
+        with self.index_lock:
+            bisect.insort(self.ranked, (st.usage, inv.node))
+
+    def reindex(self, st: NodeState) -> None:
+        """Move a node in the usage index after its usage changed (under its lock)."""
+        with self.index_lock:
+            old = (st.indexed, st.inv.node)
+            i = bisect.bisect_left(self.ranked, old)
+            if i < len(self.ranked) and self.ranked[i] == old:
+                del self.ranked[i]
+            st.indexed = st.usage
+            bisect.insort(self.ranked, (st.usage, st.inv.node))
 
     @classmethod
     def from_cluster(cls, doc: Any, config: Config | None = None) -> Allocator:
@@ -672,6 +703,7 @@ class Allocator:
                 raise DocumentError(f"{path}: over-commits the node: {problem}")
             node.apply(charge, +1)
             node.pods[allocation.pod] = (allocation, charge)
+            self.reindex(node)
 
     def release(self, pod: str) -> bool:
         """Forget a pod's allocation (it ended, or its bind failed)."""
@@ -680,6 +712,7 @@ class Allocator:
                 held = node.pods.pop(pod, None)
                 if held is not None:
                     node.apply(held[1], -1)
+                    self.reindex(node)
                     return True
         return False
 
@@ -694,26 +727,26 @@ class Allocator:
         gets its reason (the choice is the same).
         """
         cfg = self.config
-        names = list(nodes) if nodes is not None else self.order
-        states = []
         reasons: dict[str, str] = {}
-        for name in names:
-            st = self.nodes.get(name)
-            if st is None:
-                reasons[name] = "unknown node"
-            else:
-                states.append(st)
+        with self.index_lock:
+            ranked = list(self.ranked)  # (usage, name), least used first
         binpack = (pod.node_policy or cfg.node_policy) == "binpack"
-        states.sort(key=lambda s: ((-s.usage if binpack else s.usage), s.inv.node))
+        if binpack:
+            ranked.reverse()
+        if nodes is not None:
+            wanted = set(nodes)
+            for name in wanted - self.nodes.keys():
+                reasons[name] = "unknown node"
+            ranked = [r for r in ranked if r[1] in wanted]
+        states = [self.nodes[name] for _u, name in ranked]
+        needs = needs_of(pod)
         finalists: list[tuple[NodeState, int, NodePlan]] = []
         clean = changing = 0  # finalists without / with a GPU to reconfigure
         for st in states:
             if clean >= cfg.finalists and not explain:
                 break
-            quick = None if explain else quick_reason(st, pod)
-            if quick is not None:
-                reasons[st.inv.node] = quick
-                continue
+            if not explain and not quick_fit(st, needs):
+                continue  # not recorded: explain=True gives every node's reason
             version = st.version
             plan = plan_node(st, pod, cfg)
             if isinstance(plan, str):
@@ -752,6 +785,7 @@ class Allocator:
                     raise Conflict(f"{decision.node}: {problem}")
             node.apply(decision.charge, +1)
             node.pods[decision.pod.name] = (decision.allocation, dict(decision.charge))
+            self.reindex(node)
         return decision.allocation
 
     def place(self, pod: PodRequest, explain: bool = False, attempts: int = 5) -> Decision:

@@ -70,6 +70,13 @@ class PodRequest:
     sm_policy: str | None
 
     @property
+    def filtered(self) -> bool:
+        """Whether any GPU filter other than health applies."""
+        return bool(
+            self.use_types or self.nouse_types or self.use_uuids or self.nouse_uuids or self.mode
+        )
+
+    @property
     def wants_gpu(self) -> bool:
         return any(c.count for c in self.containers)
 

@@ -34,7 +34,9 @@ MIG = {"nvidia.com/vgpu-mode": "mig"}
 
 
 def place(alloc: Allocator, name: str, *containers, annotations=None, init=None):
-    return alloc.place(pod_request(pod(name, *containers, annotations=annotations, init=init)), True)
+    return alloc.place(
+        pod_request(pod(name, *containers, annotations=annotations, init=init)), True
+    )
 
 
 def indices(d, container=0):
@@ -96,9 +98,18 @@ def test_gpu_policy(annotations, expected):
 @pytest.mark.parametrize(("policy", "expected"), [("binpack", "busy"), ("spread", "empty")])
 def test_node_policy(policy, expected):
     a = Allocator.from_cluster(cluster(pcie_box("busy", 2), pcie_box("empty", 2)))
-    place(a, "x", ctr(gpu=1, gpumem=4000, gpucores=10), annotations={"nvidia.com/use-gpuuuid": "GPU-busy-0"})
-    d = place(a, "y", ctr(gpu=1, gpumem=4000, gpucores=10),
-              annotations={"hami.io/node-scheduler-policy": policy})
+    place(
+        a,
+        "x",
+        ctr(gpu=1, gpumem=4000, gpucores=10),
+        annotations={"nvidia.com/use-gpuuuid": "GPU-busy-0"},
+    )
+    d = place(
+        a,
+        "y",
+        ctr(gpu=1, gpumem=4000, gpucores=10),
+        annotations={"hami.io/node-scheduler-policy": policy},
+    )
     assert d.node == expected
 
 
@@ -110,16 +121,37 @@ def small_node(**kw):
 @pytest.mark.parametrize(
     ("containers", "annotations", "reason"),
     [
-        ([ctr(gpu=1, gpumem=50000)], {}, "container main: needs 1 GPU with 50000 MiB free, has 0 (40960 MiB free)"),
+        (
+            [ctr(gpu=1, gpumem=50000)],
+            {},
+            "container main: needs 1 GPU with 50000 MiB free, has 0 (40960 MiB free)",
+        ),
         ([ctr(gpu=2)], {}, "container main: needs 2 idle GPUs, has 1"),
-        ([ctr(gpu=1)], {"nvidia.com/nouse-gputype": "a100"},
-         "GPU type NVIDIA A100-SXM4-40GB excluded by nvidia.com/nouse-gputype"),
-        ([ctr(gpu=1)], {"nvidia.com/use-gputype": "H100"},
-         "GPU type NVIDIA A100-SXM4-40GB not in nvidia.com/use-gputype"),
-        ([ctr(gpu=1)], {"nvidia.com/nouse-gpuuuid": "GPU-n-0"},
-         "GPU GPU-n-0 excluded by nvidia.com/nouse-gpuuuid"),
-        ([ctr(gpu=1)], {"nvidia.com/use-gpuuuid": "GPU-x"}, "GPU GPU-n-0 not in nvidia.com/use-gpuuuid"),
-        ([ctr(gpu=1)], MIG, "GPU 0 (NVIDIA A100-SXM4-40GB) cannot do MIG (nvidia.com/vgpu-mode: mig)"),
+        (
+            [ctr(gpu=1)],
+            {"nvidia.com/nouse-gputype": "a100"},
+            "GPU type NVIDIA A100-SXM4-40GB excluded by nvidia.com/nouse-gputype",
+        ),
+        (
+            [ctr(gpu=1)],
+            {"nvidia.com/use-gputype": "H100"},
+            "GPU type NVIDIA A100-SXM4-40GB not in nvidia.com/use-gputype",
+        ),
+        (
+            [ctr(gpu=1)],
+            {"nvidia.com/nouse-gpuuuid": "GPU-n-0"},
+            "GPU GPU-n-0 excluded by nvidia.com/nouse-gpuuuid",
+        ),
+        (
+            [ctr(gpu=1)],
+            {"nvidia.com/use-gpuuuid": "GPU-x"},
+            "GPU GPU-n-0 not in nvidia.com/use-gpuuuid",
+        ),
+        (
+            [ctr(gpu=1)],
+            MIG,
+            "GPU 0 (NVIDIA A100-SXM4-40GB) cannot do MIG (nvidia.com/vgpu-mode: mig)",
+        ),
     ],
 )
 def test_rejection_reasons(containers, annotations, reason):
@@ -139,7 +171,11 @@ def test_unhealthy_gpu_is_never_chosen():
     [
         (ctr(gpu=1), ctr(gpu=1, gpumem=100), False),  # a count alone is exclusive
         (ctr(gpu=1, gpumem=1000), ctr(gpu=1), False),  # exclusive needs an idle GPU
-        (ctr(gpu=1, gpumem=1000, gpucores=100), ctr(gpu=1, gpumem=1000), False),  # 0 cores, none free
+        (
+            ctr(gpu=1, gpumem=1000, gpucores=100),
+            ctr(gpu=1, gpumem=1000),
+            False,
+        ),  # 0 cores, none free
         (ctr(gpu=1, gpumem=1000, gpucores=60), ctr(gpu=1, gpumem=1000, gpucores=40), True),
         (ctr(gpu=1, gpumem=1000, gpucores=60), ctr(gpu=1, gpumem=1000, gpucores=41), False),
         (ctr(gpu=1, gpumem=30000), ctr(gpu=1, gpumem=10960), True),
@@ -172,8 +208,12 @@ def test_defaults_as_hami():
 def test_init_containers_counted_as_kubernetes_does():
     # the init container runs alone: the pod holds max(init, sum of app), not the sum
     a = Allocator.from_cluster(small_node())
-    d = place(a, "x", ctr("app", gpu=1, gpumem=20000, gpucores=20),
-              init=[ctr("init", gpu=1, gpumem=30000, gpucores=50)])
+    d = place(
+        a,
+        "x",
+        ctr("app", gpu=1, gpumem=20000, gpucores=20),
+        init=[ctr("init", gpu=1, gpumem=30000, gpucores=50)],
+    )
     assert d.node == "n"
     assert [c.init for c in d.allocation.containers] == [True, False]
     st = a.nodes["n"]
@@ -222,7 +262,8 @@ def test_mig_reuses_an_idle_instance_and_destroys_only_on_an_idle_gpu():
     inst = [("1g.10gb", 0, False)]
     a = Allocator.from_cluster(cluster(mig_box("m", instances=inst)))
     g = mig_grant(place(a, "x", ctr(gpu=1, gpumem=9000), annotations=MIG))
-    assert g.instance == "MIG-m-0-1-1g.10gb" and g.placement.start == 0
+    assert g.instance == "MIG-m-0-1-1g.10gb"
+    assert g.placement.start == 0
     # idle GPU: a 7g needs slice 0, so the idle 1g goes
     b = Allocator.from_cluster(cluster(mig_box("m", instances=inst)))
     g = mig_grant(place(b, "x", ctr(gpu=1, gpumem=60000), annotations=MIG))
@@ -240,18 +281,26 @@ def test_mig_mode_turned_on_only_on_an_idle_gpu():
     assert place(a, "x", ctr(gpu=1, gpumem=9000), annotations=MIG).node is None
     b = Allocator.from_cluster(cluster(mig_box("m", enabled=False)))
     g = mig_grant(place(b, "x", ctr(gpu=1, gpumem=9000), annotations=MIG))
-    assert g.enable and g.profile == "1g.10gb"
+    assert g.enable
+    assert g.profile == "1g.10gb"
     # now in MIG mode: no shared grants on it
-    assert place(b, "y", ctr(gpu=1, gpumem=1000), annotations={"nvidia.com/vgpu-mode": "hami-core"}).node is None
+    assert (
+        place(
+            b, "y", ctr(gpu=1, gpumem=1000), annotations={"nvidia.com/vgpu-mode": "hami-core"}
+        ).node
+        is None
+    )
 
 
 def test_no_vgpu_mode_takes_shared_or_mig_whichever_fits():
     doc = inventory("n", [gpu("n", 0, "L4", 24000)], [["X"]])
     a = Allocator.from_cluster(cluster(doc, mig_box("m")))
     d = place(a, "x", ctr(gpu=1, gpumem=9000, gpucores=10))
-    assert d.node == "n" and mig_grant(d) is None  # shared fits: no memory wasted
+    assert d.node == "n"
+    assert mig_grant(d) is None
     d = place(a, "y", ctr(gpu=1, gpumem=19000, gpucores=10))
-    assert d.node == "m" and mig_grant(d).profile == "1g.20gb"  # shared does not fit: MIG
+    assert d.node == "m"
+    assert mig_grant(d).profile == "1g.20gb"
 
 
 HAMI_YAML = """
@@ -331,7 +380,8 @@ def test_threads_placing_at_once_never_overcommit():
         t.join()
     assert len(placed) == 8 * 10  # 10 per GPU by memory, cores and slots
     for st in a.nodes.values():
-        assert all(m <= 10000 for m in st.mem) and all(c <= 100 for c in st.cores)
+        assert all(m <= 10000 for m in st.mem)
+        assert all(c <= 100 for c in st.cores)
 
 
 def test_release_and_restore_round_trip():
@@ -344,9 +394,15 @@ def test_release_and_restore_round_trip():
     b = Allocator.from_cluster(doc)
     for name in ("p", "m"):
         sa, sb = a.nodes[name], b.nodes[name]
-        assert (sa.slots, sa.mem, sa.cores, sa.mig_used) == (sb.slots, sb.mem, sb.cores, sb.mig_used)
+        assert (sa.slots, sa.mem, sa.cores, sa.mig_used) == (
+            sb.slots,
+            sb.mem,
+            sb.cores,
+            sb.mig_used,
+        )
     assert load_allocation(d1.allocation.annotation()) == d1.allocation
-    assert b.release("default/x") and not b.release("default/x")
+    assert b.release("default/x")
+    assert not b.release("default/x")
     assert b.nodes["p"].slots == [0] * 8
 
 
@@ -368,16 +424,76 @@ def broken(path, value):
     ("path", "value", "message"),
     [
         (["gpus", 0, "memory_mib"], KeyError, "cluster.nodes[n].gpus[0].memory_mib: missing"),
-        (["gpus", 1, "memory_mib"], -5, "cluster.nodes[n].gpus[1].memory_mib: expected an integer >= 1, got -5"),
-        (["kind"], "Node", "cluster.nodes[n].kind: expected 'gpuvisor.io/node-inventory', got 'Node'"),
+        (
+            ["gpus", 1, "memory_mib"],
+            -5,
+            "cluster.nodes[n].gpus[1].memory_mib: expected an integer >= 1, got -5",
+        ),
+        (
+            ["kind"],
+            "Node",
+            "cluster.nodes[n].kind: expected 'gpuvisor.io/node-inventory', got 'Node'",
+        ),
         (["version"], 2, "cluster.nodes[n].version: expected an integer 1..1, got 2"),
-        (["links", 0, 1], "NVX", "cluster.nodes[n].links[0][1]: expected X, NV<n>, PIX, PXB, PHB, NODE or SYS, got 'NVX'"),
-        (["links", 1, 0], "PHB", "cluster.nodes[n].links[1][0]: not symmetric with [0][1], got 'PHB'"),
+        (
+            ["links", 0, 1],
+            "NVX",
+            "cluster.nodes[n].links[0][1]: expected X, NV<n>, PIX, PXB, PHB, NODE or SYS, got"
+            " 'NVX'",
+        ),
+        (
+            ["links", 1, 0],
+            "PHB",
+            "cluster.nodes[n].links[1][0]: not symmetric with [0][1], got 'PHB'",
+        ),
         (["node"], "other", "cluster.nodes[n].node: expected 'n' (its key), got 'other'"),
-        (["allocations"], [{"pod": "a/b", "containers": [{"name": "c", "gpus": [{"uuid": "GPU-x", "index": 0, "memory_mib": 1, "cores": 0, "mig": None}]}]}],
-         "cluster.nodes[n].allocations[0].containers[0].gpus[0].uuid: not GPU 0 of node n, got 'GPU-x'"),
-        (["allocations"], [{"pod": "a/b", "containers": [{"name": "c", "gpus": [{"uuid": "GPU-n-0", "index": 0, "memory_mib": 99999, "cores": 0, "mig": None}]}]}],
-         "cluster.nodes[n].allocations[0]: over-commits the node: GPU 0 has not enough memory"),
+        (
+            ["allocations"],
+            [
+                {
+                    "pod": "a/b",
+                    "containers": [
+                        {
+                            "name": "c",
+                            "gpus": [
+                                {
+                                    "uuid": "GPU-x",
+                                    "index": 0,
+                                    "memory_mib": 1,
+                                    "cores": 0,
+                                    "mig": None,
+                                }
+                            ],
+                        }
+                    ],
+                }
+            ],
+            "cluster.nodes[n].allocations[0].containers[0].gpus[0].uuid: not GPU 0 of node n,"
+            " got 'GPU-x'",
+        ),
+        (
+            ["allocations"],
+            [
+                {
+                    "pod": "a/b",
+                    "containers": [
+                        {
+                            "name": "c",
+                            "gpus": [
+                                {
+                                    "uuid": "GPU-n-0",
+                                    "index": 0,
+                                    "memory_mib": 99999,
+                                    "cores": 0,
+                                    "mig": None,
+                                }
+                            ],
+                        }
+                    ],
+                }
+            ],
+            "cluster.nodes[n].allocations[0]: over-commits the node: GPU 0 has not enough memory",
+        ),
     ],
 )
 def test_malformed_cluster(path, value, message):
@@ -390,20 +506,40 @@ def test_malformed_cluster(path, value, message):
 @pytest.mark.parametrize(
     ("manifest", "message"),
     [
-        (pod("x", ctr(gpu=1, gpumem=100, gpumem_percentage=50)),
-         "spec.containers[0].resources.limits[nvidia.com/gpumem-percentage]: set together with nvidia.com/gpumem; give one of the two"),
-        (pod("x", ctr(gpu=1), annotations={"hami.io/gpu-scheduler-policy": "packed"}),
-         "metadata.annotations[hami.io/gpu-scheduler-policy]: unknown value 'packed', expected one of binpack, spread, topology-aware"),
-        (pod("x", ctr(gpu=1), annotations={"nvidia.com/vgpu-mode": "vgpu"}),
-         "metadata.annotations[nvidia.com/vgpu-mode]: unknown value 'vgpu', expected hami-core or mig"),
-        (pod("x", ctr(gpu=1), annotations={"metax-tech.com/sgpu-qos-policy": "fast"}),
-         "metadata.annotations[metax-tech.com/sgpu-qos-policy]: unknown value 'fast', expected one of fixed-share, burst-share, best-effort"),
-        (pod("x", ctr(gpu=1, gpumem_percentage=150)),
-         "spec.containers[0].resources.limits[nvidia.com/gpumem-percentage]: expected 1..100, got 150"),
-        (pod("x", ctr(gpu=1, gpumem="8Gi")),
-         "spec.containers[0].resources.limits[nvidia.com/gpumem]: expected a whole number, got '8Gi'"),
-        (pod("x", ctr(gpu=1, gpucores=101)),
-         "spec.containers[0].resources.limits[nvidia.com/gpucores]: expected 0..100, got 101"),
+        (
+            pod("x", ctr(gpu=1, gpumem=100, gpumem_percentage=50)),
+            "spec.containers[0].resources.limits[nvidia.com/gpumem-percentage]: set together"
+            " with nvidia.com/gpumem; give one of the two",
+        ),
+        (
+            pod("x", ctr(gpu=1), annotations={"hami.io/gpu-scheduler-policy": "packed"}),
+            "metadata.annotations[hami.io/gpu-scheduler-policy]: unknown value 'packed',"
+            " expected one of binpack, spread, topology-aware",
+        ),
+        (
+            pod("x", ctr(gpu=1), annotations={"nvidia.com/vgpu-mode": "vgpu"}),
+            "metadata.annotations[nvidia.com/vgpu-mode]: unknown value 'vgpu', expected"
+            " hami-core or mig",
+        ),
+        (
+            pod("x", ctr(gpu=1), annotations={"metax-tech.com/sgpu-qos-policy": "fast"}),
+            "metadata.annotations[metax-tech.com/sgpu-qos-policy]: unknown value 'fast',"
+            " expected one of fixed-share, burst-share, best-effort",
+        ),
+        (
+            pod("x", ctr(gpu=1, gpumem_percentage=150)),
+            "spec.containers[0].resources.limits[nvidia.com/gpumem-percentage]: expected 1..100,"
+            " got 150",
+        ),
+        (
+            pod("x", ctr(gpu=1, gpumem="8Gi")),
+            "spec.containers[0].resources.limits[nvidia.com/gpumem]: expected a whole number,"
+            " got '8Gi'",
+        ),
+        (
+            pod("x", ctr(gpu=1, gpucores=101)),
+            "spec.containers[0].resources.limits[nvidia.com/gpucores]: expected 0..100, got 101",
+        ),
     ],
 )
 def test_bad_pod(manifest, message):
@@ -422,8 +558,13 @@ def write(tmp_path, cluster_doc, *pods_):
 
 
 def test_place_command_json(tmp_path):
-    c, p = write(tmp_path, cluster(pairs_box("p")), pod("a", ctr(gpu=4)), pod("b", ctr(gpu=4)),
-                 pod("c", ctr(gpu=1)))
+    c, p = write(
+        tmp_path,
+        cluster(pairs_box("p")),
+        pod("a", ctr(gpu=4)),
+        pod("b", ctr(gpu=4)),
+        pod("c", ctr(gpu=1)),
+    )
     r = CliRunner().invoke(main, ["place", "--cluster", c, p, "--json"])
     assert r.exit_code == 1, r.output
     out = json.loads(r.output)
@@ -435,15 +576,22 @@ def test_place_command_json(tmp_path):
 
 
 def test_place_command_text_and_exit_codes(tmp_path):
-    c, p = write(tmp_path, cluster(mig_box("m")), pod("a", ctr(gpu=1, gpumem=9000), annotations=MIG))
+    c, p = write(
+        tmp_path, cluster(mig_box("m")), pod("a", ctr(gpu=1, gpumem=9000), annotations=MIG)
+    )
     r = CliRunner().invoke(main, ["place", "--cluster", c, p])
     assert r.exit_code == 0, r.output
-    assert "pod default/a -> m" in r.output and "MIG 1g.10gb at 6+1 (create)" in r.output
+    assert "pod default/a -> m" in r.output
+    assert "MIG 1g.10gb at 6+1 (create)" in r.output
     bad = tmp_path / "bad.json"
     bad.write_text('{"nodes": {"m": {"kind": "gpuvisor.io/node-inventory"')
     r = CliRunner().invoke(main, ["place", "--cluster", str(bad), p])
     assert r.exit_code == 2
-    assert r.output.strip().count("\n") == 0 and "not JSON" in r.output
-    _c, p2 = write(tmp_path, cluster(), pod("a", ctr(gpu=1), annotations={"nvidia.com/vgpu-mode": "x"}))
+    assert r.output.strip().count("\n") == 0
+    assert "not JSON" in r.output
+    _c, p2 = write(
+        tmp_path, cluster(), pod("a", ctr(gpu=1), annotations={"nvidia.com/vgpu-mode": "x"})
+    )
     r = CliRunner().invoke(main, ["place", "--cluster", c, p2])
-    assert r.exit_code == 2 and "metadata.annotations[nvidia.com/vgpu-mode]" in r.output
+    assert r.exit_code == 2
+    assert "metadata.annotations[nvidia.com/vgpu-mode]" in r.output
