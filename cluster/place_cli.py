@@ -139,7 +139,7 @@ def place(
         allocator = read_cluster(cluster_path, Config(split_count=split_count, geometries=rules))
         requests = read_pods(list(pods))
     except DocumentError as e:
-        click.echo(f"gpuvisor place: {e}", err=True)
+        click.echo(f"Error: {e}", err=True)
         sys.exit(EXIT_BAD_INPUT)
     decisions = [allocator.place(p, explain=True) for p in requests]
     if as_json:
