@@ -820,6 +820,17 @@ def charge_of(allocation: Allocation, node: NodeState, path: str) -> dict[int, G
                 raise fail(f"{gp}.uuid", f"not GPU {g.index} of node {node.inv.node}", g.uuid)
             cur = ch.setdefault(g.index, GpuCharge())
             if g.mig is not None:
+                mig = gpus[g.index].mig
+                legal = mig is not None and any(
+                    p.id == g.mig.profile_id and g.mig.placement in p.placements
+                    for p in mig.profiles
+                )
+                if not legal:
+                    raise fail(
+                        f"{gp}.mig",
+                        f"not a legal placement of a MIG profile of GPU {g.index}",
+                        g.mig.profile,
+                    )
                 cur.mig.append(g.mig)
             else:
                 cur.slots += 1

@@ -183,6 +183,8 @@ def plan_instance(
         for inst in reusable:
             if inst.profile_id != prof.id or inst.profile != prof.name:
                 continue
+            if inst.placement.mask & used_mask:
+                continue  # its slices are granted already (recorded before it existed)
             mix = Counter(kept)
             if not (inst.in_use or not idle):
                 mix[inst.profile] += 1

@@ -275,6 +275,41 @@ def test_mig_reuses_an_idle_instance_and_destroys_only_on_an_idle_gpu():
     assert place(c, "x", ctr(gpu=1, gpumem=60000), annotations=MIG).node is None
 
 
+def test_mig_never_reuses_an_instance_whose_slices_are_granted():
+    # an allocation made before the device plugin created its instance holds slice 0
+    doc = cluster(mig_box("m", instances=[("1g.10gb", 0, False), ("1g.10gb", 6, True)]))
+    first = {
+        "pod": "default/a",
+        "containers": [
+            {
+                "name": "c",
+                "gpus": [
+                    {
+                        "uuid": "GPU-m-0",
+                        "index": 0,
+                        "memory_mib": 9728,
+                        "cores": 15,
+                        "mig": {
+                            "profile": "1g.10gb",
+                            "profile_id": 19,
+                            "placement": {"start": 0, "size": 1},
+                            "instance": None,
+                        },
+                    }
+                ],
+            }
+        ],
+    }
+    doc["nodes"]["m"]["allocations"] = [first]
+    a = Allocator.from_cluster(doc)
+    g = mig_grant(place(a, "x", ctr(gpu=1, gpumem=9000), annotations=MIG))
+    assert g.instance is None
+    assert g.placement.start not in (0, 6)
+    first["containers"][0]["gpus"][0]["mig"]["placement"] = {"start": 1, "size": 2}
+    with pytest.raises(DocumentError, match=r"gpus\[0\]\.mig: not a legal placement"):
+        Allocator.from_cluster(doc)
+
+
 def test_mig_mode_turned_on_only_on_an_idle_gpu():
     a = Allocator.from_cluster(cluster(mig_box("m", enabled=False)))
     place(a, "shared", ctr(gpu=1, gpumem=1000, gpucores=10))
