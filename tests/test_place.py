@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from typing import Any
 
 import pytest
 import yaml
@@ -278,7 +279,7 @@ def test_mig_reuses_an_idle_instance_and_destroys_only_on_an_idle_gpu():
 def test_mig_never_reuses_an_instance_whose_slices_are_granted():
     # an allocation made before the device plugin created its instance holds slice 0
     doc = cluster(mig_box("m", instances=[("1g.10gb", 0, False), ("1g.10gb", 6, True)]))
-    first = {
+    first: dict[str, Any] = {
         "pod": "default/a",
         "containers": [
             {
