@@ -8,6 +8,7 @@ call gv_reclaim_dead().
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import time
@@ -96,3 +97,43 @@ def test_a_free_after_the_slot_was_given_back_is_not_an_accounting_bug(
     assert proc.returncode == 0
     assert proc.stderr.splitlines() == ["alloc 0", "free 0"]  # nothing from the shim
     assert run_json(USAGE, node.env) == {"used": 0, "procs": []}
+
+
+def test_a_refused_allocation_takes_a_killed_process_memory_within_a_second(
+    node: SimNode,
+) -> None:
+    """A refusal looks for dead processes' memory at most every 100 ms per
+    device, container-wide, not on every refusal (that made a refusal cost
+    O(processes)): a program that keeps retrying after a process of its
+    container was killed still gets that memory within a second."""
+    env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g")
+    prober_code = """
+import sys, time
+from tests.cuclient import *
+init()
+# The quota is full: refusals, so the last look for dead processes is recent.
+refused = [call(cu.cuMemAlloc, 2 * GiB)[0].name for _ in range(200)]
+hold(refused=sorted(set(refused)))
+t0 = time.monotonic()
+tries = 0
+while True:
+    tries += 1
+    err, _ = call(cu.cuMemAlloc, 2 * GiB)
+    if err.name == "CUDA_SUCCESS" or time.monotonic() - t0 > 3:
+        break
+    time.sleep(0.001)
+emit(err=err.name, tries=tries, seconds=time.monotonic() - t0)
+"""
+    holder = Holder("from tests.cuclient import *\ninit()\nok(cu.cuMemAlloc, 3 * GiB)\nhold()", env)
+    with holder:
+        prober = Holder(prober_code, env)
+        with prober as probed:
+            assert probed["refused"] == ["CUDA_ERROR_OUT_OF_MEMORY"]
+            holder.kill()
+            assert prober.proc is not None and prober.proc.stdin is not None
+            prober.proc.stdin.write("\n")
+            prober.proc.stdin.flush()
+            out, _ = prober.proc.communicate(timeout=30)
+    result = json.loads(out.splitlines()[-1])
+    assert result["err"] == "CUDA_SUCCESS", result
+    assert result["seconds"] < 1.0, result

@@ -206,9 +206,10 @@ void region_sm_configure(gv_region *r, int dev, unsigned limit, unsigned policy,
 /* --- accounting ------------------------------------------------------ */
 
 /* Reserve n bytes on dev for slot.  Returns 0, or GV_ENOMEM when the
- * container would pass its limit (dead slots are reclaimed and the
- * reservation retried before giving up; the device's OOM counter is
- * incremented on refusal). */
+ * container would pass its limit (the device's OOM counter is incremented
+ * on refusal).  Before refusing, dead slots are reclaimed and the
+ * reservation retried, at most once every 100 ms per device entry in the
+ * whole container (other refusals cost a few atomics). */
 int region_reserve(gv_region *r, int dev, int slot, uint64_t n);
 /* Record n bytes the device already gave slot without asking the quota
  * (memory the driver took on its own): never refused, so the total may

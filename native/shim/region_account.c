@@ -173,6 +173,25 @@ static struct gv_dev *charge_target(gv_region *r, int dev, int slot, int *err)
     return d;
 }
 
+/* Whether a refusal on d should look for dead processes' memory now: the
+ * first refusal after RECLAIM_EVERY_NS since the last look, in any process
+ * of the container, wins the compare-and-swap and does it; the others are
+ * refused at once.  A look opens /proc files of every process holding
+ * memory (milliseconds at 64 processes): made on every refusal, it made a
+ * refusal cost O(processes), and programs that probe by allocating until
+ * refused, or retry on out-of-memory, refuse often.  No lock: a winner
+ * killed before or during its look leaves only the time, and the next
+ * refusal after the interval looks again.  A time ahead of now (another
+ * boot's, or a value the container wrote) counts as long past. */
+static int reclaim_due(struct gv_dev *d)
+{
+    uint64_t now = rg_now_ns();
+    uint64_t last = atomic_load_explicit(&d->reclaim_at, memory_order_relaxed);
+    if (last != 0 && now - last < RECLAIM_EVERY_NS)
+        return 0;
+    return atomic_compare_exchange_strong(&d->reclaim_at, &last, now);
+}
+
 int region_reserve(gv_region *r, int dev, int slot, uint64_t n)
 {
     int err = GV_OK;
@@ -203,7 +222,7 @@ int region_reserve(gv_region *r, int dev, int slot, uint64_t n)
         }
         if (!reclaimed) {
             reclaimed = 1;
-            if (rg_reclaim(r, dev) > 0)
+            if (reclaim_due(d) && rg_reclaim(r, dev) > 0)
                 continue;
         }
         return refuse(d);

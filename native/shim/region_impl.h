@@ -58,12 +58,19 @@ struct gv_dev {
      * or the new value. */
     _Atomic uint64_t ctx_cost;
     unsigned char uuid[16];                       /* valid once READY */
+    /* CLOCK_MONOTONIC ns when a refused reservation last looked for dead
+     * processes' memory on this entry (region_account.c); in what was
+     * padding, so an earlier library's file holds 0 (look now). */
+    _Atomic uint64_t reclaim_at;
     _Alignas(CACHELINE) _Atomic uint64_t total;   /* sum of used[]: see below */
     _Alignas(CACHELINE) _Atomic uint64_t gate;    /* 0 open, else closer|FLAG_BIT */
     _Alignas(CACHELINE) _Atomic uint64_t used[GV_MAX_SLOTS];
     _Alignas(CACHELINE) _Atomic uint64_t inside[GV_MAX_SLOTS];  /* ops in progress */
     _Alignas(CACHELINE) struct gv_sm sm;          /* SM-time quota */
 };
+
+/* reclaim_at sits in what was padding: the layout is unchanged. */
+_Static_assert(offsetof(struct gv_dev, total) == CACHELINE, "gv_dev's first line is full");
 
 struct gv_shm {
     struct gv_header hdr;
@@ -95,6 +102,9 @@ struct gv_region {
 
 #define MAX_RESERVE (UINT64_C(1) << 62)   /* bigger requests: GV_ENOMEM */
 #define RESERVE_TRIES 200
+/* A refused reservation looks for dead processes' memory at most this
+ * often per device entry, container-wide (region_account.c). */
+#define RECLAIM_EVERY_NS (UINT64_C(100) * 1000 * 1000)
 
 /* ---- shared between the parts ------------------------------------------- */
 
