@@ -1,6 +1,8 @@
 /* region_account.c - reserving and releasing quota. */
 #include "region_impl.h"
 
+#include <time.h>
+
 #include "gpuvisor.h"
 #include "log.h"
 
@@ -182,10 +184,18 @@ static struct gv_dev *charge_target(gv_region *r, int dev, int slot, int *err)
  * refused, or retry on out-of-memory, refuse often.  No lock: a winner
  * killed before or during its look leaves only the time, and the next
  * refusal after the interval looks again.  A time ahead of now (another
- * boot's, or a value the container wrote) counts as long past. */
+ * boot's, or a value the container wrote) counts as long past.  The looker
+ * stores the time again when its look ends (region_reserve). */
+static uint64_t coarse_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC_COARSE, &ts);   /* a few ms fine: cheaper */
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
 static int reclaim_due(struct gv_dev *d)
 {
-    uint64_t now = rg_now_ns();
+    uint64_t now = coarse_ns();
     uint64_t last = atomic_load_explicit(&d->reclaim_at, memory_order_relaxed);
     if (last != 0 && now - last < RECLAIM_EVERY_NS)
         return 0;
@@ -222,8 +232,15 @@ int region_reserve(gv_region *r, int dev, int slot, uint64_t n)
         }
         if (!reclaimed) {
             reclaimed = 1;
-            if (reclaim_due(d) && rg_reclaim(r, dev) > 0)
-                continue;
+            if (reclaim_due(d)) {
+                int n = rg_reclaim(r, dev);
+                /* The interval runs from the end of the look: one that took
+                 * long (many processes, a slow /proc) is not followed by
+                 * another at once. */
+                atomic_store(&d->reclaim_at, coarse_ns());
+                if (n > 0)
+                    continue;
+            }
         }
         return refuse(d);
     }
