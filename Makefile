@@ -134,15 +134,30 @@ test: all asan tsan lint k8s
 test-fast: all venv
 	$(VENV)/bin/python -m pytest -n auto -q -m "not slow" tests
 
-# Per-call cost of the memory hooks (native/tests/bench_memory.c); writes its
-# section of docs/benchmarks.md.
+# Per-call cost of the memory hooks and of launches, in wall time and
+# callgrind instructions (native/tests/bench_memory.c, bench_launch.c, the
+# harness in bench_common.h); writes their sections of docs/benchmarks.md.
+# LIBRARY=path/to/lib.so measures another interposer beside ours, with
+# LIBRARY_ENV="NAME=VALUE ..." set for it (and LIBRARY_NAME for the tables);
+# BENCH_ARGS go to both programs (docs/benchmarks.md).
 BENCH_MEMORY := $(BUILD)/bench/bench_memory
-$(BENCH_MEMORY): native/tests/bench_memory.c native/tests/bench_common.h native/include/gpuvisor.h native/include/gv_cuda.h
+BENCH_LAUNCH := $(BUILD)/bench/bench_launch
+BENCH_HDRS := native/tests/bench_common.h native/tests/cuda_protos.h native/include/gv_cuda.h
+BENCH_LINK = -L$(BUILD)/sim -Wl,-rpath,'$$ORIGIN/../sim' -lcuda $(LDLIBS_ALL)
+$(BUILD)/bench/bench_%: native/tests/bench_%.c $(BENCH_HDRS) $(SIMCUDA)
 	@mkdir -p $(@D)
-	$(CC) $(CFLAGS_ALL) -o $@ $< $(LDLIBS_ALL)
+	$(CC) $(CFLAGS_ALL) -Inative/tests -o $@ $< $(BENCH_LINK)
 
-bench: all $(BENCH_MEMORY)
-	$(BENCH_MEMORY) --write docs/benchmarks.md
+LIBRARY ?=
+LIBRARY_ENV ?=
+LIBRARY_NAME ?=
+BENCH_ARGS ?=
+BENCH_PEER = $(if $(LIBRARY),--library '$(LIBRARY)' --library-env '$(LIBRARY_ENV)' \
+	--library-name '$(LIBRARY_NAME)')
+
+bench: all $(BENCH_MEMORY) $(BENCH_LAUNCH)
+	$(BENCH_MEMORY) $(BENCH_PEER) $(BENCH_ARGS) --write docs/benchmarks.md
+	$(BENCH_LAUNCH) $(BENCH_PEER) $(BENCH_ARGS) --write docs/benchmarks.md
 
 # SM-quota benchmark (make bench-sm): accuracy of the quota on the simulated
 # kernel timeline (tests/bench/sm_bench.py driving build/bench/bench_sm_worker,
@@ -150,21 +165,18 @@ bench: all $(BENCH_MEMORY)
 # its sections of docs/benchmarks.md.
 .PHONY: bench-sm
 BENCH_SM_WORKER := $(BUILD)/bench/bench_sm_worker
-BENCH_LAUNCH := $(BUILD)/bench/bench_launch
 BENCH_STALL_PROBE := $(BUILD)/bench/bench_stall_probe
 $(BENCH_SM_WORKER): native/tests/bench_sm_worker.c native/tests/cuda_protos.h native/include/gv_cuda.h $(SIMCUDA) $(SIMNVML)
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_ALL) -o $@ $< -L$(BUILD)/sim -lcuda -lm $(LDLIBS_ALL)
-$(BENCH_LAUNCH): native/tests/bench_launch.c native/tests/bench_common.h native/include/gpuvisor.h native/include/gv_cuda.h
-	@mkdir -p $(@D)
-	$(CC) $(CFLAGS_ALL) -o $@ $< $(LDLIBS_ALL)
 
 $(BENCH_STALL_PROBE): native/tests/bench_stall_probe.c
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_ALL) -o $@ $< $(LDLIBS_ALL)
 
 bench-sm: all venv $(BENCH_SM_WORKER) $(BENCH_LAUNCH) $(BENCH_STALL_PROBE)
-	$(VENV)/bin/python -m tests.bench.sm_bench --write docs/benchmarks.md
+	$(VENV)/bin/python -m tests.bench.sm_bench --write docs/benchmarks.md \
+	  $(if $(LIBRARY),--launch-args "$(BENCH_PEER)")
 
 # SM quota on a real GPU with PyTorch (tests/bench/torch_sm.py): needs an
 # NVIDIA GPU, and PyTorch and nvidia-ml-py in GPU_PYTHON; writes its tables to

@@ -1,123 +1,208 @@
-"""Smoke test of the memory benchmark (make bench): it builds, runs with tiny
-iteration counts, prints a well-formed table and rewrites only its own
-section of the results file.  No timing assertions."""
+"""Smoke test of the per-call benchmarks (make bench): they build, run with
+tiny iteration counts, print well-formed tables (instructions counted under
+callgrind where asked), measure a peer library named by LIBRARY beside ours,
+and rewrite only their own sections of the results file.  No timing
+assertions."""
 
 from __future__ import annotations
 
 import fcntl
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import BUILD_DIR, REPO_ROOT, clean_env
+from tests.helpers import BUILD_DIR, LIBRARY, REPO_ROOT, clean_env
 
-BENCH = BUILD_DIR / "bench" / "bench_memory"
+MEMORY = BUILD_DIR / "bench" / "bench_memory"
+LAUNCH = BUILD_DIR / "bench" / "bench_launch"
 SECTION = "## Memory quota: per-call cost (make bench)"
-HEADER = (
-    "processes registered",
-    "quota",
+LAUNCH_SECTION = "## Launch: per-call cost (make bench)"
+HEADER = [
+    "processes",
     "operation",
-    "direct ns/op",
-    "with shim ns/op",
-    "added ns/op",
-    "ratio",
-)
-OPS = {"cuMemAlloc_v2 + cuMemFree_v2 (1 MiB)", "cuMemGetInfo_v2"}
+    "direct ns",
+    "direct instructions",
+    "libgpuvisor ns",
+    "libgpuvisor instructions",
+]
+OPS = [
+    "cuMemAlloc_v2 + cuMemFree_v2 (1 MiB), limit 8g",
+    "cuMemGetInfo_v2, limit 8g",
+    "refused cuMemAlloc_v2 (64 MiB), limit 8g full",
+    "cuMemAlloc_v2 + cuMemFree_v2 (1 MiB), no limit",
+    "cuMemGetInfo_v2, no limit",
+]
+FIGURE = r"\d+"
+ADDED = r"(\d+) \(([+-]\d+)\)"
 
 
 @pytest.fixture(scope="module")
-def bench(build_dir: Path) -> Path:
+def built(build_dir: Path) -> Path:
     # pytest-xdist workers may get here together: one make at a time.
-    BENCH.parent.mkdir(parents=True, exist_ok=True)
-    with open(BENCH.parent / ".build.lock", "w") as lock:
+    MEMORY.parent.mkdir(parents=True, exist_ok=True)
+    with open(MEMORY.parent / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         subprocess.run(
-            ["make", "-s", "-C", str(REPO_ROOT), "build/bench/bench_memory"],
+            ["make", "-s", "-C", str(REPO_ROOT), str(MEMORY), str(LAUNCH)],
             check=True,
             capture_output=True,
             text=True,
             timeout=120,
         )
-    assert BENCH.is_file()
-    return BENCH
+    assert MEMORY.is_file() and LAUNCH.is_file()
+    return MEMORY
 
 
-def run_bench(bench: Path, tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def run_bench(
+    tmp_path: Path, *args: str, bench: Path = MEMORY, procs: str = "1,3"
+) -> subprocess.CompletedProcess[str]:
     env = clean_env()
     env["TMPDIR"] = str(tmp_path)
     return subprocess.run(
-        [str(bench), "--batches", "3", "--iters", "50", "--procs", "1,3", "--no-pin", *args],
+        [str(bench), "--batches", "3", "--iters", "50", "--procs", procs, "--no-pin", *args],
         env=env,
         capture_output=True,
         text=True,
-        timeout=30,
+        timeout=120,
         check=False,
     )
 
 
-def table_rows(text: str) -> list[list[str]]:
+def table_rows(text: str, header: list[str] = HEADER) -> list[list[str]]:
     lines = [ln for ln in text.splitlines() if ln.startswith("|")]
     assert len(lines) >= 2, text
     head = [c.strip() for c in lines[0].strip("|").split("|")]
-    assert tuple(head) == HEADER
+    assert head == header
     assert re.fullmatch(r"\|(-*:?-+:?\|)+", lines[1].replace(" ", ""))
-    return [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
+    assert all(len(r) == len(header) for r in rows)
+    return rows
 
 
-def test_prints_a_well_formed_table(bench: Path, tmp_path: Path) -> None:
-    proc = run_bench(bench, tmp_path)
+def added(cell: str, base: str) -> float:
+    """The figure of an "N (+M)" cell, checking that M is N - base."""
+    m = re.fullmatch(ADDED, cell)
+    assert m, cell
+    assert abs(float(m.group(1)) - float(base) - float(m.group(2))) <= 1.0
+    return float(m.group(1))
+
+
+def test_prints_a_well_formed_table(built: Path, tmp_path: Path) -> None:
+    proc = run_bench(tmp_path, "--callgrind", "0")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert out.startswith(SECTION + "\n")
     assert re.search(r"Machine: \d+ CPUs, .+; \d{4}-\d\d-\d\d \d\d:\d\d UTC", out)
     rows = table_rows(out)
-    # 2 process counts x 2 quota modes x 2 operations.
-    assert len(rows) == 8
-    seen = set()
-    for procs, quota, op, direct, shim, added, ratio in rows:
-        assert procs in {"1", "3"}
-        assert quota in {"8g", "no limit"}
-        assert op in OPS
-        d, s, a = float(direct), float(shim), float(added)
-        assert d > 0
-        assert s > 0
-        assert abs((s - d) - a) <= 1.0
-        assert re.fullmatch(r"\d+\.\d\dx", ratio)
-        seen.add((procs, quota, op))
-    assert len(seen) == 8
-    assert "Goals:" in out
-    assert "per alloc+free pair" in out
-    # The helpers registered in the region and were stopped; the scratch
-    # directory (sim state, region file) is gone.
-    assert "3 processes registered" in proc.stderr
+    assert [(r[0], r[1]) for r in rows] == [(n, op) for n in ("1", "3") for op in OPS]
+    for _, op, direct, direct_in, ours, ours_in in rows:
+        assert float(direct) > 0
+        assert (direct_in, ours_in) == ("-", "-")  # not counted: --callgrind 0
+        if op.startswith("refused"):
+            assert re.fullmatch(FIGURE, ours)  # answered without the driver
+        else:
+            added(ours, direct)
+    assert "Goals (libgpuvisor):" in out
+    assert "refused cuMemAlloc_v2 (64 MiB), limit 8g full: at most 2000 ns added" in out
+    # The helpers registered in the region (checked with gv_process_list)
+    # and were stopped; the scratch directory is gone.
+    assert "libgpuvisor, 3 processes" in proc.stderr
     assert list(tmp_path.iterdir()) == []
 
 
-def test_write_replaces_only_its_section(bench: Path, tmp_path: Path) -> None:
+def test_counts_instructions_under_callgrind(built: Path, tmp_path: Path) -> None:
+    if shutil.which("valgrind") is None:
+        pytest.skip("valgrind is not installed")
+    proc = run_bench(tmp_path, "--ops", "info,refused", "--callgrind", "20", procs="1")
+    assert proc.returncode == 0, proc.stderr
+    info, refused = table_rows(proc.stdout)
+    assert float(info[3]) > 0
+    added(info[5], info[3])
+    # A refusal with the quota full: libgpuvisor answers alone, in far fewer
+    # instructions than the simulated driver's own refusal.
+    assert 0 < float(refused[5]) < float(refused[3])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_peer_library_is_measured_beside_ours(built: Path, tmp_path: Path) -> None:
+    # Any interposer will do as the peer: here a copy of ours, under its own name.
+    peer = tmp_path / "peer" / "libpeer.so"
+    peer.parent.mkdir()
+    shutil.copy(LIBRARY, peer)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    proc = run_bench(
+        scratch,
+        "--ops",
+        "refused",
+        "--callgrind",
+        "0",
+        "--library",
+        str(peer),
+        "--library-env",
+        "LIBCUDA_LOG_LEVEL=1",
+        "--library-name",
+        "peer",
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = table_rows(proc.stdout, [*HEADER, "peer ns", "peer instructions"])
+    assert [r[0] for r in rows] == ["1", "3"]
+    for row in rows:
+        assert re.fullmatch(FIGURE, row[6])
+    assert f"`LIBRARY={peer}`" in proc.stdout
+    assert "with `LIBCUDA_LOG_LEVEL=1`" in proc.stdout
+    assert "peer, 3 processes" in proc.stderr
+
+
+def test_bad_peer_settings_fail_with_one_clear_line(built: Path, tmp_path: Path) -> None:
+    proc = run_bench(tmp_path, "--library", str(tmp_path / "nope.so"), "--callgrind", "0")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().endswith(f"LIBRARY={tmp_path / 'nope.so'}: no such file")
+    proc = run_bench(
+        tmp_path, "--library", str(LIBRARY), "--library-env", "NOEQUALS", "--callgrind", "0"
+    )
+    assert proc.returncode == 2
+    assert 'LIBRARY_ENV: "NOEQUALS" is not NAME=VALUE' in proc.stderr
+    proc = run_bench(tmp_path, "--ops", "nope", "--callgrind", "0")
+    assert proc.returncode == 2
+    assert '--ops: no operation "nope"' in proc.stderr
+
+
+def test_launch_table(built: Path, tmp_path: Path) -> None:
+    proc = run_bench(tmp_path, "--callgrind", "0", bench=LAUNCH, procs="1,2")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(LAUNCH_SECTION + "\n")
+    rows = table_rows(proc.stdout, [*HEADER, "other threads' CPU ns"])
+    assert [(r[0], r[1]) for r in rows] == [
+        (n, op)
+        for n in ("1", "2")
+        for op in ("cuLaunchKernel, no SM limit", "cuLaunchKernel, SM limit 50")
+    ]
+    for row in rows:
+        added(row[4], row[2])
+        assert re.fullmatch(r"libgpuvisor -?\d+", row[6])
+
+
+def test_write_replaces_only_its_section(built: Path, tmp_path: Path) -> None:
     scratch = tmp_path / "scratch"
     scratch.mkdir()
     doc = tmp_path / "benchmarks.md"
     other = "## SM sharing (make bench-sm)\n\nkeep me\n"
     doc.write_text(f"# Benchmarks\n\nIntro.\n\n{SECTION}\n\nold table\n\n{other}")
     for _ in range(2):
-        proc = run_bench(bench, scratch, "--write", str(doc))
+        proc = run_bench(scratch, "--ops", "info", "--callgrind", "0", "--write", str(doc))
         assert proc.returncode == 0, proc.stderr
     text = doc.read_text()
     assert text.startswith("# Benchmarks\n\nIntro.\n\n" + SECTION + "\n")
     assert text.count(SECTION) == 1
     assert "old table" not in text
     assert text.endswith("\n\n" + other)
-    assert len(table_rows(text.split(other)[0])) == 8
+    assert len(table_rows(text.split(other)[0])) == 2
 
     fresh = tmp_path / "new.md"
-    proc = run_bench(bench, scratch, "--write", str(fresh))
+    proc = run_bench(scratch, "--ops", "info", "--callgrind", "0", "--write", str(fresh))
     assert proc.returncode == 0, proc.stderr
     assert fresh.read_text().startswith("# Benchmarks\n\n" + SECTION + "\n")
-
-
-def test_rejects_runs_the_simulator_cannot_hold(bench: Path, tmp_path: Path) -> None:
-    proc = run_bench(bench, tmp_path, "--batches", "10000", "--iters", "1000")
-    assert proc.returncode == 2
-    assert "address range" in proc.stderr

@@ -12,8 +12,9 @@ grid (lastSeenTimeStamp = the end of the previous sample), so every
 container gets a series of 100 ms windows: the sum of its processes' smUtil.
 
 Run as `python -m tests.bench.sm_bench [--write docs/benchmarks.md]`; the
-per-launch cost table comes from build/bench/bench_launch
-(native/tests/bench_launch.c).  `--quick` is the smoke test's tiny
+per-launch cost table comes from `build/bench/bench_launch --sm-cost`
+(native/tests/bench_launch.c), given --launch-args (make bench-sm passes
+LIBRARY there: docs/benchmarks.md).  `--quick` is the smoke test's tiny
 configuration.
 """
 
@@ -23,6 +24,7 @@ import argparse
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -793,7 +795,7 @@ def render_accuracy(args: argparse.Namespace) -> str:
 
 
 def render_cost(args: argparse.Namespace) -> str:
-    cmd = [str(LAUNCH_BENCH), *args.launch_args.split()]
+    cmd = [str(LAUNCH_BENCH), "--sm-cost", *shlex.split(args.launch_args)]
     proc = subprocess.run(
         cmd, env=clean_env(), capture_output=True, text=True, timeout=600, check=False
     )
@@ -840,7 +842,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--burst-seconds", type=float, default=9.0)
     p.add_argument("--phase-ms", type=int, default=1000)
     p.add_argument("--lender-splits", default="30:30,20:40,10:50", help="burst-share pairs")
-    p.add_argument("--launch-args", default="", help="arguments for bench_launch")
+    p.add_argument(
+        "--launch-args", default="", help="arguments for bench_launch --sm-cost (shell words)"
+    )
     p.add_argument("--quick", action="store_true", help="a tiny configuration (smoke test)")
     p.add_argument("--no-cost", action="store_true", help="skip the per-launch cost table")
     p.add_argument("--write", type=Path, help="replace this benchmark's sections of FILE")
@@ -850,7 +854,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         args.seconds, args.allowance = 1.5, 0.5
         args.burst_seconds, args.phase_ms = 1.6, 400
         args.lender_splits = "20:40"
-        args.launch_args = args.launch_args or "--batches 3 --iters 200"
+        args.launch_args = args.launch_args or "--batches 3 --iters 200 --callgrind 20"
     return args
 
 
