@@ -109,7 +109,7 @@ def test_prints_a_well_formed_table(built: Path, tmp_path: Path) -> None:
     assert "refused cuMemAlloc_v2 (64 MiB), limit 8g full: at most 2000 ns added" in out
     # The helpers registered in the region (checked with gv_process_list)
     # and were stopped; the scratch directory is gone.
-    assert "libgpuvisor, 3 processes" in proc.stderr
+    assert "bench_memory: 3 processes" in proc.stderr
     assert list(tmp_path.iterdir()) == []
 
 
@@ -154,7 +154,7 @@ def test_a_peer_library_is_measured_beside_ours(built: Path, tmp_path: Path) -> 
         assert re.fullmatch(FIGURE, row[6])
     assert f"`LIBRARY={peer}`" in proc.stdout
     assert "with `LIBCUDA_LOG_LEVEL=1`" in proc.stdout
-    assert "peer, 3 processes" in proc.stderr
+    assert "bench_memory: 3 processes" in proc.stderr
 
 
 def test_bad_peer_settings_fail_with_one_clear_line(built: Path, tmp_path: Path) -> None:

@@ -139,7 +139,7 @@ static struct {
     const char *peer_name; /* --library-name */
 } libs;
 
-static char tmpdir[PATH_MAX];
+static char tmpdir[PATH_MAX / 2];   /* room for its subfolders and files */
 static pid_t parent_pid;
 
 static void die(const char *fmt, ...) __attribute__((format(printf, 1, 2), noreturn));
@@ -441,8 +441,8 @@ static void child_env(int lib, const struct bench_op *op, const char *dir, const
         setenv("LD_PRELOAD", lib_path(lib), 1);
 }
 
-static pid_t helpers[BENCH_MAX_PROCS];
-static int nhelpers;
+static pid_t helpers[BENCH_MAX_PROCS * BENCH_LIBS];
+static int nhelpers, lib_helpers[BENCH_LIBS];
 static int hold_w = -1, hold_r = -1;
 
 static void spawn_helpers(int lib, const struct bench_op *op, const char *dir, int count)
@@ -451,7 +451,7 @@ static void spawn_helpers(int lib, const struct bench_op *op, const char *dir, i
     if (pipe2(rp, O_CLOEXEC) != 0)
         die("pipe: %s", strerror(errno));
     for (int i = 0; i < count; i++) {
-        if (nhelpers >= BENCH_MAX_PROCS)
+        if (nhelpers >= BENCH_MAX_PROCS * BENCH_LIBS)
             die("too many processes");
         char role[32];
         snprintf(role, sizeof role, "helper-%d", nhelpers);
@@ -469,6 +469,7 @@ static void spawn_helpers(int lib, const struct bench_op *op, const char *dir, i
             _exit(127);
         }
         helpers[nhelpers++] = pid;
+        lib_helpers[lib]++;
     }
     close(rp[1]);
     for (int got = 0; got < count;) {
@@ -494,6 +495,7 @@ static void stop_helpers(void)
     for (int i = 0; i < nhelpers; i++)
         waitpid(helpers[i], NULL, 0);
     nhelpers = 0;
+    memset(lib_helpers, 0, sizeof lib_helpers);
 }
 
 /* Run the measuring process; its stdout into out (size len).  With cg_out,
@@ -569,30 +571,57 @@ static double callgrind_total(const char *path)
     return v;
 }
 
-static void measure(const struct bench_cfg *cf, int lib, int opi, const struct bench_op *op,
-                    const char *dir, int procs, struct bench_cell *c)
+#define BENCH_ROUNDS 4
+
+/* Wall time of op with every library: BENCH_ROUNDS rounds of batches/ROUNDS
+ * batches each, the libraries' order turned round every other round (ABBA:
+ * a machine that gets busier or quieter weighs on all alike); a cell is the
+ * median of its rounds' medians. */
+static void time_op(const struct bench_cfg *cf, int nl, int opi, const struct bench_op *op,
+                    char dirs[][PATH_MAX], int procs, struct bench_cell *cells)
 {
-    char out[256];
-    run_child(lib, opi, op, dir, cf->iters, cf->batches, cf->pin, NULL, out, sizeof out);
-    int seen = -1;
-    if (sscanf(out, "ns %lf other %lf procs %d", &c->ns, &c->other_ns, &seen) != 3)
-        die("%s: unexpected output of the measuring process: %s", op->name, out);
-    if (lib == LIB_OURS && seen != procs)
-        die("%s: %d processes registered in the region, expected %d", op->name, seen, procs);
-    c->instr = -1;
-    if (cf->cg_iters > 0) {
-        char cg[2 * PATH_MAX], dump[2 * PATH_MAX + 16];
-        snprintf(cg, sizeof cg, "%s/callgrind.out", dir);
-        run_child(lib, opi, op, dir, cf->cg_iters, BENCH_CG_BATCHES, -1, cg, out, sizeof out);
-        double per[BENCH_CG_BATCHES];
-        for (int b = 0; b < BENCH_CG_BATCHES; b++) {
-            snprintf(dump, sizeof dump, "%s.%d", cg, b + 1);
-            per[b] = callgrind_total(dump) / (double)cf->cg_iters;
+    double ns[BENCH_LIBS][BENCH_ROUNDS], other[BENCH_LIBS][BENCH_ROUNDS];
+    int rounds = cf->batches < BENCH_ROUNDS ? 1 : BENCH_ROUNDS;
+    int per = cf->batches / rounds;
+    for (int r = 0; r < rounds; r++)
+        for (int x = 0; x < nl; x++) {
+            int lib = r % 2 ? nl - 1 - x : x;
+            if (op->ours_only && lib == LIB_PEER)
+                continue;
+            char out[256];
+            run_child(lib, opi, op, dirs[lib], cf->iters, per, cf->pin, NULL, out, sizeof out);
+            int seen = -1;
+            if (sscanf(out, "ns %lf other %lf procs %d", &ns[lib][r], &other[lib][r], &seen) != 3)
+                die("%s: unexpected output of the measuring process: %s", op->name, out);
+            if (lib == LIB_OURS && seen != procs)
+                die("%s: %d processes registered in the region, expected %d", op->name, seen,
+                    procs);
         }
-        callgrind_total(cg);   /* what ran after the last batch */
-        c->instr = median(per, BENCH_CG_BATCHES);
+    for (int lib = 0; lib < nl; lib++) {
+        if (op->ours_only && lib == LIB_PEER)
+            continue;
+        cells[lib].ns = median(ns[lib], rounds);
+        cells[lib].other_ns = median(other[lib], rounds);
+        cells[lib].measured = 1;
     }
-    c->measured = 1;
+}
+
+/* Instructions per call of op with lib (-1: not counted). */
+static double count_op(const struct bench_cfg *cf, int lib, int opi, const struct bench_op *op,
+                       const char *dir)
+{
+    if (cf->cg_iters <= 0)
+        return -1;
+    char out[256], cg[2 * PATH_MAX], dump[2 * PATH_MAX + 16];
+    snprintf(cg, sizeof cg, "%s/callgrind.out", dir);
+    run_child(lib, opi, op, dir, cf->cg_iters, BENCH_CG_BATCHES, -1, cg, out, sizeof out);
+    double per[BENCH_CG_BATCHES];
+    for (int b = 0; b < BENCH_CG_BATCHES; b++) {
+        snprintf(dump, sizeof dump, "%s.%d", cg, b + 1);
+        per[b] = callgrind_total(dump) / (double)cf->cg_iters;
+    }
+    callgrind_total(cg);   /* what ran after the last batch */
+    return median(per, BENCH_CG_BATCHES);
 }
 
 /* --- the section ------------------------------------------------------ */
@@ -641,7 +670,8 @@ static char *render(const struct bench_spec *sp, const struct bench_cfg *cf,
             "simulator, unlike a driver, scans its process table on `cuMemGetInfo`), one region "
             "file per container. *Processes*: the measuring process plus helpers of the same "
             "container and library, each holding a context and 2 MiB%s. *ns*: the median over "
-            "%d batches of %ld calls after %d warm-up calls%s, and in brackets what the "
+            "%d batches of %ld calls after %d warm-up calls%s (in %d rounds, the libraries "
+            "taking turns in ABBA order; the median of the rounds' medians), and in brackets what the "
             "library adds to direct (where it answers without calling the driver, as on a "
             "refusal, its whole figure is what it adds, and direct is the driver's own answer). "
             "*Instructions*: `valgrind --tool=callgrind` over all threads of the measuring "
@@ -653,6 +683,7 @@ static char *render(const struct bench_spec *sp, const struct bench_cfg *cf,
             sp->name, BENCH_SIM_DEVICES, " (checked with `gv_process_list` for libgpuvisor)",
             cf->batches, cf->iters, BENCH_WARM,
             cf->pin ? ", the calling thread pinned to one CPU after the warm-up" : "",
+            cf->batches < BENCH_ROUNDS ? 1 : BENCH_ROUNDS,
             BENCH_CG_BATCHES, cf->cg_iters, cf->cg_iters,
             cf->cg_iters > 0 ? "" : " (not counted in this run: `--callgrind 0`)");
     if (nl > LIB_PEER)
@@ -956,38 +987,41 @@ static int bench_main(int argc, char **argv, const struct bench_spec *sp)
     signal(SIGPIPE, SIG_IGN);
 
     static struct bench_cell res[BENCH_MAX_NS][BENCH_MAX_OPS][BENCH_LIBS];
-    int done[BENCH_MAX_OPS] = { 0 };
-    for (int lib = LIB_DIRECT; lib < libs_in_use(); lib++) {
-        memset(done, 0, sizeof done);
-        /* One container (and one set of helpers) per distinct limits. */
-        for (int j = 0; j < cf.nops; j++) {
-            if (done[j])
-                continue;
-            const struct bench_op *first = &sp->ops[cf.ops[j]];
-            char dir[PATH_MAX + 64];
-            snprintf(dir, sizeof dir, "%s/%d-%d", tmpdir, lib, j);
-            if (mkdir(dir, 0700) != 0)
-                die("mkdir %s: %s", dir, strerror(errno));
-            int hp[2];
-            if (pipe2(hp, O_CLOEXEC) != 0)
-                die("pipe: %s", strerror(errno));
-            hold_r = hp[0];
-            hold_w = hp[1];
-            for (int k = 0; k < cf.nn; k++) {
-                spawn_helpers(lib, first, dir, cf.ns[k] - 1 - nhelpers);
-                fprintf(stderr, "%s: %s, %d process%s\n", bench_name, lib_name(lib), cf.ns[k],
-                        cf.ns[k] == 1 ? "" : "es");
-                for (int m = j; m < cf.nops; m++) {
-                    const struct bench_op *op = &sp->ops[cf.ops[m]];
-                    if (!same_container(first, op) || (op->ours_only && lib == LIB_PEER))
-                        continue;
-                    done[m] = 1;
-                    measure(&cf, lib, cf.ops[m], op, dir, cf.ns[k], &res[k][m][lib]);
-                }
-            }
-            stop_helpers();
-            done[j] = 1;
+    int done[BENCH_MAX_OPS] = { 0 }, nl = libs_in_use();
+    /* One container per library and distinct limits, its helpers alive
+     * while its operations are measured. */
+    for (int j = 0; j < cf.nops; j++) {
+        if (done[j])
+            continue;
+        const struct bench_op *first = &sp->ops[cf.ops[j]];
+        char dirs[BENCH_LIBS][PATH_MAX];
+        for (int lib = 0; lib < nl; lib++) {
+            snprintf(dirs[lib], sizeof dirs[lib], "%s/%d-%d", tmpdir, lib, j);
+            if (mkdir(dirs[lib], 0700) != 0)
+                die("mkdir %s: %s", dirs[lib], strerror(errno));
         }
+        int hp[2];
+        if (pipe2(hp, O_CLOEXEC) != 0)
+            die("pipe: %s", strerror(errno));
+        hold_r = hp[0];
+        hold_w = hp[1];
+        for (int k = 0; k < cf.nn; k++) {
+            for (int lib = 0; lib < nl; lib++)
+                spawn_helpers(lib, first, dirs[lib], cf.ns[k] - 1 - lib_helpers[lib]);
+            fprintf(stderr, "%s: %d process%s\n", bench_name, cf.ns[k], cf.ns[k] == 1 ? "" : "es");
+            for (int m = j; m < cf.nops; m++) {
+                const struct bench_op *op = &sp->ops[cf.ops[m]];
+                if (!same_container(first, op))
+                    continue;
+                done[m] = 1;
+                time_op(&cf, nl, cf.ops[m], op, dirs, cf.ns[k], res[k][m]);
+                for (int lib = 0; lib < nl; lib++)
+                    res[k][m][lib].instr = op->ours_only && lib == LIB_PEER
+                                               ? -1
+                                               : count_op(&cf, lib, cf.ops[m], op, dirs[lib]);
+            }
+        }
+        stop_helpers();
     }
 
     char *text = render(sp, &cf, res);
