@@ -298,11 +298,7 @@ static CUcontext bench_ctx;
 /* cuInit, device 0, its primary context current: as an application does. */
 static void cuda_setup(void)
 {
-    CUdevice dev;
-    check(cuInit(0), "cuInit");
-    check(cuDeviceGet(&dev, 0), "cuDeviceGet");
-    check(cuDevicePrimaryCtxRetain(&bench_ctx, dev), "cuDevicePrimaryCtxRetain");
-    check(cuCtxSetCurrent(bench_ctx), "cuCtxSetCurrent");
+    check(gv_test_primary_ctx(0, &bench_ctx), "cuInit, primary context of device 0");
 }
 
 /* A function of the preloaded libgpuvisor, or NULL under another library. */

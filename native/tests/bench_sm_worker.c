@@ -101,13 +101,8 @@ int main(int argc, char **argv)
     rng_state = (uint64_t)strtoull(argv[2], NULL, 10) * 0x9E3779B97F4A7C15ULL + 88172645463325252ULL;
     uint64_t phase_ns = argc == 4 ? (uint64_t)(atof(argv[3]) * 1e6) : 0;
 
-    CUdevice dev;
-    CUcontext ctx;
     CUstream s;
-    OK(cuInit(0));
-    OK(cuDeviceGet(&dev, 0));
-    OK(cuDevicePrimaryCtxRetain(&ctx, dev));
-    OK(cuCtxSetCurrent(ctx));
+    OK(gv_test_primary_ctx(0, NULL));
     OK(cuStreamCreate(&s, CU_STREAM_NON_BLOCKING_FLAG));
     CUfunction fn[NFUNCS];
     for (int i = 0; i < NFUNCS; i++) {

@@ -77,4 +77,20 @@ static int gv_test_failures __attribute__((unused));
         CHECK(rc_ == CUDA_SUCCESS, "%s returned %d", #call, rc_);             \
     } while (0)
 
+/* cuInit, then the primary context of device ordinal made current (its
+ * handle in *ctx, when ctx is not NULL): as most programs start.  The first
+ * result that is not CUDA_SUCCESS, else CUDA_SUCCESS. */
+static inline CUresult gv_test_primary_ctx(int ordinal, CUcontext *ctx)
+{
+    CUdevice d;
+    CUcontext c;
+    CUresult rc;
+    if ((rc = cuInit(0)) || (rc = cuDeviceGet(&d, ordinal)) ||
+        (rc = cuDevicePrimaryCtxRetain(&c, d)) || (rc = cuCtxSetCurrent(c)))
+        return rc;
+    if (ctx)
+        *ctx = c;
+    return CUDA_SUCCESS;
+}
+
 #endif

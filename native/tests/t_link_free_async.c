@@ -254,12 +254,7 @@ extern char **environ;
  * "take=<CUresult>". */
 static int take(void)
 {
-    CUdevice d;
-    CUcontext c;
-    MUST(cuInit(0));
-    MUST(cuDeviceGet(&d, 0));
-    MUST(cuDevicePrimaryCtxRetain(&c, d));
-    MUST(cuCtxSetCurrent(c));
+    MUST(gv_test_primary_ctx(0, NULL));
     CUdeviceptr p;
     CUresult rc = cuMemAlloc_v2(&p, 512 * MiB);
     if (rc == CUDA_SUCCESS)
