@@ -52,7 +52,8 @@ def built(build_dir: Path) -> Path:
             text=True,
             timeout=120,
         )
-    assert MEMORY.is_file() and LAUNCH.is_file()
+    assert MEMORY.is_file()
+    assert LAUNCH.is_file()
     return MEMORY
 
 

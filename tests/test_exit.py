@@ -130,7 +130,8 @@ emit(err=err.name, tries=tries, seconds=time.monotonic() - t0)
         with prober as probed:
             assert probed["refused"] == ["CUDA_ERROR_OUT_OF_MEMORY"]
             holder.kill()
-            assert prober.proc is not None and prober.proc.stdin is not None
+            assert prober.proc is not None
+            assert prober.proc.stdin is not None
             prober.proc.stdin.write("\n")
             prober.proc.stdin.flush()
             out, _ = prober.proc.communicate(timeout=30)
