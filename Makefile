@@ -64,7 +64,7 @@ $(BUILD)/tests/t_link_%: native/tests/t_link_%.c $(CTEST_HDRS) $(SIMCUDA) $(SIMN
 # Unit tests of the region code link its sources directly.
 $(BUILD)/tests/t_region_%: native/tests/t_region_%.c $(CTEST_HDRS) $(SHIM_SRCS) $(SHIM_HDRS)
 	@mkdir -p $(@D)
-	$(CC) $(CFLAGS_ALL) -Inative/tests -o $@ $< $(wildcard native/shim/region_*.c) native/shim/log.c native/shim/limits.c native/shim/api.c $(LDLIBS_ALL)
+	$(CC) $(CFLAGS_ALL) -Inative/tests -o $@ $< $(wildcard native/shim/region_*.c) native/shim/file_space.c native/shim/log.c native/shim/limits.c native/shim/api.c $(LDLIBS_ALL)
 
 # The SM meter's calibration is plain arithmetic: its unit test links it alone.
 $(BUILD)/tests/t_sm_calib: native/tests/t_sm_calib.c native/shim/sm_calib.c $(CTEST_HDRS) $(SHIM_HDRS)
@@ -73,9 +73,9 @@ $(BUILD)/tests/t_sm_calib: native/tests/t_sm_calib.c native/shim/sm_calib.c $(CT
 
 # So are the launch order between containers and the enqueue word, with
 # stand-ins for the rest.
-$(BUILD)/tests/t_sm_arbiter: native/tests/t_sm_arbiter.c native/shim/sm_arbiter.c native/shim/sm_enqueue.c $(CTEST_HDRS) $(SHIM_HDRS)
+$(BUILD)/tests/t_sm_arbiter: native/tests/t_sm_arbiter.c native/shim/sm_arbiter.c native/shim/sm_enqueue.c native/shim/file_space.c $(CTEST_HDRS) $(SHIM_HDRS)
 	@mkdir -p $(@D)
-	$(CC) $(CFLAGS_ALL) -Inative/tests -o $@ $< native/shim/sm_arbiter.c native/shim/sm_enqueue.c $(LDLIBS_ALL)
+	$(CC) $(CFLAGS_ALL) -Inative/tests -o $@ $< native/shim/sm_arbiter.c native/shim/sm_enqueue.c native/shim/file_space.c $(LDLIBS_ALL)
 
 $(BUILD)/tests/t_%: native/tests/t_%.c $(CTEST_HDRS)
 	@mkdir -p $(@D)

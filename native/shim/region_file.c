@@ -1,6 +1,7 @@
 /* region_file.c - creating, validating and mapping the region file. */
 #include "region_impl.h"
 
+#include "file_space.h"
 #include "gpuvisor.h"
 #include "log.h"
 
@@ -106,10 +107,18 @@ static int create_file(const char *path, char *err, size_t errlen)
     h.created_unix = (uint64_t)time(NULL);
     h.boot = boot_stamp();
     int rc = 0;
+    /* Every block allocated now (file_space.c): a sparse file on a full
+     * filesystem made every process of the container die of SIGBUS at its
+     * first store into a page the filesystem could not back. */
+    int space = gv_file_reserve(fd, sizeof(struct gv_shm), 1);
+    if (space != 0) {
+        rg_set_err(err, errlen, "gpuvisor: region %s: cannot reserve its %zu bytes: %s", path,
+                   sizeof(struct gv_shm), strerror(space));
+        rc = GV_EIO;
     /* Shared by every user of the container. */
-    if (fchmod(fd, 0666) != 0 || ftruncate(fd, (off_t)sizeof(struct gv_shm)) != 0 ||
-        pwrite(fd, &h, sizeof h, 0) != (ssize_t)sizeof h)
+    } else if (fchmod(fd, 0666) != 0 || pwrite(fd, &h, sizeof h, 0) != (ssize_t)sizeof h) {
         rc = io_error(path, "cannot initialise temporary file", err, errlen);
+    }
     close(fd);
     if (rc == 0 && link(tmpl, path) != 0 && errno != EEXIST)
         rc = io_error(path, "cannot link into place", err, errlen);
@@ -217,6 +226,17 @@ int region_open(const char *path, gv_region **out, char *err, size_t errlen)
     if (rc != GV_OK) {
         close(fd);
         return rc;
+    }
+    /* A file made sparse (by a library before create_file reserved its
+     * space, or copied so) gets its blocks now, while a full filesystem is
+     * still an error rather than a SIGBUS; a filesystem that cannot say
+     * is left to it (others may be storing into the file meanwhile). */
+    int space = gv_file_reserve(fd, sizeof(struct gv_shm), 0);
+    if (space == ENOSPC || space == EDQUOT) {
+        rg_set_err(err, errlen, "gpuvisor: region %s: cannot reserve its %zu bytes: %s", path,
+                   sizeof(struct gv_shm), strerror(space));
+        close(fd);
+        return GV_EIO;
     }
     void *p = mmap(NULL, sizeof(struct gv_shm), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) {

@@ -50,6 +50,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "file_space.h"
 #include "hooks.h"
 #include "log.h"
 #include "sm.h"
@@ -193,9 +194,10 @@ static struct arb_file *map_file(const char *uuid)
         return NULL;
     (void)fchmod(fd, 0666);             /* past the umask, for other users */
     /* Blocks allocated before the mapping is touched: a sparse file on a
-     * full filesystem would fault (SIGBUS) at the first store. */
+     * full filesystem would fault (SIGBUS) at the first store.  Other
+     * containers may have it mapped already: not fresh. */
     struct arb_file *f = NULL;
-    if (posix_fallocate(fd, 0, sizeof *f) == 0) {
+    if (gv_file_reserve(fd, sizeof *f, 0) == 0) {
         void *m = mmap(NULL, sizeof *f, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         if (m != MAP_FAILED)
             f = m;
