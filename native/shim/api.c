@@ -284,6 +284,13 @@ GV_EXPORT int gv_device_register(const char *uuid, uint64_t physical_total, uint
     if (rc < 0)
         return fail(rc, "gpuvisor: gv_device_register: region %s has no free device entry "
                     "(%d in use)", region_path(r), GV_MAX_DEVICES);
+    /* An entry an earlier run left: as a process of the container whose
+     * environment gives that limit (region_device_take_limit). */
+    uint64_t current = 0;
+    if (region_device_take_limit(r, rc, limit, &current) == GV_EBUSY)
+        return fail(GV_EINVAL, "gpuvisor: gv_device_register: %s: a limit of %llu bytes, but live "
+                    "processes of region %s run at %llu (18446744073709551615: no limit)", uuid,
+                    (unsigned long long)limit, region_path(r), (unsigned long long)current);
     return rc;
 }
 

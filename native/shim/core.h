@@ -72,6 +72,11 @@ CUresult gv_device(int ordinal, const gv_devinfo **out);
 /* The same for a device this process already looked up, without looking
  * it up (nor registering it in the region): 1 and *out, or 0. */
 int gv_device_known(int ordinal, const gv_devinfo **out);
+/* This process, whose environment gives region entry dev (the device
+ * uuid_str, its CUDA ordinal) the memory limit `limit`, is about to use
+ * the entry (region_device_take_limit): 0, or -1 after one line saying
+ * that the container runs at another limit, which names both. */
+int gv_device_take_limit(int dev, int ordinal, const char *uuid_str, uint64_t limit);
 /* Ordinal and context current on this thread. */
 CUresult gv_current(int *ordinal, CUcontext *ctx);
 /* Ordinal that ctx belongs to (ctx must be a live context). */

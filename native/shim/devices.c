@@ -81,6 +81,30 @@ static uint64_t device_granularity(int ordinal)
     return (rc == CUDA_SUCCESS && g > 0) ? g : (2u << 20);
 }
 
+static void limit_text(char *buf, size_t len, uint64_t limit)
+{
+    if (limit == GV_UNLIMITED)
+        snprintf(buf, len, "no limit");
+    else
+        snprintf(buf, len, "%llu bytes", (unsigned long long)limit);
+}
+
+int gv_device_take_limit(int dev, int ordinal, const char *uuid_str, uint64_t limit)
+{
+    gv_region *r = gv_core_region();
+    uint64_t current = 0;
+    if (region_device_take_limit(r, dev, limit, &current) != GV_EBUSY)
+        return 0;
+    char want[48], have[48];
+    limit_text(want, sizeof want, limit);
+    limit_text(have, sizeof have, current);
+    gv_log(GV_LOG_ERROR, "device %d (%s): this process's CUDA_DEVICE_MEMORY_LIMIT gives %s, but "
+           "live processes of region %s run at %s (another environment's, not set live); "
+           "CUDA calls fail with CUDA_ERROR_NOT_PERMITTED", ordinal, uuid_str, want,
+           region_path(r), have);
+    return -1;
+}
+
 static CUresult device_init(int ordinal)
 {
     gv_devinfo info;
@@ -109,6 +133,11 @@ static CUresult device_init(int ordinal)
         gv_log(GV_LOG_ERROR, "region %s: no free device entry for %s (%d)",
                region_path(gv_core_region()), info.uuid_str, dev);
         atomic_store(&devs[ordinal].state, DEV_FAILED);
+        return GV_FAIL_CUDA;
+    }
+    if (gv_device_take_limit(dev, ordinal, info.uuid_str, limit) != 0) {
+        atomic_store(&devs[ordinal].state, DEV_FAILED);
+        gv_core_fail();
         return GV_FAIL_CUDA;
     }
     unsigned sm = 0;

@@ -27,11 +27,13 @@ static int entry_for(nvmlDevice_t dev, uint64_t physical_total)
         return -1;
     gv_region *r = gv_core_region();
     int e = region_device_find(r, uuid);
-    if (e >= 0)
+    /* An entry this process has taken the limit of (below) once. */
+    static _Atomic uint32_t taken;
+    if (e >= 0 && (atomic_load_explicit(&taken, memory_order_relaxed) >> e & 1))
         return e;
     int ordinal = gv_ordinal_of_uuid(uuid);
     if (ordinal < 0)
-        return -1;
+        return e >= 0 ? e : -1;
     uint64_t limit;
     char err[512];
     if (limits_memory_for_ordinal(ordinal, physical_total, &limit, err, sizeof err) != 0) {
@@ -39,8 +41,18 @@ static int entry_for(nvmlDevice_t dev, uint64_t physical_total)
         gv_core_fail();
         return -2;
     }
-    e = region_device_lookup(r, uuid, physical_total, limit);
-    return e >= 0 ? e : -2;
+    if (e < 0)
+        e = region_device_lookup(r, uuid, physical_total, limit);
+    if (e < 0)
+        return -2;
+    /* An entry left by an earlier run gets this environment's limit, or
+     * is refused while processes of another limit live. */
+    if (gv_device_take_limit(e, ordinal, text, limit) != 0) {
+        gv_core_fail();
+        return -2;
+    }
+    atomic_fetch_or(&taken, 1u << e);
+    return e;
 }
 
 /* Apply the quota to total/free/used (*applied: whether it did); returns

@@ -102,7 +102,22 @@ void region_device_uuid(gv_region *r, int dev, unsigned char uuid[16]);
 uint64_t region_device_physical_total(gv_region *r, int dev);
 
 uint64_t region_limit(gv_region *r, int dev);
+/* A live change (set-limit, through the supervisor; region_sm_set_limit
+ * too): it stands for every process of the container that comes later
+ * while the setter or any registered process lives
+ * (region_device_take_limit). */
 void region_set_limit(gv_region *r, int dev, uint64_t limit);
+/* A process whose environment gives entry dev the memory limit `limit`
+ * is about to use it (an entry made earlier, by a run that may have had
+ * another limit, keeps it until then).  When no registered process of the
+ * region but this one is alive, nor the process that set the limit live,
+ * the environment's limit applies, and the SM entry is configured from
+ * the environment again (region_sm_configure); else the entry's limit
+ * stands if it equals limit or was set live, and otherwise
+ * GV_EBUSY is returned: the container runs at another limit.  *current:
+ * the entry's limit after the call. */
+#define GV_EBUSY (-100)
+int region_device_take_limit(gv_region *r, int dev, uint64_t limit, uint64_t *current);
 
 /* The memory a context takes on entry dev, as the container measured it:
  * the smallest non-zero cost any of its processes measured (so that a
@@ -120,8 +135,10 @@ enum gv_sm_policy { GV_SM_FIXED = 0, GV_SM_BURST = 1, GV_SM_BEST_EFFORT = 2 };
  * processes.  All fields are atomics, changed without locks. */
 /* gv_sm.configured: limit, policy and priority were set from the
  * environment (once per entry); the limit was set live (it then stands
- * when the environment's is applied). */
-enum { GV_SM_CONFIGURED = 1, GV_SM_LIMIT_SET = 2 };
+ * when the environment's is applied); the entry's memory limit was set
+ * live (region_set_limit; kept here, beside the SM one, for want of room
+ * in the entry's first cache line). */
+enum { GV_SM_CONFIGURED = 1, GV_SM_LIMIT_SET = 2, GV_MEM_LIMIT_SET = 4 };
 
 struct gv_sm {
     _Atomic uint64_t tat;        /* pacing: theoretical arrival time, CLOCK_MONOTONIC ns */
@@ -129,7 +146,7 @@ struct gv_sm {
     _Atomic uint32_t share;      /* share enforced now, 1/100 % (0 = paused) */
     _Atomic uint32_t policy;     /* enum gv_sm_policy */
     _Atomic uint32_t priority;   /* CUDA_TASK_PRIORITY: 0 high, 1 low */
-    _Atomic uint32_t configured; /* GV_SM_CONFIGURED | GV_SM_LIMIT_SET */
+    _Atomic uint32_t configured; /* GV_SM_CONFIGURED | GV_SM_LIMIT_SET | GV_MEM_LIMIT_SET */
     _Atomic uint64_t busy_ns;    /* measured GPU time of the container's kernels */
     _Atomic uint64_t wait_ns;    /* time launches waited at the gate */
     _Atomic uint64_t launches;   /* launches through the gate */

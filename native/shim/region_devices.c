@@ -19,6 +19,7 @@ static void init_device(struct gv_dev *d, const unsigned char uuid[16],
     atomic_store(&d->physical_total, physical_total);
     atomic_store(&d->oom_count, 0);
     atomic_store(&d->ctx_cost, 0);
+    atomic_store(&d->limit_by, 0);
     for (int i = 0; i < GV_MAX_SLOTS; i++) {
         atomic_store_explicit(&d->used[i], 0, memory_order_relaxed);
         atomic_store_explicit(&d->inside[i], 0, memory_order_relaxed);
@@ -116,8 +117,50 @@ uint64_t region_limit(gv_region *r, int dev)
 
 void region_set_limit(gv_region *r, int dev, uint64_t limit)
 {
-    if (dev_ok(r, dev))
-        atomic_store(&r->m->dev[dev].limit, limit);
+    if (!dev_ok(r, dev))
+        return;
+    /* The setter first: a newcomer that reads it 0 (or dead) between the
+     * two stores may put its environment's limit back over this one; the
+     * supervisor sets a pushed limit again whenever the region shows
+     * another value. */
+    atomic_store(&r->m->dev[dev].limit_by, rg_self_owner());
+    atomic_fetch_or(&r->m->dev[dev].sm.configured, GV_MEM_LIMIT_SET);
+    atomic_store(&r->m->dev[dev].limit, limit);
+}
+
+/* Whether a process of the region other than this one is registered and
+ * alive (reads /proc for each registered slot: call it rarely). */
+static int others_alive(gv_region *r)
+{
+    uint64_t self = rg_self_owner();
+    uint32_t hwm = hwm_of(r);
+    for (uint32_t i = 0; i < hwm; i++) {
+        uint64_t o = atomic_load(&r->m->owner[i]);
+        if (o != 0 && !(o & FLAG_BIT) && o != self && rg_owner_alive(o))
+            return 1;
+    }
+    return 0;
+}
+
+int region_device_take_limit(gv_region *r, int dev, uint64_t limit, uint64_t *current)
+{
+    if (!dev_ready(r, dev) || current == NULL)
+        return GV_EINVAL;
+    struct gv_dev *d = &r->m->dev[dev];
+    uint64_t by = atomic_load(&d->limit_by);
+    uint64_t cur = atomic_load(&d->limit);
+    *current = cur;
+    if ((by != 0 && rg_owner_alive(by)) || others_alive(r))
+        return cur == limit || (atomic_load(&d->sm.configured) & GV_MEM_LIMIT_SET) ? GV_OK
+                                                                                   : GV_EBUSY;
+    /* Nobody left of whoever set the entry up: what it holds is the last
+     * run's, and this environment's limits apply, SM included. */
+    atomic_store(&d->limit, limit);
+    atomic_compare_exchange_strong(&d->limit_by, &by, 0);
+    atomic_fetch_and(&d->sm.configured,
+                     ~(uint32_t)(GV_SM_CONFIGURED | GV_SM_LIMIT_SET | GV_MEM_LIMIT_SET));
+    *current = limit;
+    return GV_OK;
 }
 
 uint64_t region_ctx_cost(gv_region *r, int dev)
@@ -263,6 +306,7 @@ void region_sm_set_limit(gv_region *r, int dev, unsigned limit)
     if (limit > 100)
         limit = 100;
     sm_change_begin(r);
+    atomic_store(&r->m->dev[dev].limit_by, rg_self_owner());   /* see region_set_limit */
     atomic_store(&sm->limit, limit);
     atomic_fetch_or(&sm->configured, GV_SM_LIMIT_SET);
     /* The debt run up at the old share is rescaled, as when the meter

@@ -57,6 +57,12 @@ struct gv_dev {
      * only, by compare-and-swap: a process killed anywhere leaves the old
      * or the new value. */
     _Atomic uint64_t ctx_cost;
+    /* Who last set a limit of the entry live (region_set_limit,
+     * region_sm_set_limit: set-limit through the supervisor): that
+     * process's owner word; 0: none since an environment configured it
+     * (region_device_take_limit).  A file of an earlier library holds 0
+     * here (padding of the same cache line). */
+    _Atomic uint64_t limit_by;
     unsigned char uuid[16];                       /* valid once READY */
     /* CLOCK_MONOTONIC ns when a refused reservation last looked for dead
      * processes' memory on this entry (region_account.c); in what was
