@@ -93,8 +93,9 @@ void gv_arb_learn_ctx_cost(int dev, const char *uuid, uint64_t cost);
  * this process has mapped the device's launch-order file; else NULL. */
 _Atomic uint64_t *gv_arb_enqueue_word(int dev);
 /* A gated launch's begin event, kernel and end event are made between
- * these two (sm_enqueue.c): returns what to give back, never 0, after at
- * most a couple of milliseconds whoever holds it. */
+ * these two (sm_enqueue.c): returns what to give back, never 0 (the time
+ * it was taken in all but the two low bits), after at most a couple of
+ * milliseconds whoever holds it or writes it. */
 uint64_t gv_sm_enqueue_begin(struct gv_sm *sm, int dev);
 void gv_sm_enqueue_end(struct gv_sm *sm, int dev, uint64_t held);
 /* The share may be stale (0 with no pause in force): the policies run at

@@ -492,7 +492,7 @@ void gv_sm_end(gv_sm_launch *l, CUresult rc)
     struct rec *r = NULL;
     /* The enqueue word holds the time it was taken, just before the begin
      * event was recorded. */
-    uint64_t stretch = l->enqueue ? gv_mono_ns() - (l->enqueue & ~1ULL) : 0;
+    uint64_t stretch = l->enqueue ? gv_mono_ns() - (l->enqueue & ~3ULL) : 0;
     CUresult recorded = record(l->end, l->stream);
     gv_sm_enqueue_end(l->sm, l->dev, l->enqueue);
     if (recorded != CUDA_SUCCESS)

@@ -275,6 +275,73 @@ static void check_enqueue(struct child *a, struct child *b, _Atomic uint64_t *wo
     ask(b, 'e', 0);
 }
 
+/* take(), but gives up (held 0) when c has not answered within ms. */
+static struct took take_within(struct child *c, int ms, uint64_t *answered)
+{
+    struct took t = { 0, 0 };
+    char cmd = 'E';
+    long long arg = 0;
+    struct pollfd p = { c->from, POLLIN, 0 };
+    if (write(c->to, &cmd, 1) != 1 || write(c->to, &arg, sizeof arg) != sizeof arg ||
+        poll(&p, 1, ms) != 1 || read(c->from, &t, sizeof t) != sizeof t)
+        t.held = 0;
+    *answered = gv_mono_ns();
+    return t;
+}
+
+/* A neighbour that keeps storing the current time in the node's enqueue
+ * word (the file is mode 0666, in every container): each launch waits for
+ * it at most 4 ms, then takes its region's word, and the process leaves
+ * the node's word alone for 250 ms; afterwards it takes the node's again.
+ * c: a process of a container with the node's file mapped. */
+static void check_stalled_word(struct child *c, _Atomic uint64_t *word)
+{
+    atomic_store(word, 0);
+    pid_t hostile = fork();
+    if (hostile == 0) {
+        for (;;) {
+            atomic_store(word, gv_mono_ns() | 1);
+            usleep(10);
+        }
+    }
+    for (uint64_t t0 = gv_mono_ns(); !atomic_load(word) && gv_mono_ns() - t0 < 1000 * MS;)
+        usleep(100);    /* until it has started */
+    uint64_t got, first = 0, worst = 0;
+    int tagged = 0, n = 20, answered = 0;
+    for (int i = 0; i < n; i++) {
+        struct took t = take_within(c, 2000, &got);
+        if (!t.held)
+            break;
+        answered++;
+        uint64_t waited = got - t.asked;
+        if (i == 0)
+            first = waited;
+        else
+            worst = waited > worst ? waited : worst;
+        tagged += (t.held & 2) != 0 && atomic_load(&entry_sm->enqueue) == (t.held & ~2ULL);
+        ask(c, 'e', 0);
+    }
+    CHECK(answered == n, "a neighbour storing the time in the node's word: %d of %d launches "
+          "went within 2 s", answered, n);
+    CHECK(tagged == answered, "%d of %d went by the region's word", tagged, answered);
+    CHECK(first >= 4 * MS && first < 100 * MS, "the first waited %lld us (4 ms bound)",
+          (long long)first / 1000);
+    printf("t_sm_arbiter: stalled node word: the first launch waited %lld us, the next %d at "
+           "most %lld us\n", (long long)first / 1000, n - 1, (long long)worst / 1000);
+    kill(hostile, SIGKILL);
+    waitpid(hostile, NULL, 0);
+    if (answered != n) {
+        kill(c->pid, SIGKILL);  /* still waiting for the word */
+        return;
+    }
+    atomic_store(word, 0);
+    usleep(300 * 1000);
+    struct took t = take_within(c, 2000, &got);
+    CHECK(t.held && !(t.held & 2) && atomic_load(word) == t.held,
+          "250 ms after the neighbour stopped the node's word is taken again");
+    ask(c, 'e', 0);
+}
+
 static void tell(struct child *c, char cmd)
 {
     long long arg = 0;
@@ -506,6 +573,8 @@ int main(int argc, char **argv)
     if (node_word)
         check_enqueue(&ea, &eb, node_word, "node");
     CHECK(atomic_load(&entry_sm->enqueue) == 0, "with a node file the region's word is unused");
+    if (node_word)
+        check_stalled_word(&eb, node_word);   /* ea was killed */
     finish(&ea);
     finish(&eb);
 
