@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import Holder, SimNode, region_call, run_cli, run_json, start_ready
+from tests.helpers import Holder, SimNode, region_call, run_cli, run_json, run_py, start_ready
 
 MiB = 1 << 20
 SIM_CONTEXT = 32 * MiB
@@ -411,3 +411,31 @@ def test_a_primary_context_made_anew_that_does_not_fit_is_reset_again(
     assert out["active"] == 0, out
     assert out["physical"] == 48 * MiB + 934 * MiB, out
     assert out["held"] == 18 * MiB + out["physical"], out
+
+
+@pytest.mark.parametrize("poison", [1 << 40, 16 << 30, 5 << 30], ids=["1TiB", "device", "quarter"])
+def test_an_implausible_node_wide_cost_is_ignored_and_said_once(
+    node: SimNode, tmp_path: Path, poison: int
+) -> None:
+    """The node-wide cost lies in a file every container can write: a
+    container that stores a cost larger than the device (16 GiB here), or
+    than a quarter of it (no context takes that), made every new
+    memory-limited container's first context fail with out-of-memory.
+    Such a value is ignored (one line says so), the context is created and
+    measured, and its cost mends the word."""
+    assert run_json(TRY.format(create=False), env_for(node))["err"] == 0
+    (path,) = node.dir.glob("gpuvisor-sm-*")
+    with path.open("r+b") as f:  # the word after the magic, the count and the enqueue word
+        f.seek(24)
+        assert int.from_bytes(f.read(8), "little") == SIM_CONTEXT
+        f.seek(24)
+        f.write(poison.to_bytes(8, "little"))
+    env = env_for(node, CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "new.shr"))
+    proc = run_py(TRY.format(create=False) + TRY.format(create=True), env)
+    outs = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [o["err"] for o in outs] == [0, 0], proc.stderr
+    assert outs[0]["held"] == SIM_CONTEXT
+    said = [line for line in proc.stderr.splitlines() if "implausible" in line]
+    assert len(said) == 1, proc.stderr
+    assert str(poison) in said[0]
+    assert int.from_bytes(path.read_bytes()[24:32], "little") == SIM_CONTEXT

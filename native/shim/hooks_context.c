@@ -275,6 +275,28 @@ void gv_release_ctx_objects(CUcontext ctx)
  * process's creation begun (creating_begin), so no reading of NVML takes
  * the reservation for memory given back meanwhile (untracked.c).
  * CUDA_ERROR_OUT_OF_MEMORY: it does not fit, and nothing was reserved. */
+/* What the node's containers measured a context of d's GPU to take
+ * (sm_arbiter.c), or 0.  The word lies in a file every container can
+ * write: one that stored 1 TiB there made every new memory-limited
+ * container's first context fail with out-of-memory.  A cost above a
+ * quarter of the device's memory is ignored (contexts take 1-4 % of a
+ * GPU's memory: 0.3-0.6 GiB on 16-80 GiB devices), said once per process;
+ * the context is then created and measured, and its cost lowers the word
+ * again (gv_arb_learn_ctx_cost). */
+static uint64_t node_ctx_cost(const gv_devinfo *d)
+{
+    uint64_t cost = gv_arb_ctx_cost(d->region_dev, d->uuid_str);
+    if (cost == 0 || cost <= d->physical_total / 4)
+        return cost;
+    static atomic_int said;
+    if (!atomic_exchange(&said, 1))
+        gv_log(GV_LOG_WARN, "gpuvisor-sm-%s (node directory): a context cost of %llu bytes is "
+               "implausible (more than a quarter of the device's %llu bytes): ignored, the "
+               "context is measured", d->uuid_str, (unsigned long long)cost,
+               (unsigned long long)d->physical_total);
+    return 0;
+}
+
 static CUresult ctx_reserve(int ordinal, const gv_devinfo *d, uint64_t *held)
 {
     *held = 0;
@@ -282,7 +304,7 @@ static CUresult ctx_reserve(int ordinal, const gv_devinfo *d, uint64_t *held)
     uint64_t want = r ? region_ctx_cost(r, d->region_dev) : 0;
     const char *who = "as measured before";
     if (want == 0) {
-        want = gv_arb_ctx_cost(d->region_dev, d->uuid_str);
+        want = node_ctx_cost(d);
         who = "as another container of this node measured";
     }
     if (want == 0)
