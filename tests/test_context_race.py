@@ -294,3 +294,24 @@ def test_memory_freed_while_a_context_is_created_is_not_taken_off_its_cost(
     )
     assert out["held"] <= 2048 * MiB, out
     assert "CUDA_ERROR_OUT_OF_MEMORY" in (out["create"], out["grab"]), out
+
+
+CONTEXT = """
+import json
+from tests.cuclient import *
+init()
+emit(ok=True)
+"""
+
+
+def test_an_existing_lock_file_keeps_its_mode(node: SimNode) -> None:
+    """The node agent keeps context.lock mode 0644 (flock needs no write
+    access, and nothing but its owner should write it); a library that ran
+    as its owner (root in a container) made it 0666.  A lock file the
+    library creates itself is made 0666, for the node's other users."""
+    lock = Path(node.env["GPUVISOR_NODE_LOCK"])
+    assert run_json(CONTEXT, node.shimmed())["ok"]
+    assert lock.stat().st_mode & 0o777 == 0o666
+    lock.chmod(0o644)
+    assert run_json(CONTEXT, node.shimmed())["ok"]
+    assert lock.stat().st_mode & 0o777 == 0o644

@@ -49,9 +49,14 @@ static uint64_t mono_ns(void)
 
 static int open_lock(const char *path)
 {
-    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
+    /* Made here: 0666 past the umask, for the node's other users.  One that
+     * exists keeps its mode: the node agent's context.lock is 0644, and a
+     * library running as its owner (root in a container) made it 0666. */
+    int fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0666);
     if (fd >= 0)
-        (void)fchmod(fd, 0666);         /* past the umask, for other users (the owner only) */
+        (void)fchmod(fd, 0666);
+    else if (errno == EEXIST)
+        fd = open(path, O_RDWR | O_CLOEXEC);
     if (fd < 0 && (errno == EACCES || errno == EROFS || errno == EPERM))
         fd = open(path, O_RDONLY | O_CLOEXEC);  /* flock needs no write access */
     if (fd < 0 && errno != ENOENT) {
