@@ -21,7 +21,7 @@ from gpuvisor.shim import parse_memory_limit
 from gpuvisor.supervisor.entrypoint import config
 from gpuvisor.supervisor.entrypoint.run import run as run_command
 
-from tests.helpers import SimNode
+from tests.helpers import REPO_ROOT, SimNode
 
 NOT_PERMITTED = 800
 
@@ -281,3 +281,29 @@ def test_library_and_supervisor_read_policy_and_priority_alike(node, tmp_path, r
     assert built.priority == (0 if prio == "0" else 1)
     plain = pol.lower() if pol and (core or "").lower() not in ("force", "disable") else None
     assert built.policy == (plain or "fixed-share")
+
+
+def test_the_largest_memory_value_means_no_limit_as_documented(node: SimNode) -> None:
+    """CUDA_DEVICE_MEMORY_LIMIT=2^64-1 is the library's GV_UNLIMITED: the
+    device shows all its memory.  docs/environment.md says so in the
+    variable's row."""
+    code = (
+        "from tests.cuclient import init, mem_info\n"
+        "init()\n"
+        "print(mem_info()[1])\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env=node.shimmed(CUDA_DEVICE_MEMORY_LIMIT=str(2**64 - 1)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout.split()[-1]) == 16 << 30
+    doc = (REPO_ROOT / "docs" / "environment.md").read_text()
+    (row,) = [line for line in doc.splitlines() if line.startswith("| `CUDA_DEVICE_MEMORY_LIMIT` |")]
+    assert "18446744073709551615" in row
+    assert "no limit" in row.split("|")[4]
