@@ -287,11 +287,7 @@ def test_the_largest_memory_value_means_no_limit_as_documented(node: SimNode) ->
     """CUDA_DEVICE_MEMORY_LIMIT=2^64-1 is the library's GV_UNLIMITED: the
     device shows all its memory.  docs/environment.md says so in the
     variable's row."""
-    code = (
-        "from tests.cuclient import init, mem_info\n"
-        "init()\n"
-        "print(mem_info()[1])\n"
-    )
+    code = "from tests.cuclient import init, mem_info\ninit()\nprint(mem_info()[1])\n"
     proc = subprocess.run(
         [sys.executable, "-c", code],
         env=node.shimmed(CUDA_DEVICE_MEMORY_LIMIT=str(2**64 - 1)),
@@ -304,6 +300,8 @@ def test_the_largest_memory_value_means_no_limit_as_documented(node: SimNode) ->
     assert proc.returncode == 0, proc.stderr
     assert int(proc.stdout.split()[-1]) == 16 << 30
     doc = (REPO_ROOT / "docs" / "environment.md").read_text()
-    (row,) = [line for line in doc.splitlines() if line.startswith("| `CUDA_DEVICE_MEMORY_LIMIT` |")]
+    (row,) = [
+        line for line in doc.splitlines() if line.startswith("| `CUDA_DEVICE_MEMORY_LIMIT` |")
+    ]
     assert "18446744073709551615" in row
     assert "no limit" in row.split("|")[4]

@@ -38,7 +38,16 @@ def run(node: SimNode, *args: str) -> subprocess.CompletedProcess[str]:
     env = dict(node.env)
     env["GPUVISOR_NODE_SOCKET"] = str(node.dir / "no-agent.sock")
     return subprocess.run(
-        [*RUN, *args, "--region", str(node.region), "--", sys.executable, "-c", textwrap.dedent(PROBE)],
+        [
+            *RUN,
+            *args,
+            "--region",
+            str(node.region),
+            "--",
+            sys.executable,
+            "-c",
+            textwrap.dedent(PROBE),
+        ],
         env=env,
         capture_output=True,
         text=True,

@@ -40,7 +40,9 @@ for i in range(n):
 """
 
 
-def in_tiny_tmpfs(mount: Path, cmd: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+def in_tiny_tmpfs(
+    mount: Path, cmd: list[str], env: dict[str, str]
+) -> subprocess.CompletedProcess[str]:
     """Run cmd with a TMPFS_SIZE tmpfs mounted on mount, in a mount namespace of its own."""
     script = f'mount -t tmpfs -o size={TMPFS_SIZE} gvfull "$0" && exec "$@"'
     return subprocess.run(
@@ -101,8 +103,6 @@ def test_a_sparse_region_left_on_a_full_filesystem_is_an_error_not_sigbus(
     library before the space was reserved made it so) on a filesystem that
     has no room left for them."""
     made = tmp_path / "made.shr"
-    from_elsewhere = node.shimmed()
-    from_elsewhere["CUDA_DEVICE_MEMORY_SHARED_CACHE"] = str(made)
     subprocess.run(
         [sys.executable, "-c", f"from gpuvisor.shim import Region; Region.attach({str(made)!r})"],
         env=node.env,
