@@ -44,12 +44,12 @@ $(LIB): $(SHIM_SRCS) $(SHIM_HDRS) pyproject.toml
 
 # The simulated driver is linked like the real one: -Bsymbolic, so its own
 # internal calls never reach an interposer.
-$(SIMCUDA): $(SIMCUDA_SRCS) $(SIM_HDRS) native/include/gv_cuda.h
+$(SIMCUDA): $(SIMCUDA_SRCS) $(SIM_HDRS) native/include/gv_cuda.h native/include/gv_glibc.h
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_ALL) -Inative/sim -shared -Wl,-Bsymbolic -Wl,-soname,libcuda.so.1 -o $@ $(SIMCUDA_SRCS) $(LDLIBS_ALL) -lrt
 	ln -sf libcuda.so.1 $(BUILD)/sim/libcuda.so
 
-$(SIMNVML): $(SIMNVML_SRCS) $(SIM_HDRS) native/include/gv_cuda.h
+$(SIMNVML): $(SIMNVML_SRCS) $(SIM_HDRS) native/include/gv_cuda.h native/include/gv_glibc.h
 	@mkdir -p $(@D)
 	$(CC) $(CFLAGS_ALL) -Inative/sim -shared -Wl,-Bsymbolic -Wl,-soname,libnvidia-ml.so.1 -o $@ $(SIMNVML_SRCS) $(LDLIBS_ALL) -lrt
 	ln -sf libnvidia-ml.so.1 $(BUILD)/sim/libnvidia-ml.so
