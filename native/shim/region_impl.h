@@ -64,19 +64,21 @@ struct gv_dev {
      * here (padding of the same cache line). */
     _Atomic uint64_t limit_by;
     unsigned char uuid[16];                       /* valid once READY */
-    /* CLOCK_MONOTONIC ns when a refused reservation last looked for dead
-     * processes' memory on this entry (region_account.c); in what was
-     * padding, so an earlier library's file holds 0 (look now). */
-    _Atomic uint64_t reclaim_at;
     _Alignas(CACHELINE) _Atomic uint64_t total;   /* sum of used[]: see below */
     _Alignas(CACHELINE) _Atomic uint64_t gate;    /* 0 open, else closer|FLAG_BIT */
+    /* CLOCK_MONOTONIC ns when a refused reservation last looked for dead
+     * processes' memory on this entry (region_account.c); in what was
+     * padding of the gate's line (refusals are when the gate matters), so
+     * an earlier library's file holds 0 (look now). */
+    _Atomic uint64_t reclaim_at;
     _Alignas(CACHELINE) _Atomic uint64_t used[GV_MAX_SLOTS];
     _Alignas(CACHELINE) _Atomic uint64_t inside[GV_MAX_SLOTS];  /* ops in progress */
     _Alignas(CACHELINE) struct gv_sm sm;          /* SM-time quota */
 };
 
-/* reclaim_at sits in what was padding: the layout is unchanged. */
+/* limit_by and reclaim_at sit in what was padding: the layout is unchanged. */
 _Static_assert(offsetof(struct gv_dev, total) == CACHELINE, "gv_dev's first line is full");
+_Static_assert(offsetof(struct gv_dev, used) == 3 * CACHELINE, "gv_dev's gate line is full");
 
 struct gv_shm {
     struct gv_header hdr;
