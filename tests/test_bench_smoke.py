@@ -46,7 +46,16 @@ def built(build_dir: Path) -> Path:
     with open(MEMORY.parent / ".build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         subprocess.run(
-            ["make", "-s", "-C", str(REPO_ROOT), str(MEMORY), str(LAUNCH)],
+            # relative to the repository: the Makefile's pattern rules are
+            # written for $(BUILD)/..., and an absolute path matches none
+            [
+                "make",
+                "-s",
+                "-C",
+                str(REPO_ROOT),
+                str(MEMORY.relative_to(REPO_ROOT)),
+                str(LAUNCH.relative_to(REPO_ROOT)),
+            ],
             check=True,
             capture_output=True,
             text=True,

@@ -324,7 +324,9 @@ def test_status_shows_what_a_new_context_is_reserved(node: SimNode) -> None:
         assert json.loads(proc.stdout)["devices"][0]["context_cost"] == SIM_CONTEXT
         table = run_cli("status", "--sample", "0", env=node.env)
         print(table.stdout)
-        header, row = table.stdout.splitlines()[1:3]
+        lines = table.stdout.splitlines()
+        at = next(i for i, line in enumerate(lines) if line.startswith("DEV "))
+        header, row = lines[at : at + 2]
         assert header.rstrip().endswith("CTX"), table.stdout
         assert row.rstrip().endswith("32 MiB"), table.stdout
 
