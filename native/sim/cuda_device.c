@@ -55,7 +55,8 @@ SIM_API CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
     if (!uuid)
         return CUDA_ERROR_INVALID_VALUE;
     unsigned char b[16];
-    if (sim_uuid_bytes(sim_dev(node)->uuid, b) < 0)
+    (void)node;
+    if (sim_uuid_bytes(sim_ord_uuid(dev), b) < 0)
         return CUDA_ERROR_UNKNOWN;
     memcpy(uuid->bytes, b, 16);
     return CUDA_SUCCESS;
@@ -114,7 +115,7 @@ SIM_API CUresult cuDeviceGetAttribute(int *v, CUdevice_attribute attr,
     case CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY: *v = 1; break;
     case CU_DEVICE_ATTRIBUTE_COMPUTE_MODE: *v = 0; break;
     case CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS: *v = 1; break;
-    case CU_DEVICE_ATTRIBUTE_PCI_BUS_ID: *v = node; break;
+    case CU_DEVICE_ATTRIBUTE_PCI_BUS_ID: *v = sim_node_gpu(node); break;
     case CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID: *v = 0; break;
     case CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID: *v = 0; break;
     case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING: *v = 1; break;
@@ -137,6 +138,6 @@ SIM_API CUresult cuDeviceGetPCIBusId(char *buf, int len, CUdevice dev)
     DEV_PROLOGUE(dev, node);
     if (!buf || len <= 0)
         return CUDA_ERROR_INVALID_VALUE;
-    snprintf(buf, (size_t)len, "0000:%02x:00.0", (unsigned)node);
+    snprintf(buf, (size_t)len, "0000:%02x:00.0", (unsigned)sim_node_gpu(node));
     return CUDA_SUCCESS;
 }

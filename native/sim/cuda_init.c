@@ -20,6 +20,34 @@ static CUresult g_init_rc = CUDA_ERROR_NOT_INITIALIZED;
 static volatile int g_inited;
 static int g_nvis;
 static int g_vis[SIM_MAX_DEV];          /* CUDA ordinal -> node index */
+static char g_vis_uuid[SIM_MAX_DEV][SIM_UUID_LEN];
+
+/* The devices CUDA can enumerate, in order: each GPU, or, for a GPU in MIG
+ * mode, its MIG devices (compute instances) by instance id; a MIG device's
+ * node is its GPU instance's. */
+#define SIM_MAX_CAND (SIM_MAX_DEV * SIM_MIG_SLOTS)
+static int g_ncand;
+static int g_cand_node[SIM_MAX_CAND];
+static char g_cand_uuid[SIM_MAX_CAND][SIM_UUID_LEN];
+
+static void list_candidates(void)
+{
+    static sim_migdev m[SIM_MAX_CAND];
+    int nm = sim_mig_devices(-1, m, SIM_MAX_CAND);
+    g_ncand = 0;
+    for (int g = 0; g < sim_ndev(); g++) {
+        if (sim_mig_mode(g)) {
+            for (int i = 0; i < nm && g_ncand < SIM_MAX_CAND; i++)
+                if (m[i].gpu == g) {
+                    g_cand_node[g_ncand] = m[i].node;
+                    memcpy(g_cand_uuid[g_ncand++], m[i].uuid, SIM_UUID_LEN);
+                }
+            continue;
+        }
+        g_cand_node[g_ncand] = g;
+        memcpy(g_cand_uuid[g_ncand++], sim_dev(g)->uuid, SIM_UUID_LEN);
+    }
+}
 static unsigned long long g_fail_at, g_fail_every, g_ctx_ms, g_alloc_ms, g_free_ms, g_module_mib;
 static unsigned long long g_launch_us;
 static unsigned long long g_event_query_ms;      /* GPUVISOR_SIM_EVENT_QUERY_MS */
@@ -28,11 +56,12 @@ static _Atomic unsigned long long g_launches;
 static unsigned long long g_alloc_calls;
 static char g_cuda_fail[1024];          /* ",name1,name2," or "" */
 
-/* One CUDA_VISIBLE_DEVICES token -> node index, -1 if invalid; *is_index
- * says whether it was written as an index.  As a real driver reads it
- * (seen on an H100, driver 580.159): digits, a '+' before them allowed,
- * then anything ignored ("0a" is 0); a UUID cut short after "GPU-" but
- * not to nothing, or running on past the whole UUID. */
+/* One CUDA_VISIBLE_DEVICES token -> candidate index, -1 if invalid;
+ * *is_index says whether it was written as an index.  As a real driver
+ * reads it (seen on an H100, driver 580.159): digits, a '+' before them
+ * allowed, then anything ignored ("0a" is 0); a UUID (GPU- or MIG-) cut
+ * short after its prefix but not to nothing, or running on past the whole
+ * UUID. */
 static int vis_token(const char *t, int ndev, int *is_index)
 {
     while (isspace((unsigned char)*t))
@@ -57,8 +86,8 @@ static int vis_token(const char *t, int ndev, int *is_index)
         return -1;
     int found = -1;
     for (int i = 0; i < ndev; i++) {
-        size_t ulen = strlen(sim_dev(i)->uuid);
-        if (strncasecmp(sim_dev(i)->uuid, t, len < ulen ? len : ulen) == 0) {
+        size_t ulen = strlen(g_cand_uuid[i]);
+        if (strncasecmp(g_cand_uuid[i], t, len < ulen ? len : ulen) == 0) {
             if (found >= 0)
                 return -1;              /* ambiguous prefix */
             found = i;
@@ -69,12 +98,15 @@ static int vis_token(const char *t, int ndev, int *is_index)
 
 static void parse_visible(void)
 {
-    int ndev = sim_ndev();
+    list_candidates();
+    int ndev = g_ncand;
     const char *v = getenv("CUDA_VISIBLE_DEVICES");
     g_nvis = 0;
     if (!v) {
-        for (int i = 0; i < ndev; i++)
-            g_vis[g_nvis++] = i;
+        for (int i = 0; i < ndev && g_nvis < SIM_MAX_DEV; i++) {
+            memcpy(g_vis_uuid[g_nvis], g_cand_uuid[i], SIM_UUID_LEN);
+            g_vis[g_nvis++] = g_cand_node[i];
+        }
         return;
     }
     char buf[1024];
@@ -85,11 +117,13 @@ static void parse_visible(void)
         char *comma = strchr(p, ',');
         if (comma)
             *comma = 0;
-        int node = vis_token(p, ndev, &index_form[g_nvis]);
-        if (node < 0)
+        int cand = vis_token(p, ndev, &index_form[g_nvis]);
+        if (cand < 0)
             break;                      /* list stops at an invalid token */
+        int node = g_cand_node[cand];
+        memcpy(g_vis_uuid[g_nvis], g_cand_uuid[cand], SIM_UUID_LEN);
         for (int i = 0; i < g_nvis && node >= 0; i++) {
-            if (g_vis[i] != node)
+            if (strcmp(g_vis_uuid[i], g_vis_uuid[g_nvis]) != 0)
                 continue;
             if (index_form[i] && index_form[g_nvis])
                 g_nvis = 0;             /* an index twice: no device at all */
@@ -178,6 +212,11 @@ int sim_ord_node(int ordinal)
     if (ordinal < 0 || ordinal >= g_nvis)
         return -1;
     return g_vis[ordinal];
+}
+
+const char *sim_ord_uuid(int ordinal)
+{
+    return g_vis_uuid[ordinal];
 }
 
 int sim_fault_alloc(void)

@@ -22,7 +22,7 @@
 
 static sim_alloc *g_tab;
 static size_t g_n, g_cap;
-static uint64_t g_bump[SIM_MAX_DEV];
+static uint64_t g_bump[SIM_MAX_NODE];
 static uint64_t g_host_bump;
 static uint64_t g_low = LOW_BASE;
 

@@ -21,7 +21,13 @@
 #define SIM_API __attribute__((visibility("default")))
 #define SIM_HIDDEN __attribute__((visibility("hidden")))
 
-#define SIM_MAX_DEV 16
+#define SIM_MAX_DEV 16                  /* GPUs, and CUDA ordinals */
+#define SIM_MIG_SLOTS 7                 /* GPU instances a GPU holds at once */
+/* A "node" is a memory domain with its own devinfo, usage column and
+ * timeline: 0..SIM_MAX_DEV-1 the GPUs, then SIM_MIG_SLOTS per GPU for its
+ * GPU instances (sim_gi_node). */
+#define SIM_MAX_NODE (SIM_MAX_DEV + SIM_MAX_DEV * SIM_MIG_SLOTS)
+#define SIM_NVLINKS 18                  /* NVLinks a GPU may have */
 #define SIM_MAX_ROWS 512
 #define SIM_NAME_LEN 96
 #define SIM_UUID_LEN 48
@@ -43,7 +49,7 @@ static inline uint64_t sim_round_up(uint64_t v, uint64_t a)
 /* ---- shared state file (state_file.c) ------------------------------- */
 
 #define SIM_MAGIC 0x47565349u           /* "GVSI" */
-#define SIM_VERSION 3u
+#define SIM_VERSION 4u
 
 typedef struct sim_devinfo {
     uint64_t total;                     /* bytes */
@@ -64,7 +70,7 @@ typedef struct sim_row {
     int32_t pad;
     uint64_t start;                     /* /proc/<pid>/stat field 22 */
     uint64_t image;                     /* which exec image of the pid */
-    volatile uint64_t used[SIM_MAX_DEV];
+    volatile uint64_t used[SIM_MAX_NODE];
 } sim_row;
 
 /* Kernel timeline of one device (state_timeline.c).  The device runs one
@@ -91,23 +97,67 @@ typedef struct sim_timeline {
     sim_interval ring[SIM_TL_RING];
 } sim_timeline;
 
+/* Where a GPU sits (GPUVISOR_SIM_TOPOLOGY; state_topo.c).  Fixed when the
+ * state file is created. */
+typedef struct sim_topo_gpu {
+    int32_t model;                      /* sim_models index, -1: none */
+    int32_t numa;
+    int32_t pcie_switch;                /* -1: none (its own) */
+    int32_t pcie_upstream;              /* switch above the switch, -1: none */
+    int32_t host_bridge;                /* -1: none (its own) */
+    int32_t nlinks;                     /* NVLinks it has (0: no NVLink) */
+    int32_t mig_capable;
+    int32_t pad;
+    int8_t link_peer[SIM_NVLINKS];      /* GPU index, SIM_LINK_* */
+    char pad2[6];
+} sim_topo_gpu;
+
+#define SIM_LINK_NONE (-1)              /* an inactive link */
+#define SIM_LINK_SWITCH (-2)            /* a link to an NVSwitch */
+
+/* MIG state (state_mig.c), changed under the lock.  A slot is created by
+ * filling it, then storing active = 1; destroyed by the store active = 0,
+ * so a process killed at any instruction leaves whole slots only. */
+typedef struct sim_ci {
+    volatile int32_t active;
+    uint32_t id;
+    int32_t prof;                       /* compute-instance profile id */
+    uint32_t start, size;               /* in compute slices of its GI */
+    char uuid[SIM_UUID_LEN];            /* "MIG-..." */
+} sim_ci;
+
+typedef struct sim_gi {
+    volatile int32_t active;
+    uint32_t id;
+    int32_t prof;                       /* index in its model's profiles */
+    uint32_t start, size;               /* in memory slices */
+    sim_ci ci[SIM_MIG_SLOTS];
+} sim_gi;
+
 typedef struct sim_shared {
     uint32_t magic;
     uint32_t version;
     uint64_t size;
     pthread_mutex_t lock;               /* process-shared, robust */
     uint32_t ndev;
-    uint32_t pad;
+    uint32_t topology;                  /* 1: made from GPUVISOR_SIM_TOPOLOGY */
     char spec[SIM_SPEC_LEN];            /* spec the file was created from */
-    sim_devinfo dev[SIM_MAX_DEV];
+    sim_devinfo dev[SIM_MAX_NODE];      /* GPUs, then GPU instances */
+    sim_topo_gpu topo[SIM_MAX_DEV];
+    volatile int32_t mig_mode[SIM_MAX_DEV];
+    uint32_t nvswitch;
+    uint32_t pad;
+    uint64_t mig_serial;                /* instances ever created */
+    sim_gi gi[SIM_MAX_DEV][SIM_MIG_SLOTS];
     sim_row rows[SIM_MAX_ROWS];
-    sim_timeline tl[SIM_MAX_DEV];
+    sim_timeline tl[SIM_MAX_NODE];
 } sim_shared;
 
 enum { SIM_OK = 0, SIM_ERR_SPEC = 1, SIM_ERR_FILE = 2 };
 
 typedef struct sim_proc {
     unsigned int pid;
+    int node;                           /* the node the usage is on */
     uint64_t used;
 } sim_proc;
 
@@ -118,6 +168,11 @@ SIM_HIDDEN int sim_charge(int node, uint64_t bytes); /* 0 or -1 (OOM) */
 SIM_HIDDEN void sim_uncharge(int node, uint64_t bytes);
 SIM_HIDDEN uint64_t sim_used(int node);              /* reaps the dead */
 SIM_HIDDEN int sim_procs(int node, sim_proc *out, int max);
+/* a GPU's usage and processes, its GPU instances' included */
+SIM_HIDDEN uint64_t sim_used_gpu(int gpu);
+SIM_HIDDEN int sim_procs_gpu(int gpu, sim_proc *out, int max);
+SIM_HIDDEN int sim_node_ok(int node);                /* exists now */
+SIM_HIDDEN int sim_node_gpu(int node);               /* the GPU it is on */
 SIM_HIDDEN uint64_t sim_proc_start(int pid);         /* 0 if unknown */
 SIM_HIDDEN sim_shared *sim_state(void);              /* NULL if not open */
 SIM_HIDDEN void sim_state_lock(void);
@@ -141,13 +196,17 @@ SIM_HIDDEN int sim_tl_history(int node, uint64_t from_ns, sim_interval *out,
 typedef struct sim_spec {
     int ndev;
     sim_devinfo dev[SIM_MAX_DEV];
+    int topology;                       /* from GPUVISOR_SIM_TOPOLOGY */
+    int nvswitch;
+    int mig[SIM_MAX_DEV];               /* starts in MIG mode */
+    sim_topo_gpu topo[SIM_MAX_DEV];
 } sim_spec;
 
 SIM_HIDDEN void sim_log(const char *fmt, ...)
     __attribute__((format(printf, 1, 2)));
 SIM_HIDDEN int sim_parse_size(const char *s, uint64_t *out);
 SIM_HIDDEN int sim_parse_spec(const char *s, sim_spec *out); /* 0 / -1 */
-SIM_HIDDEN int sim_uuid_bytes(const char *uuid, unsigned char out[16]);
+SIM_HIDDEN int sim_uuid_bytes(const char *uuid, unsigned char out[16]); /* GPU-/MIG- */
 SIM_HIDDEN void sim_default_uuid(int index, char *buf, size_t len);
 SIM_HIDDEN int sim_knob_uint(const char *var, unsigned long long *out);
 /* var as an integer from lo to hi; fallback when unset, or when malformed or
@@ -155,6 +214,79 @@ SIM_HIDDEN int sim_knob_uint(const char *var, unsigned long long *out);
 SIM_HIDDEN unsigned long long sim_knob_range(const char *var, unsigned long long lo,
                                              unsigned long long hi,
                                              unsigned long long fallback);
+
+/* ---- topology file, models, MIG (state_topo.c, state_models.c,
+ *      state_mig.c, state_json.c) ------------------------------------ */
+
+/* GPUVISOR_SIM_TOPOLOGY=path: the node it describes into out; 0, or -1
+ * after one line that names the file and the field. */
+SIM_HIDDEN int sim_parse_topology(const char *path, sim_spec *out);
+
+typedef struct sim_gi_profile {
+    int index;                          /* NVML_GPU_INSTANCE_PROFILE_* */
+    unsigned id;                        /* the profile id (nvidia-smi's) */
+    const char *name;                   /* "1g.10gb" */
+    unsigned mem_mib;
+    unsigned mem_slices;                /* placement size */
+    unsigned compute_slices;
+    unsigned sms;
+    unsigned max_count;                 /* on an empty GPU */
+    unsigned starts;                    /* bit s: a placement starts at s */
+    unsigned ce, dec, enc, jpeg, ofa;
+} sim_gi_profile;
+
+typedef struct sim_model {
+    const char *names[3];               /* NVML names it goes by */
+    unsigned mem_mib;
+    unsigned sms;
+    unsigned nvlinks;
+    unsigned mem_slices, compute_slices; /* 0: not MIG-capable */
+    int nprof;
+    sim_gi_profile prof[8];
+} sim_model;
+
+SIM_HIDDEN int sim_model_find(const char *name);     /* index or -1 */
+SIM_HIDDEN const sim_model *sim_model_get(int index); /* NULL if none */
+/* the model of a GPU (NULL: none or no topology) */
+SIM_HIDDEN const sim_model *sim_gpu_model(int gpu);
+
+/* the node of GPU instance slot s of GPU g */
+static inline int sim_gi_node(int g, int s)
+{
+    return SIM_MAX_DEV + g * SIM_MIG_SLOTS + s;
+}
+
+/* One CUDA/NVML MIG device: a compute instance. */
+typedef struct sim_migdev {
+    int gpu, slot, ci;                  /* GPU, GI slot, CI slot */
+    int node;                           /* the GI's node */
+    char uuid[SIM_UUID_LEN];
+} sim_migdev;
+
+/* the MIG devices of gpu (-1: of every GPU) in enumeration order: by GPU,
+ * then GPU-instance id, then compute-instance id; returns how many */
+SIM_HIDDEN int sim_mig_devices(int gpu, sim_migdev *out, int max);
+/* 1 if some live process has memory on gpu or on one of its instances */
+SIM_HIDDEN int sim_gpu_in_use_locked(int gpu);
+SIM_HIDDEN int sim_mig_capable(int gpu);
+SIM_HIDDEN int sim_mig_mode(int gpu);                /* 1: enabled */
+SIM_HIDDEN nvmlReturn_t sim_mig_set_mode(int gpu, int mode);
+SIM_HIDDEN const sim_gi_profile *sim_gi_profile_by_index(int gpu, int index);
+SIM_HIDDEN const sim_gi_profile *sim_gi_profile_by_id(int gpu, unsigned id);
+SIM_HIDDEN nvmlReturn_t sim_gi_remaining(int gpu, const sim_gi_profile *p, unsigned *count);
+/* start < 0: the first free placement; *slot the new GI's slot */
+SIM_HIDDEN nvmlReturn_t sim_gi_create(int gpu, const sim_gi_profile *p, int start, int *slot);
+SIM_HIDDEN nvmlReturn_t sim_gi_destroy(int gpu, int slot);
+SIM_HIDDEN int sim_gi_compute_slices(int gpu, int slot);  /* 0: no such GI */
+SIM_HIDDEN unsigned sim_ci_slices(int idx);
+SIM_HIDDEN int sim_ci_supported(int gpu, int slot, int idx);
+SIM_HIDDEN unsigned sim_ci_max(int gpu, int slot, int idx);
+SIM_HIDDEN int sim_ci_starts(int gpu, int slot, int idx, unsigned *out, int max);
+SIM_HIDDEN nvmlReturn_t sim_ci_remaining(int gpu, int slot, int idx, unsigned *count);
+SIM_HIDDEN nvmlReturn_t sim_ci_create(int gpu, int slot, int idx, int start, int *ci);
+SIM_HIDDEN nvmlReturn_t sim_ci_destroy(int gpu, int slot, int ci);
+SIM_HIDDEN int sim_node_in_use_locked(int node);
+SIM_HIDDEN void sim_reap_locked(void);
 
 /* ---- CUDA side, process local (cuda_*.c) ---------------------------- */
 
@@ -277,6 +409,7 @@ extern SIM_HIDDEN pthread_mutex_t sim_mu;   /* guards all process state */
 SIM_HIDDEN CUresult sim_check_init(void);
 SIM_HIDDEN int sim_nvisible(void);
 SIM_HIDDEN int sim_ord_node(int ordinal);   /* -1 if invalid */
+SIM_HIDDEN const char *sim_ord_uuid(int ordinal); /* its UUID (MIG-... on MIG) */
 SIM_HIDDEN CUresult sim_current(struct CUctx_st **out);
 SIM_HIDDEN int sim_ctx_valid(struct CUctx_st *c);
 SIM_HIDDEN int sim_fault_alloc(void);       /* 1: this allocation fails */
@@ -382,7 +515,18 @@ SIM_HIDDEN void sim_pool_block_free_locked(sim_alloc *a);
 
 /* ---- NVML side (nvml_*.c) -------------------------------------------- */
 
-struct nvmlDevice_st { int node; };
+/* A device handle: a GPU (gi < 0), or a MIG device (GPU instance slot
+ * gi, compute instance slot ci of GPU node). */
+struct nvmlDevice_st { int node; int gi; int ci; };
+struct nvmlGpuInstance_st { int gpu; int slot; };
+struct nvmlComputeInstance_st { int gpu; int slot; int ci; };
+
+SIM_HIDDEN nvmlDevice_t sim_nvml_gpu_handle(int gpu);
+SIM_HIDDEN void sim_nvml_pci_info(int gpu, nvmlPciInfo_t *p);
+SIM_HIDDEN nvmlDevice_t sim_nvml_mig_handle(int gpu, int slot, int ci);
+/* the MIG device a handle names now: 0, or -1 if it is not one (or no
+ * longer exists) */
+SIM_HIDDEN int sim_nvml_mig(nvmlDevice_t d, sim_migdev *out);
 
 /* GPUVISOR_SIM_NVML_FAIL knob: the code fn must fail with, or 0 */
 SIM_HIDDEN nvmlReturn_t sim_nvml_fail(const char *fn);

@@ -149,7 +149,18 @@ static int create_file(const char *path, const sim_spec *spec,
     pthread_mutex_init(&m->lock, &a);
     pthread_mutexattr_destroy(&a);
     m->ndev = (uint32_t)spec->ndev;
-    memcpy(m->dev, spec->dev, sizeof m->dev);
+    memcpy(m->dev, spec->dev, sizeof spec->dev);
+    m->topology = (uint32_t)spec->topology;
+    m->nvswitch = (uint32_t)spec->nvswitch;
+    for (int i = 0; i < SIM_MAX_DEV; i++) {
+        m->topo[i] = spec->topo[i];
+        m->mig_mode[i] = spec->mig[i];
+        if (!spec->topology) {
+            m->topo[i].model = -1;
+            m->topo[i].pcie_switch = m->topo[i].pcie_upstream = m->topo[i].host_bridge = -1;
+            memset(m->topo[i].link_peer, SIM_LINK_NONE, sizeof m->topo[i].link_peer);
+        }
+    }
     snprintf(m->spec, sizeof m->spec, "%s", spec_str);
     m->size = sizeof *m;
     m->version = SIM_VERSION;
@@ -197,10 +208,20 @@ static void drop_replaced_image(void)
 
 static void do_open(void)
 {
+    const char *topo = getenv("GPUVISOR_SIM_TOPOLOGY");
     const char *env = getenv("GPUVISOR_SIM_DEVICES");
     const char *spec_str = env && *env ? env : "1x16g";
+    char topo_spec[SIM_SPEC_LEN];
     sim_spec spec;
-    if (env && *env && sim_parse_spec(env, &spec) < 0) {
+    if (topo && *topo) {
+        /* the file describes the node; GPUVISOR_SIM_DEVICES is not read */
+        if (sim_parse_topology(topo, &spec) < 0) {
+            g_open_rc = SIM_ERR_SPEC;
+            return;
+        }
+        snprintf(topo_spec, sizeof topo_spec, "topology:%s", topo);
+        spec_str = env = topo_spec;
+    } else if (env && *env && sim_parse_spec(env, &spec) < 0) {
         sim_log("GPUVISOR_SIM_DEVICES=%s is malformed "
                 "(expected e.g. 2x80g or 16g,24g:name=X:sms=N)", env);
         g_open_rc = SIM_ERR_SPEC;
@@ -246,8 +267,9 @@ static void do_open(void)
         return;
     }
     if (env && *env && strcmp(env, S->spec) != 0)
-        sim_log("GPUVISOR_SIM_DEVICES=%s differs from state file %s (%s); "
-                "using the file's devices", env, path, S->spec);
+        sim_log("%s=%s differs from state file %s (%s); using the file's devices",
+                topo && *topo ? "GPUVISOR_SIM_TOPOLOGY" : "GPUVISOR_SIM_DEVICES",
+                topo && *topo ? topo : env, path, S->spec);
     drop_replaced_image();
     g_open_rc = SIM_OK;
     atexit(give_row_back);
@@ -302,7 +324,7 @@ static int my_row(void)
             sim_row *r = &S->rows[i];
             if (r->pid)
                 continue;
-            for (int d = 0; d < SIM_MAX_DEV; d++)
+            for (int d = 0; d < SIM_MAX_NODE; d++)
                 r->used[d] = 0;
             r->start = start;
             r->image = image_id();
@@ -325,14 +347,43 @@ static uint64_t sum_used(int node)
     return t;
 }
 
+/* node exists: a GPU, or a GPU instance that exists now (under the lock) */
+static int node_ok_locked(int node)
+{
+    if (!S || node < 0)
+        return 0;
+    if (node < SIM_MAX_DEV)
+        return node < (int)S->ndev;
+    if (node >= SIM_MAX_NODE)
+        return 0;
+    int g = (node - SIM_MAX_DEV) / SIM_MIG_SLOTS, s = (node - SIM_MAX_DEV) % SIM_MIG_SLOTS;
+    return g < (int)S->ndev && S->gi[g][s].active;
+}
+
+int sim_node_ok(int node)
+{
+    return node_ok_locked(node);
+}
+
+int sim_node_gpu(int node)
+{
+    if (node < SIM_MAX_DEV)
+        return node;
+    return (node - SIM_MAX_DEV) / SIM_MIG_SLOTS;
+}
+
 int sim_charge(int node, uint64_t bytes)
 {
-    if (!S || node < 0 || node >= (int)S->ndev)
+    if (!S || node < 0 || node >= SIM_MAX_NODE)
         return -1;
     uint64_t total = S->dev[node].total;
     if (bytes > total)
         return -1;
     lock();
+    if (!node_ok_locked(node)) {
+        unlock();
+        return -1;
+    }
     int row = my_row();
     if (row < 0) {
         unlock();
@@ -354,7 +405,7 @@ int sim_charge(int node, uint64_t bytes)
 
 void sim_uncharge(int node, uint64_t bytes)
 {
-    if (!S || node < 0 || node >= (int)S->ndev || !bytes)
+    if (!S || node < 0 || node >= SIM_MAX_NODE || !bytes)
         return;
     lock();
     int row = my_row();
@@ -367,7 +418,7 @@ void sim_uncharge(int node, uint64_t bytes)
 
 uint64_t sim_used(int node)
 {
-    if (!S || node < 0 || node >= (int)S->ndev)
+    if (!S || node < 0 || node >= SIM_MAX_NODE)
         return 0;
     lock();
     reap();
@@ -376,25 +427,79 @@ uint64_t sim_used(int node)
     return u;
 }
 
-int sim_procs(int node, sim_proc *out, int max)
+uint64_t sim_used_gpu(int gpu)
 {
-    if (!S || node < 0 || node >= (int)S->ndev)
+    if (!S || gpu < 0 || gpu >= (int)S->ndev)
         return 0;
-    int n = 0;
     lock();
     reap();
+    uint64_t u = sum_used(gpu);
+    for (int s = 0; s < SIM_MIG_SLOTS; s++)
+        u += sum_used(sim_gi_node(gpu, s));
+    unlock();
+    return u;
+}
+
+/* the rows with usage on node, appended to out from *n */
+static void procs_of(int node, sim_proc *out, int max, int *n)
+{
     for (int i = 0; i < SIM_MAX_ROWS; i++) {
         sim_row *r = &S->rows[i];
         if (!r->pid || !r->used[node])
             continue;
-        if (n < max) {
-            out[n].pid = (unsigned)r->pid;
-            out[n].used = r->used[node];
+        if (*n < max) {
+            out[*n].pid = (unsigned)r->pid;
+            out[*n].node = node;
+            out[*n].used = r->used[node];
         }
-        n++;
+        (*n)++;
     }
+}
+
+int sim_procs(int node, sim_proc *out, int max)
+{
+    if (!S || node < 0 || node >= SIM_MAX_NODE)
+        return 0;
+    int n = 0;
+    lock();
+    reap();
+    procs_of(node, out, max, &n);
     unlock();
     return n;
+}
+
+int sim_procs_gpu(int gpu, sim_proc *out, int max)
+{
+    if (!S || gpu < 0 || gpu >= (int)S->ndev)
+        return 0;
+    int n = 0;
+    lock();
+    reap();
+    procs_of(gpu, out, max, &n);
+    for (int s = 0; s < SIM_MIG_SLOTS; s++)
+        procs_of(sim_gi_node(gpu, s), out, max, &n);
+    unlock();
+    return n;
+}
+
+void sim_reap_locked(void)
+{
+    reap();
+}
+
+int sim_node_in_use_locked(int node)
+{
+    return sum_used(node) != 0;
+}
+
+int sim_gpu_in_use_locked(int gpu)
+{
+    if (sum_used(gpu))
+        return 1;
+    for (int s = 0; s < SIM_MIG_SLOTS; s++)
+        if (sum_used(sim_gi_node(gpu, s)))
+            return 1;
+    return 0;
 }
 
 /* ---- access for the other state_*.c files ------------------------------ */

@@ -70,10 +70,10 @@ static int hexn(const char *s, int n)
     return 1;
 }
 
-/* "GPU-8-4-4-4-12" -> 16 bytes; 0 on success */
+/* "GPU-8-4-4-4-12" (or "MIG-...", a MIG device's) -> 16 bytes; 0 on success */
 int sim_uuid_bytes(const char *u, unsigned char out[16])
 {
-    if (strncmp(u, "GPU-", 4) != 0 || strlen(u) != 40)
+    if ((strncmp(u, "GPU-", 4) != 0 && strncmp(u, "MIG-", 4) != 0) || strlen(u) != 40)
         return -1;
     const char *p = u + 4;
     static const int groups[5] = {8, 4, 4, 4, 12};
@@ -148,7 +148,7 @@ static int parse_item(char *item, sim_spec *out)
             snprintf(d.name, sizeof d.name, "%s", v);
         } else if (!strcmp(kv, "uuid")) {
             unsigned char b[16];
-            if (sim_uuid_bytes(v, b) < 0 || count != 1)
+            if (strncmp(v, "GPU-", 4) != 0 || sim_uuid_bytes(v, b) < 0 || count != 1)
                 return -1;
             snprintf(d.uuid, sizeof d.uuid, "%s", v);
             have_uuid = 1;

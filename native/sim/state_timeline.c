@@ -34,7 +34,7 @@ uint64_t sim_tl_launch(int node, uint64_t dep, uint64_t dur)
 {
     sim_shared *S = sim_state();
     uint64_t now = sim_now_ns();
-    if (!S || node < 0 || node >= (int)S->ndev)
+    if (!S || !sim_node_ok(node))
         return (dep > now ? dep : now) + dur;
     int32_t pid = (int32_t)getpid();
     sim_timeline *t = &S->tl[node];
@@ -69,7 +69,7 @@ int sim_tl_history(int node, uint64_t from, sim_interval *out, int max,
 {
     sim_shared *S = sim_state();
     *known = 0;
-    if (!S || node < 0 || node >= (int)S->ndev)
+    if (!S || !sim_node_ok(node))
         return 0;
     sim_timeline *t = &S->tl[node];
     int n = 0;
@@ -94,7 +94,7 @@ int sim_tl_history(int node, uint64_t from, sim_interval *out, int max,
 uint64_t sim_tl_others_until(int node)
 {
     sim_shared *S = sim_state();
-    if (!S || node < 0 || node >= (int)S->ndev)
+    if (!S || !sim_node_ok(node))
         return 0;
     int32_t pid = (int32_t)getpid();
     sim_timeline *t = &S->tl[node];
