@@ -9,6 +9,7 @@ import contextlib
 import click
 from gpuvisor.cluster.deviceplugin.cli import device_plugin
 from gpuvisor.cluster.place_cli import place
+from gpuvisor.cluster.inventory_cli import inventory
 from gpuvisor.shim.cli import shim_info
 
 from .agent.cli import node_agent
@@ -26,6 +27,7 @@ COMMANDS: tuple[click.Command, ...] = (
     demo,
     device_plugin,
     place,
+    inventory,
 )
 
 
