@@ -14,6 +14,8 @@
 
 #include "sim_json.h"
 
+#define QUOTE 0x22                      /* the double quote character */
+
 typedef struct reader {
     char *p;
     const char *base;
@@ -78,7 +80,7 @@ static int string(reader *r, const char **out)
     *out = w;
     for (;;) {
         unsigned char c = (unsigned char)*r->p;
-        if (c == '"') {
+        if (c == QUOTE) {
             r->p++;
             *w = 0;
             return 0;
@@ -93,7 +95,7 @@ static int string(reader *r, const char **out)
         }
         r->p++;
         switch (*r->p) {
-        case '"': *w++ = '"'; break;
+        case QUOTE: *w++ = QUOTE; break;
         case '\\': *w++ = '\\'; break;
         case '/': *w++ = '/'; break;
         case 'b': *w++ = '\b'; break;
@@ -138,7 +140,7 @@ static int container(reader *r, int type, char close)
     for (;;) {
         const char *key = NULL;
         if (type == SJ_OBJ) {
-            if (*r->p != '"')
+            if (*r->p != QUOTE)
                 return fail(r, "expected a key string");
             if (string(r, &key) < 0)
                 return -1;
@@ -218,7 +220,7 @@ static int value(reader *r)
     switch (*r->p) {
     case '{': return container(r, SJ_OBJ, '}');
     case '[': return container(r, SJ_ARR, ']');
-    case '"': {
+    case QUOTE: {
         int me = new_val(r, SJ_STR);
         if (me < 0)
             return -1;
