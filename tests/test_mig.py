@@ -6,12 +6,13 @@ shared as on a real node."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.helpers import Holder, SimNode, missing_build_outputs, run_json, run_py
+from tests.helpers import Holder, SimNode, missing_build_outputs, run_json, run_py, start_piped
 from tests.topohelp import topo_node
 
 pytestmark = pytest.mark.skipif(bool(missing_build_outputs()), reason="run make first")
@@ -378,3 +379,38 @@ n.nvmlGpuInstanceDestroy(gi)
     cp_env = dict(node.env, CUDA_VISIBLE_DEVICES=r["uuid"])
     cp = run_py("from cuda.bindings import driver as cu\nprint(cu.cuInit(0)[0].name)", cp_env)
     assert cp.stdout.strip() == "CUDA_ERROR_NO_DEVICE"
+
+
+def test_racing_processes_share_the_slices(tmp_path: Path) -> None:
+    """Eight processes create 1g.5gb instances at once: seven fit, each at its own placement."""
+    node = topo_node(tmp_path, {"gpus": [{"model": "NVIDIA A100-SXM4-40GB", "mig": True}]})
+    code = (
+        NVML
+        + """
+import os
+sys.stdin.readline()                     # all start together
+got = []
+while True:
+    gid = create(0, 19)
+    if isinstance(gid, str):
+        break
+    got.append(gid)
+out = {"got": got, "last": gid}
+print(json.dumps(out))
+"""
+    )
+    procs = [start_piped(code, node.env) for _ in range(8)]
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("\n")
+        p.stdin.flush()
+    results = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=60)
+        assert p.returncode == 0, stderr
+        results.append(json.loads(stdout.strip().splitlines()[-1]))
+    ids = sorted(g for r in results for g in r["got"])
+    assert ids == list(range(7, 14))  # the eighths at slices 0-6, each once
+    assert {r["last"] for r in results} == {"error: InsufficientResources"}
+    r = nvml(node, "out['left'] = remaining(0)['MIG 1g.5gb']")
+    assert r["left"] == 0
