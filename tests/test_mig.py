@@ -414,3 +414,62 @@ print(json.dumps(out))
     assert {r["last"] for r in results} == {"error: InsufficientResources"}
     r = nvml(node, "out['left'] = remaining(0)['MIG 1g.5gb']")
     assert r["left"] == 0
+
+
+ASAN_SIM = Path(__file__).resolve().parent.parent / "build-asan" / "sim"
+
+HOSTILE = [
+    '{"gpus": [{"model": "' + "x" * 5000 + '"}]}',
+    "[" * 40 + "]" * 40,
+    '{"gpus": [{"model": "NVIDIA A30", "model": "NVIDIA A30"}]}',
+    '{"gpus": [{"model": "\\u0000"}]}',
+    '{"gpus": [{"model": "NVIDIA A30"}], "nvlink": [[0, 0, 99999999999999999999]]}',
+    '{"gpus": [{"model": "NVIDIA A30", "numa": 9223372036854775807}]}',
+    '"\\',
+    "",
+]
+
+
+def test_topology_and_mig_under_asan(tmp_path: Path) -> None:
+    """The JSON reader on hostile files and the MIG calls, in the sanitized simulator."""
+    import subprocess
+
+    if not (ASAN_SIM / "libnvidia-ml.so.1").is_file():
+        pytest.skip("build-asan/ missing: run `make asan` (make test does)")
+    runtime = subprocess.run(
+        ["gcc", "-print-file-name=libasan.so"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    if not runtime.startswith("/"):
+        pytest.skip("gcc has no libasan.so")
+    node = topo_node(tmp_path, A100_40)
+    env = dict(
+        node.env,
+        LD_LIBRARY_PATH=str(ASAN_SIM),
+        LD_PRELOAD=runtime,
+        ASAN_OPTIONS="detect_leaks=0:exitcode=86",
+        UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:exitcode=87",
+    )
+    steps = (
+        PROFILE_TABLE
+        + """
+n.nvmlDeviceSetMigMode(dev(0), 1)
+for pid, start in ((9, 4), (14, 0), (19, 5), (19, None), (15, 2)):
+    create(0, pid, start)
+gi = gi_by_id(0, 2)
+for p in range(n.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
+    attempt(n.nvmlGpuInstanceGetComputeInstanceProfileInfo, gi, p, 0)
+    attempt(n.nvmlGpuInstanceCreateComputeInstance, gi, p)
+out["devices"] = len(mig_devices(0))
+out["left"] = remaining(0)
+"""
+    )
+    cp = run_py(NVML + steps + "\nprint(json.dumps(out))", env)
+    assert cp.returncode == 0, cp.stderr[-3000:]
+    assert json.loads(cp.stdout.splitlines()[-1])["devices"] == 1  # 1c.3g at 0 takes the 2c place
+    for i, text in enumerate(HOSTILE):
+        bad = tmp_path / f"bad{i}.json"
+        bad.write_text(text)
+        bad_env = dict(env, GPUVISOR_SIM_TOPOLOGY=str(bad), GPUVISOR_SIM_STATE=str(bad) + ".st")
+        cp = run_py("import pynvml\ntry:\n    pynvml.nvmlInit()\nexcept Exception: pass", bad_env)
+        assert cp.returncode == 0, (text[:80], cp.stderr[-3000:])
+        assert f"GPUVISOR_SIM_TOPOLOGY={bad}: " in cp.stderr
