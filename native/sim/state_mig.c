@@ -194,7 +194,9 @@ nvmlReturn_t sim_gi_create(int gpu, const sim_gi_profile *pr, int start, int *sl
     for (int s = 0; s < SIM_MIG_SLOTS && slot < 0; s++)
         if (!S->gi[gpu][s].active)
             slot = s;
-    if (slot >= 0 && count_of(S, gpu, p) < pr->max_count &&
+    if (!S->mig_mode[gpu])
+        rc = NVML_ERROR_NOT_SUPPORTED;  /* disabled meanwhile */
+    else if (slot >= 0 && count_of(S, gpu, p) < pr->max_count &&
         compute + pr->compute_slices <= m->compute_slices) {
         for (unsigned st = 0; st < m->mem_slices; st++) {
             if (start >= 0 && (int)st != start)
