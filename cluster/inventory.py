@@ -78,6 +78,7 @@ def _gi_profiles(handle: Any) -> list[dict[str, Any]]:
 def _mig_devices(handle: Any) -> dict[tuple[int, int], dict[str, Any]]:
     """The MIG devices of a GPU, by (GPU-instance id, compute-instance id)."""
     devices: dict[tuple[int, int], dict[str, Any]] = {}
+    gpu_name = _text(pynvml.nvmlDeviceGetName(handle))
     for i in range(pynvml.nvmlDeviceGetMaxMigDeviceCount(handle)):
         try:
             mig = pynvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, i)
@@ -86,7 +87,9 @@ def _mig_devices(handle: Any) -> dict[tuple[int, int], dict[str, Any]]:
         gi = pynvml.nvmlDeviceGetGpuInstanceId(mig)
         ci = pynvml.nvmlDeviceGetComputeInstanceId(mig)
         procs = pynvml.nvmlDeviceGetComputeRunningProcesses(mig)
+        name = _text(pynvml.nvmlDeviceGetName(mig))
         devices[(gi, ci)] = {
+            "profile": name.removeprefix(gpu_name).strip().removeprefix("MIG ") or None,
             "uuid": _text(pynvml.nvmlDeviceGetUUID(mig)),
             "memory_mib": pynvml.nvmlDeviceGetMemoryInfo(mig).total // MiB,
             "in_use": bool(procs),
@@ -123,9 +126,41 @@ def _compute_instances(gi: Any) -> list[dict[str, Any]]:
     return out
 
 
+def _instances_seen_by_devices(devices: dict[tuple[int, int], dict[str, Any]]) -> list[Any]:
+    """The GPU instances as their MIG devices show them, for a caller that may
+    not list GPU instances (NVML_ERROR_NO_PERMISSION: a real driver lets only
+    root): no placement, no profile id."""
+    out: dict[int, dict[str, Any]] = {}
+    for (gi, _ci), dev in sorted(devices.items()):
+        inst = out.setdefault(
+            gi,
+            {
+                "gi_id": gi,
+                "profile_id": None,
+                "profile": dev["profile"],
+                "placement": None,
+                "uuid": dev["uuid"],
+                "memory_mib": dev["memory_mib"],
+                "in_use": False,
+                "compute_instances": [],
+            },
+        )
+        inst["in_use"] = inst["in_use"] or dev["in_use"]
+    return list(out.values())
+
+
 def _instances(handle: Any, profiles: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The GPU instances that exist, each with its compute instances and MIG devices."""
     devices = _mig_devices(handle)
+    try:
+        return _listed_instances(handle, profiles, devices)
+    except pynvml.NVMLError_NoPermission:
+        return _instances_seen_by_devices(devices)
+
+
+def _listed_instances(
+    handle: Any, profiles: list[dict[str, Any]], devices: dict[tuple[int, int], dict[str, Any]]
+) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     for prof in profiles:
         arr = (pynvml.c_nvmlGpuInstance_t * max(prof["max_count"], 1))()
@@ -164,9 +199,12 @@ def _mig(handle: Any) -> dict[str, Any] | None:
     instances: list[dict[str, Any]] = []
     if enabled:
         instances = _instances(handle, profiles)
-        for prof in profiles:
-            n = pynvml.nvmlDeviceGetGpuInstanceRemainingCapacity(handle, prof["id"])
-            remaining[prof["name"]] = n
+        try:
+            for prof in profiles:
+                n = pynvml.nvmlDeviceGetGpuInstanceRemainingCapacity(handle, prof["id"])
+                remaining[prof["name"]] = n
+        except pynvml.NVMLError_NoPermission:
+            remaining = {}  # not ours to know: none claimed
     return {
         "capable": True,
         "mode": "enabled" if enabled else "disabled",

@@ -180,3 +180,33 @@ def test_help_names_the_options() -> None:
     assert cp.returncode == 0
     for option in ("--simulate", "--json", "--node"):
         assert option in cp.stdout
+
+
+def test_instances_without_permission_to_list_them(tmp_path: Path) -> None:
+    """A real driver lets only root list GPU instances: the MIG devices still show them."""
+    node = topo_node(tmp_path, {"gpus": [{"model": "NVIDIA A100-SXM4-80GB", "mig": True}]})
+    made = run_py(
+        """
+        import pynvml as n
+        n.nvmlInit()
+        gi = n.nvmlDeviceCreateGpuInstance(n.nvmlDeviceGetHandleByIndex(0), 14)
+        n.nvmlGpuInstanceCreateComputeInstance(gi, n.NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE)
+        """,
+        node.env,
+    )
+    assert made.returncode == 0, made.stderr
+    env = dict(
+        node.env,
+        GPUVISOR_SIM_NVML_FAIL="nvmlDeviceGetGpuInstances,nvmlDeviceGetGpuInstanceRemainingCapacity",
+        GPUVISOR_SIM_NVML_FAIL_CODE="4",  # NVML_ERROR_NO_PERMISSION
+    )
+    gpu = inventory_json(env)["gpus"][0]
+    assert gpu["healthy"] is True
+    [inst] = gpu["mig"]["instances"]
+    assert inst["gi_id"] == 3
+    assert inst["profile"] == "2g.20gb"
+    assert inst["profile_id"] is None
+    assert inst["placement"] is None
+    assert inst["uuid"].startswith("MIG-")
+    assert inst["memory_mib"] == 19968
+    assert gpu["mig"]["remaining"] == {}
