@@ -210,3 +210,52 @@ def test_instances_without_permission_to_list_them(tmp_path: Path) -> None:
     assert inst["uuid"].startswith("MIG-")
     assert inst["memory_mib"] == 19968
     assert gpu["mig"]["remaining"] == {}
+
+
+def test_prometheus_series_of_the_inventory(tmp_path: Path) -> None:
+    from gpuvisor.cluster.inventory_metrics import inventory_metrics
+    from prometheus_client.core import CollectorRegistry
+    from prometheus_client.exposition import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    node = topo_node(tmp_path, {"gpus": [{"model": "NVIDIA A30", "mig": True, "numa": 1}]})
+    made = run_py(
+        """
+        import pynvml as n
+        n.nvmlInit()
+        gi = n.nvmlDeviceCreateGpuInstance(n.nvmlDeviceGetHandleByIndex(0), 5)
+        n.nvmlGpuInstanceCreateComputeInstance(gi, n.NVML_COMPUTE_INSTANCE_PROFILE_2_SLICE)
+        """,
+        node.env,
+    )
+    assert made.returncode == 0, made.stderr
+    doc = inventory_json(node.env)
+
+    class Inventory:
+        def collect(self) -> Any:
+            return inventory_metrics(doc)
+
+    registry = CollectorRegistry()
+    registry.register(Inventory())
+    text = generate_latest(registry).decode()
+    samples = {
+        s.name: (s.labels, s.value)
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+    }
+    uuid = doc["gpus"][0]["uuid"]
+    mig_uuid = doc["gpus"][0]["mig"]["instances"][0]["uuid"]
+    assert samples["gpuvisor_gpu_info"] == (
+        {"deviceuuid": uuid, "deviceidx": "0", "model": "NVIDIA A30", "numa": "1"},
+        1.0,
+    )
+    labels = {
+        "deviceuuid": uuid,
+        "deviceidx": "0",
+        "gi_id": "1",
+        "profile": "2g.12gb",
+        "placement": "0:2",
+        "miguuid": mig_uuid,
+    }
+    assert samples["gpuvisor_mig_instance_memory_bytes"] == (labels, 12160.0 * (1 << 20))
+    assert samples["gpuvisor_mig_instance_in_use"] == (labels, 0.0)
