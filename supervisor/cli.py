@@ -9,10 +9,11 @@ import contextlib
 import click
 from gpuvisor.cluster.deviceplugin.cli import device_plugin
 from gpuvisor.cluster.place_cli import place
+from gpuvisor.cluster.inventory import read_inventory
 from gpuvisor.cluster.inventory_cli import inventory
 from gpuvisor.shim.cli import shim_info
 
-from .agent.cli import node_agent
+from .agent.cli import INVENTORY_READER, node_agent
 from .demo.cli import demo
 from .entrypoint.run import run
 from .views import status, top
@@ -57,8 +58,12 @@ def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> 
     callback=_print_version,
     help="Print the package's release and the library's release and build id, and exit.",
 )
-def main() -> None:
+@click.pass_context
+def main(ctx: click.Context) -> None:
     """gpuvisor: GPU sharing for containers that holds its promises."""
+    # what the commands get passed in rather than import (the node agent
+    # serves the cluster half's inventory)
+    ctx.obj = {INVENTORY_READER: read_inventory}
     from gpuvisor.shim import GpuvisorError, NativeLibraryNotFound
     from gpuvisor.shim.version import warn_on_mismatch
 

@@ -494,6 +494,25 @@ class _FakeGpus:
     def read(self, max_age: float = 1.0) -> list[Any]:
         return [HostGpu(0, "GPU-00000000-0000-4000-8000-000000000000", "Test GPU", 1, 2, 50.0)]
 
+    def inventory(self, max_age: float = 2.0) -> dict[str, Any]:
+        """A one-GPU inventory (docs/inventory.md) with one MIG instance."""
+        instance = {
+            "gi_id": 2,
+            "profile": "3g.40gb",
+            "placement": {"start": 4, "size": 4},
+            "uuid": "MIG-00000000-0000-4000-8000-000000000000",
+            "memory_mib": 40192,
+            "in_use": True,
+        }
+        gpu = {
+            "index": 0,
+            "uuid": "GPU-00000000-0000-4000-8000-000000000000",
+            "model": "Test GPU",
+            "numa": 0,
+            "mig": {"instances": [instance]},
+        }
+        return {"gpus": [gpu]}
+
     def close(self) -> None:
         pass
 

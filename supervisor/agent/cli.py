@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from click.core import ParameterSource
@@ -26,6 +26,23 @@ from .config import (
 )
 from .persist import state_file_for, state_file_problem
 from .server import NotAnAgentReply, run_agent, send_admin
+
+if TYPE_CHECKING:
+    from .metrics import InventoryReader
+
+# The CLI group (supervisor/cli.py) puts the cluster half's inventory reader
+# in its context object under this key: the agent serves the inventory
+# without importing gpuvisor.cluster (docs/architecture.md, "Packages").
+INVENTORY_READER = "read_inventory"
+
+
+def inventory_reader(ctx: click.Context) -> InventoryReader | None:
+    """The inventory reader the CLI group passed in, or None (the agent then
+    serves no inventory)."""
+    obj = ctx.find_root().obj
+    reader = obj.get(INVENTORY_READER) if isinstance(obj, dict) else None
+    return reader if callable(reader) else None
+
 
 ADMIN_SOCKET_HELP = (
     "The admin socket (set-limit), mode 0600 in a directory of mode 0700 that must not be "
@@ -270,7 +287,7 @@ def node_agent(
         sys.stdout.flush()
 
     try:
-        run_agent(config, ready)
+        run_agent(config, ready, inventory_reader(ctx))
     except (RuntimeError, OSError) as exc:
         raise click.ClickException(str(exc)) from exc
 

@@ -12,7 +12,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +32,8 @@ HAMI_CTR_LABELS = ["namespace", "pod", "container", "vdevice_index", "device_uui
 HAMI_HOST_LABELS = ["device_index", "device_uuid", "device_type", "node"]
 LEGACY_CTR_LABELS = ["podnamespace", "podname", "ctrname", "vdeviceid", "deviceuuid"]
 LEGACY_HOST_LABELS = ["deviceidx", "deviceuuid", "devicetype", "nodeid"]
+GPU_INFO_LABELS = ["deviceuuid", "deviceidx", "model", "numa"]
+MIG_LABELS = ["deviceuuid", "deviceidx", "gi_id", "profile", "placement", "miguuid"]
 
 
 @dataclass(frozen=True)
@@ -72,13 +74,22 @@ def process_samples(nv: Any, handle: Any, since: int) -> list[Any]:
     return once()
 
 
+# Reads the node inventory (docs/inventory.md) from an initialised NVML,
+# given the node's name (None: the host name): gpuvisor.cluster's reader,
+# passed in by the CLI group (the agent does not import the cluster half).
+InventoryReader = Callable[[str | None], dict[str, Any]]
+
+
 class HostGpus:
     """Host-level device numbers from NVML; empty when NVML is unavailable."""
 
-    def __init__(self) -> None:
+    def __init__(self, inventory: InventoryReader | None = None, node: str = "") -> None:
         self._lock = threading.Lock()
         self._nvml: Any = None
         self._cache: tuple[float, list[HostGpu]] = (0.0, [])
+        self._read_inventory = inventory
+        self._node = node or None
+        self._inventory: tuple[float, dict[str, Any] | None] = (-1e9, None)
         # What failed, by query, as last logged: a failure goes on for as
         # long as the driver is in trouble, and the queries run every
         # scrape and every per-process read (2 a second).
@@ -155,6 +166,29 @@ class HostGpus:
             memory_total=int(mem.total),
             utilization=util,
         )
+
+    def inventory(self, max_age: float = 2.0) -> dict[str, Any] | None:
+        """The node inventory document, read at most every max_age seconds;
+        None without NVML or a reader, or when the reading fails (logged
+        once while it keeps failing)."""
+        if self._nvml is None or self._read_inventory is None:
+            return None
+        ts, cached = self._inventory
+        if time.monotonic() - ts < max_age:
+            return cached
+        with self._lock:
+            ts, cached = self._inventory
+            if time.monotonic() - ts < max_age:
+                return cached
+            doc: dict[str, Any] | None
+            try:
+                doc = self._read_inventory(self._node)
+                self._answered("NVML inventory")
+            except self._nvml.NVMLError as exc:
+                self._failed("NVML inventory", exc)
+                doc = None
+            self._inventory = (time.monotonic(), doc)
+            return doc
 
     def process_use(self, window: float) -> dict[str, dict[int, float]]:
         """Per device uuid, each process's SM utilisation (percent, the
@@ -370,6 +404,7 @@ class AgentCollector(Collector):
 
         yield from self._agent_metrics()
         yield from self._host_metrics()
+        yield from self._inventory_metrics()
 
     def _agent_metrics(self) -> Iterator[Metric]:
         state = self.state
@@ -470,6 +505,46 @@ class AgentCollector(Collector):
         if self.legacy:
             yield l_used
             yield l_util
+
+    def _inventory_metrics(self) -> Iterator[Metric]:
+        """gpuvisor_gpu_info per GPU, and per MIG GPU instance its memory and
+        whether a process uses it, from the node inventory (docs/inventory.md)."""
+        doc = self.gpus.inventory()
+        if doc is None:
+            return
+        info = _gauge(
+            "gpuvisor_gpu_info",
+            "A GPU of the node (1): its model and NUMA node (empty when unknown)",
+            GPU_INFO_LABELS,
+        )
+        memory = _gauge(
+            "gpuvisor_mig_instance_memory_bytes", "Memory of a MIG GPU instance, bytes", MIG_LABELS
+        )
+        in_use = _gauge(
+            "gpuvisor_mig_instance_in_use",
+            "1 while a process runs on a MIG GPU instance, else 0",
+            MIG_LABELS,
+        )
+        for gpu in doc["gpus"]:
+            if gpu["uuid"] is None:
+                continue
+            numa = "" if gpu["numa"] is None else str(gpu["numa"])
+            info.add_metric([gpu["uuid"], str(gpu["index"]), gpu["model"] or "", numa], 1.0)
+            for inst in (gpu["mig"] or {}).get("instances", []):
+                place = inst["placement"]
+                labels = [
+                    gpu["uuid"],
+                    str(gpu["index"]),
+                    str(inst["gi_id"]),
+                    inst["profile"] or "",
+                    "" if place is None else f"{place['start']}:{place['size']}",
+                    inst["uuid"] or "",
+                ]
+                memory.add_metric(labels, float(inst["memory_mib"]) * (1 << 20))
+                in_use.add_metric(labels, 1.0 if inst["in_use"] else 0.0)
+        yield info
+        yield memory
+        yield in_use
 
 
 def _yields(state: AgentState, st: Any) -> dict[str, bool]:

@@ -50,7 +50,7 @@ import time
 from collections.abc import Callable
 from http.server import ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from ..identity import peer_cgroups
 from ..paths import context_lock_path
@@ -65,6 +65,9 @@ from .connection import Connection
 from .http import HttpHandler, HttpServer
 from .persist import encode_state, read_state, state_file_problem, write_state
 from .state import AgentState
+
+if TYPE_CHECKING:
+    from .metrics import InventoryReader
 
 T = TypeVar("T")
 
@@ -100,7 +103,9 @@ def _clear_stale(path: Path) -> None:
 
 
 class Agent:
-    def __init__(self, config: AgentConfig) -> None:
+    def __init__(self, config: AgentConfig, inventory: InventoryReader | None = None) -> None:
+        """inventory: reads the node inventory (docs/inventory.md) for /status
+        and the inventory series; None leaves them out."""
         from .metrics import AgentCollector, HostGpus  # prometheus_client, pynvml
 
         self.config = config
@@ -110,7 +115,7 @@ class Agent:
         self.rate_error = encode(
             error_message(None, f"rate limit exceeded: at most {config.rate:g} messages/s")
         )
-        self.gpus = HostGpus()
+        self.gpus = HostGpus(inventory, config.node_name)
         self.collector = AgentCollector(
             self.state, self.gpus, legacy=config.legacy_metrics, node=config.node_name
         )
@@ -133,10 +138,18 @@ class Agent:
         from .metrics import render
 
         self.gpus.read()  # NVML off the event loop: the collector gets it cached
+        self.gpus.inventory()
         return self.on_loop(lambda: render(self.collector, accept))
 
     def status_payload(self) -> bytes:
-        return self.on_loop(lambda: json.dumps(self.state.status()).encode())
+        inventory = self.gpus.inventory()  # NVML off the event loop
+
+        def page() -> bytes:
+            status = self.state.status()
+            status["inventory"] = inventory
+            return json.dumps(status).encode()
+
+        return self.on_loop(page)
 
     def on_loop(self, fn: Callable[[], T]) -> T:
         """fn's result, computed on the event loop's thread, where reports
@@ -362,7 +375,9 @@ class Agent:
         self.gpus.close()
 
 
-def run_agent(config: AgentConfig, ready: Any = None) -> None:
+def run_agent(
+    config: AgentConfig, ready: Any = None, inventory: InventoryReader | None = None
+) -> None:
     if config.cpu is not None:
         try:
             os.sched_setaffinity(0, {config.cpu})
@@ -371,7 +386,7 @@ def run_agent(config: AgentConfig, ready: Any = None) -> None:
                 f"--cpu {config.cpu}: cannot pin the agent there "
                 f"({getattr(exc, 'strerror', None) or exc})"
             ) from None
-    agent = Agent(config)
+    agent = Agent(config, inventory)
     asyncio.run(agent.run(ready))
 
 
