@@ -454,8 +454,10 @@ def test_a_failing_nvml_is_logged_once_not_at_every_poll(sock_path, node):
         agent.stderr.seek(0)
         log = agent.stderr.read()
     failed = [line for line in log.splitlines() if "NVML" in line and "failed" in line]
-    # Once for the host series, once for the per-process reading.
-    assert len(failed) == 2, log
+    # Once for the host series, once for the per-process reading, once for
+    # the node inventory.
+    assert len(failed) == 3, log
+    assert sum("NVML inventory failed" in line for line in failed) == 1, log
 
 
 def test_host_metrics_carry_the_node_name(sock_path, node):
