@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
-import pynvml
 
-from .inventory import Document, nvml_session, read_inventory
 from .links import LEGEND
+
+if TYPE_CHECKING:
+    from .inventory import Document
+
+
+def read_inventory_lazily(node: str | None) -> dict[str, Any]:
+    """gpuvisor.cluster.inventory.read_inventory, imported when called: the
+    CLI group hands it to the node agent, and importing the command line must
+    not load pynvml (`gpuvisor run` starts every container)."""
+    from .inventory import read_inventory
+
+    return read_inventory(node)
 
 
 def _gib(mib: int | None) -> str:
@@ -105,6 +115,10 @@ def render(doc: Document) -> str:
 
 def collect(simulate: bool, node: str | None) -> Document:
     """Read the inventory from NVML (the simulated one with simulate)."""
+    import pynvml
+
+    from .inventory import nvml_session, read_inventory
+
     nvml_path: str | None = None
     if simulate:
         from gpuvisor.shim.loader import SIM_NVML_NAME, simulator_dir

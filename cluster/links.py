@@ -13,17 +13,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import pynvml
-
-# NVML's PCIe levels, nearest first, and their `nvidia-smi topo -m` names
-PCIE_NAMES: dict[int, str] = {
-    pynvml.NVML_TOPOLOGY_INTERNAL: "X",
-    pynvml.NVML_TOPOLOGY_SINGLE: "PIX",
-    pynvml.NVML_TOPOLOGY_MULTIPLE: "PXB",
-    pynvml.NVML_TOPOLOGY_HOSTBRIDGE: "PHB",
-    pynvml.NVML_TOPOLOGY_NODE: "NODE",
-    pynvml.NVML_TOPOLOGY_SYSTEM: "SYS",
-}
+# NVML's PCIe levels (nvmlGpuTopologyLevel_t: INTERNAL, SINGLE, MULTIPLE,
+# HOSTBRIDGE, NODE, SYSTEM), nearest first, and their `nvidia-smi topo -m`
+# names.  pynvml is imported where NVML is called: importing the command
+# line must not load it (`gpuvisor run` starts every container).
+PCIE_NAMES: dict[int, str] = {0: "X", 10: "PIX", 20: "PXB", 30: "PHB", 40: "NODE", 50: "SYS"}
 LEGEND: dict[str, str] = {
     "X": "itself",
     "NV#": "a bonded set of # NVLinks (directly, or through NVSwitch)",
@@ -54,6 +48,8 @@ def normalize_bus_id(bus_id: str | bytes) -> str:
 
 def _remote(handle: Any, link: int) -> tuple[int | None, Any]:
     """What is at the other end of an active link: its device type and PCI info."""
+    import pynvml
+
     try:
         kind: int | None = pynvml.nvmlDeviceGetNvLinkRemoteDeviceType(handle, link)
     except pynvml.NVMLError:
@@ -67,6 +63,8 @@ def _remote(handle: Any, link: int) -> tuple[int | None, Any]:
 
 def read_nvlinks(handle: Any) -> NvLinks:
     """Walk a GPU's NVLinks until NVML says there are no more (or none at all)."""
+    import pynvml
+
     links = NvLinks()
     for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
         try:

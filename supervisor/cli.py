@@ -8,9 +8,8 @@ import contextlib
 
 import click
 from gpuvisor.cluster.deviceplugin.cli import device_plugin
+from gpuvisor.cluster.inventory_cli import inventory, read_inventory_lazily
 from gpuvisor.cluster.place_cli import place
-from gpuvisor.cluster.inventory import read_inventory
-from gpuvisor.cluster.inventory_cli import inventory
 from gpuvisor.shim.cli import shim_info
 
 from .agent.cli import INVENTORY_READER, node_agent
@@ -63,7 +62,7 @@ def main(ctx: click.Context) -> None:
     """gpuvisor: GPU sharing for containers that holds its promises."""
     # what the commands get passed in rather than import (the node agent
     # serves the cluster half's inventory)
-    ctx.obj = {INVENTORY_READER: read_inventory}
+    ctx.obj = {INVENTORY_READER: read_inventory_lazily}
     from gpuvisor.shim import GpuvisorError, NativeLibraryNotFound
     from gpuvisor.shim.version import warn_on_mismatch
 
