@@ -126,19 +126,39 @@ def _compute_instances(gi: Any) -> list[dict[str, Any]]:
     return out
 
 
-def _instances_seen_by_devices(devices: dict[tuple[int, int], dict[str, Any]]) -> list[Any]:
+def _placement_of(gi_id: int, size: int, memory_slices: int) -> dict[str, int] | None:
+    """A GPU instance's placement from its id, as the driver numbers them
+    (0 the whole GPU, then the halves, the quarters, the eighths)."""
+    if size < 1 or memory_slices % size:
+        return None
+    start = (gi_id - (memory_slices // size - 1)) * size
+    if start < 0 or start + size > memory_slices:
+        return None
+    return {"start": start, "size": size}
+
+
+def _instances_seen_by_devices(
+    devices: dict[tuple[int, int], dict[str, Any]], profiles: list[dict[str, Any]]
+) -> list[Any]:
     """The GPU instances as their MIG devices show them, for a caller that may
     not list GPU instances (NVML_ERROR_NO_PERMISSION: a real driver lets only
-    root): no placement, no profile id."""
+    root): the profile by the device's name, the placement from the
+    instance's id (null when they do not fit the profile table)."""
+    by_name = {p["name"]: p for p in profiles}
+    slices = max((p["start"] + p["size"] for pr in profiles for p in pr["placements"]), default=0)
     out: dict[int, dict[str, Any]] = {}
     for (gi, _ci), dev in sorted(devices.items()):
+        prof = by_name.get(dev["profile"] or "")
+        place = _placement_of(gi, prof["memory_slices"], slices) if prof else None
+        if prof and place and place not in prof["placements"]:
+            place = None
         inst = out.setdefault(
             gi,
             {
                 "gi_id": gi,
-                "profile_id": None,
+                "profile_id": prof["id"] if prof else None,
                 "profile": dev["profile"],
-                "placement": None,
+                "placement": place,
                 "uuid": dev["uuid"],
                 "memory_mib": dev["memory_mib"],
                 "in_use": False,
@@ -155,7 +175,7 @@ def _instances(handle: Any, profiles: list[dict[str, Any]]) -> list[dict[str, An
     try:
         return _listed_instances(handle, profiles, devices)
     except pynvml.NVMLError_NoPermission:
-        return _instances_seen_by_devices(devices)
+        return _instances_seen_by_devices(devices, profiles)
 
 
 def _listed_instances(
@@ -218,13 +238,13 @@ def _mig(handle: Any) -> dict[str, Any] | None:
     }
 
 
-def _numa(handle: Any) -> int | None:
+def _numa(handle: Any) -> int:
+    """The GPU's NUMA node, -1 when NVML knows none (its own convention)."""
     try:
         node = pynvml.nvmlDeviceGetNumaNodeId(handle)
     except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_FunctionNotFound):
-        return None
-    # NVML answers -1 (as an unsigned int) when the kernel knows no NUMA node
-    return None if node < 0 or node >= 0x7FFFFFFF else int(node)
+        return -1
+    return -1 if node < 0 or node >= 0x7FFFFFFF else int(node)
 
 
 def _gpu(index: int, handle: Any) -> dict[str, Any]:
@@ -242,7 +262,7 @@ def _gpu(index: int, handle: Any) -> dict[str, Any]:
             "uuid": uuid,
             "model": None,
             "memory_mib": None,
-            "numa": None,
+            "numa": -1,
             "pci_bus_id": None,
             "healthy": False,
             "mig": None,

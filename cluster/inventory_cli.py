@@ -69,7 +69,7 @@ def render(doc: Document) -> str:
             g["uuid"] or "?",
             g["model"] or "?",
             _gib(g["memory_mib"]),
-            "-" if g["numa"] is None else str(g["numa"]),
+            "-" if g["numa"] < 0 else str(g["numa"]),
             g["pci_bus_id"] or "?",
             _mig_state(g) + ("" if g["healthy"] else " (unhealthy)"),
         ]
@@ -80,7 +80,7 @@ def render(doc: Document) -> str:
         return "\n".join(out)
     names = [f"GPU{g['index']}" for g in gpus]
     matrix = [
-        [names[i], *doc["links"][i], "N/A" if g["numa"] is None else str(g["numa"])]
+        [names[i], *doc["links"][i], "N/A" if g["numa"] < 0 else str(g["numa"])]
         for i, g in enumerate(gpus)
     ]
     out += ["", *_table(["", *names, "NUMA Affinity"], matrix), "", "Legend:"]

@@ -205,8 +205,32 @@ def test_instances_without_permission_to_list_them(tmp_path: Path) -> None:
     [inst] = gpu["mig"]["instances"]
     assert inst["gi_id"] == 3
     assert inst["profile"] == "2g.20gb"
-    assert inst["profile_id"] is None
-    assert inst["placement"] is None
+    assert inst["profile_id"] == 14
+    assert inst["placement"] == {"start": 0, "size": 2}  # from GI id 3: the first quarter
     assert inst["uuid"].startswith("MIG-")
     assert inst["memory_mib"] == 19968
     assert gpu["mig"]["remaining"] == {}
+
+
+@pytest.mark.parametrize("topology", [nvlink_pairs, dgx, pcie_two_switches])
+def test_the_allocator_reads_the_document(tmp_path: Path, topology: Any) -> None:
+    """The document is the allocator's input: its reader takes it as written."""
+    from gpuvisor.cluster.inventory_model import load_inventory
+
+    topo = topology()
+    topo["gpus"][0]["mig"] = True
+    node = topo_node(tmp_path, topo)
+    made = run_py(
+        """
+        import pynvml as n
+        n.nvmlInit()
+        gi = n.nvmlDeviceCreateGpuInstance(n.nvmlDeviceGetHandleByIndex(0), 9)
+        n.nvmlGpuInstanceCreateComputeInstance(gi, n.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE)
+        """,
+        node.env,
+    )
+    # the A30s of the PCIe box have no 3g profile
+    assert made.returncode == 0 or "NVMLError_InvalidArgument" in made.stderr, made.stderr
+    doc = inventory_json(node.env)
+    inventory = load_inventory(doc)
+    assert len(inventory.gpus) == len(topo["gpus"])

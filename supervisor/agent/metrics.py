@@ -528,7 +528,7 @@ class AgentCollector(Collector):
         for gpu in doc["gpus"]:
             if gpu["uuid"] is None:
                 continue
-            numa = "" if gpu["numa"] is None else str(gpu["numa"])
+            numa = "" if gpu["numa"] < 0 else str(gpu["numa"])
             info.add_metric([gpu["uuid"], str(gpu["index"]), gpu["model"] or "", numa], 1.0)
             for inst in (gpu["mig"] or {}).get("instances", []):
                 place = inst["placement"]
