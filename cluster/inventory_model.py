@@ -48,7 +48,7 @@ class MigInstance:
     profile_id: int
     profile: str
     placement: Placement
-    uuid: str
+    uuid: str | None
     memory_mib: int
     in_use: bool
 
@@ -166,7 +166,8 @@ def load_instance(v: Any, path: str, slices: int) -> MigInstance:
         profile_id=integer(field(m, "profile_id", path), f"{path}.profile_id"),
         profile=string(field(m, "profile", path), f"{path}.profile"),
         placement=load_placement(field(m, "placement", path), f"{path}.placement", slices),
-        uuid=string(field(m, "uuid", path), f"{path}.uuid"),
+        # null: a GPU instance without a compute instance (no MIG device yet)
+        uuid=None if m.get("uuid") is None else string(m["uuid"], f"{path}.uuid"),
         memory_mib=integer(field(m, "memory_mib", path), f"{path}.memory_mib"),
         in_use=boolean(field(m, "in_use", path), f"{path}.in_use"),
     )
@@ -210,14 +211,26 @@ def load_gpu(v: Any, path: str, position: int) -> Gpu:
     index = integer(field(m, "index", path), f"{path}.index")
     if index != position:
         raise fail(f"{path}.index", f"expected {position} (gpus are ordered by index)", index)
+    healthy = boolean(m.get("healthy", True), f"{path}.healthy")
+    # An unhealthy GPU may not answer NVML: its model, memory and bus id
+    # may be null.  It is never given out, so nothing is made up for them.
+    unknown = not healthy
     return Gpu(
         index=index,
         uuid=string(field(m, "uuid", path), f"{path}.uuid"),
-        model=string(field(m, "model", path), f"{path}.model"),
-        memory_mib=integer(field(m, "memory_mib", path), f"{path}.memory_mib", 1),
+        model=(
+            ""
+            if unknown and m.get("model") is None
+            else string(field(m, "model", path), f"{path}.model")
+        ),
+        memory_mib=(
+            0
+            if unknown and m.get("memory_mib") is None
+            else integer(field(m, "memory_mib", path), f"{path}.memory_mib", 1)
+        ),
         numa=integer(m.get("numa", 0), f"{path}.numa", -1),
-        pci_bus_id=str(m.get("pci_bus_id", "")),
-        healthy=boolean(m.get("healthy", True), f"{path}.healthy"),
+        pci_bus_id=str(m.get("pci_bus_id") or ""),
+        healthy=healthy,
         mig=load_mig(m.get("mig"), f"{path}.mig"),
     )
 

@@ -160,6 +160,12 @@ def plan_instance(
     kept: Counter[str] = Counter(used_profiles)
     reusable = []
     for inst in mig.instances:
+        if inst.uuid is None:
+            # a GPU instance without a compute instance has no MIG device to
+            # hand out or to name for destruction: its slices stay taken
+            busy |= inst.placement.mask
+            kept[inst.profile] += 1
+            continue
         if inst.uuid in referenced:
             continue
         if inst.in_use or not idle:
@@ -204,7 +210,10 @@ def plan_instance(
             destroy = tuple(
                 i.uuid
                 for i in mig.instances
-                if idle and i.uuid not in referenced and i.placement.mask & pl.mask
+                if idle
+                and i.uuid is not None
+                and i.uuid not in referenced
+                and i.placement.mask & pl.mask
             )
             after = busy | pl.mask
             c = MigChoice(prof, pl, None, destroy, not enabled, waste, lost(after))

@@ -631,3 +631,22 @@ def test_place_command_text_and_exit_codes(tmp_path):
     r = CliRunner().invoke(main, ["place", "--cluster", c, p2])
     assert r.exit_code == 2
     assert "metadata.annotations[nvidia.com/vgpu-mode]" in r.output
+
+
+def test_an_unhealthy_gpu_that_answers_nothing_is_read_and_never_chosen():
+    """The inventory writes null model, memory and bus id for a GPU NVML
+    cannot read; the reader took that document as malformed."""
+    doc = small_node(healthy=False)
+    g = doc["nodes"]["n"]["gpus"][0]
+    g["model"] = g["memory_mib"] = g["pci_bus_id"] = None
+    a = Allocator.from_cluster(doc)
+    assert place(a, "x", ctr(gpu=1, gpumem=100)).reasons == {"n": "GPU 0 unhealthy"}
+
+
+def test_mig_keeps_the_slices_of_an_instance_without_a_mig_device():
+    """A GPU instance with no compute instance has no MIG device (uuid null in
+    the inventory): it is neither handed out nor destroyed, and its slices stay taken."""
+    doc = cluster(mig_box("m", instances=[("7g.80gb", 0, False)]))
+    doc["nodes"]["m"]["gpus"][0]["mig"]["instances"][0]["uuid"] = None
+    a = Allocator.from_cluster(doc)
+    assert place(a, "x", ctr(gpu=1, gpumem=9000), annotations=MIG).node is None
