@@ -84,6 +84,8 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "gv_device_get_physical_total": (ctypes.c_int, [ctypes.c_int, _pu64]),
     "gv_device_get_oom_count": (ctypes.c_int, [ctypes.c_int, _pu64]),
     "gv_device_get_context_cost": (ctypes.c_int, [ctypes.c_int, _pu64]),
+    "gv_device_get_spilled": (ctypes.c_int, [ctypes.c_int, _pu64]),
+    "gv_device_get_guarantee": (ctypes.c_int, [ctypes.c_int, _pu64]),
     "gv_device_get_sm": (ctypes.c_int, [ctypes.c_int, _pu32, _pu32, _pu32, _pu32]),
     "gv_device_get_sm_usage": (ctypes.c_int, [ctypes.c_int, _pu64, _pu64, _pu64]),
     "gv_device_set_sm_limit": (ctypes.c_int, [ctypes.c_int, ctypes.c_uint32]),
@@ -92,6 +94,7 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "gv_device_get_sm_others": (ctypes.c_int, [ctypes.c_int, _pu32, _pu64]),
     "gv_process_list": (ctypes.c_int, [_i32p, ctypes.c_int]),
     "gv_process_get_used": (ctypes.c_int, [ctypes.c_int32, ctypes.c_int, _pu64]),
+    "gv_process_get_spilled": (ctypes.c_int, [ctypes.c_int32, ctypes.c_int, _pu64]),
     "gv_reclaim_dead": (ctypes.c_int, []),
 }
 

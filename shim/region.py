@@ -28,6 +28,17 @@ class DeviceUsage:
     # What a new context of the container is reserved before it is created
     # (the smallest any of its processes measured); 0 while none was.
     context_cost: int
+    # Oversubscription (docs/oversubscription.md): of `used`, the bytes
+    # served from host memory; the rest is resident on the device.
+    spilled: int = 0
+    # The device memory the container is guaranteed (limit / S); 0 when
+    # none of its processes allocated under CUDA_OVERSUBSCRIBE.
+    guarantee: int = 0
+
+    @property
+    def resident(self) -> int:
+        """Bytes of `used` resident on the device."""
+        return max(self.used - self.spilled, 0)
 
 
 SM_POLICIES = ("fixed-share", "burst-share", "best-effort")
@@ -122,6 +133,8 @@ class Region:
             physical_total=_u64_out("gv_device_get_physical_total", dev),
             oom_count=_u64_out("gv_device_get_oom_count", dev),
             context_cost=_u64_out("gv_device_get_context_cost", dev),
+            spilled=_u64_out("gv_device_get_spilled", dev),
+            guarantee=_u64_out("gv_device_get_guarantee", dev),
         )
 
     def devices(self) -> list[DeviceUsage]:
@@ -238,6 +251,15 @@ class Region:
         check(
             lib().gv_process_get_used(_c_int(pid, "pid"), _dev(dev), ctypes.byref(value)),
             "gv_process_get_used",
+        )
+        return value.value
+
+    def process_spilled(self, pid: int, dev: int) -> int:
+        """Of process_used, the bytes spilled to host memory."""
+        value = ctypes.c_uint64()
+        check(
+            lib().gv_process_get_spilled(_c_int(pid, "pid"), _dev(dev), ctypes.byref(value)),
+            "gv_process_get_spilled",
         )
         return value.value
 

@@ -20,8 +20,11 @@ enum gv_kind {
     GV_K_CTX,         /* context memory; key = CUcontext */
     GV_K_GEXEC,       /* executable graph with memory nodes; nothing
                        * charged: aux = its record (hooks_graph.c) */
-    GV_K_GALLOC       /* live graph allocation (its address); nothing
+    GV_K_GALLOC,      /* live graph allocation (its address); nothing
                        * charged: aux = GV_GALLOC_AUX(size, ordinal) */
+    GV_K_SPILL        /* cuMemAlloc / Pitch / Managed under CUDA_OVERSUBSCRIBE,
+                       * partly or wholly in host memory: aux = the
+                       * charged bytes spilled (oversub.c) */
 };
 
 typedef struct gv_alloc {

@@ -430,6 +430,22 @@ GV_EXPORT int gv_device_get_context_cost(int dev, uint64_t *bytes)
     return GV_OK;
 }
 
+GV_EXPORT int gv_device_get_spilled(int dev, uint64_t *bytes)
+{
+    NONNULL("gv_device_get_spilled", bytes);
+    NEED_DEV("gv_device_get_spilled", dev);
+    *bytes = region_spilled(r, dev);
+    return GV_OK;
+}
+
+GV_EXPORT int gv_device_get_guarantee(int dev, uint64_t *bytes)
+{
+    NONNULL("gv_device_get_guarantee", bytes);
+    NEED_DEV("gv_device_get_guarantee", dev);
+    *bytes = region_guarantee(r, dev);
+    return GV_OK;
+}
+
 GV_EXPORT int gv_process_list(int32_t *pids, int cap)
 {
     if (cap < 0 || (pids == NULL && cap > 0))
@@ -450,6 +466,20 @@ GV_EXPORT int gv_process_get_used(int32_t pid, int dev, uint64_t *bytes)
         return fail(GV_ENOENT, "gpuvisor: gv_process_get_used: pid %d is not registered "
                     "in region %s", (int)pid, region_path(r));
     *bytes = region_slot_used(r, dev, slot);
+    return GV_OK;
+}
+
+GV_EXPORT int gv_process_get_spilled(int32_t pid, int dev, uint64_t *bytes)
+{
+    NONNULL("gv_process_get_spilled", bytes);
+    if (pid <= 0)
+        return fail(GV_EINVAL, "gpuvisor: gv_process_get_spilled: bad pid %d", (int)pid);
+    NEED_DEV("gv_process_get_spilled", dev);
+    int slot = region_slot_of_pid(r, pid);
+    if (slot < 0)
+        return fail(GV_ENOENT, "gpuvisor: gv_process_get_spilled: pid %d is not registered "
+                    "in region %s", (int)pid, region_path(r));
+    *bytes = region_slot_spilled(r, dev, slot);
     return GV_OK;
 }
 

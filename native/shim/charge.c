@@ -6,6 +6,7 @@
 #include "alloc_table.h"
 #include "core.h"
 #include "log.h"
+#include "oversub.h"
 
 static int self_slot(void)
 {
@@ -135,8 +136,10 @@ void gv_charge_cancel(gv_charge *c)
 
 void gv_charge_keep(gv_charge *c)
 {
-    if (c->active)
+    if (c->active) {
         atomic_fetch_sub(&in_flight, 1);
+        gv_oversub_note(c->dev);
+    }
     c->active = 0;
 }
 
@@ -151,6 +154,12 @@ void gv_charge_commit(const gv_charge *c, int kind, uint64_t key, uint64_t aux)
                "its %llu bytes stay charged until the process exits",
                (unsigned long long)c->bytes);
     atomic_fetch_sub(&in_flight, 1);
+    gv_oversub_note(c->dev);
+}
+
+void gv_charge_commit_spilled(const gv_charge *c, uint64_t key, uint64_t spilled)
+{
+    gv_charge_commit(c, spilled ? GV_K_SPILL : GV_K_PTR, key, spilled);
 }
 
 CUresult gv_charge_settle(gv_charge *c, CUresult rc, int kind, uint64_t key)
@@ -172,7 +181,7 @@ int gv_untrack(uint32_t kind, uint64_t key, gv_destroy_fn destroy, void *arg, CU
     }
     *rc = destroy(key, arg);
     if (*rc == CUDA_SUCCESS)
-        gv_uncharge(a.dev, a.bytes);
+        gv_uncharge_alloc(&a);
     else
         gv_table_put(&a);
     atomic_fetch_sub(&in_flight, 1);
@@ -181,11 +190,22 @@ int gv_untrack(uint32_t kind, uint64_t key, gv_destroy_fn destroy, void *arg, CU
 
 void gv_uncharge(int dev, uint64_t bytes)
 {
+    gv_uncharge_spilled(dev, bytes, 0);
+}
+
+void gv_uncharge_spilled(int dev, uint64_t bytes, uint64_t spilled)
+{
     if (bytes == 0)
         return;
     /* No slot: nothing charged here, or the slot was given back at exit
      * with all it held (region_own_slot). */
     int slot = region_own_slot(gv_core_region());
     if (slot >= 0)
-        region_release(gv_core_region(), dev, slot, bytes);
+        region_release_spill(gv_core_region(), dev, slot, bytes, spilled);
+    gv_oversub_note(dev);
+}
+
+void gv_uncharge_alloc(const gv_alloc *a)
+{
+    gv_uncharge_spilled(a->dev, a->bytes, a->kind == GV_K_SPILL ? a->aux : 0);
 }

@@ -8,6 +8,7 @@
 #include "core.h"
 #include "limits.h"
 #include "log.h"
+#include "oversub.h"
 
 atomic_int gv_mode_word;           /* 0 until initialised */
 static gv_region *region;
@@ -28,10 +29,11 @@ static void init(void)
         atomic_store(&gv_mode_word, GV_MODE_FAILED);
         return;
     }
-    if (limits_oversubscribe_requested())
-        gv_log(GV_LOG_WARN, GV_ENV_OVERSUBSCRIBE "=%.64s is ignored: no virtual device memory, so "
-               "allocations past the memory limit fail with CUDA_ERROR_OUT_OF_MEMORY",
-               getenv(GV_ENV_OVERSUBSCRIBE));
+    gv_oversub_configure();
+    if (gv_oversub_on())
+        gv_log(GV_LOG_INFO, GV_ENV_OVERSUBSCRIBE " on, " GV_ENV_SCALING " %u.%03u: allocations "
+               "past the device's share are served from host memory",
+               limits_memory_scaling_milli() / 1000, limits_memory_scaling_milli() % 1000);
     region = gv_shared_region();
     if (region) {
         gv_sm_any_flag = region_sm_any_flag(region);

@@ -171,6 +171,16 @@ void gv_charge_commit(const gv_charge *c, int kind, uint64_t key, uint64_t aux);
 CUresult gv_charge_settle(gv_charge *c, CUresult rc, int kind, uint64_t key);
 /* Release a charge taken earlier on region device dev. */
 void gv_uncharge(int dev, uint64_t bytes);
+/* The same, of which spilled bytes were served from host memory. */
+void gv_uncharge_spilled(int dev, uint64_t bytes, uint64_t spilled);
+/* Release what a table entry charged (a spilled allocation's spilled part
+ * included). */
+struct gv_alloc;
+void gv_uncharge_alloc(const struct gv_alloc *a);
+/* gv_charge_commit of a linear allocation (cuMemAlloc, Pitch, Managed) of
+ * which spilled bytes live in host memory (oversub.c): recorded as
+ * GV_K_SPILL with those bytes when there are any, else GV_K_PTR. */
+void gv_charge_commit_spilled(const gv_charge *c, uint64_t key, uint64_t spilled);
 
 /* Free a charged object through the driver.  If (kind, key) is tracked, its
  * entry is taken out first (so a concurrent allocation reusing the address

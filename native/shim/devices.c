@@ -10,6 +10,7 @@
 #include "core.h"
 #include "limits.h"
 #include "log.h"
+#include "oversub.h"
 
 enum { DEV_UNSET = 0, DEV_READY = 1, DEV_FAILED = 2 };
 
@@ -153,6 +154,7 @@ static CUresult device_init(int ordinal)
     info.region_dev = dev;
     devs[ordinal].info = info;
     atomic_store_explicit(&devs[ordinal].state, DEV_READY, memory_order_release);
+    gv_oversub_attach(&devs[ordinal].info);
     gv_log(GV_LOG_INFO, "device %d is %s: %llu bytes physical, limit %llu, entry %d",
            ordinal, info.uuid_str, (unsigned long long)total, (unsigned long long)region_limit(gv_core_region(), dev), dev);
     return CUDA_SUCCESS;

@@ -160,7 +160,7 @@ static void snap(const gv_devinfo *d, snapshot *s)
     gv_region *r = gv_core_region();
     int slot = r ? region_self_slot(r) : -1;
     if (slot >= 0) {
-        s->charged = region_slot_used(r, d->region_dev, slot);
+        s->charged = region_slot_resident(r, d->region_dev, slot);
         s->charged_read = 1;
         /* A pending stream-ordered free may land in NVML at any moment:
          * the context would look smaller by its block. */
@@ -255,7 +255,7 @@ static int owned_by(const gv_alloc *a, void *ctx)
 static void release_entry(const gv_alloc *a, void *unused)
 {
     (void)unused;
-    gv_uncharge(a->dev, a->bytes);
+    gv_uncharge_alloc(a);
 }
 
 void gv_release_ctx_objects(CUcontext ctx)

@@ -9,6 +9,7 @@
 #include <limits.h>
 
 #include "hooks.h"
+#include "oversub.h"
 
 typedef CUresult (*init_fn)(unsigned int);
 typedef CUresult (*info_v2_fn)(size_t *, size_t *);
@@ -44,10 +45,13 @@ static CUresult quota_view(int ordinal, uint64_t *free_b, uint64_t *total_b)
     gv_core_tidy();
     gv_untracked_tick();
     uint64_t used = region_used(r, d->region_dev);
-    uint64_t total = limit < *total_b ? limit : *total_b;
+    /* Oversubscribed, the quota is the device's size, and what does not
+     * fit on the device is served from host memory (oversub.c). */
+    int over = gv_oversub_on();
+    uint64_t total = limit < *total_b || over ? limit : *total_b;
     uint64_t avail = used < total ? total - used : 0;
     *total_b = total;
-    *free_b = avail < *free_b ? avail : *free_b;
+    *free_b = avail < *free_b || over ? avail : *free_b;
     return CUDA_SUCCESS;
 }
 

@@ -1,6 +1,7 @@
 /* hooks_memory.c - linear device memory: cuMemAlloc, Pitch, Managed, Free. */
 #include "hooks.h"
 #include "log.h"
+#include "oversub.h"
 
 typedef CUresult (*alloc_v2_fn)(CUdeviceptr *, size_t);
 typedef CUresult (*alloc_v1_fn)(CUdeviceptr_v1 *, unsigned int);
@@ -9,6 +10,29 @@ typedef CUresult (*pitch_v1_fn)(CUdeviceptr_v1 *, unsigned int *, unsigned int, 
 typedef CUresult (*managed_fn)(CUdeviceptr *, size_t, unsigned int);
 typedef CUresult (*free_v2_fn)(CUdeviceptr);
 typedef CUresult (*free_v1_fn)(CUdeviceptr_v1);
+
+/* Under CUDA_OVERSUBSCRIBE (oversub.c): the charge is made, then the
+ * allocation goes to the device, to host memory, or both. */
+static CUresult settle_spillable(gv_charge *c, CUresult rc, CUdeviceptr *dptr, uint64_t spilled)
+{
+    if (rc != CUDA_SUCCESS) {
+        gv_charge_cancel(c);
+        return rc;
+    }
+    gv_charge_commit_spilled(c, *dptr, spilled);
+    return rc;
+}
+
+struct plain_args {
+    alloc_v2_fn real;
+    size_t bytes;
+};
+
+static CUresult plain_alloc(CUdeviceptr *dptr, void *arg)
+{
+    struct plain_args *a = arg;
+    return a->real(dptr, a->bytes);
+}
 
 GV_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
 {
@@ -20,6 +44,12 @@ GV_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
     CUresult rc = gv_charge_begin_current(&c, bytesize);
     if (rc != CUDA_SUCCESS)
         return rc;
+    if (c.active && gv_oversub_on()) {
+        struct plain_args a = { real, bytesize };
+        uint64_t spilled;
+        rc = gv_oversub_alloc(&c, dptr, bytesize, &spilled, plain_alloc, &a, 0);
+        return settle_spillable(&c, rc, dptr, spilled);
+    }
     rc = real(dptr, bytesize);
     return gv_charge_settle(&c, rc, GV_K_PTR, rc == CUDA_SUCCESS ? *dptr : 0);
 }
@@ -73,6 +103,19 @@ static CUresult settle_pitch(gv_charge *c, CUresult rc, uint64_t pitch, uint64_t
     return CUDA_SUCCESS;
 }
 
+struct pitch_args {
+    pitch_v2_fn real;
+    size_t *pitch;
+    size_t width, height;
+    unsigned int elem;
+};
+
+static CUresult pitch_alloc(CUdeviceptr *dptr, void *arg)
+{
+    struct pitch_args *a = arg;
+    return a->real(dptr, a->pitch, a->width, a->height, a->elem);
+}
+
 GV_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t width,
                                       size_t height, unsigned int elem)
 {
@@ -86,6 +129,23 @@ GV_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t w
     CUresult rc = gv_charge_begin_current(&c, gv_round_up(width, 512) * height);
     if (rc != CUDA_SUCCESS)
         return refused(rc, pitch_elem_valid(elem));
+    if (c.active && gv_oversub_on()) {
+        if (!pitch_elem_valid(elem)) {
+            gv_charge_cancel(&c);
+            return real(dptr, pitch, width, height, elem);
+        }
+        /* On the device, the driver's pitch; in host memory, rows padded
+         * to 512 bytes, a multiple of every GPU's pitch alignment. */
+        struct pitch_args a = { real, pitch, width, height, elem };
+        uint64_t spilled;
+        rc = gv_oversub_alloc(&c, dptr, gv_round_up(width, 512) * height, &spilled,
+                              pitch_alloc, &a, 0);
+        if (rc == CUDA_SUCCESS && spilled)
+            *pitch = gv_round_up(width, 512);
+        if (rc != CUDA_SUCCESS || spilled)
+            return settle_spillable(&c, rc, dptr, spilled);
+        return settle_pitch(&c, rc, *pitch, height, *dptr, GV_REAL(cuMemFree_v2, free_v2_fn));
+    }
     rc = real(dptr, pitch, width, height, elem);
     return settle_pitch(&c, rc, rc == CUDA_SUCCESS ? *pitch : 0, height,
                         rc == CUDA_SUCCESS ? *dptr : 0, GV_REAL(cuMemFree_v2, free_v2_fn));
@@ -123,6 +183,11 @@ GV_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigne
     CUresult rc = gv_charge_begin_current(&c, bytesize);
     if (rc != CUDA_SUCCESS)
         return refused(rc, flags == CU_MEM_ATTACH_GLOBAL || flags == CU_MEM_ATTACH_HOST);
+    if (c.active && gv_oversub_on() && (flags == CU_MEM_ATTACH_GLOBAL || flags == CU_MEM_ATTACH_HOST)) {
+        uint64_t spilled;
+        rc = gv_oversub_alloc(&c, dptr, bytesize, &spilled, NULL, NULL, flags);
+        return settle_spillable(&c, rc, dptr, spilled);
+    }
     rc = real(dptr, bytesize, flags);
     return gv_charge_settle(&c, rc, GV_K_PTR, rc == CUDA_SUCCESS ? *dptr : 0);
 }
@@ -149,6 +214,8 @@ static CUresult tracked_free(CUdeviceptr p, CUresult (*real)(CUdeviceptr))
 {
     CUresult rc;
     if (gv_untrack(GV_K_PTR, p, call_free, (void *)real, &rc))
+        return rc;
+    if (gv_untrack(GV_K_SPILL, p, call_free, (void *)real, &rc))
         return rc;
     struct pool_free f = { p, real };
     if (gv_pool_free_block(p, call_pool_free, &f, &rc))

@@ -11,6 +11,7 @@
 #include "hooks.h"
 #include "limits.h"
 #include "log.h"
+#include "oversub.h"
 
 typedef nvmlReturn_t (*mem_fn)(nvmlDevice_t, nvmlMemory_t *);
 typedef nvmlReturn_t (*mem_v2_fn)(nvmlDevice_t, nvmlMemory_v2_t *);
@@ -76,11 +77,12 @@ static nvmlReturn_t quota_view(nvmlDevice_t dev, unsigned long long *total,
     gv_pending_frees_reap();
     gv_core_tidy();
     uint64_t u = region_used(r, e);
-    uint64_t t = limit < *total ? limit : *total;
+    int over = gv_oversub_on();           /* the quota is the device's size */
+    uint64_t t = limit < *total || over ? limit : *total;
     uint64_t avail = u < t ? t - u : 0;
     *total = t;
     *used = u < t ? u : t;
-    *free_b = avail < *free_b ? avail : *free_b;
+    *free_b = avail < *free_b || over ? avail : *free_b;
     *applied = 1;
     return NVML_SUCCESS;
 }

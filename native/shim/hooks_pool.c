@@ -148,6 +148,19 @@ static CUresult free_async(free_async_fn real, CUdeviceptr p, CUstream stream, i
      * (pending_free.c), in flight as cuMemFree's is. */
     gv_alloc a;
     gv_charge_flying();
+    if (gv_table_take(GV_K_SPILL, p, &a)) {
+        /* Spilled (managed) memory is not the stream-ordered allocator's:
+         * wait for the stream, then free it (oversub.c). */
+        rc = GV_REAL(cuStreamSynchronize, CUresult (*)(CUstream))(stream);
+        if (rc == CUDA_SUCCESS)
+            rc = GV_REAL(cuMemFree_v2, CUresult (*)(CUdeviceptr))(p);
+        if (rc == CUDA_SUCCESS)
+            gv_uncharge_alloc(&a);
+        else
+            gv_table_put(&a);
+        gv_charge_landed();
+        return rc;
+    }
     if (!gv_table_take(GV_K_PTR, p, &a)) {
         gv_charge_landed();
         return real(p, stream);

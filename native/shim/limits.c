@@ -460,7 +460,8 @@ int limits_check_env(char *err, size_t errlen)
 {
     if (file_check(1, err, errlen) != GV_OK)
         return GV_EINVAL;
-    return check_family(GV_ENV_LIMIT, memory_why_bad, err, errlen);
+    int rc = check_family(GV_ENV_LIMIT, memory_why_bad, err, errlen);
+    return rc != GV_OK ? rc : limits_oversub_check_env(err, errlen);
 }
 
 /* A boolean variable: 1 for true/1/yes/on, 0 for false/0/no/off/empty or
@@ -505,9 +506,78 @@ int limits_control_disabled(void)
     return 0;
 }
 
-int limits_oversubscribe_requested(void)
+/* "0.1" .. "100" with at most 3 fraction digits, in thousandths; 0: bad. */
+static uint32_t parse_scaling(const char *v)
 {
-    return env_flag(limits_getenv(GV_ENV_OVERSUBSCRIBE)) != 0;
+    while (isspace((unsigned char)*v))
+        v++;
+    uint64_t whole = 0, frac = 0;
+    int digits = 0, fdigits = 0;
+    for (; isdigit((unsigned char)*v); v++, digits++) {
+        whole = whole * 10 + (uint64_t)(*v - '0');
+        if (whole > 100)
+            return 0;
+    }
+    if (*v == '.') {
+        v++;
+        for (; isdigit((unsigned char)*v); v++, fdigits++) {
+            if (fdigits >= 3)
+                return 0;
+            frac = frac * 10 + (uint64_t)(*v - '0');
+        }
+        if (fdigits == 0)
+            return 0;
+    }
+    while (isspace((unsigned char)*v))
+        v++;
+    if (*v != '\0' || digits == 0)
+        return 0;
+    for (int i = fdigits; i < 3; i++)
+        frac *= 10;
+    uint64_t milli = whole * 1000 + frac;
+    return milli >= 100 && milli <= 100000 ? (uint32_t)milli : 0;
+}
+
+int limits_oversub_check_env(char *err, size_t errlen)
+{
+    const char *v = limits_getenv(GV_ENV_OVERSUBSCRIBE);
+    if (env_flag(v) < 0) {
+        set_err(err, errlen, GV_ENV_OVERSUBSCRIBE, v,
+                "not a boolean (use true/false, 1/0, yes/no, on/off)");
+        return GV_EINVAL;
+    }
+    v = limits_getenv(GV_ENV_SCALING);
+    if (v != NULL && v[0] != '\0' && parse_scaling(v) == 0) {
+        set_err(err, errlen, GV_ENV_SCALING, v,
+                "not a scaling factor (a decimal from 0.1 to 100, at most 3 fraction digits)");
+        return GV_EINVAL;
+    }
+    return GV_OK;
+}
+
+int limits_oversubscribe(void)
+{
+    return env_flag(limits_getenv(GV_ENV_OVERSUBSCRIBE)) == 1;
+}
+
+uint32_t limits_memory_scaling_milli(void)
+{
+    const char *v = limits_getenv(GV_ENV_SCALING);
+    uint32_t m = v != NULL && v[0] != '\0' ? parse_scaling(v) : 0;
+    return m ? m : 1000;
+}
+
+uint64_t limits_guarantee(uint64_t limit, uint64_t physical, uint32_t scaling_milli)
+{
+    if (limit == GV_UNLIMITED)
+        return physical;
+    uint64_t g = limit;
+    if (scaling_milli > 1000) {
+        /* limit * 1000 / S without overflow: limits are below 2^64. */
+        unsigned __int128 q = (unsigned __int128)limit * 1000u / scaling_milli;
+        g = (uint64_t)q;
+    }
+    return g < physical ? g : physical;
 }
 
 /* ---- SM-time quota ---------------------------------------------------------- */

@@ -66,10 +66,26 @@ int limits_check_env(char *err, size_t errlen);
  * Anything else is reported (one line) and gives 0: keep enforcing. */
 int limits_control_disabled(void);
 
-/* CUDA_OVERSUBSCRIBE (HAMi's device plugin sets it to ask for virtual device
- * memory, which gpuvisor does not have): 1 when set to anything but a false
- * value, so that the library can say it is ignored. */
-int limits_oversubscribe_requested(void);
+/* ---- oversubscription (docs/oversubscription.md) -------------------------
+ *
+ * CUDA_OVERSUBSCRIBE: true/1/yes/on turns it on; false/0/no/off, empty or
+ * unset leaves it off; anything else is an error (fail closed).
+ * GPUVISOR_MEMORY_SCALING: the node-wide scaling factor S (HAMi's
+ * deviceMemoryScaling), a decimal from 0.1 to 100 with at most 3 fraction
+ * digits; unset or empty: 1.  Checked whether or not oversubscription is on.
+ */
+#define GV_ENV_SCALING "GPUVISOR_MEMORY_SCALING"
+/* Both variables: GV_OK, or GV_EINVAL with one line naming the variable and
+ * its value in err. */
+int limits_oversub_check_env(char *err, size_t errlen);
+/* CUDA_OVERSUBSCRIBE is on (call after limits_oversub_check_env). */
+int limits_oversubscribe(void);
+/* S in thousandths (1000 when unset), after limits_oversub_check_env. */
+uint32_t limits_memory_scaling_milli(void);
+/* The guarantee a quota of limit bytes gives on a device of physical bytes
+ * under S (thousandths): min(limit, limit / S, physical); physical for an
+ * unlimited quota. */
+uint64_t limits_guarantee(uint64_t limit, uint64_t physical, uint32_t scaling_milli);
 
 /* ---- SM-time quota ------------------------------------------------------
  *

@@ -30,7 +30,7 @@
     X(cuCtxPushCurrent_v2) X(cuCtxPopCurrent_v2) X(cuStreamGetCtx) \
     X(cuMemGetInfo) X(cuMemGetInfo_v2) \
     X(cuMemAlloc) X(cuMemAlloc_v2) X(cuMemAllocPitch) X(cuMemAllocPitch_v2) \
-    X(cuMemAllocManaged) X(cuMemFree) X(cuMemFree_v2) \
+    X(cuMemAllocManaged) X(cuMemFree) X(cuMemFree_v2) X(cuMemAdvise) X(cuMemPrefetchAsync) \
     X(cuMemGetAllocationGranularity) \
     X(cuArrayCreate) X(cuArrayCreate_v2) X(cuArray3DCreate) X(cuArray3DCreate_v2) \
     X(cuArrayDestroy) X(cuArrayGetMemoryRequirements) \

@@ -29,7 +29,7 @@
 #include <stdint.h>
 
 #define GV_REGION_MAGIC 0x31485356504756ULL   /* "GVPVSH1" little-endian-ish tag */
-#define GV_REGION_VERSION 9u
+#define GV_REGION_VERSION 10u
 #define GV_MAX_SLOTS 1024
 #define GV_MAX_DEVICES 16
 #define GV_DEFAULT_REGION_PATH "/tmp/gpuvisor-region.shr"
@@ -235,6 +235,28 @@ int region_reserve(gv_region *r, int dev, int slot, uint64_t n);
 int region_charge_held(gv_region *r, int dev, int slot, uint64_t n);
 /* Give back n bytes previously reserved by slot. */
 void region_release(gv_region *r, int dev, int slot, uint64_t n);
+
+/* Oversubscription (docs/oversubscription.md).  region_reserve_spill: as
+ * region_reserve, and spill of the n bytes (spill <= n) count as served
+ * from host memory, in the same step.  region_spill_move: n bytes the slot
+ * holds move from the device to host memory (an allocation the driver
+ * refused on the device and that was then spilled).  region_release_spill:
+ * give back n bytes of which spill were spilled. */
+int region_reserve_spill(gv_region *r, int dev, int slot, uint64_t n, uint64_t spill);
+void region_spill_move(gv_region *r, int dev, int slot, uint64_t n);
+void region_release_spill(gv_region *r, int dev, int slot, uint64_t n, uint64_t spill);
+/* Spilled bytes of the container (all slots) and of one slot. */
+uint64_t region_spilled(gv_region *r, int dev);
+uint64_t region_slot_spilled(gv_region *r, int dev, int slot);
+/* What slot holds on the device (used less spilled): what NVML shows. */
+uint64_t region_slot_resident(gv_region *r, int dev, int slot);
+/* Device-resident bytes of the container: used less spilled. */
+uint64_t region_resident(gv_region *r, int dev);
+/* The container's guarantee on dev (0: not oversubscribed). */
+uint64_t region_guarantee(gv_region *r, int dev);
+void region_set_guarantee(gv_region *r, int dev, uint64_t bytes);
+/* Test hook: sum of dev's spilled[] counters. */
+uint64_t region_test_spill_sum(gv_region *r, int dev);
 
 uint64_t region_used(gv_region *r, int dev);                 /* all slots */
 uint64_t region_slot_used(gv_region *r, int dev, int slot);

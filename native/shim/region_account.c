@@ -120,6 +120,7 @@ static void recompute(gv_region *r, int dev, int forget)
     rg_wait_outside(r, dev, forget);
     if (forget >= 0) {
         atomic_store(&d->used[forget], 0);
+        atomic_store(&d->spilled[forget], 0);
         rg_test_delay();
         atomic_store(&d->inside[forget], 0);
     }
@@ -130,11 +131,14 @@ static void recompute(gv_region *r, int dev, int forget)
 void rg_recompute_locked(gv_region *r, int dev)
 {
     struct gv_dev *d = &r->m->dev[dev];
-    uint64_t sum = 0;
+    uint64_t sum = 0, spilled = 0;
     uint32_t hwm = hwm_of(r);
-    for (uint32_t k = 0; k < hwm; k++)
+    for (uint32_t k = 0; k < hwm; k++) {
         sum = sat_add(sum, atomic_load(&d->used[k]));
+        spilled = sat_add(spilled, atomic_load(&d->spilled[k]));
+    }
     atomic_store(&d->total, sum);
+    atomic_store(&d->spilled_total, spilled);
     atomic_store(&d->gate, 0);
 }
 
@@ -204,10 +208,17 @@ static int reclaim_due(struct gv_dev *d)
 
 int region_reserve(gv_region *r, int dev, int slot, uint64_t n)
 {
+    return region_reserve_spill(r, dev, slot, n, 0);
+}
+
+int region_reserve_spill(gv_region *r, int dev, int slot, uint64_t n, uint64_t spill)
+{
     int err = GV_OK;
     struct gv_dev *d = charge_target(r, dev, slot, &err);
     if (!d || n == 0)
         return err;
+    if (spill > n)
+        return GV_EINVAL;
     if (n > MAX_RESERVE)
         return refuse(d);
     int tries = 0, reclaimed = 0;
@@ -219,6 +230,10 @@ int region_reserve(gv_region *r, int dev, int slot, uint64_t n)
         uint64_t total = atomic_fetch_add(&d->total, n) + n;
         if (limit == GV_UNLIMITED || total <= limit) {
             atomic_fetch_add(&d->used[slot], n);
+            if (spill) {
+                atomic_fetch_add(&d->spilled[slot], spill);
+                atomic_fetch_add(&d->spilled_total, spill);
+            }
             leave(r, dev, slot);
             return GV_OK;
         }
@@ -261,10 +276,42 @@ int region_charge_held(gv_region *r, int dev, int slot, uint64_t n)
 
 void region_release(gv_region *r, int dev, int slot, uint64_t n)
 {
+    region_release_spill(r, dev, slot, n, 0);
+}
+
+/* Take up to n off *c; returns what was taken. */
+static uint64_t take_off(_Atomic uint64_t *c, uint64_t n)
+{
+    uint64_t old = atomic_load(c);
+    while (!atomic_compare_exchange_weak(c, &old, old >= n ? old - n : 0))
+        ;
+    return old >= n ? n : old;
+}
+
+void region_spill_move(gv_region *r, int dev, int slot, uint64_t n)
+{
+    if (!dev_ready(r, dev) || slot < 0 || slot >= GV_MAX_SLOTS || n == 0)
+        return;
+    struct gv_dev *d = &r->m->dev[dev];
+    enter(r, dev, slot);
+    uint64_t used = atomic_load(&d->used[slot]), sp = atomic_load(&d->spilled[slot]);
+    uint64_t room = used > sp ? used - sp : 0;
+    n = n < room ? n : room;
+    atomic_fetch_add(&d->spilled[slot], n);
+    atomic_fetch_add(&d->spilled_total, n);
+    leave(r, dev, slot);
+}
+
+void region_release_spill(gv_region *r, int dev, int slot, uint64_t n, uint64_t spill)
+{
     if (!dev_ok(r, dev) || slot < 0 || slot >= GV_MAX_SLOTS || n == 0)
         return;
     struct gv_dev *d = &r->m->dev[dev];
     enter(r, dev, slot);
+    if (spill) {
+        uint64_t took = take_off(&d->spilled[slot], spill < n ? spill : n);
+        atomic_fetch_sub(&d->spilled_total, took);
+    }
     _Atomic uint64_t *c = &d->used[slot];
     uint64_t old = atomic_load(c);
     while (!atomic_compare_exchange_weak(c, &old, old >= n ? old - n : 0))
@@ -284,6 +331,58 @@ uint64_t region_used(gv_region *r, int dev)
         return 0;
     /* May briefly include a reservation that is about to be refused. */
     return atomic_load(&r->m->dev[dev].total);
+}
+
+uint64_t region_spilled(gv_region *r, int dev)
+{
+    return dev_ok(r, dev) ? atomic_load(&r->m->dev[dev].spilled_total) : 0;
+}
+
+uint64_t region_slot_spilled(gv_region *r, int dev, int slot)
+{
+    if (!dev_ok(r, dev) || slot < 0 || slot >= GV_MAX_SLOTS)
+        return 0;
+    return atomic_load(&r->m->dev[dev].spilled[slot]);
+}
+
+uint64_t region_slot_resident(gv_region *r, int dev, int slot)
+{
+    uint64_t sp = region_slot_spilled(r, dev, slot), u = region_slot_used(r, dev, slot);
+    return u > sp ? u - sp : 0;
+}
+
+uint64_t region_resident(gv_region *r, int dev)
+{
+    if (!dev_ok(r, dev))
+        return 0;
+    /* Spilled first: a release lowers it before the total, a reservation
+     * raises the total first, so the difference never wraps for long;
+     * clamp the instant it would. */
+    uint64_t sp = atomic_load(&r->m->dev[dev].spilled_total);
+    uint64_t t = atomic_load(&r->m->dev[dev].total);
+    return t > sp ? t - sp : 0;
+}
+
+uint64_t region_guarantee(gv_region *r, int dev)
+{
+    return dev_ok(r, dev) ? atomic_load(&r->m->dev[dev].guarantee) : 0;
+}
+
+void region_set_guarantee(gv_region *r, int dev, uint64_t bytes)
+{
+    if (dev_ok(r, dev) && atomic_load(&r->m->dev[dev].guarantee) != bytes)
+        atomic_store(&r->m->dev[dev].guarantee, bytes);
+}
+
+uint64_t region_test_spill_sum(gv_region *r, int dev)
+{
+    if (!dev_ok(r, dev))
+        return 0;
+    uint64_t sum = 0;
+    uint32_t hwm = hwm_of(r);
+    for (uint32_t k = 0; k < hwm; k++)
+        sum = sat_add(sum, atomic_load(&r->m->dev[dev].spilled[k]));
+    return sum;
 }
 
 uint64_t region_slot_used(gv_region *r, int dev, int slot)

@@ -20,11 +20,14 @@ static void init_device(struct gv_dev *d, const unsigned char uuid[16],
     atomic_store(&d->oom_count, 0);
     atomic_store(&d->ctx_cost, 0);
     atomic_store(&d->limit_by, 0);
+    atomic_store(&d->guarantee, 0);
     for (int i = 0; i < GV_MAX_SLOTS; i++) {
         atomic_store_explicit(&d->used[i], 0, memory_order_relaxed);
+        atomic_store_explicit(&d->spilled[i], 0, memory_order_relaxed);
         atomic_store_explicit(&d->inside[i], 0, memory_order_relaxed);
     }
     atomic_store(&d->total, 0);
+    atomic_store(&d->spilled_total, 0);
     atomic_store(&d->gate, 0);
     memset(&d->sm, 0, sizeof d->sm);
 }

@@ -64,7 +64,13 @@ struct gv_dev {
      * here (padding of the same cache line). */
     _Atomic uint64_t limit_by;
     unsigned char uuid[16];                       /* valid once READY */
+    /* Oversubscription (docs/oversubscription.md): the device memory the
+     * container is guaranteed on this device, limit / S, as the last of its
+     * processes to allocate under CUDA_OVERSUBSCRIBE computed it; 0: not
+     * oversubscribed. */
+    _Atomic uint64_t guarantee;
     _Alignas(CACHELINE) _Atomic uint64_t total;   /* sum of used[]: see below */
+    _Atomic uint64_t spilled_total;               /* sum of spilled[] */
     _Alignas(CACHELINE) _Atomic uint64_t gate;    /* 0 open, else closer|FLAG_BIT */
     /* CLOCK_MONOTONIC ns when a refused reservation last looked for dead
      * processes' memory on this entry (region_account.c); in what was
@@ -72,6 +78,9 @@ struct gv_dev {
      * an earlier library's file holds 0 (look now). */
     _Atomic uint64_t reclaim_at;
     _Alignas(CACHELINE) _Atomic uint64_t used[GV_MAX_SLOTS];
+    /* The part of used[] served from host memory (spilled): never more
+     * than used[] of the same slot; changed inside the gate with it. */
+    _Alignas(CACHELINE) _Atomic uint64_t spilled[GV_MAX_SLOTS];
     _Alignas(CACHELINE) _Atomic uint64_t inside[GV_MAX_SLOTS];  /* ops in progress */
     _Alignas(CACHELINE) struct gv_sm sm;          /* SM-time quota */
 };

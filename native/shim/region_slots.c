@@ -203,6 +203,7 @@ int region_leave(gv_region *r)
         }
         rg_wait_outside(r, dev, slot);
         atomic_store(&d->used[slot], 0);
+        atomic_store(&d->spilled[slot], 0);
         rg_recompute_locked(r, dev);
     }
     atomic_store(&r->slot_cache, gen << 32 | SLOT_NONE);

@@ -125,14 +125,14 @@ int gv_untracked_reconcile(int ordinal)
     struct held *h = &held[ordinal];
     pthread_mutex_lock(&h->lock);
     uint64_t begun = gv_charges_begun();
-    uint64_t before = region_slot_used(r, d->region_dev, slot), nvml = 0;
+    uint64_t before = region_slot_resident(r, d->region_dev, slot), nvml = 0;
     int busy = gv_ctx_creating() || gv_charges_in_flight();
     int listed = !busy && gv_nvml_self_used(d, &nvml);
     int seen = listed && gv_pools_settled();
     /* After NVML, before the charge: a pending free released meanwhile
      * moved the charge first. */
     uint64_t pending = gv_pending_frees_bytes(d->region_dev);
-    uint64_t after = region_slot_used(r, d->region_dev, slot);
+    uint64_t after = region_slot_resident(r, d->region_dev, slot);
     int used = seen && before == after && !gv_ctx_creating() && !gv_charges_in_flight() &&
                gv_charges_begun() == begun;
     if (used) {

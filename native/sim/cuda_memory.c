@@ -52,6 +52,8 @@ void sim_free_entry_locked(sim_alloc *a)
     }
     int node = a->node;
     uint64_t ch = a->charged;
+    if (a->kind == SIM_K_MANAGED)
+        free(a->pages);
     sim_tab_remove(a->addr);
     sim_uncharge(node, ch);
 }
@@ -112,14 +114,6 @@ SIM_API CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pitch,
         *pitch = (unsigned int)p;
     }
     return rc;
-}
-
-SIM_API CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size,
-                                   unsigned int flags)
-{
-    if (flags != CU_MEM_ATTACH_GLOBAL && flags != CU_MEM_ATTACH_HOST)
-        return CUDA_ERROR_INVALID_VALUE;
-    return sim_dev_alloc(dptr, size, 0);
 }
 
 SIM_API CUresult cuMemFree_v2(CUdeviceptr dptr)

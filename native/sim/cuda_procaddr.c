@@ -60,6 +60,8 @@ static const pa_ent g_tab[] = {
     V2("cuMemAlloc", 2000, 3020),
     V2("cuMemAllocPitch", 2000, 3020),
     ONE("cuMemAllocManaged", 6000),
+    V2("cuMemAdvise", 8000, 12020),
+    V2("cuMemPrefetchAsync", 8000, 12020),
     V2("cuMemFree", 2000, 3020),
     V2("cuMemAllocHost", 2000, 3020),
     ONE("cuMemFreeHost", 2000),

@@ -324,7 +324,7 @@ struct CUctx_st {
     uint64_t pend[SIM_QUEUE_DEPTH];     /* end times of the last launches */
 };
 
-enum sim_kind { SIM_K_ALLOC = 1, SIM_K_POOL = 2, SIM_K_LOW = 3, SIM_K_GRAPH = 4 };
+enum sim_kind { SIM_K_ALLOC = 1, SIM_K_POOL = 2, SIM_K_LOW = 3, SIM_K_GRAPH = 4, SIM_K_MANAGED = 5 };
 
 typedef struct sim_alloc {
     CUdeviceptr addr;
@@ -335,6 +335,7 @@ typedef struct sim_alloc {
     struct CUctx_st *ctx;
     struct CUmemPoolHandle_st *pool;
     struct sim_gmem *gmem;              /* SIM_K_GRAPH: its allocation node's */
+    unsigned char *pages;               /* SIM_K_MANAGED: 1 per 2 MiB page on the device */
 } sim_alloc;
 
 struct CUmemPoolHandle_st {

@@ -66,6 +66,8 @@
     F(cuMemAllocPitch_v2, CUresult, (CUdeviceptr *, size_t *, size_t, size_t, \
                                      unsigned))                               \
     F(cuMemAllocManaged, CUresult, (CUdeviceptr *, size_t, unsigned))         \
+    F(cuMemAdvise, CUresult, (CUdeviceptr, size_t, CUmem_advise, CUdevice))   \
+    F(cuMemPrefetchAsync, CUresult, (CUdeviceptr, size_t, CUdevice, CUstream)) \
     F(cuMemFree, CUresult, (CUdeviceptr_v1))                                  \
     F(cuMemFree_v2, CUresult, (CUdeviceptr))                                  \
     F(cuMemAllocHost_v2, CUresult, (void **, size_t))                         \
@@ -335,9 +337,20 @@ static void test_alloc(void)
     CHECK(free_mem() == f0 - 4 * MIB);          /* 1024*3000 -> 4 MiB */
     OK(cuMemFree_v2(a));
     CU(cuMemAllocPitch_v2(&a, &pitch, 1000, 10, 3), CUDA_ERROR_INVALID_VALUE);
+    /* Managed memory lives on the host until prefetched to the device,
+     * as far as the device has room; a preferred location of the host
+     * takes it back. */
     OK(cuMemAllocManaged(&a, 5 * MIB, CU_MEM_ATTACH_GLOBAL));
-    CHECK(free_mem() == f0 - 6 * MIB);
+    CHECK(free_mem() == f0);
+    OK(cuMemPrefetchAsync(a, 3 * MIB, 0, NULL));
+    CHECK(free_mem() == f0 - 4 * MIB);          /* pages 0 and 1 of 2 MiB */
+    OK(cuMemAdvise(a + 2 * MIB, 1, CU_MEM_ADVISE_SET_PREFERRED_LOCATION, CU_DEVICE_CPU));
+    CHECK(free_mem() == f0 - 2 * MIB);
+    OK(cuMemAdvise(a, 5 * MIB, CU_MEM_ADVISE_SET_ACCESSED_BY, 0));
+    CU(cuMemAdvise(a, 6 * MIB + 1, CU_MEM_ADVISE_SET_ACCESSED_BY, 0), CUDA_ERROR_INVALID_VALUE);
+    CU(cuMemPrefetchAsync(a, MIB, 7, NULL), CUDA_ERROR_INVALID_DEVICE);
     OK(cuMemFree_v2(a));
+    CHECK(free_mem() == f0);
     CU(cuMemAllocManaged(&a, 5 * MIB, 0), CUDA_ERROR_INVALID_VALUE);
 
     void *h;
@@ -635,6 +648,7 @@ static void test_procaddr(void)
         "cuDevicePrimaryCtxRelease", "cuDevicePrimaryCtxReset",
         "cuDevicePrimaryCtxGetState", "cuDevicePrimaryCtxSetFlags",
         "cuMemGetInfo", "cuMemAlloc", "cuMemAllocPitch", "cuMemAllocManaged",
+        "cuMemAdvise", "cuMemPrefetchAsync",
         "cuMemFree", "cuMemAllocHost", "cuMemFreeHost",
         "cuMemGetAddressRange", "cuMemcpyHtoD", "cuMemcpyDtoH", "cuMemsetD8",
         "cuArrayCreate", "cuArray3DCreate", "cuArrayDestroy",

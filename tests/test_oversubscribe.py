@@ -1,0 +1,360 @@
+"""Memory oversubscription (CUDA_OVERSUBSCRIBE=true, docs/oversubscription.md).
+
+Two containers (two region files) share one simulated 4 GiB device and the
+node directory; each has a 4 GiB quota and S = 2, so each is guaranteed
+2 GiB of device memory.  The witness is the simulated driver's own
+per-process figure of device memory (NVML, read without the library): it
+never counts more than the device holds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import SimNode, run_json, run_py, start_ready
+
+GiB = 1 << 30
+MiB = 1 << 20
+SIM_CONTEXT = 32 * MiB
+DEVICE = 4 * GiB
+
+# A container's process: a primary context, then it obeys lines on stdin:
+# "alloc N" (cuMemAlloc of N MiB, answers the result), "pitch W H",
+# "managed N", "free" (the last allocation), "info" (cuMemGetInfo), "touch"
+# (memset and copy on every live allocation), "loop N" (N rounds of
+# allocating and freeing 256 MiB, for the SIGKILL test).
+WORKER = """
+from tests.cuclient import *
+import json, sys
+init()
+held = []
+print("ready", flush=True)
+for line in sys.stdin:
+    cmd, *args = line.split()
+    out = {}
+    if cmd == "alloc":
+        err, p = call(cu.cuMemAlloc, int(args[0]) * MiB)
+        if err == SUCCESS:
+            held.append((p, int(args[0]) * MiB))
+        out = {"err": err.name}
+    elif cmd == "pitch":
+        w, h = int(args[0]), int(args[1])
+        err, v = call(cu.cuMemAllocPitch, w, h, 4)
+        if err == SUCCESS:
+            held.append((v[0], v[1] * h))
+            out = {"pitch": int(v[1])}
+        out["err"] = err.name
+    elif cmd == "managed":
+        err, p = call(cu.cuMemAllocManaged, int(args[0]) * MiB,
+                      cu.CUmemAttach_flags.CU_MEM_ATTACH_GLOBAL)
+        if err == SUCCESS:
+            held.append((p, int(args[0]) * MiB))
+        out = {"err": err.name}
+    elif cmd == "free":
+        p, _ = held.pop()
+        out = {"err": call(cu.cuMemFree, p)[0].name}
+    elif cmd == "info":
+        free, total = mem_info()
+        out = {"free": free, "total": total}
+    elif cmd == "touch":
+        buf = bytearray(MiB)
+        for p, n in held:
+            ok(cu.cuMemsetD8, p, 7, n)
+            ok(cu.cuMemcpyHtoD, p, buf, MiB)
+            ok(cu.cuMemcpyDtoH, buf, p, MiB)
+        out = {"err": "CUDA_SUCCESS"}
+    elif cmd == "loop":
+        for _ in range(int(args[0])):
+            err, p = call(cu.cuMemAlloc, 256 * MiB)
+            if err == SUCCESS:
+                ok(cu.cuMemFree, p)
+        out = {"err": "CUDA_SUCCESS"}
+    print(json.dumps(out), flush=True)
+"""
+
+# The device's physical use and each process's, as the simulated driver
+# counts them (no library: its own figures).
+PHYSICAL = """
+import json
+import pynvml as n
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+procs = {str(p.pid): p.usedGpuMemory
+         for p in n.nvmlDeviceGetComputeRunningProcesses(h)}
+print(json.dumps({"used": n.nvmlDeviceGetMemoryInfo(h).used, "procs": procs}))
+"""
+
+# A region's figures per device entry, through the exported API.
+REGION = """
+import json, sys
+from gpuvisor.shim.region import Region
+r = Region.attach(sys.argv[1])
+r.reclaim_dead()
+print(json.dumps([{"used": d.used, "spilled": d.spilled, "resident": d.resident,
+                   "guarantee": d.guarantee} for d in r.devices()]))
+"""
+
+
+class Container:
+    """One container: its own region file, one worker process."""
+
+    def __init__(self, node: SimNode, name: str, **env: str) -> None:
+        self.region = node.dir / f"{name}.shr"
+        self.env = node.shimmed(CUDA_DEVICE_MEMORY_SHARED_CACHE=str(self.region), **env)
+        self.proc = start_ready(WORKER, self.env)
+
+    def ask(self, line: str) -> dict[str, Any]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(line + "\n")
+        self.proc.stdin.flush()
+        answer = self.proc.stdout.readline()
+        assert answer, self.proc.stderr.read() if self.proc.stderr else "worker died"
+        result: dict[str, Any] = json.loads(answer)
+        return result
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(timeout=10)
+
+    def figures(self, node: SimNode) -> dict[str, int]:
+        out: list[dict[str, int]] = run_json(REGION, node.env, args=[str(self.region)])
+        return out[0]
+
+
+OVER = {
+    "CUDA_DEVICE_MEMORY_LIMIT": "4g",
+    "CUDA_OVERSUBSCRIBE": "true",
+    "GPUVISOR_MEMORY_SCALING": "2",
+}
+
+
+def physical(node: SimNode) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-c", PHYSICAL],
+        env=node.env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+def on_device(node: SimNode, c: Container) -> int:
+    """What the driver holds on the device for c's process."""
+    return int(physical(node)["procs"].get(str(c.proc.pid), 0))
+
+
+@pytest.fixture
+def small(tmp_path: Path, build_dir: Path) -> SimNode:
+    return SimNode.create(tmp_path, devices="1x4g")
+
+
+def check_guarantees(node: SimNode, *containers: Container, asked: dict[int, int]) -> None:
+    """Device use within the device, and each container that asked for at
+    least its guarantee (2 GiB, its context included) holds at least that
+    on the device, by the driver's own count and by the region's."""
+    phys = physical(node)
+    assert phys["used"] <= DEVICE, phys
+    for c in containers:
+        held = int(phys["procs"].get(str(c.proc.pid), 0))
+        fig = c.figures(node)
+        assert fig["guarantee"] == 2 * GiB, fig
+        if asked[c.proc.pid] + SIM_CONTEXT >= 2 * GiB:
+            assert held >= 2 * GiB, (held, phys)
+        assert fig["resident"] == held, (fig, held)
+
+
+def test_two_containers_each_get_three_gib_and_their_guarantee(small):
+    a = Container(small, "a", **OVER)
+    b = Container(small, "b", **OVER)
+    try:
+        asked = {a.proc.pid: 0, b.proc.pid: 0}
+        assert a.ask("alloc 3072")["err"] == "CUDA_SUCCESS"
+        asked[a.proc.pid] = 3 * GiB
+        check_guarantees(small, a, b, asked=asked)
+        assert b.ask("alloc 3072")["err"] == "CUDA_SUCCESS"
+        asked[b.proc.pid] = 3 * GiB
+        check_guarantees(small, a, b, asked=asked)
+        # The quota is the device's size, and nothing short of it is refused.
+        info = a.ask("info")
+        assert info["total"] == 4 * GiB
+        assert info["free"] == 4 * GiB - 3 * GiB - SIM_CONTEXT
+        assert a.ask("alloc 992")["err"] == "CUDA_SUCCESS"
+        assert a.ask("alloc 2")["err"] == "CUDA_ERROR_OUT_OF_MEMORY"
+        # Kernels and copies (here: memset and copies) work on spilled memory.
+        assert a.ask("touch")["err"] == "CUDA_SUCCESS"
+        assert b.ask("touch")["err"] == "CUDA_SUCCESS"
+        fa, fb = a.figures(small), b.figures(small)
+        assert fa["used"] == 4 * GiB, fa
+        assert fb["used"] == 3 * GiB + SIM_CONTEXT, fb
+        assert fa["spilled"] > 0 and fb["spilled"] > 0, (fa, fb)
+        check_guarantees(small, a, b, asked=asked)
+        # Frees give back the spilled part as well.
+        assert a.ask("free")["err"] == "CUDA_SUCCESS"
+        assert a.ask("free")["err"] == "CUDA_SUCCESS"
+        fa = a.figures(small)
+        assert fa == {"used": SIM_CONTEXT, "spilled": 0, "resident": SIM_CONTEXT,
+                      "guarantee": 2 * GiB}, fa
+    finally:
+        a.kill()
+        b.kill()
+    assert physical(small)["used"] == 0
+    for c in (a, b):
+        assert c.figures(small)["used"] == 0
+        assert c.figures(small)["spilled"] == 0
+
+
+def test_a_container_that_comes_later_still_gets_its_guarantee(small):
+    """A borrowed the whole device while B was idle (B's context claimed
+    its guarantee): A may hold beyond its guarantee only what B's unclaimed
+    guarantee does not need, so B's 3 GiB still get 2 GiB on the device."""
+    a = Container(small, "a", **OVER)
+    b = Container(small, "b", **OVER)
+    try:
+        assert a.ask("alloc 1024")["err"] == "CUDA_SUCCESS"
+        assert a.ask("alloc 1024")["err"] == "CUDA_SUCCESS"
+        assert a.ask("alloc 1024")["err"] == "CUDA_SUCCESS"
+        # A's third GiB is beyond its guarantee: B's unclaimed 2 GiB (less
+        # its context) must stay free, so it was spilled.
+        assert a.figures(small)["spilled"] >= 1 * GiB - SIM_CONTEXT
+        for _ in range(3):
+            assert b.ask("alloc 1024")["err"] == "CUDA_SUCCESS"
+        check_guarantees(small, a, b, asked={a.proc.pid: 3 * GiB, b.proc.pid: 3 * GiB})
+    finally:
+        a.kill()
+        b.kill()
+
+
+def test_pitch_and_managed_spill_too(small):
+    a = Container(small, "a", **OVER)
+    b = Container(small, "b", **OVER)
+    try:
+        assert b.ask("alloc 2048")["err"] == "CUDA_SUCCESS"
+        out = a.ask("pitch 1000 3000000")      # 1024 x 3e6: 2.86 GiB
+        assert out["err"] == "CUDA_SUCCESS", out
+        assert out["pitch"] % 512 == 0 and out["pitch"] >= 1000
+        assert a.ask("managed 1024")["err"] == "CUDA_SUCCESS"
+        assert a.ask("touch")["err"] == "CUDA_SUCCESS"
+        fa = a.figures(small)
+        assert fa["spilled"] > 0
+        check_guarantees(small, a, b, asked={a.proc.pid: 3 * GiB, b.proc.pid: 2 * GiB})
+        assert a.ask("free")["err"] == "CUDA_SUCCESS"
+        assert a.ask("free")["err"] == "CUDA_SUCCESS"
+        assert a.figures(small)["used"] == SIM_CONTEXT
+    finally:
+        a.kill()
+        b.kill()
+
+
+def test_racing_containers_and_sigkill_leave_nothing(small):
+    """Both containers allocate and free at once, two processes each, and
+    are killed mid-way: the device never holds more than it has, and
+    everything comes back to 0."""
+    env = dict(OVER)
+    workers = [Container(small, name, **env) for name in ("a", "b")]
+    workers += [start_second(small, w) for w in list(workers)]
+    try:
+        for w in workers:
+            assert w.proc.stdin is not None
+            w.proc.stdin.write("loop 400\n")
+            w.proc.stdin.flush()
+        for _ in range(5):
+            phys = physical(small)
+            assert phys["used"] <= DEVICE, phys
+    finally:
+        for w in workers:
+            w.kill()
+    assert physical(small)["used"] == 0
+    for w in workers[:2]:
+        assert w.figures(small) == {"used": 0, "spilled": 0, "resident": 0,
+                                    "guarantee": 2 * GiB}
+
+
+def start_second(node: SimNode, first: Container) -> Container:
+    """Another process of first's container."""
+    c = Container.__new__(Container)
+    c.region = first.region
+    c.env = first.env
+    c.proc = start_ready(WORKER, c.env)
+    return c
+
+
+def test_without_the_variable_the_device_refuses_as_before(small):
+    a = Container(small, "a", CUDA_DEVICE_MEMORY_LIMIT="4g")
+    b = Container(small, "b", CUDA_DEVICE_MEMORY_LIMIT="4g")
+    try:
+        assert a.ask("alloc 3072")["err"] == "CUDA_SUCCESS"
+        assert b.ask("alloc 3072")["err"] == "CUDA_ERROR_OUT_OF_MEMORY"
+        assert a.figures(small)["spilled"] == 0
+        assert a.figures(small)["guarantee"] == 0
+        assert a.ask("info")["total"] == 4 * GiB
+    finally:
+        a.kill()
+        b.kill()
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("CUDA_OVERSUBSCRIBE", "maybe"),
+        ("CUDA_OVERSUBSCRIBE", "2"),
+        ("GPUVISOR_MEMORY_SCALING", "0"),
+        ("GPUVISOR_MEMORY_SCALING", "-1"),
+        ("GPUVISOR_MEMORY_SCALING", "abc"),
+        ("GPUVISOR_MEMORY_SCALING", "1e3"),
+        ("GPUVISOR_MEMORY_SCALING", "101"),
+        ("GPUVISOR_MEMORY_SCALING", "1.2345"),
+        ("GPUVISOR_MEMORY_SCALING", "nan"),
+    ],
+)
+def test_bad_values_fail_closed(small, name, value):
+    env = small.shimmed(**{**OVER, name: value})
+    proc = run_py(
+        """
+from tests.cuclient import *
+print(call(cu.cuInit, 0)[0].name)
+""",
+        env,
+    )
+    assert proc.stdout.strip() == "CUDA_ERROR_NOT_PERMITTED", proc.stdout + proc.stderr
+    said = [line for line in proc.stderr.splitlines() if name in line]
+    assert len(said) == 1, proc.stderr
+    assert f'{name}="{value}"' in said[0]
+
+
+@pytest.mark.parametrize("value", ["1", "1.5", " 2 ", "0.5", "100"])
+def test_good_scaling_values_run(small, value):
+    env = small.shimmed(**{**OVER, "GPUVISOR_MEMORY_SCALING": value})
+    proc = run_py("from tests.cuclient import *\ninit()\nprint(mem_info()[1])", env)
+    assert proc.returncode == 0, proc.stderr
+    assert int(proc.stdout) == 4 * GiB
+
+
+def test_the_node_file_rows_of_dead_containers_do_not_count(small):
+    """A container killed while it held nothing leaves a row behind whose
+    lock went with it: the next container borrows as if it were not there."""
+    b = Container(small, "b", **OVER)
+    b.kill()
+    a = Container(small, "a", **OVER)
+    try:
+        assert a.ask("alloc 3072")["err"] == "CUDA_SUCCESS"
+        assert a.figures(small)["spilled"] == 0
+    finally:
+        a.kill()
+    assert os.path.exists(small.dir / f"gpuvisor-mem-{uuid0(small)}")
+
+
+def uuid0(node: SimNode) -> str:
+    out = run_py("import pynvml as n\nn.nvmlInit()\n"
+                 "print(n.nvmlDeviceGetUUID(n.nvmlDeviceGetHandleByIndex(0)))", node.env)
+    return out.stdout.strip()
