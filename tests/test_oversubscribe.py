@@ -257,25 +257,32 @@ def test_pitch_and_managed_spill_too(small):
 
 
 def test_racing_containers_and_sigkill_leave_nothing(small):
-    """Both containers allocate and free at once, two processes each, and
-    are killed mid-way: the device never holds more than it has, and
+    """Two processes in each container hold 1 GiB each (so each container
+    asked for its guarantee), then all four allocate and free 256 MiB at
+    once and are killed mid-way: the device never holds more than it has,
+    each container keeps at least its guarantee on it all along, and
     everything comes back to 0."""
-    env = dict(OVER)
-    workers = [Container(small, name, **env) for name in ("a", "b")]
-    workers += [start_second(small, w) for w in list(workers)]
+    first = [Container(small, name, **OVER) for name in ("a", "b")]
+    workers = first + [start_second(small, w) for w in first]
     try:
         for w in workers:
+            assert w.ask("alloc 1024")["err"] == "CUDA_SUCCESS"
+        for w in workers:
             assert w.proc.stdin is not None
-            w.proc.stdin.write("loop 400\n")
+            w.proc.stdin.write("loop 100000\n")
             w.proc.stdin.flush()
-        for _ in range(5):
+        for _ in range(6):
             phys = physical(small)
             assert phys["used"] <= DEVICE, phys
+            for c in first:
+                pids = {str(w.proc.pid) for w in workers if w.region == c.region}
+                held = sum(int(v) for pid, v in phys["procs"].items() if pid in pids)
+                assert held >= 2 * GiB, (c.region.name, phys)
     finally:
         for w in workers:
             w.kill()
     assert physical(small)["used"] == 0
-    for w in workers[:2]:
+    for w in first:
         assert w.figures(small) == {"used": 0, "spilled": 0, "resident": 0,
                                     "guarantee": 2 * GiB}
 

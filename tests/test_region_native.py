@@ -141,6 +141,36 @@ def test_region_kill(build: str, tmp_path: Path) -> None:
     assert "t_region_kill: OK" in out
 
 
+def test_region_race_and_kill_oversubscribed(tmp_path: Path) -> None:
+    """The oversubscribed variants: reservations spill part of themselves
+    to host memory (at once or later) and releases give both parts back;
+    the quota is never passed, the spilled count never exceeds the usage,
+    and it comes back to exactly 0, SIGKILLs included."""
+    out = run(
+        "build",
+        "t_region_race",
+        [str(tmp_path / "race.shr"), "--spill", *RACE_ARGS["build"]],
+        tmp_path,
+        timeout=60,
+    )
+    assert overshoots(out) == [0, 0], out
+    assert out.count("spill: final_spilled=0 slot_spill_sum=0 spill_over_used=0") == 2, out
+    assert "t_region_race: OK" in out
+    out = run(
+        "build",
+        "t_region_kill",
+        [str(tmp_path / "kill.shr"), "--spill", *KILL_ARGS["build"]],
+        tmp_path,
+        timeout=90,
+    )
+    m = re.search(r"kills=(\d+) .*hung=(\d+) .*final_used=(\d+) final_spilled=(\d+)", out)
+    assert m is not None, out
+    assert int(m.group(1)) > 0, out
+    assert m.group(2) == "0", out
+    assert (m.group(3), m.group(4)) == ("0", "0"), out
+    assert "t_region_kill: OK" in out
+
+
 @pytest.mark.parametrize("build", list(BUILDS))
 def test_region_exec_from_a_thread(build: str, tmp_path: Path) -> None:
     """A process whose other thread exec()s a program without the region

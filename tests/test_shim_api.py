@@ -280,6 +280,8 @@ emit(path=str(r.path), i=[i0, i1, again], before=before, mid=mid,
             "physical_total": 16 * GiB,
             "oom_count": 0,
             "context_cost": 0,
+            "spilled": 0,
+            "guarantee": 0,
         },
         {
             "index": 1,
@@ -289,6 +291,8 @@ emit(path=str(r.path), i=[i0, i1, again], before=before, mid=mid,
             "physical_total": 24 * GiB,
             "oom_count": 0,
             "context_cost": 0,
+            "spilled": 0,
+            "guarantee": 0,
         },
     ]
     assert out["mid"] == [8 * GiB, 2 * GiB]

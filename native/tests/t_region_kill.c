@@ -6,7 +6,11 @@
  * round: nobody hung (workers run under alarm()), everything is reclaimed,
  * usage is exactly 0 and the full limit can be reserved again.
  *
- *   t_region_kill PATH [--rounds 20] [--workers 6] [--round-ms 150]
+ *   t_region_kill PATH [--rounds 20] [--workers 6] [--round-ms 150] [--spill]
+ *
+ * --spill: the oversubscribed variant: reservations count part of
+ * themselves as spilled to host memory, or move part there later, and
+ * after each round the spilled count is exactly 0 too.
  */
 #include "region_test.h"
 #include "region_impl.h"
@@ -24,6 +28,7 @@
 static gv_region *g_r;
 static int g_dev;
 static _Atomic uint64_t *g_ops;
+static int g_spill;
 
 static void worker(int id, int round)
 {
@@ -40,19 +45,27 @@ static void worker(int id, int round)
         if (region_device_lookup(g_r, u, MIB, MIB) < 0)
             _exit(4);
     }
-    uint64_t held[8];
+    uint64_t held[8], spilled[8];
     int n = 0;
     for (uint64_t it = 0;; it++) {
         uint64_t x = t_rand(&seed);
         if (n < 8 && (n == 0 || (x & 1))) {
             uint64_t sz = 1 + (x >> 20) % (LIMIT / 6);
-            int rc = region_reserve(g_r, g_dev, slot, sz);
-            if (rc == 0)
+            uint64_t sp = g_spill && (x >> 44 & 1) ? sz / 2 : 0;
+            int rc = region_reserve_spill(g_r, g_dev, slot, sz, sp);
+            if (rc == 0) {
+                if (g_spill && sp == 0 && (x >> 45 & 1)) {
+                    sp = sz / 3;
+                    region_spill_move(g_r, g_dev, slot, sp);
+                }
+                spilled[n] = sp;
                 held[n++] = sz;
-            else if (rc != GV_ENOMEM)
+            } else if (rc != GV_ENOMEM) {
                 _exit(5);
+            }
         } else {
-            region_release(g_r, g_dev, slot, held[--n]);
+            --n;
+            region_release_spill(g_r, g_dev, slot, held[n], spilled[n]);
         }
         if ((x & 0xff) == 0)
             region_reclaim_dead(g_r);
@@ -157,6 +170,7 @@ int main(int argc, char **argv)
     int rounds = (int)t_opt(argc, argv, "--rounds", 20);
     int nw = (int)t_opt(argc, argv, "--workers", 6);
     int round_ms = (int)t_opt(argc, argv, "--round-ms", 150);
+    g_spill = t_flag(argc, argv, "--spill");
     CHECK(nw > 0 && nw <= 64);
     uint64_t t0 = t_now_ms();
     g_ops = t_shared(sizeof *g_ops);
@@ -197,11 +211,13 @@ int main(int argc, char **argv)
         reclaimed += (uint64_t)region_reclaim_dead(g_r);
         uint64_t used = region_used(g_r, g_dev), infl = region_test_inside(g_r, g_dev);
         uint64_t slots = region_test_slot_sum(g_r, g_dev);
-        if (used != 0 || infl != 0 || slots != 0 || hung != 0)
-            fprintf(stderr, "round %d: used %llu slots %llu inside %llu hung %d\n", round,
-                    (unsigned long long)used, (unsigned long long)slots,
-                    (unsigned long long)infl, hung);
+        uint64_t spilled = region_spilled(g_r, g_dev) + region_test_spill_sum(g_r, g_dev);
+        if (used != 0 || infl != 0 || slots != 0 || hung != 0 || spilled != 0)
+            fprintf(stderr, "round %d: used %llu slots %llu inside %llu hung %d spilled %llu\n",
+                    round, (unsigned long long)used, (unsigned long long)slots,
+                    (unsigned long long)infl, hung, (unsigned long long)spilled);
         CHECK_EQ(hung, 0);
+        CHECK_EQ(spilled, 0);
         CHECK_EQ(used, 0);
         CHECK_EQ(slots, 0);
         CHECK_EQ(infl, 0);
@@ -230,10 +246,11 @@ int main(int argc, char **argv)
     CHECK_EQ(region_used(g_r, g_dev), 0);
     CHECK_EQ(region_test_inside(g_r, g_dev), 0);
     printf("kill: rounds=%d workers=%d kills=%llu reclaimed=%llu ops=%llu hung=%d "
-           "devices=%d final_used=%llu ms=%llu\n", rounds, nw, (unsigned long long)kills,
+           "devices=%d final_used=%llu final_spilled=%llu ms=%llu\n", rounds, nw,
+           (unsigned long long)kills,
            (unsigned long long)reclaimed, (unsigned long long)atomic_load(g_ops), hung,
            region_device_count(g_r), (unsigned long long)region_used(g_r, g_dev),
-           (unsigned long long)(t_now_ms() - t0));
+           (unsigned long long)region_spilled(g_r, g_dev), (unsigned long long)(t_now_ms() - t0));
     region_close(g_r);
     unlink(path);
     printf("t_region_kill: OK\n");

@@ -15,6 +15,11 @@
  *    reserve/release was in progress anywhere are counted ("quiescent").
  * --threads-only runs every worker as a thread of this process with its own
  * slot (for ThreadSanitizer, which does not follow forks).
+ * --spill: the oversubscribed variant: every other reservation counts half
+ * of itself as spilled to host memory (region_reserve_spill), some move a
+ * third later (region_spill_move), and releases give both back; the spilled
+ * count must come back to exactly 0 and never pass the usage at quiescent
+ * samples.
  */
 #include "region_test.h"
 
@@ -44,6 +49,7 @@ static gv_region *g_r;
 static int g_dev, g_duel_dev;
 static uint64_t g_limit = 64 * MIB;
 static int g_threads_only;
+static int g_spill;
 static uint64_t g_max_n;   /* sizes: all workers together ask ~1.25x the limit */
 
 static void atomic_max(_Atomic uint64_t *m, uint64_t v)
@@ -71,17 +77,23 @@ static void *worker(void *arg)
     uint64_t seed = (uint64_t)(uintptr_t)arg * 0x9E3779B97F4A7C15ULL ^ (uint64_t)getpid() << 20;
     int slot = worker_slot();
     CHECK(slot >= 0);
-    uint64_t held[HELD_MAX];
+    uint64_t held[HELD_MAX], spilled[HELD_MAX];
     int nheld = 0;
     while (!atomic_load(&S->stop)) {
         uint64_t x = t_rand(&seed);
         if (nheld < HELD_MAX && (nheld == 0 || (x & 3) != 0)) {
             uint64_t n = 1 + (x >> 16) % g_max_n;
+            uint64_t sp = g_spill && (x >> 40 & 1) ? n / 2 : 0;
             atomic_fetch_add(&S->begun, 1);
-            int rc = region_reserve(g_r, g_dev, slot, n);
+            int rc = region_reserve_spill(g_r, g_dev, slot, n, sp);
             if (rc == 0) {
                 uint64_t v = atomic_fetch_add(&S->ledger, n) + n;
                 atomic_max(&S->ledger_max, v);
+                if (g_spill && sp == 0 && (x >> 41 & 1)) {
+                    sp = n / 3;          /* refused on the device: spilled */
+                    region_spill_move(g_r, g_dev, slot, sp);
+                }
+                spilled[nheld] = sp;
                 held[nheld++] = n;
                 atomic_fetch_add(&S->ok, 1);
             } else {
@@ -91,11 +103,13 @@ static void *worker(void *arg)
             atomic_fetch_add(&S->ended, 1);
         } else {
             int i = (int)((x >> 8) % (uint64_t)nheld);
-            uint64_t n = held[i];
-            held[i] = held[--nheld];
+            uint64_t n = held[i], sp = spilled[i];
+            --nheld;
+            held[i] = held[nheld];
+            spilled[i] = spilled[nheld];
             atomic_fetch_add(&S->begun, 1);
             atomic_fetch_sub(&S->ledger, n);
-            region_release(g_r, g_dev, slot, n);
+            region_release_spill(g_r, g_dev, slot, n, sp);
             atomic_fetch_add(&S->released, 1);
             atomic_fetch_add(&S->ended, 1);
         }
@@ -103,14 +117,14 @@ static void *worker(void *arg)
             sched_yield();
     }
     while (nheld > 0) {
-        uint64_t n = held[--nheld];
-        atomic_fetch_sub(&S->ledger, n);
-        region_release(g_r, g_dev, slot, n);
+        --nheld;
+        atomic_fetch_sub(&S->ledger, held[nheld]);
+        region_release_spill(g_r, g_dev, slot, held[nheld], spilled[nheld]);
     }
     return NULL;
 }
 
-struct obs { uint64_t max, samples, quiescent; };
+struct obs { uint64_t max, samples, quiescent, spill_over; };
 
 static void *observer(void *arg)
 {
@@ -119,12 +133,15 @@ static void *observer(void *arg)
         uint64_t e = atomic_load(&S->ended);
         uint64_t b = atomic_load(&S->begun);
         uint64_t u = region_used(g_r, g_dev);
+        uint64_t sp = region_spilled(g_r, g_dev);
         uint64_t b2 = atomic_load(&S->begun);
         o->samples++;
         if (b == e && b2 == b) {        /* nothing in progress around the read */
             o->quiescent++;
             if (u > o->max)
                 o->max = u;
+            if (sp > u)
+                o->spill_over++;
         }
         if ((o->samples & 63) == 0)
             sched_yield();
@@ -145,7 +162,7 @@ static void run_threads(int n, void *(*fn)(void *), long base)
 static void race(int procs, int threads, int ms)
 {
     g_max_n = g_limit * 5 / 4 / (uint64_t)(procs * threads > 0 ? procs * threads : 1);
-    struct obs o = {0, 0, 0};
+    struct obs o = {0, 0, 0, 0};
     pthread_t ot;
     uint64_t t0 = t_now_ms();
     pid_t kids[256];
@@ -200,8 +217,16 @@ static void race(int procs, int threads, int ms)
            (unsigned long long)o.max, (unsigned long long)o.quiescent,
            (unsigned long long)o.samples, (unsigned long long)final_used);
     printf("overshoot=%llu bytes\n", (unsigned long long)overshoot);
+    if (g_spill)
+        printf("spill: final_spilled=%llu slot_spill_sum=%llu spill_over_used=%llu\n",
+               (unsigned long long)region_spilled(g_r, g_dev),
+               (unsigned long long)region_test_spill_sum(g_r, g_dev),
+               (unsigned long long)o.spill_over);
     fflush(stdout);
     CHECK_EQ(overshoot, 0);
+    CHECK_EQ(region_spilled(g_r, g_dev), 0);
+    CHECK_EQ(region_test_spill_sum(g_r, g_dev), 0);
+    CHECK_EQ(o.spill_over, 0);
     CHECK_EQ(final_used, 0);
     CHECK_EQ(final_inflight, 0);
     CHECK_EQ(final_slots, 0);
@@ -320,6 +345,7 @@ int main(int argc, char **argv)
     int drounds = (int)t_opt(argc, argv, "--duel-rounds", 200);
     int dprocs = (int)t_opt(argc, argv, "--duel-procs", 8);
     g_threads_only = t_flag(argc, argv, "--threads-only");
+    g_spill = t_flag(argc, argv, "--spill");
     alarm(120);
 
     S = t_shared(sizeof *S);
