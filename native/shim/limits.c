@@ -573,9 +573,9 @@ uint64_t limits_guarantee(uint64_t limit, uint64_t physical, uint32_t scaling_mi
         return physical;
     uint64_t g = limit;
     if (scaling_milli > 1000) {
-        /* limit * 1000 / S without overflow: limits are below 2^64. */
-        unsigned __int128 q = (unsigned __int128)limit * 1000u / scaling_milli;
-        g = (uint64_t)q;
+        /* limit * 1000 / S without overflow (S > 1000 here, so the first
+         * product stays below 2^64, and the remainder's below 2^27). */
+        g = limit / scaling_milli * 1000 + limit % scaling_milli * 1000 / scaling_milli;
     }
     return g < physical ? g : physical;
 }
