@@ -64,13 +64,13 @@ struct gv_dev {
      * here (padding of the same cache line). */
     _Atomic uint64_t limit_by;
     unsigned char uuid[16];                       /* valid once READY */
+    _Alignas(CACHELINE) _Atomic uint64_t total;   /* sum of used[]: see below */
+    _Atomic uint64_t spilled_total;               /* sum of spilled[] */
     /* Oversubscription (docs/oversubscription.md): the device memory the
      * container is guaranteed on this device, limit / S, as the last of its
      * processes to allocate under CUDA_OVERSUBSCRIBE computed it; 0: not
      * oversubscribed. */
     _Atomic uint64_t guarantee;
-    _Alignas(CACHELINE) _Atomic uint64_t total;   /* sum of used[]: see below */
-    _Atomic uint64_t spilled_total;               /* sum of spilled[] */
     _Alignas(CACHELINE) _Atomic uint64_t gate;    /* 0 open, else closer|FLAG_BIT */
     /* CLOCK_MONOTONIC ns when a refused reservation last looked for dead
      * processes' memory on this entry (region_account.c); in what was

@@ -89,6 +89,7 @@ struct bench_op {
     const char *label;      /* the table's operation column */
     const char *mem_limit;  /* CUDA_DEVICE_MEMORY_LIMIT of its container, or NULL */
     const char *sm_limit;   /* CUDA_DEVICE_SM_LIMIT of its container, or NULL */
+    const char *env;        /* more "NAME=VALUE ..." for its container, or NULL */
     int ours_only;          /* its set-up needs libgpuvisor's own functions: not
                              * measured with a peer (direct: without that set-up) */
     int alone;              /* a container of its own, whatever its limits */
@@ -397,6 +398,20 @@ static const char *lib_name(int lib)
     return s ? s + 1 : libs.peer;
 }
 
+/* Set each "NAME=VALUE" of the blank-separated list (what names it in errors). */
+static void set_env_list(const char *list, const char *what)
+{
+    char buf[4096];
+    snprintf(buf, sizeof buf, "%s", list);
+    for (char *s = buf, *tok, *save; (tok = strtok_r(s, " \t\n", &save)); s = NULL) {
+        char *eq = strchr(tok, '=');
+        if (!eq || eq == tok)
+            die("%s: \"%s\" is not NAME=VALUE", what, tok);
+        *eq = '\0';
+        setenv(tok, eq + 1, 1);
+    }
+}
+
 /* The environment of a process of container dir, run with library lib
  * ("role" names its own simulator state). */
 static void child_env(int lib, const struct bench_op *op, const char *dir, const char *role)
@@ -422,17 +437,10 @@ static void child_env(int lib, const struct bench_op *op, const char *dir, const
         if (libs.nvml[0])
             setenv("GPUVISOR_REAL_LIBNVML", libs.nvml, 1);
     }
-    if (lib == LIB_PEER && libs.peer_env) {
-        char buf[4096];
-        snprintf(buf, sizeof buf, "%s", libs.peer_env);
-        for (char *s = buf, *tok, *save; (tok = strtok_r(s, " \t\n", &save)); s = NULL) {
-            char *eq = strchr(tok, '=');
-            if (!eq || eq == tok)
-                die("LIBRARY_ENV: \"%s\" is not NAME=VALUE", tok);
-            *eq = '\0';
-            setenv(tok, eq + 1, 1);
-        }
-    }
+    if (lib == LIB_PEER && libs.peer_env)
+        set_env_list(libs.peer_env, "LIBRARY_ENV");
+    if (op->env)
+        set_env_list(op->env, op->name);
     if (lib_path(lib))
         setenv("LD_PRELOAD", lib_path(lib), 1);
 }

@@ -8,7 +8,11 @@
  *   - cuMemGetInfo_v2, with a memory limit and without;
  *   - a refused cuMemAlloc_v2 of 64 MiB: the measuring process first fills
  *     the quota (the device, direct) with 64 MiB allocations, then every
- *     call is refused.
+ *     call is refused;
+ *   - under CUDA_OVERSUBSCRIBE=true (docs/oversubscription.md), a 32g quota
+ *     on the 16g device, no node directory: the 1 MiB pair within the
+ *     container's guarantee (S = 2: to the device), and beyond it (S = 16,
+ *     2 GiB taken first: spilled, managed memory advised to the host).
  * To add a case: a call (and a set-up) below, and a row in ops[].
  */
 #include <dlfcn.h>
@@ -58,6 +62,15 @@ static void refused(long i)
         die("a 64 MiB allocation with the quota full: %d, not CUDA_ERROR_OUT_OF_MEMORY", rc);
 }
 
+/* Take the 2 GiB guarantee (S = 16 of 32g) on the device first. */
+static void take_guarantee(void)
+{
+    CUdeviceptr p;
+    check(cuMemAlloc_v2(&p, 2ull << 30), "cuMemAlloc_v2 (the guarantee)");
+}
+
+#define OVER_ENV "CUDA_OVERSUBSCRIBE=true GPUVISOR_NODE_LOCK= GPUVISOR_MEMORY_SCALING="
+
 static const struct bench_op ops[] = {
     { .name = "alloc-free", .label = "cuMemAlloc_v2 + cuMemFree_v2 (1 MiB), limit " BENCH_LIMIT,
       .mem_limit = BENCH_LIMIT, .call = alloc_free, .goal_ns = 300 },
@@ -68,6 +81,12 @@ static const struct bench_op ops[] = {
     { .name = "alloc-free-nolimit", .label = "cuMemAlloc_v2 + cuMemFree_v2 (1 MiB), no limit",
       .call = alloc_free },
     { .name = "info-nolimit", .label = "cuMemGetInfo_v2, no limit", .call = get_info },
+    { .name = "oversub-device", .label = "cuMemAlloc_v2 + cuMemFree_v2 (1 MiB), oversubscribed, "
+      "within the guarantee", .mem_limit = "32g", .env = OVER_ENV "2", .alone = 1,
+      .call = alloc_free },
+    { .name = "oversub-spilled", .label = "cuMemAlloc_v2 + cuMemFree_v2 (1 MiB), oversubscribed, "
+      "spilled", .mem_limit = "32g", .env = OVER_ENV "16", .alone = 1, .setup = take_guarantee,
+      .call = alloc_free },
 };
 
 static void intro(FILE *f)
@@ -82,7 +101,12 @@ static void intro(FILE *f)
             "looks for dead processes' memory (docs/region.md), which the warm-up takes, so "
             "the figures are a refusal without that look. The simulated driver's calls do "
             "little (a process-shared mutex, a hash table), far less than a real driver's "
-            "`cuMemAlloc`: read what the library adds.\n\n",
+            "`cuMemAlloc`: read what the library adds. *Oversubscribed* "
+            "(`CUDA_OVERSUBSCRIBE=true`, a 32g quota, no node directory, "
+            "docs/oversubscription.md): *within the guarantee* (S = 2) goes to the device; "
+            "*spilled* (S = 16, its 2 GiB guarantee taken first) is served from host memory "
+            "(`cuMemAllocManaged` and two `cuMemAdvise`), while the direct column allocates "
+            "on the device.\n\n",
             BENCH_SIM_DEVICES);
 }
 
@@ -90,7 +114,8 @@ int main(int argc, char **argv)
 {
     static const struct bench_spec spec = {
         .name = "bench_memory", .section = SECTION, .command = "make bench", BENCH_OPS(ops),
-        .default_ops = "alloc-free,info,refused,alloc-free-nolimit,info-nolimit",
+        .default_ops = "alloc-free,info,refused,alloc-free-nolimit,info-nolimit,oversub-device,"
+                       "oversub-spilled",
         .default_procs = "1,8,64", .intro = intro,
     };
     return bench_main(argc, argv, &spec);
