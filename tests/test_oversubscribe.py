@@ -112,7 +112,8 @@ class Container:
         self.proc = start_ready(WORKER, self.env)
 
     def ask(self, line: str) -> dict[str, Any]:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+        assert self.proc.stdin is not None
+        assert self.proc.stdout is not None
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
         answer = self.proc.stdout.readline()
@@ -197,14 +198,19 @@ def test_two_containers_each_get_three_gib_and_their_guarantee(small):
         fa, fb = a.figures(small), b.figures(small)
         assert fa["used"] == 4 * GiB, fa
         assert fb["used"] == 3 * GiB + SIM_CONTEXT, fb
-        assert fa["spilled"] > 0 and fb["spilled"] > 0, (fa, fb)
+        assert fa["spilled"] > 0, fa
+        assert fb["spilled"] > 0, fb
         check_guarantees(small, a, b, asked=asked)
         # Frees give back the spilled part as well.
         assert a.ask("free")["err"] == "CUDA_SUCCESS"
         assert a.ask("free")["err"] == "CUDA_SUCCESS"
         fa = a.figures(small)
-        assert fa == {"used": SIM_CONTEXT, "spilled": 0, "resident": SIM_CONTEXT,
-                      "guarantee": 2 * GiB}, fa
+        assert fa == {
+            "used": SIM_CONTEXT,
+            "spilled": 0,
+            "resident": SIM_CONTEXT,
+            "guarantee": 2 * GiB,
+        }, fa
     finally:
         a.kill()
         b.kill()
@@ -240,9 +246,10 @@ def test_pitch_and_managed_spill_too(small):
     b = Container(small, "b", **OVER)
     try:
         assert b.ask("alloc 2048")["err"] == "CUDA_SUCCESS"
-        out = a.ask("pitch 1000 3000000")      # 1024 x 3e6: 2.86 GiB
+        out = a.ask("pitch 1000 3000000")  # 1024 x 3e6: 2.86 GiB
         assert out["err"] == "CUDA_SUCCESS", out
-        assert out["pitch"] % 512 == 0 and out["pitch"] >= 1000
+        assert out["pitch"] % 512 == 0
+        assert out["pitch"] >= 1000
         assert a.ask("managed 1024")["err"] == "CUDA_SUCCESS"
         assert a.ask("touch")["err"] == "CUDA_SUCCESS"
         fa = a.figures(small)
@@ -283,8 +290,7 @@ def test_racing_containers_and_sigkill_leave_nothing(small):
             w.kill()
     assert physical(small)["used"] == 0
     for w in first:
-        assert w.figures(small) == {"used": 0, "spilled": 0, "resident": 0,
-                                    "guarantee": 2 * GiB}
+        assert w.figures(small) == {"used": 0, "spilled": 0, "resident": 0, "guarantee": 2 * GiB}
 
 
 def start_second(node: SimNode, first: Container) -> Container:
@@ -362,6 +368,49 @@ def test_the_node_file_rows_of_dead_containers_do_not_count(small):
 
 
 def uuid0(node: SimNode) -> str:
-    out = run_py("import pynvml as n\nn.nvmlInit()\n"
-                 "print(n.nvmlDeviceGetUUID(n.nvmlDeviceGetHandleByIndex(0)))", node.env)
+    out = run_py(
+        "import pynvml as n\nn.nvmlInit()\n"
+        "print(n.nvmlDeviceGetUUID(n.nvmlDeviceGetHandleByIndex(0)))",
+        node.env,
+    )
     return out.stdout.strip()
+
+
+def test_the_spill_benchmark_prints_its_table(tmp_path, build_dir):
+    """make bench's --spill part (no timing asserted): it checks for itself
+    that the guarantee went to the device, borrowing did not spill and a
+    full device did; here its table is well formed and it writes only its
+    own section."""
+    import fcntl
+
+    from tests.helpers import BUILD_DIR, REPO_ROOT, clean_env
+
+    bench = BUILD_DIR / "bench" / "bench_memory"
+    bench.parent.mkdir(parents=True, exist_ok=True)
+    with open(bench.parent / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        subprocess.run(
+            ["make", "-s", "-C", str(REPO_ROOT), "build/bench/bench_memory"],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+    results = tmp_path / "b.md"
+    results.write_text("# Benchmarks\n\n## Other\n\nkept\n")
+    env = clean_env()
+    env["TMPDIR"] = str(tmp_path)
+    proc = subprocess.run(
+        [str(bench), "--spill", "--batches", "3", "--iters", "20", "--write", str(results)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("| ")]
+    assert len(rows) == 6, proc.stdout  # the header and five cases
+    assert all(len(r.strip("|").split("|")) == 3 for r in rows)
+    text = results.read_text()
+    assert "## Other\n\nkept\n" in text
+    assert text.count("## Memory oversubscription: an allocation that spills (make bench)") == 1
