@@ -414,3 +414,62 @@ def test_the_spill_benchmark_prints_its_table(tmp_path, build_dir):
     text = results.read_text()
     assert "## Other\n\nkept\n" in text
     assert text.count("## Memory oversubscription: an allocation that spills (make bench)") == 1
+
+
+QUOTA_VIEW = """
+from tests.cuclient import *
+import pynvml as n
+init()
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+before = mem_info()
+err, p = call(cu.cuMemAlloc, 5 * GiB)
+m = n.nvmlDeviceGetMemoryInfo(h)
+emit(before=before, err=err.name, after=mem_info(),
+     devtotal=int(ok(cu.cuDeviceTotalMem, ok(cu.cuDeviceGet, 0))),
+     nvml=[m.total, m.used, m.free])
+"""
+
+
+def test_programs_see_the_quota_as_the_device(small):
+    """A 6 GiB quota on a 4 GiB device: cuMemGetInfo, cuDeviceTotalMem and
+    NVML (nvidia-smi's source) say 6 GiB, and 5 GiB are granted; without
+    the variable the device's 4 GiB are shown and the driver refuses."""
+    over = run_json(
+        QUOTA_VIEW,
+        small.shimmed(
+            CUDA_DEVICE_MEMORY_LIMIT="6g", CUDA_OVERSUBSCRIBE="true", GPUVISOR_MEMORY_SCALING="1"
+        ),
+    )
+    assert over["before"] == [6 * GiB - SIM_CONTEXT, 6 * GiB]
+    assert over["err"] == "CUDA_SUCCESS"
+    assert over["after"] == [1 * GiB - SIM_CONTEXT, 6 * GiB]
+    assert over["devtotal"] == 6 * GiB
+    assert over["nvml"] == [6 * GiB, 5 * GiB + SIM_CONTEXT, 1 * GiB - SIM_CONTEXT]
+    assert physical(small)["used"] == 0
+    plain = run_json(QUOTA_VIEW, small.shimmed(CUDA_DEVICE_MEMORY_LIMIT="6g"))
+    assert plain["before"][1] == 4 * GiB
+    assert plain["devtotal"] == 4 * GiB
+    assert plain["err"] == "CUDA_ERROR_OUT_OF_MEMORY"
+
+
+def test_destroying_a_context_gives_back_its_spilled_memory(small):
+    out = run_json(
+        """
+from tests.cuclient import *
+from gpuvisor.shim.region import Region
+import os
+ctx = init(create=True)
+err, p = call(cu.cuMemAlloc, 5 * GiB)
+r = Region.attach(os.environ["CUDA_DEVICE_MEMORY_SHARED_CACHE"])
+held = r.device(0)
+ok(cu.cuCtxDestroy, ctx)
+gone = r.device(0)
+emit(err=err.name, held=[held.used, held.spilled], gone=[gone.used, gone.spilled])
+""",
+        small.shimmed(CUDA_DEVICE_MEMORY_LIMIT="6g", CUDA_OVERSUBSCRIBE="true"),
+    )
+    assert out["err"] == "CUDA_SUCCESS"
+    assert out["held"][0] == 5 * GiB + SIM_CONTEXT
+    assert out["held"][1] >= 1 * GiB
+    assert out["gone"] == [0, 0]
