@@ -473,3 +473,52 @@ emit(err=err.name, held=[held.used, held.spilled], gone=[gone.used, gone.spilled
     assert out["held"][0] == 5 * GiB + SIM_CONTEXT
     assert out["held"][1] >= 1 * GiB
     assert out["gone"] == [0, 0]
+
+
+SPILL_UNDER_ASAN = """
+from tests.cuclient import *
+from gpuvisor.shim.region import Region
+import os
+ctx = init(create=True)
+r = Region.attach(os.environ["CUDA_DEVICE_MEMORY_SHARED_CACHE"])
+base = used()
+p = ok(cu.cuMemAlloc, 512 * MiB)                       # straddles the guarantee
+q, pitch = ok(cu.cuMemAllocPitch, 1000, 300000, 4)
+m = ok(cu.cuMemAllocManaged, 64 * MiB, cu.CUmemAttach_flags.CU_MEM_ATTACH_GLOBAL)
+assert r.device(0).spilled > 0
+ok(cu.cuMemsetD8, q, 1, pitch * 300000)
+s = ok(cu.cuStreamCreate, 0)
+ok(cu.cuMemFreeAsync, p, s)                            # a spilled block, stream-ordered
+ok(cu.cuMemFree, m)
+assert used() == base + -(-pitch * 300000 // (2 * MiB)) * 2 * MiB   # rounded up to 2 MiB
+ok(cu.cuCtxDestroy, ctx)                               # takes the pitched one with it
+assert (r.device(0).used, r.device(0).spilled) == (0, 0), r.device(0)
+print("clean")
+"""
+
+
+def test_spilling_paths_under_asan(node):
+    """Straddling, pitched, managed, a stream-ordered free of a spilled
+    block and a context destroyed with one, through the ASan build.  No
+    node directory: nothing is borrowed beyond the 256 MiB guarantee."""
+    from tests.test_sanitizers import ASAN_DIR, asan_runtime
+
+    if not (ASAN_DIR / "libgpuvisor.so").is_file():
+        pytest.skip("build-asan/ missing: run `make asan` (make test does)")
+    runtime = asan_runtime()
+    if not runtime:
+        pytest.skip("gcc has no libasan.so")
+    env = dict(node.env)
+    env.update(
+        LD_LIBRARY_PATH=str(ASAN_DIR / "sim"),
+        LD_PRELOAD=f"{runtime}:{ASAN_DIR / 'libgpuvisor.so'}",
+        ASAN_OPTIONS="detect_leaks=0:exitcode=86",
+        UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1:exitcode=87",
+        CUDA_DEVICE_MEMORY_LIMIT="1g",
+        CUDA_OVERSUBSCRIBE="true",
+        GPUVISOR_MEMORY_SCALING="4",
+        GPUVISOR_NODE_LOCK="",
+    )
+    proc = run_py(SPILL_UNDER_ASAN, env, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.strip().endswith("clean")
