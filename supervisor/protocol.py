@@ -79,6 +79,9 @@ class DeviceReport:
     sm_limit: int | None  # percent; None: no limit
     sm_enforced: float  # percent the launch gate enforces now
     throttled: bool  # launches waited at the gate since the last report
+    # Of memory_used, the bytes served from host memory under
+    # CUDA_OVERSUBSCRIBE (optional: a supervisor that predates it sends none).
+    memory_spilled: int = 0
 
 
 @dataclass(frozen=True)
@@ -119,6 +122,15 @@ class Instructions:
 # What `restore` names, and set-limit's value that asks for it.
 LIMIT_KINDS = ("memory", "sm")
 OWN_LIMIT = "env"
+
+
+def _spilled(d: dict[str, Any], w: str) -> int:
+    """devices[i].memory_spilled: optional, at most memory_used."""
+    spilled = _int(d.get("memory_spilled", 0), w + "memory_spilled")
+    used = d.get("memory_used")
+    if isinstance(used, int) and spilled > used:
+        raise ProtocolError(f"{w}memory_spilled={spilled}: more than memory_used={used}")
+    return spilled
 
 
 def encode(obj: dict[str, Any]) -> bytes:
@@ -293,6 +305,7 @@ def parse_report(obj: dict[str, Any]) -> Report:
                 sm_limit=_opt_int(_get(d, "sm_limit", w), w + "sm_limit", 1, 100),
                 sm_enforced=_num(_get(d, "sm_enforced", w), w + "sm_enforced", 0.0, 100.0),
                 throttled=_bool(_get(d, "throttled", w), w + "throttled"),
+                memory_spilled=_spilled(d, w),
             )
         )
     _no_duplicate_uuids(devices)

@@ -307,6 +307,43 @@ def test_namespace_relative_claim_is_keyed_by_the_agents_view(sock_path):
 # ---- reports, metrics, status, expiry ----------------------------------------------------
 
 
+def test_spilled_bytes_are_a_metric_and_in_status(sock_path):
+    """CUDA_OVERSUBSCRIBE: the part of a container's memory in host memory
+    is gpuvisor_container_memory_spilled_bytes and memory_spilled in
+    /status; a report without the field (an older supervisor) counts 0,
+    and one claiming more spilled than used is refused, naming the field."""
+    from dataclasses import replace
+
+    with AgentProc(sock_path) as agent:
+        a = Client(sock_path, pod="pod-a")
+        b = Client(sock_path, pod="pod-b", container="side")
+        assert a.report(replace(device(used=3 * GiB), memory_spilled=GiB))["type"] == "ack"
+        old = b.report_msg(device(used=2 * GiB))
+        del old["devices"][0]["memory_spilled"]
+        b.send(encode(old))
+        assert (b.recv() or {}).get("type") == "ack"
+
+        def both() -> list[Any]:
+            m = agent.metrics()
+            spilled = "gpuvisor_container_memory_spilled_bytes"
+            return m if find(m, spilled, podname="pod-b") else []
+
+        m = wait_for(both)
+        assert find(m, "gpuvisor_container_memory_spilled_bytes", podname="pod-a") == [GiB]
+        assert find(m, "gpuvisor_container_memory_spilled_bytes", podname="pod-b") == [0.0]
+        assert find(m, "gpuvisor_container_memory_used_bytes", podname="pod-a") == [3 * GiB]
+        pods = {c["container"]["pod"]: c for c in agent.status()["containers"]}
+        assert pods["pod-a"]["devices"][0]["memory_spilled"] == GiB
+        bad = a.report_msg(device(used=GiB))
+        bad["devices"][0]["memory_spilled"] = 2 * GiB
+        a.send(encode(bad))
+        reply = a.recv() or {}
+        assert reply.get("type") == "error", reply
+        assert "devices[0].memory_spilled=2147483648: more than memory_used" in reply["error"]
+        a.close()
+        b.close()
+
+
 def test_two_clients_metrics_status_expiry(sock_path):
     with AgentProc(sock_path, "--expire-after", "1.0") as agent:
         a = Client(sock_path, pod="pod-a")

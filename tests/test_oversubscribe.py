@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import SimNode, run_json, run_py, start_ready
+from tests.helpers import SimNode, run_cli, run_json, run_py, start_ready
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -201,6 +201,17 @@ def test_two_containers_each_get_three_gib_and_their_guarantee(small):
         assert fa["spilled"] > 0, fa
         assert fb["spilled"] > 0, fb
         check_guarantees(small, a, b, asked=asked)
+        # gpuvisor status shows the spilled part apart.
+        status_env = dict(small.env, CUDA_DEVICE_MEMORY_SHARED_CACHE=str(a.region))
+        proc = run_cli("status", "--json", "--sample", "0", env=status_env)
+        assert proc.returncode == 0, proc.stderr
+        dev = json.loads(proc.stdout)["devices"][0]
+        assert dev["memory_used"] == 4 * GiB
+        assert dev["memory_spilled"] == fa["spilled"]
+        assert dev["memory_guarantee"] == 2 * GiB
+        table = run_cli("status", "--sample", "0", env=status_env).stdout.splitlines()
+        assert table[1].split()[:4] == ["DEV", "UUID", "USED", "SPILLED"], table
+        assert table[2].split()[2:6] == ["4.0", "GiB", "2.0", "GiB"], table
         # Frees give back the spilled part as well.
         assert a.ask("free")["err"] == "CUDA_SUCCESS"
         assert a.ask("free")["err"] == "CUDA_SUCCESS"

@@ -115,6 +115,21 @@ def test_memory_option_is_the_device_size(node, env):
     assert 0 < free < total
 
 
+def test_oversubscribe_option_lets_the_quota_pass_the_device(node, env):
+    """--oversubscribe: a 20 GiB quota on a 16 GiB device is the device's
+    size for the workload; --memory-scaling reaches it as
+    GPUVISOR_MEMORY_SCALING.  Without the option, the device's 16 GiB."""
+    code = MEMINFO + "import os\nprint(os.environ.get('GPUVISOR_MEMORY_SCALING'))\n"
+    proc = run(env, "--memory", "20g", "--oversubscribe", "--memory-scaling", "2", "--", *py(code))
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert json.loads(lines[-2])[1] == 20 * GiB
+    assert lines[-1] == "2"
+    proc = run(env, "--memory", "20g", "--", *py(MEMINFO))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout.splitlines()[-1])[1] == 16 * GiB
+
+
 def test_injected_environment_is_used(node, env):
     env["CUDA_DEVICE_MEMORY_LIMIT"] = "2g"
     env["CUDA_DEVICE_MEMORY_LIMIT_0"] = "3g"
@@ -141,6 +156,11 @@ BAD = [
     (["--report-interval", "0"], {}, "--report-interval", "0"),
     (["--report-interval", "nan"], {}, "--report-interval", "nan"),
     (["--grace", "-1"], {}, "--grace", "-1"),
+    (["--memory-scaling", "0"], {}, "--memory-scaling", "0"),
+    (["--memory-scaling", "1e3"], {}, "--memory-scaling", "1e3"),
+    ([], {"CUDA_OVERSUBSCRIBE": "maybe"}, "CUDA_OVERSUBSCRIBE", "maybe"),
+    ([], {"GPUVISOR_MEMORY_SCALING": "-2"}, "GPUVISOR_MEMORY_SCALING", "-2"),
+    (["--oversubscribe"], {"GPUVISOR_MEMORY_SCALING": "x"}, "GPUVISOR_MEMORY_SCALING", "x"),
     (["--socket", "/" + "s" * 200], {}, "--socket", "sss"),
     ([], {"CUDA_DEVICE_MEMORY_LIMIT": "abc"}, "CUDA_DEVICE_MEMORY_LIMIT", "abc"),
     ([], {"CUDA_DEVICE_MEMORY_LIMIT_0": "0"}, "CUDA_DEVICE_MEMORY_LIMIT_0", "0"),

@@ -258,6 +258,12 @@ class AgentCollector(Collector):
                 "Container's device memory limit, bytes (absent: no limit)",
                 CTR_LABELS,
             ),
+            "mem_spilled": _gauge(
+                "gpuvisor_container_memory_spilled_bytes",
+                "Of the memory the container uses, bytes served from host memory "
+                "(CUDA_OVERSUBSCRIBE); the rest is on the device",
+                CTR_LABELS,
+            ),
             "mem_phys": _gauge(
                 "gpuvisor_container_memory_physical_bytes",
                 "Physical memory of the device as the container's region records it, bytes",
@@ -360,6 +366,7 @@ class AgentCollector(Collector):
                 g["mem_used"].add_metric(lv, float(d.memory_used))
                 if d.memory_limit is not None:
                     g["mem_limit"].add_metric(lv, float(d.memory_limit))
+                g["mem_spilled"].add_metric(lv, float(d.memory_spilled))
                 g["mem_phys"].add_metric(lv, float(d.memory_physical))
                 g["share"].add_metric(lv, share / 100.0)
                 if d.sm_limit is not None:

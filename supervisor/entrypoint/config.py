@@ -43,6 +43,8 @@ from ..paths import (
 ENV_MEMORY = "CUDA_DEVICE_MEMORY_LIMIT"
 ENV_SM = "CUDA_DEVICE_SM_LIMIT"
 ENV_LIMITS_FILE = "GPUVISOR_LIMITS_FILE"
+ENV_OVERSUBSCRIBE = "CUDA_OVERSUBSCRIBE"
+ENV_SCALING = "GPUVISOR_MEMORY_SCALING"
 ENV_POLICY = "GPUVISOR_SM_POLICY"
 ENV_HAMI_POLICY = "GPU_CORE_UTILIZATION_POLICY"
 ENV_PRIORITY = "CUDA_TASK_PRIORITY"
@@ -69,6 +71,8 @@ class RunOptions:
     """What was given on the command line (None: not given)."""
 
     memory: str | None = None
+    oversubscribe: bool | None = None  # True: CUDA_OVERSUBSCRIBE=true
+    memory_scaling: str | None = None  # GPUVISOR_MEMORY_SCALING
     cores: str | int | None = None
     policy: str | None = None
     priority: str | int | None = None
@@ -266,6 +270,10 @@ def build(options: RunOptions, command: list[str], base_env: Mapping[str, str]) 
             )
     if options.memory is not None:
         env[ENV_MEMORY] = options.memory
+    if options.oversubscribe:
+        env[ENV_OVERSUBSCRIBE] = "true"
+    if options.memory_scaling is not None:
+        env[ENV_SCALING] = options.memory_scaling
     if options.cores is not None:
         env[ENV_SM] = str(options.cores)
     if options.policy is not None:

@@ -250,6 +250,7 @@ class Reporter:
                     sm_limit=d.sm.limit if d.sm.limit and 1 <= d.sm.limit <= 100 else None,
                     sm_enforced=min(100.0, max(0.0, d.sm.share)),
                     throttled=throttled,
+                    memory_spilled=min(d.usage.spilled, d.usage.used),
                 )
             )
         self._last_ts = max(self._last_ts, sample.ts)

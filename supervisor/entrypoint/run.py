@@ -25,6 +25,7 @@ from ..cli_types import Finite
 from .config import (
     ENV_PRIORITY,
     ENV_REGION,
+    ENV_SCALING,
     ENV_SIM_STATE,
     ENV_SM,
     MAX_GRACE,
@@ -204,6 +205,25 @@ def supervise(cfg: RunConfig) -> int:
     "--memory", type=MemorySize(), help="Memory quota per device (CUDA_DEVICE_MEMORY_LIMIT)."
 )
 @click.option(
+    "--oversubscribe",
+    is_flag=True,
+    default=None,
+    help=(
+        "Let the memory quota pass the device's memory: what does not fit in the "
+        "container's share of the device is served from host memory (CUDA_OVERSUBSCRIBE=true; "
+        "docs/oversubscription.md)."
+    ),
+)
+@click.option(
+    "--memory-scaling",
+    type=ShimValue(ENV_SCALING, "S"),
+    help=(
+        "The node's memory scaling factor (GPUVISOR_MEMORY_SCALING, HAMi's "
+        "deviceMemoryScaling): with --oversubscribe, the container is guaranteed its "
+        "quota / S of device memory."
+    ),
+)
+@click.option(
     "--cores",
     type=ShimValue(ENV_SM, "PCT"),
     help="SM-time quota in percent, 0: none (CUDA_DEVICE_SM_LIMIT).",
@@ -250,6 +270,8 @@ def supervise(cfg: RunConfig) -> int:
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 def run(
     memory: str | None,
+    oversubscribe: bool | None,
+    memory_scaling: str | None,
     cores: str | None,
     policy: str | None,
     priority: str | None,
@@ -282,6 +304,8 @@ def run(
     _setup_logging()
     options = RunOptions(
         memory=memory,
+        oversubscribe=oversubscribe,
+        memory_scaling=memory_scaling,
         cores=cores,
         policy=policy,
         priority=priority,
