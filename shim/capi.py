@@ -16,7 +16,7 @@ from typing import Any
 
 from .loader import LIBRARY_NAME, library_path
 
-API_VERSION = 6
+API_VERSION = 7
 UNLIMITED = (1 << 64) - 1  # GV_UNLIMITED
 
 ERROR_NAMES = {

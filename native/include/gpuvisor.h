@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define GV_API_VERSION 6
+#define GV_API_VERSION 7
 
 enum {
     GV_OK = 0,
@@ -124,7 +124,7 @@ int gv_device_get_oom_count(int dev, uint64_t *count);      /* refused allocatio
  * the smallest context cost any of its processes measured; 0 while none
  * was (API version 5). */
 int gv_device_get_context_cost(int dev, uint64_t *bytes);
-/* Oversubscription (API version 6; docs/oversubscription.md): of the
+/* Oversubscription (API version 7; docs/oversubscription.md): of the
  * container's usage (gv_device_get_used), the bytes served from host
  * memory (spilled); the rest is resident on the device.  The guarantee is
  * the device memory the container is guaranteed (limit / S), 0 when none
@@ -164,7 +164,7 @@ int gv_device_get_sm_others(int dev, uint32_t *share_bp, uint64_t *age_ms);
  * how many are registered (may be more than cap). */
 int gv_process_list(int32_t *pids, int cap);
 int gv_process_get_used(int32_t pid, int dev, uint64_t *bytes);
-/* Of that, spilled to host memory (API version 6). */
+/* Of that, spilled to host memory (API version 7). */
 int gv_process_get_spilled(int32_t pid, int dev, uint64_t *bytes);
 
 /* Reclaim the slots of processes that have died; returns how many. */
