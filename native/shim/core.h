@@ -40,8 +40,11 @@ static inline int gv_mode_fast(void)
 gv_region *gv_core_region(void);
 /* The PID NVML shows for this process: getpid(), or the host's PID learned
  * when its first context was created inside another PID namespace
- * (hooks_context.c). */
+ * (nvml_pid.c; learned by hooks_context.c). */
 uint32_t gv_nvml_self_pid(void);
+/* This process (getpid()) is listed by NVML as pid: kept, and stored in
+ * its region slot. */
+void gv_nvml_self_learned(uint32_t pid);
 /* At most once a second: reclaim the slots of processes that died, so
  * usage reports never keep a dead process's memory (called by the memory
  * info hooks; enforce mode only). */

@@ -57,27 +57,13 @@ typedef struct {
 
 /* ---- the PID NVML shows for this process -------------------------------
  *
- * The driver reports the host's PIDs, not those of the caller's PID
- * namespace.  In a container with its own namespace, NVML therefore lists
- * this process under a PID it does not know as its own.  It is learned the
- * way HAMi-core does it: the one PID that NVML lists after this process
- * created a context on a device and did not list before.  Other processes
- * of the node creating contexts in the same moment would add new PIDs of
- * their own: the before/after pair is taken under the node lock
+ * Learned the way HAMi-core does it: the one PID that NVML lists after this
+ * process created a context on a device and did not list before; kept in
+ * nvml_pid.c, where both the memory and the SM path read it.  Other
+ * processes of the node creating contexts in the same moment would add new
+ * PIDs of their own: the before/after pair is taken under the node lock
  * (node_lock.c) where containers share one.  If two new PIDs appear all
- * the same, nothing is learned (the next context may tell).  Kept with the
- * getpid() it was learned for, so a forked child does not inherit it; also
- * stored in the process's region slot, so that the container's other
- * processes know it. */
-static _Atomic uint64_t nvml_self;          /* getpid() << 32 | NVML's PID */
-
-uint32_t gv_nvml_self_pid(void)
-{
-    uint32_t me = (uint32_t)getpid();
-    uint64_t v = atomic_load_explicit(&nvml_self, memory_order_relaxed);
-    return v && (uint32_t)(v >> 32) == me ? (uint32_t)v : me;
-}
-
+ * the same, nothing is learned (the next context may tell). */
 static void learn_self(const snapshot *before, snapshot *after)
 {
     if (!before->ok || !after->ok || after->proc_seen)
@@ -98,9 +84,7 @@ static void learn_self(const snapshot *before, snapshot *after)
         return;
     }
     uint32_t pid = after->pids[at];
-    atomic_store(&nvml_self, (uint64_t)(uint32_t)getpid() << 32 | pid);
-    if (gv_core_region())
-        region_set_nvml_pid(gv_core_region(), pid);
+    gv_nvml_self_learned(pid);
     after->proc_seen = 1;
     after->proc_used = after->used[at];
     gv_log(GV_LOG_INFO, "NVML lists this process as PID %u (another PID namespace)", pid);
