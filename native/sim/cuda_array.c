@@ -19,21 +19,23 @@
 #define ARRAY_MAGIC 0x41525259u
 #define MIPMAP_MAGIC 0x4d49504du
 
-/* size: what the array needs; charged: what it holds (0 for sparse and
+/* What arrays and mipmapped arrays share (each starts with it).  size: what
+ * the array needs; charged: what it holds (0 for sparse and
  * deferred-mapping arrays, whose memory is mapped in later). */
-struct CUarray_st {
+struct held {
     uint32_t magic;
     int node;
     uint64_t size, charged;
     CUDA_ARRAY3D_DESCRIPTOR d;
 };
 
+struct CUarray_st {
+    struct held h;
+};
+
 struct CUmipmappedArray_st {
-    uint32_t magic;
-    int node;
-    uint64_t size, charged;
+    struct held h;
     unsigned levels;
-    CUDA_ARRAY3D_DESCRIPTOR d;
 };
 
 /* How a format lays texels out: up to three planes, each `bytes` for every
@@ -154,8 +156,10 @@ static uint64_t level_bytes(size_t w, size_t h, size_t d, CUarray_format f,
     return sum * (d ? d : 1);
 }
 
-static CUresult charge_new(uint64_t raw, unsigned flags, int *node, uint64_t *size,
-                           uint64_t *charged)
+/* A new array of raw bytes, of `bytes` (its struct, which starts with a
+ * struct held): charged to the current context's device, registered. */
+static CUresult held_new(void **out, size_t bytes, uint32_t magic, uint64_t raw,
+                         const CUDA_ARRAY3D_DESCRIPTOR *d)
 {
     struct CUctx_st *c;
     CUresult rc = sim_current(&c);
@@ -163,12 +167,74 @@ static CUresult charge_new(uint64_t raw, unsigned flags, int *node, uint64_t *si
         return rc;
     if (!raw)
         return CUDA_ERROR_INVALID_VALUE;
-    *size = sim_round_up(raw, SIM_GRAN);
-    *charged = flags & GV_ARRAY3D_UNBACKED ? 0 : *size;
-    if (*charged && (sim_fault_alloc() || sim_charge(c->node, *charged) < 0))
+    uint64_t size = sim_round_up(raw, SIM_GRAN);
+    uint64_t charged = d->Flags & GV_ARRAY3D_UNBACKED ? 0 : size;
+    if (charged && (sim_fault_alloc() || sim_charge(c->node, charged) < 0))
         return CUDA_ERROR_OUT_OF_MEMORY;
-    *node = c->node;
+    struct held *h = calloc(1, bytes);
+    if (!h) {
+        sim_uncharge(c->node, charged);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    h->magic = magic;
+    h->node = c->node;
+    h->size = size;
+    h->charged = charged;
+    h->d = *d;
+    pthread_mutex_lock(&sim_mu);
+    sim_reg_add(h);
+    pthread_mutex_unlock(&sim_mu);
+    *out = h;
     return CUDA_SUCCESS;
+}
+
+/* p if it is a live array of this kind (under sim_mu). */
+static struct held *held_of(const void *p, uint32_t magic)
+{
+    struct held *h = (struct held *)p;
+    return h && sim_reg_has(h) && h->magic == magic ? h : NULL;
+}
+
+static CUresult held_destroy(const void *p, uint32_t magic)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    pthread_mutex_lock(&sim_mu);
+    struct held *h = held_of(p, magic);
+    if (h) {
+        sim_reg_del(h);
+        h->magic = 0;
+    }
+    pthread_mutex_unlock(&sim_mu);
+    if (!h)
+        return CUDA_ERROR_INVALID_HANDLE;
+    sim_uncharge(h->node, h->charged);
+    free(h);
+    return CUDA_SUCCESS;
+}
+
+/* As documented: only for arrays made with CUDA_ARRAY3D_DEFERRED_MAPPING. */
+static CUresult held_requirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *r, const void *p,
+                                  uint32_t magic, CUdevice dev)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!r)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (sim_ord_node(dev) < 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    pthread_mutex_lock(&sim_mu);
+    struct held *h = held_of(p, magic);
+    int deferred = h && (h->d.Flags & CUDA_ARRAY3D_DEFERRED_MAPPING);
+    if (deferred) {
+        memset(r, 0, sizeof *r);
+        r->size = h->size;
+        r->alignment = SIM_ALIGN;
+    }
+    pthread_mutex_unlock(&sim_mu);
+    return !h ? CUDA_ERROR_INVALID_HANDLE : deferred ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 SIM_API CUresult cuArray3DCreate_v2(CUarray *pa, const CUDA_ARRAY3D_DESCRIPTOR *d)
@@ -177,26 +243,11 @@ SIM_API CUresult cuArray3DCreate_v2(CUarray *pa, const CUDA_ARRAY3D_DESCRIPTOR *
         return sim_check_init() ? sim_check_init() : CUDA_ERROR_INVALID_VALUE;
     uint64_t raw = level_bytes(d->Width, d->Height, d->Depth, d->Format,
                                d->NumChannels);
-    int node;
-    uint64_t size, charged;
-    CUresult rc = charge_new(raw, d->Flags, &node, &size, &charged);
-    if (rc)
-        return rc;
-    struct CUarray_st *a = calloc(1, sizeof *a);
-    if (!a) {
-        sim_uncharge(node, charged);
-        return CUDA_ERROR_OUT_OF_MEMORY;
-    }
-    a->magic = ARRAY_MAGIC;
-    a->node = node;
-    a->size = size;
-    a->charged = charged;
-    a->d = *d;
-    pthread_mutex_lock(&sim_mu);
-    sim_reg_add(a);
-    pthread_mutex_unlock(&sim_mu);
-    *pa = a;
-    return CUDA_SUCCESS;
+    void *a;
+    CUresult rc = held_new(&a, sizeof(struct CUarray_st), ARRAY_MAGIC, raw, d);
+    if (rc == CUDA_SUCCESS)
+        *pa = a;
+    return rc;
 }
 
 SIM_API CUresult cuArray3DCreate(CUarray *pa, const CUDA_ARRAY3D_DESCRIPTOR_v1 *d)
@@ -226,29 +277,7 @@ SIM_API CUresult cuArrayCreate(CUarray *pa, const CUDA_ARRAY_DESCRIPTOR_v1 *d)
     return cuArray3DCreate_v2(pa, &v3);
 }
 
-static struct CUarray_st *array_of(CUarray a)
-{
-    return a && sim_reg_has(a) && a->magic == ARRAY_MAGIC ? a : NULL;
-}
-
-SIM_API CUresult cuArrayDestroy(CUarray arr)
-{
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
-    pthread_mutex_lock(&sim_mu);
-    struct CUarray_st *a = array_of(arr);
-    if (a) {
-        sim_reg_del(a);
-        a->magic = 0;
-    }
-    pthread_mutex_unlock(&sim_mu);
-    if (!a)
-        return CUDA_ERROR_INVALID_HANDLE;
-    sim_uncharge(a->node, a->charged);
-    free(a);
-    return CUDA_SUCCESS;
-}
+SIM_API CUresult cuArrayDestroy(CUarray arr) { return held_destroy(arr, ARRAY_MAGIC); }
 
 SIM_API CUresult cuArrayGetDescriptor_v2(CUDA_ARRAY_DESCRIPTOR *out, CUarray arr)
 {
@@ -258,7 +287,7 @@ SIM_API CUresult cuArrayGetDescriptor_v2(CUDA_ARRAY_DESCRIPTOR *out, CUarray arr
     if (!out)
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_mu);
-    struct CUarray_st *a = array_of(arr);
+    struct held *a = held_of(arr, ARRAY_MAGIC);
     if (a) {
         out->Width = a->d.Width;
         out->Height = a->d.Height;
@@ -284,31 +313,10 @@ SIM_API CUresult cuArrayGetDescriptor(CUDA_ARRAY_DESCRIPTOR_v1 *out, CUarray arr
     return rc;
 }
 
-static void fill_req(CUDA_ARRAY_MEMORY_REQUIREMENTS *r, uint64_t size)
-{
-    memset(r, 0, sizeof *r);
-    r->size = size;
-    r->alignment = SIM_ALIGN;
-}
-
 SIM_API CUresult cuArrayGetMemoryRequirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *r,
                                               CUarray arr, CUdevice dev)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
-    if (!r)
-        return CUDA_ERROR_INVALID_VALUE;
-    if (sim_ord_node(dev) < 0)
-        return CUDA_ERROR_INVALID_DEVICE;
-    /* As documented: only for arrays made with CUDA_ARRAY3D_DEFERRED_MAPPING. */
-    pthread_mutex_lock(&sim_mu);
-    struct CUarray_st *a = array_of(arr);
-    int deferred = a && (a->d.Flags & CUDA_ARRAY3D_DEFERRED_MAPPING);
-    if (deferred)
-        fill_req(r, a->size);
-    pthread_mutex_unlock(&sim_mu);
-    return !a ? CUDA_ERROR_INVALID_HANDLE : deferred ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    return held_requirements(r, arr, ARRAY_MAGIC, dev);
 }
 
 /* ---- mipmapped arrays ------------------------------------------------ */
@@ -347,68 +355,22 @@ SIM_API CUresult cuMipmappedArrayCreate(CUmipmappedArray *pm,
         h = h > 1 ? h / 2 : h;
         z = z > 1 && !layers ? z / 2 : z;
     }
-    int node;
-    uint64_t size, charged;
-    CUresult rc = charge_new(raw, d->Flags, &node, &size, &charged);
-    if (rc)
-        return rc;
-    struct CUmipmappedArray_st *m = calloc(1, sizeof *m);
-    if (!m) {
-        sim_uncharge(node, charged);
-        return CUDA_ERROR_OUT_OF_MEMORY;
+    void *m;
+    CUresult rc = held_new(&m, sizeof(struct CUmipmappedArray_st), MIPMAP_MAGIC, raw, d);
+    if (rc == CUDA_SUCCESS) {
+        ((struct CUmipmappedArray_st *)m)->levels = levels;
+        *pm = m;
     }
-    m->magic = MIPMAP_MAGIC;
-    m->node = node;
-    m->size = size;
-    m->charged = charged;
-    m->levels = levels;
-    m->d = *d;
-    pthread_mutex_lock(&sim_mu);
-    sim_reg_add(m);
-    pthread_mutex_unlock(&sim_mu);
-    *pm = m;
-    return CUDA_SUCCESS;
-}
-
-static struct CUmipmappedArray_st *mip_of(CUmipmappedArray m)
-{
-    return m && sim_reg_has(m) && m->magic == MIPMAP_MAGIC ? m : NULL;
+    return rc;
 }
 
 SIM_API CUresult cuMipmappedArrayDestroy(CUmipmappedArray mm)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
-    pthread_mutex_lock(&sim_mu);
-    struct CUmipmappedArray_st *m = mip_of(mm);
-    if (m) {
-        sim_reg_del(m);
-        m->magic = 0;
-    }
-    pthread_mutex_unlock(&sim_mu);
-    if (!m)
-        return CUDA_ERROR_INVALID_HANDLE;
-    sim_uncharge(m->node, m->charged);
-    free(m);
-    return CUDA_SUCCESS;
+    return held_destroy(mm, MIPMAP_MAGIC);
 }
 
 SIM_API CUresult cuMipmappedArrayGetMemoryRequirements(
     CUDA_ARRAY_MEMORY_REQUIREMENTS *r, CUmipmappedArray mm, CUdevice dev)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
-    if (!r)
-        return CUDA_ERROR_INVALID_VALUE;
-    if (sim_ord_node(dev) < 0)
-        return CUDA_ERROR_INVALID_DEVICE;
-    pthread_mutex_lock(&sim_mu);
-    struct CUmipmappedArray_st *m = mip_of(mm);
-    int deferred = m && (m->d.Flags & CUDA_ARRAY3D_DEFERRED_MAPPING);
-    if (deferred)
-        fill_req(r, m->size);
-    pthread_mutex_unlock(&sim_mu);
-    return !m ? CUDA_ERROR_INVALID_HANDLE : deferred ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+    return held_requirements(r, mm, MIPMAP_MAGIC, dev);
 }
