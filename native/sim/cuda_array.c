@@ -218,13 +218,9 @@ static CUresult held_destroy(const void *p, uint32_t magic)
 static CUresult held_requirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *r, const void *p,
                                   uint32_t magic, CUdevice dev)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_dev(r != NULL, dev, NULL);
     if (rc)
         return rc;
-    if (!r)
-        return CUDA_ERROR_INVALID_VALUE;
-    if (sim_ord_node(dev) < 0)
-        return CUDA_ERROR_INVALID_DEVICE;
     pthread_mutex_lock(&sim_mu);
     struct held *h = held_of(p, magic);
     int deferred = h && (h->d.Flags & CUDA_ARRAY3D_DEFERRED_MAPPING);

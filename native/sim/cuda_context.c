@@ -156,17 +156,24 @@ SIM_API CUresult cuCtxGetLimit(size_t *value, CUlimit which)
     return CUDA_SUCCESS;
 }
 
+CUresult sim_ctx_or_current(CUcontext ctx, int out_ok, struct CUctx_st **c)
+{
+    *c = ctx;
+    CUresult rc = ctx ? sim_check_init() : sim_current(c);
+    if (rc)
+        return rc;
+    if (!out_ok)
+        return CUDA_ERROR_INVALID_VALUE;
+    return sim_ctx_valid(*c) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
+}
+
 SIM_API CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags,
                                 CUdevice dev)
 {
-    CUresult rc = sim_check_init();
+    int node;
+    CUresult rc = sim_check_dev(pctx != NULL, dev, &node);
     if (rc)
         return rc;
-    if (!pctx)
-        return CUDA_ERROR_INVALID_VALUE;
-    int node = sim_ord_node(dev);
-    if (node < 0)
-        return CUDA_ERROR_INVALID_DEVICE;
     struct CUctx_st *c = calloc(1, sizeof *c);
     if (!c)
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -292,14 +299,10 @@ SIM_API CUresult cuCtxPopCurrent(CUcontext *pctx)
 /* CUDA 13 form: explicit context, NULL = current */
 SIM_API CUresult cuCtxGetDevice_v2(CUdevice *dev, CUcontext ctx)
 {
-    struct CUctx_st *c = ctx;
-    CUresult rc = ctx ? sim_check_init() : sim_current(&c);
+    struct CUctx_st *c;
+    CUresult rc = sim_ctx_or_current(ctx, dev != NULL, &c);
     if (rc)
         return rc;
-    if (!dev)
-        return CUDA_ERROR_INVALID_VALUE;
-    if (!sim_ctx_valid(c))
-        return CUDA_ERROR_INVALID_CONTEXT;
     *dev = c->ordinal;
     return CUDA_SUCCESS;
 }
@@ -311,12 +314,10 @@ SIM_API CUresult cuCtxGetDevice(CUdevice *dev)
 
 SIM_API CUresult cuCtxSynchronize_v2(CUcontext ctx)
 {
-    struct CUctx_st *c = ctx;
-    CUresult rc = ctx ? sim_check_init() : sim_current(&c);
+    struct CUctx_st *c;
+    CUresult rc = sim_ctx_or_current(ctx, 1, &c);
     if (rc)
         return rc;
-    if (!sim_ctx_valid(c))
-        return CUDA_ERROR_INVALID_CONTEXT;
     sim_ctx_sync_wait(c);               /* every stream's queued work */
     sim_pools_sync(c->ordinal);
     return CUDA_SUCCESS;
@@ -329,14 +330,10 @@ SIM_API CUresult cuCtxSynchronize(void)
 
 SIM_API CUresult cuCtxGetApiVersion(CUcontext ctx, unsigned int *v)
 {
-    struct CUctx_st *c = ctx;
-    CUresult rc = ctx ? sim_check_init() : sim_current(&c);
+    struct CUctx_st *c;
+    CUresult rc = sim_ctx_or_current(ctx, v != NULL, &c);
     if (rc)
         return rc;
-    if (!v)
-        return CUDA_ERROR_INVALID_VALUE;
-    if (!sim_ctx_valid(c))
-        return CUDA_ERROR_INVALID_CONTEXT;
     *v = 3020;
     return CUDA_SUCCESS;
 }
@@ -345,14 +342,10 @@ SIM_API CUresult cuCtxGetApiVersion(CUcontext ctx, unsigned int *v)
 
 SIM_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 {
-    CUresult rc = sim_check_init();
+    int node;
+    CUresult rc = sim_check_dev(pctx != NULL, dev, &node);
     if (rc)
         return rc;
-    if (!pctx)
-        return CUDA_ERROR_INVALID_VALUE;
-    int node = sim_ord_node(dev);
-    if (node < 0)
-        return CUDA_ERROR_INVALID_DEVICE;
     struct CUctx_st *c = &g_primary[dev];
     pthread_mutex_lock(&g_prim_mu);
     if (!c->alive) {        /* first retain, or the first after a reset */
@@ -372,11 +365,9 @@ SIM_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 
 SIM_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_dev(1, dev, NULL);
     if (rc)
         return rc;
-    if (sim_ord_node(dev) < 0)
-        return CUDA_ERROR_INVALID_DEVICE;
     struct CUctx_st *c = &g_primary[dev];
     pthread_mutex_lock(&g_prim_mu);
     if (c->refcount <= 0) {
@@ -399,11 +390,9 @@ SIM_API CUresult cuDevicePrimaryCtxRelease(CUdevice dev)
 
 SIM_API CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_dev(1, dev, NULL);
     if (rc)
         return rc;
-    if (sim_ord_node(dev) < 0)
-        return CUDA_ERROR_INVALID_DEVICE;
     /* As CUDA: resetting does not release; each retain still takes its
      * release (also after the reset), and the next retain makes it anew. */
     struct CUctx_st *c = &g_primary[dev];
@@ -425,11 +414,9 @@ SIM_API CUresult cuDevicePrimaryCtxReset(CUdevice dev)
 SIM_API CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags,
                                             int *active)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_dev(1, dev, NULL);
     if (rc)
         return rc;
-    if (sim_ord_node(dev) < 0)
-        return CUDA_ERROR_INVALID_DEVICE;
     if (!flags || !active)
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_mu);
@@ -441,11 +428,9 @@ SIM_API CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags,
 
 SIM_API CUresult cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned int fl)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_dev(1, dev, NULL);
     if (rc)
         return rc;
-    if (sim_ord_node(dev) < 0)
-        return CUDA_ERROR_INVALID_DEVICE;
     pthread_mutex_lock(&sim_mu);
     g_primary[dev].flags = fl;
     pthread_mutex_unlock(&sim_mu);

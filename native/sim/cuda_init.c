@@ -202,6 +202,21 @@ CUresult sim_check_init(void)
     return CUDA_ERROR_NOT_INITIALIZED;
 }
 
+CUresult sim_check_dev(int out_ok, CUdevice dev, int *node)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!out_ok)
+        return CUDA_ERROR_INVALID_VALUE;
+    int n = sim_ord_node(dev);
+    if (n < 0)
+        return CUDA_ERROR_INVALID_DEVICE;
+    if (node)
+        *node = n;
+    return CUDA_SUCCESS;
+}
+
 int sim_nvisible(void)
 {
     return g_nvis;
@@ -301,7 +316,8 @@ SIM_API CUresult cuDriverGetVersion(int *v)
 
 /* ---- error strings --------------------------------------------------- */
 
-static const struct { CUresult rc; const char *name, *text; } g_err[] = {
+struct sim_err { CUresult rc; const char *name, *text; };
+static const struct sim_err g_err[] = {
     {CUDA_SUCCESS, "CUDA_SUCCESS", "no error"},
     {CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
     {CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
@@ -372,30 +388,31 @@ static const struct { CUresult rc; const char *name, *text; } g_err[] = {
     {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
 };
 
+/* The entry of g_err for rc, NULL for one the driver does not know. */
+static const struct sim_err *err_of(CUresult rc)
+{
+    for (size_t i = 0; i < sizeof g_err / sizeof g_err[0]; i++)
+        if (g_err[i].rc == rc)
+            return &g_err[i];
+    return NULL;
+}
+
 SIM_API CUresult cuGetErrorName(CUresult rc, const char **out)
 {
     if (!out)
         return CUDA_ERROR_INVALID_VALUE;
-    for (size_t i = 0; i < sizeof g_err / sizeof g_err[0]; i++)
-        if (g_err[i].rc == rc) {
-            *out = g_err[i].name;
-            return CUDA_SUCCESS;
-        }
-    *out = NULL;
-    return CUDA_ERROR_INVALID_VALUE;
+    const struct sim_err *e = err_of(rc);
+    *out = e ? e->name : NULL;
+    return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 SIM_API CUresult cuGetErrorString(CUresult rc, const char **out)
 {
     if (!out)
         return CUDA_ERROR_INVALID_VALUE;
-    for (size_t i = 0; i < sizeof g_err / sizeof g_err[0]; i++)
-        if (g_err[i].rc == rc) {
-            *out = g_err[i].text;
-            return CUDA_SUCCESS;
-        }
-    *out = NULL;
-    return CUDA_ERROR_INVALID_VALUE;
+    const struct sim_err *e = err_of(rc);
+    *out = e ? e->text : NULL;
+    return e ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
 /* ---- handle registry: open-addressing pointer set (sim_mu held) ------ */

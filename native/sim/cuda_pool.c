@@ -337,13 +337,9 @@ SIM_API CUresult cuMemPoolGetAttribute(CUmemoryPool pool,
 
 SIM_API CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice dev)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_dev(pool != NULL, dev, NULL);
     if (rc)
         return rc;
-    if (!pool)
-        return CUDA_ERROR_INVALID_VALUE;
-    if (sim_ord_node(dev) < 0)
-        return CUDA_ERROR_INVALID_DEVICE;
     pthread_mutex_lock(&sim_mu);
     *pool = def_pool(dev);
     pthread_mutex_unlock(&sim_mu);
@@ -352,13 +348,9 @@ SIM_API CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice dev)
 
 SIM_API CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_dev(pool != NULL, dev, NULL);
     if (rc)
         return rc;
-    if (!pool)
-        return CUDA_ERROR_INVALID_VALUE;
-    if (sim_ord_node(dev) < 0)
-        return CUDA_ERROR_INVALID_DEVICE;
     pthread_mutex_lock(&sim_mu);
     *pool = cur_pool(dev);
     pthread_mutex_unlock(&sim_mu);
@@ -367,11 +359,9 @@ SIM_API CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev)
 
 SIM_API CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_dev(1, dev, NULL);
     if (rc)
         return rc;
-    if (sim_ord_node(dev) < 0)
-        return CUDA_ERROR_INVALID_DEVICE;
     pthread_mutex_lock(&sim_mu);
     if (pool == &g_def[dev])
         def_pool(dev);

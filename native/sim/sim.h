@@ -411,8 +411,17 @@ SIM_HIDDEN CUresult sim_check_init(void);
 SIM_HIDDEN int sim_nvisible(void);
 SIM_HIDDEN int sim_ord_node(int ordinal);   /* -1 if invalid */
 SIM_HIDDEN const char *sim_ord_uuid(int ordinal); /* its UUID (MIG-... on MIG) */
+/* The checks of a call about device dev, in the driver's order: not
+ * initialised, then out_ok == 0 (a NULL out pointer: INVALID_VALUE), then an
+ * invalid ordinal (INVALID_DEVICE).  node (may be NULL) gets its node. */
+SIM_HIDDEN CUresult sim_check_dev(int out_ok, CUdevice dev, int *node);
 SIM_HIDDEN CUresult sim_current(struct CUctx_st **out);
 SIM_HIDDEN int sim_ctx_valid(struct CUctx_st *c);
+/* A call that names a context, NULL for the current one: the checks in the
+ * driver's order (not initialised or no current context, then out_ok == 0:
+ * INVALID_VALUE, then a context that is not live: INVALID_CONTEXT); *c
+ * gets the context. */
+SIM_HIDDEN CUresult sim_ctx_or_current(CUcontext ctx, int out_ok, struct CUctx_st **c);
 SIM_HIDDEN int sim_fault_alloc(void);       /* 1: this allocation fails */
 /* GPUVISOR_SIM_CUDA_FAIL knob (read at cuInit): CUDA_ERROR_UNKNOWN if fn is
  * listed, else CUDA_SUCCESS.  Only the functions that call it honour it. */
