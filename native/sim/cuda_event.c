@@ -135,13 +135,9 @@ SIM_API CUresult cuEventDestroy(CUevent e)
 
 static CUresult record(CUevent e, CUstream hs, unsigned flags, int ptsz)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
-    if (flags & ~(unsigned)CU_EVENT_RECORD_EXTERNAL)
-        return CUDA_ERROR_INVALID_VALUE;
     sim_sref r;
-    rc = sim_stream_ref(hs, ptsz, &r);
+    CUresult rc = sim_stream_call(!(flags & ~(unsigned)CU_EVENT_RECORD_EXTERNAL), hs, ptsz,
+                                  &r);
     if (rc)
         return rc;
     pthread_mutex_lock(&sim_mu);
@@ -264,13 +260,9 @@ SIM_API CUresult cuEventElapsedTime(float *ms, CUevent a, CUevent b)
 
 static CUresult wait_event(CUstream hs, CUevent e, unsigned flags, int ptsz)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
-    if (flags & ~1u)                    /* CU_EVENT_WAIT_EXTERNAL */
-        return CUDA_ERROR_INVALID_VALUE;
     sim_sref r;
-    rc = sim_stream_ref(hs, ptsz, &r);
+    /* flags: CU_EVENT_WAIT_EXTERNAL or none */
+    CUresult rc = sim_stream_call(!(flags & ~1u), hs, ptsz, &r);
     if (rc)
         return rc;
     pthread_mutex_lock(&sim_mu);

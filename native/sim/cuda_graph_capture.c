@@ -76,14 +76,9 @@ int sim_capture_forbids(void)
 
 static CUresult begin_capture(CUstream hs, int mode, int ptsz)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
-    if (mode < CU_STREAM_CAPTURE_MODE_GLOBAL ||
-        mode > CU_STREAM_CAPTURE_MODE_RELAXED)
-        return CUDA_ERROR_INVALID_VALUE;
     sim_sref r;
-    rc = sim_stream_ref(hs, ptsz, &r);
+    int known = mode >= CU_STREAM_CAPTURE_MODE_GLOBAL && mode <= CU_STREAM_CAPTURE_MODE_RELAXED;
+    CUresult rc = sim_stream_call(known, hs, ptsz, &r);
     if (rc)
         return rc;
     if (!r.s)
@@ -129,13 +124,8 @@ SIM_API CUresult cuStreamBeginCapture_ptsz(CUstream s)
 
 static CUresult end_capture(CUstream hs, CUgraph *pg, int ptsz)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
-    if (!pg)
-        return CUDA_ERROR_INVALID_VALUE;
     sim_sref r;
-    rc = sim_stream_ref(hs, ptsz, &r);
+    CUresult rc = sim_stream_call(pg != NULL, hs, ptsz, &r);
     if (rc)
         return rc;
     if (!r.s)
@@ -171,13 +161,8 @@ SIM_API CUresult cuStreamEndCapture_ptsz(CUstream s, CUgraph *pg)
 
 static CUresult is_capturing(CUstream hs, CUstreamCaptureStatus *st, int ptsz)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
-    if (!st)
-        return CUDA_ERROR_INVALID_VALUE;
     sim_sref r;
-    rc = sim_stream_ref(hs, ptsz, &r);
+    CUresult rc = sim_stream_call(st != NULL, hs, ptsz, &r);
     if (rc)
         return rc;
     pthread_mutex_lock(&sim_mu);

@@ -185,11 +185,8 @@ SIM_API CUresult cuGraphExecDestroy(CUgraphExec e)
 
 static CUresult graph_launch(CUgraphExec e, CUstream hs, int ptsz, int run)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
     sim_sref r;
-    rc = sim_stream_ref(hs, ptsz, &r);
+    CUresult rc = sim_stream_call(1, hs, ptsz, &r);
     if (rc)
         return rc;
     if (!exec_ok(e))

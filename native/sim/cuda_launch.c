@@ -138,11 +138,8 @@ static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
                        CUstream hs, void **params, void **extra, int ptsz,
                        int coop)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
     sim_sref r;
-    rc = sim_stream_ref(hs, ptsz, &r);
+    CUresult rc = sim_stream_call(1, hs, ptsz, &r);
     if (rc)
         return rc;
     const unsigned grid[3] = {gx, gy, gz}, block[3] = {bx, by, bz};

@@ -53,6 +53,16 @@ CUresult sim_stream_ref(CUstream h, int ptsz, sim_sref *out)
     return CUDA_SUCCESS;
 }
 
+CUresult sim_stream_call(int args_ok, CUstream h, int ptsz, sim_sref *out)
+{
+    CUresult rc = sim_check_init();
+    if (rc)
+        return rc;
+    if (!args_ok)
+        return CUDA_ERROR_INVALID_VALUE;
+    return sim_stream_ref(h, ptsz, out);
+}
+
 static uint64_t max64(uint64_t a, uint64_t b)
 {
     return a > b ? a : b;

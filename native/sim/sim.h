@@ -469,6 +469,9 @@ SIM_HIDDEN CUresult sim_stream_ctx(CUstream s, struct CUctx_st **out);
 /* streams with the timeline (cuda_stream.c, cuda_launch.c).  ptsz: the
  * call came through a _ptsz entry point, so NULL means per-thread. */
 SIM_HIDDEN CUresult sim_stream_ref(CUstream h, int ptsz, sim_sref *out);
+/* A call on stream h: not initialised, then args_ok == 0 (the call's other
+ * arguments are wrong: INVALID_VALUE), then sim_stream_ref. */
+SIM_HIDDEN CUresult sim_stream_call(int args_ok, CUstream h, int ptsz, sim_sref *out);
 SIM_HIDDEN uint64_t sim_sref_ready_locked(const sim_sref *r);
 SIM_HIDDEN void sim_sref_after_locked(const sim_sref *r, uint64_t t);
 SIM_HIDDEN CUresult sim_sref_sync(const sim_sref *r);
