@@ -140,7 +140,11 @@ static void erase(struct shard *s, size_t i)
     atomic_fetch_sub(&total, 1);
 }
 
-static int lookup(uint32_t kind, uint64_t key, gv_alloc *out, int remove)
+/* The entry of (kind, key), under its shard's lock: edited in place (edit,
+ * if given), copied out (out, if given), then removed (remove).  1 if
+ * there is one. */
+static int visit(uint32_t kind, uint64_t key, gv_alloc *out, int remove, gv_table_edit edit,
+                 void *arg)
 {
     uint64_t h = mix(kind, key);
     struct shard *s = lock_shard(h);
@@ -149,6 +153,8 @@ static int lookup(uint32_t kind, uint64_t key, gv_alloc *out, int remove)
         size_t i = find(s, kind, key, h);
         if (s->slots[i].kind != 0) {
             found = 1;
+            if (edit)
+                edit(&s->slots[i], arg);
             if (out)
                 *out = s->slots[i];
             if (remove)
@@ -159,23 +165,19 @@ static int lookup(uint32_t kind, uint64_t key, gv_alloc *out, int remove)
     return found;
 }
 
-int gv_table_take(uint32_t kind, uint64_t key, gv_alloc *out) { return lookup(kind, key, out, 1); }
-int gv_table_get(uint32_t kind, uint64_t key, gv_alloc *out) { return lookup(kind, key, out, 0); }
+int gv_table_take(uint32_t kind, uint64_t key, gv_alloc *out)
+{
+    return visit(kind, key, out, 1, NULL, NULL);
+}
+
+int gv_table_get(uint32_t kind, uint64_t key, gv_alloc *out)
+{
+    return visit(kind, key, out, 0, NULL, NULL);
+}
 
 int gv_table_modify(uint32_t kind, uint64_t key, gv_table_edit edit, void *arg)
 {
-    uint64_t h = mix(kind, key);
-    struct shard *s = lock_shard(h);
-    int found = 0;
-    if (s->cap) {
-        size_t i = find(s, kind, key, h);
-        if (s->slots[i].kind != 0) {
-            edit(&s->slots[i], arg);
-            found = 1;
-        }
-    }
-    pthread_mutex_unlock(&s->lock);
-    return found;
+    return visit(kind, key, NULL, 0, edit, arg);
 }
 
 int gv_table_take_all(gv_table_match match, gv_table_visit visit, void *arg)

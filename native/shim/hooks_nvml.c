@@ -17,6 +17,14 @@ typedef nvmlReturn_t (*mem_fn)(nvmlDevice_t, nvmlMemory_t *);
 typedef nvmlReturn_t (*mem_v2_fn)(nvmlDevice_t, nvmlMemory_v2_t *);
 typedef nvmlReturn_t (*uuid_fn)(nvmlDevice_t, char *, unsigned int);
 
+/* Outside enforce mode: pass the query through, or fail closed. */
+#define ENFORCING_OR_PASS(passcall)                                         \
+    do {                                                                    \
+        int m_ = gv_mode();                                                 \
+        if (m_ != GV_MODE_ENFORCE)                                          \
+            return m_ == GV_MODE_PASSTHROUGH ? (passcall) : GV_FAIL_NVML;   \
+    } while (0)
+
 /* Region entry for an NVML device, registering it if the container sees
  * it but no CUDA process has used it yet.  -1: not ours. */
 static int entry_for(nvmlDevice_t dev, uint64_t physical_total)
@@ -90,11 +98,7 @@ static nvmlReturn_t quota_view(nvmlDevice_t dev, unsigned long long *total,
 GV_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t dev, nvmlMemory_t *mem)
 {
     mem_fn real = GV_REAL(nvmlDeviceGetMemoryInfo, mem_fn);
-    int m = gv_mode();
-    if (m == GV_MODE_PASSTHROUGH)
-        return real(dev, mem);
-    if (m == GV_MODE_FAILED)
-        return GV_FAIL_NVML;
+    ENFORCING_OR_PASS(real(dev, mem));
     nvmlReturn_t rc = real(dev, mem);
     if (rc != NVML_SUCCESS || !mem)
         return rc;
@@ -105,11 +109,7 @@ GV_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t dev, nvmlMemory_t *m
 GV_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t dev, nvmlMemory_v2_t *mem)
 {
     mem_v2_fn real = GV_REAL(nvmlDeviceGetMemoryInfo_v2, mem_v2_fn);
-    int m = gv_mode();
-    if (m == GV_MODE_PASSTHROUGH)
-        return real(dev, mem);
-    if (m == GV_MODE_FAILED)
-        return GV_FAIL_NVML;
+    ENFORCING_OR_PASS(real(dev, mem));
     nvmlReturn_t rc = real(dev, mem);
     if (rc != NVML_SUCCESS || !mem)
         return rc;
