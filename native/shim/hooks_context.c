@@ -495,6 +495,15 @@ static void prim_setup(void)
     pthread_atfork(NULL, NULL, prim_child);
 }
 
+/* dev's primary context record, locked (dev a valid ordinal). */
+static struct primary *prim_lock(CUdevice dev)
+{
+    pthread_once(&prim_once, prim_setup);
+    struct primary *p = &prim[dev];
+    pthread_mutex_lock(&p->lock);
+    return p;
+}
+
 static CUresult prim_reset_locked(struct primary *p, CUresult (*real)(CUdevice), CUdevice dev);
 
 GV_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
@@ -506,9 +515,7 @@ GV_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     CUresult rc = gv_device(dev, &d);
     if (rc != CUDA_SUCCESS || !pctx)
         return rc == GV_FAIL_CUDA ? rc : real(pctx, dev);
-    pthread_once(&prim_once, prim_setup);
-    struct primary *p = &prim[dev];
-    pthread_mutex_lock(&p->lock);
+    struct primary *p = prim_lock(dev);
     snapshot before;
     /* The driver makes the context at the first retain, and at the first
      * one after a reset (which leaves the retains as they were). */
@@ -582,9 +589,7 @@ static CUresult prim_release(CUresult (*real)(CUdevice), CUdevice dev)
     GV_ENFORCING_ELSE_PASS(real(dev));
     if (dev < 0 || dev >= GV_MAX_ORDINALS)
         return real(dev);
-    pthread_once(&prim_once, prim_setup);
-    struct primary *p = &prim[dev];
-    pthread_mutex_lock(&p->lock);
+    struct primary *p = prim_lock(dev);
     if (p->refs == 1)       /* the last release destroys it */
         gv_sm_ctx_destroying(p->ctx);
     gv_graph_teardown_begin();
@@ -628,9 +633,7 @@ static CUresult prim_reset(CUresult (*real)(CUdevice), CUdevice dev)
     GV_ENFORCING_ELSE_PASS(real(dev));
     if (dev < 0 || dev >= GV_MAX_ORDINALS)
         return real(dev);
-    pthread_once(&prim_once, prim_setup);
-    struct primary *p = &prim[dev];
-    pthread_mutex_lock(&p->lock);
+    struct primary *p = prim_lock(dev);
     CUresult rc = prim_reset_locked(p, real, dev);
     pthread_mutex_unlock(&p->lock);
     if (rc == CUDA_SUCCESS)

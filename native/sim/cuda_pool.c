@@ -335,26 +335,26 @@ SIM_API CUresult cuMemPoolGetAttribute(CUmemoryPool pool,
 
 /* ---- device <-> pool ------------------------------------------------- */
 
-SIM_API CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice dev)
+/* dev's default pool (current == 0) or current one. */
+static CUresult get_pool(CUmemoryPool *pool, CUdevice dev, int current)
 {
     CUresult rc = sim_check_dev(pool != NULL, dev, NULL);
     if (rc)
         return rc;
     pthread_mutex_lock(&sim_mu);
-    *pool = def_pool(dev);
+    *pool = current ? cur_pool(dev) : def_pool(dev);
     pthread_mutex_unlock(&sim_mu);
     return CUDA_SUCCESS;
 }
 
+SIM_API CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool, CUdevice dev)
+{
+    return get_pool(pool, dev, 0);
+}
+
 SIM_API CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev)
 {
-    CUresult rc = sim_check_dev(pool != NULL, dev, NULL);
-    if (rc)
-        return rc;
-    pthread_mutex_lock(&sim_mu);
-    *pool = cur_pool(dev);
-    pthread_mutex_unlock(&sim_mu);
-    return CUDA_SUCCESS;
+    return get_pool(pool, dev, 1);
 }
 
 SIM_API CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool)
