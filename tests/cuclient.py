@@ -43,6 +43,18 @@ def ok(fn: Callable[..., Any], *args: Any) -> Any:
     return value
 
 
+def add_alloc_node(graph: Any, nbytes: int, device: int = 0) -> Any:
+    """Add to graph (no dependencies) a memory node that allocates nbytes of
+    device memory on device; the address it will allocate at."""
+    p = cu.CUDA_MEM_ALLOC_NODE_PARAMS()
+    p.poolProps.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    p.poolProps.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    p.poolProps.location.id = device
+    p.bytesize = nbytes
+    ok(cu.cuGraphAddMemAllocNode, graph, None, 0, p)
+    return p.dptr
+
+
 def init(ordinal: int = 0, *, create: bool = False) -> Any:
     """cuInit, then make a context on ordinal current (primary by default)."""
     ok(cu.cuInit, 0)

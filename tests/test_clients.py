@@ -861,13 +861,8 @@ EXPLICIT_GRAPH = """
 def explicit_graph(nbytes):
     \"\"\"A graph with one allocation node that the graph does not free.\"\"\"
     g = ok(cu.cuGraphCreate, 0)
-    p = cu.CUDA_MEM_ALLOC_NODE_PARAMS()
-    p.poolProps.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    p.poolProps.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    p.poolProps.location.id = 0
-    p.bytesize = nbytes
-    ok(cu.cuGraphAddMemAllocNode, g, None, 0, p)
-    return g, p.dptr
+    dptr = add_alloc_node(g, nbytes)
+    return g, dptr
 def instantiate_uploading(g, s):
     prm = cu.CUDA_GRAPH_INSTANTIATE_PARAMS()
     prm.flags = cu.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_UPLOAD
@@ -987,13 +982,8 @@ def pool(dev):
 def two_device_graph(on0, on1):
     g, ptrs = ok(cu.cuGraphCreate, 0), []
     for dev, nbytes in ((0, on0), (1, on1)):
-        p = cu.CUDA_MEM_ALLOC_NODE_PARAMS()
-        p.poolProps.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-        p.poolProps.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-        p.poolProps.location.id = dev
-        p.bytesize = nbytes
-        ok(cu.cuGraphAddMemAllocNode, g, None, 0, p)
-        ptrs.append(p.dptr)
+        dptr = add_alloc_node(g, nbytes, dev)
+        ptrs.append(dptr)
     return ok(cu.cuGraphInstantiate, g, 0), ptrs
 s = ok(cu.cuStreamCreate, 0)
 base0, base1 = used_on(ctx0), used_on(ctx1)

@@ -278,12 +278,7 @@ AUTO_FREE_CHURN = textwrap.dedent(
     rng = random.Random(int(sys.argv[1]))
     s = ok(cu.cuStreamCreate, 0)
     g = ok(cu.cuGraphCreate, 0)
-    p = cu.CUDA_MEM_ALLOC_NODE_PARAMS()
-    p.poolProps.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    p.poolProps.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    p.poolProps.location.id = 0
-    p.bytesize = rng.choice((384, 640, 896)) * MiB
-    ok(cu.cuGraphAddMemAllocNode, g, None, 0, p)
+    dptr = add_alloc_node(g, rng.choice((384, 640, 896)) * MiB)
     auto = cu.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH
     e = ok(cu.cuGraphInstantiate, g, auto)
     print("ready", flush=True)
@@ -304,9 +299,9 @@ AUTO_FREE_CHURN = textwrap.dedent(
         r = rng.random()
         if live and r < 0.35:                     # give it back to the others
             if r < 0.2:
-                ok(cu.cuMemFree, p.dptr)
+                ok(cu.cuMemFree, dptr)
             else:
-                ok(cu.cuMemFreeAsync, p.dptr, s)
+                ok(cu.cuMemFreeAsync, dptr, s)
                 ok(cu.cuStreamSynchronize, s)
             live = False
             ok(cu.cuDeviceGraphMemTrim, 0)

@@ -138,13 +138,8 @@ assert used() == base
 # a graph allocating on two devices: each pool locked, charged and settled
 g, ptrs = ok(cu.cuGraphCreate, 0), []
 for dev in (0, 1):
-    p = cu.CUDA_MEM_ALLOC_NODE_PARAMS()
-    p.poolProps.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    p.poolProps.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    p.poolProps.location.id = dev
-    p.bytesize = 64 * MiB
-    ok(cu.cuGraphAddMemAllocNode, g, None, 0, p)
-    ptrs.append(p.dptr)
+    dptr = add_alloc_node(g, 64 * MiB, dev)
+    ptrs.append(dptr)
 e = ok(cu.cuGraphInstantiate, g, 0)
 ok(cu.cuGraphLaunch, e, s)
 ok(cu.cuStreamSynchronize, s)
@@ -159,13 +154,8 @@ assert used() == base
 # interposer's depth, charged; one deeper refuses the instantiation
 def nested(nbytes, depth):
     g = ok(cu.cuGraphCreate, 0)
-    p = cu.CUDA_MEM_ALLOC_NODE_PARAMS()
-    p.poolProps.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    p.poolProps.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    p.poolProps.location.id = 0
-    p.bytesize = nbytes
-    ok(cu.cuGraphAddMemAllocNode, g, None, 0, p)
-    ok(cu.cuGraphAddMemFreeNode, g, None, 0, p.dptr)
+    dptr = add_alloc_node(g, nbytes)
+    ok(cu.cuGraphAddMemFreeNode, g, None, 0, dptr)
     for _ in range(depth):
         parent = ok(cu.cuGraphCreate, 0)
         ok(cu.cuGraphAddEmptyNode, parent, None, 0)
@@ -193,13 +183,8 @@ assert used() == base
 AUTO = cu.CUgraphInstantiate_flags.CUDA_GRAPH_INSTANTIATE_FLAG_AUTO_FREE_ON_LAUNCH
 def left_live(nbytes):
     g = ok(cu.cuGraphCreate, 0)
-    p = cu.CUDA_MEM_ALLOC_NODE_PARAMS()
-    p.poolProps.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-    p.poolProps.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-    p.poolProps.location.id = 0
-    p.bytesize = nbytes
-    ok(cu.cuGraphAddMemAllocNode, g, None, 0, p)
-    return g, ok(cu.cuGraphInstantiate, g, AUTO), p.dptr
+    dptr = add_alloc_node(g, nbytes)
+    return g, ok(cu.cuGraphInstantiate, g, AUTO), dptr
 g, e, dptr = left_live(600 * MiB)
 for _ in range(3):
     ok(cu.cuGraphLaunch, e, s)
