@@ -51,15 +51,6 @@
 
 CUresult cuCtxPopCurrent_v2(CUcontext *);
 CUresult cuCtxPushCurrent_v2(CUcontext);
-CUresult cuCtxSynchronize(void);
-CUresult cuStreamCreate(CUstream *, unsigned int);
-CUresult cuStreamSynchronize(CUstream);
-CUresult cuStreamSynchronize_ptsz(CUstream);
-CUresult cuEventCreate(CUevent *, unsigned int);
-CUresult cuEventRecord(CUevent, CUstream);
-CUresult cuEventSynchronize(CUevent);
-CUresult cuEventQuery(CUevent);
-CUresult cuStreamQuery(CUstream);
 CUresult cuStreamQuery_ptsz(CUstream);
 CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
 CUresult cuCtxSetLimit(CUlimit, size_t);
