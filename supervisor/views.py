@@ -160,11 +160,6 @@ def status(region_path: str | None, sample: float, as_json: bool) -> None:
         click.echo(json.dumps(info, indent=2))
         return
     click.echo(f"region {info['region']}")
-    library = info["build"]["library"]
-    click.echo(
-        f"gpuvisor {info['build']['version']}, library "
-        + (f"{library['version']} (build {library['build_id']})" if library else "not usable")
-    )
     rows = [
         [
             str(d["index"]),
@@ -209,6 +204,12 @@ def status(region_path: str | None, sample: float, as_json: bool) -> None:
     if prows:
         click.echo("")
         click.echo(_table(["PID", "NAME", "DEV", "USED"], prows))
+    library = info["build"]["library"]
+    click.echo("")
+    click.echo(
+        f"gpuvisor {info['build']['version']}, library "
+        + (f"{library['version']} (build {library['build_id']})" if library else "not usable")
+    )
 
 
 # ---- top (on the node) ---------------------------------------------------------------
