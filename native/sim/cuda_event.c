@@ -25,7 +25,9 @@ struct CUevent_st {
     int ordinal;                        /* its context's device */
     unsigned flags;
     int recorded;
-    uint64_t t;                         /* completion time, monotonic ns */
+    int node;                           /* where it was recorded */
+    uint64_t t;                         /* completion time, monotonic ns, or
+                                         * a token in the time-slicing mode */
     struct CUevent_st *prev, *next;     /* every live event, under sim_mu */
 };
 
@@ -154,7 +156,17 @@ static CUresult record(CUevent e, CUstream hs, unsigned flags, int ptsz)
     /* Streams of one context are independent queues, but contexts of
      * different processes time-slice the device: an event is reached once
      * its stream's earlier work is done and the device has finished what
-     * other processes queued before it. */
+     * other processes queued before it.  Time-slicing mode: a marker in
+     * this process's queue, reached when the queue is resident. */
+    e->node = r.ctx->node;
+    if (sim_ts_us()) {
+        uint64_t tok = sim_tl_marker(r.ctx->node);
+        e->t = tok;
+        e->recorded = 1;
+        sim_sref_after_locked(&r, tok);
+        pthread_mutex_unlock(&sim_mu);
+        return CUDA_SUCCESS;
+    }
     uint64_t t = sim_sref_ready_locked(&r), now = sim_now_ns();
     uint64_t others = sim_tl_others_until(r.ctx->node);
     if (t < now)
@@ -190,8 +202,9 @@ SIM_API CUresult cuEventRecordWithFlags_ptsz(CUevent e, CUstream s,
     return record(e, s, flags, 1);
 }
 
-/* completion time of e (0: never recorded, complete), and its device */
-static CUresult ev_time(CUevent e, uint64_t *t, int *ordinal)
+/* completion time or token of e (0: never recorded, complete), its device
+ * ordinal and where it was recorded */
+static CUresult ev_time(CUevent e, uint64_t *t, int *ordinal, int *node)
 {
     CUresult rc = sim_check_init();
     if (rc)
@@ -200,6 +213,7 @@ static CUresult ev_time(CUevent e, uint64_t *t, int *ordinal)
     int ok = ev_ok_locked(e);
     *t = ok && e->recorded ? e->t : 0;
     *ordinal = ok ? e->ordinal : -1;
+    *node = ok ? e->node : -1;
     pthread_mutex_unlock(&sim_mu);
     return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
@@ -207,26 +221,26 @@ static CUresult ev_time(CUevent e, uint64_t *t, int *ordinal)
 SIM_API CUresult cuEventQuery(CUevent e)
 {
     uint64_t t;
-    int ordinal;
+    int ordinal, node;
     sim_event_query_delay();
-    CUresult rc = ev_time(e, &t, &ordinal);
+    CUresult rc = ev_time(e, &t, &ordinal, &node);
     if (rc)
         return rc;
     if (sim_capture_forbids())
         return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
-    return t > sim_now_ns() ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
+    return sim_tl_done(node, t) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
 SIM_API CUresult cuEventSynchronize(CUevent e)
 {
     uint64_t t;
-    int ordinal;
-    CUresult rc = ev_time(e, &t, &ordinal);
+    int ordinal, node;
+    CUresult rc = ev_time(e, &t, &ordinal, &node);
     if (rc)
         return rc;
     if (sim_capture_forbids())
         return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
-    sim_sleep_until(t);
+    sim_tl_wait(node, t);
     sim_pools_sync(ordinal);         /* a synchronisation: pools give memory back */
     return CUDA_SUCCESS;
 }
@@ -243,11 +257,11 @@ SIM_API CUresult cuEventElapsedTime_v2(float *ms, CUevent a, CUevent b)
     int timed = ok && !((a->flags | b->flags) & CU_EVENT_DISABLE_TIMING) &&
                 a->recorded && b->recorded;
     uint64_t ta = timed ? a->t : 0, tb = timed ? b->t : 0;
+    int na = timed ? a->node : -1, nb = timed ? b->node : -1;
     pthread_mutex_unlock(&sim_mu);
     if (!timed)
         return CUDA_ERROR_INVALID_HANDLE;
-    uint64_t now = sim_now_ns();
-    if (ta > now || tb > now)
+    if (sim_tl_stamp(na, ta, &ta) < 0 || sim_tl_stamp(nb, tb, &tb) < 0)
         return CUDA_ERROR_NOT_READY;
     *ms = (float)((double)((int64_t)(tb - ta)) / 1e6);
     return CUDA_SUCCESS;
@@ -271,9 +285,16 @@ static CUresult wait_event(CUstream hs, CUevent e, unsigned flags, int ptsz)
         return CUDA_ERROR_INVALID_HANDLE;
     }
     int capturing = r.s && r.s->capture != CU_STREAM_CAPTURE_STATUS_NONE;
-    if (e->recorded && !capturing)
+    /* Time-slicing mode: a token only orders work of its own queue, so a
+     * wait on an event of another device waits here, on the host. */
+    int host = sim_ts_us() && e->recorded && e->node != r.ctx->node;
+    uint64_t t = e->t;
+    int node = e->node;
+    if (e->recorded && !capturing && !host)
         sim_sref_after_locked(&r, e->t);
     pthread_mutex_unlock(&sim_mu);
+    if (host && !capturing)
+        sim_tl_wait(node, t);
     return CUDA_SUCCESS;
 }
 

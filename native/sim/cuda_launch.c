@@ -105,10 +105,10 @@ CUresult sim_launch(const sim_sref *r, const sim_kern *k, int n)
             }
             uint64_t *slot = &c->pend[c->pend_head % SIM_QUEUE_DEPTH];
             uint64_t oldest = *slot;
-            if (oldest > sim_now_ns()) {
+            if (!sim_tl_done(c->node, oldest)) {
                 /* queue full: wait for the oldest pending launch */
                 pthread_mutex_unlock(&sim_mu);
-                sim_sleep_until(oldest);
+                sim_tl_wait(c->node, oldest);
                 continue;
             }
             uint64_t end = sim_tl_launch(c->node, sim_sref_ready_locked(r),
@@ -127,8 +127,9 @@ void sim_ctx_sync_wait(struct CUctx_st *c)
 {
     pthread_mutex_lock(&sim_mu);
     uint64_t t = c->all_end;
+    int node = c->node;
     pthread_mutex_unlock(&sim_mu);
-    sim_sleep_until(t);
+    sim_tl_wait(node, t);
 }
 
 /* ---- entry points ---------------------------------------------------- */

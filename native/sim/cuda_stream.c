@@ -111,8 +111,9 @@ CUresult sim_sref_sync(const sim_sref *r)
         return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     pthread_mutex_lock(&sim_mu);
     uint64_t t = sim_sref_ready_locked(r);
+    int node = r->ctx->node;
     pthread_mutex_unlock(&sim_mu);
-    sim_sleep_until(t);
+    sim_tl_wait(node, t);
     return CUDA_SUCCESS;
 }
 
@@ -234,8 +235,9 @@ static CUresult stream_query(CUstream s, int ptsz)
         return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     pthread_mutex_lock(&sim_mu);
     uint64_t t = sim_sref_ready_locked(&r);
+    int node = r.ctx->node;
     pthread_mutex_unlock(&sim_mu);
-    return t > sim_now_ns() ? CUDA_ERROR_NOT_READY : CUDA_SUCCESS;
+    return sim_tl_done(node, t) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
 }
 
 SIM_API CUresult cuStreamQuery(CUstream s)

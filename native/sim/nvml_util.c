@@ -89,9 +89,13 @@ SIM_API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t dev,
     int n = sim_tl_history(node, lo, iv, SIM_TL_RING, &known);
     if (known > lo && known < now)
         lo = known;                     /* the ring wrapped: what is known */
+    /* Time-slicing mode: the device's own busy time is kept under pid 0
+     * (processes' intervals overlap there). */
+    int ts = sim_ts_us() != 0;
     uint64_t busy = 0;
     for (int i = 0; i < n; i++)
-        busy += overlap(&iv[i], lo, now);
+        if (!ts || iv[i].pid == 0)
+            busy += overlap(&iv[i], lo, now);
     free(iv);
     u->gpu = pct(busy, now - lo);
     u->memory = 0;
@@ -285,6 +289,8 @@ static nvmlReturn_t proc_samples(int node, unsigned long long last_seen,
     int np = 0;
     for (int i = 0; i < n; i++) {
         unsigned pid = (unsigned)iv[i].pid;
+        if (!pid)
+            continue;                   /* the device's own busy time */
         int j;
         for (j = 0; j < np && pids[j] != pid; j++)
             ;

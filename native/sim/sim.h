@@ -49,7 +49,7 @@ static inline uint64_t sim_round_up(uint64_t v, uint64_t a)
 /* ---- shared state file (state_file.c) ------------------------------- */
 
 #define SIM_MAGIC 0x47565349u           /* "GVSI" */
-#define SIM_VERSION 4u
+#define SIM_VERSION 5u
 
 typedef struct sim_devinfo {
     uint64_t total;                     /* bytes */
@@ -134,6 +134,35 @@ typedef struct sim_gi {
     sim_ci ci[SIM_MIG_SLOTS];
 } sim_gi;
 
+/* Time-slicing mode (state_timeslice.c, GPUVISOR_SIM_TIMESLICE_US > 0):
+ * one FIFO queue per process and device (a "context" of the device's
+ * runlist) of kernels with their remaining ns and zero-length event
+ * markers.  The device is replayed lazily up to t under the node lock.
+ * Queues of a process that dies keep running; an empty queue of a dead
+ * pid is free for another process. */
+#define SIM_TS_CTX 16
+#define SIM_TS_Q 1024                   /* items per queue (>= SIM_QUEUE_DEPTH) */
+
+typedef struct sim_tsq {
+    volatile int32_t pid;
+    int32_t pad;
+    uint64_t head;                      /* items ever queued */
+    uint64_t tail;                      /* items ever done */
+    uint64_t busy_since;                /* a kernel started, not done; 0 none */
+    uint64_t rem[SIM_TS_Q];             /* remaining ns of item seq % Q */
+    uint64_t done[SIM_TS_Q];            /* completion stamp of item seq % Q */
+} sim_tsq;
+
+typedef struct sim_tsdev {
+    uint64_t t;                         /* replayed up to */
+    int32_t cur;                        /* resident queue, -1 none */
+    int32_t next;                       /* switching to, -1 not switching */
+    uint64_t sw_until;                  /* the switch ends */
+    uint64_t slice_start;               /* the resident queue's turn began */
+    uint64_t busy_since;                /* device busy (work or switch); 0 idle */
+    sim_tsq q[SIM_TS_CTX];
+} sim_tsdev;
+
 typedef struct sim_shared {
     uint32_t magic;
     uint32_t version;
@@ -151,6 +180,7 @@ typedef struct sim_shared {
     sim_gi gi[SIM_MAX_DEV][SIM_MIG_SLOTS];
     sim_row rows[SIM_MAX_ROWS];
     sim_timeline tl[SIM_MAX_NODE];
+    sim_tsdev ts[SIM_MAX_NODE];
 } sim_shared;
 
 enum { SIM_OK = 0, SIM_ERR_SPEC = 1, SIM_ERR_FILE = 2 };
@@ -186,6 +216,26 @@ SIM_HIDDEN void sim_sleep_until(uint64_t t_ns);      /* CLOCK_MONOTONIC */
 SIM_HIDDEN uint64_t sim_tl_launch(int node, uint64_t dep_ns, uint64_t dur_ns);
 /* when the kernels other processes have queued on node will be done */
 SIM_HIDDEN uint64_t sim_tl_others_until(int node);
+/* Time-slicing mode.  Knobs are read once (sim_ts_config, from the state
+ * open): 0 ok, -1 a bad value (reported, one line naming the variable).
+ * sim_ts_us() is the timeslice, 0 when the mode is off.  In the mode the
+ * values kept in streams, contexts and events are tokens of this process's
+ * queue on the node (0: nothing queued), not times; the sim_tl_* calls
+ * below take and give either, by mode. */
+SIM_HIDDEN int sim_ts_config(void);
+SIM_HIDDEN uint64_t sim_ts_us(void);
+/* queue an event marker on node (mode on only); returns its token */
+SIM_HIDDEN uint64_t sim_tl_marker(int node);
+/* queue a kernel of dur_ns (mode on only); returns its token */
+SIM_HIDDEN uint64_t sim_ts_launch(int node, uint64_t dur_ns);
+/* bring node's interval ring up to now (mode on; else nothing) */
+SIM_HIDDEN void sim_ts_sync_history(int node);
+/* 1 if the work up to v (a time or a token) is done */
+SIM_HIDDEN int sim_tl_done(int node, uint64_t v);
+/* sleep until the work up to v is done */
+SIM_HIDDEN void sim_tl_wait(int node, uint64_t v);
+/* when the work up to v was done: 0 and *at, or -1 not yet */
+SIM_HIDDEN int sim_tl_stamp(int node, uint64_t v, uint64_t *at);
 /* copy the intervals that end after from_ns (oldest first) into out (at
  * most max); *known = start of the history still held */
 SIM_HIDDEN int sim_tl_history(int node, uint64_t from_ns, sim_interval *out,

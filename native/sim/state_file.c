@@ -213,6 +213,10 @@ static void do_open(void)
     const char *spec_str = env && *env ? env : "1x16g";
     char topo_spec[SIM_SPEC_LEN];
     sim_spec spec;
+    if (sim_ts_config() < 0) {
+        g_open_rc = SIM_ERR_SPEC;
+        return;
+    }
     if (topo && *topo) {
         /* the file describes the node; GPUVISOR_SIM_DEVICES is not read */
         if (sim_parse_topology(topo, &spec) < 0) {

@@ -33,6 +33,8 @@ void sim_sleep_until(uint64_t t)
 uint64_t sim_tl_launch(int node, uint64_t dep, uint64_t dur)
 {
     sim_shared *S = sim_state();
+    if (sim_ts_us())
+        return sim_ts_launch(node, dur);  /* one FIFO per process: dep holds */
     uint64_t now = sim_now_ns();
     if (!S || !sim_node_ok(node))
         return (dep > now ? dep : now) + dur;
@@ -73,6 +75,7 @@ int sim_tl_history(int node, uint64_t from, sim_interval *out, int max,
         return 0;
     sim_timeline *t = &S->tl[node];
     int n = 0;
+    sim_ts_sync_history(node);
     sim_state_lock();
     uint64_t h = t->head;
     uint64_t lo = h > SIM_TL_RING ? h - SIM_TL_RING : 0;
