@@ -3,7 +3,8 @@
  * it was created.  Its state on the kernel timeline is one number, the
  * completion time of the work queued in it so far (ready); queries compare
  * it with the clock and synchronize sleeps until it (cuda_launch.c queues
- * the work).  A synchronize is also where memory pools give memory back
+ * the work).  In the time-slicing mode the number is a token of the
+ * process's queue instead, and sim_tl_done / sim_tl_wait answer.  A synchronize is also where memory pools give memory back
  * (sim_pools_sync).
  *
  * Default streams: the legacy stream (NULL, CU_STREAM_LEGACY) is per
