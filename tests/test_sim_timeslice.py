@@ -102,10 +102,15 @@ def share(r: dict[str, object]) -> float:
     return 100 * v
 
 
-def median_ms(r: dict[str, object]) -> float:
+def times_ms(r: dict[str, object]) -> list[float]:
     v = r["times"]
-    assert isinstance(v, list) and v
-    return float(statistics.median(v))
+    assert isinstance(v, list)
+    assert v
+    return [float(x) for x in v]
+
+
+def median_ms(r: dict[str, object]) -> float:
+    return float(statistics.median(times_ms(r)))
 
 
 @needs_cuda_python
@@ -144,7 +149,7 @@ def test_timeslice_knob_sets_the_turn(tmp_path: Path) -> None:
     little to switching and events span a whole turn of the other."""
     a, b = run_workers(tmp_path, [1650, 1650], 2.0, GPUVISOR_SIM_TIMESLICE_US="20000")
     assert share(a) + share(b) >= 90, (share(a), share(b))
-    assert max(max(a["times"]), max(b["times"])) >= 15  # type: ignore[arg-type]
+    assert max(times_ms(a) + times_ms(b)) >= 15
 
 
 @needs_cuda_python
@@ -220,15 +225,16 @@ def test_stream_and_context_sync(tmp_path: Path) -> None:
     env = sim_env(tmp_path, "1x8g", **TS)
     r = json.loads(ok(run_py(body, env)).splitlines()[-1])
     assert r["launch_s"] < 0.05, r
-    assert r["query"] == 600 and r["equery"] == 600 and r["elapsed_early"] == 600, r
+    assert (r["query"], r["equery"], r["elapsed_early"]) == (600, 600, 600), r
     assert r["query_after"] == 0, r
     assert 0.099 < r["sync_s"] < 0.5, r
-    assert 99.9 < r["ms"] < 101, r
+    assert 99.9 < r["ms"] < 150, r  # plus the launch call after e0
     assert 0.029 < r["ctx_s"] < 0.3, r
     # beside a busy process the same kernel takes about twice as long
     busy = spawn_py(WORKER, {**env, "W_KERNEL_US": "5000", "W_RUN_S": "3"})
     try:
-        assert busy.stdout is not None and busy.stdin is not None
+        assert busy.stdout is not None
+        assert busy.stdin is not None
         assert busy.stdout.readline().strip() == "ready"
         busy.stdin.write("go\n")
         busy.stdin.flush()
@@ -237,7 +243,7 @@ def test_stream_and_context_sync(tmp_path: Path) -> None:
     finally:
         busy.kill()
         busy.wait()
-    assert 170 < r2["ms"] < 260, r2
+    assert 170 < r2["ms"] < 320, r2
     assert r2["query_after"] == 0, r2
 
 
@@ -316,4 +322,26 @@ def test_bad_values_fail(tmp_path: Path, var: str, value: str) -> None:
     assert lines[0] == "1", cp.stdout  # CUDA_ERROR_INVALID_VALUE
     assert "nvml ok" not in cp.stdout, cp.stdout
     errs = [ln for ln in cp.stderr.splitlines() if var in ln]
-    assert len(errs) >= 1 and f"{var}={value}" in errs[0], cp.stderr
+    assert errs, cp.stderr
+    assert f"{var}={value}" in errs[0], cp.stderr
+
+
+@needs_cuda_python
+def test_events_past_the_launch_bound(tmp_path: Path) -> None:
+    """Kernels and event markers share the process's queue: 1500 kernels
+    with an event after each (3000 items, past the 1024 a queue holds)
+    all run, the launching thread waiting while the queue is full."""
+    body = with_prelude(
+        """
+        s = chk(cu.cuStreamCreate(0))
+        evs = [chk(cu.cuEventCreate(0)) for _ in range(2)]
+        t0 = time.monotonic()
+        for i in range(1500):
+            launch_spin(s, 200)
+            chk(cu.cuEventRecord(evs[i % 2], s))
+        chk(cu.cuStreamSynchronize(s))
+        print(json.dumps({"s": time.monotonic() - t0}))
+        """
+    )
+    r = json.loads(ok(run_py(body, sim_env(tmp_path, "1x8g", **TS))).splitlines()[-1])
+    assert r["s"] >= 0.3, r  # 1500 x 200 us all ran
