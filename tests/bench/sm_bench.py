@@ -141,8 +141,15 @@ class Container:
     stalls: list[tuple[int, int]] = field(default_factory=list)
 
 
+# GPUVISOR_SIM_TIMESLICE_US for every scenario (--timeslice-us; 0: the
+# launch-order timeline)
+TIMESLICE_US = 0
+
+
 def node_env(tmp: Path) -> dict[str, str]:
     env = clean_env()
+    if TIMESLICE_US:
+        env["GPUVISOR_SIM_TIMESLICE_US"] = str(TIMESLICE_US)
     env.update(
         {
             "LD_LIBRARY_PATH": str(SIM_DIR),
@@ -456,7 +463,19 @@ def two_fixed(
             )
         rows.append(f"| {qa}:{qb} | {cells[0]} | {cells[1]} |")
         print(rows[-1], file=sys.stderr)
+        print(
+            f"{qa}:{qb} throughput (share of the unlimited device) "
+            f"A {throughput(a):.1f} % B {throughput(b):.1f} %",
+            file=sys.stderr,
+        )
     return rows, results, merged, floors, sames
+
+
+def throughput(c: Container) -> float:
+    """The container's share of the unlimited device, in %: the GPU time of
+    the kernels its processes completed over their wall time (the worker
+    synchronizes before it reports), whatever NVML or the meters say."""
+    return 100 * sum(r["gpu_us"] / 1e6 / r["wall_s"] for r in c.reports)
 
 
 def mean(v: Sequence[float]) -> float:
@@ -845,6 +864,12 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--launch-args", default="", help="arguments for bench_launch --sm-cost (shell words)"
     )
+    p.add_argument(
+        "--timeslice-us",
+        type=int,
+        default=0,
+        help="run every scenario in the simulator's time-slicing mode with this slice (us)",
+    )
     p.add_argument("--quick", action="store_true", help="a tiny configuration (smoke test)")
     p.add_argument("--no-cost", action="store_true", help="skip the per-launch cost table")
     p.add_argument("--write", type=Path, help="replace this benchmark's sections of FILE")
@@ -860,6 +885,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(argv)
+    global TIMESLICE_US
+    TIMESLICE_US = args.timeslice_us
     for f in (LIBRARY, WORKER, *(() if args.no_cost else (LAUNCH_BENCH,))):
         if not f.is_file():
             print(f"sm_bench: {f} is missing (run make bench-sm)", file=sys.stderr)
