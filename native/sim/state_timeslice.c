@@ -202,8 +202,11 @@ static void replay(int node, uint64_t now)
         }
         if (!q->busy_since)
             q->busy_since = d->t;
-        *rem -= until - d->t;
+        /* time first: a process killed between the two stores leaves a
+         * kernel with time to spare, never one whose remaining time wraps */
+        uint64_t ran = until - d->t;
         d->t = until;
+        *rem -= ran;
         if (!contended)
             d->slice_start = d->t;              /* alone: the timer reloads */
         if (!*rem) {
