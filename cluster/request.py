@@ -89,12 +89,29 @@ def quantity(v: Any, path: str, lo: int, hi: int | None = None) -> int:
         n = v
     elif isinstance(v, str) and v.strip().isdigit():
         n = int(v.strip())
+    elif isinstance(v, str):
+        n = _whole_quantity(v, path)
     else:
         raise fail(path, "expected a whole number", v)
     if n < lo or (hi is not None and n > hi):
         limit = f"{lo}..{hi}" if hi is not None else f">= {lo}"
         raise fail(path, f"expected {limit}", v)
     return n
+
+
+def _whole_quantity(v: str, path: str) -> int:
+    """A Kubernetes quantity that is a whole number: the API server writes
+    `nvidia.com/gpumem: 3000` back as `3k` (as HAMi, its value is 3000)."""
+    # Imported here: the client is heavy and only pods read from the API need it.
+    from kubernetes.utils.quantity import parse_quantity
+
+    try:
+        q = parse_quantity(v)
+    except ValueError:
+        raise fail(path, "expected a whole number", v) from None
+    if q != q.to_integral_value():
+        raise fail(path, "expected a whole number", v)
+    return int(q)
 
 
 def csv(annotations: Mapping[str, str], key: str) -> tuple[str, ...]:

@@ -10,6 +10,7 @@ import click
 from gpuvisor.cluster.deviceplugin.cli import device_plugin
 from gpuvisor.cluster.inventory_cli import inventory, read_inventory_lazily
 from gpuvisor.cluster.place_cli import place
+from gpuvisor.cluster.webhook.cli import webhook
 from gpuvisor.shim.cli import shim_info
 
 from .agent.cli import INVENTORY_READER, node_agent
@@ -28,6 +29,7 @@ COMMANDS: tuple[click.Command, ...] = (
     device_plugin,
     place,
     inventory,
+    webhook,
 )
 
 

@@ -1,0 +1,1 @@
+"""`gpuvisor webhook`: the mutating admission webhook for GPU pods (docs/kubernetes.md)."""
