@@ -100,11 +100,15 @@ def quantity(v: Any, path: str, lo: int, hi: int | None = None) -> int:
 
 
 def _whole_quantity(v: str, path: str) -> int:
-    """A Kubernetes quantity that is a whole number: the API server writes
-    `nvidia.com/gpumem: 3000` back as `3k` (as HAMi, its value is 3000)."""
+    """A Kubernetes quantity in decimal form that is a whole number: the API
+    server writes `nvidia.com/gpumem: 3000` back as `3k` (as HAMi, its value
+    is 3000).  Binary suffixes (`8Gi`) are refused: they read as bytes, not
+    as the MiB or percent these resources count."""
     # Imported here: the client is heavy and only pods read from the API need it.
     from kubernetes.utils.quantity import parse_quantity
 
+    if v.strip().endswith("i"):
+        raise fail(path, "expected a whole number", v)
     try:
         q = parse_quantity(v)
     except ValueError:

@@ -22,6 +22,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -731,3 +732,154 @@ def test_dashboard_uses_only_exported_series_and_labels(scraped):
     assert find(samples, "gpuvisor_device_memory_total_bytes")
     assert find(samples, "gpuvisor_agent_rejected_reports_total", reason="malformed") == [1.0]
     assert find(samples, "gpuvisor_agent_disconnects_total", reason="oversize") == [1.0]
+
+
+# ---- cluster half: scheduler, webhook, device plugin, RBAC ------------------------------
+# (applied to the real kube-apiserver in tests/test_webhook_k8s.py)
+
+
+def gpuvisor_containers() -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
+    """(workload name, pod spec, container) for every container running `gpuvisor`."""
+    out = []
+    for _, doc in manifests():
+        if doc["kind"] not in ("Deployment", "DaemonSet"):
+            continue
+        spec = doc["spec"]["template"]["spec"]
+        for ctr in spec["containers"]:
+            if ctr.get("command") == ["gpuvisor"]:
+                out.append((doc["metadata"]["name"], spec, ctr))
+    return out
+
+
+def test_every_gpuvisor_container_runs_a_command_that_accepts_its_arguments():
+    from gpuvisor.supervisor.cli import main
+
+    found = {}
+    for workload, _, ctr in gpuvisor_containers():
+        name, *args = ctr["args"]
+        found[workload, ctr["name"]] = name
+        if name not in main.commands:
+            # The scheduler extender (`gpuvisor scheduler`) lands separately.
+            assert name == "scheduler", f"{workload}/{ctr['name']}: no gpuvisor {name}"
+            continue
+        main.commands[name].make_context(name, list(args))
+        assert ctr["image"] == documented_images()["images/agent/Dockerfile"]
+    assert found == {
+        ("gpuvisor-scheduler", "extender"): "scheduler",
+        ("gpuvisor-scheduler", "webhook"): "webhook",
+        ("gpuvisor-device-plugin", "device-plugin"): "device-plugin",
+    }
+
+
+def test_scheduler_pod_wires_extender_webhook_and_metrics():
+    from gpuvisor.cluster.webhook.cli import webhook
+
+    deployment = one("Deployment", "gpuvisor-scheduler")
+    spec = deployment["spec"]["template"]["spec"]
+    labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    config = yaml.safe_load(one("ConfigMap", "gpuvisor-scheduler")["data"]["config.yaml"])
+    (profile,) = config["profiles"]
+    (extender,) = config["extenders"]
+    assert extender["nodeCacheCapable"] is True
+    assert (extender["filterVerb"], extender["prioritizeVerb"], extender["bindVerb"]) == (
+        "filter",
+        "prioritize",
+        "bind",
+    )
+    assert all(r["ignoredByScheduler"] for r in extender["managedResources"])
+    assert extender["urlPrefix"].startswith("http://127.0.0.1:")
+    extender_port = extender["urlPrefix"].rsplit(":", 1)[1]
+    ext = container(spec, "extender")
+    assert f"--port={extender_port}" in ext["args"]
+
+    # The webhook gives pods the scheduler this profile is, serves the
+    # Secret's pair, and gets no service account token.
+    hook = container(spec, "webhook")
+    params = webhook.make_context("webhook", list(hook["args"][1:])).params
+    assert params["scheduler_name"] == profile["schedulerName"]
+    mounts = {m["name"]: m["mountPath"] for m in hook["volumeMounts"]}
+    assert set(mounts) == {"webhook-tls"}
+    for option in ("tls_cert_file", "tls_key_file"):
+        assert str(PurePosixPath(params[option]).parent) == mounts["webhook-tls"]
+    assert spec["automountServiceAccountToken"] is False
+    for name in ("kube-scheduler", "extender"):
+        assert "token" in {m["name"] for m in container(spec, name)["volumeMounts"]}
+    (port,) = hook["ports"]
+    assert port["containerPort"] == params["port"]
+
+    svc = one("Service", "gpuvisor-webhook")
+    assert svc["spec"]["selector"].items() <= labels.items()
+    (svc_port,) = svc["spec"]["ports"]
+    assert svc_port["targetPort"] == port["name"]
+    config_hook = one("MutatingWebhookConfiguration", "gpuvisor-webhook")["webhooks"][0]
+    service_ref = config_hook["clientConfig"]["service"]
+    assert (service_ref["name"], service_ref["namespace"], service_ref["port"]) == (
+        "gpuvisor-webhook",
+        svc["metadata"]["namespace"],
+        svc_port["port"],
+    )
+    assert service_ref["path"] == "/mutate"
+    assert config_hook["failurePolicy"] == "Fail"
+
+    metrics = one("Service", "gpuvisor-scheduler")
+    (metrics_port,) = metrics["spec"]["ports"]
+    assert metrics_port["port"] == 31993  # HAMi's scheduler metrics port
+    (ext_port,) = ext["ports"]
+    assert metrics_port["targetPort"] == ext_port["name"]
+    assert ext_port["containerPort"] == 31993
+    assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "gpuvisor-scheduler"
+
+
+def test_device_plugin_daemonset_matches_the_plugins_defaults():
+    from gpuvisor.cluster.deviceplugin import defaults
+    from gpuvisor.cluster.deviceplugin.cli import device_plugin
+
+    ds = one("DaemonSet", "gpuvisor-device-plugin")
+    spec = ds["spec"]["template"]["spec"]
+    ctr = container(spec, "device-plugin")
+    params = device_plugin.make_context("device-plugin", list(ctr["args"][1:])).params
+    assert params["plugin_dir"] == defaults.PLUGIN_DIR
+    assert str(params["pod_resources_socket"]) == defaults.POD_RESOURCES_SOCKET
+    # kubelet's directories and the plugin's own, each at its host path.
+    for host in (
+        str(defaults.PLUGIN_DIR),
+        str(PurePosixPath(defaults.POD_RESOURCES_SOCKET).parent),
+        str(params["state_dir"]),
+        str(params["lib_dir"]),
+        str(params["node_dir"]),
+    ):
+        assert host_path_mount(spec, ctr, host)["mountPath"] == host
+    # The node agent's socket directory, beside it on the same nodes.
+    agent = agent_ds()["spec"]["template"]["spec"]
+    assert str(params["node_dir"]) == str(PurePosixPath(agent_defaults()["socket_path"]).parent)
+    assert spec["nodeSelector"] == agent["nodeSelector"]
+    env = {e["name"]: e for e in ctr["env"]}
+    assert env["NODE_NAME"]["valueFrom"] == {"fieldRef": {"fieldPath": "spec.nodeName"}}
+    assert spec["serviceAccountName"] == "gpuvisor-device-plugin"
+    # The library is installed where --lib-dir says, from the runtime image.
+    (init,) = spec["initContainers"]
+    assert init["image"] == documented_images()["images/runtime/Dockerfile"]
+    assert host_path_mount(spec, init, str(params["lib_dir"]))["mountPath"] == "/host-lib"
+    assert "/host-lib/libgpuvisor.so" in init["command"][-1]
+
+
+def test_webhook_certificate_script_issues_a_pair_for_the_service(tmp_path):
+    from cryptography import x509
+
+    subprocess.run(
+        ["sh", str(DEPLOY / "webhook-certificate.sh"), "--out", str(tmp_path)],
+        check=True,
+        capture_output=True,
+    )
+    ca = x509.load_pem_x509_certificate((tmp_path / "ca.crt").read_bytes())
+    leaf = x509.load_pem_x509_certificate((tmp_path / "tls.crt").read_bytes())
+    leaf.verify_directly_issued_by(ca)
+    names = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert "gpuvisor-webhook.gpuvisor.svc" in names.get_values_for_type(x509.DNSName)
+    assert not (tmp_path / "ca.key").exists()  # the CA signs once and is gone
+    assert (tmp_path / "tls.key").stat().st_mode & 0o077 == 0
+    # The key is the certificate's (load_cert_chain refuses a mismatched pair).
+    ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
+        tmp_path / "tls.crt", tmp_path / "tls.key"
+    )

@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import trustme
+from gpuvisor.cluster.inventory_model import DocumentError
 from gpuvisor.cluster.request import pod_request
 from gpuvisor.cluster.webhook.review import (
     API_VERSION,
@@ -71,8 +72,9 @@ def review(obj: Any, operation: str = "CREATE", kind: str = "Pod") -> dict[str, 
 
 
 def answer(obj: Any, config: WebhookConfig = CONFIG, **kwargs: Any) -> dict[str, Any]:
-    out = admit(review(obj, **kwargs), config)
-    assert out["apiVersion"] == API_VERSION and out["kind"] == "AdmissionReview"
+    out: dict[str, Any] = admit(review(obj, **kwargs), config)
+    assert out["apiVersion"] == API_VERSION
+    assert out["kind"] == "AdmissionReview"
     assert out["response"]["uid"] == "7c3e-uid"
     return out
 
@@ -134,7 +136,8 @@ def test_other_operations_and_kinds_pass_unchanged() -> None:
 def test_a_full_request_gets_only_the_scheduler_name() -> None:
     obj = pod({"nvidia.com/gpu": "1", "nvidia.com/gpumem": "3000", "nvidia.com/gpucores": "30"})
     response = answer(obj)["response"]
-    assert response["allowed"] is True and response["patchType"] == "JSONPatch"
+    assert response["allowed"] is True
+    assert response["patchType"] == "JSONPatch"
     assert patch_of(answer(obj)) == [
         {"op": "add", "path": "/spec/schedulerName", "value": "gpuvisor-scheduler"}
     ]
@@ -216,9 +219,11 @@ def test_the_scheduler_name_is_configurable_and_replaces_the_default() -> None:
 def test_a_pod_naming_another_scheduler_is_left_alone_with_a_warning() -> None:
     obj = pod({"nvidia.com/gpu": "1"}, schedulerName="volcano")
     response = answer(obj)["response"]
-    assert response["allowed"] is True and "patch" not in response
+    assert response["allowed"] is True
+    assert "patch" not in response
     (warning,) = response["warnings"]
-    assert "'volcano'" in warning and "gpuvisor-scheduler" in warning
+    assert "'volcano'" in warning
+    assert "gpuvisor-scheduler" in warning
 
 
 def test_a_pod_made_from_generate_name_is_read() -> None:
@@ -271,6 +276,12 @@ def test_gpumem_and_percentage_together_are_refused() -> None:
         ),
         (
             {},
+            {"nvidia.com/gpumem": "8Gi"},
+            "spec.containers[0].resources.limits[nvidia.com/gpumem]: "
+            "expected a whole number, got '8Gi'",
+        ),
+        (
+            {},
             {"nvidia.com/gpumem": "500m"},
             "spec.containers[0].resources.limits[nvidia.com/gpumem]: "
             "expected a whole number, got '500m'",
@@ -288,7 +299,7 @@ def test_bad_requests_are_refused_by_the_allocators_parser(
 ) -> None:
     obj = pod(limits, annotations=annotations)
     message = denied(obj)
-    with pytest.raises(ValueError) as parsed:
+    with pytest.raises(DocumentError) as parsed:
         pod_request(obj)
     assert message == str(parsed.value) == expected
 
@@ -376,9 +387,11 @@ class Served:
             return exc.code, exc.read()
 
     def peer_certificate(self) -> bytes:
-        with socket.create_connection(("127.0.0.1", self.port), timeout=10) as raw:
-            with self.client.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
-                der = tls.getpeercert(binary_form=True)
+        with (
+            socket.create_connection(("127.0.0.1", self.port), timeout=10) as raw,
+            self.client.wrap_socket(raw, server_hostname="127.0.0.1") as tls,
+        ):
+            der = tls.getpeercert(binary_form=True)
         assert der is not None
         return der
 
@@ -399,7 +412,7 @@ def start_webhook(cert: Path, key: Path, *extra: str) -> subprocess.Popen[str]:
             "--port",
             "0",
             *extra,
-        ],  # fmt: skip
+        ],
         stderr=subprocess.PIPE,
         text=True,
     )
@@ -438,7 +451,8 @@ def test_the_server_answers_reviews_over_tls(served: tuple[Served, trustme.CA, P
     status, data = server.post("/mutate", body.encode())
     assert status == 200
     response = json.loads(data)["response"]
-    assert response["allowed"] is False and "gpumem-percentage" in response["status"]["message"]
+    assert response["allowed"] is False
+    assert "gpumem-percentage" in response["status"]["message"]
     assert server.post("/mutate", b"{not json")[0] == 400
     assert server.post("/mutate", json.dumps({"kind": "Pod"}).encode())[0] == 400
     assert server.post("/other", b"{}")[0] == 404

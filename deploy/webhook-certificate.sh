@@ -1,0 +1,69 @@
+#!/bin/sh
+# The webhook's serving certificate, made with openssl: a CA of its own
+# (kept only as the webhook configuration's caBundle) and a certificate for
+# the gpuvisor-webhook Service, stored as the Secret gpuvisor-webhook-tls.
+#
+#   deploy/webhook-certificate.sh              make the pair and apply the Secret
+#   deploy/webhook-certificate.sh --ca-bundle  also put the CA into webhook.yaml's
+#                                              MutatingWebhookConfiguration (applied)
+#   deploy/webhook-certificate.sh --out DIR    only write ca.crt, tls.crt, tls.key to DIR
+#
+# Run it again to renew (valid DAYS, default 825): the Secret is replaced,
+# the kubelet updates the mounted files and `gpuvisor webhook` reloads them;
+# with --ca-bundle the configuration gets the new CA.  cert-manager users
+# can instead issue a Certificate for the same DNS names into the same
+# Secret and annotate the configuration with
+# cert-manager.io/inject-ca-from: gpuvisor/<certificate name>.
+set -eu
+
+NAMESPACE=${NAMESPACE:-gpuvisor}
+SERVICE=${SERVICE:-gpuvisor-webhook}
+SECRET=${SECRET:-gpuvisor-webhook-tls}
+WEBHOOK_CONFIG=${WEBHOOK_CONFIG:-gpuvisor-webhook}
+DAYS=${DAYS:-825}
+KUBECTL=${KUBECTL:-kubectl}
+
+out=""
+ca_bundle=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --out) out=${2:?--out needs a directory}; shift 2 ;;
+        --ca-bundle) ca_bundle=1; shift ;;
+        *) echo "webhook-certificate.sh: unknown argument $1" >&2; exit 2 ;;
+    esac
+done
+
+dir=${out:-$(mktemp -d)}
+[ -n "$out" ] || trap 'rm -rf "$dir"' EXIT
+mkdir -p "$dir"
+umask 077
+
+openssl req -x509 -newkey rsa:2048 -nodes -days "$DAYS" \
+    -subj "/CN=gpuvisor-webhook-ca" \
+    -addext "basicConstraints=critical,CA:TRUE" \
+    -addext "keyUsage=critical,keyCertSign" \
+    -keyout "$dir/ca.key" -out "$dir/ca.crt" 2>/dev/null
+openssl req -newkey rsa:2048 -nodes -subj "/CN=$SERVICE.$NAMESPACE.svc" \
+    -keyout "$dir/tls.key" -out "$dir/tls.csr" 2>/dev/null
+cat > "$dir/ext.cnf" <<EXT
+basicConstraints=critical,CA:FALSE
+keyUsage=critical,digitalSignature,keyEncipherment
+extendedKeyUsage=serverAuth
+subjectAltName=DNS:$SERVICE,DNS:$SERVICE.$NAMESPACE,DNS:$SERVICE.$NAMESPACE.svc,DNS:$SERVICE.$NAMESPACE.svc.cluster.local
+EXT
+openssl x509 -req -in "$dir/tls.csr" -CA "$dir/ca.crt" -CAkey "$dir/ca.key" \
+    -CAcreateserial -days "$DAYS" -extfile "$dir/ext.cnf" -out "$dir/tls.crt" 2>/dev/null
+rm -f "$dir/ca.key" "$dir/tls.csr" "$dir/ext.cnf" "$dir/ca.srl"
+
+if [ -n "$out" ]; then
+    echo "wrote $dir/ca.crt $dir/tls.crt $dir/tls.key"
+    exit 0
+fi
+
+"$KUBECTL" -n "$NAMESPACE" create secret tls "$SECRET" \
+    --cert="$dir/tls.crt" --key="$dir/tls.key" --dry-run=client -o yaml | "$KUBECTL" apply -f -
+if [ "$ca_bundle" = 1 ]; then
+    bundle=$(base64 < "$dir/ca.crt" | tr -d '\n')
+    "$KUBECTL" patch mutatingwebhookconfiguration "$WEBHOOK_CONFIG" --type=json \
+        -p "[{\"op\":\"add\",\"path\":\"/webhooks/0/clientConfig/caBundle\",\"value\":\"$bundle\"}]"
+fi

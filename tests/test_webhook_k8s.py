@@ -1,0 +1,241 @@
+"""`gpuvisor webhook` and deploy/ against the real kube-apiserver (make k8s).
+
+The webhook runs as the real command, serving a certificate of the test
+cluster's CA; the API server calls it over TLS through deploy/webhook.yaml's
+MutatingWebhookConfiguration (its rules, selectors, matchConditions and
+failurePolicy as shipped; only clientConfig points at the test's process).
+deploy/rbac.yaml is applied and its least privilege checked with the API
+server's own authorizer; the scheduler's KubeSchedulerConfiguration is
+accepted by the real kube-scheduler.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import copy
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import kubernetes.client
+import pytest
+import yaml
+from kubernetes.client.rest import ApiException
+from kubernetes.utils import parse_quantity
+
+from tests.helpers import REPO_ROOT
+from tests.k8s_cluster import GPU, GPUCORES, GPUMEM, KubeTest, gpu_container
+from tests.test_webhook import issue, start_webhook, wait_serving
+
+DEPLOY = REPO_ROOT / "deploy"
+
+
+def documents(name: str) -> list[dict[str, Any]]:
+    return [d for d in yaml.safe_load_all((DEPLOY / name).read_text()) if d]
+
+
+def webhook_config(port: int, ca_file: Path, name: str) -> dict[str, Any]:
+    """deploy/webhook.yaml's configuration, calling https://127.0.0.1:port/mutate."""
+    (config,) = documents("webhook.yaml")
+    config = copy.deepcopy(config)
+    config["metadata"]["name"] = name
+    (hook,) = config["webhooks"]
+    hook["clientConfig"] = {
+        "url": f"https://127.0.0.1:{port}/mutate",
+        "caBundle": base64.b64encode(ca_file.read_bytes()).decode(),
+    }
+    return config
+
+
+@pytest.fixture
+def webhook(k8s: KubeTest, tmp_path: Path) -> Iterator[Any]:
+    """`gpuvisor webhook` registered with the cluster as deploy/webhook.yaml does."""
+    cert, key = issue(k8s.cluster.ca, tmp_path)
+    proc = start_webhook(cert, key)
+    try:
+        port = wait_serving(proc)
+        k8s.create_mutating_webhook(
+            webhook_config(port, k8s.cluster.ca_file, f"gpuvisor-{k8s.namespace}")
+        )
+        yield proc
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def limits_of(pod: kubernetes.client.V1Pod, index: int = 0) -> dict[str, int]:
+    resources = pod.spec.containers[index].resources
+    return {k: int(parse_quantity(v)) for k, v in (resources.limits or {}).items()}
+
+
+def api_error(k8s: KubeTest, name: str, **kwargs: Any) -> tuple[int, str]:
+    """The status code and message of the API server's refusal to create the pod."""
+    with pytest.raises(ApiException) as error:
+        k8s.create_pod(name, **kwargs)
+    return int(error.value.status), str(json.loads(error.value.body)["message"])
+
+
+def test_a_gpu_pod_is_admitted_with_the_scheduler_and_defaults(k8s: KubeTest, webhook: Any) -> None:
+    pod = k8s.create_pod("shared", gpus=1, gpumem=3000, gpucores=30)
+    assert pod.spec.scheduler_name == "gpuvisor-scheduler"
+    assert limits_of(pod) == {GPU: 1, GPUMEM: 3000, GPUCORES: 30}
+
+    # HAMi's defaults, written into the stored pod: one GPU for a memory
+    # request, all the cores for a whole GPU.
+    pod = k8s.create_pod(
+        "defaults",
+        containers=[gpu_container("mem", gpumem=3000), gpu_container("whole", gpus=1)],
+    )
+    assert pod.spec.scheduler_name == "gpuvisor-scheduler"
+    assert limits_of(pod, 0) == {GPU: 1, GPUMEM: 3000}
+    assert limits_of(pod, 1) == {GPU: 1, GPUCORES: 100}
+    # The API server defaults the patched pod again: the limits added are
+    # copied to requests, as for limits the user wrote.
+    assert pod.spec.containers[0].resources.requests == {GPU: "1", GPUMEM: "3k"}
+
+
+def test_a_bad_request_is_refused_with_the_fields_message(k8s: KubeTest, webhook: Any) -> None:
+    status, message = api_error(
+        k8s,
+        "both",
+        containers=[
+            {
+                **gpu_container(gpus=1),
+                "resources": {"limits": {GPU: "1", GPUMEM: "3000", GPU + "mem-percentage": "50"}},
+            }
+        ],
+    )
+    assert status == 400
+    assert message == (
+        'admission webhook "webhook.gpuvisor.io" denied the request: '
+        "spec.containers[0].resources.limits[nvidia.com/gpumem-percentage]: "
+        "set together with nvidia.com/gpumem; give one of the two"
+    )
+
+    status, message = api_error(
+        k8s, "policy", gpus=1, annotations={"hami.io/gpu-scheduler-policy": "densest"}
+    )
+    assert status == 400
+    assert message == (
+        'admission webhook "webhook.gpuvisor.io" denied the request: '
+        "metadata.annotations[hami.io/gpu-scheduler-policy]: unknown value 'densest', "
+        "expected one of binpack, spread, topology-aware"
+    )
+    assert not k8s.core.list_namespaced_pod(k8s.namespace).items
+
+
+def test_a_pod_without_gpus_is_untouched_and_never_sent(k8s: KubeTest, webhook: Any) -> None:
+    pod = k8s.create_pod("plain")
+    assert pod.spec.scheduler_name == "default-scheduler"
+    assert pod.spec.containers[0].resources.limits is None
+    # matchConditions: the API server does not call the webhook for it, so
+    # with the webhook gone it is still created ...
+    webhook.terminate()
+    webhook.wait(10)
+    assert k8s.create_pod("plain-2").spec.scheduler_name == "default-scheduler"
+    # ... while a GPU pod fails closed (failurePolicy: Fail): it is not left
+    # to the default scheduler, whose pods gpuvisor's device plugin refuses.
+    status, message = api_error(k8s, "gpu", gpus=1)
+    assert status == 500
+    assert 'failed calling webhook "webhook.gpuvisor.io"' in message, message
+    # An opt-out label skips the webhook altogether.
+    pod = k8s.create_pod("opted-out", gpus=1, labels={"gpuvisor.io/webhook": "ignore"})
+    assert pod.spec.scheduler_name == "default-scheduler"
+
+
+def test_the_scheduler_configuration_is_accepted_by_kube_scheduler(k8s: KubeTest) -> None:
+    (config_map,) = [d for d in documents("scheduler.yaml") if d["kind"] == "ConfigMap"]
+    config = yaml.safe_load(config_map["data"]["config.yaml"])
+    extender = config["extenders"][0]
+    assert extender["urlPrefix"] == "http://127.0.0.1:8888"
+    assert {r["name"] for r in extender["managedResources"]} == {
+        GPU,
+        GPUMEM,
+        GPUCORES,
+        "nvidia.com/gpumem-percentage",
+    }
+    # The test cluster has no gpuvisor namespace for the Lease.
+    config["leaderElection"] = {"leaderElect": False}
+    scheduler = k8s.start_scheduler(config)
+    assert scheduler.config["profiles"] == [{"schedulerName": "gpuvisor-scheduler"}]
+
+
+def allowed(
+    authz: kubernetes.client.AuthorizationV1Api, user: str, verb: str, resource: str, **attrs: str
+) -> bool:
+    group, _, subresource = "", "", ""
+    if "/" in resource:
+        resource, subresource = resource.split("/", 1)
+    review = kubernetes.client.V1SubjectAccessReview(
+        spec=kubernetes.client.V1SubjectAccessReviewSpec(
+            user=user,
+            groups=["system:serviceaccounts", "system:serviceaccounts:gpuvisor"],
+            resource_attributes=kubernetes.client.V1ResourceAttributes(
+                group=attrs.pop("group", group),
+                resource=resource,
+                subresource=subresource,
+                verb=verb,
+                **attrs,
+            ),
+        )
+    )
+    return bool(authz.create_subject_access_review(review).status.allowed)
+
+
+def test_rbac_applies_and_grants_each_component_only_what_it_uses(k8s: KubeTest) -> None:
+    api = k8s.cluster.api
+    core = kubernetes.client.CoreV1Api(api)
+    rbac = kubernetes.client.RbacAuthorizationV1Api(api)
+    created: list[tuple[str, str, str | None]] = []
+    with contextlib.suppress(ApiException):
+        core.create_namespace({"metadata": {"name": "gpuvisor"}})
+    try:
+        for doc in documents("rbac.yaml"):
+            kind, name = doc["kind"], doc["metadata"]["name"]
+            namespace = doc["metadata"].get("namespace")
+            if kind == "ServiceAccount":
+                core.create_namespaced_service_account(namespace, doc)
+            elif kind == "ClusterRole":
+                rbac.create_cluster_role(doc)
+            elif kind == "ClusterRoleBinding":
+                rbac.create_cluster_role_binding(doc)
+            elif kind == "Role":
+                rbac.create_namespaced_role(namespace, doc)
+            elif kind == "RoleBinding":
+                rbac.create_namespaced_role_binding(namespace, doc)
+            else:
+                pytest.fail(f"rbac.yaml: unexpected {kind}")
+            created.append((kind, name, namespace))
+
+        authz = kubernetes.client.AuthorizationV1Api(api)
+        extender = "system:serviceaccount:gpuvisor:gpuvisor-scheduler"
+        plugin = "system:serviceaccount:gpuvisor:gpuvisor-device-plugin"
+        ns = k8s.namespace
+        for verb, resource in (("list", "nodes"), ("watch", "pods"), ("patch", "pods")):
+            assert allowed(authz, extender, verb, resource, namespace=ns), (verb, resource)
+        assert allowed(authz, extender, "create", "pods/binding", namespace=ns)
+        assert allowed(authz, extender, "update", "leases", group="coordination.k8s.io",
+                       namespace="gpuvisor", name="gpuvisor-scheduler")  # fmt: skip
+        # (kube-scheduler's own role deletes pods: preemption)
+        for verb, resource in (("create", "pods"), ("patch", "nodes"), ("get", "secrets")):
+            assert not allowed(authz, extender, verb, resource, namespace=ns), (verb, resource)
+
+        assert allowed(authz, plugin, "get", "pods", namespace=ns)
+        assert allowed(authz, plugin, "patch", "nodes", name="gpu-node-1")
+        for verb, resource in (("patch", "pods"), ("create", "pods/binding"), ("delete", "nodes")):
+            assert not allowed(authz, plugin, verb, resource, namespace=ns), (verb, resource)
+    finally:
+        for kind, name, namespace in reversed(created):
+            with contextlib.suppress(ApiException):
+                if kind == "ServiceAccount":
+                    core.delete_namespaced_service_account(name, namespace)
+                elif kind == "ClusterRole":
+                    rbac.delete_cluster_role(name)
+                elif kind == "ClusterRoleBinding":
+                    rbac.delete_cluster_role_binding(name)
+                elif kind == "Role":
+                    rbac.delete_namespaced_role(name, namespace)
+                else:
+                    rbac.delete_namespaced_role_binding(name, namespace)
