@@ -81,7 +81,7 @@ class _Handler(BaseHTTPRequestHandler):
     server: WebhookServer
     protocol_version = "HTTP/1.1"
 
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
+    def log_message(self, format: str, *args: Any) -> None:
         log.debug("%s " + format, self.address_string(), *args)
 
     def _reply(self, status: HTTPStatus, body: dict[str, Any] | str) -> None:
