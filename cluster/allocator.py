@@ -96,7 +96,10 @@ def gpu_usage(
 ) -> float:
     if mig_on and g.mig is not None:
         return bin(mig_used).count("1") / g.mig.memory_slices
-    return (slots / split + min(cores, 100) / 100 + mem / g.memory_mib) / 3
+    # an unhealthy GPU NVML could not read has no memory size: never given
+    # out, it counts as full
+    memory = mem / g.memory_mib if g.memory_mib else 1.0
+    return (slots / split + min(cores, 100) / 100 + memory) / 3
 
 
 class NodeState:
