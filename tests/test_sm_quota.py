@@ -25,6 +25,7 @@ import pytest
 
 from tests.helpers import (
     CU_SPIN_PRELUDE,
+    Holder,
     SimNode,
     region_call,
     run_json,
@@ -366,8 +367,19 @@ def test_a_limit_set_live_before_cuda_starts_stands(node: SimNode) -> None:
     first CUDA call configured the entry: 30 % went back to 50 %."""
     env = node.shimmed(CUDA_DEVICE_SM_LIMIT="50")
     subprocess.run([sys.executable, "-c", NVML_FIRST], env=env, check=True, timeout=60)
-    region_call(node, "r.set_sm_limit(0, 30)")
-    assert run_json(CUDA_LATER, env)["limit"] == 30
+    # The setter stays alive, as the supervisor that carries out set-limit does.
+    setter = f"""
+        from gpuvisor.shim import Region
+        from tests.cuclient import hold
+        r = Region.attach({str(node.region)!r})
+        r.set_sm_limit(0, 30)
+        hold()
+    """
+    with Holder(setter, node.env):
+        assert run_json(CUDA_LATER, env)["limit"] == 30
+    # Once nothing of the region lives, a new run is configured from its
+    # environment again (docs/region.md, "A reused region").
+    assert run_json(CUDA_LATER, env)["limit"] == 50
 
 
 def test_no_limit_runs_free(node: SimNode) -> None:
