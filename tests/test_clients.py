@@ -1068,14 +1068,9 @@ def test_an_auto_free_graph_relaunches_with_its_memory_charged_once(node, captur
     charged as if the old allocation stayed: refused from the second launch.
     Destroying the executable graph leaves its allocation live (and charged)
     until it is freed; a trim then gives the pool back."""
-    out = client(
+    out = graph_client(
         node,
-        EXPLICIT_GRAPH
-        + AUTO_FREE
-        + f"""
-init()
-base = region_used()
-s = ok(cu.cuStreamCreate, 0)
+        f"""
 e, g, dptr = left_live({SIXTY}, AUTO, captured={captured})
 rcs, held = [], []
 for _ in range(4):
@@ -1107,14 +1102,9 @@ def test_a_graph_without_auto_free_gets_the_drivers_error_on_relaunch(node):
     CUDA documents: the driver's answer comes back, not an out-of-memory
     refusal of the interposer's, and nothing more is charged.  Once the
     allocation is freed, the relaunch runs in the memory the pool kept."""
-    out = client(
+    out = graph_client(
         node,
-        EXPLICIT_GRAPH
-        + AUTO_FREE
-        + f"""
-init()
-base = region_used()
-s = ok(cu.cuStreamCreate, 0)
+        f"""
 e, g, dptr = left_live({SIXTY}, 0)
 first = call(cu.cuGraphLaunch, e, s)[0].name
 again = [call(cu.cuGraphLaunch, e, s)[0].name for _ in range(2)]
@@ -1141,14 +1131,9 @@ def test_an_auto_free_graphs_allocation_freed_by_the_program_is_not_freed_twice(
     meanwhile it is refused (1.5 + 2 + 1.25 > 4), not counted as freeing
     memory it no longer holds.  Once there is room it runs, and relaunches
     with its 1.25 GiB charged once (1.5 + 1.25 + 1.25 > 4 before)."""
-    out = client(
+    out = graph_client(
         node,
-        EXPLICIT_GRAPH
-        + AUTO_FREE
-        + f"""
-init()
-base = region_used()
-s = ok(cu.cuStreamCreate, 0)
+        f"""
 e, g, dptr = left_live(1280 * MiB, AUTO)
 other = left_live(1536 * MiB, 0)[0]
 ok(cu.cuGraphLaunch, e, s)
@@ -1269,6 +1254,15 @@ def nest(g, depth, ownership=OWN.CU_GRAPH_CHILD_GRAPH_OWNERSHIP_MOVE):
 """
 
 
+def graph_client(node: SimNode, code: str, *, nested: bool = False, **env: str) -> Any:
+    """client() with the graph helpers (EXPLICIT_GRAPH, AUTO_FREE, and NESTED
+    when asked), the driver initialised, the quota's use at the start as
+    base and a stream s, before code."""
+    start = "init()\nbase = region_used()\ns = ok(cu.cuStreamCreate, 0)\n"
+    helpers = EXPLICIT_GRAPH + AUTO_FREE + (NESTED if nested else "")
+    return client(node, helpers + start + code, **env)
+
+
 @pytest.mark.parametrize("depth", [1, 32])
 def test_graph_memory_in_child_graphs_is_charged(node, depth):
     """CUDA 12.9 lets a graph with memory nodes be moved into a child graph
@@ -1279,15 +1273,9 @@ def test_graph_memory_in_child_graphs_is_charged(node, depth):
     interposer reads): 5 GiB is refused under a 4 GiB quota, 3 GiB is
     charged 3 GiB.  Only the parent's own nodes used to be read, and such
     a graph launched uncharged."""
-    out = client(
+    out = graph_client(
         node,
-        EXPLICIT_GRAPH
-        + AUTO_FREE
-        + NESTED
-        + f"""
-init()
-base = region_used()
-s = ok(cu.cuStreamCreate, 0)
+        f"""
 big, _ = explicit_graph(5 * GiB)
 clone = call(cu.cuGraphAddChildGraphNode, ok(cu.cuGraphCreate, 0), None, 0, big)[0]
 big_e = ok(cu.cuGraphInstantiate, nest(big, {depth}), 0)
@@ -1302,6 +1290,7 @@ ok(cu.cuDeviceGraphMemTrim, 0)
 emit(clone=clone.name, refused=refused, launch=launch, launched=launched,
      trimmed=region_used() - base)
 """,
+        nested=True,
         CUDA_DEVICE_MEMORY_LIMIT="4g",
     )
     assert out["clone"] == "CUDA_ERROR_INVALID_VALUE", out
@@ -1318,21 +1307,16 @@ def test_a_child_graph_that_cannot_be_read_fails_the_instantiation(node, how):
     reads (CUDA_ERROR_NOT_SUPPORTED), may hold memory nodes, so the
     instantiation fails and nothing can be launched uncharged."""
     deep = 33 if how == "too_deep" else 1
-    out = client(
+    out = graph_client(
         node,
-        EXPLICIT_GRAPH
-        + AUTO_FREE
-        + NESTED
-        + f"""
-init()
-base = region_used()
-s = ok(cu.cuStreamCreate, 0)
+        f"""
 g, _ = explicit_graph(5 * GiB)
 err, e = call(cu.cuGraphInstantiate, nest(g, {deep}), 0)
 launch = call(cu.cuGraphLaunch, e, s)[0].name if err == SUCCESS else None
 ok(cu.cuStreamSynchronize, s)
 emit(err=err.name, launch=launch, charged=region_used() - base)
 """,
+        nested=True,
         CUDA_DEVICE_MEMORY_LIMIT="4g",
         **(
             {"GPUVISOR_SIM_CUDA_FAIL": "cuGraphChildGraphNodeGetGraph"}
