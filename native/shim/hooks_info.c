@@ -70,42 +70,43 @@ static CUresult mem_info(uint64_t *free_b, uint64_t *total_b)
     return gv_mode() == GV_MODE_FAILED ? GV_FAIL_CUDA : CUDA_SUCCESS;
 }
 
-GV_EXPORT CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total_b)
+static unsigned int clamp32(uint64_t v) { return v > UINT_MAX ? UINT_MAX : (unsigned int)v; }
+
+/* Stores v at p, when p is not NULL, as the entry point's type: size_t, or
+ * for the v1 entry points unsigned int, clamped. */
+static void put(void *p, int v1, uint64_t v)
 {
-    info_v2_fn real = GV_REAL(cuMemGetInfo_v2, info_v2_fn);
-    GV_ENFORCING_OR(real(free_b, total_b));
-    if (!free_b && !total_b)
-        return real(free_b, total_b);
-    /* One figure may be asked for alone (cudaMemGetInfo(&free, NULL)): it
-     * is the quota's too, never the driver's. */
+    if (p && v1)
+        *(unsigned int *)p = clamp32(v);
+    else if (p)
+        *(size_t *)p = (size_t)v;
+}
+
+/* One figure may be asked for alone (cudaMemGetInfo(&free, NULL)): it is
+ * the quota's too, never the driver's. */
+static CUresult mem_info_put(void *free_b, void *total_b, int v1)
+{
     uint64_t f, t;
     CUresult rc = mem_info(&f, &t);
     if (rc == CUDA_SUCCESS) {
-        if (free_b)
-            *free_b = f;
-        if (total_b)
-            *total_b = t;
+        put(free_b, v1, f);
+        put(total_b, v1, t);
     }
     return rc;
 }
 
-static unsigned int clamp32(uint64_t v) { return v > UINT_MAX ? UINT_MAX : (unsigned int)v; }
+GV_EXPORT CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total_b)
+{
+    info_v2_fn real = GV_REAL(cuMemGetInfo_v2, info_v2_fn);
+    GV_ENFORCING_OR(real(free_b, total_b));
+    return free_b || total_b ? mem_info_put(free_b, total_b, 0) : real(free_b, total_b);
+}
 
 GV_EXPORT CUresult cuMemGetInfo(unsigned int *free_b, unsigned int *total_b)
 {
     info_v1_fn real = GV_REAL(cuMemGetInfo, info_v1_fn);
     GV_ENFORCING_OR(real(free_b, total_b));
-    if (!free_b && !total_b)
-        return real(free_b, total_b);
-    uint64_t f, t;
-    CUresult rc = mem_info(&f, &t);
-    if (rc == CUDA_SUCCESS) {
-        if (free_b)
-            *free_b = clamp32(f);
-        if (total_b)
-            *total_b = clamp32(t);
-    }
-    return rc;
+    return free_b || total_b ? mem_info_put(free_b, total_b, 1) : real(free_b, total_b);
 }
 
 static CUresult total_mem(CUdevice dev, uint64_t *out)
@@ -122,30 +123,27 @@ static CUresult total_mem(CUdevice dev, uint64_t *out)
     return gv_mode() == GV_MODE_FAILED ? GV_FAIL_CUDA : CUDA_SUCCESS;
 }
 
+static CUresult total_mem_put(CUdevice dev, void *bytes, int v1)
+{
+    uint64_t t;
+    CUresult rc = total_mem(dev, &t);
+    if (rc == CUDA_SUCCESS)
+        put(bytes, v1, t);
+    return rc;
+}
+
 GV_EXPORT CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
 {
     total_v2_fn real = GV_REAL(cuDeviceTotalMem_v2, total_v2_fn);
     GV_ENFORCING_OR(real(bytes, dev));
-    if (!bytes)
-        return real(bytes, dev);
-    uint64_t t;
-    CUresult rc = total_mem(dev, &t);
-    if (rc == CUDA_SUCCESS)
-        *bytes = t;
-    return rc;
+    return bytes ? total_mem_put(dev, bytes, 0) : real(bytes, dev);
 }
 
 GV_EXPORT CUresult cuDeviceTotalMem(unsigned int *bytes, CUdevice dev)
 {
     total_v1_fn real = GV_REAL(cuDeviceTotalMem, total_v1_fn);
     GV_ENFORCING_OR(real(bytes, dev));
-    if (!bytes)
-        return real(bytes, dev);
-    uint64_t t;
-    CUresult rc = total_mem(dev, &t);
-    if (rc == CUDA_SUCCESS)
-        *bytes = clamp32(t);
-    return rc;
+    return bytes ? total_mem_put(dev, bytes, 1) : real(bytes, dev);
 }
 
 const gv_hook gv_hooks_info[] = {
