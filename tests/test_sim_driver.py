@@ -9,6 +9,7 @@ import os
 import random
 import signal
 import subprocess
+import textwrap
 import time
 from pathlib import Path
 
@@ -211,6 +212,30 @@ def test_cuda_python_graph_memory_nodes(tmp_path: Path) -> None:
     )
 
 
+# The start of a cuda-python script about graph memory nodes: the driver with
+# a context and a stream s, and alloc_graph(nbytes, free=True), a graph with one
+# allocation node (p, its parameters) and, with free, the node that frees it.
+GRAPH_SCRIPT = """
+from cuda.bindings import driver as d
+R = d.CUresult.CUDA_SUCCESS
+INVAL = d.CUresult.CUDA_ERROR_INVALID_VALUE
+assert d.cuInit(0)[0] == R
+err, ctx = d.cuCtxCreate(None, 0, 0); assert err == R, err
+err, s = d.cuStreamCreate(0); assert err == R
+def alloc_graph(nbytes, free=True):
+    err, g = d.cuGraphCreate(0); assert err == R
+    p = d.CUDA_MEM_ALLOC_NODE_PARAMS()
+    p.poolProps.allocType = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    p.poolProps.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    p.poolProps.location.id = 0
+    p.bytesize = nbytes
+    assert d.cuGraphAddMemAllocNode(g, None, 0, p)[0] == R
+    if free:
+        assert d.cuGraphAddMemFreeNode(g, None, 0, p.dptr)[0] == R
+    return g, p
+"""
+
+
 @needs_cuda_python
 def test_cuda_python_child_graphs_hold_memory_nodes_only_when_moved(tmp_path: Path) -> None:
     """As in CUDA 12.9+: a child graph cloned into its node
@@ -222,29 +247,14 @@ def test_cuda_python_child_graphs_hold_memory_nodes_only_when_moved(tmp_path: Pa
     destroyed or added elsewhere."""
     ok(
         run_py(
-            f"""
-            from cuda.bindings import driver as d
-            R = d.CUresult.CUDA_SUCCESS
-            INVAL = d.CUresult.CUDA_ERROR_INVALID_VALUE
+            GRAPH_SCRIPT
+            + textwrap.dedent(f"""
             T = d.CUgraphNodeType
             O = d.CUgraphChildGraphNodeOwnership
-            assert d.cuInit(0)[0] == R
-            err, ctx = d.cuCtxCreate(None, 0, 0); assert err == R, err
-            err, s = d.cuStreamCreate(0); assert err == R
             def reserved():
                 A = d.CUgraphMem_attribute.CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT
                 err, v = d.cuDeviceGetGraphMemAttribute(0, A); assert err == R, err
                 return int(v)
-            def alloc_graph(nbytes):
-                err, g = d.cuGraphCreate(0); assert err == R
-                p = d.CUDA_MEM_ALLOC_NODE_PARAMS()
-                p.poolProps.allocType = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-                p.poolProps.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-                p.poolProps.location.id = 0
-                p.bytesize = nbytes
-                assert d.cuGraphAddMemAllocNode(g, None, 0, p)[0] == R
-                assert d.cuGraphAddMemFreeNode(g, None, 0, p.dptr)[0] == R
-                return g, p
             def child(parent, g, ownership):
                 prm = d.CUgraphNodeParams()
                 prm.type = T.CU_GRAPH_NODE_TYPE_GRAPH
@@ -289,7 +299,7 @@ def test_cuda_python_child_graphs_hold_memory_nodes_only_when_moved(tmp_path: Pa
             assert d.cuDeviceGraphMemTrim(0)[0] == R
             assert d.cuCtxDestroy(ctx)[0] == R
             print("done")
-            """,
+            """),
             sim_env(tmp_path, "4g"),
         )
     )
@@ -308,24 +318,8 @@ def test_a_graph_with_memory_nodes_has_one_instantiation_at_a_time(tmp_path: Pat
     instantiate such a graph any number of times."""
     ok(
         run_py(
-            f"""
-            from cuda.bindings import driver as d
-            R = d.CUresult.CUDA_SUCCESS
-            INVAL = d.CUresult.CUDA_ERROR_INVALID_VALUE
-            assert d.cuInit(0)[0] == R
-            err, ctx = d.cuCtxCreate(None, 0, 0); assert err == R, err
-            err, s = d.cuStreamCreate(0); assert err == R
-            def alloc_graph(nbytes, free=True):
-                err, g = d.cuGraphCreate(0); assert err == R
-                p = d.CUDA_MEM_ALLOC_NODE_PARAMS()
-                p.poolProps.allocType = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-                p.poolProps.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-                p.poolProps.location.id = 0
-                p.bytesize = nbytes
-                assert d.cuGraphAddMemAllocNode(g, None, 0, p)[0] == R
-                if free:
-                    assert d.cuGraphAddMemFreeNode(g, None, 0, p.dptr)[0] == R
-                return g, p
+            GRAPH_SCRIPT
+            + textwrap.dedent(f"""
             g, p = alloc_graph(64 * {MiB})
             err, e = d.cuGraphInstantiate(g, 0); assert err == R, err
             assert d.cuGraphInstantiate(g, 0)[0] == INVAL
@@ -384,7 +378,7 @@ def test_a_graph_with_memory_nodes_has_one_instantiation_at_a_time(tmp_path: Pat
             assert d.cuDeviceGraphMemTrim(0)[0] == R
             assert d.cuCtxDestroy(ctx)[0] == R
             print("done")
-            """,
+            """),
             sim_env(tmp_path, "4g"),
         )
     )
