@@ -306,15 +306,7 @@ print(json.dumps({pid: round(v / periods) for pid, v in shares.items()}))
 
 def nvml_shares(node: SimNode, since_us: int) -> dict[str, int]:
     """NVML's per-process SM shares on node's device 0 since since_us."""
-    out = subprocess.run(
-        [sys.executable, "-c", NVML_SHARES, str(since_us)],
-        env=node.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    shares: dict[str, int] = json.loads(out)
+    shares: dict[str, int] = run_json(NVML_SHARES, node.env, args=[str(since_us)])
     return shares
 
 

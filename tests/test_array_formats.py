@@ -24,8 +24,6 @@ the simulated driver refused these formats altogether.
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 
 import pytest
 
@@ -57,15 +55,7 @@ FORMATS = [
 
 def physical_used(node: SimNode) -> int:
     """The simulated device's own figure (NVML, no interposer)."""
-    out = subprocess.run(
-        [sys.executable, "-c", PHYSICAL],
-        env=node.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
-    return int(out.stdout)
+    return int(run_json(PHYSICAL, node.env))
 
 
 # Make one array (cuArrayCreate, cuArray3DCreate, or a 13-level

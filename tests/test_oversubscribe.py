@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -138,15 +137,7 @@ OVER = {
 
 
 def physical(node: SimNode) -> dict[str, Any]:
-    out = subprocess.run(
-        [sys.executable, "-c", PHYSICAL],
-        env=node.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stdout
-    result: dict[str, Any] = json.loads(out)
+    result: dict[str, Any] = run_json(PHYSICAL, node.env)
     return result
 
 
