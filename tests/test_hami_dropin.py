@@ -11,7 +11,10 @@ applies unchanged.
 
 from __future__ import annotations
 
+import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -57,3 +60,98 @@ def test_two_copies_charge_the_quota_once(hami_env: dict[str, str], tmp_path: Pa
         assert result["procs"] == 1
     assert double["used"] == single["used"]
     assert 1024 * MiB < double["used"] <= 1024 * MiB + 64 * MiB
+
+
+HAMI_CORE_MAGIC = 19920718
+
+
+def _own_pid_namespace() -> list[str]:
+    """A command prefix that runs a program in a PID namespace of its own, as
+    a container's processes run: the library looks through /proc for
+    processes that map the old file, and counts one whose maps it cannot
+    read (the host's init here) as one that might."""
+    for prefix in (
+        ["unshare", "--pid", "--fork", "--mount-proc"],
+        ["unshare", "--map-root-user", "--pid", "--fork", "--mount-proc"],
+    ):
+        try:
+            ok = subprocess.run([*prefix, "true"], capture_output=True, timeout=30)
+        except OSError:
+            continue
+        if ok.returncode == 0:
+            return prefix
+    pytest.skip("no PID namespace of its own (unshare)")
+
+
+IN_CONTAINER = """
+import subprocess, sys
+holder = None
+if sys.argv[1] == "hold":
+    holder = subprocess.Popen([sys.executable, "-c",
+        "import mmap, sys; f = open(sys.argv[1], 'r+b'); m = mmap.mmap(f.fileno(), 0);"
+        " print('mapped', flush=True); sys.stdin.read()", sys.argv[2]],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline() == "mapped\\n"
+for _ in range(int(sys.argv[3])):
+    subprocess.run([sys.executable, "-c", sys.argv[4]])
+if holder is not None:
+    holder.kill()
+"""
+
+
+def _run_in_container(
+    env: dict[str, str], code: str, *, hold: bool = False, runs: int = 1
+) -> subprocess.CompletedProcess[str]:
+    cache = env["CUDA_DEVICE_MEMORY_SHARED_CACHE"]
+    args = ["hold" if hold else "-", cache, str(runs), code]
+    return subprocess.run(
+        [*_own_pid_namespace(), sys.executable, "-c", IN_CONTAINER, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+ALLOC = """
+import json
+from gpuvisor.shim.driver import Driver, CudaError
+d = Driver()
+try:
+    d.init()
+    print(json.dumps({"first": d.mem_alloc(1 << 30)[0], "second": d.mem_alloc(1 << 30)[0]}))
+except CudaError as e:
+    print(json.dumps({"error": str(e)}))
+"""
+
+
+def _hami_core_file(path: Path) -> None:
+    """A region file as HAMi-core leaves it: its 32-bit magic first."""
+    path.write_bytes(HAMI_CORE_MAGIC.to_bytes(4, "little") + bytes(64 * 1024))
+
+
+def test_restart_in_place_replaces_hami_cores_region(hami_env: dict[str, str]) -> None:
+    cache = Path(hami_env["CUDA_DEVICE_MEMORY_SHARED_CACHE"])
+    _hami_core_file(cache)
+    proc = _run_in_container(dict(hami_env, LD_PRELOAD=str(LIBRARY)), ALLOC, runs=2)
+    print(proc.stdout, proc.stderr)
+    assert proc.returncode == 0, proc.stderr
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    # the 2048m quota holds in both runs: context + 2 GiB > 2 GiB
+    assert results == [{"first": 0, "second": 2}] * 2
+    # replaced once, by the first run, with one line
+    assert proc.stderr.count("replaced HAMi-core's region file") == 1
+    assert int.from_bytes(cache.read_bytes()[:8], "little") == 0x31485356504756
+
+
+def test_hami_cores_region_mapped_by_a_live_process_stays(
+    hami_env: dict[str, str],
+) -> None:
+    cache = Path(hami_env["CUDA_DEVICE_MEMORY_SHARED_CACHE"])
+    _hami_core_file(cache)
+    before = cache.read_bytes()
+    proc = _run_in_container(dict(hami_env, LD_PRELOAD=str(LIBRARY)), ALLOC, hold=True)
+    print(proc.stdout, proc.stderr)
+    assert json.loads(proc.stdout) == {"error": "cuInit failed: CUDA_ERROR_NOT_PERMITTED"}
+    assert f"HAMi-core's region file (magic {HAMI_CORE_MAGIC}), in use by process" in proc.stderr
+    assert cache.read_bytes() == before

@@ -5,12 +5,17 @@
 #include "gpuvisor.h"
 #include "log.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
+#include <time.h>
 #include <unistd.h>
 
 /* ---- a file that outlived a reboot -------------------------------------- */
@@ -80,9 +85,10 @@ static int io_error(const char *path, const char *what, char *err, size_t errlen
     return GV_EIO;
 }
 
-/* Create path atomically: a fully initialised temp file linked into place.
- * Returns 0 when the file now exists (ours or someone else's). */
-static int create_file(const char *path, char *err, size_t errlen)
+/* Create path atomically: a fully initialised temp file linked into place
+ * (renamed over path when replace is set).  Returns 0 when the file now
+ * exists (ours or someone else's). */
+static int create_file(const char *path, int replace, char *err, size_t errlen)
 {
     size_t len = strlen(path);
     char *tmpl = malloc(len + 8);
@@ -120,8 +126,12 @@ static int create_file(const char *path, char *err, size_t errlen)
         rc = io_error(path, "cannot initialise temporary file", err, errlen);
     }
     close(fd);
-    if (rc == 0 && link(tmpl, path) != 0 && errno != EEXIST)
+    if (rc == 0 && replace) {
+        if (rename(tmpl, path) != 0)
+            rc = io_error(path, "cannot rename into place", err, errlen);
+    } else if (rc == 0 && link(tmpl, path) != 0 && errno != EEXIST) {
         rc = io_error(path, "cannot link into place", err, errlen);
+    }
     unlink(tmpl);
     free(tmpl);
     return rc;
@@ -199,6 +209,91 @@ static int validate(int fd, const char *path, char *err, size_t errlen)
     return GV_OK;
 }
 
+/* ---- HAMi-core's region file -------------------------------------------- */
+
+/* HAMi-core's shared region starts with a 32-bit initialised flag that
+ * holds this number (its MULTIPROCESS_SHARED_REGION_MAGIC_FLAG).  A
+ * container that restarts in place after libvgpu.so was swapped for this
+ * library finds such a file at CUDA_DEVICE_MEMORY_SHARED_CACHE. */
+#define HAMI_CORE_MAGIC 19920718
+
+static int is_hami_core_file(int fd)
+{
+    int32_t flag = 0;
+    return pread(fd, &flag, sizeof flag, 0) == (ssize_t)sizeof flag && flag == HAMI_CORE_MAGIC;
+}
+
+/* The first process (other than this one) that maps the file (dev, ino),
+ * or whose maps cannot be read (it might); 0 when none.  Never waits. */
+static int32_t file_mapper(dev_t dev, ino_t ino)
+{
+    DIR *d = opendir("/proc");
+    if (d == NULL)
+        return -1;              /* cannot tell: someone might */
+    int32_t self = (int32_t)getpid(), who = 0;
+    struct dirent *e;
+    while (who == 0 && (e = readdir(d)) != NULL) {
+        char *end;
+        long pid = strtol(e->d_name, &end, 10);
+        if (*end != '\0' || pid <= 0 || pid == self)
+            continue;
+        char maps[48];
+        snprintf(maps, sizeof maps, "/proc/%ld/maps", pid);
+        FILE *f = fopen(maps, "re");
+        if (f == NULL) {
+            if (errno != ENOENT && errno != ESRCH)
+                who = (int32_t)pid;     /* another user's: it might map it */
+            continue;
+        }
+        char line[4096];
+        while (who == 0 && fgets(line, sizeof line, f) != NULL) {
+            unsigned maj, mnr;
+            unsigned long long i;
+            if (strchr(line, '\n') == NULL) {
+                int ch;
+                while ((ch = fgetc(f)) != EOF && ch != '\n')
+                    ;
+            }
+            if (sscanf(line, "%*s %*s %*s %x:%x %llu", &maj, &mnr, &i) == 3 &&
+                i == (unsigned long long)ino && maj == major(dev) && mnr == minor(dev))
+                who = (int32_t)pid;
+        }
+        fclose(f);
+    }
+    closedir(d);
+    return who;
+}
+
+/* fd is path's HAMi-core region.  Replaces it with a fresh gpuvisor region
+ * when no live process maps it: 1 when the caller should open path again
+ * (replaced here, or by another process meanwhile), else GV_ECORRUPT with
+ * the message.  The replacer holds flock on the old file, so two processes
+ * of the container starting together replace it once: the second finds
+ * path no longer naming the file it locked. */
+static int replace_hami_core_file(int fd, const char *path, char *err, size_t errlen)
+{
+    if (flock(fd, LOCK_EX | LOCK_NB) != 0)
+        return 1;                       /* another process is replacing it */
+    struct stat have, now;
+    if (fstat(fd, &have) != 0 || stat(path, &now) != 0 || have.st_ino != now.st_ino ||
+        have.st_dev != now.st_dev)
+        return 1;                       /* replaced already */
+    int32_t who = file_mapper(have.st_dev, have.st_ino);
+    if (who != 0) {
+        rg_set_err(err, errlen,
+                   "gpuvisor: region %s: HAMi-core's region file (magic %d), in use by "
+                   "process %d%s; not a gpuvisor region", path, HAMI_CORE_MAGIC, (int)who,
+                   who < 0 ? " (/proc unreadable)" : "");
+        return GV_ECORRUPT;
+    }
+    int rc = create_file(path, 1, err, errlen);
+    if (rc != 0)
+        return rc;
+    gv_log(GV_LOG_WARN, "region %s: replaced HAMi-core's region file (magic %d), which no "
+           "live process maps, with a new gpuvisor region", path, HAMI_CORE_MAGIC);
+    return 1;
+}
+
 int region_open(const char *path, gv_region **out, char *err, size_t errlen)
 {
     if (out == NULL || path == NULL || path[0] == '\0') {
@@ -206,23 +301,43 @@ int region_open(const char *path, gv_region **out, char *err, size_t errlen)
         return GV_EINVAL;
     }
     pthread_once(&rg_atfork_once, rg_register_atfork);
-    int fd = -1;
-    for (int attempt = 0; attempt < 16; attempt++) {
-        fd = open(path, O_RDWR | O_CLOEXEC);
-        if (fd >= 0 || errno != ENOENT)
-            break;
-        /* A symbolic link to a missing file: link() would find the name
-         * taken, and open() the file missing, for ever. */
-        int rc = dangling_link(path, err, errlen);
-        if (rc != 0)
-            return rc;
-        rc = create_file(path, err, errlen);
-        if (rc != 0)
-            return rc;
+    int fd = -1, rc = GV_OK;
+    for (int replaced = 0; replaced < 200; replaced++) {
+        fd = -1;
+        for (int attempt = 0; attempt < 16; attempt++) {
+            fd = open(path, O_RDWR | O_CLOEXEC);
+            if (fd >= 0 || errno != ENOENT)
+                break;
+            /* A symbolic link to a missing file: link() would find the name
+             * taken, and open() the file missing, for ever. */
+            rc = dangling_link(path, err, errlen);
+            if (rc != 0)
+                return rc;
+            rc = create_file(path, 0, err, errlen);
+            if (rc != 0)
+                return rc;
+        }
+        if (fd < 0)
+            return io_error(path, "open", err, errlen);
+        rc = validate(fd, path, err, errlen);
+        if (rc == GV_ECORRUPT && is_hami_core_file(fd)) {
+            int again = replace_hami_core_file(fd, path, err, errlen);
+            close(fd);                      /* drops the flock */
+            fd = -1;
+            if (again != 1)
+                return again;
+            struct timespec ts = {0, 1000000};
+            nanosleep(&ts, NULL);
+            rc = GV_ECORRUPT;
+            continue;
+        }
+        break;
     }
-    if (fd < 0)
-        return io_error(path, "open", err, errlen);
-    int rc = validate(fd, path, err, errlen);
+    if (fd < 0) {                       /* replaced 200 times over */
+        rg_set_err(err, errlen, "gpuvisor: region %s: HAMi-core's region file (magic %d) "
+                   "keeps coming back", path, HAMI_CORE_MAGIC);
+        return GV_ECORRUPT;
+    }
     if (rc != GV_OK) {
         close(fd);
         return rc;
