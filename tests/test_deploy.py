@@ -42,7 +42,7 @@ from gpuvisor.supervisor.entrypoint.reporter import CONTAINER_VARS, NAMESPACE_VA
 from gpuvisor.supervisor.entrypoint.run import ENV_LOG_LEVEL
 from gpuvisor.supervisor.protocol import MAX_MESSAGE_BYTES
 
-from tests.helpers import CLI, LIBRARY, REPO_ROOT, SimNode, missing_build_outputs
+from tests.helpers import CLI, LIBRARY, REPO_ROOT, SimNode, clean_env, missing_build_outputs
 from tests.test_agent import AgentProc, find, wait_for
 from tests.test_images import (
     AGENT,
@@ -883,3 +883,89 @@ def test_webhook_certificate_script_issues_a_pair_for_the_service(tmp_path):
     ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
         tmp_path / "tls.crt", tmp_path / "tls.key"
     )
+
+
+# ---- the node socket's directory: read-write, for any uid ------------------------------
+
+OTHER_UID = 10001  # the example Pod's runAsUser, not the agent's (root here)
+
+CONTEXT = """
+from gpuvisor.shim.driver import Driver
+d = Driver()
+d.init()
+assert d.mem_alloc(1 << 20)[0] == 0
+print("ok")
+"""
+
+
+def _as_other_uid() -> list[str]:
+    """Run as the example Pod's uid; reading and searching stay allowed (the
+    interpreter lives under /root here), writing is checked as that uid."""
+    if os.geteuid() != 0 or shutil.which("setpriv") is None or shutil.which("unshare") is None:
+        pytest.skip("needs root, setpriv and unshare")
+    caps = "+dac_read_search"
+    return [
+        "setpriv",
+        f"--reuid={OTHER_UID}",
+        f"--regid={OTHER_UID}",
+        "--clear-groups",
+        f"--inh-caps={caps}",
+        f"--ambient-caps={caps}",
+    ]
+
+
+def test_example_pod_node_directory_works_for_another_uid_and_a_read_only_mount_is_told():
+    pod = one("Pod", "gpuvisor-example")
+    ctr = container(pod["spec"])
+    # The library writes node-wide files beside the socket (launch order,
+    # context costs): a read-only mount turns them off.
+    assert not host_path_mount(pod["spec"], ctr, "/run/gpuvisor").get("readOnly", False)
+    prefix = _as_other_uid()
+    top = Path(tempfile.mkdtemp(prefix="gvro-", dir="/tmp"))
+    try:
+        top.chmod(0o777)
+        run_dir = top / "run"  # the hostPath both the agent and the Pod mount
+        env = clean_env()
+        env.update(
+            GPUVISOR_SIM_STATE=str(top / "sim.state"),
+            LD_LIBRARY_PATH=str(LIBRARY.parent / "sim"),
+            LD_PRELOAD=str(LIBRARY),
+            CUDA_DEVICE_MEMORY_LIMIT="1g",
+            CUDA_DEVICE_MEMORY_SHARED_CACHE=str(top / "region.shr"),
+            GPUVISOR_NODE_LOCK=str(run_dir / "context.lock"),
+        )
+        with AgentProc(str(run_dir / "node.sock")):
+            mode = run_dir.stat().st_mode
+            assert mode & 0o1777 == 0o1777, oct(mode)  # any uid creates; nobody removes others'
+            code = textwrap.dedent(CONTEXT)
+            ok = subprocess.run(
+                [*prefix, sys.executable, "-c", code],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert ok.stdout == "ok\n", ok.stderr
+            assert "node-wide file" not in ok.stderr
+            (made,) = run_dir.glob("gpuvisor-sm-GPU-*")
+            assert made.stat().st_uid == OTHER_UID and made.stat().st_mode & 0o666 == 0o666
+            made.unlink()  # the next run would find it and need no write
+            ro = (
+                f"mount --bind {run_dir} {run_dir} && mount -o remount,bind,ro {run_dir} && "
+                f'exec {" ".join(prefix)} {sys.executable} -c "$0"'
+            )
+            told = subprocess.run(
+                ["unshare", "--mount", "sh", "-c", ro, code],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            print(told.stderr)
+            assert told.stdout == "ok\n", (
+                told.stderr
+            )  # the limits still hold; it says what it costs
+            assert told.stderr.count("node-wide file") == 1
+            assert "Read-only file system" in told.stderr and "unreserved" in told.stderr
+    finally:
+        shutil.rmtree(top, ignore_errors=True)

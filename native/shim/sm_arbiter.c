@@ -41,6 +41,7 @@
  * longer than that, and its slot is taken over after STALE_NS.  Times are
  * CLOCK_MONOTONIC, which all containers of a node share.
  */
+#include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -189,9 +190,23 @@ static struct arb_file *map_file(const char *uuid)
     if (!gv_node_dir(dir, sizeof dir))
         return NULL;
     snprintf(path, sizeof path, "%s/gpuvisor-sm-%s", dir, uuid);
-    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
-    if (fd < 0)
+    /* Never through a symbolic link: the directory is shared by every
+     * container of the node, and a link one of them made could point
+     * another's library at a file of that container's own. */
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0666);
+    if (fd < 0) {
+        /* Once per process, whatever the GPU: a read-only mount of the
+         * directory, or one made unwritable for this uid, turns both off
+         * for every GPU alike. */
+        static atomic_int told;
+        int e = errno;
+        if (!atomic_exchange(&told, 1))
+            gv_log(GV_LOG_WARN, "node-wide file %s: cannot open for writing (%s): launches "
+                   "on this GPU are not ordered with other containers' and no context cost "
+                   "is shared, so a first context is created unreserved; mount %s "
+                   "read-write", path, strerror(e), dir);
         return NULL;
+    }
     (void)fchmod(fd, 0666);             /* past the umask, for other users */
     /* Blocks allocated before the mapping is touched: a sparse file on a
      * full filesystem would fault (SIGBUS) at the first store.  Other

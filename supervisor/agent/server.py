@@ -230,9 +230,13 @@ class Agent:
         path = Path(self.config.socket_path)
         own = socket_dir_is_own(str(path))
         path.parent.mkdir(parents=True, exist_ok=True)
-        if own:  # reachable by containers of any uid; never a directory shared with others
+        if own:  # never a directory shared with others
+            # Containers of any uid reach the socket and create the library's
+            # node-wide files here (launch order, context costs: they open
+            # them without following links); sticky, as /tmp, so none of
+            # them removes or renames another's file or the agent's.
             with contextlib.suppress(OSError):
-                os.chmod(path.parent, os.stat(path.parent).st_mode | 0o055)
+                os.chmod(path.parent, os.stat(path.parent).st_mode | 0o1777)
         self._prepare_context_lock()
         _clear_stale(path)
 
