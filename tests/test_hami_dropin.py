@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from gpuvisor.shim.limits import env_sm_settings
+
 from tests.helpers import LIBRARY, MiB, SimNode, run_json
 
 CLIENT = """
@@ -155,3 +157,44 @@ def test_hami_cores_region_mapped_by_a_live_process_stays(
     assert json.loads(proc.stdout) == {"error": "cuInit failed: CUDA_ERROR_NOT_PERMITTED"}
     assert f"HAMi-core's region file (magic {HAMI_CORE_MAGIC}), in use by process" in proc.stderr
     assert cache.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("extra", "policy"),
+    [
+        ({}, "fixed-share"),  # gpuvisor's own default, no HAMi variable
+        ({"GPU_CORE_UTILIZATION_POLICY": "default"}, "burst-share"),
+        ({"GPU_CORE_UTILIZATION_POLICY": "DEFAULT"}, "burst-share"),
+        # HAMi's webhook leaves the switch out when it is default: the
+        # region in HAMi's per-container directory says HAMi set it up
+        ({"CUDA_DEVICE_MEMORY_SHARED_CACHE": "/usr/local/vgpu/0c8f2c5e.cache"}, "burst-share"),
+        (
+            {"GPU_CORE_UTILIZATION_POLICY": "default", "GPUVISOR_SM_POLICY": "fixed-share"},
+            "fixed-share",
+        ),
+        (
+            {"GPU_CORE_UTILIZATION_POLICY": "default", "GPUVISOR_SM_POLICY": "best-effort"},
+            "best-effort",
+        ),
+        ({"GPU_CORE_UTILIZATION_POLICY": "force"}, "fixed-share"),
+        ({"CUDA_DEVICE_MEMORY_SHARED_CACHE": "/tmp/vgpu/r.cache"}, "fixed-share"),
+    ],
+)
+def test_hamis_default_core_policy_keeps_its_meaning(extra: dict[str, str], policy: str) -> None:
+    env = {"CUDA_DEVICE_SM_LIMIT": "25", **extra}
+    assert env_sm_settings(env).policy == policy
+
+
+SM_POLICY = """
+import json
+from gpuvisor.shim.driver import Driver
+from gpuvisor.shim.region import Region
+d = Driver()
+d.init()
+print(json.dumps({"policy": Region.attach().sm(0).policy}))
+"""
+
+
+def test_hamis_default_core_policy_in_a_container(hami_env: dict[str, str]) -> None:
+    env = dict(hami_env, LD_PRELOAD=str(LIBRARY), GPU_CORE_UTILIZATION_POLICY="default")
+    assert run_json(SM_POLICY, env) == {"policy": "burst-share"}

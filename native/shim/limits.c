@@ -664,6 +664,21 @@ int limits_sm_check_env(char *err, size_t errlen)
     return GV_OK;
 }
 
+/* HAMi's device plugin puts every container's region file in its
+ * per-container directory, mounted at this path (HAMi-core's default
+ * CONTAINER_VGPU_MOUNT). */
+#define HAMI_VGPU_DIR "/usr/local/vgpu/"
+
+/* Whether the environment is one HAMi set up: GPU_CORE_UTILIZATION_POLICY
+ * given (HAMi's own switch), or the region file in HAMi's per-container
+ * directory (HAMi's webhook leaves the switch out when it is default). */
+static int hami_environment(const char *core)
+{
+    const char *cache = raw_getenv("CUDA_DEVICE_MEMORY_SHARED_CACHE");
+    return (core != NULL && core[0] != '\0') ||
+           (cache != NULL && strncmp(cache, HAMI_VGPU_DIR, strlen(HAMI_VGPU_DIR)) == 0);
+}
+
 int limits_sm_policy(void)
 {
     const char *core = limits_getenv(GV_ENV_CORE_POLICY);
@@ -673,6 +688,8 @@ int limits_sm_policy(void)
     if (c == 1)
         return 0;                        /* force: the limit is a hard cap */
     const char *p = limits_getenv(GV_ENV_SM_POLICY);
+    if ((p == NULL || p[0] == '\0') && hami_environment(core))
+        return 1;   /* HAMi's default: held to the limit only while another competes */
     int i = (p != NULL && p[0] != '\0') ? word_index(p, sm_policies, 3) : 0;
     return i < 0 ? 0 : i;
 }
