@@ -12,9 +12,11 @@ applies unchanged.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,7 @@ from tests.helpers import LIBRARY, MiB, SimNode, run_json
 
 CLIENT = """
 import json
+import os
 from gpuvisor.shim.driver import Driver
 from gpuvisor.shim.region import Region
 d = Driver()
@@ -117,6 +120,7 @@ def _run_in_container(
 
 ALLOC = """
 import json
+import os
 from gpuvisor.shim.driver import Driver, CudaError
 d = Driver()
 try:
@@ -187,6 +191,7 @@ def test_hamis_default_core_policy_keeps_its_meaning(extra: dict[str, str], poli
 
 SM_POLICY = """
 import json
+import os
 from gpuvisor.shim.driver import Driver
 from gpuvisor.shim.region import Region
 d = Driver()
@@ -198,3 +203,68 @@ print(json.dumps({"policy": Region.attach().sm(0).policy}))
 def test_hamis_default_core_policy_in_a_container(hami_env: dict[str, str]) -> None:
     env = dict(hami_env, LD_PRELOAD=str(LIBRARY), GPU_CORE_UTILIZATION_POLICY="default")
     assert run_json(SM_POLICY, env) == {"policy": "burst-share"}
+
+
+CONTEXT = """
+import json, time
+from gpuvisor.shim.driver import Driver
+d = Driver()
+t = time.monotonic()
+d.init()
+print(json.dumps({"seconds": time.monotonic() - t}))
+"""
+
+
+@pytest.fixture
+def lock_env(hami_env: dict[str, str], tmp_path: Path) -> dict[str, str]:
+    vgpulock = tmp_path / "vgpulock"  # HAMi's /tmp/vgpulock, mounted from the host
+    vgpulock.mkdir()
+    return dict(
+        hami_env,
+        LD_PRELOAD=str(LIBRARY),
+        GPUVISOR_NODE_LOCK=str(vgpulock / "gpuvisor.lock"),
+        GPUVISOR_HAMI_LOCK=str(vgpulock / "lock"),
+    )
+
+
+def test_hami_cores_lock_is_held_while_a_context_is_created(lock_env: dict[str, str]) -> None:
+    lock = Path(lock_env["GPUVISOR_HAMI_LOCK"])
+    env = dict(lock_env, GPUVISOR_SIM_CTX_CREATE_MS="1500")
+    client = subprocess.Popen(
+        [sys.executable, "-c", CONTEXT], env=env, stdout=subprocess.PIPE, text=True
+    )
+    seen = False
+    while client.poll() is None and not seen:
+        seen = lock.exists()
+    out, _ = client.communicate(timeout=60)
+    assert client.returncode == 0
+    assert seen  # created exclusively while the context was made...
+    assert not lock.exists()  # ...and removed after, as HAMi-core gives it back
+
+
+def test_hami_cores_lock_held_elsewhere_is_waited_for_a_bounded_time(
+    lock_env: dict[str, str],
+) -> None:
+    lock = Path(lock_env["GPUVISOR_HAMI_LOCK"])
+    lock.write_text("")  # a HAMi-core process holds it (and may have been killed)
+    proc = subprocess.run(
+        [sys.executable, "-c", CONTEXT], env=lock_env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert 2 <= json.loads(proc.stdout)["seconds"] < 10
+    assert proc.stderr.count("HAMi-core's lock held for over 2 s") == 1
+    assert lock.exists()  # not ours: left alone
+
+
+def test_hami_cores_lock_left_by_a_killed_holder_is_removed(lock_env: dict[str, str]) -> None:
+    lock = Path(lock_env["GPUVISOR_HAMI_LOCK"])
+    lock.write_text("")
+    old = time.time() - 120
+    os.utime(lock, (old, old))
+    proc = subprocess.run(
+        [sys.executable, "-c", CONTEXT], env=lock_env, capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["seconds"] < 2
+    assert "left for over 60 s by a holder that is gone; removed" in proc.stderr
+    assert not lock.exists()

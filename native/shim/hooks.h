@@ -74,7 +74,10 @@ void gv_release_ctx_objects(CUcontext ctx);
  * the lock file is $GPUVISOR_NODE_LOCK, by default in the directory HAMi's
  * device plugin shares between containers; empty: off.  gv_node_lock returns
  * a descriptor to pass to gv_node_unlock, or -1 when nothing was locked (no
- * such directory, turned off, or held by another process past a bound). */
+ * such directory, turned off, or held by another process past a bound).
+ * While it holds that lock it also takes HAMi-core's ($GPUVISOR_HAMI_LOCK,
+ * /tmp/vgpulock/lock) where its directory exists, for a bounded time;
+ * gv_node_unlock gives both back. */
 #define GV_ENV_NODE_LOCK "GPUVISOR_NODE_LOCK"
 int gv_node_lock(void);
 /* The node directory (that of the node lock's file), written to buf: 1, or

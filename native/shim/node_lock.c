@@ -125,7 +125,7 @@ int gv_node_dir(char *buf, size_t len)
     return stat(buf, &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-int gv_node_lock(void)
+static int node_flock(void)
 {
     pthread_once(&atfork_once, register_atfork);
     const char *path = lock_path();
@@ -155,10 +155,84 @@ int gv_node_lock(void)
     return -1;
 }
 
+/* ---- HAMi-core's lock ---------------------------------------------------
+ *
+ * While some containers of a node still run HAMi-core (a migration),
+ * contexts are created under its lock too.  HAMi-core's lock is a file
+ * whose existence means "held": a process takes it by creating it
+ * exclusively (O_CREAT | O_EXCL) and gives it back by removing it, and a
+ * waiter that has retried long enough removes it as left behind.  It is
+ * taken here only while the node lock is held, and only where its
+ * directory exists (HAMi mounts /tmp/vgpulock into the containers it
+ * shares a GPU with), for at most HAMI_WAIT_NS; a file older than
+ * HAMI_STALE_S is a killed holder's and is removed.  Never waits for
+ * ever: a holder killed while holding it costs each context HAMI_WAIT_NS
+ * at most, until the file is old enough to be removed. */
+#define GV_ENV_HAMI_LOCK "GPUVISOR_HAMI_LOCK"
+#define HAMI_DEFAULT_PATH "/tmp/vgpulock/lock"
+#define HAMI_WAIT_NS (2ULL * 1000 * 1000 * 1000)
+#define HAMI_POLL_NS (10 * 1000 * 1000)
+#define HAMI_STALE_S 60
+
+static __thread int t_hami_held;        /* this thread created HAMi-core's lock */
+
+static const char *hami_path(void)
+{
+    const char *path = getenv(GV_ENV_HAMI_LOCK);
+    return path ? path : HAMI_DEFAULT_PATH;
+}
+
+static void hami_lock(void)
+{
+    const char *path = hami_path();
+    if (!*path)
+        return;                         /* turned off */
+    uint64_t deadline = mono_ns() + HAMI_WAIT_NS;
+    for (;;) {
+        int fd = open(path, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0666);
+        if (fd >= 0) {
+            close(fd);
+            t_hami_held = 1;
+            return;
+        }
+        if (errno != EEXIST)
+            return;                     /* no HAMi directory (ENOENT), or not ours to use */
+        struct stat st;
+        if (lstat(path, &st) == 0 && time(NULL) - st.st_mtime > HAMI_STALE_S) {
+            gv_log(GV_LOG_WARN, GV_ENV_HAMI_LOCK " %s: HAMi-core's lock, left for over %d s "
+                   "by a holder that is gone; removed", path, HAMI_STALE_S);
+            unlink(path);
+            continue;
+        }
+        if (mono_ns() >= deadline) {
+            static atomic_int said;
+            if (!atomic_exchange(&said, 1))
+                gv_log(GV_LOG_WARN, GV_ENV_HAMI_LOCK " %s: HAMi-core's lock held for over "
+                       "%llu s; creating the context without it", path,
+                       (unsigned long long)(HAMI_WAIT_NS / 1000000000ULL));
+            return;
+        }
+        struct timespec ts = { 0, HAMI_POLL_NS };
+        nanosleep(&ts, NULL);
+    }
+}
+
+int gv_node_lock(void)
+{
+    int fd = node_flock();
+    if (fd >= 0)
+        hami_lock();
+    return fd;
+}
+
 void gv_node_unlock(int fd)
 {
     if (fd < 0)
         return;
+    if (t_hami_held) {
+        t_hami_held = 0;
+        unlink(hami_path());            /* gives HAMi-core's lock back */
+    }
     untrack(fd);
     close(fd);                          /* drops the lock */
 }
