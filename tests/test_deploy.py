@@ -948,7 +948,8 @@ def test_example_pod_node_directory_works_for_another_uid_and_a_read_only_mount_
             assert ok.stdout == "ok\n", ok.stderr
             assert "node-wide file" not in ok.stderr
             (made,) = run_dir.glob("gpuvisor-sm-GPU-*")
-            assert made.stat().st_uid == OTHER_UID and made.stat().st_mode & 0o666 == 0o666
+            assert made.stat().st_uid == OTHER_UID
+            assert made.stat().st_mode & 0o666 == 0o666
             made.unlink()  # the next run would find it and need no write
             ro = (
                 f"mount --bind {run_dir} {run_dir} && mount -o remount,bind,ro {run_dir} && "
@@ -966,6 +967,7 @@ def test_example_pod_node_directory_works_for_another_uid_and_a_read_only_mount_
                 told.stderr
             )  # the limits still hold; it says what it costs
             assert told.stderr.count("node-wide file") == 1
-            assert "Read-only file system" in told.stderr and "unreserved" in told.stderr
+            assert "Read-only file system" in told.stderr
+            assert "unreserved" in told.stderr
     finally:
         shutil.rmtree(top, ignore_errors=True)

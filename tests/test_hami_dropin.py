@@ -20,7 +20,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from gpuvisor.shim.limits import env_sm_settings
 
 from tests.helpers import LIBRARY, MiB, SimNode, run_json
@@ -236,7 +235,7 @@ def test_hami_cores_lock_is_held_while_a_context_is_created(lock_env: dict[str, 
     seen = False
     while client.poll() is None and not seen:
         seen = lock.exists()
-    out, _ = client.communicate(timeout=60)
+    client.communicate(timeout=60)
     assert client.returncode == 0
     assert seen  # created exclusively while the context was made...
     assert not lock.exists()  # ...and removed after, as HAMi-core gives it back
