@@ -200,8 +200,17 @@ gpu-check: lib sim
 		tests/test_gpu_torch.py tests/test_visible_devices.py
 	$(GPU_PATH) $(GPU_PYTHON) -m tests.bench.torch_sm --lib $(LIB) --out $(BUILD)/bench-gpu
 
-demo: all venv
-	$(VENV)/bin/python -m gpuvisor.supervisor demo --out build/demo
+# The demo's own environment: the runtime dependencies and matplotlib (the
+# plot extra), not the test set.
+DEMO_VENV ?= build/demo-venv
+$(DEMO_VENV)/.installed: pyproject.toml setup.py
+	$(PYTHON) -m venv $(DEMO_VENV)
+	$(DEMO_VENV)/bin/pip install -q --upgrade pip
+	$(DEMO_VENV)/bin/pip install -q -e '.[plot]'
+	touch $@
+
+demo: all $(DEMO_VENV)/.installed
+	$(DEMO_VENV)/bin/python -m gpuvisor.supervisor demo --out build/demo
 
 lint: venv
 	$(VENV)/bin/ruff check shim tests setup.py $(wildcard supervisor cluster)

@@ -326,3 +326,44 @@ def test_a_demo_killed_leaves_no_agent_or_container_running(tmp_path: Path) -> N
         for k in kids:  # what a failure left behind
             with contextlib.suppress(psutil.NoSuchProcess):
                 k.kill()
+
+
+def test_demo_with_real_gpus_but_no_pytorch_falls_back_to_the_simulated_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from click.testing import CliRunner
+
+    from gpuvisor.supervisor.demo import cli as demo_cli
+
+    ran: list[bool] = []
+    monkeypatch.setattr(demo_cli, "real_gpu_present", lambda: True)
+    real_find_spec = demo_cli.importlib.util.find_spec
+    monkeypatch.setattr(
+        demo_cli.importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "torch" else real_find_spec(name, *a),
+    )
+
+    def fake_run(seconds: float, simulate: bool, out: Path, console: object) -> int:
+        ran.append(simulate)
+        return 0
+
+    monkeypatch.setattr(demo_cli, "run_demo", fake_run)
+    res = CliRunner().invoke(demo_cli.demo, ["--out", str(tmp_path / "d")])
+    assert res.exit_code == 0, res.output
+    assert ran == [True]
+    assert "PyTorch is not installed: running the demo on the simulated node" in res.output
+
+
+def test_make_demo_installs_only_what_the_demo_needs(tmp_path: Path) -> None:
+    plan = subprocess.run(
+        ["make", "-n", "demo", f"DEMO_VENV={tmp_path / 'venv'}"],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    installs = [line for line in plan.splitlines() if "pip install" in line and " -e " in line]
+    assert installs, plan
+    assert all("'.[plot]'" in line for line in installs), installs

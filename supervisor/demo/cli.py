@@ -369,6 +369,13 @@ def demo(seconds: float, simulate: bool | None, out: Path) -> None:
         ) from None
     if simulate is None:
         simulate = not real_gpu_present()
+        if not simulate and importlib.util.find_spec("torch") is None:
+            # The workloads on real GPUs are PyTorch programs.
+            click.echo(
+                "Real GPUs found, but PyTorch is not installed: running the demo on the "
+                "simulated node (install PyTorch, or pass --real to be told what is missing)."
+            )
+            simulate = True
     try:  # the containers' library, and the simulated driver they run on
         library_path()
         if simulate:
