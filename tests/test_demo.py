@@ -332,7 +332,6 @@ def test_demo_with_real_gpus_but_no_pytorch_falls_back_to_the_simulated_node(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from click.testing import CliRunner
-
     from gpuvisor.supervisor.demo import cli as demo_cli
 
     ran: list[bool] = []
