@@ -971,3 +971,23 @@ def test_example_pod_node_directory_works_for_another_uid_and_a_read_only_mount_
             assert "unreserved" in told.stderr
     finally:
         shutil.rmtree(top, ignore_errors=True)
+
+
+def test_kubectl_recipes_name_the_agents_daemonset():
+    """docs/kubernetes.md's recipes (top, set-limit, a port-forward to
+    /status) use the DaemonSet's namespace, pod label, container and port."""
+    text = (REPO_ROOT / "docs" / "kubernetes.md").read_text()
+    ds = agent_ds()
+    ns = ds["metadata"]["namespace"]
+    label = ds["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/name"]
+    spec = ds["spec"]["template"]["spec"]
+    agent = container(spec, "agent")
+    (port,) = [p["containerPort"] for p in agent["ports"] if p["name"] == "metrics"]
+    assert f"-l app.kubernetes.io/name={label}" in text
+    assert f'kubectl -n {ns} exec -it "$POD" -c {agent["name"]} -- gpuvisor top' in text
+    assert (
+        f'kubectl -n {ns} exec "$POD" -c {agent["name"]} -- \\\n  gpuvisor node-agent set-limit'
+        in text
+    )
+    assert f'kubectl -n {ns} port-forward "pod/$POD" {port}:{port}' in text
+    assert f"curl -s http://127.0.0.1:{port}/status" in text
