@@ -660,6 +660,54 @@ class Allocator:
         with self.index_lock:
             bisect.insort(self.ranked, (st.usage, inv.node))
 
+    def replace_node(self, inv: Inventory) -> list[str]:
+        """A node's inventory changed (a GPU's health, MIG instances): its
+        allocations are charged again against the new inventory.  Returns
+        the pods whose allocation no longer matches it (a GPU gone), which
+        are dropped; an allocation that merely over-commits now is kept (it
+        was placed when it fitted).  An unknown node is added."""
+        old = self.nodes.get(inv.node)
+        if old is None:
+            self.add_node(inv)
+            return []
+        st = NodeState(inv, self.config)
+        dropped: list[str] = []
+        with old.lock:
+            for pod, (allocation, _charge) in old.pods.items():
+                try:
+                    charge = charge_of(allocation, st, "allocation")
+                except DocumentError:
+                    dropped.append(pod)
+                    continue
+                st.apply(charge, +1)
+                st.pods[pod] = (allocation, charge)
+            st.version = old.version + 1
+            old.version += 1  # decisions read from the old state conflict
+            self.nodes[inv.node] = st
+            with self.index_lock:
+                entry = (old.indexed, inv.node)
+                i = bisect.bisect_left(self.ranked, entry)
+                if i < len(self.ranked) and self.ranked[i] == entry:
+                    del self.ranked[i]
+                st.indexed = st.usage
+                bisect.insort(self.ranked, (st.usage, inv.node))
+        return dropped
+
+    def remove_node(self, name: str) -> bool:
+        """Forget a node (its Node object was deleted) and its allocations."""
+        st = self.nodes.pop(name, None)
+        if st is None:
+            return False
+        with st.lock:
+            st.version += 1
+            with self.index_lock:
+                entry = (st.indexed, name)
+                i = bisect.bisect_left(self.ranked, entry)
+                if i < len(self.ranked) and self.ranked[i] == entry:
+                    del self.ranked[i]
+                self.order.remove(name)
+        return True
+
     def reindex(self, st: NodeState) -> None:
         """Move a node in the usage index after its usage changed (under its lock)."""
         with self.index_lock:
@@ -778,8 +826,12 @@ class Allocator:
         """Take the decision's reservation, or raise Conflict if it no longer fits."""
         if decision.allocation is None or decision.node is None:
             raise ValueError("nothing to commit: the pod fits nowhere")
-        node = self.nodes[decision.node]
+        node = self.nodes.get(decision.node)
+        if node is None:
+            raise Conflict(f"{decision.node}: the node is gone")
         with node.lock:
+            if self.nodes.get(decision.node) is not node:
+                raise Conflict(f"{decision.node}: its inventory changed")
             if decision.pod.name in node.pods:
                 raise Conflict(f"{decision.pod.name} is already allocated on {decision.node}")
             if node.version != decision.version:

@@ -10,6 +10,7 @@ import click
 from gpuvisor.cluster.deviceplugin.cli import device_plugin
 from gpuvisor.cluster.inventory_cli import inventory, read_inventory_lazily
 from gpuvisor.cluster.place_cli import place
+from gpuvisor.cluster.scheduler.cli import scheduler
 from gpuvisor.cluster.webhook.cli import webhook
 from gpuvisor.shim.cli import shim_info
 
@@ -30,6 +31,7 @@ COMMANDS: tuple[click.Command, ...] = (
     place,
     inventory,
     webhook,
+    scheduler,
 )
 
 

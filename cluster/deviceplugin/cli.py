@@ -82,6 +82,13 @@ from . import defaults
     show_default=True,
     help="Seconds between NVML health checks.",
 )
+@click.option(
+    "--publish-inventory/--no-publish-inventory",
+    default=True,
+    show_default=True,
+    help="Write the node's inventory into its Node's gpuvisor.io/node-inventory "
+    "annotation (needs --node-name), where gpuvisor scheduler reads it.",
+)
 def device_plugin(
     resource: str,
     split_count: int,
@@ -93,6 +100,7 @@ def device_plugin(
     lib_dir: Path,
     node_dir: Path,
     health_interval: float,
+    publish_inventory: bool,
 ) -> None:
     """Serve kubelet's device plugin API for RESOURCE on this node.
 
@@ -107,6 +115,7 @@ def device_plugin(
     from .gpus import NvmlGpus
     from .kube import KubePods
     from .owners import PodResourcesOwners
+    from .publish import InventoryPublisher, KubeNodes
     from .runner import PluginRunner
     from .service import DevicePluginService, PluginConfig
 
@@ -130,7 +139,15 @@ def device_plugin(
     except Exception as exc:
         raise click.ClickException(f"cannot configure the Kubernetes client: {exc}") from None
     service = DevicePluginService(config, gpus, pods, PodResourcesOwners(str(pod_resources_socket)))
-    runner = PluginRunner(service, plugin_dir, endpoint, health_interval)
+    publisher = None
+    if publish_inventory:
+        if not node_name:
+            raise click.BadParameter(
+                "the node's name is needed to publish its inventory (or --no-publish-inventory)",
+                param_hint="--node-name",
+            )
+        publisher = InventoryPublisher(node_name, gpus.gpus(), KubeNodes(pods.api))
+    runner = PluginRunner(service, plugin_dir, endpoint, health_interval, publisher=publisher)
 
     def stop(signum: int, frame: FrameType | None) -> None:
         runner.stop()

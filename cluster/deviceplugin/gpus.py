@@ -20,6 +20,7 @@ class Gpu:
     index: int  # NVML index on the node
     memory_mib: int
     numa_node: int | None = None  # None: not known
+    model: str = ""  # NVML's name; "" when not known
 
 
 class GpuSource(Protocol):
@@ -56,7 +57,13 @@ class NvmlGpus:
         except (pynvml.NVMLError, AttributeError):
             numa = None
         mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-        return Gpu(_text(pynvml.nvmlDeviceGetUUID(h)), index, int(mem.total) >> 20, numa)
+        return Gpu(
+            _text(pynvml.nvmlDeviceGetUUID(h)),
+            index,
+            int(mem.total) >> 20,
+            numa,
+            _text(pynvml.nvmlDeviceGetName(h)),
+        )
 
     def gpus(self) -> list[Gpu]:
         return list(self._gpus)

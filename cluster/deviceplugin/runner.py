@@ -17,6 +17,7 @@ from gpuvisor.cluster.deviceplugin.api import deviceplugin_v1beta1_pb2_grpc as d
 
 from . import defaults
 from .api import deviceplugin_v1beta1_pb2 as dp
+from .publish import InventoryPublisher
 from .service import DevicePluginService, options
 
 log = logging.getLogger("gpuvisor.device-plugin")
@@ -36,6 +37,7 @@ class PluginRunner:
         endpoint: str = DEFAULT_ENDPOINT,
         health_interval: float = 5.0,
         watch_interval: float = 0.2,
+        publisher: InventoryPublisher | None = None,
     ) -> None:
         if "/" in endpoint or not endpoint:
             raise ValueError(f"endpoint {endpoint!r}: must be a file name (no /)")
@@ -44,6 +46,7 @@ class PluginRunner:
         self.endpoint = endpoint
         self.health_interval = health_interval
         self.watch_interval = watch_interval
+        self.publisher = publisher
         self.stopping = threading.Event()
         self.registrations = 0  # successful Register calls (each kubelet start)
 
@@ -122,6 +125,11 @@ class PluginRunner:
                 self.service.poll_health()
             except Exception:
                 log.exception("health poll failed")
+            if self.publisher is not None:
+                try:
+                    self.publisher.publish(self.service.unhealthy())
+                except Exception as exc:  # API server away: next poll
+                    log.warning("cannot publish the node's inventory: %s", exc)
             if time.monotonic() - last_gc > GC_INTERVAL:
                 last_gc = time.monotonic()
                 try:

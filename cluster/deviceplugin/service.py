@@ -116,6 +116,11 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
             self._generation += 1
             self._cond.notify_all()
 
+    def unhealthy(self) -> dict[str, str]:
+        """The GPUs unhealthy now (uuid -> why)."""
+        with self._cond:
+            return dict(self._unhealthy)
+
     def poll_health(self) -> None:
         self.set_unhealthy(self.source.unhealthy())
 

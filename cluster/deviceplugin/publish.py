@@ -1,0 +1,89 @@
+"""Publishing the node's inventory where the scheduler extender reads it:
+the Node's `gpuvisor.io/node-inventory` annotation, holding the inventory
+document (docs/inventory.md) as JSON.
+
+The document is built from the plugin's GpuSource (index, UUID, model,
+memory, NUMA node, health).  MIG state and the link matrix are not read by
+the plugin yet (the NVML inventory reader of gpuvisor.cluster provides
+them once it lands), so `mig` is null and `links` is left out (readers take
+SYS between every pair).  The plugin publishes at start and whenever a
+GPU's health changes; the extender watches Nodes."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+from gpuvisor.cluster.inventory_model import KIND, VERSION
+
+from .gpus import Gpu
+
+NODE_INVENTORY = "gpuvisor.io/node-inventory"
+API_TIMEOUT = 10.0
+
+log = logging.getLogger("gpuvisor.device-plugin")
+
+
+def inventory_document(
+    node: str, gpus: Sequence[Gpu], unhealthy: Mapping[str, str], driver_version: str = ""
+) -> dict[str, Any]:
+    """The node's inventory document (version 1) from the plugin's GPUs."""
+    return {
+        "kind": KIND,
+        "version": VERSION,
+        "node": node,
+        "driver_version": driver_version,
+        "gpus": [
+            {
+                "index": g.index,
+                "uuid": g.uuid,
+                "model": g.model or "unknown",
+                "memory_mib": g.memory_mib,
+                "numa": g.numa_node if g.numa_node is not None else 0,
+                "healthy": g.uuid not in unhealthy,
+                "mig": None,
+            }
+            for g in sorted(gpus, key=lambda g: g.index)
+        ],
+    }
+
+
+class NodeAnnotator(Protocol):
+    def annotate(self, node: str, key: str, value: str) -> None: ...
+
+
+class KubeNodes:
+    """NodeAnnotator through the Kubernetes API (a merge patch of one annotation)."""
+
+    def __init__(self, api: Any) -> None:
+        self.api = api  # kubernetes.client.CoreV1Api
+
+    def annotate(self, node: str, key: str, value: str) -> None:
+        body = {"metadata": {"annotations": {key: value}}}
+        self.api.patch_node(node, body, _request_timeout=API_TIMEOUT)
+
+
+class InventoryPublisher:
+    """Writes the node's inventory annotation when it differs from the last one written."""
+
+    def __init__(self, node: str, gpus: Sequence[Gpu], nodes: NodeAnnotator) -> None:
+        if not node:
+            raise ValueError("the node's name is needed to publish its inventory (--node-name)")
+        self.node = node
+        self.gpus = list(gpus)
+        self.nodes = nodes
+        self.published: str | None = None
+
+    def publish(self, unhealthy: Mapping[str, str]) -> bool:
+        """Publish if changed; True when written.  Errors propagate (retried next poll)."""
+        text = json.dumps(
+            inventory_document(self.node, self.gpus, unhealthy), separators=(",", ":")
+        )
+        if text == self.published:
+            return False
+        self.nodes.annotate(self.node, NODE_INVENTORY, text)
+        self.published = text
+        log.info("published the inventory of node %s (%d GPUs)", self.node, len(self.gpus))
+        return True

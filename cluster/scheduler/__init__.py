@@ -1,0 +1,1 @@
+"""`gpuvisor scheduler`: the kube-scheduler extender (filter, prioritize, bind)."""

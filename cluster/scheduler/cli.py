@@ -1,0 +1,170 @@
+"""`gpuvisor scheduler`: the kube-scheduler extender."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import click
+
+from . import defaults
+
+
+@click.command("scheduler")
+@click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    default=defaults.PORT,
+    show_default=True,
+    help="The extender's port (kube-scheduler's urlPrefix points here).",
+)
+@click.option(
+    "--metrics-port",
+    type=click.IntRange(1, 65535),
+    default=defaults.METRICS_PORT,
+    show_default=True,
+    help="Port of the cluster metrics (GET /metrics; HAMi's port).",
+)
+@click.option(
+    "--kubeconfig",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Kubeconfig to reach the API server (default: in-cluster, else ~/.kube/config).",
+)
+@click.option(
+    "--tls-cert",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="Serve the extender over HTTPS with this certificate (PEM); needs --tls-key.",
+)
+@click.option(
+    "--tls-key",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="The certificate's private key (PEM).",
+)
+@click.option(
+    "--split-count",
+    type=click.IntRange(1, 1000),
+    default=10,
+    show_default=True,
+    help="vGPUs per GPU at most (the device plugin's --split-count).",
+)
+@click.option(
+    "--node-policy",
+    type=click.Choice(["binpack", "spread"]),
+    default="binpack",
+    show_default=True,
+    help="Node policy of pods that name none (hami.io/node-scheduler-policy).",
+)
+@click.option(
+    "--gpu-policy",
+    type=click.Choice(["binpack", "spread", "topology-aware"]),
+    default="binpack",
+    show_default=True,
+    help="GPU policy of pods that name none (hami.io/gpu-scheduler-policy).",
+)
+@click.option(
+    "--mig-geometries",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=None,
+    help="HAMi's knownMigGeometries (YAML) to keep MIG layouts within.",
+)
+def scheduler(
+    host: str,
+    port: int,
+    metrics_port: int,
+    kubeconfig: Path | None,
+    tls_cert: Path | None,
+    tls_key: Path | None,
+    split_count: int,
+    node_policy: str,
+    gpu_policy: str,
+    mig_geometries: Path | None,
+) -> None:
+    """Serve kube-scheduler's extender API (filter, prioritize, bind).
+
+    Node inventories come from their gpuvisor.io/node-inventory annotation
+    (the device plugin publishes it); each bound pod's GPUs are written to
+    its gpuvisor.io/allocation annotation, from which a restarted extender
+    rebuilds its reservations.  See docs/kubernetes.md.
+    """
+    # aiohttp, the Kubernetes client and the allocator load only when it runs
+    import asyncio
+    import signal
+    import ssl
+    import threading
+
+    import yaml
+    from gpuvisor.cluster.allocator import Config
+    from gpuvisor.cluster.inventory_model import DocumentError
+    from gpuvisor.cluster.mig import load_geometries
+    from kubernetes import client, config
+
+    from .extender import Extender
+    from .metrics import Metrics
+    from .server import serve
+    from .state import ClusterState
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if (tls_cert is None) != (tls_key is None):
+        raise click.BadParameter(
+            "give both --tls-cert and --tls-key, or neither", param_hint="--tls-cert"
+        )
+    geometries = ()
+    if mig_geometries is not None:
+        try:
+            geometries = load_geometries(yaml.safe_load(mig_geometries.read_text()))
+        except (DocumentError, yaml.YAMLError) as exc:
+            raise click.BadParameter(
+                f"{mig_geometries}: {exc}", param_hint="--mig-geometries"
+            ) from None
+    cfg = Config(
+        split_count=split_count,
+        geometries=geometries,
+        node_policy=node_policy,
+        gpu_policy=gpu_policy,
+    )
+    try:
+        if kubeconfig is not None:
+            config.load_kube_config(str(kubeconfig))
+        else:
+            try:
+                config.load_incluster_config()
+            except config.ConfigException:
+                config.load_kube_config()
+    except Exception as exc:
+        raise click.ClickException(f"cannot configure the Kubernetes client: {exc}") from None
+    api_client = client.ApiClient()
+    # the verbs' threads and the watches share the client's connection pool
+    api_client.rest_client.pool_manager.connection_pool_kw["maxsize"] = 32
+    core = client.CoreV1Api(api_client)
+    state = ClusterState(core, cfg)
+    tls = None
+    if tls_cert is not None and tls_key is not None:
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        tls.load_cert_chain(tls_cert, tls_key)
+    extender = Extender(state, core, api_client)
+    metrics = Metrics(state)
+
+    def start_state() -> None:
+        while not state.stopping.is_set():
+            try:
+                state.start()
+                return
+            except Exception as exc:
+                logging.getLogger("gpuvisor.scheduler").warning("cannot sync: %s", exc)
+                state.stopping.wait(2.0)
+
+    threading.Thread(target=start_state, name="sync", daemon=True).start()
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(extender, metrics, host, port, metrics_port, tls, stop)
+
+    asyncio.run(main())
+    state.stopping.set()

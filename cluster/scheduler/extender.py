@@ -1,0 +1,216 @@
+"""The extender's three verbs, as kube-scheduler's HTTP extender protocol
+(k8s.io/kube-scheduler/extender/v1) carries them, over the allocator.
+
+- filter: the nodes (`NodeNames`, nodeCacheCapable) where the pod fits,
+  with one line per node that cannot take it (`FailedNodes`);
+- prioritize: 0..10 per node: 10 for the allocator's choice, 1..9 by the
+  node's usage for the others (binpack: fuller is better; spread: emptier);
+- bind: decide again on the chosen node, commit the reservation, write the
+  pod's `gpuvisor.io/allocation` annotation with a resourceVersion
+  precondition, then create the Binding.  Anything failing releases the
+  reservation and answers an error, so kube-scheduler tries again.
+
+Each verb is a plain function (run in a worker thread by the server).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from gpuvisor.cluster.allocation import ANNOTATION
+from gpuvisor.cluster.allocator import Allocator, Conflict, Decision
+from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY
+from gpuvisor.cluster.inventory_model import DocumentError
+from gpuvisor.cluster.request import PodRequest, pod_request
+
+from .state import ClusterState
+
+log = logging.getLogger("gpuvisor.scheduler")
+
+MAX_PRIORITY = 10  # kube-scheduler's MaxExtenderPriority
+COMMIT_ATTEMPTS = 5
+CACHE_SIZE = 1024  # filter's decisions kept for prioritize
+CACHE_SECONDS = 30.0
+API_TIMEOUT = 10.0
+NO_INVENTORY = f"no GPU inventory (the node has no {NODE_INVENTORY} annotation)"
+
+
+class BadRequest(ValueError):
+    """The extender's arguments are not what kube-scheduler sends."""
+
+
+def fields(args: Any) -> dict[str, Any]:
+    """The arguments by lower-cased name: kube-scheduler's types carry no
+    JSON tags, so it sends Go's field names (`Pod`, `NodeNames`, `PodName`)."""
+    if not isinstance(args, Mapping):
+        raise BadRequest("body: expected a JSON object")
+    return {str(k).lower(): v for k, v in args.items()}
+
+
+def node_names(args: Mapping[str, Any]) -> list[str]:
+    names = args.get("nodenames")
+    if isinstance(names, list):
+        return [str(n) for n in names]
+    nodes = args.get("nodes")
+    if isinstance(nodes, Mapping) and isinstance(nodes.get("items"), list):
+        return [str(n["metadata"]["name"]) for n in nodes["items"]]
+    raise BadRequest("NodeNames: expected a list of node names (nodeCacheCapable: true)")
+
+
+def the_pod(args: Mapping[str, Any]) -> Mapping[str, Any]:
+    pod = args.get("pod")
+    if not isinstance(pod, Mapping):
+        raise BadRequest("Pod: expected a Pod object")
+    return pod
+
+
+class Extender:
+    def __init__(self, state: ClusterState, core: Any, api_client: Any) -> None:
+        self.state = state
+        self.core = core  # kubernetes.client.CoreV1Api
+        self.api_client = api_client  # for sanitize_for_serialization
+        self._cache: OrderedDict[tuple[str, tuple[str, ...]], tuple[float, Decision]] = (
+            OrderedDict()
+        )
+        self._cache_lock = threading.Lock()
+
+    @property
+    def allocator(self) -> Allocator:
+        return self.state.allocator
+
+    def _reason(self, why: str) -> str:
+        return NO_INVENTORY if why == "unknown node" else why
+
+    def _decide(self, req: PodRequest, names: Sequence[str], explain: bool) -> Decision:
+        return self.allocator.decide(req, explain=explain, nodes=names)
+
+    def _remember(self, uid: str, names: Sequence[str], d: Decision) -> None:
+        with self._cache_lock:
+            self._cache[(uid, tuple(names))] = (time.monotonic(), d)
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+
+    def _recall(self, uid: str, names: Sequence[str]) -> Decision | None:
+        with self._cache_lock:
+            hit = self._cache.get((uid, tuple(names)))
+        if hit is None or time.monotonic() - hit[0] > CACHE_SECONDS:
+            return None
+        return hit[1]
+
+    # ---- filter -----------------------------------------------------------
+
+    def filter(self, body: Any) -> dict[str, Any]:
+        args = fields(body)
+        names = node_names(args)
+        try:
+            req = pod_request(the_pod(args))
+        except DocumentError as exc:
+            # the same for every node: nothing another node could resolve
+            return {"NodeNames": [], "FailedAndUnresolvableNodes": {n: str(exc) for n in names}}
+        d = self._decide(req, names, explain=True)
+        fitting = [n for n in names if n not in d.reasons]
+        failed = {n: self._reason(d.reasons[n]) for n in names if n in d.reasons}
+        self._remember(req.uid, fitting, d)
+        return {"NodeNames": fitting, "FailedNodes": failed, "Error": ""}
+
+    # ---- prioritize -------------------------------------------------------
+
+    def prioritize(self, body: Any) -> list[dict[str, Any]]:
+        args = fields(body)
+        names = node_names(args)
+        try:
+            req = pod_request(the_pod(args))
+        except DocumentError:
+            return [{"Host": n, "Score": 0} for n in names]
+        d = self._recall(req.uid, names) or self._decide(req, names, explain=False)
+        binpack = (req.node_policy or self.allocator.config.node_policy) == "binpack"
+        out = []
+        for n in names:
+            st = self.allocator.nodes.get(n)
+            if n == d.node:
+                score = MAX_PRIORITY
+            elif st is None or n in d.reasons:
+                score = 0
+            else:
+                usage = min(max(st.usage, 0.0), 1.0)
+                score = 1 + round(8 * (usage if binpack else 1.0 - usage))
+            out.append({"Host": n, "Score": score})
+        return out
+
+    # ---- bind -------------------------------------------------------------
+
+    def bind(self, body: Any) -> dict[str, Any]:
+        args = fields(body)
+        missing = [k for k in ("PodName", "PodNamespace", "Node") if not args.get(k.lower())]
+        if missing:
+            raise BadRequest(f"{missing[0]}: missing from the binding arguments")
+        name = str(args["podname"])
+        namespace = str(args["podnamespace"])
+        uid = str(args.get("poduid") or "")
+        node = str(args["node"])
+        key = f"{namespace}/{name}"
+        try:
+            self._bind(key, name, namespace, uid, node)
+        except Exception as exc:  # kube-scheduler retries the pod
+            log.warning("bind %s to %s: %s", key, node, exc)
+            return {"Error": f"gpuvisor: bind {key} to {node}: {exc}"}
+        return {"Error": ""}
+
+    def _bind(self, key: str, name: str, namespace: str, uid: str, node: str) -> None:
+        from kubernetes import client
+        from kubernetes.client.exceptions import ApiException
+
+        pod = self.core.read_namespaced_pod(name, namespace, _request_timeout=API_TIMEOUT)
+        if uid and pod.metadata.uid != uid:
+            raise RuntimeError(f"the pod is now another one (uid {pod.metadata.uid}, not {uid})")
+        if pod.spec.node_name:
+            raise RuntimeError(f"already bound to {pod.spec.node_name}")
+        req = pod_request(self.api_client.sanitize_for_serialization(pod))
+        # a reservation of an earlier attempt (a failed bind, or restored
+        # from its annotation) is void: the pod is placed again
+        self.state.drop(key)
+        for _ in range(COMMIT_ATTEMPTS):
+            d = self._decide(req, [node], explain=True)
+            if d.node != node or d.allocation is None:
+                raise RuntimeError(self._reason(d.reasons.get(node, "the pod no longer fits")))
+            try:
+                allocation = self.state.took(key, pod.metadata.uid, node, d)
+                break
+            except Conflict:
+                continue
+        else:
+            raise RuntimeError(f"lost {COMMIT_ATTEMPTS} races for node {node} in a row")
+        try:
+            self.core.patch_namespaced_pod(
+                name,
+                namespace,
+                {
+                    "metadata": {
+                        "resourceVersion": pod.metadata.resource_version,
+                        "annotations": {ANNOTATION: allocation.annotation()},
+                    }
+                },
+                _request_timeout=API_TIMEOUT,
+            )
+            binding = client.V1Binding(
+                metadata=client.V1ObjectMeta(name=name, uid=pod.metadata.uid),
+                target=client.V1ObjectReference(api_version="v1", kind="Node", name=node),
+            )
+            # the client cannot decode the Status the server answers with
+            self.core.create_namespaced_pod_binding(
+                name, namespace, binding, _preload_content=False, _request_timeout=API_TIMEOUT
+            )
+        except ApiException as exc:
+            self.state.drop(key)
+            what = (
+                "the pod changed meanwhile" if exc.status == 409 else f"{exc.status} {exc.reason}"
+            )
+            raise RuntimeError(what) from None
+        except Exception:
+            self.state.drop(key)
+            raise

@@ -1,0 +1,224 @@
+"""The extender's view of the cluster: the allocator fed from the Kubernetes API.
+
+Nodes come from their `gpuvisor.io/node-inventory` annotation (published by
+the device plugin); reservations from pods' `gpuvisor.io/allocation`
+annotations (`Allocator.restore`), so a restarted extender rebuilds them.  A
+pod's reservation is released when the pod is deleted or has finished.
+Two watches (Nodes, Pods) keep this current; a watch that expires (410
+Gone) is replaced by a fresh list that reconciles everything.
+
+`lock` guards only the bookkeeping of which pods are accounted (a dict
+update next to an allocator call that itself takes one node's lock); it is
+never held across a decision or any I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from gpuvisor.cluster.allocation import ANNOTATION, Allocation, load_allocation
+from gpuvisor.cluster.allocator import Allocator, Config, Decision
+from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY
+from gpuvisor.cluster.inventory_model import DocumentError, load_inventory
+
+log = logging.getLogger("gpuvisor.scheduler")
+
+FINISHED = ("Succeeded", "Failed")
+WATCH_SECONDS = 300  # a watch is renewed (from its resourceVersion) this often
+
+
+@dataclass
+class Held:
+    uid: str
+    node: str
+
+
+class ClusterState:
+    def __init__(self, core: Any, config: Config | None = None) -> None:
+        self.core = core  # kubernetes.client.CoreV1Api
+        self.allocator = Allocator(config=config)
+        self.lock = threading.Lock()
+        self.inventories: dict[str, str] = {}  # node -> annotation text accounted
+        self.held: dict[str, Held] = {}  # pod key -> whose reservation the allocator holds
+        # allocations of pods whose node has no inventory yet: node -> pod -> allocation
+        self.waiting: dict[str, dict[str, Allocation]] = {}
+        self.ready = threading.Event()
+        self.stopping = threading.Event()
+
+    # ---- nodes ----------------------------------------------------------
+
+    def node_event(self, node: Any, deleted: bool = False) -> None:
+        name = node.metadata.name
+        text = (node.metadata.annotations or {}).get(NODE_INVENTORY)
+        with self.lock:
+            if deleted or text is None:
+                if self.allocator.remove_node(name):
+                    log.info("node %s: gone or without an inventory; forgotten", name)
+                self.inventories.pop(name, None)
+                for key in [k for k, h in self.held.items() if h.node == name]:
+                    del self.held[key]
+                return
+            if self.inventories.get(name) == text:
+                return
+            try:
+                inv = load_inventory(json.loads(text), f"node {name}: {NODE_INVENTORY}")
+                if inv.node != name:
+                    raise DocumentError(f"node {name}: {NODE_INVENTORY}: names node {inv.node!r}")
+            except (ValueError, DocumentError) as exc:
+                log.warning("%s", exc)  # json errors are ValueErrors too
+                return
+            dropped = self.allocator.replace_node(inv)
+            for key in dropped:
+                self.held.pop(key, None)
+                log.warning("pod %s: its allocation names GPUs node %s no longer has", key, name)
+            self.inventories[name] = text
+            for key, allocation in self.waiting.pop(name, {}).items():
+                self._restore(key, allocation)
+            log.info("node %s: inventory of %d GPUs", name, len(inv.gpus))
+
+    # ---- pods -----------------------------------------------------------
+
+    def pod_event(self, pod: Any, deleted: bool = False) -> None:
+        meta = pod.metadata
+        key = f"{meta.namespace}/{meta.name}"
+        phase = pod.status.phase if pod.status else None
+        text = (meta.annotations or {}).get(ANNOTATION)
+        with self.lock:
+            held = self.held.get(key)
+            if deleted or phase in FINISHED:
+                if held is not None and held.uid == meta.uid:
+                    self._release(key)
+                for pods in self.waiting.values():
+                    pods.pop(key, None)
+                return
+            if held is not None and held.uid != meta.uid:
+                self._release(key)  # a pod of the same name replaced one we missed the end of
+                held = None
+            if held is not None or text is None:
+                return
+            try:
+                allocation = load_allocation(text, f"pod {key}: {ANNOTATION}")
+            except DocumentError as exc:
+                log.warning("%s", exc)
+                return
+            if allocation.pod != key or (allocation.uid and allocation.uid != meta.uid):
+                log.warning("pod %s: %s belongs to %s; ignored", key, ANNOTATION, allocation.pod)
+                return
+            if allocation.node not in self.inventories:
+                self.waiting.setdefault(allocation.node, {})[key] = allocation
+                return
+            self._restore(key, allocation)
+
+    def _restore(self, key: str, allocation: Allocation) -> None:
+        try:
+            self.allocator.restore(allocation, f"pod {key}: {ANNOTATION}")
+        except DocumentError as exc:
+            log.warning("%s", exc)
+            return
+        self.held[key] = Held(allocation.uid, allocation.node)
+
+    def _release(self, key: str) -> None:
+        self.held.pop(key, None)
+        self.allocator.release(key)
+
+    # ---- bind's bookkeeping ------------------------------------------------
+
+    def took(self, key: str, uid: str, node: str, decision: Decision) -> Allocation:
+        """Commit the decision (Conflict if it lost a race) and account the pod."""
+        with self.lock:
+            allocation = self.allocator.commit(decision)
+            self.held[key] = Held(uid, node)
+            return allocation
+
+    def drop(self, key: str) -> None:
+        """Forget a pod's reservation (its bind failed, or is done again)."""
+        with self.lock:
+            if key in self.held:
+                self._release(key)
+
+    # ---- syncing with the API server -----------------------------------
+
+    def sync(self) -> tuple[str, str]:
+        """List Nodes and Pods and reconcile; returns their resourceVersions."""
+        nodes = self.core.list_node()
+        names = set()
+        for node in nodes.items:
+            names.add(node.metadata.name)
+            self.node_event(node)
+        for gone in set(self.inventories) - names:
+            with self.lock:
+                self.allocator.remove_node(gone)
+                self.inventories.pop(gone, None)
+        pods = self.core.list_pod_for_all_namespaces()
+        live = set()
+        for pod in pods.items:
+            live.add(f"{pod.metadata.namespace}/{pod.metadata.name}")
+            self.pod_event(pod)
+        with self.lock:
+            for key in set(self.held) - live:
+                self._release(key)
+        return nodes.metadata.resource_version, pods.metadata.resource_version
+
+    def start(self) -> list[threading.Thread]:
+        """Sync once (ready after), then keep watching in two daemon threads."""
+        node_rv, pod_rv = self.sync()
+        self.ready.set()
+        log.info(
+            "synced: %d nodes with an inventory, %d pods holding GPUs",
+            len(self.inventories),
+            len(self.held),
+        )
+        threads = [
+            threading.Thread(
+                target=self._watch,
+                args=(self.core.list_node, self.node_event, node_rv),
+                name="watch-nodes",
+                daemon=True,
+            ),
+            threading.Thread(
+                target=self._watch,
+                args=(self.core.list_pod_for_all_namespaces, self.pod_event, pod_rv),
+                name="watch-pods",
+                daemon=True,
+            ),
+        ]
+        for t in threads:
+            t.start()
+        return threads
+
+    def _watch(self, lister: Any, handle: Callable[..., None], rv: str) -> None:
+        from kubernetes import watch
+        from kubernetes.client.exceptions import ApiException
+
+        while not self.stopping.is_set():
+            w = watch.Watch()
+            try:
+                for event in w.stream(lister, resource_version=rv, timeout_seconds=WATCH_SECONDS):
+                    obj = event["object"]
+                    if event["type"] == "ERROR":
+                        raise ApiException(status=getattr(obj, "code", 410) or 410)
+                    rv = obj.metadata.resource_version
+                    handle(obj, deleted=event["type"] == "DELETED")
+                    if self.stopping.is_set():
+                        break
+            except ApiException as exc:
+                if exc.status == 410:  # expired: list again
+                    log.info("watch expired; listing again")
+                    rv = self._relist(lister)
+                else:
+                    log.warning("watch failed: %s", exc)
+                    self.stopping.wait(1.0)
+            except Exception as exc:
+                log.warning("watch failed: %s", exc)
+                self.stopping.wait(1.0)
+            finally:
+                w.stop()
+
+    def _relist(self, lister: Any) -> str:
+        node_rv, pod_rv = self.sync()
+        return node_rv if lister == self.core.list_node else pod_rv
