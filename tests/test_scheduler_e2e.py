@@ -1,0 +1,473 @@
+"""gpuvisor scheduler end to end, against the real thing: etcd,
+kube-apiserver and kube-scheduler (tests/k8s_cluster.py) with the extender
+configured as kube-scheduler's extender (managedResources with
+ignoredByScheduler, nodeCacheCapable, filter/prioritize/bind), the device
+plugin publishing each node's inventory and serving kubelet's side played
+by tests/kubelet_harness.py, and the workloads running on the simulated
+node with exactly what the plugin returned (cuMemGetInfo shows the quota).
+
+Nodes without a plugin (type/UUID selection, policies, NVLink) get their
+inventory annotation from the test: the device plugin cannot read links or
+MIG yet, and the simulator has one GPU model and no topology.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections import defaultdict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import kubernetes.client
+import pytest
+from gpuvisor.cluster.allocation import ANNOTATION, load_allocation
+from gpuvisor.cluster.deviceplugin.gpus import Gpu
+from gpuvisor.cluster.deviceplugin.kube import KubePods
+from gpuvisor.cluster.deviceplugin.owners import PodResourcesOwners
+from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY, InventoryPublisher, KubeNodes
+from gpuvisor.cluster.deviceplugin.runner import PluginRunner
+from gpuvisor.cluster.deviceplugin.service import DevicePluginService, PluginConfig
+
+from tests.helpers import LIBRARY, REPO_ROOT, SimNode, run_py
+from tests.k8s_cluster import GPU, GPUCORES, GPUMEM, KubeTest, free_port, gpu_container
+from tests.kubelet_harness import Container, FakeKubelet, Pod, run
+from tests.test_deviceplugin import PROBE, StaticGpus
+
+EXTENDER_START = 60.0  # seconds: the Kubernetes client's import on a loaded machine
+
+LIST_GPUS = """
+import json
+from gpuvisor.cluster.deviceplugin.gpus import NvmlGpus
+print(json.dumps([[g.uuid, g.index, g.memory_mib, g.model] for g in NvmlGpus().gpus()]))
+"""
+
+
+def scheduler_config(port: int) -> dict[str, Any]:
+    """kube-scheduler's configuration with gpuvisor's extender (docs/kubernetes.md)."""
+    return {
+        "extenders": [
+            {
+                "urlPrefix": f"http://127.0.0.1:{port}",
+                "filterVerb": "filter",
+                "prioritizeVerb": "prioritize",
+                "bindVerb": "bind",
+                "weight": 1,
+                "nodeCacheCapable": True,
+                "httpTimeout": "30s",
+                "managedResources": [
+                    {"name": r, "ignoredByScheduler": True} for r in (GPU, GPUMEM, GPUCORES)
+                ],
+            }
+        ]
+    }
+
+
+class Extender:
+    """`gpuvisor scheduler` as a process, on fixed ports (restartable)."""
+
+    def __init__(self, kubeconfig: Path, log: Path) -> None:
+        self.kubeconfig = kubeconfig
+        self.log = log
+        self.port = free_port()
+        self.metrics_port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        argv = [
+            sys.executable,
+            "-c",
+            "from gpuvisor.supervisor.cli import main; main()",
+            "scheduler",
+            "--host=127.0.0.1",
+            f"--port={self.port}",
+            f"--metrics-port={self.metrics_port}",
+            f"--kubeconfig={self.kubeconfig}",
+        ]
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+        deadline = time.monotonic() + EXTENDER_START
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"gpuvisor scheduler exited: {self.log.read_text()[-3000:]}")
+            with contextlib.suppress(OSError):
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2):
+                    return
+            time.sleep(0.1)
+        pytest.fail(f"gpuvisor scheduler not ready: {self.log.read_text()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def metrics(self) -> str:
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=10) as r:
+            return str(r.read().decode())
+
+
+@dataclass
+class PluginNode:
+    """A Node object with a simulated GPU node behind it: the device plugin
+    (publishing the inventory, reading pods from the API server) and the
+    kubelet harness."""
+
+    name: str
+    sim: SimNode
+    gpus: list[Gpu]
+    kubelet: FakeKubelet
+    runner: PluginRunner
+    thread: threading.Thread
+    socks: Path
+    base_env: dict[str, str]
+
+    def admit(self, pod: kubernetes.client.V1Pod) -> tuple[Pod, dict[str, Any]]:
+        """kubelet admits the pod (GetPreferredAllocation, Allocate), then
+        starts each container (PreStartContainer); the Allocate answers."""
+        containers = [
+            Container(c.name, gpus_of(c), init=init)
+            for cs, init in ((pod.spec.init_containers or [], True), (pod.spec.containers, False))
+            for c in cs
+        ]
+        hp = Pod(pod.metadata.namespace, pod.metadata.name, containers)
+        resps = self.kubelet.admit(hp)
+        for c in containers:
+            if c.gpus:
+                self.kubelet.start(hp, c.name)
+        return hp, resps
+
+    def probe(self, resp: Any) -> dict[str, Any]:
+        proc = run(resp, PROBE, self.base_env)
+        assert proc.returncode == 0, proc.stderr
+        out: dict[str, Any] = json.loads(proc.stdout)
+        return out
+
+    def stop(self) -> None:
+        self.runner.stop()
+        self.thread.join(timeout=10)
+        self.kubelet.stop()
+        shutil.rmtree(self.socks, ignore_errors=True)
+
+
+def gpus_of(c: kubernetes.client.V1Container) -> int:
+    limits = (c.resources and c.resources.limits) or {}
+    return int(limits.get(GPU, 0))
+
+
+@dataclass
+class Stack:
+    k8s: KubeTest
+    extender: Extender
+    tmp: Path
+    sim_gpus: list[Gpu]
+    nodes: dict[str, PluginNode]
+
+    def plugin_node(self, name: str) -> PluginNode:
+        """A Node whose inventory the device plugin publishes (2 simulated 16 GiB GPUs)."""
+        self.k8s.create_node(name)
+        d = self.tmp / name
+        d.mkdir()
+        sim = SimNode.create(d)
+        (d / "node").mkdir()
+        socks = Path(tempfile.mkdtemp(prefix="gvsx", dir="/tmp"))
+        core = self.k8s.core
+        config = PluginConfig(
+            node_name=name, state_dir=d / "state", lib_dir=LIBRARY.parent, node_dir=d / "node"
+        )
+        kubelet = FakeKubelet(socks / "dp", socks / "pr" / "kubelet.sock")
+        service = DevicePluginService(
+            config,
+            StaticGpus(self.sim_gpus),
+            KubePods(core),
+            PodResourcesOwners(str(socks / "pr" / "kubelet.sock")),
+        )
+        publisher = InventoryPublisher(name, self.sim_gpus, KubeNodes(core))
+        runner = PluginRunner(
+            service, socks / "dp", health_interval=0.2, watch_interval=0.05, publisher=publisher
+        )
+        thread = threading.Thread(target=runner.run, daemon=True)
+        thread.start()
+        base = {
+            k: v
+            for k, v in sim.env.items()
+            if k not in ("CUDA_DEVICE_MEMORY_SHARED_CACHE", "GPUVISOR_NODE_LOCK")
+        }
+        node = PluginNode(name, sim, self.sim_gpus, kubelet, runner, thread, socks, base)
+        self.nodes[name] = node
+        kubelet.wait_registered()
+        wait_for(lambda: NODE_INVENTORY in (core.read_node(name).metadata.annotations or {}))
+        return node
+
+    def inventory_node(
+        self, name: str, models: Sequence[str], links: Sequence[Sequence[str]] | None = None
+    ) -> list[str]:
+        """A Node with an inventory annotation given directly; returns its GPU UUIDs."""
+        uuids = [f"GPU-{name}-{i}" for i in range(len(models))]
+        doc: dict[str, Any] = {
+            "kind": "gpuvisor.io/node-inventory",
+            "version": 1,
+            "node": name,
+            "gpus": [
+                {"index": i, "uuid": uuids[i], "model": m, "memory_mib": 40960}
+                for i, m in enumerate(models)
+            ],
+        }
+        if links is not None:
+            doc["links"] = [list(r) for r in links]
+        self.k8s.create_node(name, annotations={NODE_INVENTORY: json.dumps(doc)})
+        return uuids
+
+
+def wait_for(predicate: Any, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail(f"no {what} after {timeout:.0f}s", pytrace=False)
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def sim_gpus(tmp_path_factory: pytest.TempPathFactory, build_dir: Path) -> list[Gpu]:
+    node = SimNode.create(tmp_path_factory.mktemp("inventory"))
+    proc = run_py(LIST_GPUS, node.env)
+    assert proc.returncode == 0, proc.stderr
+    return [Gpu(u, i, m, None, model) for u, i, m, model in json.loads(proc.stdout)]
+
+
+@pytest.fixture
+def stack(k8s: KubeTest, tmp_path: Path, sim_gpus: list[Gpu]) -> Iterator[Stack]:
+    ext = Extender(k8s.cluster.kubeconfig, tmp_path / "extender.log")
+    st = Stack(k8s, ext, tmp_path, sim_gpus, {})
+    try:
+        ext.start()
+        k8s.start_scheduler(scheduler_config(ext.port))
+        yield st
+    finally:
+        ext.stop()
+        for n in st.nodes.values():
+            n.stop()
+
+
+def allocation_of(pod: kubernetes.client.V1Pod) -> dict[str, Any]:
+    text = (pod.metadata.annotations or {}).get(ANNOTATION)
+    assert text, f"pod {pod.metadata.name} has no {ANNOTATION}"
+    doc: dict[str, Any] = json.loads(text)
+    load_allocation(doc)  # valid
+    return doc
+
+
+def gpus_of_container(doc: Mapping[str, Any], name: str) -> list[dict[str, Any]]:
+    for c in doc["containers"]:
+        if c["name"] == name:
+            return list(c["gpus"])
+    raise AssertionError(f"no container {name} in {doc}")
+
+
+def test_a_single_pod_runs_with_its_quota(stack: Stack) -> None:
+    """Placed by kube-scheduler through the extender, annotated, started by
+    kubelet through the plugin: the workload sees 3000 MiB."""
+    k = stack.k8s
+    node = stack.plugin_node("sx-1")
+    k.create_pod("train", gpus=1, gpumem=3000, gpucores=30)
+    assert k.wait_bound("train") == "sx-1"
+    pod = k.read_pod("train")
+    doc = allocation_of(pod)
+    assert doc["node"] == "sx-1" and doc["uid"] == pod.metadata.uid
+    (g,) = gpus_of_container(doc, "main")
+    assert (g["memory_mib"], g["cores"]) == (3000, 30)
+    _, resps = node.admit(pod)
+    got = node.probe(resps["main"])
+    assert got == {"init": 0, "uuids": [g["uuid"]], "mib": [3000]}
+    metrics = stack.extender.metrics()
+    assert f'GPUDeviceMemoryAllocated{{devicecores="30",deviceidx="{g["index"]}"' in metrics
+    assert "nodeGPUMigInstance" in metrics
+
+
+def test_two_containers_and_an_init_container(stack: Stack) -> None:
+    k = stack.k8s
+    node = stack.plugin_node("sx-2")
+    k.create_pod(
+        "multi",
+        init_containers=[gpu_container("setup", gpus=1, gpumem=2000, gpucores=10)],
+        containers=[
+            gpu_container("a", gpus=1, gpumem=3000, gpucores=20),
+            gpu_container("b", gpus=1, gpumem=4000, gpucores=20),
+        ],
+    )
+    assert k.wait_bound("multi") == "sx-2"
+    pod = k.read_pod("multi")
+    doc = allocation_of(pod)
+    _, resps = node.admit(pod)
+    for name, mib in (("setup", 2000), ("a", 3000), ("b", 4000)):
+        (g,) = gpus_of_container(doc, name)
+        assert node.probe(resps[name]) == {"init": 0, "uuids": [g["uuid"]], "mib": [mib]}
+
+
+def test_type_and_uuid_selection(stack: Stack) -> None:
+    k = stack.k8s
+    a100 = stack.inventory_node("sx-a100", ["NVIDIA A100-SXM4-40GB"] * 2)
+    h100 = stack.inventory_node("sx-h100", ["NVIDIA H100 80GB HBM3"] * 2)
+    k.create_pod("want-h100", gpus=1, gpumem=1000, annotations={"nvidia.com/use-gputype": "h100"})
+    k.create_pod("not-a100", gpus=1, gpumem=1000, annotations={"nvidia.com/nouse-gputype": "A100"})
+    k.create_pod("by-uuid", gpus=1, gpumem=1000, annotations={"nvidia.com/use-gpuuuid": a100[1]})
+    k.create_pod("no-such", gpus=1, gpumem=1000, annotations={"nvidia.com/use-gputype": "V100"})
+    assert k.wait_bound("want-h100") == "sx-h100"
+    assert k.wait_bound("not-a100") == "sx-h100"
+    assert k.wait_bound("by-uuid") == "sx-a100"
+    assert gpus_of_container(allocation_of(k.read_pod("by-uuid")), "main")[0]["uuid"] == a100[1]
+    assert {g["uuid"] for g in gpus_of_container(allocation_of(k.read_pod("want-h100")), "main")} <= set(h100)
+    message = k.wait_unschedulable("no-such")
+    assert "use-gputype" in message, message
+
+
+def test_binpack_against_spread(stack: Stack) -> None:
+    k = stack.k8s
+    stack.inventory_node("sx-p1", ["NVIDIA A100-SXM4-40GB"] * 2)
+    stack.inventory_node("sx-p2", ["NVIDIA A100-SXM4-40GB"] * 2)
+    k.create_pod("first", gpus=1, gpumem=4000, gpucores=20)
+    first = k.wait_bound("first")
+    other = ({"sx-p1", "sx-p2"} - {first}).pop()
+    policy = "hami.io/node-scheduler-policy"
+    k.create_pod("packed", gpus=1, gpumem=4000, gpucores=20, annotations={policy: "binpack"})
+    assert k.wait_bound("packed") == first
+    k.create_pod("spread", gpus=1, gpumem=4000, gpucores=20, annotations={policy: "spread"})
+    assert k.wait_bound("spread") == other
+
+
+def test_a_two_gpu_pod_gets_an_nvlink_pair(stack: Stack) -> None:
+    """4 GPUs, NVLink pairs (0,1) and (2,3), SYS between the pairs: with
+    GPU 0 taken, a 2-GPU pod gets the intact pair (2,3)."""
+    k = stack.k8s
+    nv, sys_ = "NV12", "SYS"
+    links = [
+        ["X", nv, sys_, sys_],
+        [nv, "X", sys_, sys_],
+        [sys_, sys_, "X", nv],
+        [sys_, sys_, nv, "X"],
+    ]
+    uuids = stack.inventory_node("sx-nv", ["NVIDIA A100-SXM4-40GB"] * 4, links)
+    k.create_pod("small", gpus=1, gpumem=1000, gpucores=10)
+    assert k.wait_bound("small") == "sx-nv"
+    (taken,) = gpus_of_container(allocation_of(k.read_pod("small")), "main")
+    k.create_pod("pair", gpus=2, gpumem=8000, gpucores=50)
+    assert k.wait_bound("pair") == "sx-nv"
+    got = sorted(g["index"] for g in gpus_of_container(allocation_of(k.read_pod("pair")), "main"))
+    assert got in ([0, 1], [2, 3]) and taken["index"] not in got, (got, taken, uuids)
+
+
+def over_commits(stack: Stack, pods: Sequence[kubernetes.client.V1Pod]) -> dict[str, Any]:
+    """Per node and GPU: slots, MiB and cores of every pod's annotation."""
+    used: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0, 0])
+    for pod in pods:
+        doc = allocation_of(pod)
+        assert doc["node"] == pod.spec.node_name
+        for c in doc["containers"]:
+            for g in c["gpus"]:
+                u = used[(doc["node"], g["uuid"])]
+                u[0] += 1
+                u[1] += g["memory_mib"]
+                u[2] += g["cores"]
+    total = {g.uuid: g.memory_mib for g in stack.sim_gpus}
+    return {
+        f"{n}/{u}": v for (n, u), v in used.items() if v[0] > 10 or v[1] > total[u] or v[2] > 100
+    }
+
+
+def test_fifty_pods_at_once_onto_five_nodes(stack: Stack) -> None:
+    """Exactly a full cluster: 5 nodes x 2 GPUs x 5 pods of 3000 MiB and 20 %.
+    Every pod is placed, no GPU is over-committed, and every container gets
+    its own pod's limits through the plugin (the workload of one pod per
+    node is run and sees its 3000 MiB)."""
+    k = stack.k8s
+    nodes = [stack.plugin_node(f"sx-f{i}") for i in range(5)]
+    names = [f"p{i:02d}" for i in range(50)]
+    start = time.monotonic()
+    with futures_pool() as pool:
+        list(pool.map(lambda n: k.create_pod(n, gpus=1, gpumem=3000, gpucores=20), names))
+    bound = {n: k.wait_bound(n, timeout=120) for n in names}
+    elapsed = time.monotonic() - start
+    pods = [k.read_pod(n) for n in names]
+    assert over_commits(stack, pods) == {}
+    assert sorted(list(bound.values()).count(f"sx-f{i}") for i in range(5)) == [10] * 5
+    by_node = {n.name: n for n in nodes}
+    ran: set[str] = set()
+    for pod in pods:
+        node = by_node[pod.spec.node_name]
+        _, resps = node.admit(pod)
+        doc = allocation_of(pod)
+        (g,) = gpus_of_container(doc, "main")
+        limits = Path(limits_dir(resps["main"])) / "limits.env"
+        text = limits.read_text()
+        assert f"pod {pod.metadata.namespace}/{pod.metadata.name}," in text
+        assert "CUDA_DEVICE_MEMORY_LIMIT=3000m\nCUDA_DEVICE_SM_LIMIT=20\n" in text
+        if node.name not in ran:
+            ran.add(node.name)
+            assert node.probe(resps["main"]) == {"init": 0, "uuids": [g["uuid"]], "mib": [3000]}
+    k.create_pod("one-too-many", gpus=1, gpumem=3000, gpucores=20)
+    message = k.wait_unschedulable("one-too-many")
+    print(f"50 pods bound in {elapsed:.1f}s; the 51st: {message}")
+
+
+def limits_dir(resp: Any) -> str:
+    return next(m.host_path for m in resp.mounts if m.container_path == "/etc/gpuvisor")
+
+
+@contextlib.contextmanager
+def futures_pool() -> Iterator[Any]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        yield pool
+
+
+def test_an_extender_restart_in_the_middle(stack: Stack) -> None:
+    """Pods bound before a SIGKILL of the extender keep their GPUs: the new
+    one rebuilds its reservations from their annotations, so the pods
+    after the restart fill exactly what is left, and a deleted pod's share
+    is free again."""
+    k = stack.k8s
+    stack.inventory_node("sx-r1", ["NVIDIA A100-SXM4-40GB"])  # 40960 MiB
+    for i in range(5):
+        k.create_pod(f"before-{i}", gpus=1, gpumem=5000, gpucores=10)
+    for i in range(5):
+        k.wait_bound(f"before-{i}")
+    stack.extender.kill()
+    for i in range(4):
+        k.create_pod(f"after-{i}", gpus=1, gpumem=5000, gpucores=10)
+    time.sleep(1.0)  # kube-scheduler meets a dead extender meanwhile
+    stack.extender.start()
+    for i in range(3):
+        k.wait_bound(f"after-{i}", timeout=60)
+    # 8 x 5000 of 40960: the ninth does not fit
+    message = k.wait_unschedulable("after-3", timeout=60)
+    assert "8000 MiB free" in message or "MiB" in message, message
+    pods = [k.read_pod(f"before-{i}") for i in range(5)] + [
+        k.read_pod(f"after-{i}") for i in range(3)
+    ]
+    uuids = {gpus_of_container(allocation_of(p), "main")[0]["uuid"] for p in pods}
+    assert len(uuids) == 1
+    metrics = stack.extender.metrics()
+    assert 'GPUDeviceSharedNum{deviceidx="0",deviceuuid="GPU-sx-r1-0",nodeid="sx-r1",zone="vGPU"} 8.0' in metrics
+    # a finished pod's share is released: the waiting pod fits again
+    k.core.delete_namespaced_pod("before-0", k.namespace, grace_period_seconds=0)
+    assert k.wait_bound("after-3", timeout=60) == "sx-r1"
+
