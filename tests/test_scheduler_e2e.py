@@ -100,9 +100,9 @@ class Extender:
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 pytest.fail(f"gpuvisor scheduler exited: {self.log.read_text()[-3000:]}")
-            with contextlib.suppress(OSError):
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=2):
-                    return
+            url = f"http://127.0.0.1:{self.port}/healthz"
+            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2):
+                return
             time.sleep(0.1)
         pytest.fail(f"gpuvisor scheduler not ready: {self.log.read_text()[-3000:]}")
 
@@ -291,7 +291,8 @@ def test_a_single_pod_runs_with_its_quota(stack: Stack) -> None:
     assert k.wait_bound("train") == "sx-1"
     pod = k.read_pod("train")
     doc = allocation_of(pod)
-    assert doc["node"] == "sx-1" and doc["uid"] == pod.metadata.uid
+    assert doc["node"] == "sx-1"
+    assert doc["uid"] == pod.metadata.uid
     (g,) = gpus_of_container(doc, "main")
     assert (g["memory_mib"], g["cores"]) == (3000, 30)
     _, resps = node.admit(pod)
@@ -373,7 +374,8 @@ def test_a_two_gpu_pod_gets_an_nvlink_pair(stack: Stack) -> None:
     k.create_pod("pair", gpus=2, gpumem=8000, gpucores=50)
     assert k.wait_bound("pair") == "sx-nv"
     got = sorted(g["index"] for g in gpus_of_container(allocation_of(k.read_pod("pair")), "main"))
-    assert got in ([0, 1], [2, 3]) and taken["index"] not in got, (got, taken, uuids)
+    assert got in ([0, 1], [2, 3]), got
+    assert taken["index"] not in got, (got, taken, uuids)
 
 
 def over_commits(stack: Stack, pods: Sequence[kubernetes.client.V1Pod]) -> dict[str, Any]:
@@ -430,7 +432,7 @@ def test_fifty_pods_at_once_onto_five_nodes(stack: Stack) -> None:
 
 
 def limits_dir(resp: Any) -> str:
-    return next(m.host_path for m in resp.mounts if m.container_path == "/etc/gpuvisor")
+    return str(next(m.host_path for m in resp.mounts if m.container_path == "/etc/gpuvisor"))
 
 
 @contextlib.contextmanager
