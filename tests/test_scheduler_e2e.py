@@ -44,6 +44,7 @@ from tests.k8s_cluster import GPU, GPUCORES, GPUMEM, KubeTest, free_port, gpu_co
 from tests.kubelet_harness import Container, FakeKubelet, Pod, run
 from tests.test_deviceplugin import PROBE, StaticGpus
 
+GPUVISOR = [sys.executable, "-c", "from gpuvisor.supervisor.cli import main; main()"]
 EXTENDER_START = 60.0  # seconds: the Kubernetes client's import on a loaded machine
 
 LIST_GPUS = """
@@ -85,9 +86,7 @@ class Extender:
 
     def start(self) -> None:
         argv = [
-            sys.executable,
-            "-c",
-            "from gpuvisor.supervisor.cli import main; main()",
+            *GPUVISOR,
             "scheduler",
             "--host=127.0.0.1",
             f"--port={self.port}",
@@ -200,7 +199,16 @@ class Stack:
             KubePods(core),
             PodResourcesOwners(str(socks / "pr" / "kubelet.sock")),
         )
-        publisher = InventoryPublisher(name, self.sim_gpus, KubeNodes(core))
+        proc = subprocess.run(
+            [*GPUVISOR, "inventory", "--simulate", "--json", f"--node={name}"],
+            env=sim.env,
+            capture_output=True,
+            text=True,
+            check=False,
+            cwd=REPO_ROOT,
+        )
+        assert proc.returncode == 0, proc.stderr
+        publisher = InventoryPublisher(name, json.loads(proc.stdout), KubeNodes(core))
         runner = PluginRunner(
             service, socks / "dp", health_interval=0.2, watch_interval=0.05, publisher=publisher
         )

@@ -115,7 +115,7 @@ def device_plugin(
     from .gpus import NvmlGpus
     from .kube import KubePods
     from .owners import PodResourcesOwners
-    from .publish import InventoryPublisher, KubeNodes
+    from .publish import InventoryPublisher, KubeNodes, inventory_document
     from .runner import PluginRunner
     from .service import DevicePluginService, PluginConfig
 
@@ -146,7 +146,16 @@ def device_plugin(
                 "the node's name is needed to publish its inventory (or --no-publish-inventory)",
                 param_hint="--node-name",
             )
-        publisher = InventoryPublisher(node_name, gpus.gpus(), KubeNodes(pods.api))
+        try:
+            from gpuvisor.cluster.inventory import read_inventory
+
+            document = read_inventory(node_name)  # NVML is initialised (NvmlGpus)
+        except Exception as exc:
+            logging.getLogger("gpuvisor.device-plugin").warning(
+                "cannot read the full inventory (%s): publishing one without links or MIG", exc
+            )
+            document = inventory_document(node_name, gpus.gpus(), {})
+        publisher = InventoryPublisher(node_name, document, KubeNodes(pods.api))
     runner = PluginRunner(service, plugin_dir, endpoint, health_interval, publisher=publisher)
 
     def stop(signum: int, frame: FrameType | None) -> None:

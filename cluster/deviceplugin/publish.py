@@ -2,12 +2,12 @@
 the Node's `gpuvisor.io/node-inventory` annotation, holding the inventory
 document (docs/inventory.md) as JSON.
 
-The document is built from the plugin's GpuSource (index, UUID, model,
-memory, NUMA node, health).  MIG state and the link matrix are not read by
-the plugin yet (the NVML inventory reader of gpuvisor.cluster provides
-them once it lands), so `mig` is null and `links` is left out (readers take
-SYS between every pair).  The plugin publishes at start and whenever a
-GPU's health changes; the extender watches Nodes."""
+The document is gpuvisor.cluster's NVML inventory (read at start: links,
+MIG state), with the GPUs the plugin finds unhealthy marked so.  When that
+reader fails, `inventory_document` builds one from the plugin's GpuSource
+(no links: readers take SYS between every pair; `mig` null).  The plugin
+publishes at start and whenever a GPU's health changes; the extender
+watches Nodes."""
 
 from __future__ import annotations
 
@@ -66,24 +66,31 @@ class KubeNodes:
 
 
 class InventoryPublisher:
-    """Writes the node's inventory annotation when it differs from the last one written."""
+    """Writes the node's inventory annotation when it differs from the last one written.
 
-    def __init__(self, node: str, gpus: Sequence[Gpu], nodes: NodeAnnotator) -> None:
+    `document` is the node's inventory as read at start (gpuvisor.cluster's
+    NVML reader, with links and MIG state; or `inventory_document` when that
+    reader fails); each publish marks the GPUs unhealthy now."""
+
+    def __init__(self, node: str, document: Mapping[str, Any], nodes: NodeAnnotator) -> None:
         if not node:
             raise ValueError("the node's name is needed to publish its inventory (--node-name)")
         self.node = node
-        self.gpus = list(gpus)
+        self.document = json.loads(json.dumps(document))  # a private copy
+        self.document["node"] = node
         self.nodes = nodes
         self.published: str | None = None
 
     def publish(self, unhealthy: Mapping[str, str]) -> bool:
         """Publish if changed; True when written.  Errors propagate (retried next poll)."""
-        text = json.dumps(
-            inventory_document(self.node, self.gpus, unhealthy), separators=(",", ":")
-        )
+        doc = json.loads(json.dumps(self.document))
+        for gpu in doc.get("gpus", []):
+            if gpu.get("uuid") in unhealthy:
+                gpu["healthy"] = False
+        text = json.dumps(doc, separators=(",", ":"))
         if text == self.published:
             return False
         self.nodes.annotate(self.node, NODE_INVENTORY, text)
         self.published = text
-        log.info("published the inventory of node %s (%d GPUs)", self.node, len(self.gpus))
+        log.info("published the inventory of node %s (%d GPUs)", self.node, len(doc["gpus"]))
         return True
