@@ -650,3 +650,22 @@ def test_mig_keeps_the_slices_of_an_instance_without_a_mig_device():
     doc["nodes"]["m"]["gpus"][0]["mig"]["instances"][0]["uuid"] = None
     a = Allocator.from_cluster(doc)
     assert place(a, "x", ctr(gpu=1, gpumem=9000), annotations=MIG).node is None
+
+
+def test_quantities_in_the_api_servers_canonical_form() -> None:
+    """The API server stores `gpumem: 3000` as `3k` (kube-scheduler sends
+    that to the extender): read as 3000; binary suffixes and fractions refused."""
+    from gpuvisor.cluster.request import pod_request
+
+    def pod(gpumem: str) -> dict[str, Any]:
+        limits = {"nvidia.com/gpu": "1", "nvidia.com/gpumem": gpumem, "nvidia.com/gpucores": "30"}
+        return {
+            "metadata": {"name": "p"},
+            "spec": {"containers": [{"name": "main", "resources": {"limits": limits}}]},
+        }
+
+    c = pod_request(pod("3k")).containers[0]
+    assert (c.memory_mib, c.cores) == (3000, 30)
+    for bad in ("3Ki", "1500m"):
+        with pytest.raises(DocumentError, match=rf"gpumem\]: expected a whole number, got '{bad}'"):
+            pod_request(pod(bad))
