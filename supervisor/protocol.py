@@ -245,12 +245,23 @@ def _bool(value: Any, name: str) -> bool:
     return value
 
 
+_BOM = b"\xef\xbb\xbf"
+
+
+def _no_constant(name: str) -> Any:
+    """json.loads's hook for NaN, Infinity and -Infinity, which JSON lacks."""
+    raise ProtocolError(f"not JSON: {name} is not a JSON value")
+
+
 def decode(line: bytes) -> dict[str, Any]:
     """Parse one line; checks size, JSON, object-ness, version and type."""
     if len(line) > MAX_MESSAGE_BYTES:
         raise ProtocolError(f"message of {len(line)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    if line.startswith(_BOM):
+        # json.loads would take the bytes as UTF-8-SIG; a report is plain UTF-8.
+        raise ProtocolError("not JSON: a UTF-8 byte-order mark before the message")
     try:
-        obj = json.loads(line)
+        obj = json.loads(line, parse_constant=_no_constant)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"not JSON: {exc}") from None
     except RecursionError:

@@ -985,3 +985,19 @@ def test_pages_are_read_on_the_event_loop_while_set_limit_runs(sock_path, monkey
     finally:
         loop.call_soon_threadsafe(lambda: agent.stopping and agent.stopping.set())
         runner.join(10)
+
+
+def test_nan_and_infinity_are_malformed_not_a_version():
+    """JSON has no NaN: a message holding one (in `v` or anywhere) is not
+    JSON, so refused as malformed, never as another version."""
+    for text in (b'{"v":NaN,"type":"report"}', b'{"v":1,"type":"report","ts":-Infinity}'):
+        with pytest.raises(ProtocolError, match=r"^not JSON: ") as info:
+            decode(text)
+        assert connection_module._classify(info.value) == "malformed"
+
+
+def test_a_byte_order_mark_before_a_report_is_refused():
+    line = b'{"v":1,"type":"report"}'
+    assert decode(line)["v"] == 1
+    with pytest.raises(ProtocolError, match=r"^not JSON: a UTF-8 byte-order mark"):
+        decode(b"\xef\xbb\xbf" + line)
