@@ -1001,3 +1001,22 @@ def test_a_byte_order_mark_before_a_report_is_refused():
     assert decode(line)["v"] == 1
     with pytest.raises(ProtocolError, match=r"^not JSON: a UTF-8 byte-order mark"):
         decode(b"\xef\xbb\xbf" + line)
+
+
+def test_an_admin_socket_directory_linked_into_the_socket_directory_names_admin_socket(sock_path):
+    """The admin socket's directory is a symlink to the reporting socket's
+    (mounted into every workload): refused, and the option named is the
+    one given, --admin-socket (the default state file beside it followed
+    the link too, and --state-file was blamed)."""
+    base = os.path.dirname(os.path.dirname(sock_path))
+    os.makedirs(os.path.dirname(sock_path))
+    link = os.path.join(base, "adm")
+    os.symlink(os.path.dirname(sock_path), link)
+    proc = _agent_cli(
+        sock_path, "--metrics-port", "0", "--admin-socket", os.path.join(link, "admin.sock")
+    )
+    assert proc.returncode == 2, proc.stderr
+    line = _error_line(proc.stderr)
+    assert "--admin-socket" in line, line
+    assert "--state-file" not in line, line
+    assert not Path(sock_path).exists()

@@ -47,6 +47,12 @@ def admin_socket_problem(socket_path: str, admin_path: str) -> str | None:
     directory or lie below it, since that one is mounted into workloads."""
     shared = os.path.dirname(os.path.abspath(socket_path))
     admin_dir = os.path.dirname(os.path.abspath(admin_path))
+    # Resolved too, so that a directory linked into the socket's is seen for
+    # what it is (before the state file beside it, which would be blamed).
+    real_shared = os.path.realpath(shared).rstrip("/")
+    real_admin = os.path.realpath(admin_dir)
+    if real_admin == real_shared or real_admin.startswith(real_shared + "/"):
+        return f"{admin_path}: must not be in {shared}, the reporting socket's directory"
     if admin_dir == shared or admin_dir.startswith(shared.rstrip("/") + "/"):
         return f"{admin_path}: must not be in {shared}, the reporting socket's directory"
     return None

@@ -185,7 +185,11 @@ class Agent:
         start, before anything is served).  StateFileError (a RuntimeError):
         the file cannot be read or used; the agent does not start."""
         path = self.config.state_file_path
-        problem = state_file_problem(self.config.socket_path, path, self.config.admin_socket_path)
+        admin = self.config.admin_socket_path
+        problem = admin_socket_problem(self.config.socket_path, admin)
+        if problem is not None:  # the default state file lies beside it: blame the cause
+            raise RuntimeError(f"--admin-socket {problem}")
+        problem = state_file_problem(self.config.socket_path, path, admin)
         if problem is not None:
             raise RuntimeError(f"--state-file {problem}")
         entries = read_state(path)
