@@ -226,6 +226,17 @@ def _str(value: Any, name: str, maxlen: int = 1024, optional: bool = False) -> s
     return value
 
 
+def _name(value: Any, name: str) -> str | None:
+    """A pod, namespace or container name: at most 253 printable characters.
+    Control characters, line and paragraph separators and bidi overrides
+    (no Kubernetes name holds one) would reach /metrics as label values,
+    which line-based tools split or a terminal obeys."""
+    text = _str(value, name, 253, optional=True)
+    if text is not None and not text.isprintable():
+        raise ProtocolError(f"{name}={text!r}: holds characters that are not printable")
+    return text
+
+
 def is_uuid(value: Any) -> bool:
     """Is value a device UUID in NVML's form (UUID_FORM, lowercase hex)?"""
     return isinstance(value, str) and _UUID_RE.fullmatch(value) is not None
@@ -286,9 +297,9 @@ def parse_report(obj: dict[str, Any]) -> Report:
         raise ProtocolError(f"container={c!r}: expected an object")
     container = ContainerId(
         cgroup=str(_str(_get(c, "cgroup", "container."), "container.cgroup", 4096)),
-        pod=_str(c.get("pod"), "container.pod", 253, optional=True),
-        namespace=_str(c.get("namespace"), "container.namespace", 253, optional=True),
-        container=_str(c.get("container"), "container.container", 253, optional=True),
+        pod=_name(c.get("pod"), "container.pod"),
+        namespace=_name(c.get("namespace"), "container.namespace"),
+        container=_name(c.get("container"), "container.container"),
     )
     policy = _str(_get(obj, "policy", ""), "policy", 32)
     if policy is None or policy not in POLICIES:

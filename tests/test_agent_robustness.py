@@ -1020,3 +1020,45 @@ def test_an_admin_socket_directory_linked_into_the_socket_directory_names_admin_
     assert "--admin-socket" in line, line
     assert "--state-file" not in line, line
     assert not Path(sock_path).exists()
+
+
+@pytest.mark.parametrize("char", ["\r", "\x00", "\x1b", "\u2028", "\n", "\u202e"])
+def test_control_characters_in_labels_are_refused_and_never_reach_metrics(sock_path, char):
+    """A pod, namespace or container name with a character that is not
+    printable (line-based tools split /metrics on \\r or U+2028) is refused
+    naming the field; none reaches /metrics."""
+    with AgentProc(sock_path) as agent:
+        c = Client(sock_path)
+        good = c.report_msg()
+        for field in ("pod", "namespace", "container"):
+            bad = {**good, "container": {**good["container"], field: f"x{char}y"}}
+            c.send(json.dumps(bad).encode() + b"\n")
+            r = c.recv()
+            assert r is not None and r["type"] == "error", r
+            assert r["error"].startswith(f"container.{field}="), r
+            assert "printable" in r["error"], r
+        assert _rejected(agent)["field"] == 3
+        with urllib.request.urlopen(f"{agent.url}/metrics", timeout=10) as resp:
+            body = resp.read().decode()
+        assert "x" + char not in body
+        if char != "\n":
+            assert char not in body
+        c.close()
+
+
+def test_a_cgroup_named_container_has_its_unprintable_characters_escaped_in_metrics():
+    """A container named by its (verified) cgroup, whose path holds a
+    character that is not printable: /metrics shows it escaped."""
+    from gpuvisor.supervisor.agent.metrics import AgentCollector, HostGpus, render
+
+    state = AgentState(AgentConfig())
+    cid = ContainerId(cgroup="/kubepods/a\rb\u2028c")
+    state.accept_report(replace(_report(None), container=cid), PeerCred(1, 0, 0), time.monotonic())
+    gpus = HostGpus(None, "n")
+    try:
+        body, _ = render(AgentCollector(state, gpus, legacy=False, node="n"), None)
+    finally:
+        gpus.close()
+    text = body.decode()
+    assert "\r" not in text and "\u2028" not in text
+    assert 'ctrname="/kubepods/a\\\\rb\\\\u2028c"' in text

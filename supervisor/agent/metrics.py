@@ -21,6 +21,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
 
+from gpuvisor.shim.cli import shown
+
 if TYPE_CHECKING:
     from .state import AgentState
 
@@ -352,7 +354,9 @@ class AgentCollector(Collector):
         for st in list(state.containers.values()):
             r = st.report
             cid = st.id
-            ns, pod, ctr = cid.labels
+            # A cgroup path (a container named by it) may hold characters
+            # that are not printable: escaped, as `gpuvisor top` shows them.
+            ns, pod, ctr = (shown(x) for x in cid.labels)
             base = [ns, pod, ctr]
             procs.add_metric(base, float(len(r.pids)))
             prio.add_metric(base, float(r.priority))
