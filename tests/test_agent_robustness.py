@@ -1062,3 +1062,40 @@ def test_a_cgroup_named_container_has_its_unprintable_characters_escaped_in_metr
     text = body.decode()
     assert "\r" not in text and "\u2028" not in text
     assert 'ctrname="/kubepods/a\\\\rb\\\\u2028c"' in text
+
+
+def test_blank_lines_count_against_the_peers_own_budget(sock_path):
+    """A flood of blank lines is not free: each takes one of the peer's
+    messages (--rate/--burst), past them each counts as a bad message, and
+    --max-errors of them in a row disconnect the peer.  Its neighbours are
+    served meanwhile."""
+    with AgentProc(sock_path, "--rate", "10", "--burst", "20") as agent:
+        flooder = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        flooder.connect(sock_path)
+        flooder.settimeout(10)
+        with contextlib.suppress(OSError):
+            flooder.sendall(b"\n" * 5000)
+        # Closed: a read ends (EOF or reset) instead of waiting for more.
+        with contextlib.suppress(ConnectionResetError):
+            while flooder.recv(65536):
+                pass
+        flooder.close()
+        assert find(agent.metrics(), "gpuvisor_agent_disconnects_total", reason="errors") == [1.0]
+        assert Client(sock_path).report()["type"] == "ack"
+
+
+def test_blank_lines_do_not_keep_an_idle_peer_connected(sock_path):
+    with AgentProc(sock_path, "--idle-timeout", "1") as agent:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(sock_path)
+        deadline = time.monotonic() + 6
+        closed = False
+        while time.monotonic() < deadline and not closed:
+            try:
+                s.sendall(b"\n")
+            except OSError:
+                closed = True
+            time.sleep(0.2)
+        s.close()
+        assert closed
+        assert find(agent.metrics(), "gpuvisor_agent_disconnects_total", reason="idle") == [1.0]

@@ -154,7 +154,6 @@ class Connection(asyncio.Protocol):
         if self.closing:
             return
         now = time.monotonic()
-        self.last_activity = now
         continuing = bool(self.buf)
         self.buf = self.buf + data if self.buf else data
         self._serve(now, continuing)
@@ -180,16 +179,28 @@ class Connection(asyncio.Protocol):
                 return
             line = data[start:nl]
             start = nl + 1
-            if line.strip():
-                reply = self.handle_safely(line, now)
-                out.append(reply)
-                size += len(reply)
-                if 0 < self.agent.config.max_errors <= self.errors_in_a_row:
-                    self._too_many_errors(out)
-                    return
-                if size >= REPLY_FLUSH:
-                    self._write(out)  # may call pause_writing
-                    out, size = [], 0
+            if not line.strip():
+                # Blank: no reply, but not free either (a flood of them
+                # slowed the agent for everyone): it takes one of the peer's
+                # messages, and past its rate it is a bad message in a row.
+                # It does not keep an idle peer connected.
+                if not self._take_token(now):
+                    self.state.rejected["rate"] += 1
+                    self.errors_in_a_row += 1
+                    if 0 < self.agent.config.max_errors <= self.errors_in_a_row:
+                        self._too_many_errors(out)
+                        return
+                continue
+            self.last_activity = now
+            reply = self.handle_safely(line, now)
+            out.append(reply)
+            size += len(reply)
+            if 0 < self.agent.config.max_errors <= self.errors_in_a_row:
+                self._too_many_errors(out)
+                return
+            if size >= REPLY_FLUSH:
+                self._write(out)  # may call pause_writing
+                out, size = [], 0
         self._write(out)
         rest = data[start:] if start else data
         if self.closing or not rest:
