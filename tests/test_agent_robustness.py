@@ -1099,3 +1099,50 @@ def test_blank_lines_do_not_keep_an_idle_peer_connected(sock_path):
         s.close()
         assert closed
         assert find(agent.metrics(), "gpuvisor_agent_disconnects_total", reason="idle") == [1.0]
+
+
+class _SockTransport(_Transport, asyncio.Transport):
+    """A transport for connection_made: its peer is set by the test."""
+
+    def get_extra_info(self, name: str) -> object:
+        return None
+
+    def set_write_buffer_limits(self, high: int, low: int) -> None:
+        pass
+
+
+def test_one_cgroup_holding_connections_locks_only_itself_out(sock_path, monkeypatch):
+    """--max-connections-per-cgroup: a greedy container's processes get
+    'too many connections' past their cgroup's share; a process of another
+    cgroup still connects (the global pool used to be one container's)."""
+    peers = {101: frozenset({"/kubepods/greedy"}), 202: frozenset({"/kubepods/other"})}
+    monkeypatch.setattr(connection_module, "peer_cred", lambda sock: PeerCred(next_pid[0], 0, 0))
+    monkeypatch.setattr(connection_module, "peer_cgroups", lambda pid: peers[pid])
+    next_pid = [101]
+    agent = Agent(AgentConfig(socket_path=sock_path, max_connections_per_cgroup=8))
+    try:
+
+        def connect(pid: int) -> tuple[Connection, _SockTransport]:
+            next_pid[0] = pid
+            conn, t = Connection(agent), _SockTransport()
+            conn.connection_made(t)  # type: ignore[arg-type]
+            return conn, t
+
+        greedy = [connect(101) for _ in range(8)]
+        assert not any(t.closed for _, t in greedy)
+        conn, t = connect(101)
+        assert t.closed
+        assert json.loads(t.written)["error"] == (
+            "too many connections from cgroup ['/kubepods/greedy']: "
+            "at most 8 (--max-connections-per-cgroup)"
+        )
+        other, ot = connect(202)
+        assert not ot.closed
+        assert len(agent.conns) == 9
+        assert agent.state.disconnects["too-many"] == 1
+        # One of the greedy ones closes: its cgroup may connect once more.
+        greedy[0][0].connection_lost(None)
+        _, t = connect(101)
+        assert not t.closed
+    finally:
+        agent.gpus.close()

@@ -129,6 +129,14 @@ ADMIN_SOCKET_DEFAULT = "$GPUVISOR_ADMIN_SOCKET, else admin.sock in '<socket's di
     help="Most connections served at once; more get an error and are closed.",
 )
 @click.option(
+    "--max-connections-per-cgroup",
+    default=64,
+    show_default=True,
+    type=click.IntRange(min=1),
+    help="Most connections served at once from the processes of one cgroup (a "
+    "container); more from it get an error and are closed, others are not affected.",
+)
+@click.option(
     "--max-errors",
     default=10,
     show_default=True,
@@ -211,6 +219,7 @@ def node_agent(
     rate: float,
     burst: float,
     max_connections: int,
+    max_connections_per_cgroup: int,
     max_errors: int,
     max_containers_per_cgroup: int,
     max_expire: float,
@@ -264,6 +273,7 @@ def node_agent(
         rate=rate,
         burst=burst,
         max_connections=max_connections,
+        max_connections_per_cgroup=max_connections_per_cgroup,
         max_errors=max_errors,
         max_per_cgroup=max_containers_per_cgroup,
         max_expire=max_expire,

@@ -123,6 +123,9 @@ class AgentConfig:
     rate: float = 50.0  # messages/s per connection (0: unlimited)
     burst: float = 100.0
     max_connections: int = 4096
+    # Connections one peer cgroup may hold at once (a greedy container locks
+    # only itself out; the rest of max_connections stays for the others)
+    max_connections_per_cgroup: int = 64
     active_threshold: float = 1.0  # sm_share percent above which a container is active
     active_window: float = 3.0  # seconds an active report keeps a device "busy"
     legacy_metrics: bool = False

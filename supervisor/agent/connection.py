@@ -112,15 +112,35 @@ class Connection(asyncio.Protocol):
             transport.close()
             self.closing = True
             return
-        agent.conns_of(self.admin).add(self)
-        self.state.connections = len(agent.conns)
-        self.state.connections_total += 1
         sock = transport.get_extra_info("socket")
         try:
             self.cred = peer_cred(sock)
             self.cgroups = peer_cgroups(self.cred.pid)
         except OSError as exc:
             log.info("peer credentials unavailable: %s", exc)
+        if not self.admin:
+            # A share per peer cgroup (its process's, as the agent reads it:
+            # a container cannot choose it), so that one container holding
+            # connections open locks only itself out.
+            share = agent.config.max_connections_per_cgroup
+            held = sum(1 for c in agent.conns if c.cgroups == self.cgroups)
+            if held >= share:
+                self.state.disconnects["too-many"] += 1
+                transport.write(
+                    encode(
+                        error_message(
+                            None,
+                            f"too many connections from cgroup {sorted(self.cgroups)!r}: "
+                            f"at most {share} (--max-connections-per-cgroup)",
+                        )
+                    )
+                )
+                transport.close()
+                self.closing = True
+                return
+        agent.conns_of(self.admin).add(self)
+        self.state.connections = len(agent.conns)
+        self.state.connections_total += 1
         transport.set_write_buffer_limits(high=WRITE_HIGH, low=WRITE_LOW)
 
     def connection_lost(self, exc: Exception | None) -> None:

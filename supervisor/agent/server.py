@@ -18,7 +18,8 @@ Defences against bad clients, all with bounded memory:
   byte (however it trickles in), or a reader that leaves our replies
   unread that long: disconnect;
 - a connection silent for --idle-timeout seconds: disconnect;
-- at most --max-connections connections: more are told so and closed;
+- at most --max-connections connections, and --max-connections-per-cgroup
+  from the processes of one cgroup: more are told so and closed;
 - device UUIDs are taken in NVML's form only, at most MAX_DEVICES distinct
   ones per container while the agent knows it (so reports cannot churn
   metric series);
