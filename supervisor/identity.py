@@ -90,6 +90,27 @@ def peer_cgroups(pid: int) -> frozenset[str]:
         return accepted_cgroups(f.read())
 
 
+# Where the agent looks for a cgroup's directory: the v2 (or hybrid)
+# mount, and the v1 hierarchies identity's rule reads a path from.
+CGROUP_ROOTS = (
+    "/sys/fs/cgroup",
+    "/sys/fs/cgroup/unified",
+    "/sys/fs/cgroup/memory",
+    "/sys/fs/cgroup/cpu,cpuacct",
+    "/sys/fs/cgroup/cpu",
+)
+
+
+def cgroup_exists(path: str) -> bool:
+    """Does the cgroup at path (as peer_cgroups reads it) still exist on the
+    node: its directory under one of CGROUP_ROOTS.  A pod's cgroup exists
+    for the pod's whole life, its containers' restarts included."""
+    rel = path.strip("/")
+    if not rel:
+        return True
+    return any(os.path.isdir(os.path.join(root, rel)) for root in CGROUP_ROOTS)
+
+
 def claim_matches(claimed: str, accepted: frozenset[str]) -> str | None:
     """The accepted path a supervisor's claimed cgroup stands for, or None.
 

@@ -1146,3 +1146,54 @@ def test_one_cgroup_holding_connections_locks_only_itself_out(sock_path, monkeyp
         assert not t.closed
     finally:
         agent.gpus.close()
+
+
+def test_another_pods_container_never_takes_a_live_pods_labels(sock_path, monkeypatch):
+    """Labels are bound to the pod's cgroup (the scope of the first cgroup
+    that reported them): while it exists, a container of another pod gets
+    `conflict`, also while the owner's reporter is gone (a container
+    restart), and the owner's restarted container takes its labels back.
+    Once the pod's cgroup is gone, the name is free."""
+    live = {
+        101: frozenset({"/kubepods/podA/c1"}),
+        202: frozenset({"/kubepods/podB/c9"}),
+        303: frozenset({"/kubepods/podA/c2"}),
+    }
+    pods = {"/kubepods/podA", "/kubepods/podB"}
+
+    def cgroups_of(pid: int) -> frozenset[str]:
+        if pid not in live:
+            raise FileNotFoundError(pid)
+        return live[pid]
+
+    monkeypatch.setattr(connection_module, "peer_cgroups", cgroups_of)
+    monkeypatch.setattr(
+        connection_module, "cgroup_exists", lambda path: path in pods, raising=False
+    )
+    agent = Agent(AgentConfig(socket_path=sock_path))
+    try:
+
+        def send(pid: int) -> dict[str, Any]:
+            conn, t = Connection(agent), _Transport()
+            conn.transport = t  # type: ignore[assignment]
+            conn.cred = PeerCred(pid, 0, 0)
+            conn.cgroups = cgroups_of(pid)
+            (cgroup,) = conn.cgroups
+            cid = ContainerId(cgroup=cgroup, pod="pod-v", namespace="ns", container="main")
+            conn.data_received(encode(report_message(replace(_report(None), container=cid))))
+            reply: dict[str, Any] = json.loads(t.written)
+            return reply
+
+        assert send(101)["type"] == "ack"
+        del live[101]  # the owner's container restarts: its reporter is gone a while
+        err = send(202)
+        assert err["type"] == "error", err
+        assert "is reported by another live cgroup" in err["error"]
+        assert send(303)["type"] == "ack"  # the restarted container of the same pod
+        assert list(agent.state.containers) == ["/kubepods/podA/c2|ns|pod-v|main"]
+        del live[303]
+        pods.discard("/kubepods/podA")  # the pod is deleted: its name is free
+        assert send(202)["type"] == "ack"
+        assert list(agent.state.containers) == ["/kubepods/podB/c9|ns|pod-v|main"]
+    finally:
+        agent.gpus.close()

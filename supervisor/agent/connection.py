@@ -16,7 +16,14 @@ import time
 from dataclasses import replace
 from typing import Any, Protocol
 
-from ..identity import PeerCred, claim_matches, is_admin, peer_cgroups, peer_cred
+from ..identity import (
+    PeerCred,
+    cgroup_exists,
+    claim_matches,
+    is_admin,
+    peer_cgroups,
+    peer_cred,
+)
 from ..protocol import (
     MAX_MESSAGE_BYTES,
     OWN_LIMIT,
@@ -31,6 +38,7 @@ from ..protocol import (
     parse_report,
 )
 from .config import AgentConfig
+from .records import cgroup_scope
 from .state import AgentState
 
 
@@ -57,6 +65,10 @@ log = logging.getLogger("gpuvisor.agent")
 WRITE_HIGH = 256 * 1024
 WRITE_LOW = 64 * 1024
 REPLY_FLUSH = 16 * 1024
+
+# Label bindings (AgentState.label_scopes) kept at most; those of pods that
+# are gone are dropped when it is reached.
+MAX_LABEL_SCOPES = 65536
 
 
 def _classify(exc: ProtocolError) -> str:
@@ -367,6 +379,8 @@ class Connection(asyncio.Protocol):
         holds them, or the one that does has no live reporter left (its
         last peer is gone or has left it: a restarted container takes its
         labels over at once), or cid gives no labels (its cgroup names it)."""
+        if not cid.named_by_cgroup and not self._scope_may_hold(cid):
+            return False
         holder = self.state.label_holder(cid)
         if holder is None:
             return True
@@ -384,6 +398,28 @@ class Connection(asyncio.Protocol):
         # A restarted container (a new cgroup): it takes its predecessor's
         # administrator's limits too, when it is of the same pod.
         self.state.remove(holder.id.key, park=time.monotonic())
+        return True
+
+    def _scope_may_hold(self, cid: ContainerId) -> bool:
+        """Labels are bound to the scope (the pod's cgroup) of the first
+        verified cgroup that reported them, for as long as that cgroup
+        exists: a container of another pod never takes them, not even
+        while the owner's reporter is gone (every container restart)."""
+        scopes = self.state.label_scopes
+        scope = cgroup_scope(cid.cgroup)
+        bound = scopes.get(cid.labels)
+        if bound is not None and bound != scope:
+            if cgroup_exists(bound):
+                return False
+            del scopes[cid.labels]  # that pod is gone: the name is free again
+        if bound != scope:
+            if len(scopes) >= MAX_LABEL_SCOPES:
+                for labels, other in list(scopes.items()):
+                    if not cgroup_exists(other):
+                        del scopes[labels]
+            if len(scopes) >= MAX_LABEL_SCOPES:
+                return False  # fail closed: more pods than a node runs
+            scopes[cid.labels] = scope
         return True
 
     def _set_limit(self, msg: dict[str, Any], seq: int | None) -> bytes:

@@ -76,6 +76,10 @@ class AgentState(DeviceShares):
         self.by_cgroup: dict[str, dict[str, None]] = {}
         # (namespace, pod, container) -> the key of the container holding them
         self.by_labels: dict[tuple[str, str, str], str] = {}
+        # labels -> the scope (pod cgroup, records.cgroup_scope) of the first
+        # verified cgroup that reported them: no cgroup of another scope may
+        # take them while that one exists (connection._labels_free)
+        self.label_scopes: dict[tuple[str, str, str], str] = {}
         self.replaced_total = 0
         self.reports_total = 0
         self.rejected: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
