@@ -1197,3 +1197,36 @@ def test_another_pods_container_never_takes_a_live_pods_labels(sock_path, monkey
         assert list(agent.state.containers) == ["/kubepods/podB/c9|ns|pod-v|main"]
     finally:
         agent.gpus.close()
+
+
+@pytest.mark.parametrize(
+    ("client", "public", "served"),
+    [
+        (("127.0.0.1", 5000), False, True),
+        (("::1", 5000, 0, 0), False, True),
+        (("10.1.2.3", 5000), False, False),
+        (("::ffff:10.1.2.3", 5000, 0, 0), False, False),
+        (("10.1.2.3", 5000), True, True),
+    ],
+)
+def test_status_is_served_beyond_the_node_only_when_asked(client, public, served):
+    """/status hands out every container's labels, cgroups, PIDs and uids:
+    by default only to loopback clients (404 to others, as for a page that
+    does not exist); --status-public serves it to any client.  /metrics
+    and /healthz are served to all."""
+    from gpuvisor.supervisor.agent.http import HttpHandler
+
+    class Pages:
+        def metrics_payload(self, accept: str | None) -> tuple[bytes, str]:
+            return b"m\n", "text/plain"
+
+        def status_payload(self) -> bytes:
+            return b"{}"
+
+    handler = type("H", (HttpHandler,), {"agent": Pages(), "status_public": public})
+    h = object.__new__(handler)
+    h.client_address = client
+    h.headers = {}  # type: ignore[assignment]
+    assert (h._page("/status") is not None) is served
+    assert h._page("/metrics") == (b"m\n", "text/plain")
+    assert h._page("/healthz") is not None

@@ -991,3 +991,28 @@ def test_kubectl_recipes_name_the_agents_daemonset():
     )
     assert f'kubectl -n {ns} port-forward "pod/$POD" {port}:{port}' in text
     assert f"curl -s http://127.0.0.1:{port}/status" in text
+def test_the_network_policy_admits_only_the_monitoring_namespace_to_the_agents_port():
+    (policy,) = yaml.safe_load_all((DEPLOY / "node-agent-networkpolicy.yaml").read_text())
+    daemonset = next(
+        d
+        for d in yaml.safe_load_all((DEPLOY / "node-agent-daemonset.yaml").read_text())
+        if d and d["kind"] == "DaemonSet"
+    )
+    assert policy["kind"] == "NetworkPolicy"
+    assert policy["metadata"]["namespace"] == daemonset["metadata"]["namespace"]
+    pod_labels = daemonset["spec"]["template"]["metadata"]["labels"]
+    selector = policy["spec"]["podSelector"]["matchLabels"]
+    assert selector.items() <= pod_labels.items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    assert rule["from"] == [
+        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    ]
+    ports = {
+        p["name"] for c in daemonset["spec"]["template"]["spec"]["containers"] for p in c["ports"]
+    }
+    assert [p["port"] for p in rule["ports"]] == ["metrics"]
+    assert "metrics" in ports
+    # The agent does not hand /status to the pod network.
+    args = daemonset["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--status-public" not in args

@@ -137,6 +137,12 @@ ADMIN_SOCKET_DEFAULT = "$GPUVISOR_ADMIN_SOCKET, else admin.sock in '<socket's di
     "container); more from it get an error and are closed, others are not affected.",
 )
 @click.option(
+    "--status-public",
+    is_flag=True,
+    help="Serve /status (every container's labels, cgroups, PIDs and uids) to clients "
+    "beyond the node too; by default only to loopback clients (gpuvisor top on the node).",
+)
+@click.option(
     "--max-errors",
     default=10,
     show_default=True,
@@ -220,6 +226,7 @@ def node_agent(
     burst: float,
     max_connections: int,
     max_connections_per_cgroup: int,
+    status_public: bool,
     max_errors: int,
     max_containers_per_cgroup: int,
     max_expire: float,
@@ -274,6 +281,7 @@ def node_agent(
         burst=burst,
         max_connections=max_connections,
         max_connections_per_cgroup=max_connections_per_cgroup,
+        status_public=status_public,
         max_errors=max_errors,
         max_per_cgroup=max_containers_per_cgroup,
         max_expire=max_expire,

@@ -129,6 +129,7 @@ class AgentConfig:
     active_threshold: float = 1.0  # sm_share percent above which a container is active
     active_window: float = 3.0  # seconds an active report keeps a device "busy"
     legacy_metrics: bool = False
+    status_public: bool = False  # /status to clients beyond the node (default: loopback only)
     node_name: str = ""  # the host series' node label ("": the host name)
     cpu: int | None = None  # pin the agent to this CPU
     # Containers (label sets) one verified cgroup may hold; a new one

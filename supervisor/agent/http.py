@@ -6,6 +6,7 @@ its own, each client cut off --http-timeout seconds after it connected.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import socket
 import threading
@@ -29,6 +30,9 @@ class HttpHandler(BaseHTTPRequestHandler):
     # Seconds a client may stall a read or write (StreamRequestHandler sets
     # it on the socket); the subclass made per agent sets --http-timeout.
     timeout = 10.0
+    # /status to clients beyond the node too (--status-public); by default to
+    # loopback clients only (gpuvisor top on the node)
+    status_public = False
 
     def do_GET(self) -> None:
         self._answer(with_body=True)
@@ -62,6 +66,8 @@ class HttpHandler(BaseHTTPRequestHandler):
         if path == "/metrics":
             body, ctype = self.agent.metrics_payload(self.headers.get("Accept"))
         elif path == "/status":
+            if not (self.status_public or _is_local(self.client_address)):
+                return None  # every container's labels, cgroups, PIDs, uids: the node's only
             body, ctype = self.agent.status_payload(), "application/json"
         elif path == "/healthz":
             body, ctype = b"ok\n", "text/plain"
@@ -107,6 +113,14 @@ class HttpServer(ThreadingHTTPServer):
         # A client that went away mid-reply (BrokenPipeError, reset): not
         # worth a traceback on stderr.
         log.debug("http: request from %s failed", client_address, exc_info=True)
+
+
+def _is_local(address: Any) -> bool:
+    """Is a client's address a loopback one (the node itself)?"""
+    try:
+        return ipaddress.ip_address(str(address[0]).split("%", 1)[0]).is_loopback
+    except (ValueError, IndexError, TypeError):
+        return False
 
 
 def _cut_off(sock: socket.socket) -> None:

@@ -278,7 +278,11 @@ class Agent:
 
     def start_http(self) -> int:
         cfg = self.config
-        handler = type("Handler", (HttpHandler,), {"agent": self, "timeout": cfg.http_timeout})
+        handler = type(
+            "Handler",
+            (HttpHandler,),
+            {"agent": self, "timeout": cfg.http_timeout, "status_public": cfg.status_public},
+        )
         try:
             self.http = HttpServer((cfg.metrics_host, cfg.metrics_port), handler, cfg.http_timeout)
         except (OSError, OverflowError) as exc:
