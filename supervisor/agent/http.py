@@ -88,13 +88,39 @@ class HttpServer(ThreadingHTTPServer):
     request_queue_size = 128  # listen backlog
     MAX_HANDLERS = 32
 
+    # Of which one client address holds at most this many: 64 idle clients
+    # of one address that reconnect when cut off failed every scrape when
+    # they could take all MAX_HANDLERS.
+    MAX_PER_CLIENT = 4
+
     def __init__(self, address: tuple[str, int], handler: Any, deadline: float) -> None:
         self.deadline = deadline
         self.slots = threading.BoundedSemaphore(self.MAX_HANDLERS)
+        self.per_client: dict[str, int] = {}
+        self.per_client_lock = threading.Lock()
         super().__init__(address, handler)
 
+    def _take_client_slot(self, client: str) -> bool:
+        with self.per_client_lock:
+            held = self.per_client.get(client, 0)
+            if held >= self.MAX_PER_CLIENT:
+                return False
+            self.per_client[client] = held + 1
+            return True
+
+    def _give_client_slot(self, client: str) -> None:
+        with self.per_client_lock:
+            held = self.per_client.pop(client, 1) - 1
+            if held > 0:
+                self.per_client[client] = held
+
     def process_request(self, request: Any, client_address: Any) -> None:
+        client = str(client_address[0]) if client_address else ""
+        if not self._take_client_slot(client):
+            self.shutdown_request(request)  # that client has its share: closed unanswered
+            return
         if not self.slots.acquire(blocking=False):
+            self._give_client_slot(client)
             self.shutdown_request(request)  # too many at once: closed unanswered
             return
         super().process_request(request, client_address)
@@ -108,6 +134,7 @@ class HttpServer(ThreadingHTTPServer):
         finally:
             timer.cancel()
             self.slots.release()
+            self._give_client_slot(str(client_address[0]) if client_address else "")
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A client that went away mid-reply (BrokenPipeError, reset): not

@@ -31,8 +31,8 @@ Defences against bad clients, all with bounded memory:
   more error and is disconnected;
 - HTTP clients of /metrics and /status are disconnected --http-timeout
   seconds after they connected, however slowly they send or read (and
-  sooner if they stall that long); at most 32 are served at once, more are
-  closed unanswered.
+  sooner if they stall that long); at most 32 are served at once, at most
+  4 of them from one client address; more are closed unanswered.
 """
 
 from __future__ import annotations
