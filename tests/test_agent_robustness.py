@@ -1037,7 +1037,8 @@ def test_control_characters_in_labels_are_refused_and_never_reach_metrics(sock_p
             bad = {**good, "container": {**good["container"], field: f"x{char}y"}}
             c.send(json.dumps(bad).encode() + b"\n")
             r = c.recv()
-            assert r is not None and r["type"] == "error", r
+            assert r is not None, field
+            assert r["type"] == "error", r
             assert r["error"].startswith(f"container.{field}="), r
             assert "printable" in r["error"], r
         assert _rejected(agent)["field"] == 3
@@ -1063,7 +1064,8 @@ def test_a_cgroup_named_container_has_its_unprintable_characters_escaped_in_metr
     finally:
         gpus.close()
     text = body.decode()
-    assert "\r" not in text and "\u2028" not in text
+    assert "\r" not in text
+    assert "\u2028" not in text
     assert 'ctrname="/kubepods/a\\\\rb\\\\u2028c"' in text
 
 
@@ -1104,13 +1106,24 @@ def test_blank_lines_do_not_keep_an_idle_peer_connected(sock_path):
         assert find(agent.metrics(), "gpuvisor_agent_disconnects_total", reason="idle") == [1.0]
 
 
-class _SockTransport(_Transport, asyncio.Transport):
+class _SockTransport(asyncio.Transport):
     """A transport for connection_made: its peer is set by the test."""
 
-    def get_extra_info(self, name: str) -> object:
-        return None
+    def __init__(self) -> None:
+        super().__init__()
+        self.written = b""
+        self.closed = False
 
-    def set_write_buffer_limits(self, high: int, low: int) -> None:
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        self.written += bytes(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return default
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
         pass
 
 
@@ -1119,27 +1132,27 @@ def test_one_cgroup_holding_connections_locks_only_itself_out(sock_path, monkeyp
     'too many connections' past their cgroup's share; a process of another
     cgroup still connects (the global pool used to be one container's)."""
     peers = {101: frozenset({"/kubepods/greedy"}), 202: frozenset({"/kubepods/other"})}
+    next_pid: list[int] = [101]
     monkeypatch.setattr(connection_module, "peer_cred", lambda sock: PeerCred(next_pid[0], 0, 0))
     monkeypatch.setattr(connection_module, "peer_cgroups", lambda pid: peers[pid])
-    next_pid = [101]
     agent = Agent(AgentConfig(socket_path=sock_path, max_connections_per_cgroup=8))
     try:
 
         def connect(pid: int) -> tuple[Connection, _SockTransport]:
             next_pid[0] = pid
             conn, t = Connection(agent), _SockTransport()
-            conn.connection_made(t)  # type: ignore[arg-type]
+            conn.connection_made(t)
             return conn, t
 
         greedy = [connect(101) for _ in range(8)]
         assert not any(t.closed for _, t in greedy)
-        conn, t = connect(101)
+        _, t = connect(101)
         assert t.closed
         assert json.loads(t.written)["error"] == (
             "too many connections from cgroup ['/kubepods/greedy']: "
             "at most 8 (--max-connections-per-cgroup)"
         )
-        other, ot = connect(202)
+        _, ot = connect(202)
         assert not ot.closed
         assert len(agent.conns) == 9
         assert agent.state.disconnects["too-many"] == 1
@@ -1178,7 +1191,7 @@ def test_another_pods_container_never_takes_a_live_pods_labels(sock_path, monkey
 
         def send(pid: int) -> dict[str, Any]:
             conn, t = Connection(agent), _Transport()
-            conn.transport = t  # type: ignore[assignment]
+            conn.transport = t
             conn.cred = PeerCred(pid, 0, 0)
             conn.cgroups = cgroups_of(pid)
             (cgroup,) = conn.cgroups
@@ -1227,9 +1240,9 @@ def test_status_is_served_beyond_the_node_only_when_asked(client, public, served
             return b"{}"
 
     handler = type("H", (HttpHandler,), {"agent": Pages(), "status_public": public})
-    h = object.__new__(handler)
+    h: Any = object.__new__(handler)
     h.client_address = client
-    h.headers = {}  # type: ignore[assignment]
+    h.headers = {}
     assert (h._page("/status") is not None) is served
     assert h._page("/metrics") == (b"m\n", "text/plain")
     assert h._page("/healthz") is not None

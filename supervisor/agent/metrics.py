@@ -16,12 +16,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from gpuvisor.shim.cli import shown
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.registry import Collector
-
-from gpuvisor.shim.cli import shown
 
 if TYPE_CHECKING:
     from .state import AgentState
