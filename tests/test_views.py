@@ -267,17 +267,35 @@ def test_top_shows_control_characters_in_labels_escaped(sock_path):  # noqa: F81
     can report for its cgroup over the socket mounted into it: `top`
     printed them raw on the administrator's terminal, so a label could
     retitle or clear that terminal (escape sequences) or forge rows of the
-    table (a newline)."""
+    table (a newline).  The agent now refuses such names (issue 36, 11);
+    top still escapes whatever a /status gives it (an older agent's)."""
+    from gpuvisor.supervisor.views import render_top
+
     with AgentProc(sock_path) as agent:
         c = Client(sock_path, pod="evil\x1b]0;pwned\x07", namespace="ns\nfake/row/x")
-        c.report(device(used=GiB))
-        out = gpuvisor("top", "--once", "--url", agent.url + "/status")
+        reply = c.report(device(used=GiB))
         c.close()
-    assert out.returncode == 0, out.stderr
-    assert "\x1b" not in out.stdout, repr(out.stdout)
-    assert "\x07" not in out.stdout, repr(out.stdout)
-    rows = [line for line in out.stdout.splitlines() if "fake" in line or "evil" in line]
-    assert len(rows) == 1, out.stdout
+        assert reply["type"] == "error", reply
+        status = agent.status()
+    assert status["containers"] == []
+    status["containers"] = [
+        {
+            "container": {
+                "namespace": "ns\nfake/row/x",
+                "pod": "evil\x1b]0;pwned\x07",
+                "container": "main",
+                "cgroup": "/x",
+            },
+            "devices": [],
+            "priority": 1,
+            "age_s": 0.0,
+        }
+    ]
+    out = render_top(status)
+    assert "\x1b" not in out, repr(out)
+    assert "\x07" not in out, repr(out)
+    rows = [line for line in out.splitlines() if "fake" in line or "evil" in line]
+    assert len(rows) == 1, out
     assert rows[0].split()[0] == "ns\\nfake/row/x/evil\\x1b]0;pwned\\x07/main", rows
 
 
