@@ -991,6 +991,8 @@ def test_kubectl_recipes_name_the_agents_daemonset():
     )
     assert f'kubectl -n {ns} port-forward "pod/$POD" {port}:{port}' in text
     assert f"curl -s http://127.0.0.1:{port}/status" in text
+
+
 def test_the_network_policy_admits_only_the_monitoring_namespace_to_the_agents_port():
     (policy,) = yaml.safe_load_all((DEPLOY / "node-agent-networkpolicy.yaml").read_text())
     daemonset = next(
