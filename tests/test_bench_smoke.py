@@ -35,6 +35,10 @@ OPS = [
     "cuMemAlloc_v2 + cuMemFree_v2 (1 MiB), no limit",
     "cuMemGetInfo_v2, no limit",
 ]
+OVERSUBSCRIBED = [
+    "cuMemAlloc_v2 + cuMemFree_v2 (1 MiB), oversubscribed, within the guarantee",
+    "cuMemAlloc_v2 + cuMemFree_v2 (1 MiB), oversubscribed, spilled",
+]
 FIGURE = r"\d+"
 ADDED = r"(\d+) \(([+-]\d+)\)"
 
@@ -107,7 +111,9 @@ def test_prints_a_well_formed_table(built: Path, tmp_path: Path) -> None:
     assert out.startswith(SECTION + "\n")
     assert re.search(r"Machine: \d+ CPUs, .+; \d{4}-\d\d-\d\d \d\d:\d\d UTC", out)
     rows = table_rows(out)
-    assert [(r[0], r[1]) for r in rows] == [(n, op) for n in ("1", "3") for op in OPS]
+    assert [(r[0], r[1]) for r in rows] == [
+        (n, op) for n in ("1", "3") for op in OPS + OVERSUBSCRIBED
+    ]
     for _, op, direct, direct_in, ours, ours_in in rows:
         assert float(direct) > 0
         assert (direct_in, ours_in) == ("-", "-")  # not counted: --callgrind 0

@@ -11,7 +11,18 @@ from . import defaults
 
 
 @click.command("scheduler")
-@click.option("--host", default="0.0.0.0", show_default=True, help="Address to listen on.")
+@click.option(
+    "--host",
+    default="0.0.0.0",
+    show_default=True,
+    help="Address of the extender (filter, prioritize, bind): 127.0.0.1 beside kube-scheduler.",
+)
+@click.option(
+    "--metrics-host",
+    default="0.0.0.0",
+    show_default=True,
+    help="Address of the cluster metrics (a Service exposes them).",
+)
 @click.option(
     "--port",
     type=click.IntRange(1, 65535),
@@ -73,6 +84,7 @@ from . import defaults
 )
 def scheduler(
     host: str,
+    metrics_host: str,
     port: int,
     metrics_port: int,
     kubeconfig: Path | None,
@@ -164,7 +176,7 @@ def scheduler(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(extender, metrics, host, port, metrics_port, tls, stop)
+        await serve(extender, metrics, host, port, metrics_host, metrics_port, tls, stop)
 
     asyncio.run(main())
     state.stopping.set()

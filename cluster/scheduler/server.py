@@ -90,20 +90,23 @@ async def serve(
     metrics: Metrics,
     host: str,
     port: int,
+    metrics_host: str,
     metrics_port: int,
     tls: ssl.SSLContext | None,
     stop: asyncio.Event,
 ) -> None:
     runners = []
-    for app, p, ctx in (
-        (make_app(extender, metrics), port, tls),
-        (metrics_app(metrics), metrics_port, None),
+    for app, h, p, ctx in (
+        (make_app(extender, metrics), host, port, tls),
+        (metrics_app(metrics), metrics_host, metrics_port, None),
     ):
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
-        await web.TCPSite(runner, host, p, ssl_context=ctx).start()
+        await web.TCPSite(runner, h, p, ssl_context=ctx).start()
         runners.append(runner)
-    log.info("serving the extender on %s:%d, metrics on %s:%d", host, port, host, metrics_port)
+    log.info(
+        "serving the extender on %s:%d, metrics on %s:%d", host, port, metrics_host, metrics_port
+    )
     try:
         await stop.wait()
     finally:
