@@ -293,6 +293,11 @@ static struct took take_within(struct child *c, int ms, uint64_t *answered)
  * word (the file is mode 0666, in every container): each launch waits for
  * it at most 4 ms, then takes its region's word, and the process leaves
  * the node's word alone for 250 ms; afterwards it takes the node's again.
+ * The neighbour stores a time 1 ms ahead of the clock, so that its word
+ * still looks held when it is itself descheduled for up to 3 ms; one
+ * descheduled for longer (a loaded 2-core machine) leaves the word stale,
+ * and a launch may then rightly take it: so the bound is checked on the
+ * launches that went by the region's word, and every launch within 100 ms.
  * c: a process of a container with the node's file mapped. */
 static void check_stalled_word(struct child *c, _Atomic uint64_t *word)
 {
@@ -300,34 +305,37 @@ static void check_stalled_word(struct child *c, _Atomic uint64_t *word)
     pid_t hostile = fork();
     if (hostile == 0) {
         for (;;) {
-            atomic_store(word, gv_mono_ns() | 1);
+            atomic_store(word, (gv_mono_ns() + MS) | 1);
             usleep(10);
         }
     }
     for (uint64_t t0 = gv_mono_ns(); !atomic_load(word) && gv_mono_ns() - t0 < 1000 * MS;)
         usleep(100);    /* until it has started */
     uint64_t got, first = 0, worst = 0;
-    int tagged = 0, n = 20, answered = 0;
+    int tagged = 0, consistent = 0, n = 20, answered = 0;
     for (int i = 0; i < n; i++) {
         struct took t = take_within(c, 2000, &got);
         if (!t.held)
             break;
         answered++;
         uint64_t waited = got - t.asked;
-        if (i == 0)
-            first = waited;
+        if ((t.held & 2) && !tagged++)
+            first = waited;     /* the launch that waited out the bound */
         else
             worst = waited > worst ? waited : worst;
-        tagged += (t.held & 2) != 0 && atomic_load(&entry_sm->enqueue) == (t.held & ~2ULL);
+        consistent += (t.held & 2) != 0 && atomic_load(&entry_sm->enqueue) == (t.held & ~2ULL);
         ask(c, 'e', 0);
     }
     CHECK(answered == n, "a neighbour storing the time in the node's word: %d of %d launches "
           "went within 2 s", answered, n);
-    CHECK(tagged == answered, "%d of %d went by the region's word", tagged, answered);
-    CHECK(first >= 4 * MS && first < 100 * MS, "the first waited %lld us (4 ms bound)",
-          (long long)first / 1000);
-    printf("t_sm_arbiter: stalled node word: the first launch waited %lld us, the next %d at "
-           "most %lld us\n", (long long)first / 1000, n - 1, (long long)worst / 1000);
+    CHECK(tagged > 0 && consistent == tagged, "%d of %d went by the region's word, %d of them "
+          "holding it", tagged, answered, consistent);
+    CHECK(first >= 4 * MS && first < 100 * MS, "the first by the region's word waited %lld us "
+          "(4 ms bound)", (long long)first / 1000);
+    CHECK(worst < 100 * MS, "a launch waited %lld us", (long long)worst / 1000);
+    printf("t_sm_arbiter: stalled node word: the first launch by the region's word waited %lld "
+           "us, %d went by it, the others at most %lld us\n", (long long)first / 1000, tagged,
+           (long long)worst / 1000);
     kill(hostile, SIGKILL);
     waitpid(hostile, NULL, 0);
     if (answered != n) {
