@@ -11,6 +11,7 @@ through NVML's per-process utilisation.
 
 from __future__ import annotations
 
+import select
 import statistics
 import subprocess
 import sys
@@ -137,6 +138,8 @@ SPIN = (
     CU_SPIN_PRELUDE
     + """
 import sys, time
+launch(1000)
+print("spinning", flush=True)
 end = time.monotonic() + float(sys.argv[1])
 while time.monotonic() < end:
     launch(1000)
@@ -145,10 +148,22 @@ chk(cu.cuStreamSynchronize(s))
 )
 
 
+def started(p: subprocess.Popen[str], timeout: float = 60.0) -> None:
+    """Until spinning()'s workload has launched its first kernel: its start
+    (Python, CUDA init, under gpuvisor run) took over 2 s on a loaded 2-core
+    machine, so a reading after a fixed sleep caught none or part of it."""
+    assert p.stdout is not None
+    ready, _, _ = select.select([p.stdout], [], [], timeout)
+    assert ready, f"no kernel within {timeout} s"
+    line = p.stdout.readline().strip()
+    assert line == "spinning", (line, p.poll())
+
+
 def spinning(
     node: SimNode, sock: str, name: str, args: list[str], seconds: float
 ) -> subprocess.Popen[str]:
-    """A supervised container (pod `name`) launching 1 ms kernels for `seconds`."""
+    """A supervised container (pod `name`) launching 1 ms kernels for `seconds`
+    after its first launch (see started())."""
     return subprocess.Popen(
         [
             *CLI,
@@ -184,15 +199,17 @@ def test_burst_share_gives_back_to_a_starved_container_via_the_agent(
     from tests.helpers import nvml_shares
 
     with AgentProc(sock_path, env=node.env):
-        # A outlives the last reading even when helper processes start
-        # slowly (a finished A would read as a share of 0 beside B).
-        a = spinning(node, sock_path, "a", ["--cores", "10", "--policy", "burst-share"], 10.0)
+        # A outlives the last reading however slowly B starts (a finished A
+        # would read as a share of 0 beside B); it is stopped after it.
+        a = spinning(node, sock_path, "a", ["--cores", "10", "--policy", "burst-share"], 60.0)
         try:
-            time.sleep(2.0)
+            started(a)
+            time.sleep(1.0)
             since = int(time.time() * 1e6)
             time.sleep(1.0)
             alone = nvml_shares(node, since)
             b = spinning(node, sock_path, "b", ["--cores", "90"], 5.0)
+            started(b)
             # 1 s is the goal (make bench-sm measures it); a loaded 2-core CI
             # machine delays reports and acks, so the test allows 2.5 s.
             time.sleep(2.5)
@@ -201,6 +218,7 @@ def test_burst_share_gives_back_to_a_starved_container_via_the_agent(
             both = nvml_shares(node, since)
             b.communicate(timeout=60)
         finally:
+            a.terminate()
             a.communicate(timeout=60)
     (a_pid,) = alone
     b_pid = next(p for p in both if p != a_pid)
@@ -234,19 +252,22 @@ def test_best_effort_yields_to_a_burst_share_container_via_the_agent(
         one, two = ("a", a_args), ("b", b_args)
         if first != "burst":
             one, two = two, one
-        p1 = spinning(node, sock_path, one[0], one[1], 12.0)
+        p1 = spinning(node, sock_path, one[0], one[1], 60.0)  # stopped after the readings
         try:
-            time.sleep(2.5)
+            started(p1)
+            time.sleep(1.0)
             since = int(time.time() * 1e6)
             time.sleep(1.0)
             alone = nvml_shares(node, since)
             p2 = spinning(node, sock_path, two[0], two[1], 6.0)
+            started(p2)
             time.sleep(2.5)
             since = int(time.time() * 1e6)
             time.sleep(1.5)
             both = nvml_shares(node, since)
             p2.communicate(timeout=60)
         finally:
+            p1.terminate()
             p1.communicate(timeout=60)
     (pid1,) = alone
     pid2 = next((p for p in both if p != pid1), None)

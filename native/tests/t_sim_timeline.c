@@ -396,7 +396,7 @@ static void test_graphs(void)
     OK(cuStreamEndCapture(s, &cg));
     CHECK(cg != NULL);
     OK(cuStreamQuery(s));                       /* nothing ran */
-    CHECK(now_ms() - t0 < 20);
+    CHECK(now_ms() - t0 < 80);                  /* run, the 90 ms would have taken longer */
     OK(cuStreamIsCapturing(s, &st));
     CHECK(st == CU_STREAM_CAPTURE_STATUS_NONE);
     OK(cuGraphGetNodes(cg, NULL, &n));
