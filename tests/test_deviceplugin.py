@@ -367,7 +367,7 @@ def test_a_pod_without_allocation_fails_closed(cluster: Cluster) -> None:
     [
         ({"other": "g0"}, "its allocation has no container main"),
         ({"main": "g1"}, "but its allocation places it on"),
-        ({"main": "mig"}, "a MIG placement"),
+        ({"main": "mig"}, "a MIG placement, but no MIG instance was made for it at Allocate"),
         ({"main": "bad"}, "memory_mib=0: must be a whole number from 1"),
     ],
 )
@@ -382,7 +382,10 @@ def test_an_allocation_that_does_not_fit_fails_closed(cluster: Cluster, containe
     kinds = {
         "g0": gpu,
         "g1": dict(gpu, uuid=g1.uuid, index=1),
-        "mig": dict(gpu, mig={"profile": "1g.10gb", "placement": {"start": 0, "size": 1}}),
+        "mig": dict(
+            gpu,
+            mig={"profile": "1g.10gb", "profile_id": 19, "placement": {"start": 0, "size": 1}},
+        ),
         "bad": dict(gpu, memory_mib=0),
     }
     doc = {

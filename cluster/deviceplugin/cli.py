@@ -6,6 +6,7 @@ import logging
 import signal
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 import click
 
@@ -138,7 +139,13 @@ def device_plugin(
         pods = KubePods()
     except Exception as exc:
         raise click.ClickException(f"cannot configure the Kubernetes client: {exc}") from None
-    service = DevicePluginService(config, gpus, pods, PodResourcesOwners(str(pod_resources_socket)))
+    from .migdriver import NvmlMig
+    from .migrealise import MigRealiser
+
+    mig = MigRealiser(NvmlMig())
+    service = DevicePluginService(
+        config, gpus, pods, PodResourcesOwners(str(pod_resources_socket)), mig
+    )
     publisher = None
     if publish_inventory:
         if not node_name:
@@ -146,16 +153,25 @@ def device_plugin(
                 "the node's name is needed to publish its inventory (or --no-publish-inventory)",
                 param_hint="--node-name",
             )
-        try:
-            from gpuvisor.cluster.inventory import read_inventory
+        from gpuvisor.cluster.inventory import read_inventory
 
-            document = read_inventory(node_name)  # NVML is initialised (NvmlGpus)
+        def reader() -> dict[str, Any]:
+            doc: dict[str, Any] = read_inventory(node_name)  # NVML is initialised (NvmlGpus)
+            return doc
+
+        try:
+            document = reader()
         except Exception as exc:
             logging.getLogger("gpuvisor.device-plugin").warning(
                 "cannot read the full inventory (%s): publishing one without links or MIG", exc
             )
-            document = inventory_document(node_name, gpus.gpus(), {})
-        publisher = InventoryPublisher(node_name, document, KubeNodes(pods.api))
+            publisher = InventoryPublisher(
+                node_name, inventory_document(node_name, gpus.gpus(), {}), KubeNodes(pods.api)
+            )
+        else:
+            publisher = InventoryPublisher(node_name, document, KubeNodes(pods.api), reader)
+        pub = publisher
+        mig.on_change = lambda: pub.publish(service.unhealthy(), reread=True)
     runner = PluginRunner(service, plugin_dir, endpoint, health_interval, publisher=publisher)
 
     def stop(signum: int, frame: FrameType | None) -> None:

@@ -17,6 +17,9 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from gpuvisor.cluster.allocation import MigGrant, load_mig_grant
+from gpuvisor.cluster.inventory_model import DocumentError
+
 ANNOTATION = "gpuvisor.io/allocation"
 
 
@@ -30,7 +33,7 @@ class GpuGrant:
     index: int
     memory_mib: int
     cores: int  # percent of the GPU's time; 0: no limit
-    mig: dict[str, Any] | None
+    mig: MigGrant | None  # a MIG instance to realise (the allocator's plan)
 
 
 @dataclass(frozen=True)
@@ -101,14 +104,17 @@ def parse_grant(text: str) -> PodGrant:
         for j, g in enumerate(_list(cm.get("gpus", []), f"{cp}.gpus")):
             gp = f"{cp}.gpus[{j}]"
             gm = _obj(g, gp)
-            mig = gm.get("mig")
+            try:
+                mig = load_mig_grant(gm.get("mig"), f"{gp}.mig")
+            except DocumentError as exc:
+                raise GrantError(f"{ANNOTATION}: {exc}") from None
             gpus.append(
                 GpuGrant(
                     uuid=_str(gm, "uuid", gp),
                     index=_int(gm, "index", gp, 0),
                     memory_mib=_int(gm, "memory_mib", gp, 1),
                     cores=_int(gm, "cores", gp, 0, 100),
-                    mig=None if mig is None else _obj(mig, f"{gp}.mig"),
+                    mig=mig,
                 )
             )
         policy = cm.get("sm_policy")

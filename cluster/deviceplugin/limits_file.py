@@ -19,8 +19,9 @@ def render(pod: str, grant: ContainerGrant, visible: Sequence[Gpu]) -> str:
     """The file's text for grant, whose container sees visible (in this
     order: its CUDA ordinals).  Plain variables when every GPU has the same
     limits (they then hold whatever ordinals the container sees), else one
-    per ordinal.  GrantError when the grant is not for exactly these GPUs or
-    asks for what this plugin cannot give (MIG)."""
+    per ordinal.  GrantError when the grant is not for exactly these GPUs.
+    A GPU placed as a MIG instance is seen as that instance (its MIG device
+    in CUDA_VISIBLE_DEVICES): the instance's memory, and no SM limit."""
     by_uuid = {g.uuid: g for g in grant.gpus}
     got = [g.uuid for g in visible]
     if sorted(by_uuid) != sorted(got) or len(grant.gpus) != len(by_uuid):
@@ -28,14 +29,12 @@ def render(pod: str, grant: ContainerGrant, visible: Sequence[Gpu]) -> str:
             f"pod {pod} container {grant.name}: kubelet gave it GPUs {got} but its allocation "
             f"places it on {[g.uuid for g in grant.gpus]}"
         )
-    for g in grant.gpus:
-        if g.mig is not None:
-            raise GrantError(
-                f"pod {pod} container {grant.name}: GPU {g.uuid}: a MIG placement, which this "
-                "device plugin does not realise yet"
-            )
     lines = [f"# gpuvisor device-plugin: pod {pod}, container {grant.name}"]
-    limits = [(by_uuid[u].memory_mib, by_uuid[u].cores) for u in got]
+    # On a MIG device the memory is the instance's and the SMs are its own:
+    # no share of time is taken from them (0: no limit).
+    limits = [
+        (by_uuid[u].memory_mib, 0 if by_uuid[u].mig is not None else by_uuid[u].cores) for u in got
+    ]
     if len(set(limits)) == 1:
         mem, cores = limits[0]
         lines += [f"CUDA_DEVICE_MEMORY_LIMIT={mem}m", f"CUDA_DEVICE_SM_LIMIT={cores}"]

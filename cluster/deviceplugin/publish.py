@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from gpuvisor.cluster.inventory_model import KIND, VERSION
@@ -70,27 +71,48 @@ class InventoryPublisher:
 
     `document` is the node's inventory as read at start (gpuvisor.cluster's
     NVML reader, with links and MIG state; or `inventory_document` when that
-    reader fails); each publish marks the GPUs unhealthy now."""
+    reader fails); each publish marks the GPUs unhealthy now.  With
+    `reader` (the NVML reader again), `publish(reread=True)` reads the
+    document afresh first: after a MIG change, and at each health poll on a
+    node with a MIG-capable GPU (instances in use come and go)."""
 
-    def __init__(self, node: str, document: Mapping[str, Any], nodes: NodeAnnotator) -> None:
+    def __init__(
+        self,
+        node: str,
+        document: Mapping[str, Any],
+        nodes: NodeAnnotator,
+        reader: Callable[[], Mapping[str, Any]] | None = None,
+    ) -> None:
         if not node:
             raise ValueError("the node's name is needed to publish its inventory (--node-name)")
         self.node = node
         self.document = json.loads(json.dumps(document))  # a private copy
         self.document["node"] = node
         self.nodes = nodes
+        self.reader = reader
         self.published: str | None = None
+        self._lock = threading.Lock()  # the health poll and a MIG change publish
 
-    def publish(self, unhealthy: Mapping[str, str]) -> bool:
+    @property
+    def has_mig(self) -> bool:
+        """A GPU of the document can do MIG."""
+        return any(isinstance(g.get("mig"), dict) for g in self.document.get("gpus", []))
+
+    def publish(self, unhealthy: Mapping[str, str], reread: bool = False) -> bool:
         """Publish if changed; True when written.  Errors propagate (retried next poll)."""
-        doc = json.loads(json.dumps(self.document))
-        for gpu in doc.get("gpus", []):
-            if gpu.get("uuid") in unhealthy:
-                gpu["healthy"] = False
-        text = json.dumps(doc, separators=(",", ":"))
-        if text == self.published:
-            return False
-        self.nodes.annotate(self.node, NODE_INVENTORY, text)
-        self.published = text
+        with self._lock:
+            if reread and self.reader is not None:
+                fresh = json.loads(json.dumps(self.reader()))
+                fresh["node"] = self.node
+                self.document = fresh
+            doc = json.loads(json.dumps(self.document))
+            for gpu in doc.get("gpus", []):
+                if gpu.get("uuid") in unhealthy:
+                    gpu["healthy"] = False
+            text = json.dumps(doc, separators=(",", ":"))
+            if text == self.published:
+                return False
+            self.nodes.annotate(self.node, NODE_INVENTORY, text)
+            self.published = text
         log.info("published the inventory of node %s (%d GPUs)", self.node, len(doc["gpus"]))
         return True

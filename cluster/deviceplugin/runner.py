@@ -125,9 +125,14 @@ class PluginRunner:
                 self.service.poll_health()
             except Exception:
                 log.exception("health poll failed")
+            if self.service.mig is not None:
+                try:
+                    self.service.release_mig()
+                except Exception as exc:  # kubelet away: next poll
+                    log.warning("cannot release the MIG instances of gone pods: %s", exc)
             if self.publisher is not None:
                 try:
-                    self.publisher.publish(self.service.unhealthy())
+                    self.publisher.publish(self.service.unhealthy(), reread=self.publisher.has_mig)
                 except Exception as exc:  # API server away: next poll
                     log.warning("cannot publish the node's inventory: %s", exc)
             if time.monotonic() - last_gc > GC_INTERVAL:

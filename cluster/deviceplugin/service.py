@@ -32,6 +32,7 @@ from .api import deviceplugin_v1beta1_pb2 as dp
 from .gpus import Gpu, GpuSource
 from .grant import ContainerGrant, GrantError, PodGrant, parse_grant
 from .kube import PodSource
+from .migrealise import Made, MigRealiser, MigRefused
 from .owners import OwnerLookup
 from .preferred import preferred
 from .replicas import Replicas, UnknownDevice
@@ -51,6 +52,7 @@ REGION_FILE = "region.shr"
 DEVICES_FILE = "devices.json"  # the replica IDs a directory was allocated for
 OWNER_FILE = "owner.json"  # the pod/container whose limits it holds
 STEERED_FILE = "steered.json"  # the container GetPreferredAllocation chose these IDs for
+MIG_FILE = "mig.json"  # the MIG instances Allocate made or reused, and for which container
 GC_GRACE_SECONDS = 600.0  # a directory younger than this is never collected
 CLAIM_SECONDS = 120.0  # a preference not followed by a container start by then lapses
 
@@ -78,8 +80,10 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
         gpus: GpuSource,
         pods: PodSource,
         owners: OwnerLookup,
+        mig: MigRealiser | None = None,
     ) -> None:
         self.config = config
+        self.mig = mig
         self.source = gpus
         self.replicas = Replicas(tuple(gpus.gpus()), config.split_count)
         self.pods = pods
@@ -188,14 +192,51 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
 
     def Allocate(self, request: dp.AllocateRequest, context: Any) -> dp.AllocateResponse:
         out = []
+        done: list[Path] = []
         for r in request.container_requests:
             try:
                 gpus = self.replicas.physical(r.devices_ids)
+                resp, top = self._allocate(list(r.devices_ids), gpus)
             except UnknownDevice as exc:
+                self._undo(done)
                 context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 raise  # abort raises
-            out.append(self._allocate(list(r.devices_ids), gpus))
+            except MigRefused as exc:
+                self._undo(done)
+                log.error("Allocate: %s", exc)
+                context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"gpuvisor: {exc}")
+                raise  # abort raises
+            out.append(resp)
+            done.append(top)
         return dp.AllocateResponse(container_responses=out)
+
+    def _undo(self, tops: list[Path]) -> None:
+        """Allocate failed for a later container of the same request: the
+        directories (and MIG instances) made for the earlier ones go."""
+        for top in tops:
+            self._drop_dir(top)
+
+    def _drop_dir(self, top: Path) -> bool:
+        """Remove a container's directory, after the MIG instances it made
+        (False, and the directory kept, while one of them is in use)."""
+        made = _read_mig(top)
+        if made is not None and made[1] and self.mig is not None:
+            who = "/".join(made[0])
+            try:
+                left = self.mig.release(who, made[1], self._reused())
+            except _ApiAway as exc:
+                log.warning("%s: MIG instances kept until the API answers: %s", who, exc)
+                return False
+            if left:
+                _write_mig(top, made[0], left)
+                return False
+        shutil.rmtree(top, ignore_errors=True)
+        with self._lock:
+            for key in [k for k, v in self._dirs.items() if top in v]:
+                self._dirs[key] = [d for d in self._dirs[key] if d != top]
+                if not self._dirs[key]:
+                    del self._dirs[key]
+        return True
 
     def PreStartContainer(
         self, request: dp.PreStartContainerRequest, context: Any
@@ -210,8 +251,13 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
 
     # ---- Allocate ----------------------------------------------------
 
-    def _allocate(self, ids: list[str], gpus: list[Gpu]) -> dp.ContainerAllocateResponse:
+    def _allocate(
+        self, ids: list[str], gpus: list[Gpu]
+    ) -> tuple[dp.ContainerAllocateResponse, Path]:
         cfg = self.config
+        with self._lock:
+            steer = self._steered.pop(frozenset(ids), None)
+        made = self._realise_mig(steer, gpus) if steer is not None else []
         top = cfg.state_dir / secrets.token_hex(8)
         (top / "region").mkdir(parents=True)
         (top / "limits").mkdir()
@@ -219,12 +265,15 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
         os.chmod(top / "region", 0o1777)
         os.chmod(top / "limits", 0o755)
         (top / DEVICES_FILE).write_text(json.dumps(sorted(ids)))
-        with self._lock:
-            self._dirs.setdefault(frozenset(ids), []).append(top)
-            steer = self._steered.pop(frozenset(ids), None)
         if steer is not None:
             (top / STEERED_FILE).write_text(json.dumps(list(steer)))
-        visible = ",".join(g.uuid for g in gpus)
+        if made:
+            assert steer is not None
+            _write_mig(top, steer, made)
+        with self._lock:
+            self._dirs.setdefault(frozenset(ids), []).append(top)
+        mig_of = {m.gpu: m.uuid for m in made}
+        visible = ",".join(mig_of.get(g.uuid, g.uuid) for g in gpus)
         envs = {
             "NVIDIA_VISIBLE_DEVICES": visible,
             "CUDA_VISIBLE_DEVICES": visible,
@@ -247,7 +296,54 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
             ),
         ]
         log.info("Allocate %s -> %s (%s)", ids, top.name, visible)
-        return dp.ContainerAllocateResponse(envs=envs, mounts=mounts)
+        return dp.ContainerAllocateResponse(envs=envs, mounts=mounts), top
+
+    def _realise_mig(self, steer: tuple[str, str], gpus: list[Gpu]) -> list[Made]:
+        """The MIG instances of the container GetPreferredAllocation chose
+        these devices for, when its placement has any: made now, since the
+        container's environment names them (PreStartContainer then checks
+        that kubelet's PodResources API names that same container)."""
+        if self.mig is None:
+            return []
+        pod, container = steer
+        ns, _, name = pod.partition("/")
+        try:
+            c = self._grant(ns, name, container).container(container)
+        except PreStartRefused as exc:
+            log.warning("Allocate: no MIG plan read for %s/%s: %s", pod, container, exc)
+            return []
+        if c is None or not any(g.mig is not None for g in c.gpus):
+            return []
+        if sorted(g.uuid for g in c.gpus) != sorted(g.uuid for g in gpus):
+            return []  # not the GPUs planned: PreStartContainer refuses the start
+        return self.mig.realise(f"pod {pod} container {container}", c.gpus, self._held())
+
+    def _held(self) -> set[str]:
+        """The MIG UUIDs the containers of this plugin's directories hold."""
+        with self._lock:
+            tops = [top for dirs in self._dirs.values() for top in dirs]
+        out: set[str] = set()
+        for top in tops:
+            made = _read_mig(top)
+            if made is not None:
+                out |= {m.uuid for m in made[1]}
+        return out
+
+    def _reused(self) -> set[str]:
+        """The MIG instances the pods bound to this node plan to reuse."""
+        if not self.config.node_name:
+            return set()
+        try:
+            bound = self.pods.bound(self.config.node_name)
+        except Exception as exc:  # the API away: hand nothing over, destroy nothing yet
+            raise _ApiAway(str(exc)) from None
+        return {
+            g.mig.instance
+            for p in bound
+            for c in p.containers
+            for g in c.gpus
+            if g.mig is not None and g.mig.instance is not None
+        }
 
     def _load_dirs(self) -> None:
         """The directories of earlier runs (a plugin restart between a
@@ -320,10 +416,9 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
             mark = top / OWNER_FILE
             if mark.exists() and mark.read_text() != stamp:
                 # A pod that held these IDs before and is gone: not this one.
-                shutil.rmtree(top, ignore_errors=True)
-                with self._lock:
-                    self._dirs[key] = [d for d in self._dirs.get(key, []) if d != top]
+                self._drop_dir(top)
                 continue
+            self._check_mig(top, target[0], who.split("/")[0])
             limits_file.write(top / "limits", target[1])
             mark.write_text(stamp)
             os.utime(top)
@@ -338,6 +433,80 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
                 "that holds exactly these devices"
             )
         log.info("PreStartContainer %s: limits of %s", sorted(ids), ", ".join(written))
+
+    def _check_mig(self, top: Path, pod: str, container: str) -> None:
+        """The MIG instances Allocate made in top are those the container's
+        placement plans, made for this very container; PreStartRefused if
+        not (instances made for another container are destroyed: it never
+        runs in this directory)."""
+        made = _read_mig(top)
+        ns, _, name = pod.partition("/")
+        c = self._grant(ns, name, container).container(container)
+        planned = [g for g in (c.gpus if c is not None else ()) if g.mig is not None]
+        if made is not None and made[0] != (pod, container):
+            uuids = [m.uuid for m in made[1]]
+            self._drop_mig(top, made)
+            raise PreStartRefused(
+                f"pod {pod} container {container}: Allocate made MIG instances {uuids} for "
+                f"{made[0][0]}/{made[0][1]} (the container GetPreferredAllocation chose these "
+                "devices for), but kubelet gave the devices to this container: not started"
+            )
+        if not planned:
+            return
+        g0 = planned[0]
+        if made is None:
+            raise PreStartRefused(
+                f"pod {pod} container {container}: GPU {g0.uuid}: a MIG placement, but no MIG "
+                "instance was made for it at Allocate (kubelet did not allocate the devices "
+                "GetPreferredAllocation chose for this container): not started"
+            )
+        have = sorted((m.gpu, m.start, m.size) for m in made[1])
+        want = sorted(
+            (g.uuid, g.mig.placement.start, g.mig.placement.size)
+            for g in planned
+            if g.mig is not None
+        )
+        if have != want:
+            raise PreStartRefused(
+                f"pod {pod} container {container}: its MIG instances {have} are not "
+                f"the planned {want}: not started"
+            )
+
+    def _drop_mig(self, top: Path, made: tuple[tuple[str, str], list[Made]]) -> None:
+        """Destroy the instances made in top (for a container that will not run there)."""
+        if self.mig is None:
+            return
+        try:
+            left = self.mig.release("/".join(made[0]), made[1], self._reused())
+        except _ApiAway:
+            left = list(made[1])
+        if left:
+            _write_mig(top, made[0], left)
+        else:
+            (top / MIG_FILE).unlink(missing_ok=True)
+
+    def release_mig(self) -> int:
+        """Destroy the MIG instances of started containers whose pod kubelet
+        no longer lists (their directories go too); returns how many
+        directories went.  A container that never started is left to
+        collect_garbage, after its grace."""
+        if self.mig is None:
+            return 0
+        with self._lock:
+            tops = [top for dirs in self._dirs.values() for top in dirs]
+        tops = [t for t in tops if (t / MIG_FILE).exists() and (t / OWNER_FILE).exists()]
+        if not tops:
+            return 0
+        pods = self.owners.holders(self.config.resource, []).pods
+        gone = 0
+        for top in tops:
+            try:
+                owner = json.loads((top / OWNER_FILE).read_text())
+            except (OSError, ValueError):
+                continue
+            if owner not in pods and self._drop_dir(top):
+                gone += 1
+        return gone
 
     def _grant(self, namespace: str, pod: str, container: str) -> PodGrant:
         key = f"{namespace}/{pod}"
@@ -398,12 +567,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
                 gone = json.loads(stamp) not in holders.pods
             else:
                 gone = not (key & holders.devices)
-            if gone:
-                shutil.rmtree(top, ignore_errors=True)
-                with self._lock:
-                    self._dirs[key] = [d for d in self._dirs.get(key, []) if d != top]
-                    if not self._dirs[key]:
-                        del self._dirs[key]
+            if gone and self._drop_dir(top):
                 removed.append(top)
         if removed:
             log.info("removed %d directories of containers that are gone", len(removed))
@@ -421,6 +585,31 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
             for c in pod.containers
             if c.gpus and (pod.pod, c.name) not in done
         ]
+
+
+class _ApiAway(Exception):
+    """The Kubernetes API did not answer."""
+
+
+def _read_mig(top: Path) -> tuple[tuple[str, str], list[Made]] | None:
+    """The container a directory's MIG instances were made for, and them."""
+    try:
+        v = json.loads((top / MIG_FILE).read_text())
+        who = v["for"]
+        if not (isinstance(who, list) and len(who) == 2 and all(isinstance(x, str) for x in who)):
+            raise ValueError(f"for: {who!r}")
+        return (who[0], who[1]), [Made.from_json(m) for m in v["instances"]]
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.error("%s: unreadable (%s)", top / MIG_FILE, exc)
+        return None
+
+
+def _write_mig(top: Path, who: tuple[str, str], made: list[Made]) -> None:
+    tmp = top / f".{MIG_FILE}.tmp"
+    tmp.write_text(json.dumps({"for": list(who), "instances": [m.to_json() for m in made]}))
+    os.replace(tmp, top / MIG_FILE)
 
 
 def _read_steer(top: Path) -> tuple[str, str] | None:

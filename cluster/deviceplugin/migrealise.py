@@ -1,0 +1,207 @@
+"""Realising a container's MIG plan on this node, and undoing it.
+
+The allocator plans (cluster/mig.py): a profile at a placement on a GPU,
+either an existing idle instance to reuse or one to create, possibly with
+MIG mode to turn on and idle instances to destroy first, these two only on
+a GPU with nothing running.  The plan was made from the inventory the
+extender saw; the node may have moved on since, so every step is checked
+against NVML again here:
+
+- MIG mode is turned on only when the plan says so and no process runs on
+  the GPU;
+- an instance is destroyed only when the plan names it, no process uses
+  it, no other container of this plugin holds it, and nothing runs on the
+  GPU;
+- a reused instance must exist, be idle, held by no other container, and
+  sit at the planned placement;
+- a container's instances are made all or nothing: when one step fails,
+  the instances made for it so far are destroyed again before the error
+  goes back to kubelet (the driver destroys a GPU instance whose compute
+  instance could not be made).
+
+`release` destroys the instances the plugin created for a container that is
+gone, except one a process still uses (kept, tried again later) and one
+another pod's plan reuses (handed over)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .grant import GpuGrant
+from .migdriver import MigDriver, MigDriverError
+
+log = logging.getLogger("gpuvisor.device-plugin")
+
+
+class MigRefused(Exception):
+    """A MIG plan cannot be realised; the message says why in one line."""
+
+
+@dataclass(frozen=True)
+class Made:
+    """A MIG instance a container holds."""
+
+    gpu: str  # the GPU's UUID
+    gi_id: int
+    uuid: str  # the MIG device's UUID
+    profile_id: int
+    start: int
+    size: int
+    created: bool  # made by this plugin for the container (destroyed when it is gone)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @staticmethod
+    def from_json(v: Any) -> Made:
+        if not isinstance(v, dict):
+            raise ValueError(f"expected an object, got {v!r}")
+        return Made(
+            gpu=str(v["gpu"]),
+            gi_id=int(v["gi_id"]),
+            uuid=str(v["uuid"]),
+            profile_id=int(v["profile_id"]),
+            start=int(v["start"]),
+            size=int(v["size"]),
+            created=bool(v["created"]),
+        )
+
+
+class MigRealiser:
+    """Makes and removes MIG instances through a MigDriver, one change at a
+    time on the node; calls on_change after any change (the plugin then
+    republishes the node's inventory)."""
+
+    def __init__(self, driver: MigDriver, on_change: Callable[[], object] | None = None) -> None:
+        self.driver = driver
+        self.on_change = on_change
+        self._lock = threading.Lock()
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            try:
+                self.on_change()
+            except Exception as exc:  # the API server away: the next poll publishes
+                log.warning("after a MIG change: %s", exc)
+
+    def realise(self, who: str, grants: Sequence[GpuGrant], held: Collection[str]) -> list[Made]:
+        """The MIG instances of grants (those with a MIG plan), made or
+        reused; held: the MIG UUIDs other containers hold.  MigRefused,
+        with nothing of this call left behind, when one cannot be had."""
+        made: list[Made] = []
+        changed = False
+        with self._lock:
+            try:
+                for g in grants:
+                    if g.mig is not None:
+                        got, did = self._one(g, held)
+                        made.append(got)
+                        changed = changed or did
+            except (MigRefused, MigDriverError) as exc:
+                for m in reversed(made):
+                    if m.created:
+                        try:
+                            self.driver.destroy(m.gpu, m.gi_id)
+                            changed = True
+                        except MigDriverError as undo:
+                            log.error("%s: cannot undo MIG instance %s: %s", who, m.uuid, undo)
+                raise MigRefused(f"{who}: {exc}") from None
+            finally:
+                if changed:
+                    self._changed()
+        for m in made:
+            verb = "created" if m.created else "reuses"
+            log.info(
+                "%s: %s MIG instance %s on GPU %s (%d+%d)",
+                *(who, verb, m.uuid, m.gpu, m.start, m.size),
+            )
+        return made
+
+    def _one(self, g: GpuGrant, held: Collection[str]) -> tuple[Made, bool]:
+        plan = g.mig
+        assert plan is not None
+        d = self.driver
+        gpu = g.uuid
+        changed = False
+        if not d.enabled(gpu):
+            if not plan.enable:
+                raise MigRefused(f"GPU {gpu}: MIG mode is off and the plan does not turn it on")
+            if d.busy(gpu):
+                raise MigRefused(f"GPU {gpu}: work is running on it: MIG mode not turned on")
+            d.enable(gpu)
+            changed = True
+        if plan.destroy:
+            present = {i.uuid: i for i in d.instances(gpu) if i.uuid is not None}
+            for u in plan.destroy:
+                inst = present.get(u)
+                if inst is None:
+                    continue  # gone already
+                if inst.in_use or u in held:
+                    raise MigRefused(f"GPU {gpu}: MIG instance {u} is in use: not destroyed")
+                if d.busy(gpu):
+                    raise MigRefused(
+                        f"GPU {gpu}: work is running on it: its idle MIG instance {u} is not "
+                        "destroyed (only an idle GPU is reconfigured)"
+                    )
+                d.destroy(gpu, inst.gi_id)
+                changed = True
+        start, size = plan.placement.start, plan.placement.size
+        if plan.instance is not None:
+            for inst in d.instances(gpu):
+                if inst.uuid != plan.instance:
+                    continue
+                if inst.in_use or inst.uuid in held:
+                    raise MigRefused(f"GPU {gpu}: MIG instance {inst.uuid} is in use")
+                if (inst.start, inst.size, inst.profile_id) != (start, size, plan.profile_id):
+                    raise MigRefused(
+                        f"GPU {gpu}: MIG instance {inst.uuid} is profile {inst.profile_id} at "
+                        f"{inst.start}+{inst.size}, not the planned {plan.profile} "
+                        f"at {start}+{size}"
+                    )
+                kept = Made(gpu, inst.gi_id, plan.instance, inst.profile_id, start, size, False)
+                return kept, changed
+            raise MigRefused(f"GPU {gpu}: MIG instance {plan.instance} is gone")
+        mask = ((1 << size) - 1) << start
+        for inst in d.instances(gpu):
+            if (((1 << inst.size) - 1) << inst.start) & mask:
+                raise MigRefused(
+                    f"GPU {gpu}: the planned {plan.profile} at {start}+{size} overlaps MIG "
+                    f"instance {inst.uuid or inst.gi_id} at {inst.start}+{inst.size}"
+                )
+        inst = d.create(gpu, plan.profile_id, start, size)
+        assert inst.uuid is not None  # create returns an instance with its MIG device
+        return Made(gpu, inst.gi_id, inst.uuid, plan.profile_id, start, size, True), True
+
+    def release(self, who: str, made: Sequence[Made], reused: Collection[str]) -> list[Made]:
+        """Destroy the instances made for a container that is gone; returns
+        those still held: in use (tried again later).  An instance in reused
+        (another pod's plan names it) is left as it is, and so is one the
+        plugin did not create."""
+        left: list[Made] = []
+        changed = False
+        with self._lock:
+            for m in made:
+                if not m.created or m.uuid in reused:
+                    continue
+                try:
+                    now = {i.gi_id: i for i in self.driver.instances(m.gpu)}
+                    inst = now.get(m.gi_id)
+                    if inst is None or inst.uuid != m.uuid:
+                        continue  # gone already
+                    if inst.in_use:
+                        log.info("%s: MIG instance %s still in use: kept for now", who, m.uuid)
+                        left.append(m)
+                        continue
+                    self.driver.destroy(m.gpu, m.gi_id)
+                    changed = True
+                    log.info("%s is gone: destroyed MIG instance %s on GPU %s", who, m.uuid, m.gpu)
+                except MigDriverError as exc:
+                    log.warning("%s: cannot destroy MIG instance %s: %s", who, m.uuid, exc)
+                    left.append(m)
+            if changed:
+                self._changed()
+        return left

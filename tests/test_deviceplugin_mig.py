@@ -1,0 +1,369 @@
+"""The device plugin realising MIG placements, on a simulated MIG-capable
+node (GPUVISOR_SIM_TOPOLOGY, the simulated NVML's MIG calls) against
+kubelet's side of the protocol (tests/kubelet_harness.py).
+
+The plugin runs as its own process (NVML is per process, and the simulated
+one reads its node from the environment): the real service, runner, NVML
+GPU source and MIG driver, with the pods' allocations read from a file the
+test writes (in place of the API server).  What a container gets is checked
+the way it would see it: the workload runs with exactly what Allocate
+returned and reports its device's UUID and memory through CUDA; the node's
+instances are read back through NVML by another process."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from tests.helpers import LIBRARY, REPO_ROOT, SimNode, run_py, start_ready
+from tests.kubelet_harness import Container, FakeKubelet, Pod, host_env, run
+
+NODE = "mig-node"
+A100 = "NVIDIA A100-SXM4-40GB"
+PROFILE_1G10 = 15  # 1g.10gb: 2 memory slices, starts 0, 2, 4, 6; 9856 MiB
+PROFILE_3G = 9  # 3g.20gb: 4 memory slices, starts 0, 4; 20096 MiB
+
+# The plugin's process: the service with NVML's GPUs and MIG driver, the
+# allocations from a JSON file ({"ns/name": annotation}), kubelet's
+# PodResources on the harness's socket.  argv: plugin dir, PodResources
+# socket, state dir, lib dir, node dir, allocations file, fault.
+PLUGIN = """
+import json, logging, signal, sys
+from pathlib import Path
+import pynvml
+from gpuvisor.cluster.deviceplugin.gpus import NvmlGpus
+from gpuvisor.cluster.deviceplugin.grant import GrantError, parse_grant
+from gpuvisor.cluster.deviceplugin.migdriver import NvmlMig
+from gpuvisor.cluster.deviceplugin.migrealise import MigRealiser
+from gpuvisor.cluster.deviceplugin.owners import PodResourcesOwners
+from gpuvisor.cluster.deviceplugin.runner import PluginRunner
+from gpuvisor.cluster.deviceplugin.service import DevicePluginService, PluginConfig
+
+logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+plugin_dir, pr_sock, state, lib, node_dir, allocs, fault = sys.argv[1:]
+
+class FilePods:
+    def _all(self):
+        return json.loads(Path(allocs).read_text())
+    def allocation(self, namespace, pod):
+        return self._all().get(f"{namespace}/{pod}")
+    def bound(self, node):
+        out = []
+        for text in self._all().values():
+            try:
+                g = parse_grant(text)
+            except GrantError:
+                continue
+            if g.node == node:
+                out.append(g)
+        return out
+
+class NoComputeInstance(NvmlMig):
+    # the GPU instance is made, its compute instance cannot be
+    def _create_compute(self, gi):
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_INSUFFICIENT_RESOURCES)
+
+gpus = NvmlGpus()
+driver = NoComputeInstance() if fault == "no-compute-instance" else NvmlMig()
+config = PluginConfig(node_name=NODE_NAME, state_dir=Path(state), lib_dir=Path(lib),
+                      node_dir=Path(node_dir))
+service = DevicePluginService(config, gpus, FilePods(), PodResourcesOwners(pr_sock),
+                              MigRealiser(driver))
+runner = PluginRunner(service, Path(plugin_dir), health_interval=0.1, watch_interval=0.05)
+signal.signal(signal.SIGTERM, lambda *a: runner.stop())
+runner.run()
+""".replace("NODE_NAME", repr(NODE))
+
+# The node's MIG state as NVML shows it to another process.
+INSTANCES = """
+import json, pynvml
+from gpuvisor.cluster.deviceplugin.migdriver import NvmlMig
+pynvml.nvmlInit()
+d = NvmlMig()
+out = {}
+for i in range(pynvml.nvmlDeviceGetCount()):
+    u = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))
+    u = u.decode() if isinstance(u, bytes) else u
+    out[u] = {"enabled": d.enabled(u),
+              "instances": [[x.start, x.size, x.uuid, x.in_use] for x in d.instances(u)]}
+print(json.dumps(out))
+"""
+
+# The workload's view of what it was given: each CUDA device's name, UUID
+# (cuDeviceGetUuid's bytes in NVML's form: MIG- on a MIG device, whose
+# name says so) and cuMemGetInfo's total, through the preloaded library.
+MIG_PROBE = """
+import json
+from tests.cuclient import *
+ok(cu.cuInit, 0)
+out = []
+for d in range(ok(cu.cuDeviceGetCount)):
+    init(d)
+    name = ok(cu.cuDeviceGetName, 128, ok(cu.cuDeviceGet, d)).split(b"\\0")[0].decode()
+    kind = "MIG" if " MIG " in name else "GPU"
+    out.append([name, kind + uuid(d)[3:], mem_info()[1] // MiB])
+print(json.dumps(out))
+"""
+
+# A workload that holds 1 GiB on its device until its stdin closes.
+HOLD = """
+import sys
+from tests.cuclient import *
+init(0)
+ok(cu.cuMemAlloc, 1 << 30)
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@dataclass
+class MigNode:
+    sim: SimNode
+    gpus: list[str]  # UUIDs by index
+    kubelet: FakeKubelet
+    allocs: Path
+    base_env: dict[str, str]
+    plugin: subprocess.Popen[bytes]
+    log: Path
+
+    def place(self, pod: Pod, container: str, gpu: int, mig: dict[str, Any], mib: int) -> None:
+        doc = json.loads(self.allocs.read_text())
+        doc[pod.key] = json.dumps(
+            {
+                "pod": pod.key,
+                "node": NODE,
+                "containers": [
+                    {
+                        "name": container,
+                        "gpus": [
+                            {
+                                "uuid": self.gpus[gpu],
+                                "index": gpu,
+                                "memory_mib": mib,
+                                "cores": 15,
+                                "mig": mig,
+                            }
+                        ],
+                    }
+                ],
+            }
+        )
+        self.allocs.write_text(json.dumps(doc))
+
+    def instances(self) -> dict[str, Any]:
+        proc = run_py(INSTANCES, self.sim.env)
+        assert proc.returncode == 0, proc.stderr
+        out: dict[str, Any] = json.loads(proc.stdout)
+        return out
+
+    def plugin_log(self) -> str:
+        return self.log.read_text()
+
+
+def mig_plan(
+    profile_id: int,
+    start: int,
+    size: int,
+    *,
+    instance: str | None = None,
+    destroy: tuple[str, ...] = (),
+    enable: bool = False,
+) -> dict[str, Any]:
+    return {
+        "profile": {PROFILE_1G10: "1g.10gb", PROFILE_3G: "3g.20gb"}[profile_id],
+        "profile_id": profile_id,
+        "placement": {"start": start, "size": size},
+        "instance": instance,
+        "destroy": list(destroy),
+        "enable_mig_mode": enable,
+    }
+
+
+def eventually(predicate: Callable[[], bool], timeout: float = 20.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def start_node(tmp_path: Path, fault: str = "") -> Iterator[MigNode]:
+    topo = tmp_path / "topology.json"
+    topo.write_text(json.dumps({"gpus": [{"model": A100}, {"model": A100}]}))
+    sim = SimNode.create(tmp_path)
+    del sim.env["GPUVISOR_SIM_DEVICES"]
+    sim.env["GPUVISOR_SIM_TOPOLOGY"] = str(topo)
+    socks = Path(tempfile.mkdtemp(prefix="gvmg", dir="/tmp"))
+    kubelet = FakeKubelet(socks / "dp", socks / "pr" / "kubelet.sock")
+    allocs = tmp_path / "allocations.json"
+    allocs.write_text("{}")
+    (tmp_path / "node").mkdir()
+    log = tmp_path / "plugin.log"
+    argv = [
+        *(str(socks / "dp"), str(socks / "pr" / "kubelet.sock"), str(tmp_path / "state")),
+        *(str(LIBRARY.parent), str(tmp_path / "node"), str(allocs), fault),
+    ]
+    with open(log, "wb") as out:
+        plugin = subprocess.Popen(
+            [sys.executable, "-c", PLUGIN, *argv],
+            env=sim.env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            cwd=REPO_ROOT,
+        )
+    base = {
+        k: v
+        for k, v in sim.env.items()
+        if k not in ("CUDA_DEVICE_MEMORY_SHARED_CACHE", "GPUVISOR_NODE_LOCK")
+    }
+    try:
+        kubelet.wait_registered(timeout=60)
+        uuids = sorted({d.rsplit("-", 1)[0] for d in kubelet.state.devices})
+        node = MigNode(sim, uuids, kubelet, allocs, base, plugin, log)
+        # NVML's order (the simulator's UUIDs end in the index)
+        node.gpus = sorted(uuids, key=lambda u: int(u.rsplit("-", 1)[1], 16))
+        yield node
+    finally:
+        plugin.terminate()
+        try:
+            plugin.wait(10)
+        except subprocess.TimeoutExpired:
+            plugin.kill()
+        kubelet.stop()
+        shutil.rmtree(socks, ignore_errors=True)
+
+
+@pytest.fixture
+def mig_node(tmp_path: Path, build_dir: Path) -> Iterator[MigNode]:
+    yield from start_node(tmp_path)
+
+
+@pytest.fixture
+def faulty_node(tmp_path: Path, build_dir: Path) -> Iterator[MigNode]:
+    yield from start_node(tmp_path, "no-compute-instance")
+
+
+def test_a_mig_placement_is_realised_and_undone(mig_node: MigNode) -> None:
+    """MIG mode turned on, the planned instance made at its placement, the
+    container given its MIG device (UUID and memory) and its limits; the
+    instance destroyed once kubelet no longer lists the pod."""
+    n = mig_node
+    g0 = n.gpus[0]
+    assert n.instances()[g0] == {"enabled": False, "instances": []}
+    pod = Pod("default", "mig", [Container("main", 1)])
+    n.place(pod, "main", 0, mig_plan(PROFILE_1G10, 2, 2, enable=True), 9856)
+    resp = n.kubelet.admit(pod)["main"]
+    state = n.instances()[g0]
+    assert state["enabled"]
+    ((start, size, uuid, in_use),) = state["instances"]
+    assert (start, size, in_use) == (2, 2, False)
+    assert uuid.startswith("MIG-")
+    assert resp.envs["NVIDIA_VISIBLE_DEVICES"] == uuid
+    assert resp.envs["CUDA_VISIBLE_DEVICES"] == uuid
+    n.kubelet.start(pod, "main")
+    limits = Path(host_env(resp, {})["GPUVISOR_LIMITS_FILE"]).read_text()
+    assert "CUDA_DEVICE_MEMORY_LIMIT=9856m\nCUDA_DEVICE_SM_LIMIT=0\n" in limits
+    proc = run(resp, MIG_PROBE, n.base_env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [[f"{A100} MIG 1g.10gb", uuid, 9856]]
+    # the pod is gone: its instance goes; MIG mode stays on
+    n.kubelet.release(pod)
+    assert eventually(lambda: n.instances()[g0]["instances"] == []), n.plugin_log()
+    assert n.instances()[g0]["enabled"]
+    assert f"destroyed MIG instance {uuid}" in n.plugin_log()
+
+
+def test_an_instance_in_use_is_never_destroyed(mig_node: MigNode) -> None:
+    n = mig_node
+    g0 = n.gpus[0]
+    pod = Pod("default", "busy", [Container("main", 1)])
+    n.place(pod, "main", 0, mig_plan(PROFILE_1G10, 0, 2, enable=True), 9856)
+    resp = n.kubelet.admit(pod)["main"]
+    n.kubelet.start(pod, "main")
+    uuid = resp.envs["CUDA_VISIBLE_DEVICES"]
+    holder = start_ready(HOLD, host_env(resp, n.base_env))
+    try:
+        assert eventually(lambda: n.instances()[g0]["instances"] == [[0, 2, uuid, True]])
+        # another pod's plan names it for destruction (a stale plan): refused,
+        # and kubelet hears why
+        other = Pod("default", "stale", [Container("main", 1)])
+        n.place(other, "main", 0, mig_plan(PROFILE_3G, 0, 4, destroy=(uuid,)), 20096)
+        with pytest.raises(grpc.RpcError) as err:
+            n.kubelet.admit(other)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert f"MIG instance {uuid} is in use: not destroyed" in str(err.value.details())
+        # the pod is gone while its process still runs: the instance stays
+        n.kubelet.release(pod)
+        assert eventually(lambda: "still in use: kept for now" in n.plugin_log())
+        assert n.instances()[g0]["instances"] == [[0, 2, uuid, True]]
+    finally:
+        assert holder.stdin is not None
+        holder.stdin.close()
+        holder.wait(30)
+    # once nothing uses it, it goes
+    assert eventually(lambda: n.instances()[g0]["instances"] == []), n.plugin_log()
+
+
+def test_a_failed_creation_leaves_no_half_made_instance(faulty_node: MigNode) -> None:
+    """The GPU instance is made but its compute instance is not: kubelet
+    gets the reason, and the GPU instance is destroyed again."""
+    n = faulty_node
+    g1 = n.gpus[1]
+    pod = Pod("default", "nope", [Container("main", 1)])
+    n.place(pod, "main", 1, mig_plan(PROFILE_3G, 4, 4, enable=True), 20096)
+    with pytest.raises(grpc.RpcError) as err:
+        n.kubelet.admit(pod)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    why = str(err.value.details())
+    assert why.startswith(f"gpuvisor: pod default/nope container main: GPU {g1}: profile 9 at 4+4")
+    assert "nvmlGpuInstanceCreateComputeInstance" in why
+    assert "destroyed again" in why
+    assert n.instances()[g1] == {"enabled": True, "instances": []}
+    # nothing was left for the container either: no directory
+    assert not any((d / "mig.json").exists() for d in (n.sim.dir / "state").iterdir())
+
+
+def test_an_overlapping_plan_is_refused_and_nothing_changes(mig_node: MigNode) -> None:
+    n = mig_node
+    g0 = n.gpus[0]
+    first = Pod("default", "first", [Container("main", 1)])
+    n.place(first, "main", 0, mig_plan(PROFILE_1G10, 4, 2, enable=True), 9856)
+    n.kubelet.admit(first)
+    (inst,) = n.instances()[g0]["instances"]
+    # a plan made before the first instance was seen, overlapping it
+    second = Pod("default", "second", [Container("main", 1)])
+    n.place(second, "main", 0, mig_plan(PROFILE_3G, 4, 4), 20096)
+    with pytest.raises(grpc.RpcError) as err:
+        n.kubelet.admit(second)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert f"overlaps MIG instance {inst[2]} at 4+2" in str(err.value.details())
+    assert n.instances()[g0]["instances"] == [inst]
+
+
+def test_a_container_kubelet_gave_other_devices_is_not_started(mig_node: MigNode) -> None:
+    """PreStartContainer checks the fact (PodResources): a container whose
+    placement is MIG but for which Allocate made no instance (kubelet did
+    not follow the preference) fails its start with the reason."""
+    n = mig_node
+    pod = Pod("default", "unsteered", [Container("main", 1)])
+    n.kubelet.registered.options.get_preferred_allocation_available = False  # type: ignore[union-attr]
+    n.place(pod, "main", 0, mig_plan(PROFILE_1G10, 0, 2, enable=True), 9856)
+    resp = n.kubelet.admit(pod)["main"]
+    assert resp.envs["CUDA_VISIBLE_DEVICES"] == n.gpus[0]
+    with pytest.raises(grpc.RpcError) as err:
+        n.kubelet.start(pod, "main")
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "no MIG instance was made for it at Allocate" in str(err.value.details())
+    assert n.instances()[n.gpus[0]]["instances"] == []
