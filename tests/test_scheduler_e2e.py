@@ -7,8 +7,10 @@ by tests/kubelet_harness.py, and the workloads running on the simulated
 node with exactly what the plugin returned (cuMemGetInfo shows the quota).
 
 Nodes without a plugin (type/UUID selection, policies, NVLink) get their
-inventory annotation from the test: the device plugin cannot read links or
-MIG yet, and the simulator has one GPU model and no topology.
+inventory annotation from the test.  The MIG pod's node is a simulated
+MIG-capable node (GPUVISOR_SIM_TOPOLOGY) with `gpuvisor device-plugin`
+running there as a process, reading NVML, making the MIG instances and
+publishing the inventory.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ import threading
 import time
 import urllib.request
 from collections import defaultdict
-from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +45,8 @@ from tests.helpers import LIBRARY, REPO_ROOT, SimNode, run_py
 from tests.k8s_cluster import GPU, GPUCORES, GPUMEM, KubeTest, free_port, gpu_container
 from tests.kubelet_harness import Container, FakeKubelet, Pod, run
 from tests.test_deviceplugin import PROBE, StaticGpus
+from tests.test_deviceplugin_mig import INSTANCES as MIG_INSTANCES
+from tests.test_deviceplugin_mig import MIG_PROBE
 
 GPUVISOR = [sys.executable, "-c", "from gpuvisor.supervisor.cli import main; main()"]
 EXTENDER_START = 60.0  # seconds: the Kubernetes client's import on a loaded machine
@@ -140,19 +144,7 @@ class PluginNode:
     base_env: dict[str, str]
 
     def admit(self, pod: kubernetes.client.V1Pod) -> tuple[Pod, dict[str, Any]]:
-        """kubelet admits the pod (GetPreferredAllocation, Allocate), then
-        starts each container (PreStartContainer); the Allocate answers."""
-        containers = [
-            Container(c.name, gpus_of(c), init=init)
-            for cs, init in ((pod.spec.init_containers or [], True), (pod.spec.containers, False))
-            for c in cs
-        ]
-        hp = Pod(pod.metadata.namespace, pod.metadata.name, containers)
-        resps = self.kubelet.admit(hp)
-        for c in containers:
-            if c.gpus:
-                self.kubelet.start(hp, c.name)
-        return hp, resps
+        return admit(self.kubelet, pod)
 
     def probe(self, resp: Any) -> dict[str, Any]:
         proc = run(resp, PROBE, self.base_env)
@@ -167,6 +159,22 @@ class PluginNode:
         shutil.rmtree(self.socks, ignore_errors=True)
 
 
+def admit(kubelet: FakeKubelet, pod: kubernetes.client.V1Pod) -> tuple[Pod, dict[str, Any]]:
+    """kubelet admits the pod (GetPreferredAllocation, Allocate), then
+    starts each container (PreStartContainer); the Allocate answers."""
+    containers = [
+        Container(c.name, gpus_of(c), init=init)
+        for cs, init in ((pod.spec.init_containers or [], True), (pod.spec.containers, False))
+        for c in cs
+    ]
+    hp = Pod(pod.metadata.namespace, pod.metadata.name, containers)
+    resps = kubelet.admit(hp)
+    for c in containers:
+        if c.gpus:
+            kubelet.start(hp, c.name)
+    return hp, resps
+
+
 def gpus_of(c: kubernetes.client.V1Container) -> int:
     limits = (c.resources and c.resources.limits) or {}
     return int(limits.get(GPU, 0))
@@ -179,6 +187,7 @@ class Stack:
     tmp: Path
     sim_gpus: list[Gpu]
     nodes: dict[str, PluginNode]
+    cleanups: list[Callable[[], None]] = field(default_factory=list)
 
     def plugin_node(self, name: str) -> PluginNode:
         """A Node whose inventory the device plugin publishes (2 simulated 16 GiB GPUs)."""
@@ -273,6 +282,8 @@ def stack(k8s: KubeTest, tmp_path: Path, sim_gpus: list[Gpu]) -> Iterator[Stack]
         ext.stop()
         for n in st.nodes.values():
             n.stop()
+        for stop in st.cleanups:
+            stop()
 
 
 def allocation_of(pod: kubernetes.client.V1Pod) -> dict[str, Any]:
@@ -489,3 +500,134 @@ def test_an_extender_restart_in_the_middle(stack: Stack) -> None:
     time.sleep(3.0)
     assert len(bound([waiting, "late"])) == 1
     assert f"{shared} 8.0" in stack.extender.metrics()
+
+
+@dataclass
+class MigPluginNode:
+    """A Node with a simulated MIG-capable node behind it (an A100 40GB
+    out of MIG mode, GPUVISOR_SIM_TOPOLOGY), and `gpuvisor device-plugin`
+    itself running there as a process: NVML for its GPUs, inventory and
+    MIG instances, the API server (kubeconfig) for pods and the Node."""
+
+    sim: SimNode
+    kubelet: FakeKubelet
+    plugin: subprocess.Popen[bytes]
+    log: Path
+    socks: Path
+    base_env: dict[str, str]
+
+    def instances(self) -> dict[str, Any]:
+        proc = run_py(MIG_INSTANCES, self.sim.env)
+        assert proc.returncode == 0, proc.stderr
+        out: dict[str, Any] = json.loads(proc.stdout)
+        return out
+
+    def stop(self) -> None:
+        if self.plugin.poll() is None:
+            self.plugin.terminate()
+            try:
+                self.plugin.wait(10)
+            except subprocess.TimeoutExpired:
+                self.plugin.kill()
+        self.kubelet.stop()
+        shutil.rmtree(self.socks, ignore_errors=True)
+
+
+def start_mig_plugin_node(stack: Stack, name: str) -> MigPluginNode:
+    stack.k8s.create_node(name)
+    d = stack.tmp / name
+    d.mkdir()
+    topo = d / "topology.json"
+    topo.write_text(json.dumps({"gpus": [{"model": "NVIDIA A100-SXM4-40GB"}]}))
+    sim = SimNode.create(d)
+    del sim.env["GPUVISOR_SIM_DEVICES"]
+    sim.env["GPUVISOR_SIM_TOPOLOGY"] = str(topo)
+    (d / "node").mkdir()
+    socks = Path(tempfile.mkdtemp(prefix="gvsm", dir="/tmp"))
+    kubelet = FakeKubelet(socks / "dp", socks / "pr" / "kubelet.sock")
+    argv = [
+        *GPUVISOR,
+        "device-plugin",
+        f"--node-name={name}",
+        f"--plugin-dir={socks / 'dp'}",
+        f"--pod-resources-socket={socks / 'pr' / 'kubelet.sock'}",
+        f"--state-dir={d / 'state'}",
+        f"--lib-dir={LIBRARY.parent}",
+        f"--node-dir={d / 'node'}",
+        "--health-interval=0.2",
+    ]
+    env = dict(sim.env, KUBECONFIG=str(stack.k8s.cluster.kubeconfig))
+    log = d / "plugin.log"
+    with open(log, "wb") as out:
+        plugin = subprocess.Popen(
+            argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT
+        )
+    base = {
+        k: v
+        for k, v in sim.env.items()
+        if k not in ("CUDA_DEVICE_MEMORY_SHARED_CACHE", "GPUVISOR_NODE_LOCK")
+    }
+    node = MigPluginNode(sim, kubelet, plugin, log, socks, base)
+    stack.cleanups.append(node.stop)
+    try:
+        kubelet.wait_registered(timeout=EXTENDER_START)
+    except TimeoutError:
+        pytest.fail(f"the device plugin did not register: {log.read_text()[-3000:]}")
+    return node
+
+
+def node_inventory(k: KubeTest, name: str) -> dict[str, Any]:
+    text = (k.core.read_node(name).metadata.annotations or {}).get(NODE_INVENTORY)
+    doc: dict[str, Any] = json.loads(text) if text else {}
+    return doc
+
+
+def test_a_mig_pod(stack: Stack) -> None:
+    """A pod with vgpu-mode: mig is placed by kube-scheduler through the
+    extender onto a MIG-capable node as a MIG instance; the device plugin
+    turns MIG mode on and makes the instance, republishes the node's
+    inventory with it, and the workload runs on the MIG device (its UUID,
+    its memory).  Once the pod is deleted, the instance is destroyed and the
+    inventory says so."""
+    k = stack.k8s
+    node = start_mig_plugin_node(stack, "mx-1")
+    wait_for(lambda: bool(node_inventory(k, "mx-1")), what="the published inventory")
+    (gpu,) = node_inventory(k, "mx-1")["gpus"]
+    assert (gpu["mig"]["mode"], gpu["mig"]["instances"]) == ("disabled", [])
+    k.create_pod("mig", gpus=1, gpumem=8000, annotations={"nvidia.com/vgpu-mode": "mig"})
+    assert k.wait_bound("mig") == "mx-1"
+    pod = k.read_pod("mig")
+    (g,) = gpus_of_container(allocation_of(pod), "main")
+    plan = g["mig"]
+    assert plan is not None
+    assert plan["enable_mig_mode"]
+    assert plan["instance"] is None
+    # the smallest profiles of at least 8000 MiB: 1g.10gb or 2g.10gb (9856 MiB)
+    assert plan["profile"] in ("1g.10gb", "2g.10gb")
+    assert g["memory_mib"] == 9856
+    where = [plan["placement"]["start"], plan["placement"]["size"]]
+    hp, resps = admit(node.kubelet, pod)
+    (inst,) = node.instances()[gpu["uuid"]]["instances"]
+    mig_uuid = inst[2]
+    assert inst[:2] == where
+    assert mig_uuid.startswith("MIG-")
+    assert resps["main"].envs["CUDA_VISIBLE_DEVICES"] == mig_uuid
+    assert resps["main"].envs["NVIDIA_VISIBLE_DEVICES"] == mig_uuid
+    proc = run(resps["main"], MIG_PROBE, node.base_env)
+    assert proc.returncode == 0, proc.stderr
+    name = f"NVIDIA A100-SXM4-40GB MIG {plan['profile']}"
+    assert json.loads(proc.stdout) == [[name, mig_uuid, 9856]]
+
+    # the extender's view: the node's inventory with MIG mode on and the instance
+    def published() -> list[Any]:
+        mig = node_inventory(k, "mx-1")["gpus"][0]["mig"]
+        return [mig["mode"], [(i["uuid"], i["placement"]) for i in mig["instances"]]]
+
+    want = ["enabled", [(mig_uuid, {"start": where[0], "size": where[1]})]]
+    wait_for(lambda: published() == want, what="the inventory with the instance")
+    # the pod is deleted (kubelet no longer lists it): the instance goes
+    k.core.delete_namespaced_pod("mig", k.namespace, grace_period_seconds=0)
+    node.kubelet.release(hp)
+    wait_for(lambda: node.instances()[gpu["uuid"]]["instances"] == [], what="the destruction")
+    wait_for(lambda: published() == ["enabled", []], what="the inventory without the instance")
+    assert f"destroyed MIG instance {mig_uuid}" in node.log.read_text()
