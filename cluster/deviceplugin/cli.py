@@ -110,7 +110,11 @@ def device_plugin(
     the container starts (PreStartContainer), the plugin asks kubelet's
     PodResources API whose container it is and writes that pod's limits
     (its gpuvisor.io/allocation annotation) into the container's limits
-    file.  Re-registers whenever kubelet restarts.  See docs/kubernetes.md.
+    file.  For a MIG placement, Allocate makes the planned MIG instance
+    (NVML) and the container sees its MIG device; instances made for a pod
+    are destroyed once it is gone (never while in use), and the node's
+    inventory is republished after each MIG change.  Re-registers whenever
+    kubelet restarts.  See docs/kubernetes.md.
     """
     # gRPC, NVML and the Kubernetes client load only when the plugin runs
     from .gpus import NvmlGpus

@@ -60,6 +60,11 @@ def _text(v: str | bytes) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
+def _why(exc: pynvml.NVMLError) -> str:
+    """NVML's text and its code (a driver may not name every code)."""
+    return f"{exc} (NVML error {exc.value})"
+
+
 class NvmlMig:
     """MigDriver through pynvml (NVML initialised by the caller)."""
 
@@ -70,14 +75,14 @@ class NvmlMig:
         try:
             return pynvml.nvmlDeviceGetHandleByUUID(gpu)
         except pynvml.NVMLError as exc:
-            raise MigDriverError(f"GPU {gpu}: nvmlDeviceGetHandleByUUID: {exc}") from None
+            raise MigDriverError(f"GPU {gpu}: nvmlDeviceGetHandleByUUID: {_why(exc)}") from None
 
     def enabled(self, gpu: str) -> bool:
         with self._lock:
             try:
                 current, _pending = pynvml.nvmlDeviceGetMigMode(self._handle(gpu))
             except pynvml.NVMLError as exc:
-                raise MigDriverError(f"GPU {gpu}: nvmlDeviceGetMigMode: {exc}") from None
+                raise MigDriverError(f"GPU {gpu}: nvmlDeviceGetMigMode: {_why(exc)}") from None
             return bool(current == pynvml.NVML_DEVICE_MIG_ENABLE)
 
     def busy(self, gpu: str) -> bool:
@@ -86,7 +91,7 @@ class NvmlMig:
                 return bool(pynvml.nvmlDeviceGetComputeRunningProcesses(self._handle(gpu)))
             except pynvml.NVMLError as exc:
                 raise MigDriverError(
-                    f"GPU {gpu}: nvmlDeviceGetComputeRunningProcesses: {exc}"
+                    f"GPU {gpu}: nvmlDeviceGetComputeRunningProcesses: {_why(exc)}"
                 ) from None
 
     def enable(self, gpu: str) -> None:
@@ -96,7 +101,9 @@ class NvmlMig:
                 pynvml.nvmlDeviceSetMigMode(h, pynvml.NVML_DEVICE_MIG_ENABLE)
                 current, pending = pynvml.nvmlDeviceGetMigMode(h)
             except pynvml.NVMLError as exc:
-                raise MigDriverError(f"GPU {gpu}: nvmlDeviceSetMigMode(enable): {exc}") from None
+                raise MigDriverError(
+                    f"GPU {gpu}: nvmlDeviceSetMigMode(enable): {_why(exc)}"
+                ) from None
             if current != pynvml.NVML_DEVICE_MIG_ENABLE:
                 raise MigDriverError(
                     f"GPU {gpu}: MIG mode is pending ({pending}) and needs a GPU reset; "
@@ -150,7 +157,7 @@ class NvmlMig:
                             )
                         )
             except pynvml.NVMLError as exc:
-                raise MigDriverError(f"GPU {gpu}: listing MIG instances: {exc}") from None
+                raise MigDriverError(f"GPU {gpu}: listing MIG instances: {_why(exc)}") from None
             return sorted(out, key=lambda i: i.gi_id)
 
     def create(self, gpu: str, profile_id: int, start: int, size: int) -> MigInstance:
@@ -165,14 +172,14 @@ class NvmlMig:
                 gi_id = int(pynvml.nvmlGpuInstanceGetInfo(gi).id)
             except pynvml.NVMLError as exc:
                 raise MigDriverError(
-                    f"{where}: nvmlDeviceCreateGpuInstanceWithPlacement: {exc}"
+                    f"{where}: nvmlDeviceCreateGpuInstanceWithPlacement: {_why(exc)}"
                 ) from None
             try:
                 self._create_compute(gi)
             except pynvml.NVMLError as exc:
                 self._destroy_gi(gpu, h, gi_id)
                 raise MigDriverError(
-                    f"{where}: nvmlGpuInstanceCreateComputeInstance: {exc} "
+                    f"{where}: nvmlGpuInstanceCreateComputeInstance: {_why(exc)} "
                     f"(GPU instance {gi_id} destroyed again)"
                 ) from None
             for inst in self.instances(gpu):
@@ -224,4 +231,6 @@ class NvmlMig:
             try:
                 self._destroy_gi(gpu, h, gi_id)
             except pynvml.NVMLError as exc:
-                raise MigDriverError(f"GPU {gpu}: destroying GPU instance {gi_id}: {exc}") from None
+                raise MigDriverError(
+                    f"GPU {gpu}: destroying GPU instance {gi_id}: {_why(exc)}"
+                ) from None
