@@ -45,7 +45,7 @@ import pynvml
 from gpuvisor.cluster.deviceplugin.gpus import NvmlGpus
 from gpuvisor.cluster.deviceplugin.grant import GrantError, parse_grant
 from gpuvisor.cluster.deviceplugin.migdriver import NvmlMig
-from gpuvisor.cluster.deviceplugin.migrealise import MigRealiser
+from gpuvisor.cluster.deviceplugin.migrealise import MIG_MINE, MigRealiser
 from gpuvisor.cluster.deviceplugin.owners import PodResourcesOwners
 from gpuvisor.cluster.deviceplugin.runner import PluginRunner
 from gpuvisor.cluster.deviceplugin.service import DevicePluginService, PluginConfig
@@ -79,7 +79,7 @@ driver = NoComputeInstance() if fault == "no-compute-instance" else NvmlMig()
 config = PluginConfig(node_name=NODE_NAME, state_dir=Path(state), lib_dir=Path(lib),
                       node_dir=Path(node_dir))
 service = DevicePluginService(config, gpus, FilePods(), PodResourcesOwners(pr_sock),
-                              MigRealiser(driver))
+                              MigRealiser(driver, mine=Path(state) / MIG_MINE))
 runner = PluginRunner(service, Path(plugin_dir), health_interval=0.1, watch_interval=0.05)
 signal.signal(signal.SIGTERM, lambda *a: runner.stop())
 runner.run()
@@ -136,6 +136,21 @@ class MigNode:
     base_env: dict[str, str]
     plugin: subprocess.Popen[bytes]
     log: Path
+    argv: list[str]
+
+    def start_plugin(self) -> None:
+        with open(self.log, "ab") as out:
+            self.plugin = subprocess.Popen(
+                [sys.executable, "-c", PLUGIN, *self.argv],
+                env=self.sim.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=REPO_ROOT,
+            )
+
+    def kill_plugin(self) -> None:
+        self.plugin.kill()
+        self.plugin.wait(10)
 
     def place(self, pod: Pod, container: str, gpu: int, mig: dict[str, Any], mib: int) -> None:
         doc = json.loads(self.allocs.read_text())
@@ -159,6 +174,13 @@ class MigNode:
                 ],
             }
         )
+        self.allocs.write_text(json.dumps(doc))
+
+    def gone(self, pod: Pod) -> None:
+        """The pod is deleted: kubelet drops it, the API no longer has it."""
+        self.kubelet.release(pod)
+        doc = json.loads(self.allocs.read_text())
+        doc.pop(pod.key, None)
         self.allocs.write_text(json.dumps(doc))
 
     def instances(self) -> dict[str, Any]:
@@ -215,32 +237,25 @@ def start_node(tmp_path: Path, fault: str = "") -> Iterator[MigNode]:
         *(str(socks / "dp"), str(socks / "pr" / "kubelet.sock"), str(tmp_path / "state")),
         *(str(LIBRARY.parent), str(tmp_path / "node"), str(allocs), fault),
     ]
-    with open(log, "wb") as out:
-        plugin = subprocess.Popen(
-            [sys.executable, "-c", PLUGIN, *argv],
-            env=sim.env,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            cwd=REPO_ROOT,
-        )
     base = {
         k: v
         for k, v in sim.env.items()
         if k not in ("CUDA_DEVICE_MEMORY_SHARED_CACHE", "GPUVISOR_NODE_LOCK")
     }
+    node = MigNode(sim, [], kubelet, allocs, base, None, log, argv)  # type: ignore[arg-type]
+    node.start_plugin()
     try:
         kubelet.wait_registered(timeout=60)
-        uuids = sorted({d.rsplit("-", 1)[0] for d in kubelet.state.devices})
-        node = MigNode(sim, uuids, kubelet, allocs, base, plugin, log)
+        uuids = {d.rsplit("-", 1)[0] for d in kubelet.state.devices}
         # NVML's order (the simulator's UUIDs end in the index)
         node.gpus = sorted(uuids, key=lambda u: int(u.rsplit("-", 1)[1], 16))
         yield node
     finally:
-        plugin.terminate()
+        node.plugin.terminate()
         try:
-            plugin.wait(10)
+            node.plugin.wait(10)
         except subprocess.TimeoutExpired:
-            plugin.kill()
+            node.plugin.kill()
         kubelet.stop()
         shutil.rmtree(socks, ignore_errors=True)
 
@@ -279,7 +294,7 @@ def test_a_mig_placement_is_realised_and_undone(mig_node: MigNode) -> None:
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == [[f"{A100} MIG 1g.10gb", uuid, 9856]]
     # the pod is gone: its instance goes; MIG mode stays on
-    n.kubelet.release(pod)
+    n.gone(pod)
     assert eventually(lambda: n.instances()[g0]["instances"] == []), n.plugin_log()
     assert n.instances()[g0]["enabled"]
     assert f"destroyed MIG instance {uuid}" in n.plugin_log()
@@ -305,7 +320,7 @@ def test_an_instance_in_use_is_never_destroyed(mig_node: MigNode) -> None:
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert f"MIG instance {uuid} is in use: not destroyed" in str(err.value.details())
         # the pod is gone while its process still runs: the instance stays
-        n.kubelet.release(pod)
+        n.gone(pod)
         assert eventually(lambda: "still in use: kept for now" in n.plugin_log())
         assert n.instances()[g0]["instances"] == [[0, 2, uuid, True]]
     finally:
@@ -367,3 +382,76 @@ def test_a_container_kubelet_gave_other_devices_is_not_started(mig_node: MigNode
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "no MIG instance was made for it at Allocate" in str(err.value.details())
     assert n.instances()[n.gpus[0]]["instances"] == []
+
+
+def test_a_plugin_restart_forgets_nothing(mig_node: MigNode) -> None:
+    """The instances a pod holds are recorded in its directory: a plugin
+    killed and started again still destroys them once the pod is gone."""
+    n = mig_node
+    g0 = n.gpus[0]
+    pod = Pod("default", "kept", [Container("main", 1)])
+    n.place(pod, "main", 0, mig_plan(PROFILE_1G10, 6, 2, enable=True), 9856)
+    n.kubelet.admit(pod)
+    n.kubelet.start(pod, "main")
+    ((_, _, uuid, _),) = n.instances()[g0]["instances"]
+    n.kill_plugin()
+    n.start_plugin()
+    n.kubelet.wait_registered(count=2, timeout=60)
+    n.gone(pod)
+    assert eventually(lambda: n.instances()[g0]["instances"] == []), n.plugin_log()
+    assert f"destroyed MIG instance {uuid}" in n.plugin_log()
+
+
+def test_an_instance_is_handed_over_and_one_not_made_here_is_kept(mig_node: MigNode) -> None:
+    """An instance the plugin made for a pod that is gone, which another
+    bound pod's plan reuses, is left for that pod and destroyed when that
+    one is gone too; an instance someone else made is used and never
+    destroyed."""
+    n = mig_node
+    g0, g1 = n.gpus
+    first = Pod("default", "first", [Container("main", 1)])
+    n.place(first, "main", 0, mig_plan(PROFILE_1G10, 0, 2, enable=True), 9856)
+    uuid = n.kubelet.admit(first)["main"].envs["CUDA_VISIBLE_DEVICES"]
+    n.kubelet.start(first, "main")
+    second = Pod("default", "second", [Container("main", 1)])
+    n.place(second, "main", 0, mig_plan(PROFILE_1G10, 0, 2, instance=uuid), 9856)
+    n.gone(first)
+    time.sleep(1.0)  # ten health polls
+    assert n.instances()[g0]["instances"] == [[0, 2, uuid, False]]
+    resp = n.kubelet.admit(second)["main"]
+    assert resp.envs["CUDA_VISIBLE_DEVICES"] == uuid
+    n.kubelet.start(second, "main")
+    n.gone(second)
+    assert eventually(lambda: n.instances()[g0]["instances"] == []), n.plugin_log()
+    # an instance made by someone else on GPU 1
+    made = run_py(
+        """
+        import ctypes, pynvml as n
+        n.nvmlInit()
+        d = n.nvmlDeviceGetHandleByIndex(1)
+        n.nvmlDeviceSetMigMode(d, n.NVML_DEVICE_MIG_ENABLE)
+        p = n.c_nvmlGpuInstancePlacement_t(4, 4)
+        gi = n.nvmlDeviceCreateGpuInstanceWithPlacement(d, 9, ctypes.byref(p))
+        n.nvmlGpuInstanceCreateComputeInstance(gi, n.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE)
+        """,
+        n.sim.env,
+    )
+    assert made.returncode == 0, made.stderr
+    ((_, _, other, _),) = n.instances()[g1]["instances"]
+    third = Pod("default", "third", [Container("main", 1)])
+    n.place(third, "main", 1, mig_plan(PROFILE_3G, 4, 4, instance=other), 20096)
+    resp = n.kubelet.admit(third)["main"]
+    assert resp.envs["CUDA_VISIBLE_DEVICES"] == other
+    n.kubelet.start(third, "main")
+    n.gone(third)
+    assert eventually(lambda: "default/third" not in json.dumps(_dirs(n)))
+    assert n.instances()[g1]["instances"] == [[4, 4, other, False]]
+
+
+def _dirs(n: MigNode) -> list[Any]:
+    """The owners of the plugin's container directories."""
+    return [
+        (d / "owner.json").read_text()
+        for d in (n.sim.dir / "state").iterdir()
+        if (d / "owner.json").exists()
+    ]

@@ -144,9 +144,9 @@ def device_plugin(
     except Exception as exc:
         raise click.ClickException(f"cannot configure the Kubernetes client: {exc}") from None
     from .migdriver import NvmlMig
-    from .migrealise import MigRealiser
+    from .migrealise import MIG_MINE, MigRealiser
 
-    mig = MigRealiser(NvmlMig())
+    mig = MigRealiser(NvmlMig(), mine=state_dir / MIG_MINE)
     service = DevicePluginService(
         config, gpus, pods, PodResourcesOwners(str(pod_resources_socket)), mig
     )

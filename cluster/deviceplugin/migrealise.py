@@ -21,20 +21,28 @@ against NVML again here:
 
 `release` destroys the instances the plugin created for a container that is
 gone, except one a process still uses (kept, tried again later) and one
-another pod's plan reuses (handed over)."""
+another pod's plan reuses (handed over: destroyed when that pod is gone).
+The plugin's own instances are remembered in a file (`mine`), so an
+instance made by someone else is never destroyed as the plugin's, and
+neither is forgotten across restarts."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import threading
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from .grant import GpuGrant
 from .migdriver import MigDriver, MigDriverError
 
 log = logging.getLogger("gpuvisor.device-plugin")
+
+MIG_MINE = ".mig-instances.json"  # in the state directory: the instances the plugin made
 
 
 class MigRefused(Exception):
@@ -51,7 +59,7 @@ class Made:
     profile_id: int
     start: int
     size: int
-    created: bool  # made by this plugin for the container (destroyed when it is gone)
+    created: bool  # made by this plugin (destroyed when the container is gone)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -76,10 +84,40 @@ class MigRealiser:
     time on the node; calls on_change after any change (the plugin then
     republishes the node's inventory)."""
 
-    def __init__(self, driver: MigDriver, on_change: Callable[[], object] | None = None) -> None:
+    def __init__(
+        self,
+        driver: MigDriver,
+        on_change: Callable[[], object] | None = None,
+        mine: Path | None = None,
+    ) -> None:
         self.driver = driver
         self.on_change = on_change
+        self.mine_file = mine
         self._lock = threading.Lock()
+        self._mine: set[str] = set()
+        if mine is not None:
+            try:
+                v = json.loads(mine.read_text())
+                self._mine = {u for u in v if isinstance(u, str)}
+            except FileNotFoundError:
+                pass
+            except (OSError, ValueError, TypeError) as exc:
+                log.error("%s: unreadable (%s): no instance is taken as this plugin's", mine, exc)
+
+    def mine(self) -> set[str]:
+        """The MIG UUIDs of the instances this plugin made that still exist (as it knows)."""
+        with self._lock:
+            return set(self._mine)
+
+    def _remember(self, add: str | None = None, drop: str | None = None) -> None:
+        if add is not None:
+            self._mine.add(add)
+        if drop is not None:
+            self._mine.discard(drop)
+        if self.mine_file is not None:
+            tmp = self.mine_file.with_name(f".{self.mine_file.name}.tmp")
+            tmp.write_text(json.dumps(sorted(self._mine)))
+            os.replace(tmp, self.mine_file)
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -91,37 +129,41 @@ class MigRealiser:
     def realise(self, who: str, grants: Sequence[GpuGrant], held: Collection[str]) -> list[Made]:
         """The MIG instances of grants (those with a MIG plan), made or
         reused; held: the MIG UUIDs other containers hold.  MigRefused,
-        with nothing of this call left behind, when one cannot be had."""
+        with nothing this call made left behind, when one cannot be had."""
         made: list[Made] = []
+        fresh: list[Made] = []  # created by this call
         changed = False
         with self._lock:
             try:
                 for g in grants:
                     if g.mig is not None:
-                        got, did = self._one(g, held)
+                        got, new, did = self._one(g, held)
                         made.append(got)
+                        if new:
+                            fresh.append(got)
                         changed = changed or did
             except (MigRefused, MigDriverError) as exc:
-                for m in reversed(made):
-                    if m.created:
-                        try:
-                            self.driver.destroy(m.gpu, m.gi_id)
-                            changed = True
-                        except MigDriverError as undo:
-                            log.error("%s: cannot undo MIG instance %s: %s", who, m.uuid, undo)
+                for m in reversed(fresh):
+                    try:
+                        self.driver.destroy(m.gpu, m.gi_id)
+                        self._remember(drop=m.uuid)
+                        changed = True
+                    except MigDriverError as undo:
+                        log.error("%s: cannot undo MIG instance %s: %s", who, m.uuid, undo)
                 raise MigRefused(f"{who}: {exc}") from None
             finally:
                 if changed:
                     self._changed()
         for m in made:
-            verb = "created" if m.created else "reuses"
+            verb = "created" if m in fresh else "reuses"
             log.info(
                 "%s: %s MIG instance %s on GPU %s (%d+%d)",
                 *(who, verb, m.uuid, m.gpu, m.start, m.size),
             )
         return made
 
-    def _one(self, g: GpuGrant, held: Collection[str]) -> tuple[Made, bool]:
+    def _one(self, g: GpuGrant, held: Collection[str]) -> tuple[Made, bool, bool]:
+        """The instance of one grant: (it, made now, anything changed)."""
         plan = g.mig
         assert plan is not None
         d = self.driver
@@ -148,6 +190,7 @@ class MigRealiser:
                         "destroyed (only an idle GPU is reconfigured)"
                     )
                 d.destroy(gpu, inst.gi_id)
+                self._remember(drop=u)
                 changed = True
         start, size = plan.placement.start, plan.placement.size
         if plan.instance is not None:
@@ -162,8 +205,9 @@ class MigRealiser:
                         f"{inst.start}+{inst.size}, not the planned {plan.profile} "
                         f"at {start}+{size}"
                     )
-                kept = Made(gpu, inst.gi_id, plan.instance, inst.profile_id, start, size, False)
-                return kept, changed
+                ours = plan.instance in self._mine
+                kept = Made(gpu, inst.gi_id, plan.instance, inst.profile_id, start, size, ours)
+                return kept, False, changed
             raise MigRefused(f"GPU {gpu}: MIG instance {plan.instance} is gone")
         mask = ((1 << size) - 1) << start
         for inst in d.instances(gpu):
@@ -174,29 +218,32 @@ class MigRealiser:
                 )
         inst = d.create(gpu, plan.profile_id, start, size)
         assert inst.uuid is not None  # create returns an instance with its MIG device
-        return Made(gpu, inst.gi_id, inst.uuid, plan.profile_id, start, size, True), True
+        self._remember(add=inst.uuid)
+        return Made(gpu, inst.gi_id, inst.uuid, plan.profile_id, start, size, True), True, True
 
     def release(self, who: str, made: Sequence[Made], reused: Collection[str]) -> list[Made]:
-        """Destroy the instances made for a container that is gone; returns
-        those still held: in use (tried again later).  An instance in reused
-        (another pod's plan names it) is left as it is, and so is one the
-        plugin did not create."""
+        """Destroy the instances this plugin made that a container that is
+        gone held; returns those still held: in use (tried again later).
+        An instance in reused (a bound pod's plan names it) is left for that
+        pod, and one the plugin did not make is left as it is."""
         left: list[Made] = []
         changed = False
         with self._lock:
             for m in made:
-                if not m.created or m.uuid in reused:
+                if m.uuid not in self._mine or m.uuid in reused:
                     continue
                 try:
                     now = {i.gi_id: i for i in self.driver.instances(m.gpu)}
                     inst = now.get(m.gi_id)
                     if inst is None or inst.uuid != m.uuid:
+                        self._remember(drop=m.uuid)
                         continue  # gone already
                     if inst.in_use:
                         log.info("%s: MIG instance %s still in use: kept for now", who, m.uuid)
                         left.append(m)
                         continue
                     self.driver.destroy(m.gpu, m.gi_id)
+                    self._remember(drop=m.uuid)
                     changed = True
                     log.info("%s is gone: destroyed MIG instance %s on GPU %s", who, m.uuid, m.gpu)
                 except MigDriverError as exc:
