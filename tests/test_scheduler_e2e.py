@@ -618,16 +618,21 @@ def test_a_mig_pod(stack: Stack) -> None:
     name = f"NVIDIA A100-SXM4-40GB MIG {plan['profile']}"
     assert json.loads(proc.stdout) == [[name, mig_uuid, 9856]]
 
-    # the extender's view: the node's inventory with MIG mode on and the instance
+    # the extender's view: the node's inventory with MIG mode on, the
+    # instance, and what room is left (no 7g.40gb beside it)
     def published() -> list[Any]:
         mig = node_inventory(k, "mx-1")["gpus"][0]["mig"]
         return [mig["mode"], [(i["uuid"], i["placement"]) for i in mig["instances"]]]
 
     want = ["enabled", [(mig_uuid, {"start": where[0], "size": where[1]})]]
     wait_for(lambda: published() == want, what="the inventory with the instance")
+    remaining = node_inventory(k, "mx-1")["gpus"][0]["mig"]["remaining"]
+    assert remaining["7g.40gb"] == 0
+    assert remaining[plan["profile"]] >= 1
     # the pod is deleted (kubelet no longer lists it): the instance goes
     k.core.delete_namespaced_pod("mig", k.namespace, grace_period_seconds=0)
     node.kubelet.release(hp)
     wait_for(lambda: node.instances()[gpu["uuid"]]["instances"] == [], what="the destruction")
     wait_for(lambda: published() == ["enabled", []], what="the inventory without the instance")
+    assert node_inventory(k, "mx-1")["gpus"][0]["mig"]["remaining"]["7g.40gb"] == 1
     assert f"destroyed MIG instance {mig_uuid}" in node.log.read_text()
