@@ -118,6 +118,16 @@ def test_grant_reads_the_allocation_annotation() -> None:
         (lambda d: d["containers"][0].update(sm_policy="fair"), 'sm_policy="fair": use fixed'),
         (lambda d: d["containers"][0].update(priority=2), "priority=2: must be a whole number"),
         (lambda d: d["containers"][0].update(init="yes"), 'init="yes": must be true or false'),
+        (
+            lambda d: d["containers"][0]["gpus"][0].update(mig={"profile": "1g.10gb"}),
+            "containers[0].gpus[0].mig.placement: expected an object, got None",
+        ),
+        (
+            lambda d: d["containers"][0]["gpus"][0].update(
+                mig={"profile": "1g.10gb", "profile_id": 19, "placement": {"start": 0, "size": 0}}
+            ),
+            "mig.placement.size: expected an integer >= 1, got 0",
+        ),
     ],
 )
 def test_grant_refuses_what_it_cannot_act_on(change, message) -> None:
@@ -159,6 +169,34 @@ def test_limits_file_text() -> None:
     ]
     with pytest.raises(GrantError, match="kubelet gave it GPUs"):
         render("ns/p", same, [GPUS[0]])
+
+
+def test_limits_file_of_a_mig_instance() -> None:
+    """On its MIG device a container gets the instance's memory and no SM
+    limit (the instance's SMs are its own), beside a shared GPU's limits."""
+    doc = json.loads(json.dumps(DOC))
+    doc["containers"][0]["gpus"] = [
+        {
+            "uuid": GPUS[0].uuid,
+            "index": 0,
+            "memory_mib": 9856,
+            "cores": 15,
+            "mig": {"profile": "1g.10gb", "profile_id": 15, "placement": {"start": 2, "size": 2}},
+        },
+        {"uuid": GPUS[1].uuid, "index": 1, "memory_mib": 3000, "cores": 30, "mig": None},
+    ]
+    c = parse_grant(json.dumps(doc)).container("main")
+    assert c is not None
+    mig = c.gpus[0].mig
+    assert mig is not None
+    assert (mig.profile_id, mig.placement.start, mig.placement.size) == (15, 2, 2)
+    assert (mig.instance, mig.destroy, mig.enable) == (None, (), False)
+    assert render("ns/p", c, [GPUS[0], GPUS[1]]).splitlines()[1:5] == [
+        "CUDA_DEVICE_MEMORY_LIMIT_0=9856m",
+        "CUDA_DEVICE_SM_LIMIT_0=0",
+        "CUDA_DEVICE_MEMORY_LIMIT_1=3000m",
+        "CUDA_DEVICE_SM_LIMIT_1=30",
+    ]
 
 
 def test_the_command_line_does_not_load_grpc() -> None:
