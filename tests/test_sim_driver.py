@@ -1226,3 +1226,23 @@ def test_a_mipmapped_arrays_level_count_is_clamped(tmp_path: Path) -> None:
     full, asked_more = map(int, out.split())
     assert full == 6 * MiB  # 4 MiB + 1 MiB + ... + 4 bytes, rounded up to 2 MiB
     assert asked_more == full
+
+
+def test_nvml_error_strings(tmp_path: Path) -> None:
+    """nvmlErrorString names each code the simulator returns as the real
+    library does (the device plugin's MIG messages quote it); an unknown
+    code reads "Unknown Error"."""
+    code = """
+        import pynvml as n
+        n.nvmlInit()
+        for c in (n.NVML_ERROR_IN_USE, n.NVML_ERROR_INSUFFICIENT_RESOURCES,
+                  n.NVML_ERROR_NOT_FOUND, 12345):
+            print(n.nvmlErrorString(c))
+        """
+    out = ok(run_py(code, sim_env(tmp_path, ""))).splitlines()
+    assert out == [
+        "In use by another client",
+        "Ran out of critical resources, other than memory",
+        "Not Found",
+        "Unknown Error",
+    ]

@@ -162,6 +162,7 @@ SIM_API const char *nvmlErrorString(nvmlReturn_t r)
     case NVML_ERROR_LIB_RM_VERSION_MISMATCH: return "Driver/library version mismatch";
     case NVML_ERROR_IN_USE: return "In use by another client";
     case NVML_ERROR_MEMORY: return "Insufficient Memory";
+    case NVML_ERROR_INSUFFICIENT_RESOURCES: return "Ran out of critical resources, other than memory";
     case NVML_ERROR_NO_DATA: return "No data";
     case NVML_ERROR_ARGUMENT_VERSION_MISMATCH: return "Argument version mismatch";
     case NVML_ERROR_NOT_READY: return "Not Ready";
