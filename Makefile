@@ -238,3 +238,19 @@ bench-agent: venv
 .PHONY: bench-place
 bench-place: venv
 	$(VENV)/bin/python -m tests.bench.place_bench --write docs/benchmarks.md
+
+# The cluster half at work (make demo-cluster): a real etcd, kube-apiserver
+# and kube-scheduler (make k8s), gpuvisor's extender, two simulated GPU nodes
+# each behind a real `gpuvisor device-plugin`; the demo's pods are placed,
+# admitted and run under the library, then summarised (tests/demo_cluster.py,
+# docs/kubernetes.md).  `make demo` needs no Kubernetes build.
+.PHONY: demo-cluster
+demo-cluster: all venv k8s
+	$(VENV)/bin/python -m tests.demo_cluster
+
+# Scheduling throughput (make bench-cluster): pods/s through the real
+# kube-scheduler with 1,000 Nodes of 8 GPUs, without and with the extender
+# (tests/bench/cluster_bench.py); writes its section of docs/benchmarks.md.
+.PHONY: bench-cluster
+bench-cluster: venv k8s
+	$(VENV)/bin/python -m tests.bench.cluster_bench --write docs/benchmarks.md

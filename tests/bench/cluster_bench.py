@@ -1,0 +1,366 @@
+"""Scheduling throughput through the real kube-scheduler (make bench-cluster):
+pods scheduled per second with 1,000 Node objects of 8 GPUs each, without
+and with gpuvisor's extender.
+
+The control plane is the real one (tests/k8s_cluster.py: etcd,
+kube-apiserver, kube-scheduler, built by `make k8s`).  Every Node carries
+8 GPUs twice over: as extended resources in its allocatable (what
+kube-scheduler alone counts) and as an inventory annotation
+(`gpuvisor.io/node-inventory`, 8 x A100 40 GB, what the extender reads).
+The same pods (1 GPU, 1000 MiB, 10 % cores each) are scheduled in two runs:
+
+- without: kube-scheduler alone, the resources counted by its own
+  NodeResourcesFit against the Nodes' allocatable;
+- with: kube-scheduler with `gpuvisor scheduler` as its extender
+  (filter, prioritize, bind; the resources `ignoredByScheduler`), configured
+  as docs/kubernetes.md shows.
+
+The pods are created before the run's kube-scheduler starts (schedulerName
+of that run's profile), so the time measured is the scheduler's alone: the
+binds after the first over the time from the first bind to the last, seen
+by a watch on the pods (kube-scheduler's start-up is shown apart).  Both
+kube-schedulers get `clientConnection.qps/burst` 5000 (as Kubernetes' own
+scheduler_perf does), so the client's rate limiter of 50/s does not cap the
+run without the extender.
+
+"No pod waits on a lock": the extender holds none across a decision or an
+API call (docs/kubernetes.md); what is measured is what could make a pod
+wait instead: binds that failed (a lost race for a node's room, a conflict)
+and so sent the pod back to kube-scheduler's queue, from the extender's own
+request counters.
+
+With --write FILE, replaces the "## Scheduling through kube-scheduler
+(make bench-cluster)" section.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import re
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import kubernetes.client
+import kubernetes.watch
+
+from tests.bench.agent_bench import replace_section
+from tests.k8s_cluster import GPU, GPUCORES, GPUMEM, KubeTest, running_cluster
+from tests.test_scheduler_e2e import Extender, scheduler_config
+
+TITLE = "## Scheduling through kube-scheduler (make bench-cluster)"
+NODE_INVENTORY = "gpuvisor.io/node-inventory"
+GPUS_PER_NODE = 8
+GPU_MIB = 40960
+SPLIT = 10  # replicas per GPU (the device plugin's default --split-count)
+POD_MIB = 1000
+POD_CORES = 10
+QPS = 5000
+GOAL = 0.5  # with the extender, at least half the throughput without it
+
+
+def inventory(name: str) -> str:
+    doc = {
+        "kind": "gpuvisor.io/node-inventory",
+        "version": 1,
+        "node": name,
+        "gpus": [
+            {
+                "index": i,
+                "uuid": f"GPU-{name}-{i}",
+                "model": "NVIDIA A100-SXM4-40GB",
+                "memory_mib": GPU_MIB,
+            }
+            for i in range(GPUS_PER_NODE)
+        ],
+    }
+    return json.dumps(doc, separators=(",", ":"))
+
+
+def create_nodes(k8s: KubeTest, count: int, workers: int = 8) -> float:
+    """`count` Nodes of 8 GPUs (allocatable and inventory); the seconds it took."""
+    began = time.monotonic()
+
+    def one(i: int) -> None:
+        name = f"bench-{i:04d}"
+        k8s.create_node(
+            name,
+            gpus=GPUS_PER_NODE * SPLIT,
+            gpumem=GPUS_PER_NODE * GPU_MIB,
+            gpucores=GPUS_PER_NODE * 100,
+            annotations={NODE_INVENTORY: inventory(name)},
+        )
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(one, range(count)))
+    return time.monotonic() - began
+
+
+def create_pods(k8s: KubeTest, count: int, scheduler: str, prefix: str, workers: int = 8) -> None:
+    def one(i: int) -> None:
+        k8s.create_pod(
+            f"{prefix}-{i:05d}",
+            gpus=1,
+            gpumem=POD_MIB,
+            gpucores=POD_CORES,
+            scheduler_name=scheduler,
+        )
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        list(pool.map(one, range(count)))
+
+
+class BindWatch:
+    """The moment each pod of `prefix` was first seen bound, from a watch."""
+
+    def __init__(self, k8s: KubeTest, prefix: str, count: int) -> None:
+        self.k8s = k8s
+        self.prefix = prefix
+        self.count = count
+        self.bound: dict[str, float] = {}
+        self.done = threading.Event()
+        listed = k8s.core.list_namespaced_pod(k8s.namespace)
+        for p in listed.items:
+            self._see(p)
+        self._watch = kubernetes.watch.Watch()
+        self._version = listed.metadata.resource_version
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _see(self, pod: kubernetes.client.V1Pod) -> None:
+        name = pod.metadata.name
+        if name.startswith(self.prefix) and pod.spec.node_name and name not in self.bound:
+            self.bound[name] = time.monotonic()
+            if len(self.bound) >= self.count:
+                self.done.set()
+
+    def _run(self) -> None:
+        stream = self._watch.stream(
+            self.k8s.core.list_namespaced_pod,
+            self.k8s.namespace,
+            resource_version=self._version,
+            timeout_seconds=3600,
+        )
+        for event in stream:
+            self._see(event["object"])
+            if self.done.is_set():
+                break
+
+    def stop(self) -> None:
+        self._watch.stop()
+
+
+@dataclass
+class Run:
+    name: str
+    nodes: int
+    pods: int
+    bound: int
+    seconds: float  # first pod bound -> last pod bound
+    startup_s: float  # kube-scheduler started -> first pod bound
+    bind_errors: int = 0  # failed binds (the pod went back to the queue)
+    verbs: dict[str, tuple[int, float]] | None = None  # verb -> (requests, mean seconds)
+
+    @property
+    def per_second(self) -> float:
+        # the binds after the first, over the time they took
+        return (self.bound - 1) / self.seconds if self.seconds > 0 else 0.0
+
+
+def extender_counters(metrics: str) -> tuple[int, dict[str, tuple[int, float]]]:
+    """Failed binds, and per verb (requests, mean seconds), from /metrics."""
+    errors = 0
+    counts: dict[str, float] = {}
+    sums: dict[str, float] = {}
+    for line in metrics.splitlines():
+        m = re.match(r"gpuvisor_scheduler_requests_total\{(.*)\} (\S+)", line)
+        if m and 'verb="bind"' in m.group(1) and 'result="error"' in m.group(1):
+            errors += int(float(m.group(2)))
+        m = re.match(r'gpuvisor_scheduler_request_seconds_(count|sum)\{verb="(\w+)"\} (\S+)', line)
+        if m:
+            (counts if m.group(1) == "count" else sums)[m.group(2)] = float(m.group(3))
+    verbs = {v: (int(n), sums.get(v, 0.0) / n if n else 0.0) for v, n in counts.items()}
+    return errors, verbs
+
+
+def scheduler_run(
+    k8s: KubeTest,
+    nodes: int,
+    pods: int,
+    extender: Extender | None,
+    timeout: float,
+) -> Run:
+    """Creates `pods` pods for a fresh kube-scheduler, starts it and times it."""
+    name = "with-extender" if extender is not None else "without"
+    profile = f"bench-{name}"
+    config: dict[str, Any] = scheduler_config(extender.port) if extender is not None else {}
+    config["profiles"] = [{"schedulerName": profile}]
+    config["clientConnection"] = {"qps": QPS, "burst": QPS}
+    create_pods(k8s, pods, profile, name)
+    watch = BindWatch(k8s, name, pods)
+    try:
+        began = time.monotonic()
+        scheduler = k8s.start_scheduler(config)
+        watch.done.wait(timeout)
+        times = sorted(watch.bound.values())
+        scheduler.stop()
+    finally:
+        watch.stop()
+    if not times:
+        raise RuntimeError(f"{name}: no pod bound in {timeout:.0f}s; see {scheduler.log}")
+    run = Run(name, nodes, pods, len(times), times[-1] - times[0], times[0] - began)
+    if extender is not None:
+        run.bind_errors, run.verbs = extender_counters(extender.metrics())
+    return run
+
+
+def delete_pods(k8s: KubeTest, timeout: float = 300) -> None:
+    k8s.core.delete_collection_namespaced_pod(k8s.namespace, grace_period_seconds=0)
+    deadline = time.monotonic() + timeout
+    while k8s.core.list_namespaced_pod(k8s.namespace, limit=1).items:
+        if time.monotonic() > deadline:
+            raise RuntimeError("pods not deleted")
+        time.sleep(0.5)
+
+
+def bench(k8s: KubeTest, nodes: int, pods: int, workdir: Path, timeout: float = 900) -> list[Run]:
+    """Both runs on `nodes` Nodes: kube-scheduler alone, then with the extender."""
+    create_nodes(k8s, nodes)
+    runs = [scheduler_run(k8s, nodes, pods, None, timeout)]
+    delete_pods(k8s)
+    extender = Extender(k8s.cluster.kubeconfig, workdir / "extender.log")
+    extender.start()
+    try:
+        runs.append(scheduler_run(k8s, nodes, pods, extender, timeout))
+    finally:
+        extender.stop()
+    return runs
+
+
+def table(runs: list[Run]) -> list[str]:
+    base = runs[0].per_second
+    out = [
+        "| kube-scheduler | nodes x GPUs | pods | bound | start to first bind "
+        "| first to last bind | pods/s "
+        "| vs without | failed binds (pod re-queued) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        ratio = f"{r.per_second / base:.0%}" if base else "-"
+        errors = str(r.bind_errors) if r.verbs is not None else "-"
+        out.append(
+            f"| {r.name} | {r.nodes:,} x {GPUS_PER_NODE} | {r.pods:,} | {r.bound:,} "
+            f"| {r.startup_s:.2f} s | {r.seconds:.2f} s | {r.per_second:.1f} | {ratio} "
+            f"| {errors} |"
+        )
+    return out
+
+
+def verdict(runs: list[Run]) -> str:
+    without, with_ = runs[0], runs[-1]
+    ratio = with_.per_second / without.per_second if without.per_second else 0.0
+    cost = 1.0 - ratio
+    all_bound = all(r.bound == r.pods for r in runs)
+    met = all_bound and ratio > GOAL and with_.bind_errors == 0
+    return (
+        f"Goal: the extender costs kube-scheduler less than half its throughput, and no pod "
+        f"waits on a lock.  Measured: it costs {cost:.0%} ({with_.per_second:.1f} against "
+        f"{without.per_second:.1f} pods/s), {with_.bind_errors} failed binds: "
+        f"{'met' if met else 'NOT met'}."
+    )
+
+
+def machine() -> str:
+    try:
+        model = next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        model = platform.machine()
+    load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+    python = platform.python_version()
+    return f"{model}, {os.cpu_count()} CPUs (load average {load} at the end), Python {python}"
+
+
+def section(runs: list[Run]) -> str:
+    with_ = runs[-1]
+    verbs = with_.verbs or {}
+    verb_line = ", ".join(
+        f"{v} {n:,} requests, {mean * 1000:.1f} ms mean" for v, (n, mean) in sorted(verbs.items())
+    )
+    return "\n".join(
+        [
+            TITLE,
+            "",
+            f"`make bench-cluster` (tests/bench/cluster_bench.py), {time.strftime('%Y-%m-%d')}, "
+            f"{machine()}.  Kubernetes {kubernetes_version()} (etcd, kube-apiserver and "
+            "kube-scheduler from `make k8s`), all on this machine with the extender.",
+            "",
+            f"{with_.nodes:,} Node objects of {GPUS_PER_NODE} GPUs (allocatable "
+            f"`{GPU}: {GPUS_PER_NODE * SPLIT}`, `{GPUMEM}`, `{GPUCORES}`, and the inventory "
+            f"annotation the extender reads); {with_.pods:,} pods of 1 GPU, {POD_MIB} MiB and "
+            f"{POD_CORES} % cores, created before the run's kube-scheduler starts, so it "
+            "finds them all pending; pods/s: the binds after the first over the time from the "
+            "first bind to the last (seen by a watch), so the scheduler's start-up is not "
+            "counted.  kube-scheduler's defaults otherwise "
+            f"(it scores a share of the feasible nodes), `clientConnection.qps/burst` {QPS} for "
+            "both runs.",
+            "",
+            *table(runs),
+            "",
+            f"The extender's requests in the run with it: {verb_line}.",
+            "",
+            verdict(runs),
+            "",
+        ]
+    )
+
+
+def kubernetes_version() -> str:
+    from tests.k8s_cluster import kubernetes_version as version
+
+    return version()
+
+
+@contextlib.contextmanager
+def test_cluster(workdir: Path) -> Iterator[KubeTest]:
+    with running_cluster(workdir / "k8s") as cluster:
+        k8s = KubeTest(cluster)
+        try:
+            yield k8s
+        finally:
+            k8s.teardown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", type=int, default=1000)
+    ap.add_argument("--pods", type=int, default=1000)
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    ap.add_argument("--write", type=Path, default=None)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="gv-bench-cluster-") as tmp:
+        workdir = Path(tmp)
+        with test_cluster(workdir) as k8s:
+            began = time.monotonic()
+            runs = bench(k8s, args.nodes, args.pods, workdir, args.timeout)
+            print(f"({time.monotonic() - began:.0f} s with the nodes' creation)")
+    text = section(runs)
+    print(text)
+    if args.write is not None:
+        args.write.write_text(replace_section(args.write.read_text(), TITLE, text))
+
+
+if __name__ == "__main__":
+    main()
