@@ -82,14 +82,23 @@ print(json.dumps({"init": 0, "gpus": got}))
 """
 
 A100_40 = "NVIDIA A100-SXM4-40GB"
-A100_80 = "NVIDIA A100-SXM4-80GB"
+A6000 = "NVIDIA RTX A6000"  # not a model the simulator knows: memory given
+
+
+def a6000_topology() -> dict[str, Any]:
+    doc = topology([A6000] * 4, 1, nvlink=[[0, 1, 4], [2, 3, 4]])
+    for g in doc["gpus"]:
+        g["memory"] = "49140m"
+    return doc
+
+
 NODES = {
     # two A100 40GB on PCIe
     "node-a": (topology([A100_40, A100_40], 0), "2 x A100-SXM4-40GB, PCIe"),
-    # four A100 80GB, NVLinked in pairs (0-1, 2-3)
+    # four RTX A6000 (48 GB, no MIG), NVLink bridges in pairs (0-1, 2-3)
     "node-b": (
-        topology([A100_80] * 4, 1, nvlink=[[0, 1, 12], [2, 3, 12]]),
-        "4 x A100-SXM4-80GB, NVLink pairs 0-1 and 2-3",
+        a6000_topology(),
+        "4 x RTX A6000, NVLink pairs 0-1 and 2-3",
     ),
 }
 

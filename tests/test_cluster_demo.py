@@ -31,9 +31,9 @@ def test_the_cluster_demo_ends_with_its_summary(tmp_path: Path, build_dir: Path)
     # where each went, and why
     assert "notebook (1 GPU, 3000 MiB, 30 % cores) -> node-" in summary
     assert "on-40gb (1 GPU, 8000 MiB, 25 %, only an A100 40GB) -> node-a" in summary
-    assert "node-b filtered out: GPU type NVIDIA A100-SXM4-80GB not in nvidia.com/use-gputype" in (
-        summary
-    )
+    assert "node-b filtered out: GPU type NVIDIA RTX A6000 not in nvidia.com/use-gputype" in summary
+    # the 2-GPU pod that wants good links gets an NVLink pair (read from the simulated NVML)
+    assert "'tier': 'NVLink', 'best_tier': 'NVLink'" in summary
     assert "why: extender scores: node-" in summary
     assert "allocator's terms: node_policy=" in summary
     assert "too-big (1 GPU of 100000 MiB: more than any GPU has) -> not placed" in summary

@@ -168,6 +168,7 @@ class Run:
     seconds: float  # first pod bound -> last pod bound
     startup_s: float  # kube-scheduler started -> first pod bound
     bind_errors: int = 0  # failed binds (the pod went back to the queue)
+    bind_failures: dict[str, int] | None = None  # why, from the extender's log
     verbs: dict[str, tuple[int, float]] | None = None  # verb -> (requests, mean seconds)
 
     @property
@@ -220,7 +221,16 @@ def scheduler_run(
     run = Run(name, nodes, pods, len(times), times[-1] - times[0], times[0] - began)
     if extender is not None:
         run.bind_errors, run.verbs = extender_counters(extender.metrics())
+        run.bind_failures = bind_failures(extender.log.read_text(errors="replace"))
     return run
+
+
+def bind_failures(log: str) -> dict[str, int]:
+    """Why binds failed, from the extender's log (`bind ns/pod to node: why`)."""
+    out: dict[str, int] = {}
+    for m in re.finditer(r"gpuvisor\.scheduler: bind \S+ to \S+: (.*)", log):
+        out[m.group(1)] = out.get(m.group(1), 0) + 1
+    return out
 
 
 def delete_pods(k8s: KubeTest, timeout: float = 300) -> None:
@@ -319,7 +329,14 @@ def section(runs: list[Run]) -> str:
             "",
             *table(runs),
             "",
-            f"The extender's requests in the run with it: {verb_line}.",
+            f"The extender's requests in the run with it: {verb_line}.  Failed binds: "
+            + (
+                "; ".join(
+                    f"{n} x `{why}`" for why, n in sorted((with_.bind_failures or {}).items())
+                )
+                or "none"
+            )
+            + ".",
             "",
             verdict(runs),
             "",
