@@ -35,36 +35,22 @@ from pathlib import Path
 from typing import Any
 
 import kubernetes.client
+from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY
 
 from tests.helpers import LIBRARY, REPO_ROOT, SIM_DIR, clean_env
 from tests.k8s_cluster import GPU, KubeTest
 from tests.kubelet_harness import Container, FakeKubelet, Pod, run
+from tests.test_deviceplugin import PROBE
 
 GPUVISOR = [sys.executable, "-c", "from gpuvisor.supervisor.cli import main; main()"]
-NODE_INVENTORY = "gpuvisor.io/node-inventory"
 PLUGIN_START = 90.0  # seconds: grpc, NVML and the Kubernetes client load on a loaded machine
 
-# What a workload reports: cuMemGetInfo's total per visible device (MiB),
-# their UUIDs, and the SM limit the library applies (its exported getter).
-PROBE = """
-import json
-from cuda.bindings import driver as cu
-from tests.cuclient import *
-err = cu.cuInit(0)[0]
-if err != 0:
-    print(json.dumps({"init": int(err)}))
-else:
-    n = ok(cu.cuDeviceGetCount)
-    totals = []
-    for d in range(n):
-        init(d)
-        totals.append(mem_info()[1] // (1 << 20))
-    print(json.dumps({"init": 0, "uuids": [uuid(d) for d in range(n)], "mib": totals}))
-"""
+# PROBE (tests/test_deviceplugin.py): what a workload reports, cuMemGetInfo's
+# total per visible GPU and their UUIDs.
 
 
 def _die_with_parent() -> None:
-    # PR_SET_PDEATHSIG = 1: the plugin dies with the process that started it
+    # PR_SET_PDEATHSIG = 1: the plugin dies with the thread that started it
     ctypes.CDLL(None).prctl(1, signal.SIGKILL)
 
 

@@ -169,7 +169,11 @@ def test_fifty_pods_at_once_onto_five_simulated_nodes(cluster: Cluster) -> None:
     assert {key: v for key, v in used.items() if v[1] > total[key] or v[2] > 100} == {}
     assert sorted(v[0] for v in used.values()) == [5] * 10
     ran: set[str] = set()
-    for pod in pods:
+    # kubelet admits the pods it is given in creation order (its
+    # HandlePodAdditions sorts them by creationTimestamp), and the plugin's
+    # GetPreferredAllocation counts on it; the API lists ties (one-second
+    # timestamps) by name.
+    for pod in sorted(pods, key=lambda p: (p.metadata.creation_timestamp, p.metadata.name)):
         node = cluster.nodes[pod.spec.node_name]
         _, resps = node.admit(pod)
         text = limits_file(resps["main"]).read_text()

@@ -52,13 +52,13 @@ from typing import Any
 
 import kubernetes.client
 import kubernetes.watch
+from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY
 
 from tests.bench.agent_bench import replace_section
 from tests.k8s_cluster import GPU, GPUCORES, GPUMEM, KubeTest, running_cluster
 from tests.test_scheduler_e2e import Extender, scheduler_config
 
 TITLE = "## Scheduling through kube-scheduler (make bench-cluster)"
-NODE_INVENTORY = "gpuvisor.io/node-inventory"
 GPUS_PER_NODE = 8
 GPU_MIB = 40960
 SPLIT = 10  # replicas per GPU (the device plugin's default --split-count)
