@@ -1,0 +1,69 @@
+"""The extender's filter verb on many nodes (cluster/scheduler/extender.py),
+without Kubernetes: offered more than EXPLAINED_NODES nodes, it plans in full
+only the allocator's finalists and answers those, with the allocator's
+choice among them, so that a filter costs about what one decision does;
+offered few, it explains every node.  A pod that fits nowhere gets a reason
+for every node offered."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from gpuvisor.cluster.allocator import Allocator
+from gpuvisor.cluster.request import pod_request
+from gpuvisor.cluster.scheduler.extender import EXPLAINED_NODES, NOT_EXPLAINED, Extender
+from gpuvisor.cluster.scheduler.state import ClusterState
+
+from tests.inventories import cluster, ctr, pcie_box, pod
+
+
+def extender(nodes: int) -> Extender:
+    state = ClusterState(core=None)
+    state.allocator = Allocator.from_cluster(cluster(*(pcie_box(f"n{i:04}") for i in range(nodes))))
+    return Extender(state, core=None, api_client=None)
+
+
+def body(p: dict[str, Any], nodes: int) -> dict[str, Any]:
+    p = {**p, "metadata": {**p["metadata"], "uid": "u-" + p["metadata"]["name"]}}
+    return {"Pod": p, "NodeNames": [f"n{i:04}" for i in range(nodes)]}
+
+
+def test_many_nodes_get_the_allocators_finalists_fast() -> None:
+    ext = extender(1000)
+    want = pod("small", ctr(gpu=1, gpumem=4000))
+    t0 = time.process_time()
+    out = ext.filter(body(want, 1000))
+    took = time.process_time() - t0
+    names = out["NodeNames"]
+    assert 1 <= len(names) <= 2 * ext.allocator.config.finalists
+    d = ext.allocator.decide(pod_request(body(want, 1000)["Pod"]))
+    assert d.node in names
+    assert out["FailedNodes"] == {}
+    # prioritize ranks the allocator's choice first among them
+    scores = {
+        s["Host"]: s["Score"] for s in ext.prioritize(body(want, 1000) | {"NodeNames": names})
+    }
+    assert scores[d.node] == max(scores.values())
+    print(f"filter over 1,000 nodes: {took * 1000:.1f} ms CPU")
+
+
+def test_few_nodes_are_each_explained() -> None:
+    ext = extender(EXPLAINED_NODES)
+    out = ext.filter(body(pod("big", ctr(gpu=1, gpumem=46068)), EXPLAINED_NODES))
+    assert len(out["NodeNames"]) == EXPLAINED_NODES
+    out = ext.filter(body(pod("huge", ctr(gpu=9)), EXPLAINED_NODES))
+    assert out["NodeNames"] == []
+    assert len(out["FailedNodes"]) == EXPLAINED_NODES
+    assert all("needs 9 idle GPUs, has 8" in why for why in out["FailedNodes"].values()), out
+
+
+def test_a_pod_that_fits_nowhere_gets_a_reason_for_every_node() -> None:
+    ext = extender(200)
+    out = ext.filter(body(pod("huge", ctr(gpu=9)), 200))
+    assert out["NodeNames"] == []
+    failed = out["FailedNodes"]
+    assert len(failed) == 200
+    explained = [why for why in failed.values() if why != NOT_EXPLAINED]
+    assert len(explained) >= EXPLAINED_NODES
+    assert all("needs 9 idle GPUs, has 8" in why for why in explained), explained[:3]
