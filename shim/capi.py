@@ -16,7 +16,7 @@ from typing import Any
 
 from .loader import LIBRARY_NAME, library_path
 
-API_VERSION = 7
+API_VERSION = 8
 UNLIMITED = (1 << 64) - 1  # GV_UNLIMITED
 
 ERROR_NAMES = {
@@ -96,6 +96,11 @@ _SIGNATURES: dict[str, tuple[Any, list[Any]]] = {
     "gv_process_get_used": (ctypes.c_int, [ctypes.c_int32, ctypes.c_int, _pu64]),
     "gv_process_get_spilled": (ctypes.c_int, [ctypes.c_int32, ctypes.c_int, _pu64]),
     "gv_reclaim_dead": (ctypes.c_int, []),
+    "gv_region_file_devices": (ctypes.c_int, [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int]),
+    "gv_region_file_set_sm": (
+        ctypes.c_int,
+        [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_uint32, ctypes.c_uint32],
+    ),
 }
 
 

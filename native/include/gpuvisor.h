@@ -19,7 +19,7 @@
 extern "C" {
 #endif
 
-#define GV_API_VERSION 7
+#define GV_API_VERSION 8
 
 enum {
     GV_OK = 0,
@@ -169,6 +169,43 @@ int gv_process_get_spilled(int32_t pid, int dev, uint64_t *bytes);
 
 /* Reclaim the slots of processes that have died; returns how many. */
 int gv_reclaim_dead(void);
+
+/* Another container's region file, by its path, for a reader of many
+ * containers' regions (the node agent, docs/hami.md).  The file is never
+ * created, replaced or followed through a symbolic link, and never mapped
+ * to be read: what an untrusted container writes there can only make up
+ * what is reported of that container.  Since API version 8. */
+struct gv_region_file_device {
+    char uuid[48];            /* "GPU-xxxxxxxx-..." */
+    uint64_t limit;           /* GV_UNLIMITED: none */
+    uint64_t used;            /* container-wide, as gv_device_get_used */
+    uint64_t spilled;         /* of used, served from host memory */
+    uint64_t physical_total;
+    uint64_t oom_count;
+    uint32_t sm_limit;        /* as gv_device_get_sm: percent, 0 none */
+    uint32_t sm_share;        /* 1/100 % */
+    uint32_t sm_policy;
+    uint32_t sm_priority;     /* 0 high, 1 low */
+    uint64_t busy_ns;         /* as gv_device_get_sm_usage */
+    uint64_t wait_ns;
+    uint64_t launches;
+    uint64_t yield_ms;        /* what is left of the yield lease, 0: none */
+};
+/* The region file's initialised device entries, as the container's own
+ * functions read them; writes at most cap and returns how many.
+ * GV_ECORRUPT (with the reason) for a file that is not a gpuvisor region
+ * of this layout: HAMi-core's, another version, the wrong size, not a
+ * regular file, a symbolic link; GV_EIO when it cannot be opened or read. */
+int gv_region_file_devices(const char *path, struct gv_region_file_device *out, int cap);
+/* Value of a gv_region_file_set_sm argument that leaves its field as it is. */
+#define GV_KEEP UINT32_MAX
+/* In the region file at path, on the entry of device uuid: set the yield
+ * lease (as gv_device_set_sm_yield, 0 resumes) and the others' share (as
+ * gv_device_set_sm_others); GV_KEEP leaves either as it is.  GV_ENOENT:
+ * no entry for uuid; errors as gv_region_file_devices, and GV_ECORRUPT when
+ * the file is cut short while it is written (the write is given up). */
+int gv_region_file_set_sm(const char *path, const char *uuid, uint32_t yield_ms,
+                          uint32_t others_bp);
 
 #ifdef __cplusplus
 }

@@ -154,7 +154,7 @@ static int dangling_link(const char *path, char *err, size_t errlen)
     return GV_EIO;
 }
 
-static int validate(int fd, const char *path, char *err, size_t errlen)
+int rg_validate(int fd, const char *path, char *err, size_t errlen)
 {
     struct stat st;
     if (fstat(fd, &st) != 0)
@@ -215,9 +215,7 @@ static int validate(int fd, const char *path, char *err, size_t errlen)
  * holds this number (its MULTIPROCESS_SHARED_REGION_MAGIC_FLAG).  A
  * container that restarts in place after libvgpu.so was swapped for this
  * library finds such a file at CUDA_DEVICE_MEMORY_SHARED_CACHE. */
-#define HAMI_CORE_MAGIC 19920718
-
-static int is_hami_core_file(int fd)
+int rg_is_hami_core_file(int fd)
 {
     int32_t flag = 0;
     return pread(fd, &flag, sizeof flag, 0) == (ssize_t)sizeof flag && flag == HAMI_CORE_MAGIC;
@@ -319,8 +317,8 @@ int region_open(const char *path, gv_region **out, char *err, size_t errlen)
         }
         if (fd < 0)
             return io_error(path, "open", err, errlen);
-        rc = validate(fd, path, err, errlen);
-        if (rc == GV_ECORRUPT && is_hami_core_file(fd)) {
+        rc = rg_validate(fd, path, err, errlen);
+        if (rc == GV_ECORRUPT && rg_is_hami_core_file(fd)) {
             int again = replace_hami_core_file(fd, path, err, errlen);
             close(fd);                      /* drops the flock */
             fd = -1;

@@ -147,6 +147,13 @@ void rg_backoff(int slot, int tries);
 void rg_set_err(char *err, size_t errlen, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 
+/* region_file.c: is fd (named path) a region of this layout (GV_OK), or
+ * not (GV_ECORRUPT, GV_EIO, with the one-line reason in err)?  Is it
+ * HAMi-core's region file (its first word HAMI_CORE_MAGIC)? */
+#define HAMI_CORE_MAGIC 19920718
+int rg_validate(int fd, const char *path, char *err, size_t errlen);
+int rg_is_hami_core_file(int fd);
+
 void rg_raise_hwm(gv_region *r, uint32_t to);
 int rg_claim_free_slot(gv_region *r, uint64_t w);
 int rg_reclaim(gv_region *r, int dev);

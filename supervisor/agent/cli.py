@@ -25,6 +25,7 @@ from .config import (
     socket_path_problem,
 )
 from .persist import state_file_for, state_file_problem
+from .region_dir import HAMI_CONTAINERS_DIR, default_region_dir
 from .server import NotAnAgentReply, run_agent, send_admin
 
 if TYPE_CHECKING:
@@ -197,6 +198,25 @@ ADMIN_SOCKET_DEFAULT = "$GPUVISOR_ADMIN_SOCKET, else admin.sock in '<socket's di
         "stops it: delete it to start without its limits."
     ),
 )
+@click.option(
+    "--region-dir",
+    envvar="GPUVISOR_REGION_DIR",
+    default=None,
+    metavar="DIR",
+    help=(
+        "Read the region file of every container under DIR, one directory "
+        "<pod UID>_<container name> each with its <name>.cache region file (HAMi's layout), "
+        "export their series and apply their priority, with or without `gpuvisor run` "
+        f"(default: {HAMI_CONTAINERS_DIR} where it exists; '' for none)."
+    ),
+)
+@click.option(
+    "--region-scan-interval",
+    type=click.FloatRange(min=0.1, max=60.0),
+    default=1.0,
+    show_default=True,
+    help="Seconds between two readings of --region-dir.",
+)
 @click.option("--legacy-metrics", is_flag=True, help="Also export HAMi's legacy metric names.")
 @click.option(
     "--node-name",
@@ -233,6 +253,8 @@ def node_agent(
     active_window: float,
     limit_grace: float,
     state_file: str | None,
+    region_dir: str | None,
+    region_scan_interval: float,
     legacy_metrics: bool,
     node_name: str,
     cpu: int | None,
@@ -288,6 +310,8 @@ def node_agent(
         active_window=active_window,
         limit_grace=limit_grace,
         state_file=state_file,
+        region_dir=default_region_dir() if region_dir is None else region_dir,
+        region_scan_interval=region_scan_interval,
         legacy_metrics=legacy_metrics,
         node_name=node_name,
         cpu=cpu,
@@ -298,6 +322,7 @@ def node_agent(
             "socket": socket_path,
             "admin_socket": admin_socket,
             "state_file": state_file,
+            "region_dir": config.region_dir,
             "metrics_port": port,
             "pid": os.getpid(),
         }

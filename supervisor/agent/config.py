@@ -144,6 +144,10 @@ class AgentConfig:
     # Where the administrators' limits are kept across an agent restart
     # ("": state_file_for(admin_socket_path), beside the admin socket)
     state_file: str = ""
+    # Read the region files of the containers under this directory
+    # (region_dir.py; "": none) every region_scan_interval seconds
+    region_dir: str = ""
+    region_scan_interval: float = 1.0
 
     @property
     def admin_socket_path(self) -> str:

@@ -39,6 +39,7 @@ from ..protocol import (
 )
 from .config import AgentConfig
 from .records import cgroup_scope
+from .region_dir import is_region_container
 from .state import AgentState
 
 
@@ -389,6 +390,8 @@ class Connection(asyncio.Protocol):
             # cgroup that took that path as its name gives it up.
             self.state.remove(holder.id.key)
             return True
+        if is_region_container(holder.id):
+            return False  # named by its directory on the host (region_dir.py)
         try:
             alive = holder.id.cgroup in peer_cgroups(holder.peer.pid)
         except OSError:

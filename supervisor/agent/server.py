@@ -65,6 +65,7 @@ from .config import (
 from .connection import Connection
 from .http import HttpHandler, HttpServer
 from .persist import encode_state, read_state, state_file_problem, write_state
+from .region_dir import RegionScanner
 from .state import AgentState
 
 if TYPE_CHECKING:
@@ -128,6 +129,8 @@ class Agent:
         self.stopping: asyncio.Event | None = None
         self.sweeper: asyncio.Task[None] | None = None
         self.watcher: asyncio.Task[None] | None = None
+        self.scanner: RegionScanner | None = None
+        self.scanning: asyncio.Task[None] | None = None
         self.logged_errors: set[str] = set()  # exception types handle_safely logged
         self.saved_gen = -1  # state.limits_gen last written to the state file
         self.save_problem: str | None = None  # why the last save failed (logged once)
@@ -314,6 +317,21 @@ class Agent:
         self.stopping = asyncio.Event()
         self.sweeper = loop.create_task(self._sweeper())
         self.watcher = loop.create_task(self._watch_process_use())
+        if self.config.region_dir:
+            self.scanner = RegionScanner(
+                self.config.region_dir, self.state, self.config.region_scan_interval
+            )
+            self.scanning = loop.create_task(self._scan_regions())
+
+    async def _scan_regions(self) -> None:
+        """Read the containers' region files (region_dir.py) every interval."""
+        assert self.scanner is not None
+        while True:
+            try:
+                self.scanner.scan()
+            except Exception:  # never the agent: the next scan tries again
+                log.exception("reading --region-dir %s failed", self.config.region_dir)
+            await asyncio.sleep(self.config.region_scan_interval)
 
     async def _watch_process_use(self) -> None:
         """Read NVML's per-process utilisation while some container's gate
