@@ -9,6 +9,7 @@ a low-priority container yields while a high-priority one works.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -100,7 +101,8 @@ def test_agent_exports_and_applies_priority_of_hami_containers_without_gpuvisor_
                 ),
                 timeout=10.0,
             )
-            assert used and 256 * MiB <= used[0] <= 320 * MiB, used
+            assert used, used
+            assert 256 * MiB <= used[0] <= 320 * MiB, used
             assert find(
                 agent.metrics(),
                 "hami_vgpu_memory_limit_bytes",
@@ -148,3 +150,87 @@ def test_agent_exports_and_applies_priority_of_hami_containers_without_gpuvisor_
     high_share = both.get(str(high.pid), 0)
     assert low_share <= 3, both
     assert 25 <= high_share <= 45, both
+
+
+GOOD_UID = "aaaaaaaa-0000-0000-0000-000000000001"
+GPU_A = "GPU-aaaaaaaa-aaaa-aaaa-aaaa-aaaaaaaaaaaa"
+HAMI_CORE_MAGIC = 19920718
+
+MAKE_REGION = """
+import sys
+from gpuvisor.shim.region import Region
+r = Region.attach(sys.argv[1])
+r.register_device(sys.argv[2], 16 << 30, int(sys.argv[3]))
+"""
+
+
+def make_region(path: Path, uuid: str, limit: int) -> None:
+    """A gpuvisor region at path with one device entry (uuid, limit), made
+    by the library as a container's process makes it."""
+    subprocess.run(
+        [sys.executable, "-c", MAKE_REGION, str(path), uuid, str(limit)],
+        check=True,
+        cwd=REPO_ROOT,
+        timeout=60,
+    )
+
+
+def bad_regions(root: Path, good: Path) -> dict[str, Path]:
+    """Files a container may leave where its region file is expected, each
+    in a directory of its own pod: name -> the file."""
+    size = good.stat().st_size
+    out: dict[str, Path] = {}
+    for n, name in enumerate(["hamicore", "short", "link", "fifo", "junk", "big"], start=2):
+        d = root / f"aaaaaaaa-0000-0000-0000-{n:012d}_{name}"
+        d.mkdir()
+        out[name] = d / "0c8f2c5e.cache"
+    # HAMi-core's region (a container that ran HAMi-core before the swap)
+    out["hamicore"].write_bytes(HAMI_CORE_MAGIC.to_bytes(4, "little") + bytes(1 << 20))
+    # a gpuvisor region cut short, and one with more after it
+    out["short"].write_bytes(good.read_bytes()[:4096])
+    out["big"].write_bytes(good.read_bytes() + b"x" * 4096)
+    # a link to another pod's region: its figures must not appear under this pod
+    out["link"].symlink_to(good)
+    os.mkfifo(out["fifo"])  # would block a reader that opened it plainly
+    out["junk"].write_bytes(os.urandom(size))
+    return out
+
+
+def test_malformed_and_hostile_region_files_are_skipped_with_one_line_each(
+    sock_path: str,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """Beside a good container, directories whose region file is HAMi-core's,
+    cut short, too long, random bytes, a FIFO, or a symbolic link to the good
+    container's region, and a directory that is not <pod UID>_<container>:
+    the agent exports the good container alone, under its own labels, logs
+    one line per bad file over many scans, and keeps running."""
+    root = tmp_path / "containers"
+    root.mkdir()
+    good_dir = root / f"{GOOD_UID}_good"
+    good_dir.mkdir()
+    good = good_dir / "1b4e28ba.cache"
+    make_region(good, GPU_A, 3 << 30)
+    bad = bad_regions(root, good)
+    (root / "not-a-pod-directory").mkdir()
+    with AgentProc(sock_path, "--region-dir", str(root), "--region-scan-interval", "0.1") as agent:
+        limits = wait_for(
+            lambda: find(agent.metrics(), "gpuvisor_container_memory_limit_bytes"), timeout=10.0
+        )
+        time.sleep(1.5)  # 15 scans
+        samples = agent.metrics()
+        pods = {lab.get("podname") for n, lab, _ in samples if n.startswith("gpuvisor_container_")}
+        assert pods == {GOOD_UID}, pods
+        assert limits == [3 << 30]
+        assert find(samples, "gpuvisor_container_memory_limit_bytes", ctrname="good") == limits
+        assert agent.proc is not None
+        assert agent.proc.poll() is None
+        agent.stderr.seek(0)
+        log = agent.stderr.read()
+    print(log)
+    for name, path in bad.items():
+        lines = [line for line in log.splitlines() if f"{path}: skipped" in line]
+        assert len(lines) == 1, (name, lines)
+    assert "HAMi-core's region file (magic 19920718)" in log
+    assert "symbolic link" in log
+    assert sum("not-a-pod-directory: skipped" in line for line in log.splitlines()) == 1

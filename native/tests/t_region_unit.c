@@ -1025,6 +1025,63 @@ static void test_ctx_cost(void)
     printf("context cost: ok\n");
 }
 
+/* gv_region_file_set_sm on a region its container cuts short in the middle
+ * of the write (region_peer.c): the store past the file's end is a SIGBUS,
+ * which the guard turns into GV_ECORRUPT; the caller lives on, and its
+ * own SIGBUS disposition is back afterwards. */
+static void test_peer_truncated(void)
+{
+    const char *p = path_in("peer.shr");
+    gv_region *r = t_fresh_region(p);
+    unsigned char u[16];
+    t_uuid(u, 6);
+    int d = region_device_lookup(r, u, GIB, GIB);
+    CHECK_EQ(d, 0);
+    char uuid[48];
+    snprintf(uuid, sizeof uuid,
+             "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+             u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11],
+             u[12], u[13], u[14], u[15]);
+    struct gv_region_file_device info[GV_MAX_DEVICES];
+    CHECK_EQ(gv_region_file_devices(p, info, GV_MAX_DEVICES), 1);
+    CHECK(strcmp(info[0].uuid, uuid) == 0);
+    CHECK_EQ(info[0].limit, GIB);
+    CHECK_EQ(info[0].yield_ms, 0);
+    CHECK_EQ(gv_region_file_set_sm(p, uuid, 1500, 2500), GV_OK);
+    CHECK_EQ(gv_region_file_devices(p, info, GV_MAX_DEVICES), 1);
+    CHECK(info[0].yield_ms > 1000 && info[0].yield_ms <= 1500);
+    CHECK_EQ(gv_region_file_set_sm(p, uuid, 0, GV_KEEP), GV_OK);
+    CHECK_EQ(gv_region_file_set_sm(p, "GPU-nope", 0, GV_KEEP), GV_ENOENT);
+
+    /* The write sleeps in the middle of the change (region_test_set_delay_us);
+     * a child cuts the file short meanwhile. */
+    region_test_set_delay_us(200000);
+    pid_t child = fork();
+    CHECK(child >= 0);
+    if (child == 0) {
+        /* Once the write is in the middle of its change (a writer counted
+         * in the header, the parent asleep in the delay). */
+        for (int i = 0; i < 20000 && atomic_load(&r->m->hdr.sm_writers) == 0; i++)
+            usleep(500);
+        _exit(truncate(p, 0) == 0 ? 0 : 1);
+    }
+    int rc = gv_region_file_set_sm(p, uuid, 0, GV_KEEP);
+    region_test_set_delay_us(0);
+    int status = 0;
+    CHECK_EQ(waitpid(child, &status, 0), child);
+    CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+    CHECK_EQ(rc, GV_ECORRUPT);
+    CHECK(strstr(gv_last_error(), "SIGBUS") != NULL);
+    struct sigaction now;
+    CHECK_EQ(sigaction(SIGBUS, NULL, &now), 0);
+    CHECK(now.sa_handler == SIG_DFL);
+    /* Now cut short for good: refused before anything is mapped. */
+    CHECK_EQ(gv_region_file_devices(p, info, GV_MAX_DEVICES), GV_ECORRUPT);
+    CHECK_EQ(gv_region_file_set_sm(p, uuid, 0, GV_KEEP), GV_ECORRUPT);
+    region_close(r);
+    printf("peer region cut short: ok\n");
+}
+
 int main(int argc, char **argv)
 {
     if (argc == 4 && strcmp(argv[1], "--exec-child") == 0)
@@ -1051,6 +1108,7 @@ int main(int argc, char **argv)
     test_sm_gated();
     test_reboot();
     test_ctx_cost();
+    test_peer_truncated();
     printf("t_region_unit: OK (%d table checks)\n", g_checks);
     return 0;
 }

@@ -157,7 +157,8 @@ class RegionScanner:
                 st = os.lstat(path)
                 owner = (st.st_uid, st.st_gid)
             except GpuvisorError as exc:
-                self._skip(path, exc.message.removeprefix("gpuvisor: "))
+                # The library's reason names the file: given once.
+                self._skip(path, exc.message.removeprefix(f"gpuvisor: region {path}: "))
                 continue
             except OSError as exc:
                 self._skip(path, exc.strerror or str(exc))
