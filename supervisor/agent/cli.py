@@ -212,10 +212,10 @@ ADMIN_SOCKET_DEFAULT = "$GPUVISOR_ADMIN_SOCKET, else admin.sock in '<socket's di
 )
 @click.option(
     "--region-scan-interval",
-    type=click.FloatRange(min=0.1, max=60.0),
+    type=Finite(min=0.1, max=60.0),
     default=1.0,
     show_default=True,
-    help="Seconds between two readings of --region-dir.",
+    help="Seconds between two readings of --region-dir (0.1 to 60).",
 )
 @click.option("--legacy-metrics", is_flag=True, help="Also export HAMi's legacy metric names.")
 @click.option(
