@@ -119,9 +119,22 @@ static struct ov_file *map_file(const char *uuid, int *fdp)
     if (!gv_node_dir(dir, sizeof dir))
         return NULL;
     snprintf(path, sizeof path, "%s/gpuvisor-mem-%s", dir, uuid);
-    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0666);
-    if (fd < 0)
+    /* Never through a symbolic link, as the launch-order file
+     * (sm_arbiter.c): the directory is shared by every container. */
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0666);
+    if (fd < 0) {
+        /* Once per process, as for the launch-order file: a read-only
+         * mount, or a directory this uid cannot write, costs every GPU
+         * alike. */
+        static atomic_int told;
+        int e = errno;
+        if (!atomic_exchange(&told, 1))
+            gv_log(GV_LOG_WARN, "node-wide file %s: cannot open for writing (%s): this "
+                   "container holds no device memory beyond its guarantee (what passes it "
+                   "is served from host memory) and other containers do not see what it "
+                   "holds; mount %s read-write", path, strerror(e), dir);
         return NULL;
+    }
     (void)fchmod(fd, 0666);
     struct ov_file *f = NULL;
     if (posix_fallocate(fd, 0, sizeof *f) == 0) {
