@@ -234,3 +234,37 @@ def test_malformed_and_hostile_region_files_are_skipped_with_one_line_each(
     assert "HAMi-core's region file (magic 19920718)" in log
     assert "symbolic link" in log
     assert sum("not-a-pod-directory: skipped" in line for line in log.splitlines()) == 1
+
+
+def test_a_socket_peer_cannot_take_the_labels_of_a_region_dir_container(
+    sock_path: str,  # noqa: F811
+    tmp_path: Path,
+) -> None:
+    """The labels of a container read from --region-dir come from its
+    directory's name, made on the host.  A supervisor (any process that can
+    reach the socket) that reports under them first gives them up at the
+    next scan; one that reports under them afterwards is refused as a
+    conflict, and the series stay the region's."""
+    from tests.test_agent import Client, device
+
+    root = tmp_path / "containers"
+    root.mkdir()
+    with AgentProc(sock_path, "--region-dir", str(root), "--region-scan-interval", "0.1") as agent:
+        forger = Client(sock_path, pod=GOOD_UID, namespace="", container="good")
+        assert forger.report(device(limit=7 << 30))["type"] == "ack"
+        assert find(agent.metrics(), "gpuvisor_container_memory_limit_bytes") == [7 << 30]
+        good_dir = root / f"{GOOD_UID}_good"
+        good_dir.mkdir()
+        make_region(good_dir / "1b4e28ba.cache", GPU_A, 3 << 30)
+        assert wait_for(
+            lambda: find(agent.metrics(), "gpuvisor_container_memory_limit_bytes") == [3 << 30],
+            timeout=10.0,
+        ), agent.metrics()
+        reply = forger.report(device(limit=7 << 30))
+        assert reply["type"] == "error", reply
+        assert "another live cgroup" in reply["error"], reply
+        time.sleep(0.3)
+        samples = agent.metrics()
+        assert find(samples, "gpuvisor_container_memory_limit_bytes") == [3 << 30]
+        assert find(samples, "gpuvisor_container_memory_limit_bytes", podname=GOOD_UID) == [3 << 30]
+        forger.close()
