@@ -8,6 +8,7 @@
 #include <pthread.h>
 #include <stdatomic.h>
 
+#include "oversub.h"
 #include "pool_int.h"
 
 typedef CUresult (*alloc_async_fn)(CUdeviceptr *, size_t, CUstream);
@@ -53,6 +54,38 @@ static CUresult call_alloc_pool(void *v)
     return ((alloc_pool_fn)a->real)(a->dptr, a->n, a->pool, a->stream);
 }
 
+/* Under CUDA_OVERSUBSCRIBE, an allocation whose pool would have to grow
+ * past what the device may give this container (oversub.c) is served from
+ * host memory instead, as cuMemAlloc's is: managed memory advised to the
+ * host (its part within the rules prefetched to the device), charged like
+ * any allocation and recorded as spilled.  It is no block of the pool:
+ * cuMemFreeAsync of it waits for its stream, then frees it (free_async
+ * below), and cuMemFree frees it at once. */
+static CUresult spill_async(int ordinal, CUdeviceptr *dptr, size_t n)
+{
+    /* Managed memory is made in the current context, placed on its device:
+     * one of another device cannot take it (the driver's refusal stands). */
+    int cur;
+    CUcontext ctx;
+    if (gv_current(&cur, &ctx) != CUDA_SUCCESS || cur != ordinal)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    gv_charge c;
+    CUresult rc = gv_charge_begin(&c, ordinal, ctx, n);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    uint64_t spilled = 0;
+    rc = c.active ? gv_oversub_alloc(&c, dptr, n, &spilled, NULL, NULL, 0)
+                  : CUDA_ERROR_OUT_OF_MEMORY;
+    if (rc != CUDA_SUCCESS) {
+        gv_charge_cancel(&c);
+        return rc;
+    }
+    /* A spilled entry even when all of it went to the device after all
+     * (the others freed meanwhile): managed memory is freed as such. */
+    gv_charge_commit(&c, GV_K_SPILL, *dptr, spilled);
+    return CUDA_SUCCESS;
+}
+
 /* An allocation into a stream being captured becomes a graph allocation
  * node: it takes nothing now, and hooks_graph.c charges the graph's launch. */
 static int capturing(CUstream stream, int ptsz)
@@ -84,10 +117,11 @@ static CUresult alloc_async(alloc_async_fn real, free_async_fn real_free,
     if (r->host)
         return real(dptr, n, stream);
     struct async_args a = { (void *)real, dptr, n, pool, stream };
+    int spill = 0;
     pthread_mutex_lock(&r->lock);
-    rc = gv_pool_alloc(r, n, dptr, stream, call_alloc_async, &a, real_free);
+    rc = gv_pool_alloc(r, n, dptr, stream, call_alloc_async, &a, real_free, &spill);
     pthread_mutex_unlock(&r->lock);
-    return rc;
+    return spill ? spill_async(ordinal, dptr, n) : rc;
 }
 
 static CUresult alloc_from_pool(alloc_pool_fn real, free_async_fn real_free, CUdeviceptr *dptr,
@@ -112,10 +146,11 @@ static CUresult alloc_from_pool(alloc_pool_fn real, free_async_fn real_free, CUd
     if (r->host)                /* host memory: no device's quota */
         return real(dptr, n, pool, stream);
     struct async_args a = { (void *)real, dptr, n, pool, stream };
+    int spill = 0;
     pthread_mutex_lock(&r->lock);
-    CUresult rc = gv_pool_alloc(r, n, dptr, stream, call_alloc_pool, &a, real_free);
+    CUresult rc = gv_pool_alloc(r, n, dptr, stream, call_alloc_pool, &a, real_free, &spill);
     pthread_mutex_unlock(&r->lock);
-    return rc;
+    return spill ? spill_async(r->ordinal, dptr, n) : rc;
 }
 
 struct free_args {
@@ -222,6 +257,10 @@ GV_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *pro
     CUresult own;
     if (props->location.type == CU_MEM_LOCATION_TYPE_DEVICE) {
         own = gv_pool_rec_for(*pool, props->location.id, 1, &r);
+        /* Its blocks may be exported (IPC) or its size was capped: they
+         * must come from the pool itself, never from host memory. */
+        if (own == CUDA_SUCCESS)
+            r->fixed = props->handleTypes != CU_MEM_HANDLE_TYPE_NONE || props->maxSize != 0;
     } else {
         /* Host-located (CUDA 12.2+): recorded so that its allocations pass
          * uncharged; unrecorded, they would be charged to a device. */

@@ -204,13 +204,17 @@ static const char *raw_getenv(const char *name)
 static int file_name(const char *name, size_t len)
 {
     static const char *const families[] = {GV_ENV_LIMIT, GV_ENV_SM_LIMIT};
-    static const char *const words[] = {GV_ENV_SM_POLICY, GV_ENV_CORE_POLICY, GV_ENV_PRIORITY};
+    /* Oversubscription too: the device plugin that grants a quota past the
+     * device's memory is what says so, and a container must not turn it on
+     * (or change its own guarantee) by its environment alone. */
+    static const char *const words[] = {GV_ENV_SM_POLICY, GV_ENV_CORE_POLICY, GV_ENV_PRIORITY,
+                                        GV_ENV_OVERSUBSCRIBE, GV_ENV_SCALING};
     for (size_t i = 0; i < 2; i++) {
         size_t l = strlen(families[i]);
         if (len >= l && strncmp(name, families[i], l) == 0)
             return 1;
     }
-    for (size_t i = 0; i < 3; i++)
+    for (size_t i = 0; i < sizeof words / sizeof words[0]; i++)
         if (len == strlen(words[i]) && strncmp(name, words[i], len) == 0)
             return 1;
     return 0;

@@ -423,3 +423,22 @@ CUresult gv_oversub_alloc(gv_charge *c, CUdeviceptr *dptr, size_t bytes, uint64_
     gv_node_unlock(lockfd);
     return rc;
 }
+
+int gv_oversub_device_ok(const gv_charge *c, int *lockfd)
+{
+    *lockfd = -1;
+    const gv_devinfo *d;
+    if (!gv_oversub_on() || !c->active || gv_device(c->ordinal, &d) != CUDA_SUCCESS)
+        return 1;
+    if (plan(d, c->bytes, lockfd) >= c->bytes)
+        return 1;
+    gv_node_unlock(*lockfd);
+    *lockfd = -1;
+    return 0;
+}
+
+void gv_oversub_done(int dev, int lockfd)
+{
+    gv_oversub_note(dev);
+    gv_node_unlock(lockfd);
+}

@@ -30,4 +30,14 @@ typedef CUresult (*gv_oversub_device_fn)(CUdeviceptr *dptr, void *arg);
 CUresult gv_oversub_alloc(gv_charge *c, CUdeviceptr *dptr, size_t bytes, uint64_t *spilled,
                           gv_oversub_device_fn device_alloc, void *arg, unsigned managed_flags);
 
+/* A memory pool must grow by the charged c->bytes (reserved) for a
+ * stream-ordered allocation: whether the rules let all of it go to the
+ * device.  1: yes, and *lockfd is the node lock when that borrows beyond
+ * the guarantee, held until gv_oversub_done after the pool's call; 0: no,
+ * nothing held, the allocation is to be spilled (hooks_pool.c). */
+int gv_oversub_device_ok(const gv_charge *c, int *lockfd);
+/* After the call gv_oversub_device_ok allowed: the node file told, the
+ * node lock given back. */
+void gv_oversub_done(int dev, int lockfd);
+
 #endif /* GV_OVERSUB_H */

@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "log.h"
+#include "oversub.h"
 #include "pool_int.h"
 
 #define MAX_POOLS 256
@@ -117,6 +118,7 @@ static CUresult claim(CUmemoryPool p, int ordinal, int dev, int host, pool_rec *
                 pools[i].ordinal = ordinal;
                 pools[i].dev = dev;
                 pools[i].host = host;
+                pools[i].fixed = 0;
                 pools[i].charged = 0;
                 atomic_fetch_add(&active, 1);
                 atomic_store_explicit(&pools[i].ready, 1, memory_order_release);
@@ -318,9 +320,14 @@ int gv_pool_free_block(CUdeviceptr p, CUresult (*call)(void *), void *arg, CUres
 
 /* Allocate n bytes from pool record r through `call`; lock held by caller.
  * Charges the growth the pool may need first, then settles on the driver's
- * reserve afterwards. */
+ * reserve afterwards.  Under CUDA_OVERSUBSCRIBE (spill given, the pool not
+ * fixed), a growth the rules do not let on the device, or that the driver
+ * refuses for want of memory, is not made: CUDA_ERROR_OUT_OF_MEMORY with
+ * *spill set, nothing charged, and the caller serves the allocation from
+ * host memory (hooks_pool.c). */
 CUresult gv_pool_alloc(pool_rec *r, size_t n, CUdeviceptr *dptr, CUstream stream,
-                       CUresult rc_call(void *), void *arg, free_async_fn real_free)
+                       CUresult rc_call(void *), void *arg, free_async_fn real_free,
+                       int *spill)
 {
     CUmemoryPool p = (CUmemoryPool)atomic_load(&r->pool);
     gv_pool_settle(r);
@@ -335,11 +342,22 @@ CUresult gv_pool_alloc(pool_rec *r, size_t n, CUdeviceptr *dptr, CUstream stream
         if (rc != CUDA_SUCCESS)
             return rc;
     }
+    int lockfd = -1;
+    int may_spill = spill && c.active && !r->fixed && gv_oversub_on();
+    if (may_spill && !gv_oversub_device_ok(&c, &lockfd)) {
+        gv_charge_cancel(&c);
+        *spill = 1;
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
     CUresult rc = rc_call(arg);
     if (rc != CUDA_SUCCESS) {
         if (c.active)
             gv_charge_cancel(&c);
         gv_pool_settle(r);            /* in case the pool grew all the same */
+        if (may_spill) {
+            gv_oversub_done(r->dev, lockfd);
+            *spill = rc == CUDA_ERROR_OUT_OF_MEMORY;
+        }
         return rc;
     }
     if (c.active) {
@@ -355,10 +373,14 @@ CUresult gv_pool_alloc(pool_rec *r, size_t n, CUdeviceptr *dptr, CUstream stream
         GV_REAL(cuMemPoolTrimTo, CUresult (*)(CUmemoryPool, size_t))(p, 0);
         gv_pool_settle(r);
         (void)before;
+        if (may_spill)
+            gv_oversub_done(r->dev, lockfd);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     gv_alloc a = { .key = *dptr, .kind = GV_K_POOLPTR, .dev = r->dev, .bytes = 0,
                    .aux = (uint64_t)(uintptr_t)p, .ctx = NULL };
     gv_table_put(&a);
+    if (may_spill)
+        gv_oversub_done(r->dev, lockfd);
     return CUDA_SUCCESS;
 }

@@ -16,6 +16,8 @@ typedef struct pool_rec {
     atomic_int ready;
     atomic_int destroyed;        /* destroyed with blocks still allocated */
     int host;                    /* host-located: nothing to charge */
+    int fixed;                   /* IPC-exportable or capped (maxSize): its
+                                    blocks must be its own, never spilled */
     pthread_mutex_t lock;
     int ordinal;
     int dev;                     /* region device entry */
@@ -36,6 +38,7 @@ CUresult gv_pool_rec_for(CUmemoryPool p, int ordinal, int fresh, pool_rec **out)
 int gv_pool_live(CUmemoryPool p);
 void gv_pool_settle(pool_rec *r);
 CUresult gv_pool_alloc(pool_rec *r, size_t n, CUdeviceptr *dptr, CUstream stream,
-                       CUresult rc_call(void *), void *arg, free_async_fn real_free);
+                       CUresult rc_call(void *), void *arg, free_async_fn real_free,
+                       int *spill);
 
 #endif

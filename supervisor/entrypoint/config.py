@@ -257,6 +257,8 @@ def build(options: RunOptions, command: list[str], base_env: Mapping[str, str]) 
             name
             for name, value in (
                 ("--memory", options.memory),
+                ("--oversubscribe", options.oversubscribe),
+                ("--memory-scaling", options.memory_scaling),
                 ("--cores", options.cores),
                 ("--policy", options.policy),
                 ("--priority", options.priority),

@@ -1,0 +1,261 @@
+"""Memory oversubscription on the stream-ordered path (cuMemAllocAsync,
+cuMemAllocFromPoolAsync; docs/oversubscription.md).
+
+The setting of tests/test_oversubscribe.py: two containers on one
+simulated 4 GiB device, each with a 4 GiB quota and S = 2 (2 GiB
+guaranteed each).  A pool that would have to grow past what the rules let
+a container hold on the device is not grown: the allocation is served
+from host memory (managed memory advised to the host), and cuMemFreeAsync
+of it waits for its stream.  The witness is the simulated driver's own
+per-process figure of device memory (NVML, read without the library).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.helpers import SimNode, run_json, start_ready
+from tests.test_oversubscribe import DEVICE, OVER, REGION, SIM_CONTEXT, GiB, physical
+
+# A container's process: a primary context and one stream, then it obeys
+# lines on stdin: "async N" (cuMemAllocAsync of N MiB on the stream),
+# "pool N" (cuMemAllocFromPoolAsync from a pool of its own), "ipcpool N"
+# (from an IPC-exportable pool), "capped N" (from a pool with a maxSize of
+# 4 GiB), "freeasync" (cuMemFreeAsync of the last allocation, then a
+# stream synchronisation), "free" (cuMemFree of it), "touch" (a memset
+# and copies on every live allocation), "loop N" (N rounds of
+# allocating 256 MiB on the stream and freeing it there, for the SIGKILL
+# test).
+WORKER = """
+from tests.cuclient import *
+import json, sys
+init()
+s = ok(cu.cuStreamCreate, 0)
+pools = {}
+def pool(kind):
+    if kind not in pools:
+        props = pool_props()
+        if kind == "ipc":
+            props.handleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        if kind == "capped":
+            props.maxSize = 4 * GiB
+        pools[kind] = ok(cu.cuMemPoolCreate, props)
+    return pools[kind]
+held = []
+print("ready", flush=True)
+for line in sys.stdin:
+    cmd, *args = line.split()
+    out = {}
+    if cmd in ("async", "pool", "ipcpool", "capped"):
+        n = int(args[0]) * MiB
+        if cmd == "async":
+            err, p = call(cu.cuMemAllocAsync, n, s)
+        else:
+            kind = {"pool": "own", "ipcpool": "ipc", "capped": "capped"}[cmd]
+            err, p = call(cu.cuMemAllocFromPoolAsync, n, pool(kind), s)
+        if err == SUCCESS:
+            held.append((p, n))
+        out = {"err": err.name}
+    elif cmd == "freeasync":
+        p, _ = held.pop()
+        err = call(cu.cuMemFreeAsync, p, s)[0]
+        ok(cu.cuStreamSynchronize, s)
+        out = {"err": err.name}
+    elif cmd == "free":
+        p, _ = held.pop()
+        out = {"err": call(cu.cuMemFree, p)[0].name}
+    elif cmd == "touch":
+        buf = bytearray(MiB)
+        for p, n in held:
+            ok(cu.cuMemsetD8, p, 7, n)
+            ok(cu.cuMemcpyHtoD, p, buf, MiB)
+            ok(cu.cuMemcpyDtoH, buf, p, MiB)
+        out = {"err": "CUDA_SUCCESS"}
+    elif cmd == "loop":
+        for _ in range(int(args[0])):
+            err, p = call(cu.cuMemAllocAsync, 256 * MiB, s)
+            if err == SUCCESS:
+                ok(cu.cuMemFreeAsync, p, s)
+            ok(cu.cuStreamSynchronize, s)
+        out = {"err": "CUDA_SUCCESS"}
+    print(json.dumps(out), flush=True)
+"""
+
+
+class Container:
+    """One container: its own region file, a worker process (or more)."""
+
+    def __init__(self, node: SimNode, name: str, **env: str) -> None:
+        self.node = node
+        self.region = node.dir / f"{name}.shr"
+        self.env = node.shimmed(CUDA_DEVICE_MEMORY_SHARED_CACHE=str(self.region), **env)
+        self.procs = [start_ready(WORKER, self.env)]
+
+    @property
+    def pids(self) -> set[str]:
+        return {str(p.pid) for p in self.procs}
+
+    def another(self) -> None:
+        self.procs.append(start_ready(WORKER, self.env))
+
+    def ask(self, line: str, proc: int = 0) -> dict[str, Any]:
+        p = self.procs[proc]
+        assert p.stdin is not None
+        assert p.stdout is not None
+        p.stdin.write(line + "\n")
+        p.stdin.flush()
+        answer = p.stdout.readline()
+        assert answer, p.stderr.read() if p.stderr else "worker died"
+        result: dict[str, Any] = json.loads(answer)
+        return result
+
+    def send(self, line: str) -> None:
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.write(line + "\n")
+            p.stdin.flush()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            p.send_signal(signal.SIGKILL)
+            p.wait(timeout=10)
+
+    def figures(self) -> dict[str, int]:
+        out: list[dict[str, int]] = run_json(REGION, self.node.env, args=[str(self.region)])
+        return out[0]
+
+    def on_device(self, phys: dict[str, Any]) -> int:
+        return sum(int(v) for pid, v in phys["procs"].items() if pid in self.pids)
+
+
+@pytest.fixture
+def small(tmp_path: Path, build_dir: Path) -> SimNode:
+    return SimNode.create(tmp_path, devices="1x4g")
+
+
+def check_guarantees(node: SimNode, *containers: Container) -> None:
+    """The device within its size, each container holding at least its
+    2 GiB guarantee there (all of them asked for more), by the driver's
+    count, and the region's resident bytes agreeing with it."""
+    phys = physical(node)
+    assert phys["used"] <= DEVICE, phys
+    for c in containers:
+        held = c.on_device(phys)
+        assert held >= 2 * GiB, (c.region.name, held, phys)
+        fig = c.figures()
+        assert fig["guarantee"] == 2 * GiB, fig
+        assert fig["resident"] == held, (fig, held)
+
+
+def test_stream_ordered_allocations_spill_and_keep_the_guarantees(small):
+    a = Container(small, "a", **OVER)
+    b = Container(small, "b", **OVER)
+    try:
+        for _ in range(3):
+            assert a.ask("async 1024")["err"] == "CUDA_SUCCESS"
+        check_guarantees(small, a)
+        # B's unclaimed guarantee (less its context) stayed free for it.
+        assert physical(small)["used"] <= 2 * GiB + SIM_CONTEXT
+        for _ in range(3):
+            assert b.ask("async 1024")["err"] == "CUDA_SUCCESS"
+        check_guarantees(small, a, b)
+        fa, fb = a.figures(), b.figures()
+        assert fa["used"] >= 3 * GiB + SIM_CONTEXT, fa
+        assert fa["spilled"] >= 1 * GiB - SIM_CONTEXT, fa
+        assert fb["spilled"] >= 1 * GiB - SIM_CONTEXT, fb
+        # Up to the quota and no further; the quota is what cuMemGetInfo says.
+        assert a.ask("async 512")["err"] == "CUDA_SUCCESS"
+        assert a.ask("async 1024")["err"] == "CUDA_ERROR_OUT_OF_MEMORY"
+        # Kernels' stand-ins (memset, copies) work on spilled blocks.
+        assert a.ask("touch")["err"] == "CUDA_SUCCESS"
+        assert b.ask("touch")["err"] == "CUDA_SUCCESS"
+        check_guarantees(small, a, b)
+        # Stream-ordered frees and plain frees give everything back.
+        assert a.ask("freeasync")["err"] == "CUDA_SUCCESS"
+        assert a.ask("free")["err"] == "CUDA_SUCCESS"
+        assert a.ask("freeasync")["err"] == "CUDA_SUCCESS"
+        assert a.ask("freeasync")["err"] == "CUDA_SUCCESS"
+        fa = a.figures()
+        assert fa["spilled"] == 0, fa
+        check_guarantees(small, b)
+    finally:
+        a.kill()
+        b.kill()
+    assert physical(small)["used"] == 0
+    for c in (a, b):
+        assert c.figures()["used"] == 0
+        assert c.figures()["spilled"] == 0
+
+
+def test_a_pool_of_ones_own_spills_but_not_an_exportable_or_capped_one(small):
+    """cuMemAllocFromPoolAsync from the container's own pool spills like
+    cuMemAllocAsync; a pool whose blocks may be exported (IPC handle types)
+    or whose size is capped (maxSize) keeps its blocks its own: with the
+    device full it fails with out-of-memory, as without the variable."""
+    a = Container(small, "a", **OVER)
+    b = Container(small, "b", **OVER)
+    try:
+        assert b.ask("async 2048")["err"] == "CUDA_SUCCESS"
+        assert a.ask("pool 1536")["err"] == "CUDA_SUCCESS"
+        assert a.ask("pool 1024")["err"] == "CUDA_SUCCESS"
+        assert a.figures()["spilled"] >= 512 * (1 << 20), a.figures()
+        check_guarantees(small, a, b)
+        # A's guarantee is taken; what is left of the device is B's.
+        assert a.ask("ipcpool 256")["err"] == "CUDA_ERROR_OUT_OF_MEMORY"
+        assert a.ask("capped 256")["err"] == "CUDA_ERROR_OUT_OF_MEMORY"
+        assert a.ask("touch")["err"] == "CUDA_SUCCESS"
+        assert a.ask("freeasync")["err"] == "CUDA_SUCCESS"
+        assert a.ask("freeasync")["err"] == "CUDA_SUCCESS"
+        assert a.figures()["spilled"] == 0
+    finally:
+        a.kill()
+        b.kill()
+    assert physical(small)["used"] == 0
+
+
+def test_without_the_variable_stream_ordered_allocations_fail_as_before(small):
+    a = Container(small, "a", CUDA_DEVICE_MEMORY_LIMIT="4g")
+    b = Container(small, "b", CUDA_DEVICE_MEMORY_LIMIT="4g")
+    try:
+        assert a.ask("async 3072")["err"] == "CUDA_SUCCESS"
+        assert b.ask("async 1024")["err"] == "CUDA_ERROR_OUT_OF_MEMORY"
+        assert b.ask("pool 1024")["err"] == "CUDA_ERROR_OUT_OF_MEMORY"
+        assert a.figures()["spilled"] == 0
+        assert b.figures()["spilled"] == 0
+    finally:
+        a.kill()
+        b.kill()
+
+
+def test_racing_stream_ordered_allocations_and_sigkill_leave_nothing(small):
+    """Two processes per container hold 1 GiB each from their pools (so
+    each container asked for its guarantee), then all four allocate and
+    free 256 MiB stream-ordered at once, spilling as the device fills, and
+    are killed mid-way: the device never holds more than it has, each
+    container keeps its guarantee there all along, and everything comes
+    back to 0."""
+    cs = [Container(small, name, **OVER) for name in ("a", "b")]
+    for c in cs:
+        c.another()
+    try:
+        for c in cs:
+            for i in range(2):
+                assert c.ask("async 1024", i)["err"] == "CUDA_SUCCESS"
+        for c in cs:
+            c.send("loop 100000")
+        for _ in range(6):
+            phys = physical(small)
+            assert phys["used"] <= DEVICE, phys
+            for c in cs:
+                assert c.on_device(phys) >= 2 * GiB, (c.region.name, phys)
+    finally:
+        for c in cs:
+            c.kill()
+    assert physical(small)["used"] == 0
+    for c in cs:
+        assert c.figures() == {"used": 0, "spilled": 0, "resident": 0, "guarantee": 2 * GiB}
