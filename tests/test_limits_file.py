@@ -71,6 +71,9 @@ BAD_FILES = [
     ("CUDA_DEVICE_SM_LIMIT=101\n", "not a whole percentage"),
     ("GPUVISOR_SM_POLICY=fair\n", "use fixed-share, burst-share or best-effort"),
     ("CUDA_TASK_PRIORITY=2\n", "use 0 (high) or 1 (low)"),
+    ("CUDA_DEVICE_MEMORY_LIMIT=4g\nCUDA_OVERSUBSCRIBE=maybe\n", 'CUDA_OVERSUBSCRIBE="maybe": not a boolean'),
+    ("CUDA_OVERSUBSCRIBE=true\nGPUVISOR_MEMORY_SCALING=0\n", 'GPUVISOR_MEMORY_SCALING="0": not a scaling'),
+    ("GPUVISOR_MEMORY_SCALING=1e3\n", 'GPUVISOR_MEMORY_SCALING="1e3": not a scaling factor'),
     ("CUDA_DEVICE_MEMORY_LIMIT=1g\0\n", "has a NUL byte"),
     ("# " + "x" * 5000 + "\nCUDA_DEVICE_MEMORY_LIMIT=1g\n", "larger than 4096 bytes"),
 ]
@@ -181,3 +184,55 @@ def test_gpuvisor_run_with_a_limits_file(node: SimNode, tmp_path: Path) -> None:
         f'Error: GPUVISOR_LIMITS_FILE="{tmp_path / "missing.env"}": cannot open: no such file'
     )
     assert not marker.exists()
+
+
+# A 5 GiB allocation under a 6 GiB quota on a 4 GiB device, and the total
+# cuMemGetInfo shows (real client through the preloaded library).
+OVERSUBSCRIBED = """
+import json
+from tests.cuclient import *
+init()
+err, p = call(cu.cuMemAlloc, 5 * GiB)
+print(json.dumps({"err": err.name, "total": mem_info()[1]}))
+"""
+
+
+def test_oversubscription_comes_from_the_file(tmp_path: Path, build_dir: Path) -> None:
+    """CUDA_OVERSUBSCRIBE and GPUVISOR_MEMORY_SCALING are read from the file
+    (the grant says whether a quota may pass the device's memory): with
+    them there, 5 GiB of a 6 GiB quota are granted on a 4 GiB device; the
+    environment's own CUDA_OVERSUBSCRIBE is ignored while a file is named."""
+    small = SimNode.create(tmp_path, devices="1x4g")
+    f = tmp_path / "limits.env"
+    f.write_text(
+        "CUDA_DEVICE_MEMORY_LIMIT=6g\nCUDA_OVERSUBSCRIBE=true\nGPUVISOR_MEMORY_SCALING=1.5\n"
+    )
+    proc = run_py(OVERSUBSCRIBED, small.shimmed(GPUVISOR_LIMITS_FILE=str(f)))
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"err": "CUDA_SUCCESS", "total": 6 << 30}
+    plain = tmp_path / "plain.env"
+    plain.write_text("CUDA_DEVICE_MEMORY_LIMIT=6g\n")
+    env = small.shimmed(
+        GPUVISOR_LIMITS_FILE=str(plain),
+        CUDA_OVERSUBSCRIBE="true",
+        CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "plain.shr"),
+    )
+    proc = run_py(OVERSUBSCRIBED, env)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == {"err": "CUDA_ERROR_OUT_OF_MEMORY", "total": 4 << 30}
+
+
+def test_gpuvisor_run_refuses_oversubscription_options_beside_a_file(
+    node: SimNode, tmp_path: Path
+) -> None:
+    f = tmp_path / "limits.env"
+    f.write_text("CUDA_DEVICE_MEMORY_LIMIT=3000m\n")
+    env = dict(node.env, GPUVISOR_LIMITS_FILE=str(f))
+    env["GPUVISOR_NODE_SOCKET"] = str(tmp_path / "no-agent.sock")
+    for option in (["--oversubscribe"], ["--memory-scaling", "2"]):
+        proc = gpuvisor_run(env, *option, "--", "true")
+        assert proc.returncode == 2
+        assert proc.stderr.strip() == (
+            f"Error: {option[0]}: the limits come from GPUVISOR_LIMITS_FILE='{f}' (gpuvisor "
+            "device-plugin's), which the library reads instead of the options"
+        )
