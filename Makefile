@@ -178,13 +178,15 @@ bench-sm: all venv $(BENCH_SM_WORKER) $(BENCH_LAUNCH) $(BENCH_STALL_PROBE)
 	$(VENV)/bin/python -m tests.bench.sm_bench --write docs/benchmarks.md \
 	  $(if $(LIBRARY),--launch-args "$(BENCH_PEER)")
 
-# SM quota on a real GPU with PyTorch (tests/bench/torch_sm.py): needs an
+# SM quota (tests/bench/torch_sm.py) and memory oversubscription
+# (tests/bench/torch_oversub.py) on a real GPU with PyTorch: needs an
 # NVIDIA GPU, and PyTorch and nvidia-ml-py in GPU_PYTHON; writes its tables to
 # build/bench-gpu/ (figures from an H200 are in docs/benchmarks.md).
 GPU_PYTHON ?= python3
 .PHONY: bench-gpu
 bench-gpu: lib
 	$(GPU_PYTHON) -m tests.bench.torch_sm --lib $(LIB) --out $(BUILD)/bench-gpu
+	$(GPU_PYTHON) -m tests.bench.torch_oversub --lib $(LIB) --out $(BUILD)/bench-gpu
 
 # Every real-GPU check in one command, for a machine lent for minutes: the
 # `gpu` tests, then bench-gpu.  GPU_PYTHON needs PyTorch, nvidia-ml-py and
@@ -199,6 +201,7 @@ gpu-check: lib sim
 	-$(GPU_PATH) $(GPU_PYTHON) -m pytest -m gpu -s -o addopts=-ra -p no:cacheprovider \
 		tests/test_gpu_torch.py tests/test_visible_devices.py
 	$(GPU_PATH) $(GPU_PYTHON) -m tests.bench.torch_sm --lib $(LIB) --out $(BUILD)/bench-gpu
+	$(GPU_PATH) $(GPU_PYTHON) -m tests.bench.torch_oversub --lib $(LIB) --out $(BUILD)/bench-gpu
 
 # The demo's own environment: the runtime dependencies and matplotlib (the
 # plot extra), not the test set.

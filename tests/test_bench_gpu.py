@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 from gpuvisor.shim.hardware import real_gpu_present
 
+from tests.bench.torch_oversub import CHUNK, case_env, row, tensor_total
 from tests.bench.torch_sm import (
     NvmlPoller,
     QueryLog,
@@ -176,3 +177,101 @@ def test_two_workers_windows_are_taken_on_one_wall_clock() -> None:
     assert t["split_worst"] > 50  # A alone in those windows: 100 % against about 27
     assert t["total_worst"] < -50
     assert together_windows([a], warm=0.5) is None
+
+
+# ---- memory oversubscription with PyTorch (tests/bench/torch_oversub.py) ----
+
+
+def oversub_bench(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "tests.bench.torch_oversub", *args],
+        env=clean_env(),
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_oversub_without_a_gpu_it_skips_in_one_line() -> None:
+    if real_gpu_present():
+        pytest.skip("a real GPU is present")
+    proc = oversub_bench("--lib", str(LIBRARY), "--out", "/nonexistent/never-written")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("torch_oversub: skipped: NVML:")
+    assert lines[0].endswith("(needs an NVIDIA GPU)")
+
+
+def test_oversub_a_missing_library_is_named() -> None:
+    proc = oversub_bench("--lib", "/nonexistent/libgpuvisor.so")
+    assert proc.returncode == 2
+    assert (
+        proc.stderr.strip()
+        == "torch_oversub: --lib /nonexistent/libgpuvisor.so: no such file (run make first)"
+    )
+
+
+def test_oversub_tensors_are_one_and_a_half_guarantees_within_the_quota() -> None:
+    g = 8 << 30
+    assert tensor_total(g) == 12 << 30
+    assert tensor_total(g) % CHUNK == 0
+    # a guarantee that is no whole number of tensors rounds down
+    assert tensor_total((1 << 30) + (100 << 20)) == 1536 << 20
+
+
+def test_oversub_cases_environments(tmp_path: Path) -> None:
+    base = {
+        "PATH": "/usr/bin",
+        "LD_PRELOAD": "/other.so",
+        "CUDA_OVERSUBSCRIBE": "true",
+        "GPUVISOR_MEMORY_SCALING": "4",
+        "CUDA_DEVICE_MEMORY_LIMIT": "1g",
+        "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+    }
+    region = tmp_path / "r.shr"
+    g = 8 << 30
+    over = case_env(base, LIBRARY, region, g, True, True, "backend:cudaMallocAsync")
+    assert over["LD_PRELOAD"] == str(LIBRARY)
+    assert over["CUDA_DEVICE_MEMORY_LIMIT"] == "16384m"
+    assert over["CUDA_OVERSUBSCRIBE"] == "true"
+    assert over["GPUVISOR_MEMORY_SCALING"] == "2"
+    assert over["GPUVISOR_NODE_LOCK"] == ""  # never borrows beyond the guarantee
+    assert over["PYTORCH_CUDA_ALLOC_CONF"] == "backend:cudaMallocAsync"
+    assert over["CUDA_DEVICE_MEMORY_SHARED_CACHE"] == str(region)
+    on_device = case_env(base, LIBRARY, region, g, True, False, None)
+    assert on_device["CUDA_DEVICE_MEMORY_LIMIT"] == "16384m"
+    assert "CUDA_OVERSUBSCRIBE" not in on_device
+    assert "GPUVISOR_MEMORY_SCALING" not in on_device
+    assert "PYTORCH_CUDA_ALLOC_CONF" not in on_device
+    plain = case_env(base, LIBRARY, region, g, False, False, None)
+    assert "LD_PRELOAD" not in plain
+    assert "CUDA_DEVICE_MEMORY_LIMIT" not in plain
+    assert plain["PATH"] == "/usr/bin"
+
+
+def test_oversub_rows() -> None:
+    r = {
+        "rate": 2.0,
+        "tensor_bytes": 12 << 30,
+        "mem_get_info": [3 << 30, 16 << 30],
+        "spilled": 5 << 29,
+        "correct": True,
+    }
+    assert row("native", "oversubscribed", r, 8.0) == (
+        "| native | oversubscribed | yes | 2.00 | 52 | 25.0 | 3.00 / 16.00 | 2.50 |"
+    )
+    assert row("native", "no interposer", dict(r, spilled=None), None).endswith(
+        "| 2.00 | 52 | - | 3.00 / 16.00 | - |"
+    )
+    err = {"error": "OutOfMemoryError: CUDA out of memory."}
+    assert row("cudaMallocAsync", "oversubscribed", err, 8.0) == (
+        "| cudaMallocAsync | oversubscribed | no: OutOfMemoryError: CUDA out of memory. "
+        "| - | - | - | - | - |"
+    )
+    assert row("native", "x", dict(r, correct=False), 8.0).startswith(
+        "| native | x | yes, but wrong sums |"
+    )

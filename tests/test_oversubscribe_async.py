@@ -41,7 +41,8 @@ def pool(kind):
     if kind not in pools:
         props = pool_props()
         if kind == "ipc":
-            props.handleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+            h = cu.CUmemAllocationHandleType
+            props.handleTypes = h.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
         if kind == "capped":
             props.maxSize = 4 * GiB
         pools[kind] = ok(cu.cuMemPoolCreate, props)
