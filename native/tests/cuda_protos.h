@@ -38,6 +38,8 @@ CUresult cuDevicePrimaryCtxRelease_v2(CUdevice);
 CUresult cuMemGetInfo_v2(size_t *, size_t *);
 CUresult cuMemAlloc_v2(CUdeviceptr *, size_t);
 CUresult cuMemFree_v2(CUdeviceptr);
+CUresult cuMemAllocManaged(CUdeviceptr *, size_t, unsigned int);
+CUresult cuMemAdvise(CUdeviceptr, size_t, CUmem_advise, CUdevice);
 CUresult cuGetProcAddress_v2(const char *, void **, int, cuuint64_t, CUdriverProcAddressQueryResult *);
 CUresult cuGetProcAddress(const char *, void **, int, cuuint64_t);
 /* Launching: contexts, modules, streams, kernels and graphs. */
