@@ -498,6 +498,10 @@ m = ok(cu.cuMemAllocManaged, 64 * MiB, cu.CUmemAttach_flags.CU_MEM_ATTACH_GLOBAL
 assert r.device(0).spilled > 0
 ok(cu.cuMemsetD8, q, 1, pitch * 300000)
 s = ok(cu.cuStreamCreate, 0)
+spilled = r.device(0).spilled
+a = ok(cu.cuMemAllocAsync, 64 * MiB, s)                # the pool may not grow: spilled
+assert r.device(0).spilled == spilled + 64 * MiB, (spilled, r.device(0))
+ok(cu.cuMemFreeAsync, a, s)
 ok(cu.cuMemFreeAsync, p, s)                            # a spilled block, stream-ordered
 ok(cu.cuMemFree, m)
 assert used() == base + -(-pitch * 300000 // (2 * MiB)) * 2 * MiB   # rounded up to 2 MiB
@@ -508,8 +512,9 @@ print("clean")
 
 
 def test_spilling_paths_under_asan(node):
-    """Straddling, pitched, managed, a stream-ordered free of a spilled
-    block and a context destroyed with one, through the ASan build.  No
+    """Straddling, pitched, managed, stream-ordered (allocated and freed),
+    a stream-ordered free of a spilled block and a context destroyed with
+    one, through the ASan build.  No
     node directory: nothing is borrowed beyond the 256 MiB guarantee."""
     from tests.test_sanitizers import ASAN_DIR, asan_runtime
 
