@@ -27,7 +27,9 @@ from tests.test_oversubscribe import DEVICE, OVER, REGION, SIM_CONTEXT, GiB, phy
 # "pool N" (cuMemAllocFromPoolAsync from a pool of its own), "ipcpool N"
 # (from an IPC-exportable pool), "capped N" (from a pool with a maxSize of
 # 4 GiB), "freeasync" (cuMemFreeAsync of the last allocation, then a
-# stream synchronisation), "free" (cuMemFree of it), "touch" (a memset
+# stream synchronisation), "free" (cuMemFree of it), "graph N" (capture an
+# allocation of N MiB and its free into a graph, launch it, synchronise),
+# "touch" (a memset
 # and copies on every live allocation), "loop N" (N rounds of
 # allocating 256 MiB on the stream and freeing it there, for the SIGKILL
 # test).
@@ -77,6 +79,14 @@ for line in sys.stdin:
             ok(cu.cuMemcpyHtoD, p, buf, MiB)
             ok(cu.cuMemcpyDtoH, buf, p, MiB)
         out = {"err": "CUDA_SUCCESS"}
+    elif cmd == "graph":
+        ok(cu.cuStreamBeginCapture, s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+        p = ok(cu.cuMemAllocAsync, int(args[0]) * MiB, s)
+        ok(cu.cuMemFreeAsync, p, s)
+        g = ok(cu.cuGraphInstantiate, ok(cu.cuStreamEndCapture, s), 0)
+        err = call(cu.cuGraphLaunch, g, s)[0]
+        ok(cu.cuStreamSynchronize, s)
+        out = {"err": err.name}
     elif cmd == "loop":
         for _ in range(int(args[0])):
             err, p = call(cu.cuMemAllocAsync, 256 * MiB, s)
@@ -260,3 +270,27 @@ def test_racing_stream_ordered_allocations_and_sigkill_leave_nothing(small):
     assert physical(small)["used"] == 0
     for c in cs:
         assert c.figures() == {"used": 0, "spilled": 0, "resident": 0, "guarantee": 2 * GiB}
+
+
+def test_graph_allocations_do_not_spill(small):
+    """A graph's allocation node is made by the driver at launch, from the
+    device's graph pool: with the device full it is refused as without the
+    variable (docs/oversubscription.md lists it), and nothing is spilled;
+    with room on the device it runs."""
+    a = Container(small, "a", **OVER)
+    b = Container(small, "b", **OVER)
+    try:
+        assert b.ask("async 2048")["err"] == "CUDA_SUCCESS"
+        assert a.ask("async 2048")["err"] == "CUDA_SUCCESS"
+        check_guarantees(small, a, b)
+        before = a.figures()
+        assert a.ask("graph 512")["err"] == "CUDA_ERROR_OUT_OF_MEMORY"
+        assert a.figures() == before
+        assert physical(small)["used"] <= DEVICE
+        assert a.ask("freeasync")["err"] == "CUDA_SUCCESS"
+        assert a.ask("graph 512")["err"] == "CUDA_SUCCESS"
+        assert a.figures()["spilled"] == 0
+    finally:
+        a.kill()
+        b.kill()
+    assert physical(small)["used"] == 0
