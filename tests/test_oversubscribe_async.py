@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -294,3 +295,37 @@ def test_graph_allocations_do_not_spill(small):
         a.kill()
         b.kill()
     assert physical(small)["used"] == 0
+
+
+def test_a_growth_the_driver_refuses_is_spilled_whole(small):
+    """A process without the library holds 3.5 GiB of the 4 GiB device, so
+    the rules' room (A's own guarantee) is not there: the driver refuses
+    the pool's growth, and the allocation is served from host memory,
+    all of it (nothing prefetched to a device that has no room), so the
+    region's resident bytes stay the driver's own count."""
+    outsider = start_ready(WORKER, small.env)
+    try:
+        assert json.loads(ask_raw(outsider, "async 3584"))["err"] == "CUDA_SUCCESS"
+        a = Container(small, "a", **OVER)
+        try:
+            assert a.ask("async 512")["err"] == "CUDA_SUCCESS"
+            fig = a.figures()
+            assert fig["spilled"] == 512 * (1 << 20), fig
+            assert fig["resident"] == a.on_device(physical(small)) == SIM_CONTEXT, fig
+            assert a.ask("touch")["err"] == "CUDA_SUCCESS"
+            assert a.ask("freeasync")["err"] == "CUDA_SUCCESS"
+            assert a.figures()["spilled"] == 0
+        finally:
+            a.kill()
+    finally:
+        outsider.send_signal(signal.SIGKILL)
+        outsider.wait(timeout=10)
+    assert physical(small)["used"] == 0
+
+
+def ask_raw(proc: subprocess.Popen[str], line: str) -> str:
+    assert proc.stdin is not None
+    assert proc.stdout is not None
+    proc.stdin.write(line + "\n")
+    proc.stdin.flush()
+    return proc.stdout.readline()

@@ -61,7 +61,16 @@ static CUresult call_alloc_pool(void *v)
  * any allocation and recorded as spilled.  It is no block of the pool:
  * cuMemFreeAsync of it waits for its stream, then frees it (free_async
  * below), and cuMemFree frees it at once. */
-static CUresult spill_async(int ordinal, CUdeviceptr *dptr, size_t n)
+/* The device had no room for the pool's growth: none for the spill
+ * either, whatever the rules would let it take. */
+static CUresult refuse_device(CUdeviceptr *dptr, void *arg)
+{
+    (void)dptr;
+    (void)arg;
+    return CUDA_ERROR_OUT_OF_MEMORY;
+}
+
+static CUresult spill_async(int why, int ordinal, CUdeviceptr *dptr, size_t n)
 {
     /* Managed memory is made in the current context, placed on its device:
      * one of another device cannot take it (the driver's refusal stands). */
@@ -74,8 +83,9 @@ static CUresult spill_async(int ordinal, CUdeviceptr *dptr, size_t n)
     if (rc != CUDA_SUCCESS)
         return rc;
     uint64_t spilled = 0;
-    rc = c.active ? gv_oversub_alloc(&c, dptr, n, &spilled, NULL, NULL, 0)
-                  : CUDA_ERROR_OUT_OF_MEMORY;
+    rc = !c.active ? CUDA_ERROR_OUT_OF_MEMORY
+         : gv_oversub_alloc(&c, dptr, n, &spilled,
+                            why == GV_SPILL_REFUSED ? refuse_device : NULL, NULL, 0);
     if (rc != CUDA_SUCCESS) {
         gv_charge_cancel(&c);
         return rc;
@@ -121,7 +131,7 @@ static CUresult alloc_async(alloc_async_fn real, free_async_fn real_free,
     pthread_mutex_lock(&r->lock);
     rc = gv_pool_alloc(r, n, dptr, stream, call_alloc_async, &a, real_free, &spill);
     pthread_mutex_unlock(&r->lock);
-    return spill ? spill_async(ordinal, dptr, n) : rc;
+    return spill ? spill_async(spill, ordinal, dptr, n) : rc;
 }
 
 static CUresult alloc_from_pool(alloc_pool_fn real, free_async_fn real_free, CUdeviceptr *dptr,
@@ -150,7 +160,7 @@ static CUresult alloc_from_pool(alloc_pool_fn real, free_async_fn real_free, CUd
     pthread_mutex_lock(&r->lock);
     CUresult rc = gv_pool_alloc(r, n, dptr, stream, call_alloc_pool, &a, real_free, &spill);
     pthread_mutex_unlock(&r->lock);
-    return spill ? spill_async(r->ordinal, dptr, n) : rc;
+    return spill ? spill_async(spill, r->ordinal, dptr, n) : rc;
 }
 
 struct free_args {

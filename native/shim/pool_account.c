@@ -321,10 +321,11 @@ int gv_pool_free_block(CUdeviceptr p, CUresult (*call)(void *), void *arg, CUres
 /* Allocate n bytes from pool record r through `call`; lock held by caller.
  * Charges the growth the pool may need first, then settles on the driver's
  * reserve afterwards.  Under CUDA_OVERSUBSCRIBE (spill given, the pool not
- * fixed), a growth the rules do not let on the device, or that the driver
- * refuses for want of memory, is not made: CUDA_ERROR_OUT_OF_MEMORY with
- * *spill set, nothing charged, and the caller serves the allocation from
- * host memory (hooks_pool.c). */
+ * fixed), a growth the rules do not let on the device (*spill =
+ * GV_SPILL_RULES), or that the driver refuses for want of memory
+ * (GV_SPILL_REFUSED), is not made: CUDA_ERROR_OUT_OF_MEMORY, nothing
+ * charged, and the caller serves the allocation from host memory
+ * (hooks_pool.c). */
 CUresult gv_pool_alloc(pool_rec *r, size_t n, CUdeviceptr *dptr, CUstream stream,
                        CUresult rc_call(void *), void *arg, free_async_fn real_free,
                        int *spill)
@@ -346,7 +347,7 @@ CUresult gv_pool_alloc(pool_rec *r, size_t n, CUdeviceptr *dptr, CUstream stream
     int may_spill = spill && c.active && !r->fixed && gv_oversub_on();
     if (may_spill && !gv_oversub_device_ok(&c, &lockfd)) {
         gv_charge_cancel(&c);
-        *spill = 1;
+        *spill = GV_SPILL_RULES;
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     CUresult rc = rc_call(arg);
@@ -356,7 +357,7 @@ CUresult gv_pool_alloc(pool_rec *r, size_t n, CUdeviceptr *dptr, CUstream stream
         gv_pool_settle(r);            /* in case the pool grew all the same */
         if (may_spill) {
             gv_oversub_done(r->dev, lockfd);
-            *spill = rc == CUDA_ERROR_OUT_OF_MEMORY;
+            *spill = rc == CUDA_ERROR_OUT_OF_MEMORY ? GV_SPILL_REFUSED : 0;
         }
         return rc;
     }

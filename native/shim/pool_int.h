@@ -37,6 +37,7 @@ CUresult gv_pool_claim_once(CUmemoryPool p, int ordinal, int dev, int host, int 
 CUresult gv_pool_rec_for(CUmemoryPool p, int ordinal, int fresh, pool_rec **out);
 int gv_pool_live(CUmemoryPool p);
 void gv_pool_settle(pool_rec *r);
+enum { GV_SPILL_RULES = 1, GV_SPILL_REFUSED = 2 };   /* gv_pool_alloc's *spill */
 CUresult gv_pool_alloc(pool_rec *r, size_t n, CUdeviceptr *dptr, CUstream stream,
                        CUresult rc_call(void *), void *arg, free_async_fn real_free,
                        int *spill);
