@@ -15,6 +15,7 @@ Each verb is a plain function (run in a worker thread by the server).
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -190,12 +191,19 @@ class Extender:
         from kubernetes import client
         from kubernetes.client.exceptions import ApiException
 
-        pod = self.core.read_namespaced_pod(name, namespace, _request_timeout=API_TIMEOUT)
-        if uid and pod.metadata.uid != uid:
-            raise RuntimeError(f"the pod is now another one (uid {pod.metadata.uid}, not {uid})")
-        if pod.spec.node_name:
-            raise RuntimeError(f"already bound to {pod.spec.node_name}")
-        req = pod_request(self.api_client.sanitize_for_serialization(pod))
+        # Raw JSON, not the client's models: decoding a Pod into them cost
+        # milliseconds of the interpreter per bind, which the filters of the
+        # next pods waited for (make bench-cluster).
+        raw = self.core.read_namespaced_pod(
+            name, namespace, _preload_content=False, _request_timeout=API_TIMEOUT
+        )
+        pod = json.loads(raw.data)
+        meta = pod.get("metadata") or {}
+        if uid and meta.get("uid") != uid:
+            raise RuntimeError(f"the pod is now another one (uid {meta.get('uid')}, not {uid})")
+        if (pod.get("spec") or {}).get("nodeName"):
+            raise RuntimeError(f"already bound to {pod['spec']['nodeName']}")
+        req = pod_request(pod)
         # a reservation of an earlier attempt (a failed bind, or restored
         # from its annotation) is void: the pod is placed again
         self.state.drop(key)
@@ -204,7 +212,7 @@ class Extender:
             if d.node != node or d.allocation is None:
                 raise RuntimeError(self._reason(d.reasons.get(node, "the pod no longer fits")))
             try:
-                allocation = self.state.took(key, pod.metadata.uid, node, d)
+                allocation = self.state.took(key, meta["uid"], node, d)
                 break
             except Conflict:
                 continue
@@ -216,14 +224,15 @@ class Extender:
                 namespace,
                 {
                     "metadata": {
-                        "resourceVersion": pod.metadata.resource_version,
+                        "resourceVersion": meta["resourceVersion"],
                         "annotations": {ANNOTATION: allocation.annotation()},
                     }
                 },
+                _preload_content=False,
                 _request_timeout=API_TIMEOUT,
             )
             binding = client.V1Binding(
-                metadata=client.V1ObjectMeta(name=name, uid=pod.metadata.uid),
+                metadata=client.V1ObjectMeta(name=name, uid=meta["uid"]),
                 target=client.V1ObjectReference(api_version="v1", kind="Node", name=node),
             )
             # the client cannot decode the Status the server answers with
