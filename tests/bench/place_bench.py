@@ -30,7 +30,7 @@ from typing import Any
 
 from gpuvisor.cluster.allocator import Allocator, Config
 from gpuvisor.cluster.inventory_model import load_inventory
-from gpuvisor.cluster.mig import load_geometries
+from gpuvisor.cluster.mig import load_geometries, profile_cores
 from gpuvisor.cluster.request import PodRequest, pod_request
 
 from tests.bench.agent_bench import replace_section
@@ -228,8 +228,12 @@ def optimum(doc: dict[str, Any], reqs: list[PodRequest], split: int) -> int:
                 out.append((slots + 1, mem + m, cores + c.cores, mask, on))
         mig = g.mig
         if r.mode != "hami-core" and mig is not None and (on or (slots == 0 and mask == 0)):
+            # an instance gives its share of the compute slices: a fraction that
+            # asks for more cores needs a larger profile (an exclusive request
+            # asks for the whole instance, whatever its size)
+            k = c.cores if c.cores < 100 else 0
             for prof in mig.profiles:
-                if prof.memory_mib < m:
+                if prof.memory_mib < m or profile_cores(mig, prof) < k:
                     continue
                 for pl in prof.placements:
                     if not mask & pl.mask:
