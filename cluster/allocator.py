@@ -172,7 +172,11 @@ class NodeState:
         )
 
     # -- applying and checking charges ---------------------------------------------------
-    def check(self, charge: Mapping[int, GpuCharge]) -> str | None:
+    def check(self, charge: Mapping[int, GpuCharge], done: bool = False) -> str | None:
+        """What the charge would over-commit, or None.  done: the charge is
+        an allocation already made (restored), whose MIG reconfiguration may
+        have been carried out: the GPU then runs the pod's own instance, and
+        "reconfigure only an idle GPU" is a rule for deciding, not for it."""
         split = self.cfg.split_count
         for i, c in charge.items():
             g = self.inv.gpus[i]
@@ -195,7 +199,7 @@ class NodeState:
                     return f"GPU {i} MIG placement {grant.placement} is taken"
                 if grant.instance is not None and grant.instance in self.mig_refs[i]:
                     return f"GPU {i} MIG instance {grant.instance} is taken"
-                if (grant.enable or grant.destroy) and not self.idle(i):
+                if (grant.enable or grant.destroy) and not done and not self.idle(i):
                     return f"GPU {i} is not idle"
                 taken |= grant.placement.mask
         return None
@@ -749,7 +753,7 @@ class Allocator:
         with node.lock:
             if allocation.pod in node.pods:
                 raise fail(f"{path}.pod", "allocated twice", allocation.pod)
-            problem = node.check(charge)
+            problem = node.check(charge, done=True)
             if problem:
                 raise DocumentError(f"{path}: over-commits the node: {problem}")
             node.apply(charge, +1)

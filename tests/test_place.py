@@ -669,3 +669,26 @@ def test_quantities_in_the_api_servers_canonical_form() -> None:
     for bad in ("3Ki", "1500m"):
         with pytest.raises(DocumentError, match=rf"gpumem\]: expected a whole number, got '{bad}'"):
             pod_request(pod(bad))
+
+
+def test_restore_accounts_a_mig_plan_already_carried_out():
+    """A restarted extender restores a pod whose plan turned MIG mode on and
+    made an instance, from the inventory published after the plugin carried
+    it out (MIG mode on, the instance in use by the pod itself): the plan's
+    "reconfigure only an idle GPU" rule is for deciding, not for accounting
+    what was done; it refused such pods with "GPU 0 is not idle"."""
+    a = Allocator.from_cluster(cluster(mig_box("m", enabled=False)))
+    d = place(a, "y", ctr(gpu=1, gpumem=9000), annotations=MIG)
+    (grant,) = d.allocation.containers[0].gpus
+    assert grant.mig is not None
+    assert grant.mig.enable
+    start = grant.mig.placement.start
+    after = mig_box("m", enabled=True, instances=[(grant.mig.profile, start, True)])
+    b = Allocator.from_cluster(cluster(after))
+    b.restore(d.allocation)
+    assert b.nodes["m"].mig_used == a.nodes["m"].mig_used
+    # a second pod is decided around it, never onto its placement
+    d2 = place(b, "z", ctr(gpu=1, gpumem=9000), annotations=MIG)
+    (g2,) = d2.allocation.containers[0].gpus
+    assert g2.mig is not None
+    assert not (g2.mig.placement.mask & grant.mig.placement.mask)
