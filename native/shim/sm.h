@@ -57,21 +57,28 @@ uint64_t gv_cal_scale(int dev, uint64_t raw_ns);
 void gv_cal_reset(void);
 /* The launch order between containers on one device (sm_arbiter.c), for
  * region device dev (uuid: NVML's form, names the node-wide file):
- *  - gv_arb_check: may a launch of this container, whose clock stands at
- *    tat, go now (1), or should it wait (0); -1 when the launch order is
- *    not in play (no node directory, no slot, no other container working
- *    on the device lately).  It also says this process waits to launch;
- *  - gv_arb_admitted / gv_arb_settled: a gated launch went / was measured;
+ *  - gv_arb_check: may a launch of this process, whose container's clock
+ *    stands at tat, with queued ns (count launches) of its own in flight,
+ *    go now (1); should it wait for the turn (0: the wait is credited,
+ *    see sm_gate.c) or for its own launches in flight (2); -1 when the
+ *    turn is not in play (no node directory, no slot, no other container
+ *    working on the device lately, or this process leaves the turn alone
+ *    for a while after waiting too long for it).  It also says this
+ *    process waits to launch;
+ *  - gv_arb_admitted / gv_arb_settled: a gated launch of cost ns went /
+ *    was measured;
  *  - gv_arb_alive: this process is alive (the meter, while in flight);
- *  - gv_arb_not_waiting: it no longer waits (its clock ran ahead);
+ *  - gv_arb_not_waiting: it no longer waits (its clock ran ahead: a turn
+ *    it held is over);
  *  - gv_arb_wants: its container uses all of its share (sm_policy.c);
  *  - gv_arb_set_terms: this process's NVML PID and its container's limit
  *    and policy (the policy thread, at every update);
  *  - gv_arb_terms_of: those of the container whose process NVML shows as
  *    nvml_pid, and whether it used all of its share in the last 300 ms
  *    (1; 0 when no live slot says so). */
-int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now);
-void gv_arb_admitted(int dev, const char *uuid, uint64_t now);
+int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now, uint64_t queued,
+                 uint32_t count, uint64_t cost);
+void gv_arb_admitted(int dev, const char *uuid, uint64_t now, uint64_t cost);
 void gv_arb_settled(int dev);
 void gv_arb_alive(int dev, uint64_t now);
 void gv_arb_not_waiting(int dev);

@@ -56,15 +56,25 @@
 #include "log.h"
 #include "sm.h"
 
-#define ARB_MAGIC 0x6776617262000001ULL     /* "gvarb", layout version 1 */
+#define ARB_MAGIC 0x6776617262000002ULL     /* "gvarb", layout version 2 (the turn) */
 #define ARB_SLOTS 128
-#define DEPTH 3u
 #define MARGIN_NS (500ULL * 1000)
 #define FRESH_NS (20ULL * 1000 * 1000)
 #define WAITING_NS (300ULL * 1000)
 #define ACTIVE_NS (50ULL * 1000 * 1000)
 #define STALE_NS (1000ULL * 1000 * 1000)
 #define WANTS_NS (300ULL * 1000 * 1000)   /* "used all its share" lasts this long */
+/* The turn: */
+#define TURN_NS (10ULL * 1000 * 1000)     /* estimated GPU time a holder charges while others wait */
+#define TURN_INFLIGHT_NS (4ULL * 1000 * 1000) /* what a holder keeps in flight (estimates) */
+#define LAPSE_NS (200ULL * 1000)          /* a holder idle this long, nothing in flight, lets go */
+/* The most a launch waits for the turn; then this process leaves the turn
+ * alone on that device for BYPASS_NS, twice as long at each bound hit
+ * within BYPASS_MAX_NS of the last, up to BYPASS_MAX_NS. */
+#define TURN_WAIT_NS (150ULL * 1000 * 1000)
+#define BYPASS_NS (250ULL * 1000 * 1000)
+#define BYPASS_MAX_NS (8000ULL * 1000 * 1000)
+#define IDX_MASK 0xffULL
 
 struct arb_slot {
     _Atomic uint64_t owner;         /* the owning process's token; 0: free */
@@ -95,7 +105,10 @@ struct arb_file {
      * (hooks_context.c), for a container that has measured none yet; 0
      * while none did (a library before this word never writes it). */
     _Atomic uint64_t ctx_cost;
-    uint64_t pad[4];
+    /* The turn: who holds the device, (owner token & ~IDX_MASK) | slot
+     * index; 0: nobody.  Changed by CAS (layout version 2). */
+    _Atomic uint64_t turn;
+    uint64_t pad[3];
     struct arb_slot slot[ARB_SLOTS];
 };
 
@@ -105,6 +118,11 @@ static struct arb_dev {
     _Atomic int state;
     struct arb_file *f;
     _Atomic(struct arb_slot *) me;  /* NULL: no slot (yet) */
+    /* This process's side of the turn (process-private): */
+    _Atomic uint64_t charged;       /* estimated GPU time charged in its turn */
+    _Atomic uint64_t wait_since;    /* when its launches began to wait for the turn; 0: not */
+    _Atomic uint64_t bypass_until;  /* leaves the turn alone until then */
+    _Atomic uint64_t bypass_len;    /* the last bypass's length */
 } arbs[GV_MAX_DEVICES];
 
 static _Atomic uint64_t container_id;
@@ -150,6 +168,8 @@ static void fork_child(void)
     atomic_store(&token, 0);
     for (int i = 0; i < GV_MAX_DEVICES; i++) {
         atomic_store(&arbs[i].me, NULL);
+        atomic_store(&arbs[i].charged, 0);
+        atomic_store(&arbs[i].wait_since, 0);
         int opening = OPENING;
         atomic_compare_exchange_strong(&arbs[i].state, &opening, UNTRIED);
     }
@@ -179,8 +199,12 @@ __attribute__((destructor)) static void release_slots(void)
     uint64_t t = atomic_load(&token);
     for (int i = 0; t && i < GV_MAX_DEVICES; i++) {
         struct arb_slot *s = atomic_load(&arbs[i].me);
-        if (s)
-            atomic_compare_exchange_strong(&s->owner, &t, 0);
+        if (!s)
+            continue;
+        uint64_t held = (t & ~IDX_MASK) | (uint64_t)(s - arbs[i].f->slot);
+        atomic_compare_exchange_strong(&arbs[i].f->turn, &held, 0);
+        uint64_t o = t;
+        atomic_compare_exchange_strong(&s->owner, &o, 0);
     }
 }
 
@@ -312,44 +336,134 @@ static struct arb_slot *slot_for(int dev, const char *uuid, uint64_t now)
     return s;
 }
 
-int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now)
+/* The turn word this process's slot me stands for. */
+static uint64_t turn_word(struct arb_file *f, struct arb_slot *me)
+{
+    return (my_token() & ~IDX_MASK) | (uint64_t)(me - f->slot);
+}
+
+/* Whether the turn word t names a holder that still holds the device: its
+ * slot is owned by the process it names, heard from within FRESH_NS, and
+ * it has launches in flight or launched within LAPSE_NS. */
+static int holding(struct arb_file *f, uint64_t t, uint64_t now)
+{
+    uint64_t i = t & IDX_MASK;
+    if (!t || i >= ARB_SLOTS)
+        return 0;
+    struct arb_slot *s = &f->slot[i];
+    uint64_t o = atomic_load_explicit(&s->owner, memory_order_relaxed);
+    if (!o || (o & ~IDX_MASK) != (t & ~IDX_MASK) ||
+        !fresh(atomic_load_explicit(&s->beat, memory_order_relaxed), now))
+        return 0;
+    if (atomic_load_explicit(&s->inflight, memory_order_relaxed))
+        return 1;
+    uint64_t l = atomic_load_explicit(&s->launched_at, memory_order_relaxed);
+    return l + LAPSE_NS >= now && l <= now + STALE_NS;
+}
+
+/* A launch waits for the turn (the answer 0); past TURN_WAIT_NS of waiting
+ * this process leaves the turn alone for a while (-1): whatever a
+ * neighbour writes into the node's file, it holds this process's launches
+ * at most that long per bypass, the bypasses doubling while it goes on. */
+static int wait_turn(struct arb_dev *a, struct arb_slot *me, uint64_t tat, uint64_t now)
+{
+    atomic_store_explicit(&me->tat, tat, memory_order_relaxed);
+    atomic_store_explicit(&me->wait_at, now, memory_order_relaxed);
+    uint64_t since = atomic_load_explicit(&a->wait_since, memory_order_relaxed);
+    if (!since) {
+        atomic_store_explicit(&a->wait_since, now, memory_order_relaxed);
+        return 0;
+    }
+    if (now < since + TURN_WAIT_NS)
+        return 0;
+    uint64_t until = atomic_load_explicit(&a->bypass_until, memory_order_relaxed);
+    uint64_t len = atomic_load_explicit(&a->bypass_len, memory_order_relaxed);
+    len = until && now < until + BYPASS_MAX_NS && len ? len * 2 : BYPASS_NS;
+    len = len < BYPASS_MAX_NS ? len : BYPASS_MAX_NS;
+    atomic_store_explicit(&a->bypass_len, len, memory_order_relaxed);
+    atomic_store_explicit(&a->bypass_until, now + len, memory_order_relaxed);
+    atomic_store_explicit(&a->wait_since, 0, memory_order_relaxed);
+    atomic_store_explicit(&me->wait_at, 0, memory_order_relaxed);
+    static atomic_int said;
+    if (!atomic_exchange(&said, 1))
+        gv_log(GV_LOG_WARN, "a launch waited %llu ms for its turn on the GPU; this process "
+               "takes no turns there for %llu ms (a process that holds the turn and does not "
+               "let go, or a node-wide file written by something else)",
+               (unsigned long long)(TURN_WAIT_NS / 1000000), (unsigned long long)(len / 1000000));
+    return -1;
+}
+
+int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now, uint64_t queued,
+                 uint32_t count, uint64_t cost)
 {
     struct arb_slot *me = slot_for(dev, uuid, now);
     if (!me)
         return -1;
-    struct arb_file *f = arbs[dev].f;
-    uint64_t who = atomic_load_explicit(&me->container, memory_order_relaxed);
+    struct arb_dev *a = &arbs[dev];
+    struct arb_file *f = a->f;
     atomic_store_explicit(&me->beat, now, memory_order_relaxed);
-    atomic_store_explicit(&me->tat, tat, memory_order_relaxed);
-    atomic_store_explicit(&me->wait_at, now, memory_order_relaxed);
-    uint32_t total = 0;
-    int others = 0;
+    if (now < atomic_load_explicit(&a->bypass_until, memory_order_relaxed))
+        return -1;
+    uint64_t who = atomic_load_explicit(&me->container, memory_order_relaxed);
+    int others = 0;                 /* another container works on the device */
+    uint32_t elsewhere = 0;         /* launches other processes have in flight */
     uint64_t first = UINT64_MAX;    /* the least advanced clock waiting elsewhere */
     uint32_t used = atomic_load_explicit(&f->used, memory_order_relaxed);
     for (uint32_t i = 0; i < used && i < ARB_SLOTS; i++) {
         struct arb_slot *s = &f->slot[i];
-        if (!atomic_load_explicit(&s->owner, memory_order_relaxed) ||
+        if (s == me || !atomic_load_explicit(&s->owner, memory_order_relaxed) ||
             !fresh(atomic_load_explicit(&s->beat, memory_order_relaxed), now))
             continue;
-        uint32_t n = atomic_load_explicit(&s->inflight, memory_order_relaxed);
-        total += n < DEPTH ? n : DEPTH;
-        if (atomic_load_explicit(&s->container, memory_order_relaxed) == who)
-            continue;
-        if (atomic_load_explicit(&s->launched_at, memory_order_relaxed) + ACTIVE_NS >= now)
-            others = 1;
-        if (atomic_load_explicit(&s->wait_at, memory_order_relaxed) + WAITING_NS >= now) {
+        elsewhere += atomic_load_explicit(&s->inflight, memory_order_relaxed);
+        int waiting = atomic_load_explicit(&s->wait_at, memory_order_relaxed) + WAITING_NS >= now;
+        if (waiting) {
             uint64_t t = atomic_load_explicit(&s->tat, memory_order_relaxed);
             first = t < first ? t : first;
         }
+        if (atomic_load_explicit(&s->container, memory_order_relaxed) != who &&
+            (waiting || atomic_load_explicit(&s->launched_at, memory_order_relaxed) + ACTIVE_NS >= now))
+            others = 1;
     }
-    if (!others)
+    uint64_t mine = turn_word(f, me);
+    uint64_t t = atomic_load(&f->turn);
+    if (!others) {
+        /* A container alone: its own rules.  A turn it held goes back. */
+        atomic_store_explicit(&me->wait_at, 0, memory_order_relaxed);
+        atomic_store_explicit(&a->wait_since, 0, memory_order_relaxed);
+        if (t == mine)
+            atomic_compare_exchange_strong(&f->turn, &t, 0);
         return -1;
-    if (total >= DEPTH)
-        return 0;
-    return first == UINT64_MAX || tat <= first + MARGIN_NS;
+    }
+    if (t == mine) {
+        if (atomic_load_explicit(&a->charged, memory_order_relaxed) >= TURN_NS &&
+            first != UINT64_MAX) {
+            /* The turn is over: given back; the next holder waits until
+             * this process's launches are measured (drained). */
+            atomic_store_explicit(&a->charged, 0, memory_order_relaxed);
+            atomic_compare_exchange_strong(&f->turn, &t, 0);
+            t = 0;
+        } else {
+            atomic_store_explicit(&me->wait_at, 0, memory_order_relaxed);
+            atomic_store_explicit(&a->wait_since, 0, memory_order_relaxed);
+            return count >= 2 && queued + cost > TURN_INFLIGHT_NS ? 2 : 1;
+        }
+    }
+    if (t && holding(f, t, now))
+        return wait_turn(a, me, tat, now);
+    /* Free (or its holder lapsed, died or stopped): taken by the process
+     * furthest behind its share, once the device has drained. */
+    if ((first != UINT64_MAX && tat > first + MARGIN_NS) || elsewhere)
+        return wait_turn(a, me, tat, now);
+    atomic_store_explicit(&me->launched_at, now, memory_order_relaxed);
+    if (!atomic_compare_exchange_strong(&f->turn, &t, mine))
+        return wait_turn(a, me, tat, now);
+    atomic_store_explicit(&a->charged, 0, memory_order_relaxed);
+    atomic_store_explicit(&me->wait_at, 0, memory_order_relaxed);
+    atomic_store_explicit(&a->wait_since, 0, memory_order_relaxed);
+    return count >= 2 && queued + cost > TURN_INFLIGHT_NS ? 2 : 1;
 }
 
-void gv_arb_admitted(int dev, const char *uuid, uint64_t now)
+void gv_arb_admitted(int dev, const char *uuid, uint64_t now, uint64_t cost)
 {
     struct arb_slot *s = slot_for(dev, uuid, now);
     if (!s)
@@ -358,6 +472,7 @@ void gv_arb_admitted(int dev, const char *uuid, uint64_t now)
     atomic_store_explicit(&s->wait_at, 0, memory_order_relaxed);
     atomic_store_explicit(&s->launched_at, now, memory_order_relaxed);
     atomic_store_explicit(&s->beat, now, memory_order_relaxed);
+    atomic_fetch_add_explicit(&arbs[dev].charged, cost, memory_order_relaxed);
 }
 
 void gv_arb_settled(int dev)
@@ -380,8 +495,17 @@ void gv_arb_alive(int dev, uint64_t now)
 void gv_arb_not_waiting(int dev)
 {
     struct arb_slot *s = mine(dev);
-    if (s)
-        atomic_store_explicit(&s->wait_at, 0, memory_order_relaxed);
+    if (!s)
+        return;
+    atomic_store_explicit(&s->wait_at, 0, memory_order_relaxed);
+    atomic_store_explicit(&arbs[dev].wait_since, 0, memory_order_relaxed);
+    /* Its clock ran ahead: a turn it held is over. */
+    struct arb_file *f = arbs[dev].f;
+    uint64_t t = turn_word(f, s);
+    if (atomic_load_explicit(&f->turn, memory_order_relaxed) == t) {
+        atomic_store_explicit(&arbs[dev].charged, 0, memory_order_relaxed);
+        atomic_compare_exchange_strong(&f->turn, &t, 0);
+    }
 }
 
 void gv_arb_wants(int dev, uint64_t now)

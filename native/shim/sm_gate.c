@@ -164,7 +164,7 @@ void gv_sm_set_company(int dev, int company, int procs)
 
 uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_ns)
 {
-    uint64_t start = 0;
+    uint64_t start = 0, turn_since = 0;
     uint32_t share;
     for (;;) {
         share = atomic_load_explicit(&sm->share, memory_order_relaxed);
@@ -247,20 +247,25 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
             if (!(company & GV_SM_FULL))
                 cap = cap * 2 + (now - tat);
         }
-        /* Next to other containers that keep the device busy, the
-         * node-wide launch order (sm_arbiter.c) bounds what is queued on
-         * the device and lets the container furthest behind its share go
-         * first; it replaces this process's own in-flight bound then.  Not
-         * while this container's clock is too far ahead to launch anyway,
-         * nor while it is behind its share: a container held back by the
-         * others (or by a peer that misbehaves) falls back on its own
-         * rules within BEHIND_NS. */
+        /* Next to other containers working on the device, the turn
+         * (sm_arbiter.c): one process at a time has work on the device,
+         * so that its events measure its own kernels only (a time-sliced
+         * GPU preempts a context's kernel for another's slice, and the
+         * events around it measure both); it replaces this process's own
+         * in-flight bound then.  Not while this container's clock is too
+         * far ahead to launch anyway.  Time spent waiting for the turn is
+         * not idle time: the lag floor is taken from when the wait began
+         * (a small container that waited through others' turns longer
+         * than LAG_NS lost the difference). */
         int arb = -1;
-        uint64_t floor0 = now > LAG_NS ? now - LAG_NS : 0;
+        uint64_t ref = turn_since ? turn_since : now;
+        uint64_t floor0 = ref > LAG_NS ? ref - LAG_NS : 0;
         uint64_t base0 = tat > floor0 ? tat : floor0;
-        if (base0 <= now + TOLERANCE_NS && tat + BEHIND_NS > now) {
-            arb = gv_arb_check(dev, uuid, base0, now);
-            if (arb == 0) {
+        if (base0 <= now + TOLERANCE_NS) {
+            arb = gv_arb_check(dev, uuid, base0, now, queued, count, cost_ns);
+            if (arb == 0 || arb == 2) {
+                if (arb == 0 && !turn_since)
+                    turn_since = now;
                 sleep_ns(ARB_POLL_NS);
                 continue;
             }
@@ -271,7 +276,7 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
         }
         uint64_t inc = cost_ns * 10000 / share;
         uint64_t t = atomic_load(&sm->tat);
-        uint64_t floor = now > LAG_NS ? now - LAG_NS : 0;
+        uint64_t floor = ref > LAG_NS ? ref - LAG_NS : 0;
         uint64_t base = t > floor ? t : floor;
         if (base > now + TOLERANCE_NS) {
             gv_arb_not_waiting(dev);
@@ -287,7 +292,7 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
     }
     atomic_fetch_add_explicit(&inflight_of(dev)->ns, cost_ns, memory_order_relaxed);
     atomic_fetch_add_explicit(&inflight_of(dev)->n, 1, memory_order_relaxed);
-    gv_arb_admitted(dev, uuid, gv_mono_ns());
+    gv_arb_admitted(dev, uuid, gv_mono_ns(), cost_ns);
     uint64_t waited = gv_mono_ns() - start;
     if (waited > 1000)
         atomic_fetch_add_explicit(&sm->wait_ns, waited, memory_order_relaxed);
