@@ -1,31 +1,35 @@
 /*
  * sm_arbiter.c - the order of launches between containers on one GPU.
  *
- * Each container paces itself with its own clock (sm_gate.c).  On a GPU
- * that several containers keep busy, that is not enough for steady 100 ms
- * windows: the device runs kernels in launch order, so which container's
- * kernel runs next is decided by who queued first, and every container
- * keeps kernels queued whose length nobody knows yet.  The arbiter adds
- * what weighted fair queueing needs, in a file per GPU in the node
- * directory that every container shares (the directory of the node lock,
- * node_lock.c; HAMi's device plugin mounts the host's /tmp/vgpulock into
- * each container):
- *   - at most DEPTH gated launches in flight on the device, over all
- *     containers (admitted and not yet measured by their meter);
- *   - a launch goes only if its container's clock is not more than
- *     MARGIN_NS ahead of the clock of any other container that is waiting
- *     to launch: the container furthest behind its share goes first.
- * Pairs' 100 ms windows, make bench-sm workload, 10 s runs, seeds 1-4, one
- * sitting, standard deviation (points) A / B without -> with it: 10:90
- * 2.36 / 4.48 -> 2.28 / 3.99, 30:70 2.64 / 3.27 -> 2.28 / 2.83, 50:50
- * 3.22 / 2.81 -> 2.30 / 2.11 (docs/benchmarks.md, thirteenth session).
+ * Each container paces itself with its own clock (sm_gate.c).  A real GPU
+ * time-slices between contexts (one per process): while two have work,
+ * each runs about 2 ms at a time and a running kernel is preempted at the
+ * end of its slice.  The events around a kernel then also hold the other
+ * context's slice, the container is charged for it and runs short (50:50
+ * gave 40 / 50 % on an H100; the simulator's time-slicing mode, 39 / 38).
+ * So, next to another container, one process at a time holds the device:
+ * the turn, one word of a file per GPU in the node directory that every
+ * container shares (the directory of the node lock, node_lock.c; HAMi's
+ * device plugin mounts the host's /tmp/vgpulock into each container):
+ *   - the holder launches by its own clock, with at most TURN_INFLIGHT_NS
+ *     of estimates in flight; its turn ends when it has charged TURN_NS
+ *     while another process waits, or when its clock runs ahead;
+ *   - a free turn goes to the waiting process whose container's clock is
+ *     furthest behind (within MARGIN_NS), and only once every other
+ *     process's launches are measured (the device drained), so that only
+ *     one context has work on the device at a time;
+ *   - a holder idle for LAPSE_NS with nothing in flight, or not heard from
+ *     for FRESH_NS (killed, stopped), holds nobody;
+ *   - time spent waiting for the turn is credited (sm_gate.c).
+ * The simulator's time-slicing mode, make bench-sm workload, 3 s pairs,
+ * share of the unlimited device: 50:50 38.9 / 37.8 -> 48.6 / 48.6, 30:70
+ * 23.2 / 59.1 -> 28.7 / 69.5 (docs/benchmarks.md).
  *
- * It only orders what each container's clock already allows, and only
- * while another container launched on the device in the last ACTIVE_NS:
- * a container alone keeps its own rules.  A container more than the
- * gate's "behind" mark behind its share does not wait for it (sm_gate.c),
- * so a peer that misbehaves can cost a container a few milliseconds of
- * its share, never more.
+ * A container alone keeps its own rules (the turn is in play only while
+ * another container launched on the device in the last ACTIVE_NS or waits
+ * for the turn).  Whatever a neighbour writes into the file, a launch
+ * waits for the turn at most TURN_WAIT_NS; then its process leaves the
+ * turn alone on that device for BYPASS_NS, doubling while it goes on.
  *
  * Each slot also carries its container's terms (limit, policy, the PID
  * NVML shows for the process) and when the container last used all of its
@@ -66,7 +70,11 @@
 #define WANTS_NS (300ULL * 1000 * 1000)   /* "used all its share" lasts this long */
 /* The turn: */
 #define TURN_NS (10ULL * 1000 * 1000)     /* estimated GPU time a holder charges while others wait */
-#define TURN_INFLIGHT_NS (4ULL * 1000 * 1000) /* what a holder keeps in flight (estimates) */
+/* What a holder keeps in flight (estimates): 4 ms, the model's value, left
+ * the device idle while a holder's launching thread waited for a CPU
+ * (Python workers on a loaded 2-core machine: 45 / 46 at 50:50, 47 / 47
+ * with 8 ms). */
+#define TURN_INFLIGHT_NS (8ULL * 1000 * 1000)
 #define LAPSE_NS (200ULL * 1000)          /* a holder idle this long, nothing in flight, lets go */
 /* The most a launch waits for the turn; then this process leaves the turn
  * alone on that device for BYPASS_NS, twice as long at each bound hit
