@@ -177,6 +177,7 @@ $(BENCH_STALL_PROBE): native/tests/bench_stall_probe.c
 bench-sm: all venv $(BENCH_SM_WORKER) $(BENCH_LAUNCH) $(BENCH_STALL_PROBE)
 	$(VENV)/bin/python -m tests.bench.sm_bench --write docs/benchmarks.md \
 	  $(if $(LIBRARY),--launch-args "$(BENCH_PEER)")
+	$(VENV)/bin/python -m tests.bench.sm_shared --write docs/benchmarks.md
 
 # SM quota (tests/bench/torch_sm.py) and memory oversubscription
 # (tests/bench/torch_oversub.py) on a real GPU with PyTorch: needs an

@@ -63,6 +63,11 @@
 #define ARB_MAGIC 0x6776617262000002ULL     /* "gvarb", layout version 2 (the turn) */
 #define ARB_SLOTS 128
 #define MARGIN_NS (500ULL * 1000)
+/* Without the turn (below): at most DEPTH gated launches in flight on the
+ * device over all containers, and a container more than BEHIND_NS behind
+ * its share does not wait (sm_gate.c's mark). */
+#define DEPTH 3u
+#define BEHIND_NS (5ULL * 1000 * 1000)
 #define FRESH_NS (20ULL * 1000 * 1000)
 #define WAITING_NS (300ULL * 1000)
 #define ACTIVE_NS (50ULL * 1000 * 1000)
@@ -401,6 +406,71 @@ static int wait_turn(struct arb_dev *a, struct arb_slot *me, uint64_t tat, uint6
     return -1;
 }
 
+/* Whether the turn fits the containers in play: every live slot says its
+ * container's terms, all fixed-share, and their limits add up to at most
+ * 100 %.  The turn's order (furthest behind first) splits an oversubscribed
+ * device in proportion to the limits (30 % next to 100 % got 23 %), and a
+ * burst-share or best-effort container's share moves with the others'
+ * use; those keep the launch order below, under which a container behind
+ * its share goes by its own rules (its guarantee holds: 30 next to 100). */
+static int turn_fits(struct arb_file *f, uint32_t used, uint64_t now)
+{
+    unsigned sum = 0;
+    for (uint32_t i = 0; i < used && i < ARB_SLOTS; i++) {
+        struct arb_slot *s = &f->slot[i];
+        if (!atomic_load_explicit(&s->owner, memory_order_relaxed) ||
+            !fresh(atomic_load_explicit(&s->beat, memory_order_relaxed), now))
+            continue;
+        uint32_t t = atomic_load_explicit(&s->terms, memory_order_relaxed);
+        if (!t || (t >> 29) != GV_SM_FIXED)
+            return 0;
+        uint64_t c = atomic_load_explicit(&s->container, memory_order_relaxed);
+        int seen = 0;               /* counted at an earlier slot of its container */
+        for (uint32_t j = 0; j < i && !seen; j++)
+            seen = atomic_load_explicit(&f->slot[j].container, memory_order_relaxed) == c &&
+                   atomic_load_explicit(&f->slot[j].owner, memory_order_relaxed) &&
+                   fresh(atomic_load_explicit(&f->slot[j].beat, memory_order_relaxed), now);
+        if (!seen)
+            sum += t >> 22 & 0x7f;
+    }
+    return sum <= 100;
+}
+
+/* The launch order without the turn: wait (2) while DEPTH gated launches
+ * are in flight over all containers, or while another container waiting to
+ * launch has a clock more than MARGIN_NS behind this one's; not at all
+ * (-1) once this container is BEHIND_NS behind its share. */
+static int order_check(struct arb_file *f, struct arb_slot *me, uint64_t tat, uint64_t now)
+{
+    if (tat + BEHIND_NS <= now) {
+        atomic_store_explicit(&me->wait_at, 0, memory_order_relaxed);
+        return -1;
+    }
+    atomic_store_explicit(&me->tat, tat, memory_order_relaxed);
+    atomic_store_explicit(&me->wait_at, now, memory_order_relaxed);
+    uint64_t who = atomic_load_explicit(&me->container, memory_order_relaxed);
+    uint32_t total = 0;
+    uint64_t first = UINT64_MAX;
+    uint32_t used = atomic_load_explicit(&f->used, memory_order_relaxed);
+    for (uint32_t i = 0; i < used && i < ARB_SLOTS; i++) {
+        struct arb_slot *s = &f->slot[i];
+        if (!atomic_load_explicit(&s->owner, memory_order_relaxed) ||
+            !fresh(atomic_load_explicit(&s->beat, memory_order_relaxed), now))
+            continue;
+        uint32_t n = atomic_load_explicit(&s->inflight, memory_order_relaxed);
+        total += n < DEPTH ? n : DEPTH;
+        if (atomic_load_explicit(&s->container, memory_order_relaxed) == who)
+            continue;
+        if (atomic_load_explicit(&s->wait_at, memory_order_relaxed) + WAITING_NS >= now) {
+            uint64_t t = atomic_load_explicit(&s->tat, memory_order_relaxed);
+            first = t < first ? t : first;
+        }
+    }
+    if (total >= DEPTH)
+        return 2;
+    return first == UINT64_MAX || tat <= first + MARGIN_NS ? 1 : 2;
+}
+
 int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now, uint64_t queued,
                  uint32_t count, uint64_t cost)
 {
@@ -434,6 +504,13 @@ int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now, uint64_t
     }
     uint64_t mine = turn_word(f, me);
     uint64_t t = atomic_load(&f->turn);
+    if (others && !turn_fits(f, used, now)) {
+        /* Not a case for the turn: a turn this process held goes back. */
+        atomic_store_explicit(&a->wait_since, 0, memory_order_relaxed);
+        if (t == mine)
+            atomic_compare_exchange_strong(&f->turn, &t, 0);
+        return order_check(f, me, tat, now);
+    }
     if (!others) {
         /* A container alone: its own rules.  A turn it held goes back. */
         atomic_store_explicit(&me->wait_at, 0, memory_order_relaxed);
