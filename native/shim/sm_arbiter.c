@@ -27,7 +27,9 @@
  *
  * A container alone keeps its own rules (the turn is in play only while
  * another container launched on the device in the last ACTIVE_NS or waits
- * for the turn).  Whatever a neighbour writes into the file, a launch
+ * for the turn).  The turn is taken only where it fits (turn_fits: all
+ * fixed-share, limits adding up to 100 % at most); elsewhere the launch
+ * order of before (order_check) stands.  Whatever a neighbour writes into the file, a launch
  * waits for the turn at most TURN_WAIT_NS; then its process leaves the
  * turn alone on that device for BYPASS_NS, doubling while it goes on.
  *
