@@ -127,4 +127,3 @@ def test_a_neighbour_killed_or_stopped_holding_the_device_costs_little(
                 p.communicate(timeout=30)
     assert abs(got["share"] - 10) <= BOUND, got
     assert got["worst_ms"] < 100, got
-

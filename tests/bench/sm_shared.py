@@ -131,7 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--write", type=Path, help="replace this section of FILE")
     args = p.parse_args(argv)
     if not b.LIBRARY.is_file() or not b.WORKER.is_file():
-        print("sm_shared: build/ is missing its library or worker (run make bench-sm)", file=sys.stderr)
+        print(
+            "sm_shared: build/ is missing its library or worker (run make bench-sm)",
+            file=sys.stderr,
+        )
         return 2
     text = render(args.seconds, args.allowance)
     sys.stdout.write(text)
