@@ -14,13 +14,24 @@ import json
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
-from gpuvisor.supervisor.protocol import Instructions, ack_message, decode, parse_ack
+from gpuvisor.supervisor.agent.config import AgentConfig
+from gpuvisor.supervisor.agent.state import AgentState
+from gpuvisor.supervisor.identity import PeerCred
+from gpuvisor.supervisor.protocol import (
+    ContainerId,
+    Instructions,
+    Report,
+    ack_message,
+    decode,
+    parse_ack,
+)
 
 from tests.helpers import REPO_ROOT, SimNode
 from tests.test_agent import GPU_A as GPU_X
-from tests.test_agent import AgentProc, Client, device, sock_path, wait_for  # noqa: F401
+from tests.test_agent import device
 from tests.test_supervisor_run import RUN, FakeAgent, py
 
 
@@ -32,42 +43,70 @@ def test_ack_carries_and_parses_others_share() -> None:
     ).others_share == {"GPU-a": 42.5}
 
 
-def test_agent_tells_each_container_what_the_others_use(sock_path: str) -> None:  # noqa: F811
-    with AgentProc(sock_path) as agent:
-        del agent
-        a, b = Client(sock_path, pod="a"), Client(sock_path, pod="b")
-        a.report(device(uuid=GPU_X, share=30.0, sm_limit=30))
-        ack_b = b.report(device(uuid=GPU_X, share=20.0, sm_limit=60))
-        ack_a = a.report(device(uuid=GPU_X, share=30.0, sm_limit=30))
-        assert ack_b["others"] == {GPU_X: 30.0}
-        # B uses 20 % but, active, claims its 60 % limit: a starved container
-        # still gets its guarantee back from burst-share lenders.
-        assert ack_a["others"] == {GPU_X: 60.0}
-        # An active container without an SM limit claims the whole device.
-        b.report(device(uuid=GPU_X, share=20.0, sm_limit=None))
-        assert a.report(device(uuid=GPU_X, share=30.0, sm_limit=30))["others"] == {GPU_X: 100.0}
-        # Idle containers claim nothing; one that left is forgotten.
-        b.report(device(uuid=GPU_X, share=0.0, sm_limit=60))
-        assert a.report(device(uuid=GPU_X, share=30.0, sm_limit=30))["others"] == {GPU_X: 0.0}
-        b.report(device(uuid=GPU_X, share=20.0, sm_limit=60), final=True)
-        assert a.report(device(uuid=GPU_X, share=30.0, sm_limit=30))["others"] == {GPU_X: 0.0}
+def _pod(pod: str, share: float, sm_limit: int | None, policy: str = "fixed-share") -> Report:
+    return Report(
+        seq=1,
+        ts=0.0,
+        container=ContainerId(cgroup=f"/kubepods/{pod}", pod=pod),
+        policy=policy,
+        priority=1,
+        devices=[device(uuid=GPU_X, share=share, sm_limit=sm_limit)],
+    )
 
 
-def test_a_best_effort_container_claims_nothing(sock_path: str) -> None:  # noqa: F811
+def _cgroups_of(pid: int) -> frozenset[str]:
+    return frozenset({{1: "/kubepods/a", 2: "/kubepods/b"}[pid]})
+
+
+PEER = PeerCred(pid=1, uid=0, gid=0)
+
+
+def test_agent_tells_each_container_what_the_others_use() -> None:
+    """What the others claim, as the agent's NVML reading shows them
+    working (pids 1 and 2: containers a and b)."""
+    state = AgentState(AgentConfig(active_window=1.0))
+    t = 100.0
+
+    def others(r: Report, at: float) -> float:
+        return float(state.accept_report(r, PEER, at).others_share[GPU_X])
+
+    state.accept_report(_pod("a", 30.0, 30), PEER, t)
+    state.accept_report(_pod("b", 20.0, 60), PEER, t)
+    state.note_process_use({GPU_X: {1: 30.0, 2: 20.0}}, _cgroups_of, t)
+    assert others(_pod("b", 20.0, 60), t) == 30.0
+    # B uses 20 % but, active, claims its 60 % limit: a starved container
+    # still gets its guarantee back from burst-share lenders.
+    assert others(_pod("a", 30.0, 30), t) == 60.0
+    # An active container without an SM limit claims the whole device.
+    state.accept_report(_pod("b", 20.0, None), PEER, t)
+    assert others(_pod("a", 30.0, 30), t) == 100.0
+    # Idle containers claim nothing; one that left is forgotten.
+    state.accept_report(_pod("b", 0.0, 60), PEER, t)
+    assert others(_pod("a", 30.0, 30), t) == 0.0
+    state.accept_report(replace(_pod("b", 20.0, 60), final=True), PEER, t)
+    assert others(_pod("a", 30.0, 30), t) == 0.0
+
+
+def test_a_best_effort_container_claims_nothing() -> None:
     """Best-effort has no guarantee: its SM limit only turns its gate on
     (its floor is 1 %), and it yields to the others, so it claims nothing
     whatever it uses (the lenders see its use in NVML's figures, and take
     it back when they need it).  Its limit counted as a claim: a
     best-effort newcomer took its limit from a burst-share container that
     was using the idle GPU, as the lender was told the others claim it."""
-    with AgentProc(sock_path):
-        a = Client(sock_path, pod="a", policy="burst-share")
-        b = Client(sock_path, pod="b", policy="best-effort")
-        a.report(device(uuid=GPU_X, share=90.0, sm_limit=30))
-        assert b.report(device(uuid=GPU_X, share=5.0, sm_limit=50))["others"] == {GPU_X: 90.0}
-        assert a.report(device(uuid=GPU_X, share=90.0, sm_limit=30))["others"] == {GPU_X: 0.0}
-        b.report(device(uuid=GPU_X, share=70.0, sm_limit=50))
-        assert a.report(device(uuid=GPU_X, share=20.0, sm_limit=30))["others"] == {GPU_X: 0.0}
+    state = AgentState(AgentConfig(active_window=1.0))
+    t = 100.0
+    a = _pod("a", 90.0, 30, "burst-share")
+    state.accept_report(a, PEER, t)
+    state.accept_report(_pod("b", 5.0, 50, "best-effort"), PEER, t)
+    state.note_process_use({GPU_X: {1: 90.0, 2: 5.0}}, _cgroups_of, t)
+    b = _pod("b", 5.0, 50, "best-effort")
+    assert state.accept_report(b, PEER, t).others_share == {GPU_X: 90.0}
+    assert state.accept_report(a, PEER, t).others_share == {GPU_X: 0.0}
+    state.accept_report(_pod("b", 70.0, 50, "best-effort"), PEER, t)
+    state.note_process_use({GPU_X: {1: 20.0, 2: 70.0}}, _cgroups_of, t)
+    a = _pod("a", 20.0, 30, "burst-share")
+    assert state.accept_report(a, PEER, t).others_share == {GPU_X: 0.0}
 
 
 READ_OTHERS = """

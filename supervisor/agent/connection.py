@@ -40,7 +40,7 @@ from ..protocol import (
 from .config import AgentConfig
 from .records import cgroup_scope
 from .region_dir import is_region_container
-from .state import AgentState
+from .state import MAX_LABEL_SCOPES, MAX_SCOPE_LABELS, AgentState
 
 
 class Server(Protocol):
@@ -66,10 +66,6 @@ log = logging.getLogger("gpuvisor.agent")
 WRITE_HIGH = 256 * 1024
 WRITE_LOW = 64 * 1024
 REPLY_FLUSH = 16 * 1024
-
-# Label bindings (AgentState.label_scopes) kept at most; those of pods that
-# are gone are dropped when it is reached.
-MAX_LABEL_SCOPES = 65536
 
 
 def _classify(exc: ProtocolError) -> str:
@@ -408,21 +404,36 @@ class Connection(asyncio.Protocol):
         verified cgroup that reported them, for as long as that cgroup
         exists: a container of another pod never takes them, not even
         while the owner's reporter is gone (every container restart)."""
-        scopes = self.state.label_scopes
+        state = self.state
+        scopes = state.label_scopes
         scope = cgroup_scope(cid.cgroup)
         bound = scopes.get(cid.labels)
         if bound is not None and bound != scope:
             if cgroup_exists(bound):
                 return False
-            del scopes[cid.labels]  # that pod is gone: the name is free again
+            state.unbind_scope(cid.labels)  # that pod is gone: the name is free again
         if bound != scope:
+            own = state.scope_labels.get(scope, {})
+            if len(own) >= MAX_SCOPE_LABELS:
+                # One pod making up names forgets its own oldest free one,
+                # never another pod's (nor fills the table for them).
+                for labels in list(own):
+                    if state.label_holder_key(labels) is None:
+                        state.unbind_scope(labels)
+                        break
+                else:
+                    return False  # every one held by a live container of its own
             if len(scopes) >= MAX_LABEL_SCOPES:
                 for labels, other in list(scopes.items()):
                     if not cgroup_exists(other):
-                        del scopes[labels]
+                        state.unbind_scope(labels)
             if len(scopes) >= MAX_LABEL_SCOPES:
                 return False  # fail closed: more pods than a node runs
-            scopes[cid.labels] = scope
+            state.bind_scope(cid.labels, scope)
+        else:
+            mine = state.scope_labels.get(scope)
+            if mine is not None and cid.labels in mine:
+                mine[cid.labels] = mine.pop(cid.labels)  # most recent last
         return True
 
     def _set_limit(self, msg: dict[str, Any], seq: int | None) -> bytes:

@@ -14,6 +14,17 @@ kinds) with the labels and pod cgroup that take them back, as JSON:
 reporting when the file was written: the restarted agent waits for it
 (restore_window) from its own start.
 
+Beside them, what binds a container's identity to what the agent verified
+(issue 36, 3 and 4), so that an agent restart does not open a race for it:
+
+    "bindings": [{"labels": ["ns", "pod", "main"], "scope": "/kubepods/pod<uid>"}],
+    "terms": [{"cgroup": "/kubepods/pod<uid>/<id>", "labels": ["ns", "pod", "main"],
+               "priority": 1, "policy": "burst-share"}]
+
+(labels bound to the pod cgroup that first reported them; the priority and
+policy a container first reported).  Both are optional (a file written
+before them has none) and taken back only while their cgroup still exists.
+
 Written atomically (a temporary file in the same directory, fsync, rename,
 fsync of the directory), so a reader sees the old file or the new one.
 Read once at start: a file that cannot be read or does not hold that
@@ -33,7 +44,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from ..protocol import LIMIT_KINDS, MAX_DEVICES, is_uuid
+from ..protocol import LIMIT_KINDS, MAX_DEVICES, POLICIES, is_uuid
 
 STATE_VERSION = 1
 STATE_FILE_NAME = "limits.json"
@@ -65,6 +76,44 @@ def state_file_problem(socket_path: str, state_file: str, admin_socket: str) -> 
     return None
 
 
+@dataclass(frozen=True)
+class SavedBinding:
+    """Labels bound to the scope (pod cgroup) that first reported them."""
+
+    labels: tuple[str, str, str]
+    scope: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"labels": list(self.labels), "scope": self.scope}
+
+
+@dataclass(frozen=True)
+class SavedTerms:
+    """The priority and policy a container (cgroup and labels) first reported."""
+
+    cgroup: str
+    labels: tuple[str, str, str]
+    priority: int
+    policy: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "cgroup": self.cgroup,
+            "labels": list(self.labels),
+            "priority": self.priority,
+            "policy": self.policy,
+        }
+
+
+@dataclass
+class SavedState:
+    """What a state file holds."""
+
+    limits: list[SavedLimits]
+    bindings: list[SavedBinding]
+    terms: list[SavedTerms]
+
+
 class StateFileError(RuntimeError):
     """A state file that cannot be read or used; the text is one line
     naming the file, the problem and the way out."""
@@ -92,12 +141,21 @@ class SavedLimits:
         }
 
 
-def encode_state(entries: list[SavedLimits], written: float) -> bytes:
-    doc = {
+def encode_state(
+    entries: list[SavedLimits],
+    written: float,
+    bindings: list[SavedBinding] | None = None,
+    terms: list[SavedTerms] | None = None,
+) -> bytes:
+    doc: dict[str, Any] = {
         "version": STATE_VERSION,
         "written": round(written, 3),
         "limits": [e.to_json() for e in entries],
     }
+    if bindings:
+        doc["bindings"] = [b.to_json() for b in bindings]
+    if terms:
+        doc["terms"] = [t.to_json() for t in terms]
     return (json.dumps(doc, indent=1, allow_nan=False) + "\n").encode()
 
 
@@ -134,14 +192,19 @@ def _fail(path: str, problem: str) -> StateFileError:
 
 
 def read_state(path: str) -> list[SavedLimits]:
-    """The entries of the state file at path; [] when there is none (a
+    """The administrators' limits of the state file at path (read_state_file)."""
+    return read_state_file(path).limits
+
+
+def read_state_file(path: str) -> SavedState:
+    """What the state file at path holds; nothing when there is none (a
     first start).  StateFileError: it cannot be read, or is not a state
     file of this version (one line naming path and the problem)."""
     try:
         # O_NONBLOCK: a FIFO put there must not hang the agent's start.
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        return []
+        return SavedState([], [], [])
     except OSError as exc:
         raise _fail(path, f"cannot read it ({exc.strerror or exc})") from None
     try:
@@ -177,7 +240,7 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _parse(doc: Any) -> list[SavedLimits]:
+def _parse(doc: Any) -> SavedState:
     if not isinstance(doc, dict):
         raise ValueError("not a JSON object")
     version = doc.get("version")
@@ -186,7 +249,56 @@ def _parse(doc: Any) -> list[SavedLimits]:
     entries = doc.get("limits")
     if not isinstance(entries, list):
         raise ValueError(f"limits={_short(entries)}: expected a list")
-    return [_entry(e, f"limits[{i}]") for i, e in enumerate(entries)]
+    bindings = doc.get("bindings", [])
+    if not isinstance(bindings, list):
+        raise ValueError(f"bindings={_short(bindings)}: expected a list")
+    terms = doc.get("terms", [])
+    if not isinstance(terms, list):
+        raise ValueError(f"terms={_short(terms)}: expected a list")
+    return SavedState(
+        limits=[_entry(e, f"limits[{i}]") for i, e in enumerate(entries)],
+        bindings=[_binding(b, f"bindings[{i}]") for i, b in enumerate(bindings)],
+        terms=[_terms(t, f"terms[{i}]") for i, t in enumerate(terms)],
+    )
+
+
+def _labels(e: dict[str, Any], where: str) -> tuple[str, str, str]:
+    labels = e.get("labels")
+    if not (
+        isinstance(labels, list) and len(labels) == 3 and all(isinstance(s, str) for s in labels)
+    ):
+        raise ValueError(f"{where}.labels={_short(labels)}: expected 3 strings")
+    return (labels[0], labels[1], labels[2])
+
+
+def _cgroup(e: dict[str, Any], name: str, where: str) -> str:
+    value = e.get(name)
+    if not isinstance(value, str) or not value.startswith("/"):
+        raise ValueError(f"{where}.{name}={_short(value)}: expected a cgroup path")
+    return value
+
+
+def _binding(e: Any, where: str) -> SavedBinding:
+    if not isinstance(e, dict):
+        raise ValueError(f"{where}={_short(e)}: expected an object")
+    return SavedBinding(labels=_labels(e, where), scope=_cgroup(e, "scope", where))
+
+
+def _terms(e: Any, where: str) -> SavedTerms:
+    if not isinstance(e, dict):
+        raise ValueError(f"{where}={_short(e)}: expected an object")
+    priority = e.get("priority")
+    if not _is_int(priority) or priority not in (0, 1):
+        raise ValueError(f"{where}.priority={_short(priority)}: expected 0 or 1")
+    policy = e.get("policy")
+    if policy not in POLICIES:
+        raise ValueError(f"{where}.policy={_short(policy)}: expected one of {', '.join(POLICIES)}")
+    return SavedTerms(
+        cgroup=_cgroup(e, "cgroup", where),
+        labels=_labels(e, where),
+        priority=priority,
+        policy=str(policy),
+    )
 
 
 def _short(v: Any) -> str:

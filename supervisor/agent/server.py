@@ -64,7 +64,7 @@ from .config import (
 )
 from .connection import Connection
 from .http import HttpHandler, HttpServer
-from .persist import encode_state, read_state, state_file_problem, write_state
+from .persist import encode_state, read_state_file, state_file_problem, write_state
 from .region_dir import RegionScanner
 from .state import AgentState
 
@@ -83,6 +83,9 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 
 
 log = logging.getLogger("gpuvisor.agent")
+
+# Label bindings and first-reported terms are saved at most this often (s).
+IDENTITY_SAVE_S = 1.0
 
 
 def _clear_stale(path: Path) -> None:
@@ -133,6 +136,8 @@ class Agent:
         self.scanning: asyncio.Task[None] | None = None
         self.logged_errors: set[str] = set()  # exception types handle_safely logged
         self.saved_gen = -1  # state.limits_gen last written to the state file
+        self.saved_identity = -1  # state.identity_gen last written there
+        self.saved_at = -1e9  # time.monotonic() of that write
         self.save_problem: str | None = None  # why the last save failed (logged once)
 
     def conns_of(self, admin: bool) -> set[Connection]:
@@ -196,8 +201,10 @@ class Agent:
         problem = state_file_problem(self.config.socket_path, path, admin)
         if problem is not None:
             raise RuntimeError(f"--state-file {problem}")
-        entries = read_state(path)
+        saved = read_state_file(path)
+        entries = saved.limits
         dropped = self.state.restore_saved(entries, time.monotonic(), time.time())
+        self.state.restore_identity(saved.bindings, saved.terms)
         if entries:
             log.info(
                 "%s: %d container(s)' administrator's limits restored, %d expired meanwhile",
@@ -210,16 +217,29 @@ class Agent:
 
     def save_state(self) -> str | None:
         """Write the administrators' limits to the state file if they
-        changed since the last write.  Returns why it could not be written
-        (logged once per distinct problem; retried on the next change and
-        every sweep), else None."""
+        changed since the last write, and the label bindings and
+        first-reported terms (identity) if they changed and the last write
+        is IDENTITY_SAVE_S old (a container making up names must not make
+        the agent write the file at every report: the sweeper writes them
+        within that time).  Returns why it could not be written (logged
+        once per distinct problem; retried on the next change and every
+        sweep), else None."""
         state = self.state
         gen = state.limits_gen
-        if gen == self.saved_gen:
+        ident = state.identity_gen
+        now = time.monotonic()
+        if gen == self.saved_gen and (
+            ident == self.saved_identity or now - self.saved_at < IDENTITY_SAVE_S
+        ):
             return None
         path = self.config.state_file_path
         try:
-            write_state(path, encode_state(state.saved_limits(), time.time()))
+            write_state(
+                path,
+                encode_state(
+                    state.saved_limits(), time.time(), state.saved_bindings(), state.saved_terms()
+                ),
+            )
         except OSError as exc:
             problem = f"cannot save {path} ({exc.strerror or exc})"
             if problem != self.save_problem:
@@ -227,6 +247,8 @@ class Agent:
             self.save_problem = problem
             return problem
         self.saved_gen = gen
+        self.saved_identity = ident
+        self.saved_at = now
         if self.save_problem is not None:
             log.warning("%s saved again", path)
         self.save_problem = None

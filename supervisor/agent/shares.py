@@ -3,12 +3,19 @@ container must yield (busy_for), what each container claims of a device and
 the others' share there, and NVML's per-process use standing in for the
 containers whose gate measures nothing.
 
+A report is the container's word: what it says of its use of a device
+only counts toward a neighbour (a yield, a claim) while the agent's own
+NVML reading shows the container's processes working there (uses): a
+container that does not use a GPU can neither pause a neighbour on it nor
+keep a burst-share neighbour from lending it (issue 36, 4).
+
 DeviceShares is AgentState's base (state.py): the same
 object, mutated only by the agent's event-loop thread.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 
 from ..protocol import DeviceReport, Report
@@ -64,12 +71,36 @@ class DeviceShares:
         interval = st.report.interval if st.report.interval is not None else st.interval
         return max(self.config.active_window, 2 * interval if interval is not None else 0.0)
 
+    def nvml_use(self, key: str, uuid: str, now: float | None = None) -> float | None:
+        """NVML's figure for container `key`'s processes on device `uuid`
+        (percent), while it is fresh (within the active window); None when
+        the agent has no fresh reading (NVML unavailable, not read, or the
+        device's per-process use not supported)."""
+        seen = self.nvml_share.get(key, {}).get(uuid)
+        if seen is None:
+            return None
+        if (time.monotonic() if now is None else now) - seen[1] > self.config.active_window:
+            return None
+        return seen[0]
+
+    def uses(self, key: str, uuid: str, now: float | None = None) -> bool:
+        """Does the agent's own NVML reading show container `key`'s
+        processes working on device `uuid` (above the active threshold,
+        within the active window)?  What a report says of that device only
+        counts toward the neighbours (busy_for, _claim) while it does."""
+        use = self.nvml_use(key, uuid, now)
+        return use is not None and use > self.config.active_threshold
+
     def busy_for(self, key: str, uuid: str, now: float) -> bool:
         """Must container `key` (low priority) yield device `uuid`: is
         another, high-priority container active there, by its last report
-        (active_hold) or by NVML within the active window?"""
+        (active_hold) while NVML shows its processes working there, or by
+        NVML within the active window?"""
         entries = self.high_active.get(uuid)
-        if entries and any(k != key and now <= until for k, until in list(entries.items())):
+        if entries and any(
+            k != key and now <= until and self.uses(k, uuid, now)
+            for k, until in list(entries.items())
+        ):
             return True
         window = self.config.active_window
         seen = self.nvml_active.get(uuid) or {}
@@ -93,15 +124,16 @@ class DeviceShares:
 
     def wants_process_use(self) -> bool:
         """Is NVML's per-process use worth reading: does some container
-        report without measuring its GPU time, or a low-priority container
-        beside a high-priority one?"""
-        prios = set()
+        report without measuring its GPU time, or two containers report the
+        same device (a report counts toward a neighbour only as far as NVML
+        shows it true: uses)?"""
+        seen: set[str] = set()
         for st in list(self.containers.values()):
-            r = st.report
-            if any(self.unmeasured(d) for d in r.devices):
-                return True
-            prios.add(r.priority)
-        return 0 in prios and len(prios) > 1
+            for d in st.report.devices:
+                if self.unmeasured(d) or d.uuid in seen:
+                    return True
+                seen.add(d.uuid)
+        return False
 
     def note_process_use(
         self,
@@ -145,11 +177,9 @@ class DeviceShares:
                     st.report.priority == 0
                     or any(self.unmeasured(d) for d in st.report.devices if d.uuid == uuid)
                 ):
-                    active = self.nvml_active.setdefault(uuid, {})
-                    new = k not in active
-                    active[k] = now
-                    if new:
-                        self._update_claims(k)
+                    self.nvml_active.setdefault(uuid, {})[k] = now
+                # What it claims follows NVML's view of its use (_claim).
+                self._update_claims(k, now=now)
 
     def share_of(self, key: str, report: Report, d: DeviceReport, now: float) -> float:
         """The container's SM share of device d: what its gate measured, or
@@ -161,7 +191,7 @@ class DeviceShares:
                 return seen[0]
         return d.sm_share
 
-    def _claim(self, key: str, report: Report, d: DeviceReport) -> float:
+    def _claim(self, key: str, report: Report, d: DeviceReport, now: float | None) -> float:
         """What a container claims of a device: nothing while idle; while
         active, its SM limit (the whole device without one) or its use if
         higher.  A starved container (using less than its limit because
@@ -169,7 +199,18 @@ class DeviceShares:
         container with a limit claims nothing: it has no guarantee, and
         yields to the others.  A container whose
         gate measures nothing reports 0 %: it is active while NVML saw its
-        processes work within the active window (nvml_active)."""
+        processes work within the active window (nvml_active).
+
+        Active, and the use above its limit, only as far as the agent's
+        own NVML reading of its processes shows (uses, nvml_use): a
+        report of use on a device its processes do not use claims nothing,
+        and a share reported above what NVML saw counts as NVML's figure
+        (an inflated claim would keep burst-share neighbours from lending).
+        Without a fresh NVML reading nothing is claimed: the lenders then
+        go by their own gate's reading of the others' use."""
+        use = self.nvml_use(key, d.uuid, now)
+        if use is None or use <= self.config.active_threshold:
+            return 0.0
         active = d.sm_share > self.config.active_threshold or (
             self.unmeasured(d) and key in self.nvml_active.get(d.uuid, {})
         )
@@ -184,17 +225,18 @@ class DeviceShares:
             # yielding.  The lenders see its use in NVML's figures, as
             # without the agent, and take it back when they need it.
             return 0.0
-        return max(d.sm_share, float(d.sm_limit) if d.sm_limit is not None else 100.0)
+        return max(min(d.sm_share, use), float(d.sm_limit) if d.sm_limit is not None else 100.0)
 
-    def _update_claims(self, key: str, gone: bool = False) -> None:
+    def _update_claims(self, key: str, gone: bool = False, now: float | None = None) -> None:
         """Replace what container `key` claims in device_share with what
-        its last report and NVML's view say now (nothing once it is gone)."""
+        its last report and NVML's view say at `now` (monotonic; None: the
+        clock's now), nothing once it is gone."""
         st = self.containers.get(key)
         if st is None:
             return
         new: dict[str, float] = {}
         for d in [] if gone else st.report.devices:
-            new[d.uuid] = new.get(d.uuid, 0.0) + self._claim(key, st.report, d)
+            new[d.uuid] = new.get(d.uuid, 0.0) + self._claim(key, st.report, d, now)
         for uuid in st.claims.keys() | new.keys():
             total = self.device_share.get(uuid, 0.0) - st.claims.get(uuid, 0.0) + new.get(uuid, 0.0)
             if total > 1e-6:

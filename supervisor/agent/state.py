@@ -9,14 +9,15 @@ Mutated only by the agent's event-loop thread; read by the HTTP thread for
 
 from __future__ import annotations
 
+import logging
 import os
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from gpuvisor.shim.version import build_info
 
-from ..identity import PeerCred
+from ..identity import PeerCred, cgroup_exists
 from ..protocol import (
     MAX_DEVICES,
     OWN_LIMIT,
@@ -25,9 +26,11 @@ from ..protocol import (
     Report,
 )
 from .config import AgentConfig
-from .persist import SavedLimits
+from .persist import SavedBinding, SavedLimits, SavedTerms
 from .records import AdminLimits, ContainerState, ParkedLimits, cgroup_scope
 from .shares import DeviceShares, drop_entry
+
+log = logging.getLogger("gpuvisor.agent")
 
 REJECT_REASONS = (
     "malformed",  # not JSON, not an object
@@ -41,6 +44,18 @@ REJECT_REASONS = (
     "conflict",  # labels another live cgroup reports under
     "devices",  # a container's reports name more devices than a region holds
 )
+# Terms (fixed_terms) recorded per cgroup, and cgroups with terms kept
+# before those whose cgroup is gone are dropped; containers whose change
+# of terms is logged (once each).
+MAX_TERMS_PER_CGROUP = 64
+MAX_TERM_CGROUPS = 65536
+MAX_TERMS_LOGGED = 4096
+# Label bindings (label_scopes) kept at most, and per scope (pod): those of
+# pods that are gone are dropped when the first is reached; a scope past
+# the second forgets its own least recently bound labels that no container
+# holds (connection._scope_may_hold).
+MAX_LABEL_SCOPES = 65536
+MAX_SCOPE_LABELS = 64
 DISCONNECT_REASONS = ("oversize", "timeout", "slow-reader", "idle", "too-many", "errors")
 # The library's "no memory limit" (GV_UNLIMITED): a region so limited
 # reports memory_limit null.
@@ -80,6 +95,18 @@ class AgentState(DeviceShares):
         # verified cgroup that reported them: no cgroup of another scope may
         # take them while that one exists (connection._labels_free)
         self.label_scopes: dict[tuple[str, str, str], str] = {}
+        # scope -> the labels bound to it, least recently bound first (a
+        # scope binds at most MAX_SCOPE_LABELS: connection._scope_may_hold)
+        self.scope_labels: dict[str, dict[tuple[str, str, str], None]] = {}
+        # Bumped whenever label_scopes or terms change (saved to the state
+        # file, at most once a second: server.Agent.save_state)
+        self.identity_gen = 0
+        # verified cgroup -> {labels: (priority, policy)} as first reported
+        # (fixed_terms), least recently reported first; kept while the
+        # cgroup exists
+        self.terms: dict[str, dict[tuple[str, str, str], tuple[int, str]]] = {}
+        self.terms_ignored_total = 0  # reports whose other terms were not taken
+        self.terms_logged: set[str] = set()
         self.replaced_total = 0
         self.reports_total = 0
         self.rejected: dict[str, int] = dict.fromkeys(REJECT_REASONS, 0)
@@ -118,7 +145,63 @@ class AgentState(DeviceShares):
                 )
         return None
 
+    def fixed_terms(self, report: Report) -> Report:
+        """The report with the priority and policy its container first
+        reported (recorded at the first report of that cgroup and label
+        set, and kept while the cgroup exists: a final report or expiry
+        does not reset them): a later report that says otherwise is taken
+        with the recorded ones, and logged once per container.  A
+        container's terms are its supervisor's configuration, which does not
+        change while the container lives; a process of the container that
+        reports other terms would give itself priority over its
+        neighbours."""
+        cid = report.container
+        terms = (report.priority, report.policy)
+        held = self.terms.setdefault(cid.cgroup, {})
+        recorded = held.get(cid.labels)
+        if recorded is None:
+            if len(held) >= MAX_TERMS_PER_CGROUP:
+                # The cgroup's own least recently recorded label set that no
+                # container holds now: only the cgroup itself loses by it.
+                for labels in list(held):
+                    if self._holder_key(cid.cgroup, labels) is None:
+                        del held[labels]
+                        self.identity_gen += 1
+                        break
+                else:
+                    return report  # every one held: not recorded (its own loss)
+            if len(self.terms) > MAX_TERM_CGROUPS:
+                for cgroup in [c for c in self.terms if c != cid.cgroup]:
+                    if not cgroup_exists(cgroup):
+                        del self.terms[cgroup]
+            held[cid.labels] = terms
+            self.identity_gen += 1
+            return report
+        held[cid.labels] = held.pop(cid.labels)  # most recent last
+        if recorded == terms:
+            return report
+        self.terms_ignored_total += 1
+        if cid.key not in self.terms_logged and len(self.terms_logged) < MAX_TERMS_LOGGED:
+            self.terms_logged.add(cid.key)
+            log.warning(
+                "container %s: reports priority=%d policy=%s, but its first report said "
+                "priority=%d policy=%s; the first ones stay for the container's life",
+                cid.key,
+                report.priority,
+                report.policy,
+                recorded[0],
+                recorded[1],
+            )
+        return replace(report, priority=recorded[0], policy=recorded[1])
+
+    def _holder_key(self, cgroup: str, labels: tuple[str, str, str]) -> str | None:
+        """The key of the container of `cgroup` with `labels`, if the agent knows one."""
+        key = self.by_labels.get(labels)
+        st = None if key is None else self.containers.get(key)
+        return key if st is not None and st.id.cgroup == cgroup else None
+
     def accept_report(self, report: Report, peer: PeerCred, now: float) -> Instructions:
+        report = self.fixed_terms(report)
         key = report.container.key
         st = self.containers.get(key)
         if st is None:
@@ -155,7 +238,7 @@ class AgentState(DeviceShares):
             st.visible = frozenset(report.visible)
         self._settle_adopted(key, now)
         self._note_cgroup(report.container.cgroup, key)
-        self._update_claims(key)
+        self._update_claims(key, now=now)
         self.reports_total += 1
 
         threshold = self.config.active_threshold
@@ -312,8 +395,15 @@ class AgentState(DeviceShares):
         for uuid, entries in list(self.nvml_active.items()):
             for k in [k for k, ts in entries.items() if now - ts > window]:
                 drop_entry(self.nvml_active, uuid, k)
-                self._update_claims(k)
+        # Claims stand only while NVML's reading of the claimant is fresh.
+        for k in [k for k, st in self.containers.items() if st.claims]:
+            self._update_claims(k, now=now)
         return len(expired)
+
+    def label_holder_key(self, labels: tuple[str, str, str]) -> str | None:
+        """The key of the container the agent knows with these labels, if any."""
+        key = self.by_labels.get(labels)
+        return key if key is not None and key in self.containers else None
 
     def label_holder(self, cid: ContainerId) -> ContainerState | None:
         """The container of another cgroup that holds cid's labels, if any."""
@@ -381,6 +471,53 @@ class AgentState(DeviceShares):
             until = None if p.awaiting else round(p.until + self.wall_offset, 3)
             out.append(_saved(p.limits, labels, p.scope, until))
         return out
+
+    def bind_scope(self, labels: tuple[str, str, str], scope: str) -> None:
+        """Bind labels to scope (connection._scope_may_hold decides when)."""
+        old = self.label_scopes.get(labels)
+        if old == scope:
+            return
+        if old is not None:
+            self.unbind_scope(labels)
+        self.label_scopes[labels] = scope
+        self.scope_labels.setdefault(scope, {})[labels] = None
+        self.identity_gen += 1
+
+    def unbind_scope(self, labels: tuple[str, str, str]) -> None:
+        scope = self.label_scopes.pop(labels, None)
+        if scope is None:
+            return
+        held = self.scope_labels.get(scope)
+        if held is not None:
+            held.pop(labels, None)
+            if not held:
+                del self.scope_labels[scope]
+        self.identity_gen += 1
+
+    def saved_bindings(self) -> list[SavedBinding]:
+        return [SavedBinding(labels, scope) for labels, scope in list(self.label_scopes.items())]
+
+    def saved_terms(self) -> list[SavedTerms]:
+        return [
+            SavedTerms(cgroup, labels, prio, policy)
+            for cgroup, held in list(self.terms.items())
+            for labels, (prio, policy) in list(held.items())
+        ]
+
+    def restore_identity(self, bindings: list[SavedBinding], terms: list[SavedTerms]) -> None:
+        """Take back the state file's label bindings and first-reported
+        terms (at agent start), so that a restart does not open a race for
+        them: a binding whose pod is gone, or terms whose cgroup is, is
+        dropped when the table is full, as one made in this run."""
+        for b in bindings[:MAX_LABEL_SCOPES]:
+            self.bind_scope(b.labels, b.scope)
+        for t in terms:
+            held = self.terms.setdefault(t.cgroup, {})
+            if len(held) < MAX_TERMS_PER_CGROUP and len(self.terms) <= MAX_TERM_CGROUPS:
+                held[t.labels] = (t.priority, t.policy)
+            elif not held:
+                del self.terms[t.cgroup]
+        self.identity_gen += 1
 
     def restore_saved(self, entries: list[SavedLimits], now: float, wall: float) -> int:
         """Park the state file's entries (at agent start) for the
@@ -461,6 +598,7 @@ class AgentState(DeviceShares):
                 "rejected_reports_total": dict(self.rejected),
                 "disconnects_total": dict(self.disconnects),
                 "expired_total": self.expired_total,
+                "terms_ignored_total": self.terms_ignored_total,
                 "replaced_total": self.replaced_total,
                 "limit_pushes_total": self.limit_pushes_total,
                 "expire_after_s": self.config.expire_after,
