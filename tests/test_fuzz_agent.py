@@ -88,13 +88,14 @@ def _random_value(rng: random.Random) -> Any:
 
 
 def _mutated_report(rng: random.Random, base: dict[str, Any]) -> dict[str, Any]:
-    msg = json.loads(json.dumps(base))
+    msg: dict[str, Any] = json.loads(json.dumps(base))
     for _ in range(rng.randint(1, 3)):
         target: Any = msg
-        if rng.random() < 0.3:
+        devices = msg.get("devices")
+        if rng.random() < 0.3 and isinstance(msg.get("container"), dict):
             target = msg["container"]
-        elif rng.random() < 0.4 and msg["devices"]:
-            target = msg["devices"][0]
+        elif rng.random() < 0.4 and isinstance(devices, list) and devices:
+            target = devices[0] if isinstance(devices[0], dict) else msg
         key = rng.choice([*list(target), "extra", "final", "interval", "visible"])
         if rng.random() < 0.15:
             target.pop(key, None)

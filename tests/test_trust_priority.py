@@ -102,7 +102,7 @@ def test_a_container_not_using_a_gpu_cannot_pause_or_crowd_a_neighbour_there(
         def yields() -> bool:
             high.report(device(uuid=uuid, share=50.0, sm_limit=None))
             squatter.report(claimed)
-            return parse_ack(low.report(mine)).yield_devices[uuid]
+            return bool(parse_ack(low.report(mine)).yield_devices[uuid])
 
         assert wait_for(yields, timeout=5.0)
         # It claims the whole device (no limit); the squatter still nothing.
@@ -138,7 +138,7 @@ def test_a_claim_is_what_nvml_shows_of_it() -> None:
     greedy = _report("greedy", 1, 100.0, 20)
 
     def others(at: float) -> float:
-        return state.accept_report(lender, PEER, at).others_share[GPU_A]
+        return float(state.accept_report(lender, PEER, at).others_share[GPU_A])
 
     t = 100.0
     state.accept_report(greedy, PEER, t)

@@ -63,7 +63,7 @@ def node_view(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def _send(agent: Agent, pid: int, priority: int = 1, policy: str = "burst-share") -> dict[str, Any]:
     conn, t = Connection(agent), _Transport()
-    conn.transport = t  # type: ignore[assignment]
+    conn.transport = t
     conn.cred = PeerCred(pid, 0, 0)
     conn.cgroups = _cgroups_of(pid)
     (cgroup,) = conn.cgroups
