@@ -1164,6 +1164,48 @@ def test_one_cgroup_holding_connections_locks_only_itself_out(sock_path, monkeyp
         agent.gpus.close()
 
 
+def test_cgroups_filling_the_global_pool_give_connections_up_to_another(sock_path, monkeypatch):
+    """--max-connections is shared: where cgroups together hold all of it
+    (each within its own share), a peer of another cgroup used to get
+    'too many connections'.  Now the cgroup holding the most gives up its
+    least recently active connection to it (told why); a peer of that
+    cgroup itself is refused, so a greedy container locks only itself out."""
+    peers = {101: frozenset({"/kubepods/greedy"}), 202: frozenset({"/kubepods/other"})}
+    next_pid: list[int] = [101]
+    monkeypatch.setattr(connection_module, "peer_cred", lambda sock: PeerCred(next_pid[0], 0, 0))
+    monkeypatch.setattr(connection_module, "peer_cgroups", lambda pid: peers[pid])
+    agent = Agent(AgentConfig(socket_path=sock_path, max_connections=8))
+    try:
+
+        def connect(pid: int) -> tuple[Connection, _SockTransport]:
+            next_pid[0] = pid
+            conn, t = Connection(agent), _SockTransport()
+            conn.connection_made(t)
+            return conn, t
+
+        greedy = [connect(101) for _ in range(8)]
+        for i, (conn, _) in enumerate(greedy):
+            conn.last_activity = float(i)  # the first is the least recently active
+        assert not any(t.closed for _, t in greedy)
+        _, t = connect(101)
+        assert t.closed  # its own cgroup holds the most: refused
+        assert json.loads(t.written)["error"] == "too many connections to the node agent"
+        _, ot = connect(202)
+        assert not ot.closed
+        assert greedy[0][1].closed
+        assert [t.closed for _, t in greedy[1:]] == [False] * 7
+        assert "gives one up to another" in json.loads(greedy[0][1].written)["error"]
+        greedy[0][0].connection_lost(None)
+        assert len(agent.conns) == 8
+        _, t = connect(101)
+        assert t.closed  # 7 against the other's 1: still its own loss
+        _, ot2 = connect(202)
+        assert not ot2.closed  # 7 against 1: the greedy one gives up another
+        assert agent.state.disconnects["too-many"] == 4
+    finally:
+        agent.gpus.close()
+
+
 def test_another_pods_container_never_takes_a_live_pods_labels(sock_path, monkeypatch):
     """Labels are bound to the pod's cgroup (the scope of the first cgroup
     that reported them): while it exists, a container of another pod gets

@@ -127,7 +127,10 @@ ADMIN_SOCKET_DEFAULT = "$GPUVISOR_ADMIN_SOCKET, else admin.sock in '<socket's di
     default=4096,
     show_default=True,
     type=click.IntRange(min=1),
-    help="Most connections served at once; more get an error and are closed.",
+    help=(
+        "Most connections served at once; past it the cgroup holding the most gives one "
+        "up to a peer of a cgroup holding fewer, any other newcomer gets an error."
+    ),
 )
 @click.option(
     "--max-connections-per-cgroup",

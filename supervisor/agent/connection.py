@@ -115,12 +115,6 @@ class Connection(asyncio.Protocol):
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
         agent = self.agent
-        if not self.admin and len(agent.conns) >= agent.config.max_connections:
-            self.state.disconnects["too-many"] += 1
-            transport.write(encode(error_message(None, "too many connections to the node agent")))
-            transport.close()
-            self.closing = True
-            return
         sock = transport.get_extra_info("socket")
         try:
             self.cred = peer_cred(sock)
@@ -147,10 +141,50 @@ class Connection(asyncio.Protocol):
                 transport.close()
                 self.closing = True
                 return
+        if (
+            not self.admin
+            and len(agent.conns) >= agent.config.max_connections
+            and not self._take_from_the_greediest()
+        ):
+            self.state.disconnects["too-many"] += 1
+            transport.write(encode(error_message(None, "too many connections to the node agent")))
+            transport.close()
+            self.closing = True
+            return
         agent.conns_of(self.admin).add(self)
         self.state.connections = len(agent.conns)
         self.state.connections_total += 1
         transport.set_write_buffer_limits(high=WRITE_HIGH, low=WRITE_LOW)
+
+    def _take_from_the_greediest(self) -> bool:
+        """With every connection of --max-connections taken: close the
+        least recently active connection of the cgroup holding the most,
+        if that cgroup holds more than this peer's does (so it is never
+        this peer's own), and say so.  The global pool is then one
+        cgroup's only while no other wants a connection: cgroups filling
+        it together (each within its --max-connections-per-cgroup share)
+        lock out no other, they give up connections to it."""
+        held: dict[frozenset[str], list[Connection]] = {}
+        for c in self.agent.conns:
+            if not c.closing:
+                held.setdefault(c.cgroups, []).append(c)
+        if not held:
+            return False
+        greedy = max(held.values(), key=len)
+        if len(greedy) <= len(held.get(self.cgroups, [])) + 1:
+            return False
+        victim = min(greedy, key=lambda c: c.last_activity)
+        victim.disconnect(
+            "too-many",
+            encode(
+                error_message(
+                    None,
+                    f"too many connections to the node agent: cgroup {sorted(victim.cgroups)!r} "
+                    "holds the most, and gives one up to another",
+                )
+            ),
+        )
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.agent.conns_of(self.admin).discard(self)

@@ -19,7 +19,9 @@ Defences against bad clients, all with bounded memory:
   unread that long: disconnect;
 - a connection silent for --idle-timeout seconds: disconnect;
 - at most --max-connections connections, and --max-connections-per-cgroup
-  from the processes of one cgroup: more are told so and closed;
+  from the processes of one cgroup: more are told so and closed, except
+  that with the global pool full the cgroup holding the most gives up its
+  least recently active connection to a peer of a cgroup holding fewer;
 - device UUIDs are taken in NVML's form only, at most MAX_DEVICES distinct
   ones per container while the agent knows it (so reports cannot churn
   metric series);
