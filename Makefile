@@ -134,6 +134,17 @@ test: all asan tsan lint k8s
 test-fast: all venv
 	$(VENV)/bin/python -m pytest -n auto -q -m "not slow" tests
 
+# The trust-boundary fuzz (issue 36; docs/security.md): the tests/test_fuzz_*
+# modules, which `make test` runs too (seed 36, about 30 s), here with
+# FUZZ_SEED (default: a new one each run; a failure names it) for
+# FUZZ_SECONDS of throwing at the node socket and HTTP port.
+FUZZ_SEED ?= $(shell od -An -N4 -tu4 /dev/urandom | tr -d ' ')
+FUZZ_SECONDS ?= 60
+fuzz: all venv
+	GPUVISOR_FUZZ_SEED=$(FUZZ_SEED) GPUVISOR_FUZZ_SECONDS=$(FUZZ_SECONDS) \
+		$(VENV)/bin/python -m pytest -q -s tests/test_fuzz_agent.py tests/test_fuzz_region.py
+.PHONY: fuzz
+
 # Per-call cost of the memory hooks and of launches, in wall time and
 # callgrind instructions (native/tests/bench_memory.c, bench_launch.c, the
 # harness in bench_common.h); writes their sections of docs/benchmarks.md.
