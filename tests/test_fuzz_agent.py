@@ -22,6 +22,10 @@ Pass criteria, checked at the end of each round and at the end:
   entry (figures, labels, priority) as it reported them;
 - every scrape is answered: /metrics from another client address every
   0.1 s throughout, each answered 200 within 5 s.
+- no forged priority pauses the victim: the attackers claim priority 0
+  and full use of the victim's GPU (the simulated node's device 0, which
+  none of their processes uses; the agent reads the simulated NVML), and
+  every ack of the victim says not to yield.
 
 Bounded: FUZZ_SECONDS of throwing (12 s by default), well inside a minute.
 """
@@ -38,8 +42,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
+from tests.helpers import SimNode, run_py
 from tests.test_agent import (  # noqa: F401 (sock_path is a fixture)
-    GPU_A,
     GPU_B,
     AgentProc,
     Client,
@@ -58,6 +62,12 @@ ATTACKERS = 6  # threads throwing at the node socket at once
 IDLE_CONNECTIONS = 40
 
 MiB = 2**20
+
+UUID0 = """
+import pynvml
+pynvml.nvmlInit()
+print(pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(0)))
+"""
 
 
 def _random_value(rng: random.Random) -> Any:
@@ -230,15 +240,20 @@ def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, list[Any]]:
     return t, out
 
 
-def test_the_agent_survives_what_the_review_threw(sock_path: str) -> None:  # noqa: F811
+def test_the_agent_survives_what_the_review_threw(node: SimNode, sock_path: str) -> None:  # noqa: F811
     rng = random.Random(SEED)
     # The test's clients share the test's cgroup, which a node's container
     # would not: room for every label set the attackers make up, so that
     # none replaces the victim's entry (a container's own label sets only
     # replace each other).
-    with AgentProc(sock_path, "--max-containers-per-cgroup", "100000") as agent:
+    # The agent reads the simulated NVML: the victim's GPU is the node's
+    # device 0, on which the attackers claim priority 0 and full use while
+    # none of their processes uses it (defect 4), so the per-process
+    # reading runs throughout.
+    gpu = run_py(UUID0, node.env).stdout.strip()
+    with AgentProc(sock_path, "--max-containers-per-cgroup", "100000", env=node.env) as agent:
         victim = Client(sock_path, pod="victim", namespace="prod", priority=1)
-        mine = device(uuid=GPU_A, used=3 * MiB, share=12.5, sm_limit=25)
+        mine = device(uuid=gpu, used=3 * MiB, share=12.5, sm_limit=25)
         assert victim.report(mine)["type"] == "ack"
         before = _victim_entry(agent.status())
         rss0 = agent.rss()
@@ -276,7 +291,7 @@ def test_the_agent_survives_what_the_review_threw(sock_path: str) -> None:  # no
                 while time.monotonic() < until:
                     ack = victim.report(mine)
                     assert ack["type"] == "ack", (SEED, r, ack)
-                    assert ack["yield"] == {GPU_A: False}, (SEED, r, ack)
+                    assert ack["yield"] == {gpu: False}, (SEED, r, ack)
                     time.sleep(0.2)
                 for t, out in workers:
                     t.join(30)
