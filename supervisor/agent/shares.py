@@ -83,11 +83,24 @@ class DeviceShares:
             return None
         return seen[0]
 
+    def at_its_word(self, key: str) -> bool:
+        """Is container `key` one the agent learnt of through its region
+        file (region_dir.py)?  It knows none of its processes' PIDs, so NVML
+        cannot confirm what the region says: it is taken at its word, as
+        every report was before (docs/security.md: not closed for them)."""
+        from .region_dir import is_region_container  # region_dir imports state
+
+        st = self.containers.get(key)
+        return st is not None and is_region_container(st.id)
+
     def uses(self, key: str, uuid: str, now: float | None = None) -> bool:
         """Does the agent's own NVML reading show container `key`'s
         processes working on device `uuid` (above the active threshold,
         within the active window)?  What a report says of that device only
-        counts toward the neighbours (busy_for, _claim) while it does."""
+        counts toward the neighbours (busy_for, _claim) while it does
+        (a container known by its region file: at_its_word)."""
+        if self.at_its_word(key):
+            return True
         use = self.nvml_use(key, uuid, now)
         return use is not None and use > self.config.active_threshold
 
@@ -208,7 +221,7 @@ class DeviceShares:
         (an inflated claim would keep burst-share neighbours from lending).
         Without a fresh NVML reading nothing is claimed: the lenders then
         go by their own gate's reading of the others' use."""
-        use = self.nvml_use(key, d.uuid, now)
+        use = 100.0 if self.at_its_word(key) else self.nvml_use(key, d.uuid, now)
         if use is None or use <= self.config.active_threshold:
             return 0.0
         active = d.sm_share > self.config.active_threshold or (
