@@ -13,9 +13,12 @@ import math
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from .inventory_model import MigProfile, MigState, Placement, fail, integer
+import yaml
+
+from .inventory_model import DocumentError, MigProfile, MigState, Placement, fail, integer
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,19 @@ def load_geometries(doc: Any) -> tuple[GeometryRule, ...]:
             geos.append(tuple(units))
         rules.append(GeometryRule(tuple(models), tuple(geos)))
     return tuple(rules)
+
+
+def read_geometries(path: Path) -> tuple[GeometryRule, ...]:
+    """load_geometries of a YAML file (`--mig-geometries`); DocumentError
+    naming the file when it cannot be read or is not such a document."""
+    try:
+        doc: Any = yaml.safe_load(path.read_text())
+    except (OSError, yaml.YAMLError) as e:
+        raise DocumentError(f"{path}: cannot read: {e}") from None
+    try:
+        return load_geometries(doc)
+    except DocumentError as e:
+        raise DocumentError(f"{path}: {e}") from None
 
 
 def geometries_for(

@@ -10,14 +10,14 @@ import json
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import click
 import yaml
 
 from .allocator import Allocator, Config, Decision
+from .cli_options import split_count_option
 from .inventory_model import DocumentError
-from .mig import GeometryRule, load_geometries
+from .mig import GeometryRule, read_geometries
 from .request import PodRequest, pod_request
 
 EXIT_PLACED, EXIT_UNPLACED, EXIT_BAD_INPUT = 0, 1, 2
@@ -105,13 +105,7 @@ def describe(d: Decision) -> str:
     type=click.Path(dir_okay=False, path_type=Path),
     help="HAMi's device config or a knownMigGeometries list (YAML): allowed MIG mixes per model.",
 )
-@click.option(
-    "--split-count",
-    default=10,
-    show_default=True,
-    type=click.IntRange(1, 1000),
-    help="vGPUs per GPU at most (HAMi's deviceSplitCount).",
-)
+@split_count_option(10, "vGPUs per GPU at most (HAMi's deviceSplitCount).")
 @click.argument("pods", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
 def place(
     cluster_path: Path,
@@ -128,14 +122,7 @@ def place(
     try:
         rules: tuple[GeometryRule, ...] = ()
         if mig_geometries is not None:
-            try:
-                raw: Any = yaml.safe_load(mig_geometries.read_text())
-            except (OSError, yaml.YAMLError) as e:
-                raise DocumentError(f"{mig_geometries}: cannot read: {e}") from None
-            try:
-                rules = load_geometries(raw)
-            except DocumentError as e:
-                raise DocumentError(f"{mig_geometries}: {e}") from None
+            rules = read_geometries(mig_geometries)
         allocator = read_cluster(cluster_path, Config(split_count=split_count, geometries=rules))
         requests = read_pods(list(pods))
     except DocumentError as e:

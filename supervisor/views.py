@@ -14,7 +14,7 @@ from typing import Any
 import click
 from gpuvisor.shim.cli import shown
 
-from .cli_types import Finite
+from .cli_types import Finite, seconds_option
 
 REGION_ENV = "CUDA_DEVICE_MEMORY_SHARED_CACHE"
 
@@ -118,12 +118,11 @@ def region_status(region_path: str | None, sample: float) -> dict[str, Any]:
     envvar=REGION_ENV,
     help="Region file [default: $CUDA_DEVICE_MEMORY_SHARED_CACHE or the shim's default].",
 )
-@click.option(
+@seconds_option(
     "--sample",
-    default=0.5,
-    show_default=True,
-    type=Finite(min=0, max=3600),
-    help="Seconds over which the achieved SM share is measured.",
+    0.5,
+    "Seconds over which the achieved SM share is measured.",
+    kind=Finite(min=0, max=3600),
 )
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def status(region_path: str | None, sample: float, as_json: bool) -> None:
@@ -327,12 +326,11 @@ def _render(data: dict[str, Any]) -> str:
     show_default=True,
     help="The node agent's /status endpoint.",
 )
-@click.option(
+@seconds_option(
     "--interval",
-    default=2.0,
-    show_default=True,
-    type=Finite(min=0.1, max=3600),
-    help="Seconds between refreshes (0.1 to 3600).",
+    2.0,
+    "Seconds between refreshes (0.1 to 3600).",
+    kind=Finite(min=0.1, max=3600),
 )
 @click.option("--once", is_flag=True, help="Print once and exit.")
 @click.option("--json", "as_json", is_flag=True, help="Print the agent's status JSON.")

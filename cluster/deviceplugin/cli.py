@@ -10,6 +10,7 @@ from typing import Any
 
 import click
 
+from ..cli_options import log_server_lines, path_option, split_count_option
 from . import defaults
 
 
@@ -20,12 +21,9 @@ from . import defaults
     show_default=True,
     help="The extended resource the GPUs are advertised as.",
 )
-@click.option(
-    "--split-count",
-    type=click.IntRange(1, 1000),
-    default=defaults.SPLIT_COUNT,
-    show_default=True,
-    help="Replicas per GPU (HAMi's deviceSplitCount): how many containers may share one.",
+@split_count_option(
+    defaults.SPLIT_COUNT,
+    "Replicas per GPU (HAMi's deviceSplitCount): how many containers may share one.",
 )
 @click.option(
     "--node-name",
@@ -34,12 +32,10 @@ from . import defaults
     show_default="$NODE_NAME",
     help="This node's name: GetPreferredAllocation prefers the GPUs of the pods bound to it.",
 )
-@click.option(
+@path_option(
     "--plugin-dir",
-    type=click.Path(path_type=Path),
-    default=defaults.PLUGIN_DIR,
-    show_default=True,
-    help="kubelet's device-plugins directory (kubelet.sock).",
+    defaults.PLUGIN_DIR,
+    "kubelet's device-plugins directory (kubelet.sock).",
 )
 @click.option(
     "--endpoint",
@@ -47,34 +43,26 @@ from . import defaults
     show_default=True,
     help="This plugin's socket, a file name in --plugin-dir.",
 )
-@click.option(
+@path_option(
     "--pod-resources-socket",
-    type=click.Path(path_type=Path),
-    default=Path(defaults.POD_RESOURCES_SOCKET),
-    show_default=True,
-    help="kubelet's PodResources API socket.",
+    Path(defaults.POD_RESOURCES_SOCKET),
+    "kubelet's PodResources API socket.",
 )
-@click.option(
+@path_option(
     "--state-dir",
-    type=click.Path(path_type=Path),
-    default=defaults.STATE_DIR,
-    show_default=True,
-    help="Host directory of the per-container directories (region, limits file); "
+    defaults.STATE_DIR,
+    "Host directory of the per-container directories (region, limits file); "
     "the plugin must see it at the same path.",
 )
-@click.option(
+@path_option(
     "--lib-dir",
-    type=click.Path(path_type=Path),
-    default=defaults.LIB_DIR,
-    show_default=True,
-    help="Host directory holding libgpuvisor.so, mounted read-only into containers.",
+    defaults.LIB_DIR,
+    "Host directory holding libgpuvisor.so, mounted read-only into containers.",
 )
-@click.option(
+@path_option(
     "--node-dir",
-    type=click.Path(path_type=Path),
-    default=defaults.NODE_DIR,
-    show_default=True,
-    help="Host directory of the node agent's socket, mounted into containers.",
+    defaults.NODE_DIR,
+    "Host directory of the node agent's socket, mounted into containers.",
 )
 @click.option(
     "--health-interval",
@@ -124,7 +112,7 @@ def device_plugin(
     from .runner import PluginRunner
     from .service import DevicePluginService, PluginConfig
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    log_server_lines()
     if "/" in endpoint or not endpoint:
         raise click.BadParameter(f"{endpoint!r}: must be a file name", param_hint="--endpoint")
     config = PluginConfig(

@@ -7,61 +7,40 @@ from pathlib import Path
 
 import click
 
+from ..cli_options import (
+    file_option,
+    host_option,
+    log_server_lines,
+    port_option,
+    split_count_option,
+)
 from . import defaults
 
 
 @click.command("scheduler")
-@click.option(
+@host_option(
     "--host",
-    default="0.0.0.0",
-    show_default=True,
-    help="Address of the extender (filter, prioritize, bind): 127.0.0.1 beside kube-scheduler.",
+    "Address of the extender (filter, prioritize, bind): 127.0.0.1 beside kube-scheduler.",
 )
-@click.option(
-    "--metrics-host",
-    default="0.0.0.0",
-    show_default=True,
-    help="Address of the cluster metrics (a Service exposes them).",
+@host_option("--metrics-host", "Address of the cluster metrics (a Service exposes them).")
+@port_option(
+    "--port", defaults.PORT, "The extender's port (kube-scheduler's urlPrefix points here)."
 )
-@click.option(
-    "--port",
-    type=click.IntRange(1, 65535),
-    default=defaults.PORT,
-    show_default=True,
-    help="The extender's port (kube-scheduler's urlPrefix points here).",
-)
-@click.option(
+@port_option(
     "--metrics-port",
-    type=click.IntRange(1, 65535),
-    default=defaults.METRICS_PORT,
-    show_default=True,
-    help="Port of the cluster metrics (GET /metrics; HAMi's port).",
+    defaults.METRICS_PORT,
+    "Port of the cluster metrics (GET /metrics; HAMi's port).",
 )
-@click.option(
+@file_option(
     "--kubeconfig",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=None,
-    help="Kubeconfig to reach the API server (default: in-cluster, else ~/.kube/config).",
+    "Kubeconfig to reach the API server (default: in-cluster, else ~/.kube/config).",
 )
-@click.option(
+@file_option(
     "--tls-cert",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=None,
-    help="Serve the extender over HTTPS with this certificate (PEM); needs --tls-key.",
+    "Serve the extender over HTTPS with this certificate (PEM); needs --tls-key.",
 )
-@click.option(
-    "--tls-key",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=None,
-    help="The certificate's private key (PEM).",
-)
-@click.option(
-    "--split-count",
-    type=click.IntRange(1, 1000),
-    default=10,
-    show_default=True,
-    help="vGPUs per GPU at most (the device plugin's --split-count).",
-)
+@file_option("--tls-key", "The certificate's private key (PEM).")
+@split_count_option(10, "vGPUs per GPU at most (the device plugin's --split-count).")
 @click.option(
     "--node-policy",
     type=click.Choice(["binpack", "spread"]),
@@ -76,12 +55,7 @@ from . import defaults
     show_default=True,
     help="GPU policy of pods that name none (hami.io/gpu-scheduler-policy).",
 )
-@click.option(
-    "--mig-geometries",
-    type=click.Path(exists=True, dir_okay=False, path_type=Path),
-    default=None,
-    help="HAMi's knownMigGeometries (YAML) to keep MIG layouts within.",
-)
+@file_option("--mig-geometries", "HAMi's knownMigGeometries (YAML) to keep MIG layouts within.")
 def scheduler(
     host: str,
     metrics_host: str,
@@ -108,10 +82,9 @@ def scheduler(
     import ssl
     import threading
 
-    import yaml
     from gpuvisor.cluster.allocator import Config
     from gpuvisor.cluster.inventory_model import DocumentError
-    from gpuvisor.cluster.mig import load_geometries
+    from gpuvisor.cluster.mig import read_geometries
     from kubernetes import client, config
 
     from .extender import Extender
@@ -119,7 +92,7 @@ def scheduler(
     from .server import serve
     from .state import ClusterState
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    log_server_lines()
     if (tls_cert is None) != (tls_key is None):
         raise click.BadParameter(
             "give both --tls-cert and --tls-key, or neither", param_hint="--tls-cert"
@@ -127,11 +100,9 @@ def scheduler(
     geometries = ()
     if mig_geometries is not None:
         try:
-            geometries = load_geometries(yaml.safe_load(mig_geometries.read_text()))
-        except (DocumentError, yaml.YAMLError) as exc:
-            raise click.BadParameter(
-                f"{mig_geometries}: {exc}", param_hint="--mig-geometries"
-            ) from None
+            geometries = read_geometries(mig_geometries)
+        except DocumentError as exc:
+            raise click.BadParameter(str(exc), param_hint="--mig-geometries") from None
     cfg = Config(
         split_count=split_count,
         geometries=geometries,

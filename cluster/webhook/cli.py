@@ -10,6 +10,8 @@ from types import FrameType
 
 import click
 
+from ..cli_options import host_option, log_server_lines, port_option
+
 DEFAULT_PORT = 9443
 
 
@@ -26,19 +28,8 @@ DEFAULT_PORT = 9443
     required=True,
     help="The certificate's private key (PEM); reloaded with it.",
 )
-@click.option(
-    "--bind-address",
-    default="0.0.0.0",
-    show_default=True,
-    help="Address to listen on.",
-)
-@click.option(
-    "--port",
-    type=click.IntRange(0, 65535),
-    default=DEFAULT_PORT,
-    show_default=True,
-    help="HTTPS port (0: any free port, logged).",
-)
+@host_option("--bind-address", "Address to listen on.")
+@port_option("--port", DEFAULT_PORT, "HTTPS port (0: any free port, logged).", any_port=True)
 @click.option(
     "--scheduler-name",
     default="gpuvisor-scheduler",
@@ -59,7 +50,7 @@ def webhook(
     from .review import WebhookConfig
     from .server import CertificateError, ServingCertificate, WebhookServer
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    log_server_lines()
     if not scheduler_name:
         raise click.BadParameter("must not be empty", param_hint="--scheduler-name")
     try:

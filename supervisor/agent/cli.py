@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import click
 from click.core import ParameterSource
+from click.decorators import FC
 
-from ..cli_types import POSITIVE, Finite
+from ..cli_types import Finite, count_option, seconds_option
 from ..paths import default_socket
 from ..protocol import OWN_LIMIT, UUID_FORM, is_uuid
 from .config import (
@@ -52,20 +54,28 @@ ADMIN_SOCKET_HELP = (
 ADMIN_SOCKET_DEFAULT = "$GPUVISOR_ADMIN_SOCKET, else admin.sock in '<socket's directory>-admin'"
 
 
+def socket_options(socket_help: str, admin_help: str) -> Callable[[FC], FC]:
+    """--socket and --admin-socket, as `node-agent` and `set-limit` both take them."""
+    socket = click.option(
+        "--socket",
+        "socket_path",
+        default=default_socket,
+        show_default="$GPUVISOR_NODE_SOCKET or /run/gpuvisor/node.sock",
+        help=socket_help,
+    )
+    admin = click.option(
+        "--admin-socket",
+        envvar=ADMIN_SOCKET_ENV,
+        default=None,
+        show_default=ADMIN_SOCKET_DEFAULT,
+        help=admin_help,
+    )
+    return lambda f: socket(admin(f))
+
+
 @click.group("node-agent", invoke_without_command=True)
-@click.option(
-    "--socket",
-    "socket_path",
-    default=default_socket,
-    show_default="$GPUVISOR_NODE_SOCKET or /run/gpuvisor/node.sock",
-    help="The reporting socket (mode 0666): mount its directory into containers.",
-)
-@click.option(
-    "--admin-socket",
-    envvar=ADMIN_SOCKET_ENV,
-    default=None,
-    show_default=ADMIN_SOCKET_DEFAULT,
-    help=ADMIN_SOCKET_HELP,
+@socket_options(
+    "The reporting socket (mode 0666): mount its directory into containers.", ADMIN_SOCKET_HELP
 )
 @click.option(
     "--metrics-host",
@@ -80,33 +90,25 @@ ADMIN_SOCKET_DEFAULT = "$GPUVISOR_ADMIN_SOCKET, else admin.sock in '<socket's di
     type=click.IntRange(0, 65535),
     help="0: any free port",
 )
-@click.option(
+@seconds_option(
     "--expire-after",
-    default=10.0,
-    show_default=True,
-    type=POSITIVE,
-    help="Seconds without a report (or 3 report intervals, if longer) before a container expires.",
+    10.0,
+    "Seconds without a report (or 3 report intervals, if longer) before a container expires.",
 )
-@click.option(
+@seconds_option(
     "--read-timeout",
-    default=5.0,
-    show_default=True,
-    type=POSITIVE,
-    help="Disconnect a peer whose line stays incomplete (or who leaves replies unread) this long.",
+    5.0,
+    "Disconnect a peer whose line stays incomplete (or who leaves replies unread) this long.",
 )
-@click.option(
+@seconds_option(
     "--idle-timeout",
-    default=120.0,
-    show_default=True,
-    type=POSITIVE,
-    help="Disconnect a peer that sends nothing for this long.",
+    120.0,
+    "Disconnect a peer that sends nothing for this long.",
 )
-@click.option(
+@seconds_option(
     "--http-timeout",
-    default=10.0,
-    show_default=True,
-    type=POSITIVE,
-    help="Disconnect an HTTP client (/metrics, /status) this long after it connected.",
+    10.0,
+    "Disconnect an HTTP client (/metrics, /status) this long after it connected.",
 )
 @click.option(
     "--rate",
@@ -122,22 +124,16 @@ ADMIN_SOCKET_DEFAULT = "$GPUVISOR_ADMIN_SOCKET, else admin.sock in '<socket's di
     type=Finite(min=1),
     help="Messages a connection may send at once (token bucket size; at least 1).",
 )
-@click.option(
+@count_option(
     "--max-connections",
-    default=4096,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help=(
-        "Most connections served at once; past it the cgroup holding the most gives one "
-        "up to a peer of a cgroup holding fewer, any other newcomer gets an error."
-    ),
+    4096,
+    "Most connections served at once; past it the cgroup holding the most gives one "
+    "up to a peer of a cgroup holding fewer, any other newcomer gets an error.",
 )
-@click.option(
+@count_option(
     "--max-connections-per-cgroup",
-    default=64,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help="Most connections served at once from the processes of one cgroup (a "
+    64,
+    "Most connections served at once from the processes of one cgroup (a "
     "container); more from it get an error and are closed, others are not affected.",
 )
 @click.option(
@@ -146,45 +142,37 @@ ADMIN_SOCKET_DEFAULT = "$GPUVISOR_ADMIN_SOCKET, else admin.sock in '<socket's di
     help="Serve /status (every container's labels, cgroups, PIDs and uids) to clients "
     "beyond the node too; by default only to loopback clients (gpuvisor top on the node).",
 )
-@click.option(
+@count_option(
     "--max-errors",
-    default=10,
-    show_default=True,
-    type=click.IntRange(min=0),
-    help="Disconnect a peer after this many bad messages in a row (0: never).",
+    10,
+    "Disconnect a peer after this many bad messages in a row (0: never).",
+    minimum=0,
 )
-@click.option(
+@count_option(
     "--max-containers-per-cgroup",
-    default=16,
-    show_default=True,
-    type=click.IntRange(min=1),
-    help=(
+    16,
+    (
         "Containers (label sets) one cgroup may report; a new one replaces the one that "
         "reported least recently."
     ),
 )
-@click.option(
+@seconds_option(
     "--max-expire",
-    default=300.0,
-    show_default=True,
-    type=POSITIVE,
-    help="Longest a container is kept without a report, however long its report interval.",
+    300.0,
+    "Longest a container is kept without a report, however long its report interval.",
 )
-@click.option(
+@seconds_option(
     "--active-window",
-    default=3.0,
-    show_default=True,
-    type=POSITIVE,
-    help=(
+    3.0,
+    (
         "Seconds a high-priority container's activity (a report with sm_share above 1 "
         "percent, or its processes' use in NVML) keeps its device busy."
     ),
 )
-@click.option(
+@seconds_option(
     "--limit-grace",
-    default=300.0,
-    show_default=True,
-    type=Finite(min=0, max=86400),
+    300.0,
+    kind=Finite(min=0, max=86400),
     help=(
         "Seconds an administrator's limits (set-limit) outlive a container that left "
         "(final report, expiry, a restarted container taking its labels over), for "
@@ -434,19 +422,9 @@ def _zero_amount(value: str) -> bool:
 
 
 @node_agent.command("set-limit")
-@click.option(
-    "--socket",
-    "socket_path",
-    default=default_socket,
-    show_default="$GPUVISOR_NODE_SOCKET or /run/gpuvisor/node.sock",
-    help="The agent's reporting socket: the default admin socket is found beside it.",
-)
-@click.option(
-    "--admin-socket",
-    envvar=ADMIN_SOCKET_ENV,
-    default=None,
-    show_default=ADMIN_SOCKET_DEFAULT,
-    help="The agent's admin socket (its --admin-socket).",
+@socket_options(
+    "The agent's reporting socket: the default admin socket is found beside it.",
+    "The agent's admin socket (its --admin-socket).",
 )
 @click.option(
     "--container",

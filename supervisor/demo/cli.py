@@ -46,7 +46,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.markup import escape
 
-from ..cli_types import Finite
+from ..cli_types import Finite, seconds_option
 from ..entrypoint.config import one_line
 from .report import live_table, plot, summary_table, verdicts
 from .sampler import ProcessUtilization, Sampler
@@ -337,14 +337,13 @@ def _watch(
 
 
 @click.command("demo")
-@click.option(
+@seconds_option(
     "--seconds",
+    24.0,
+    "How long the demo runs.",
     # Finite: click's FloatRange lets nan through (every comparison with it
     # is false), and a demo of nan seconds never ends.
-    type=Finite(min=9, max=600),
-    default=24.0,
-    show_default=True,
-    help="How long the demo runs.",
+    kind=Finite(min=9, max=600),
 )
 @click.option(
     "--simulate/--real",
