@@ -160,86 +160,88 @@ class Allocator(ABC):
     def free(self, handle: Any) -> None: ...
 
 
-class MemAlloc(Allocator):
-    name = "cuMemAlloc"
+class CreateDestroy(Allocator):
+    """An API that takes the size (args) and returns the handle, freed by
+    the API named destroy with the handle alone."""
+
+    destroy = "cuMemFree"
+
+    def args(self, nbytes: int) -> tuple[Any, ...]:
+        return (nbytes,)
 
     def alloc(self, nbytes: int) -> tuple[Any, Any]:
-        return call(cu.cuMemAlloc, nbytes)
+        return call(getattr(cu, self.name), *self.args(nbytes))
 
     def free(self, handle: Any) -> None:
-        ok(cu.cuMemFree, handle)
+        ok(getattr(cu, self.destroy), handle)
 
 
-class MemAllocPitch(Allocator):
+class MemAlloc(CreateDestroy):
+    name = "cuMemAlloc"
+
+
+class MemAllocPitch(CreateDestroy):
     name = "cuMemAllocPitch"
 
     def alloc(self, nbytes: int) -> tuple[Any, Any]:
         err, value = call(cu.cuMemAllocPitch, MiB, nbytes // MiB, 4)
         return err, None if value is None else value[0]
 
-    def free(self, handle: Any) -> None:
-        ok(cu.cuMemFree, handle)
 
-
-class MemAllocManaged(Allocator):
+class MemAllocManaged(CreateDestroy):
     name = "cuMemAllocManaged"
 
-    def alloc(self, nbytes: int) -> tuple[Any, Any]:
-        return call(cu.cuMemAllocManaged, nbytes, cu.CUmemAttach_flags.CU_MEM_ATTACH_GLOBAL)
-
-    def free(self, handle: Any) -> None:
-        ok(cu.cuMemFree, handle)
+    def args(self, nbytes: int) -> tuple[Any, ...]:
+        return nbytes, cu.CUmemAttach_flags.CU_MEM_ATTACH_GLOBAL
 
 
-class ArrayCreate(Allocator):
+class ArrayCreate(CreateDestroy):
     name = "cuArrayCreate"
+    destroy = "cuArrayDestroy"
 
-    def alloc(self, nbytes: int) -> tuple[Any, Any]:
-        return call(cu.cuArrayCreate, _array_desc(nbytes))
-
-    def free(self, handle: Any) -> None:
-        ok(cu.cuArrayDestroy, handle)
+    def args(self, nbytes: int) -> tuple[Any, ...]:
+        return (_array_desc(nbytes),)
 
 
-class Array3DCreate(Allocator):
+class Array3DCreate(CreateDestroy):
     name = "cuArray3DCreate"
+    destroy = "cuArrayDestroy"
 
-    def alloc(self, nbytes: int) -> tuple[Any, Any]:
-        return call(cu.cuArray3DCreate, _array3d_desc(nbytes))
-
-    def free(self, handle: Any) -> None:
-        ok(cu.cuArrayDestroy, handle)
+    def args(self, nbytes: int) -> tuple[Any, ...]:
+        return (_array3d_desc(nbytes),)
 
 
-class MipmappedArrayCreate(Allocator):
+class MipmappedArrayCreate(CreateDestroy):
     name = "cuMipmappedArrayCreate"
+    destroy = "cuMipmappedArrayDestroy"
 
-    def alloc(self, nbytes: int) -> tuple[Any, Any]:
-        return call(cu.cuMipmappedArrayCreate, _array3d_desc(nbytes, depth=False), 1)
-
-    def free(self, handle: Any) -> None:
-        ok(cu.cuMipmappedArrayDestroy, handle)
+    def args(self, nbytes: int) -> tuple[Any, ...]:
+        return _array3d_desc(nbytes, depth=False), 1
 
 
-class MemCreate(Allocator):
+class MemCreate(CreateDestroy):
     name = "cuMemCreate"
+    destroy = "cuMemRelease"
 
-    def alloc(self, nbytes: int) -> tuple[Any, Any]:
-        return call(cu.cuMemCreate, nbytes, _vmm_prop(self.dev), 0)
-
-    def free(self, handle: Any) -> None:
-        ok(cu.cuMemRelease, handle)
+    def args(self, nbytes: int) -> tuple[Any, ...]:
+        return nbytes, _vmm_prop(self.dev), 0
 
 
 class MemAllocAsync(Allocator):
+    """Stream-ordered: each allocation and free is synchronized, so that
+    the memory is mapped (or given back) when alloc or free returns."""
+
     name = "cuMemAllocAsync"
 
     def __init__(self, dev: int = 0) -> None:
         super().__init__(dev)
         self.stream = ok(cu.cuStreamCreate, 0)
 
+    def alloc_async(self, nbytes: int) -> tuple[Any, Any]:
+        return call(cu.cuMemAllocAsync, nbytes, self.stream)
+
     def alloc(self, nbytes: int) -> tuple[Any, Any]:
-        err, ptr = call(cu.cuMemAllocAsync, nbytes, self.stream)
+        err, ptr = self.alloc_async(nbytes)
         if err == SUCCESS:
             ok(cu.cuStreamSynchronize, self.stream)
         return err, ptr
@@ -249,23 +251,18 @@ class MemAllocAsync(Allocator):
         ok(cu.cuStreamSynchronize, self.stream)
 
 
-class MemAllocFromPoolAsync(Allocator):
+class MemAllocFromPoolAsync(MemAllocAsync):
     name = "cuMemAllocFromPoolAsync"
 
     def __init__(self, dev: int = 0) -> None:
         super().__init__(dev)
-        self.stream = ok(cu.cuStreamCreate, 0)
         self.pool = ok(cu.cuMemPoolCreate, pool_props(dev))
 
-    def alloc(self, nbytes: int) -> tuple[Any, Any]:
-        err, ptr = call(cu.cuMemAllocFromPoolAsync, nbytes, self.pool, self.stream)
-        if err == SUCCESS:
-            ok(cu.cuStreamSynchronize, self.stream)
-        return err, ptr
+    def alloc_async(self, nbytes: int) -> tuple[Any, Any]:
+        return call(cu.cuMemAllocFromPoolAsync, nbytes, self.pool, self.stream)
 
     def free(self, handle: Any) -> None:
-        ok(cu.cuMemFreeAsync, handle, self.stream)
-        ok(cu.cuStreamSynchronize, self.stream)
+        super().free(handle)
         ok(cu.cuMemPoolTrimTo, self.pool, 0)
 
 

@@ -114,12 +114,13 @@ class SimNode:
         return env
 
 
-def run_py(
-    code: str, env: Mapping[str, str], timeout: float = 60, *, args: list[str] | None = None
+def run_cmd(
+    cmd: list[str], env: Mapping[str, str], timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
-    """Run `python -c code` (dedented) in env; return the finished process."""
+    """Run cmd from the checkout's root in env, its output captured as text;
+    return the finished process, whatever its exit status."""
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *(args or [])],
+        cmd,
         env=dict(env),
         capture_output=True,
         text=True,
@@ -127,6 +128,35 @@ def run_py(
         check=False,
         cwd=REPO_ROOT,
     )
+
+
+def make_benches(*names: str) -> Path:
+    """Build the benchmarks build/bench/NAME (make, from the checkout's
+    root: the Makefile's pattern rules are written for $(BUILD)/..., and an
+    absolute path matches none), one make at a time across pytest-xdist
+    workers; return their directory."""
+    import fcntl
+
+    bench = BUILD_DIR / "bench"
+    bench.mkdir(parents=True, exist_ok=True)
+    with open(bench / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        targets = [f"build/bench/{name}" for name in names]
+        subprocess.run(
+            ["make", "-s", "-C", str(REPO_ROOT), *targets],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    return bench
+
+
+def run_py(
+    code: str, env: Mapping[str, str], timeout: float = 60, *, args: list[str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run `python -c code` (dedented) in env; return the finished process."""
+    return run_cmd([sys.executable, "-c", textwrap.dedent(code), *(args or [])], env, timeout)
 
 
 # A process a test drives dies with the test's process (PR_SET_PDEATHSIG):
@@ -169,15 +199,7 @@ def run_cli(
 ) -> subprocess.CompletedProcess[str]:
     """Run the gpuvisor command line (from this checkout) with args, in env
     (a clean environment unless given)."""
-    return subprocess.run(
-        [*CLI, *args],
-        env=clean_env() if env is None else dict(env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        cwd=REPO_ROOT,
-    )
+    return run_cmd([*CLI, *args], clean_env() if env is None else env, timeout)
 
 
 def run_json(

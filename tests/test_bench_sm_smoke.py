@@ -5,7 +5,6 @@ sections of the results file.  No timing assertions."""
 
 from __future__ import annotations
 
-import fcntl
 import json
 import re
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import BUILD_DIR, REPO_ROOT, clean_env
+from tests.helpers import REPO_ROOT, clean_env, make_benches
 from tests.test_bench_smoke import HEADER as BENCH_HEADER
 
 ACCURACY = "## SM quota: accuracy (make bench-sm)"
@@ -27,27 +26,7 @@ IDEAL = NUM + " / " + NUM + "; " + NUM + " / " + NUM + r" \(" + NUM + r"\)"
 
 @pytest.fixture(scope="module")
 def built(build_dir: Path) -> Path:
-    # pytest-xdist workers may get here together: one make at a time.
-    bench = BUILD_DIR / "bench"
-    bench.mkdir(parents=True, exist_ok=True)
-    with open(bench / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        subprocess.run(
-            [
-                "make",
-                "-s",
-                "-C",
-                str(REPO_ROOT),
-                "build/bench/bench_sm_worker",
-                "build/bench/bench_launch",
-                "build/bench/bench_stall_probe",
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-    return bench
+    return make_benches("bench_sm_worker", "bench_launch", "bench_stall_probe")
 
 
 def tables(text: str) -> list[list[list[str]]]:

@@ -6,7 +6,6 @@ assertions."""
 
 from __future__ import annotations
 
-import fcntl
 import re
 import shutil
 import subprocess
@@ -14,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import BUILD_DIR, LIBRARY, REPO_ROOT, clean_env
+from tests.helpers import BUILD_DIR, LIBRARY, clean_env, make_benches
 
 MEMORY = BUILD_DIR / "bench" / "bench_memory"
 LAUNCH = BUILD_DIR / "bench" / "bench_launch"
@@ -45,26 +44,7 @@ ADDED = r"(\d+) \(([+-]\d+)\)"
 
 @pytest.fixture(scope="module")
 def built(build_dir: Path) -> Path:
-    # pytest-xdist workers may get here together: one make at a time.
-    MEMORY.parent.mkdir(parents=True, exist_ok=True)
-    with open(MEMORY.parent / ".build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        subprocess.run(
-            # relative to the repository: the Makefile's pattern rules are
-            # written for $(BUILD)/..., and an absolute path matches none
-            [
-                "make",
-                "-s",
-                "-C",
-                str(REPO_ROOT),
-                str(MEMORY.relative_to(REPO_ROOT)),
-                str(LAUNCH.relative_to(REPO_ROOT)),
-            ],
-            check=True,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+    make_benches(MEMORY.name, LAUNCH.name)
     assert MEMORY.is_file()
     assert LAUNCH.is_file()
     return MEMORY

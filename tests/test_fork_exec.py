@@ -8,7 +8,7 @@ its slot is reset and reused, never counted twice.
 
 from __future__ import annotations
 
-from tests.helpers import GiB, MiB, SimNode, run_json
+from tests.helpers import GiB, MiB, SimNode, run_json, run_py
 
 FORK = """
 import json, os
@@ -80,20 +80,12 @@ def test_fork_child_gets_its_own_slot(node: SimNode) -> None:
 
 
 def test_exec_resets_the_old_image(node: SimNode) -> None:
-    import subprocess
-    import sys
     import textwrap
 
-    from tests.helpers import REPO_ROOT
-
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(EXEC_FIRST), textwrap.dedent(EXEC_SECOND)],
-        env=node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g"),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        cwd=REPO_ROOT,
+    proc = run_py(
+        EXEC_FIRST,
+        node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g"),
+        args=[textwrap.dedent(EXEC_SECOND)],
     )
     assert proc.returncode == 0, proc.stderr
     import json

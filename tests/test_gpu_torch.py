@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import LIBRARY, REPO_ROOT, clean_env
+from tests.helpers import LIBRARY, REPO_ROOT, clean_env, run_py
 
 pytestmark = pytest.mark.gpu
 
@@ -34,15 +34,7 @@ def torch_env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 
 def run_torch(code: str, env: dict[str, str], timeout: float = 300) -> dict[str, object]:
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        cwd=REPO_ROOT,
-    )
+    proc = run_py(code, env, timeout)
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert lines, proc.stderr

@@ -21,7 +21,7 @@ from gpuvisor.shim import parse_memory_limit
 from gpuvisor.supervisor.entrypoint import config
 from gpuvisor.supervisor.entrypoint.run import run as run_command
 
-from tests.helpers import REPO_ROOT, SimNode
+from tests.helpers import REPO_ROOT, SimNode, run_py
 
 NOT_PERMITTED = 800
 
@@ -288,15 +288,7 @@ def test_the_largest_memory_value_means_no_limit_as_documented(node: SimNode) ->
     device shows all its memory.  docs/environment.md says so in the
     variable's row."""
     code = "from tests.cuclient import init, mem_info\ninit()\nprint(mem_info()[1])\n"
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        env=node.shimmed(CUDA_DEVICE_MEMORY_LIMIT=str(2**64 - 1)),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        cwd=REPO_ROOT,
-    )
+    proc = run_py(code, node.shimmed(CUDA_DEVICE_MEMORY_LIMIT=str(2**64 - 1)))
     assert proc.returncode == 0, proc.stderr
     assert int(proc.stdout.split()[-1]) == 16 << 30
     doc = (REPO_ROOT / "docs" / "environment.md").read_text()

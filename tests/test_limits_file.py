@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO_ROOT, MiB, SimNode, run_py
+from tests.helpers import MiB, SimNode, run_cmd, run_py
 
 NOT_PERMITTED = 800
 
@@ -148,15 +148,7 @@ MEMINFO = [
 
 
 def gpuvisor_run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*RUN, *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        cwd=REPO_ROOT,
-    )
+    return run_cmd([*RUN, *args], env)
 
 
 def test_gpuvisor_run_with_a_limits_file(node: SimNode, tmp_path: Path) -> None:

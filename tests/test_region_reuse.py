@@ -12,7 +12,7 @@ import subprocess
 import sys
 import textwrap
 
-from tests.helpers import REPO_ROOT, GiB, Holder, SimNode, run_py
+from tests.helpers import REPO_ROOT, GiB, Holder, SimNode, run_cmd, run_py
 
 RUN = [sys.executable, "-c", "from gpuvisor.supervisor.cli import main; main()", "run"]
 
@@ -37,24 +37,8 @@ hold()
 def run(node: SimNode, *args: str) -> subprocess.CompletedProcess[str]:
     env = dict(node.env)
     env["GPUVISOR_NODE_SOCKET"] = str(node.dir / "no-agent.sock")
-    return subprocess.run(
-        [
-            *RUN,
-            *args,
-            "--region",
-            str(node.region),
-            "--",
-            sys.executable,
-            "-c",
-            textwrap.dedent(PROBE),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        cwd=REPO_ROOT,
-    )
+    probe = [sys.executable, "-c", textwrap.dedent(PROBE)]
+    return run_cmd([*RUN, *args, "--region", str(node.region), "--", *probe], env)
 
 
 def probe(proc: subprocess.CompletedProcess[str]) -> dict[str, object]:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO_ROOT, SimNode
+from tests.helpers import REPO_ROOT, SimNode, run_cmd
 
 # Room for the region's first page, not for the rest of it (a few hundred KiB).
 TMPFS_SIZE = "16k"
@@ -45,14 +45,8 @@ def in_tiny_tmpfs(
 ) -> subprocess.CompletedProcess[str]:
     """Run cmd with a TMPFS_SIZE tmpfs mounted on mount, in a mount namespace of its own."""
     script = f'mount -t tmpfs -o size={TMPFS_SIZE} gvfull "$0" && exec "$@"'
-    return subprocess.run(
-        ["unshare", "--map-root-user", "--mount", "sh", "-c", script, str(mount), *cmd],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        cwd=REPO_ROOT,
+    return run_cmd(
+        ["unshare", "--map-root-user", "--mount", "sh", "-c", script, str(mount), *cmd], env
     )
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import REPO_ROOT, clean_env
+from tests.helpers import REPO_ROOT, clean_env, run_cmd
 
 RUN = [sys.executable, "-c", "from gpuvisor.supervisor.cli import main; main()", "run"]
 
@@ -35,15 +35,7 @@ def env(tmp_path: Path, build_dir: Path) -> dict[str, str]:
 
 
 def run(env: dict[str, str], *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*RUN, *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        cwd=REPO_ROOT,
-    )
+    return run_cmd([*RUN, *args], env, timeout)
 
 
 def start(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
