@@ -277,11 +277,9 @@ SIM_API CUresult cuArrayDestroy(CUarray arr) { return held_destroy(arr, ARRAY_MA
 
 SIM_API CUresult cuArrayGetDescriptor_v2(CUDA_ARRAY_DESCRIPTOR *out, CUarray arr)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(!out);
     if (rc)
         return rc;
-    if (!out)
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_mu);
     struct held *a = held_of(arr, ARRAY_MAGIC);
     if (a) {

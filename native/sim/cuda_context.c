@@ -191,10 +191,7 @@ SIM_API CUresult cuCtxCreate_v2(CUcontext *pctx, unsigned int flags,
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuCtxCreate(CUcontext *pctx, unsigned int flags, CUdevice dev)
-{
-    return cuCtxCreate_v2(pctx, flags, dev);
-}
+SIM_ALIAS(cuCtxCreate, cuCtxCreate_v2);
 
 SIM_API CUresult cuCtxCreate_v3(CUcontext *pctx, CUexecAffinityParam *p,
                                 int n, unsigned int flags, CUdevice dev)
@@ -225,18 +222,13 @@ SIM_API CUresult cuCtxDestroy_v2(CUcontext ctx)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuCtxDestroy(CUcontext ctx)
-{
-    return cuCtxDestroy_v2(ctx);
-}
+SIM_ALIAS(cuCtxDestroy, cuCtxDestroy_v2);
 
 SIM_API CUresult cuCtxGetCurrent(CUcontext *pctx)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(!pctx);
     if (rc)
         return rc;
-    if (!pctx)
-        return CUDA_ERROR_INVALID_VALUE;
     *pctx = t_depth ? t_stack[t_depth - 1] : NULL;
     return CUDA_SUCCESS;
 }
@@ -273,10 +265,7 @@ SIM_API CUresult cuCtxPushCurrent_v2(CUcontext ctx)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuCtxPushCurrent(CUcontext ctx)
-{
-    return cuCtxPushCurrent_v2(ctx);
-}
+SIM_ALIAS(cuCtxPushCurrent, cuCtxPushCurrent_v2);
 
 SIM_API CUresult cuCtxPopCurrent_v2(CUcontext *pctx)
 {
@@ -291,10 +280,7 @@ SIM_API CUresult cuCtxPopCurrent_v2(CUcontext *pctx)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuCtxPopCurrent(CUcontext *pctx)
-{
-    return cuCtxPopCurrent_v2(pctx);
-}
+SIM_ALIAS(cuCtxPopCurrent, cuCtxPopCurrent_v2);
 
 /* CUDA 13 form: explicit context, NULL = current */
 SIM_API CUresult cuCtxGetDevice_v2(CUdevice *dev, CUcontext ctx)
@@ -383,10 +369,7 @@ SIM_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuDevicePrimaryCtxRelease(CUdevice dev)
-{
-    return cuDevicePrimaryCtxRelease_v2(dev);
-}
+SIM_ALIAS(cuDevicePrimaryCtxRelease, cuDevicePrimaryCtxRelease_v2);
 
 SIM_API CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
 {
@@ -406,10 +389,7 @@ SIM_API CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuDevicePrimaryCtxReset(CUdevice dev)
-{
-    return cuDevicePrimaryCtxReset_v2(dev);
-}
+SIM_ALIAS(cuDevicePrimaryCtxReset, cuDevicePrimaryCtxReset_v2);
 
 SIM_API CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags,
                                             int *active)
@@ -437,7 +417,4 @@ SIM_API CUresult cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned int fl)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuDevicePrimaryCtxSetFlags(CUdevice dev, unsigned int fl)
-{
-    return cuDevicePrimaryCtxSetFlags_v2(dev, fl);
-}
+SIM_ALIAS(cuDevicePrimaryCtxSetFlags, cuDevicePrimaryCtxSetFlags_v2);

@@ -18,11 +18,9 @@
 
 SIM_API CUresult cuDeviceGet(CUdevice *dev, int ordinal)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(!dev);
     if (rc)
         return rc;
-    if (!dev)
-        return CUDA_ERROR_INVALID_VALUE;
     if (sim_ord_node(ordinal) < 0)
         return CUDA_ERROR_INVALID_DEVICE;
     *dev = ordinal;
@@ -31,11 +29,9 @@ SIM_API CUresult cuDeviceGet(CUdevice *dev, int ordinal)
 
 SIM_API CUresult cuDeviceGetCount(int *count)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(!count);
     if (rc)
         return rc;
-    if (!count)
-        return CUDA_ERROR_INVALID_VALUE;
     *count = sim_nvisible();
     return CUDA_SUCCESS;
 }
@@ -62,10 +58,7 @@ SIM_API CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev)
-{
-    return cuDeviceGetUuid(uuid, dev);
-}
+SIM_ALIAS(cuDeviceGetUuid_v2, cuDeviceGetUuid);
 
 SIM_API CUresult cuDeviceTotalMem_v2(size_t *bytes, CUdevice dev)
 {

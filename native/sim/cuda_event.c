@@ -130,10 +130,7 @@ SIM_API CUresult cuEventDestroy_v2(CUevent e)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuEventDestroy(CUevent e)
-{
-    return cuEventDestroy_v2(e);
-}
+SIM_ALIAS(cuEventDestroy, cuEventDestroy_v2);
 
 static CUresult record(CUevent e, CUstream hs, unsigned flags, int ptsz)
 {
@@ -247,11 +244,9 @@ SIM_API CUresult cuEventSynchronize(CUevent e)
 
 SIM_API CUresult cuEventElapsedTime_v2(float *ms, CUevent a, CUevent b)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(!ms);
     if (rc)
         return rc;
-    if (!ms)
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_mu);
     int ok = ev_ok_locked(a) && ev_ok_locked(b);
     int timed = ok && !((a->flags | b->flags) & CU_EVENT_DISABLE_TIMING) &&
@@ -267,10 +262,7 @@ SIM_API CUresult cuEventElapsedTime_v2(float *ms, CUevent a, CUevent b)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuEventElapsedTime(float *ms, CUevent a, CUevent b)
-{
-    return cuEventElapsedTime_v2(ms, a, b);
-}
+SIM_ALIAS(cuEventElapsedTime, cuEventElapsedTime_v2);
 
 static CUresult wait_event(CUstream hs, CUevent e, unsigned flags, int ptsz)
 {

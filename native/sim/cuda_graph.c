@@ -102,11 +102,9 @@ CUresult sim_graph_append_mem_locked(struct CUgraph_st *g, int type,
 
 SIM_API CUresult cuGraphCreate(CUgraph *pg, unsigned int flags)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(!pg || flags);
     if (rc)
         return rc;
-    if (!pg || flags)
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_mu);
     struct CUgraph_st *g = sim_graph_new();
     pthread_mutex_unlock(&sim_mu);
@@ -263,11 +261,9 @@ static int holds_locked(const struct CUgraph_st *a, const struct CUgraph_st *g)
 static CUresult child_node(CUgraphNode *out, CUgraph g, const CUgraphNode *deps, size_t ndeps,
                            CUgraph child, int move)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(!out);
     if (rc)
         return rc;
-    if (!out)
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_mu);
     struct CUgraph_st *sub = NULL;
     if (!sim_graph_ok_locked(g) || !deps_ok_locked(g, deps, ndeps) || !sim_graph_ok_locked(child) ||
@@ -308,11 +304,9 @@ SIM_API CUresult cuGraphAddNode_v2(CUgraphNode *out, CUgraph g, const CUgraphNod
                                    const CUgraphEdgeData *edges, size_t n, CUgraphNodeParams *p)
 {
     (void)edges;
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(!p);
     if (rc)
         return rc;
-    if (!p)
-        return CUDA_ERROR_INVALID_VALUE;
     if (p->type == CU_GRAPH_NODE_TYPE_EMPTY)
         return add_node(out, g, deps, n, CU_GRAPH_NODE_TYPE_EMPTY, NULL, NULL);
     if (p->type != CU_GRAPH_NODE_TYPE_GRAPH)

@@ -58,11 +58,9 @@ static int inst_under_locked(const struct CUgraph_st *g)
 SIM_API CUresult cuGraphInstantiateWithFlags(CUgraphExec *pe, CUgraph g,
                                              unsigned long long flags)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(!pe || (flags & ~0xfULL));
     if (rc)
         return rc;
-    if (!pe || (flags & ~0xfULL))
-        return CUDA_ERROR_INVALID_VALUE;
     struct CUgraphExec_st *e = calloc(1, sizeof *e);
     if (!e)
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -110,11 +108,7 @@ SIM_API CUresult cuGraphInstantiate_v2(CUgraphExec *pe, CUgraph g,
     return cuGraphInstantiateWithFlags(pe, g, 0);
 }
 
-SIM_API CUresult cuGraphInstantiate(CUgraphExec *pe, CUgraph g,
-                                    CUgraphNode *err, char *log, size_t logsz)
-{
-    return cuGraphInstantiate_v2(pe, g, err, log, logsz);
-}
+SIM_ALIAS(cuGraphInstantiate, cuGraphInstantiate_v2);
 
 static CUresult graph_launch(CUgraphExec e, CUstream hs, int ptsz, int run);
 SIM_API CUresult cuGraphExecDestroy(CUgraphExec e);

@@ -234,11 +234,9 @@ SIM_API CUresult cuGraphAddMemFreeNode(CUgraphNode *out, CUgraph g,
  * and device never change once made). */
 static CUresult node_record(CUgraphNode nd, int type, const void *out, struct sim_gmem *rec)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(!out);
     if (rc)
         return rc;
-    if (!out)
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_mu);
     struct sim_gmem *gm = sim_graph_node_gmem(nd, type);
     if (gm)

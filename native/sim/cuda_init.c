@@ -202,13 +202,19 @@ CUresult sim_check_init(void)
     return CUDA_ERROR_NOT_INITIALIZED;
 }
 
-CUresult sim_check_dev(int out_ok, CUdevice dev, int *node)
+CUresult sim_check_args(int bad)
 {
     CUresult rc = sim_check_init();
     if (rc)
         return rc;
-    if (!out_ok)
-        return CUDA_ERROR_INVALID_VALUE;
+    return bad ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+
+CUresult sim_check_dev(int out_ok, CUdevice dev, int *node)
+{
+    CUresult rc = sim_check_args(!out_ok);
+    if (rc)
+        return rc;
     int n = sim_ord_node(dev);
     if (n < 0)
         return CUDA_ERROR_INVALID_DEVICE;

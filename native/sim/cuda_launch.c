@@ -199,11 +199,9 @@ SIM_API CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned gx,
 static CUresult launch_ex(const CUlaunchConfig *cfg, CUfunction f,
                           void **params, void **extra, int ptsz)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(!cfg || (cfg->numAttrs && !cfg->attrs));
     if (rc)
         return rc;
-    if (!cfg || (cfg->numAttrs && !cfg->attrs))
-        return CUDA_ERROR_INVALID_VALUE;
     int coop = 0;
     for (unsigned i = 0; i < cfg->numAttrs; i++) {
         const CUlaunchAttribute *a = &cfg->attrs[i];
@@ -245,11 +243,9 @@ static struct CUfunc_st *legacy_func_locked(CUfunction f)
 
 SIM_API CUresult cuFuncSetBlockShape(CUfunction f, int x, int y, int z)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(x <= 0 || y <= 0 || z <= 0);
     if (rc)
         return rc;
-    if (x <= 0 || y <= 0 || z <= 0)
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_mu);
     struct CUfunc_st *fn = legacy_func_locked(f);
     if (fn) {
@@ -277,11 +273,9 @@ SIM_API CUresult cuParamSetSize(CUfunction f, unsigned int n)
 /* Only the first 32-bit parameter matters here (spin's microseconds). */
 SIM_API CUresult cuParamSeti(CUfunction f, int offset, unsigned int value)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(offset < 0);
     if (rc)
         return rc;
-    if (offset < 0)
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_mu);
     struct CUfunc_st *fn = legacy_func_locked(f);
     if (fn && offset == 0) {
@@ -294,11 +288,9 @@ SIM_API CUresult cuParamSeti(CUfunction f, int offset, unsigned int value)
 
 SIM_API CUresult cuParamSetv(CUfunction f, int offset, void *ptr, unsigned int n)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(offset < 0 || (n && !ptr));
     if (rc)
         return rc;
-    if (offset < 0 || (n && !ptr))
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_mu);
     struct CUfunc_st *fn = legacy_func_locked(f);
     if (fn && offset == 0 && n >= 4) {
@@ -311,11 +303,9 @@ SIM_API CUresult cuParamSetv(CUfunction f, int offset, void *ptr, unsigned int n
 
 static CUresult legacy_launch(CUfunction f, int w, int h, CUstream s)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(w <= 0 || h <= 0);
     if (rc)
         return rc;
-    if (w <= 0 || h <= 0)
-        return CUDA_ERROR_INVALID_VALUE;
     unsigned block[3] = { 1, 1, 1 };
     uint32_t param0 = 0;
     int have = 0;

@@ -115,29 +115,35 @@ static int where_loc(CUmemLocation loc)
     }
 }
 
+/* move_range's node for a range whose pages stay where they are */
+#define STAY (-3)
+
+/* Move the pages of managed range [p, p + n) to node (-1: the host), or
+ * leave them (STAY); CUDA_ERROR_INVALID_VALUE unless it is managed memory. */
+static CUresult move_range(CUdeviceptr p, size_t n, int node)
+{
+    pthread_mutex_lock(&sim_mu);
+    sim_alloc *a = managed_range(p, n);
+    if (a && node != STAY)
+        move_pages(a, p, n, node);
+    pthread_mutex_unlock(&sim_mu);
+    return a ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
 static CUresult do_advise(CUdeviceptr p, size_t n, CUmem_advise advice, int node)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(advice < CU_MEM_ADVISE_SET_READ_MOSTLY ||
+                                 advice > CU_MEM_ADVISE_UNSET_ACCESSED_BY);
     if (rc)
         return rc;
-    if (advice < CU_MEM_ADVISE_SET_READ_MOSTLY || advice > CU_MEM_ADVISE_UNSET_ACCESSED_BY)
-        return CUDA_ERROR_INVALID_VALUE;
     int needs_place = advice == CU_MEM_ADVISE_SET_PREFERRED_LOCATION ||
                       advice == CU_MEM_ADVISE_SET_ACCESSED_BY;
     if (needs_place && node == -2)
         return CUDA_ERROR_INVALID_DEVICE;
-    pthread_mutex_lock(&sim_mu);
-    sim_alloc *a = managed_range(p, n);
-    if (!a) {
-        pthread_mutex_unlock(&sim_mu);
-        return CUDA_ERROR_INVALID_VALUE;
-    }
     /* A preferred location of the host takes the pages there; one of a
      * device is where they go when touched, which nothing does here. */
-    if (advice == CU_MEM_ADVISE_SET_PREFERRED_LOCATION && node < 0)
-        move_pages(a, p, n, -1);
-    pthread_mutex_unlock(&sim_mu);
-    return CUDA_SUCCESS;
+    int host = advice == CU_MEM_ADVISE_SET_PREFERRED_LOCATION && node < 0;
+    return move_range(p, n, host ? -1 : STAY);
 }
 
 static CUresult do_prefetch(CUdeviceptr p, size_t n, int node)
@@ -147,15 +153,7 @@ static CUresult do_prefetch(CUdeviceptr p, size_t n, int node)
         return rc;
     if (node == -2)
         return CUDA_ERROR_INVALID_DEVICE;
-    pthread_mutex_lock(&sim_mu);
-    sim_alloc *a = managed_range(p, n);
-    if (!a) {
-        pthread_mutex_unlock(&sim_mu);
-        return CUDA_ERROR_INVALID_VALUE;
-    }
-    move_pages(a, p, n, node);
-    pthread_mutex_unlock(&sim_mu);
-    return CUDA_SUCCESS;
+    return move_range(p, n, node);
 }
 
 SIM_API CUresult cuMemAdvise(CUdeviceptr p, size_t n, CUmem_advise advice, CUdevice d)

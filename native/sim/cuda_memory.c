@@ -257,20 +257,11 @@ SIM_API CUresult cuMemsetD8_v2(CUdeviceptr dst, unsigned char v, size_t n)
     return check_span(dst, n);
 }
 
-SIM_API CUresult cuMemcpyHtoD_v2_ptds(CUdeviceptr d, const void *s, size_t n)
-{
-    return cuMemcpyHtoD_v2(d, s, n);
-}
+SIM_ALIAS(cuMemcpyHtoD_v2_ptds, cuMemcpyHtoD_v2);
 
-SIM_API CUresult cuMemcpyDtoH_v2_ptds(void *d, CUdeviceptr s, size_t n)
-{
-    return cuMemcpyDtoH_v2(d, s, n);
-}
+SIM_ALIAS(cuMemcpyDtoH_v2_ptds, cuMemcpyDtoH_v2);
 
-SIM_API CUresult cuMemsetD8_v2_ptds(CUdeviceptr d, unsigned char v, size_t n)
-{
-    return cuMemsetD8_v2(d, v, n);
-}
+SIM_ALIAS(cuMemsetD8_v2_ptds, cuMemsetD8_v2);
 
 SIM_API CUresult cuMemcpyHtoD(CUdeviceptr_v1 d, const void *s, unsigned int n)
 {
@@ -407,18 +398,13 @@ SIM_API CUresult cuMemHostRegister_v2(void *p, size_t size, unsigned int flags)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuMemHostRegister(void *p, size_t size, unsigned int flags)
-{
-    return cuMemHostRegister_v2(p, size, flags);
-}
+SIM_ALIAS(cuMemHostRegister, cuMemHostRegister_v2);
 
 SIM_API CUresult cuMemHostUnregister(void *p)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(!p);
     if (rc)
         return rc;
-    if (!p)
-        return CUDA_ERROR_INVALID_VALUE;
     struct host_blk *b = host_take(p, 1);
     if (!b)
         return CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;

@@ -69,18 +69,13 @@ SIM_API CUresult cuModuleLoadDataEx(CUmodule *mod, const void *image,
     return cuModuleLoadData(mod, image);
 }
 
-SIM_API CUresult cuModuleLoadFatBinary(CUmodule *mod, const void *fatbin)
-{
-    return cuModuleLoadData(mod, fatbin);
-}
+SIM_ALIAS(cuModuleLoadFatBinary, cuModuleLoadData);
 
 SIM_API CUresult cuModuleLoad(CUmodule *mod, const char *fname)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(!mod || !fname);
     if (rc)
         return rc;
-    if (!mod || !fname)
-        return CUDA_ERROR_INVALID_VALUE;
     if (access(fname, R_OK) < 0)
         return CUDA_ERROR_FILE_NOT_FOUND;
     return mod_new(mod, 0);
@@ -125,11 +120,9 @@ SIM_API CUresult cuModuleUnload(CUmodule mod)
 static CUresult get_func(struct CUfunc_st **out, struct CUmod_st *m,
                          const char *name, int library)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(!out || !name);
     if (rc)
         return rc;
-    if (!out || !name)
-        return CUDA_ERROR_INVALID_VALUE;
     if (strlen(name) >= SIM_FUNC_NAME)
         return CUDA_ERROR_NOT_FOUND;
     pthread_mutex_lock(&sim_mu);
@@ -212,11 +205,9 @@ SIM_API CUresult cuLibraryLoadData(CUlibrary *lib, const void *code,
     (void)libOpts;
     (void)libVals;
     (void)nLib;
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(!lib || !code);
     if (rc)
         return rc;
-    if (!lib || !code)
-        return CUDA_ERROR_INVALID_VALUE;
     CUmodule m;
     rc = mod_new(&m, 1);
     if (rc)
@@ -243,11 +234,9 @@ SIM_API CUresult cuLibraryGetKernel(CUkernel *k, CUlibrary lib,
 
 SIM_API CUresult cuLibraryGetModule(CUmodule *mod, CUlibrary lib)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(!mod);
     if (rc)
         return rc;
-    if (!mod)
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_mu);
     int ok = mod_ok_locked((struct CUmod_st *)lib, 1);
     pthread_mutex_unlock(&sim_mu);

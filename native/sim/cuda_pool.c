@@ -221,11 +221,9 @@ SIM_API CUresult cuMemFreeAsync_ptsz(CUdeviceptr d, CUstream s)
 
 SIM_API CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *pr)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(!pool || !pr || pr->allocType != CU_MEM_ALLOCATION_TYPE_PINNED);
     if (rc)
         return rc;
-    if (!pool || !pr || pr->allocType != CU_MEM_ALLOCATION_TYPE_PINNED)
-        return CUDA_ERROR_INVALID_VALUE;
     /* Host-located pools (CUDA 12.2+) hold host memory: no device's. */
     int host = pr->location.type == CU_MEM_LOCATION_TYPE_HOST ||
                pr->location.type == CU_MEM_LOCATION_TYPE_HOST_NUMA;
@@ -279,11 +277,9 @@ SIM_API CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep)
 SIM_API CUresult cuMemPoolSetAttribute(CUmemoryPool pool,
                                        CUmemPool_attribute attr, void *v)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(!v);
     if (rc)
         return rc;
-    if (!v)
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_mu);
     rc = CUDA_SUCCESS;
     if (!pool_ok(pool)) {
@@ -306,11 +302,9 @@ SIM_API CUresult cuMemPoolSetAttribute(CUmemoryPool pool,
 SIM_API CUresult cuMemPoolGetAttribute(CUmemoryPool pool,
                                        CUmemPool_attribute attr, void *v)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(!v);
     if (rc)
         return rc;
-    if (!v)
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_mu);
     rc = CUDA_SUCCESS;
     if (!pool_ok(pool))

@@ -56,11 +56,9 @@ CUresult sim_stream_ref(CUstream h, int ptsz, sim_sref *out)
 
 CUresult sim_stream_call(int args_ok, CUstream h, int ptsz, sim_sref *out)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(!args_ok);
     if (rc)
         return rc;
-    if (!args_ok)
-        return CUDA_ERROR_INVALID_VALUE;
     return sim_stream_ref(h, ptsz, out);
 }
 
@@ -198,10 +196,7 @@ SIM_API CUresult cuStreamDestroy_v2(CUstream s)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuStreamDestroy(CUstream s)
-{
-    return cuStreamDestroy_v2(s);
-}
+SIM_ALIAS(cuStreamDestroy, cuStreamDestroy_v2);
 
 static CUresult stream_sync(CUstream s, int ptsz)
 {
@@ -308,10 +303,7 @@ SIM_API CUresult cuStreamGetCtx(CUstream s, CUcontext *pctx)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuStreamGetCtx_ptsz(CUstream s, CUcontext *pctx)
-{
-    return cuStreamGetCtx(s, pctx);
-}
+SIM_ALIAS(cuStreamGetCtx_ptsz, cuStreamGetCtx);
 
 /* CUDA 12.5+: also reports the green context (never one here) */
 SIM_API CUresult cuStreamGetCtx_v2(CUstream s, CUcontext *pctx, void **green)
@@ -329,8 +321,4 @@ SIM_API CUresult cuStreamGetCtx_v2(CUstream s, CUcontext *pctx, void **green)
     return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuStreamGetCtx_v2_ptsz(CUstream s, CUcontext *pctx,
-                                        void **green)
-{
-    return cuStreamGetCtx_v2(s, pctx, green);
-}
+SIM_ALIAS(cuStreamGetCtx_v2_ptsz, cuStreamGetCtx_v2);

@@ -143,11 +143,9 @@ SIM_API CUresult cuMemRelease(CUmemGenericAllocationHandle h)
  * still mapped, which it brings back. */
 SIM_API CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, void *addr)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(!h);
     if (rc)
         return rc;
-    if (!h)
-        return CUDA_ERROR_INVALID_VALUE;
     CUdeviceptr a = (CUdeviceptr)(uintptr_t)addr;
     pthread_mutex_lock(&sim_mu);
     struct map *m = g_maps;
@@ -167,11 +165,9 @@ SIM_API CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, vo
 SIM_API CUresult cuMemGetAllocationPropertiesFromHandle(
     CUmemAllocationProp *prop, CUmemGenericAllocationHandle h)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(!prop);
     if (rc)
         return rc;
-    if (!prop)
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_mu);
     struct vmm_handle *v = handle_of(h);
     if (v)
@@ -253,11 +249,9 @@ SIM_API CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset,
                           CUmemGenericAllocationHandle h,
                           unsigned long long flags)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(!size || flags || size % SIM_GRAN || offset % SIM_GRAN);
     if (rc)
         return rc;
-    if (!size || flags || size % SIM_GRAN || offset % SIM_GRAN)
-        return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_mu);
     struct vmm_handle *v = handle_of(h);
     struct resv *r = g_resv;
@@ -310,11 +304,9 @@ SIM_API CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
 SIM_API CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size,
                                 const CUmemAccessDesc *desc, size_t count)
 {
-    CUresult rc = sim_check_init();
+    CUresult rc = sim_check_args(!desc || !count || !size);
     if (rc)
         return rc;
-    if (!desc || !count || !size)
-        return CUDA_ERROR_INVALID_VALUE;
     for (size_t i = 0; i < count; i++) {
         int node;
         if (loc_node(&desc[i].location, &node) < 0)

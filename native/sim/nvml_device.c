@@ -167,27 +167,17 @@ SIM_API nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t dev, unsigned int *m)
     return NVML_SUCCESS;
 }
 
-static nvmlReturn_t put_str(char *buf, unsigned int len, const char *s)
-{
-    if (!buf)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    if (strlen(s) + 1 > len)
-        return NVML_ERROR_INSUFFICIENT_SIZE;
-    memcpy(buf, s, strlen(s) + 1);
-    return NVML_SUCCESS;
-}
-
 SIM_API nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t dev, char *buf,
                                        unsigned int len)
 {
     NVML_ENTRY("nvmlDeviceGetUUID");
     sim_migdev m;
     if (sim_nvml_mig(dev, &m) == 0)
-        return put_str(buf, len, m.uuid);
+        return sim_nvml_put_str(buf, len, m.uuid);
     int node = sim_nvml_node(dev);
     if (node < 0)
         return NVML_ERROR_INVALID_ARGUMENT;
-    return put_str(buf, len, sim_dev(node)->uuid);
+    return sim_nvml_put_str(buf, len, sim_dev(node)->uuid);
 }
 
 SIM_API nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t dev, char *buf,
@@ -196,11 +186,11 @@ SIM_API nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t dev, char *buf,
     NVML_ENTRY("nvmlDeviceGetName");
     sim_migdev m;
     if (sim_nvml_mig(dev, &m) == 0)
-        return put_str(buf, len, sim_dev(m.node)->name);
+        return sim_nvml_put_str(buf, len, sim_dev(m.node)->name);
     int node = sim_nvml_node(dev);
     if (node < 0)
         return NVML_ERROR_INVALID_ARGUMENT;
-    return put_str(buf, len, sim_dev(node)->name);
+    return sim_nvml_put_str(buf, len, sim_dev(node)->name);
 }
 
 void sim_nvml_pci_info(int node, nvmlPciInfo_t *p)

@@ -172,7 +172,7 @@ SIM_API const char *nvmlErrorString(nvmlReturn_t r)
     }
 }
 
-static nvmlReturn_t put_str(char *buf, unsigned int len, const char *s)
+nvmlReturn_t sim_nvml_put_str(char *buf, unsigned int len, const char *s)
 {
     if (!buf)
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -185,13 +185,13 @@ static nvmlReturn_t put_str(char *buf, unsigned int len, const char *s)
 SIM_API nvmlReturn_t nvmlSystemGetDriverVersion(char *buf, unsigned int len)
 {
     NVML_ENTRY("nvmlSystemGetDriverVersion");
-    return put_str(buf, len, SIM_DRIVER_STRING);
+    return sim_nvml_put_str(buf, len, SIM_DRIVER_STRING);
 }
 
 SIM_API nvmlReturn_t nvmlSystemGetNVMLVersion(char *buf, unsigned int len)
 {
     NVML_ENTRY("nvmlSystemGetNVMLVersion");
-    return put_str(buf, len, "13." SIM_DRIVER_STRING);
+    return sim_nvml_put_str(buf, len, "13." SIM_DRIVER_STRING);
 }
 
 SIM_API nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *v)

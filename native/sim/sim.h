@@ -20,6 +20,11 @@
 
 #define SIM_API __attribute__((visibility("default")))
 #define SIM_HIDDEN __attribute__((visibility("hidden")))
+/* name is another symbol of target, a function of the same parameters
+ * defined in the same file (an older or per-thread entry point that does
+ * what the newer one does): one body, two exported names */
+#define SIM_ALIAS(name, target) \
+    SIM_API __typeof__(target) name __attribute__((alias(#target)))
 
 #define SIM_MAX_DEV 16                  /* GPUs, and CUDA ordinals */
 #define SIM_MIG_SLOTS 7                 /* GPU instances a GPU holds at once */
@@ -458,6 +463,9 @@ typedef struct sim_kern {
 extern SIM_HIDDEN pthread_mutex_t sim_mu;   /* guards all process state */
 
 SIM_HIDDEN CUresult sim_check_init(void);
+/* sim_check_init's error, else CUDA_ERROR_INVALID_VALUE when bad (the
+ * caller's test of its arguments, which reads no driver state) */
+SIM_HIDDEN CUresult sim_check_args(int bad);
 SIM_HIDDEN int sim_nvisible(void);
 SIM_HIDDEN int sim_ord_node(int ordinal);   /* -1 if invalid */
 SIM_HIDDEN const char *sim_ord_uuid(int ordinal); /* its UUID (MIG-... on MIG) */
@@ -587,6 +595,9 @@ struct nvmlComputeInstance_st { int gpu; int slot; int ci; };
 SIM_HIDDEN nvmlDevice_t sim_nvml_gpu_handle(int gpu);
 SIM_HIDDEN void sim_nvml_pci_info(int gpu, nvmlPciInfo_t *p);
 SIM_HIDDEN nvmlDevice_t sim_nvml_mig_handle(int gpu, int slot, int ci);
+/* s into buf of len bytes, as NVML's string getters give it:
+ * NVML_ERROR_INSUFFICIENT_SIZE when it does not fit with its NUL */
+SIM_HIDDEN nvmlReturn_t sim_nvml_put_str(char *buf, unsigned int len, const char *s);
 /* the MIG device a handle names now: 0, or -1 if it is not one (or no
  * longer exists) */
 SIM_HIDDEN int sim_nvml_mig(nvmlDevice_t d, sim_migdev *out);
