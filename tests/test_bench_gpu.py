@@ -24,19 +24,11 @@ from tests.bench.torch_sm import (
     together_windows,
     worker_env,
 )
-from tests.helpers import LIBRARY, REPO_ROOT, clean_env
+from tests.helpers import LIBRARY, clean_env, run_cmd
 
 
 def bench(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tests.bench.torch_sm", *args],
-        env=clean_env(),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return run_cmd([sys.executable, "-m", "tests.bench.torch_sm", *args], clean_env())
 
 
 def test_rate_between_interpolates_the_completion_curve() -> None:
@@ -183,15 +175,7 @@ def test_two_workers_windows_are_taken_on_one_wall_clock() -> None:
 
 
 def oversub_bench(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "tests.bench.torch_oversub", *args],
-        env=clean_env(),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    return run_cmd([sys.executable, "-m", "tests.bench.torch_oversub", *args], clean_env())
 
 
 def test_oversub_without_a_gpu_it_skips_in_one_line() -> None:

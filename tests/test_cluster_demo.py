@@ -5,25 +5,17 @@ pod that fits nowhere refused with the extender's reasons."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import REPO_ROOT, clean_env
+from tests.helpers import clean_env, run_cmd
 from tests.k8s_cluster import binaries
 
 
 def test_the_cluster_demo_ends_with_its_summary(tmp_path: Path, build_dir: Path) -> None:
     binaries()  # skips (or fails in CI) without `make k8s`, like the other cluster tests
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests.demo_cluster", "--keep", str(tmp_path)],
-        env=clean_env(),
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,
-        check=False,
-    )
+    demo = [sys.executable, "-m", "tests.demo_cluster", "--keep", str(tmp_path)]
+    proc = run_cmd(demo, clean_env(), timeout=400)
     out = proc.stdout
     assert proc.returncode == 0, out[-4000:] + proc.stderr[-4000:]
     summary = out[out.index("=== Summary") :]
