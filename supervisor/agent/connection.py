@@ -38,8 +38,7 @@ from ..protocol import (
     parse_report,
 )
 from .config import AgentConfig
-from .records import cgroup_scope
-from .region_dir import is_region_container
+from .records import cgroup_scope, is_region_container
 from .state import MAX_LABEL_SCOPES, MAX_SCOPE_LABELS, AgentState
 
 

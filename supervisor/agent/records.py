@@ -10,6 +10,18 @@ from dataclasses import dataclass, field
 from ..identity import PeerCred
 from ..protocol import LIMIT_KINDS, OWN_LIMIT, ContainerId, Report
 
+# The cgroup field of a container learnt of through its region file
+# (region_dir.py): no process has it (its NVML use is not matched to it),
+# and no peer of the socket can claim it (a peer's cgroup is read from the
+# kernel).
+CGROUP_PREFIX = "region:"
+
+
+def is_region_container(cid: ContainerId) -> bool:
+    """Was this container learnt of through its region file?"""
+    return cid.cgroup.startswith(CGROUP_PREFIX)
+
+
 RestoreMap = dict[str, tuple[str, ...]]
 
 

@@ -34,6 +34,7 @@ from gpuvisor.shim.region_file import FileDevice, read_region_file, set_region_f
 
 from ..identity import PeerCred
 from ..protocol import POLICIES, ContainerId, DeviceReport, Report
+from .records import CGROUP_PREFIX
 from .state import AgentState
 
 log = logging.getLogger("gpuvisor.agent")
@@ -42,10 +43,6 @@ log = logging.getLogger("gpuvisor.agent")
 HAMI_CONTAINERS_DIR = "/usr/local/vgpu/containers"
 # The name HAMi's device plugin gives the region file: <random UUID>.cache.
 REGION_SUFFIX = ".cache"
-# The cgroup field of a container learnt of this way: no process has it
-# (its NVML use is not matched to it), and no peer of the socket can claim
-# it (a peer's cgroup is read from the kernel).
-CGROUP_PREFIX = "region:"
 # Names of one directory looked at per scan, files of the whole directory
 # and directories of the whole node logged as skipped (the rest counted).
 MAX_FILES = 16
@@ -63,11 +60,6 @@ DIR_NAME = re.compile(
 def default_region_dir() -> str:
     """HAMi's directory where it exists, else "" (no scan)."""
     return HAMI_CONTAINERS_DIR if os.path.isdir(HAMI_CONTAINERS_DIR) else ""
-
-
-def is_region_container(cid: ContainerId) -> bool:
-    """Was this container learnt of through its region file?"""
-    return cid.cgroup.startswith(CGROUP_PREFIX)
 
 
 @dataclass

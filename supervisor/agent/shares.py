@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 
 from ..protocol import DeviceReport, Report
 from .config import AgentConfig
-from .records import ContainerState
+from .records import ContainerState, is_region_container
 
 
 def drop_entry(table: dict[str, dict[str, float]], uuid: str, key: str) -> None:
@@ -88,8 +88,6 @@ class DeviceShares:
         file (region_dir.py)?  It knows none of its processes' PIDs, so NVML
         cannot confirm what the region says: it is taken at its word, as
         every report was before (docs/security.md: not closed for them)."""
-        from .region_dir import is_region_container  # region_dir imports state
-
         st = self.containers.get(key)
         return st is not None and is_region_container(st.id)
 
