@@ -123,6 +123,8 @@ class Extender:
         except DocumentError as exc:
             # the same for every node: nothing another node could resolve
             return {"NodeNames": [], "FailedAndUnresolvableNodes": {n: str(exc) for n in names}}
+        # this pod's room assumed by an earlier cycle is decided again
+        self.state.unassume(req.name)
         if len(names) <= EXPLAINED_NODES:
             d = self._decide(req, names, explain=True)
             fitting = [n for n in names if n not in d.reasons]
@@ -166,6 +168,10 @@ class Extender:
                 usage = min(max(st.usage, 0.0), 1.0)
                 score = 1 + round(8 * (usage if binpack else 1.0 - usage))
             out.append({"Host": n, "Score": score})
+        # The last verb of kube-scheduler's cycle for this pod: hold the room
+        # until its bind (the next pods' filters no longer see it free).
+        if d.node is not None:
+            self.state.assume(req.name, req.uid, d)
         return out
 
     # ---- bind -------------------------------------------------------------

@@ -17,18 +17,22 @@ from __future__ import annotations
 import json
 import logging
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from gpuvisor.cluster.allocation import ANNOTATION, Allocation, load_allocation
-from gpuvisor.cluster.allocator import Allocator, Config, Decision
+from gpuvisor.cluster.allocator import Allocator, Config, Conflict, Decision
 from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY
 from gpuvisor.cluster.inventory_model import DocumentError, load_inventory
 
 log = logging.getLogger("gpuvisor.scheduler")
 
 FINISHED = ("Succeeded", "Failed")
+# A pod's room assumed at prioritize is released if no bind comes by then
+# (kube-scheduler chose a node no extender verb saw, or gave the pod up).
+ASSUME_SECONDS = 30.0
 WATCH_SECONDS = 300  # a watch is renewed (from its resourceVersion) this often
 
 
@@ -45,6 +49,9 @@ class ClusterState:
         self.lock = threading.Lock()
         self.inventories: dict[str, str] = {}  # node -> annotation text accounted
         self.held: dict[str, Held] = {}  # pod key -> whose reservation the allocator holds
+        # pods held by assume() and not bound yet: pod key -> when (monotonic)
+        self.assumed: dict[str, float] = {}
+        self._swept = 0.0
         # allocations of pods whose node has no inventory yet: node -> pod -> allocation
         self.waiting: dict[str, dict[str, Allocation]] = {}
         self.ready = threading.Event()
@@ -123,6 +130,7 @@ class ClusterState:
         self.held[key] = Held(allocation.uid, allocation.node)
 
     def _release(self, key: str) -> None:
+        self.assumed.pop(key, None)
         self.held.pop(key, None)
         self.allocator.release(key)
 
@@ -138,7 +146,48 @@ class ClusterState:
     def drop(self, key: str) -> None:
         """Forget a pod's reservation (its bind failed, or is done again)."""
         with self.lock:
+            self.assumed.pop(key, None)
             if key in self.held:
+                self._release(key)
+
+    def assume(self, key: str, uid: str, decision: Decision) -> bool:
+        """Hold the room a decision takes before kube-scheduler binds the pod
+        (its binds run after its cycle, so the next pods' filters would find
+        the room free and their binds fail).  Not for a pod that holds
+        anything already; a lost race holds nothing.  Released by the bind
+        (which decides again), by filter deciding the pod again, by the
+        pod's end, or after ASSUME_SECONDS."""
+        now = time.monotonic()
+        with self.lock:
+            self._expire(now)
+            if key in self.held or decision.allocation is None:
+                return False
+            try:
+                self.allocator.commit(decision)
+            except Conflict:
+                return False
+            self.held[key] = Held(uid, decision.allocation.node)
+            self.assumed[key] = now
+            return True
+
+    def unassume(self, key: str) -> None:
+        """Release the pod's assumed room, if that is what it holds (and
+        any pod's assumed longer than ASSUME_SECONDS)."""
+        with self.lock:
+            self._expire(time.monotonic())
+            if self.assumed.pop(key, None) is not None and key in self.held:
+                self._release(key)
+
+    def _expire(self, now: float) -> None:
+        if now - self._swept < 1.0:
+            return
+        self._swept = now
+        for key in [k for k, t in self.assumed.items() if now - t > ASSUME_SECONDS]:
+            del self.assumed[key]
+            if key in self.held:
+                log.info(
+                    "pod %s: assumed for %.0f s and never bound; released", key, ASSUME_SECONDS
+                )
                 self._release(key)
 
     # ---- syncing with the API server -----------------------------------
