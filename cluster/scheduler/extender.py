@@ -151,11 +151,17 @@ class Extender:
     def prioritize(self, body: Any) -> list[dict[str, Any]]:
         args = fields(body)
         names = node_names(args)
-        try:
-            req = pod_request(the_pod(args))
-        except DocumentError:
-            return [{"Host": n, "Score": 0} for n in names]
-        d = self._recall(req.uid, names) or self._decide(req, names, explain=False)
+        pod = the_pod(args)
+        # filter's decision for these nodes, found by the pod's uid without
+        # reading the pod again
+        uid = (pod.get("metadata") or {}).get("uid")
+        d = self._recall(uid, names) if isinstance(uid, str) and uid else None
+        if d is None:
+            try:
+                d = self._decide(pod_request(pod), names, explain=False)
+            except DocumentError:
+                return [{"Host": n, "Score": 0} for n in names]
+        req = d.pod
         binpack = (req.node_policy or self.allocator.config.node_policy) == "binpack"
         out = []
         for n in names:
