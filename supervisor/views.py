@@ -14,6 +14,7 @@ from typing import Any
 import click
 from gpuvisor.shim.cli import shown
 
+from .agent.unmanaged import describe
 from .cli_types import Finite, seconds_option
 
 REGION_ENV = "CUDA_DEVICE_MEMORY_SHARED_CACHE"
@@ -306,7 +307,15 @@ def render_top(data: dict[str, Any]) -> str:
         ],
         rows,
     )
-    return head + "\n\n" + table
+    # GPUs where NVML lists processes that no container reports (the
+    # agent's unmanaged.py): the shares of the containers there do not hold.
+    warnings = [
+        f"WARNING {shown(str(g['uuid']))}: {describe(g['unmanaged_pids'])}: "
+        "its SM use is not limited"
+        for g in data.get("gpus") or []
+        if g.get("unmanaged_pids")
+    ]
+    return head + "\n\n" + table + ("\n\n" + "\n".join(warnings) if warnings else "")
 
 
 def _render(data: dict[str, Any]) -> str:

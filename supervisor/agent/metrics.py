@@ -496,7 +496,19 @@ class AgentCollector(Collector):
         )
         l_used = _gauge("HostGPUMemoryUsage", "GPU device memory usage", LEGACY_HOST_LABELS)
         l_util = _gauge("HostCoreUtilization", "GPU core utilization", LEGACY_HOST_LABELS)
+        unmanaged = _gauge(
+            "gpuvisor_device_unmanaged_processes",
+            "Processes NVML saw working on the GPU that no container under gpuvisor "
+            "reports (their SM use is not limited)",
+            DEV_LABELS,
+        )
+        # What the last per-process reading found (unmanaged.py): the
+        # collector reads the state from the HTTP thread, as for containers.
+        watched = dict(self.state.unmanaged.gpus)
         for gpu in gpus:
+            seen = watched.get(gpu.uuid)
+            if seen is not None and seen.judged:
+                unmanaged.add_metric([gpu.uuid, str(gpu.index)], float(len(seen.unmanaged_pids)))
             dv = [gpu.uuid, str(gpu.index)]
             hv = [str(gpu.index), gpu.uuid, "NVIDIA-" + gpu.name, self.node]
             used.add_metric(dv, float(gpu.memory_used))
@@ -512,6 +524,7 @@ class AgentCollector(Collector):
         yield util
         yield h_used
         yield h_util
+        yield unmanaged
         if self.legacy:
             yield l_used
             yield l_util

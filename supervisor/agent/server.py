@@ -363,15 +363,23 @@ class Agent:
         0 %, but NVML sees its processes work), or a low-priority container
         reports beside a high-priority one: the figures mark high-priority
         containers active and stand in for the unmeasured containers' SM
-        share."""
+        share.  Also read while any container is known: the PIDs that no
+        container reports mark their GPU unmanaged (unmanaged.py)."""
         period = max(0.05, min(0.5, self.config.active_window / 4))
         loop = asyncio.get_running_loop()
         while True:
             await asyncio.sleep(period)
-            if not self.gpus.available or not self.state.wants_process_use():
+            # Read too while any container is known, for the processes
+            # beside them that no container reports (unmanaged.py).
+            wanted = self.state.wants_process_use()
+            if not self.gpus.available or not (wanted or self.state.containers):
+                self.state.unmanaged.clear()  # nothing managed to be beside
                 continue
             use = await loop.run_in_executor(None, self.gpus.process_use, period + 0.2)
-            self.state.note_process_use(use, peer_cgroups, time.monotonic())
+            now = time.monotonic()
+            if wanted:
+                self.state.note_process_use(use, peer_cgroups, now)
+            self.state.unmanaged.note(use, self.state.containers, peer_cgroups, now)
 
     async def _sweeper(self) -> None:
         cfg = self.config

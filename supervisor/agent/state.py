@@ -29,6 +29,7 @@ from .config import AgentConfig
 from .persist import SavedBinding, SavedLimits, SavedTerms
 from .records import AdminLimits, ContainerState, ParkedLimits, cgroup_scope
 from .shares import DeviceShares, drop_entry
+from .unmanaged import UnmanagedWatch
 
 log = logging.getLogger("gpuvisor.agent")
 
@@ -84,6 +85,8 @@ class AgentState(DeviceShares):
         # what is installed: the package's release, the library's release and build id
         self.build = build_info()
         self.containers: dict[str, ContainerState] = {}
+        # per GPU, the processes NVML lists that no container reports (unmanaged.py)
+        self.unmanaged = UnmanagedWatch(config.active_window)
         # container key -> its administrator's limits (set-limit): pushed in
         # every ack whose report does not show them, until the container goes
         self.admin_limits: dict[str, AdminLimits] = {}
@@ -607,4 +610,5 @@ class AgentState(DeviceShares):
                 "build": self.build,
             },
             "containers": containers,
+            "gpus": self.unmanaged.view(),
         }
