@@ -543,6 +543,14 @@ def _fed_state() -> AgentState:
             devices=[device],
         )
         state.accept_report(report, PeerCred(4242, 0, 0), time.monotonic())
+    # An NVML reading with a process no container reports (unmanaged.py).
+    state.unmanaged.note(
+        {device.uuid: {4343: 50.0}},
+        state.containers,
+        lambda pid: frozenset({"/elsewhere"}),
+        time.monotonic(),
+        lambda pid: frozenset({pid}),
+    )
     return state
 
 
