@@ -502,9 +502,8 @@ class AgentCollector(Collector):
             "reports (their SM use is not limited)",
             DEV_LABELS,
         )
-        # What the last per-process reading found (unmanaged.py): the
-        # collector reads the state from the HTTP thread, as for containers.
-        watched = dict(self.state.unmanaged.gpus)
+        # What the last per-process reading found (unmanaged.py).
+        watched = self.state.unmanaged.gpus
         for gpu in gpus:
             seen = watched.get(gpu.uuid)
             if seen is not None and seen.judged:
