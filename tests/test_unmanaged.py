@@ -95,9 +95,10 @@ def test_a_process_beside_a_container_without_the_library_is_shown(
         assert wait_for(lambda: unmanaged_count(agent, uuid) == 0.0, timeout=10.0)
         other = plain(node)
         try:
-            assert wait_for(lambda: unmanaged_count(agent, uuid) == 1.0, timeout=10.0), agent.get(
-                "/metrics"
-            )
+            t0 = time.monotonic()
+            shown = wait_for(lambda: unmanaged_count(agent, uuid) == 1.0, timeout=10.0)
+            assert shown, agent.get("/metrics")
+            print(f"shown {time.monotonic() - t0:.2f} s after its first kernel")
             (gpu,) = [g for g in agent.status()["gpus"] if g["uuid"] == uuid]
             assert gpu == {"uuid": uuid, "unmanaged_pids": [other.pid], "managed_containers": 1}
             # The other simulated GPU: read, no process there.
@@ -119,7 +120,9 @@ def test_a_process_beside_a_container_without_the_library_is_shown(
             if other.stdout is not None:
                 other.stdout.close()
         # Gone: back to 0 within the active window (1 s) and a reading.
+        t0 = time.monotonic()
         assert wait_for(lambda: unmanaged_count(agent, uuid) == 0.0, timeout=10.0)
+        print(f"cleared {time.monotonic() - t0:.2f} s after it was killed")
         (gpu,) = [g for g in agent.status()["gpus"] if g["uuid"] == uuid]
         assert gpu["unmanaged_pids"] == []
         assert "WARNING" not in top_once(agent, node)
