@@ -86,14 +86,20 @@ def _reached(s: Series | None, since: float, lo: float, hi: float) -> float | No
     return None
 
 
-def _first_use(s: Series | None, since: float) -> float:
+def first_use(s: Series | None, since: float) -> float | None:
     """When NVML first saw the container use its GPU at or after `since` (its
-    launch): a container needs its share from then, not while its processes
-    are still starting.  `since` when it never did."""
+    launch), None if it has not."""
     for p in s.points if s is not None else []:
         if p.t >= since and p.sm:
             return p.t
-    return since
+    return None
+
+
+def _first_use(s: Series | None, since: float) -> float:
+    """first_use, or `since` when it never did: a container needs its share
+    from its first use, not while its processes are still starting."""
+    t = first_use(s, since)
+    return since if t is None else t
 
 
 def verdicts(workloads: list[Workload], series: dict[str, Series], end: float) -> list[Verdict]:
