@@ -97,31 +97,42 @@ def _mig_devices(handle: Any) -> dict[tuple[int, int], dict[str, Any]]:
     return devices
 
 
-def _compute_instances(gi: Any) -> list[dict[str, Any]]:
-    out: list[dict[str, Any]] = []
+def compute_profiles(gi: Any) -> Iterator[Any]:
+    """The compute-instance profiles (shared engines) GPU instance gi offers."""
     for index in range(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
         try:
-            info = pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
+            yield pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
                 gi, index, pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
             )
         except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_InvalidArgument):
             continue
+
+
+def compute_instances(gi: Any) -> Iterator[tuple[Any, Any]]:
+    """(profile info, compute instance) for each compute instance of gi."""
+    for info in compute_profiles(gi):
         arr = (pynvml.c_nvmlComputeInstance_t * max(info.instanceCount, 1))()
         count = ctypes.c_uint(0)
         pynvml.nvmlGpuInstanceGetComputeInstances(gi, info.id, arr, ctypes.byref(count))
         for ci in arr[: count.value]:
-            ci_info = pynvml.nvmlComputeInstanceGetInfo(ci)
-            out.append(
-                {
-                    "ci_id": ci_info.id,
-                    "profile_id": ci_info.profileId,
-                    "profile": _text(info.name).removeprefix("MIG "),
-                    "placement": {
-                        "start": ci_info.placement.start,
-                        "size": ci_info.placement.size,
-                    },
-                }
-            )
+            yield info, ci
+
+
+def _compute_instances(gi: Any) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for info, ci in compute_instances(gi):
+        ci_info = pynvml.nvmlComputeInstanceGetInfo(ci)
+        out.append(
+            {
+                "ci_id": ci_info.id,
+                "profile_id": ci_info.profileId,
+                "profile": _text(info.name).removeprefix("MIG "),
+                "placement": {
+                    "start": ci_info.placement.start,
+                    "size": ci_info.placement.size,
+                },
+            }
+        )
     out.sort(key=lambda c: c["ci_id"])
     return out
 

@@ -439,3 +439,15 @@ def _restore(value: Any) -> dict[str, tuple[str, ...]]:
         if known:
             out[str(uuid)] = known
     return out
+
+
+def describe_unmanaged(pids: tuple[int, ...] | list[int]) -> str:
+    """How the agent (log) and top name the processes NVML lists on a GPU that
+    no container reports (/status: gpus[].unmanaged_pids):
+    '1 process not under gpuvisor (PID 1234)', plural as needed."""
+    n = len(pids)
+    shown_pids = ", ".join(str(p) for p in pids[:8]) + (", ..." if n > 8 else "")
+    return (
+        f"{n} process{'es' if n != 1 else ''} not under gpuvisor "
+        f"(PID{'s' if n != 1 else ''} {shown_pids})"
+    )

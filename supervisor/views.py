@@ -14,8 +14,8 @@ from typing import Any
 import click
 from gpuvisor.shim.cli import shown
 
-from .agent.unmanaged import describe
 from .cli_types import Finite, seconds_option
+from .protocol import describe_unmanaged
 
 REGION_ENV = "CUDA_DEVICE_MEMORY_SHARED_CACHE"
 
@@ -310,7 +310,7 @@ def render_top(data: dict[str, Any]) -> str:
     # GPUs where NVML lists processes that no container reports (the
     # agent's unmanaged.py): the shares of the containers there do not hold.
     warnings = [
-        f"WARNING {shown(str(g['uuid']))}: {describe(g['unmanaged_pids'])}: "
+        f"WARNING {shown(str(g['uuid']))}: {describe_unmanaged(g['unmanaged_pids'])}: "
         "its SM use is not limited"
         for g in data.get("gpus") or []
         if g.get("unmanaged_pids")

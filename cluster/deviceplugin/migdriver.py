@@ -15,6 +15,8 @@ from typing import Any, Protocol
 
 import pynvml
 
+from ..inventory import compute_instances, compute_profiles
+
 
 class MigDriverError(Exception):
     """An NVML MIG operation failed; the message names the GPU and the call."""
@@ -193,13 +195,7 @@ class NvmlMig:
     def _create_compute(self, gi: Any) -> None:
         """One compute instance over the whole GPU instance (the profile with most slices)."""
         best = None
-        for index in range(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
-            try:
-                info = pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-                    gi, index, pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
-                )
-            except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_InvalidArgument):
-                continue
+        for info in compute_profiles(gi):
             if best is None or info.sliceCount > best.sliceCount:
                 best = info
         if best is None:
@@ -211,18 +207,8 @@ class NvmlMig:
             gi = pynvml.nvmlDeviceGetGpuInstanceById(h, gi_id)
         except pynvml.NVMLError_NotFound:
             return
-        for index in range(pynvml.NVML_COMPUTE_INSTANCE_PROFILE_COUNT):
-            try:
-                info = pynvml.nvmlGpuInstanceGetComputeInstanceProfileInfo(
-                    gi, index, pynvml.NVML_COMPUTE_INSTANCE_ENGINE_PROFILE_SHARED
-                )
-            except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_InvalidArgument):
-                continue
-            arr = (pynvml.c_nvmlComputeInstance_t * max(info.instanceCount, 1))()
-            count = ctypes.c_uint(0)
-            pynvml.nvmlGpuInstanceGetComputeInstances(gi, info.id, arr, ctypes.byref(count))
-            for ci in arr[: count.value]:
-                pynvml.nvmlComputeInstanceDestroy(ci)
+        for _info, ci in list(compute_instances(gi)):
+            pynvml.nvmlComputeInstanceDestroy(ci)
         pynvml.nvmlGpuInstanceDestroy(gi)
 
     def destroy(self, gpu: str, gi_id: int) -> None:

@@ -30,6 +30,7 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from ..protocol import describe_unmanaged
 from .records import ContainerState, is_region_container
 
 log = logging.getLogger("gpuvisor.agent")
@@ -105,7 +106,7 @@ class UnmanagedWatch:
                     "limited, the containers' shares there do not hold "
                     "(docs/interposer.md: every container on a shared GPU needs a limit)",
                     uuid,
-                    describe(gpu.unmanaged_pids),
+                    describe_unmanaged(gpu.unmanaged_pids),
                     gpu.managed_containers,
                 )
             elif before and before.unmanaged_pids and not gpu.unmanaged_pids:
@@ -132,13 +133,3 @@ class UnmanagedWatch:
             }
             for g in sorted(self.gpus.values(), key=lambda g: g.uuid)
         ]
-
-
-def describe(pids: tuple[int, ...] | list[int]) -> str:
-    """'1 process not under gpuvisor (PID 1234)', plural as needed."""
-    n = len(pids)
-    shown_pids = ", ".join(str(p) for p in pids[:8]) + (", ..." if n > 8 else "")
-    return (
-        f"{n} process{'es' if n != 1 else ''} not under gpuvisor "
-        f"(PID{'s' if n != 1 else ''} {shown_pids})"
-    )
