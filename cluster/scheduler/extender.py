@@ -8,13 +8,18 @@
 - bind: decide again on the chosen node, commit the reservation, write the
   pod's `gpuvisor.io/allocation` annotation with a resourceVersion
   precondition, then create the Binding.  Anything failing releases the
-  reservation and answers an error, so kube-scheduler tries again.
+  reservation and answers an error, so kube-scheduler tries again.  A
+  placement the device plugin could mistake for that of another pod on the
+  node that has not started yet (a container with as many GPUs, on other
+  GPUs: `ClusterState.ambiguity`) is decided again on that pod's GPUs, and
+  refused if it does not fit there: the pod waits for the other to start.
 
 Each verb is a plain function (run in a worker thread by the server).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import threading
@@ -23,13 +28,13 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from gpuvisor.cluster.allocation import ANNOTATION
+from gpuvisor.cluster.allocation import ANNOTATION, Allocation
 from gpuvisor.cluster.allocator import Allocator, Conflict, Decision
 from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY
 from gpuvisor.cluster.inventory_model import DocumentError
 from gpuvisor.cluster.request import PodRequest, pod_request
 
-from .state import ClusterState
+from .state import Ambiguous, ClusterState
 
 log = logging.getLogger("gpuvisor.scheduler")
 
@@ -78,6 +83,18 @@ def the_pod(args: Mapping[str, Any]) -> Mapping[str, Any]:
     if not isinstance(pod, Mapping):
         raise BadRequest("Pod: expected a Pod object")
     return pod
+
+
+def on_the_same_gpus(req: PodRequest, clash: Ambiguous) -> PodRequest | None:
+    """req restricted to the GPUs of the containers it clashed with, when
+    they are one set and the pod's own UUID filters allow them all; None
+    otherwise (then the bind is refused)."""
+    if len(clash.gpus) != 1:
+        return None
+    (gpus,) = clash.gpus
+    if (req.use_uuids and not gpus <= set(req.use_uuids)) or gpus & set(req.nouse_uuids):
+        return None
+    return dataclasses.replace(req, use_uuids=tuple(sorted(gpus)))
 
 
 class Extender:
@@ -199,6 +216,32 @@ class Extender:
             return {"Error": f"gpuvisor: bind {key} to {node}: {exc}"}
         return {"Error": ""}
 
+    def _commit(self, key: str, uid: str, req: PodRequest, node: str) -> Allocation:
+        """Decide again on node and commit.  A placement the device plugin
+        could mistake for another pod's (`Ambiguous`) is decided once more
+        on exactly that pod's GPUs, where the pod's own filters allow; if it
+        does not fit there, or is still ambiguous, the bind is refused."""
+        narrowed = False
+        ambiguous = ""
+        for _ in range(COMMIT_ATTEMPTS):
+            d = self._decide(req, [node], explain=True)
+            if d.node != node or d.allocation is None:
+                why = self._reason(d.reasons.get(node, "the pod no longer fits"))
+                if narrowed:
+                    raise RuntimeError(f"{ambiguous} (and on its GPUs: {why})")
+                raise RuntimeError(why)
+            try:
+                return self.state.took(key, uid, node, d)
+            except Conflict:
+                continue
+            except Ambiguous as exc:
+                ambiguous = str(exc)
+                gpus = on_the_same_gpus(req, exc) if not narrowed else None
+                if gpus is None:
+                    raise RuntimeError(ambiguous) from None
+                req, narrowed = gpus, True
+        raise RuntimeError(f"lost {COMMIT_ATTEMPTS} races for node {node} in a row")
+
     def _bind(self, key: str, name: str, namespace: str, uid: str, node: str) -> None:
         from kubernetes import client
         from kubernetes.client.exceptions import ApiException
@@ -219,17 +262,7 @@ class Extender:
         # a reservation of an earlier attempt (a failed bind, or restored
         # from its annotation) is void: the pod is placed again
         self.state.drop(key)
-        for _ in range(COMMIT_ATTEMPTS):
-            d = self._decide(req, [node], explain=True)
-            if d.node != node or d.allocation is None:
-                raise RuntimeError(self._reason(d.reasons.get(node, "the pod no longer fits")))
-            try:
-                allocation = self.state.took(key, meta["uid"], node, d)
-                break
-            except Conflict:
-                continue
-        else:
-            raise RuntimeError(f"lost {COMMIT_ATTEMPTS} races for node {node} in a row")
+        allocation = self._commit(key, meta["uid"], req, node)
         try:
             self.core.patch_namespaced_pod(
                 name,

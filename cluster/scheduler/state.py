@@ -7,6 +7,10 @@ pod's reservation is released when the pod is deleted or has finished.
 Two watches (Nodes, Pods) keep this current; a watch that expires (410
 Gone) is replaced by a fresh list that reconciles everything.
 
+The pods' status tells which containers kubelet has started; `took` uses it
+to refuse a placement that the device plugin could confuse with another
+pod's (`Ambiguous`, see `ambiguity`).
+
 `lock` guards only the bookkeeping of which pods are accounted (a dict
 update next to an allocator call that itself takes one node's lock); it is
 never held across a decision or any I/O.
@@ -22,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from gpuvisor.cluster.allocation import ANNOTATION, Allocation, load_allocation
+from gpuvisor.cluster.allocation import ANNOTATION, Allocation, ContainerGrant, load_allocation
 from gpuvisor.cluster.allocator import Allocator, Config, Conflict, Decision
 from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY
 from gpuvisor.cluster.inventory_model import DocumentError, load_inventory
@@ -42,6 +46,48 @@ class Held:
     node: str
 
 
+@dataclass(frozen=True)
+class Seen:
+    """A pod's status, as the last event showed it."""
+
+    uid: str
+    pending: bool  # phase Pending: the device plugin steers by its placement
+    started: frozenset[str]  # the containers kubelet reports started
+
+
+class Ambiguous(RuntimeError):
+    """A placement the device plugin could not tell from another pod's.
+
+    `gpus`: the GPU sets (UUIDs) of the other pods' containers it clashes
+    with, so that bind may try again on exactly those."""
+
+    def __init__(self, message: str, gpus: set[frozenset[str]]) -> None:
+        super().__init__(message)
+        self.gpus = gpus
+
+
+def started_containers(pod: Any) -> frozenset[str]:
+    """The names of the containers (init ones too) kubelet reports as
+    started: running, terminated, or restarted at least once."""
+    status = pod.status
+    if status is None:
+        return frozenset()
+    out = set()
+    for cs in (status.init_container_statuses or []) + (status.container_statuses or []):
+        state, last = cs.state, cs.last_state
+        if (
+            (state is not None and (state.running is not None or state.terminated is not None))
+            or (cs.restart_count or 0) > 0
+            or (last is not None and last.terminated is not None)
+        ):
+            out.add(str(cs.name))
+    return frozenset(out)
+
+
+def _signature(c: ContainerGrant) -> tuple[int, frozenset[str]]:
+    return len(c.gpus), frozenset(g.uuid for g in c.gpus)
+
+
 class ClusterState:
     def __init__(self, core: Any, config: Config | None = None) -> None:
         self.core = core  # kubernetes.client.CoreV1Api
@@ -54,6 +100,8 @@ class ClusterState:
         self._swept = 0.0
         # allocations of pods whose node has no inventory yet: node -> pod -> allocation
         self.waiting: dict[str, dict[str, Allocation]] = {}
+        # what the pods' status says of the pods with an allocation
+        self.pods: dict[str, Seen] = {}
         self.ready = threading.Event()
         self.stopping = threading.Event()
 
@@ -102,10 +150,13 @@ class ClusterState:
                     self._release(key)
                 for pods in self.waiting.values():
                     pods.pop(key, None)
+                self.pods.pop(key, None)
                 return
             if held is not None and held.uid != meta.uid:
                 self._release(key)  # a pod of the same name replaced one we missed the end of
                 held = None
+            if held is not None or text is not None:
+                self.pods[key] = Seen(meta.uid, phase in (None, "Pending"), started_containers(pod))
             if held is not None or text is None:
                 return
             try:
@@ -132,13 +183,68 @@ class ClusterState:
     def _release(self, key: str) -> None:
         self.assumed.pop(key, None)
         self.held.pop(key, None)
+        self.pods.pop(key, None)
         self.allocator.release(key)
 
     # ---- bind's bookkeeping ------------------------------------------------
 
+    def ambiguity(self, allocation: Allocation) -> Ambiguous | None:
+        """Whether the device plugin could mistake this placement for another's.
+
+        kubelet does not tell the device plugin which pod it admits, so the
+        plugin's GetPreferredAllocation steers a container to the GPUs of a
+        pod bound to the node and not started yet, with as many GPUs as
+        asked, the oldest first (cluster/deviceplugin/preferred.py); kubelet
+        may admit them in another order.  Two such containers of different
+        pods with the same GPU count on different GPUs are then ambiguous:
+        the pod admitted first may get the other's GPUs, and its start is
+        refused.  The placement is ambiguous if one of its containers has as
+        many GPUs as a container of another pod held on the node whose
+        containers kubelet has not started (phase Pending, that container
+        not running), but not the same GPUs.  Call with `lock` held."""
+        mine = {_signature(c) for c in allocation.containers if c.gpus}
+        counts = {n for n, _ in mine}
+        try:
+            others = self.allocator.allocations(allocation.node)
+        except KeyError:
+            return None
+        clashes: list[tuple[Allocation, ContainerGrant]] = []
+        for other in others:
+            held = self.held.get(other.pod)
+            if other.pod == allocation.pod or held is None:
+                continue
+            seen = self.pods.get(other.pod)
+            if seen is not None and held.uid and seen.uid != held.uid:
+                seen = None
+            if seen is not None and not seen.pending:
+                continue  # Running: the device plugin no longer steers by it
+            # not seen yet (bound a moment ago): nothing started
+            started = seen.started if seen is not None else frozenset()
+            for c in other.containers:
+                n, gpus = _signature(c)
+                if n in counts and c.name not in started and (n, gpus) not in mine:
+                    clashes.append((other, c))
+        if not clashes:
+            return None
+        other, c = clashes[0]
+        n = len(c.gpus)
+        theirs = ",".join(sorted(g.uuid for g in c.gpus))
+        ours = " or ".join(sorted(",".join(sorted(gpus)) for k, gpus in mine if k == n))
+        message = (
+            f"waits for pod {other.pod} on {allocation.node} to start its container {c.name}: "
+            f"both pods have a {n}-GPU container, on different GPUs ({theirs}; this pod {ours}), "
+            "and the device plugin cannot tell which of the two kubelet admits first"
+        )
+        return Ambiguous(message, {_signature(c)[1] for _, c in clashes})
+
     def took(self, key: str, uid: str, node: str, decision: Decision) -> Allocation:
-        """Commit the decision (Conflict if it lost a race) and account the pod."""
+        """Commit the decision (Conflict if it lost a race, Ambiguous if the
+        device plugin could mistake it for another pod's) and account the pod."""
         with self.lock:
+            if decision.allocation is not None:
+                clash = self.ambiguity(decision.allocation)
+                if clash is not None:
+                    raise clash
             allocation = self.allocator.commit(decision)
             self.held[key] = Held(uid, node)
             return allocation
@@ -211,6 +317,8 @@ class ClusterState:
         with self.lock:
             for key in set(self.held) - live:
                 self._release(key)
+            for key in set(self.pods) - live:
+                del self.pods[key]
         return nodes.metadata.resource_version, pods.metadata.resource_version
 
     def start(self) -> list[threading.Thread]:

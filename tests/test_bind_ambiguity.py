@@ -1,0 +1,210 @@
+"""The extender's bind guard (cluster/scheduler/state.py `ambiguity`,
+extender.py `_commit`), without Kubernetes: kubelet does not tell the device
+plugin which pod it admits, and the plugin steers a container to the GPUs of
+the oldest pod bound to the node and not started with as many GPUs; so a pod
+is not bound beside a not-started pod with a same-sized container on other
+GPUs.  It is placed on that pod's GPUs where it fits, else the bind is
+refused with one line naming the pod it waits for, until that one starts.
+
+The API is an in-memory stand-in for the three calls bind makes (read,
+patch, binding); the pods' status comes in through `pod_event`, as the
+extender's watch delivers it."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import kubernetes.client
+import pytest
+from gpuvisor.cluster.allocation import ANNOTATION
+from gpuvisor.cluster.allocator import Allocator, Config
+from gpuvisor.cluster.request import GPU_POLICY, pod_request
+from gpuvisor.cluster.scheduler.extender import Extender
+from gpuvisor.cluster.scheduler.state import Ambiguous, ClusterState
+
+from tests.inventories import cluster, ctr, pcie_box, pod
+
+API = kubernetes.client.ApiClient()
+SPREAD = {GPU_POLICY: "spread"}
+
+
+def v1pod(doc: dict[str, Any]) -> kubernetes.client.V1Pod:
+    out: kubernetes.client.V1Pod = API.deserialize(json.dumps(doc), "V1Pod", "application/json")
+    return out
+
+
+class Raw:
+    """An undecoded answer (`_preload_content=False`)."""
+
+    def __init__(self, data: bytes) -> None:
+        self.data = data
+
+
+class Pods:
+    """The pods of the API server, as bind reads and writes them."""
+
+    def __init__(self) -> None:
+        self.docs: dict[str, dict[str, Any]] = {}
+        self.version = 0
+
+    def add(self, doc: dict[str, Any]) -> None:
+        self.version += 1
+        meta = doc["metadata"]
+        meta.update(uid=f"uid-{meta['name']}", resourceVersion=str(self.version))
+        doc.setdefault("status", {"phase": "Pending"})
+        for c in doc["spec"]["containers"] + doc["spec"].get("initContainers", []):
+            limits = c["resources"]["limits"]  # the API stores quantities as strings
+            limits.update((k, str(v)) for k, v in limits.items())
+        self.docs[meta["name"]] = doc
+
+    def read_namespaced_pod(self, name: str, namespace: str, **kw: Any) -> Any:
+        if kw.get("_preload_content", True):
+            return v1pod(self.docs[name])
+        return Raw(json.dumps(self.docs[name]).encode())
+
+    def patch_namespaced_pod(self, name: str, namespace: str, body: Any, **_: Any) -> None:
+        meta = self.docs[name]["metadata"]
+        assert body["metadata"]["resourceVersion"] == meta["resourceVersion"]
+        meta["annotations"].update(body["metadata"]["annotations"])
+
+    def create_namespaced_pod_binding(self, name: str, namespace: str, b: Any, **_: Any) -> None:
+        self.docs[name]["spec"]["nodeName"] = b.target.name
+
+
+@pytest.fixture
+def ext() -> tuple[Extender, Pods]:
+    state = ClusterState(core=None)
+    state.allocator = Allocator.from_cluster(cluster(pcie_box("n0", n=2)), Config())
+    pods = Pods()
+    return Extender(state, core=pods, api_client=API), pods
+
+
+def bind(ext: Extender, pods: Pods, doc: dict[str, Any]) -> str:
+    """Creates the pod, binds it to n0 and delivers its event; bind's error."""
+    pods.add(doc)
+    name = doc["metadata"]["name"]
+    args = {"PodName": name, "PodNamespace": "default", "PodUID": f"uid-{name}", "Node": "n0"}
+    out = ext.bind(args)
+    ext.state.pod_event(v1pod(pods.docs[name]))
+    return str(out["Error"])
+
+
+def gpus_of(pods: Pods, name: str) -> list[list[str]]:
+    doc = json.loads(pods.docs[name]["metadata"]["annotations"][ANNOTATION])
+    return [[g["uuid"] for g in c["gpus"]] for c in doc["containers"]]
+
+
+def start(ext: Extender, pods: Pods, name: str, *containers: str, phase: str = "Running") -> None:
+    """kubelet reports the containers started (the pod's phase as given)."""
+    statuses = [
+        {
+            "name": c,
+            "image": "busybox",
+            "imageID": "",
+            "ready": True,
+            "restartCount": 0,
+            "state": {"running": {"startedAt": "2026-01-01T00:00:00Z"}},
+        }
+        for c in containers
+    ]
+    pods.docs[name]["status"] = {"phase": phase, "containerStatuses": statuses}
+    ext.state.pod_event(v1pod(pods.docs[name]))
+
+
+def test_a_second_spread_pod_goes_to_the_first_ones_gpu(ext: tuple[Extender, Pods]) -> None:
+    """Spread would put it on the idle GPU; beside a not-started 1-GPU pod it
+    is placed on that pod's GPU instead, where it fits."""
+    e, pods = ext
+    assert bind(e, pods, pod("a", ctr(gpu=1, gpumem=4000, gpucores=30), annotations=SPREAD)) == ""
+    ((a,),) = gpus_of(pods, "a")
+    # without the guard spread would choose the other GPU
+    b_req = pod_request(pod("b", ctr(gpu=1, gpumem=4000, gpucores=30), annotations=SPREAD))
+    free = e.allocator.decide(b_req, nodes=["n0"]).allocation
+    assert free is not None
+    assert free.containers[0].gpus[0].uuid != a
+    assert bind(e, pods, pod("b", ctr(gpu=1, gpumem=4000, gpucores=30), annotations=SPREAD)) == ""
+    assert gpus_of(pods, "b") == [[a]]
+    assert pods.docs["b"]["spec"]["nodeName"] == "n0"
+
+
+def test_a_pod_that_fits_only_elsewhere_waits_until_the_other_starts(
+    ext: tuple[Extender, Pods],
+) -> None:
+    e, pods = ext
+    assert bind(e, pods, pod("a", ctr(gpu=1, gpucores=100))) == ""
+    ((a,),) = gpus_of(pods, "a")
+    error = bind(e, pods, pod("b", ctr(gpu=1, gpucores=100)))
+    assert error.startswith("gpuvisor: bind default/b to n0: waits for pod default/a on n0 ")
+    assert "its container main" in error
+    assert "1-GPU container" in error
+    assert a in error
+    assert "\n" not in error
+    assert "nodeName" not in pods.docs["b"]["spec"]
+    assert ANNOTATION not in pods.docs["b"]["metadata"]["annotations"]
+    assert "default/b" not in e.state.held  # nothing reserved while it waits
+    # kubelet started a's container, the pod is still Pending: b may go now
+    start(e, pods, "a", "main", phase="Pending")
+    assert bind(e, pods, pod("b", ctr(gpu=1, gpucores=100))) == ""
+    ((b,),) = gpus_of(pods, "b")
+    assert b != a
+
+
+def test_a_running_pod_no_longer_counts(ext: tuple[Extender, Pods]) -> None:
+    e, pods = ext
+    assert bind(e, pods, pod("a", ctr(gpu=1, gpucores=100))) == ""
+    start(e, pods, "a", "main")
+    assert bind(e, pods, pod("b", ctr(gpu=1, gpucores=100))) == ""
+
+
+def test_other_gpu_counts_and_the_same_gpus_are_not_ambiguous(
+    ext: tuple[Extender, Pods],
+) -> None:
+    e, pods = ext
+    assert bind(e, pods, pod("one", ctr(gpu=1, gpumem=1000, gpucores=10))) == ""
+    ((one,),) = gpus_of(pods, "one")
+    # a 2-GPU pod beside a 1-GPU one: the plugin cannot confuse them
+    assert bind(e, pods, pod("two", ctr(gpu=1 + 1, gpumem=1000, gpucores=10))) == ""
+    # the same GPU as the not-started 1-GPU pod: whichever the plugin
+    # steers first gets the right GPU
+    assert bind(e, pods, pod("same", ctr(gpu=1, gpumem=1000, gpucores=10))) == ""
+    assert gpus_of(pods, "same") == [[one]]
+
+
+def test_a_pod_whose_filters_exclude_the_other_gpus_is_refused(
+    ext: tuple[Extender, Pods],
+) -> None:
+    e, pods = ext
+    assert bind(e, pods, pod("a", ctr(gpu=1, gpumem=1000, gpucores=10))) == ""
+    ((a,),) = gpus_of(pods, "a")
+    error = bind(
+        e, pods, pod("b", ctr(gpu=1, gpumem=1000), annotations={"nvidia.com/nouse-gpuuuid": a})
+    )
+    assert "waits for pod default/a" in error, error
+
+
+def test_an_init_container_not_started_counts(ext: tuple[Extender, Pods]) -> None:
+    """A pod whose init container started but not its app container still
+    has a container the plugin may steer to."""
+    e, pods = ext
+    doc = pod("a", ctr(gpu=1, gpucores=100), init=[ctr("setup", gpu=1, gpucores=100)])
+    assert bind(e, pods, doc) == ""
+    start(e, pods, "a", "setup", phase="Pending")
+    error = bind(e, pods, pod("b", ctr(gpu=1, gpucores=100)))
+    assert "waits for pod default/a on n0 to start its container main" in error, error
+
+
+def test_took_checks_under_its_lock(ext: tuple[Extender, Pods]) -> None:
+    """Two decisions made before either commits (concurrent binds): the
+    second to commit is refused, as the check and the commit are one step."""
+    e, _ = ext
+    a = e.allocator.decide(pod_request(pod("a", ctr(gpu=1, gpucores=100))), nodes=["n0"])
+    assert a.allocation is not None
+    taken = a.allocation.containers[0].gpus[0].uuid
+    b_doc = pod("b", ctr(gpu=1, gpucores=100), annotations={"nvidia.com/nouse-gpuuuid": taken})
+    b = e.allocator.decide(pod_request(b_doc), nodes=["n0"])
+    e.state.took("default/a", "uid-a", "n0", a)
+    with pytest.raises(Ambiguous, match="waits for pod default/a") as clash:
+        e.state.took("default/b", "uid-b", "n0", b)
+    assert clash.value.gpus == {frozenset([taken])}
+    assert "default/b" not in e.state.held
