@@ -427,6 +427,12 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
                 for c in who.split("/"):
                     self._realised.add((target[0], c))
                     self._claimed.pop((target[0], c), None)
+                if steer is not None:
+                    # The preference for these IDs is used up, whoever took
+                    # it: kubelet may have admitted another pod than the one
+                    # it was steered by (the same GPUs: the extender binds
+                    # no other), and that one must find its placement open.
+                    self._claimed.pop(steer, None)
         if not written:
             raise PreStartRefused(
                 f"devices {sorted(ids)}: kubelet's PodResources API names no container "
