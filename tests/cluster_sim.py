@@ -13,7 +13,9 @@ A `SimTopologyNode` is one Node object of the test cluster with, behind it:
   it; nothing here writes that annotation;
 - kubelet's side of the device plugin API (tests/kubelet_harness.py):
   registration, admission (GetPreferredAllocation, Allocate),
-  PreStartContainer, the PodResources API;
+  PreStartContainer, the PodResources API, and the pod's status once its
+  containers start (the extender holds back an ambiguous bind until then);
+  `serve` runs kubelet's sync loop, admitting pods as they are bound;
 - `run`: a container's command on the simulated node with exactly the
   environment and mounts Allocate returned (the library preloaded from it).
 """
@@ -39,7 +41,7 @@ from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY
 
 from tests.helpers import LIBRARY, REPO_ROOT, SIM_DIR, clean_env
 from tests.k8s_cluster import GPU, KubeTest
-from tests.kubelet_harness import Container, FakeKubelet, Pod, run
+from tests.kubelet_harness import Container, FakeKubelet, Pod, Serving, run
 from tests.test_deviceplugin import PROBE
 
 GPUVISOR = [sys.executable, "-c", "from gpuvisor.supervisor.cli import main; main()"]
@@ -138,7 +140,7 @@ class SimTopologyNode:
                 "GPUVISOR_SIM_TOPOLOGY": str(d / "topology.json"),
             }
         )
-        kubelet = FakeKubelet(socks / "dp", socks / "pr" / "kubelet.sock")
+        kubelet = FakeKubelet(socks / "dp", socks / "pr" / "kubelet.sock", api=k8s.core)
         log = d / "device-plugin.log"
         argv = [
             *GPUVISOR,
@@ -200,8 +202,9 @@ class SimTopologyNode:
 
     def admit(self, pod: kubernetes.client.V1Pod) -> tuple[Pod, dict[str, Any]]:
         """kubelet admits the pod (GetPreferredAllocation, Allocate), then
-        starts each GPU container (PreStartContainer); the Allocate answers
-        by container name."""
+        starts each container (PreStartContainer for those with GPUs) and
+        reports it in the pod's status; the Allocate answers by container
+        name."""
         containers = [
             Container(c.name, gpus_of(c), init=init)
             for cs, init in ((pod.spec.init_containers or [], True), (pod.spec.containers, False))
@@ -210,9 +213,13 @@ class SimTopologyNode:
         hp = Pod(pod.metadata.namespace, pod.metadata.name, containers)
         resps = self.kubelet.admit(hp)
         for c in containers:
-            if c.gpus:
-                self.kubelet.start(hp, c.name)
+            self.kubelet.start(hp, c.name)
         return hp, resps
+
+    def serve(self, k8s: KubeTest) -> Serving:
+        """kubelet's sync loop: `admit` each pod of the test bound here, as
+        the bindings arrive; `Serving.results` keeps `admit`'s answers."""
+        return self.kubelet.serve(self.name, k8s.namespace, self.admit)
 
     def run(self, resp: Any, code: str = PROBE, timeout: float = 60) -> dict[str, Any]:
         """The container's command (python -c code, printing one JSON line)

@@ -11,7 +11,14 @@ protocol over unix sockets, as kubelet's device manager speaks it.
   only if it is a valid subset of the right size with must_include),
   call Allocate with one container request and record pod/container -> IDs;
 - a PodResources server (v1 List and Get) that serves those records;
-- start(pod, container): PreStartContainer when the plugin requires it;
+- start(pod, container): PreStartContainer when the plugin requires it
+  and the container has devices; then, given the API (`api`), the pod's
+  status as kubelet reports it: the started containers running (init
+  ones terminated once an app container started), phase Running once every
+  app container started; the device plugin and the extender read it;
+- serve(node, namespace, admit): kubelet's sync loop for a node: the pods
+  bound to it, as their bindings arrive (each batch in creation order, as
+  kubelet's HandlePodAdditions sorts it), admitted and started by `admit`;
 - restart(): what a kubelet restart does to the directory (every socket in
   it removed, kubelet.sock created again), so the plugin must re-register;
 - run(): the container's command on the simulated node with exactly the
@@ -31,10 +38,11 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 from gpuvisor.cluster.deviceplugin.api import deviceplugin_v1beta1_pb2 as dp
@@ -84,6 +92,7 @@ class _State:
     updates: int = 0
     assigned: dict[tuple[str, str], list[str]] = field(default_factory=dict)
     pods: dict[tuple[str, str], Pod] = field(default_factory=dict)
+    started: dict[str, list[str]] = field(default_factory=dict)  # pod key -> containers
 
 
 class _Registration(dp_grpc.RegistrationServicer):  # type: ignore[misc]
@@ -116,8 +125,10 @@ class _PodResources(pr_grpc.PodResourcesListerServicer):  # type: ignore[misc]
 
 
 class FakeKubelet:
-    def __init__(self, plugin_dir: Path, pod_resources_socket: Path) -> None:
+    def __init__(self, plugin_dir: Path, pod_resources_socket: Path, api: Any = None) -> None:
         self.plugin_dir = plugin_dir
+        self.api = api  # kubernetes.client.CoreV1Api: pods' status reported there
+        self.servings: list[Serving] = []
         self.pod_resources_socket = pod_resources_socket
         plugin_dir.mkdir(parents=True, exist_ok=True)
         pod_resources_socket.parent.mkdir(parents=True, exist_ok=True)
@@ -198,6 +209,8 @@ class FakeKubelet:
         self._start_registration()
 
     def stop(self) -> None:
+        for serving in self.servings:
+            serving.stop()
         if self._reg_server is not None:
             self._reg_server.stop(grace=None).wait()
         self._pr_server.stop(grace=None).wait()
@@ -276,17 +289,37 @@ class FakeKubelet:
         return ids
 
     def start(self, pod: Pod, container: str) -> None:
-        """What kubelet does right before it starts the container:
-        PreStartContainer, when the plugin asked for it (grpc.RpcError when
-        the plugin refuses: kubelet then fails the start)."""
+        """What kubelet does to start the container: PreStartContainer, when
+        the plugin asked for it and the container has devices (grpc.RpcError
+        when the plugin refuses: kubelet then fails the start); then, with
+        `api`, the pod's status reports the container running."""
         reg = self.registered
         assert reg is not None
-        if not reg.options.pre_start_required:
-            return
-        ids = self.state.assigned[(pod.key, container)]
-        reg.stub.PreStartContainer(
-            dp.PreStartContainerRequest(devices_ids=ids), timeout=PRESTART_TIMEOUT
-        )
+        ids = self.state.assigned.get((pod.key, container))
+        if ids and reg.options.pre_start_required:
+            reg.stub.PreStartContainer(
+                dp.PreStartContainerRequest(devices_ids=ids), timeout=PRESTART_TIMEOUT
+            )
+        with self.cond:
+            started = self.state.started.setdefault(pod.key, [])
+            if container not in started:
+                started.append(container)
+            started = list(started)
+        if self.api is not None:
+            self.api.patch_namespaced_pod_status(
+                pod.name, pod.namespace, {"status": pod_status(pod, started)}
+            )
+
+    def serve(self, node: str, namespace: str, admit: Callable[[Any], object]) -> Serving:
+        """kubelet's sync loop for `node` (needs `api`): each pod of
+        `namespace` bound to it is handed to `admit` (which admits and starts
+        it) once, in the order the bindings arrive, a batch seen at once in
+        creation order, then name; its result (or exception) is kept."""
+        assert self.api is not None, "serve needs the API"
+        serving = Serving(self.api, node, namespace, admit)
+        self.servings.append(serving)
+        serving.thread.start()
+        return serving
 
     def pod_resources(self) -> list[pr.PodResources]:
         resource = self.registered.request.resource_name if self.registered else ""
@@ -313,6 +346,90 @@ class FakeKubelet:
             for c in pod.containers:
                 self.state.assigned.pop((pod.key, c.name), None)
             self.state.pods.pop((pod.namespace, pod.name), None)
+            self.state.started.pop(pod.key, None)
+
+
+def pod_status(pod: Pod, started: Sequence[str]) -> dict[str, Any]:
+    """The status kubelet reports for pod with the `started` containers up:
+    those running (init containers terminated, Completed, once an app
+    container started), phase Running once every app container did."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    apps = [c.name for c in pod.containers if not c.init]
+    app_up = any(c in started for c in apps)
+
+    def status(c: Container) -> dict[str, Any]:
+        state: dict[str, Any]
+        if c.name not in started:
+            state = {"waiting": {"reason": "ContainerCreating"}}
+        elif c.init and app_up:
+            state = {"terminated": {"exitCode": 0, "reason": "Completed", "finishedAt": now}}
+        else:
+            state = {"running": {"startedAt": now}}
+        return {
+            "name": c.name,
+            "image": "harness",
+            "imageID": "",
+            "ready": c.name in started and not c.init,
+            "restartCount": 0,
+            "state": state,
+        }
+
+    return {
+        "phase": "Running" if all(c in started for c in apps) else "Pending",
+        "initContainerStatuses": [status(c) for c in pod.containers if c.init],
+        "containerStatuses": [status(c) for c in pod.containers if not c.init],
+    }
+
+
+class Serving:
+    """One node's sync loop (FakeKubelet.serve); `stop` ends it."""
+
+    POLL = 0.1
+
+    def __init__(self, api: Any, node: str, namespace: str, admit: Callable[[Any], object]):
+        self.api = api
+        self.node = node
+        self.namespace = namespace
+        self.admit = admit
+        self.results: dict[str, object] = {}  # pod name -> admit's result or exception
+        self.order: list[str] = []  # the pods in the order they were admitted
+        self.cond = threading.Condition()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._loop, name=f"kubelet-{node}", daemon=True)
+
+    def _loop(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                pods = self.api.list_namespaced_pod(
+                    self.namespace, field_selector=f"spec.nodeName={self.node}"
+                ).items
+            except Exception:
+                self.stopping.wait(self.POLL)
+                continue
+            new = [p for p in pods if p.metadata.name not in self.results]
+            new.sort(key=lambda p: (p.metadata.creation_timestamp, p.metadata.name))
+            for p in new:
+                try:
+                    result: object = self.admit(p)
+                except Exception as exc:
+                    result = exc
+                with self.cond:
+                    self.results[p.metadata.name] = result
+                    self.order.append(p.metadata.name)
+                    self.cond.notify_all()
+            self.stopping.wait(self.POLL)
+
+    def wait(self, names: Sequence[str], timeout: float = 60.0) -> dict[str, object]:
+        """The results of the named pods, once each was admitted."""
+        with self.cond:
+            if not self.cond.wait_for(lambda: set(names) <= set(self.results), timeout):
+                missing = sorted(set(names) - set(self.results))
+                raise TimeoutError(f"kubelet harness on {self.node}: {missing} not admitted")
+            return {n: self.results[n] for n in names}
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(timeout=10)
 
 
 def host_env(resp: dp.ContainerAllocateResponse, base: Mapping[str, str]) -> dict[str, str]:
