@@ -391,7 +391,7 @@ class Serving:
         self.node = node
         self.namespace = namespace
         self.admit = admit
-        self.results: dict[str, object] = {}  # pod name -> admit's result or exception
+        self.results: dict[str, Any] = {}  # pod name -> admit's result or exception
         self.order: list[str] = []  # the pods in the order they were admitted
         self.cond = threading.Condition()
         self.stopping = threading.Event()
@@ -410,7 +410,7 @@ class Serving:
             new.sort(key=lambda p: (p.metadata.creation_timestamp, p.metadata.name))
             for p in new:
                 try:
-                    result: object = self.admit(p)
+                    result: Any = self.admit(p)
                 except Exception as exc:
                     result = exc
                 with self.cond:
@@ -419,7 +419,7 @@ class Serving:
                     self.cond.notify_all()
             self.stopping.wait(self.POLL)
 
-    def wait(self, names: Sequence[str], timeout: float = 60.0) -> dict[str, object]:
+    def wait(self, names: Sequence[str], timeout: float = 60.0) -> dict[str, Any]:
         """The results of the named pods, once each was admitted."""
         with self.cond:
             if not self.cond.wait_for(lambda: set(names) <= set(self.results), timeout):

@@ -101,7 +101,7 @@ def test_a_kubelet_loop_starts_pods_bound_in_a_burst(cluster: Cluster, k8s: Kube
     for n in names:
         (g,) = main_gpus(allocation_of(k8s.read_pod(n)))
         used.add(g["uuid"])
-        resps = results[n][1]  # type: ignore[index]
+        resps = results[n][1]
         text = limits_file(resps["main"]).read_text()
         assert f"pod {k8s.namespace}/{n}, container main" in text
     assert len(used) == 2

@@ -138,10 +138,11 @@ def test_a_two_gpu_pod_gets_the_nvlink_pair_nvml_shows(cluster: Cluster) -> None
 
 def test_fifty_pods_at_once_onto_five_simulated_nodes(cluster: Cluster) -> None:
     """Exactly a full cluster: 5 nodes x 2 GPUs x 5 pods of 3000 MiB and
-    20 %, submitted at once.  All are placed, no GPU is over-committed (by
-    the inventories the plugins published), every container's limits file
-    names its own pod and limits, one workload per node sees 3000 MiB, and
-    a 51st pod is Unschedulable."""
+    20 %, submitted at once, each node's kubelet admitting them as they are
+    bound.  All are placed and start, no GPU is over-committed (by the
+    inventories the plugins published), every container's limits file names
+    its own pod and limits, one workload per node sees 3000 MiB, and a 51st
+    pod is Unschedulable."""
     k = cluster.k8s
     # the plugins start together (from this thread: they die with the one that started them)
     started = [cluster.launch(f"cs-f{i}", [A100_40] * 2) for i in range(5)]
@@ -150,11 +151,15 @@ def test_fifty_pods_at_once_onto_five_simulated_nodes(cluster: Cluster) -> None:
     total = {(n.name, g["uuid"]): g["memory_mib"] for n in started for g in n.inventory["gpus"]}
     assert len(total) == 10
     assert set(total.values()) == {40960}
+    # kubelet on each node admits and starts the pods as their bindings
+    # arrive: the extender holds back a bind the device plugin could
+    # confuse with a not-started pod's until that one starts
+    serving = {n.name: n.serve(k) for n in started}
     names = [f"p{i:02d}" for i in range(50)]
     began = time.monotonic()
     with ThreadPoolExecutor(max_workers=8) as pool:
         list(pool.map(lambda n: k.create_pod(n, gpus=1, gpumem=3000, gpucores=20), names))
-    bound = {n: k.wait_bound(n, timeout=120) for n in names}
+    bound = {n: k.wait_bound(n, timeout=180) for n in names}
     elapsed = time.monotonic() - began
     assert sorted(list(bound.values()).count(f"cs-f{i}") for i in range(5)) == [10] * 5
     pods = [k.read_pod(n) for n in names]
@@ -169,13 +174,11 @@ def test_fifty_pods_at_once_onto_five_simulated_nodes(cluster: Cluster) -> None:
     assert {key: v for key, v in used.items() if v[1] > total[key] or v[2] > 100} == {}
     assert sorted(v[0] for v in used.values()) == [5] * 10
     ran: set[str] = set()
-    # kubelet admits the pods it is given in creation order (its
-    # HandlePodAdditions sorts them by creationTimestamp), and the plugin's
-    # GetPreferredAllocation counts on it; the API lists ties (one-second
-    # timestamps) by name.
-    for pod in sorted(pods, key=lambda p: (p.metadata.creation_timestamp, p.metadata.name)):
+    for pod in pods:
         node = cluster.nodes[pod.spec.node_name]
-        _, resps = node.admit(pod)
+        result = serving[node.name].wait([pod.metadata.name], timeout=120)[pod.metadata.name]
+        assert not isinstance(result, Exception), f"{pod.metadata.name}: {result}"
+        _, resps = result
         text = limits_file(resps["main"]).read_text()
         assert f"pod {k.namespace}/{pod.metadata.name}, container main" in text
         assert "CUDA_DEVICE_MEMORY_LIMIT=3000m\nCUDA_DEVICE_SM_LIMIT=20\n" in text
