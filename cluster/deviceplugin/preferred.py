@@ -2,17 +2,22 @@
 container should get.
 
 kubelet does not say which pod it is allocating for, so the plugin prefers
-the GPUs of a placement that is bound to this node and not realised yet,
-with as many GPUs as asked (the oldest bind first, as kubelet admits pods
-in creation order), and that no earlier request has been steered to (a
-claim held until the container starts, or CLAIM_SECONDS); the scheduler extender
-keeps two such placements with the same signature but different GPUs from
-being bound on one node at once.  Without a matching placement it spreads:
-distinct GPUs, the least shared first.  Either way kubelet gets exactly
-`size` IDs, all from `available`, including `must_include`; PreStartContainer
-then checks the GPUs against the pod's own placement and refuses a
-mismatch, so a wrong preference can fail a start but never give a container
-another pod's limits."""
+the GPUs of a placement that is bound to this node and not started yet
+(its pod Pending, the container not through PreStartContainer), with as
+many GPUs as asked, the oldest pod first (by creation time, then name) and
+not already preferred for an earlier request (a claim held until a
+container starts on the IDs preferred, or CLAIM_SECONDS).  kubelet admits
+pods in the order their bindings reach it, which may differ; the scheduler
+extender's bind makes that harmless: it never binds a pod beside a
+not-started pod that has a container with as many GPUs on other GPUs
+(cluster/scheduler/state.py `ambiguity`), so the candidates of one size
+share their GPUs and whichever is preferred is right.  Without a matching
+placement it spreads: distinct GPUs, the least shared first.  Either way
+kubelet gets exactly `size` IDs, all from `available`, including
+`must_include`; PreStartContainer then checks the GPUs against the pod's
+own placement and refuses a mismatch, so a wrong preference (pods bound by
+another scheduler) can fail a start but never give a container another
+pod's limits."""
 
 from __future__ import annotations
 
