@@ -10,8 +10,8 @@ container starts on the IDs preferred, or CLAIM_SECONDS).  kubelet admits
 pods in the order their bindings reach it, which may differ; the scheduler
 extender's bind makes that harmless: it never binds a pod beside a
 not-started pod that has a container with as many GPUs on other GPUs
-(cluster/scheduler/state.py `ambiguity`), so the candidates of one size
-share their GPUs and whichever is preferred is right.  Without a matching
+(cluster/scheduler/state.py `ambiguity`), so the candidates of one size from
+different pods share their GPUs and whichever is preferred is right.  Without a matching
 placement it spreads: distinct GPUs, the least shared first.  Either way
 kubelet gets exactly `size` IDs, all from `available`, including
 `must_include`; PreStartContainer then checks the GPUs against the pod's
