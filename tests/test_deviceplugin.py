@@ -320,6 +320,22 @@ def test_an_init_container_of_its_own_devices(cluster: Cluster) -> None:
     assert cluster.probe(resp["fetch"]) == {"init": 0, "uuids": [g1.uuid], "mib": [700]}
 
 
+def test_pods_on_one_gpu_admitted_newest_first_both_start(cluster: Cluster) -> None:
+    """kubelet may admit pods in another order than the plugin's (oldest
+    first): the newer pod is steered to the older one's placement, the same
+    GPU (the extender binds no other beside it).  Once the newer one starts,
+    the preference is used up and the older one finds its placement open
+    again; a claim left on it sent it to the other GPU, its start refused."""
+    k = cluster.kubelet
+    older, newer = (Pod("team", n, [Container("main", 1)]) for n in ("older", "newer"))
+    cluster.place(older, {"main": [(cluster.gpus[0], 900, 10)]})
+    cluster.place(newer, {"main": [(cluster.gpus[0], 700, 10)]})
+    for pod, mib in ((newer, 700), (older, 900)):
+        resp = k.admit(pod)["main"]
+        k.start(pod, "main")
+        assert cluster.probe(resp) == {"init": 0, "uuids": [cluster.gpus[0].uuid], "mib": [mib]}
+
+
 def test_many_pods_start_at_once_each_with_its_own_limits(cluster: Cluster) -> None:
     """16 pods on the node's two GPUs, admitted one after another as kubelet
     does, then started and run all at once: every container gets its own
