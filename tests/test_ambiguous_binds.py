@@ -58,9 +58,10 @@ def test_spread_pods_admitted_in_reverse_order_all_start(cluster: Cluster) -> No
 
 
 def test_a_pod_that_cannot_share_waits_for_the_other_to_start(cluster: Cluster) -> None:
-    """Exclusive pods cannot share a GPU: the second is refused at bind,
-    naming the first, until kubelet (the harness) reports the first's
-    container started; then it binds to the other GPU and starts."""
+    """Exclusive pods cannot share a GPU: the second is not scheduled (the
+    extender's filter names the first; its bind would be refused) until
+    kubelet (the harness) reports the first's container started; then it
+    binds to the other GPU and starts."""
     k = cluster.k8s
     node = cluster.node("amb-2", [A100_40, A100_40])
     k.create_pod("first", gpus=1, gpucores=100)
@@ -70,7 +71,7 @@ def test_a_pod_that_cannot_share_waits_for_the_other_to_start(cluster: Cluster) 
         "second",
         lambda p: "waits for pod" in (scheduling_message(p) or ""),
         timeout=60,
-        what="a refused bind",
+        what="the extender's reason",
     )
     message = scheduling_message(waiting) or ""
     assert f"waits for pod {k.namespace}/first on amb-2 to start its container main" in message

@@ -20,7 +20,7 @@ import pytest
 from gpuvisor.cluster.allocation import ANNOTATION
 from gpuvisor.cluster.allocator import Allocator, Config
 from gpuvisor.cluster.request import GPU_POLICY, pod_request
-from gpuvisor.cluster.scheduler.extender import Extender
+from gpuvisor.cluster.scheduler.extender import EXPLAINED_NODES, Extender
 from gpuvisor.cluster.scheduler.state import Ambiguous, ClusterState
 
 from tests.inventories import cluster, ctr, pcie_box, pod
@@ -208,3 +208,45 @@ def test_took_checks_under_its_lock(ext: tuple[Extender, Pods]) -> None:
         e.state.took("default/b", "uid-b", "n0", b)
     assert clash.value.gpus == {frozenset([taken])}
     assert "default/b" not in e.state.held
+
+
+def test_filter_leaves_out_a_node_where_the_bind_would_wait(ext: tuple[Extender, Pods]) -> None:
+    """kube-scheduler is not offered a node whose bind would be refused for
+    now (the pod would come back to it after every back-off): filter names
+    the pod it waits for, and keeps a node where it fits on that pod's GPUs."""
+    e, pods = ext
+    assert bind(e, pods, pod("a", ctr(gpu=1, gpumem=1000, gpucores=50))) == ""
+    b = pod("b", ctr(gpu=1, gpucores=100))
+    b["metadata"]["uid"] = "uid-b"
+    out = e.filter({"Pod": b, "NodeNames": ["n0"]})
+    assert out["NodeNames"] == []
+    assert out["FailedNodes"]["n0"].startswith(
+        "waits for pod default/a on n0 to start its container main: it has a 1-GPU container"
+    )
+    c = pod("c", ctr(gpu=1, gpumem=1000, gpucores=50), annotations=SPREAD)
+    c["metadata"]["uid"] = "uid-c"
+    assert e.filter({"Pod": c, "NodeNames": ["n0"]})["NodeNames"] == ["n0"]
+    start(e, pods, "a", "main")
+    assert e.filter({"Pod": b, "NodeNames": ["n0"]})["NodeNames"] == ["n0"]
+
+
+def test_filter_on_many_nodes_looks_past_waiting_finalists() -> None:
+    """Offered more than EXPLAINED_NODES nodes, filter answers finalists; if
+    the allocator's choice would wait (binpack: the node of a not-started
+    exclusive pod), it is left out and others are answered."""
+    state = ClusterState(core=None)
+    count = EXPLAINED_NODES + 6
+    nodes = [pcie_box(f"n{i:03}", n=2) for i in range(count)]
+    state.allocator = Allocator.from_cluster(cluster(*nodes), Config())
+    e = Extender(state, core=None, api_client=None)
+    names = [f"n{i:03}" for i in range(count)]
+    a = e.allocator.decide(pod_request(pod("a", ctr(gpu=1, gpucores=100))), nodes=names)
+    assert a.node is not None
+    state.took("default/a", "uid-a", a.node, a)
+    b = pod("b", ctr(gpu=1, gpucores=100))
+    b["metadata"]["uid"] = "uid-b"
+    assert e.allocator.decide(pod_request(b), nodes=names).node == a.node  # binpack
+    out = e.filter({"Pod": b, "NodeNames": names})
+    assert out["NodeNames"]
+    assert a.node not in out["NodeNames"]
+    assert out["FailedNodes"][a.node].startswith("waits for pod default/a")

@@ -2,7 +2,8 @@
 (k8s.io/kube-scheduler/extender/v1) carries them, over the allocator.
 
 - filter: the nodes (`NodeNames`, nodeCacheCapable) where the pod fits,
-  with one line per node that cannot take it (`FailedNodes`);
+  with one line per node that cannot take it (`FailedNodes`), a node whose
+  bind would wait for another pod to start (below) among them;
 - prioritize: 0..10 per node: 10 for the allocator's choice, 1..9 by the
   node's usage for the others (binpack: fuller is better; spread: emptier);
 - bind: decide again on the chosen node, commit the reservation, write the
@@ -49,6 +50,9 @@ API_TIMEOUT = 10.0
 # one-pod-at-a-time cycle, which took its throughput from 45.6 to 6.3
 # pods/s (make bench-cluster).
 EXPLAINED_NODES = 64
+# Offered more, filter looks past finalists that would all refuse the bind
+# for now (the bind rule) this many times at most.
+WAIT_ROUNDS = 3
 NOT_EXPLAINED = (
     f"no room for the pod (a quick check; the extender explains up to {EXPLAINED_NODES} "
     "of the nodes offered)"
@@ -85,13 +89,13 @@ def the_pod(args: Mapping[str, Any]) -> Mapping[str, Any]:
     return pod
 
 
-def on_the_same_gpus(req: PodRequest, clash: Ambiguous) -> PodRequest | None:
-    """req restricted to the GPUs of the containers it clashed with, when
+def on_the_same_gpus(req: PodRequest, sets: set[frozenset[str]]) -> PodRequest | None:
+    """req restricted to the GPUs of the containers it clashes with, when
     they are one set and the pod's own UUID filters allow them all; None
     otherwise (then the bind is refused)."""
-    if len(clash.gpus) != 1:
+    if len(sets) != 1:
         return None
-    (gpus,) = clash.gpus
+    (gpus,) = sets
     if (req.use_uuids and not gpus <= set(req.use_uuids)) or gpus & set(req.nouse_uuids):
         return None
     return dataclasses.replace(req, use_uuids=tuple(sorted(gpus)))
@@ -146,14 +150,22 @@ class Extender:
             d = self._decide(req, names, explain=True)
             fitting = [n for n in names if n not in d.reasons]
             failed = {n: self._reason(d.reasons[n]) for n in names if n in d.reasons}
+            fitting = self._not_waiting(req, fitting, failed)
         else:
             # The nodes the allocator planned in full (its finalists, the
             # chosen one among them), not every node the pod fits on: kube-
             # scheduler chooses among those, and prioritize ranks the
             # allocator's choice first.  The others are left out unnamed.
             d = self._decide(req, names, explain=False)
-            fitting = list(d.score.get("finalists", [])) if d.node else []
             failed = {n: self._reason(why) for n, why in d.reasons.items()}
+            for _ in range(WAIT_ROUNDS):
+                finalists = list(d.score.get("finalists", [])) if d.node else []
+                fitting = self._not_waiting(req, finalists, failed)
+                if fitting or not finalists:
+                    break
+                # every finalist would refuse the bind for now: the next ones
+                d = self._decide(req, [n for n in names if n not in failed], explain=False)
+                failed.update((n, self._reason(why)) for n, why in d.reasons.items())
             if d.node is None:
                 # fits nowhere: the reasons of the first nodes, a quick
                 # check's verdict for the rest
@@ -162,6 +174,30 @@ class Extender:
                 failed.update((n, NOT_EXPLAINED) for n in names if n not in failed)
         self._remember(req.uid, fitting, d)
         return {"NodeNames": fitting, "FailedNodes": failed, "Error": ""}
+
+    def _not_waiting(
+        self, req: PodRequest, fitting: Sequence[str], failed: dict[str, str]
+    ) -> list[str]:
+        """The nodes of `fitting` where bind would not refuse the pod for
+        now (the bind rule: `ClusterState.ambiguity`); the others go to
+        `failed` with the pod they wait for.  A node counts as waiting if a
+        not-started pod there has a container with as many GPUs as one of
+        this pod's and this pod does not fit on exactly its GPUs."""
+        counts = {c.count for c in req.containers if c.count}
+        out = []
+        for n in fitting:
+            others = self.state.unstarted(n, counts, req.name) if counts else []
+            narrowed = on_the_same_gpus(req, {g for _, _, g in others}) if others else None
+            if others and (narrowed is None or self._decide(narrowed, [n], False).node != n):
+                pod, container, gpus = others[0]
+                failed[n] = (
+                    f"waits for pod {pod} on {n} to start its container {container}: it has a "
+                    f"{len(gpus)}-GPU container on GPUs this pod cannot get, and the device "
+                    "plugin cannot tell which of the two kubelet admits first"
+                )
+                continue
+            out.append(n)
+        return out
 
     # ---- prioritize -------------------------------------------------------
 
@@ -236,7 +272,7 @@ class Extender:
                 continue
             except Ambiguous as exc:
                 ambiguous = str(exc)
-                gpus = on_the_same_gpus(req, exc) if not narrowed else None
+                gpus = on_the_same_gpus(req, exc.gpus) if not narrowed else None
                 if gpus is None:
                     raise RuntimeError(ambiguous) from None
                 req, narrowed = gpus, True

@@ -204,26 +204,11 @@ class ClusterState:
         not running), but not the same GPUs.  Call with `lock` held."""
         mine = {_signature(c) for c in allocation.containers if c.gpus}
         counts = {n for n, _ in mine}
-        try:
-            others = self.allocator.allocations(allocation.node)
-        except KeyError:
-            return None
-        clashes: list[tuple[Allocation, ContainerGrant]] = []
-        for other in others:
-            held = self.held.get(other.pod)
-            if other.pod == allocation.pod or held is None:
-                continue
-            seen = self.pods.get(other.pod)
-            if seen is not None and held.uid and seen.uid != held.uid:
-                seen = None
-            if seen is not None and not seen.pending:
-                continue  # Running: the device plugin no longer steers by it
-            # not seen yet (bound a moment ago): nothing started
-            started = seen.started if seen is not None else frozenset()
-            for c in other.containers:
-                n, gpus = _signature(c)
-                if n in counts and c.name not in started and (n, gpus) not in mine:
-                    clashes.append((other, c))
+        clashes = [
+            (other, c)
+            for other, c in self._unstarted(allocation.node, counts, allocation.pod)
+            if _signature(c) not in mine
+        ]
         if not clashes:
             return None
         other, c = clashes[0]
@@ -236,6 +221,44 @@ class ClusterState:
             "and the device plugin cannot tell which of the two kubelet admits first"
         )
         return Ambiguous(message, {_signature(c)[1] for _, c in clashes})
+
+    def _unstarted(
+        self, node: str, counts: set[int], pod: str
+    ) -> list[tuple[Allocation, ContainerGrant]]:
+        """The containers with a GPU count in `counts` of the pods other than
+        `pod` held on node that kubelet has not started.  With `lock` held."""
+        try:
+            others = self.allocator.allocations(node)
+        except KeyError:
+            return []
+        out: list[tuple[Allocation, ContainerGrant]] = []
+        for other in others:
+            held = self.held.get(other.pod)
+            if other.pod == pod or held is None:
+                continue
+            seen = self.pods.get(other.pod)
+            if seen is not None and held.uid and seen.uid != held.uid:
+                seen = None
+            if seen is not None and not seen.pending:
+                continue  # Running: the device plugin no longer steers by it
+            # not seen yet (bound a moment ago): nothing started
+            started = seen.started if seen is not None else frozenset()
+            out.extend(
+                (other, c)
+                for c in other.containers
+                if len(c.gpus) in counts and c.name not in started
+            )
+        return out
+
+    def unstarted(
+        self, node: str, counts: set[int], pod: str
+    ) -> list[tuple[str, str, frozenset[str]]]:
+        """`_unstarted` as (pod, container, GPU UUIDs), taking `lock`."""
+        with self.lock:
+            return [
+                (other.pod, c.name, _signature(c)[1])
+                for other, c in self._unstarted(node, counts, pod)
+            ]
 
     def took(self, key: str, uid: str, node: str, decision: Decision) -> Allocation:
         """Commit the decision (Conflict if it lost a race, Ambiguous if the
