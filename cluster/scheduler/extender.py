@@ -50,9 +50,6 @@ API_TIMEOUT = 10.0
 # one-pod-at-a-time cycle, which took its throughput from 45.6 to 6.3
 # pods/s (make bench-cluster).
 EXPLAINED_NODES = 64
-# Offered more, filter looks past finalists that would all refuse the bind
-# for now (the bind rule) this many times at most.
-WAIT_ROUNDS = 3
 NOT_EXPLAINED = (
     f"no room for the pod (a quick check; the extender explains up to {EXPLAINED_NODES} "
     "of the nodes offered)"
@@ -158,14 +155,16 @@ class Extender:
             # allocator's choice first.  The others are left out unnamed.
             d = self._decide(req, names, explain=False)
             failed = {n: self._reason(why) for n, why in d.reasons.items()}
-            for _ in range(WAIT_ROUNDS):
-                finalists = list(d.score.get("finalists", [])) if d.node else []
-                fitting = self._not_waiting(req, finalists, failed)
-                if fitting or not finalists:
-                    break
-                # every finalist would refuse the bind for now: the next ones
-                d = self._decide(req, [n for n in names if n not in failed], explain=False)
+            finalists = list(d.score.get("finalists", [])) if d.node else []
+            fitting = self._not_waiting(req, finalists, failed)
+            if finalists and not fitting:
+                # every finalist would refuse the bind for now: decide again
+                # among the nodes where no not-started pod could clash
+                counts = {c.count for c in req.containers if c.count}
+                clashing = self.state.waiting_nodes(counts, req.name)
+                d = self._decide(req, [n for n in names if n not in clashing], explain=False)
                 failed.update((n, self._reason(why)) for n, why in d.reasons.items())
+                fitting = list(d.score.get("finalists", [])) if d.node else []
             if d.node is None:
                 # fits nowhere: the reasons of the first nodes, a quick
                 # check's verdict for the rest
