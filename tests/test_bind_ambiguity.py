@@ -19,6 +19,7 @@ import kubernetes.client
 import pytest
 from gpuvisor.cluster.allocation import ANNOTATION
 from gpuvisor.cluster.allocator import Allocator, Config
+from gpuvisor.cluster.inventory_model import load_inventory
 from gpuvisor.cluster.request import GPU_POLICY, pod_request
 from gpuvisor.cluster.scheduler.extender import EXPLAINED_NODES, Extender
 from gpuvisor.cluster.scheduler.state import Ambiguous, ClusterState
@@ -254,3 +255,26 @@ def test_filter_on_many_nodes_looks_past_waiting_finalists() -> None:
     assert out["NodeNames"]
     assert not set(out["NodeNames"]) & set(busy)
     assert out["FailedNodes"][first.node].startswith(f"waits for pod default/a-{first.node}")
+
+
+def test_prioritize_assumes_no_ambiguous_placement(ext: tuple[Extender, Pods]) -> None:
+    """prioritize holds the chosen room until the bind, but not a placement
+    the bind would move or refuse; and the node it ranks first is one filter
+    answered."""
+    e, pods = ext
+    e.state.allocator.add_node(load_inventory(pcie_box("n1", n=2)))
+    assert bind(e, pods, pod("a", ctr(gpu=1, gpucores=100))) == ""
+    b = pod("b", ctr(gpu=1, gpucores=100))
+    b["metadata"]["uid"] = "uid-b"
+    out = e.filter({"Pod": b, "NodeNames": ["n0", "n1"]})
+    assert out["NodeNames"] == ["n1"]
+    scores = e.prioritize({"Pod": b, "NodeNames": ["n1"]})
+    assert scores == [{"Host": "n1", "Score": 10}]
+    assert e.state.held["default/b"].node == "n1"  # assumed where it may go
+    c = pod("c", ctr(gpu=1, gpumem=1000, gpucores=10), annotations=SPREAD)
+    c["metadata"]["uid"] = "uid-c"
+    d = e.allocator.decide(pod_request(c), nodes=["n0"])
+    assert d.allocation is not None
+    assert d.allocation.containers[0].gpus[0].uuid == "GPU-n0-1"  # beside a's, not on it
+    assert not e.state.assume("default/c", "uid-c", d)
+    assert "default/c" not in e.state.held

@@ -148,6 +148,9 @@ class Extender:
             fitting = [n for n in names if n not in d.reasons]
             failed = {n: self._reason(d.reasons[n]) for n in names if n in d.reasons}
             fitting = self._not_waiting(req, fitting, failed)
+            if d.node is not None and d.node not in fitting and fitting:
+                # the choice waits: prioritize ranks (and assumes) another
+                d = self._decide(req, fitting, explain=False)
         else:
             # The nodes the allocator planned in full (its finalists, the
             # chosen one among them), not every node the pod fits on: kube-

@@ -290,7 +290,9 @@ class ClusterState:
         """Hold the room a decision takes before kube-scheduler binds the pod
         (its binds run after its cycle, so the next pods' filters would find
         the room free and their binds fail).  Not for a pod that holds
-        anything already; a lost race holds nothing.  Released by the bind
+        anything already, nor for an ambiguous placement (`ambiguity`: bind
+        places it on the other pod's GPUs or refuses it); a lost race holds
+        nothing.  Released by the bind
         (which decides again), by filter deciding the pod again, by the
         pod's end, or after ASSUME_SECONDS."""
         now = time.monotonic()
@@ -298,6 +300,8 @@ class ClusterState:
             self._expire(now)
             if key in self.held or decision.allocation is None:
                 return False
+            if self.ambiguity(decision.allocation) is not None:
+                return False  # bind places it elsewhere, or refuses it
             try:
                 self.allocator.commit(decision)
             except Conflict:
