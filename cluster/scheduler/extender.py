@@ -160,14 +160,12 @@ class Extender:
             failed = {n: self._reason(why) for n, why in d.reasons.items()}
             finalists = list(d.score.get("finalists", [])) if d.node else []
             fitting = self._not_waiting(req, finalists, failed)
-            if finalists and not fitting:
-                # every finalist would refuse the bind for now: decide again
-                # among the nodes where no not-started pod could clash
-                counts = {c.count for c in req.containers if c.count}
-                clashing = self.state.waiting_nodes(counts, req.name)
-                d = self._decide(req, [n for n in names if n not in clashing], explain=False)
+            while finalists and not fitting:
+                # every finalist would refuse the bind for now: the next ones
+                d = self._decide(req, [n for n in names if n not in failed], explain=False)
                 failed.update((n, self._reason(why)) for n, why in d.reasons.items())
-                fitting = list(d.score.get("finalists", [])) if d.node else []
+                finalists = list(d.score.get("finalists", [])) if d.node else []
+                fitting = self._not_waiting(req, finalists, failed)
             if d.node is None:
                 # fits nowhere: the reasons of the first nodes, a quick
                 # check's verdict for the rest
@@ -231,7 +229,7 @@ class Extender:
             out.append({"Host": n, "Score": score})
         # The last verb of kube-scheduler's cycle for this pod: hold the room
         # until its bind (the next pods' filters no longer see it free).
-        if d.node is not None:
+        if d.node is not None and d.node in names:
             self.state.assume(req.name, req.uid, d)
         return out
 

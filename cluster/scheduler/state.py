@@ -260,13 +260,6 @@ class ClusterState:
                 for other, c in self._unstarted(node, counts, pod)
             ]
 
-    def waiting_nodes(self, counts: set[int], pod: str) -> set[str]:
-        """The nodes where a pod other than `pod` has a container with a GPU
-        count in `counts` that kubelet has not started."""
-        with self.lock:
-            nodes = {h.node for k, h in self.held.items() if k != pod}
-            return {n for n in nodes if self._unstarted(n, counts, pod)}
-
     def took(self, key: str, uid: str, node: str, decision: Decision) -> Allocation:
         """Commit the decision (Conflict if it lost a race, Ambiguous if the
         device plugin could mistake it for another pod's) and account the pod."""
