@@ -194,24 +194,31 @@ def test_a_pid_is_managed_only_by_a_container_of_its_cgroup_in_any_pid_namespace
     groups = {100: frozenset({"/kubepods/a"}), 200: frozenset({"/kubepods/x"})}
     names = {100: frozenset({100, 7}), 200: frozenset({200})}
     watch = UnmanagedWatch(window=1.0)
-    watch.note(
-        {uuid: {100: 50.0, 200: 30.0}, other_uuid: {}},
-        ctrs,
-        groups.__getitem__,
-        0.0,
-        names.__getitem__,
-    )
+    both = {uuid: {100: 50.0, 200: 30.0}, other_uuid: {}}
+    watch.note(both, ctrs, groups.__getitem__, 0.0, names.__getitem__)
+    # Unmanaged for less than a window: not shown yet (a container's first
+    # kernels may come before its supervisor's first report lists them).
+    assert watch.gpus[uuid].unmanaged_pids == ()
+    watch.note(both, ctrs, groups.__getitem__, 1.0, names.__getitem__)
     # 100 is container a's PID 7; 200 is listed by "liar" but not in its cgroup.
     assert watch.view() == [
         {"uuid": uuid, "unmanaged_pids": [200], "managed_containers": 2},
         {"uuid": other_uuid, "unmanaged_pids": [], "managed_containers": 0},
     ]
     # Within the window it stays; past it, unseen, it is dropped.
-    watch.note({uuid: {}, other_uuid: {}}, ctrs, groups.__getitem__, 0.5, names.__getitem__)
+    watch.note({uuid: {}, other_uuid: {}}, ctrs, groups.__getitem__, 1.5, names.__getitem__)
     assert watch.gpus[uuid].unmanaged_pids == (200,)
-    watch.note({uuid: {}, other_uuid: {}}, ctrs, groups.__getitem__, 1.6, names.__getitem__)
+    watch.note({uuid: {}, other_uuid: {}}, ctrs, groups.__getitem__, 2.6, names.__getitem__)
+    assert watch.gpus[uuid].unmanaged_pids == ()
+    # Seen again for a window, then a container of its cgroup lists it: managed
+    # at once, not a window later.
+    for t in (3.0, 4.0):
+        watch.note({uuid: {200: 30.0}}, ctrs, groups.__getitem__, t, names.__getitem__)
+    assert watch.gpus[uuid].unmanaged_pids == (200,)
+    ctrs["x"] = _state("/kubepods/x", [200], uuid)
+    watch.note({uuid: {}}, ctrs, groups.__getitem__, 4.2, names.__getitem__)
     assert watch.gpus[uuid].unmanaged_pids == ()
     # A region-file container knows no PIDs: its GPU is not judged.
     ctrs["region"] = _state("region:/some/dir", [], uuid)
-    watch.note({uuid: {200: 30.0}}, ctrs, groups.__getitem__, 2.0, names.__getitem__)
-    assert watch.view() == [{"uuid": uuid, "unmanaged_pids": None, "managed_containers": 3}]
+    watch.note({uuid: {200: 30.0}}, ctrs, groups.__getitem__, 5.0, names.__getitem__)
+    assert watch.view() == [{"uuid": uuid, "unmanaged_pids": None, "managed_containers": 4}]

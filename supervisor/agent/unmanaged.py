@@ -17,9 +17,11 @@ visible from the agent's PID namespace) is not judged.  A GPU on which a
 container learnt of through its region file reports is not judged
 either: the agent knows none of its PIDs (records.is_region_container).
 
-A GPU counts as unmanaged while any such PID worked there within the
-active window, whether or not managed containers share the GPU (the
-count of those is given beside it).  The agent reads NVML for this only
+A GPU counts as unmanaged while any such PID, unmanaged for at least the
+active window (a container's first kernels may come before its
+supervisor's first report lists their PID), worked there within it,
+whether or not managed containers share the GPU (the count of those is
+given beside it).  The agent reads NVML for this only
 while it knows at least one container: on a node where none runs under
 gpuvisor there is nothing for an unmanaged process to take from.
 """
@@ -65,6 +67,8 @@ class UnmanagedWatch:
         self.window = window
         # device uuid -> {unmanaged pid: monotonic time NVML last listed it}
         self.seen: dict[str, dict[int, float]] = {}
+        # device uuid -> {unmanaged pid: when it was first seen so}
+        self.since: dict[str, dict[int, float]] = {}
         self.gpus: dict[str, GpuProcesses] = {}
 
     def note(
@@ -84,21 +88,37 @@ class UnmanagedWatch:
             judged = not any(is_region_container(st.id) for st in on_dev)
             seen = self.seen.setdefault(uuid, {})
             if judged:
-                for pid in procs:
+                # this reading's PIDs, and again those seen before: a
+                # container's report that now lists a PID (its first report
+                # came after its first kernel) makes it managed at once
+                for pid in set(procs) | set(seen):
                     try:
                         groups = cgroups_of(pid)
                         names = names_of(pid)
                     except OSError:
-                        continue  # gone, or not visible from here
-                    if not any(
+                        seen.pop(pid, None)  # gone, or not visible from here
+                        continue
+                    if any(
                         st.report.container.cgroup in groups and names & set(st.report.pids)
                         for st in ctrs
                     ):
+                        seen.pop(pid, None)
+                    elif pid in procs:
                         seen[pid] = now
             for pid in [p for p, ts in seen.items() if not judged or now - ts > self.window]:
                 del seen[pid]
+            since = self.since.setdefault(uuid, {})
+            for pid in list(since):
+                if pid not in seen:
+                    del since[pid]
+            for pid in seen:
+                since.setdefault(pid, now)
+            # Unmanaged for a whole window first: a container's process may
+            # run its first kernels before its supervisor's first report
+            # lists it (a warning and its all-clear at a container's start)
+            shown = tuple(sorted(p for p in seen if now - since[p] >= self.window))
             before = self.gpus.get(uuid)
-            gpu = GpuProcesses(uuid, tuple(sorted(seen)), len(on_dev), judged)
+            gpu = GpuProcesses(uuid, shown, len(on_dev), judged)
             self.gpus[uuid] = gpu
             if gpu.unmanaged_pids and not (before and before.unmanaged_pids):
                 log.warning(
@@ -114,6 +134,7 @@ class UnmanagedWatch:
         for uuid in [u for u in self.gpus if u not in use]:  # not read: device gone
             del self.gpus[uuid]
             self.seen.pop(uuid, None)
+            self.since.pop(uuid, None)
 
     def clear(self) -> None:
         """No reading (no container known, NVML unavailable): nothing to show."""
@@ -122,6 +143,7 @@ class UnmanagedWatch:
                 log.warning("GPU %s: no container under gpuvisor left, not watched", uuid)
         self.gpus.clear()
         self.seen.clear()
+        self.since.clear()
 
     def view(self) -> list[dict[str, object]]:
         """Per GPU of the last reading, for /status."""
