@@ -342,8 +342,12 @@ static void check_stalled_word(struct child *c, _Atomic uint64_t *word)
     for (uint64_t t0 = gv_mono_ns(); !atomic_load(word) && gv_mono_ns() - t0 < 1000 * MS;)
         usleep(100);    /* until it has started */
     uint64_t got, first = 0, worst = 0;
-    int tagged = 0, consistent = 0, n = 20, answered = 0;
-    for (int i = 0; i < n; i++) {
+    int tagged = 0, consistent = 0, n = 20, answered = 0, tried = 0;
+    /* 20 launches, and more (up to 200) until one went by the region's
+     * word: a neighbour descheduled for over 3 ms at every try leaves
+     * nothing to wait for (8 sanitizer runs on 2 busy cores did that). */
+    for (int i = 0; i < n || (!tagged && i < 200); i++) {
+        tried++;
         struct took t = take_within(c, 2000, &got);
         if (!t.held)
             break;
@@ -356,8 +360,8 @@ static void check_stalled_word(struct child *c, _Atomic uint64_t *word)
         consistent += (t.held & 2) != 0 && atomic_load(&entry_sm->enqueue) == (t.held & ~2ULL);
         ask(c, 'e', 0);
     }
-    CHECK(answered == n, "a neighbour storing the time in the node's word: %d of %d launches "
-          "went within 2 s", answered, n);
+    CHECK(answered == tried, "a neighbour storing the time in the node's word: %d of %d "
+          "launches went within 2 s", answered, tried);
     CHECK(tagged > 0 && consistent == tagged, "%d of %d went by the region's word, %d of them "
           "holding it", tagged, answered, consistent);
     CHECK(first >= 4 * MS && first < 100 * MS, "the first by the region's word waited %lld us "
@@ -368,7 +372,7 @@ static void check_stalled_word(struct child *c, _Atomic uint64_t *word)
            (long long)worst / 1000);
     kill(hostile, SIGKILL);
     waitpid(hostile, NULL, 0);
-    if (answered != n) {
+    if (answered != tried) {
         kill(c->pid, SIGKILL);  /* still waiting for the word */
         return;
     }
@@ -457,6 +461,7 @@ int main(int argc, char **argv)
 
     /* Alone on the device: not in play. */
     struct child x = spawn("x"), y = spawn("y");
+    int r;
     CHECK(ask(&x, 'c', 0) == -1, "a container alone: the launch order is not in play");
     CHECK(ask(&x, 'a', 0) == 0, "admitted");
     CHECK(ask(&x, 's', 0) == 0, "settled");
@@ -477,7 +482,13 @@ int main(int argc, char **argv)
     CHECK(ask(&xw, 'w', 0) == 0, "x waits while y holds the turn with a launch in flight");
     for (int i = 0; i < 10; i++)
         ask(&y, 'a', 0);
-    CHECK(ask(&y, 'c', 2 * MS) == 0, "y's turn is over; 2 ms ahead of a waiting x, y waits");
+    /* (x's claim to wait lapses 0.3 ms after its last check: a loaded
+     * machine may deschedule x that long, and y's check then rightly goes;
+     * x's next check renews it.) */
+    r = -99;
+    for (uint64_t t2 = gv_mono_ns(); r != 0 && gv_mono_ns() - t2 < 2000 * MS; usleep(100))
+        r = ask(&y, 'c', 2 * MS);
+    CHECK(r == 0, "y's turn is over; 2 ms ahead of a waiting x, y waits (got %d)", r);
     for (int i = 0; i < 11; i++)
         ask(&y, 's', 0);
     usleep(5000);                   /* x takes it (its checks every 50 us) */
@@ -506,7 +517,7 @@ int main(int argc, char **argv)
      * it only once x's launches are measured (the device drained). */
     for (int i = 0; i < 11; i++)
         ask(&x, 'a', 0);
-    int r = -99;
+    r = -99;
     uint64_t t1 = gv_mono_ns();
     do {        /* (y's claim to wait lapses after 0.3 ms: asked together) */
         ask(&y, 'c', 0);
