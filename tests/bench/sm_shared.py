@@ -54,7 +54,9 @@ def one(
     return out, sum(t for t, _, _ in out)
 
 
-def render(seconds: float, allowance: float) -> str:
+def render(
+    seconds: float, allowance: float, only: Sequence[str] = (), modes: Sequence[int] = (0, 1)
+) -> str:
     t0 = time.monotonic()
     rows = []
     ok_ts = ok_lo = True
@@ -62,7 +64,9 @@ def render(seconds: float, allowance: float) -> str:
     saved = b.TIMESLICE_US
     try:
         for i, (label, sides) in enumerate(SCENARIOS):
-            for mode in (0, TIMESLICE_US):
+            if only and label not in only:
+                continue
+            for mode in [TIMESLICE_US * m for m in modes]:
                 got, total = one(mode, sides, seconds, allowance, seed=70 + i)
                 cells = []
                 for (q, _), (thr, sd, worst) in zip(sides, got, strict=True):
@@ -129,14 +133,42 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=5.0, help="run per scenario and mode")
     p.add_argument("--allowance", type=float, default=1.0, help="windows skipped (s)")
     p.add_argument("--write", type=Path, help="replace this section of FILE")
+    p.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="SCENARIO",
+        help="run this scenario only (its label, e.g. 50:50; repeatable): a quick experiment",
+    )
+    p.add_argument(
+        "--mode",
+        choices=["both", "launch-order", "time-sliced"],
+        default="both",
+        help="simulator modes to run (default both)",
+    )
+    p.add_argument(
+        "--library",
+        type=Path,
+        default=b.LIBRARY,
+        help="the libgpuvisor.so to measure (default build/libgpuvisor.so): another build "
+        "compared in the same sitting",
+    )
     args = p.parse_args(argv)
+    labels = [label for label, _ in SCENARIOS]
+    for o in args.only:
+        if o not in labels:
+            p.error(f"--only {o!r}: no such scenario (one of {', '.join(labels)})")
+    b.LIBRARY = args.library.resolve()
+    modes = {"both": (0, 1), "launch-order": (0,), "time-sliced": (1,)}[args.mode]
+    if args.write and (args.only or args.mode != "both"):
+        p.error("--write needs every scenario in both modes (no --only, no --mode)")
     if not b.LIBRARY.is_file() or not b.WORKER.is_file():
         print(
             "sm_shared: build/ is missing its library or worker (run make bench-sm)",
             file=sys.stderr,
         )
         return 2
-    text = render(args.seconds, args.allowance)
+    text = render(args.seconds, args.allowance, args.only, modes)
     sys.stdout.write(text)
     if args.write:
         b.write_sections(args.write, [(SHARED, text)])
