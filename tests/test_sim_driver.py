@@ -1246,3 +1246,33 @@ def test_nvml_error_strings(tmp_path: Path) -> None:
         "Not Found",
         "Unknown Error",
     ]
+
+
+@needs_cuda_python
+@pytest.mark.parametrize(("timeslice", "preempts"), [(None, 0), ("2048", 1)])
+def test_compute_preemption_is_reported_by_mode(
+    tmp_path: Path, timeslice: str | None, preempts: int
+) -> None:
+    """CU_DEVICE_ATTRIBUTE_COMPUTE_PREEMPTION_SUPPORTED says what the
+    simulated device does: the time-slicing mode preempts a running kernel
+    for another context's slice (as every GPU since Pascal), the
+    launch-order timeline runs each kernel to its end.  The interposer takes
+    the turn between containers only on a device that preempts
+    (sm_arbiter.c)."""
+    env = sim_env(tmp_path, "1g")
+    if timeslice:
+        env["GPUVISOR_SIM_TIMESLICE_US"] = timeslice
+    out = ok(
+        run_py(
+            """
+            from cuda.bindings import driver as d
+            A = d.CUdevice_attribute
+            assert d.cuInit(0)[0] == d.CUresult.CUDA_SUCCESS
+            err, v = d.cuDeviceGetAttribute(
+                A.CU_DEVICE_ATTRIBUTE_COMPUTE_PREEMPTION_SUPPORTED, 0)
+            print(err.name, v)
+            """,
+            env,
+        )
+    )
+    assert out.split() == ["CUDA_SUCCESS", str(preempts)]

@@ -11,6 +11,7 @@
 #include "limits.h"
 #include "log.h"
 #include "oversub.h"
+#include "sm.h"
 
 enum { DEV_UNSET = 0, DEV_READY = 1, DEV_FAILED = 2 };
 
@@ -151,6 +152,14 @@ static CUresult device_init(int ordinal)
     int policy = limits_sm_policy();
     region_sm_configure(gv_core_region(), dev, policy < 0 ? 0 : sm, policy < 0 ? 0 : (unsigned)policy,
                         limits_task_priority());
+    /* Whether the turn between containers is needed there (sm_arbiter.c);
+     * a device that cannot say is taken to preempt, as every GPU since
+     * Pascal does. */
+    int preempts = 1;
+    if (GV_REAL(cuDeviceGetAttribute, CUresult (*)(int *, CUdevice_attribute, CUdevice))(
+            &preempts, CU_DEVICE_ATTRIBUTE_COMPUTE_PREEMPTION_SUPPORTED, ordinal) != CUDA_SUCCESS)
+        preempts = 1;
+    gv_arb_set_preemption(dev, preempts);
     info.region_dev = dev;
     devs[ordinal].info = info;
     atomic_store_explicit(&devs[ordinal].state, DEV_READY, memory_order_release);

@@ -25,7 +25,7 @@
 #define GV_CUDA_SYMS(X) \
     X(cuInit) X(cuGetProcAddress) X(cuGetProcAddress_v2) \
     X(cuDeviceGetCount) X(cuDeviceGetUuid) X(cuDeviceGetUuid_v2) \
-    X(cuDeviceTotalMem) X(cuDeviceTotalMem_v2) \
+    X(cuDeviceTotalMem) X(cuDeviceTotalMem_v2) X(cuDeviceGetAttribute) \
     X(cuCtxGetCurrent) X(cuCtxSetCurrent) X(cuCtxGetDevice) \
     X(cuCtxPushCurrent_v2) X(cuCtxPopCurrent_v2) X(cuStreamGetCtx) \
     X(cuMemGetInfo) X(cuMemGetInfo_v2) \

@@ -78,6 +78,12 @@ void gv_cal_reset(void);
  *    (1; 0 when no live slot says so). */
 int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now, uint64_t queued,
                  uint32_t count, uint64_t cost);
+/* Whether region device dev preempts a running kernel for another
+ * context's time slice (CU_DEVICE_ATTRIBUTE_COMPUTE_PREEMPTION_SUPPORTED;
+ * devices.c, at its set-up): the turn is taken only on one that does (or
+ * one that did not say); a device that runs each kernel to its end takes
+ * the launch order. */
+void gv_arb_set_preemption(int dev, int preempts);
 void gv_arb_admitted(int dev, const char *uuid, uint64_t now, uint64_t cost);
 void gv_arb_settled(int dev);
 void gv_arb_alive(int dev, uint64_t now);

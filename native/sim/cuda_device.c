@@ -115,6 +115,9 @@ SIM_API CUresult cuDeviceGetAttribute(int *v, CUdevice_attribute attr,
     case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR: *v = 9; break;
     case CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR: *v = 0; break;
     case CU_DEVICE_ATTRIBUTE_MANAGED_MEMORY: *v = 1; break;
+    /* Only the time-slicing mode preempts a running kernel for another
+     * context's slice; the launch-order timeline runs each to its end. */
+    case CU_DEVICE_ATTRIBUTE_COMPUTE_PREEMPTION_SUPPORTED: *v = sim_ts_us() ? 1 : 0; break;
     case CU_DEVICE_ATTRIBUTE_COOPERATIVE_LAUNCH: *v = 1; break;
     case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED: *v = 1; break;
     case CU_DEVICE_ATTRIBUTE_MEMORY_POOLS_SUPPORTED: *v = 1; break;
