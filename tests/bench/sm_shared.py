@@ -9,6 +9,7 @@ target, and the device's total use.  Driven by tests/bench/sm_bench.py."""
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -38,9 +39,10 @@ GOAL_TOTAL = 95.0
 
 def one(
     mode_us: int, sides: list[tuple[int, int]], seconds: float, allowance: float, seed: int
-) -> tuple[list[tuple[float, float, float]], float]:
+) -> tuple[list[tuple[float, float, float]], float, str]:
     """Per container (throughput %, window sd, worst window, in points from
-    the target), and the device's total use (%)."""
+    the target), the device's total use (%), and the machine stalls the
+    probe saw meanwhile (how many, the longest)."""
     b.TIMESLICE_US = mode_us
     cs = [b.Container(chr(ord("a") + i), q, n) for i, (q, n) in enumerate(sides)]
     b.run_scenario(cs, seconds, seed)
@@ -51,13 +53,16 @@ def one(
         sd = statistics.pstdev(dev, mu=0.0) if dev else 0.0
         worst = max(dev, key=abs) if dev else 0.0
         out.append((b.throughput(c), sd, worst))
-    return out, sum(t for t, _, _ in out)
+    spans = b.STALLS[-1].spans if b.STALLS else []
+    longest = max((n for _, n in spans), default=0)
+    return out, sum(t for t, _, _ in out), f"{len(spans)} / {longest / 1e6:.1f}"
 
 
 def render(
     seconds: float, allowance: float, only: Sequence[str] = (), modes: Sequence[int] = (0, 1)
 ) -> str:
     t0 = time.monotonic()
+    load0 = os.getloadavg()[0]
     rows = []
     ok_ts = ok_lo = True
     misses: list[str] = []
@@ -67,7 +72,7 @@ def render(
             if only and label not in only:
                 continue
             for mode in [TIMESLICE_US * m for m in modes]:
-                got, total = one(mode, sides, seconds, allowance, seed=70 + i)
+                got, total, stalls = one(mode, sides, seconds, allowance, seed=70 + i)
                 cells = []
                 for (q, _), (thr, sd, worst) in zip(sides, got, strict=True):
                     cells.append(f"{q}: {thr:.1f} ({thr - q:+.1f}) / {sd:.1f} / {worst:+.0f}")
@@ -84,7 +89,9 @@ def render(
                     if total < GOAL_TOTAL:
                         misses.append(f"{label} total (time-sliced)")
                 mode_s = f"time-sliced {TIMESLICE_US} us" if mode else "launch order"
-                rows.append(f"| {label} | {mode_s} | {' ; '.join(cells)} | {total:.1f} |")
+                rows.append(
+                    f"| {label} | {mode_s} | {' ; '.join(cells)} | {total:.1f} | {stalls} |"
+                )
                 print(rows[-1], file=sys.stderr)
     finally:
         b.TIMESLICE_US = saved
@@ -99,17 +106,24 @@ def render(
         "device (the GPU time of the kernels its processes completed over their wall time; "
         "NVML's per-process figure counts a preempted kernel as busy), its error from the "
         "limit in brackets; the 100 ms NVML windows' sd and worst, in points from the limit, "
-        f"from {allowance:g} s on; *total*, the sum of the throughputs. Runs of {seconds:g} s; "
+        f"from {allowance:g} s on; *total*, the sum of the throughputs; *stalls*, the wake-ups "
+        "1 ms or more late that `bench_stall_probe` saw during the run over all CPUs (how "
+        "many / the longest, ms; with SCHED_FIFO they count the CPU taken away, not the "
+        "load of other processes: the load average below). "
+        f"Runs of {seconds:g} s; "
         f"the section took {took:.0f} s."
     )
     out.append("")
-    out.append(b.machine())
+    out.append(
+        f"{b.machine()} Load average (1 min) at the start / end: {load0:.1f} / "
+        f"{os.getloadavg()[0]:.1f}."
+    )
     out.append("")
     out.append(
         "| scenario | device | per container: limit: throughput (error) / window sd / "
-        "worst window | total |"
+        "worst window | total | stalls |"
     )
-    out.append("|---|---|---|---:|")
+    out.append("|---|---|---|---:|---:|")
     out += rows
     out.append("")
     out.append("Goals (issue 35):")
