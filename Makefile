@@ -173,7 +173,10 @@ bench: all $(BENCH_MEMORY) $(BENCH_LAUNCH)
 # SM-quota benchmark (make bench-sm): accuracy of the quota on the simulated
 # kernel timeline (tests/bench/sm_bench.py driving build/bench/bench_sm_worker,
 # a -lcuda program) and per-launch cost (native/tests/bench_launch.c); writes
-# its sections of docs/benchmarks.md.
+# its sections of docs/benchmarks.md.  Containers sharing a device
+# (tests/bench/sm_shared.py) one experiment at a time, in seconds:
+#   .venv/bin/python -m tests.bench.sm_shared --only 50:50 --mode time-sliced
+#   --seconds 3 [--library other/libgpuvisor.so]
 .PHONY: bench-sm
 BENCH_SM_WORKER := $(BUILD)/bench/bench_sm_worker
 BENCH_STALL_PROBE := $(BUILD)/bench/bench_stall_probe
