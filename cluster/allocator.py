@@ -44,6 +44,7 @@ from .request import (
     ContainerRequest,
     PodRequest,
 )
+from .room import MIG_CLASSES, ROOM_SIZE, extinct, group_room, loss, may_extinct, mig_room
 from .topology import Tier, best_tier, ranked_sets, set_tier, set_weight, topology
 
 
@@ -133,10 +134,33 @@ class NodeState:
         self.pods: dict[str, tuple[Allocation, dict[int, GpuCharge]]] = {}
         self.indexed = 0.0  # the usage under which the allocator's index holds this node
         self.links_topo = topology(inv.links)
+        self.mig_rooms: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.indexed_room: tuple[int, ...] = (0,) * ROOM_SIZE  # counted in Allocator.supply
         self.summarise()
 
     def idle(self, i: int) -> bool:
         return self.slots[i] == 0 and self.mig_used[i] == 0 and not self.in_use[i]
+
+    def room_of(
+        self, slots: Sequence[int], mig_used: Sequence[int], mig_on: Sequence[bool]
+    ) -> tuple[int, ...]:
+        """The node's room for the largest requests at this usage (cluster/room.py)."""
+        idle_mask = 0
+        mig = [0] * len(MIG_CLASSES)
+        for i, g in enumerate(self.inv.gpus):
+            if not g.healthy:
+                continue
+            idle = slots[i] == 0 and mig_used[i] == 0 and not self.in_use[i]
+            if idle:
+                idle_mask |= 1 << i
+            if g.mig is not None and self.capable[i] and (mig_on[i] or idle):
+                taken = mig_used[i] | self.fixed[i]
+                r = self.mig_rooms.get((i, taken))
+                if r is None:
+                    r = self.mig_rooms[(i, taken)] = mig_room(g.mig, taken)
+                for pos, v in enumerate(r):
+                    mig[pos] += v
+        return (*group_room(self.inv.links, idle_mask), *mig, bin(idle_mask).count("1"))
 
     def summarise(self) -> None:
         """The cheap per-node view a decision filters and orders nodes by."""
@@ -156,6 +180,7 @@ class NodeState:
             for i in range(n)
         )
         self.usage = total / n if n else 1.0
+        self.room = self.room_of(self.slots, self.mig_used, self.mig_on)
         self.shareable = tuple(
             (gpus[i].memory_mib - self.mem[i], 100 - self.cores[i])
             for i in range(n)
@@ -434,6 +459,18 @@ def single_key(
     return (reconfig, usage, spoils(node, o), cut, waste, lost, o.index)
 
 
+def room_after(node: NodeState, w: Work, o: Option) -> tuple[int, ...]:
+    """The node's room once option `o` is taken on top of `w`."""
+    i = o.index
+    slots, used, on = list(w.slots), list(w.mig_used), list(w.mig_on)
+    if o.mig is not None:
+        used[i] |= o.mig.placement.mask
+        on[i] = True
+    else:
+        slots[i] += 1
+    return node.room_of(slots, used, on)
+
+
 def spoils(node: NodeState, o: Option) -> bool:
     """A shared grant on an idle GPU that could do MIG: keep those for MIG requests."""
     return o.mig is None and node.capable[o.index] and node.idle(o.index)
@@ -446,8 +483,14 @@ def gpu_policy(pod: PodRequest, cfg: Config) -> str:
     return "binpack" if pod.topology_aware and cfg.rules != "hami" else cfg.gpu_policy
 
 
-def plan_node(node: NodeState, pod: PodRequest, cfg: Config) -> NodePlan | str:
-    """Place every container of the pod on this node, or say in one line why not."""
+def plan_node(
+    node: NodeState, pod: PodRequest, cfg: Config, supply: Sequence[int] = ()
+) -> NodePlan | str:
+    """Place every container of the pod on this node, or say in one line why not.
+
+    `supply`: the cluster's room (Allocator.supply), for binpack's rule that a
+    pod does not take the last place of a kind of request; empty: no such rule.
+    """
     hami = cfg.rules == "hami"
     inv = node.inv
     if pod.filtered:
@@ -460,6 +503,8 @@ def plan_node(node: NodeState, pod: PodRequest, cfg: Config) -> NodePlan | str:
         return "; ".join(distinct[:2]) if distinct else "no GPUs"
     binpack = gpu_policy(pod, cfg) == "binpack"
     keep = (binpack or pod.topology_aware) and not hami
+    asked = sum(c.count for c in pod.containers)
+    roomy = binpack and bool(supply) and not hami and may_extinct(supply, asked)
     work = Work.of(node)
     app_charge: dict[int, GpuCharge] = {}
     grants: dict[str, list[GpuGrant]] = {}
@@ -513,6 +558,19 @@ def plan_node(node: NodeState, pod: PodRequest, cfg: Config) -> NodePlan | str:
                             opts,
                             key=lambda o: (
                                 o.index not in app_gpus,
+                                single_key(o, binpack, node, live_idle, keep),
+                            ),
+                        )
+                    ]
+                elif roomy:
+                    # binpack: never take the last place in the cluster for a kind of
+                    # request when another GPU keeps it (cluster/room.py)
+                    before = node.room_of(w.slots, w.mig_used, w.mig_on)
+                    picked = [
+                        min(
+                            opts,
+                            key=lambda o: (
+                                extinct(loss(before, room_after(node, w, o)), supply),
                                 single_key(o, binpack, node, live_idle, keep),
                             ),
                         )
@@ -580,12 +638,33 @@ def plan_node(node: NodeState, pod: PodRequest, cfg: Config) -> NodePlan | str:
         # node can take the pod as its GPUs are
         # binpack: first the plan that starts the fewest idle GPUs (fractions go
         # to GPUs already in use, on any node), then the most used node
+        # with binpack, before all that: the plan that takes the last place in
+        # the cluster of the fewest kinds of request (cluster/room.py)
         cut = sum(t.get("cut", 0) for t in terms)
         opened = sum(1 for i in charge if node.idle(i)) if node_binpack else 0
         spoiled = sum(
             1 for i, c4 in charge.items() if c4.slots and node.capable[i] and node.idle(i)
         )
-        key = (reconfigures, opened, spoiled, (-after if node_binpack else after), cut, inv.node)
+        last = 0
+        if node_binpack and supply and may_extinct(supply, len(charge)):
+            slots = list(node.slots)
+            taken = list(node.mig_used)
+            on = list(node.mig_on)
+            for i, c5 in charge.items():
+                slots[i] += c5.slots
+                for gr in c5.mig:
+                    taken[i] |= gr.placement.mask
+                    on[i] = True
+            last = extinct(loss(node.room, node.room_of(slots, taken, on)), supply)
+        key = (
+            reconfigures,
+            last,
+            opened,
+            spoiled,
+            (-after if node_binpack else after),
+            cut,
+            inv.node,
+        )
     containers = [
         ContainerGrant(c.name, c.init, tuple(grants.get(c.name, [])), pod.sm_policy, c.priority)
         for c in pod.containers
@@ -650,6 +729,8 @@ class Allocator:
         self.order: list[str] = []
         # nodes by (usage, name); a short lock guards only this index
         self.ranked: list[tuple[float, str]] = []
+        # the cluster's room, summed over its nodes (cluster/room.py); under index_lock
+        self.supply = [0] * ROOM_SIZE
         self.index_lock = threading.Lock()
         for inv in inventories:
             self.add_node(inv)
@@ -663,6 +744,18 @@ class Allocator:
         st.indexed = st.usage
         with self.index_lock:
             bisect.insort(self.ranked, (st.usage, inv.node))
+            self.count_room(st)
+
+    def count_room(self, st: NodeState | None, old: NodeState | None = None) -> None:
+        """Move a node's room into the cluster's supply (under index_lock)."""
+        if old is not None:
+            for j, v in enumerate(old.indexed_room):
+                self.supply[j] -= v
+            old.indexed_room = (0,) * ROOM_SIZE
+        if st is not None:
+            for j, (was, now) in enumerate(zip(st.indexed_room, st.room, strict=True)):
+                self.supply[j] += now - was
+            st.indexed_room = st.room
 
     def replace_node(self, inv: Inventory) -> list[str]:
         """A node's inventory changed (a GPU's health, MIG instances): its
@@ -695,6 +788,7 @@ class Allocator:
                     del self.ranked[i]
                 st.indexed = st.usage
                 bisect.insort(self.ranked, (st.usage, inv.node))
+                self.count_room(st, old)
         return dropped
 
     def remove_node(self, name: str) -> bool:
@@ -710,6 +804,7 @@ class Allocator:
                 if i < len(self.ranked) and self.ranked[i] == entry:
                     del self.ranked[i]
                 self.order.remove(name)
+                self.count_room(None, st)
         return True
 
     def reindex(self, st: NodeState) -> None:
@@ -721,6 +816,7 @@ class Allocator:
                 del self.ranked[i]
             st.indexed = st.usage
             bisect.insort(self.ranked, (st.usage, st.inv.node))
+            self.count_room(st)
 
     @classmethod
     def from_cluster(cls, doc: Any, config: Config | None = None) -> Allocator:
@@ -785,6 +881,7 @@ class Allocator:
         reasons: dict[str, str] = {}
         with self.index_lock:
             ranked = list(self.ranked)  # (usage, name), least used first
+            supply = tuple(self.supply) if cfg.rules != "hami" else ()
         binpack = (pod.node_policy or cfg.node_policy) == "binpack"
         if binpack:
             ranked.reverse()
@@ -803,7 +900,7 @@ class Allocator:
             if not explain and not quick_fit(st, needs):
                 continue  # not recorded: explain=True gives every node's reason
             version = st.version
-            plan = plan_node(st, pod, cfg)
+            plan = plan_node(st, pod, cfg, supply)
             if isinstance(plan, str):
                 reasons[st.inv.node] = plan
             elif clean >= cfg.finalists:

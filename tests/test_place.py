@@ -17,13 +17,16 @@ from gpuvisor.cluster.request import pod_request
 from gpuvisor.supervisor.cli import main
 
 from tests.inventories import (
+    A100_40GB_PROFILES,
     cluster,
     ctr,
     dgx,
     gpu,
     inventory,
+    links_pairs,
     links_pcie,
     mig_box,
+    mig_state,
     pairs_box,
     pcie_box,
     pod,
@@ -112,6 +115,53 @@ def test_node_policy(policy, expected):
         annotations={"hami.io/node-scheduler-policy": policy},
     )
     assert d.node == expected
+
+
+def four_and_mig() -> dict[str, Any]:
+    """The benchmark's small cluster: the only 4-GPU box, and the only MIG box."""
+    four = inventory(
+        "four",
+        [gpu("four", i, "NVIDIA L40S", 46068) for i in range(4)],
+        [row[:4] for row in links_pairs()[:4]],
+    )
+    two = inventory(
+        "mig",
+        [
+            gpu("mig", i, "NVIDIA A100-SXM4-40GB", 40960, 0, mig_state(A100_40GB_PROFILES))
+            for i in range(2)
+        ],
+        [["X", "NV12"], ["NV12", "X"]],
+    )
+    return cluster(four, two)
+
+
+def test_binpack_never_takes_the_last_place_of_a_kind_of_request():
+    a = Allocator.from_cluster(four_and_mig())
+    # a fraction that must start an idle GPU: the 4-GPU box is the only home of
+    # a 4-GPU job, the MIG box has two MIG-capable GPUs: it opens one of those
+    d = place(a, "frac", ctr(gpu=1, gpumem=6000, gpucores=20))
+    assert d.node == "mig"
+    assert mig_grant(d) is None
+    # the last idle MIG-capable GPU is the last home of MIG requests now, the
+    # 4-GPU box that of 4-GPU jobs: both are last places, so the old rule
+    # (spare the MIG GPU) decides
+    d = place(a, "whole", ctr(gpu=1))
+    assert d.node == "four"
+    d = place(a, "mig", ctr(gpu=1, gpumem=9000), annotations=MIG)
+    assert (d.node, mig_grant(d).profile) == ("mig", "1g.10gb")
+    # with a 4-GPU job waiting instead, it fits: the same opening keeps it placeable
+    b = Allocator.from_cluster(four_and_mig())
+    place(b, "frac", ctr(gpu=1, gpumem=6000, gpucores=20))
+    assert sorted(indices(place(b, "job", ctr(gpu=4)))) == [0, 1, 2, 3]
+    # spread does not spare anything: the least used node
+    c = Allocator.from_cluster(four_and_mig())
+    d = place(
+        c,
+        "frac",
+        ctr(gpu=1, gpumem=6000, gpucores=20),
+        annotations={"hami.io/node-scheduler-policy": "spread"},
+    )
+    assert d.node == "four"
 
 
 # -- fit: slots, memory, cores, health, type and UUID filters --------------------------------
