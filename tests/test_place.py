@@ -11,9 +11,10 @@ import yaml
 from click.testing import CliRunner
 from gpuvisor.cluster.allocation import load_allocation
 from gpuvisor.cluster.allocator import Allocator, Config, Conflict
-from gpuvisor.cluster.inventory_model import DocumentError
+from gpuvisor.cluster.inventory_model import DocumentError, load_inventory
 from gpuvisor.cluster.mig import load_geometries
 from gpuvisor.cluster.request import pod_request
+from gpuvisor.cluster.room import extinct, group_room, mig_room
 from gpuvisor.supervisor.cli import main
 
 from tests.inventories import (
@@ -133,6 +134,22 @@ def four_and_mig() -> dict[str, Any]:
         [["X", "NV12"], ["NV12", "X"]],
     )
     return cluster(four, two)
+
+
+def test_room_counts_by_hand():
+    inv = load_inventory(pairs_box("p"))
+    # 8-GPU box, NVLink pairs (0,1)...(6,7), switches {0-3} and {4-7}: groups of 8, 4, 2
+    assert group_room(inv.links, 0xFF) == (1, 2, 4)
+    assert group_room(inv.links, 0xFE) == (0, 1, 3)  # GPU 0 taken
+    assert group_room(inv.links, 0b10101010) == (0, 0, 0)  # every pair broken
+    mig = load_inventory(four_and_mig()["nodes"]["mig"]).gpus[0].mig
+    assert mig is not None
+    # idle A100-40GB: one 7g, two 3g, four 1g.10gb, seven 1g.5gb
+    assert mig_room(mig, 0) == (1, 2, 4, 7)
+    # a 1g.5gb at slice 6 leaves 3g at 0, 1g.10gb at 0, 2, 4, 1g.5gb at 0-5
+    assert mig_room(mig, 1 << 6) == (0, 1, 3, 6)
+    assert extinct((0, 1, 0), (0, 1, 5)) == 1
+    assert extinct((0, 1, 1), (3, 2, 5)) == 0
 
 
 def test_binpack_never_takes_the_last_place_of_a_kind_of_request():
