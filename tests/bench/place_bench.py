@@ -23,6 +23,7 @@ import platform
 import random
 import statistics
 import time
+from collections import Counter
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -204,7 +205,12 @@ def small_cluster() -> dict[str, Any]:
 
 
 def optimum(doc: dict[str, Any], reqs: list[PodRequest], split: int) -> int:
-    """The longest prefix of the trace that fits at once, by exhaustive search.
+    """The longest prefix of the trace that fits at once, by exhaustive search."""
+    return optimum_plan(doc, reqs, split)[0]
+
+
+def optimum_plan(doc: dict[str, Any], reqs: list[PodRequest], split: int) -> tuple[int, list[str]]:
+    """The optimum and one assignment that reaches it: per pod, its node and grants.
 
     Same feasibility rules as the allocator (slots, memory, cores, exclusive,
     MIG mode only on an idle GPU, any legal free placement of any profile big
@@ -277,15 +283,91 @@ def optimum(doc: dict[str, Any], reqs: list[PodRequest], split: int) -> int:
     start = tuple(
         tuple((0, 0, 0, 0, bool(g.mig and g.mig.enabled)) for g in inv.gpus) for inv in invs
     )
-    return deepest(0, start)
+    best = deepest(0, start)
+    # walk one path that reaches it: a step whose rest still reaches the optimum
+    plan = []
+    state = start
+    for k in range(best):
+        r = reqs[k]
+        need = next(c for c in r.containers if c.count).count
+        step = next(
+            (ni, new)
+            for ni, gstates in enumerate(state)
+            for new in node_states(ni, gstates, r, need)
+            if deepest(k + 1, (*state[:ni], new, *state[ni + 1 :])) == best
+        )
+        ni, new = step
+        plan.append(f"{invs[ni].node} {grants_of(invs[ni].gpus[0], state[ni], new, r)}")
+        state = (*state[:ni], new, *state[ni + 1 :])
+    return best, plan
 
 
-def small(seeds: list[int], length: int) -> list[tuple[int, int, int]]:
+def grants_of(g: Any, before: tuple[Any, ...], after: tuple[Any, ...], r: PodRequest) -> str:
+    """What a step gave, from a node's GPU states before and after (GPUs are alike).
+
+    A MIG grant is named by the smallest profile of its slices that the
+    request may take (1g.10gb and 2g.10gb share their memory slices).
+    """
+    c = next(c for c in r.containers if c.count)
+    k = c.cores if c.cores < 100 else 0
+    gone = Counter(before) - Counter(after)
+    came = Counter(after) - Counter(before)
+    out = []
+    for old, new in zip(sorted(gone.elements()), sorted(came.elements()), strict=True):
+        if new[0] > old[0]:
+            out.append(f"shared ({new[1] - old[1]} MiB, {new[2] - old[2]} %)")
+        else:
+            mask = new[3] & ~old[3]
+            prof = min(
+                (profile_cores(g.mig, p), p.name, pl.start)
+                for p in g.mig.profiles
+                for pl in p.placements
+                if pl.mask == mask and profile_cores(g.mig, p) >= k
+            )[1:]
+            out.append(f"MIG {prof[0]}@{prof[1]}" + ("" if old[4] else " (MIG mode on)"))
+    return ", ".join(out)
+
+
+def describe(r: PodRequest) -> str:
+    c = next(c for c in r.containers if c.count)
+    mem = f"{c.memory_mib} MiB" if c.memory_mib is not None else f"{c.memory_pct} % memory"
+    what = f"{c.count} GPU{'s' if c.count > 1 else ''}, {mem}, {c.cores} % cores"
+    return f"{r.name} ({what}{', mig' if r.mode == 'mig' else ''})"
+
+
+def explain(seed: int, doc: dict[str, Any], reqs: list[PodRequest]) -> None:
+    """Where gpuvisor stops short of the optimum on one trace: both assignments."""
+    alloc = Allocator.from_cluster(doc, Config())
+    ours = []
+    for r in reqs:
+        d = alloc.place(r)
+        if d.allocation is None:
+            break
+        gpus = [g for c in d.allocation.containers for g in c.gpus]
+        given = ", ".join(
+            f"GPU {g.index} "
+            + (f"MIG {g.mig.profile}@{g.mig.placement.start}" if g.mig else "shared")
+            for g in gpus
+        )
+        ours.append(f"{d.node} {given}")
+    best, plan = optimum_plan(doc, reqs, 10)
+    if len(ours) >= best:
+        return
+    refused = describe(reqs[len(ours)])
+    print(f"seed {seed}: gpuvisor {len(ours)}, optimum {best}; first refused: {refused}")
+    for k in range(best):
+        mine = ours[k] if k < len(ours) else "REFUSED" if k == len(ours) else "-"
+        print(f"  {describe(reqs[k]):48} gpuvisor: {mine:32} optimum: {plan[k]}")
+
+
+def small(seeds: list[int], length: int, show: bool = False) -> list[tuple[int, int, int]]:
     doc = small_cluster()
     rows = []
     for seed in seeds:
         reqs = [pod_request(p) for p in trace(seed, length, scale=0.5)]
         reqs = [r for r in reqs if max(c.count for c in r.containers) <= 4]
+        if show:
+            explain(seed, doc, reqs)
         ours = run_trace(Allocator.from_cluster(doc, Config()), reqs).placed
         hami = run_trace(
             Allocator.from_cluster(
@@ -481,9 +563,18 @@ def main() -> None:
         help="a second range of small instances (from seed 200), reported apart",
     )
     ap.add_argument("--small-length", type=int, default=12)
+    ap.add_argument(
+        "--explain",
+        action="store_true",
+        help="per small trace gpuvisor loses: its assignment and the optimum's, then stop",
+    )
     ap.add_argument("--cpu", type=int, default=None)
     ap.add_argument("--write", type=Path, default=None)
     args = ap.parse_args()
+    if args.explain:
+        for first, count in ((100, args.small), (200, args.check_seeds)):
+            small(list(range(first, first + count)), args.small_length, show=True)
+        return
     cpus = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {args.cpu if args.cpu in cpus else cpus[-1]})
     sp = speed(args.nodes, args.decisions, 1)
