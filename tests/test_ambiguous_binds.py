@@ -17,6 +17,7 @@ Real kube-scheduler, extender and device plugins on simulated nodes
 from __future__ import annotations
 
 import kubernetes.client
+from gpuvisor.cluster.scheduler.wake import WOKEN
 
 from tests.cluster_sim import limits_file
 from tests.k8s_cluster import KubeTest
@@ -78,14 +79,12 @@ def test_a_pod_that_cannot_share_waits_for_the_other_to_start(cluster: Cluster) 
     assert not k.read_pod("second").spec.node_name
     node.admit(k.read_pod("first"))
     # kube-scheduler does not try a pod an extender refused again on
-    # another pod's status update: only on an event of its own plugins'
-    # kinds, or when it flushes pods unschedulable for 5 minutes (a CI run
-    # waited 150 s in vain).  An update of the waiting pod itself moves it
-    # back to the queue, as an operator's would (docs/kubernetes.md).
-    k.core.patch_namespaced_pod(
-        "second", k.namespace, {"metadata": {"annotations": {"example.com/retry": "1"}}}
-    )
-    assert k.wait_bound("second", timeout=150) == "amb-2"
+    # another pod's status update, only when it flushes pods unschedulable
+    # for 5 minutes (a CI run waited 150 s in vain): the extender wakes it
+    # (an update of its gpuvisor.io/woken annotation) when the first starts
+    assert k.wait_bound("second", timeout=120) == "amb-2"
+    woken = (k.read_pod("second").metadata.annotations or {}).get(WOKEN, "")
+    assert woken.endswith(f" {k.namespace}/first started its container main"), woken
     first, second = (main_gpus(allocation_of(k.read_pod(n)))[0] for n in ("first", "second"))
     assert first["uuid"] != second["uuid"]
     _, resps = node.admit(k.read_pod("second"))

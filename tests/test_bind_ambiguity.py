@@ -23,6 +23,7 @@ from gpuvisor.cluster.inventory_model import load_inventory
 from gpuvisor.cluster.request import GPU_POLICY, pod_request
 from gpuvisor.cluster.scheduler.extender import EXPLAINED_NODES, Extender
 from gpuvisor.cluster.scheduler.state import Ambiguous, ClusterState
+from gpuvisor.cluster.scheduler.wake import Wake
 
 from tests.inventories import cluster, ctr, pcie_box, pod
 
@@ -278,3 +279,66 @@ def test_prioritize_assumes_no_ambiguous_placement(ext: tuple[Extender, Pods]) -
     assert d.allocation.containers[0].gpus[0].uuid == "GPU-n0-1"  # beside a's, not on it
     assert not e.state.assume("default/c", "uid-c", d)
     assert "default/c" not in e.state.held
+
+
+def woken(e: Extender) -> list[Wake]:
+    """Collects what the state hands its waker from now on."""
+    out: list[Wake] = []
+    e.state.wake = out.append
+    return out
+
+
+def test_a_refused_pod_is_woken_when_the_pod_it_waits_for_starts(
+    ext: tuple[Extender, Pods],
+) -> None:
+    """filter remembers the pod it refused to wait (kube-scheduler would
+    not try it again when the other starts); the other's start wakes it,
+    once.  A pod that fits is not remembered, nor is a refused pod woken by
+    the bind of the one it waits for being done again."""
+    e, pods = ext
+    out = woken(e)
+    assert bind(e, pods, pod("a", ctr(gpu=1, gpumem=1000, gpucores=50))) == ""
+    b = pod("b", ctr(gpu=1, gpucores=100))
+    b["metadata"]["uid"] = "uid-b"
+    assert e.filter({"Pod": b, "NodeNames": ["n0"]})["NodeNames"] == []
+    c = pod("c", ctr(gpu=1, gpumem=1000, gpucores=50), annotations=SPREAD)
+    c["metadata"]["uid"] = "uid-c"
+    assert e.filter({"Pod": c, "NodeNames": ["n0"]})["NodeNames"] == ["n0"]
+    # a's bind done again (as after a failed one): dropped, decided, taken
+    e.state.drop("default/a", settle=False)
+    again = e.allocator.decide(pod_request(pods.docs["a"]), nodes=["n0"])
+    e.state.took("default/a", "uid-a", "n0", again)
+    assert out == []
+    start(e, pods, "a", "main", phase="Pending")
+    assert out == [Wake("default/b", "uid-b", "default/a started its container main")]
+    start(e, pods, "a", "main")
+    assert len(out) == 1
+
+
+def test_a_refused_pod_is_woken_when_the_pod_it_waits_for_goes(
+    ext: tuple[Extender, Pods],
+) -> None:
+    """Deleted, or replaced by another pod of the same name."""
+    e, pods = ext
+    out = woken(e)
+    assert bind(e, pods, pod("a", ctr(gpu=1, gpumem=1000, gpucores=50))) == ""
+    b = pod("b", ctr(gpu=1, gpucores=100))
+    b["metadata"]["uid"] = "uid-b"
+    assert e.filter({"Pod": b, "NodeNames": ["n0"]})["NodeNames"] == []
+    e.state.pod_event(v1pod(pods.docs["a"]), deleted=True)
+    assert out == [Wake("default/b", "uid-b", "default/a holds no GPUs any more")]
+    assert e.state.blocked == {}
+
+
+def test_a_pod_it_waits_for_that_started_meanwhile_wakes_it_at_once(
+    ext: tuple[Extender, Pods],
+) -> None:
+    """The other pod's start may come between filter's check and its
+    remembering the refused pod: then the pod is woken at once."""
+    e, pods = ext
+    out = woken(e)
+    assert bind(e, pods, pod("a", ctr(gpu=1, gpumem=1000, gpucores=50))) == ""
+    start(e, pods, "a", "main")
+    e.state.wait_for("default/b", "uid-b", [("default/a", "main")])
+    assert out == [Wake("default/b", "uid-b", "default/a started its container main")]
+    assert e.state.blocked == {}

@@ -91,6 +91,7 @@ def scheduler(
     from .metrics import Metrics
     from .server import serve
     from .state import ClusterState
+    from .wake import Waker
 
     log_server_lines()
     if (tls_cert is None) != (tls_key is None):
@@ -124,6 +125,7 @@ def scheduler(
     api_client.rest_client.pool_manager.connection_pool_kw["maxsize"] = 32
     core = client.CoreV1Api(api_client)
     state = ClusterState(core, cfg)
+    state.wake = Waker(core).wake
     tls = None
     if tls_cert is not None and tls_key is not None:
         tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)

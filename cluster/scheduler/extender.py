@@ -143,11 +143,12 @@ class Extender:
             return {"NodeNames": [], "FailedAndUnresolvableNodes": {n: str(exc) for n in names}}
         # this pod's room assumed by an earlier cycle is decided again
         self.state.unassume(req.name)
+        waits: list[tuple[str, str]] = []
         if len(names) <= EXPLAINED_NODES:
             d = self._decide(req, names, explain=True)
             fitting = [n for n in names if n not in d.reasons]
             failed = {n: self._reason(d.reasons[n]) for n in names if n in d.reasons}
-            fitting = self._not_waiting(req, fitting, failed)
+            fitting = self._not_waiting(req, fitting, failed, waits)
             if d.node is not None and d.node not in fitting and fitting:
                 # the choice waits: prioritize ranks (and assumes) another
                 d = self._decide(req, fitting, explain=False)
@@ -159,13 +160,13 @@ class Extender:
             d = self._decide(req, names, explain=False)
             failed = {n: self._reason(why) for n, why in d.reasons.items()}
             finalists = list(d.score.get("finalists", [])) if d.node else []
-            fitting = self._not_waiting(req, finalists, failed)
+            fitting = self._not_waiting(req, finalists, failed, waits)
             while finalists and not fitting:
                 # every finalist would refuse the bind for now: the next ones
                 d = self._decide(req, [n for n in names if n not in failed], explain=False)
                 failed.update((n, self._reason(why)) for n, why in d.reasons.items())
                 finalists = list(d.score.get("finalists", [])) if d.node else []
-                fitting = self._not_waiting(req, finalists, failed)
+                fitting = self._not_waiting(req, finalists, failed, waits)
             if d.node is None:
                 # fits nowhere: the reasons of the first nodes, a quick
                 # check's verdict for the rest
@@ -173,14 +174,23 @@ class Extender:
                 failed.update((n, self._reason(why)) for n, why in shown.reasons.items())
                 failed.update((n, NOT_EXPLAINED) for n in names if n not in failed)
         self._remember(req.uid, fitting, d)
+        if waits and not fitting and req.uid:
+            # Unschedulable for now: kube-scheduler would not try it again
+            # when the pods it waits for start
+            self.state.wait_for(req.name, req.uid, waits)
         return {"NodeNames": fitting, "FailedNodes": failed, "Error": ""}
 
     def _not_waiting(
-        self, req: PodRequest, fitting: Sequence[str], failed: dict[str, str]
+        self,
+        req: PodRequest,
+        fitting: Sequence[str],
+        failed: dict[str, str],
+        waits: list[tuple[str, str]],
     ) -> list[str]:
         """The nodes of `fitting` where bind would not refuse the pod for
         now (the bind rule: `ClusterState.ambiguity`); the others go to
-        `failed` with the pod they wait for.  A node counts as waiting if a
+        `failed` with the pod they wait for, and that (pod, container) to
+        `waits`.  A node counts as waiting if a
         not-started pod there has a container with as many GPUs as one of
         this pod's and this pod does not fit on exactly its GPUs."""
         counts = {c.count for c in req.containers if c.count}
@@ -190,6 +200,7 @@ class Extender:
             narrowed = on_the_same_gpus(req, {g for _, _, g in others}) if others else None
             if others and (narrowed is None or self._decide(narrowed, [n], False).node != n):
                 pod, container, gpus = others[0]
+                waits.append((pod, container))
                 failed[n] = (
                     f"waits for pod {pod} on {n} to start its container {container}: it has a "
                     f"{len(gpus)}-GPU container on GPUs this pod cannot get, and the device "
@@ -296,8 +307,9 @@ class Extender:
             raise RuntimeError(f"already bound to {pod['spec']['nodeName']}")
         req = pod_request(pod)
         # a reservation of an earlier attempt (a failed bind, or restored
-        # from its annotation) is void: the pod is placed again
-        self.state.drop(key)
+        # from its annotation) is void: the pod is placed again (the pods
+        # waiting for it go on waiting)
+        self.state.drop(key, settle=False)
         allocation = self._commit(key, meta["uid"], req, node)
         try:
             self.core.patch_namespaced_pod(

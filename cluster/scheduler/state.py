@@ -9,7 +9,9 @@ Gone) is replaced by a fresh list that reconciles everything.
 
 The pods' status tells which containers kubelet has started; `took` uses it
 to refuse a placement that the device plugin could confuse with another
-pod's (`Ambiguous`, see `ambiguity`).
+pod's (`Ambiguous`, see `ambiguity`).  The pods filter refused for that
+reason (`wait_for`) are handed to `wake` when the pod they wait for starts
+the container, ends or holds its GPUs no more (cluster/scheduler/wake.py).
 
 `lock` guards only the bookkeeping of which pods are accounted (a dict
 update next to an allocator call that itself takes one node's lock); it is
@@ -22,7 +24,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +33,8 @@ from gpuvisor.cluster.allocator import Allocator, Config, Conflict, Decision
 from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY
 from gpuvisor.cluster.inventory_model import DocumentError, load_inventory
 
+from .wake import Wake
+
 log = logging.getLogger("gpuvisor.scheduler")
 
 FINISHED = ("Succeeded", "Failed")
@@ -38,6 +42,19 @@ FINISHED = ("Succeeded", "Failed")
 # (kube-scheduler chose a node no extender verb saw, or gave the pod up).
 ASSUME_SECONDS = 30.0
 WATCH_SECONDS = 300  # a watch is renewed (from its resourceVersion) this often
+# A pod refused to wait for another is forgotten after this long unwoken
+# (kube-scheduler flushes it back to its queue after 5 minutes anyway, and
+# filter remembers it again if it still waits).
+WAIT_SECONDS = 600.0
+
+
+@dataclass(frozen=True)
+class Waiter:
+    """A pod filter refused until another pod's `container` starts."""
+
+    uid: str
+    container: str
+    since: float  # monotonic
 
 
 @dataclass
@@ -102,6 +119,11 @@ class ClusterState:
         self.waiting: dict[str, dict[str, Allocation]] = {}
         # what the pods' status says of the pods with an allocation
         self.pods: dict[str, Seen] = {}
+        # pods refused until another starts: its key -> waiting pod key -> Waiter
+        self.blocked: dict[str, dict[str, Waiter]] = {}
+        self._waiters_swept = 0.0
+        # called (with `lock` held: it must not block) for each waiting pod to wake
+        self.wake: Callable[[Wake], None] | None = None
         self.ready = threading.Event()
         self.stopping = threading.Event()
 
@@ -141,36 +163,42 @@ class ClusterState:
     def pod_event(self, pod: Any, deleted: bool = False) -> None:
         meta = pod.metadata
         key = f"{meta.namespace}/{meta.name}"
+        with self.lock:
+            self._pod_event(pod, key, deleted)
+            if key in self.blocked:
+                self._settle(key)
+
+    def _pod_event(self, pod: Any, key: str, deleted: bool) -> None:
+        meta = pod.metadata
         phase = pod.status.phase if pod.status else None
         text = (meta.annotations or {}).get(ANNOTATION)
-        with self.lock:
-            held = self.held.get(key)
-            if deleted or phase in FINISHED:
-                if held is not None and held.uid == meta.uid:
-                    self._release(key)
-                for pods in self.waiting.values():
-                    pods.pop(key, None)
-                self.pods.pop(key, None)
-                return
-            if held is not None and held.uid != meta.uid:
-                self._release(key)  # a pod of the same name replaced one we missed the end of
-                held = None
-            if held is not None or text is not None:
-                self.pods[key] = Seen(meta.uid, phase in (None, "Pending"), started_containers(pod))
-            if held is not None or text is None:
-                return
-            try:
-                allocation = load_allocation(text, f"pod {key}: {ANNOTATION}")
-            except DocumentError as exc:
-                log.warning("%s", exc)
-                return
-            if allocation.pod != key or (allocation.uid and allocation.uid != meta.uid):
-                log.warning("pod %s: %s belongs to %s; ignored", key, ANNOTATION, allocation.pod)
-                return
-            if allocation.node not in self.inventories:
-                self.waiting.setdefault(allocation.node, {})[key] = allocation
-                return
-            self._restore(key, allocation)
+        held = self.held.get(key)
+        if deleted or phase in FINISHED:
+            if held is not None and held.uid == meta.uid:
+                self._release(key)
+            for pods in self.waiting.values():
+                pods.pop(key, None)
+            self.pods.pop(key, None)
+            return
+        if held is not None and held.uid != meta.uid:
+            self._release(key)  # a pod of the same name replaced one we missed the end of
+            held = None
+        if held is not None or text is not None:
+            self.pods[key] = Seen(meta.uid, phase in (None, "Pending"), started_containers(pod))
+        if held is not None or text is None:
+            return
+        try:
+            allocation = load_allocation(text, f"pod {key}: {ANNOTATION}")
+        except DocumentError as exc:
+            log.warning("%s", exc)
+            return
+        if allocation.pod != key or (allocation.uid and allocation.uid != meta.uid):
+            log.warning("pod %s: %s belongs to %s; ignored", key, ANNOTATION, allocation.pod)
+            return
+        if allocation.node not in self.inventories:
+            self.waiting.setdefault(allocation.node, {})[key] = allocation
+            return
+        self._restore(key, allocation)
 
     def _restore(self, key: str, allocation: Allocation) -> None:
         try:
@@ -180,11 +208,67 @@ class ClusterState:
             return
         self.held[key] = Held(allocation.uid, allocation.node)
 
-    def _release(self, key: str) -> None:
+    def _release(self, key: str, settle: bool = True) -> None:
         self.assumed.pop(key, None)
         self.held.pop(key, None)
         self.pods.pop(key, None)
         self.allocator.release(key)
+        if settle and key in self.blocked:
+            self._settle(key)
+
+    # ---- pods waiting for others to start ----------------------------------
+
+    def _blocks(self, key: str, container: str) -> bool:
+        """Whether pod `key` still holds GPUs with `container` not started
+        (as `_unstarted` counts it).  With `lock` held."""
+        held = self.held.get(key)
+        if held is None:
+            return False
+        seen = self.pods.get(key)
+        if seen is not None and held.uid and seen.uid != held.uid:
+            seen = None
+        return seen is None or (seen.pending and container not in seen.started)
+
+    def wait_for(self, key: str, uid: str, blockers: Iterable[tuple[str, str]]) -> None:
+        """Remember that filter refused pod `key` (uid) until each of the
+        (pod, container) `blockers` starts; one that started meanwhile
+        wakes it at once."""
+        now = time.monotonic()
+        with self.lock:
+            if now - self._waiters_swept > 60.0:
+                self._waiters_swept = now
+                for blocker in list(self.blocked):
+                    waiters = self.blocked[blocker]
+                    for k in [k for k, w in waiters.items() if now - w.since > WAIT_SECONDS]:
+                        del waiters[k]
+                    if not waiters:
+                        del self.blocked[blocker]
+            for blocker, container in blockers:
+                if self._blocks(blocker, container):
+                    self.blocked.setdefault(blocker, {})[key] = Waiter(uid, container, now)
+                elif self.wake is not None:
+                    self.wake(Wake(key, uid, f"{blocker} started its container {container}"))
+
+    def _settle(self, key: str) -> None:
+        """Wake the pods waiting for pod `key` that it no longer holds back.
+        With `lock` held."""
+        waiters = self.blocked.get(key, {})
+        for waiter, w in list(waiters.items()):
+            if self._blocks(key, w.container):
+                continue
+            del waiters[waiter]
+            if self.wake is None:
+                continue
+            seen = self.pods.get(key)
+            if key not in self.held:
+                why = f"{key} holds no GPUs any more"
+            elif seen is not None and w.container in seen.started:
+                why = f"{key} started its container {w.container}"
+            else:
+                why = f"{key} is running"
+            self.wake(Wake(waiter, w.uid, why))
+        if not waiters:
+            self.blocked.pop(key, None)
 
     # ---- bind's bookkeeping ------------------------------------------------
 
@@ -272,12 +356,13 @@ class ClusterState:
             self.held[key] = Held(uid, node)
             return allocation
 
-    def drop(self, key: str) -> None:
-        """Forget a pod's reservation (its bind failed, or is done again)."""
+    def drop(self, key: str, settle: bool = True) -> None:
+        """Forget a pod's reservation (its bind failed, or is done again:
+        `settle` False, the pods waiting for it keep waiting)."""
         with self.lock:
             self.assumed.pop(key, None)
             if key in self.held:
-                self._release(key)
+                self._release(key, settle)
 
     def assume(self, key: str, uid: str, decision: Decision) -> bool:
         """Hold the room a decision takes before kube-scheduler binds the pod
