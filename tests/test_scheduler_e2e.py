@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import shutil
 import signal
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -58,12 +60,18 @@ print(json.dumps([[g.uuid, g.index, g.memory_mib, g.model] for g in NvmlGpus().g
 """
 
 
-def scheduler_config(port: int) -> dict[str, Any]:
-    """kube-scheduler's configuration with gpuvisor's extender (docs/kubernetes.md)."""
+def scheduler_config(port: int, ca_file: Path | None = None) -> dict[str, Any]:
+    """kube-scheduler's configuration with gpuvisor's extender
+    (docs/kubernetes.md); over HTTPS, checking its certificate against
+    `ca_file`, when given."""
+    tls: dict[str, Any] = {}
+    if ca_file is not None:
+        tls = {"enableHTTPS": True, "tlsConfig": {"caFile": str(ca_file)}}
     return {
         "extenders": [
             {
-                "urlPrefix": f"http://127.0.0.1:{port}",
+                "urlPrefix": f"{'https' if ca_file else 'http'}://127.0.0.1:{port}",
+                **tls,
                 "filterVerb": "filter",
                 "prioritizeVerb": "prioritize",
                 "bindVerb": "bind",
@@ -78,15 +86,33 @@ def scheduler_config(port: int) -> dict[str, Any]:
     }
 
 
+@dataclass(frozen=True)
+class ExtenderTls:
+    """The extender's serving certificate and key (given through the
+    environment, as deploy/scheduler.yaml does), and the CA to check it."""
+
+    cert: Path
+    key: Path
+    ca: Path
+
+    def client_context(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(self.ca))
+
+
 class Extender:
     """`gpuvisor scheduler` as a process, on fixed ports (restartable)."""
 
-    def __init__(self, kubeconfig: Path, log: Path) -> None:
+    def __init__(self, kubeconfig: Path, log: Path, tls: ExtenderTls | None = None) -> None:
         self.kubeconfig = kubeconfig
         self.log = log
+        self.tls = tls
         self.port = free_port()
         self.metrics_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def start(self) -> None:
         argv = [
@@ -97,14 +123,25 @@ class Extender:
             f"--metrics-port={self.metrics_port}",
             f"--kubeconfig={self.kubeconfig}",
         ]
+        env = dict(os.environ)
+        context = None
+        if self.tls is not None:
+            env["GPUVISOR_SCHEDULER_TLS_CERT"] = str(self.tls.cert)
+            env["GPUVISOR_SCHEDULER_TLS_KEY"] = str(self.tls.key)
+            context = self.tls.client_context()
         with open(self.log, "ab") as out:
-            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT)
+            self.proc = subprocess.Popen(
+                argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env
+            )
         deadline = time.monotonic() + EXTENDER_START
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 pytest.fail(f"gpuvisor scheduler exited: {self.log.read_text()[-3000:]}")
-            url = f"http://127.0.0.1:{self.port}/healthz"
-            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2):
+            url = f"{self.url}/healthz"
+            with (
+                contextlib.suppress(OSError),
+                urllib.request.urlopen(url, timeout=2, context=context),
+            ):
                 return
             time.sleep(0.1)
         pytest.fail(f"gpuvisor scheduler not ready: {self.log.read_text()[-3000:]}")

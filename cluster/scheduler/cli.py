@@ -37,9 +37,17 @@ from . import defaults
 )
 @file_option(
     "--tls-cert",
-    "Serve the extender over HTTPS with this certificate (PEM); needs --tls-key.",
+    "Serve the extender over HTTPS with this certificate (PEM, with its chain); needs "
+    "--tls-key; reloaded when it changes on disk (kube-scheduler: enableHTTPS, tlsConfig).",
+    envvar="GPUVISOR_SCHEDULER_TLS_CERT",
+    show_envvar=True,
 )
-@file_option("--tls-key", "The certificate's private key (PEM).")
+@file_option(
+    "--tls-key",
+    "The certificate's private key (PEM); reloaded with it.",
+    envvar="GPUVISOR_SCHEDULER_TLS_KEY",
+    show_envvar=True,
+)
 @split_count_option(10, "vGPUs per GPU at most (the device plugin's --split-count).")
 @click.option(
     "--node-policy",
@@ -79,7 +87,6 @@ def scheduler(
     # aiohttp, the Kubernetes client and the allocator load only when it runs
     import asyncio
     import signal
-    import ssl
     import threading
 
     from gpuvisor.cluster.allocator import Config
@@ -87,6 +94,7 @@ def scheduler(
     from gpuvisor.cluster.mig import read_geometries
     from kubernetes import client, config
 
+    from ..serving_tls import CertificateError, ServingCertificate
     from .extender import Extender
     from .metrics import Metrics
     from .server import serve
@@ -128,8 +136,10 @@ def scheduler(
     state.wake = Waker(core).wake
     tls = None
     if tls_cert is not None and tls_key is not None:
-        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        tls.load_cert_chain(tls_cert, tls_key)
+        try:
+            tls = ServingCertificate(tls_cert, tls_key, ("--tls-cert", "--tls-key"))
+        except CertificateError as exc:
+            raise click.ClickException(str(exc)) from None
     extender = Extender(state, core, api_client)
     metrics = Metrics(state)
 
@@ -149,7 +159,8 @@ def scheduler(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        await serve(extender, metrics, host, port, metrics_host, metrics_port, tls, stop)
+        context = tls.server_context() if tls is not None else None
+        await serve(extender, metrics, host, port, metrics_host, metrics_port, context, stop)
 
     asyncio.run(main())
     state.stopping.set()

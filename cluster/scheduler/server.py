@@ -113,7 +113,12 @@ async def serve(
         await web.TCPSite(runner, h, p, ssl_context=ctx).start()
         runners.append(runner)
     log.info(
-        "serving the extender on %s:%d, metrics on %s:%d", host, port, metrics_host, metrics_port
+        "serving the extender on %s://%s:%d, metrics on http://%s:%d",
+        "https" if tls is not None else "http",
+        host,
+        port,
+        metrics_host,
+        metrics_port,
     )
     try:
         await stop.wait()

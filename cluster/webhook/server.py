@@ -10,71 +10,20 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import socket
-import ssl
-import threading
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
+from ..serving_tls import CertificateError, ServingCertificate
 from .review import ReviewError, WebhookConfig, admit
+
+__all__ = ["CertificateError", "ServingCertificate", "WebhookServer"]
 
 log = logging.getLogger("gpuvisor.webhook")
 
 MAX_BODY = 4 << 20  # an AdmissionReview of one Pod; the API server caps requests at 3 MiB
 IO_TIMEOUT_S = 10.0
-
-
-class CertificateError(ValueError):
-    """The serving certificate or key cannot be loaded (one line naming the file)."""
-
-
-class ServingCertificate:
-    """An SSL context for a certificate/key pair, rebuilt when either file changes."""
-
-    def __init__(self, cert_file: Path, key_file: Path) -> None:
-        self.cert_file = cert_file
-        self.key_file = key_file
-        self._lock = threading.Lock()
-        self._stamp = self._read_stamp()
-        self._context = self._load()
-
-    def _read_stamp(self) -> tuple[tuple[int, int, int], ...]:
-        stamps = []
-        for path in (self.cert_file, self.key_file):
-            try:
-                st = os.stat(path)
-            except OSError as exc:
-                raise CertificateError(f"{path}: {exc.strerror}") from None
-            stamps.append((st.st_ino, st.st_size, st.st_mtime_ns))
-        return tuple(stamps)
-
-    def _load(self) -> ssl.SSLContext:
-        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-        try:
-            ctx.load_cert_chain(self.cert_file, self.key_file)
-        except (OSError, ssl.SSLError) as exc:
-            raise CertificateError(
-                f"--tls-cert-file {self.cert_file} / --tls-key-file {self.key_file}: {exc}"
-            ) from None
-        return ctx
-
-    def context(self) -> ssl.SSLContext:
-        """The current context, reloaded first if a file changed since the last load."""
-        with self._lock:
-            try:
-                stamp = self._read_stamp()
-                if stamp != self._stamp:
-                    self._context = self._load()
-                    self._stamp = stamp
-                    log.info("reloaded the serving certificate %s", self.cert_file)
-            except CertificateError as exc:
-                # Half-written during a renewal, most likely: keep serving the old pair.
-                log.warning("keeping the previous serving certificate: %s", exc)
-            return self._context
 
 
 class _Handler(BaseHTTPRequestHandler):
