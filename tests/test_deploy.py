@@ -788,10 +788,28 @@ def test_scheduler_pod_wires_extender_webhook_and_metrics():
         "bind",
     )
     assert all(r["ignoredByScheduler"] for r in extender["managedResources"])
-    assert extender["urlPrefix"].startswith("http://127.0.0.1:")
+    assert extender["urlPrefix"].startswith("https://127.0.0.1:")
     extender_port = extender["urlPrefix"].rsplit(":", 1)[1]
     ext = container(spec, "extender")
     assert f"--port={extender_port}" in ext["args"]
+    # over HTTPS: the extender serves the Secret's pair (from its
+    # environment), kube-scheduler trusts the same Secret's CA
+    assert extender["enableHTTPS"] is True
+    secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+    sched_mounts = {
+        m["mountPath"]: m["name"] for m in container(spec, "kube-scheduler")["volumeMounts"]
+    }
+    ext_mounts = {m["mountPath"]: m["name"] for m in ext["volumeMounts"]}
+    ca = PurePosixPath(extender["tlsConfig"]["caFile"])
+    assert secrets[sched_mounts[str(ca.parent)]] == "gpuvisor-scheduler-tls"
+    env = {e["name"]: e["value"] for e in ext["env"]}
+    for var, file in (
+        ("GPUVISOR_SCHEDULER_TLS_CERT", "tls.crt"),
+        ("GPUVISOR_SCHEDULER_TLS_KEY", "tls.key"),
+    ):
+        path = PurePosixPath(env[var])
+        assert path.name == file
+        assert secrets[ext_mounts[str(path.parent)]] == "gpuvisor-scheduler-tls"
 
     # The webhook gives pods the scheduler this profile is, serves the
     # Secret's pair, and gets no service account token.
@@ -862,6 +880,28 @@ def test_device_plugin_daemonset_matches_the_plugins_defaults():
     assert init["image"] == documented_images()["images/runtime/Dockerfile"]
     assert host_path_mount(spec, init, str(params["lib_dir"]))["mountPath"] == "/host-lib"
     assert "/host-lib/libgpuvisor.so" in init["command"][-1]
+
+
+def test_scheduler_certificate_script_issues_a_pair_for_loopback(tmp_path):
+    import ipaddress
+
+    from cryptography import x509
+
+    subprocess.run(
+        ["sh", str(DEPLOY / "scheduler-certificate.sh"), "--out", str(tmp_path)],
+        check=True,
+        capture_output=True,
+    )
+    ca = x509.load_pem_x509_certificate((tmp_path / "ca.crt").read_bytes())
+    leaf = x509.load_pem_x509_certificate((tmp_path / "tls.crt").read_bytes())
+    leaf.verify_directly_issued_by(ca)
+    names = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert ipaddress.ip_address("127.0.0.1") in names.get_values_for_type(x509.IPAddress)
+    assert not (tmp_path / "ca.key").exists()
+    assert (tmp_path / "tls.key").stat().st_mode & 0o077 == 0
+    ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
+        tmp_path / "tls.crt", tmp_path / "tls.key"
+    )
 
 
 def test_webhook_certificate_script_issues_a_pair_for_the_service(tmp_path):
