@@ -247,7 +247,7 @@ class ClusterState:
                 if self._blocks(blocker, container):
                     self.blocked.setdefault(blocker, {})[key] = Waiter(uid, container, now)
                 elif self.wake is not None:
-                    self.wake(Wake(key, uid, f"{blocker} started its container {container}"))
+                    self.wake(Wake(key, uid, self._why(blocker, container)))
 
     def _settle(self, key: str) -> None:
         """Wake the pods waiting for pod `key` that it no longer holds back.
@@ -257,18 +257,19 @@ class ClusterState:
             if self._blocks(key, w.container):
                 continue
             del waiters[waiter]
-            if self.wake is None:
-                continue
-            seen = self.pods.get(key)
-            if key not in self.held:
-                why = f"{key} holds no GPUs any more"
-            elif seen is not None and w.container in seen.started:
-                why = f"{key} started its container {w.container}"
-            else:
-                why = f"{key} is running"
-            self.wake(Wake(waiter, w.uid, why))
+            if self.wake is not None:
+                self.wake(Wake(waiter, w.uid, self._why(key, w.container)))
         if not waiters:
             self.blocked.pop(key, None)
+
+    def _why(self, key: str, container: str) -> str:
+        """Why pod `key` no longer holds back pods waiting for `container`."""
+        seen = self.pods.get(key)
+        if key not in self.held:
+            return f"{key} holds no GPUs any more"
+        if seen is not None and container in seen.started:
+            return f"{key} started its container {container}"
+        return f"{key} is running"
 
     # ---- bind's bookkeeping ------------------------------------------------
 
