@@ -455,3 +455,39 @@ def _dirs(n: MigNode) -> list[Any]:
         for d in (n.sim.dir / "state").iterdir()
         if (d / "owner.json").exists()
     ]
+
+
+def test_an_app_container_reusing_its_init_containers_devices_gets_its_instance(
+    mig_node: MigNode,
+) -> None:
+    """kubelet gives an app container its init container's devices without
+    asking GetPreferredAllocation: the plugin still realises the app
+    container's own MIG placement (the init container's preference names
+    the pod), and each runs on its own instance with its own limits."""
+    n = mig_node
+    g0 = n.gpus[0]
+    pod = Pod("default", "initmig", [Container("setup", 1, init=True), Container("main", 1)])
+
+    def grant(name: str, init: bool, start: int, mib: int) -> dict[str, Any]:
+        plan = mig_plan(PROFILE_1G10, start, 2, enable=init)
+        gpu = {"uuid": g0, "index": 0, "memory_mib": mib, "cores": 15, "mig": plan}
+        return {"name": name, "init": init, "gpus": [gpu]}
+
+    doc = json.loads(n.allocs.read_text())
+    containers = [grant("setup", True, 0, 9856), grant("main", False, 2, 9856)]
+    doc[pod.key] = json.dumps({"pod": pod.key, "node": NODE, "containers": containers})
+    n.allocs.write_text(json.dumps(doc))
+    resps = n.kubelet.admit(pod)
+    assert (
+        n.kubelet.state.assigned[(pod.key, "main")] == n.kubelet.state.assigned[(pod.key, "setup")]
+    )
+    by_start = {start: uuid for start, _, uuid, _ in n.instances()[g0]["instances"]}
+    assert set(by_start) == {0, 2}, n.plugin_log()
+    for name, start in (("setup", 0), ("main", 2)):
+        assert resps[name].envs["CUDA_VISIBLE_DEVICES"] == by_start[start]
+        n.kubelet.start(pod, name)
+        proc = run(resps[name], MIG_PROBE, n.base_env)
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout) == [[f"{A100} MIG 1g.10gb", by_start[start], 9856]]
+    n.gone(pod)
+    assert eventually(lambda: n.instances()[g0]["instances"] == []), n.plugin_log()

@@ -257,6 +257,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
         cfg = self.config
         with self._lock:
             steer = self._steered.pop(frozenset(ids), None)
+        if steer is None:
+            steer = self._reused_for_mig(ids, gpus)
         made = self._realise_mig(steer, gpus) if steer is not None else []
         top = cfg.state_dir / secrets.token_hex(8)
         (top / "region").mkdir(parents=True)
@@ -297,6 +299,40 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
         ]
         log.info("Allocate %s -> %s (%s)", ids, top.name, visible)
         return dp.ContainerAllocateResponse(envs=envs, mounts=mounts), top
+
+    def _reused_for_mig(self, ids: list[str], gpus: list[Gpu]) -> tuple[str, str] | None:
+        """The app container that kubelet gives exactly the devices of its
+        pod's init container, when its placement is MIG: kubelet reuses an
+        init container's devices for the pod's app containers (in manifest
+        order) without asking GetPreferredAllocation, so the preference
+        that chose these IDs for the init container names the pod.  Its
+        first app container on exactly these GPUs, with a MIG placement and
+        no directory of these IDs yet, is the one (PreStartContainer then
+        checks it against kubelet's PodResources API, as for any other)."""
+        if self.mig is None:
+            return None
+        with self._lock:
+            tops = list(self._dirs.get(frozenset(ids), []))
+        steers = {s for s in (_read_steer(t) for t in tops) if s is not None}
+        for pod, init in sorted(steers):
+            ns, _, name = pod.partition("/")
+            try:
+                grant = self._grant(ns, name, init)
+            except PreStartRefused:
+                continue
+            first = grant.container(init)
+            if first is None or not first.init:
+                continue
+            want = sorted(g.uuid for g in gpus)
+            for c in grant.containers:
+                if c.init or (pod, c.name) in steers:
+                    continue
+                if sorted(g.uuid for g in c.gpus) == want:
+                    if any(g.mig is not None for g in c.gpus):
+                        log.info("Allocate: %s reused for %s/%s", ids, pod, c.name)
+                        return pod, c.name
+                    return None
+        return None
 
     def _realise_mig(self, steer: tuple[str, str], gpus: list[Gpu]) -> list[Made]:
         """The MIG instances of the container GetPreferredAllocation chose
