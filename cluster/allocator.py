@@ -12,6 +12,7 @@ or node-wide lock held across a decision.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import threading
 from collections import Counter
@@ -367,6 +368,43 @@ def option(
     return why or "in MIG mode"
 
 
+def first_reconfigures(
+    containers: Sequence[ContainerRequest], grants: dict[str, list[GpuGrant]]
+) -> Sequence[ContainerRequest]:
+    """`containers` (init containers first, as kubelet starts them and the
+    device plugin realises their MIG plans), with each GPU's reconfiguration
+    (MIG mode on, idle instances destroyed) moved in `grants` to the first
+    of the pod's MIG grants there: the app containers are planned before
+    the init containers, so their grants carry it, but the init containers'
+    instances are made first, and on a GPU still out of MIG mode."""
+    seen: dict[int, tuple[str, int]] = {}  # GPU index -> the first grant's container, position
+    for c in containers:
+        for k, g in enumerate(grants.get(c.name, [])):
+            m = g.mig
+            if m is None:
+                continue
+            if g.index not in seen:
+                seen[g.index] = (c.name, k)
+                continue
+            if not (m.enable or m.destroy):
+                continue
+            name, j = seen[g.index]
+            first = grants[name][j]
+            assert first.mig is not None
+            grants[name][j] = dataclasses.replace(
+                first,
+                mig=dataclasses.replace(
+                    first.mig,
+                    enable=first.mig.enable or m.enable,
+                    destroy=tuple(dict.fromkeys(first.mig.destroy + m.destroy)),
+                ),
+            )
+            grants[c.name][k] = dataclasses.replace(
+                g, mig=dataclasses.replace(m, enable=False, destroy=())
+            )
+    return containers
+
+
 def take(work: Work, o: Option, charge: dict[int, GpuCharge] | None) -> MigGrant | None:
     i = o.index
     grant = None
@@ -667,7 +705,7 @@ def plan_node(
         )
     containers = [
         ContainerGrant(c.name, c.init, tuple(grants.get(c.name, [])), pod.sm_policy, c.priority)
-        for c in pod.containers
+        for c in first_reconfigures(pod.containers, grants)
     ]
     return NodePlan(
         containers,

@@ -395,6 +395,40 @@ def test_mig_mode_turned_on_only_on_an_idle_gpu():
     )
 
 
+def test_mig_reconfiguration_goes_with_the_init_container_made_first():
+    """The app containers are planned first, but kubelet starts (and the
+    device plugin realises) the init containers first: MIG mode is turned
+    on, and idle instances destroyed, by the first grant on the GPU."""
+    a = Allocator.from_cluster(cluster(mig_box("m", enabled=False)))
+    d = place(
+        a,
+        "x",
+        ctr("main", gpu=1, gpumem=8000),
+        annotations=MIG,
+        init=[ctr("setup", gpu=1, gpumem=4000)],
+    )
+    setup, main = d.allocation.containers
+    assert (setup.name, main.name) == ("setup", "main")
+    assert setup.gpus[0].mig.enable
+    assert not main.gpus[0].mig.enable
+    # a GPU full of idle 1g.10gb instances: the app container's 3g.40gb
+    # needs three destroyed, the init container reuses another
+    idle = [("1g.10gb", i, False) for i in range(7)]
+    b = Allocator.from_cluster(cluster(mig_box("m", instances=idle)))
+    d = place(
+        b,
+        "y",
+        ctr("main", gpu=1, gpumem=40000),
+        annotations=MIG,
+        init=[ctr("setup", gpu=1, gpumem=4000)],
+    )
+    setup, main = (c.gpus[0].mig for c in d.allocation.containers)
+    assert (main.profile, main.instance, main.destroy) == ("3g.40gb", None, ())
+    assert setup.instance is not None
+    assert len(setup.destroy) == 3
+    assert setup.instance not in setup.destroy
+
+
 def test_no_vgpu_mode_takes_shared_or_mig_whichever_fits():
     doc = inventory("n", [gpu("n", 0, "L4", 24000)], [["X"]])
     a = Allocator.from_cluster(cluster(doc, mig_box("m")))

@@ -682,3 +682,37 @@ def test_a_mig_pod(stack: Stack) -> None:
     wait_for(lambda: published() == ["enabled", []], what="the inventory without the instance")
     assert node_inventory(k, "mx-1")["gpus"][0]["mig"]["remaining"]["7g.40gb"] == 1
     assert f"destroyed MIG instance {mig_uuid}" in node.log.read_text()
+
+
+def test_a_mig_pod_with_an_init_container(stack: Stack) -> None:
+    """An init container and an app container each asking for a MIG slice:
+    kube-scheduler places the pod through the extender, each container gets
+    its own MIG instance on the GPU (kubelet gives the app container the
+    init container's devices without asking the preference), and each
+    workload runs on its own instance with its own memory."""
+    k = stack.k8s
+    node = start_mig_plugin_node(stack, "mx-2")
+    wait_for(lambda: bool(node_inventory(k, "mx-2")), what="the published inventory")
+    k.create_pod(
+        "initmig",
+        containers=[gpu_container("main", gpus=1, gpumem=8000)],
+        init_containers=[gpu_container("setup", gpus=1, gpumem=4000)],
+        annotations={"nvidia.com/vgpu-mode": "mig"},
+    )
+    assert k.wait_bound("initmig") == "mx-2"
+    pod = k.read_pod("initmig")
+    doc = allocation_of(pod)
+    plans = {c: gpus_of_container(doc, c)[0] for c in ("setup", "main")}
+    assert all(g["mig"] is not None for g in plans.values())
+    _, resps = admit(node.kubelet, pod)
+    (gpu_uuid,) = {g["uuid"] for g in plans.values()}
+    made = {(i[0], i[1]): i[2] for i in node.instances()[gpu_uuid]["instances"]}
+    for c, g in plans.items():
+        where = (g["mig"]["placement"]["start"], g["mig"]["placement"]["size"])
+        mig_uuid = made[where]
+        assert resps[c].envs["CUDA_VISIBLE_DEVICES"] == mig_uuid
+        proc = run(resps[c], MIG_PROBE, node.base_env)
+        assert proc.returncode == 0, proc.stderr
+        name = f"NVIDIA A100-SXM4-40GB MIG {g['mig']['profile']}"
+        assert json.loads(proc.stdout) == [[name, mig_uuid, g["memory_mib"]]]
+    assert len(made) == 2
