@@ -150,7 +150,9 @@ def test_the_scheduler_configuration_is_accepted_by_kube_scheduler(k8s: KubeTest
     (config_map,) = [d for d in documents("scheduler.yaml") if d["kind"] == "ConfigMap"]
     config = yaml.safe_load(config_map["data"]["config.yaml"])
     extender = config["extenders"][0]
-    assert extender["urlPrefix"] == "http://127.0.0.1:8888"
+    assert extender["urlPrefix"] == "https://127.0.0.1:8888"
+    assert extender["enableHTTPS"] is True
+    assert extender["tlsConfig"] == {"caFile": "/etc/gpuvisor-scheduler-tls/ca.crt"}
     assert {r["name"] for r in extender["managedResources"]} == {
         GPU,
         GPUMEM,
@@ -159,6 +161,8 @@ def test_the_scheduler_configuration_is_accepted_by_kube_scheduler(k8s: KubeTest
     }
     # The test cluster has no gpuvisor namespace for the Lease.
     config["leaderElection"] = {"leaderElect": False}
+    # nor the Secret's CA there: a CA file of its own (kube-scheduler reads it at start)
+    extender["tlsConfig"]["caFile"] = str(k8s.cluster.ca_file)
     scheduler = k8s.start_scheduler(config)
     assert scheduler.config["profiles"] == [{"schedulerName": "gpuvisor-scheduler"}]
 
