@@ -41,6 +41,13 @@ class Raw:
 
     def __init__(self, data: bytes) -> None:
         self.data = data
+        self.released = False
+
+    def drain_conn(self) -> None:
+        pass
+
+    def release_conn(self) -> None:
+        self.released = True
 
 
 class Pods:
@@ -65,13 +72,15 @@ class Pods:
             return v1pod(self.docs[name])
         return Raw(json.dumps(self.docs[name]).encode())
 
-    def patch_namespaced_pod(self, name: str, namespace: str, body: Any, **_: Any) -> None:
+    def patch_namespaced_pod(self, name: str, namespace: str, body: Any, **_: Any) -> Raw:
         meta = self.docs[name]["metadata"]
         assert body["metadata"]["resourceVersion"] == meta["resourceVersion"]
         meta["annotations"].update(body["metadata"]["annotations"])
+        return Raw(json.dumps(self.docs[name]).encode())
 
-    def create_namespaced_pod_binding(self, name: str, namespace: str, b: Any, **_: Any) -> None:
+    def create_namespaced_pod_binding(self, name: str, namespace: str, b: Any, **_: Any) -> Raw:
         self.docs[name]["spec"]["nodeName"] = b.target.name
+        return Raw(b"{}")
 
 
 @pytest.fixture
