@@ -48,6 +48,9 @@ from .request import (
 from .room import MIG_CLASSES, ROOM_SIZE, extinct, group_room, loss, may_extinct, mig_room
 from .topology import Tier, best_tier, ranked_sets, set_tier, set_weight, topology
 
+PLAN_SHAPES = 16  # request shapes whose plans are kept (the oldest dropped)
+PLANS_PER_SHAPE = 8192  # nodes' plans kept per shape (all dropped past it)
+
 
 class Conflict(RuntimeError):
     """A commit found the node changed under the decision and the grants no longer fit."""
@@ -758,6 +761,11 @@ def need_text(c: ContainerRequest) -> str:
     return need + " free"
 
 
+# a plan kept for a node: the NodeState and version it was made on, the
+# cluster's supply it depended on (empty: none), the plan or why not
+KeptPlan = tuple[NodeState, int, tuple[int, ...], NodePlan | str]
+
+
 class Allocator:
     """The cluster's GPUs and allocations, and the decisions over them."""
 
@@ -770,6 +778,8 @@ class Allocator:
         # the cluster's room, summed over its nodes (cluster/room.py); under index_lock
         self.supply = [0] * ROOM_SIZE
         self.index_lock = threading.Lock()
+        # request shape -> node -> KeptPlan: `_plans_of`
+        self._plans: dict[PodRequest, dict[str, KeptPlan]] = {}
         for inv in inventories:
             self.add_node(inv)
 
@@ -918,7 +928,16 @@ class Allocator:
         cfg = self.config
         reasons: dict[str, str] = {}
         with self.index_lock:
-            ranked = list(self.ranked)  # (usage, name), least used first
+            if nodes is not None and len(nodes) * 8 < len(self.ranked):
+                # a few nodes (a bind's, or a node checked alone): their
+                # index entries sorted, not the whole index copied and filtered
+                ranked = sorted(
+                    (st.indexed, name)
+                    for name in set(nodes)
+                    if (st := self.nodes.get(name)) is not None
+                )
+            else:
+                ranked = list(self.ranked)  # (usage, name), least used first
             supply = tuple(self.supply) if cfg.rules != "hami" else ()
         binpack = (pod.node_policy or cfg.node_policy) == "binpack"
         if binpack:
@@ -930,6 +949,12 @@ class Allocator:
             ranked = [r for r in ranked if r[1] in wanted]
         states = [self.nodes[name] for _u, name in ranked]
         needs = needs_of(pod)
+        plans = self._plans_of(pod)
+        # a plan depends on the cluster's room only where a grant of this
+        # size could take the last place of a kind (plan_node): kept plans
+        # hold for the same supply there, for any supply elsewhere
+        asked = sum(c.count for c in pod.containers)
+        seen = supply if supply and may_extinct(supply, asked) else ()
         finalists: list[tuple[NodeState, int, NodePlan]] = []
         clean = changing = 0  # finalists without / with a GPU to reconfigure
         for st in states:
@@ -938,7 +963,12 @@ class Allocator:
             if not explain and not quick_fit(st, needs):
                 continue  # not recorded: explain=True gives every node's reason
             version = st.version
-            plan = plan_node(st, pod, cfg, supply)
+            hit = plans.get(st.inv.node)
+            if hit is not None and hit[0] is st and hit[1] == version and hit[2] == seen:
+                plan = hit[3]
+            else:
+                plan = plan_node(st, pod, cfg, supply)
+                self._keep_plan(plans, st, version, seen, plan)
             if isinstance(plan, str):
                 reasons[st.inv.node] = plan
             elif clean >= cfg.finalists:
@@ -960,6 +990,33 @@ class Allocator:
             **plan.terms,
         }
         return Decision(pod, st.inv.node, alloc, plan.charge, version, reasons, score)
+
+    def _plans_of(self, pod: PodRequest) -> dict[str, KeptPlan]:
+        """The plans kept for pods of this one's shape (all but its name and
+        uid, which no plan depends on), by node.  A plan holds while its
+        node's state (`version`, and the same NodeState) does: a scheduler
+        decides pod after pod of one shape while each bind changes one node,
+        so most finalists were planned for the pod before."""
+        shape = dataclasses.replace(pod, name="", uid="")
+        with self.index_lock:
+            plans = self._plans.get(shape)
+            if plans is None:
+                if len(self._plans) >= PLAN_SHAPES:
+                    del self._plans[next(iter(self._plans))]
+                plans = self._plans[shape] = {}
+            return plans
+
+    def _keep_plan(
+        self,
+        plans: dict[str, KeptPlan],
+        st: NodeState,
+        version: int,
+        seen: tuple[int, ...],
+        plan: NodePlan | str,
+    ) -> None:
+        if len(plans) >= PLANS_PER_SHAPE:
+            plans.clear()  # nodes gone, or more than a cluster's worth
+        plans[st.inv.node] = (st, version, seen, plan)
 
     def commit(self, decision: Decision) -> Allocation:
         """Take the decision's reservation, or raise Conflict if it no longer fits."""
