@@ -32,6 +32,7 @@ from gpuvisor.cluster.allocation import ANNOTATION, Allocation, ContainerGrant, 
 from gpuvisor.cluster.allocator import Allocator, Config, Conflict, Decision
 from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY
 from gpuvisor.cluster.inventory_model import DocumentError, load_inventory
+from gpuvisor.cluster.request import PodRequest
 
 from .wake import Wake
 
@@ -114,6 +115,7 @@ class ClusterState:
         self.held: dict[str, Held] = {}  # pod key -> whose reservation the allocator holds
         # pods held by assume() and not bound yet: pod key -> when (monotonic)
         self.assumed: dict[str, float] = {}
+        self.assumed_for: dict[str, tuple[PodRequest, Allocation]] = {}  # the request, the room
         self._swept = 0.0
         # allocations of pods whose node has no inventory yet: node -> pod -> allocation
         self.waiting: dict[str, dict[str, Allocation]] = {}
@@ -124,6 +126,11 @@ class ClusterState:
         self._waiters_swept = 0.0
         # called (with `lock` held: it must not block) for each waiting pod to wake
         self.wake: Callable[[Wake], None] | None = None
+        # node -> a count that moves whenever what `pods` says of a pod held
+        # there changes (a container started): with the node's allocator
+        # version (which moves whenever a pod is held or released there),
+        # it dates what `_unstarted` answers for the node
+        self.epochs: dict[str, int] = {}
         self.ready = threading.Event()
         self.stopping = threading.Event()
 
@@ -178,13 +185,13 @@ class ClusterState:
                 self._release(key)
             for pods in self.waiting.values():
                 pods.pop(key, None)
-            self.pods.pop(key, None)
+            self._see(key, None)
             return
         if held is not None and held.uid != meta.uid:
             self._release(key)  # a pod of the same name replaced one we missed the end of
             held = None
         if held is not None or text is not None:
-            self.pods[key] = Seen(meta.uid, phase in (None, "Pending"), started_containers(pod))
+            self._see(key, Seen(meta.uid, phase in (None, "Pending"), started_containers(pod)))
         if held is not None or text is None:
             return
         try:
@@ -200,6 +207,22 @@ class ClusterState:
             return
         self._restore(key, allocation)
 
+    def _see(self, key: str, seen: Seen | None) -> None:
+        """Record (None: forget) what the pod's status says.  With `lock` held."""
+        if self.pods.get(key) == seen:
+            return
+        if seen is None:
+            del self.pods[key]
+        else:
+            self.pods[key] = seen
+        held = self.held.get(key)
+        if held is not None:
+            self.epochs[held.node] = self.epochs.get(held.node, 0) + 1
+
+    def epoch(self, node: str) -> int:
+        """`epochs[node]`: moves when a pod held there starts a container."""
+        return self.epochs.get(node, 0)
+
     def _restore(self, key: str, allocation: Allocation) -> None:
         try:
             self.allocator.restore(allocation, f"pod {key}: {ANNOTATION}")
@@ -210,6 +233,7 @@ class ClusterState:
 
     def _release(self, key: str, settle: bool = True) -> None:
         self.assumed.pop(key, None)
+        self.assumed_for.pop(key, None)
         self.held.pop(key, None)
         self.pods.pop(key, None)
         self.allocator.release(key)
@@ -357,11 +381,32 @@ class ClusterState:
             self.held[key] = Held(uid, node)
             return allocation
 
+    def claim(self, key: str, uid: str, node: str, req: PodRequest) -> Allocation | None:
+        """The room prioritize assumed for the pod, now its bind's: if it is
+        this pod's (uid), on node, for the same request, and still not
+        ambiguous; None otherwise (bind then decides again).  Dropping it
+        to decide again let the next pod's filter take its room meanwhile,
+        and the bind then failed (make bench-cluster)."""
+        with self.lock:
+            held = self.held.get(key)
+            if key not in self.assumed or held is None or held.uid != uid or held.node != node:
+                return None
+            placed = self.assumed_for.get(key)
+            if placed is None or placed[0] != req:
+                return None
+            allocation = placed[1]
+            if self.ambiguity(allocation) is not None:
+                return None
+            del self.assumed[key]
+            del self.assumed_for[key]
+            return allocation
+
     def drop(self, key: str, settle: bool = True) -> None:
         """Forget a pod's reservation (its bind failed, or is done again:
         `settle` False, the pods waiting for it keep waiting)."""
         with self.lock:
             self.assumed.pop(key, None)
+            self.assumed_for.pop(key, None)
             if key in self.held:
                 self._release(key, settle)
 
@@ -387,6 +432,7 @@ class ClusterState:
                 return False
             self.held[key] = Held(uid, decision.allocation.node)
             self.assumed[key] = now
+            self.assumed_for[key] = (decision.pod, decision.allocation)
             return True
 
     def unassume(self, key: str) -> None:
@@ -394,6 +440,7 @@ class ClusterState:
         any pod's assumed longer than ASSUME_SECONDS)."""
         with self.lock:
             self._expire(time.monotonic())
+            self.assumed_for.pop(key, None)
             if self.assumed.pop(key, None) is not None and key in self.held:
                 self._release(key)
 
@@ -403,6 +450,7 @@ class ClusterState:
         self._swept = now
         for key in [k for k, t in self.assumed.items() if now - t > ASSUME_SECONDS]:
             del self.assumed[key]
+            self.assumed_for.pop(key, None)
             if key in self.held:
                 log.info(
                     "pod %s: assumed for %.0f s and never bound; released", key, ASSUME_SECONDS
