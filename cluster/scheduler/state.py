@@ -461,7 +461,9 @@ class ClusterState:
 
     def sync(self) -> tuple[str, str]:
         """List Nodes and Pods and reconcile; returns their resourceVersions."""
-        nodes = self.core.list_node()
+        from .api_view import listed
+
+        nodes = listed(self.core.list_node)
         names = set()
         for node in nodes.items:
             names.add(node.metadata.name)
@@ -470,7 +472,7 @@ class ClusterState:
             with self.lock:
                 self.allocator.remove_node(gone)
                 self.inventories.pop(gone, None)
-        pods = self.core.list_pod_for_all_namespaces()
+        pods = listed(self.core.list_pod_for_all_namespaces)
         live = set()
         for pod in pods.items:
             live.add(f"{pod.metadata.namespace}/{pod.metadata.name}")
@@ -510,14 +512,15 @@ class ClusterState:
         return threads
 
     def _watch(self, lister: Any, handle: Callable[..., None], rv: str) -> None:
-        from kubernetes import watch
         from kubernetes.client.exceptions import ApiException
 
+        from .api_view import RawWatch, view
+
         while not self.stopping.is_set():
-            w = watch.Watch()
+            w = RawWatch()
             try:
                 for event in w.stream(lister, resource_version=rv, timeout_seconds=WATCH_SECONDS):
-                    obj = event["object"]
+                    obj = view(event["object"])
                     if event["type"] == "ERROR":
                         raise ApiException(status=getattr(obj, "code", 410) or 410)
                     rv = obj.metadata.resource_version
