@@ -79,6 +79,11 @@ class Pods:
         return Raw(json.dumps(self.docs[name]).encode())
 
     def create_namespaced_pod_binding(self, name: str, namespace: str, b: Any, **_: Any) -> Raw:
+        # as the API server does: the Binding's resourceVersion is a
+        # precondition, its annotations are copied onto the pod
+        meta = self.docs[name]["metadata"]
+        assert b.metadata.resource_version in (None, meta["resourceVersion"])
+        meta["annotations"].update(b.metadata.annotations or {})
         self.docs[name]["spec"]["nodeName"] = b.target.name
         return Raw(b"{}")
 

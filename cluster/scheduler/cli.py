@@ -130,7 +130,7 @@ def scheduler(
         raise click.ClickException(f"cannot configure the Kubernetes client: {exc}") from None
     api_client = client.ApiClient()
     # the verbs' threads and the watches share the client's connection pool
-    api_client.rest_client.pool_manager.connection_pool_kw["maxsize"] = 32
+    api_client.rest_client.pool_manager.connection_pool_kw["maxsize"] = 48
     core = client.CoreV1Api(api_client)
     state = ClusterState(core, cfg)
     state.wake = Waker(core).wake

@@ -29,7 +29,7 @@ log = logging.getLogger("gpuvisor.scheduler")
 MAX_BODY = 64 << 20  # a filter for thousands of nodes with full Node objects
 
 
-def make_app(extender: Extender, metrics: Metrics, workers: int = 16) -> web.Application:
+def make_app(extender: Extender, metrics: Metrics, workers: int = 32) -> web.Application:
     # Binds wait on the API server; filter and prioritize run inside kube-
     # scheduler's one-pod-at-a-time cycle.  In one pool the cycle's verbs
     # queued behind hundreds of binds (filter: 36 ms mean under make
