@@ -6,8 +6,8 @@ is not bound beside a not-started pod with a same-sized container on other
 GPUs.  It is placed on that pod's GPUs where it fits, else the bind is
 refused with one line naming the pod it waits for, until that one starts.
 
-The API is an in-memory stand-in for the three calls bind makes (read,
-patch, binding); the pods' status comes in through `pod_event`, as the
+The API is an in-memory stand-in for the two calls bind makes (read,
+binding); the pods' status comes in through `pod_event`, as the
 extender's watch delivers it."""
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ class Pods:
     def __init__(self) -> None:
         self.docs: dict[str, dict[str, Any]] = {}
         self.version = 0
+        self.writes: list[Raw] = []  # the raw answers to bind's writes
 
     def add(self, doc: dict[str, Any]) -> None:
         self.version += 1
@@ -72,12 +73,6 @@ class Pods:
             return v1pod(self.docs[name])
         return Raw(json.dumps(self.docs[name]).encode())
 
-    def patch_namespaced_pod(self, name: str, namespace: str, body: Any, **_: Any) -> Raw:
-        meta = self.docs[name]["metadata"]
-        assert body["metadata"]["resourceVersion"] == meta["resourceVersion"]
-        meta["annotations"].update(body["metadata"]["annotations"])
-        return Raw(json.dumps(self.docs[name]).encode())
-
     def create_namespaced_pod_binding(self, name: str, namespace: str, b: Any, **_: Any) -> Raw:
         # as the API server does: the Binding's resourceVersion is a
         # precondition, its annotations are copied onto the pod
@@ -85,7 +80,8 @@ class Pods:
         assert b.metadata.resource_version in (None, meta["resourceVersion"])
         meta["annotations"].update(b.metadata.annotations or {})
         self.docs[name]["spec"]["nodeName"] = b.target.name
-        return Raw(b"{}")
+        self.writes.append(Raw(b"{}"))
+        return self.writes[-1]
 
 
 @pytest.fixture
@@ -356,3 +352,18 @@ def test_a_pod_it_waits_for_that_started_meanwhile_wakes_it_at_once(
     e.state.wait_for("default/b", "uid-b", [("default/a", "main")])
     assert out == [Wake("default/b", "uid-b", "default/a started its container main")]
     assert e.state.blocked == {}
+
+
+def test_bind_is_one_write_that_gives_its_connection_back(ext: tuple[Extender, Pods]) -> None:
+    """The Binding carries the annotation (the API server copies it onto
+    the pod), and its raw answer is read and released: unread, each bind's
+    connection stayed out of the pool and the next one opened a new TLS
+    connection."""
+    e, pods = ext
+    assert bind(e, pods, pod("a", ctr(gpu=1, gpumem=4000))) == ""
+    assert pods.docs["a"]["spec"]["nodeName"] == "n0"
+    (gpus,) = gpus_of(pods, "a")
+    assert len(gpus) == 1
+    assert gpus[0].startswith("GPU-n0-")
+    assert len(pods.writes) == 1
+    assert all(w.released for w in pods.writes)
