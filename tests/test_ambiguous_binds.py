@@ -82,9 +82,13 @@ def test_a_pod_that_cannot_share_waits_for_the_other_to_start(cluster: Cluster) 
     # another pod's status update, only when it flushes pods unschedulable
     # for 5 minutes (a CI run waited 150 s in vain): the extender wakes it
     # (an update of its gpuvisor.io/woken annotation) when the first starts
+    # (a node another test adds to the shared kube-scheduler makes it try
+    # every unschedulable pod again: then the pod may bind before the wake,
+    # which leaves a bound pod alone; tests/test_scheduler_wake.py checks
+    # the patch itself)
     assert k.wait_bound("second", timeout=120) == "amb-2"
     woken = (k.read_pod("second").metadata.annotations or {}).get(WOKEN, "")
-    assert woken.endswith(f" {k.namespace}/first started its container main"), woken
+    assert not woken or woken.endswith(f" {k.namespace}/first started its container main"), woken
     first, second = (main_gpus(allocation_of(k.read_pod(n)))[0] for n in ("first", "second"))
     assert first["uuid"] != second["uuid"]
     _, resps = node.admit(k.read_pod("second"))
