@@ -753,35 +753,31 @@ typedef struct nvmlGpuInstancePlacement_st {
     unsigned int size;
 } nvmlGpuInstancePlacement_t;
 
-typedef struct nvmlGpuInstanceProfileInfo_st {
-    unsigned int id;
-    unsigned int isP2pSupported;
-    unsigned int sliceCount;
-    unsigned int instanceCount;
-    unsigned int multiprocessorCount;
-    unsigned int copyEngineCount;
-    unsigned int decoderCount;
-    unsigned int encoderCount;
-    unsigned int jpegCount;
-    unsigned int ofaCount;
+/* The fields the unversioned and the _v2 profile structs share, in order
+ * (_v2 puts `version` before them and `name` after). */
+#define GV_NVML_GI_PROFILE_FIELDS                                             \
+    unsigned int id;                                                          \
+    unsigned int isP2pSupported;                                              \
+    unsigned int sliceCount;                                                  \
+    unsigned int instanceCount;                                               \
+    unsigned int multiprocessorCount;                                         \
+    unsigned int copyEngineCount;                                             \
+    unsigned int decoderCount;                                                \
+    unsigned int encoderCount;                                                \
+    unsigned int jpegCount;                                                   \
+    unsigned int ofaCount;                                                    \
     unsigned long long memorySizeMB;
+
+typedef struct nvmlGpuInstanceProfileInfo_st {
+    GV_NVML_GI_PROFILE_FIELDS
 } nvmlGpuInstanceProfileInfo_t;
 
 typedef struct nvmlGpuInstanceProfileInfo_v2_st {
     unsigned int version;
-    unsigned int id;
-    unsigned int isP2pSupported;
-    unsigned int sliceCount;
-    unsigned int instanceCount;
-    unsigned int multiprocessorCount;
-    unsigned int copyEngineCount;
-    unsigned int decoderCount;
-    unsigned int encoderCount;
-    unsigned int jpegCount;
-    unsigned int ofaCount;
-    unsigned long long memorySizeMB;
+    GV_NVML_GI_PROFILE_FIELDS
     char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE];
 } nvmlGpuInstanceProfileInfo_v2_t;              /* 152 bytes */
+_Static_assert(sizeof(nvmlGpuInstanceProfileInfo_v2_t) == 152, "nvmlGpuInstanceProfileInfo_v2_t");
 #define nvmlGpuInstanceProfileInfo_v2 \
     NVML_STRUCT_VERSION(sizeof(nvmlGpuInstanceProfileInfo_v2_t), 2)
 
@@ -797,31 +793,28 @@ typedef struct nvmlComputeInstancePlacement_st {
     unsigned int size;
 } nvmlComputeInstancePlacement_t;
 
-typedef struct nvmlComputeInstanceProfileInfo_st {
-    unsigned int id;
-    unsigned int sliceCount;
-    unsigned int instanceCount;
-    unsigned int multiprocessorCount;
-    unsigned int sharedCopyEngineCount;
-    unsigned int sharedDecoderCount;
-    unsigned int sharedEncoderCount;
-    unsigned int sharedJpegCount;
+#define GV_NVML_CI_PROFILE_FIELDS                                             \
+    unsigned int id;                                                          \
+    unsigned int sliceCount;                                                  \
+    unsigned int instanceCount;                                               \
+    unsigned int multiprocessorCount;                                         \
+    unsigned int sharedCopyEngineCount;                                       \
+    unsigned int sharedDecoderCount;                                          \
+    unsigned int sharedEncoderCount;                                          \
+    unsigned int sharedJpegCount;                                             \
     unsigned int sharedOfaCount;
+
+typedef struct nvmlComputeInstanceProfileInfo_st {
+    GV_NVML_CI_PROFILE_FIELDS
 } nvmlComputeInstanceProfileInfo_t;
 
 typedef struct nvmlComputeInstanceProfileInfo_v2_st {
     unsigned int version;
-    unsigned int id;
-    unsigned int sliceCount;
-    unsigned int instanceCount;
-    unsigned int multiprocessorCount;
-    unsigned int sharedCopyEngineCount;
-    unsigned int sharedDecoderCount;
-    unsigned int sharedEncoderCount;
-    unsigned int sharedJpegCount;
-    unsigned int sharedOfaCount;
+    GV_NVML_CI_PROFILE_FIELDS
     char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE];
 } nvmlComputeInstanceProfileInfo_v2_t;          /* 136 bytes */
+_Static_assert(sizeof(nvmlComputeInstanceProfileInfo_v2_t) == 136,
+               "nvmlComputeInstanceProfileInfo_v2_t");
 #define nvmlComputeInstanceProfileInfo_v2 \
     NVML_STRUCT_VERSION(sizeof(nvmlComputeInstanceProfileInfo_v2_t), 2)
 

@@ -162,9 +162,7 @@ static CUresult held_new(void **out, size_t bytes, uint32_t magic, uint64_t raw,
                          const CUDA_ARRAY3D_DESCRIPTOR *d)
 {
     struct CUctx_st *c;
-    CUresult rc = sim_current(&c);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_current(&c));
     if (!raw)
         return CUDA_ERROR_INVALID_VALUE;
     uint64_t size = sim_round_up(raw, SIM_GRAN);
@@ -197,9 +195,7 @@ static struct held *held_of(const void *p, uint32_t magic)
 
 static CUresult held_destroy(const void *p, uint32_t magic)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     pthread_mutex_lock(&sim_mu);
     struct held *h = held_of(p, magic);
     if (h) {
@@ -218,9 +214,7 @@ static CUresult held_destroy(const void *p, uint32_t magic)
 static CUresult held_requirements(CUDA_ARRAY_MEMORY_REQUIREMENTS *r, const void *p,
                                   uint32_t magic, CUdevice dev)
 {
-    CUresult rc = sim_check_dev(r != NULL, dev, NULL);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_dev(r != NULL, dev, NULL));
     pthread_mutex_lock(&sim_mu);
     struct held *h = held_of(p, magic);
     int deferred = h && (h->d.Flags & CUDA_ARRAY3D_DEFERRED_MAPPING);
@@ -277,9 +271,7 @@ SIM_API CUresult cuArrayDestroy(CUarray arr) { return held_destroy(arr, ARRAY_MA
 
 SIM_API CUresult cuArrayGetDescriptor_v2(CUDA_ARRAY_DESCRIPTOR *out, CUarray arr)
 {
-    CUresult rc = sim_check_args(!out);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_args(!out));
     pthread_mutex_lock(&sim_mu);
     struct held *a = held_of(arr, ARRAY_MAGIC);
     if (a) {

@@ -31,9 +31,7 @@ int sim_ctx_valid(struct CUctx_st *c) { return ctx_state(c) == 2; }
 
 CUresult sim_current(struct CUctx_st **out)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     struct CUctx_st *c = t_depth ? t_stack[t_depth - 1] : NULL;
     if (!c)
         return CUDA_ERROR_INVALID_CONTEXT;
@@ -120,9 +118,7 @@ static uint64_t limit_bytes(const struct CUctx_st *c, int which, uint64_t v)
 SIM_API CUresult cuCtxSetLimit(CUlimit which, size_t value)
 {
     struct CUctx_st *c;
-    CUresult rc = sim_current(&c);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_current(&c));
     if ((int)which < 0 || which > CU_LIMIT_PERSISTING_L2_CACHE_SIZE)
         return CUDA_ERROR_UNSUPPORTED_LIMIT;
     pthread_mutex_lock(&sim_mu);
@@ -143,9 +139,7 @@ SIM_API CUresult cuCtxSetLimit(CUlimit which, size_t value)
 SIM_API CUresult cuCtxGetLimit(size_t *value, CUlimit which)
 {
     struct CUctx_st *c;
-    CUresult rc = sim_current(&c);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_current(&c));
     if (!value)
         return CUDA_ERROR_INVALID_VALUE;
     if ((int)which < 0 || which > CU_LIMIT_PERSISTING_L2_CACHE_SIZE)
@@ -159,9 +153,7 @@ SIM_API CUresult cuCtxGetLimit(size_t *value, CUlimit which)
 CUresult sim_ctx_or_current(CUcontext ctx, int out_ok, struct CUctx_st **c)
 {
     *c = ctx;
-    CUresult rc = ctx ? sim_check_init() : sim_current(c);
-    if (rc)
-        return rc;
+    SIM_TRY(ctx ? sim_check_init() : sim_current(c));
     if (!out_ok)
         return CUDA_ERROR_INVALID_VALUE;
     return sim_ctx_valid(*c) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_CONTEXT;
@@ -211,9 +203,7 @@ SIM_API CUresult cuCtxCreate_v4(CUcontext *pctx, CUctxCreateParams *p,
 
 SIM_API CUresult cuCtxDestroy_v2(CUcontext ctx)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     if (!sim_ctx_valid(ctx) || ctx->primary)
         return CUDA_ERROR_INVALID_CONTEXT;
     drop_from_stack(ctx);
@@ -226,18 +216,14 @@ SIM_ALIAS(cuCtxDestroy, cuCtxDestroy_v2);
 
 SIM_API CUresult cuCtxGetCurrent(CUcontext *pctx)
 {
-    CUresult rc = sim_check_args(!pctx);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_args(!pctx));
     *pctx = t_depth ? t_stack[t_depth - 1] : NULL;
     return CUDA_SUCCESS;
 }
 
 SIM_API CUresult cuCtxSetCurrent(CUcontext ctx)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     if (!ctx) {
         if (t_depth)
             t_depth--;
@@ -254,9 +240,7 @@ SIM_API CUresult cuCtxSetCurrent(CUcontext ctx)
 
 SIM_API CUresult cuCtxPushCurrent_v2(CUcontext ctx)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     if (!sim_ctx_valid(ctx))
         return CUDA_ERROR_INVALID_CONTEXT;
     if (t_depth >= STACK_MAX)
@@ -269,9 +253,7 @@ SIM_ALIAS(cuCtxPushCurrent, cuCtxPushCurrent_v2);
 
 SIM_API CUresult cuCtxPopCurrent_v2(CUcontext *pctx)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     if (!t_depth)
         return CUDA_ERROR_INVALID_CONTEXT;
     struct CUctx_st *c = t_stack[--t_depth];
@@ -286,9 +268,7 @@ SIM_ALIAS(cuCtxPopCurrent, cuCtxPopCurrent_v2);
 SIM_API CUresult cuCtxGetDevice_v2(CUdevice *dev, CUcontext ctx)
 {
     struct CUctx_st *c;
-    CUresult rc = sim_ctx_or_current(ctx, dev != NULL, &c);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_ctx_or_current(ctx, dev != NULL, &c));
     *dev = c->ordinal;
     return CUDA_SUCCESS;
 }
@@ -301,9 +281,7 @@ SIM_API CUresult cuCtxGetDevice(CUdevice *dev)
 SIM_API CUresult cuCtxSynchronize_v2(CUcontext ctx)
 {
     struct CUctx_st *c;
-    CUresult rc = sim_ctx_or_current(ctx, 1, &c);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_ctx_or_current(ctx, 1, &c));
     sim_ctx_sync_wait(c);               /* every stream's queued work */
     sim_pools_sync(c->ordinal);
     return CUDA_SUCCESS;
@@ -317,9 +295,7 @@ SIM_API CUresult cuCtxSynchronize(void)
 SIM_API CUresult cuCtxGetApiVersion(CUcontext ctx, unsigned int *v)
 {
     struct CUctx_st *c;
-    CUresult rc = sim_ctx_or_current(ctx, v != NULL, &c);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_ctx_or_current(ctx, v != NULL, &c));
     *v = 3020;
     return CUDA_SUCCESS;
 }
@@ -351,9 +327,7 @@ SIM_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
 
 SIM_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
 {
-    CUresult rc = sim_check_dev(1, dev, NULL);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_dev(1, dev, NULL));
     struct CUctx_st *c = &g_primary[dev];
     pthread_mutex_lock(&g_prim_mu);
     if (c->refcount <= 0) {
@@ -373,9 +347,7 @@ SIM_ALIAS(cuDevicePrimaryCtxRelease, cuDevicePrimaryCtxRelease_v2);
 
 SIM_API CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
 {
-    CUresult rc = sim_check_dev(1, dev, NULL);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_dev(1, dev, NULL));
     /* As CUDA: resetting does not release; each retain still takes its
      * release (also after the reset), and the next retain makes it anew. */
     struct CUctx_st *c = &g_primary[dev];
@@ -394,9 +366,7 @@ SIM_ALIAS(cuDevicePrimaryCtxReset, cuDevicePrimaryCtxReset_v2);
 SIM_API CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags,
                                             int *active)
 {
-    CUresult rc = sim_check_dev(1, dev, NULL);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_dev(1, dev, NULL));
     if (!flags || !active)
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_mu);
@@ -408,9 +378,7 @@ SIM_API CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags,
 
 SIM_API CUresult cuDevicePrimaryCtxSetFlags_v2(CUdevice dev, unsigned int fl)
 {
-    CUresult rc = sim_check_dev(1, dev, NULL);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_dev(1, dev, NULL));
     pthread_mutex_lock(&sim_mu);
     g_primary[dev].flags = fl;
     pthread_mutex_unlock(&sim_mu);

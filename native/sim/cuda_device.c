@@ -18,9 +18,7 @@
 
 SIM_API CUresult cuDeviceGet(CUdevice *dev, int ordinal)
 {
-    CUresult rc = sim_check_args(!dev);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_args(!dev));
     if (sim_ord_node(ordinal) < 0)
         return CUDA_ERROR_INVALID_DEVICE;
     *dev = ordinal;
@@ -29,9 +27,7 @@ SIM_API CUresult cuDeviceGet(CUdevice *dev, int ordinal)
 
 SIM_API CUresult cuDeviceGetCount(int *count)
 {
-    CUresult rc = sim_check_args(!count);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_args(!count));
     *count = sim_nvisible();
     return CUDA_SUCCESS;
 }

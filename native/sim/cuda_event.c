@@ -83,9 +83,7 @@ static int ev_ok_locked(struct CUevent_st *e)
 SIM_API CUresult cuEventCreate(CUevent *pe, unsigned int flags)
 {
     struct CUctx_st *c;
-    CUresult rc = sim_current(&c);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_current(&c));
     if (!pe || (flags & ~0xfu))
         return CUDA_ERROR_INVALID_VALUE;
     if ((flags & CU_EVENT_INTERPROCESS) && !(flags & CU_EVENT_DISABLE_TIMING))
@@ -116,9 +114,7 @@ SIM_API CUresult cuEventCreate(CUevent *pe, unsigned int flags)
 
 SIM_API CUresult cuEventDestroy_v2(CUevent e)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     pthread_mutex_lock(&sim_mu);
     int ok = ev_ok_locked(e);
     if (ok)
@@ -135,10 +131,8 @@ SIM_ALIAS(cuEventDestroy, cuEventDestroy_v2);
 static CUresult record(CUevent e, CUstream hs, unsigned flags, int ptsz)
 {
     sim_sref r;
-    CUresult rc = sim_stream_call(!(flags & ~(unsigned)CU_EVENT_RECORD_EXTERNAL), hs, ptsz,
-                                  &r);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_stream_call(!(flags & ~(unsigned)CU_EVENT_RECORD_EXTERNAL), hs, ptsz,
+                                  &r));
     pthread_mutex_lock(&sim_mu);
     /* As CUDA documents: the event and the stream must be from the same
      * context, else CUDA_ERROR_INVALID_HANDLE. */
@@ -203,9 +197,7 @@ SIM_API CUresult cuEventRecordWithFlags_ptsz(CUevent e, CUstream s,
  * ordinal and where it was recorded */
 static CUresult ev_time(CUevent e, uint64_t *t, int *ordinal, int *node)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     pthread_mutex_lock(&sim_mu);
     int ok = ev_ok_locked(e);
     *t = ok && e->recorded ? e->t : 0;
@@ -220,9 +212,7 @@ SIM_API CUresult cuEventQuery(CUevent e)
     uint64_t t;
     int ordinal, node;
     sim_event_query_delay();
-    CUresult rc = ev_time(e, &t, &ordinal, &node);
-    if (rc)
-        return rc;
+    SIM_TRY(ev_time(e, &t, &ordinal, &node));
     if (sim_capture_forbids())
         return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     return sim_tl_done(node, t) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
@@ -232,9 +222,7 @@ SIM_API CUresult cuEventSynchronize(CUevent e)
 {
     uint64_t t;
     int ordinal, node;
-    CUresult rc = ev_time(e, &t, &ordinal, &node);
-    if (rc)
-        return rc;
+    SIM_TRY(ev_time(e, &t, &ordinal, &node));
     if (sim_capture_forbids())
         return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     sim_tl_wait(node, t);
@@ -244,9 +232,7 @@ SIM_API CUresult cuEventSynchronize(CUevent e)
 
 SIM_API CUresult cuEventElapsedTime_v2(float *ms, CUevent a, CUevent b)
 {
-    CUresult rc = sim_check_args(!ms);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_args(!ms));
     pthread_mutex_lock(&sim_mu);
     int ok = ev_ok_locked(a) && ev_ok_locked(b);
     int timed = ok && !((a->flags | b->flags) & CU_EVENT_DISABLE_TIMING) &&
@@ -268,9 +254,7 @@ static CUresult wait_event(CUstream hs, CUevent e, unsigned flags, int ptsz)
 {
     sim_sref r;
     /* flags: CU_EVENT_WAIT_EXTERNAL or none */
-    CUresult rc = sim_stream_call(!(flags & ~1u), hs, ptsz, &r);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_stream_call(!(flags & ~1u), hs, ptsz, &r));
     pthread_mutex_lock(&sim_mu);
     if (!ev_ok_locked(e)) {
         pthread_mutex_unlock(&sim_mu);

@@ -102,9 +102,7 @@ CUresult sim_graph_append_mem_locked(struct CUgraph_st *g, int type,
 
 SIM_API CUresult cuGraphCreate(CUgraph *pg, unsigned int flags)
 {
-    CUresult rc = sim_check_args(!pg || flags);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_args(!pg || flags));
     pthread_mutex_lock(&sim_mu);
     struct CUgraph_st *g = sim_graph_new();
     pthread_mutex_unlock(&sim_mu);
@@ -116,9 +114,7 @@ SIM_API CUresult cuGraphCreate(CUgraph *pg, unsigned int flags)
 
 SIM_API CUresult cuGraphDestroy(CUgraph g)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     pthread_mutex_lock(&sim_mu);
     int ok = sim_graph_ok_locked(g) && !g->owner;   /* its node's to destroy */
     if (ok)
@@ -205,9 +201,7 @@ SIM_API CUresult cuGraphAddKernelNode(CUgraphNode *out, CUgraph g,
 SIM_API CUresult cuGraphAddEmptyNode(CUgraphNode *out, CUgraph g,
                                      const CUgraphNode *deps, size_t n)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     return add_node(out, g, deps, n, CU_GRAPH_NODE_TYPE_EMPTY, NULL, NULL);
 }
 
@@ -304,9 +298,7 @@ SIM_API CUresult cuGraphAddNode_v2(CUgraphNode *out, CUgraph g, const CUgraphNod
                                    const CUgraphEdgeData *edges, size_t n, CUgraphNodeParams *p)
 {
     (void)edges;
-    CUresult rc = sim_check_args(!p);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_args(!p));
     if (p->type == CU_GRAPH_NODE_TYPE_EMPTY)
         return add_node(out, g, deps, n, CU_GRAPH_NODE_TYPE_EMPTY, NULL, NULL);
     if (p->type != CU_GRAPH_NODE_TYPE_GRAPH)
@@ -367,9 +359,7 @@ SIM_API CUresult cuGraphAddDependencies_v2(CUgraph g, const CUgraphNode *from,
                                            size_t n)
 {
     (void)edges;
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     pthread_mutex_lock(&sim_mu);
     int ok = sim_graph_ok_locked(g) && deps_ok_locked(g, from, n) &&
              deps_ok_locked(g, to, n);

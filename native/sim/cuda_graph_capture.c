@@ -78,9 +78,7 @@ static CUresult begin_capture(CUstream hs, int mode, int ptsz)
 {
     sim_sref r;
     int known = mode >= CU_STREAM_CAPTURE_MODE_GLOBAL && mode <= CU_STREAM_CAPTURE_MODE_RELAXED;
-    CUresult rc = sim_stream_call(known, hs, ptsz, &r);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_stream_call(known, hs, ptsz, &r));
     if (!r.s)
         return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;   /* legacy stream */
     pthread_mutex_lock(&sim_mu);
@@ -125,9 +123,7 @@ SIM_API CUresult cuStreamBeginCapture_ptsz(CUstream s)
 static CUresult end_capture(CUstream hs, CUgraph *pg, int ptsz)
 {
     sim_sref r;
-    CUresult rc = sim_stream_call(pg != NULL, hs, ptsz, &r);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_stream_call(pg != NULL, hs, ptsz, &r));
     if (!r.s)
         return CUDA_ERROR_ILLEGAL_STATE;
     pthread_mutex_lock(&sim_mu);
@@ -162,9 +158,7 @@ SIM_API CUresult cuStreamEndCapture_ptsz(CUstream s, CUgraph *pg)
 static CUresult is_capturing(CUstream hs, CUstreamCaptureStatus *st, int ptsz)
 {
     sim_sref r;
-    CUresult rc = sim_stream_call(st != NULL, hs, ptsz, &r);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_stream_call(st != NULL, hs, ptsz, &r));
     pthread_mutex_lock(&sim_mu);
     *st = r.s ? (CUstreamCaptureStatus)r.s->capture
               : CU_STREAM_CAPTURE_STATUS_NONE;
@@ -185,9 +179,7 @@ SIM_API CUresult cuStreamIsCapturing_ptsz(CUstream s,
 
 SIM_API CUresult cuThreadExchangeStreamCaptureMode(CUstreamCaptureMode *mode)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     if (!mode || *mode < CU_STREAM_CAPTURE_MODE_GLOBAL ||
         *mode > CU_STREAM_CAPTURE_MODE_RELAXED)
         return CUDA_ERROR_INVALID_VALUE;

@@ -58,9 +58,7 @@ static int inst_under_locked(const struct CUgraph_st *g)
 SIM_API CUresult cuGraphInstantiateWithFlags(CUgraphExec *pe, CUgraph g,
                                              unsigned long long flags)
 {
-    CUresult rc = sim_check_args(!pe || (flags & ~0xfULL));
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_args(!pe || (flags & ~0xfULL)));
     struct CUgraphExec_st *e = calloc(1, sizeof *e);
     if (!e)
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -155,9 +153,7 @@ static int exec_ok(struct CUgraphExec_st *e)
 
 SIM_API CUresult cuGraphExecDestroy(CUgraphExec e)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     pthread_mutex_lock(&sim_mu);
     int ok = e && sim_reg_has(e) && e->magic == EXEC_MAGIC;
     if (ok) {

@@ -217,9 +217,7 @@ SIM_API CUresult cuGraphAddMemFreeNode(CUgraphNode *out, CUgraph g,
                                        const CUgraphNode *deps, size_t n,
                                        CUdeviceptr dptr)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     pthread_mutex_lock(&sim_mu);
     struct sim_gmem *gm = gmem_find_locked(dptr);
     if (gm)
@@ -234,9 +232,7 @@ SIM_API CUresult cuGraphAddMemFreeNode(CUgraphNode *out, CUgraph g,
  * and device never change once made). */
 static CUresult node_record(CUgraphNode nd, int type, const void *out, struct sim_gmem *rec)
 {
-    CUresult rc = sim_check_args(!out);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_args(!out));
     pthread_mutex_lock(&sim_mu);
     struct sim_gmem *gm = sim_graph_node_gmem(nd, type);
     if (gm)
@@ -322,9 +318,7 @@ int sim_capture_free(CUstream s, int ptsz, CUdeviceptr dptr, CUresult *rc)
 
 static CUresult device_ok(CUdevice dev)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     return sim_ord_node(dev) < 0 ? CUDA_ERROR_INVALID_DEVICE : CUDA_SUCCESS;
 }
 
@@ -349,9 +343,7 @@ SIM_API CUresult cuDeviceGetGraphMemAttribute(CUdevice dev, CUgraphMem_attribute
 SIM_API CUresult cuDeviceSetGraphMemAttribute(CUdevice dev, CUgraphMem_attribute attr,
                                               void *value)
 {
-    CUresult rc = device_ok(dev);
-    if (rc)
-        return rc;
+    SIM_TRY(device_ok(dev));
     uint64_t v;
     if (!value || (attr != CU_GRAPH_MEM_ATTR_USED_MEM_HIGH &&
                    attr != CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH))
@@ -371,9 +363,7 @@ SIM_API CUresult cuDeviceSetGraphMemAttribute(CUdevice dev, CUgraphMem_attribute
 /* Give the pool's memory that no live allocation uses back to the device. */
 SIM_API CUresult cuDeviceGraphMemTrim(CUdevice dev)
 {
-    CUresult rc = device_ok(dev);
-    if (rc)
-        return rc;
+    SIM_TRY(device_ok(dev));
     int node = sim_ord_node(dev);
     pthread_mutex_lock(&sim_mu);
     uint64_t keep = sim_round_up(g_pool[dev].used, SIM_GRAN);

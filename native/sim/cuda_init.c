@@ -204,17 +204,13 @@ CUresult sim_check_init(void)
 
 CUresult sim_check_args(int bad)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     return bad ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
 }
 
 CUresult sim_check_dev(int out_ok, CUdevice dev, int *node)
 {
-    CUresult rc = sim_check_args(!out_ok);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_args(!out_ok));
     int n = sim_ord_node(dev);
     if (n < 0)
         return CUDA_ERROR_INVALID_DEVICE;

@@ -199,9 +199,7 @@ SIM_API CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned gx,
 static CUresult launch_ex(const CUlaunchConfig *cfg, CUfunction f,
                           void **params, void **extra, int ptsz)
 {
-    CUresult rc = sim_check_args(!cfg || (cfg->numAttrs && !cfg->attrs));
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_args(!cfg || (cfg->numAttrs && !cfg->attrs)));
     int coop = 0;
     for (unsigned i = 0; i < cfg->numAttrs; i++) {
         const CUlaunchAttribute *a = &cfg->attrs[i];
@@ -243,9 +241,7 @@ static struct CUfunc_st *legacy_func_locked(CUfunction f)
 
 SIM_API CUresult cuFuncSetBlockShape(CUfunction f, int x, int y, int z)
 {
-    CUresult rc = sim_check_args(x <= 0 || y <= 0 || z <= 0);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_args(x <= 0 || y <= 0 || z <= 0));
     pthread_mutex_lock(&sim_mu);
     struct CUfunc_st *fn = legacy_func_locked(f);
     if (fn) {
@@ -259,9 +255,7 @@ SIM_API CUresult cuFuncSetBlockShape(CUfunction f, int x, int y, int z)
 
 SIM_API CUresult cuParamSetSize(CUfunction f, unsigned int n)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     pthread_mutex_lock(&sim_mu);
     struct CUfunc_st *fn = legacy_func_locked(f);
     if (fn && n < 4)
@@ -273,9 +267,7 @@ SIM_API CUresult cuParamSetSize(CUfunction f, unsigned int n)
 /* Only the first 32-bit parameter matters here (spin's microseconds). */
 SIM_API CUresult cuParamSeti(CUfunction f, int offset, unsigned int value)
 {
-    CUresult rc = sim_check_args(offset < 0);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_args(offset < 0));
     pthread_mutex_lock(&sim_mu);
     struct CUfunc_st *fn = legacy_func_locked(f);
     if (fn && offset == 0) {
@@ -288,9 +280,7 @@ SIM_API CUresult cuParamSeti(CUfunction f, int offset, unsigned int value)
 
 SIM_API CUresult cuParamSetv(CUfunction f, int offset, void *ptr, unsigned int n)
 {
-    CUresult rc = sim_check_args(offset < 0 || (n && !ptr));
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_args(offset < 0 || (n && !ptr)));
     pthread_mutex_lock(&sim_mu);
     struct CUfunc_st *fn = legacy_func_locked(f);
     if (fn && offset == 0 && n >= 4) {
@@ -303,9 +293,7 @@ SIM_API CUresult cuParamSetv(CUfunction f, int offset, void *ptr, unsigned int n
 
 static CUresult legacy_launch(CUfunction f, int w, int h, CUstream s)
 {
-    CUresult rc = sim_check_args(w <= 0 || h <= 0);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_args(w <= 0 || h <= 0));
     unsigned block[3] = { 1, 1, 1 };
     uint32_t param0 = 0;
     int have = 0;

@@ -20,9 +20,7 @@
 SIM_API CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned int flags)
 {
     struct CUctx_st *c;
-    CUresult rc = sim_current(&c);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_current(&c));
     if (!dptr || size == 0 || (flags != CU_MEM_ATTACH_GLOBAL && flags != CU_MEM_ATTACH_HOST))
         return CUDA_ERROR_INVALID_VALUE;
     if (sim_fault_alloc())
@@ -132,10 +130,8 @@ static CUresult move_range(CUdeviceptr p, size_t n, int node)
 
 static CUresult do_advise(CUdeviceptr p, size_t n, CUmem_advise advice, int node)
 {
-    CUresult rc = sim_check_args(advice < CU_MEM_ADVISE_SET_READ_MOSTLY ||
-                                 advice > CU_MEM_ADVISE_UNSET_ACCESSED_BY);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_args(advice < CU_MEM_ADVISE_SET_READ_MOSTLY ||
+                                 advice > CU_MEM_ADVISE_UNSET_ACCESSED_BY));
     int needs_place = advice == CU_MEM_ADVISE_SET_PREFERRED_LOCATION ||
                       advice == CU_MEM_ADVISE_SET_ACCESSED_BY;
     if (needs_place && node == -2)
@@ -148,9 +144,7 @@ static CUresult do_advise(CUdeviceptr p, size_t n, CUmem_advise advice, int node
 
 static CUresult do_prefetch(CUdeviceptr p, size_t n, int node)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     if (node == -2)
         return CUDA_ERROR_INVALID_DEVICE;
     return move_range(p, n, node);

@@ -11,9 +11,7 @@
 CUresult sim_dev_alloc(CUdeviceptr *out, uint64_t size, int low)
 {
     struct CUctx_st *c;
-    CUresult rc = sim_current(&c);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_current(&c));
     if (!out || size == 0)
         return CUDA_ERROR_INVALID_VALUE;
     if (sim_fault_alloc())
@@ -118,9 +116,7 @@ SIM_API CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pitch,
 
 SIM_API CUresult cuMemFree_v2(CUdeviceptr dptr)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     pthread_mutex_lock(&sim_mu);
     sim_alloc *a = sim_tab_find(dptr);
     if (!a) {
@@ -144,9 +140,7 @@ SIM_API CUresult cuMemFree(CUdeviceptr_v1 dptr)
 SIM_API CUresult cuMemGetInfo_v2(size_t *free_b, size_t *total_b)
 {
     struct CUctx_st *c;
-    CUresult rc = sim_current(&c);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_current(&c));
     if (!free_b && !total_b)
         return CUDA_ERROR_INVALID_VALUE;
     uint64_t total = sim_dev(c->node)->total;
@@ -195,9 +189,7 @@ static int range_of(CUdeviceptr p, CUdeviceptr *base, uint64_t *size)
 SIM_API CUresult cuMemGetAddressRange_v2(CUdeviceptr *pbase, size_t *psize,
                                          CUdeviceptr dptr)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     CUdeviceptr b;
     uint64_t s;
     if (range_of(dptr, &b, &s) < 0)
@@ -227,9 +219,7 @@ SIM_API CUresult cuMemGetAddressRange(CUdeviceptr_v1 *pbase,
 
 static CUresult check_span(CUdeviceptr p, size_t n)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     CUdeviceptr b;
     uint64_t s;
     if (range_of(p, &b, &s) < 0 || n > s - (p - b))
@@ -313,9 +303,7 @@ static void host_push(struct host_blk *b, void *p, size_t size, int registered)
 static CUresult host_alloc(void **pp, size_t size)
 {
     struct CUctx_st *c;
-    CUresult rc = sim_current(&c);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_current(&c));
     if (!pp || !size)
         return CUDA_ERROR_INVALID_VALUE;
     struct host_blk *b = malloc(sizeof *b);
@@ -365,9 +353,7 @@ static struct host_blk *host_take(void *p, int registered)
 
 SIM_API CUresult cuMemFreeHost(void *p)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     struct host_blk *b = host_take(p, 0);
     if (!b)
         return CUDA_ERROR_INVALID_VALUE;
@@ -379,9 +365,7 @@ SIM_API CUresult cuMemFreeHost(void *p)
 SIM_API CUresult cuMemHostRegister_v2(void *p, size_t size, unsigned int flags)
 {
     struct CUctx_st *c;
-    CUresult rc = sim_current(&c);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_current(&c));
     if (!p || !size || (flags & ~HOST_REGISTER_FLAGS))
         return CUDA_ERROR_INVALID_VALUE;
     struct host_blk *b = malloc(sizeof *b);
@@ -402,9 +386,7 @@ SIM_ALIAS(cuMemHostRegister, cuMemHostRegister_v2);
 
 SIM_API CUresult cuMemHostUnregister(void *p)
 {
-    CUresult rc = sim_check_args(!p);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_args(!p));
     struct host_blk *b = host_take(p, 1);
     if (!b)
         return CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED;
@@ -415,9 +397,7 @@ SIM_API CUresult cuMemHostUnregister(void *p)
 SIM_API CUresult cuMemHostGetDevicePointer_v2(CUdeviceptr *d, void *p, unsigned int flags)
 {
     struct CUctx_st *c;
-    CUresult rc = sim_current(&c);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_current(&c));
     if (!d || !p || flags)
         return CUDA_ERROR_INVALID_VALUE;
     pthread_mutex_lock(&sim_mu);

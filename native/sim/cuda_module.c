@@ -15,9 +15,7 @@
 static CUresult mod_new(CUmodule *out, int library)
 {
     struct CUctx_st *c = NULL;
-    CUresult rc = library ? sim_check_init() : sim_current(&c);
-    if (rc)
-        return rc;
+    SIM_TRY(library ? sim_check_init() : sim_current(&c));
     struct CUmod_st *m = calloc(1, sizeof *m);
     if (!m)
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -73,9 +71,7 @@ SIM_ALIAS(cuModuleLoadFatBinary, cuModuleLoadData);
 
 SIM_API CUresult cuModuleLoad(CUmodule *mod, const char *fname)
 {
-    CUresult rc = sim_check_args(!mod || !fname);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_args(!mod || !fname));
     if (access(fname, R_OK) < 0)
         return CUDA_ERROR_FILE_NOT_FOUND;
     return mod_new(mod, 0);
@@ -83,9 +79,7 @@ SIM_API CUresult cuModuleLoad(CUmodule *mod, const char *fname)
 
 static CUresult mod_unload(struct CUmod_st *m, int library)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     pthread_mutex_lock(&sim_mu);
     if (!mod_ok_locked(m, library)) {
         pthread_mutex_unlock(&sim_mu);
@@ -120,9 +114,7 @@ SIM_API CUresult cuModuleUnload(CUmodule mod)
 static CUresult get_func(struct CUfunc_st **out, struct CUmod_st *m,
                          const char *name, int library)
 {
-    CUresult rc = sim_check_args(!out || !name);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_args(!out || !name));
     if (strlen(name) >= SIM_FUNC_NAME)
         return CUDA_ERROR_NOT_FOUND;
     pthread_mutex_lock(&sim_mu);
@@ -161,9 +153,7 @@ SIM_API CUresult cuModuleGetFunction(CUfunction *f, CUmodule mod,
 
 static CUresult func_ok(CUfunction f)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     pthread_mutex_lock(&sim_mu);
     int ok = f && sim_reg_has(f) && f->magic == SIM_FUNC_MAGIC;
     pthread_mutex_unlock(&sim_mu);
@@ -174,9 +164,7 @@ SIM_API CUresult cuFuncGetName(const char **name, CUfunction f)
 {
     if (!name)
         return CUDA_ERROR_INVALID_VALUE;
-    CUresult rc = func_ok(f);
-    if (rc)
-        return rc;
+    SIM_TRY(func_ok(f));
     *name = f->name;
     return CUDA_SUCCESS;
 }
@@ -185,9 +173,7 @@ SIM_API CUresult cuFuncGetModule(CUmodule *mod, CUfunction f)
 {
     if (!mod)
         return CUDA_ERROR_INVALID_VALUE;
-    CUresult rc = func_ok(f);
-    if (rc)
-        return rc;
+    SIM_TRY(func_ok(f));
     *mod = f->mod;
     return CUDA_SUCCESS;
 }
@@ -225,18 +211,14 @@ SIM_API CUresult cuLibraryGetKernel(CUkernel *k, CUlibrary lib,
                                     const char *name)
 {
     struct CUfunc_st *f = NULL;
-    CUresult rc = get_func(&f, (struct CUmod_st *)lib, name, 1);
-    if (rc)
-        return rc;
+    SIM_TRY(get_func(&f, (struct CUmod_st *)lib, name, 1));
     *k = (CUkernel)f;
     return CUDA_SUCCESS;
 }
 
 SIM_API CUresult cuLibraryGetModule(CUmodule *mod, CUlibrary lib)
 {
-    CUresult rc = sim_check_args(!mod);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_args(!mod));
     pthread_mutex_lock(&sim_mu);
     int ok = mod_ok_locked((struct CUmod_st *)lib, 1);
     pthread_mutex_unlock(&sim_mu);
@@ -250,9 +232,7 @@ SIM_API CUresult cuKernelGetFunction(CUfunction *f, CUkernel k)
 {
     if (!f)
         return CUDA_ERROR_INVALID_VALUE;
-    CUresult rc = func_ok((CUfunction)k);
-    if (rc)
-        return rc;
+    SIM_TRY(func_ok((CUfunction)k));
     *f = (CUfunction)k;
     return CUDA_SUCCESS;
 }

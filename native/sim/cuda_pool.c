@@ -221,9 +221,7 @@ SIM_API CUresult cuMemFreeAsync_ptsz(CUdeviceptr d, CUstream s)
 
 SIM_API CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *pr)
 {
-    CUresult rc = sim_check_args(!pool || !pr || pr->allocType != CU_MEM_ALLOCATION_TYPE_PINNED);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_args(!pool || !pr || pr->allocType != CU_MEM_ALLOCATION_TYPE_PINNED));
     /* Host-located pools (CUDA 12.2+) hold host memory: no device's. */
     int host = pr->location.type == CU_MEM_LOCATION_TYPE_HOST ||
                pr->location.type == CU_MEM_LOCATION_TYPE_HOST_NUMA;
@@ -244,9 +242,7 @@ SIM_API CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *pr)
 
 SIM_API CUresult cuMemPoolDestroy(CUmemoryPool pool)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     pthread_mutex_lock(&sim_mu);
     if (!pool_ok(pool) || pool->is_default) {
         pthread_mutex_unlock(&sim_mu);
@@ -332,9 +328,7 @@ SIM_API CUresult cuMemPoolGetAttribute(CUmemoryPool pool,
 /* dev's default pool (current == 0) or current one. */
 static CUresult get_pool(CUmemoryPool *pool, CUdevice dev, int current)
 {
-    CUresult rc = sim_check_dev(pool != NULL, dev, NULL);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_dev(pool != NULL, dev, NULL));
     pthread_mutex_lock(&sim_mu);
     *pool = current ? cur_pool(dev) : def_pool(dev);
     pthread_mutex_unlock(&sim_mu);

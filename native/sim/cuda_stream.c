@@ -41,9 +41,7 @@ CUresult sim_stream_ref(CUstream h, int ptsz, sim_sref *out)
     if (h == NULL && ptsz)
         h = GV_CU_STREAM_PER_THREAD;
     struct CUctx_st *c;
-    CUresult rc = sim_stream_ctx(h, &c);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_stream_ctx(h, &c));
     out->ctx = c;
     if (h == NULL || h == GV_CU_STREAM_LEGACY)
         out->s = NULL;
@@ -56,9 +54,7 @@ CUresult sim_stream_ref(CUstream h, int ptsz, sim_sref *out)
 
 CUresult sim_stream_call(int args_ok, CUstream h, int ptsz, sim_sref *out)
 {
-    CUresult rc = sim_check_args(!args_ok);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_args(!args_ok));
     return sim_stream_ref(h, ptsz, out);
 }
 
@@ -125,9 +121,7 @@ CUresult sim_stream_ctx(CUstream s, struct CUctx_st **out)
 {
     if (is_special(s))
         return sim_current(out);
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     pthread_mutex_lock(&sim_mu);
     int ok = sim_reg_has(s) && s->magic == STREAM_MAGIC;
     struct CUctx_st *c = ok ? s->ctx : NULL;
@@ -144,9 +138,7 @@ SIM_API CUresult cuStreamCreateWithPriority(CUstream *ps, unsigned int flags,
                                             int prio)
 {
     struct CUctx_st *c;
-    CUresult rc = sim_current(&c);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_current(&c));
     if (!ps || flags > 1)
         return CUDA_ERROR_INVALID_VALUE;
     if (prio > 0)
@@ -174,9 +166,7 @@ SIM_API CUresult cuStreamCreate(CUstream *ps, unsigned int flags)
 
 SIM_API CUresult cuStreamDestroy_v2(CUstream s)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     if (is_special(s))
         return CUDA_ERROR_INVALID_HANDLE;
     pthread_mutex_lock(&sim_mu);
@@ -224,9 +214,7 @@ SIM_API CUresult cuStreamSynchronize_ptsz(CUstream s)
 static CUresult stream_query(CUstream s, int ptsz)
 {
     sim_sref r;
-    CUresult rc = sim_stream_ref(s, ptsz, &r);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_stream_ref(s, ptsz, &r));
     if (capture_violation(&r))
         return CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED;
     pthread_mutex_lock(&sim_mu);
@@ -249,9 +237,7 @@ SIM_API CUresult cuStreamQuery_ptsz(CUstream s)
 static CUresult stream_flags(CUstream s, int ptsz, unsigned *flags, int *prio)
 {
     sim_sref r;
-    CUresult rc = sim_stream_ref(s, ptsz, &r);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_stream_ref(s, ptsz, &r));
     if (flags)
         *flags = r.s ? r.s->flags : 0;
     if (prio)
@@ -281,9 +267,7 @@ SIM_API CUresult cuStreamGetPriority_ptsz(CUstream s, int *prio)
 
 SIM_API CUresult cuCtxGetStreamPriorityRange(int *least, int *greatest)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     if (least)
         *least = 0;
     if (greatest)
@@ -296,9 +280,7 @@ SIM_API CUresult cuStreamGetCtx(CUstream s, CUcontext *pctx)
     struct CUctx_st *c;
     if (!pctx)
         return CUDA_ERROR_INVALID_VALUE;
-    CUresult rc = sim_stream_ctx(s, &c);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_stream_ctx(s, &c));
     *pctx = c;
     return CUDA_SUCCESS;
 }
@@ -311,9 +293,7 @@ SIM_API CUresult cuStreamGetCtx_v2(CUstream s, CUcontext *pctx, void **green)
     if (!pctx && !green)
         return CUDA_ERROR_INVALID_VALUE;
     CUcontext c = NULL;
-    CUresult rc = cuStreamGetCtx(s, &c);
-    if (rc)
-        return rc;
+    SIM_TRY(cuStreamGetCtx(s, &c));
     if (pctx)
         *pctx = c;
     if (green)

@@ -75,9 +75,7 @@ SIM_API CUresult cuMemGetAllocationGranularity(size_t *g,
                                                const CUmemAllocationProp *p,
                                                CUmemAllocationGranularity_flags f)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     int node;
     if (!g || !p || (f != CU_MEM_ALLOC_GRANULARITY_MINIMUM &&
                      f != CU_MEM_ALLOC_GRANULARITY_RECOMMENDED))
@@ -92,9 +90,7 @@ SIM_API CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size,
                              const CUmemAllocationProp *p,
                              unsigned long long flags)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     int node;
     if (!h || !p || flags || !size || size % SIM_GRAN ||
         p->type != CU_MEM_ALLOCATION_TYPE_PINNED || loc_node(&p->location, &node))
@@ -120,9 +116,7 @@ SIM_API CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size,
 
 SIM_API CUresult cuMemRelease(CUmemGenericAllocationHandle h)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     pthread_mutex_lock(&sim_mu);
     struct vmm_handle *v = handle_of(h);
     if (v && v->refs > 0) {
@@ -143,9 +137,7 @@ SIM_API CUresult cuMemRelease(CUmemGenericAllocationHandle h)
  * still mapped, which it brings back. */
 SIM_API CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, void *addr)
 {
-    CUresult rc = sim_check_args(!h);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_args(!h));
     CUdeviceptr a = (CUdeviceptr)(uintptr_t)addr;
     pthread_mutex_lock(&sim_mu);
     struct map *m = g_maps;
@@ -165,9 +157,7 @@ SIM_API CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *h, vo
 SIM_API CUresult cuMemGetAllocationPropertiesFromHandle(
     CUmemAllocationProp *prop, CUmemGenericAllocationHandle h)
 {
-    CUresult rc = sim_check_args(!prop);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_args(!prop));
     pthread_mutex_lock(&sim_mu);
     struct vmm_handle *v = handle_of(h);
     if (v)
@@ -181,9 +171,7 @@ SIM_API CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size,
                                      unsigned long long flags)
 {
     (void)addr;                         /* hints are not honoured */
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     if (!ptr || !size || size % SIM_GRAN || flags ||
         (align & (align - 1)))
         return CUDA_ERROR_INVALID_VALUE;
@@ -223,9 +211,7 @@ static int unmap_range(CUdeviceptr va, uint64_t size)
 
 SIM_API CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     pthread_mutex_lock(&sim_mu);
     struct resv **pp = &g_resv, *r = NULL;
     for (; *pp; pp = &(*pp)->next)
@@ -284,9 +270,7 @@ out:
 
 SIM_API CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
 {
-    CUresult rc = sim_check_init();
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_init());
     pthread_mutex_lock(&sim_mu);
     int bad = 0;
     for (struct map *m = g_maps; m; m = m->next)
@@ -304,9 +288,7 @@ SIM_API CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
 SIM_API CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size,
                                 const CUmemAccessDesc *desc, size_t count)
 {
-    CUresult rc = sim_check_args(!desc || !count || !size);
-    if (rc)
-        return rc;
+    SIM_TRY(sim_check_args(!desc || !count || !size));
     for (size_t i = 0; i < count; i++) {
         int node;
         if (loc_node(&desc[i].location, &node) < 0)

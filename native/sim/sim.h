@@ -466,6 +466,13 @@ SIM_HIDDEN CUresult sim_check_init(void);
 /* sim_check_init's error, else CUDA_ERROR_INVALID_VALUE when bad (the
  * caller's test of its arguments, which reads no driver state) */
 SIM_HIDDEN CUresult sim_check_args(int bad);
+/* Returns a failed check's error from the calling entry point. */
+#define SIM_TRY(check)                              \
+    do {                                            \
+        CUresult try_rc_ = (check);                 \
+        if (try_rc_)                                \
+            return try_rc_;                         \
+    } while (0)
 SIM_HIDDEN int sim_nvisible(void);
 SIM_HIDDEN int sim_ord_node(int ordinal);   /* -1 if invalid */
 SIM_HIDDEN const char *sim_ord_uuid(int ordinal); /* its UUID (MIG-... on MIG) */
