@@ -778,6 +778,13 @@ typedef struct nvmlGpuInstanceProfileInfo_v2_st {
     char name[NVML_DEVICE_NAME_V2_BUFFER_SIZE];
 } nvmlGpuInstanceProfileInfo_v2_t;              /* 152 bytes */
 _Static_assert(sizeof(nvmlGpuInstanceProfileInfo_v2_t) == 152, "nvmlGpuInstanceProfileInfo_v2_t");
+/* the unversioned struct's unsigned ints lie as _v2's do after `version` */
+_Static_assert(offsetof(nvmlGpuInstanceProfileInfo_v2_t, ofaCount) -
+                       offsetof(nvmlGpuInstanceProfileInfo_v2_t, id) ==
+                   offsetof(nvmlGpuInstanceProfileInfo_t, ofaCount) &&
+                   offsetof(nvmlGpuInstanceProfileInfo_t, memorySizeMB) ==
+                       offsetof(nvmlGpuInstanceProfileInfo_t, ofaCount) + sizeof(unsigned int),
+               "nvmlGpuInstanceProfileInfo_t");
 #define nvmlGpuInstanceProfileInfo_v2 \
     NVML_STRUCT_VERSION(sizeof(nvmlGpuInstanceProfileInfo_v2_t), 2)
 
@@ -815,6 +822,10 @@ typedef struct nvmlComputeInstanceProfileInfo_v2_st {
 } nvmlComputeInstanceProfileInfo_v2_t;          /* 136 bytes */
 _Static_assert(sizeof(nvmlComputeInstanceProfileInfo_v2_t) == 136,
                "nvmlComputeInstanceProfileInfo_v2_t");
+_Static_assert(offsetof(nvmlComputeInstanceProfileInfo_v2_t, name) -
+                       offsetof(nvmlComputeInstanceProfileInfo_v2_t, id) ==
+                   sizeof(nvmlComputeInstanceProfileInfo_t),
+               "nvmlComputeInstanceProfileInfo_t");
 #define nvmlComputeInstanceProfileInfo_v2 \
     NVML_STRUCT_VERSION(sizeof(nvmlComputeInstanceProfileInfo_v2_t), 2)
 

@@ -8,6 +8,7 @@
  * NVML_ERROR_INVALID_ARGUMENT once there is none.  Profile ids are the
  * ones the profile info gives (nvidia-smi's), as in NVML.
  */
+#include <stddef.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -138,22 +139,13 @@ SIM_API nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfo(nvmlDevice_t dev, unsig
     if (!info)
         return NVML_ERROR_INVALID_ARGUMENT;
     const sim_gi_profile *p;
-    nvmlReturn_t rc = profile_by_index(gpu, profile, &p);
-    if (rc)
-        return rc;
+    NVML_TRY(profile_by_index(gpu, profile, &p));
     nvmlGpuInstanceProfileInfo_v2_t v;
     v.version = nvmlGpuInstanceProfileInfo_v2;
     fill_v2(p, &v);
-    info->id = v.id;
-    info->isP2pSupported = v.isP2pSupported;
-    info->sliceCount = v.sliceCount;
-    info->instanceCount = v.instanceCount;
-    info->multiprocessorCount = v.multiprocessorCount;
-    info->copyEngineCount = v.copyEngineCount;
-    info->decoderCount = v.decoderCount;
-    info->encoderCount = v.encoderCount;
-    info->jpegCount = v.jpegCount;
-    info->ofaCount = v.ofaCount;
+    /* v1 is v2's GV_NVML_GI_PROFILE_FIELDS: its unsigned ints lie alike,
+     * memorySizeMB sits at another offset (alignment) */
+    memcpy(info, &v.id, offsetof(nvmlGpuInstanceProfileInfo_t, memorySizeMB));
     info->memorySizeMB = v.memorySizeMB;
     return NVML_SUCCESS;
 }
@@ -167,9 +159,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoV(nvmlDevice_t dev, unsi
     if (info->version != nvmlGpuInstanceProfileInfo_v2)
         return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     const sim_gi_profile *p;
-    nvmlReturn_t rc = profile_by_index(gpu, profile, &p);
-    if (rc)
-        return rc;
+    NVML_TRY(profile_by_index(gpu, profile, &p));
     fill_v2(p, info);
     return NVML_SUCCESS;
 }
@@ -183,9 +173,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoByIdV(
     if (info->version != nvmlGpuInstanceProfileInfo_v2)
         return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
     const sim_gi_profile *p;
-    nvmlReturn_t rc = profile_by_id(gpu, id, &p);
-    if (rc)
-        return rc;
+    NVML_TRY(profile_by_id(gpu, id, &p));
     fill_v2(p, info);
     return NVML_SUCCESS;
 }
@@ -199,9 +187,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetGpuInstancePossiblePlacements_v2(
     if (!count)
         return NVML_ERROR_INVALID_ARGUMENT;
     const sim_gi_profile *p;
-    nvmlReturn_t rc = profile_by_id(gpu, id, &p);
-    if (rc)
-        return rc;
+    NVML_TRY(profile_by_id(gpu, id, &p));
     unsigned n = 0;
     for (unsigned s = 0; s < 32; s++)
         n += p->starts >> s & 1;
@@ -230,9 +216,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetGpuInstanceRemainingCapacity(nvmlDevice_t dev,
     if (!count)
         return NVML_ERROR_INVALID_ARGUMENT;
     const sim_gi_profile *p;
-    nvmlReturn_t rc = profile_by_id(gpu, id, &p);
-    if (rc)
-        return rc;
+    NVML_TRY(profile_by_id(gpu, id, &p));
     return sim_gi_remaining(gpu, p, count);
 }
 
@@ -289,9 +273,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetGpuInstances(nvmlDevice_t dev, unsigned int id
     if (!out || !count)
         return NVML_ERROR_INVALID_ARGUMENT;
     const sim_gi_profile *p;
-    nvmlReturn_t rc = profile_by_id(gpu, id, &p);
-    if (rc)
-        return rc;
+    NVML_TRY(profile_by_id(gpu, id, &p));
     if (!sim_mig_mode(gpu))
         return NVML_ERROR_NOT_SUPPORTED;
     const sim_model *m = sim_gpu_model(gpu);
@@ -378,23 +360,13 @@ SIM_API nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfo(
     nvmlComputeInstanceProfileInfo_t *info)
 {
     NVML_ENTRY("nvmlGpuInstanceGetComputeInstanceProfileInfo");
-    nvmlReturn_t rc = ci_profile_ok(h, profile, eng);
-    if (rc)
-        return rc;
+    NVML_TRY(ci_profile_ok(h, profile, eng));
     if (!info)
         return NVML_ERROR_INVALID_ARGUMENT;
     nvmlComputeInstanceProfileInfo_v2_t v;
     v.version = nvmlComputeInstanceProfileInfo_v2;
     fill_ci_v2(h, (int)profile, &v);
-    info->id = v.id;
-    info->sliceCount = v.sliceCount;
-    info->instanceCount = v.instanceCount;
-    info->multiprocessorCount = v.multiprocessorCount;
-    info->sharedCopyEngineCount = v.sharedCopyEngineCount;
-    info->sharedDecoderCount = v.sharedDecoderCount;
-    info->sharedEncoderCount = v.sharedEncoderCount;
-    info->sharedJpegCount = v.sharedJpegCount;
-    info->sharedOfaCount = v.sharedOfaCount;
+    memcpy(info, &v.id, sizeof *info);  /* v2's GV_NVML_CI_PROFILE_FIELDS */
     return NVML_SUCCESS;
 }
 
@@ -403,9 +375,7 @@ SIM_API nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfoV(
     nvmlComputeInstanceProfileInfo_v2_t *info)
 {
     NVML_ENTRY("nvmlGpuInstanceGetComputeInstanceProfileInfoV");
-    nvmlReturn_t rc = ci_profile_ok(h, profile, eng);
-    if (rc)
-        return rc;
+    NVML_TRY(ci_profile_ok(h, profile, eng));
     if (!info)
         return NVML_ERROR_INVALID_ARGUMENT;
     if (info->version != nvmlComputeInstanceProfileInfo_v2)
@@ -418,9 +388,7 @@ SIM_API nvmlReturn_t nvmlGpuInstanceGetComputeInstanceRemainingCapacity(
     nvmlGpuInstance_t h, unsigned int profile, unsigned int *count)
 {
     NVML_ENTRY("nvmlGpuInstanceGetComputeInstanceRemainingCapacity");
-    nvmlReturn_t rc = ci_profile_ok(h, profile, 0);
-    if (rc)
-        return rc;
+    NVML_TRY(ci_profile_ok(h, profile, 0));
     if (!count)
         return NVML_ERROR_INVALID_ARGUMENT;
     return sim_ci_remaining(h->gpu, h->slot, (int)profile, count);
@@ -431,9 +399,7 @@ SIM_API nvmlReturn_t nvmlGpuInstanceGetComputeInstancePossiblePlacements(
     unsigned int *count)
 {
     NVML_ENTRY("nvmlGpuInstanceGetComputeInstancePossiblePlacements");
-    nvmlReturn_t rc = ci_profile_ok(h, profile, 0);
-    if (rc)
-        return rc;
+    NVML_TRY(ci_profile_ok(h, profile, 0));
     if (!count)
         return NVML_ERROR_INVALID_ARGUMENT;
     unsigned st[8];
@@ -482,9 +448,7 @@ SIM_API nvmlReturn_t nvmlGpuInstanceCreateComputeInstanceWithPlacement(
     nvmlComputeInstance_t *out)
 {
     NVML_ENTRY("nvmlGpuInstanceCreateComputeInstanceWithPlacement");
-    nvmlReturn_t rc = ci_profile_ok(h, profile, 0);
-    if (rc)
-        return rc;
+    NVML_TRY(ci_profile_ok(h, profile, 0));
     if (!pl || pl->size != sim_ci_slices((int)profile))
         return NVML_ERROR_INVALID_ARGUMENT;
     unsigned st[8];
@@ -510,9 +474,7 @@ SIM_API nvmlReturn_t nvmlGpuInstanceGetComputeInstances(nvmlGpuInstance_t h,
                                                         unsigned int *count)
 {
     NVML_ENTRY("nvmlGpuInstanceGetComputeInstances");
-    nvmlReturn_t rc = ci_profile_ok(h, profile, 0);
-    if (rc)
-        return rc;
+    NVML_TRY(ci_profile_ok(h, profile, 0));
     if (!out || !count)
         return NVML_ERROR_INVALID_ARGUMENT;
     const sim_gi *g = gi_of(h);
@@ -580,40 +542,30 @@ SIM_API nvmlReturn_t nvmlDeviceIsMigDeviceHandle(nvmlDevice_t dev, unsigned int 
     return NVML_SUCCESS;
 }
 
-static nvmlReturn_t mig_ids(nvmlDevice_t dev, unsigned *gi, unsigned *ci)
+/* The GI (ci == 0) or CI id of MIG device dev into *id. */
+static nvmlReturn_t mig_id(nvmlDevice_t dev, unsigned int *id, int ci)
 {
     sim_migdev m;
+    if (!id)
+        return NVML_ERROR_INVALID_ARGUMENT;
     if (sim_nvml_mig(dev, &m) < 0)
         return sim_nvml_node(dev) >= 0 ? NVML_ERROR_NOT_SUPPORTED
                                        : NVML_ERROR_INVALID_ARGUMENT;
     const sim_gi *g = &sim_state()->gi[m.gpu][m.slot];
-    *gi = g->id;
-    *ci = g->ci[m.ci].id;
+    *id = ci ? g->ci[m.ci].id : g->id;
     return NVML_SUCCESS;
 }
 
 SIM_API nvmlReturn_t nvmlDeviceGetGpuInstanceId(nvmlDevice_t dev, unsigned int *id)
 {
     NVML_ENTRY("nvmlDeviceGetGpuInstanceId");
-    unsigned gi, ci;
-    if (!id)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    nvmlReturn_t rc = mig_ids(dev, &gi, &ci);
-    if (!rc)
-        *id = gi;
-    return rc;
+    return mig_id(dev, id, 0);
 }
 
 SIM_API nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t dev, unsigned int *id)
 {
     NVML_ENTRY("nvmlDeviceGetComputeInstanceId");
-    unsigned gi, ci;
-    if (!id)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    nvmlReturn_t rc = mig_ids(dev, &gi, &ci);
-    if (!rc)
-        *id = ci;
-    return rc;
+    return mig_id(dev, id, 1);
 }
 
 SIM_API nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t dev, unsigned int *count)

@@ -124,9 +124,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t dev, unsigned int lin
 {
     GPU_ENTRY("nvmlDeviceGetNvLinkState", dev, a);
     int peer;
-    nvmlReturn_t rc = link_of(a, link, &peer);
-    if (rc)
-        return rc;
+    NVML_TRY(link_of(a, link, &peer));
     if (!active)
         return NVML_ERROR_INVALID_ARGUMENT;
     *active = peer == SIM_LINK_NONE ? NVML_FEATURE_DISABLED : NVML_FEATURE_ENABLED;
@@ -148,9 +146,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t dev, unsig
 {
     GPU_ENTRY("nvmlDeviceGetNvLinkRemotePciInfo_v2", dev, a);
     int peer;
-    nvmlReturn_t rc = link_of(a, link, &peer);
-    if (rc)
-        return rc;
+    NVML_TRY(link_of(a, link, &peer));
     if (!pci)
         return NVML_ERROR_INVALID_ARGUMENT;
     if (peer == SIM_LINK_NONE)
@@ -173,9 +169,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetNvLinkRemoteDeviceType(nvmlDevice_t dev, unsig
 {
     GPU_ENTRY("nvmlDeviceGetNvLinkRemoteDeviceType", dev, a);
     int peer;
-    nvmlReturn_t rc = link_of(a, link, &peer);
-    if (rc)
-        return rc;
+    NVML_TRY(link_of(a, link, &peer));
     if (!type)
         return NVML_ERROR_INVALID_ARGUMENT;
     *type = peer == SIM_LINK_SWITCH ? NVML_NVLINK_DEVICE_TYPE_SWITCH

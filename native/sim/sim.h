@@ -617,6 +617,14 @@ SIM_HIDDEN unsigned sim_nvml_pid(unsigned pid);
 SIM_HIDDEN int sim_nvml_ready(void);
 SIM_HIDDEN int sim_nvml_node(nvmlDevice_t d);         /* -1 if invalid */
 
+/* Returns a failed step's NVML error from the calling entry point. */
+#define NVML_TRY(step)                              \
+    do {                                            \
+        nvmlReturn_t try_rc_ = (step);              \
+        if (try_rc_)                                \
+            return try_rc_;                         \
+    } while (0)
+
 /* every NVML entry point starts with this */
 #define NVML_ENTRY(fn)                              \
     do {                                            \
