@@ -325,6 +325,18 @@ SIM_API CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev)
     return CUDA_SUCCESS;
 }
 
+/* Ends primary context c's life when end (release and reset); releases
+ * g_prim_mu, which the caller holds. */
+static CUresult prim_end_unlock(struct CUctx_st *c, int end)
+{
+    if (end)
+        ctx_deactivate(c);
+    pthread_mutex_unlock(&g_prim_mu);
+    if (end)
+        sim_free_delay();
+    return CUDA_SUCCESS;
+}
+
 SIM_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
 {
     SIM_TRY(sim_check_dev(1, dev, NULL));
@@ -334,13 +346,7 @@ SIM_API CUresult cuDevicePrimaryCtxRelease_v2(CUdevice dev)
         pthread_mutex_unlock(&g_prim_mu);
         return CUDA_ERROR_INVALID_CONTEXT;
     }
-    int freed = --c->refcount == 0 && c->alive;
-    if (freed)
-        ctx_deactivate(c);
-    pthread_mutex_unlock(&g_prim_mu);
-    if (freed)
-        sim_free_delay();
-    return CUDA_SUCCESS;
+    return prim_end_unlock(c, --c->refcount == 0 && c->alive);
 }
 
 SIM_ALIAS(cuDevicePrimaryCtxRelease, cuDevicePrimaryCtxRelease_v2);
@@ -352,13 +358,7 @@ SIM_API CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev)
      * release (also after the reset), and the next retain makes it anew. */
     struct CUctx_st *c = &g_primary[dev];
     pthread_mutex_lock(&g_prim_mu);
-    int freed = c->alive;
-    if (freed)
-        ctx_deactivate(c);
-    pthread_mutex_unlock(&g_prim_mu);
-    if (freed)
-        sim_free_delay();
-    return CUDA_SUCCESS;
+    return prim_end_unlock(c, c->alive);
 }
 
 SIM_ALIAS(cuDevicePrimaryCtxReset, cuDevicePrimaryCtxReset_v2);

@@ -272,46 +272,48 @@ SIM_API CUresult cuGraphMemFreeNodeGetParams(CUgraphNode nd, CUdeviceptr *dptr)
 
 /* ---- stream capture ---------------------------------------------------- */
 
-/* The stream's capture graph, if it is capturing; sim_mu held. */
-static struct CUgraph_st *capturing_locked(const sim_sref *r)
+/* Stream s's capture graph with sim_mu locked (r gets the stream), or
+ * NULL with sim_mu not locked when s is not capturing. */
+static struct CUgraph_st *capture_lock(CUstream s, int ptsz, sim_sref *r)
 {
-    return r->s && r->s->capture == CU_STREAM_CAPTURE_STATUS_ACTIVE ? r->s->cap_graph : NULL;
+    if (sim_stream_ref(s, ptsz, r) != CUDA_SUCCESS)
+        return NULL;
+    pthread_mutex_lock(&sim_mu);
+    struct CUgraph_st *g =
+        r->s && r->s->capture == CU_STREAM_CAPTURE_STATUS_ACTIVE ? r->s->cap_graph : NULL;
+    if (!g)
+        pthread_mutex_unlock(&sim_mu);
+    return g;
 }
 
 int sim_capture_alloc(CUstream s, int ptsz, CUdeviceptr *dptr, size_t size, CUresult *rc)
 {
     sim_sref r;
-    if (sim_stream_ref(s, ptsz, &r) != CUDA_SUCCESS)
+    struct CUgraph_st *g = capture_lock(s, ptsz, &r);
+    if (!g)
         return 0;
-    pthread_mutex_lock(&sim_mu);
-    struct CUgraph_st *g = capturing_locked(&r);
-    if (g) {
-        struct sim_gmem *gm = gmem_new_locked(r.ctx->ordinal, size);
-        *rc = gm ? sim_graph_append_mem_locked(g, CU_GRAPH_NODE_TYPE_MEM_ALLOC, gm)
-                 : CUDA_ERROR_OUT_OF_MEMORY;
-        if (gm) {
-            *dptr = gm->addr;
-            sim_gmem_unref_locked(gm);  /* the node holds it */
-        }
+    struct sim_gmem *gm = gmem_new_locked(r.ctx->ordinal, size);
+    *rc = gm ? sim_graph_append_mem_locked(g, CU_GRAPH_NODE_TYPE_MEM_ALLOC, gm)
+             : CUDA_ERROR_OUT_OF_MEMORY;
+    if (gm) {
+        *dptr = gm->addr;
+        sim_gmem_unref_locked(gm);      /* the node holds it */
     }
     pthread_mutex_unlock(&sim_mu);
-    return g != NULL;
+    return 1;
 }
 
 int sim_capture_free(CUstream s, int ptsz, CUdeviceptr dptr, CUresult *rc)
 {
     sim_sref r;
-    if (sim_stream_ref(s, ptsz, &r) != CUDA_SUCCESS)
+    struct CUgraph_st *g = capture_lock(s, ptsz, &r);
+    if (!g)
         return 0;
-    pthread_mutex_lock(&sim_mu);
-    struct CUgraph_st *g = capturing_locked(&r);
-    if (g) {
-        struct sim_gmem *gm = gmem_find_locked(dptr);
-        *rc = gm ? sim_graph_append_mem_locked(g, CU_GRAPH_NODE_TYPE_MEM_FREE, gm)
-                 : CUDA_ERROR_NOT_SUPPORTED;    /* only graph allocations */
-    }
+    struct sim_gmem *gm = gmem_find_locked(dptr);
+    *rc = gm ? sim_graph_append_mem_locked(g, CU_GRAPH_NODE_TYPE_MEM_FREE, gm)
+             : CUDA_ERROR_NOT_SUPPORTED;        /* only graph allocations */
     pthread_mutex_unlock(&sim_mu);
-    return g != NULL;
+    return 1;
 }
 
 /* ---- the device's graph pool ------------------------------------------- */

@@ -131,8 +131,8 @@ out:
 
 /* In a capturing stream, allocations and frees become graph memory nodes
  * (cuda_graph_mem.c) instead of running. */
-static CUresult alloc_from_pool(CUdeviceptr *dptr, size_t size, CUmemoryPool pool,
-                                CUstream s, int ptsz)
+static CUresult alloc_async(CUdeviceptr *dptr, size_t size, int from_pool, CUmemoryPool pool,
+                            CUstream s, int ptsz)
 {
     struct CUctx_st *c;
     CUresult rc = sim_stream_ctx(s, &c);
@@ -140,30 +140,21 @@ static CUresult alloc_from_pool(CUdeviceptr *dptr, size_t size, CUmemoryPool poo
         return rc;
     if (!dptr || !size)
         return CUDA_ERROR_INVALID_VALUE;
-    pthread_mutex_lock(&sim_mu);
-    int ok = pool_ok(pool);
-    pthread_mutex_unlock(&sim_mu);
-    if (!ok)
-        return CUDA_ERROR_INVALID_VALUE;
+    if (from_pool) {                    /* cuMemAllocFromPoolAsync's pool */
+        pthread_mutex_lock(&sim_mu);
+        int ok = pool_ok(pool);
+        pthread_mutex_unlock(&sim_mu);
+        if (!ok)
+            return CUDA_ERROR_INVALID_VALUE;
+    }
     if (sim_capture_alloc(s, ptsz, dptr, size, &rc))
         return rc;
+    if (!from_pool) {                   /* cuMemAllocAsync: the current pool */
+        pthread_mutex_lock(&sim_mu);
+        pool = cur_pool(c->ordinal);
+        pthread_mutex_unlock(&sim_mu);
+    }
     return pool_alloc(pool, dptr, size);
-}
-
-static CUresult alloc_async(CUdeviceptr *dptr, size_t size, CUstream s, int ptsz)
-{
-    struct CUctx_st *c;
-    CUresult rc = sim_stream_ctx(s, &c);
-    if (rc)
-        return rc;
-    if (!dptr || !size)
-        return CUDA_ERROR_INVALID_VALUE;
-    if (sim_capture_alloc(s, ptsz, dptr, size, &rc))
-        return rc;
-    pthread_mutex_lock(&sim_mu);
-    struct CUmemPoolHandle_st *p = cur_pool(c->ordinal);
-    pthread_mutex_unlock(&sim_mu);
-    return pool_alloc(p, dptr, size);
 }
 
 static CUresult free_async(CUdeviceptr dptr, CUstream s, int ptsz)
@@ -188,12 +179,12 @@ static CUresult free_async(CUdeviceptr dptr, CUstream s, int ptsz)
 SIM_API CUresult cuMemAllocFromPoolAsync(CUdeviceptr *d, size_t n, CUmemoryPool p,
                                          CUstream s)
 {
-    return alloc_from_pool(d, n, p, s, 0);
+    return alloc_async(d, n, 1, p, s, 0);
 }
 
 SIM_API CUresult cuMemAllocAsync(CUdeviceptr *d, size_t n, CUstream s)
 {
-    return alloc_async(d, n, s, 0);
+    return alloc_async(d, n, 0, NULL, s, 0);
 }
 
 SIM_API CUresult cuMemFreeAsync(CUdeviceptr d, CUstream s)
@@ -203,13 +194,13 @@ SIM_API CUresult cuMemFreeAsync(CUdeviceptr d, CUstream s)
 
 SIM_API CUresult cuMemAllocAsync_ptsz(CUdeviceptr *d, size_t n, CUstream s)
 {
-    return alloc_async(d, n, s, 1);
+    return alloc_async(d, n, 0, NULL, s, 1);
 }
 
 SIM_API CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *d, size_t n,
                                               CUmemoryPool p, CUstream s)
 {
-    return alloc_from_pool(d, n, p, s, 1);
+    return alloc_async(d, n, 1, p, s, 1);
 }
 
 SIM_API CUresult cuMemFreeAsync_ptsz(CUdeviceptr d, CUstream s)
@@ -270,42 +261,26 @@ SIM_API CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep)
     return ok ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
-SIM_API CUresult cuMemPoolSetAttribute(CUmemoryPool pool,
-                                       CUmemPool_attribute attr, void *v)
+/* Sets attribute attr of pool from *v; sim_mu held, pool valid. */
+static CUresult pool_set_locked(CUmemoryPool pool, CUmemPool_attribute attr, const void *v)
 {
-    CUresult rc = sim_check_args(!v);
-    if (rc)
-        return rc;
-    pthread_mutex_lock(&sim_mu);
-    rc = CUDA_SUCCESS;
-    if (!pool_ok(pool)) {
-        rc = CUDA_ERROR_INVALID_VALUE;
-    } else if (attr >= 1 && attr <= 3) {
-        pool->reuse[attr] = *(int *)v;
-    } else if (attr == CU_MEMPOOL_ATTR_RELEASE_THRESHOLD) {
-        pool->threshold = *(cuuint64_t *)v;
-    } else if (attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH && !*(cuuint64_t *)v) {
+    if (attr >= 1 && attr <= 3)
+        pool->reuse[attr] = *(const int *)v;
+    else if (attr == CU_MEMPOOL_ATTR_RELEASE_THRESHOLD)
+        pool->threshold = *(const cuuint64_t *)v;
+    else if (attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH && !*(const cuuint64_t *)v)
         pool->reserved_high = pool->reserved;
-    } else if (attr == CU_MEMPOOL_ATTR_USED_MEM_HIGH && !*(cuuint64_t *)v) {
+    else if (attr == CU_MEMPOOL_ATTR_USED_MEM_HIGH && !*(const cuuint64_t *)v)
         pool->used_high = pool->used;
-    } else {
-        rc = CUDA_ERROR_INVALID_VALUE;
-    }
-    pthread_mutex_unlock(&sim_mu);
-    return rc;
+    else
+        return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
 }
 
-SIM_API CUresult cuMemPoolGetAttribute(CUmemoryPool pool,
-                                       CUmemPool_attribute attr, void *v)
+/* Reads attribute attr of pool into *v; sim_mu held, pool valid. */
+static CUresult pool_get_locked(CUmemoryPool pool, CUmemPool_attribute attr, void *v)
 {
-    CUresult rc = sim_check_args(!v);
-    if (rc)
-        return rc;
-    pthread_mutex_lock(&sim_mu);
-    rc = CUDA_SUCCESS;
-    if (!pool_ok(pool))
-        rc = CUDA_ERROR_INVALID_VALUE;
-    else if (attr >= 1 && attr <= 3)
+    if (attr >= 1 && attr <= 3)
         *(int *)v = pool->reuse[attr];
     else if (attr == CU_MEMPOOL_ATTR_RELEASE_THRESHOLD)
         *(cuuint64_t *)v = pool->threshold;
@@ -318,9 +293,33 @@ SIM_API CUresult cuMemPoolGetAttribute(CUmemoryPool pool,
     else if (attr == CU_MEMPOOL_ATTR_USED_MEM_HIGH)
         *(cuuint64_t *)v = pool->used_high;
     else
-        rc = CUDA_ERROR_INVALID_VALUE;
+        return CUDA_ERROR_INVALID_VALUE;
+    return CUDA_SUCCESS;
+}
+
+/* cuMemPoolSetAttribute (set) and cuMemPoolGetAttribute: the checks and
+ * the lock they share. */
+static CUresult pool_attribute(CUmemoryPool pool, CUmemPool_attribute attr, void *v, int set)
+{
+    SIM_TRY(sim_check_args(!v));
+    pthread_mutex_lock(&sim_mu);
+    CUresult rc = !pool_ok(pool) ? CUDA_ERROR_INVALID_VALUE
+                  : set          ? pool_set_locked(pool, attr, v)
+                                 : pool_get_locked(pool, attr, v);
     pthread_mutex_unlock(&sim_mu);
     return rc;
+}
+
+SIM_API CUresult cuMemPoolSetAttribute(CUmemoryPool pool,
+                                       CUmemPool_attribute attr, void *v)
+{
+    return pool_attribute(pool, attr, v, 1);
+}
+
+SIM_API CUresult cuMemPoolGetAttribute(CUmemoryPool pool,
+                                       CUmemPool_attribute attr, void *v)
+{
+    return pool_attribute(pool, attr, v, 0);
 }
 
 /* ---- device <-> pool ------------------------------------------------- */

@@ -49,4 +49,34 @@ static void *sym(const char *n)
     return p;
 }
 
+/* The driver under test: argv[1], else $GV_SIM_LIBCUDA, else the build's. */
+static void sim_test_lib(int argc, char **argv)
+{
+    if (argc > 1)
+        g_lib = argv[1];
+    else if (getenv("GV_SIM_LIBCUDA"))
+        g_lib = getenv("GV_SIM_LIBCUDA");
+}
+
+/* dlopens the driver into g_h, or fails the test. */
+static void sim_test_open(void)
+{
+    g_h = dlopen(g_lib, RTLD_NOW | RTLD_LOCAL);
+    if (!g_h) {
+        printf("FAIL dlopen %s: %s\n", g_lib, dlerror());
+        exit(1);
+    }
+}
+
+/* Points GPUVISOR_SIM_STATE at a scratch file gv-t-<name>-<pid>.state in
+ * $TMPDIR, which this (main) process removes at exit. */
+static void sim_test_state(const char *name)
+{
+    const char *tmp = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
+    snprintf(g_state, sizeof g_state, "%s/gv-t-%s-%d.state", tmp, name, (int)getpid());
+    setenv("GPUVISOR_SIM_STATE", g_state, 1);
+    g_main_pid = getpid();
+    atexit(cleanup);
+}
+
 #endif /* GV_SIM_TEST_H */

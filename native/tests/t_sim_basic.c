@@ -124,11 +124,7 @@ FUNCS
 #define F(name, ret, args) *(void **)&name = sym(#name);
 static void load(void)
 {
-    g_h = dlopen(g_lib, RTLD_NOW | RTLD_LOCAL);
-    if (!g_h) {
-        printf("FAIL dlopen %s: %s\n", g_lib, dlerror());
-        exit(1);
-    }
+    sim_test_open();
     FUNCS
 }
 
@@ -670,16 +666,8 @@ static void test_procaddr(void)
 
 int main(int argc, char **argv)
 {
-    if (argc > 1)
-        g_lib = argv[1];
-    else if (getenv("GV_SIM_LIBCUDA"))
-        g_lib = getenv("GV_SIM_LIBCUDA");
-    const char *tmp = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
-    snprintf(g_state, sizeof g_state, "%s/gv-t-sim-basic-%d.state", tmp,
-             (int)getpid());
-    setenv("GPUVISOR_SIM_STATE", g_state, 1);
-    g_main_pid = getpid();
-    atexit(cleanup);
+    sim_test_lib(argc, argv);
+    sim_test_state("sim-basic");
     char spec[256];
     snprintf(spec, sizeof spec, "2x6g:sms=10:name=Sim H100,512m:uuid=%s",
              UUID2);

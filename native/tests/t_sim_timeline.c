@@ -99,11 +99,7 @@ static coop_fn cuLaunchCooperativeKernel;
 #define F(name, ret, args) *(void **)&name = sym(#name);
 static void load(void)
 {
-    g_h = dlopen(g_lib, RTLD_NOW | RTLD_LOCAL);
-    if (!g_h) {
-        printf("FAIL dlopen %s: %s\n", g_lib, dlerror());
-        exit(1);
-    }
+    sim_test_open();
     FUNCS
     *(void **)&cuLaunchKernel = sym("cuLaunchKernel");
     *(void **)&cuLaunchKernel_ptsz = sym("cuLaunchKernel_ptsz");
@@ -594,19 +590,11 @@ static int spin_child(int fd)
 int main(int argc, char **argv)
 {
     g_argv = argv;
-    if (argc > 1)
-        g_lib = argv[1];
-    else if (getenv("GV_SIM_LIBCUDA"))
-        g_lib = getenv("GV_SIM_LIBCUDA");
+    sim_test_lib(argc, argv);
     setvbuf(stdout, NULL, _IOLBF, 0);
     if (getenv("GV_T_TIMELINE_CHILD_FD"))
         return spin_child(atoi(getenv("GV_T_TIMELINE_CHILD_FD")));
-    const char *tmp = getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp";
-    snprintf(g_state, sizeof g_state, "%s/gv-t-sim-timeline-%d.state", tmp,
-             (int)getpid());
-    setenv("GPUVISOR_SIM_STATE", g_state, 1);
-    g_main_pid = getpid();
-    atexit(cleanup);
+    sim_test_state("sim-timeline");
     setenv("GPUVISOR_SIM_DEVICES", "1x4g:sms=10", 1);
     unsetenv("CUDA_VISIBLE_DEVICES");
     load();
