@@ -104,4 +104,14 @@ static inline CUresult gv_test_primary_ctx(int ordinal, CUcontext *ctx)
     return CUDA_SUCCESS;
 }
 
+/* The properties of a pool of device ordinal's memory (cuMemPoolCreate). */
+static inline CUmemPoolProps gv_test_device_pool_props(int ordinal)
+{
+    CUmemPoolProps props = {0};
+    props.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
+    props.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    props.location.id = ordinal;
+    return props;
+}
+
 #endif

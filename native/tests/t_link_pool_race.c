@@ -80,17 +80,9 @@ int main(int argc, char **argv)
 {
     int rounds = argc > 1 ? atoi(argv[1]) : 500;
     sync_free = argc > 2 && strcmp(argv[2], "sync") == 0;
-    CUdevice dev;
-    MUST(cuInit(0));
-    MUST(cuDeviceGet(&dev, 0));
-    MUST(cuDevicePrimaryCtxRetain(&ctx, dev));
-    MUST(cuCtxSetCurrent(ctx));
+    MUST(gv_test_primary_ctx(0, &ctx));
     MUST(cuStreamCreate(&stream, 0));
-    CUmemPoolProps props;
-    memset(&props, 0, sizeof props);
-    props.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
-    props.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    props.location.id = 0;
+    CUmemPoolProps props = gv_test_device_pool_props(0);
     pthread_barrier_init(&go, NULL, 2);
 
     int low = 0, leaked = 0;

@@ -105,18 +105,10 @@ int main(int argc, char **argv)
     if (argc != 2)
         return 2;
     mode = argv[1];
-    CUdevice d;
-    MUST(cuInit(0));
-    MUST(cuDeviceGet(&d, 0));
-    MUST(cuDevicePrimaryCtxRetain(&ctx, d));
-    MUST(cuCtxSetCurrent(ctx));
+    MUST(gv_test_primary_ctx(0, &ctx));
     MUST(cuCtxSetLimit(CU_LIMIT_MALLOC_HEAP_SIZE, 8 * MiB + 1024 * MiB));
     MUST(cuStreamCreate(&stream, 0));
-    CUmemPoolProps props;
-    memset(&props, 0, sizeof props);
-    props.allocType = CU_MEM_ALLOCATION_TYPE_PINNED;
-    props.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    props.location.id = 0;
+    CUmemPoolProps props = gv_test_device_pool_props(0);
     MUST(cuMemPoolCreate(&pool, &props));
     cuuint64_t threshold = 0;
     MUST(cuMemPoolSetAttribute(pool, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &threshold));
