@@ -64,13 +64,13 @@ static int entry_for(nvmlDevice_t dev, uint64_t physical_total)
     return e;
 }
 
-/* Apply the quota to total/free/used (*applied: whether it did); returns
- * an NVML status. */
+/* Apply the quota to total/free/used, and when it does, zero *reserved
+ * (_v2's; NULL for the unversioned struct): the quota view has no driver
+ * reserve (also at 100 %).  Returns an NVML status. */
 static nvmlReturn_t quota_view(nvmlDevice_t dev, unsigned long long *total,
                                unsigned long long *free_b, unsigned long long *used,
-                               int *applied)
+                               unsigned long long *reserved)
 {
-    *applied = 0;
     int e = entry_for(dev, *total);
     if (e == -2)
         return GV_FAIL_NVML;
@@ -91,7 +91,8 @@ static nvmlReturn_t quota_view(nvmlDevice_t dev, unsigned long long *total,
     *total = t;
     *used = u < t ? u : t;
     *free_b = avail < *free_b || over ? avail : *free_b;
-    *applied = 1;
+    if (reserved)
+        *reserved = 0;
     return NVML_SUCCESS;
 }
 
@@ -102,8 +103,7 @@ GV_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t dev, nvmlMemory_t *m
     nvmlReturn_t rc = real(dev, mem);
     if (rc != NVML_SUCCESS || !mem)
         return rc;
-    int applied;
-    return quota_view(dev, &mem->total, &mem->free, &mem->used, &applied);
+    return quota_view(dev, &mem->total, &mem->free, &mem->used, NULL);
 }
 
 GV_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t dev, nvmlMemory_v2_t *mem)
@@ -113,11 +113,7 @@ GV_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t dev, nvmlMemory_v
     nvmlReturn_t rc = real(dev, mem);
     if (rc != NVML_SUCCESS || !mem)
         return rc;
-    int applied;
-    rc = quota_view(dev, &mem->total, &mem->free, &mem->used, &applied);
-    if (rc == NVML_SUCCESS && applied)
-        mem->reserved = 0;   /* the quota view has no driver reserve (also at 100 %) */
-    return rc;
+    return quota_view(dev, &mem->total, &mem->free, &mem->used, &mem->reserved);
 }
 
 const gv_hook gv_hooks_nvml[] = {

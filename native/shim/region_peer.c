@@ -70,6 +70,21 @@ static int peer_open(const char *path, int flags)
     return fd;
 }
 
+/* peer_open, and *d gets a device entry to read the region's into (the
+ * caller frees it). */
+static int peer_open_scratch(const char *path, int flags, struct gv_dev **d)
+{
+    int fd = peer_open(path, flags);
+    if (fd < 0)
+        return fd;
+    *d = malloc(sizeof **d);
+    if (*d == NULL) {
+        close(fd);
+        return gv_api_fail(GV_EIO, "gpuvisor: region %s: out of memory", path);
+    }
+    return fd;
+}
+
 static int read_at(int fd, void *buf, size_t len, off_t off, const char *path)
 {
     ssize_t n = pread(fd, buf, len, off);
@@ -102,14 +117,10 @@ GV_EXPORT int gv_region_file_devices(const char *path, struct gv_region_file_dev
 {
     if (out == NULL || cap < 0)
         return gv_api_fail(GV_EINVAL, "gpuvisor: gv_region_file_devices: no buffer given");
-    int fd = peer_open(path, O_RDONLY);
+    struct gv_dev *d;
+    int fd = peer_open_scratch(path, O_RDONLY, &d);
     if (fd < 0)
         return fd;
-    struct gv_dev *d = malloc(sizeof *d);
-    if (d == NULL) {
-        close(fd);
-        return gv_api_fail(GV_EIO, "gpuvisor: region %s: out of memory", path);
-    }
     int n = 0, rc = GV_OK;
     uint64_t now = now_ns();
     for (int i = 0; i < GV_MAX_DEVICES && n < cap; i++) {
@@ -188,14 +199,10 @@ GV_EXPORT int gv_region_file_set_sm(const char *path, const char *uuid, uint32_t
                            GV_SM_YIELD_MAX_MS);
     if (others_bp != GV_KEEP && others_bp > 10000)
         return gv_api_fail(GV_EINVAL, "%s: others_bp=%u is not 0..10000", fn, others_bp);
-    int fd = peer_open(path, O_RDWR);
+    struct gv_dev *d;
+    int fd = peer_open_scratch(path, O_RDWR, &d);
     if (fd < 0)
         return fd;
-    struct gv_dev *d = malloc(sizeof *d);
-    if (d == NULL) {
-        close(fd);
-        return gv_api_fail(GV_EIO, "gpuvisor: region %s: out of memory", path);
-    }
     int dev = -1, rc = GV_OK;
     for (int i = 0; i < GV_MAX_DEVICES && dev < 0 && rc == GV_OK; i++) {
         rc = read_dev(fd, i, d, path);
