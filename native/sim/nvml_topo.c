@@ -107,13 +107,14 @@ SIM_API nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t dev, unsigned int *nod
     return NVML_SUCCESS;
 }
 
-/* the link of dev: NVML_SUCCESS with *peer, or why not */
-static nvmlReturn_t link_of(int gpu, unsigned int link, int *peer)
+/* the link of dev: NVML_SUCCESS with *peer, or why not (out: the
+ * caller's out pointer, which a link query must have) */
+static nvmlReturn_t link_of(int gpu, unsigned int link, const void *out, int *peer)
 {
     const sim_topo_gpu *t = topo(gpu);
     if (t->nlinks == 0)
         return NVML_ERROR_NOT_SUPPORTED;
-    if (link >= (unsigned)t->nlinks)
+    if (link >= (unsigned)t->nlinks || !out)
         return NVML_ERROR_INVALID_ARGUMENT;
     *peer = t->link_peer[link];
     return NVML_SUCCESS;
@@ -124,9 +125,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t dev, unsigned int lin
 {
     GPU_ENTRY("nvmlDeviceGetNvLinkState", dev, a);
     int peer;
-    NVML_TRY(link_of(a, link, &peer));
-    if (!active)
-        return NVML_ERROR_INVALID_ARGUMENT;
+    NVML_TRY(link_of(a, link, active, &peer));
     *active = peer == SIM_LINK_NONE ? NVML_FEATURE_DISABLED : NVML_FEATURE_ENABLED;
     return NVML_SUCCESS;
 }
@@ -146,9 +145,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t dev, unsig
 {
     GPU_ENTRY("nvmlDeviceGetNvLinkRemotePciInfo_v2", dev, a);
     int peer;
-    NVML_TRY(link_of(a, link, &peer));
-    if (!pci)
-        return NVML_ERROR_INVALID_ARGUMENT;
+    NVML_TRY(link_of(a, link, pci, &peer));
     if (peer == SIM_LINK_NONE)
         return NVML_ERROR_NOT_SUPPORTED;      /* nothing at the other end */
     if (peer == SIM_LINK_SWITCH)
@@ -169,9 +166,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetNvLinkRemoteDeviceType(nvmlDevice_t dev, unsig
 {
     GPU_ENTRY("nvmlDeviceGetNvLinkRemoteDeviceType", dev, a);
     int peer;
-    NVML_TRY(link_of(a, link, &peer));
-    if (!type)
-        return NVML_ERROR_INVALID_ARGUMENT;
+    NVML_TRY(link_of(a, link, type, &peer));
     *type = peer == SIM_LINK_SWITCH ? NVML_NVLINK_DEVICE_TYPE_SWITCH
           : peer == SIM_LINK_NONE ? NVML_NVLINK_DEVICE_TYPE_UNKNOWN
                                   : NVML_NVLINK_DEVICE_TYPE_GPU;

@@ -263,6 +263,9 @@ SIM_HIDDEN int sim_parse_size(const char *s, uint64_t *out);
 SIM_HIDDEN int sim_parse_spec(const char *s, sim_spec *out); /* 0 / -1 */
 SIM_HIDDEN int sim_uuid_bytes(const char *uuid, unsigned char out[16]); /* GPU-/MIG- */
 SIM_HIDDEN void sim_default_uuid(int index, char *buf, size_t len);
+/* The decimal digits v (nothing else, no overflow) into *out; 0, or -1
+ * when v is not such a number. */
+SIM_HIDDEN int sim_parse_ull(const char *v, unsigned long long *out);
 SIM_HIDDEN int sim_knob_uint(const char *var, unsigned long long *out);
 /* var as an integer from lo to hi; fallback when unset, or when malformed or
  * out of range (said in one line naming var and its value). */

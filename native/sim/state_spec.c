@@ -202,6 +202,14 @@ int sim_parse_spec(const char *s, sim_spec *out)
     return 0;
 }
 
+int sim_parse_ull(const char *v, unsigned long long *out)
+{
+    char *end;
+    errno = 0;
+    *out = strtoull(v, &end, 10);
+    return errno || end == v || *end || !isdigit((unsigned char)*v) ? -1 : 0;
+}
+
 /* Positive integer knob.  1: set and valid, 0: unset, -1: malformed
  * (already reported). */
 int sim_knob_uint(const char *var, unsigned long long *out)
@@ -209,10 +217,8 @@ int sim_knob_uint(const char *var, unsigned long long *out)
     const char *v = getenv(var);
     if (!v || !*v)
         return 0;
-    char *end;
-    errno = 0;
-    unsigned long long n = strtoull(v, &end, 10);
-    if (errno || end == v || *end || n == 0 || !isdigit((unsigned char)*v)) {
+    unsigned long long n;
+    if (sim_parse_ull(v, &n) || n == 0) {
         sim_log("%s=%s is not a positive integer; ignored", var, v);
         return -1;
     }

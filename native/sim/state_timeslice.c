@@ -24,7 +24,6 @@
  * preempted (so two busy processes each read ~100 %, as on an H200), and,
  * under pid 0, the time the device had work or was switching.
  */
-#include <ctype.h>
 #include <errno.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -46,10 +45,8 @@ static int knob(const char *var, unsigned long long hi, unsigned long long fallb
     *out = fallback;
     if (!v || !*v)
         return 0;
-    char *end;
-    errno = 0;
-    unsigned long long n = strtoull(v, &end, 10);
-    if (errno || end == v || *end || !isdigit((unsigned char)*v) || n > hi) {
+    unsigned long long n;
+    if (sim_parse_ull(v, &n) || n > hi) {
         sim_log("%s=%s is not an integer from 0 to %llu", var, v, hi);
         return -1;
     }
