@@ -14,7 +14,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from gpuvisor.shim.cli import shown
 from prometheus_client import CollectorRegistry
@@ -81,6 +82,9 @@ def process_samples(nv: Any, handle: Any, since: int) -> list[Any]:
 InventoryReader = Callable[[str | None], dict[str, Any]]
 
 
+_T = TypeVar("_T")
+
+
 class HostGpus:
     """Host-level device numbers from NVML; empty when NVML is unavailable."""
 
@@ -120,6 +124,17 @@ class HostGpus:
         if self._problems.pop(query, None) is not None:
             log.warning("%s works again", query)
 
+    def _ask(self, nv: Any, query: str, call: Callable[[], _T], failed: _T) -> _T:
+        """call()'s answer to query, or failed when NVML raises (logged once
+        while it keeps failing; lock held)."""
+        try:
+            answer = call()
+        except nv.NVMLError as exc:
+            self._failed(query, exc)
+            return failed
+        self._answered(query)
+        return answer
+
     def read(self, max_age: float = 1.0) -> list[HostGpu]:
         nv = self._nvml
         if nv is None:
@@ -132,20 +147,13 @@ class HostGpus:
             if time.monotonic() - ts < max_age:
                 return cached
             gpus: list[HostGpu] = []
-            try:
-                count = nv.nvmlDeviceGetCount()
-                self._answered("NVML query")
-            except nv.NVMLError as exc:
-                self._failed("NVML query", exc)
-                count = 0
-            for i in range(count):
+            for i in range(self._ask(nv, "NVML query", nv.nvmlDeviceGetCount, 0)):
                 # A device NVML cannot read (lost, resetting) is left out,
                 # not the whole node.
-                try:
-                    gpus.append(self._read_device(nv, i))
-                    self._answered(f"NVML query of device {i}")
-                except nv.NVMLError as exc:
-                    self._failed(f"NVML query of device {i}", exc)
+                read = partial(self._read_device, nv, i)
+                gpu = self._ask(nv, f"NVML query of device {i}", read, None)
+                if gpu is not None:
+                    gpus.append(gpu)
             self._cache = (time.monotonic(), gpus)
             return gpus
 
@@ -181,13 +189,8 @@ class HostGpus:
             ts, cached = self._inventory
             if time.monotonic() - ts < max_age:
                 return cached
-            doc: dict[str, Any] | None
-            try:
-                doc = self._read_inventory(self._node)
-                self._answered("NVML inventory")
-            except self._nvml.NVMLError as exc:
-                self._failed("NVML inventory", exc)
-                doc = None
+            read = partial(self._read_inventory, self._node)
+            doc = self._ask(self._nvml, "NVML inventory", read, None)
             self._inventory = (time.monotonic(), doc)
             return doc
 
@@ -201,12 +204,7 @@ class HostGpus:
         since = int((time.time() - window) * 1e6)
         out: dict[str, dict[int, float]] = {}
         with self._lock:
-            try:
-                count = nv.nvmlDeviceGetCount()
-                self._answered("NVML per-process query")
-            except nv.NVMLError as exc:
-                self._failed("NVML per-process query", exc)
-                count = 0
+            count = self._ask(nv, "NVML per-process query", nv.nvmlDeviceGetCount, 0)
             for i in range(count):
                 try:
                     h = nv.nvmlDeviceGetHandleByIndex(i)
@@ -232,6 +230,23 @@ class HostGpus:
 
 def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=labels)
+
+
+def _one(
+    kind: type[GaugeMetricFamily | CounterMetricFamily], name: str, doc: str, value: float
+) -> Metric:
+    """A metric of one sample, without labels."""
+    metric = kind(name, doc, labels=[])
+    metric.add_metric([], float(value))
+    return metric
+
+
+def _by_reason(name: str, doc: str, counts: dict[str, int]) -> CounterMetricFamily:
+    """A counter of one sample per reason."""
+    metric = CounterMetricFamily(name, doc, labels=["reason"])
+    for reason, n in list(counts.items()):
+        metric.add_metric([reason], float(n))
+    return metric
 
 
 class AgentCollector(Collector):
@@ -434,44 +449,46 @@ class AgentCollector(Collector):
             1.0,
         )
         yield build
-        reports = CounterMetricFamily(
-            "gpuvisor_agent_reports", "Reports accepted by the node agent"
+        yield _one(
+            CounterMetricFamily,
+            "gpuvisor_agent_reports",
+            "Reports accepted by the node agent",
+            state.reports_total,
         )
-        reports.add_metric([], float(state.reports_total))
-        yield reports
-        rejected = CounterMetricFamily(
+        yield _by_reason(
             "gpuvisor_agent_rejected_reports",
             "Messages the node agent rejected, by reason",
-            labels=["reason"],
+            state.rejected,
         )
-        for reason, n in list(state.rejected.items()):
-            rejected.add_metric([reason], float(n))
-        yield rejected
-        disc = CounterMetricFamily(
+        yield _by_reason(
             "gpuvisor_agent_disconnects",
             "Connections the node agent closed, by reason",
-            labels=["reason"],
+            state.disconnects,
         )
-        for reason, n in list(state.disconnects.items()):
-            disc.add_metric([reason], float(n))
-        yield disc
-        conns = GaugeMetricFamily("gpuvisor_agent_connections", "Open supervisor connections")
-        conns.add_metric([], float(state.connections))
-        yield conns
-        ctrs = GaugeMetricFamily("gpuvisor_agent_containers", "Containers with a recent report")
-        ctrs.add_metric([], float(len(state.containers)))
-        yield ctrs
-        expired = CounterMetricFamily(
-            "gpuvisor_agent_expired_containers", "Containers expired for lack of reports"
+        yield _one(
+            GaugeMetricFamily,
+            "gpuvisor_agent_connections",
+            "Open supervisor connections",
+            state.connections,
         )
-        expired.add_metric([], float(state.expired_total))
-        yield expired
-        replaced = CounterMetricFamily(
+        yield _one(
+            GaugeMetricFamily,
+            "gpuvisor_agent_containers",
+            "Containers with a recent report",
+            len(state.containers),
+        )
+        yield _one(
+            CounterMetricFamily,
+            "gpuvisor_agent_expired_containers",
+            "Containers expired for lack of reports",
+            state.expired_total,
+        )
+        yield _one(
+            CounterMetricFamily,
             "gpuvisor_agent_replaced_containers",
             "Containers dropped for a newer label set from the same cgroup",
+            state.replaced_total,
         )
-        replaced.add_metric([], float(state.replaced_total))
-        yield replaced
 
     def _host_metrics(self) -> Iterator[Metric]:
         gpus = self.gpus.read()
