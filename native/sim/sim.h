@@ -469,13 +469,15 @@ SIM_HIDDEN CUresult sim_check_init(void);
 /* sim_check_init's error, else CUDA_ERROR_INVALID_VALUE when bad (the
  * caller's test of its arguments, which reads no driver state) */
 SIM_HIDDEN CUresult sim_check_args(int bad);
-/* Returns a failed check's error from the calling entry point. */
-#define SIM_TRY(check)                              \
+/* Returns a failed step's error (of type type, 0 for success) from the
+ * calling entry point: SIM_TRY for CUresult, NVML_TRY for nvmlReturn_t. */
+#define SIM_RETURN_IF_FAILED(type, step)            \
     do {                                            \
-        CUresult try_rc_ = (check);                 \
+        type try_rc_ = (step);                      \
         if (try_rc_)                                \
             return try_rc_;                         \
     } while (0)
+#define SIM_TRY(check) SIM_RETURN_IF_FAILED(CUresult, check)
 SIM_HIDDEN int sim_nvisible(void);
 SIM_HIDDEN int sim_ord_node(int ordinal);   /* -1 if invalid */
 SIM_HIDDEN const char *sim_ord_uuid(int ordinal); /* its UUID (MIG-... on MIG) */
@@ -620,13 +622,7 @@ SIM_HIDDEN unsigned sim_nvml_pid(unsigned pid);
 SIM_HIDDEN int sim_nvml_ready(void);
 SIM_HIDDEN int sim_nvml_node(nvmlDevice_t d);         /* -1 if invalid */
 
-/* Returns a failed step's NVML error from the calling entry point. */
-#define NVML_TRY(step)                              \
-    do {                                            \
-        nvmlReturn_t try_rc_ = (step);              \
-        if (try_rc_)                                \
-            return try_rc_;                         \
-    } while (0)
+#define NVML_TRY(step) SIM_RETURN_IF_FAILED(nvmlReturn_t, step)
 
 /* every NVML entry point starts with this */
 #define NVML_ENTRY(fn)                              \
