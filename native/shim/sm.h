@@ -150,6 +150,8 @@ typedef struct gv_sm_launch {
     uint32_t share;         /* the share the launch was charged at */
     CUevent begin, end;     /* NULL when they could not be made */
     uint64_t enqueue;       /* the enqueue word held (sm_enqueue.c); 0: none */
+    void *rec;              /* the meter's pooled record begin and end came with
+                             * (sm_meter.c); NULL: they were created */
 } gv_sm_launch;
 
 /* Does anything in the region gate launches now?  A few loads while nothing

@@ -43,6 +43,8 @@ struct rec {
     uint64_t stretch;           /* CPU time from the begin event to the launch's
                                  * return, when over STRETCH_NS; else 0 */
     uint32_t share;
+    uint32_t idx;               /* 1 + its place in `pool`; 0: malloc'd */
+    _Atomic uint32_t free_next; /* the next on a pool stack (idx; 0: none) */
 };
 
 /* A launch whose calls, from recording the begin event to the launch's
@@ -86,6 +88,8 @@ typedef CUresult (*ev_query_fn)(CUevent);
 typedef CUresult (*ev_elapsed_fn)(float *, CUevent, CUevent);
 typedef CUresult (*capturing_fn)(CUstream, int *);
 
+static void pool_reset(void);
+
 static void fork_child(void)
 {
     /* The meter thread does not survive fork; the child starts its own. */
@@ -95,6 +99,7 @@ static void fork_child(void)
     atomic_store(&refresh, 0);
     atomic_store(&forget_req, NULL);
     atomic_store(&forgot, 0);
+    pool_reset();
     gv_sm_fork_child();
     gv_cal_reset();
     gv_sm_policy_reset();
@@ -112,12 +117,177 @@ static CUresult elapsed(float *ms, CUevent a, CUevent b)
     return GV_REAL(cuEventElapsedTime, ev_elapsed_fn)(ms, a, b);
 }
 
-static void drop(struct rec *r)
+
+/* ---- the pool of records and their events ------------------------------------
+ *
+ * Creating and destroying two events per launch cost more than the rest of
+ * the gate (callgrind, make bench: about 1,700 of 5,000 instructions added
+ * per launch on the simulated driver).  A record the meter settled keeps
+ * its events, which belong to its context, on a stack of spares for that
+ * context; the next launch in the context takes them and records them
+ * again.  Stacks of entries of a static array, the head a 64-bit word
+ * (a tag bumped at every change, the top entry's idx): no lock, and no
+ * ABA.  Only the meter thread pushes spares and ties a stack to a context
+ * or unties it (a context destroyed: its spares' events destroyed while it
+ * lives, gv_sm_ctx_destroying); launch threads only take from them. */
+#define POOL_RECS 1024u
+#define POOL_CTXS 8u
+
+static struct rec pool[POOL_RECS];
+static _Atomic uint32_t pool_used;      /* entries of pool handed out at least once */
+static _Atomic uint64_t pool_free;      /* stack: entries without events */
+static struct spares {
+    _Atomic(CUcontext) ctx;             /* NULL: free (written by the meter only) */
+    _Atomic uint64_t head;              /* stack: records with events of ctx */
+} spares[POOL_CTXS];
+
+static void stack_push(_Atomic uint64_t *head, struct rec *r)
+{
+    uint64_t h = atomic_load_explicit(head, memory_order_relaxed), n;
+    do {
+        atomic_store_explicit(&r->free_next, (uint32_t)h, memory_order_relaxed);
+        n = (((h >> 32) + 1) << 32) | r->idx;
+    } while (!atomic_compare_exchange_weak_explicit(head, &h, n, memory_order_release,
+                                                    memory_order_relaxed));
+}
+
+static struct rec *stack_pop(_Atomic uint64_t *head, uint64_t h)
+{
+    for (;;) {
+        uint32_t i = (uint32_t)h;
+        if (i == 0 || i > POOL_RECS)
+            return NULL;
+        uint32_t next = atomic_load_explicit(&pool[i - 1].free_next, memory_order_relaxed);
+        uint64_t n = (((h >> 32) + 1) << 32) | next;
+        if (atomic_compare_exchange_weak_explicit(head, &h, n, memory_order_acquire,
+                                                  memory_order_acquire))
+            return &pool[i - 1];
+    }
+}
+
+/* Every entry of a stack (now empty), as a list through free_next. */
+static struct rec *stack_take_all(_Atomic uint64_t *head)
+{
+    uint64_t h = atomic_load_explicit(head, memory_order_relaxed);
+    while (!atomic_compare_exchange_weak_explicit(head, &h, ((h >> 32) + 1) << 32,
+                                                  memory_order_acquire, memory_order_relaxed))
+        ;
+    uint32_t i = (uint32_t)h;
+    return i && i <= POOL_RECS ? &pool[i - 1] : NULL;
+}
+
+static struct rec *stack_next(struct rec *r)
+{
+    uint32_t i = atomic_load_explicit(&r->free_next, memory_order_relaxed);
+    return i && i <= POOL_RECS ? &pool[i - 1] : NULL;
+}
+
+/* A record for a launch: an entry of the pool without events, or one of
+ * the heap (idx 0); NULL when out of memory. */
+static struct rec *rec_new(void)
+{
+    struct rec *r = stack_pop(&pool_free, atomic_load_explicit(&pool_free, memory_order_acquire));
+    if (r)
+        return r;
+    if (atomic_load_explicit(&pool_used, memory_order_relaxed) < POOL_RECS) {
+        uint32_t i = atomic_fetch_add_explicit(&pool_used, 1, memory_order_relaxed);
+        if (i < POOL_RECS) {
+            pool[i].idx = i + 1;
+            return &pool[i];
+        }
+    }
+    r = calloc(1, sizeof *r);
+    return r;
+}
+
+static void rec_free(struct rec *r)
+{
+    if (r->idx)
+        stack_push(&pool_free, r);
+    else
+        free(r);
+}
+
+/* A spare record with events of ctx (made in it), or NULL.  The head is
+ * read before the context it is tied to: a stack is untied (and emptied)
+ * before it is tied to another context, and that emptying changes the
+ * head, so a pop that succeeds took from ctx's own stack. */
+static struct rec *spare_take(CUcontext ctx)
+{
+    for (unsigned k = 0; k < POOL_CTXS; k++) {
+        uint64_t h = atomic_load_explicit(&spares[k].head, memory_order_acquire);
+        if (atomic_load_explicit(&spares[k].ctx, memory_order_acquire) != ctx)
+            continue;
+        return stack_pop(&spares[k].head, h);
+    }
+    return NULL;
+}
+
+static void destroy_events(struct rec *r)
 {
     ev_destroy_fn destroy = GV_REAL(cuEventDestroy_v2, ev_destroy_fn);
-    destroy(r->begin);
-    destroy(r->end);
-    free(r);
+    if (r->begin)
+        destroy(r->begin);
+    if (r->end)
+        destroy(r->end);
+    r->begin = r->end = NULL;
+}
+
+/* The meter is done with r: its events kept as a spare of its context
+ * (the meter thread only), or destroyed with it. */
+static void recycle(struct rec *r, int keep)
+{
+    struct spares *free_slot = NULL;
+    for (unsigned k = 0; keep && r->idx && k < POOL_CTXS; k++) {
+        CUcontext c = atomic_load_explicit(&spares[k].ctx, memory_order_relaxed);
+        if (c == r->ctx) {
+            stack_push(&spares[k].head, r);
+            return;
+        }
+        if (!c && !free_slot)
+            free_slot = &spares[k];
+    }
+    if (keep && r->idx && free_slot) {
+        atomic_store_explicit(&free_slot->ctx, r->ctx, memory_order_release);
+        stack_push(&free_slot->head, r);
+        return;
+    }
+    destroy_events(r);
+    rec_free(r);
+}
+
+/* ctx is about to be destroyed: its spares' events with it (the meter
+ * thread only). */
+static void spares_forget(CUcontext ctx)
+{
+    for (unsigned k = 0; k < POOL_CTXS; k++) {
+        if (atomic_load_explicit(&spares[k].ctx, memory_order_relaxed) != ctx)
+            continue;
+        for (struct rec *r = stack_take_all(&spares[k].head), *next; r; r = next) {
+            next = stack_next(r);
+            destroy_events(r);
+            rec_free(r);
+        }
+        atomic_store_explicit(&spares[k].ctx, NULL, memory_order_release);
+    }
+}
+
+static void drop(struct rec *r)
+{
+    recycle(r, 0);
+}
+
+/* A forked child: the parent's records and events are not its own (CUDA
+ * is not usable across fork), and no other thread of the child holds an
+ * entry: all of them are free again, their events forgotten. */
+static void pool_reset(void)
+{
+    atomic_store(&pool_used, 0);
+    atomic_store(&pool_free, 0);
+    for (unsigned k = 0; k < POOL_CTXS; k++) {
+        atomic_store(&spares[k].ctx, NULL);
+        atomic_store(&spares[k].head, 0);
+    }
 }
 
 /* r has not finished.  Once its begin event is done (its stream reached
@@ -176,7 +346,7 @@ static int try_settle(struct rec *r, CUcontext *current, int force)
         uint64_t kept = r->est + r->over;   /* unknown: keep what was charged */
         gv_sm_settle(r->sm, r->dev, r->share, kept, kept);
     }
-    drop(r);
+    recycle(r, !force);
     return 1;
 }
 
@@ -195,6 +365,7 @@ static void forget(CUcontext ctx, struct rec **head, CUcontext *current)
         *pp = r->next;
         try_settle(r, current, 1);      /* frees r */
     }
+    spares_forget(ctx);
     if (*current == ctx) {
         GV_REAL(cuCtxSetCurrent, CUresult (*)(CUcontext))(NULL);
         *current = NULL;
@@ -451,8 +622,18 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
      * measured, between them (sm_enqueue.c). */
     /* No meter thread (it could not be started): nothing would read the
      * events; the launch is charged its estimate. */
-    int made = atomic_load(&started) && create(&l->begin, 0) == CUDA_SUCCESS &&
+    /* A spare pair of the context's events when the meter kept one. */
+    struct rec *spare = ctx && atomic_load(&started) ? spare_take(ctx) : NULL;
+    int made;
+    if (spare) {
+        l->rec = spare;
+        l->begin = spare->begin;
+        l->end = spare->end;
+        made = 1;
+    } else {
+        made = atomic_load(&started) && create(&l->begin, 0) == CUDA_SUCCESS &&
                create(&l->end, 0) == CUDA_SUCCESS;
+    }
     if (made)
         l->enqueue = gv_sm_enqueue_begin(sm, l->dev);
     if (!made || record(l->begin, stream) != CUDA_SUCCESS) {
@@ -463,6 +644,11 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
         if (l->end)
             GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->end);
         l->begin = l->end = NULL;
+        if (spare) {
+            spare->begin = spare->end = NULL;
+            rec_free(spare);
+            l->rec = NULL;
+        }
         if (atomic_load(&started))
             unmeasured();
     }
@@ -485,6 +671,11 @@ void gv_sm_end(gv_sm_launch *l, CUresult rc)
             GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->begin);
             GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->end);
         }
+        if (l->rec) {
+            struct rec *spare = l->rec;
+            spare->begin = spare->end = NULL;
+            rec_free(spare);
+        }
         return;
     }
     ev_record_fn record = l->ptsz ? GV_REAL(cuEventRecord_ptsz, ev_record_fn)
@@ -498,16 +689,30 @@ void gv_sm_end(gv_sm_launch *l, CUresult rc)
     if (recorded != CUDA_SUCCESS)
         unmeasured();
     else
-        r = malloc(sizeof *r);
+        r = l->rec ? (struct rec *)l->rec : rec_new();
     if (!r) {
         gv_sm_settle(l->sm, l->dev, l->share, l->est, l->est);
         GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->begin);
         GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->end);
+        if (l->rec) {
+            struct rec *spare = l->rec;
+            spare->begin = spare->end = NULL;
+            rec_free(spare);
+        }
         return;
     }
-    *r = (struct rec){ .ctx = l->ctx, .stream = l->stream, .begin = l->begin, .end = l->end,
-                       .sm = l->sm, .dev = l->dev, .key = l->key, .est = l->est,
-                       .stretch = stretch > STRETCH_NS ? stretch : 0, .share = l->share };
+    r->ctx = l->ctx;
+    r->stream = l->stream;
+    r->begin = l->begin;
+    r->end = l->end;
+    r->sm = l->sm;
+    r->dev = l->dev;
+    r->key = l->key;
+    r->est = l->est;
+    r->started = 0;
+    r->over = 0;
+    r->stretch = stretch > STRETCH_NS ? stretch : 0;
+    r->share = l->share;
     r->next = atomic_load(&inbox);
     while (!atomic_compare_exchange_weak(&inbox, &r->next, r))
         ;
