@@ -89,6 +89,7 @@ typedef CUresult (*ev_elapsed_fn)(float *, CUevent, CUevent);
 typedef CUresult (*capturing_fn)(CUstream, int *);
 
 static void pool_reset(void);
+static atomic_uint ctx_gen;     /* contexts destroyed (see ordinal_of) */
 
 static void fork_child(void)
 {
@@ -99,6 +100,7 @@ static void fork_child(void)
     atomic_store(&refresh, 0);
     atomic_store(&forget_req, NULL);
     atomic_store(&forgot, 0);
+    atomic_fetch_add(&ctx_gen, 1);
     pool_reset();
     gv_sm_fork_child();
     gv_cal_reset();
@@ -562,13 +564,46 @@ static void unmeasured(void)
                             "recent average of its kernel");
 }
 
+/* The device of a context never changes while it lives: each thread keeps
+ * the last one it looked up (three driver calls, about 500 instructions on
+ * the simulated driver), valid while no context has been destroyed since
+ * (ctx_gen, bumped by gv_sm_ctx_destroying before a context goes, and in a
+ * forked child), so a handle reused by a new context is looked up again. */
+static _Thread_local struct {
+    CUcontext ctx;
+    unsigned gen;
+    int ordinal;
+} t_dev;
+
+static CUresult ordinal_of(CUcontext ctx, int *ordinal)
+{
+    unsigned gen = atomic_load_explicit(&ctx_gen, memory_order_acquire);
+    if (t_dev.ctx == ctx && t_dev.gen == gen) {
+        *ordinal = t_dev.ordinal;
+        return CUDA_SUCCESS;
+    }
+    CUresult rc = gv_ordinal_of_ctx(ctx, ordinal);
+    if (rc == CUDA_SUCCESS) {
+        t_dev.ctx = ctx;
+        t_dev.gen = gen;
+        t_dev.ordinal = *ordinal;
+    }
+    return rc;
+}
+
 int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
 {
     memset(l, 0, sizeof *l);
     int ordinal;
-    CUcontext ctx = NULL;
+    CUcontext ctx = NULL, cur = NULL;
     const gv_devinfo *d;
-    if (gv_ordinal_of_stream(stream, &ordinal, &ctx) != CUDA_SUCCESS ||
+    GV_REAL(cuCtxGetCurrent, CUresult (*)(CUcontext *))(&cur);
+    if (stream == NULL || stream == GV_CU_STREAM_LEGACY || stream == GV_CU_STREAM_PER_THREAD)
+        ctx = cur;      /* the current context's default stream */
+    else if (GV_REAL(cuStreamGetCtx, CUresult (*)(CUstream, CUcontext *))(stream, &ctx) !=
+             CUDA_SUCCESS)
+        return 0;
+    if (!ctx || ordinal_of(ctx, &ordinal) != CUDA_SUCCESS ||
         gv_device(ordinal, &d) != CUDA_SUCCESS)
         return 0;
     struct gv_sm *sm = region_sm(gv_core_region(), d->region_dev);
@@ -594,10 +629,6 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
         return 0;
     gv_sm_watch(d, sm);
     start_meter();
-    CUcontext cur = NULL;
-    GV_REAL(cuCtxGetCurrent, CUresult (*)(CUcontext *))(&cur);
-    if (!ctx)
-        ctx = cur;
     l->gated = 1;
     l->sm = sm;
     l->dev = d->region_dev;
@@ -752,6 +783,7 @@ void gv_sm_ctx_destroying(CUcontext ctx)
 {
     if (!ctx)
         return;
+    atomic_fetch_add(&ctx_gen, 1);
     if (!atomic_load(&started)) {
         /* No meter thread (none started yet, it could not start, or a
          * forked child): a launch posted meanwhile is settled here. */
