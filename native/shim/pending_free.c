@@ -41,6 +41,7 @@
 
 #include "hooks.h"
 #include "log.h"
+#include "sm.h"
 
 #define MAX_PENDING GV_PENDING_MAX
 
@@ -379,12 +380,25 @@ static CUresult destroyed(CUresult rc)
     return rc;
 }
 
+/* The SM gate's threads remember which context each stream belongs to
+ * (sm_meter.c): forgotten before and after, so that a look racing with
+ * the destruction is not kept either, and a new stream given the same
+ * handle is looked up. */
 GV_EXPORT CUresult cuStreamDestroy_v2(CUstream s)
 {
-    return destroyed(GV_REAL(cuStreamDestroy_v2, stream_fn)(s));
+    gv_sm_stream_destroying();
+    CUresult rc = GV_REAL(cuStreamDestroy_v2, stream_fn)(s);
+    gv_sm_stream_destroying();
+    return destroyed(rc);
 }
 
-GV_EXPORT CUresult cuStreamDestroy(CUstream s) { return destroyed(GV_REAL(cuStreamDestroy, stream_fn)(s)); }
+GV_EXPORT CUresult cuStreamDestroy(CUstream s)
+{
+    gv_sm_stream_destroying();
+    CUresult rc = GV_REAL(cuStreamDestroy, stream_fn)(s);
+    gv_sm_stream_destroying();
+    return destroyed(rc);
+}
 
 const gv_hook gv_hooks_sync[] = {
     { "cuStreamSynchronize", (void *)cuStreamSynchronize },

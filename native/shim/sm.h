@@ -120,6 +120,9 @@ int gv_sm_meter_refresh(void);
  * launch made in it and destroys their events while it still lives;
  * returns within about a second whatever the meter does (sm_meter.c). */
 void gv_sm_ctx_destroying(CUcontext ctx);
+/* A stream is being destroyed, or was (called around the driver's call):
+ * what each thread remembers of streams' contexts is looked up again. */
+void gv_sm_stream_destroying(void);
 /* Reset process-local gate state in a forked child. */
 void gv_sm_fork_child(void);
 /* The policies (sm_policy.c), per region device this process launches on:

@@ -89,7 +89,7 @@ typedef CUresult (*ev_elapsed_fn)(float *, CUevent, CUevent);
 typedef CUresult (*capturing_fn)(CUstream, int *);
 
 static void pool_reset(void);
-static atomic_uint ctx_gen;     /* contexts destroyed (see ordinal_of) */
+static atomic_uint ctx_gen;     /* contexts and streams destroyed (see launch_device) */
 
 static void fork_child(void)
 {
@@ -564,20 +564,28 @@ static void unmeasured(void)
                             "recent average of its kernel");
 }
 
-/* The device of a context never changes while it lives: each thread keeps
- * the last one it looked up (three driver calls, about 500 instructions on
- * the simulated driver), valid while no context has been destroyed since
- * (ctx_gen, bumped by gv_sm_ctx_destroying before a context goes, and in a
- * forked child), so a handle reused by a new context is looked up again. */
+/* The device of a context never changes while it lives, nor the context
+ * of a stream: each thread keeps its last look at both (a stream's context
+ * and device, and the current context's device: four driver calls, about
+ * 750 instructions on the simulated driver), valid while no context or
+ * stream has been destroyed since (ctx_gen, bumped by gv_sm_ctx_destroying
+ * before a context goes, around every stream's destruction, and in a
+ * forked child), so a handle reused by a new context or stream is looked
+ * up again. */
 static _Thread_local struct {
     CUcontext ctx;
     unsigned gen;
     int ordinal;
 } t_dev;
+static _Thread_local struct {
+    CUstream stream;
+    CUcontext ctx;
+    unsigned gen;
+    int ordinal;
+} t_stream;
 
-static CUresult ordinal_of(CUcontext ctx, int *ordinal)
+static CUresult ordinal_of(CUcontext ctx, unsigned gen, int *ordinal)
 {
-    unsigned gen = atomic_load_explicit(&ctx_gen, memory_order_acquire);
     if (t_dev.ctx == ctx && t_dev.gen == gen) {
         *ordinal = t_dev.ordinal;
         return CUDA_SUCCESS;
@@ -591,6 +599,37 @@ static CUresult ordinal_of(CUcontext ctx, int *ordinal)
     return rc;
 }
 
+/* The context and device of a launch on stream, cur being current. */
+static int launch_device(CUstream stream, CUcontext cur, CUcontext *ctx, int *ordinal)
+{
+    unsigned gen = atomic_load_explicit(&ctx_gen, memory_order_acquire);
+    if (stream == NULL || stream == GV_CU_STREAM_LEGACY || stream == GV_CU_STREAM_PER_THREAD) {
+        *ctx = cur;     /* the current context's default stream */
+        return cur && ordinal_of(cur, gen, ordinal) == CUDA_SUCCESS;
+    }
+    if (t_stream.stream == stream && t_stream.gen == gen) {
+        *ctx = t_stream.ctx;
+        *ordinal = t_stream.ordinal;
+        return 1;
+    }
+    CUcontext c = NULL;
+    if (GV_REAL(cuStreamGetCtx, CUresult (*)(CUstream, CUcontext *))(stream, &c) !=
+            CUDA_SUCCESS ||
+        !c || ordinal_of(c, gen, ordinal) != CUDA_SUCCESS)
+        return 0;
+    *ctx = c;
+    t_stream.stream = stream;
+    t_stream.ctx = c;
+    t_stream.gen = gen;
+    t_stream.ordinal = *ordinal;
+    return 1;
+}
+
+void gv_sm_stream_destroying(void)
+{
+    atomic_fetch_add(&ctx_gen, 1);
+}
+
 int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
 {
     memset(l, 0, sizeof *l);
@@ -598,13 +637,7 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
     CUcontext ctx = NULL, cur = NULL;
     const gv_devinfo *d;
     GV_REAL(cuCtxGetCurrent, CUresult (*)(CUcontext *))(&cur);
-    if (stream == NULL || stream == GV_CU_STREAM_LEGACY || stream == GV_CU_STREAM_PER_THREAD)
-        ctx = cur;      /* the current context's default stream */
-    else if (GV_REAL(cuStreamGetCtx, CUresult (*)(CUstream, CUcontext *))(stream, &ctx) !=
-             CUDA_SUCCESS)
-        return 0;
-    if (!ctx || ordinal_of(ctx, &ordinal) != CUDA_SUCCESS ||
-        gv_device(ordinal, &d) != CUDA_SUCCESS)
+    if (!launch_device(stream, cur, &ctx, &ordinal) || gv_device(ordinal, &d) != CUDA_SUCCESS)
         return 0;
     struct gv_sm *sm = region_sm(gv_core_region(), d->region_dev);
     if (!sm || !region_sm_gates(sm))
