@@ -322,13 +322,26 @@ static void running(struct rec *r)
 /* Settle r if its kernel has finished; 0 if it is still running.  With
  * `force` (its context is about to be destroyed), settled anyway: one
  * still running keeps what it was charged so far. */
-static int try_settle(struct rec *r, CUcontext *current, int force)
+static void make_current(CUcontext ctx, CUcontext *current)
 {
-    if (*current != r->ctx) {
-        GV_REAL(cuCtxSetCurrent, CUresult (*)(CUcontext))(r->ctx);
-        *current = r->ctx;
+    if (*current != ctx) {
+        GV_REAL(cuCtxSetCurrent, CUresult (*)(CUcontext))(ctx);
+        *current = ctx;
     }
-    CUresult q = GV_REAL(cuEventQuery, ev_query_fn)(r->end);
+}
+
+/* known: what querying r's end event would answer, when known already;
+ * else 0 (CUDA_SUCCESS is known too: pass it as QUERY_DONE). */
+#define QUERY_ASK 0
+#define QUERY_DONE 1
+#define QUERY_NOT_READY 2
+
+static int try_settle_known(struct rec *r, CUcontext *current, int force, int known)
+{
+    make_current(r->ctx, current);
+    CUresult q = known == QUERY_DONE        ? CUDA_SUCCESS
+                 : known == QUERY_NOT_READY ? CUDA_ERROR_NOT_READY
+                                            : GV_REAL(cuEventQuery, ev_query_fn)(r->end);
     if (q == CUDA_ERROR_NOT_READY) {
         running(r);
         if (!force)
@@ -350,6 +363,11 @@ static int try_settle(struct rec *r, CUcontext *current, int force)
     }
     recycle(r, !force);
     return 1;
+}
+
+static int try_settle(struct rec *r, CUcontext *current, int force)
+{
+    return try_settle_known(r, current, force, QUERY_ASK);
 }
 
 /* ctx is about to be destroyed, and its events with it (a real driver
@@ -455,6 +473,31 @@ static void *meter(void *unused)
          * unfinished one: a long kernel on one device, or stream, must not
          * hold the settling of those that ended elsewhere (a 20 s kernel on
          * another GPU held launches here for its whole length). */
+        /* Launches on one stream finish in order: the newest one posted
+         * on each stream is asked first, and where it is done, so are all
+         * before it, settled without asking each (a launcher that ran
+         * ahead of the meter posted several). */
+        struct { CUcontext ctx; CUstream stream; struct rec *last; int known; } strm[16];
+        unsigned nstrm = 0;
+        for (struct rec *r = head; r; r = r->next) {
+            unsigned b = 0;
+            while (b < nstrm && (strm[b].ctx != r->ctx || strm[b].stream != r->stream))
+                b++;
+            if (b == nstrm) {
+                if (nstrm == 16)
+                    continue;
+                strm[nstrm].ctx = r->ctx;
+                strm[nstrm++].stream = r->stream;
+            }
+            strm[b].last = r;
+        }
+        for (unsigned b = 0; b < nstrm; b++) {
+            make_current(strm[b].ctx, &current);
+            CUresult q = GV_REAL(cuEventQuery, ev_query_fn)(strm[b].last->end);
+            strm[b].known = q == CUDA_SUCCESS          ? QUERY_DONE
+                            : q == CUDA_ERROR_NOT_READY ? QUERY_NOT_READY
+                                                        : QUERY_ASK;
+        }
         struct rec **pp = &head;
         struct { CUcontext ctx; CUstream stream; } busy[16];
         unsigned nbusy = 0;
@@ -463,7 +506,12 @@ static void *meter(void *unused)
             unsigned b = 0;     /* a stream found running: what follows waits */
             while (b < nbusy && (busy[b].ctx != r->ctx || busy[b].stream != r->stream))
                 b++;
-            if (b == nbusy && try_settle(r, &current, 0)) {    /* frees r */
+            int known = QUERY_ASK;     /* the stream's newest not done: ask the older */
+            for (unsigned k = 0; k < nstrm; k++)
+                if (strm[k].ctx == r->ctx && strm[k].stream == r->stream &&
+                    (strm[k].known == QUERY_DONE || strm[k].last == r))
+                    known = strm[k].known;
+            if (b == nbusy && try_settle_known(r, &current, 0, known)) {    /* frees r */
                 *pp = next;
                 continue;
             }
