@@ -153,8 +153,9 @@ static void stack_push(_Atomic uint64_t *head, struct rec *r)
                                                     memory_order_relaxed));
 }
 
-static struct rec *stack_pop(_Atomic uint64_t *head, uint64_t h)
+static struct rec *stack_pop(_Atomic uint64_t *head)
 {
+    uint64_t h = atomic_load_explicit(head, memory_order_acquire);
     for (;;) {
         uint32_t i = (uint32_t)h;
         if (i == 0 || i > POOL_RECS)
@@ -188,7 +189,7 @@ static struct rec *stack_next(struct rec *r)
  * the heap (idx 0); NULL when out of memory. */
 static struct rec *rec_new(void)
 {
-    struct rec *r = stack_pop(&pool_free, atomic_load_explicit(&pool_free, memory_order_acquire));
+    struct rec *r = stack_pop(&pool_free);
     if (r)
         return r;
     if (atomic_load_explicit(&pool_used, memory_order_relaxed) < POOL_RECS) {
@@ -211,16 +212,26 @@ static void rec_free(struct rec *r)
 }
 
 /* A spare record with events of ctx (made in it), or NULL.  The head is
- * read before the context it is tied to: a stack is untied (and emptied)
- * before it is tied to another context, and that emptying changes the
- * head, so a pop that succeeds took from ctx's own stack. */
+ * read before the context the stack is tied to, at every try: a stack is
+ * emptied (its head changes) before it is untied and tied to another
+ * context, so a pop that succeeds took from ctx's own stack. */
 static struct rec *spare_take(CUcontext ctx)
 {
     for (unsigned k = 0; k < POOL_CTXS; k++) {
-        uint64_t h = atomic_load_explicit(&spares[k].head, memory_order_acquire);
-        if (atomic_load_explicit(&spares[k].ctx, memory_order_acquire) != ctx)
-            continue;
-        return stack_pop(&spares[k].head, h);
+        for (;;) {
+            uint64_t h = atomic_load_explicit(&spares[k].head, memory_order_acquire);
+            if (atomic_load_explicit(&spares[k].ctx, memory_order_acquire) != ctx)
+                break;
+            uint32_t i = (uint32_t)h;
+            if (i == 0 || i > POOL_RECS)
+                return NULL;
+            uint32_t next = atomic_load_explicit(&pool[i - 1].free_next, memory_order_relaxed);
+            uint64_t n = (((h >> 32) + 1) << 32) | next;
+            if (atomic_compare_exchange_strong_explicit(&spares[k].head, &h, n,
+                                                        memory_order_acquire,
+                                                        memory_order_relaxed))
+                return &pool[i - 1];
+        }
     }
     return NULL;
 }
