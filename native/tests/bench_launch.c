@@ -91,8 +91,9 @@ static void intro_sm(FILE *f)
     fprintf(f,
             "What an interposer adds per `cuLaunchKernel` on the SM-quota paths: *no SM limit* "
             "(the hooks' fast path); *SM limit 100* (fixed-share, `CUDA_DEVICE_SM_LIMIT=100`): "
-            "every launch goes through the gate - pacing clock, estimate, two events created "
-            "and recorded on the stream, a record handed to the meter thread - and at 100 %% "
+            "every launch goes through the gate - pacing clock, estimate, two events recorded "
+            "on the stream (libgpuvisor: a pair a settled launch of the context left, created "
+            "only when none is left), a record handed to the meter thread - and at 100 %% "
             "with 0 us kernels the gate never sleeps, so this is the gate's bookkeeping without "
             "any pacing delay; *lifted* (libgpuvisor only: the limit set live to 100 with "
             "`gv_device_set_sm_limit`, then back to 0: the region's flag that some entry once "
@@ -100,7 +101,7 @@ static void intro_sm(FILE *f)
             "anything is gated now; direct: plain launches). `spin` kernels of 0 us on a "
             "non-blocking stream, synchronized every %d launches (inside the timing). "
             "*Other threads' CPU*: the CPU time per launch of the measuring process's other "
-            "threads (the meter thread: event queries, elapsed times, destroying the events) "
+            "threads (the meter thread: event queries, elapsed times, settling the clock) "
             "minus direct's; it runs off the launch path.\n\n",
             SYNC_EVERY);
 }
