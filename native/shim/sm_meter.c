@@ -649,6 +649,9 @@ static CUresult ordinal_of(CUcontext ctx, unsigned gen, int *ordinal)
         *ordinal = t_dev.ordinal;
         return CUDA_SUCCESS;
     }
+    /* A forked child forgets what its parent's threads looked up: the
+     * handler that bumps ctx_gen there is registered before the first. */
+    pthread_once(&atfork_once, register_atfork);
     CUresult rc = gv_ordinal_of_ctx(ctx, ordinal);
     if (rc == CUDA_SUCCESS) {
         t_dev.ctx = ctx;
