@@ -204,6 +204,33 @@ def test_give_back_is_timed_from_the_neighbours_first_gpu_use() -> None:
     assert all(v.ok for v in got.values()), got
 
 
+def test_phases_end_when_the_first_container_on_the_gpu_stops() -> None:
+    """On a loaded machine the containers started 20 s late and ran their
+    time from then: a phase ends at its GPU's end, not at the schedule's
+    (before, the windows ended before they began and nothing was measured)."""
+
+    def sm(name: str, t: float) -> float:
+        if name == "trainer":
+            return 60.0 if t >= 28.0 else 0.0
+        return 0.0 if t < 20.0 else (90.0 if t < 28.0 else 40.0)
+
+    s = {n: Series(n) for n in ("notebook", "trainer")}
+    for n, series in s.items():
+        series.points.extend(
+            Point(k / 10, sm(n, k / 10), None, None, 0, None, 0) for k in range(400)
+        )
+    work = [
+        Workload("notebook", 0, "burst-share", 20, "4g", 0.0, "1g"),
+        Workload("trainer", 0, "fixed-share", 60, "8g", 4.0, "6g"),
+    ]
+    got = {(v.name, v.phase): v for v in verdicts(work, s, end=12.0, ends={0: 36.0})}
+    assert got["notebook", "alone"].window == (21.5, 28.0)
+    assert got["notebook", "with neighbour"].window == (29.5, 35.5)
+    assert got["trainer", "whole run"].window == (29.5, 35.5)
+    assert got["trainer", "whole run"].achieved == pytest.approx(60.0)
+    assert all(v.ok for v in got.values()), got
+
+
 @pytest.mark.parametrize("gpus", [1, 2, 8])
 def test_scenario_promises_fit_on_the_gpus(gpus: int) -> None:
     """Every GPU can honour what its containers are promised: fixed shares

@@ -244,12 +244,17 @@ def run_demo(seconds: float, simulate: bool, out: Path, console: Console) -> int
             node.start_agent()
             t0 = time.monotonic()
             sampler = Sampler(node.status_url, nvml, t0)
-            _watch(node, sampler, workloads, seconds, backend, t0, console)
+            began = _watch(node, sampler, workloads, seconds, backend, t0, console)
         finally:
             codes = node.stop()
             nvml.close()
-    end = seconds
-    results = verdicts(workloads, sampler.series, end)
+    # each runs for its share of the schedule from its real start: on a GPU,
+    # the phases end when the first container there stops
+    ends: dict[int, float] = {}
+    for w in workloads:
+        stop = began.get(w.name, w.start) + seconds - w.start
+        ends[w.gpu] = min(ends.get(w.gpu, stop), stop)
+    results = verdicts(workloads, sampler.series, seconds, ends)
     console.print(summary_table(workloads, sampler.series, results))
     failed = [n for n, c in codes.items() if c != 0]
     if failed:
@@ -315,10 +320,12 @@ def _watch(
     backend: str,
     t0: float,
     console: Console,
-) -> None:
-    """Start the workloads on time and show the table until they are done."""
+) -> dict[str, float]:
+    """Start the workloads on time and show the table until they are done;
+    when each was started (seconds since t0)."""
     pending = sorted(workloads, key=lambda w: w.start)
     started: list[Workload] = []
+    began: dict[str, float] = {}
     last_plain = -10.0
 
     def due(w: Workload, t: float) -> bool:
@@ -343,6 +350,7 @@ def _watch(
         while pending and due(pending[0], t):
             w = pending.pop(0)
             started.append(w)
+            began[w.name] = t
             node.start(w, seconds - w.start, backend)
         sampler.poll()
         return t
@@ -353,13 +361,14 @@ def _watch(
                 t = step()
                 live.update(live_table(workloads, sampler.series, t), refresh=True)
                 time.sleep(POLL_S)
-        return
+        return began
     while pending or node.running():
         t = step()
         if t - last_plain >= 4.0:
             console.print(live_table(workloads, sampler.series, t))
             last_plain = t
         time.sleep(POLL_S)
+    return began
 
 
 @click.command("demo")

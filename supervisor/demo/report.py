@@ -13,6 +13,8 @@ from rich.table import Table
 from .sampler import Series
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from .scenario import Workload
 
 GiB = float(1 << 30)
@@ -102,9 +104,16 @@ def _first_use(s: Series | None, since: float) -> float:
     return since if t is None else t
 
 
-def verdicts(workloads: list[Workload], series: dict[str, Series], end: float) -> list[Verdict]:
+def verdicts(
+    workloads: list[Workload],
+    series: dict[str, Series],
+    end: float,
+    ends: Mapping[int, float] | None = None,
+) -> list[Verdict]:
     """Target against achieved, per container and phase, each phase timed from
-    the first GPU use of the container that opens it (1.5 s settling left out)."""
+    the first GPU use of the container that opens it (1.5 s settling left out),
+    until `end`, or the GPU's own end in `ends` (when the first container on
+    it stopped: one started late on a loaded machine also ends late)."""
     out: list[Verdict] = []
     starts = {w.name: _first_use(series.get(w.name), w.start) for w in workloads}
     for w in workloads:
@@ -112,6 +121,7 @@ def verdicts(workloads: list[Workload], series: dict[str, Series], end: float) -
         neighbours = [o for o in workloads if o.gpu == w.gpu and o is not w]
         phases: list[tuple[str, float, float, float]] = []  # name, since, t0, t1
         began = starts[w.name]
+        end = (ends or {}).get(w.gpu, end)
         if w.policy == "fixed-share" or not neighbours:
             phases.append(("whole run", began, began + 1.5, end - 0.5))
         else:
