@@ -15,7 +15,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -1127,23 +1127,32 @@ class _SockTransport(asyncio.Transport):
         pass
 
 
-def test_one_cgroup_holding_connections_locks_only_itself_out(sock_path, monkeypatch):
-    """--max-connections-per-cgroup: a greedy container's processes get
-    'too many connections' past their cgroup's share; a process of another
-    cgroup still connects (the global pool used to be one container's)."""
+def greedy_and_other_peers(
+    monkeypatch: pytest.MonkeyPatch, agent: Agent
+) -> Callable[[int], tuple[Connection, _SockTransport]]:
+    """connect(pid) opens a connection to agent whose peer is pid: 101 is
+    in cgroup /kubepods/greedy, 202 in /kubepods/other."""
     peers = {101: frozenset({"/kubepods/greedy"}), 202: frozenset({"/kubepods/other"})}
     next_pid: list[int] = [101]
     monkeypatch.setattr(connection_module, "peer_cred", lambda sock: PeerCred(next_pid[0], 0, 0))
     monkeypatch.setattr(connection_module, "peer_cgroups", lambda pid: peers[pid])
+
+    def connect(pid: int) -> tuple[Connection, _SockTransport]:
+        next_pid[0] = pid
+        conn, t = Connection(agent), _SockTransport()
+        conn.connection_made(t)
+        return conn, t
+
+    return connect
+
+
+def test_one_cgroup_holding_connections_locks_only_itself_out(sock_path, monkeypatch):
+    """--max-connections-per-cgroup: a greedy container's processes get
+    'too many connections' past their cgroup's share; a process of another
+    cgroup still connects (the global pool used to be one container's)."""
     agent = Agent(AgentConfig(socket_path=sock_path, max_connections_per_cgroup=8))
+    connect = greedy_and_other_peers(monkeypatch, agent)
     try:
-
-        def connect(pid: int) -> tuple[Connection, _SockTransport]:
-            next_pid[0] = pid
-            conn, t = Connection(agent), _SockTransport()
-            conn.connection_made(t)
-            return conn, t
-
         greedy = [connect(101) for _ in range(8)]
         assert not any(t.closed for _, t in greedy)
         _, t = connect(101)
@@ -1170,19 +1179,9 @@ def test_cgroups_filling_the_global_pool_give_connections_up_to_another(sock_pat
     'too many connections'.  Now the cgroup holding the most gives up its
     least recently active connection to it (told why); a peer of that
     cgroup itself is refused, so a greedy container locks only itself out."""
-    peers = {101: frozenset({"/kubepods/greedy"}), 202: frozenset({"/kubepods/other"})}
-    next_pid: list[int] = [101]
-    monkeypatch.setattr(connection_module, "peer_cred", lambda sock: PeerCred(next_pid[0], 0, 0))
-    monkeypatch.setattr(connection_module, "peer_cgroups", lambda pid: peers[pid])
     agent = Agent(AgentConfig(socket_path=sock_path, max_connections=8))
+    connect = greedy_and_other_peers(monkeypatch, agent)
     try:
-
-        def connect(pid: int) -> tuple[Connection, _SockTransport]:
-            next_pid[0] = pid
-            conn, t = Connection(agent), _SockTransport()
-            conn.connection_made(t)
-            return conn, t
-
         greedy = [connect(101) for _ in range(8)]
         for i, (conn, _) in enumerate(greedy):
             conn.last_activity = float(i)  # the first is the least recently active
