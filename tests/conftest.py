@@ -3,6 +3,7 @@
 - repo_root, build_dir: the checkout and its make outputs (fails with
   "run make first" when they are missing);
 - node: a fresh simulated node (own state and region files under tmp_path);
+  small: one with a single 4 GiB device;
 - run_py: run Python code in a child process with a given environment;
 - k8s_cluster: a real etcd + kube-apiserver (tests/k8s_cluster.py), one per
   xdist worker, started by the first test that asks for it; k8s: one test's
@@ -45,6 +46,13 @@ def build_dir() -> Path:
 def node(tmp_path: Path, build_dir: Path) -> SimNode:
     """A fresh simulated node with two 16 GiB devices (GPUVISOR_SIM_DEVICES=2x16g)."""
     return SimNode.create(tmp_path)
+
+
+@pytest.fixture
+def small(tmp_path: Path, build_dir: Path) -> SimNode:
+    """A fresh simulated node with one 4 GiB device (the oversubscription
+    tests' setting: tests/helpers_oversub.py)."""
+    return SimNode.create(tmp_path, devices="1x4g")
 
 
 @pytest.fixture(scope="session")

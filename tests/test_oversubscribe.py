@@ -11,28 +11,26 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
-from pathlib import Path
-from typing import Any
 
 import pytest
 
-from tests.helpers import SimNode, run_cli, run_json, run_py, start_ready
-
-GiB = 1 << 30
-MiB = 1 << 20
-SIM_CONTEXT = 32 * MiB
-DEVICE = 4 * GiB
+from tests import helpers_oversub
+from tests.helpers import GiB, SimNode, run_cli, run_json, run_py
+from tests.helpers_oversub import DEVICE, OVER, SIM_CONTEXT, WORKER_TOUCH, physical
 
 # A container's process: a primary context, then it obeys lines on stdin:
 # "alloc N" (cuMemAlloc of N MiB, answers the result), "pitch W H",
 # "managed N", "free" (the last allocation), "info" (cuMemGetInfo), "touch"
 # (memset and copy on every live allocation), "loop N" (N rounds of
 # allocating and freeing 256 MiB, for the SIGKILL test).
-WORKER = """
+WORKER = (
+    """
 from tests.cuclient import *
 import json, sys
+"""
+    + WORKER_TOUCH
+    + """
 init()
 held = []
 print("ready", flush=True)
@@ -64,11 +62,7 @@ for line in sys.stdin:
         free, total = mem_info()
         out = {"free": free, "total": total}
     elif cmd == "touch":
-        buf = bytearray(MiB)
-        for p, n in held:
-            ok(cu.cuMemsetD8, p, 7, n)
-            ok(cu.cuMemcpyHtoD, p, buf, MiB)
-            ok(cu.cuMemcpyDtoH, buf, p, MiB)
+        touch(held)
         out = {"err": "CUDA_SUCCESS"}
     elif cmd == "loop":
         for _ in range(int(args[0])):
@@ -78,77 +72,14 @@ for line in sys.stdin:
         out = {"err": "CUDA_SUCCESS"}
     print(json.dumps(out), flush=True)
 """
-
-# The device's physical use and each process's, as the simulated driver
-# counts them (no library: its own figures).
-PHYSICAL = """
-import json
-import pynvml as n
-n.nvmlInit()
-h = n.nvmlDeviceGetHandleByIndex(0)
-procs = {str(p.pid): p.usedGpuMemory
-         for p in n.nvmlDeviceGetComputeRunningProcesses(h)}
-print(json.dumps({"used": n.nvmlDeviceGetMemoryInfo(h).used, "procs": procs}))
-"""
-
-# A region's figures per device entry, through the exported API.
-REGION = """
-import json, sys
-from gpuvisor.shim.region import Region
-r = Region.attach(sys.argv[1])
-r.reclaim_dead()
-print(json.dumps([{"used": d.used, "spilled": d.spilled, "resident": d.resident,
-                   "guarantee": d.guarantee} for d in r.devices()]))
-"""
+)
 
 
-class Container:
-    """One container: its own region file, one worker process."""
+class Container(helpers_oversub.Container):
+    """One container: its own region file, WORKER processes."""
 
     def __init__(self, node: SimNode, name: str, **env: str) -> None:
-        self.region = node.dir / f"{name}.shr"
-        self.env = node.shimmed(CUDA_DEVICE_MEMORY_SHARED_CACHE=str(self.region), **env)
-        self.proc = start_ready(WORKER, self.env)
-
-    def ask(self, line: str) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        assert self.proc.stdout is not None
-        self.proc.stdin.write(line + "\n")
-        self.proc.stdin.flush()
-        answer = self.proc.stdout.readline()
-        assert answer, self.proc.stderr.read() if self.proc.stderr else "worker died"
-        result: dict[str, Any] = json.loads(answer)
-        return result
-
-    def kill(self) -> None:
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(timeout=10)
-
-    def figures(self, node: SimNode) -> dict[str, int]:
-        out: list[dict[str, int]] = run_json(REGION, node.env, args=[str(self.region)])
-        return out[0]
-
-
-OVER = {
-    "CUDA_DEVICE_MEMORY_LIMIT": "4g",
-    "CUDA_OVERSUBSCRIBE": "true",
-    "GPUVISOR_MEMORY_SCALING": "2",
-}
-
-
-def physical(node: SimNode) -> dict[str, Any]:
-    result: dict[str, Any] = run_json(PHYSICAL, node.env)
-    return result
-
-
-def on_device(node: SimNode, c: Container) -> int:
-    """What the driver holds on the device for c's process."""
-    return int(physical(node)["procs"].get(str(c.proc.pid), 0))
-
-
-@pytest.fixture
-def small(tmp_path: Path, build_dir: Path) -> SimNode:
-    return SimNode.create(tmp_path, devices="1x4g")
+        super().__init__(node, name, WORKER, **env)
 
 
 def check_guarantees(node: SimNode, *containers: Container, asked: dict[int, int]) -> None:
@@ -158,10 +89,10 @@ def check_guarantees(node: SimNode, *containers: Container, asked: dict[int, int
     phys = physical(node)
     assert phys["used"] <= DEVICE, phys
     for c in containers:
-        held = int(phys["procs"].get(str(c.proc.pid), 0))
-        fig = c.figures(node)
+        held = c.on_device(phys)
+        fig = c.figures()
         assert fig["guarantee"] == 2 * GiB, fig
-        if asked[c.proc.pid] + SIM_CONTEXT >= 2 * GiB:
+        if asked[c.pid] + SIM_CONTEXT >= 2 * GiB:
             assert held >= 2 * GiB, (held, phys)
         assert fig["resident"] == held, (fig, held)
 
@@ -170,12 +101,12 @@ def test_two_containers_each_get_three_gib_and_their_guarantee(small):
     a = Container(small, "a", **OVER)
     b = Container(small, "b", **OVER)
     try:
-        asked = {a.proc.pid: 0, b.proc.pid: 0}
+        asked = {a.pid: 0, b.pid: 0}
         assert a.ask("alloc 3072")["err"] == "CUDA_SUCCESS"
-        asked[a.proc.pid] = 3 * GiB
+        asked[a.pid] = 3 * GiB
         check_guarantees(small, a, b, asked=asked)
         assert b.ask("alloc 3072")["err"] == "CUDA_SUCCESS"
-        asked[b.proc.pid] = 3 * GiB
+        asked[b.pid] = 3 * GiB
         check_guarantees(small, a, b, asked=asked)
         # The quota is the device's size, and nothing short of it is refused.
         info = a.ask("info")
@@ -186,7 +117,7 @@ def test_two_containers_each_get_three_gib_and_their_guarantee(small):
         # Kernels and copies (here: memset and copies) work on spilled memory.
         assert a.ask("touch")["err"] == "CUDA_SUCCESS"
         assert b.ask("touch")["err"] == "CUDA_SUCCESS"
-        fa, fb = a.figures(small), b.figures(small)
+        fa, fb = a.figures(), b.figures()
         assert fa["used"] == 4 * GiB, fa
         assert fb["used"] == 3 * GiB + SIM_CONTEXT, fb
         assert fa["spilled"] > 0, fa
@@ -207,7 +138,7 @@ def test_two_containers_each_get_three_gib_and_their_guarantee(small):
         # Frees give back the spilled part as well.
         assert a.ask("free")["err"] == "CUDA_SUCCESS"
         assert a.ask("free")["err"] == "CUDA_SUCCESS"
-        fa = a.figures(small)
+        fa = a.figures()
         assert fa == {
             "used": SIM_CONTEXT,
             "spilled": 0,
@@ -219,8 +150,8 @@ def test_two_containers_each_get_three_gib_and_their_guarantee(small):
         b.kill()
     assert physical(small)["used"] == 0
     for c in (a, b):
-        assert c.figures(small)["used"] == 0
-        assert c.figures(small)["spilled"] == 0
+        assert c.figures()["used"] == 0
+        assert c.figures()["spilled"] == 0
 
 
 def test_a_container_that_comes_later_still_gets_its_guarantee(small):
@@ -235,10 +166,10 @@ def test_a_container_that_comes_later_still_gets_its_guarantee(small):
         assert a.ask("alloc 1024")["err"] == "CUDA_SUCCESS"
         # A's third GiB is beyond its guarantee: B's unclaimed 2 GiB (less
         # its context) must stay free, so it was spilled.
-        assert a.figures(small)["spilled"] >= 1 * GiB - SIM_CONTEXT
+        assert a.figures()["spilled"] >= 1 * GiB - SIM_CONTEXT
         for _ in range(3):
             assert b.ask("alloc 1024")["err"] == "CUDA_SUCCESS"
-        check_guarantees(small, a, b, asked={a.proc.pid: 3 * GiB, b.proc.pid: 3 * GiB})
+        check_guarantees(small, a, b, asked={a.pid: 3 * GiB, b.pid: 3 * GiB})
     finally:
         a.kill()
         b.kill()
@@ -255,12 +186,12 @@ def test_pitch_and_managed_spill_too(small):
         assert out["pitch"] >= 1000
         assert a.ask("managed 1024")["err"] == "CUDA_SUCCESS"
         assert a.ask("touch")["err"] == "CUDA_SUCCESS"
-        fa = a.figures(small)
+        fa = a.figures()
         assert fa["spilled"] > 0
-        check_guarantees(small, a, b, asked={a.proc.pid: 3 * GiB, b.proc.pid: 2 * GiB})
+        check_guarantees(small, a, b, asked={a.pid: 3 * GiB, b.pid: 2 * GiB})
         assert a.ask("free")["err"] == "CUDA_SUCCESS"
         assert a.ask("free")["err"] == "CUDA_SUCCESS"
-        assert a.figures(small)["used"] == SIM_CONTEXT
+        assert a.figures()["used"] == SIM_CONTEXT
     finally:
         a.kill()
         b.kill()
@@ -272,37 +203,26 @@ def test_racing_containers_and_sigkill_leave_nothing(small):
     once and are killed mid-way: the device never holds more than it has,
     each container keeps at least its guarantee on it all along, and
     everything comes back to 0."""
-    first = [Container(small, name, **OVER) for name in ("a", "b")]
-    workers = first + [start_second(small, w) for w in first]
+    cs = [Container(small, name, **OVER) for name in ("a", "b")]
+    for c in cs:
+        c.another()
     try:
-        for w in workers:
-            assert w.ask("alloc 1024")["err"] == "CUDA_SUCCESS"
-        for w in workers:
-            assert w.proc.stdin is not None
-            w.proc.stdin.write("loop 100000\n")
-            w.proc.stdin.flush()
+        for i in range(2):
+            for c in cs:
+                assert c.ask("alloc 1024", i)["err"] == "CUDA_SUCCESS"
+        for c in cs:
+            c.send("loop 100000")
         for _ in range(6):
             phys = physical(small)
             assert phys["used"] <= DEVICE, phys
-            for c in first:
-                pids = {str(w.proc.pid) for w in workers if w.region == c.region}
-                held = sum(int(v) for pid, v in phys["procs"].items() if pid in pids)
-                assert held >= 2 * GiB, (c.region.name, phys)
+            for c in cs:
+                assert c.on_device(phys) >= 2 * GiB, (c.region.name, phys)
     finally:
-        for w in workers:
-            w.kill()
+        for c in cs:
+            c.kill()
     assert physical(small)["used"] == 0
-    for w in first:
-        assert w.figures(small) == {"used": 0, "spilled": 0, "resident": 0, "guarantee": 2 * GiB}
-
-
-def start_second(node: SimNode, first: Container) -> Container:
-    """Another process of first's container."""
-    c = Container.__new__(Container)
-    c.region = first.region
-    c.env = first.env
-    c.proc = start_ready(WORKER, c.env)
-    return c
+    for c in cs:
+        assert c.figures() == {"used": 0, "spilled": 0, "resident": 0, "guarantee": 2 * GiB}
 
 
 def test_without_the_variable_the_device_refuses_as_before(small):
@@ -311,8 +231,8 @@ def test_without_the_variable_the_device_refuses_as_before(small):
     try:
         assert a.ask("alloc 3072")["err"] == "CUDA_SUCCESS"
         assert b.ask("alloc 3072")["err"] == "CUDA_ERROR_OUT_OF_MEMORY"
-        assert a.figures(small)["spilled"] == 0
-        assert a.figures(small)["guarantee"] == 0
+        assert a.figures()["spilled"] == 0
+        assert a.figures()["guarantee"] == 0
         assert a.ask("info")["total"] == 4 * GiB
     finally:
         a.kill()
@@ -364,7 +284,7 @@ def test_the_node_file_rows_of_dead_containers_do_not_count(small):
     a = Container(small, "a", **OVER)
     try:
         assert a.ask("alloc 3072")["err"] == "CUDA_SUCCESS"
-        assert a.figures(small)["spilled"] == 0
+        assert a.figures()["spilled"] == 0
     finally:
         a.kill()
     assert os.path.exists(small.dir / f"gpuvisor-mem-{uuid0(small)}")

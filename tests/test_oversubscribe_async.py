@@ -15,13 +15,10 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-from pathlib import Path
-from typing import Any
 
-import pytest
-
-from tests.helpers import SimNode, run_json, start_ready
-from tests.test_oversubscribe import DEVICE, OVER, REGION, SIM_CONTEXT, GiB, physical
+from tests import helpers_oversub
+from tests.helpers import GiB, SimNode, start_ready
+from tests.helpers_oversub import DEVICE, OVER, SIM_CONTEXT, WORKER_TOUCH, physical
 
 # A container's process: a primary context and one stream, then it obeys
 # lines on stdin: "async N" (cuMemAllocAsync of N MiB on the stream),
@@ -34,9 +31,13 @@ from tests.test_oversubscribe import DEVICE, OVER, REGION, SIM_CONTEXT, GiB, phy
 # and copies on every live allocation), "loop N" (N rounds of
 # allocating 256 MiB on the stream and freeing it there, for the SIGKILL
 # test).
-WORKER = """
+WORKER = (
+    """
 from tests.cuclient import *
 import json, sys
+"""
+    + WORKER_TOUCH
+    + """
 init()
 s = ok(cu.cuStreamCreate, 0)
 pools = {}
@@ -74,11 +75,7 @@ for line in sys.stdin:
         p, _ = held.pop()
         out = {"err": call(cu.cuMemFree, p)[0].name}
     elif cmd == "touch":
-        buf = bytearray(MiB)
-        for p, n in held:
-            ok(cu.cuMemsetD8, p, 7, n)
-            ok(cu.cuMemcpyHtoD, p, buf, MiB)
-            ok(cu.cuMemcpyDtoH, buf, p, MiB)
+        touch(held)
         out = {"err": "CUDA_SUCCESS"}
     elif cmd == "graph":
         ok(cu.cuStreamBeginCapture, s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
@@ -97,57 +94,14 @@ for line in sys.stdin:
         out = {"err": "CUDA_SUCCESS"}
     print(json.dumps(out), flush=True)
 """
+)
 
 
-class Container:
-    """One container: its own region file, a worker process (or more)."""
+class Container(helpers_oversub.Container):
+    """One container: its own region file, WORKER processes."""
 
     def __init__(self, node: SimNode, name: str, **env: str) -> None:
-        self.node = node
-        self.region = node.dir / f"{name}.shr"
-        self.env = node.shimmed(CUDA_DEVICE_MEMORY_SHARED_CACHE=str(self.region), **env)
-        self.procs = [start_ready(WORKER, self.env)]
-
-    @property
-    def pids(self) -> set[str]:
-        return {str(p.pid) for p in self.procs}
-
-    def another(self) -> None:
-        self.procs.append(start_ready(WORKER, self.env))
-
-    def ask(self, line: str, proc: int = 0) -> dict[str, Any]:
-        p = self.procs[proc]
-        assert p.stdin is not None
-        assert p.stdout is not None
-        p.stdin.write(line + "\n")
-        p.stdin.flush()
-        answer = p.stdout.readline()
-        assert answer, p.stderr.read() if p.stderr else "worker died"
-        result: dict[str, Any] = json.loads(answer)
-        return result
-
-    def send(self, line: str) -> None:
-        for p in self.procs:
-            assert p.stdin is not None
-            p.stdin.write(line + "\n")
-            p.stdin.flush()
-
-    def kill(self) -> None:
-        for p in self.procs:
-            p.send_signal(signal.SIGKILL)
-            p.wait(timeout=10)
-
-    def figures(self) -> dict[str, int]:
-        out: list[dict[str, int]] = run_json(REGION, self.node.env, args=[str(self.region)])
-        return out[0]
-
-    def on_device(self, phys: dict[str, Any]) -> int:
-        return sum(int(v) for pid, v in phys["procs"].items() if pid in self.pids)
-
-
-@pytest.fixture
-def small(tmp_path: Path, build_dir: Path) -> SimNode:
-    return SimNode.create(tmp_path, devices="1x4g")
+        super().__init__(node, name, WORKER, **env)
 
 
 def check_guarantees(node: SimNode, *containers: Container) -> None:

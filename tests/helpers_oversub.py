@@ -1,0 +1,124 @@
+"""The setting of the memory oversubscription tests
+(tests/test_oversubscribe.py, tests/test_oversubscribe_async.py): containers
+on one simulated 4 GiB device (the `small` fixture), each with its own region
+file and worker processes driven line by line, and the witnesses: the
+simulated driver's own per-process figures (NVML, read without the library)
+and the region's figures through the exported API."""
+
+from __future__ import annotations
+
+import json
+import signal
+from collections.abc import Mapping
+from typing import Any
+
+from tests.helpers import GiB, MiB, SimNode, run_json, start_ready
+
+SIM_CONTEXT = 32 * MiB
+DEVICE = 4 * GiB
+
+# Each container: a 4 GiB quota and S = 2, so 2 GiB guaranteed on the device.
+OVER = {
+    "CUDA_DEVICE_MEMORY_LIMIT": "4g",
+    "CUDA_OVERSUBSCRIBE": "true",
+    "GPUVISOR_MEMORY_SCALING": "2",
+}
+
+# For a worker's "touch" command: a memset and copies on every live
+# allocation of `held` [(pointer, size)] (kernels' stand-ins on spilled memory).
+WORKER_TOUCH = """
+def touch(held):
+    buf = bytearray(MiB)
+    for p, n in held:
+        ok(cu.cuMemsetD8, p, 7, n)
+        ok(cu.cuMemcpyHtoD, p, buf, MiB)
+        ok(cu.cuMemcpyDtoH, buf, p, MiB)
+"""
+
+# The device's physical use and each process's, as the simulated driver
+# counts them (no library: its own figures).
+PHYSICAL = """
+import json
+import pynvml as n
+n.nvmlInit()
+h = n.nvmlDeviceGetHandleByIndex(0)
+procs = {str(p.pid): p.usedGpuMemory
+         for p in n.nvmlDeviceGetComputeRunningProcesses(h)}
+print(json.dumps({"used": n.nvmlDeviceGetMemoryInfo(h).used, "procs": procs}))
+"""
+
+# A region's figures per device entry, through the exported API.
+REGION = """
+import json, sys
+from gpuvisor.shim.region import Region
+r = Region.attach(sys.argv[1])
+r.reclaim_dead()
+print(json.dumps([{"used": d.used, "spilled": d.spilled, "resident": d.resident,
+                   "guarantee": d.guarantee} for d in r.devices()]))
+"""
+
+
+def physical(node: SimNode) -> dict[str, Any]:
+    """The driver's figures: {"used": bytes, "procs": {pid: bytes}}."""
+    result: dict[str, Any] = run_json(PHYSICAL, node.env)
+    return result
+
+
+class Container:
+    """One container: its own region file, one worker process (started
+    with `worker`, which prints "ready" and then answers each line with one
+    JSON line), or more (`another`)."""
+
+    def __init__(self, node: SimNode, name: str, worker: str, **env: str) -> None:
+        self.node = node
+        self.worker = worker
+        self.region = node.dir / f"{name}.shr"
+        self.env = node.shimmed(CUDA_DEVICE_MEMORY_SHARED_CACHE=str(self.region), **env)
+        self.procs = [start_ready(worker, self.env)]
+
+    @property
+    def pid(self) -> int:
+        """The first worker's pid."""
+        return self.procs[0].pid
+
+    @property
+    def pids(self) -> set[str]:
+        return {str(p.pid) for p in self.procs}
+
+    def another(self) -> None:
+        """Another worker process in this container."""
+        self.procs.append(start_ready(self.worker, self.env))
+
+    def ask(self, line: str, proc: int = 0) -> dict[str, Any]:
+        """Worker `proc`'s answer to line."""
+        p = self.procs[proc]
+        assert p.stdin is not None
+        assert p.stdout is not None
+        p.stdin.write(line + "\n")
+        p.stdin.flush()
+        answer = p.stdout.readline()
+        assert answer, p.stderr.read() if p.stderr else "worker died"
+        result: dict[str, Any] = json.loads(answer)
+        return result
+
+    def send(self, line: str) -> None:
+        """line to every worker, not waiting for the answers."""
+        for p in self.procs:
+            assert p.stdin is not None
+            p.stdin.write(line + "\n")
+            p.stdin.flush()
+
+    def kill(self) -> None:
+        for p in self.procs:
+            p.send_signal(signal.SIGKILL)
+            p.wait(timeout=10)
+
+    def figures(self) -> dict[str, int]:
+        """The region's figures of device 0 (its dead processes reclaimed)."""
+        out: list[dict[str, int]] = run_json(REGION, self.node.env, args=[str(self.region)])
+        return out[0]
+
+    def on_device(self, phys: Mapping[str, Any]) -> int:
+        """What the driver holds on the device for this container's
+        processes, by physical's figures."""
+        return sum(int(v) for pid, v in phys["procs"].items() if pid in self.pids)
