@@ -28,7 +28,6 @@ import json
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -39,12 +38,12 @@ from typing import Any
 import kubernetes.client
 from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY
 
+from tests.helpers import CLI as GPUVISOR
 from tests.helpers import LIBRARY, REPO_ROOT, SIM_DIR, clean_env
 from tests.k8s_cluster import GPU, KubeTest
 from tests.kubelet_harness import Container, FakeKubelet, Pod, Serving, run
 from tests.test_deviceplugin import PROBE
 
-GPUVISOR = [sys.executable, "-c", "from gpuvisor.supervisor.cli import main; main()"]
 PLUGIN_START = 90.0  # seconds: grpc, NVML and the Kubernetes client load on a loaded machine
 
 # PROBE (tests/test_deviceplugin.py): what a workload reports, cuMemGetInfo's
@@ -79,6 +78,40 @@ def topology(
 def gpus_of(c: kubernetes.client.V1Container) -> int:
     limits = (c.resources and c.resources.limits) or {}
     return int(limits.get(GPU, 0))
+
+
+def admit(kubelet: FakeKubelet, pod: kubernetes.client.V1Pod) -> tuple[Pod, dict[str, Any]]:
+    """kubelet admits the pod (GetPreferredAllocation, Allocate), then
+    starts each container (PreStartContainer for those with GPUs) and
+    reports it in the pod's status; the Allocate answers by container
+    name."""
+    containers = [
+        Container(c.name, gpus_of(c), init=init)
+        for cs, init in ((pod.spec.init_containers or [], True), (pod.spec.containers, False))
+        for c in cs
+    ]
+    hp = Pod(pod.metadata.namespace, pod.metadata.name, containers)
+    resps = kubelet.admit(hp)
+    for c in containers:
+        kubelet.start(hp, c.name)
+    return hp, resps
+
+
+def device_plugin_argv(name: str, d: Path, socks: Path, health_interval: float) -> list[str]:
+    """`gpuvisor device-plugin` for Node `name`: its state and node
+    directories under d, its plugin and kubelet sockets under socks (the
+    kubelet harness's `socks / "dp"` and `socks / "pr" / "kubelet.sock"`)."""
+    return [
+        *GPUVISOR,
+        "device-plugin",
+        f"--node-name={name}",
+        f"--plugin-dir={socks / 'dp'}",
+        f"--pod-resources-socket={socks / 'pr' / 'kubelet.sock'}",
+        f"--state-dir={d / 'state'}",
+        f"--lib-dir={LIBRARY.parent}",
+        f"--node-dir={d / 'node'}",
+        f"--health-interval={health_interval}",
+    ]
 
 
 @dataclass
@@ -142,17 +175,7 @@ class SimTopologyNode:
         )
         kubelet = FakeKubelet(socks / "dp", socks / "pr" / "kubelet.sock", api=k8s.core)
         log = d / "device-plugin.log"
-        argv = [
-            *GPUVISOR,
-            "device-plugin",
-            f"--node-name={name}",
-            f"--plugin-dir={socks / 'dp'}",
-            f"--pod-resources-socket={socks / 'pr' / 'kubelet.sock'}",
-            f"--state-dir={d / 'state'}",
-            f"--lib-dir={LIBRARY.parent}",
-            f"--node-dir={d / 'node'}",
-            "--health-interval=0.5",
-        ]
+        argv = device_plugin_argv(name, d, socks, health_interval=0.5)
         with log.open("ab") as out:
             plugin = subprocess.Popen(
                 argv,
@@ -201,20 +224,8 @@ class SimTopologyNode:
         return dict(self.sim_env)
 
     def admit(self, pod: kubernetes.client.V1Pod) -> tuple[Pod, dict[str, Any]]:
-        """kubelet admits the pod (GetPreferredAllocation, Allocate), then
-        starts each container (PreStartContainer for those with GPUs) and
-        reports it in the pod's status; the Allocate answers by container
-        name."""
-        containers = [
-            Container(c.name, gpus_of(c), init=init)
-            for cs, init in ((pod.spec.init_containers or [], True), (pod.spec.containers, False))
-            for c in cs
-        ]
-        hp = Pod(pod.metadata.namespace, pod.metadata.name, containers)
-        resps = self.kubelet.admit(hp)
-        for c in containers:
-            self.kubelet.start(hp, c.name)
-        return hp, resps
+        """`admit` on this node's kubelet."""
+        return admit(self.kubelet, pod)
 
     def serve(self, k8s: KubeTest) -> Serving:
         """kubelet's sync loop: `admit` each pod of the test bound here, as

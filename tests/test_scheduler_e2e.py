@@ -22,7 +22,6 @@ import shutil
 import signal
 import ssl
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -43,14 +42,15 @@ from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY, InventoryPubli
 from gpuvisor.cluster.deviceplugin.runner import PluginRunner
 from gpuvisor.cluster.deviceplugin.service import DevicePluginService, PluginConfig
 
+from tests.cluster_sim import admit, device_plugin_argv
+from tests.helpers import CLI as GPUVISOR
 from tests.helpers import LIBRARY, REPO_ROOT, SimNode, run_py
 from tests.k8s_cluster import GPU, GPUCORES, GPUMEM, KubeTest, free_port, gpu_container
-from tests.kubelet_harness import Container, FakeKubelet, Pod, run
+from tests.kubelet_harness import FakeKubelet, Pod, run
 from tests.test_deviceplugin import PROBE, StaticGpus
 from tests.test_deviceplugin_mig import INSTANCES as MIG_INSTANCES
 from tests.test_deviceplugin_mig import MIG_PROBE
 
-GPUVISOR = [sys.executable, "-c", "from gpuvisor.supervisor.cli import main; main()"]
 EXTENDER_START = 60.0  # seconds: the Kubernetes client's import on a loaded machine
 
 LIST_GPUS = """
@@ -196,25 +196,14 @@ class PluginNode:
         shutil.rmtree(self.socks, ignore_errors=True)
 
 
-def admit(kubelet: FakeKubelet, pod: kubernetes.client.V1Pod) -> tuple[Pod, dict[str, Any]]:
-    """kubelet admits the pod (GetPreferredAllocation, Allocate), then
-    starts each container (PreStartContainer for those with GPUs) and
-    reports it in the pod's status; the Allocate answers."""
-    containers = [
-        Container(c.name, gpus_of(c), init=init)
-        for cs, init in ((pod.spec.init_containers or [], True), (pod.spec.containers, False))
-        for c in cs
-    ]
-    hp = Pod(pod.metadata.namespace, pod.metadata.name, containers)
-    resps = kubelet.admit(hp)
-    for c in containers:
-        kubelet.start(hp, c.name)
-    return hp, resps
-
-
-def gpus_of(c: kubernetes.client.V1Container) -> int:
-    limits = (c.resources and c.resources.limits) or {}
-    return int(limits.get(GPU, 0))
+def container_base_env(sim: SimNode) -> dict[str, str]:
+    """The node's environment a container inherits: the simulated driver,
+    without the region and node lock (Allocate gives those)."""
+    return {
+        k: v
+        for k, v in sim.env.items()
+        if k not in ("CUDA_DEVICE_MEMORY_SHARED_CACHE", "GPUVISOR_NODE_LOCK")
+    }
 
 
 @dataclass
@@ -260,12 +249,9 @@ class Stack:
         )
         thread = threading.Thread(target=runner.run, daemon=True)
         thread.start()
-        base = {
-            k: v
-            for k, v in sim.env.items()
-            if k not in ("CUDA_DEVICE_MEMORY_SHARED_CACHE", "GPUVISOR_NODE_LOCK")
-        }
-        node = PluginNode(name, sim, self.sim_gpus, kubelet, runner, thread, socks, base)
+        node = PluginNode(
+            name, sim, self.sim_gpus, kubelet, runner, thread, socks, container_base_env(sim)
+        )
         self.nodes[name] = node
         kubelet.wait_registered()
         wait_for(lambda: NODE_INVENTORY in (core.read_node(name).metadata.annotations or {}))
@@ -591,29 +577,14 @@ def start_mig_plugin_node(stack: Stack, name: str) -> MigPluginNode:
     (d / "node").mkdir()
     socks = Path(tempfile.mkdtemp(prefix="gvsm", dir="/tmp"))
     kubelet = FakeKubelet(socks / "dp", socks / "pr" / "kubelet.sock", api=stack.k8s.core)
-    argv = [
-        *GPUVISOR,
-        "device-plugin",
-        f"--node-name={name}",
-        f"--plugin-dir={socks / 'dp'}",
-        f"--pod-resources-socket={socks / 'pr' / 'kubelet.sock'}",
-        f"--state-dir={d / 'state'}",
-        f"--lib-dir={LIBRARY.parent}",
-        f"--node-dir={d / 'node'}",
-        "--health-interval=0.2",
-    ]
+    argv = device_plugin_argv(name, d, socks, health_interval=0.2)
     env = dict(sim.env, KUBECONFIG=str(stack.k8s.cluster.kubeconfig))
     log = d / "plugin.log"
     with open(log, "wb") as out:
         plugin = subprocess.Popen(
             argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT
         )
-    base = {
-        k: v
-        for k, v in sim.env.items()
-        if k not in ("CUDA_DEVICE_MEMORY_SHARED_CACHE", "GPUVISOR_NODE_LOCK")
-    }
-    node = MigPluginNode(sim, kubelet, plugin, log, socks, base)
+    node = MigPluginNode(sim, kubelet, plugin, log, socks, container_base_env(sim))
     stack.cleanups.append(node.stop)
     try:
         kubelet.wait_registered(timeout=EXTENDER_START)
