@@ -130,6 +130,34 @@ def run_cmd(
     )
 
 
+def start_cmd(
+    cmd: list[str], env: Mapping[str, str], *, stdin: bool = False
+) -> subprocess.Popen[str]:
+    """Start cmd from the checkout's root in env, its stdout and stderr (and
+    stdin, if asked) piped as text."""
+    return subprocess.Popen(
+        cmd,
+        env=dict(env),
+        stdin=subprocess.PIPE if stdin else None,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO_ROOT,
+    )
+
+
+def stop_process(proc: subprocess.Popen[Any], timeout: float = 10.0) -> None:
+    """SIGTERM proc if it still runs, SIGKILL it if it has not exited within
+    timeout; reap it."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def make_benches(*names: str) -> Path:
     """Build the benchmarks build/bench/NAME (make, from the checkout's
     root: the Makefile's pattern rules are written for $(BUILD)/..., and an
@@ -168,15 +196,8 @@ DIE_WITH_PARENT = "import ctypes, signal; ctypes.CDLL(None).prctl(1, signal.SIGK
 def start_piped(code: str, env: Mapping[str, str], *args: str) -> subprocess.Popen[str]:
     """Start `python -c code args` (dedented) with piped stdin, stdout and
     stderr, for a test that drives it line by line; it dies with the test."""
-    return subprocess.Popen(
-        [sys.executable, "-c", DIE_WITH_PARENT + textwrap.dedent(code), *args],
-        env=dict(env),
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO_ROOT,
-    )
+    cmd = [sys.executable, "-c", DIE_WITH_PARENT + textwrap.dedent(code), *args]
+    return start_cmd(cmd, env, stdin=True)
 
 
 def start_ready(
@@ -192,6 +213,7 @@ def start_ready(
 
 
 CLI = [sys.executable, "-c", "from gpuvisor.supervisor.cli import main; main()"]
+RUN = [*CLI, "run"]  # gpuvisor run
 
 
 def run_cli(

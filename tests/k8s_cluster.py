@@ -50,7 +50,7 @@ import pytest
 import trustme
 from kubernetes.client.exceptions import ApiException
 
-from tests.helpers import BUILD_DIR, REPO_ROOT
+from tests.helpers import BUILD_DIR, REPO_ROOT, stop_process
 
 K8S_BUILD = BUILD_DIR / "k8s"
 COMPONENTS = ("etcd", "kube-apiserver", "kube-scheduler")
@@ -163,13 +163,7 @@ class Component:
             time.sleep(0.1)
 
     def stop(self, timeout: float = 15.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout)
 
 
 def _import_client_apis() -> None:

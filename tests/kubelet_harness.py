@@ -50,7 +50,7 @@ from gpuvisor.cluster.deviceplugin.api import deviceplugin_v1beta1_pb2_grpc as d
 from gpuvisor.cluster.deviceplugin.api import podresources_v1_pb2 as pr
 from gpuvisor.cluster.deviceplugin.api import podresources_v1_pb2_grpc as pr_grpc
 
-from tests.helpers import REPO_ROOT
+from tests.helpers import run_cmd
 
 PRESTART_TIMEOUT = 30.0  # kubelet's
 RESOURCE_RE = r"^[a-z0-9.-]+/[a-z0-9.-]+$"
@@ -447,6 +447,17 @@ def host_env(resp: dp.ContainerAllocateResponse, base: Mapping[str, str]) -> dic
     return env
 
 
+def container_base_env(node_env: Mapping[str, str]) -> dict[str, str]:
+    """A simulated node's environment as a container inherits it: the
+    simulated driver, without the region and node lock (Allocate gives
+    those); `run`'s base."""
+    return {
+        k: v
+        for k, v in node_env.items()
+        if k not in ("CUDA_DEVICE_MEMORY_SHARED_CACHE", "GPUVISOR_NODE_LOCK")
+    }
+
+
 def run(
     resp: dp.ContainerAllocateResponse,
     code: str,
@@ -456,12 +467,6 @@ def run(
 ) -> subprocess.CompletedProcess[str]:
     """The container's command (`python -c code`) on the simulated node with
     exactly Allocate's environment and mounts."""
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        env=host_env(resp, base),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        cwd=REPO_ROOT,
+    return run_cmd(
+        [sys.executable, "-c", textwrap.dedent(code), *args], host_env(resp, base), timeout
     )

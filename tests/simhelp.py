@@ -11,7 +11,10 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Sequence
 from pathlib import Path
+
+from tests.helpers import start_cmd
 
 REPO = Path(__file__).resolve().parent.parent
 SIM_DIR = REPO / "build" / "sim"
@@ -40,10 +43,12 @@ def sim_env(tmp_path: Path, devices: str | None = "2x16g", **extra: str) -> dict
     return env
 
 
-def run_py(code: str, env: dict[str, str], timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    """Run Python code in a child process; returns the completed process."""
+def run_py(
+    code: str, env: dict[str, str], timeout: float = 60, *, args: Sequence[str] = ()
+) -> subprocess.CompletedProcess[str]:
+    """Run Python code (with args) in a child process; returns the completed process."""
     return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
+        [sys.executable, "-c", textwrap.dedent(code), *args],
         env=env,
         capture_output=True,
         text=True,
@@ -52,20 +57,34 @@ def run_py(code: str, env: dict[str, str], timeout: float = 60) -> subprocess.Co
 
 
 def spawn_py(code: str, env: dict[str, str]) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    """Start `python -c code` (dedented), its stdin, stdout and stderr piped."""
+    return start_cmd([sys.executable, "-c", textwrap.dedent(code)], env, stdin=True)
+
+
+def ready_then_go(procs: Sequence[subprocess.Popen[str]]) -> None:
+    """Wait for each child (spawn_py) to print "ready", then send each "go"."""
+    for p in procs:
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == "ready"
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
 
 
 def ok(cp: subprocess.CompletedProcess[str]) -> str:
     """Assert the child succeeded; return its stdout."""
     assert cp.returncode == 0, f"rc={cp.returncode}\nstdout:\n{cp.stdout}\nstderr:\n{cp.stderr}"
     return cp.stdout
+
+
+def run_c_test(binary: Path, tmp_path: Path) -> None:
+    """Run one of the simulator's C tests with TMPDIR=tmp_path: it exits 0
+    and its output ends with OK."""
+    env = sim_env(tmp_path, TMPDIR=str(tmp_path))
+    cp = subprocess.run([str(binary)], env=env, capture_output=True, text=True, timeout=60)
+    assert cp.returncode == 0, cp.stdout + cp.stderr
+    assert cp.stdout.strip().endswith("OK"), cp.stdout + cp.stderr
 
 
 def has_cuda_bindings() -> bool:
