@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import MiB, SimNode, run_cmd, run_py
+from tests.helpers import RUN, MiB, SimNode, run_cmd, run_py
 
 NOT_PERMITTED = 800
 
@@ -139,7 +139,6 @@ def test_the_supervisor_checks_read_the_file_too(node: SimNode, tmp_path: Path) 
         assert f'GPUVISOR_LIMITS_FILE="{missing}": cannot open: no such file' in message
 
 
-RUN = [sys.executable, "-c", "from gpuvisor.supervisor.cli import main; main()", "run"]
 MEMINFO = [
     sys.executable,
     "-c",

@@ -12,9 +12,7 @@ import subprocess
 import sys
 import textwrap
 
-from tests.helpers import REPO_ROOT, GiB, Holder, SimNode, run_cmd, run_py
-
-RUN = [sys.executable, "-c", "from gpuvisor.supervisor.cli import main; main()", "run"]
+from tests.helpers import REPO_ROOT, RUN, GiB, Holder, SimNode, run_cmd, run_py
 
 # The device's total as cuMemGetInfo shows it, and whether 1.5 GiB fits.
 PROBE = """

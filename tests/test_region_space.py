@@ -18,12 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO_ROOT, SimNode, run_cmd
+from tests.helpers import REPO_ROOT, RUN, SimNode, run_cmd
 
 # Room for the region's first page, not for the rest of it (a few hundred KiB).
 TMPFS_SIZE = "16k"
 
-RUN = [sys.executable, "-c", "from gpuvisor.supervisor.cli import main; main()", "run"]
 
 # A CUDA client: cuInit, a context and an allocation on every device.
 CLIENT = """

@@ -21,9 +21,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.helpers import REPO_ROOT, clean_env, run_cmd
-
-RUN = [sys.executable, "-c", "from gpuvisor.supervisor.cli import main; main()", "run"]
+from tests.helpers import REPO_ROOT, RUN, clean_env, run_cmd, start_cmd
 
 
 @pytest.fixture
@@ -39,14 +37,7 @@ def run(env: dict[str, str], *args: str, timeout: float = 30) -> subprocess.Comp
 
 
 def start(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [*RUN, *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO_ROOT,
-    )
+    return start_cmd([*RUN, *args], env)
 
 
 def py(code: str) -> list[str]:
@@ -253,14 +244,8 @@ def test_leftover_group_members_are_terminated(env):
 
 
 def test_python_dash_m_entry_point(env):
-    proc = subprocess.run(
-        [sys.executable, "-m", "gpuvisor.supervisor", "run", "--", "sh", "-c", "exit 7"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-        cwd=REPO_ROOT,
+    proc = run_cmd(
+        [sys.executable, "-m", "gpuvisor.supervisor", "run", "--", "sh", "-c", "exit 7"], env, 30
     )
     assert proc.returncode == 7, proc.stderr
 
@@ -308,15 +293,7 @@ def test_sigterm_during_startup_reaches_the_workload(env):
         """
     )
     t0 = time.monotonic()
-    proc = subprocess.run(
-        [*py(SIGTERM_DURING_STARTUP), *workload],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=25,
-        check=False,
-        cwd=REPO_ROOT,
-    )
+    proc = run_cmd([*py(SIGTERM_DURING_STARTUP), *workload], env, 25)
     assert proc.returncode == 128 + signal.SIGTERM, proc.stderr
     assert time.monotonic() - t0 < 10
 

@@ -33,9 +33,7 @@ from gpuvisor.supervisor.protocol import (
     parse_report,
 )
 
-from tests.helpers import CU_SPIN_PRELUDE, REPO_ROOT, GiB, SimNode
-
-RUN = [sys.executable, "-c", "from gpuvisor.supervisor.cli import main; main()", "run"]
+from tests.helpers import CU_SPIN_PRELUDE, REPO_ROOT, RUN, GiB, SimNode, run_cmd, start_cmd
 
 MEMINFO = """
 import json
@@ -69,32 +67,28 @@ print(json.dumps({"limit": s.limit, "share": s.share, "launches": s.launches,
 
 
 def run(env: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*RUN, *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        cwd=REPO_ROOT,
-    )
+    return run_cmd([*RUN, *args], env, timeout)
 
 
 def py(code: str) -> list[str]:
     return [sys.executable, "-c", textwrap.dedent(code)]
 
 
-def read_sm(node: SimNode) -> dict[str, object]:
-    proc = subprocess.run(
-        [*py(READ_SM), str(node.region)],
+def read_region(node: SimNode, code: str) -> str:
+    """The output of code run with node's region file as its argument."""
+    return subprocess.run(
+        [*py(code), str(node.region)],
         env=node.env,
         capture_output=True,
         text=True,
         timeout=30,
         check=True,
         cwd=REPO_ROOT,
-    )
-    result: dict[str, object] = json.loads(proc.stdout)
+    ).stdout
+
+
+def read_sm(node: SimNode) -> dict[str, object]:
+    result: dict[str, object] = json.loads(read_region(node, READ_SM))
     return result
 
 
@@ -184,19 +178,26 @@ BAD = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("args", "variables", "name", "value"), BAD, ids=[f"{b[2]}={b[3]}"[:40] for b in BAD]
-)
-def test_bad_value_stops_before_the_workload(env, tmp_path, args, variables, name, value):
+def refused_before_the_workload(env: dict[str, str], tmp_path: Path, *args: str) -> str:
+    """`gpuvisor run ARGS -- touch MARKER` exits 2 with a one-line error
+    before the workload starts; that line."""
     marker = tmp_path / "started"
-    env.update(variables)
     proc = run(env, *args, "--", "sh", "-c", f"touch {marker}")
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1, proc.stderr
-    assert name in lines[0]
-    assert value in lines[0]
     assert not marker.exists()
+    return lines[0]
+
+
+@pytest.mark.parametrize(
+    ("args", "variables", "name", "value"), BAD, ids=[f"{b[2]}={b[3]}"[:40] for b in BAD]
+)
+def test_bad_value_stops_before_the_workload(env, tmp_path, args, variables, name, value):
+    env.update(variables)
+    line = refused_before_the_workload(env, tmp_path, *args)
+    assert name in line
+    assert value in line
 
 
 @pytest.mark.parametrize(
@@ -213,14 +214,9 @@ def test_seconds_options_are_read_as_their_variables(env, tmp_path, option, valu
     refused (test_bad_value_stops_before_the_workload), but the options that
     override them took the same text through float(): --grace 1_0 ran with
     a 10 s grace period."""
-    marker = tmp_path / "started"
-    proc = run(env, option, value, "--", "sh", "-c", f"touch {marker}")
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert option in lines[0]
-    assert value in lines[0]
-    assert not marker.exists()
+    line = refused_before_the_workload(env, tmp_path, option, value)
+    assert option in line
+    assert value in line
 
 
 @pytest.mark.parametrize(
@@ -294,12 +290,8 @@ def test_unknown_log_level_word_falls_back_to_warning(env, level):
 def test_corrupt_region_stops_before_the_workload(env, tmp_path):
     region = tmp_path / "bad.shr"
     region.write_bytes(b"not a region" * 100)
-    marker = tmp_path / "started"
-    proc = run(env, "--region", str(region), "--", "sh", "-c", f"touch {marker}")
-    assert proc.returncode == 2
-    assert "CUDA_DEVICE_MEMORY_SHARED_CACHE" in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
-    assert not marker.exists()
+    line = refused_before_the_workload(env, tmp_path, "--region", str(region))
+    assert "CUDA_DEVICE_MEMORY_SHARED_CACHE" in line
 
 
 def timed_workload(tmp: Path, sleep: float, code: int) -> list[str]:
@@ -545,15 +537,7 @@ def test_disabled_core_policy_reports_the_policy_the_library_applies(env, agent,
     assert with_dev, agent.reports
     assert {r.policy for r in agent.reports} == {"fixed-share"}
     assert all(d.sm_limit is None for r in with_dev for d in r.devices)
-    region = subprocess.run(
-        [*py(READ_SM + "print(r.sm(0).policy)"), str(node.region)],
-        env=node.env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=True,
-        cwd=REPO_ROOT,
-    ).stdout.splitlines()
+    region = read_region(node, READ_SM + "print(r.sm(0).policy)").splitlines()
     assert json.loads(region[0])["limit"] is None
     assert region[1] == "fixed-share"
 
@@ -569,19 +553,20 @@ def test_agent_error_reply_is_logged_once(env, agent):
 
 def start_run(env: dict[str, str], *args: str) -> subprocess.Popen[str]:
     """`gpuvisor run ARGS`, its output piped."""
-    return subprocess.Popen(
-        [*RUN, *args],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO_ROOT,
-    )
+    return start_cmd([*RUN, *args], env)
 
 
 def start_launcher(env: dict[str, str], stop: Path, *options: str) -> subprocess.Popen[str]:
-    """`gpuvisor run OPTIONS -- LAUNCHER stop`, its output piped."""
-    return start_run(env, *options, "--", *py(LAUNCHER), str(stop))
+    """`gpuvisor run OPTIONS -- LAUNCHER stop`, its output piped, once the
+    launcher says it is launching (killed, and the test failed, otherwise)."""
+    sup = start_run(env, *options, "--", *py(LAUNCHER), str(stop))
+    assert sup.stdout is not None
+    line = sup.stdout.readline()
+    if line != "launching\n":
+        sup.kill()
+        _, err = sup.communicate()
+        raise AssertionError(f"the launcher said {line!r}, not 'launching'\n{err}")
+    return sup
 
 
 def test_agent_steers_yield_and_sm_limit_live(env, agent, node):
@@ -589,8 +574,6 @@ def test_agent_steers_yield_and_sm_limit_live(env, agent, node):
     stop = node.dir / "stop"
     sup = start_launcher(env, stop, "--report-interval", "0.1", "--cores", "50")
     try:
-        assert sup.stdout is not None
-        assert sup.stdout.readline() == "launching\n"
         report = agent.wait_for(lambda r: any(d.sm_share > 0 for d in r.devices))
         dev = report.devices[0]
         assert dev.sm_limit == 50
@@ -639,8 +622,6 @@ def test_an_ack_pushing_sm_limit_0_is_refused_and_the_limit_stands(env, agent, n
     stop = node.dir / "stop"
     sup = start_launcher(env, stop, "--report-interval", "0.1", "--cores", "50")
     try:
-        assert sup.stdout is not None
-        assert sup.stdout.readline() == "launching\n"
         uuid = agent.wait_for(lambda r: bool(r.devices)).devices[0].uuid
         with agent.lock:
             agent.instructions = Instructions(sm_limits={uuid: 0})
@@ -669,8 +650,6 @@ def test_supervisor_cpu_at_10hz(env, agent, node):
     stop = node.dir / "stop"
     sup = start_launcher(env, stop, "--cores", "50")
     try:
-        assert sup.stdout is not None
-        assert sup.stdout.readline() == "launching\n"
         agent.wait_for(lambda r: bool(r.devices))
         p = psutil.Process(sup.pid)
         c0, t0 = p.cpu_times(), time.monotonic()
@@ -724,8 +703,6 @@ def test_yield_lapses_when_the_agent_goes_away(env, agent, node, how):
     stop = node.dir / "stop"
     sup = start_launcher(env, stop, "--report-interval", "0.2", "--priority", "1")
     try:
-        assert sup.stdout is not None
-        assert sup.stdout.readline() == "launching\n"
         uuid = agent.wait_for(lambda r: bool(r.devices)).devices[0].uuid
         with agent.lock:
             agent.instructions = Instructions(yield_devices={uuid: True})
@@ -754,13 +731,11 @@ def test_yield_lapses_when_the_agent_goes_away(env, agent, node, how):
         # The workload works again: without an SM limit its launches are
         # no longer gated once the flag is cleared (the fast path), so NVML
         # is the witness, not the gate's count.
-        from tests.helpers import nvml_shares
+        from tests.helpers import shares_over
 
         deadline = time.monotonic() + 5
         while True:
-            since = int(time.time() * 1e6)
-            time.sleep(0.3)
-            shares = nvml_shares(node, since)
+            shares = shares_over(node, 0.3)
             if any(v >= 10 for v in shares.values()) or time.monotonic() > deadline:
                 break
         assert any(v >= 10 for v in shares.values()), shares
@@ -1070,8 +1045,6 @@ def test_a_restore_puts_the_containers_own_limits_back(env, agent, node, per_dev
         return _then(agent, instructions, pred)
 
     try:
-        assert sup.stdout is not None
-        assert sup.stdout.readline() == "launching\n"
         uuid = agent.wait_for(shows(2 * GiB, 50)).devices[0].uuid
         then(Instructions(memory_limits={uuid: GiB}, sm_limits={uuid: 20}), shows(GiB, 20))
         restore = Instructions(restore={uuid: ("memory", "sm")})
