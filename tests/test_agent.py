@@ -47,7 +47,16 @@ from gpuvisor.supervisor.protocol import (
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import CLI, REPO_ROOT, SimNode, clean_env, run_cli, run_py
+from tests.helpers import (
+    CLI,
+    REPO_ROOT,
+    SimNode,
+    clean_env,
+    run_cli,
+    run_py,
+    start_cmd,
+    stop_process,
+)
 
 GiB = 1 << 30
 # Device UUIDs in NVML's form (the agent takes no other)
@@ -104,13 +113,8 @@ class AgentProc:
         return self
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc)
         if self.proc is not None and self.proc.stdout is not None:
             self.proc.stdout.close()
 
@@ -1023,8 +1027,10 @@ def test_a_declared_interval_keeps_a_container_at_most_max_expire():
     assert state.expire(9.0) == 0
 
 
-def set_limit(sock: str, container: str, *args: str) -> subprocess.CompletedProcess[str]:
-    """`gpuvisor node-agent set-limit` for device GPU_A of container."""
+def set_limit(
+    sock: str, container: str, *args: str, device: str = GPU_A
+) -> subprocess.CompletedProcess[str]:
+    """`gpuvisor node-agent set-limit` for device (GPU_A) of container."""
     return run_cli(
         "node-agent",
         "set-limit",
@@ -1033,7 +1039,7 @@ def set_limit(sock: str, container: str, *args: str) -> subprocess.CompletedProc
         "--container",
         container,
         "--device",
-        GPU_A,
+        device,
         *args,
     )
 
@@ -1397,13 +1403,9 @@ def test_an_admin_socket_in_the_reporting_directory_is_refused(sock_path):
 def _agent_exit(*args: str) -> tuple[int | None, str]:
     """Start `gpuvisor node-agent args`; its exit status and stderr, or
     None when it started instead (then stopped: it should not have)."""
-    proc = subprocess.Popen(
+    proc = start_cmd(
         [*CLI, "node-agent", "--metrics-host", "127.0.0.1", "--metrics-port", "0", *args],
-        env=clean_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO_ROOT,
+        clean_env(),
     )
     try:
         _, err = proc.communicate(timeout=10)

@@ -42,7 +42,16 @@ from gpuvisor.supervisor.entrypoint.reporter import CONTAINER_VARS, NAMESPACE_VA
 from gpuvisor.supervisor.entrypoint.run import ENV_LOG_LEVEL
 from gpuvisor.supervisor.protocol import MAX_MESSAGE_BYTES
 
-from tests.helpers import CLI, LIBRARY, REPO_ROOT, SimNode, clean_env, missing_build_outputs
+from tests.helpers import (
+    CLI,
+    LIBRARY,
+    REPO_ROOT,
+    SimNode,
+    clean_env,
+    missing_build_outputs,
+    run_cmd,
+    start_cmd,
+)
 from tests.test_agent import AgentProc, find, wait_for
 from tests.test_images import (
     AGENT,
@@ -328,13 +337,10 @@ def installer_script() -> str:
 def run_installer(tmp_path: Path, vgpu: Path, *args: str) -> subprocess.CompletedProcess[str]:
     script = tmp_path / "install.sh"
     script.write_text(installer_script())
-    return subprocess.run(
+    return run_cmd(
         ["sh", str(script), *args],
-        env={"PATH": os.environ["PATH"], "GPUVISOR_LIB": str(LIBRARY), "HAMI_VGPU_DIR": str(vgpu)},
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
+        {"PATH": os.environ["PATH"], "GPUVISOR_LIB": str(LIBRARY), "HAMI_VGPU_DIR": str(vgpu)},
+        30,
     )
 
 
@@ -637,14 +643,10 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
     )
     try:
         with AgentProc(sock, env=node.env) as agent:
-            workload = subprocess.Popen(
+            workload = start_cmd(
                 [*CLI, "run", "--", sys.executable, "-c", textwrap.dedent(WORKLOAD)],
-                env=env,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-                cwd=REPO_ROOT,
+                env,
+                stdin=True,
             )
             try:
                 assert workload.stdout is not None

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import CLI, CU_SPIN_PRELUDE, REPO_ROOT, SimNode
-from tests.test_agent import AgentProc, find, sock_path, wait_for  # noqa: F401
+from tests.helpers import CLI, CU_SPIN_PRELUDE, REPO_ROOT, SimNode, shares_over
+from tests.test_agent import AgentProc, find, set_limit, sock_path, wait_for  # noqa: F401
 
 GiB = 1 << 30
 
@@ -189,6 +189,37 @@ def spinning(
     )
 
 
+def shares_alone_then_both(
+    node: SimNode,
+    sock: str,
+    first: tuple[str, list[str]],
+    second: tuple[str, list[str]],
+    second_seconds: float,
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Under the node agent, `first` (a container's name and its `gpuvisor
+    run` options) spins alone; NVML's shares over 1 s after 1 s.  Then
+    `second` spins for second_seconds; the shares over 1.5 s, 2.5 s after
+    it started (1 s is the goal, which make bench-sm measures; a loaded
+    2-core CI machine delays reports and acks).  first outlives the last
+    reading however slowly second starts (a finished first would read as a
+    share of 0 beside it); it is stopped after it."""
+    with AgentProc(sock, env=node.env):
+        p1 = spinning(node, sock, first[0], first[1], 60.0)
+        try:
+            started(p1)
+            time.sleep(1.0)
+            alone = shares_over(node, 1.0)
+            p2 = spinning(node, sock, second[0], second[1], second_seconds)
+            started(p2)
+            time.sleep(2.5)
+            both = shares_over(node, 1.5)
+            p2.communicate(timeout=60)
+        finally:
+            p1.terminate()
+            p1.communicate(timeout=60)
+    return alone, both
+
+
 def test_burst_share_gives_back_to_a_starved_container_via_the_agent(
     node: SimNode,
     sock_path: str,  # noqa: F811
@@ -196,30 +227,13 @@ def test_burst_share_gives_back_to_a_starved_container_via_the_agent(
     """A (burst-share, 10 %) alone takes the idle GPU.  B (fixed-share, 90 %)
     starts: the agent tells A that B claims 90 %, so A drops to its 10 %
     and B gets its 90 %, although B's own use starts low."""
-    from tests.helpers import nvml_shares
-
-    with AgentProc(sock_path, env=node.env):
-        # A outlives the last reading however slowly B starts (a finished A
-        # would read as a share of 0 beside B); it is stopped after it.
-        a = spinning(node, sock_path, "a", ["--cores", "10", "--policy", "burst-share"], 60.0)
-        try:
-            started(a)
-            time.sleep(1.0)
-            since = int(time.time() * 1e6)
-            time.sleep(1.0)
-            alone = nvml_shares(node, since)
-            b = spinning(node, sock_path, "b", ["--cores", "90"], 5.0)
-            started(b)
-            # 1 s is the goal (make bench-sm measures it); a loaded 2-core CI
-            # machine delays reports and acks, so the test allows 2.5 s.
-            time.sleep(2.5)
-            since = int(time.time() * 1e6)
-            time.sleep(1.5)
-            both = nvml_shares(node, since)
-            b.communicate(timeout=60)
-        finally:
-            a.terminate()
-            a.communicate(timeout=60)
+    alone, both = shares_alone_then_both(
+        node,
+        sock_path,
+        ("a", ["--cores", "10", "--policy", "burst-share"]),
+        ("b", ["--cores", "90"]),
+        5.0,
+    )
     (a_pid,) = alone
     b_pid = next(p for p in both if p != a_pid)
     print(f"A alone {alone[a_pid]} %, then A {both.get(a_pid)} % and B {both[b_pid]} %")
@@ -244,31 +258,13 @@ def test_best_effort_yields_to_a_burst_share_container_via_the_agent(
     or so), A with the rest, as without the agent.  The agent used to
     count B's limit as a claim, which A then kept off: whichever started
     first, A ended near 40 % and B near its 50 %."""
-    from tests.helpers import nvml_shares
 
     a_args = ["--cores", "30", "--policy", "burst-share"]
     b_args = ["--cores", "50", "--policy", "best-effort"]
-    with AgentProc(sock_path, env=node.env):
-        one, two = ("a", a_args), ("b", b_args)
-        if first != "burst":
-            one, two = two, one
-        p1 = spinning(node, sock_path, one[0], one[1], 60.0)  # stopped after the readings
-        try:
-            started(p1)
-            time.sleep(1.0)
-            since = int(time.time() * 1e6)
-            time.sleep(1.0)
-            alone = nvml_shares(node, since)
-            p2 = spinning(node, sock_path, two[0], two[1], 6.0)
-            started(p2)
-            time.sleep(2.5)
-            since = int(time.time() * 1e6)
-            time.sleep(1.5)
-            both = nvml_shares(node, since)
-            p2.communicate(timeout=60)
-        finally:
-            p1.terminate()
-            p1.communicate(timeout=60)
+    one, two = ("a", a_args), ("b", b_args)
+    if first != "burst":
+        one, two = two, one
+    alone, both = shares_alone_then_both(node, sock_path, one, two, 6.0)
     (pid1,) = alone
     pid2 = next((p for p in both if p != pid1), None)
     shares = {one[0]: both.get(pid1, 0), two[0]: both.get(pid2, 0) if pid2 else 0}
@@ -327,9 +323,7 @@ def test_low_priority_yields_while_a_high_priority_container_works(
                 timeout=20.0,
             )
             time.sleep(0.5)
-            since = int(time.time() * 1e6)
-            time.sleep(1.0)
-            alone = nvml_shares(node, since)
+            alone = shares_over(node, 1.0)
             hcores = ["--cores", high_cores] if high_cores else []
             high = spinning(node, sock_path, "high", [*hcores, "--priority", "0"], 10.0)
             try:
@@ -366,9 +360,7 @@ def test_low_priority_yields_while_a_high_priority_container_works(
             # The active window (2 s) passes with no report of H.
             assert wait_for(lambda: yielding(agent) == [0.0], timeout=4.0)
             time.sleep(0.5)
-            since = int(time.time() * 1e6)
-            time.sleep(1.0)
-            after = nvml_shares(node, since)
+            after = shares_over(node, 1.0)
             assert low.poll() is None, "L ended before the last reading"
         finally:
             low.terminate()
@@ -575,24 +567,7 @@ def test_an_admins_limit_is_applied_again_by_a_restarted_supervisor(
 
 
 def admin_set_limit(sock: str, container: str, uuid: str, *args: str) -> None:
-    proc = subprocess.run(
-        [
-            *CLI,
-            "node-agent",
-            "set-limit",
-            "--socket",
-            sock,
-            "--container",
-            container,
-            "--device",
-            uuid,
-            *args,
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO_ROOT,
-        timeout=30,
-    )
+    proc = set_limit(sock, container, *args, device=uuid)
     assert proc.returncode == 0, proc.stderr
 
 

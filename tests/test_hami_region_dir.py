@@ -17,7 +17,15 @@ import time
 import uuid as uuidlib
 from pathlib import Path
 
-from tests.helpers import CU_SPIN_PRELUDE, DIE_WITH_PARENT, REPO_ROOT, MiB, SimNode, nvml_shares
+from tests.helpers import (
+    CU_SPIN_PRELUDE,
+    DIE_WITH_PARENT,
+    REPO_ROOT,
+    MiB,
+    SimNode,
+    shares_over,
+    start_cmd,
+)
 from tests.test_agent import AgentProc, find, sock_path, wait_for  # noqa: F401
 
 # Allocates 256 MiB, says so, then launches 1 ms kernels for argv[1] seconds.
@@ -45,13 +53,9 @@ def hami_container(
     directory = root / f"{pod_uid}_{name}"
     directory.mkdir()
     cache = directory / f"{uuidlib.uuid4()}.cache"
-    proc = subprocess.Popen(
+    proc = start_cmd(
         [sys.executable, "-c", DIE_WITH_PARENT + textwrap.dedent(WORKLOAD), str(seconds)],
-        env=node.shimmed(CUDA_DEVICE_MEMORY_SHARED_CACHE=str(cache), **env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO_ROOT,
+        node.shimmed(CUDA_DEVICE_MEMORY_SHARED_CACHE=str(cache), **env),
     )
     assert proc.stdout is not None
     line = proc.stdout.readline()
@@ -130,9 +134,7 @@ def test_agent_exports_and_applies_priority_of_hami_containers_without_gpuvisor_
             try:
                 assert wait_for(lambda: yielding(agent) == [1.0], timeout=5.0)
                 time.sleep(1.0)  # L's queued kernels drain
-                since = int(time.time() * 1e6)
-                time.sleep(1.0)
-                both = nvml_shares(node, since)
+                both = shares_over(node, 1.0)
                 assert high.poll() is None, "H ended before the reading"
             finally:
                 high.communicate(timeout=60)

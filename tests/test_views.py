@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from tests.helpers import CLI, REPO_ROOT, GiB, Holder, clean_env, run_cli, run_py
+from tests.helpers import CLI, GiB, Holder, clean_env, run_cli, run_py, start_cmd
 from tests.test_agent import AgentProc, Client, device, sock_path  # noqa: F401 (fixture)
 
 
@@ -226,13 +226,9 @@ def test_top_keeps_refreshing_past_a_document_that_is_not_an_agents_status():
     """Without --once, such an answer is shown as one line and retried, as
     an unreachable agent is: it used to end `top` with a traceback."""
     with _JsonServer(b'{"agent": {}, "containers": [{"x": 1}]}') as server:
-        proc = subprocess.Popen(
+        proc = start_cmd(
             [*CLI, "top", "--interval", "0.1", "--url", server.url],
-            env=clean_env(),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=REPO_ROOT,
+            clean_env(),
         )
         try:
             time.sleep(3)
