@@ -39,7 +39,7 @@ import kubernetes.client
 from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY
 
 from tests.helpers import CLI as GPUVISOR
-from tests.helpers import LIBRARY, REPO_ROOT, SIM_DIR, clean_env
+from tests.helpers import LIBRARY, REPO_ROOT, SIM_DIR, clean_env, stop_process
 from tests.k8s_cluster import GPU, KubeTest
 from tests.kubelet_harness import Container, FakeKubelet, Pod, Serving, run
 from tests.test_deviceplugin import PROBE
@@ -242,13 +242,7 @@ class SimTopologyNode:
         return out
 
     def stop(self) -> None:
-        if self.plugin.poll() is None:
-            self.plugin.send_signal(signal.SIGTERM)
-            try:
-                self.plugin.wait(10)
-            except subprocess.TimeoutExpired:
-                self.plugin.kill()
-                self.plugin.wait()
+        stop_process(self.plugin)
         with contextlib.suppress(Exception):
             self.kubelet.stop()
         shutil.rmtree(self.socks, ignore_errors=True)

@@ -30,7 +30,7 @@ from gpuvisor.cluster.deviceplugin.runner import PluginRunner
 from gpuvisor.cluster.deviceplugin.service import DevicePluginService, PluginConfig
 
 from tests.helpers import LIBRARY, SimNode, run_py
-from tests.kubelet_harness import Container, FakeKubelet, Pod, host_env, run
+from tests.kubelet_harness import Container, FakeKubelet, Pod, container_base_env, host_env, run
 
 NODE = "node-1"
 NOT_PERMITTED = 800
@@ -164,11 +164,7 @@ def cluster(node: SimNode, tmp_path: Path, sim_gpus: list[Gpu]) -> Iterator[Clus
     runner = PluginRunner(service, socks / "dp", health_interval=0.05, watch_interval=0.05)
     thread = threading.Thread(target=runner.run, daemon=True)
     thread.start()
-    base = {
-        k: v
-        for k, v in node.env.items()
-        if k not in ("CUDA_DEVICE_MEMORY_SHARED_CACHE", "GPUVISOR_NODE_LOCK")
-    }
+    base = container_base_env(node.env)
     try:
         kubelet.wait_registered()
         yield Cluster(node, sim_gpus, source, pods, kubelet, runner, service, base)

@@ -26,8 +26,8 @@ from typing import Any
 import grpc
 import pytest
 
-from tests.helpers import LIBRARY, REPO_ROOT, SimNode, run_py, start_ready
-from tests.kubelet_harness import Container, FakeKubelet, Pod, host_env, run
+from tests.helpers import LIBRARY, REPO_ROOT, SimNode, run_py, start_ready, stop_process
+from tests.kubelet_harness import Container, FakeKubelet, Pod, container_base_env, host_env, run
 
 NODE = "mig-node"
 A100 = "NVIDIA A100-SXM4-40GB"
@@ -237,11 +237,7 @@ def start_node(tmp_path: Path, fault: str = "") -> Iterator[MigNode]:
         *(str(socks / "dp"), str(socks / "pr" / "kubelet.sock"), str(tmp_path / "state")),
         *(str(LIBRARY.parent), str(tmp_path / "node"), str(allocs), fault),
     ]
-    base = {
-        k: v
-        for k, v in sim.env.items()
-        if k not in ("CUDA_DEVICE_MEMORY_SHARED_CACHE", "GPUVISOR_NODE_LOCK")
-    }
+    base = container_base_env(sim.env)
     node = MigNode(sim, [], kubelet, allocs, base, None, log, argv)  # type: ignore[arg-type]
     node.start_plugin()
     try:
@@ -251,11 +247,7 @@ def start_node(tmp_path: Path, fault: str = "") -> Iterator[MigNode]:
         node.gpus = sorted(uuids, key=lambda u: int(u.rsplit("-", 1)[1], 16))
         yield node
     finally:
-        node.plugin.terminate()
-        try:
-            node.plugin.wait(10)
-        except subprocess.TimeoutExpired:
-            node.plugin.kill()
+        stop_process(node.plugin)
         kubelet.stop()
         shutil.rmtree(socks, ignore_errors=True)
 

@@ -44,9 +44,9 @@ from gpuvisor.cluster.deviceplugin.service import DevicePluginService, PluginCon
 
 from tests.cluster_sim import admit, device_plugin_argv
 from tests.helpers import CLI as GPUVISOR
-from tests.helpers import LIBRARY, REPO_ROOT, SimNode, run_py
+from tests.helpers import LIBRARY, REPO_ROOT, SimNode, run_py, stop_process
 from tests.k8s_cluster import GPU, GPUCORES, GPUMEM, KubeTest, free_port, gpu_container
-from tests.kubelet_harness import FakeKubelet, Pod, run
+from tests.kubelet_harness import FakeKubelet, Pod, container_base_env, run
 from tests.test_deviceplugin import PROBE, StaticGpus
 from tests.test_deviceplugin_mig import INSTANCES as MIG_INSTANCES
 from tests.test_deviceplugin_mig import MIG_PROBE
@@ -152,12 +152,8 @@ class Extender:
             self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+        if self.proc is not None:
+            stop_process(self.proc)
 
     def metrics(self) -> str:
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
@@ -194,16 +190,6 @@ class PluginNode:
         self.thread.join(timeout=10)
         self.kubelet.stop()
         shutil.rmtree(self.socks, ignore_errors=True)
-
-
-def container_base_env(sim: SimNode) -> dict[str, str]:
-    """The node's environment a container inherits: the simulated driver,
-    without the region and node lock (Allocate gives those)."""
-    return {
-        k: v
-        for k, v in sim.env.items()
-        if k not in ("CUDA_DEVICE_MEMORY_SHARED_CACHE", "GPUVISOR_NODE_LOCK")
-    }
 
 
 @dataclass
@@ -250,7 +236,7 @@ class Stack:
         thread = threading.Thread(target=runner.run, daemon=True)
         thread.start()
         node = PluginNode(
-            name, sim, self.sim_gpus, kubelet, runner, thread, socks, container_base_env(sim)
+            name, sim, self.sim_gpus, kubelet, runner, thread, socks, container_base_env(sim.env)
         )
         self.nodes[name] = node
         kubelet.wait_registered()
@@ -555,12 +541,7 @@ class MigPluginNode:
         return out
 
     def stop(self) -> None:
-        if self.plugin.poll() is None:
-            self.plugin.terminate()
-            try:
-                self.plugin.wait(10)
-            except subprocess.TimeoutExpired:
-                self.plugin.kill()
+        stop_process(self.plugin)
         self.kubelet.stop()
         shutil.rmtree(self.socks, ignore_errors=True)
 
@@ -584,7 +565,7 @@ def start_mig_plugin_node(stack: Stack, name: str) -> MigPluginNode:
         plugin = subprocess.Popen(
             argv, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT
         )
-    node = MigPluginNode(sim, kubelet, plugin, log, socks, container_base_env(sim))
+    node = MigPluginNode(sim, kubelet, plugin, log, socks, container_base_env(sim.env))
     stack.cleanups.append(node.stop)
     try:
         kubelet.wait_registered(timeout=EXTENDER_START)
