@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import BUILD_DIR, LIBRARY, clean_env, make_benches
+from tests.helpers import BUILD_DIR, LIBRARY, clean_env, make_benches, run_cmd
 
 MEMORY = BUILD_DIR / "bench" / "bench_memory"
 LAUNCH = BUILD_DIR / "bench" / "bench_launch"
@@ -55,13 +55,10 @@ def run_bench(
 ) -> subprocess.CompletedProcess[str]:
     env = clean_env()
     env["TMPDIR"] = str(tmp_path)
-    return subprocess.run(
+    return run_cmd(
         [str(bench), "--batches", "3", "--iters", "50", "--procs", procs, "--no-pin", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+        env,
+        120,
     )
 
 

@@ -16,14 +16,13 @@ from __future__ import annotations
 import json
 import os
 import random
-import subprocess
 import sys
 import textwrap
 import threading
 import time
 from pathlib import Path
 
-from tests.helpers import CU_SPIN_PRELUDE, REPO_ROOT, SimNode, run_py
+from tests.helpers import CU_SPIN_PRELUDE, SimNode, run_py, start_cmd
 
 SEED = int(os.environ.get("GPUVISOR_FUZZ_SEED", "36"))
 RUN_S = 4.0
@@ -82,14 +81,10 @@ def _scribble(path: Path, rng: random.Random, until: float) -> int:
 def test_garbage_in_the_launch_order_file_stalls_no_neighbour(node: SimNode) -> None:
     rng = random.Random(SEED)
     env = node.shimmed(CUDA_DEVICE_SM_LIMIT="50", CUDA_DEVICE_MEMORY_LIMIT="1g")
-    victim = subprocess.Popen(
+    victim = start_cmd(
         [sys.executable, "-c", VICTIM, str(RUN_S)],
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        cwd=REPO_ROOT,
+        env,
+        stdin=True,
     )
     try:
         assert victim.stdout is not None
@@ -141,15 +136,7 @@ def test_a_region_of_garbage_is_refused_in_one_line(node: SimNode, tmp_path: Pat
         path = tmp_path / f"{name}.shr"
         path.write_bytes(data)
         env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="1g", CUDA_DEVICE_MEMORY_SHARED_CACHE=str(path))
-        proc = subprocess.run(
-            [sys.executable, "-c", TRY_CUDA],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-            cwd=REPO_ROOT,
-        )
+        proc = run_py(TRY_CUDA, env)
         assert proc.returncode >= 0, (SEED, name, proc.returncode, proc.stderr)
         results = proc.stdout.split()
         if results[:1] != ["CUDA_SUCCESS"]:

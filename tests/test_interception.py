@@ -7,22 +7,14 @@ cuGetProcAddress(_v2) with ABI versions and per-thread-stream flags.
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 
-from tests.helpers import SimNode
+from tests.helpers import SimNode, run_cmd
 
 
 def test_all_three_layers(node: SimNode, build_dir: Path) -> None:
     env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="1g")
-    proc = subprocess.run(
-        [str(build_dir / "tests" / "t_link_intercept")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = run_cmd([str(build_dir / "tests" / "t_link_intercept")], env, 60)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.strip() == "OK"
 
@@ -30,13 +22,10 @@ def test_all_three_layers(node: SimNode, build_dir: Path) -> None:
 def test_linked_program_without_shim_sees_physical(node: SimNode, build_dir: Path) -> None:
     """Control: without the preload the same program sees the physical 16 GiB
     and its quota checks fail, so the test above really measures the shim."""
-    proc = subprocess.run(
+    proc = run_cmd(
         [str(build_dir / "tests" / "t_link_intercept")],
-        env=dict(node.env, CUDA_DEVICE_MEMORY_LIMIT="1g"),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
+        dict(node.env, CUDA_DEVICE_MEMORY_LIMIT="1g"),
+        60,
     )
     assert proc.returncode == 1
     assert "needs LD_PRELOAD" in proc.stderr

@@ -265,14 +265,7 @@ def test_library_and_supervisor_read_policy_and_priority_alike(node, tmp_path, r
         base.pop(name, None)
         if value is not None:
             env[name] = base[name] = value
-    proc = subprocess.run(
-        [sys.executable, "-c", PRIORITY_PROBE],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = run_py(PRIORITY_PROBE, env)
     assert proc.returncode == 0, proc.stderr
     policy, priority = proc.stdout.split()[-2:]
     built = config.build(config.RunOptions(), ["true"], base)

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from tests.helpers import GiB, SimNode, run_json
+from tests.helpers import GiB, SimNode, run_cmd, run_json, start_cmd
 
 OBSERVER = textwrap.dedent(
     """
@@ -46,33 +46,15 @@ def run_linked(
     build_dir: Path, name: str, *args: str, env: dict[str, str], timeout: float = 60
 ) -> subprocess.CompletedProcess[str]:
     """Run the C test program build/tests/<name> with args in env."""
-    return subprocess.run(
-        [str(build_dir / "tests" / name), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
+    return run_cmd([str(build_dir / "tests" / name), *args], env, timeout)
 
 
 def start_churn(
     build_dir: Path, env: dict[str, str], seconds: float, threads: int, max_mib: int, seed: int
 ) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [
-            str(build_dir / "tests" / "t_link_churn"),
-            str(seconds),
-            str(threads),
-            str(max_mib),
-            str(seed),
-            "wait",
-        ],
-        env=env,
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    churn = build_dir / "tests" / "t_link_churn"
+    return start_cmd(
+        [str(churn), str(seconds), str(threads), str(max_mib), str(seed), "wait"], env, stdin=True
     )
 
 
@@ -88,6 +70,30 @@ def go(procs: list[subprocess.Popen[str]]) -> None:
         assert p.stdin is not None
         p.stdin.write("go\n")
         p.stdin.flush()
+
+
+def observed(
+    node: SimNode, tmp_path: Path, procs: list[subprocess.Popen[str]], timeout: float
+) -> tuple[list[tuple[str, str]], Any]:
+    """Start procs together once each is ready and OBSERVER samples the
+    simulated driver's own count of device memory (on a loaded machine the
+    observer's start can outlast a short churn: the churn starts only once
+    it samples); wait up to timeout for each; their (stdout, stderr) and
+    what the observer saw."""
+    for p in procs:
+        wait_ready(p)
+    stop = tmp_path / "stop"
+    observer = subprocess.Popen(
+        [sys.executable, "-c", OBSERVER, str(stop), "ready"],
+        env=node.env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    wait_ready(observer)
+    go(procs)
+    outputs = [p.communicate(timeout=timeout) for p in procs]
+    stop.touch()
+    return outputs, json.loads(observer.communicate(timeout=30)[0])
 
 
 def region_usage(node: SimNode) -> dict[str, int]:
@@ -110,24 +116,7 @@ def test_race_never_overshoots(node: SimNode, build_dir: Path, tmp_path: Path) -
     limit = 2 * GiB
     env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT=str(limit))
     procs = [start_churn(build_dir, env, 3.0, 4, 64, seed) for seed in range(16)]
-    for p in procs:
-        wait_ready(p)
-    stop = tmp_path / "stop"
-    observer = subprocess.Popen(
-        [sys.executable, "-c", OBSERVER, str(stop), "ready"],
-        env=node.env,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    # On a loaded machine the observer's start can outlast the 3 s churn:
-    # the churn starts only once the observer samples.
-    assert observer.stdout is not None
-    assert observer.stdout.readline().strip() == "ready"
-    go(procs)
-    outputs = [p.communicate(timeout=60) for p in procs]
-    stop.touch()
-    out, _ = observer.communicate(timeout=30)
-    seen = json.loads(out)
+    outputs, seen = observed(node, tmp_path, procs, timeout=60)
     ok = oom = 0
     for p, (stdout, stderr) in zip(procs, outputs, strict=True):
         assert p.returncode == 0, stderr
@@ -222,31 +211,11 @@ def churn_observed(
     observer saw."""
     env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT=str(limit))
     procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", script, str(seed), "150"],
-            env=env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            cwd=Path(__file__).resolve().parents[1],
-        )
+        start_cmd([sys.executable, "-c", script, str(seed), "150"], env, stdin=True)
         for seed in range(processes)
     ]
-    for p in procs:
-        wait_ready(p)
-    stop = tmp_path / "stop"
-    observer = subprocess.Popen(
-        [sys.executable, "-c", OBSERVER, str(stop), "ready"],
-        env=node.env,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    wait_ready(observer)
-    go(procs)
-    outputs = [p.communicate(timeout=120) for p in procs]
-    stop.touch()
-    return procs, outputs, json.loads(observer.communicate(timeout=30)[0])
+    outputs, seen = observed(node, tmp_path, procs, timeout=120)
+    return procs, outputs, seen
 
 
 def test_graph_memory_race_never_overshoots(node: SimNode, tmp_path: Path) -> None:

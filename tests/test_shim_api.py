@@ -676,11 +676,9 @@ def test_env_device_limits_are_the_ones_of_the_devices_cuda_ordinal(node: SimNod
     }
     # The caller's own environment hides device 1 and limits everything:
     # only the environment passed counts.
-    caller = node.shimmed(CUDA_VISIBLE_DEVICES="0", CUDA_DEVICE_SM_LIMIT="5")
-    del caller["LD_PRELOAD"]
-    proc = run_py(ENV_DEVICE_LIMITS, caller, args=[json.dumps(envs)])
-    assert proc.returncode == 0, proc.stderr
-    got = json.loads(proc.stdout)
+    # node.env: the caller runs without the library.
+    caller = dict(node.env, CUDA_VISIBLE_DEVICES="0", CUDA_DEVICE_SM_LIMIT="5")
+    got = run_json(ENV_DEVICE_LIMITS, caller, args=[json.dumps(envs)])
     assert got["plain"] == [[0, 3 * G, 40, False], [1, 3 * G, 40, False], [None, 3 * G, 40, True]]
     assert got["per-device"] == [
         [0, 4 * G, None, False],
@@ -737,11 +735,9 @@ def test_env_sm_settings_are_read_by_the_librarys_rules(node: SimNode) -> None:
         "bad priority": {"CUDA_TASK_PRIORITY": "2"},
         "bad limit": {"CUDA_DEVICE_SM_LIMIT": "101"},
     }
-    caller = node.shimmed(GPUVISOR_SM_POLICY="best-effort", CUDA_TASK_PRIORITY="0")
-    del caller["LD_PRELOAD"]
-    proc = run_py(ENV_SM_SETTINGS, caller, args=[json.dumps(envs)])
-    assert proc.returncode == 0, proc.stderr
-    got = json.loads(proc.stdout)
+    # node.env: the caller runs without the library.
+    caller = dict(node.env, GPUVISOR_SM_POLICY="best-effort", CUDA_TASK_PRIORITY="0")
+    got = run_json(ENV_SM_SETTINGS, caller, args=[json.dumps(envs)])
     assert got["empty"] == ["fixed-share", 1]
     assert got["burst"] == ["burst-share", 0]
     assert got["best-effort low"] == ["best-effort", 1]
@@ -785,8 +781,6 @@ def test_env_device_limits_leave_nvml_as_the_caller_had_it(node: SimNode) -> Non
     device list with an initialisation of its own and gives it back, so a
     caller's nvmlShutdown after any number of calls still shuts NVML down
     (each call left one behind before, and NVML stayed up)."""
-    caller = node.shimmed()
-    del caller["LD_PRELOAD"]
-    proc = run_py(ENV_LIMITS_THEN_SHUTDOWN, caller)
+    proc = run_py(ENV_LIMITS_THEN_SHUTDOWN, node.env)  # without the library
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "shut down"

@@ -24,6 +24,7 @@ from tests.simhelp import (
     MiB,
     has_cuda_bindings,
     ok,
+    run_c_test,
     run_py,
     sim_env,
     spawn_py,
@@ -37,19 +38,13 @@ H100_SPEC = (
 
 
 def test_c_basic(tmp_path: Path) -> None:
-    env = sim_env(tmp_path, TMPDIR=str(tmp_path))
-    cp = subprocess.run([str(T_SIM_BASIC)], env=env, capture_output=True, text=True, timeout=60)
-    assert cp.returncode == 0, cp.stdout + cp.stderr
-    assert cp.stdout.strip().endswith("OK"), cp.stdout + cp.stderr
+    run_c_test(T_SIM_BASIC, tmp_path)
     assert not list(tmp_path.glob("gv-t-sim-basic-*")), "t_sim_basic left its state file"
 
 
 def test_c_kill_stress(tmp_path: Path) -> None:
     """C workers SIGKILLed mid-call: no deadlock, no leaked usage."""
-    env = sim_env(tmp_path, TMPDIR=str(tmp_path))
-    cp = subprocess.run([str(T_SIM_KILL)], env=env, capture_output=True, text=True, timeout=60)
-    assert cp.returncode == 0, cp.stdout + cp.stderr
-    assert cp.stdout.strip().endswith("OK"), cp.stdout + cp.stderr
+    run_c_test(T_SIM_KILL, tmp_path)
 
 
 def test_c_linked_program(tmp_path: Path) -> None:

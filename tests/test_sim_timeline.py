@@ -9,15 +9,22 @@ from __future__ import annotations
 
 import itertools
 import json
-import subprocess
-import sys
 import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.simhelp import REPO, has_cuda_bindings, ok, run_py, sim_env, spawn_py
+from tests.simhelp import (
+    REPO,
+    has_cuda_bindings,
+    ok,
+    ready_then_go,
+    run_c_test,
+    run_py,
+    sim_env,
+    spawn_py,
+)
 
 needs_cuda_python = pytest.mark.skipif(not has_cuda_bindings(), reason="cuda-python missing")
 
@@ -50,10 +57,7 @@ def with_prelude(body: str) -> str:
 
 
 def test_c_timeline(tmp_path: Path) -> None:
-    env = sim_env(tmp_path, TMPDIR=str(tmp_path))
-    cp = subprocess.run([str(T_SIM_TIMELINE)], env=env, capture_output=True, text=True, timeout=60)
-    assert cp.returncode == 0, cp.stdout + cp.stderr
-    assert cp.stdout.strip().endswith("OK"), cp.stdout + cp.stderr
+    run_c_test(T_SIM_TIMELINE, tmp_path)
     assert not list(tmp_path.glob("gv-t-sim-timeline-*")), "t_sim_timeline left its state file"
 
 
@@ -178,17 +182,11 @@ def test_two_processes_time_slice(tmp_path: Path) -> None:
     env = sim_env(tmp_path, "1x8g")
     workers = [spawn_py(WORKER, env) for _ in range(2)]
     try:
-        for w in workers:
-            assert w.stdout is not None
-            assert w.stdout.readline().strip() == "ready"
-        for w in workers:
-            assert w.stdin is not None
-            w.stdin.write("go\n")
-            w.stdin.flush()
+        ready_then_go(workers)
         time.sleep(0.5)  # let both reach steady state
         since_us = int(time.time() * 1e6)
         time.sleep(1.0)
-        q = json.loads(ok(subprocess_py(NVML_QUERY, env, str(since_us))).splitlines()[-1])
+        q = json.loads(ok(run_py(NVML_QUERY, env, args=[str(since_us)])).splitlines()[-1])
         outs = [w.communicate(timeout=30) for w in workers]
     finally:
         for w in workers:
@@ -204,16 +202,6 @@ def test_two_processes_time_slice(tmp_path: Path) -> None:
         for util, ts in q[key].values():
             assert 35 <= util <= 65, q
             assert since_us < ts <= q["now"] * 1e6, q
-
-
-def subprocess_py(code: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 @needs_cuda_python

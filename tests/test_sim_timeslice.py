@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import json
 import statistics
-import subprocess
-import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.simhelp import has_cuda_bindings, ok, run_py, sim_env, spawn_py
+from tests.simhelp import has_cuda_bindings, ok, ready_then_go, run_py, sim_env, spawn_py
 from tests.test_sim_timeline import NVML_QUERY, with_prelude
 
 needs_cuda_python = pytest.mark.skipif(not has_cuda_bindings(), reason="cuda-python missing")
@@ -77,13 +74,7 @@ def run_workers(
         env = sim_env(tmp_path, "1x8g", **{**TS, **extra}, W_KERNEL_US=str(k), W_RUN_S=str(run_s))
         ws.append(spawn_py(WORKER, env))
     try:
-        for w in ws:
-            assert w.stdout is not None
-            assert w.stdout.readline().strip() == "ready"
-        for w in ws:
-            assert w.stdin is not None
-            w.stdin.write("go\n")
-            w.stdin.flush()
+        ready_then_go(ws)
         outs = [w.communicate(timeout=60) for w in ws]
     finally:
         for w in ws:
@@ -159,17 +150,11 @@ def test_nvml_counts_started_kernels(tmp_path: Path) -> None:
     env = sim_env(tmp_path, "1x8g", **TS, W_KERNEL_US="1650", W_RUN_S="4.0")
     ws = [spawn_py(WORKER, env) for _ in range(2)]
     try:
-        for w in ws:
-            assert w.stdout is not None
-            assert w.stdout.readline().strip() == "ready"
-        for w in ws:
-            assert w.stdin is not None
-            w.stdin.write("go\n")
-            w.stdin.flush()
+        ready_then_go(ws)
         time.sleep(0.6)
         since_us = int(time.time() * 1e6)
         time.sleep(1.0)
-        q = json.loads(ok(query(NVML_QUERY, env, str(since_us))).splitlines()[-1])
+        q = json.loads(ok(run_py(NVML_QUERY, env, args=[str(since_us)])).splitlines()[-1])
         for w in ws:
             w.communicate(timeout=60)
     finally:
@@ -182,16 +167,6 @@ def test_nvml_counts_started_kernels(tmp_path: Path) -> None:
         assert set(q[key]) == pids, q
         for util, _ in q[key].values():
             assert util >= 80, q
-
-
-def query(code: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
 
 
 @needs_cuda_python

@@ -69,13 +69,20 @@ def test_a_pause_ended_then_a_lifted_limit_frees_a_waiting_launch(node: SimNode)
         w.communicate(timeout=30)
 
 
-LONG_THEN_SHORT = (
+# A 200 ms kernel, then "ready"; the program goes on to time a 1 ms launch.
+LONG_FIRST = (
     CU_SPIN_PRELUDE
     + """
 import json, sys, time
 launch(200000)                      # 200 ms: far past its 1 ms first estimate
 chk(cu.cuStreamSynchronize(s))
 print("ready", flush=True)
+"""
+)
+
+LONG_THEN_SHORT = (
+    LONG_FIRST
+    + """
 sys.stdin.readline()
 t0 = time.monotonic()
 launch(1000)
@@ -107,12 +114,8 @@ def test_a_limit_raised_live_applies_to_the_next_launch(node: SimNode) -> None:
 
 
 LONG_THEN_WAITING = (
-    CU_SPIN_PRELUDE
+    LONG_FIRST
     + """
-import json, sys, time
-launch(200000)                      # 200 ms: far past its 1 ms first estimate
-chk(cu.cuStreamSynchronize(s))
-print("ready", flush=True)
 t0 = time.monotonic()
 launch(1000)                        # waits at the gate: the clock is 4 s ahead
 print(json.dumps({"waited": time.monotonic() - t0}), flush=True)

@@ -29,6 +29,7 @@ from tests.helpers import (
     SimNode,
     region_call,
     run_json,
+    run_py,
     shares_over,
     start_ready,
 )
@@ -790,14 +791,7 @@ BAD = [
 @pytest.mark.parametrize(("name", "value"), BAD)
 def test_bad_values_fail_closed(node: SimNode, name: str, value: str) -> None:
     code = "from cuda.bindings import driver as cu\nprint(cu.cuInit(0)[0].name)"
-    proc = subprocess.run(
-        [sys.executable, "-c", code],
-        env=node.shimmed(**{name: value}),
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = run_py(code, node.shimmed(**{name: value}))
     assert proc.stdout.strip() == "CUDA_ERROR_NOT_PERMITTED"
     lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
     assert len(lines) == 1, proc.stderr

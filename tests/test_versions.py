@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-import textwrap
 
 import pytest
 from gpuvisor.shim.version import LibraryVersion, library_version, mismatch, package_version
@@ -93,14 +91,7 @@ def test_a_command_warns_once_when_package_and_library_differ(node, release):
         from gpuvisor.supervisor.cli import main
         main(["shim-info"], prog_name="gpuvisor")
     """
-    proc = subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)],
-        env=node.env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = run_py(code, node.env, 60)
     assert proc.returncode == 0, proc.stderr
     warnings = [line for line in proc.stderr.splitlines() if "warning" in line]
     if release == "0.1.0":

@@ -19,13 +19,11 @@ this test is what checks it.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections.abc import Mapping
 
 import pytest
 
-from tests.helpers import REPO_ROOT, SimNode, clean_env, run_py
+from tests.helpers import SimNode, clean_env, run_py
 
 # The driver's own list of visible devices, NVML's UUID form.
 DRIVER_LIST = r"""
@@ -122,15 +120,7 @@ def mismatches(env: Mapping[str, str], cvds: list[str]) -> tuple[list[str], dict
     bad: list[str] = []
     seen: dict[str, object] = {}
     for cvd in cvds:
-        drv = subprocess.run(
-            [sys.executable, "-c", DRIVER_LIST],
-            env={**env, "CUDA_VISIBLE_DEVICES": cvd},
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=False,
-            cwd=REPO_ROOT,
-        )
+        drv = run_py(DRIVER_LIST, {**env, "CUDA_VISIBLE_DEVICES": cvd})
         assert drv.returncode == 0, drv.stderr
         listed = [u.lower() for u in json.loads(drv.stdout.strip().splitlines()[-1])]
         want = {u: listed.index(u.lower()) if u.lower() in listed else None for u in ours[cvd]}
