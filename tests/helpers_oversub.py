@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tests.helpers import GiB, MiB, SimNode, run_json, start_ready
@@ -122,3 +122,24 @@ class Container:
         """What the driver holds on the device for this container's
         processes, by physical's figures."""
         return sum(int(v) for pid, v in phys["procs"].items() if pid in self.pids)
+
+
+def race(node: SimNode, cs: Sequence[Container]) -> None:
+    """Every worker of cs loops at once ("loop 100000": allocating and
+    freeing 256 MiB): six times over, the device holds no more than it has
+    and each container at least its 2 GiB guarantee."""
+    for c in cs:
+        c.send("loop 100000")
+    for _ in range(6):
+        phys = physical(node)
+        assert phys["used"] <= DEVICE, phys
+        for c in cs:
+            assert c.on_device(phys) >= 2 * GiB, (c.region.name, phys)
+
+
+def all_given_back(node: SimNode, cs: Sequence[Container]) -> None:
+    """Once cs's workers are gone: nothing on the device, and nothing left
+    in their regions but the guarantees."""
+    assert physical(node)["used"] == 0
+    for c in cs:
+        assert c.figures() == {"used": 0, "spilled": 0, "resident": 0, "guarantee": 2 * GiB}

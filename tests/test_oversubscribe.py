@@ -17,7 +17,15 @@ import pytest
 
 from tests import helpers_oversub
 from tests.helpers import GiB, SimNode, run_cli, run_json, run_py
-from tests.helpers_oversub import DEVICE, OVER, SIM_CONTEXT, WORKER_TOUCH, physical
+from tests.helpers_oversub import (
+    DEVICE,
+    OVER,
+    SIM_CONTEXT,
+    WORKER_TOUCH,
+    all_given_back,
+    physical,
+    race,
+)
 
 # A container's process: a primary context, then it obeys lines on stdin:
 # "alloc N" (cuMemAlloc of N MiB, answers the result), "pitch W H",
@@ -210,19 +218,11 @@ def test_racing_containers_and_sigkill_leave_nothing(small):
         for i in range(2):
             for c in cs:
                 assert c.ask("alloc 1024", i)["err"] == "CUDA_SUCCESS"
-        for c in cs:
-            c.send("loop 100000")
-        for _ in range(6):
-            phys = physical(small)
-            assert phys["used"] <= DEVICE, phys
-            for c in cs:
-                assert c.on_device(phys) >= 2 * GiB, (c.region.name, phys)
+        race(small, cs)
     finally:
         for c in cs:
             c.kill()
-    assert physical(small)["used"] == 0
-    for c in cs:
-        assert c.figures() == {"used": 0, "spilled": 0, "resident": 0, "guarantee": 2 * GiB}
+    all_given_back(small, cs)
 
 
 def test_without_the_variable_the_device_refuses_as_before(small):

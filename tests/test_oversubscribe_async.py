@@ -18,7 +18,15 @@ import subprocess
 
 from tests import helpers_oversub
 from tests.helpers import GiB, SimNode, start_ready
-from tests.helpers_oversub import DEVICE, OVER, SIM_CONTEXT, WORKER_TOUCH, physical
+from tests.helpers_oversub import (
+    DEVICE,
+    OVER,
+    SIM_CONTEXT,
+    WORKER_TOUCH,
+    all_given_back,
+    physical,
+    race,
+)
 
 # A container's process: a primary context and one stream, then it obeys
 # lines on stdin: "async N" (cuMemAllocAsync of N MiB on the stream),
@@ -212,19 +220,11 @@ def test_racing_stream_ordered_allocations_and_sigkill_leave_nothing(small):
         for c in cs:
             for i in range(2):
                 assert c.ask("async 1024", i)["err"] == "CUDA_SUCCESS"
-        for c in cs:
-            c.send("loop 100000")
-        for _ in range(6):
-            phys = physical(small)
-            assert phys["used"] <= DEVICE, phys
-            for c in cs:
-                assert c.on_device(phys) >= 2 * GiB, (c.region.name, phys)
+        race(small, cs)
     finally:
         for c in cs:
             c.kill()
-    assert physical(small)["used"] == 0
-    for c in cs:
-        assert c.figures() == {"used": 0, "spilled": 0, "resident": 0, "guarantee": 2 * GiB}
+    all_given_back(small, cs)
 
 
 def test_graph_allocations_do_not_spill(small):
