@@ -30,6 +30,8 @@ from typing import Any
 
 import psutil
 
+from tests.bench.machine import cpu_model
+
 REPO = Path(__file__).resolve().parents[2]
 TITLE = "## Node agent (make bench-agent)"
 GiB = 1 << 30
@@ -282,15 +284,7 @@ def replace_section(doc: str, title: str, text: str) -> str:
 
 
 def section(rows: list[dict[str, Any]], seconds: float) -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        model = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        model = cpu
+    model = cpu_model(platform.processor() or platform.machine())
     out = [
         TITLE,
         "",

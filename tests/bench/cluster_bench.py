@@ -55,6 +55,7 @@ import kubernetes.watch
 from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY
 
 from tests.bench.agent_bench import replace_section
+from tests.bench.machine import cpu_model
 from tests.k8s_cluster import GPU, GPUCORES, GPUMEM, KubeTest, running_cluster
 from tests.test_scheduler_e2e import Extender, scheduler_config
 
@@ -290,14 +291,7 @@ def verdict(runs: list[Run]) -> str:
 
 
 def machine() -> str:
-    try:
-        model = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        model = platform.machine()
+    model = cpu_model(platform.machine())
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     python = platform.python_version()
     return f"{model}, {os.cpu_count()} CPUs (load average {load} at the end), Python {python}"

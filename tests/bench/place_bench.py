@@ -35,6 +35,7 @@ from gpuvisor.cluster.mig import load_geometries, profile_cores
 from gpuvisor.cluster.request import PodRequest, pod_request
 
 from tests.bench.agent_bench import replace_section
+from tests.bench.machine import cpu_model
 from tests.inventories import (
     A100_40GB_PROFILES,
     cluster,
@@ -459,14 +460,7 @@ def section(
     length: int,
     nodes: int,
 ) -> str:
-    try:
-        model = next(
-            ln.split(":", 1)[1].strip()
-            for ln in Path("/proc/cpuinfo").read_text().splitlines()
-            if ln.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        model = platform.machine()
+    model = cpu_model(platform.machine())
     out = [
         TITLE,
         "",

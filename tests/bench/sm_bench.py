@@ -36,6 +36,7 @@ from pathlib import Path
 
 import psutil
 
+from tests.bench.machine import cpu_model
 from tests.bench.sm_floor import (
     ALLOWANCE,
     PAIR_PROCS,
@@ -558,14 +559,7 @@ def two_lenders(
 
 
 def machine() -> str:
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    model = cpu_model("unknown CPU")
     date = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return f"Machine: {os.cpu_count()} CPUs, {model}; Linux {platform.release()}; {date}."
 
