@@ -1476,14 +1476,18 @@ def test_context_lock_kept_beside_the_socket(sock_path):
 
 
 def pod_report(
-    pod: str, priority: int, devices: list[DeviceReport], interval: float | None = None
+    pod: str,
+    priority: int,
+    devices: list[DeviceReport],
+    interval: float | None = None,
+    policy: str = "fixed-share",
 ) -> Report:
     """A report of the container of pod (cgroup /kubepods/<pod>)."""
     return Report(
         seq=1,
         ts=0.0,
         container=ContainerId(cgroup=f"/kubepods/{pod}", pod=pod),
-        policy="fixed-share",
+        policy=policy,
         priority=priority,
         devices=devices,
         interval=interval,

@@ -1205,6 +1205,20 @@ def test_cgroups_filling_the_global_pool_give_connections_up_to_another(sock_pat
         agent.gpus.close()
 
 
+def report_from(agent: Agent, pid: int, cgroups: frozenset[str], report: Report) -> dict[str, Any]:
+    """report, sent on a new connection from pid in cgroups (one cgroup: the
+    container pod-v/main of namespace ns there); the agent's reply."""
+    conn, t = Connection(agent), _Transport()
+    conn.transport = t
+    conn.cred = PeerCred(pid, 0, 0)
+    conn.cgroups = cgroups
+    (cgroup,) = cgroups
+    cid = ContainerId(cgroup=cgroup, pod="pod-v", namespace="ns", container="main")
+    conn.data_received(encode(report_message(replace(report, container=cid))))
+    reply: dict[str, Any] = json.loads(t.written)
+    return reply
+
+
 def test_another_pods_container_never_takes_a_live_pods_labels(sock_path, monkeypatch):
     """Labels are bound to the pod's cgroup (the scope of the first cgroup
     that reported them): while it exists, a container of another pod gets
@@ -1231,15 +1245,7 @@ def test_another_pods_container_never_takes_a_live_pods_labels(sock_path, monkey
     try:
 
         def send(pid: int) -> dict[str, Any]:
-            conn, t = Connection(agent), _Transport()
-            conn.transport = t
-            conn.cred = PeerCred(pid, 0, 0)
-            conn.cgroups = cgroups_of(pid)
-            (cgroup,) = conn.cgroups
-            cid = ContainerId(cgroup=cgroup, pod="pod-v", namespace="ns", container="main")
-            conn.data_received(encode(report_message(replace(_report(None), container=cid))))
-            reply: dict[str, Any] = json.loads(t.written)
-            return reply
+            return report_from(agent, pid, cgroups_of(pid), _report(None))
 
         assert send(101)["type"] == "ack"
         del live[101]  # the owner's container restarts: its reporter is gone a while

@@ -30,6 +30,7 @@ from tests.test_agent import (  # noqa: F401 (sock_path is a fixture)
     AgentProc,
     Client,
     device,
+    pod_report,
     sock_path,
     wait_for,
 )
@@ -112,15 +113,7 @@ def test_a_container_not_using_a_gpu_cannot_pause_or_crowd_a_neighbour_there(
 
 
 def _report(pod: str, priority: int, share: float, sm_limit: int | None) -> Report:
-    return Report(
-        seq=1,
-        ts=0.0,
-        container=ContainerId(cgroup=f"/kubepods/{pod}", pod=pod),
-        policy="burst-share",
-        priority=priority,
-        pids=[],
-        devices=[device(share=share, sm_limit=sm_limit)],
-    )
+    return pod_report(pod, priority, [device(share=share, sm_limit=sm_limit)], policy="burst-share")
 
 
 def test_a_claim_is_what_nvml_shows_of_it() -> None:

@@ -18,27 +18,15 @@ import pytest
 from gpuvisor.supervisor.agent import connection as connection_module
 from gpuvisor.supervisor.agent import server as server_module
 from gpuvisor.supervisor.agent.config import AgentConfig
-from gpuvisor.supervisor.agent.connection import Connection
 from gpuvisor.supervisor.agent.persist import read_state_file
 from gpuvisor.supervisor.agent.server import Agent
-from gpuvisor.supervisor.identity import PeerCred
-from gpuvisor.supervisor.protocol import ContainerId, Report, encode, report_message
+from gpuvisor.supervisor.protocol import ContainerId, Report
 
 from tests.test_agent import device, sock_path  # noqa: F401 (a fixture)
+from tests.test_agent_robustness import report_from
 
 LIVE: dict[int, frozenset[str]] = {}
 PODS: set[str] = set()
-
-
-class _Transport:
-    def __init__(self) -> None:
-        self.written = b""
-
-    def write(self, data: bytes) -> None:
-        self.written += data
-
-    def close(self) -> None:
-        pass
 
 
 def _cgroups_of(pid: int) -> frozenset[str]:
@@ -62,23 +50,15 @@ def node_view(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def _send(agent: Agent, pid: int, priority: int = 1, policy: str = "burst-share") -> dict[str, Any]:
-    conn, t = Connection(agent), _Transport()
-    conn.transport = t
-    conn.cred = PeerCred(pid, 0, 0)
-    conn.cgroups = _cgroups_of(pid)
-    (cgroup,) = conn.cgroups
-    cid = ContainerId(cgroup=cgroup, pod="pod-v", namespace="ns", container="main")
     report = Report(
         seq=1,
         ts=1.0,
-        container=cid,
+        container=ContainerId(cgroup="/"),
         policy=policy,
         priority=priority,
         devices=[device()],
     )
-    conn.data_received(encode(report_message(report)))
-    reply: dict[str, Any] = json.loads(t.written)
-    return reply
+    return report_from(agent, pid, _cgroups_of(pid), report)
 
 
 def _started(sock: str) -> Agent:
