@@ -135,34 +135,28 @@ def inventory(node: str, gpus: list[dict[str, Any]], links: list[list[str]]) -> 
     }
 
 
-def dgx(node: str, mig: bool = False, model: str = "NVIDIA H100 80GB HBM3") -> dict[str, Any]:
-    gpus = [
+def eight_80gb(node: str, model: str, memory_mib: int, mig: bool) -> list[dict[str, Any]]:
+    """Eight GPUs of model, four to a NUMA node, MIG-enabled (the A100 80GB
+    profiles) if mig."""
+    return [
         gpu(
             node,
             i,
             model,
-            81559,
+            memory_mib,
             i // 4,
             mig_state(A100_80GB_PROFILES, uuid_prefix=f"MIG-{node}-{i}") if mig else None,
         )
         for i in range(8)
     ]
-    return inventory(node, gpus, links_nvswitch())
+
+
+def dgx(node: str, mig: bool = False, model: str = "NVIDIA H100 80GB HBM3") -> dict[str, Any]:
+    return inventory(node, eight_80gb(node, model, 81559, mig), links_nvswitch())
 
 
 def pairs_box(node: str, model: str = "NVIDIA A100-SXM4-80GB", mig: bool = False) -> dict[str, Any]:
-    gpus = [
-        gpu(
-            node,
-            i,
-            model,
-            81920,
-            i // 4,
-            mig_state(A100_80GB_PROFILES, uuid_prefix=f"MIG-{node}-{i}") if mig else None,
-        )
-        for i in range(8)
-    ]
-    return inventory(node, gpus, links_pairs())
+    return inventory(node, eight_80gb(node, model, 81920, mig), links_pairs())
 
 
 def pcie_box(
