@@ -189,30 +189,28 @@ def allowed(
     return bool(authz.create_subject_access_review(review).status.allowed)
 
 
+# What deploy/rbac.yaml may hold.
+RBAC_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding"}
+
+
 def test_rbac_applies_and_grants_each_component_only_what_it_uses(k8s: KubeTest) -> None:
+    from kubernetes.dynamic import DynamicClient
+    from kubernetes.dynamic.exceptions import DynamicApiError
+
     api = k8s.cluster.api
-    core = kubernetes.client.CoreV1Api(api)
-    rbac = kubernetes.client.RbacAuthorizationV1Api(api)
-    created: list[tuple[str, str, str | None]] = []
+    dynamic = DynamicClient(api)
+    created: list[tuple[Any, str, str | None]] = []
     with contextlib.suppress(ApiException):
-        core.create_namespace({"metadata": {"name": "gpuvisor"}})
+        kubernetes.client.CoreV1Api(api).create_namespace({"metadata": {"name": "gpuvisor"}})
     try:
         for doc in documents("rbac.yaml"):
             kind, name = doc["kind"], doc["metadata"]["name"]
-            namespace = doc["metadata"].get("namespace")
-            if kind == "ServiceAccount":
-                core.create_namespaced_service_account(namespace, doc)
-            elif kind == "ClusterRole":
-                rbac.create_cluster_role(doc)
-            elif kind == "ClusterRoleBinding":
-                rbac.create_cluster_role_binding(doc)
-            elif kind == "Role":
-                rbac.create_namespaced_role(namespace, doc)
-            elif kind == "RoleBinding":
-                rbac.create_namespaced_role_binding(namespace, doc)
-            else:
+            if kind not in RBAC_KINDS:
                 pytest.fail(f"rbac.yaml: unexpected {kind}")
-            created.append((kind, name, namespace))
+            namespace = doc["metadata"].get("namespace")
+            resource = dynamic.resources.get(api_version=doc["apiVersion"], kind=kind)
+            resource.create(body=doc, namespace=namespace)
+            created.append((resource, name, namespace))
 
         authz = kubernetes.client.AuthorizationV1Api(api)
         extender = "system:serviceaccount:gpuvisor:gpuvisor-scheduler"
@@ -232,18 +230,9 @@ def test_rbac_applies_and_grants_each_component_only_what_it_uses(k8s: KubeTest)
         for verb, resource in (("patch", "pods"), ("create", "pods/binding"), ("delete", "nodes")):
             assert not allowed(authz, plugin, verb, resource, namespace=ns), (verb, resource)
     finally:
-        for kind, name, namespace in reversed(created):
-            with contextlib.suppress(ApiException):
-                if kind == "ServiceAccount":
-                    core.delete_namespaced_service_account(name, namespace)
-                elif kind == "ClusterRole":
-                    rbac.delete_cluster_role(name)
-                elif kind == "ClusterRoleBinding":
-                    rbac.delete_cluster_role_binding(name)
-                elif kind == "Role":
-                    rbac.delete_namespaced_role(name, namespace)
-                else:
-                    rbac.delete_namespaced_role_binding(name, namespace)
+        for resource, name, namespace in reversed(created):
+            with contextlib.suppress(DynamicApiError):
+                resource.delete(name=name, namespace=namespace)
 
 
 def test_every_manifest_passes_the_api_servers_validation(k8s: KubeTest) -> None:
