@@ -24,15 +24,36 @@ OVER = {
     "GPUVISOR_MEMORY_SCALING": "2",
 }
 
-# For a worker's "touch" command: a memset and copies on every live
-# allocation of `held` [(pointer, size)] (kernels' stand-ins on spilled memory).
-WORKER_TOUCH = """
-def touch(held):
+# A worker's start and end: between them a worker program makes its
+# context and defines COMMANDS, {name: function(*args) -> answer}.  It
+# prints "ready", then answers each line "NAME ARGS..." on stdin with one
+# JSON line.  `held` is its live allocations [(pointer, size)]; `keep`
+# records one if it was made; "free" frees the last one; "touch" does a
+# memset and copies on every one (kernels' stand-ins on spilled memory).
+WORKER_HEAD = """
+from tests.cuclient import *
+import json, sys
+held = []
+def keep(err, p, n):
+    if err == SUCCESS:
+        held.append((p, n))
+    return {"err": err.name}
+def free():
+    p, _ = held.pop()
+    return {"err": call(cu.cuMemFree, p)[0].name}
+def touch():
     buf = bytearray(MiB)
     for p, n in held:
         ok(cu.cuMemsetD8, p, 7, n)
         ok(cu.cuMemcpyHtoD, p, buf, MiB)
         ok(cu.cuMemcpyDtoH, buf, p, MiB)
+    return {"err": "CUDA_SUCCESS"}
+"""
+WORKER_LOOP = """
+print("ready", flush=True)
+for line in sys.stdin:
+    cmd, *args = line.split()
+    print(json.dumps(COMMANDS[cmd](*args)), flush=True)
 """
 
 # The device's physical use and each process's, as the simulated driver

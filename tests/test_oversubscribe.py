@@ -21,7 +21,8 @@ from tests.helpers_oversub import (
     DEVICE,
     OVER,
     SIM_CONTEXT,
-    WORKER_TOUCH,
+    WORKER_HEAD,
+    WORKER_LOOP,
     all_given_back,
     physical,
     race,
@@ -33,53 +34,36 @@ from tests.helpers_oversub import (
 # (memset and copy on every live allocation), "loop N" (N rounds of
 # allocating and freeing 256 MiB, for the SIGKILL test).
 WORKER = (
-    """
-from tests.cuclient import *
-import json, sys
-"""
-    + WORKER_TOUCH
+    WORKER_HEAD
     + """
 init()
-held = []
-print("ready", flush=True)
-for line in sys.stdin:
-    cmd, *args = line.split()
+def alloc(mib):
+    return keep(*call(cu.cuMemAlloc, int(mib) * MiB), int(mib) * MiB)
+def pitch(w, h):
+    w, h = int(w), int(h)
+    err, v = call(cu.cuMemAllocPitch, w, h, 4)
     out = {}
-    if cmd == "alloc":
-        err, p = call(cu.cuMemAlloc, int(args[0]) * MiB)
+    if err == SUCCESS:
+        held.append((v[0], v[1] * h))
+        out = {"pitch": int(v[1])}
+    out["err"] = err.name
+    return out
+def managed(mib):
+    flags = cu.CUmemAttach_flags.CU_MEM_ATTACH_GLOBAL
+    return keep(*call(cu.cuMemAllocManaged, int(mib) * MiB, flags), int(mib) * MiB)
+def info():
+    free, total = mem_info()
+    return {"free": free, "total": total}
+def loop(n):
+    for _ in range(int(n)):
+        err, p = call(cu.cuMemAlloc, 256 * MiB)
         if err == SUCCESS:
-            held.append((p, int(args[0]) * MiB))
-        out = {"err": err.name}
-    elif cmd == "pitch":
-        w, h = int(args[0]), int(args[1])
-        err, v = call(cu.cuMemAllocPitch, w, h, 4)
-        if err == SUCCESS:
-            held.append((v[0], v[1] * h))
-            out = {"pitch": int(v[1])}
-        out["err"] = err.name
-    elif cmd == "managed":
-        err, p = call(cu.cuMemAllocManaged, int(args[0]) * MiB,
-                      cu.CUmemAttach_flags.CU_MEM_ATTACH_GLOBAL)
-        if err == SUCCESS:
-            held.append((p, int(args[0]) * MiB))
-        out = {"err": err.name}
-    elif cmd == "free":
-        p, _ = held.pop()
-        out = {"err": call(cu.cuMemFree, p)[0].name}
-    elif cmd == "info":
-        free, total = mem_info()
-        out = {"free": free, "total": total}
-    elif cmd == "touch":
-        touch(held)
-        out = {"err": "CUDA_SUCCESS"}
-    elif cmd == "loop":
-        for _ in range(int(args[0])):
-            err, p = call(cu.cuMemAlloc, 256 * MiB)
-            if err == SUCCESS:
-                ok(cu.cuMemFree, p)
-        out = {"err": "CUDA_SUCCESS"}
-    print(json.dumps(out), flush=True)
+            ok(cu.cuMemFree, p)
+    return {"err": "CUDA_SUCCESS"}
+COMMANDS = {"alloc": alloc, "pitch": pitch, "managed": managed, "free": free, "info": info,
+            "touch": touch, "loop": loop}
 """
+    + WORKER_LOOP
 )
 
 

@@ -22,7 +22,8 @@ from tests.helpers_oversub import (
     DEVICE,
     OVER,
     SIM_CONTEXT,
-    WORKER_TOUCH,
+    WORKER_HEAD,
+    WORKER_LOOP,
     all_given_back,
     physical,
     race,
@@ -35,16 +36,11 @@ from tests.helpers_oversub import (
 # 4 GiB), "freeasync" (cuMemFreeAsync of the last allocation, then a
 # stream synchronisation), "free" (cuMemFree of it), "graph N" (capture an
 # allocation of N MiB and its free into a graph, launch it, synchronise),
-# "touch" (a memset
-# and copies on every live allocation), "loop N" (N rounds of
+# "touch" (a memset and copies on every live allocation), "loop N" (N rounds of
 # allocating 256 MiB on the stream and freeing it there, for the SIGKILL
 # test).
 WORKER = (
-    """
-from tests.cuclient import *
-import json, sys
-"""
-    + WORKER_TOUCH
+    WORKER_HEAD
     + """
 init()
 s = ok(cu.cuStreamCreate, 0)
@@ -59,49 +55,39 @@ def pool(kind):
             props.maxSize = 4 * GiB
         pools[kind] = ok(cu.cuMemPoolCreate, props)
     return pools[kind]
-held = []
-print("ready", flush=True)
-for line in sys.stdin:
-    cmd, *args = line.split()
-    out = {}
-    if cmd in ("async", "pool", "ipcpool", "capped"):
-        n = int(args[0]) * MiB
-        if cmd == "async":
-            err, p = call(cu.cuMemAllocAsync, n, s)
-        else:
-            kind = {"pool": "own", "ipcpool": "ipc", "capped": "capped"}[cmd]
-            err, p = call(cu.cuMemAllocFromPoolAsync, n, pool(kind), s)
+def alloc_async(mib):
+    n = int(mib) * MiB
+    return keep(*call(cu.cuMemAllocAsync, n, s), n)
+def from_pool(kind):
+    def alloc(mib):
+        n = int(mib) * MiB
+        return keep(*call(cu.cuMemAllocFromPoolAsync, n, pool(kind), s), n)
+    return alloc
+def free_async():
+    p, _ = held.pop()
+    err = call(cu.cuMemFreeAsync, p, s)[0]
+    ok(cu.cuStreamSynchronize, s)
+    return {"err": err.name}
+def graph(mib):
+    ok(cu.cuStreamBeginCapture, s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+    p = ok(cu.cuMemAllocAsync, int(mib) * MiB, s)
+    ok(cu.cuMemFreeAsync, p, s)
+    g = ok(cu.cuGraphInstantiate, ok(cu.cuStreamEndCapture, s), 0)
+    err = call(cu.cuGraphLaunch, g, s)[0]
+    ok(cu.cuStreamSynchronize, s)
+    return {"err": err.name}
+def loop(n):
+    for _ in range(int(n)):
+        err, p = call(cu.cuMemAllocAsync, 256 * MiB, s)
         if err == SUCCESS:
-            held.append((p, n))
-        out = {"err": err.name}
-    elif cmd == "freeasync":
-        p, _ = held.pop()
-        err = call(cu.cuMemFreeAsync, p, s)[0]
+            ok(cu.cuMemFreeAsync, p, s)
         ok(cu.cuStreamSynchronize, s)
-        out = {"err": err.name}
-    elif cmd == "free":
-        p, _ = held.pop()
-        out = {"err": call(cu.cuMemFree, p)[0].name}
-    elif cmd == "touch":
-        touch(held)
-        out = {"err": "CUDA_SUCCESS"}
-    elif cmd == "graph":
-        ok(cu.cuStreamBeginCapture, s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
-        p = ok(cu.cuMemAllocAsync, int(args[0]) * MiB, s)
-        ok(cu.cuMemFreeAsync, p, s)
-        g = ok(cu.cuGraphInstantiate, ok(cu.cuStreamEndCapture, s), 0)
-        err = call(cu.cuGraphLaunch, g, s)[0]
-        ok(cu.cuStreamSynchronize, s)
-        out = {"err": err.name}
-    elif cmd == "loop":
-        for _ in range(int(args[0])):
-            err, p = call(cu.cuMemAllocAsync, 256 * MiB, s)
-            if err == SUCCESS:
-                ok(cu.cuMemFreeAsync, p, s)
-            ok(cu.cuStreamSynchronize, s)
-        out = {"err": "CUDA_SUCCESS"}
-    print(json.dumps(out), flush=True)
+    return {"err": "CUDA_SUCCESS"}
+COMMANDS = {"async": alloc_async, "pool": from_pool("own"), "ipcpool": from_pool("ipc"),
+            "capped": from_pool("capped"), "freeasync": free_async, "free": free,
+            "touch": touch, "graph": graph, "loop": loop}
 """
+    + WORKER_LOOP
 )
 
 
