@@ -29,10 +29,10 @@ from gpuvisor.supervisor.protocol import (
     parse_ack,
 )
 
-from tests.helpers import REPO_ROOT, SimNode
+from tests.helpers import REPO_ROOT, RUN, SimNode
 from tests.test_agent import GPU_A as GPU_X
 from tests.test_agent import device
-from tests.test_supervisor_run import RUN, FakeAgent, py
+from tests.test_supervisor_run import FakeAgent, py
 
 
 def test_ack_carries_and_parses_others_share() -> None:
