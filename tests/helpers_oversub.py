@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import signal
+import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -164,3 +165,37 @@ def all_given_back(node: SimNode, cs: Sequence[Container]) -> None:
     assert physical(node)["used"] == 0
     for c in cs:
         assert c.figures() == {"used": 0, "spilled": 0, "resident": 0, "guarantee": 2 * GiB}
+
+
+def check_guarantees(
+    node: SimNode, *containers: Container, asked: Mapping[int, int] | None = None
+) -> None:
+    """The device within its size, and each container holding at least its
+    2 GiB guarantee there by the driver's count (with `asked`, {pid: bytes}:
+    each that asked for at least that, its context included), and the
+    region's resident bytes agreeing with it."""
+    phys = physical(node)
+    assert phys["used"] <= DEVICE, phys
+    for c in containers:
+        held = c.on_device(phys)
+        fig = c.figures()
+        assert fig["guarantee"] == 2 * GiB, fig
+        if asked is None or asked[c.pid] + SIM_CONTEXT >= 2 * GiB:
+            assert held >= 2 * GiB, (c.region.name, held, phys)
+        assert fig["resident"] == held, (fig, held)
+
+
+def nothing_left(node: SimNode, cs: Sequence[Container]) -> None:
+    """Once cs are killed: nothing on the device, nothing used or spilled
+    in their regions."""
+    assert physical(node)["used"] == 0
+    for c in cs:
+        assert c.figures()["used"] == 0
+        assert c.figures()["spilled"] == 0
+
+
+def worker(commands: str) -> str:
+    """A worker program: WORKER_HEAD, a primary context (init()), then
+    `commands` (what else it sets up, its functions and COMMANDS), then
+    WORKER_LOOP."""
+    return WORKER_HEAD + "init()\n" + textwrap.dedent(commands) + WORKER_LOOP

@@ -18,14 +18,14 @@ import pytest
 from tests import helpers_oversub
 from tests.helpers import GiB, SimNode, run_cli, run_json, run_py
 from tests.helpers_oversub import (
-    DEVICE,
     OVER,
     SIM_CONTEXT,
-    WORKER_HEAD,
-    WORKER_LOOP,
     all_given_back,
+    check_guarantees,
+    nothing_left,
     physical,
     race,
+    worker,
 )
 
 # A container's process: a primary context, then it obeys lines on stdin:
@@ -33,10 +33,8 @@ from tests.helpers_oversub import (
 # "managed N", "free" (the last allocation), "info" (cuMemGetInfo), "touch"
 # (memset and copy on every live allocation), "loop N" (N rounds of
 # allocating and freeing 256 MiB, for the SIGKILL test).
-WORKER = (
-    WORKER_HEAD
-    + """
-init()
+WORKER = worker(
+    """
 def alloc(mib):
     return keep(*call(cu.cuMemAlloc, int(mib) * MiB), int(mib) * MiB)
 def pitch(w, h):
@@ -63,7 +61,6 @@ def loop(n):
 COMMANDS = {"alloc": alloc, "pitch": pitch, "managed": managed, "free": free, "info": info,
             "touch": touch, "loop": loop}
 """
-    + WORKER_LOOP
 )
 
 
@@ -72,21 +69,6 @@ class Container(helpers_oversub.Container):
 
     def __init__(self, node: SimNode, name: str, **env: str) -> None:
         super().__init__(node, name, WORKER, **env)
-
-
-def check_guarantees(node: SimNode, *containers: Container, asked: dict[int, int]) -> None:
-    """Device use within the device, and each container that asked for at
-    least its guarantee (2 GiB, its context included) holds at least that
-    on the device, by the driver's own count and by the region's."""
-    phys = physical(node)
-    assert phys["used"] <= DEVICE, phys
-    for c in containers:
-        held = c.on_device(phys)
-        fig = c.figures()
-        assert fig["guarantee"] == 2 * GiB, fig
-        if asked[c.pid] + SIM_CONTEXT >= 2 * GiB:
-            assert held >= 2 * GiB, (held, phys)
-        assert fig["resident"] == held, (fig, held)
 
 
 def test_two_containers_each_get_three_gib_and_their_guarantee(small):
@@ -140,10 +122,7 @@ def test_two_containers_each_get_three_gib_and_their_guarantee(small):
     finally:
         a.kill()
         b.kill()
-    assert physical(small)["used"] == 0
-    for c in (a, b):
-        assert c.figures()["used"] == 0
-        assert c.figures()["spilled"] == 0
+    nothing_left(small, (a, b))
 
 
 def test_a_container_that_comes_later_still_gets_its_guarantee(small):

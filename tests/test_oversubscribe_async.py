@@ -22,11 +22,12 @@ from tests.helpers_oversub import (
     DEVICE,
     OVER,
     SIM_CONTEXT,
-    WORKER_HEAD,
-    WORKER_LOOP,
     all_given_back,
+    check_guarantees,
+    nothing_left,
     physical,
     race,
+    worker,
 )
 
 # A container's process: a primary context and one stream, then it obeys
@@ -39,10 +40,8 @@ from tests.helpers_oversub import (
 # "touch" (a memset and copies on every live allocation), "loop N" (N rounds of
 # allocating 256 MiB on the stream and freeing it there, for the SIGKILL
 # test).
-WORKER = (
-    WORKER_HEAD
-    + """
-init()
+WORKER = worker(
+    """
 s = ok(cu.cuStreamCreate, 0)
 pools = {}
 def pool(kind):
@@ -87,7 +86,6 @@ COMMANDS = {"async": alloc_async, "pool": from_pool("own"), "ipcpool": from_pool
             "capped": from_pool("capped"), "freeasync": free_async, "free": free,
             "touch": touch, "graph": graph, "loop": loop}
 """
-    + WORKER_LOOP
 )
 
 
@@ -96,20 +94,6 @@ class Container(helpers_oversub.Container):
 
     def __init__(self, node: SimNode, name: str, **env: str) -> None:
         super().__init__(node, name, WORKER, **env)
-
-
-def check_guarantees(node: SimNode, *containers: Container) -> None:
-    """The device within its size, each container holding at least its
-    2 GiB guarantee there (all of them asked for more), by the driver's
-    count, and the region's resident bytes agreeing with it."""
-    phys = physical(node)
-    assert phys["used"] <= DEVICE, phys
-    for c in containers:
-        held = c.on_device(phys)
-        assert held >= 2 * GiB, (c.region.name, held, phys)
-        fig = c.figures()
-        assert fig["guarantee"] == 2 * GiB, fig
-        assert fig["resident"] == held, (fig, held)
 
 
 def test_stream_ordered_allocations_spill_and_keep_the_guarantees(small):
@@ -146,10 +130,7 @@ def test_stream_ordered_allocations_spill_and_keep_the_guarantees(small):
     finally:
         a.kill()
         b.kill()
-    assert physical(small)["used"] == 0
-    for c in (a, b):
-        assert c.figures()["used"] == 0
-        assert c.figures()["spilled"] == 0
+    nothing_left(small, (a, b))
 
 
 def test_a_pool_of_ones_own_spills_but_not_an_exportable_or_capped_one(small):
