@@ -664,6 +664,15 @@ def scraped(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
                     ),
                     timeout=5,
                 ), agent.get("/metrics")
+                # NVML's per-process reading beside a known container (the
+                # agent reads it every 0.5 s): the unmanaged-process gauge of
+                # both GPUs
+                assert wait_for(
+                    lambda: (
+                        find(agent.metrics(), "gpuvisor_device_unmanaged_processes") == [0.0, 0.0]
+                    ),
+                    timeout=10,
+                ), agent.get("/metrics")
                 _send_raw(sock, b"not json\n")  # rejected, reason malformed
                 _send_raw(sock, b"x" * (MAX_MESSAGE_BYTES + 1))  # disconnect, oversize
                 assert wait_for(
