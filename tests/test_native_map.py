@@ -78,7 +78,12 @@ def test_the_memory_path_reaches_the_sm_path_only_through_the_named_calls() -> N
         for name in re.findall(r"\b(\w+)\s*\(", source(SHIM / file))
         if name in sm
     }
-    assert used == {"gv_arb_ctx_cost", "gv_arb_learn_ctx_cost", "gv_sm_ctx_destroying"}
+    assert used == {
+        "gv_arb_ctx_cost",
+        "gv_arb_learn_ctx_cost",
+        "gv_sm_ctx_destroying",
+        "gv_sm_stream_destroying",
+    }
 
 
 def test_the_map_in_the_docs_names_every_file_once() -> None:
