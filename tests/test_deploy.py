@@ -893,47 +893,37 @@ def test_device_plugin_daemonset_matches_the_plugins_defaults():
     assert "/host-lib/libgpuvisor.so" in init["command"][-1]
 
 
+def issued_pair(script: str, out: Path) -> Any:
+    """Runs a certificate script with --out and checks what every such pair
+    must be: a leaf the CA signed, the CA's key gone (it signs once), the
+    key private, and the key the certificate's (load_cert_chain refuses a
+    mismatched pair); the leaf's subject alternative names."""
+    from cryptography import x509
+
+    subprocess.run(["sh", str(DEPLOY / script), "--out", str(out)], check=True, capture_output=True)
+    ca = x509.load_pem_x509_certificate((out / "ca.crt").read_bytes())
+    leaf = x509.load_pem_x509_certificate((out / "tls.crt").read_bytes())
+    leaf.verify_directly_issued_by(ca)
+    assert not (out / "ca.key").exists()
+    assert (out / "tls.key").stat().st_mode & 0o077 == 0
+    ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(out / "tls.crt", out / "tls.key")
+    return leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+
+
 def test_scheduler_certificate_script_issues_a_pair_for_loopback(tmp_path):
     import ipaddress
 
     from cryptography import x509
 
-    subprocess.run(
-        ["sh", str(DEPLOY / "scheduler-certificate.sh"), "--out", str(tmp_path)],
-        check=True,
-        capture_output=True,
-    )
-    ca = x509.load_pem_x509_certificate((tmp_path / "ca.crt").read_bytes())
-    leaf = x509.load_pem_x509_certificate((tmp_path / "tls.crt").read_bytes())
-    leaf.verify_directly_issued_by(ca)
-    names = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    names = issued_pair("scheduler-certificate.sh", tmp_path)
     assert ipaddress.ip_address("127.0.0.1") in names.get_values_for_type(x509.IPAddress)
-    assert not (tmp_path / "ca.key").exists()
-    assert (tmp_path / "tls.key").stat().st_mode & 0o077 == 0
-    ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
-        tmp_path / "tls.crt", tmp_path / "tls.key"
-    )
 
 
 def test_webhook_certificate_script_issues_a_pair_for_the_service(tmp_path):
     from cryptography import x509
 
-    subprocess.run(
-        ["sh", str(DEPLOY / "webhook-certificate.sh"), "--out", str(tmp_path)],
-        check=True,
-        capture_output=True,
-    )
-    ca = x509.load_pem_x509_certificate((tmp_path / "ca.crt").read_bytes())
-    leaf = x509.load_pem_x509_certificate((tmp_path / "tls.crt").read_bytes())
-    leaf.verify_directly_issued_by(ca)
-    names = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    names = issued_pair("webhook-certificate.sh", tmp_path)
     assert "gpuvisor-webhook.gpuvisor.svc" in names.get_values_for_type(x509.DNSName)
-    assert not (tmp_path / "ca.key").exists()  # the CA signs once and is gone
-    assert (tmp_path / "tls.key").stat().st_mode & 0o077 == 0
-    # The key is the certificate's (load_cert_chain refuses a mismatched pair).
-    ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
-        tmp_path / "tls.crt", tmp_path / "tls.key"
-    )
 
 
 # ---- the node socket's directory: read-write, for any uid ------------------------------
