@@ -233,7 +233,7 @@ class Extender:
             ):
                 why, blocker = hit[3], hit[4]
             else:
-                why, blocker = self._waits(req, verdicts, counts, n)
+                why, blocker = self._waits(req, verdicts, counts, n, st)
             if why is None:
                 out.append(n)
             else:
@@ -256,17 +256,20 @@ class Extender:
             return verdicts
 
     def _waits(
-        self, req: PodRequest, verdicts: dict[str, Verdict], counts: frozenset[int], n: str
+        self,
+        req: PodRequest,
+        verdicts: dict[str, Verdict],
+        counts: frozenset[int],
+        n: str,
+        st: NodeState,
     ) -> tuple[str | None, tuple[str, str] | None]:
-        """Why the pod's bind on n would wait for another pod to start, or
-        None, and the (pod, container) it waits for.  Kept in `verdicts`
+        """Why the pod's bind on n (its allocator state st, with pods) would
+        wait for another pod to start, or None, and the (pod, container) it
+        waits for.  Kept in `verdicts`
         (those of the pod's shape) while the node's allocator state (the
         same NodeState, its version) and its pods' starts
         (`ClusterState.epoch`) stay as they were: read before the verdict
         is, so a change meanwhile only makes it look stale."""
-        st = self.allocator.nodes.get(n)
-        if st is None or not st.pods:
-            return None, None  # an unknown node (decide says so), or nothing to wait for
         version, epoch = st.version, self.state.epoch(n)
         why, blocker = None, None
         others = self.state.unstarted(n, set(counts), req.name)
