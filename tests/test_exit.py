@@ -99,21 +99,14 @@ def test_a_free_after_the_slot_was_given_back_is_not_an_accounting_bug(
     assert run_json(USAGE, node.env) == {"used": 0, "procs": []}
 
 
-def test_a_refused_allocation_takes_a_killed_process_memory_within_a_second(
-    node: SimNode,
-) -> None:
-    """A refusal looks for dead processes' memory at most every 100 ms per
-    device, container-wide, not on every refusal (that made a refusal cost
-    O(processes)): a program that keeps retrying after a process of its
-    container was killed still gets that memory within a second."""
-    env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g")
-    prober_code = """
+PROBER = """
 import sys, time
 from tests.cuclient import *
 init()
 # The quota is full: refusals, so the last look for dead processes is recent.
 refused = [call(cu.cuMemAlloc, 2 * GiB)[0].name for _ in range(200)]
 hold(refused=sorted(set(refused)))
+time.sleep(0.01)  # past the coarse clock's tick (1-4 ms): a quick look is due
 t0 = time.monotonic()
 tries = 0
 while True:
@@ -124,17 +117,66 @@ while True:
     time.sleep(0.001)
 emit(err=err.name, tries=tries, seconds=time.monotonic() - t0)
 """
+
+
+def _proc_state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def _retry_after_kill(node: SimNode, reap: bool) -> dict[str, object]:
+    """A holder of 3 GiB under a 4 GiB quota, a prober refused 200 times,
+    the holder SIGKILLed (reaped, or left a zombie), then the prober's
+    retries: what the first success took."""
+    env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g")
     holder = Holder("from tests.cuclient import *\ninit()\nok(cu.cuMemAlloc, 3 * GiB)\nhold()", env)
     with holder:
-        prober = Holder(prober_code, env)
+        prober = Holder(PROBER, env)
         with prober as probed:
             assert probed["refused"] == ["CUDA_ERROR_OUT_OF_MEMORY"]
-            holder.kill()
+            if reap:
+                holder.kill()
+            else:
+                assert holder.proc is not None
+                holder.proc.kill()
+                deadline = time.monotonic() + 10
+                while _proc_state(holder.pid) != "Z" and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                assert _proc_state(holder.pid) == "Z"
             assert prober.proc is not None
             assert prober.proc.stdin is not None
             prober.proc.stdin.write("\n")
             prober.proc.stdin.flush()
             out, _ = prober.proc.communicate(timeout=30)
-    result = json.loads(out.splitlines()[-1])
+            if not reap:
+                assert _proc_state(holder.pid) == "Z"  # still not reaped
+    result: dict[str, object] = json.loads(out.splitlines()[-1])
+    return result
+
+
+def test_a_refused_allocation_takes_a_killed_and_reaped_process_memory_at_once(
+    node: SimNode,
+) -> None:
+    """A process killed and reaped (its parent's wait() returned) no longer
+    has a pid: a refusal checks that for each process holding memory (one
+    kill(pid, 0) each; at most once per clock tick in each process, 1-4 ms),
+    so the next allocation a tick later gets its memory,
+    however recent the last full look for dead processes was (CI once
+    failed a graph-memory test here: a second process ran within 100 ms of
+    the first one's refusal and was refused the killed process's memory)."""
+    result = _retry_after_kill(node, reap=True)
     assert result["err"] == "CUDA_SUCCESS", result
-    assert result["seconds"] < 1.0, result
+    assert result["tries"] == 1, result
+
+
+def test_a_refused_allocation_takes_a_killed_zombie_memory_within_a_second(
+    node: SimNode,
+) -> None:
+    """A killed process not yet reaped (a zombie: its pid still exists) is
+    found by the full look, which a refusal makes at most every 100 ms per
+    device, container-wide, not on every refusal (it reads /proc: that
+    made a refusal cost O(processes)): a program that keeps retrying still
+    gets that memory within a second."""
+    result = _retry_after_kill(node, reap=False)
+    assert result["err"] == "CUDA_SUCCESS", result
+    assert result["seconds"] < 1.0, result  # type: ignore[operator]

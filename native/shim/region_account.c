@@ -181,8 +181,13 @@ static struct gv_dev *charge_target(gv_region *r, int dev, int slot, int *err)
 
 /* Whether a refusal on d should look for dead processes' memory now: the
  * first refusal after RECLAIM_EVERY_NS since the last look, in any process
- * of the container, wins the compare-and-swap and does it; the others are
- * refused at once.  A look opens /proc files of every process holding
+ * of the container, wins the compare-and-swap and does it; the others make
+ * only the quick look (rg_reclaim quick: one kill() per slot holding
+ * memory on d, for processes gone and reaped; at most every QUICK_EVERY_NS
+ * per device in each process, the coarse clock's tick: 1-4 ms) and are
+ * refused unless it found some.  A process that has not refused in the
+ * last tick, such as one just started, sees a reaped process's memory at
+ * once; one that keeps retrying, within a tick.  A look opens /proc files of every process holding
  * memory (milliseconds at 64 processes): made on every refusal, it made a
  * refusal cost O(processes), and programs that probe by allocating until
  * refused, or retry on out-of-memory, refuse often.  No lock: a winner
@@ -197,13 +202,13 @@ static uint64_t coarse_ns(void)
     return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
 }
 
-static int reclaim_due(struct gv_dev *d)
+static int due(_Atomic uint64_t *at, uint64_t every)
 {
     uint64_t now = coarse_ns();
-    uint64_t last = atomic_load_explicit(&d->reclaim_at, memory_order_relaxed);
-    if (last != 0 && now - last < RECLAIM_EVERY_NS)
+    uint64_t last = atomic_load_explicit(at, memory_order_relaxed);
+    if (last != 0 && now - last < every)
         return 0;
-    return atomic_compare_exchange_strong(&d->reclaim_at, &last, now);
+    return atomic_compare_exchange_strong(at, &last, now);
 }
 
 int region_reserve(gv_region *r, int dev, int slot, uint64_t n)
@@ -247,15 +252,22 @@ int region_reserve_spill(gv_region *r, int dev, int slot, uint64_t n, uint64_t s
         }
         if (!reclaimed) {
             reclaimed = 1;
-            if (reclaim_due(d)) {
-                int n = rg_reclaim(r, dev);
+            int n;
+            if (due(&d->reclaim_at, RECLAIM_EVERY_NS)) {
+                n = rg_reclaim(r, dev, 0);
                 /* The interval runs from the end of the look: one that took
                  * long (many processes, a slow /proc) is not followed by
                  * another at once. */
                 atomic_store(&d->reclaim_at, coarse_ns());
-                if (n > 0)
-                    continue;
+            } else if (due(&r->quick_at[dev], QUICK_EVERY_NS)) {
+                /* A process killed and reaped since the last look: its
+                 * memory is free at once, as a driver's would be. */
+                n = rg_reclaim(r, dev, 1);
+            } else {
+                n = 0;
             }
+            if (n > 0)
+                continue;
         }
         return refuse(d);
     }

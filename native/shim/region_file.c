@@ -367,6 +367,8 @@ int region_open(const char *path, gv_region **out, char *err, size_t errlen)
     }
     r->m = p;
     atomic_init(&r->slot_cache, 0);
+    for (int d = 0; d < GV_MAX_DEVICES; d++)
+        atomic_init(&r->quick_at[d], 0);
     memcpy(r->path, path, len + 1);
     forget_other_boot(r);
     *out = r;

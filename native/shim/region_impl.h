@@ -102,6 +102,7 @@ struct gv_shm {
 struct gv_region {
     struct gv_shm *m;
     _Atomic uint64_t slot_cache;   /* fork generation << 32 | slot state */
+    _Atomic uint64_t quick_at[GV_MAX_DEVICES];  /* this process's last quick look */
     char path[];
 };
 
@@ -122,6 +123,9 @@ struct gv_region {
 /* A refused reservation looks for dead processes' memory at most this
  * often per device entry, container-wide (region_account.c). */
 #define RECLAIM_EVERY_NS (UINT64_C(100) * 1000 * 1000)
+/* Between those, a refusal makes the quick look (rg_reclaim quick) at most
+ * this often per device entry in each process. */
+#define QUICK_EVERY_NS (UINT64_C(1) * 1000 * 1000)
 
 /* ---- shared between the parts ------------------------------------------- */
 
@@ -156,7 +160,7 @@ int rg_is_hami_core_file(int fd);
 
 void rg_raise_hwm(gv_region *r, uint32_t to);
 int rg_claim_free_slot(gv_region *r, uint64_t w);
-int rg_reclaim(gv_region *r, int dev);
+int rg_reclaim(gv_region *r, int dev, int quick);
 
 void rg_forget_slot(gv_region *r, int slot);
 void rg_close_gate(gv_region *r, int dev);

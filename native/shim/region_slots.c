@@ -1,5 +1,6 @@
 /* region_slots.c - process slots: claim, leave, reclaim the dead. */
 #include <errno.h>
+#include <signal.h>
 #include <string.h>
 #include "region_impl.h"
 
@@ -223,12 +224,25 @@ static int holds(gv_region *r, uint32_t i, int dev)
     return 0;
 }
 
+/* Whether owner word o's process is certainly gone: no process has its
+ * pid (kill() answers ESRCH), so it has exited and been reaped.  One
+ * system call and no /proc: cheap enough for every refusal (rg_reclaim's
+ * quick look).  A zombie, a reused pid or a process that exec()ed away
+ * from the region is left to the full look. */
+static int owner_gone(uint64_t o)
+{
+    int32_t pid = (int32_t)(o & ~FLAG_BIT & PID_MASK);
+    return pid > 0 && kill(pid, 0) != 0 && errno == ESRCH;
+}
+
 /* Reclaim dead slots; dev >= 0 looks only at slots holding memory there.
  * Also reclaimed: a free slot that a thread of its last owner charged
  * after the owner gave it up at exit (region_leave), and the slot of a
  * live process that no longer maps the region (it exec()ed a program that
- * does not use the GPU: the driver freed the old image's memory). */
-int rg_reclaim(gv_region *r, int dev)
+ * does not use the GPU: the driver freed the old image's memory).
+ * quick: only slots whose process is gone (owner_gone) or that were given
+ * up with a straggler's charge, without reading /proc. */
+int rg_reclaim(gv_region *r, int dev, int quick)
 {
     int n = 0;
     uint32_t hwm = hwm_of(r);
@@ -237,8 +251,11 @@ int rg_reclaim(gv_region *r, int dev)
         uint64_t o = atomic_load(&r->m->owner[i]);
         if (o == self || ((o == 0 || dev >= 0) && !holds(r, i, dev)))
             continue;
-        if (o == 0) {
-            /* given up, with a straggler's charge: reclaimed like a dead one */
+        if (quick && o != 0 && !owner_gone(o))
+            continue;
+        if (o == 0 || quick) {
+            /* given up, with a straggler's charge, or its process (or the
+             * thread reclaiming it) gone: reclaimed like a dead one */
         } else if (o & FLAG_BIT) {
             /* Being reclaimed: by a live thread (not this one) -> leave it;
              * unless its process exec()ed a program without the region. */
@@ -266,7 +283,7 @@ int rg_reclaim(gv_region *r, int dev)
 
 int region_reclaim_dead(gv_region *r)
 {
-    return r != NULL ? rg_reclaim(r, -1) : 0;
+    return r != NULL ? rg_reclaim(r, -1, 0) : 0;
 }
 
 /* The live slots' PIDs (nvml 0), or the PIDs NVML shows for them (nvml 1;
