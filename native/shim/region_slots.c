@@ -231,7 +231,7 @@ static int holds(gv_region *r, uint32_t i, int dev)
  * from the region is left to the full look. */
 static int owner_gone(uint64_t o)
 {
-    int32_t pid = (int32_t)(o & ~FLAG_BIT & PID_MASK);
+    int32_t pid = (int32_t)(o & PID_MASK);
     return pid > 0 && kill(pid, 0) != 0 && errno == ESRCH;
 }
 
@@ -251,11 +251,11 @@ int rg_reclaim(gv_region *r, int dev, int quick)
         uint64_t o = atomic_load(&r->m->owner[i]);
         if (o == self || ((o == 0 || dev >= 0) && !holds(r, i, dev)))
             continue;
-        if (quick && o != 0 && !owner_gone(o))
-            continue;
+        if (quick && o != 0 && ((o & FLAG_BIT) || !owner_gone(o)))
+            continue;   /* (a slot being reclaimed: left to the full look) */
         if (o == 0 || quick) {
-            /* given up, with a straggler's charge, or its process (or the
-             * thread reclaiming it) gone: reclaimed like a dead one */
+            /* given up, with a straggler's charge, or its process gone:
+             * reclaimed like a dead one */
         } else if (o & FLAG_BIT) {
             /* Being reclaimed: by a live thread (not this one) -> leave it;
              * unless its process exec()ed a program without the region. */
