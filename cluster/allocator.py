@@ -497,7 +497,11 @@ def single_key(
         w = node.links_topo.weight[o.index]
         cut = sum(w[j] for j in range(len(w)) if j != o.index and idle_mask >> j & 1)
     usage = -o.usage_after if binpack else o.usage_after
-    return (reconfig, usage, spoils(node, o), cut, waste, lost, o.index)
+    # a MIG instance given to a pod that could share a GPU: only when no GPU
+    # of the node can share (instances are the only home of vgpu-mode: mig
+    # pods; for those every option is an instance, so this is a tie)
+    instance = o.mig is not None
+    return (reconfig, instance, usage, spoils(node, o), cut, waste, lost, o.index)
 
 
 def room_after(node: NodeState, w: Work, o: Option) -> tuple[int, ...]:
@@ -686,6 +690,11 @@ def plan_node(
         spoiled = sum(
             1 for i, c4 in charge.items() if c4.slots and node.capable[i] and node.idle(i)
         )
+        # a pod without vgpu-mode takes MIG instances only when no node can
+        # share GPUs with it: they are the only home of vgpu-mode: mig pods
+        instances = 0
+        if pod.mode is None:
+            instances = sum(len(c6.mig) for c6 in charge.values())
         last = 0
         if node_binpack and supply and may_extinct(supply, len(charge)):
             slots = list(node.slots)
@@ -699,6 +708,7 @@ def plan_node(
             last = extinct(loss(node.room, node.room_of(slots, taken, on)), supply)
         key = (
             reconfigures,
+            instances,
             last,
             opened,
             spoiled,

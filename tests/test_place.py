@@ -19,6 +19,7 @@ from gpuvisor.supervisor.cli import main
 
 from tests.inventories import (
     A100_40GB_PROFILES,
+    A100_80GB_PROFILES,
     cluster,
     ctr,
     dgx,
@@ -438,6 +439,26 @@ def test_no_vgpu_mode_takes_shared_or_mig_whichever_fits():
     d = place(a, "y", ctr(gpu=1, gpumem=19000, gpucores=10))
     assert d.node == "m"
     assert mig_grant(d).profile == "1g.20gb"
+
+
+def test_no_vgpu_mode_shares_a_gpu_before_taking_a_mig_instance():
+    """MIG instances are the only home of vgpu-mode: mig pods: a pod that may
+    share a GPU takes one only when no node can share, even when sharing opens
+    an idle GPU and the instance would go to a GPU already in MIG use."""
+    doc = inventory("n", [gpu("n", i, "L4", 24000) for i in range(2)], links_pcie(2))
+    a = Allocator.from_cluster(cluster(doc, mig_box("m", n=2)))
+    d = place(a, "mig", ctr(gpu=1, gpumem=9000), annotations=MIG)
+    assert d.node == "m"
+    d = place(a, "x", ctr(gpu=1, gpumem=9000, gpucores=10))
+    assert d.node == "n"
+    assert mig_grant(d) is None
+    # on one node, the same: GPU 0 in MIG mode with an instance in use, GPU 1 shares
+    a100 = gpu("h", 0, "NVIDIA A100-SXM4-80GB", 81920, 0, mig_state(A100_80GB_PROFILES, True))
+    both = inventory("h", [a100, gpu("h", 1, "L4", 24000)], links_pcie(2))
+    b = Allocator.from_cluster(cluster(both, *(pcie_box(f"p{i}") for i in range(4))))
+    assert indices(place(b, "mig", ctr(gpu=1, gpumem=9000), annotations=MIG)) == [0]
+    d = place(b, "y", ctr(gpu=1, gpumem=9000, gpucores=10))
+    assert (d.node, indices(d), mig_grant(d)) == ("h", [1], None)
 
 
 HAMI_YAML = """
