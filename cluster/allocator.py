@@ -487,7 +487,7 @@ def choose(
 
 
 def single_key(
-    o: Option, binpack: bool, node: NodeState, idle_mask: int, keep: bool
+    o: Option, binpack: bool, node: NodeState, idle_mask: int, keep: bool, spare: bool = False
 ) -> tuple[Any, ...]:
     waste = o.mig.waste_mib if o.mig else 0
     lost = o.mig.room_lost if o.mig else ()
@@ -497,10 +497,11 @@ def single_key(
         w = node.links_topo.weight[o.index]
         cut = sum(w[j] for j in range(len(w)) if j != o.index and idle_mask >> j & 1)
     usage = -o.usage_after if binpack else o.usage_after
-    # a MIG instance given to a pod that could share a GPU: only when no GPU
-    # of the node can share (instances are the only home of vgpu-mode: mig
-    # pods; for those every option is an instance, so this is a tie)
-    instance = o.mig is not None
+    # spare: near the last places (roomy), a MIG instance given to a pod that
+    # could share a GPU only when no GPU of the node can share (instances are
+    # the only home of vgpu-mode: mig pods; for those every option is an
+    # instance, so this is a tie)
+    instance = spare and o.mig is not None
     return (reconfig, instance, usage, spoils(node, o), cut, waste, lost, o.index)
 
 
@@ -616,7 +617,7 @@ def plan_node(
                             opts,
                             key=lambda o: (
                                 extinct(loss(before, room_after(node, w, o)), supply),
-                                single_key(o, binpack, node, live_idle, keep),
+                                single_key(o, binpack, node, live_idle, keep, True),
                             ),
                         )
                     ]
@@ -690,13 +691,14 @@ def plan_node(
         spoiled = sum(
             1 for i, c4 in charge.items() if c4.slots and node.capable[i] and node.idle(i)
         )
+        near_last = node_binpack and bool(supply) and may_extinct(supply, len(charge))
         # a pod without vgpu-mode takes MIG instances only when no node can
         # share GPUs with it: they are the only home of vgpu-mode: mig pods
         instances = 0
-        if pod.mode is None:
+        if pod.mode is None and near_last:
             instances = sum(len(c6.mig) for c6 in charge.values())
         last = 0
-        if node_binpack and supply and may_extinct(supply, len(charge)):
+        if near_last:
             slots = list(node.slots)
             taken = list(node.mig_used)
             on = list(node.mig_on)
