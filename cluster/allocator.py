@@ -692,8 +692,9 @@ def plan_node(
             1 for i, c4 in charge.items() if c4.slots and node.capable[i] and node.idle(i)
         )
         near_last = node_binpack and bool(supply) and may_extinct(supply, len(charge))
-        # a pod without vgpu-mode takes MIG instances only when no node can
-        # share GPUs with it: they are the only home of vgpu-mode: mig pods
+        # near the last places, a pod without vgpu-mode takes MIG instances
+        # only when no node can share GPUs with it at no more last places:
+        # they are the only home of vgpu-mode: mig pods
         instances = 0
         if pod.mode is None and near_last:
             instances = sum(len(c6.mig) for c6 in charge.values())
@@ -710,8 +711,8 @@ def plan_node(
             last = extinct(loss(node.room, node.room_of(slots, taken, on)), supply)
         key = (
             reconfigures,
-            instances,
             last,
+            instances,
             opened,
             spoiled,
             (-after if node_binpack else after),

@@ -442,10 +442,11 @@ def test_no_vgpu_mode_takes_shared_or_mig_whichever_fits():
 
 
 def test_no_vgpu_mode_shares_a_gpu_before_taking_a_mig_instance():
-    """MIG instances are the only home of vgpu-mode: mig pods: a pod that may
-    share a GPU takes one only when no node can share, even when sharing opens
-    an idle GPU and the instance would go to a GPU already in MIG use."""
-    doc = inventory("n", [gpu("n", i, "L4", 24000) for i in range(2)], links_pcie(2))
+    """MIG instances are the only home of vgpu-mode: mig pods: near the last
+    places, a pod that may share a GPU takes one only when no node can share,
+    even when sharing opens an idle GPU and the instance would go to a GPU
+    already in MIG use (here no choice takes the last place of a kind)."""
+    doc = inventory("n", [gpu("n", i, "L4", 24000) for i in range(3)], links_pcie(3))
     a = Allocator.from_cluster(cluster(doc, mig_box("m", n=2)))
     d = place(a, "mig", ctr(gpu=1, gpumem=9000), annotations=MIG)
     assert d.node == "m"
