@@ -4,7 +4,14 @@ one, run on the launch-order timeline and in the time-slicing mode
 (GPUVISOR_SIM_TIMESLICE_US); per container the share of the unlimited
 device it really got (the GPU time of the kernels its processes completed
 over their wall time), its 100 ms NVML windows' sd and worst from the
-target, and the device's total use.  Driven by tests/bench/sm_bench.py."""
+target, and the device's total use.  Each window's miss is split in two
+parts, to tell why a case misses: the *split* (the container's part of
+what the device ran that window, against its limit's part: the order and
+length of turns) and the *idle* part (the device's idle time that window,
+at the container's part: handovers, launching threads without a CPU).
+`--before LIB` runs every case with another build too, in the same
+sitting, and shows the two side by side.  Driven by
+tests/bench/sm_bench.py."""
 
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from tests.bench import sm_bench as b
@@ -37,64 +45,130 @@ GOAL_WORST = 8.0
 GOAL_TOTAL = 95.0
 
 
+@dataclass
+class Side:
+    """One container's figures in one run, in % and points from its limit."""
+
+    limit: int
+    throughput: float
+    sd: float  # the 100 ms windows' RMS miss from the limit
+    worst: float
+    split: float  # RMS of the split part of the windows' miss (module docstring)
+    idle: float  # RMS of the idle part
+
+    def cell(self) -> str:
+        q = self.limit
+        return (
+            f"{q}: {self.throughput:.1f} ({self.throughput - q:+.1f}) / {self.sd:.1f} "
+            f"(split {self.split:.1f}, idle {self.idle:.1f}) / {self.worst:+.0f}"
+        )
+
+
+def rms(v: Sequence[float]) -> float:
+    return statistics.pstdev(v, mu=0.0) if v else 0.0
+
+
+def sides_of(cs: Sequence[b.Container], skip: int) -> list[Side]:
+    """Each window's miss w - q of a container with limit q splits into
+    (w - q * t / Q), its part of what the device ran (t, the sum over the
+    containers; Q, the sum of their limits) against its limit's part, and
+    q * (t - Q) / Q, its part of the device's idle time."""
+    big_q = sum(c.limit for c in cs)
+    n = min(len(c.series) for c in cs)
+    totals = [sum(c.series[k] for c in cs) for k in range(skip, n)]
+    out = []
+    for c in cs:
+        part = c.limit / big_q
+        win = c.series[skip:n]
+        dev = [w - c.limit for w in win]
+        out.append(
+            Side(
+                limit=c.limit,
+                throughput=b.throughput(c),
+                sd=rms(dev),
+                worst=max(dev, key=abs) if dev else 0.0,
+                split=rms([w - part * t for w, t in zip(win, totals, strict=True)]),
+                idle=rms([part * (t - big_q) for t in totals]),
+            )
+        )
+    return out
+
+
 def one(
     mode_us: int, sides: list[tuple[int, int]], seconds: float, allowance: float, seed: int
-) -> tuple[list[tuple[float, float, float]], float, str]:
-    """Per container (throughput %, window sd, worst window, in points from
-    the target), the device's total use (%), and the machine stalls the
-    probe saw meanwhile (how many, the longest)."""
+) -> tuple[list[Side], float, str]:
+    """Per container its figures, the device's total use (%), and the
+    machine stalls the probe saw meanwhile (how many, the longest)."""
     b.TIMESLICE_US = mode_us
     cs = [b.Container(chr(ord("a") + i), q, n) for i, (q, n) in enumerate(sides)]
     b.run_scenario(cs, seconds, seed)
-    skip = round(allowance / 0.1)
-    out = []
-    for c in cs:
-        dev = [w - c.limit for w in c.series[skip:]]
-        sd = statistics.pstdev(dev, mu=0.0) if dev else 0.0
-        worst = max(dev, key=abs) if dev else 0.0
-        out.append((b.throughput(c), sd, worst))
+    out = sides_of(cs, round(allowance / 0.1))
     spans = b.STALLS[-1].spans if b.STALLS else []
     longest = max((n for _, n in spans), default=0)
-    return out, sum(t for t, _, _ in out), f"{len(spans)} / {longest / 1e6:.1f}"
+    return out, sum(x.throughput for x in out), f"{len(spans)} / {longest / 1e6:.1f}"
+
+
+def misses(label: str, mode: int, got: Sequence[Side], total: float) -> list[str]:
+    """What misses its goal in one run, each with the larger part of its
+    windows' miss where the window sd is over the goal."""
+    out = []
+    for x in got:
+        why = []
+        if mode and abs(x.throughput - x.limit) > GOAL_ERR:
+            why.append(f"throughput {x.throughput - x.limit:+.1f}")
+        if x.sd > GOAL_SD:
+            why.append(f"sd {x.sd:.1f}, mostly {'split' if x.split >= x.idle else 'idle'}")
+        if not mode and abs(x.worst) > GOAL_WORST:
+            why.append(f"worst {x.worst:+.0f}")
+        if why:
+            where = "time-sliced" if mode else "launch order"
+            out.append(f"{label} {x.limit} ({where}: {'; '.join(why)})")
+    if mode and total < GOAL_TOTAL:
+        out.append(f"{label} total (time-sliced: {total:.1f})")
+    return out
 
 
 def render(
-    seconds: float, allowance: float, only: Sequence[str] = (), modes: Sequence[int] = (0, 1)
+    seconds: float,
+    allowance: float,
+    only: Sequence[str] = (),
+    modes: Sequence[int] = (0, 1),
+    before: Path | None = None,
 ) -> str:
     t0 = time.monotonic()
     load0 = os.getloadavg()[0]
+    after = b.LIBRARY
+    libs: list[tuple[str, Path]] = (
+        [("before", before), ("after", after)] if before else [("", after)]
+    )
     rows = []
-    ok_ts = ok_lo = True
-    misses: list[str] = []
+    # per library: containers meeting the goal / containers, per mode; and what missed
+    met: dict[tuple[str, int], list[int]] = {}
+    missed: dict[str, list[str]] = {name: [] for name, _ in libs}
     saved = b.TIMESLICE_US
     try:
         for i, (label, sides) in enumerate(SCENARIOS):
             if only and label not in only:
                 continue
             for mode in [TIMESLICE_US * m for m in modes]:
-                got, total, stalls = one(mode, sides, seconds, allowance, seed=70 + i)
-                cells = []
-                for (q, _), (thr, sd, worst) in zip(sides, got, strict=True):
-                    cells.append(f"{q}: {thr:.1f} ({thr - q:+.1f}) / {sd:.1f} / {worst:+.0f}")
-                    if mode:
-                        good = abs(thr - q) <= GOAL_ERR and sd <= GOAL_SD
-                        ok_ts &= good
-                    else:
-                        good = sd <= GOAL_SD and abs(worst) <= GOAL_WORST
-                        ok_lo &= good
-                    if not good:
-                        misses.append(f"{label} {q} ({'time-sliced' if mode else 'launch order'})")
-                if mode:
-                    ok_ts &= total >= GOAL_TOTAL
-                    if total < GOAL_TOTAL:
-                        misses.append(f"{label} total (time-sliced)")
-                mode_s = f"time-sliced {TIMESLICE_US} us" if mode else "launch order"
-                rows.append(
-                    f"| {label} | {mode_s} | {' ; '.join(cells)} | {total:.1f} | {stalls} |"
-                )
-                print(rows[-1], file=sys.stderr)
+                for name, lib in libs:
+                    b.LIBRARY = lib
+                    got, total, stalls = one(mode, sides, seconds, allowance, seed=70 + i)
+                    bad = misses(label, mode, got, total)
+                    missed[name] += bad
+                    count = met.setdefault((name, 1 if mode else 0), [0, 0])
+                    count[1] += len(got)
+                    count[0] += sum(
+                        1 for x in got if not any(m.startswith(f"{label} {x.limit} (") for m in bad)
+                    )
+                    mode_s = f"time-sliced {TIMESLICE_US} us" if mode else "launch order"
+                    cells = " ; ".join(x.cell() for x in got)
+                    lib_s = f" {name} |" if before else ""
+                    rows.append(f"| {label} | {mode_s} |{lib_s} {cells} | {total:.1f} | {stalls} |")
+                    print(rows[-1], file=sys.stderr)
     finally:
         b.TIMESLICE_US = saved
+        b.LIBRARY = after
     took = time.monotonic() - t0
     out = [SHARED, ""]
     out.append(
@@ -106,39 +180,61 @@ def render(
         "device (the GPU time of the kernels its processes completed over their wall time; "
         "NVML's per-process figure counts a preempted kernel as busy), its error from the "
         "limit in brackets; the 100 ms NVML windows' sd and worst, in points from the limit, "
-        f"from {allowance:g} s on; *total*, the sum of the throughputs; *stalls*, the wake-ups "
+        f"from {allowance:g} s on, the sd split in two (RMS of each part of the windows' miss): "
+        "*split*, the container's part of what the device ran in the window against its "
+        "limit's part (the order and length of turns), and *idle*, its part of the device's "
+        "idle time in the window (handovers, launching threads without a CPU); *total*, the "
+        "sum of the throughputs; *stalls*, the wake-ups "
         "1 ms or more late that `bench_stall_probe` saw during the run over all CPUs (how "
         "many / the longest, ms; with SCHED_FIFO they count the CPU taken away, not the "
         "load of other processes: the load average below). "
         f"Runs of {seconds:g} s; "
         f"the section took {took:.0f} s."
     )
+    if before:
+        out.append("")
+        out.append(
+            f"Each case ran with two builds of the library in turn, in the same sitting: "
+            f"*before* `{before}`, *after* `{after}`."
+        )
     out.append("")
     out.append(
         f"{b.machine()} Load average (1 min) at the start / end: {load0:.1f} / "
         f"{os.getloadavg()[0]:.1f}."
     )
     out.append("")
+    lib_h, lib_r = (" library |", "---|") if before else ("", "")
     out.append(
-        "| scenario | device | per container: limit: throughput (error) / window sd / "
-        "worst window | total | stalls |"
+        f"| scenario | device |{lib_h} per container: limit: throughput (error) / window sd "
+        "(split, idle) / worst window | total | stalls |"
     )
-    out.append("|---|---|---|---:|---:|")
+    out.append(f"|---|---|{lib_r}---|---:|---:|")
     out += rows
     out.append("")
-    out.append("Goals (issue 35):")
+    out.append("Goals (issue 35), containers that meet them:")
     out.append("")
-    out.append(
-        f"- time-sliced: every container within {GOAL_ERR:g} points of its limit, window sd "
-        f"<= {GOAL_SD:g} points, total >= {GOAL_TOTAL:g} %: {b.verdict(ok_ts)};"
-    )
-    out.append(
-        f"- launch order: window sd <= {GOAL_SD:g} points and worst window <= "
-        f"{GOAL_WORST:g} points: {b.verdict(ok_lo)}."
-    )
-    if misses:
-        out.append("")
-        out.append("Missed by: " + ", ".join(misses) + ".")
+    for name, _ in libs:
+        who = f"{name}: " if name else ""
+        ts = met.get((name, 1))
+        lo = met.get((name, 0))
+        if ts:
+            totals = [m for m in missed[name] if " total (time-sliced" in m]
+            out.append(
+                f"- {who}time-sliced (within {GOAL_ERR:g} points of the limit, window sd <= "
+                f"{GOAL_SD:g} points; and total >= {GOAL_TOTAL:g} %): {ts[0]} of {ts[1]}, "
+                f"totals {'all met' if not totals else f'{len(totals)} missed'}: "
+                f"{b.verdict(ts[0] == ts[1] and not totals)};"
+            )
+        if lo:
+            out.append(
+                f"- {who}launch order (window sd <= {GOAL_SD:g} points, worst window <= "
+                f"{GOAL_WORST:g} points): {lo[0]} of {lo[1]}: {b.verdict(lo[0] == lo[1])}."
+            )
+    for name, _ in libs:
+        if missed[name]:
+            out.append("")
+            who = f" ({name})" if name else ""
+            out.append(f"Missed by{who}: " + ", ".join(missed[name]) + ".")
     return "\n".join(out) + "\n"
 
 
@@ -167,12 +263,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the libgpuvisor.so to measure (default build/libgpuvisor.so): another build "
         "compared in the same sitting",
     )
+    p.add_argument(
+        "--before",
+        type=Path,
+        help="another libgpuvisor.so (the build before a change): every case runs with it "
+        "too, in the same sitting, and the table shows both",
+    )
     args = p.parse_args(argv)
     labels = [label for label, _ in SCENARIOS]
     for o in args.only:
         if o not in labels:
             p.error(f"--only {o!r}: no such scenario (one of {', '.join(labels)})")
     b.LIBRARY = args.library.resolve()
+    before = args.before.resolve() if args.before else None
+    if before and not before.is_file():
+        p.error(f"--before {args.before}: no such file")
     modes = {"both": (0, 1), "launch-order": (0,), "time-sliced": (1,)}[args.mode]
     if args.write and (args.only or args.mode != "both"):
         p.error("--write needs every scenario in both modes (no --only, no --mode)")
@@ -182,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    text = render(args.seconds, args.allowance, args.only, modes)
+    text = render(args.seconds, args.allowance, args.only, modes, before)
     sys.stdout.write(text)
     if args.write:
         b.write_sections(args.write, [(SHARED, text)])
