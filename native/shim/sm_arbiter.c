@@ -46,10 +46,11 @@
  * Each process has a slot (claimed with CAS, no lock).  Everything it says
  * expires on its own: its in-flight count stops counting FRESH_NS after
  * its process last showed signs of life (the meter renews it every poll
- * while kernels are in flight), and a claim to be waiting WAITING_NS after
- * it was last renewed (every poll of the waiting launch).  So a process
- * killed or stopped at any instruction holds no other container for
- * longer than that, and its slot is taken over after STALE_NS.  Times are
+ * while kernels are in flight), and a claim to be waiting WAITING_NS
+ * (TURN_WAITING_NS for the turn) after it was last renewed (every poll of
+ * the waiting launch).  So a process killed or stopped at any instruction
+ * holds no other container for longer than that, and its slot is taken
+ * over after STALE_NS.  Times are
  * CLOCK_MONOTONIC, which all containers of a node share.
  */
 #include <errno.h>
@@ -77,6 +78,14 @@
 #define BEHIND_NS (5ULL * 1000 * 1000)
 #define FRESH_NS (20ULL * 1000 * 1000)
 #define WAITING_NS (300ULL * 1000)
+/* A claim to wait for the turn lasts longer: a waiting launch renews it
+ * every ARB_POLL_NS (sm_gate.c), but on a loaded machine its thread often
+ * waits longer than WAITING_NS for a CPU, and the holder then kept its
+ * turn past TURN_NS or took it again at once (traced, 50:50 time-sliced,
+ * load 11: 34 of 546 turns taken again with nobody waiting; 1 of 496 with
+ * 2 ms), which makes turns, and so each 100 ms window's split, coarser.
+ * A waiter killed holds the others at most this long. */
+#define TURN_WAITING_NS (2ULL * 1000 * 1000)
 #define ACTIVE_NS (50ULL * 1000 * 1000)
 #define STALE_NS (1000ULL * 1000 * 1000)
 #define WANTS_NS (300ULL * 1000 * 1000)   /* "used all its share" lasts this long */
@@ -501,7 +510,7 @@ int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now, uint64_t
             !fresh(atomic_load_explicit(&s->beat, memory_order_relaxed), now))
             continue;
         elsewhere += atomic_load_explicit(&s->inflight, memory_order_relaxed);
-        int waiting = atomic_load_explicit(&s->wait_at, memory_order_relaxed) + WAITING_NS >= now;
+        int waiting = atomic_load_explicit(&s->wait_at, memory_order_relaxed) + TURN_WAITING_NS >= now;
         if (waiting) {
             uint64_t t = atomic_load_explicit(&s->tat, memory_order_relaxed);
             first = t < first ? t : first;
