@@ -177,6 +177,8 @@ bench: all $(BENCH_MEMORY) $(BENCH_LAUNCH)
 # (tests/bench/sm_shared.py) one experiment at a time, in seconds:
 #   .venv/bin/python -m tests.bench.sm_shared --only 50:50 --mode time-sliced
 #   --seconds 3 [--library other/libgpuvisor.so]
+# and a change against the build before it, side by side in one sitting:
+#   .venv/bin/python -m tests.bench.sm_shared --before base/libgpuvisor.so
 .PHONY: bench-sm
 BENCH_SM_WORKER := $(BUILD)/bench/bench_sm_worker
 BENCH_STALL_PROBE := $(BUILD)/bench/bench_stall_probe
