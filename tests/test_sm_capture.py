@@ -146,3 +146,57 @@ def test_a_memory_query_beside_a_capture_does_not_invalidate_it(node: SimNode, q
     )
     assert out["end_capture"] == "CUDA_SUCCESS", out
     assert out["used"] == 32 * MiB, out  # the context alone: the free was given back
+
+
+# Launches under an SM limit, 20 of them into a capturing stream, the capture
+# begun one of three ways (argv[1]): cuda-python's cuStreamBeginCapture
+# (cuGetProcAddress: cuStreamBeginCapture_v2, or _v2_ptsz with cuda-python's
+# per-thread default stream), or the exported cuStreamBeginCapture (v1) looked
+# up with dlsym; then the graph launched once.  The region counts each launch
+# the gate admits.
+CAPTURED_LAUNCHES = """
+import ctypes, sys
+from tests.cuclient import *
+from gpuvisor.shim.region import Region
+init()
+spin = ok(cu.cuModuleGetFunction, ok(cu.cuModuleLoadData, b"any image"), b"spin")
+s = ok(cu.cuStreamCreate, 0)
+def launch(us):
+    ok(cu.cuLaunchKernel, spin, 1, 1, 1, 32, 1, 1, 0, s, ((us,), (ctypes.c_uint32,)), 0)
+def admitted():
+    return Region.attach().sm(0).launches
+launch(1000)
+ok(cu.cuStreamSynchronize, s)
+first = admitted()
+if sys.argv[1] == "dlsym-v1":
+    rc = ctypes.CDLL("libcuda.so.1").cuStreamBeginCapture(ctypes.c_void_p(int(s)))
+    assert rc == 0, rc
+else:
+    ok(cu.cuStreamBeginCapture, s, cu.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL)
+for _ in range(20):
+    launch(1000)
+captured = admitted() - first
+g = ok(cu.cuStreamEndCapture, s)
+nodes = ok(cu.cuGraphGetNodes, g, 0)[1]
+ex = ok(cu.cuGraphInstantiate, g, 0)
+ok(cu.cuGraphLaunch, ex, s)
+launch(1000)
+ok(cu.cuStreamSynchronize, s)
+emit(first=first, captured=captured, nodes=nodes, after=admitted() - first - captured)
+"""
+
+
+@pytest.mark.parametrize("begin", ["procaddr", "procaddr-ptsz", "dlsym-v1"])
+def test_launches_into_a_capturing_stream_are_not_gated(node: SimNode, begin: str) -> None:
+    """A kernel launched into a capturing stream is recorded into the
+    graph, not run: the gate leaves it alone.  The gate asks the driver
+    whether the stream captures only while this process has begun a
+    capture (hooks_capture.c), so every way to begin one must be seen: the
+    _v2 and _v2_ptsz entry points cuda-python gets from cuGetProcAddress,
+    and the exported v1 symbol found with dlsym.  After the capture ends,
+    launches are gated again: the graph's launch and the kernel after it."""
+    env = node.shimmed(CUDA_DEVICE_SM_LIMIT="50")
+    if begin == "procaddr-ptsz":
+        env["CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM"] = "1"
+    out = run_json(CAPTURED_LAUNCHES, env, args=[begin])
+    assert out == {"first": 1, "captured": 0, "nodes": 20, "after": 2}, out

@@ -38,7 +38,7 @@ static void table_build(void)
     const gv_hook *families[] = { gv_hooks_memory, gv_hooks_array, gv_hooks_vmm, gv_hooks_pool,
                                   gv_hooks_context, gv_hooks_info, gv_hooks_nvml,
                                   gv_hooks_procaddr, gv_hooks_launch, gv_hooks_graph,
-                                  gv_hooks_untracked, gv_hooks_sync };
+                                  gv_hooks_untracked, gv_hooks_sync, gv_hooks_capture };
     size_t n = 0;
     for (size_t f = 0; f < sizeof families / sizeof *families; f++)
         for (const gv_hook *h = families[f]; h->name; h++)
@@ -159,7 +159,14 @@ static const variant variants[] = {
     { "cuMemUnmap", { { 0, "cuMemUnmap" } }, NULL },
     { "cuMipmappedArrayCreate", { { 0, "cuMipmappedArrayCreate" } }, NULL },
     { "cuMipmappedArrayDestroy", { { 0, "cuMipmappedArrayDestroy" } }, NULL },
+    /* (A CUDA 10.0 caller asking for the per-thread variant gets the _v2
+     * one's hook, which passes its stream on to what the driver answered.) */
+    { "cuStreamBeginCapture", { { 0, "cuStreamBeginCapture" }, { 10010, "cuStreamBeginCapture_v2" } },
+      "cuStreamBeginCapture_v2_ptsz" },
+    { "cuStreamBeginCaptureToGraph", { { 0, "cuStreamBeginCaptureToGraph" } },
+      "cuStreamBeginCaptureToGraph_ptsz" },
     { "cuStreamDestroy", { { 0, "cuStreamDestroy" }, { 4000, "cuStreamDestroy_v2" } }, NULL },
+    { "cuStreamEndCapture", { { 0, "cuStreamEndCapture" } }, "cuStreamEndCapture_ptsz" },
     { "cuStreamQuery", { { 0, "cuStreamQuery" } }, "cuStreamQuery_ptsz" },
     { "cuStreamSynchronize", { { 0, "cuStreamSynchronize" } }, "cuStreamSynchronize_ptsz" },
 };

@@ -94,7 +94,7 @@ typedef struct gv_hook {
 /* Each hook family lists its hooks, NULL-terminated. */
 extern const gv_hook gv_hooks_memory[], gv_hooks_array[], gv_hooks_vmm[], gv_hooks_pool[],
     gv_hooks_context[], gv_hooks_info[], gv_hooks_nvml[], gv_hooks_procaddr[],
-    gv_hooks_launch[], gv_hooks_graph[], gv_hooks_untracked[], gv_hooks_sync[];
+    gv_hooks_launch[], gv_hooks_graph[], gv_hooks_untracked[], gv_hooks_sync[], gv_hooks_capture[];
 
 /* Replacement for an exported driver symbol name, or NULL. */
 void *gv_hook_for(const char *name);

@@ -59,6 +59,9 @@
     X(cuEventCreate) X(cuEventDestroy_v2) X(cuEventRecord) X(cuEventRecord_ptsz) \
     X(cuEventQuery) X(cuEventElapsedTime) X(cuEventElapsedTime_v2) \
     X(cuStreamIsCapturing) X(cuStreamIsCapturing_ptsz) X(cuThreadExchangeStreamCaptureMode) \
+    X(cuStreamBeginCapture) X(cuStreamBeginCapture_ptsz) X(cuStreamBeginCapture_v2) \
+    X(cuStreamBeginCapture_v2_ptsz) X(cuStreamBeginCaptureToGraph) \
+    X(cuStreamBeginCaptureToGraph_ptsz) X(cuStreamEndCapture) X(cuStreamEndCapture_ptsz) \
     X(cuStreamSynchronize) X(cuStreamSynchronize_ptsz) X(cuCtxSynchronize) \
     X(cuCtxSynchronize_v2) X(cuEventSynchronize) X(cuStreamQuery) X(cuStreamQuery_ptsz) \
     X(cuStreamDestroy) X(cuStreamDestroy_v2)

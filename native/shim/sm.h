@@ -6,6 +6,7 @@
 #ifndef GV_SM_H
 #define GV_SM_H
 
+#include <stdatomic.h>
 #include <stdint.h>
 
 #include "core.h"
@@ -123,6 +124,10 @@ void gv_sm_ctx_destroying(CUcontext ctx);
 /* A stream is being destroyed, or was (called around the driver's call):
  * what each thread remembers of streams' contexts is looked up again. */
 void gv_sm_stream_destroying(void);
+/* Stream captures this process has begun and not seen end
+ * (hooks_capture.c): while 0, no stream captures, and a gated launch does
+ * not ask the driver whether its stream does. */
+extern atomic_uint gv_sm_captures;
 /* Reset process-local gate state in a forked child. */
 void gv_sm_fork_child(void);
 /* The policies (sm_policy.c), per region device this process launches on:

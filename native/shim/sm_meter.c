@@ -715,11 +715,15 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
                 return 0;
         }
     }
-    int capturing = 0;     /* recorded into a graph, not run: nothing to pace */
-    if (ptsz)
-        GV_REAL(cuStreamIsCapturing_ptsz, capturing_fn)(stream, &capturing);
-    else
-        GV_REAL(cuStreamIsCapturing, capturing_fn)(stream, &capturing);
+    /* Recorded into a graph, not run: nothing to pace.  The driver is
+     * asked only while this process has a capture in progress. */
+    int capturing = 0;
+    if (atomic_load_explicit(&gv_sm_captures, memory_order_relaxed)) {
+        if (ptsz)
+            GV_REAL(cuStreamIsCapturing_ptsz, capturing_fn)(stream, &capturing);
+        else
+            GV_REAL(cuStreamIsCapturing, capturing_fn)(stream, &capturing);
+    }
     if (capturing)
         return 0;
     gv_sm_watch(d, sm);
