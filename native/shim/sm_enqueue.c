@@ -89,7 +89,7 @@ uint64_t gv_sm_enqueue_begin(struct gv_sm *sm, int dev)
     if (tag)
         w = &sm->enqueue;
     for (unsigned tries = 0;; tries++) {
-        uint64_t now = gv_mono_ns();
+        uint64_t now = tries ? gv_mono_ns() : start;
         uint64_t held = atomic_load_explicit(w, memory_order_relaxed);
         uint64_t mine = (now & ~3ULL) | 1;
         if (free_at(held, now)) {

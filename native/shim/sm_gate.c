@@ -164,7 +164,7 @@ void gv_sm_set_company(int dev, int company, int procs)
 
 uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_ns)
 {
-    uint64_t start = 0, turn_since = 0;
+    uint64_t start = 0, turn_since = 0, now;
     uint32_t share;
     for (;;) {
         share = atomic_load_explicit(&sm->share, memory_order_relaxed);
@@ -173,7 +173,7 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
         /* Even with the whole GPU lent (share 100 %), pace: that keeps the
          * work queued ahead of the device short, so a lower share takes
          * effect at once instead of after a deep queue drains. */
-        uint64_t now = gv_mono_ns();
+        now = gv_mono_ns();
         if (!start)
             start = now;
         /* The limit was lifted (and no pause is set) while this launch
@@ -292,8 +292,9 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
     }
     atomic_fetch_add_explicit(&inflight_of(dev)->ns, cost_ns, memory_order_relaxed);
     atomic_fetch_add_explicit(&inflight_of(dev)->n, 1, memory_order_relaxed);
-    gv_arb_admitted(dev, uuid, gv_mono_ns(), cost_ns);
-    uint64_t waited = gv_mono_ns() - start;
+    /* `now`: the clock read of the look that admitted it (a CAS later). */
+    gv_arb_admitted(dev, uuid, now, cost_ns);
+    uint64_t waited = now - start;
     if (waited > 1000)
         atomic_fetch_add_explicit(&sm->wait_ns, waited, memory_order_relaxed);
     atomic_fetch_add_explicit(&sm->launches, 1, memory_order_relaxed);

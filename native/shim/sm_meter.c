@@ -114,9 +114,17 @@ static void register_atfork(void) { pthread_atfork(NULL, NULL, fork_child); }
 
 static CUresult elapsed(float *ms, CUevent a, CUevent b)
 {
-    if (gv_real_sym(GV_SYM_cuEventElapsedTime_v2))
-        return GV_REAL(cuEventElapsedTime_v2, ev_elapsed_fn)(ms, a, b);
-    return GV_REAL(cuEventElapsedTime, ev_elapsed_fn)(ms, a, b);
+    /* The driver's newest variant, looked up once (the same in a forked
+     * child: the same driver). */
+    static _Atomic(ev_elapsed_fn) fn;
+    ev_elapsed_fn f = atomic_load_explicit(&fn, memory_order_relaxed);
+    if (!f) {
+        f = gv_real_sym(GV_SYM_cuEventElapsedTime_v2)
+                ? GV_REAL(cuEventElapsedTime_v2, ev_elapsed_fn)
+                : GV_REAL(cuEventElapsedTime, ev_elapsed_fn);
+        atomic_store_explicit(&fn, f, memory_order_relaxed);
+    }
+    return f(ms, a, b);
 }
 
 
