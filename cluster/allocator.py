@@ -76,6 +76,22 @@ class GpuCharge:
     mig: list[MigGrant] = field(default_factory=list)
 
 
+def with_init_charges(
+    app: dict[int, GpuCharge], inits: list[dict[int, GpuCharge]]
+) -> dict[int, GpuCharge]:
+    """A pod's charge as Kubernetes counts init containers: per GPU and per
+    dimension the larger of the app containers' sum (`app`, updated in
+    place and returned) and each init container's; MIG instances add up."""
+    for ic in inits:
+        for i, c2 in ic.items():
+            cur = app.setdefault(i, GpuCharge())
+            cur.slots = max(cur.slots, c2.slots)
+            cur.memory_mib = max(cur.memory_mib, c2.memory_mib)
+            cur.cores = max(cur.cores, c2.cores)
+            cur.mig.extend(c2.mig)
+    return app
+
+
 @dataclass(frozen=True)
 class Decision:
     pod: PodRequest
@@ -647,14 +663,7 @@ def plan_node(
             init_charges.append(ch)
     # the pod's charge, as Kubernetes counts init containers: per GPU and per
     # dimension the larger of the app containers' sum and each init container
-    charge = app_charge
-    for ic in init_charges:
-        for i, c2 in ic.items():
-            cur = charge.setdefault(i, GpuCharge())
-            cur.slots = max(cur.slots, c2.slots)
-            cur.memory_mib = max(cur.memory_mib, c2.memory_mib)
-            cur.cores = max(cur.cores, c2.cores)
-            cur.mig.extend(c2.mig)
+    charge = with_init_charges(app_charge, init_charges)
     split = cfg.split_count
     n = len(inv.gpus)
     after = 0.0
@@ -1102,11 +1111,4 @@ def charge_of(allocation: Allocation, node: NodeState, path: str) -> dict[int, G
                 cur.cores += g.cores
         if c.init:
             inits.append(ch)
-    for ic in inits:
-        for i, c2 in ic.items():
-            cur = app.setdefault(i, GpuCharge())
-            cur.slots = max(cur.slots, c2.slots)
-            cur.memory_mib = max(cur.memory_mib, c2.memory_mib)
-            cur.cores = max(cur.cores, c2.cores)
-            cur.mig.extend(c2.mig)
-    return app
+    return with_init_charges(app, inits)

@@ -36,6 +36,22 @@ LEGACY_CTR_LABELS = ["podnamespace", "podname", "ctrname", "vdeviceid", "deviceu
 LEGACY_HOST_LABELS = ["deviceidx", "deviceuuid", "devicetype", "nodeid"]
 GPU_INFO_LABELS = ["deviceuuid", "deviceidx", "model", "numa"]
 MIG_LABELS = ["deviceuuid", "deviceidx", "gi_id", "profile", "placement", "miguuid"]
+# A container's device under HAMi's vGPU-monitor names (HAMI_CTR_LABELS) and
+# under its legacy ones (LEGACY_CTR_LABELS, --legacy-metrics): key: (name, help).
+HAMI_CTR_GAUGES = {
+    "used": ("hami_vgpu_memory_used_bytes", "vGPU device memory usage in bytes"),
+    "limit": ("hami_vgpu_memory_limit_bytes", "vGPU device memory limit in bytes"),
+    "mem": ("hami_container_device_memory_bytes", "Container device memory usage in bytes"),
+    "util": (
+        "hami_container_device_utilization_ratio",
+        "Container device SM utilization ratio (0-100)",
+    ),
+}
+LEGACY_CTR_GAUGES = {
+    "used": ("vGPU_device_memory_usage_in_bytes", "vGPU device usage"),
+    "limit": ("vGPU_device_memory_limit_in_bytes", "vGPU device limit"),
+    "util": ("Device_utilization_desc_of_container", "Container device utilization description"),
+}
 
 
 @dataclass(frozen=True)
@@ -232,6 +248,11 @@ def _gauge(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
     return GaugeMetricFamily(name, doc, labels=labels)
 
 
+def _gauges(table: dict[str, tuple[str, str]], labels: list[str]) -> dict[str, GaugeMetricFamily]:
+    """A gauge per entry of a table of key: (name, help), all with these labels."""
+    return {key: _gauge(name, doc, labels) for key, (name, doc) in table.items()}
+
+
 def _one(
     kind: type[GaugeMetricFamily | CounterMetricFamily], name: str, doc: str, value: float
 ) -> Metric:
@@ -330,39 +351,14 @@ class AgentCollector(Collector):
             "Unix time the agent received the container's latest report",
             ctr_labels,
         )
-        h_used = _gauge(
-            "hami_vgpu_memory_used_bytes", "vGPU device memory usage in bytes", HAMI_CTR_LABELS
-        )
-        h_limit = _gauge(
-            "hami_vgpu_memory_limit_bytes", "vGPU device memory limit in bytes", HAMI_CTR_LABELS
-        )
-        h_mem = _gauge(
-            "hami_container_device_memory_bytes",
-            "Container device memory usage in bytes",
-            HAMI_CTR_LABELS,
-        )
-        h_util = _gauge(
-            "hami_container_device_utilization_ratio",
-            "Container device SM utilization ratio (0-100)",
-            HAMI_CTR_LABELS,
-        )
+        h = _gauges(HAMI_CTR_GAUGES, HAMI_CTR_LABELS)
         legacy = self.legacy
+        lg = _gauges(LEGACY_CTR_GAUGES, LEGACY_CTR_LABELS) if legacy else {}
         if legacy:
-            l_used = _gauge(
-                "vGPU_device_memory_usage_in_bytes", "vGPU device usage", LEGACY_CTR_LABELS
-            )
-            l_limit = _gauge(
-                "vGPU_device_memory_limit_in_bytes", "vGPU device limit", LEGACY_CTR_LABELS
-            )
-            l_desc = _gauge(
+            lg["desc"] = _gauge(
                 "Device_memory_desc_of_container",
                 "Container device memory description",
                 [*LEGACY_CTR_LABELS, "context", "module", "data", "offset"],
-            )
-            l_util = _gauge(
-                "Device_utilization_desc_of_container",
-                "Container device utilization description",
-                LEGACY_CTR_LABELS,
             )
 
         for st in list(state.containers.values()):
@@ -400,32 +396,25 @@ class AgentCollector(Collector):
                 oom.add_metric(lv, float(d.oom_refusals))
                 hv = [ns, pod, ctr, idx, d.uuid]
                 limit = d.memory_limit if d.memory_limit is not None else d.memory_physical
-                h_used.add_metric(hv, float(d.memory_used))
-                h_limit.add_metric(hv, float(limit))
-                h_mem.add_metric(hv, float(d.memory_used))
-                h_util.add_metric(hv, share)
+                h["used"].add_metric(hv, float(d.memory_used))
+                h["limit"].add_metric(hv, float(limit))
+                h["mem"].add_metric(hv, float(d.memory_used))
+                h["util"].add_metric(hv, share)
                 if legacy:
                     lv2 = [ns, pod, ctr, idx, d.uuid]
-                    l_used.add_metric(lv2, float(d.memory_used))
-                    l_limit.add_metric(lv2, float(limit))
-                    l_desc.add_metric(
+                    lg["used"].add_metric(lv2, float(d.memory_used))
+                    lg["limit"].add_metric(lv2, float(limit))
+                    lg["desc"].add_metric(
                         [*lv2, "0", "0", str(d.memory_used), "0"], float(d.memory_used)
                     )
-                    l_util.add_metric(lv2, share)
+                    lg["util"].add_metric(lv2, share)
         yield from g.values()
         yield oom
         yield procs
         yield prio
         yield last
-        yield h_used
-        yield h_limit
-        yield h_mem
-        yield h_util
-        if legacy:
-            yield l_used
-            yield l_limit
-            yield l_desc
-            yield l_util
+        yield from h.values()
+        yield from lg.values()
 
         yield from self._agent_metrics()
         yield from self._host_metrics()
