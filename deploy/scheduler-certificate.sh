@@ -16,6 +16,7 @@
 # Certificate with ipAddresses [127.0.0.1] into the same Secret (its
 # ca.crt included).
 set -eu
+. "$(dirname "$0")/certificate-lib.sh"
 
 NAMESPACE=${NAMESPACE:-gpuvisor}
 SECRET=${SECRET:-gpuvisor-scheduler-tls}
@@ -30,32 +31,8 @@ while [ $# -gt 0 ]; do
     esac
 done
 
-dir=${out:-$(mktemp -d)}
-[ -n "$out" ] || trap 'rm -rf "$dir"' EXIT
-mkdir -p "$dir"
-umask 077
-
-openssl req -x509 -newkey rsa:2048 -nodes -days "$DAYS" \
-    -subj "/CN=gpuvisor-scheduler-ca" \
-    -addext "basicConstraints=critical,CA:TRUE" \
-    -addext "keyUsage=critical,keyCertSign" \
-    -keyout "$dir/ca.key" -out "$dir/ca.crt" 2>/dev/null
-openssl req -newkey rsa:2048 -nodes -subj "/CN=gpuvisor-scheduler-extender" \
-    -keyout "$dir/tls.key" -out "$dir/tls.csr" 2>/dev/null
-cat > "$dir/ext.cnf" <<EXT
-basicConstraints=critical,CA:FALSE
-keyUsage=critical,digitalSignature,keyEncipherment
-extendedKeyUsage=serverAuth
-subjectAltName=IP:127.0.0.1,DNS:localhost
-EXT
-openssl x509 -req -in "$dir/tls.csr" -CA "$dir/ca.crt" -CAkey "$dir/ca.key" \
-    -CAcreateserial -days "$DAYS" -extfile "$dir/ext.cnf" -out "$dir/tls.crt" 2>/dev/null
-rm -f "$dir/ca.key" "$dir/tls.csr" "$dir/ext.cnf" "$dir/ca.srl"
-
-if [ -n "$out" ]; then
-    echo "wrote $dir/ca.crt $dir/tls.crt $dir/tls.key"
-    exit 0
-fi
+issue_pair "$out" "gpuvisor-scheduler-ca" "gpuvisor-scheduler-extender" \
+    "IP:127.0.0.1,DNS:localhost"
 
 "$KUBECTL" -n "$NAMESPACE" create secret generic "$SECRET" --type=kubernetes.io/tls \
     --from-file=ca.crt="$dir/ca.crt" --from-file=tls.crt="$dir/tls.crt" \

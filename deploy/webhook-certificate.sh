@@ -15,6 +15,7 @@
 # Secret and annotate the configuration with
 # cert-manager.io/inject-ca-from: gpuvisor/<certificate name>.
 set -eu
+. "$(dirname "$0")/certificate-lib.sh"
 
 NAMESPACE=${NAMESPACE:-gpuvisor}
 SERVICE=${SERVICE:-gpuvisor-webhook}
@@ -33,32 +34,8 @@ while [ $# -gt 0 ]; do
     esac
 done
 
-dir=${out:-$(mktemp -d)}
-[ -n "$out" ] || trap 'rm -rf "$dir"' EXIT
-mkdir -p "$dir"
-umask 077
-
-openssl req -x509 -newkey rsa:2048 -nodes -days "$DAYS" \
-    -subj "/CN=gpuvisor-webhook-ca" \
-    -addext "basicConstraints=critical,CA:TRUE" \
-    -addext "keyUsage=critical,keyCertSign" \
-    -keyout "$dir/ca.key" -out "$dir/ca.crt" 2>/dev/null
-openssl req -newkey rsa:2048 -nodes -subj "/CN=$SERVICE.$NAMESPACE.svc" \
-    -keyout "$dir/tls.key" -out "$dir/tls.csr" 2>/dev/null
-cat > "$dir/ext.cnf" <<EXT
-basicConstraints=critical,CA:FALSE
-keyUsage=critical,digitalSignature,keyEncipherment
-extendedKeyUsage=serverAuth
-subjectAltName=DNS:$SERVICE,DNS:$SERVICE.$NAMESPACE,DNS:$SERVICE.$NAMESPACE.svc,DNS:$SERVICE.$NAMESPACE.svc.cluster.local
-EXT
-openssl x509 -req -in "$dir/tls.csr" -CA "$dir/ca.crt" -CAkey "$dir/ca.key" \
-    -CAcreateserial -days "$DAYS" -extfile "$dir/ext.cnf" -out "$dir/tls.crt" 2>/dev/null
-rm -f "$dir/ca.key" "$dir/tls.csr" "$dir/ext.cnf" "$dir/ca.srl"
-
-if [ -n "$out" ]; then
-    echo "wrote $dir/ca.crt $dir/tls.crt $dir/tls.key"
-    exit 0
-fi
+issue_pair "$out" "gpuvisor-webhook-ca" "$SERVICE.$NAMESPACE.svc" \
+    "DNS:$SERVICE,DNS:$SERVICE.$NAMESPACE,DNS:$SERVICE.$NAMESPACE.svc,DNS:$SERVICE.$NAMESPACE.svc.cluster.local"
 
 "$KUBECTL" -n "$NAMESPACE" create secret tls "$SECRET" \
     --cert="$dir/tls.crt" --key="$dir/tls.key" --dry-run=client -o yaml | "$KUBECTL" apply -f -
