@@ -196,6 +196,25 @@ def cluster(*docs: dict[str, Any]) -> dict[str, Any]:
     return {"nodes": {d["node"]: d for d in docs}}
 
 
+def four_and_mig(four_node: str, mig_node: str) -> dict[str, Any]:
+    """The benchmark's small cluster: a 4-GPU box (NVLink pairs, one PCIe
+    switch) and a 2-GPU MIG-capable A100-40GB box (MIG mode off)."""
+    four = inventory(
+        four_node,
+        [gpu(four_node, i, "NVIDIA L40S", 46068) for i in range(4)],
+        [row[:4] for row in links_pairs()[:4]],
+    )
+    two = inventory(
+        mig_node,
+        [
+            gpu(mig_node, i, "NVIDIA A100-SXM4-40GB", 40960, 0, mig_state(A100_40GB_PROFILES))
+            for i in range(2)
+        ],
+        [["X", "NV12"], ["NV12", "X"]],
+    )
+    return cluster(four, two)
+
+
 def pod(
     name: str,
     *containers: dict[str, Any],

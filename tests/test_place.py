@@ -18,14 +18,13 @@ from gpuvisor.cluster.room import extinct, group_room, mig_room
 from gpuvisor.supervisor.cli import main
 
 from tests.inventories import (
-    A100_40GB_PROFILES,
     A100_80GB_PROFILES,
     cluster,
     ctr,
     dgx,
+    four_and_mig,
     gpu,
     inventory,
-    links_pairs,
     links_pcie,
     mig_box,
     mig_state,
@@ -119,22 +118,9 @@ def test_node_policy(policy, expected):
     assert d.node == expected
 
 
-def four_and_mig() -> dict[str, Any]:
+def small() -> dict[str, Any]:
     """The benchmark's small cluster: the only 4-GPU box, and the only MIG box."""
-    four = inventory(
-        "four",
-        [gpu("four", i, "NVIDIA L40S", 46068) for i in range(4)],
-        [row[:4] for row in links_pairs()[:4]],
-    )
-    two = inventory(
-        "mig",
-        [
-            gpu("mig", i, "NVIDIA A100-SXM4-40GB", 40960, 0, mig_state(A100_40GB_PROFILES))
-            for i in range(2)
-        ],
-        [["X", "NV12"], ["NV12", "X"]],
-    )
-    return cluster(four, two)
+    return four_and_mig("four", "mig")
 
 
 def test_room_counts_by_hand():
@@ -143,7 +129,7 @@ def test_room_counts_by_hand():
     assert group_room(inv.links, 0xFF) == (1, 2, 4)
     assert group_room(inv.links, 0xFE) == (0, 1, 3)  # GPU 0 taken
     assert group_room(inv.links, 0b10101010) == (0, 0, 0)  # every pair broken
-    mig = load_inventory(four_and_mig()["nodes"]["mig"]).gpus[0].mig
+    mig = load_inventory(small()["nodes"]["mig"]).gpus[0].mig
     assert mig is not None
     # idle A100-40GB: one 7g, two 3g, four 1g.10gb, seven 1g.5gb
     assert mig_room(mig, 0) == (1, 2, 4, 7)
@@ -154,7 +140,7 @@ def test_room_counts_by_hand():
 
 
 def test_binpack_never_takes_the_last_place_of_a_kind_of_request():
-    a = Allocator.from_cluster(four_and_mig())
+    a = Allocator.from_cluster(small())
     # a fraction that must start an idle GPU: the 4-GPU box is the only home of
     # a 4-GPU job, the MIG box has two MIG-capable GPUs: it opens one of those
     d = place(a, "frac", ctr(gpu=1, gpumem=6000, gpucores=20))
@@ -168,11 +154,11 @@ def test_binpack_never_takes_the_last_place_of_a_kind_of_request():
     d = place(a, "mig", ctr(gpu=1, gpumem=9000), annotations=MIG)
     assert (d.node, mig_grant(d).profile) == ("mig", "1g.10gb")
     # with a 4-GPU job waiting instead, it fits: the same opening keeps it placeable
-    b = Allocator.from_cluster(four_and_mig())
+    b = Allocator.from_cluster(small())
     place(b, "frac", ctr(gpu=1, gpumem=6000, gpucores=20))
     assert sorted(indices(place(b, "job", ctr(gpu=4)))) == [0, 1, 2, 3]
     # spread does not spare anything: the least used node
-    c = Allocator.from_cluster(four_and_mig())
+    c = Allocator.from_cluster(small())
     d = place(
         c,
         "frac",

@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 # build dir -> how it is made
 BUILDS = {"build": "make", "build-asan": "make asan", "build-tsan": "make tsan"}
 
-# (program, extra arguments per build, timeout seconds)
+# t_region_race's and t_region_kill's arguments per build (fewer rounds under sanitizers)
 RACE_ARGS = {
     "build": ["--ms", "1500", "--hot-ms", "1000", "--duel-rounds", "200"],
     "build-asan": ["--ms", "800", "--hot-ms", "600", "--duel-rounds", "100"],
@@ -35,6 +35,11 @@ KILL_ARGS = {
     "build": ["--rounds", "12", "--workers", "6", "--round-ms", "120"],
     "build-asan": ["--rounds", "6", "--workers", "6", "--round-ms", "100"],
     "build-tsan": ["--rounds", "4", "--workers", "4", "--round-ms", "100"],
+}
+# The stress programs: program -> (its region file, its arguments per build, timeout seconds)
+STRESS = {
+    "t_region_race": ("race.shr", RACE_ARGS, 60),
+    "t_region_kill": ("kill.shr", KILL_ARGS, 90),
 }
 
 SANITIZER_ENV = {
@@ -83,6 +88,13 @@ def run(build: str, name: str, args: list[str], tmp_path: Path, timeout: float) 
     return out
 
 
+def stress(build: str, name: str, tmp_path: Path, *extra: str) -> str:
+    """A stress program of STRESS on its region file in tmp_path, with extra
+    arguments before its own for this build."""
+    file, args, timeout = STRESS[name]
+    return run(build, name, [str(tmp_path / file), *extra, *args[build]], tmp_path, timeout)
+
+
 def overshoots(out: str) -> list[int]:
     return [int(v) for v in re.findall(r"^overshoot=(\d+) bytes$", out, re.MULTILINE)]
 
@@ -101,13 +113,7 @@ def test_region_unit(build: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("build", list(BUILDS))
 def test_region_race(build: str, tmp_path: Path) -> None:
-    out = run(
-        build,
-        "t_region_race",
-        [str(tmp_path / "race.shr"), *RACE_ARGS[build]],
-        tmp_path,
-        timeout=60,
-    )
+    out = stress(build, "t_region_race", tmp_path)
     figures = overshoots(out)
     assert len(figures) == 2, out  # wide phase and hot phase
     assert figures == [0, 0], out
@@ -120,13 +126,7 @@ def test_region_race(build: str, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("build", list(BUILDS))
 def test_region_kill(build: str, tmp_path: Path) -> None:
-    out = run(
-        build,
-        "t_region_kill",
-        [str(tmp_path / "kill.shr"), *KILL_ARGS[build]],
-        tmp_path,
-        timeout=90,
-    )
+    out = stress(build, "t_region_kill", tmp_path)
     m = re.search(r"kill: rounds=(\d+) .*kills=(\d+) .*hung=(\d+) .*final_used=(\d+)", out)
     assert m is not None, out
     assert int(m.group(2)) > 0, out  # kills happened
@@ -146,23 +146,11 @@ def test_region_race_and_kill_oversubscribed(tmp_path: Path) -> None:
     to host memory (at once or later) and releases give both parts back;
     the quota is never passed, the spilled count never exceeds the usage,
     and it comes back to exactly 0, SIGKILLs included."""
-    out = run(
-        "build",
-        "t_region_race",
-        [str(tmp_path / "race.shr"), "--spill", *RACE_ARGS["build"]],
-        tmp_path,
-        timeout=60,
-    )
+    out = stress("build", "t_region_race", tmp_path, "--spill")
     assert overshoots(out) == [0, 0], out
     assert out.count("spill: final_spilled=0 slot_spill_sum=0 spill_over_used=0") == 2, out
     assert "t_region_race: OK" in out
-    out = run(
-        "build",
-        "t_region_kill",
-        [str(tmp_path / "kill.shr"), "--spill", *KILL_ARGS["build"]],
-        tmp_path,
-        timeout=90,
-    )
+    out = stress("build", "t_region_kill", tmp_path, "--spill")
     m = re.search(r"kills=(\d+) .*hung=(\d+) .*final_used=(\d+) final_spilled=(\d+)", out)
     assert m is not None, out
     assert int(m.group(1)) > 0, out

@@ -25,8 +25,11 @@ from gpuvisor.shim.capi import API_VERSION, GV_EINVAL, lib
 from tests.helpers import GiB, Holder, MiB, SimNode, run_json, run_py
 
 SIM_CONTEXT = 32 * MiB  # what the simulator charges for one context
+UUID0 = "GPU-00000000-1111-2222-3333-444444444444"
+UUID1 = "GPU-55555555-6666-7777-8888-999999999999"
 
-API = """import json
+API = (
+    """import json
 from gpuvisor.shim import *
 from tests.cuclient import emit
 def errors_of(calls):
@@ -39,9 +42,14 @@ def errors_of(calls):
         except GpuvisorError as e:
             errors[name] = [e.code_name, str(e)]
     return errors
+def one_device(limit):
+    \"\"\"This process's region, with device 0 registered: 16 GiB, this limit.\"\"\"
+    r = Region.attach()
+    r.register_device(UUID0, 16 << 30, limit)
+    return r
 """
-UUID0 = "GPU-00000000-1111-2222-3333-444444444444"
-UUID1 = "GPU-55555555-6666-7777-8888-999999999999"
+    + f"UUID0 = {UUID0!r}\n"
+)
 
 
 # --- loader -------------------------------------------------------------------
@@ -78,11 +86,7 @@ LOAD_THE_LIBRARY = (
     API
     + """
 from gpuvisor.shim.capi import lib
-try:
-    lib()
-    emit(err=None)
-except GpuvisorError as e:
-    emit(err=[e.code_name, str(e)])
+emit(**errors_of({"err": lib}))
 """
 )
 
@@ -251,6 +255,16 @@ def api(node: SimNode, code: str):
     return run_json(API + code, node.env)
 
 
+def attach_error(node: SimNode, path: Path | None = None) -> list[str] | None:
+    """None if the region at path (None: the node's) attaches, else the
+    GpuvisorError's [code name, str()]."""
+    where = repr(str(path)) if path else ""
+    err: list[str] | None = api(
+        node, f"emit(**errors_of({{'err': lambda: Region.attach({where})}}))"
+    )["err"]
+    return err
+
+
 def test_attach_register_and_limits(node) -> None:
     out = api(
         node,
@@ -344,16 +358,15 @@ except GpuvisorError as e:
 def test_bad_arguments_raise(node) -> None:
     out = api(
         node,
-        f"""
-r = Region.attach()
-r.register_device({UUID0!r}, 16 << 30, None)
-emit(**errors_of({{
+        """
+r = one_device(None)
+emit(**errors_of({
     "no-device": lambda: r.device(5),
     "limit-no-device": lambda: r.set_limit(7, 1 << 30),
     "limit-zero": lambda: r.set_limit(0, 0),
     "bad-uuid": lambda: r.register_device("not-a-uuid", 1 << 30, None),
     "no-pid": lambda: r.process_used(999999999, 0),
-}}))
+}))
 """,
     )
     for name, err in out.items():
@@ -370,11 +383,10 @@ def test_an_index_outside_c_int_is_refused_not_wrapped(node) -> None:
     process p's usage."""
     out = api(
         node,
-        f"""
+        """
 import os
-r = Region.attach()
-r.register_device({UUID0!r}, 16 << 30, 4 << 30)
-errors = errors_of({{
+r = one_device(4 << 30)
+errors = errors_of({
     "set-limit": lambda: r.set_limit(1 << 32, 1 << 30),
     "device": lambda: r.device(1 << 32),
     "negative": lambda: r.get_limit(-(1 << 32)),
@@ -383,7 +395,7 @@ errors = errors_of({{
     "yield": lambda: r.set_sm_yield(1 << 32, 1),
     "others": lambda: r.set_sm_others(1 << 32, 50),
     "pid": lambda: r.process_used((1 << 32) + os.getpid(), 0),
-}})
+})
 emit(errors=errors, limit=r.get_limit(0), sm=r.sm(0).limit, others=r.sm_others(0)[1])
 """,
     )
@@ -402,18 +414,17 @@ def test_a_yield_is_a_lease_of_at_most_60_s(node) -> None:
     in Python and in C."""
     out = api(
         node,
-        f"""
+        """
 from gpuvisor.shim.capi import lib
-r = Region.attach()
-r.register_device({UUID0!r}, 16 << 30, 4 << 30)
-errors = errors_of({{
+r = one_device(4 << 30)
+errors = errors_of({
     "long": lambda: r.set_sm_yield(0, 61),
     "bool": lambda: r.set_sm_yield(0, True),
     "negative": lambda: r.set_sm_yield(0, -1),
     "nan": lambda: r.set_sm_yield(0, float("nan")),
     "max": lambda: r.set_sm_yield(0, 60),
     "clear": lambda: r.set_sm_yield(0, 0),
-}})
+})
 rc = lib().gv_device_set_sm_yield(0, 60001)
 emit(errors=errors, rc=rc, c_error=lib().gv_last_error().decode())
 """,
@@ -445,18 +456,10 @@ emit(same=r.path == __import__("pathlib").Path({path!r}), exists=r.path.is_file(
 
 def test_attach_bad_path_names_it(node, tmp_path) -> None:
     bad = tmp_path / "no-such-dir" / "region.shr"
-    out = api(
-        node,
-        f"""
-try:
-    Region.attach({str(bad)!r})
-    emit(err=None)
-except GpuvisorError as e:
-    emit(err=[e.code_name, str(e)])
-""",
-    )
-    assert out["err"][0] == "GV_EIO"
-    assert str(bad) in out["err"][1]
+    err = attach_error(node, bad)
+    assert err is not None
+    assert err[0] == "GV_EIO"
+    assert str(bad) in err[1]
 
 
 def test_attach_a_dangling_symlink_says_so(node, tmp_path) -> None:
@@ -467,19 +470,10 @@ def test_attach_a_dangling_symlink_says_so(node, tmp_path) -> None:
     target = tmp_path / "gone" / "region.shr"
     link = tmp_path / "region-link.shr"
     link.symlink_to(target)
-    out = api(
-        node,
-        f"""
-try:
-    Region.attach({str(link)!r})
-    emit(err=None)
-except GpuvisorError as e:
-    emit(err=[e.code_name, e.message])
-""",
-    )
-    assert out["err"] == [
+    err = attach_error(node, link)
+    assert err == [
         "GV_EIO",
-        f"gpuvisor: region {link}: a symbolic link to {target}, which does not exist",
+        f"gpuvisor: region {link}: a symbolic link to {target}, which does not exist (GV_EIO)",
     ]
     assert not [p.name for p in tmp_path.iterdir() if p.name.startswith("region-link.shr.")]
 
@@ -491,19 +485,10 @@ except GpuvisorError as e:
 )
 def test_attach_corrupt_region_names_it(node, content) -> None:
     node.region.write_bytes(content)
-    out = api(
-        node,
-        """
-try:
-    Region.attach()
-    emit(err=None)
-except GpuvisorError as e:
-    emit(err=[e.code_name, str(e)])
-""",
-    )
-    assert out["err"] is not None
-    assert out["err"][0] == "GV_ECORRUPT"
-    assert str(node.region) in out["err"][1]
+    err = attach_error(node)
+    assert err is not None
+    assert err[0] == "GV_ECORRUPT"
+    assert str(node.region) in err[1]
 
 
 def test_processes_usage_and_reclaim(node) -> None:
@@ -606,21 +591,12 @@ def test_attach_region_of_the_wrong_size_says_which_way(node, delta) -> None:
     expected = node.region.stat().st_size
     with node.region.open("r+b") as f:
         f.truncate(expected + delta)
-    out = api(
-        node,
-        """
-try:
-    Region.attach()
-    emit(err=None)
-except GpuvisorError as e:
-    emit(err=[e.code_name, e.message])
-""",
-    )
+    err = attach_error(node)
     way = "small" if delta < 0 else "large"
-    assert out["err"] == [
+    assert err == [
         "GV_ECORRUPT",
         f"gpuvisor: region {node.region}: file is {expected + delta} bytes, "
-        f"expected {expected} (too {way})",
+        f"expected {expected} (too {way}) (GV_ECORRUPT)",
     ]
 
 

@@ -37,15 +37,11 @@ from gpuvisor.cluster.request import PodRequest, pod_request
 from tests.bench.agent_bench import replace_section
 from tests.bench.machine import cpu_model
 from tests.inventories import (
-    A100_40GB_PROFILES,
     cluster,
     ctr,
     dgx,
-    gpu,
-    inventory,
-    links_pairs,
+    four_and_mig,
     mig_box,
-    mig_state,
     pairs_box,
     pcie_box,
     pod,
@@ -189,20 +185,7 @@ def quality(seeds: list[int], nodes: int, length: int) -> list[tuple[str, list[R
 # -- the exact optimum on small instances (exhaustive; benchmark only) -----------------------
 def small_cluster() -> dict[str, Any]:
     """A 4-GPU box (NVLink pairs, one PCIe switch) and a 2-GPU MIG-capable A100-40GB box."""
-    four = inventory(
-        "s-pairs",
-        [gpu("s-pairs", i, "NVIDIA L40S", 46068) for i in range(4)],
-        [row[:4] for row in links_pairs()[:4]],
-    )
-    two = inventory(
-        "s-mig",
-        [
-            gpu("s-mig", i, "NVIDIA A100-SXM4-40GB", 40960, 0, mig_state(A100_40GB_PROFILES))
-            for i in range(2)
-        ],
-        [["X", "NV12"], ["NV12", "X"]],
-    )
-    return cluster(four, two)
+    return four_and_mig("s-pairs", "s-mig")
 
 
 def optimum(doc: dict[str, Any], reqs: list[PodRequest], split: int) -> int:
