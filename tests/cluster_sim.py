@@ -128,21 +128,6 @@ class SimTopologyNode:
     inventory: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def start(
-        cls,
-        k8s: KubeTest,
-        name: str,
-        topo: Mapping[str, Any],
-        workdir: Path,
-        *,
-        create_node: bool = True,
-    ) -> SimTopologyNode:
-        """`launch`, then `wait_ready`."""
-        node = cls.launch(k8s, name, topo, workdir, create_node=create_node)
-        node.wait_ready(k8s)
-        return node
-
-    @classmethod
     def launch(
         cls,
         k8s: KubeTest,

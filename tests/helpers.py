@@ -28,17 +28,25 @@ _SCRUBBED_PREFIXES = ("CUDA_", "GPUVISOR_", "LIBCUDA_", "NVIDIA_")
 _SCRUBBED = {"LD_PRELOAD", "LD_LIBRARY_PATH"}
 
 
-# Prelude of child programs that launch `spin` kernels through cuda-python:
-# `chk` unwraps a (CUresult, value) tuple and asserts success; `spin` is the
-# simulator's kernel (its first parameter: microseconds), `s` a stream on
-# device 0's primary context.  Programs add their own imports.
-CU_SPIN_PRELUDE = """
+# Prelude of child programs that call the driver through cuda-python: `cu`,
+# `R` (CUDA_SUCCESS) and `chk`, which asserts a call's success and unwraps a
+# (CUresult, value) tuple.  Programs add their own imports.
+CU_CHK = """
 import ctypes
 from cuda.bindings import driver as cu
+R = cu.CUresult.CUDA_SUCCESS
 def chk(r):
     e = r[0] if isinstance(r, tuple) else r
-    assert e == cu.CUresult.CUDA_SUCCESS, e
+    assert e == R, e
     return r[1] if isinstance(r, tuple) and len(r) == 2 else r
+"""
+
+# CU_CHK, then for programs that launch `spin` kernels: `spin` is the
+# simulator's kernel (its first parameter: microseconds), `s` a stream on
+# device 0's primary context.
+CU_SPIN_PRELUDE = (
+    CU_CHK
+    + """
 chk(cu.cuInit(0))
 chk(cu.cuCtxSetCurrent(chk(cu.cuDevicePrimaryCtxRetain(0))))
 spin = chk(cu.cuModuleGetFunction(chk(cu.cuModuleLoadData(b"any image")), b"spin"))
@@ -46,6 +54,7 @@ s = chk(cu.cuStreamCreate(0))
 def launch(us):
     chk(cu.cuLaunchKernel(spin, 1, 1, 1, 32, 1, 1, 0, s, ((us,), (ctypes.c_uint32,)), 0))
 """
+)
 
 # Says "ready", waits for a line on stdin, then launches 1 ms kernels back
 # to back until killed (start_ready starts it).

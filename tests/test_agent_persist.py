@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 from gpuvisor.supervisor.agent.config import AgentConfig, admin_socket_for
 from gpuvisor.supervisor.agent.persist import (
@@ -39,7 +38,7 @@ from tests.test_agent import (  # noqa: F401
     sock_path,
     wait_for,
 )
-from tests.test_end_to_end import memory_limit, supervised
+from tests.test_end_to_end import kill_container, memory_limit, supervised
 
 
 def state_file(sock: str) -> Path:
@@ -393,10 +392,7 @@ def test_an_agent_restart_reapplies_an_admins_limit_through_a_real_supervisor(
         assert proc.returncode == 0, proc.stderr
         assert wait_for(lambda: memory_limit(first, "pod-p") == [GiB], timeout=5.0)
         crash(first)
-        workload = psutil.Process(sup.pid).children()
-        sup.send_signal(signal.SIGKILL)
-        for p in workload:
-            os.killpg(p.pid, signal.SIGKILL)
+        kill_container(sup)
     finally:
         sup.kill()
         sup.communicate(timeout=30)

@@ -236,6 +236,17 @@ hold(used=used())
 """
 
 
+def one_then_the_other(a: SimNode, b: SimNode, create: bool, a_cost: int) -> None:
+    """A context on node a (charged a_cost), then, while it lives, one on
+    node b, which learned a's cost: once created, the two are charged
+    their real costs, 64 MiB in all, on the region they share."""
+    with Holder(KEEP.format(create=create), env_for(a)) as first:
+        assert first["used"] == a_cost
+        with Holder(KEEP.format(create=create), env_for(b)) as second:
+            assert second["used"] == 64 * MiB
+            assert region_used(a) == 64 * MiB
+
+
 @pytest.mark.parametrize("create", [False, True], ids=["primary-ctx", "cuCtxCreate"])
 def test_a_context_larger_than_reserved_is_charged_its_measured_cost(
     tmp_path: Path, create: bool
@@ -243,11 +254,7 @@ def test_a_context_larger_than_reserved_is_charged_its_measured_cost(
     """The cost reserved (16 MiB, learned) is less than the context takes
     (48 MiB): the difference is charged after the creation."""
     a, b = two_sizes(tmp_path, "16m", "48m")
-    with Holder(KEEP.format(create=create), env_for(a)) as first:
-        assert first["used"] == 16 * MiB
-        with Holder(KEEP.format(create=create), env_for(b)) as second:
-            assert second["used"] == 64 * MiB
-            assert region_used(a) == 64 * MiB
+    one_then_the_other(a, b, create, 16 * MiB)
 
 
 @pytest.mark.parametrize("create", [False, True], ids=["primary-ctx", "cuCtxCreate"])
@@ -277,11 +284,7 @@ def test_a_context_smaller_than_reserved_gives_the_difference_back(
     """The cost reserved (48 MiB) is more than the context takes (16 MiB):
     the difference is given back, and the smaller cost learned."""
     a, b = two_sizes(tmp_path, "48m", "16m")
-    with Holder(KEEP.format(create=create), env_for(a)) as first:
-        assert first["used"] == 48 * MiB
-        with Holder(KEEP.format(create=create), env_for(b)) as second:
-            assert second["used"] == 64 * MiB
-            assert region_used(a) == 64 * MiB
+    one_then_the_other(a, b, create, 48 * MiB)
     # The smallest cost is kept: with 24 MiB left, a 16 MiB context is
     # created (48 MiB reserved would have refused it in advance).
     with Holder(HOLD.format(alloc=984 * MiB), env_for(b)) as first:

@@ -11,7 +11,9 @@ through NVML's per-process utilisation.
 
 from __future__ import annotations
 
+import os
 import select
+import signal
 import statistics
 import subprocess
 import sys
@@ -19,6 +21,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.helpers import CLI, CU_SPIN_PRELUDE, REPO_ROOT, SimNode, shares_over
@@ -503,11 +506,6 @@ def test_an_admins_limit_is_applied_again_by_a_restarted_supervisor(
     with a fresh region, configured from the environment (4 GiB).  The
     agent, which still knows the container, pushes the admin's 1 GiB again,
     and the new supervisor applies it."""
-    import os
-    import signal
-
-    import psutil
-
     with AgentProc(sock_path, "--expire-after", "30", env=node.env) as agent:
         first = supervised(node, sock_path, node.dir / "r1.shr", "pod-r", "4g", "0", 64)
         try:
@@ -540,10 +538,7 @@ def test_an_admins_limit_is_applied_again_by_a_restarted_supervisor(
             assert wait_for(lambda: memory_limit(agent, "pod-r") == [GiB], timeout=5.0), (
                 memory_limit(agent, "pod-r")
             )
-            workload = psutil.Process(first.pid).children()
-            first.send_signal(signal.SIGKILL)
-            for p in workload:
-                os.killpg(p.pid, signal.SIGKILL)
+            kill_container(first)
         finally:
             first.kill()
             first.communicate(timeout=30)
@@ -668,6 +663,15 @@ print("second", flush=True)
 time.sleep(float(sys.argv[2]))
 """
 )
+
+
+def kill_container(sup: subprocess.Popen[str]) -> None:
+    """SIGKILLs a supervised container: its supervisor (no final report) and
+    its workload's process group, as a restart of the container would."""
+    workload = psutil.Process(sup.pid).children()
+    sup.send_signal(signal.SIGKILL)
+    for p in workload:
+        os.killpg(p.pid, signal.SIGKILL)
 
 
 def supervised_late(

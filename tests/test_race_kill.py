@@ -49,6 +49,15 @@ def run_linked(
     return run_cmd([str(build_dir / "tests" / name), *args], env, timeout)
 
 
+def linked_fields(
+    build_dir: Path, name: str, *args: str, env: dict[str, str], timeout: float = 60
+) -> dict[str, str]:
+    """run_linked, which must exit 0: the key=value fields of its output."""
+    proc = run_linked(build_dir, name, *args, env=env, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return dict(item.split("=", 1) for item in proc.stdout.split())
+
+
 def start_churn(
     build_dir: Path, env: dict[str, str], seconds: float, threads: int, max_mib: int, seed: int
 ) -> subprocess.Popen[str]:
@@ -341,16 +350,14 @@ def test_a_thread_allocating_while_untracked_memory_is_reread_is_still_counted(
     third allocation then passed the quota: 3000 MiB next to the 1 GiB heap
     and 1 GiB in flight under 4 GiB.  Now no reading is taken while a charge
     is in flight."""
-    proc = run_linked(
+    out = linked_fields(
         build_dir,
         "t_link_untracked_race",
         env=node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g", GPUVISOR_SIM_ALLOC_MS="2000"),
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = dict(line.split("=", 1) for line in proc.stdout.split())
-    assert out["a"] == "0", proc.stdout
-    assert out["b"] == "2", proc.stdout  # CUDA_ERROR_OUT_OF_MEMORY
-    assert int(out["used_mib"]) >= 2048, proc.stdout
+    assert out["a"] == "0", out
+    assert out["b"] == "2", out  # CUDA_ERROR_OUT_OF_MEMORY
+    assert int(out["used_mib"]) >= 2048, out
 
 
 @pytest.mark.parametrize("made", ["create", "primary"])
@@ -362,14 +369,13 @@ def test_a_context_is_charged_its_own_memory_while_another_thread_allocates(
     here) is charged for that on its own: the context used to be charged it
     too, and kept it after the free (1088 MiB left for two 32 MiB
     contexts)."""
-    proc = run_linked(
+    out = linked_fields(
         build_dir,
         "t_link_ctx_race",
         made,
         env=node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g", GPUVISOR_SIM_CTX_CREATE_MS="1000"),
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert proc.stdout.strip() == "after_free_mib=64", proc.stdout
+    assert out == {"after_free_mib": "64"}
 
 
 @pytest.mark.parametrize(
@@ -388,7 +394,7 @@ def test_memory_freed_while_untracked_memory_is_reread_is_not_taken_off_it(
     which waits while another thread's allocation is in the driver.  Now a
     free is in flight for its whole driver call, and no reading is taken
     then."""
-    proc = run_linked(
+    out = linked_fields(
         build_dir,
         "t_link_free_race",
         freed,
@@ -399,11 +405,9 @@ def test_memory_freed_while_untracked_memory_is_reread_is_not_taken_off_it(
             GPUVISOR_SIM_ALLOC_MS="1500",
         ),
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = dict(item.split("=", 1) for item in proc.stdout.split())
-    assert (out["a"], out["b"], out["c"]) == ("0", "2", "0"), proc.stdout
+    assert (out["a"], out["b"], out["c"]) == ("0", "2", "0"), out
     # the context, the heap and C's 64 MiB
-    assert out["during"] == out["after"] == str(256 + 1024 + 64), proc.stdout
+    assert out["during"] == out["after"] == str(256 + 1024 + 64), out
 
 
 @pytest.mark.parametrize("sync", ["stream", "ctx", "event", "ptsz"])
@@ -421,19 +425,18 @@ def test_a_pool_shrunk_by_a_synchronisation_is_not_taken_off_untracked_memory(
     was 512 MiB short.  Now the pools are settled before each reading (and
     no reading is used while one is charged more than its reserve), and
     after each synchronisation."""
-    proc = run_linked(
+    fields = linked_fields(
         build_dir,
         "t_link_pool_sync_race",
         sync,
         env=node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g", GPUVISOR_SIM_FREE_MS="1200"),
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = {k: int(v) for k, v in (item.split("=", 1) for item in proc.stdout.split())}
+    out = {k: int(v) for k, v in fields.items()}
     base = 32 + 1024  # the context and the heap
-    assert out["synced_a"] == base, proc.stdout
-    assert out["n"] > 0, proc.stdout
-    assert out["synced"] == out["after"] == base + 2 * out["n"], proc.stdout
-    assert out["low"] == 0, proc.stdout
+    assert out["synced_a"] == base, out
+    assert out["n"] > 0, out
+    assert out["synced"] == out["after"] == base + 2 * out["n"], out
+    assert out["low"] == 0, out
 
 
 @pytest.mark.parametrize(
@@ -452,20 +455,18 @@ def test_a_block_freed_into_a_busy_stream_stays_charged_until_the_stream_gets_th
     there (sdestroy) releases it too: another process of the container then
     gets its 512 MiB with no further call from this one (cuStreamDestroy
     was not hooked, and the charge stayed until this process's next hook)."""
-    proc = run_linked(
+    out = linked_fields(
         build_dir, "t_link_free_async", reached, env=node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="1g")
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = dict(item.split("=", 1) for item in proc.stdout.split())
     contexts = 64 if reached == "destroy" else 32
-    assert out["pending"] == "2", proc.stdout  # CUDA_ERROR_OUT_OF_MEMORY
-    assert int(out["during"]) == contexts + 768, proc.stdout
+    assert out["pending"] == "2", out  # CUDA_ERROR_OUT_OF_MEMORY
+    assert int(out["during"]) == contexts + 768, out
     # gv_device_get_used gives nothing back itself: with no synchronisation,
     # the block is released by the allocation that follows.
-    assert int(out["synced"]) == (32 + 768 if reached == "poll" else 32), proc.stdout
+    assert int(out["synced"]) == (32 + 768 if reached == "poll" else 32), out
     # the other process (sdestroy only) got its 512 MiB
-    assert out.get("take") == ("0" if reached == "sdestroy" else None), proc.stdout
-    assert out["after"] == "0", proc.stdout
+    assert out.get("take") == ("0" if reached == "sdestroy" else None), out
+    assert out["after"] == "0", out
     assert region_usage(node)["used"] == 0
 
 
@@ -484,17 +485,15 @@ def test_a_query_that_finds_the_stream_done_releases_its_pending_free(
     512 MiB that fit.  Now the query releases it, whether called by name,
     through cuGetProcAddress (with or without the per-thread stream flag)
     or through dlsym."""
-    proc = run_linked(
+    out = linked_fields(
         build_dir, "t_link_free_async", query, env=node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="1g")
     )
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    out = dict(item.split("=", 1) for item in proc.stdout.split())
-    assert out["pending"] == "2", proc.stdout  # CUDA_ERROR_OUT_OF_MEMORY
-    assert int(out["during"]) == 32 + 768, proc.stdout
-    assert int(out["polls"]) > 1, proc.stdout  # the stream was busy at first
-    assert int(out["synced"]) == 32, proc.stdout
-    assert out["take"] == "0", proc.stdout  # the other process got its 512 MiB
-    assert out["after"] == "0", proc.stdout
+    assert out["pending"] == "2", out  # CUDA_ERROR_OUT_OF_MEMORY
+    assert int(out["during"]) == 32 + 768, out
+    assert int(out["polls"]) > 1, out  # the stream was busy at first
+    assert int(out["synced"]) == 32, out
+    assert out["take"] == "0", out  # the other process got its 512 MiB
+    assert out["after"] == "0", out
     assert region_usage(node)["used"] == 0
 
 

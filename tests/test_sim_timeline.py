@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import CU_CHK
 from tests.simhelp import (
     REPO,
     has_cuda_bindings,
@@ -31,14 +32,10 @@ needs_cuda_python = pytest.mark.skipif(not has_cuda_bindings(), reason="cuda-pyt
 T_SIM_TIMELINE = REPO / "build" / "tests" / "t_sim_timeline"
 
 # cuda-python child prelude: a context, a module and the kernels
-CUDA_PRELUDE = """
-import ctypes, json, sys, time
-from cuda.bindings import driver as cu
-R = cu.CUresult.CUDA_SUCCESS
-def chk(res):
-    err = res[0] if isinstance(res, tuple) else res
-    assert err == R, err
-    return res[1] if isinstance(res, tuple) and len(res) == 2 else res
+CUDA_PRELUDE = (
+    CU_CHK
+    + """
+import json, sys, time
 chk(cu.cuInit(0))
 ctx = chk(cu.cuDevicePrimaryCtxRetain(0))
 chk(cu.cuCtxSetCurrent(ctx))
@@ -50,6 +47,7 @@ def spin_args(us):
 def launch_spin(stream, us):
     chk(cu.cuLaunchKernel(spin, 1, 1, 1, 128, 1, 1, 0, stream, spin_args(us), 0))
 """
+)
 
 
 def with_prelude(body: str) -> str:

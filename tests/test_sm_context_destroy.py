@@ -19,32 +19,29 @@ import json
 
 import pytest
 
-from tests.helpers import SimNode, run_json, run_py
+from tests.helpers import CU_CHK, SimNode, run_json, run_py
 
 ROUNDS = 5
 
-# Every program's start: chk, a spin kernel and a stream in the current
+# Every program's start: chk, cuInit, a spin kernel and a stream in the current
 # context (kernel_in), and one launch of it for us microseconds.
-HEAD = """
-import ctypes, json, sys, threading, time
-from cuda.bindings import driver as cu
-R = cu.CUresult.CUDA_SUCCESS
-def chk(r):
-    e = r[0] if isinstance(r, tuple) else r
-    assert e == R, e
-    return r[1] if isinstance(r, tuple) and len(r) == 2 else None
+HEAD = (
+    CU_CHK
+    + """
+import json, sys, threading, time
 def kernel_in(ctx):
     mod = chk(cu.cuModuleLoadData(b"any image"))
     return chk(cu.cuModuleGetFunction(mod, b"spin")), chk(cu.cuStreamCreate(0))
 def launch(f, s, us):
     return cu.cuLaunchKernel(f, 1, 1, 1, 32, 1, 1, 0, s, ((us,), (ctypes.c_uint32,)), 0)[0]
+chk(cu.cuInit(0))
 """
+)
 
 PROGRAM = (
     HEAD
     + """
 how, rounds = sys.argv[1], int(sys.argv[2])
-chk(cu.cuInit(0))
 # The context the program goes on with, made beforehand: its events come
 # right after the destruction, in the memory the destroyed events had,
 # before the meter's next poll (every 100 us) would have found them gone.
@@ -120,7 +117,6 @@ def test_a_destroyed_contexts_launches_leave_the_programs_events_alone(
 STUCK = (
     HEAD
     + """
-chk(cu.cuInit(0))
 ctx = chk(cu.cuCtxCreate(None, 0, 0))
 spin, s = kernel_in(ctx)
 for _ in range(4):
@@ -156,7 +152,6 @@ def test_a_context_is_destroyed_even_while_the_meter_is_stuck(node: SimNode) -> 
 RACING = (
     HEAD
     + """
-chk(cu.cuInit(0))
 other = chk(cu.cuCtxCreate(None, 0, 0))
 spin2, s2 = kernel_in(other)
 doomed = chk(cu.cuCtxCreate(None, 0, 0))

@@ -127,6 +127,20 @@ def go(*procs: subprocess.Popen[str]) -> None:
         p.stdin.flush()
 
 
+def thirty_and_seventy(
+    node: SimNode, tmp_path: Path, seed: int, **a_terms: str
+) -> tuple[subprocess.Popen[str], subprocess.Popen[str]]:
+    """A (30 % and a_terms, the node's region) and B (70 %, a region of its
+    own) launching back to back on the GPU from the same moment."""
+    a = start(node.shimmed(CUDA_DEVICE_SM_LIMIT="30", **a_terms), "kernel", LONG_RUN, seed)
+    b_env = node.shimmed(
+        CUDA_DEVICE_SM_LIMIT="70", CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "b.shr")
+    )
+    b = start(b_env, "kernel", LONG_RUN, seed + 1)
+    go(a, b)
+    return a, b
+
+
 def finish(proc: subprocess.Popen[str]) -> float:
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, out + err
@@ -761,13 +775,7 @@ def test_a_killed_lenders_part_comes_back_within_a_second(node: SimNode, tmp_pat
 
 
 def test_best_effort_yields_to_others(node: SimNode, tmp_path: Path) -> None:
-    a_env = node.shimmed(CUDA_DEVICE_SM_LIMIT="30", GPUVISOR_SM_POLICY="best-effort")
-    b_env = node.shimmed(
-        CUDA_DEVICE_SM_LIMIT="70", CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "b.shr")
-    )
-    a = start(a_env, "kernel", LONG_RUN, 5)
-    b = start(b_env, "kernel", LONG_RUN, 6)
-    go(a, b)
+    a, b = thirty_and_seventy(node, tmp_path, 5, GPUVISOR_SM_POLICY="best-effort")
     time.sleep(1.5)
     shares = shares_over(node, 1.5)
     stop(a, b)
@@ -810,13 +818,7 @@ def test_a_container_killed_or_stopped_mid_launch_never_holds_another(
     while it launches back to back, so its slot is left saying it waits or
     has launches in flight; what it said lapses within 20 ms, and B keeps
     its whole share."""
-    a_env = node.shimmed(CUDA_DEVICE_SM_LIMIT="30")
-    b_env = node.shimmed(
-        CUDA_DEVICE_SM_LIMIT="70", CUDA_DEVICE_MEMORY_SHARED_CACHE=str(tmp_path / "b.shr")
-    )
-    a = start(a_env, "kernel", LONG_RUN, 7)
-    b = start(b_env, "kernel", LONG_RUN, 8)
-    go(a, b)
+    a, b = thirty_and_seventy(node, tmp_path, 7)
     time.sleep(1.0)
     both = shares_over(node, 1.0)
     assert any(f.name.startswith("gpuvisor-sm-") for f in node.dir.iterdir())  # in play

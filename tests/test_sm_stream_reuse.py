@@ -9,17 +9,13 @@ stream made, in any context.
 
 from __future__ import annotations
 
-from tests.helpers import SimNode, run_json
+from tests.helpers import CU_CHK, SimNode, run_json
 
-PROGRAM = """
-import ctypes, json
-from cuda.bindings import driver as cu
+PROGRAM = (
+    CU_CHK
+    + """
+import json
 from gpuvisor.shim.region import Region
-R = cu.CUresult.CUDA_SUCCESS
-def chk(r):
-    e = r[0] if isinstance(r, tuple) else r
-    assert e == R, e
-    return r[1] if isinstance(r, tuple) and len(r) == 2 else None
 def launches_on(ctx):
     chk(cu.cuCtxSetCurrent(ctx))
     f = chk(cu.cuModuleGetFunction(chk(cu.cuModuleLoadData(b"any image")), b"spin"))
@@ -38,6 +34,7 @@ print(json.dumps({"handles": handles,
                   "launches": {r.device_uuid(d): r.sm(d).launches
                                for d in range(r.device_count())}}))
 """
+)
 
 
 def test_a_reused_stream_handle_is_paced_on_its_own_device(node: SimNode) -> None:
