@@ -9,10 +9,11 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 BUILD_DIR = REPO_ROOT / "build"
@@ -140,16 +141,17 @@ def run_cmd(
 
 
 def start_cmd(
-    cmd: list[str], env: Mapping[str, str], *, stdin: bool = False
+    cmd: list[str], env: Mapping[str, str], *, stdin: bool = False, stderr: IO[str] | None = None
 ) -> subprocess.Popen[str]:
     """Start cmd from the checkout's root in env, its stdout and stderr (and
-    stdin, if asked) piped as text."""
+    stdin, if asked) piped as text; stderr into a file instead if given one
+    (a chatty child must never block on a pipe nobody reads)."""
     return subprocess.Popen(
         cmd,
         env=dict(env),
         stdin=subprocess.PIPE if stdin else None,
         stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
+        stderr=subprocess.PIPE if stderr is None else stderr,
         text=True,
         cwd=REPO_ROOT,
     )
@@ -225,6 +227,33 @@ CLI = [sys.executable, "-c", "from gpuvisor.supervisor.cli import main; main()"]
 RUN = [*CLI, "run"]  # gpuvisor run
 
 
+def answer(proc: subprocess.Popen[str], line: str | None = None) -> dict[str, Any]:
+    """The JSON object on proc's next line of output, after line (if any) is
+    written to its stdin; fails with proc's stderr if it ended instead."""
+    assert proc.stdin is not None
+    assert proc.stdout is not None
+    if line is not None:
+        proc.stdin.write(line + "\n")
+        proc.stdin.flush()
+    out = proc.stdout.readline()
+    assert out, proc.stderr.read() if proc.stderr else f"{proc.args!r} ended"
+    result: dict[str, Any] = json.loads(out)
+    return result
+
+
+@contextmanager
+def driven(
+    code: str, env: Mapping[str, str], *args: str, ready: str = "ready"
+) -> Iterator[subprocess.Popen[str]]:
+    """start_ready for a with block, at whose end the child is killed and reaped."""
+    proc = start_ready(code, env, *args, ready=ready)
+    try:
+        yield proc
+    finally:
+        proc.kill()
+        proc.communicate(timeout=30)
+
+
 def run_cli(
     *args: str, env: Mapping[str, str] | None = None, timeout: float = 30
 ) -> subprocess.CompletedProcess[str]:
@@ -271,14 +300,8 @@ class Holder:
         self.stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in __exit__)
 
     def __enter__(self) -> Any:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", self.code],
-            env=self.env,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.stderr,
-            text=True,
-            cwd=REPO_ROOT,
+        self.proc = start_cmd(
+            [sys.executable, "-c", self.code], self.env, stdin=True, stderr=self.stderr
         )
         assert self.proc.stdout is not None
         seen: list[str] = []

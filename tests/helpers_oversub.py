@@ -7,13 +7,12 @@ and the region's figures through the exported API."""
 
 from __future__ import annotations
 
-import json
 import signal
 import textwrap
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tests.helpers import GiB, MiB, SimNode, run_json, start_ready
+from tests.helpers import GiB, MiB, SimNode, answer, run_json, start_ready
 
 SIM_CONTEXT = 32 * MiB
 DEVICE = 4 * GiB
@@ -113,15 +112,7 @@ class Container:
 
     def ask(self, line: str, proc: int = 0) -> dict[str, Any]:
         """Worker `proc`'s answer to line."""
-        p = self.procs[proc]
-        assert p.stdin is not None
-        assert p.stdout is not None
-        p.stdin.write(line + "\n")
-        p.stdin.flush()
-        answer = p.stdout.readline()
-        assert answer, p.stderr.read() if p.stderr else "worker died"
-        result: dict[str, Any] = json.loads(answer)
-        return result
+        return answer(self.procs[proc], line)
 
     def send(self, line: str) -> None:
         """line to every worker, not waiting for the answers."""

@@ -49,7 +49,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.helpers import (
     CLI,
-    REPO_ROOT,
     SimNode,
     clean_env,
     run_cli,
@@ -84,7 +83,7 @@ class AgentProc:
         self.port = 0
 
     def start(self) -> AgentProc:
-        self.proc = subprocess.Popen(
+        self.proc = start_cmd(
             [
                 *CLI,
                 "node-agent",
@@ -96,11 +95,8 @@ class AgentProc:
                 "0",
                 *self.args,
             ],
-            env=self.env,
-            stdout=subprocess.PIPE,
+            self.env,
             stderr=self.stderr,
-            text=True,
-            cwd=REPO_ROOT,
         )
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()

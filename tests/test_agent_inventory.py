@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.helpers import Holder, missing_build_outputs, run_py
+from tests.helpers import Holder, missing_build_outputs
 from tests.test_agent import AgentProc
-from tests.topohelp import topo_node
+from tests.topohelp import make_3g_instance, topo_node
 
 pytestmark = pytest.mark.skipif(bool(missing_build_outputs()), reason="run make first")
 
@@ -57,20 +57,10 @@ def wait_for(get: Any, check: Any, seconds: float = 10.0) -> Any:
 
 def test_status_and_metrics_show_the_inventory(tmp_path: Path, sock: str) -> None:
     node = topo_node(tmp_path, TOPOLOGY)
-    made = run_py(
-        """
-        import ctypes, pynvml as n
-        n.nvmlInit()
-        d = n.nvmlDeviceGetHandleByIndex(0)
-        pl = n.c_nvmlGpuInstancePlacement_t(0, 4)
-        gi = n.nvmlDeviceCreateGpuInstanceWithPlacement(d, 9, ctypes.byref(pl))
-        n.nvmlGpuInstanceCreateComputeInstance(gi, n.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE)
-        print(n.nvmlDeviceGetUUID(n.nvmlDeviceGetMigDeviceHandleByIndex(d, 0)))
-        """,
-        node.env,
+    made = make_3g_instance(
+        node, 0, "print(n.nvmlDeviceGetUUID(n.nvmlDeviceGetMigDeviceHandleByIndex(d, 0)))"
     )
-    assert made.returncode == 0, made.stderr
-    mig_uuid = made.stdout.strip()
+    mig_uuid = made.strip()
     with AgentProc(sock, "--node-name", "n7", env=node.env) as agent:
         status = json.loads(agent.get("/status"))
         inv = status["inventory"]

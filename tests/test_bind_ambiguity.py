@@ -107,6 +107,13 @@ def gpus_of(pods: Pods, name: str) -> list[list[str]]:
     return [[g["uuid"] for g in c["gpus"]] for c in doc["containers"]]
 
 
+def bound_gpu(ext: Extender, pods: Pods, doc: dict[str, Any]) -> str:
+    """Binds a pod of one 1-GPU container, which must succeed: its GPU."""
+    assert bind(ext, pods, doc) == ""
+    ((gpu,),) = gpus_of(pods, doc["metadata"]["name"])
+    return gpu
+
+
 def start(ext: Extender, pods: Pods, name: str, *containers: str, phase: str = "Running") -> None:
     """kubelet reports the containers started (the pod's phase as given)."""
     statuses = [
@@ -128,8 +135,7 @@ def test_a_second_spread_pod_goes_to_the_first_ones_gpu(ext: tuple[Extender, Pod
     """Spread would put it on the idle GPU; beside a not-started 1-GPU pod it
     is placed on that pod's GPU instead, where it fits."""
     e, pods = ext
-    assert bind(e, pods, pod("a", ctr(gpu=1, gpumem=4000, gpucores=30), annotations=SPREAD)) == ""
-    ((a,),) = gpus_of(pods, "a")
+    a = bound_gpu(e, pods, pod("a", ctr(gpu=1, gpumem=4000, gpucores=30), annotations=SPREAD))
     # without the guard spread would choose the other GPU
     b_req = pod_request(pod("b", ctr(gpu=1, gpumem=4000, gpucores=30), annotations=SPREAD))
     free = e.allocator.decide(b_req, nodes=["n0"]).allocation
@@ -144,8 +150,7 @@ def test_a_pod_that_fits_only_elsewhere_waits_until_the_other_starts(
     ext: tuple[Extender, Pods],
 ) -> None:
     e, pods = ext
-    assert bind(e, pods, pod("a", ctr(gpu=1, gpucores=100))) == ""
-    ((a,),) = gpus_of(pods, "a")
+    a = bound_gpu(e, pods, pod("a", ctr(gpu=1, gpucores=100)))
     error = bind(e, pods, pod("b", ctr(gpu=1, gpucores=100)))
     assert error.startswith("gpuvisor: bind default/b to n0: waits for pod default/a on n0 ")
     assert "its container main" in error
@@ -157,8 +162,7 @@ def test_a_pod_that_fits_only_elsewhere_waits_until_the_other_starts(
     assert "default/b" not in e.state.held  # nothing reserved while it waits
     # kubelet started a's container, the pod is still Pending: b may go now
     start(e, pods, "a", "main", phase="Pending")
-    assert bind(e, pods, pod("b", ctr(gpu=1, gpucores=100))) == ""
-    ((b,),) = gpus_of(pods, "b")
+    b = bound_gpu(e, pods, pod("b", ctr(gpu=1, gpucores=100)))
     assert b != a
 
 
@@ -173,8 +177,7 @@ def test_other_gpu_counts_and_the_same_gpus_are_not_ambiguous(
     ext: tuple[Extender, Pods],
 ) -> None:
     e, pods = ext
-    assert bind(e, pods, pod("one", ctr(gpu=1, gpumem=1000, gpucores=10))) == ""
-    ((one,),) = gpus_of(pods, "one")
+    one = bound_gpu(e, pods, pod("one", ctr(gpu=1, gpumem=1000, gpucores=10)))
     # a 2-GPU pod beside a 1-GPU one: the plugin cannot confuse them
     assert bind(e, pods, pod("two", ctr(gpu=1 + 1, gpumem=1000, gpucores=10))) == ""
     # the same GPU as the not-started 1-GPU pod: whichever the plugin
@@ -187,8 +190,7 @@ def test_a_pod_whose_filters_exclude_the_other_gpus_is_refused(
     ext: tuple[Extender, Pods],
 ) -> None:
     e, pods = ext
-    assert bind(e, pods, pod("a", ctr(gpu=1, gpumem=1000, gpucores=10))) == ""
-    ((a,),) = gpus_of(pods, "a")
+    a = bound_gpu(e, pods, pod("a", ctr(gpu=1, gpumem=1000, gpucores=10)))
     error = bind(
         e, pods, pod("b", ctr(gpu=1, gpumem=1000), annotations={"nvidia.com/nouse-gpuuuid": a})
     )
@@ -298,6 +300,17 @@ def woken(e: Extender) -> list[Wake]:
     return out
 
 
+def b_refused_for_a(e: Extender, pods: Pods) -> list[Wake]:
+    """Pod a (half the GPU) bound, not started; pod b (a whole GPU) refused
+    by filter, to wait for a: what the state hands its waker from then on."""
+    out = woken(e)
+    assert bind(e, pods, pod("a", ctr(gpu=1, gpumem=1000, gpucores=50))) == ""
+    b = pod("b", ctr(gpu=1, gpucores=100))
+    b["metadata"]["uid"] = "uid-b"
+    assert e.filter({"Pod": b, "NodeNames": ["n0"]})["NodeNames"] == []
+    return out
+
+
 def test_a_refused_pod_is_woken_when_the_pod_it_waits_for_starts(
     ext: tuple[Extender, Pods],
 ) -> None:
@@ -306,11 +319,7 @@ def test_a_refused_pod_is_woken_when_the_pod_it_waits_for_starts(
     once.  A pod that fits is not remembered, nor is a refused pod woken by
     the bind of the one it waits for being done again."""
     e, pods = ext
-    out = woken(e)
-    assert bind(e, pods, pod("a", ctr(gpu=1, gpumem=1000, gpucores=50))) == ""
-    b = pod("b", ctr(gpu=1, gpucores=100))
-    b["metadata"]["uid"] = "uid-b"
-    assert e.filter({"Pod": b, "NodeNames": ["n0"]})["NodeNames"] == []
+    out = b_refused_for_a(e, pods)
     c = pod("c", ctr(gpu=1, gpumem=1000, gpucores=50), annotations=SPREAD)
     c["metadata"]["uid"] = "uid-c"
     assert e.filter({"Pod": c, "NodeNames": ["n0"]})["NodeNames"] == ["n0"]
@@ -330,11 +339,7 @@ def test_a_refused_pod_is_woken_when_the_pod_it_waits_for_goes(
 ) -> None:
     """Deleted, or replaced by another pod of the same name."""
     e, pods = ext
-    out = woken(e)
-    assert bind(e, pods, pod("a", ctr(gpu=1, gpumem=1000, gpucores=50))) == ""
-    b = pod("b", ctr(gpu=1, gpucores=100))
-    b["metadata"]["uid"] = "uid-b"
-    assert e.filter({"Pod": b, "NodeNames": ["n0"]})["NodeNames"] == []
+    out = b_refused_for_a(e, pods)
     e.state.pod_event(v1pod(pods.docs["a"]), deleted=True)
     assert out == [Wake("default/b", "uid-b", "default/a holds no GPUs any more")]
     assert e.state.blocked == {}

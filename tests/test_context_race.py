@@ -158,23 +158,37 @@ def test_a_process_killed_holding_the_lock_does_not_block_the_others(node: SimNo
     assert out["used"] == SIM_CONTEXT
 
 
-FORK_WHILE_CREATING = """
+# The start of the programs that fork while a context is made: fork_sleeper
+# forks a child that sleeps, then exits; end_with says a word, then on a
+# line on stdin kills the child and reaps it.
+FORKING = """
 import os, sys, threading, time
 from tests.cuclient import *
 ok(cu.cuInit, 0)
+def fork_sleeper(seconds):
+    child = os.fork()
+    if child == 0:
+        time.sleep(seconds)
+        os._exit(0)
+    return child
+def end_with(word, child):
+    print(word, flush=True)
+    sys.stdin.readline()
+    os.kill(child, 9)
+    os.waitpid(child, 0)
+"""
+
+FORK_WHILE_CREATING = (
+    FORKING
+    + """
 t = threading.Thread(target=init)
 t.start()
 time.sleep(0.3)  # the thread is creating the context, holding the lock
-child = os.fork()
-if child == 0:
-    time.sleep(30)
-    os._exit(0)
+child = fork_sleeper(30)
 t.join()
-print("ready", flush=True)
-sys.stdin.readline()
-os.kill(child, 9)
-os.waitpid(child, 0)
+end_with("ready", child)
 """
+)
 
 
 def test_a_child_forked_during_a_creation_does_not_keep_the_lock(node: SimNode) -> None:
@@ -192,27 +206,21 @@ def test_a_child_forked_during_a_creation_does_not_keep_the_lock(node: SimNode) 
     assert proc.returncode == 0
 
 
-FORKS_WHILE_WAITING = """
-import os, sys, threading, time
-from tests.cuclient import *
-ok(cu.cuInit, 0)
+FORKS_WHILE_WAITING = (
+    FORKING
+    + """
 dev = ok(cu.cuDeviceGet, 0)
 print("ready", flush=True)
 sys.stdin.readline()
 t = threading.Thread(target=lambda: ok(cu.cuDevicePrimaryCtxRetain, dev))
 t.start()
 time.sleep(0.3)                       # the thread waits for the node lock
-child = os.fork()                     # e.g. a data-loader worker
-if child == 0:
-    time.sleep(60)
-    os._exit(0)
+child = fork_sleeper(60)              # e.g. a data-loader worker
 print(child, flush=True)
 t.join()
-print("created", flush=True)
-sys.stdin.readline()
-os.kill(child, 9)
-os.waitpid(child, 0)
+end_with("created", child)
 """
+)
 
 
 def test_a_child_forked_while_waiting_for_the_lock_does_not_keep_it(node: SimNode) -> None:

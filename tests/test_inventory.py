@@ -15,6 +15,7 @@ from tests.topohelp import (
     NVLINK_PAIRS_LINKS,
     PCIE_LINKS,
     dgx,
+    make_3g_instance,
     nvlink_pairs,
     pcie_two_switches,
     topo_node,
@@ -62,19 +63,9 @@ def test_mig_state_in_the_document_and_the_table(tmp_path: Path) -> None:
         ]
     }
     node = topo_node(tmp_path, topo)
-    made = run_py(
-        """
-        import ctypes, pynvml as n
-        n.nvmlInit()
-        d = n.nvmlDeviceGetHandleByIndex(0)
-        pl = n.c_nvmlGpuInstancePlacement_t(4, 4)
-        gi = n.nvmlDeviceCreateGpuInstanceWithPlacement(d, 9, ctypes.byref(pl))
-        n.nvmlGpuInstanceCreateComputeInstance(gi, n.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE)
-        n.nvmlDeviceCreateGpuInstance(d, 19)   # a 1g.10gb with no compute instance
-        """,
-        node.env,
+    make_3g_instance(
+        node, 4, "n.nvmlDeviceCreateGpuInstance(d, 19)  # a 1g.10gb with no compute instance"
     )
-    assert made.returncode == 0, made.stderr
     doc = inventory_json(node.env)
     gpu, plain = doc["gpus"]
     assert plain["mig"] is None

@@ -9,9 +9,7 @@ work.  Raising the limit to 8 GiB lets a 5 GiB allocation through.
 
 from __future__ import annotations
 
-import json
-
-from tests.helpers import GiB, MiB, SimNode, run_json, start_piped
+from tests.helpers import GiB, MiB, SimNode, answer, run_json, start_piped
 
 WORKLOAD = """
 import json, sys
@@ -53,37 +51,24 @@ def test_live_limit_change(node: SimNode) -> None:
     env = node.shimmed(CUDA_DEVICE_MEMORY_LIMIT="4g")
     proc = start_piped(WORKLOAD, env)
     assert proc.stdin is not None
-    assert proc.stdout is not None
-
-    def step(cmd: str | None = None) -> dict[str, object]:
-        assert proc.stdin is not None
-        assert proc.stdout is not None
-        if cmd:
-            proc.stdin.write(cmd + "\n")
-            proc.stdin.flush()
-        line = proc.stdout.readline()
-        assert line, proc.stderr.read() if proc.stderr else ""
-        result: dict[str, object] = json.loads(line)
-        return result
-
     try:
-        start = step()
+        start = answer(proc)
         assert start["total"] == 4 * GiB
         assert start["free"] == 4 * GiB - 2 * GiB - CTX
 
         assert run_json(SET_LIMIT.format(limit=1 * GiB), env)["limit"] == 1 * GiB
-        low = step("alloc 67108864")
+        low = answer(proc, "alloc 67108864")
         assert low["alloc"] == "CUDA_ERROR_OUT_OF_MEMORY"
         assert low["total"] == 1 * GiB
         assert low["free"] == 0  # usage above the new limit: 0, never a wrap-around
         assert low["nvml_total"] == 1 * GiB
         assert low["nvml_free"] == 0
         assert low["nvml_used"] == 1 * GiB  # shown clamped to the total
-        freed = step("free 0")  # frees always succeed
+        freed = answer(proc, "free 0")  # frees always succeed
         assert freed["free"] == 1 * GiB - CTX
 
         assert run_json(SET_LIMIT.format(limit=8 * GiB), env)["limit"] == 8 * GiB
-        high = step(f"alloc {5 * GiB}")
+        high = answer(proc, f"alloc {5 * GiB}")
         assert high["alloc"] == "CUDA_SUCCESS"
         assert high["total"] == 8 * GiB
         assert high["free"] == 8 * GiB - 5 * GiB - CTX

@@ -19,9 +19,9 @@ from tests.helpers import (
     CU_SPIN_LAUNCHER,
     CU_SPIN_PRELUDE,
     SimNode,
+    driven,
     region_call,
     shares_over,
-    start_ready,
 )
 
 WORKER = CU_SPIN_LAUNCHER
@@ -41,8 +41,7 @@ def test_a_pause_ended_then_a_lifted_limit_frees_a_waiting_launch(node: SimNode)
     that nobody will update: it ran 0 % for good before.  Nor may a limit
     set again later meet that share of 0 (the meter asleep)."""
     env = node.shimmed(CUDA_DEVICE_SM_LIMIT="30", GPUVISOR_SM_POLICY="burst-share")
-    w = start_ready(WORKER, env)
-    try:
+    with driven(WORKER, env) as w:
         assert w.stdin is not None
         w.stdin.write("go\n")
         w.stdin.flush()
@@ -64,9 +63,6 @@ def test_a_pause_ended_then_a_lifted_limit_frees_a_waiting_launch(node: SimNode)
         assert float(paused_share) == 0
         assert free >= 80
         assert again >= 24  # at least its limit (alone, burst-share lends it the rest)
-    finally:
-        w.kill()
-        w.communicate(timeout=30)
 
 
 # A 200 ms kernel, then "ready"; the program goes on to time a 1 ms launch.
@@ -98,8 +94,7 @@ def test_a_limit_raised_live_applies_to_the_next_launch(node: SimNode) -> None:
     meter changes the share (about 0.2 s), not at the old share.  Before,
     the launch waited the whole 4 s."""
     env = node.shimmed(CUDA_DEVICE_SM_LIMIT="5")
-    w = start_ready(LONG_THEN_SHORT, env)
-    try:
+    with driven(LONG_THEN_SHORT, env) as w:
         region_call(node, "r.set_sm_limit(0, 100)")
         assert w.stdin is not None
         assert w.stdout is not None
@@ -108,9 +103,6 @@ def test_a_limit_raised_live_applies_to_the_next_launch(node: SimNode) -> None:
         waited = json.loads(w.stdout.readline())["waited"]
         print(f"next launch after 5 -> 100 %: waited {waited:.2f} s")
         assert waited < 1.0
-    finally:
-        w.kill()
-        w.communicate(timeout=30)
 
 
 LONG_THEN_WAITING = (
@@ -135,17 +127,13 @@ def test_a_limit_lifted_frees_a_launch_that_waits(node: SimNode, policy: str) ->
         GPUVISOR_SM_POLICY=policy,
         GPUVISOR_SIM_NVML_FAIL="nvmlDeviceGetHandleByUUID",
     )
-    w = start_ready(LONG_THEN_WAITING, env)
-    try:
+    with driven(LONG_THEN_WAITING, env) as w:
         time.sleep(0.3)
         region_call(node, "r.set_sm_limit(0, 0)")
         assert w.stdout is not None
         waited = json.loads(w.stdout.readline())["waited"]
         print(f"{policy}: the launch waiting at 5 % went {waited:.2f} s later (lifted at 0.3 s)")
         assert waited < 1.0
-    finally:
-        w.kill()
-        w.communicate(timeout=30)
 
 
 @pytest.mark.parametrize("after", [None, 5], ids=["raised", "raised-then-lowered"])
@@ -159,8 +147,7 @@ def test_a_limit_raised_during_a_pause_rescales_the_clock(node: SimNode, after: 
     lowered back to 5 % after the pause multiplied that unpaid debt by 20
     (a single launch waited about a minute)."""
     env = node.shimmed(CUDA_DEVICE_SM_LIMIT="5")
-    w = start_ready(LONG_THEN_SHORT, env)
-    try:
+    with driven(LONG_THEN_SHORT, env) as w:
         region_call(node, "r.set_sm_yield(0, 30)")
         time.sleep(0.5)  # its meter sets the share to 0
         paused = float(region_call(node, "print(r.sm(0).share)").strip())
@@ -181,6 +168,3 @@ def test_a_limit_raised_during_a_pause_rescales_the_clock(node: SimNode, after: 
         )
         assert paused == 0
         assert waited < 1.0
-    finally:
-        w.kill()
-        w.communicate(timeout=30)

@@ -569,10 +569,18 @@ def start_launcher(env: dict[str, str], stop: Path, *options: str) -> subprocess
     return sup
 
 
-def test_agent_steers_yield_and_sm_limit_live(env, agent, node):
+def launcher_reporting(
+    env: dict[str, str], agent: FakeAgent, node: SimNode, *options: str
+) -> tuple[subprocess.Popen[str], Path]:
+    """start_launcher with the fake agent's socket in env: the supervisor
+    and the file whose creation stops the launcher (node.dir / "stop")."""
     env["GPUVISOR_NODE_SOCKET"] = str(agent.path)
     stop = node.dir / "stop"
-    sup = start_launcher(env, stop, "--report-interval", "0.1", "--cores", "50")
+    return start_launcher(env, stop, *options), stop
+
+
+def test_agent_steers_yield_and_sm_limit_live(env, agent, node):
+    sup, stop = launcher_reporting(env, agent, node, "--report-interval", "0.1", "--cores", "50")
     try:
         report = agent.wait_for(lambda r: any(d.sm_share > 0 for d in r.devices))
         dev = report.devices[0]
@@ -618,9 +626,7 @@ def test_an_ack_pushing_sm_limit_0_is_refused_and_the_limit_stands(env, agent, n
     """An agent that pushes an SM limit of 0 (null is "no limit" in an ack)
     is broken: its ack is refused with one line naming the field and the
     value, and the container's limit is not lifted."""
-    env["GPUVISOR_NODE_SOCKET"] = str(agent.path)
-    stop = node.dir / "stop"
-    sup = start_launcher(env, stop, "--report-interval", "0.1", "--cores", "50")
+    sup, stop = launcher_reporting(env, agent, node, "--report-interval", "0.1", "--cores", "50")
     try:
         uuid = agent.wait_for(lambda r: bool(r.devices)).devices[0].uuid
         with agent.lock:
@@ -646,9 +652,7 @@ def test_an_ack_pushing_sm_limit_0_is_refused_and_the_limit_stands(env, agent, n
 
 def test_supervisor_cpu_at_10hz(env, agent, node):
     """The supervisor's own CPU time while tuning (10 Hz) and reporting."""
-    env["GPUVISOR_NODE_SOCKET"] = str(agent.path)
-    stop = node.dir / "stop"
-    sup = start_launcher(env, stop, "--cores", "50")
+    sup, stop = launcher_reporting(env, agent, node, "--cores", "50")
     try:
         agent.wait_for(lambda r: bool(r.devices))
         p = psutil.Process(sup.pid)
@@ -699,9 +703,7 @@ def test_yield_lapses_when_the_agent_goes_away(env, agent, node, how):
     """Without the agent there is no yield between containers: a yield it
     asked for is cleared when its connection drops, or when no ack has come
     for 3 report intervals (at least 2 s)."""
-    env["GPUVISOR_NODE_SOCKET"] = str(agent.path)
-    stop = node.dir / "stop"
-    sup = start_launcher(env, stop, "--report-interval", "0.2", "--priority", "1")
+    sup, stop = launcher_reporting(env, agent, node, "--report-interval", "0.2", "--priority", "1")
     try:
         uuid = agent.wait_for(lambda r: bool(r.devices)).devices[0].uuid
         with agent.lock:

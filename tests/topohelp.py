@@ -5,10 +5,11 @@ test_inventory.py."""
 from __future__ import annotations
 
 import json
+import textwrap
 from pathlib import Path
 from typing import Any
 
-from tests.helpers import SimNode
+from tests.helpers import SimNode, run_py
 
 
 def nvlink_pairs() -> dict[str, Any]:
@@ -77,3 +78,25 @@ def topo_node(tmp_path: Path, topology: dict[str, Any] | str) -> SimNode:
     del node.env["GPUVISOR_SIM_DEVICES"]
     node.env["GPUVISOR_SIM_TOPOLOGY"] = str(path)
     return node
+
+
+def make_3g_instance(node: SimNode, start: int, then: str = "") -> str:
+    """Through NVML: on GPU 0 (in MIG mode) a 3g.40gb GPU instance (profile
+    9) at memory slice start, with a 3-slice compute instance; then the code
+    `then` (NVML as n, GPU 0's handle as d).  The program's output."""
+    made = run_py(
+        textwrap.dedent(
+            f"""
+            import ctypes, pynvml as n
+            n.nvmlInit()
+            d = n.nvmlDeviceGetHandleByIndex(0)
+            pl = n.c_nvmlGpuInstancePlacement_t({start}, 4)
+            gi = n.nvmlDeviceCreateGpuInstanceWithPlacement(d, 9, ctypes.byref(pl))
+            n.nvmlGpuInstanceCreateComputeInstance(gi, n.NVML_COMPUTE_INSTANCE_PROFILE_3_SLICE)
+            """
+        )
+        + then,
+        node.env,
+    )
+    assert made.returncode == 0, made.stderr
+    return made.stdout
