@@ -125,10 +125,10 @@ class SimNode:
 
 
 def run_cmd(
-    cmd: list[str], env: Mapping[str, str], timeout: float = 60
+    cmd: list[str], env: Mapping[str, str], timeout: float = 60, cwd: Path = REPO_ROOT
 ) -> subprocess.CompletedProcess[str]:
-    """Run cmd from the checkout's root in env, its output captured as text;
-    return the finished process, whatever its exit status."""
+    """Run cmd from cwd (the checkout's root) in env, its output captured as
+    text; return the finished process, whatever its exit status."""
     return subprocess.run(
         cmd,
         env=dict(env),
@@ -136,7 +136,7 @@ def run_cmd(
         text=True,
         timeout=timeout,
         check=False,
-        cwd=REPO_ROOT,
+        cwd=cwd,
     )
 
 

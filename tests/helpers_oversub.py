@@ -158,6 +158,24 @@ def all_given_back(node: SimNode, cs: Sequence[Container]) -> None:
         assert c.figures() == {"used": 0, "spilled": 0, "resident": 0, "guarantee": 2 * GiB}
 
 
+def race_and_kill(node: SimNode, cs: Sequence[Container], hold: str) -> None:
+    """Each container of cs gets a second worker; every worker holds what
+    the line `hold` allocates (1 GiB: so each container asked for its
+    guarantee); then they race and are killed mid-way, and everything is
+    given back."""
+    for c in cs:
+        c.another()
+    try:
+        for c in cs:
+            for i in range(2):
+                assert c.ask(hold, i)["err"] == "CUDA_SUCCESS"
+        race(node, cs)
+    finally:
+        for c in cs:
+            c.kill()
+    all_given_back(node, cs)
+
+
 def check_guarantees(
     node: SimNode, *containers: Container, asked: Mapping[int, int] | None = None
 ) -> None:

@@ -26,7 +26,7 @@ from gpuvisor.shim import loader
 from gpuvisor.supervisor.agent.cli import node_agent
 from gpuvisor.supervisor.cli import main as cli_main
 
-from tests.helpers import BUILD_DIR, CLI, REPO_ROOT, SimNode, clean_env, repo_files
+from tests.helpers import BUILD_DIR, CLI, REPO_ROOT, SimNode, clean_env, repo_files, run_cmd
 
 IMAGES = REPO_ROOT / "images"
 RUNTIME = IMAGES / "runtime" / "Dockerfile"
@@ -393,15 +393,8 @@ def test_image_layout_drives_gpuvisor_run(runtime, tmp_path, build_dir):
         "cu.cuInit(0); ctx = cu.cuDevicePrimaryCtxRetain(0)[1]; cu.cuCtxSetCurrent(ctx);"
         "print(json.dumps([os.environ['LD_PRELOAD'].split(':')[0], cu.cuMemGetInfo()[2]]))"
     )
-    proc = subprocess.run(
-        [*CLI, "run", "--simulate", "--memory", "1g", "--", sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-        cwd=tmp_path,
-    )
+    cmd = [*CLI, "run", "--simulate", "--memory", "1g", "--", sys.executable, "-c", code]
+    proc = run_cmd(cmd, env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     preloaded, total = json.loads(proc.stdout.splitlines()[-1])
     assert preloaded == str(native_dir / loader.LIBRARY_NAME)

@@ -20,11 +20,10 @@ from tests.helpers import GiB, SimNode, run_cli, run_json, run_py
 from tests.helpers_oversub import (
     OVER,
     SIM_CONTEXT,
-    all_given_back,
     check_guarantees,
     nothing_left,
     physical,
-    race,
+    race_and_kill,
     worker,
 )
 
@@ -175,17 +174,7 @@ def test_racing_containers_and_sigkill_leave_nothing(small):
     each container keeps at least its guarantee on it all along, and
     everything comes back to 0."""
     cs = [Container(small, name, **OVER) for name in ("a", "b")]
-    for c in cs:
-        c.another()
-    try:
-        for i in range(2):
-            for c in cs:
-                assert c.ask("alloc 1024", i)["err"] == "CUDA_SUCCESS"
-        race(small, cs)
-    finally:
-        for c in cs:
-            c.kill()
-    all_given_back(small, cs)
+    race_and_kill(small, cs, "alloc 1024")
 
 
 def test_without_the_variable_the_device_refuses_as_before(small):

@@ -22,11 +22,10 @@ from tests.helpers_oversub import (
     DEVICE,
     OVER,
     SIM_CONTEXT,
-    all_given_back,
     check_guarantees,
     nothing_left,
     physical,
-    race,
+    race_and_kill,
     worker,
 )
 
@@ -181,17 +180,7 @@ def test_racing_stream_ordered_allocations_and_sigkill_leave_nothing(small):
     container keeps its guarantee there all along, and everything comes
     back to 0."""
     cs = [Container(small, name, **OVER) for name in ("a", "b")]
-    for c in cs:
-        c.another()
-    try:
-        for c in cs:
-            for i in range(2):
-                assert c.ask("async 1024", i)["err"] == "CUDA_SUCCESS"
-        race(small, cs)
-    finally:
-        for c in cs:
-            c.kill()
-    all_given_back(small, cs)
+    race_and_kill(small, cs, "async 1024")
 
 
 def test_graph_allocations_do_not_spill(small):

@@ -1269,14 +1269,7 @@ def test_a_restore_on_a_device_whose_cuda_index_is_not_known_fails_closed(env, a
     environment gives any device, with one line naming the device and the
     variable; never no limit."""
     fake = "GPU-00000000-1111-2222-3333-444444444444"
-    proc = subprocess.run(
-        [*py(REGISTER), str(node.region), fake],
-        env=node.env,
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=REPO_ROOT,
-    )
+    proc = run_cmd([*py(REGISTER), str(node.region), fake], node.env, 30)
     assert proc.returncode == 0, proc.stderr
     env["GPUVISOR_NODE_SOCKET"] = str(agent.path)
     env.update(
@@ -1334,14 +1327,7 @@ def test_a_restore_without_the_workloads_environment_keeps_the_regions_limit(tmp
     """A tuner not told the workload's environment (the default) cannot
     know the container's own limit: a `restore` keeps the region's limits
     as they are, with one warning per kind, and never lifts them."""
-    proc = subprocess.run(
-        [*py(KEEP_WITHOUT_ENV), str(tmp_path / "region.shr")],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=REPO_ROOT,
-        check=False,
-    )
+    proc = run_cmd([*py(KEEP_WITHOUT_ENV), str(tmp_path / "region.shr")], os.environ, 30)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == [GiB, 20]
     lines = proc.stderr.splitlines()
