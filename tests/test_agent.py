@@ -1584,7 +1584,7 @@ def test_an_admin_sets_limits_on_at_most_16_devices_of_a_container():
 def test_a_device_nvml_cannot_read_does_not_hide_the_others():
     """A GPU that fails its NVML queries (fallen off the bus: GPU_IS_LOST)
     leaves the host series of the other GPUs in place."""
-    from gpuvisor.supervisor.agent.metrics import HostGpus
+    from gpuvisor.supervisor.agent.metrics import Fresh, HostGpus
 
     class LostError(Exception):
         pass
@@ -1631,7 +1631,7 @@ def test_a_device_nvml_cannot_read_does_not_hide_the_others():
     gpus = HostGpus.__new__(HostGpus)  # without loading NVML
     gpus._lock = threading.Lock()
     gpus._nvml = FakeNvml()
-    gpus._cache = (0.0, [])
+    gpus._cache = Fresh(gpus._lock, [])
     gpus._problems = {}
     assert [(g.index, g.uuid) for g in gpus.read()] == [(0, "GPU-0"), (2, "GPU-2")]
     assert gpus.process_use(1.0) == {"GPU-0": {700: 30.0}, "GPU-2": {702: 30.0}}

@@ -9,13 +9,14 @@ vGPU-monitor names (hami_*), plus HAMi's legacy names behind
 from __future__ import annotations
 
 import logging
+import math
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 from gpuvisor.shim.cli import shown
 from prometheus_client import CollectorRegistry
@@ -101,16 +102,39 @@ InventoryReader = Callable[[str | None], dict[str, Any]]
 _T = TypeVar("_T")
 
 
+class Fresh(Generic[_T]):
+    """A value read again at most every max_age seconds.  A caller that
+    finds it fresh takes it without the lock (no wait behind a per-process
+    query holding it); otherwise the first to get the lock reads it (lock
+    held), and those that waited for the lock take what it read."""
+
+    def __init__(self, lock: threading.Lock, value: _T) -> None:
+        self._lock = lock
+        self._at = (-math.inf, value)
+
+    def get(self, max_age: float, read: Callable[[], _T]) -> _T:
+        ts, value = self._at
+        if time.monotonic() - ts < max_age:
+            return value
+        with self._lock:
+            ts, value = self._at
+            if time.monotonic() - ts < max_age:
+                return value
+            value = read()
+            self._at = (time.monotonic(), value)
+            return value
+
+
 class HostGpus:
     """Host-level device numbers from NVML; empty when NVML is unavailable."""
 
     def __init__(self, inventory: InventoryReader | None = None, node: str = "") -> None:
         self._lock = threading.Lock()
         self._nvml: Any = None
-        self._cache: tuple[float, list[HostGpu]] = (0.0, [])
+        self._cache: Fresh[list[HostGpu]] = Fresh(self._lock, [])
         self._read_inventory = inventory
         self._node = node or None
-        self._inventory: tuple[float, dict[str, Any] | None] = (-1e9, None)
+        self._inventory: Fresh[dict[str, Any] | None] = Fresh(self._lock, None)
         # What failed, by query, as last logged: a failure goes on for as
         # long as the driver is in trouble, and the queries run every
         # scrape and every per-process read (2 a second).
@@ -155,23 +179,18 @@ class HostGpus:
         nv = self._nvml
         if nv is None:
             return []
-        ts, cached = self._cache  # fresh: no wait for a per-process query holding the lock
-        if time.monotonic() - ts < max_age:
-            return cached
-        with self._lock:
-            ts, cached = self._cache
-            if time.monotonic() - ts < max_age:
-                return cached
-            gpus: list[HostGpu] = []
-            for i in range(self._ask(nv, "NVML query", nv.nvmlDeviceGetCount, 0)):
-                # A device NVML cannot read (lost, resetting) is left out,
-                # not the whole node.
-                read = partial(self._read_device, nv, i)
-                gpu = self._ask(nv, f"NVML query of device {i}", read, None)
-                if gpu is not None:
-                    gpus.append(gpu)
-            self._cache = (time.monotonic(), gpus)
-            return gpus
+        return self._cache.get(max_age, partial(self._read_devices, nv))
+
+    def _read_devices(self, nv: Any) -> list[HostGpu]:
+        """Every device NVML can read (lock held): one it cannot (lost,
+        resetting) is left out, not the whole node."""
+        gpus: list[HostGpu] = []
+        for i in range(self._ask(nv, "NVML query", nv.nvmlDeviceGetCount, 0)):
+            read = partial(self._read_device, nv, i)
+            gpu = self._ask(nv, f"NVML query of device {i}", read, None)
+            if gpu is not None:
+                gpus.append(gpu)
+        return gpus
 
     @staticmethod
     def _read_device(nv: Any, i: int) -> HostGpu:
@@ -196,19 +215,11 @@ class HostGpus:
         """The node inventory document, read at most every max_age seconds;
         None without NVML or a reader, or when the reading fails (logged
         once while it keeps failing)."""
-        if self._nvml is None or self._read_inventory is None:
+        nv, reader = self._nvml, self._read_inventory
+        if nv is None or reader is None:
             return None
-        ts, cached = self._inventory
-        if time.monotonic() - ts < max_age:
-            return cached
-        with self._lock:
-            ts, cached = self._inventory
-            if time.monotonic() - ts < max_age:
-                return cached
-            read = partial(self._read_inventory, self._node)
-            doc = self._ask(self._nvml, "NVML inventory", read, None)
-            self._inventory = (time.monotonic(), doc)
-            return doc
+        read = partial(reader, self._node)
+        return self._inventory.get(max_age, lambda: self._ask(nv, "NVML inventory", read, None))
 
     def process_use(self, window: float) -> dict[str, dict[int, float]]:
         """Per device uuid, each process's SM utilisation (percent, the
