@@ -20,7 +20,7 @@ from typing import Any
 
 import psutil
 import pytest
-from gpuvisor.supervisor.demo.report import verdicts
+from gpuvisor.supervisor.demo.report import stops, verdicts
 from gpuvisor.supervisor.demo.sampler import Point, Series
 from gpuvisor.supervisor.demo.scenario import Workload, scenario
 
@@ -204,10 +204,12 @@ def test_give_back_is_timed_from_the_neighbours_first_gpu_use() -> None:
     assert all(v.ok for v in got.values()), got
 
 
-def test_phases_end_when_the_first_container_on_the_gpu_stops() -> None:
+def test_phases_end_when_their_containers_stop() -> None:
     """On a loaded machine the containers started 20 s late and ran their
-    time from then: a phase ends at its GPU's end, not at the schedule's
-    (before, the windows ended before they began and nothing was measured)."""
+    time from then: a phase ends when its containers stop, not at the
+    schedule's end (before, the windows ended before they began and nothing
+    was measured); a fixed share is measured over its whole run, a phase
+    with neighbours until the first of them stops."""
 
     def sm(name: str, t: float) -> float:
         if name == "trainer":
@@ -223,11 +225,43 @@ def test_phases_end_when_the_first_container_on_the_gpu_stops() -> None:
         Workload("notebook", 0, "burst-share", 20, "4g", 0.0, "1g"),
         Workload("trainer", 0, "fixed-share", 60, "8g", 4.0, "6g"),
     ]
-    got = {(v.name, v.phase): v for v in verdicts(work, s, end=12.0, ends={0: 36.0})}
+    stopped = {"notebook": 36.0, "trainer": 39.0}
+    got = {(v.name, v.phase): v for v in verdicts(work, s, end=12.0, stopped=stopped)}
     assert got["notebook", "alone"].window == (21.5, 28.0)
     assert got["notebook", "with neighbour"].window == (29.5, 35.5)
-    assert got["trainer", "whole run"].window == (29.5, 35.5)
+    assert got["trainer", "whole run"].window == (29.5, 38.5)
     assert got["trainer", "whole run"].achieved == pytest.approx(60.0)
+    assert all(v.ok for v in got.values()), got
+
+
+def test_containers_compute_their_time_from_their_first_gpu_use() -> None:
+    """CI at load 19: the notebook's process started at 0 s but first used
+    the GPU at 8.4 s, and the trainer, due once the notebook had used it
+    for 3 s, first used it at 15.0 s.  Each computes its time from its first
+    use, so the notebook stops at 20.4 s and the trainer at 23.0 s (before,
+    the GPU's phases ended 12 s after the notebook's process started, and
+    the trainer's window was (16.5, 11.5): nothing was measured)."""
+
+    def sm(name: str, t: float) -> float:
+        if name == "trainer":
+            return 60.0 if 15.0 <= t < 23.0 else 0.0
+        return 0.0 if t < 8.4 or t >= 20.4 else (90.0 if t < 15.0 else 40.0)
+
+    s = {n: Series(n) for n in ("notebook", "trainer")}
+    for n, series in s.items():
+        series.points.extend(
+            Point(k / 10, sm(n, k / 10), None, None, 0, None, 0) for k in range(300)
+        )
+    work = [
+        Workload("notebook", 0, "burst-share", 20, "4g", 0.0, "1g"),
+        Workload("trainer", 0, "fixed-share", 60, "8g", 4.0, "6g"),
+    ]
+    stopped = stops(work, s, {"notebook": 0.0, "trainer": 11.5}, seconds=12.0)
+    assert stopped == pytest.approx({"notebook": 20.4, "trainer": 23.0})
+    got = {(v.name, v.phase): v for v in verdicts(work, s, end=12.0, stopped=stopped)}
+    assert got["notebook", "alone"].window == pytest.approx((9.9, 15.0))
+    assert got["notebook", "with neighbour"].window == pytest.approx((16.5, 19.9))
+    assert got["trainer", "whole run"].window == pytest.approx((16.5, 22.5))
     assert all(v.ok for v in got.values()), got
 
 

@@ -48,7 +48,7 @@ from rich.markup import escape
 
 from ..cli_types import Finite, seconds_option
 from ..entrypoint.config import one_line
-from .report import first_use, live_table, plot, summary_table, verdicts
+from .report import first_use, live_table, plot, stops, summary_table, verdicts
 from .sampler import ProcessUtilization, Sampler
 from .scenario import Workload, scenario
 
@@ -248,13 +248,8 @@ def run_demo(seconds: float, simulate: bool, out: Path, console: Console) -> int
         finally:
             codes = node.stop()
             nvml.close()
-    # each runs for its share of the schedule from its real start: on a GPU,
-    # the phases end when the first container there stops
-    ends: dict[int, float] = {}
-    for w in workloads:
-        stop = began.get(w.name, w.start) + seconds - w.start
-        ends[w.gpu] = min(ends.get(w.gpu, stop), stop)
-    results = verdicts(workloads, sampler.series, seconds, ends)
+    stopped = stops(workloads, sampler.series, began, seconds)
+    results = verdicts(workloads, sampler.series, seconds, stopped)
     console.print(summary_table(workloads, sampler.series, results))
     failed = [n for n, c in codes.items() if c != 0]
     if failed:
