@@ -76,7 +76,11 @@ class AgentProc:
 
     def __init__(self, sock: str, *args: str, env: Mapping[str, str] | None = None) -> None:
         self.sock = sock
-        self.args = list(args)
+        # A container a test made report once lives until the test ends,
+        # unless the test tests expiry: at load 19 two `set-limit` commands
+        # (a Python start each) took longer than the default 10 s, and the
+        # container had expired before the second.
+        self.args = list(args) if "--expire-after" in args else [*args, "--expire-after", "300"]
         self.env = dict(env) if env is not None else clean_env()
         self.stderr = tempfile.TemporaryFile("w+")  # noqa: SIM115 (closed in __exit__)
         self.proc: subprocess.Popen[str] | None = None
