@@ -73,9 +73,10 @@ $(BUILD)/tests/t_sm_calib: native/tests/t_sm_calib.c native/shim/sm_calib.c $(CT
 
 # So are the launch order between containers and the enqueue word, with
 # stand-ins for the rest.
-$(BUILD)/tests/t_sm_arbiter: native/tests/t_sm_arbiter.c native/shim/sm_arbiter.c native/shim/sm_enqueue.c native/shim/file_space.c $(CTEST_HDRS) $(SHIM_HDRS)
+ARB_TEST_SRCS := native/shim/sm_arbiter.c native/shim/sm_enqueue.c native/shim/node_file.c native/shim/file_space.c
+$(BUILD)/tests/t_sm_arbiter: native/tests/t_sm_arbiter.c $(ARB_TEST_SRCS) $(CTEST_HDRS) $(SHIM_HDRS)
 	@mkdir -p $(@D)
-	$(CC) $(CFLAGS_ALL) -Inative/tests -o $@ $< native/shim/sm_arbiter.c native/shim/sm_enqueue.c native/shim/file_space.c $(LDLIBS_ALL)
+	$(CC) $(CFLAGS_ALL) -Inative/tests -o $@ $< $(ARB_TEST_SRCS) $(LDLIBS_ALL)
 
 $(BUILD)/tests/t_%: native/tests/t_%.c $(CTEST_HDRS)
 	@mkdir -p $(@D)

@@ -96,25 +96,21 @@ static nvmlReturn_t quota_view(nvmlDevice_t dev, unsigned long long *total,
     return NVML_SUCCESS;
 }
 
-GV_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t dev, nvmlMemory_t *mem)
-{
-    mem_fn real = GV_REAL(nvmlDeviceGetMemoryInfo, mem_fn);
-    ENFORCING_OR_PASS(real(dev, mem));
-    nvmlReturn_t rc = real(dev, mem);
-    if (rc != NVML_SUCCESS || !mem)
-        return rc;
-    return quota_view(dev, &mem->total, &mem->free, &mem->used, NULL);
-}
+/* The two memory-info hooks: the driver's answer, seen through the quota
+ * (_v2 also says what is reserved: nothing, under a quota). */
+#define MEMORY_INFO_HOOK(name, mem_t, fn_t, reserved)                           \
+    GV_EXPORT nvmlReturn_t name(nvmlDevice_t dev, mem_t *mem)                   \
+    {                                                                           \
+        fn_t real = GV_REAL(name, fn_t);                                        \
+        ENFORCING_OR_PASS(real(dev, mem));                                      \
+        nvmlReturn_t rc = real(dev, mem);                                       \
+        if (rc != NVML_SUCCESS || !mem)                                         \
+            return rc;                                                          \
+        return quota_view(dev, &mem->total, &mem->free, &mem->used, reserved);  \
+    }
 
-GV_EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t dev, nvmlMemory_v2_t *mem)
-{
-    mem_v2_fn real = GV_REAL(nvmlDeviceGetMemoryInfo_v2, mem_v2_fn);
-    ENFORCING_OR_PASS(real(dev, mem));
-    nvmlReturn_t rc = real(dev, mem);
-    if (rc != NVML_SUCCESS || !mem)
-        return rc;
-    return quota_view(dev, &mem->total, &mem->free, &mem->used, &mem->reserved);
-}
+MEMORY_INFO_HOOK(nvmlDeviceGetMemoryInfo, nvmlMemory_t, mem_fn, NULL)
+MEMORY_INFO_HOOK(nvmlDeviceGetMemoryInfo_v2, nvmlMemory_v2_t, mem_v2_fn, &mem->reserved)
 
 const gv_hook gv_hooks_nvml[] = {
     { "nvmlDeviceGetMemoryInfo", (void *)nvmlDeviceGetMemoryInfo },

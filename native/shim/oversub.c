@@ -80,7 +80,6 @@ static struct ov_dev {
 } ovs[GV_MAX_DEVICES];
 
 static _Atomic uint32_t scaling;  /* S in thousandths; 0: oversubscription off */
-static _Atomic uint64_t container_id;
 
 void gv_oversub_configure(void)
 {
@@ -91,95 +90,38 @@ void gv_oversub_configure(void)
 
 int gv_oversub_on(void) { return atomic_load_explicit(&scaling, memory_order_relaxed) != 0; }
 
-static uint64_t mix(uint64_t h, uint64_t v)
-{
-    h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
-    return h * 0xff51afd7ed558ccdULL;
-}
+static gv_node_file ov_node_file = {
+    .kind = "mem",
+    .what = "guarantee",
+    .unopened = "this container holds no device memory beyond its guarantee (what passes it "
+                "is served from host memory) and other containers do not see what it holds",
+    .foreign = "this container holds no device memory beyond its guarantee",
+    .magic = OV_MAGIC,
+    .size = sizeof(struct ov_file),
+};
 
-/* This container: its region file's identity on the node (as the launch
- * order names it, sm_arbiter.c). */
-static uint64_t container(void)
+/* fcntl cmd (F_OFD_SETLK, F_OFD_GETLK) on row i's byte, as a lock of type. */
+static int row_fcntl(int fd, int i, int cmd, short type, struct flock *fl)
 {
-    uint64_t id = atomic_load(&container_id);
-    if (id)
-        return id;
-    struct stat st;
-    const char *path = region_path(gv_core_region());
-    if (!path || stat(path, &st) != 0)
-        return 0;
-    id = mix(mix(0x6776, (uint64_t)st.st_dev), (uint64_t)st.st_ino) | 1;
-    atomic_store(&container_id, id);
-    return id;
-}
-
-static struct ov_file *map_file(const char *uuid, int *fdp)
-{
-    char dir[4096], path[4096 + 128];
-    if (!gv_node_dir(dir, sizeof dir))
-        return NULL;
-    snprintf(path, sizeof path, "%s/gpuvisor-mem-%s", dir, uuid);
-    /* Never through a symbolic link, as the launch-order file
-     * (sm_arbiter.c): the directory is shared by every container. */
-    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0666);
-    if (fd < 0) {
-        /* Once per process, as for the launch-order file: a read-only
-         * mount, or a directory this uid cannot write, costs every GPU
-         * alike. */
-        static atomic_int told;
-        int e = errno;
-        if (!atomic_exchange(&told, 1))
-            gv_log(GV_LOG_WARN, "node-wide file %s: cannot open for writing (%s): this "
-                   "container holds no device memory beyond its guarantee (what passes it "
-                   "is served from host memory) and other containers do not see what it "
-                   "holds; mount %s read-write", path, strerror(e), dir);
-        return NULL;
-    }
-    (void)fchmod(fd, 0666);
-    struct ov_file *f = NULL;
-    if (posix_fallocate(fd, 0, sizeof *f) == 0) {
-        void *m = mmap(NULL, sizeof *f, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-        if (m != MAP_FAILED)
-            f = m;
-    }
-    if (!f) {
-        close(fd);
-        return NULL;
-    }
-    uint64_t magic = 0;
-    if (!atomic_compare_exchange_strong(&f->magic, &magic, OV_MAGIC) && magic != OV_MAGIC) {
-        gv_log(GV_LOG_WARN, "%s: not a guarantee file of this version (magic %#llx); this "
-               "container holds no device memory beyond its guarantee", path,
-               (unsigned long long)magic);
-        munmap(f, sizeof *f);
-        close(fd);
-        return NULL;
-    }
-    *fdp = fd;
-    return f;
+    memset(fl, 0, sizeof *fl);
+    fl->l_type = type;
+    fl->l_whence = SEEK_SET;
+    fl->l_start = OV_LOCK_BASE + i;
+    fl->l_len = 1;
+    return fcntl(fd, cmd, fl);
 }
 
 static int lock_row(int fd, int i, short type)
 {
     struct flock fl;
-    memset(&fl, 0, sizeof fl);
-    fl.l_type = type;
-    fl.l_whence = SEEK_SET;
-    fl.l_start = OV_LOCK_BASE + i;
-    fl.l_len = 1;
-    return fcntl(fd, F_OFD_SETLK, &fl);
+    return row_fcntl(fd, i, F_OFD_SETLK, type, &fl);
 }
 
 /* Whether some other open file description holds row i's byte. */
 static int row_alive(int fd, int i)
 {
     struct flock fl;
-    memset(&fl, 0, sizeof fl);
-    fl.l_type = F_WRLCK;
-    fl.l_whence = SEEK_SET;
-    fl.l_start = OV_LOCK_BASE + i;
-    fl.l_len = 1;
-    if (fcntl(fd, F_OFD_GETLK, &fl) != 0)
+    if (row_fcntl(fd, i, F_OFD_GETLK, F_WRLCK, &fl) != 0)
         return 1;                       /* cannot tell: count it */
     return fl.l_type != F_UNLCK;
 }
@@ -188,7 +130,7 @@ static int row_alive(int fd, int i)
  * is one): its own if another process of it holds one, else a dead one. */
 static int claim(struct ov_dev *o)
 {
-    uint64_t me = container();
+    uint64_t me = gv_node_container();
     if (!me)
         return -1;
     for (int pass = 0; pass < 2; pass++) {
@@ -244,7 +186,7 @@ static struct ov_dev *node_for(const gv_devinfo *d)
         if (!atomic_compare_exchange_strong(&o->state, &st, OPENING))
             return NULL;
         int fd = -1;
-        o->f = map_file(d->uuid_str, &fd);
+        o->f = gv_node_file_map(&ov_node_file, d->uuid_str, &fd);
         o->fd = fd;
         if (o->f) {
             int lk = gv_node_lock();
@@ -298,7 +240,7 @@ void gv_oversub_attach(const gv_devinfo *d)
  * physical less this container's guarantee. */
 static uint64_t others_unclaimed(struct ov_dev *o, uint64_t physical, uint64_t mine)
 {
-    uint64_t me = container(), sum = 0;
+    uint64_t me = gv_node_container(), sum = 0;
     for (int i = 0; i < OV_ROWS; i++) {
         struct ov_row *w = &o->f->row[i];
         uint64_t c = atomic_load(&w->container);

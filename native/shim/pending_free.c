@@ -308,40 +308,20 @@ static void synced(void)
     gv_pools_refresh();
 }
 
-GV_EXPORT CUresult cuStreamSynchronize(CUstream s)
-{
-    CUresult rc = GV_REAL(cuStreamSynchronize, stream_fn)(s);
-    synced();
-    return rc;
-}
+/* A synchronisation hook: the driver's call, then synced(). */
+#define SYNC_HOOK(name, fn_t, params, args)                                    \
+    GV_EXPORT CUresult name params                                             \
+    {                                                                          \
+        CUresult rc = GV_REAL(name, fn_t) args;                                \
+        synced();                                                              \
+        return rc;                                                             \
+    }
 
-GV_EXPORT CUresult cuStreamSynchronize_ptsz(CUstream s)
-{
-    CUresult rc = GV_REAL(cuStreamSynchronize_ptsz, stream_fn)(s);
-    synced();
-    return rc;
-}
-
-GV_EXPORT CUresult cuCtxSynchronize(void)
-{
-    CUresult rc = GV_REAL(cuCtxSynchronize, void_fn)();
-    synced();
-    return rc;
-}
-
-GV_EXPORT CUresult cuCtxSynchronize_v2(CUcontext ctx)
-{
-    CUresult rc = GV_REAL(cuCtxSynchronize_v2, ctx_fn)(ctx);
-    synced();
-    return rc;
-}
-
-GV_EXPORT CUresult cuEventSynchronize(CUevent e)
-{
-    CUresult rc = GV_REAL(cuEventSynchronize, ev_fn)(e);
-    synced();
-    return rc;
-}
+SYNC_HOOK(cuStreamSynchronize, stream_fn, (CUstream s), (s))
+SYNC_HOOK(cuStreamSynchronize_ptsz, stream_fn, (CUstream s), (s))
+SYNC_HOOK(cuCtxSynchronize, void_fn, (void), ())
+SYNC_HOOK(cuCtxSynchronize_v2, ctx_fn, (CUcontext ctx), (ctx))
+SYNC_HOOK(cuEventSynchronize, ev_fn, (CUevent e), (e))
 
 /* ---- queries: an answer of CUDA_SUCCESS proves it as well ----------- */
 
@@ -384,21 +364,17 @@ static CUresult destroyed(CUresult rc)
  * (sm_meter.c): forgotten before and after, so that a look racing with
  * the destruction is not kept either, and a new stream given the same
  * handle is looked up. */
-GV_EXPORT CUresult cuStreamDestroy_v2(CUstream s)
-{
-    gv_sm_stream_destroying();
-    CUresult rc = GV_REAL(cuStreamDestroy_v2, stream_fn)(s);
-    gv_sm_stream_destroying();
-    return destroyed(rc);
-}
+#define DESTROY_HOOK(name)                                                     \
+    GV_EXPORT CUresult name(CUstream s)                                        \
+    {                                                                          \
+        gv_sm_stream_destroying();                                             \
+        CUresult rc = GV_REAL(name, stream_fn)(s);                             \
+        gv_sm_stream_destroying();                                             \
+        return destroyed(rc);                                                  \
+    }
 
-GV_EXPORT CUresult cuStreamDestroy(CUstream s)
-{
-    gv_sm_stream_destroying();
-    CUresult rc = GV_REAL(cuStreamDestroy, stream_fn)(s);
-    gv_sm_stream_destroying();
-    return destroyed(rc);
-}
+DESTROY_HOOK(cuStreamDestroy_v2)
+DESTROY_HOOK(cuStreamDestroy)
 
 const gv_hook gv_hooks_sync[] = {
     { "cuStreamSynchronize", (void *)cuStreamSynchronize },

@@ -386,16 +386,21 @@ void region_set_guarantee(gv_region *r, int dev, uint64_t bytes)
         atomic_store(&r->m->dev[dev].guarantee, bytes);
 }
 
-uint64_t region_test_spill_sum(gv_region *r, int dev)
+/* The sum of one of dev's per-slot counter arrays (col: used, spilled or
+ * inside) over the slots ever claimed; 0 for a device out of range. */
+#define SLOT_SUM(r, dev, col)                                                   \
+    (dev_ok(r, dev) ? slot_sum(r, (r)->m->dev[dev].col) : 0)
+
+static uint64_t slot_sum(gv_region *r, const _Atomic uint64_t *col)
 {
-    if (!dev_ok(r, dev))
-        return 0;
     uint64_t sum = 0;
     uint32_t hwm = hwm_of(r);
     for (uint32_t k = 0; k < hwm; k++)
-        sum = sat_add(sum, atomic_load(&r->m->dev[dev].spilled[k]));
+        sum = sat_add(sum, atomic_load(&col[k]));
     return sum;
 }
+
+uint64_t region_test_spill_sum(gv_region *r, int dev) { return SLOT_SUM(r, dev, spilled); }
 
 uint64_t region_slot_used(gv_region *r, int dev, int slot)
 {
@@ -422,25 +427,6 @@ int region_test_mark_reclaiming(gv_region *r, int slot, int32_t pid, uint64_t st
     return GV_OK;
 }
 
+uint64_t region_test_inside(gv_region *r, int dev) { return SLOT_SUM(r, dev, inside); }
 
-uint64_t region_test_inside(gv_region *r, int dev)
-{
-    if (!dev_ok(r, dev))
-        return 0;
-    uint64_t sum = 0;
-    uint32_t hwm = hwm_of(r);
-    for (uint32_t k = 0; k < hwm; k++)
-        sum = sat_add(sum, atomic_load(&r->m->dev[dev].inside[k]));
-    return sum;
-}
-
-uint64_t region_test_slot_sum(gv_region *r, int dev)
-{
-    if (!dev_ok(r, dev))
-        return 0;
-    uint64_t sum = 0;
-    uint32_t hwm = hwm_of(r);
-    for (uint32_t k = 0; k < hwm; k++)
-        sum = sat_add(sum, atomic_load(&r->m->dev[dev].used[k]));
-    return sum;
-}
+uint64_t region_test_slot_sum(gv_region *r, int dev) { return SLOT_SUM(r, dev, used); }

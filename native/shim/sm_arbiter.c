@@ -155,37 +155,15 @@ static struct arb_dev {
     _Atomic int in_order;           /* the device runs each kernel to its end: no turn */
 } arbs[GV_MAX_DEVICES];
 
-static _Atomic uint64_t container_id;
 static _Atomic uint64_t token;
 static pthread_once_t atfork_once = PTHREAD_ONCE_INIT;
-
-static uint64_t mix(uint64_t h, uint64_t v)
-{
-    h ^= v + 0x9e3779b97f4a7c15ULL + (h << 6) + (h >> 2);
-    return h * 0xff51afd7ed558ccdULL;
-}
-
-/* This container: its region file's identity on the node. */
-static uint64_t container(void)
-{
-    uint64_t id = atomic_load(&container_id);
-    if (id)
-        return id;
-    struct stat st;
-    const char *path = region_path(gv_core_region());
-    if (!path || stat(path, &st) != 0)
-        return 0;
-    id = mix(mix(0x6776, (uint64_t)st.st_dev), (uint64_t)st.st_ino) | 1;
-    atomic_store(&container_id, id);
-    return id;
-}
 
 /* A token no other process on the node uses at the same time. */
 static uint64_t my_token(void)
 {
     uint64_t t = atomic_load(&token);
     if (!t) {
-        t = mix(mix((uint64_t)getpid(), gv_mono_ns()), (uint64_t)(uintptr_t)&t) | 1;
+        t = gv_node_mix(gv_node_mix((uint64_t)getpid(), gv_mono_ns()), (uint64_t)(uintptr_t)&t) | 1;
         atomic_store(&token, t);
     }
     return t;
@@ -238,51 +216,15 @@ __attribute__((destructor)) static void release_slots(void)
     }
 }
 
-static struct arb_file *map_file(const char *uuid)
-{
-    char dir[4096], path[4096 + 128];
-    if (!gv_node_dir(dir, sizeof dir))
-        return NULL;
-    snprintf(path, sizeof path, "%s/gpuvisor-sm-%s", dir, uuid);
-    /* Never through a symbolic link: the directory is shared by every
-     * container of the node, and a link one of them made could point
-     * another's library at a file of that container's own. */
-    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0666);
-    if (fd < 0) {
-        /* Once per process, whatever the GPU: a read-only mount of the
-         * directory, or one made unwritable for this uid, turns both off
-         * for every GPU alike. */
-        static atomic_int told;
-        int e = errno;
-        if (!atomic_exchange(&told, 1))
-            gv_log(GV_LOG_WARN, "node-wide file %s: cannot open for writing (%s): launches "
-                   "on this GPU are not ordered with other containers' and no context cost "
-                   "is shared, so a first context is created unreserved; mount %s "
-                   "read-write", path, strerror(e), dir);
-        return NULL;
-    }
-    (void)fchmod(fd, 0666);             /* past the umask, for other users */
-    /* Blocks allocated before the mapping is touched: a sparse file on a
-     * full filesystem would fault (SIGBUS) at the first store.  Other
-     * containers may have it mapped already: not fresh. */
-    struct arb_file *f = NULL;
-    if (gv_file_reserve(fd, sizeof *f, 0) == 0) {
-        void *m = mmap(NULL, sizeof *f, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-        if (m != MAP_FAILED)
-            f = m;
-    }
-    close(fd);
-    if (!f)
-        return NULL;
-    uint64_t magic = 0;
-    if (!atomic_compare_exchange_strong(&f->magic, &magic, ARB_MAGIC) && magic != ARB_MAGIC) {
-        gv_log(GV_LOG_WARN, "%s: not a launch-order file of this version (magic %#llx); "
-               "launches on this GPU are paced without it", path, (unsigned long long)magic);
-        munmap(f, sizeof *f);
-        return NULL;
-    }
-    return f;
-}
+static gv_node_file arb_node_file = {
+    .kind = "sm",
+    .what = "launch-order",
+    .unopened = "launches on this GPU are not ordered with other containers' and no context "
+                "cost is shared, so a first context is created unreserved",
+    .foreign = "launches on this GPU are paced without it",
+    .magic = ARB_MAGIC,
+    .size = sizeof(struct arb_file),
+};
 
 /* A slot whose owner has not been heard from for STALE_NS is free to take
  * over; so is one whose beat is far in the future: written before a reboot
@@ -300,7 +242,7 @@ static int fresh(uint64_t beat, uint64_t now)
 
 static struct arb_slot *claim(struct arb_file *f, uint64_t now)
 {
-    uint64_t me = my_token(), who = container();
+    uint64_t me = my_token(), who = gv_node_container();
     if (!who)
         return NULL;
     for (int i = 0; i < ARB_SLOTS; i++) {
@@ -342,7 +284,7 @@ static struct arb_file *file_for(int dev, const char *uuid)
         pthread_once(&atfork_once, register_atfork);
         if (!atomic_compare_exchange_strong(&a->state, &st, OPENING))
             return NULL;
-        a->f = map_file(uuid);
+        a->f = gv_node_file_map(&arb_node_file, uuid, NULL);
         atomic_store_explicit(&a->state, a->f ? MAPPED : NONE, memory_order_release);
         st = a->f ? MAPPED : NONE;
     }
