@@ -88,21 +88,19 @@ void gv_node_unlock(int fd);
 /* The per-GPU files in the node directory that every container maps
  * (node_file.c): the launch order (sm_arbiter.c) and the guarantees
  * (oversub.c).  The file <dir>/gpuvisor-<kind>-<uuid> holds size bytes,
- * its first 8 an _Atomic uint64_t magic that a new file takes; unopened
- * and foreign say what is lost when it cannot be opened (once per process:
+ * its first 8 an _Atomic uint64_t magic that a new file takes; lost says
+ * what goes without it when it cannot be opened (said once per process:
  * told) or holds another magic. */
 typedef struct gv_node_file {
     const char *kind;       /* "sm", "mem" */
     const char *what;       /* "launch-order", ... */
-    const char *unopened;
-    const char *foreign;
-    uint64_t magic;
-    size_t size;
+    const char *lost;
     atomic_int told;
 } gv_node_file;
 /* The file of GPU uuid mapped, or NULL (said in the log).  fdp: where its
  * descriptor is kept open; NULL: closed once mapped. */
-void *gv_node_file_map(gv_node_file *nf, const char *uuid, int *fdp);
+void *gv_node_file_map(gv_node_file *nf, const char *uuid, uint64_t magic, size_t size,
+                       int *fdp);
 /* This container (its region file's identity on the node): non-zero, or 0
  * when the region file cannot be looked at. */
 uint64_t gv_node_container(void);

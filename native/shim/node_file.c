@@ -41,7 +41,8 @@ uint64_t gv_node_container(void)
     return id;
 }
 
-void *gv_node_file_map(gv_node_file *nf, const char *uuid, int *fdp)
+void *gv_node_file_map(gv_node_file *nf, const char *uuid, uint64_t magic, size_t size,
+                       int *fdp)
 {
     char dir[4096], path[4096 + 128];
     if (!gv_node_dir(dir, sizeof dir))
@@ -58,7 +59,7 @@ void *gv_node_file_map(gv_node_file *nf, const char *uuid, int *fdp)
         int e = errno;
         if (!atomic_exchange(&nf->told, 1))
             gv_log(GV_LOG_WARN, "node-wide file %s: cannot open for writing (%s): %s; mount "
-                   "%s read-write", path, strerror(e), nf->unopened, dir);
+                   "%s read-write", path, strerror(e), nf->lost, dir);
         return NULL;
     }
     (void)fchmod(fd, 0666);             /* past the umask, for other users */
@@ -66,16 +67,16 @@ void *gv_node_file_map(gv_node_file *nf, const char *uuid, int *fdp)
      * full filesystem would fault (SIGBUS) at the first store.  Other
      * containers may have it mapped already: not fresh. */
     _Atomic uint64_t *f = NULL;
-    if (gv_file_reserve(fd, nf->size, 0) == 0) {
-        void *m = mmap(NULL, nf->size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (gv_file_reserve(fd, size, 0) == 0) {
+        void *m = mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
         if (m != MAP_FAILED)
             f = m;
     }
-    uint64_t magic = 0;
-    if (f && !atomic_compare_exchange_strong(f, &magic, nf->magic) && magic != nf->magic) {
+    uint64_t found = 0;
+    if (f && !atomic_compare_exchange_strong(f, &found, magic) && found != magic) {
         gv_log(GV_LOG_WARN, "%s: not a %s file of this version (magic %#llx); %s", path,
-               nf->what, (unsigned long long)magic, nf->foreign);
-        munmap(f, nf->size);
+               nf->what, (unsigned long long)found, nf->lost);
+        munmap(f, size);
         f = NULL;
     }
     if (f && fdp)

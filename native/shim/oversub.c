@@ -91,13 +91,9 @@ void gv_oversub_configure(void)
 int gv_oversub_on(void) { return atomic_load_explicit(&scaling, memory_order_relaxed) != 0; }
 
 static gv_node_file ov_node_file = {
-    .kind = "mem",
-    .what = "guarantee",
-    .unopened = "this container holds no device memory beyond its guarantee (what passes it "
-                "is served from host memory) and other containers do not see what it holds",
-    .foreign = "this container holds no device memory beyond its guarantee",
-    .magic = OV_MAGIC,
-    .size = sizeof(struct ov_file),
+    .kind = "mem", .what = "guarantee",
+    .lost = "this container holds no device memory beyond its guarantee (what passes it is "
+            "served from host memory) and other containers do not see what it holds",
 };
 
 /* fcntl cmd (F_OFD_SETLK, F_OFD_GETLK) on row i's byte, as a lock of type. */
@@ -186,7 +182,8 @@ static struct ov_dev *node_for(const gv_devinfo *d)
         if (!atomic_compare_exchange_strong(&o->state, &st, OPENING))
             return NULL;
         int fd = -1;
-        o->f = gv_node_file_map(&ov_node_file, d->uuid_str, &fd);
+        o->f = gv_node_file_map(&ov_node_file, d->uuid_str, OV_MAGIC, sizeof(struct ov_file),
+                                &fd);
         o->fd = fd;
         if (o->f) {
             int lk = gv_node_lock();

@@ -217,13 +217,9 @@ __attribute__((destructor)) static void release_slots(void)
 }
 
 static gv_node_file arb_node_file = {
-    .kind = "sm",
-    .what = "launch-order",
-    .unopened = "launches on this GPU are not ordered with other containers' and no context "
-                "cost is shared, so a first context is created unreserved",
-    .foreign = "launches on this GPU are paced without it",
-    .magic = ARB_MAGIC,
-    .size = sizeof(struct arb_file),
+    .kind = "sm", .what = "launch-order",
+    .lost = "launches on this GPU are not ordered with other containers' and no context "
+            "cost is shared, so a first context is created unreserved",
 };
 
 /* A slot whose owner has not been heard from for STALE_NS is free to take
@@ -284,7 +280,8 @@ static struct arb_file *file_for(int dev, const char *uuid)
         pthread_once(&atfork_once, register_atfork);
         if (!atomic_compare_exchange_strong(&a->state, &st, OPENING))
             return NULL;
-        a->f = gv_node_file_map(&arb_node_file, uuid, NULL);
+        a->f = gv_node_file_map(&arb_node_file, uuid, ARB_MAGIC, sizeof(struct arb_file),
+                                NULL);
         atomic_store_explicit(&a->state, a->f ? MAPPED : NONE, memory_order_release);
         st = a->f ? MAPPED : NONE;
     }
