@@ -294,13 +294,23 @@ GV_EXPORT int gv_device_register(const char *uuid, uint64_t physical_total, uint
     return rc;
 }
 
-GV_EXPORT int gv_device_get_limit(int dev, uint64_t *bytes)
-{
-    NONNULL("gv_device_get_limit", bytes);
-    NEED_DEV("gv_device_get_limit", dev);
-    *bytes = region_limit(r, dev);
-    return GV_OK;
-}
+/* A device's figure: out (its name as the header gives it) from read(r, dev). */
+#define DEVICE_GETTER(name, out, read)                                          \
+    GV_EXPORT int name(int dev, uint64_t *out)                                  \
+    {                                                                           \
+        NONNULL(#name, out);                                                    \
+        NEED_DEV(#name, dev);                                                   \
+        *out = read(r, dev);                                                    \
+        return GV_OK;                                                           \
+    }
+
+DEVICE_GETTER(gv_device_get_limit, bytes, region_limit)
+DEVICE_GETTER(gv_device_get_used, bytes, region_used)
+DEVICE_GETTER(gv_device_get_physical_total, bytes, region_device_physical_total)
+DEVICE_GETTER(gv_device_get_oom_count, count, region_oom_count)
+DEVICE_GETTER(gv_device_get_context_cost, bytes, region_ctx_cost)
+DEVICE_GETTER(gv_device_get_spilled, bytes, region_spilled)
+DEVICE_GETTER(gv_device_get_guarantee, bytes, region_guarantee)
 
 GV_EXPORT int gv_device_set_limit(int dev, uint64_t bytes)
 {
@@ -309,22 +319,6 @@ GV_EXPORT int gv_device_set_limit(int dev, uint64_t bytes)
         return fail(GV_EINVAL, "gpuvisor: gv_device_set_limit: a limit of 0 bytes "
                     "(use GV_UNLIMITED for none)");
     region_set_limit(r, dev, bytes);
-    return GV_OK;
-}
-
-GV_EXPORT int gv_device_get_used(int dev, uint64_t *bytes)
-{
-    NONNULL("gv_device_get_used", bytes);
-    NEED_DEV("gv_device_get_used", dev);
-    *bytes = region_used(r, dev);
-    return GV_OK;
-}
-
-GV_EXPORT int gv_device_get_physical_total(int dev, uint64_t *bytes)
-{
-    NONNULL("gv_device_get_physical_total", bytes);
-    NEED_DEV("gv_device_get_physical_total", dev);
-    *bytes = region_device_physical_total(r, dev);
     return GV_OK;
 }
 
@@ -375,10 +369,8 @@ GV_EXPORT int gv_device_set_sm_others(int dev, uint32_t share_bp)
     if (share_bp > 10000)
         return fail(GV_EINVAL, "gpuvisor: gv_device_set_sm_others: %u is not 0..10000", share_bp);
     struct gv_sm *sm = region_sm(r, dev);
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
     atomic_store(&sm->others, share_bp);
-    atomic_store(&sm->others_at, (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec);
+    atomic_store(&sm->others_at, rg_now_ns());
     return GV_OK;
 }
 
@@ -388,9 +380,7 @@ GV_EXPORT int gv_device_get_sm_others(int dev, uint32_t *share_bp, uint64_t *age
     NONNULL("gv_device_get_sm_others", age_ms);
     NEED_DEV("gv_device_get_sm_others", dev);
     struct gv_sm *sm = region_sm(r, dev);
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    uint64_t now = (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+    uint64_t now = rg_now_ns();
     uint64_t at = atomic_load(&sm->others_at);
     *share_bp = atomic_load(&sm->others);
     *age_ms = at && now > at ? (now - at) / 1000000 : (at ? 0 : UINT64_MAX);
@@ -403,46 +393,8 @@ GV_EXPORT int gv_device_set_sm_yield(int dev, uint32_t lease_ms)
     if (lease_ms > GV_SM_YIELD_MAX_MS)
         return fail(GV_EINVAL, "gpuvisor: gv_device_set_sm_yield: lease_ms=%u: more than %u ms",
                     lease_ms, GV_SM_YIELD_MAX_MS);
-    uint64_t until = 0;
-    if (lease_ms != 0) {
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        until = (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec +
-                (uint64_t)lease_ms * 1000000ULL;
-    }
+    uint64_t until = lease_ms != 0 ? rg_now_ns() + (uint64_t)lease_ms * 1000000ULL : 0;
     region_sm_set_yield(r, dev, until);
-    return GV_OK;
-}
-
-GV_EXPORT int gv_device_get_oom_count(int dev, uint64_t *count)
-{
-    NONNULL("gv_device_get_oom_count", count);
-    NEED_DEV("gv_device_get_oom_count", dev);
-    *count = region_oom_count(r, dev);
-    return GV_OK;
-}
-
-GV_EXPORT int gv_device_get_context_cost(int dev, uint64_t *bytes)
-{
-    NONNULL("gv_device_get_context_cost", bytes);
-    NEED_DEV("gv_device_get_context_cost", dev);
-    *bytes = region_ctx_cost(r, dev);
-    return GV_OK;
-}
-
-GV_EXPORT int gv_device_get_spilled(int dev, uint64_t *bytes)
-{
-    NONNULL("gv_device_get_spilled", bytes);
-    NEED_DEV("gv_device_get_spilled", dev);
-    *bytes = region_spilled(r, dev);
-    return GV_OK;
-}
-
-GV_EXPORT int gv_device_get_guarantee(int dev, uint64_t *bytes)
-{
-    NONNULL("gv_device_get_guarantee", bytes);
-    NEED_DEV("gv_device_get_guarantee", dev);
-    *bytes = region_guarantee(r, dev);
     return GV_OK;
 }
 
@@ -455,33 +407,24 @@ GV_EXPORT int gv_process_list(int32_t *pids, int cap)
     return region_process_list(r, pids, cap);
 }
 
-GV_EXPORT int gv_process_get_used(int32_t pid, int dev, uint64_t *bytes)
-{
-    NONNULL("gv_process_get_used", bytes);
-    if (pid <= 0)
-        return fail(GV_EINVAL, "gpuvisor: gv_process_get_used: bad pid %d", (int)pid);
-    NEED_DEV("gv_process_get_used", dev);
-    int slot = region_slot_of_pid(r, pid);
-    if (slot < 0)
-        return fail(GV_ENOENT, "gpuvisor: gv_process_get_used: pid %d is not registered "
-                    "in region %s", (int)pid, region_path(r));
-    *bytes = region_slot_used(r, dev, slot);
-    return GV_OK;
-}
+/* A process's figure on a device: *bytes from read(r, dev, its slot). */
+#define PROCESS_GETTER(name, read)                                              \
+    GV_EXPORT int name(int32_t pid, int dev, uint64_t *bytes)                   \
+    {                                                                           \
+        NONNULL(#name, bytes);                                                  \
+        if (pid <= 0)                                                           \
+            return fail(GV_EINVAL, "gpuvisor: " #name ": bad pid %d", (int)pid); \
+        NEED_DEV(#name, dev);                                                   \
+        int slot = region_slot_of_pid(r, pid);                                  \
+        if (slot < 0)                                                           \
+            return fail(GV_ENOENT, "gpuvisor: " #name ": pid %d is not registered " \
+                        "in region %s", (int)pid, region_path(r));              \
+        *bytes = read(r, dev, slot);                                            \
+        return GV_OK;                                                           \
+    }
 
-GV_EXPORT int gv_process_get_spilled(int32_t pid, int dev, uint64_t *bytes)
-{
-    NONNULL("gv_process_get_spilled", bytes);
-    if (pid <= 0)
-        return fail(GV_EINVAL, "gpuvisor: gv_process_get_spilled: bad pid %d", (int)pid);
-    NEED_DEV("gv_process_get_spilled", dev);
-    int slot = region_slot_of_pid(r, pid);
-    if (slot < 0)
-        return fail(GV_ENOENT, "gpuvisor: gv_process_get_spilled: pid %d is not registered "
-                    "in region %s", (int)pid, region_path(r));
-    *bytes = region_slot_spilled(r, dev, slot);
-    return GV_OK;
-}
+PROCESS_GETTER(gv_process_get_used, region_slot_used)
+PROCESS_GETTER(gv_process_get_spilled, region_slot_spilled)
 
 GV_EXPORT int gv_reclaim_dead(void)
 {

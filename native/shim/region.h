@@ -170,6 +170,9 @@ struct gv_sm {
     _Atomic uint64_t enqueue;
 };
 
+/* CLOCK_MONOTONIC, ns (region_proc.c). */
+uint64_t rg_now_ns(void);
+
 /* Whether any device entry has ever had an SM limit or its yield flag set
  * (one load: the launch hooks' fast path).  A priority alone does not set
  * it: a low-priority container without a limit keeps the fast path until

@@ -144,8 +144,6 @@ int rg_owner_left(gv_region *r, uint64_t w);
 uint64_t rg_self_owner(void);
 uint64_t rg_thread_owner(void);
 uint64_t rg_image_id(void);
-/* CLOCK_MONOTONIC, ns. */
-uint64_t rg_now_ns(void);
 void rg_test_delay(void);
 void rg_backoff(int slot, int tries);
 void rg_set_err(char *err, size_t errlen, const char *fmt, ...)

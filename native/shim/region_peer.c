@@ -106,13 +106,6 @@ static int read_dev(int fd, int dev, struct gv_dev *d, const char *path)
     return rc;
 }
 
-static uint64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
-}
-
 GV_EXPORT int gv_region_file_devices(const char *path, struct gv_region_file_device *out, int cap)
 {
     if (out == NULL || cap < 0)
@@ -122,7 +115,7 @@ GV_EXPORT int gv_region_file_devices(const char *path, struct gv_region_file_dev
     if (fd < 0)
         return fd;
     int n = 0, rc = GV_OK;
-    uint64_t now = now_ns();
+    uint64_t now = rg_now_ns();
     for (int i = 0; i < GV_MAX_DEVICES && n < cap; i++) {
         rc = read_dev(fd, i, d, path);
         if (rc != GV_OK)
@@ -176,14 +169,14 @@ static void on_sigbus(int sig, siginfo_t *info, void *uc)
 static void apply_sm(gv_region *r, int dev, uint32_t yield_ms, uint32_t others_bp)
 {
     if (yield_ms != GV_KEEP) {
-        uint64_t until = yield_ms ? now_ns() + (uint64_t)yield_ms * 1000000ULL : 0;
+        uint64_t until = yield_ms ? rg_now_ns() + (uint64_t)yield_ms * 1000000ULL : 0;
         region_sm_set_yield(r, dev, until);
     }
     if (others_bp != GV_KEEP) {
         struct gv_sm *sm = region_sm(r, dev);
         if (sm != NULL) {
             atomic_store(&sm->others, others_bp);
-            atomic_store(&sm->others_at, now_ns());
+            atomic_store(&sm->others_at, rg_now_ns());
         }
     }
 }
