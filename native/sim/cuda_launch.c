@@ -162,39 +162,27 @@ static CUresult launch(CUfunction f, unsigned gx, unsigned gy, unsigned gz,
     return sim_launch(&r, &k, 1);
 }
 
-SIM_API CUresult cuLaunchKernel(CUfunction f, unsigned gx, unsigned gy,
-                                unsigned gz, unsigned bx, unsigned by,
-                                unsigned bz, unsigned shmem, CUstream s,
-                                void **params, void **extra)
-{
-    return launch(f, gx, gy, gz, bx, by, bz, shmem, s, params, extra, 0, 0);
-}
+/* cuLaunchKernel and cuLaunchCooperativeKernel, each with its per-thread
+ * default stream form (ptsz): the cooperative one takes no extra. */
+#define LAUNCH_KERNEL(name, ptsz)                                               \
+    SIM_API CUresult name(CUfunction f, unsigned gx, unsigned gy, unsigned gz,  \
+                          unsigned bx, unsigned by, unsigned bz, unsigned shmem, \
+                          CUstream s, void **params, void **extra)              \
+    {                                                                           \
+        return launch(f, gx, gy, gz, bx, by, bz, shmem, s, params, extra, ptsz, 0); \
+    }
+#define LAUNCH_COOPERATIVE(name, ptsz)                                          \
+    SIM_API CUresult name(CUfunction f, unsigned gx, unsigned gy, unsigned gz,  \
+                          unsigned bx, unsigned by, unsigned bz, unsigned shmem, \
+                          CUstream s, void **params)                            \
+    {                                                                           \
+        return launch(f, gx, gy, gz, bx, by, bz, shmem, s, params, NULL, ptsz, 1); \
+    }
 
-SIM_API CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned gx, unsigned gy,
-                                     unsigned gz, unsigned bx, unsigned by,
-                                     unsigned bz, unsigned shmem, CUstream s,
-                                     void **params, void **extra)
-{
-    return launch(f, gx, gy, gz, bx, by, bz, shmem, s, params, extra, 1, 0);
-}
-
-SIM_API CUresult cuLaunchCooperativeKernel(CUfunction f, unsigned gx,
-                                           unsigned gy, unsigned gz,
-                                           unsigned bx, unsigned by,
-                                           unsigned bz, unsigned shmem,
-                                           CUstream s, void **params)
-{
-    return launch(f, gx, gy, gz, bx, by, bz, shmem, s, params, NULL, 0, 1);
-}
-
-SIM_API CUresult cuLaunchCooperativeKernel_ptsz(CUfunction f, unsigned gx,
-                                                unsigned gy, unsigned gz,
-                                                unsigned bx, unsigned by,
-                                                unsigned bz, unsigned shmem,
-                                                CUstream s, void **params)
-{
-    return launch(f, gx, gy, gz, bx, by, bz, shmem, s, params, NULL, 1, 1);
-}
+LAUNCH_KERNEL(cuLaunchKernel, 0)
+LAUNCH_KERNEL(cuLaunchKernel_ptsz, 1)
+LAUNCH_COOPERATIVE(cuLaunchCooperativeKernel, 0)
+LAUNCH_COOPERATIVE(cuLaunchCooperativeKernel_ptsz, 1)
 
 static CUresult launch_ex(const CUlaunchConfig *cfg, CUfunction f,
                           void **params, void **extra, int ptsz)

@@ -68,19 +68,10 @@ int sim_nvml_mig(nvmlDevice_t d, sim_migdev *out)
     return 0;
 }
 
-#define DEV_ENTRY(fn, dev, node)                 \
-    NVML_ENTRY(fn);                              \
-    int node = sim_nvml_node(dev);               \
-    if (node < 0)                                \
-        return NVML_ERROR_INVALID_ARGUMENT
-
 SIM_API nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *n)
 {
     NVML_ENTRY("nvmlDeviceGetCount_v2");
-    if (!n)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    *n = (unsigned)sim_ndev();
-    return NVML_SUCCESS;
+    return sim_nvml_put_uint(n, (unsigned)sim_ndev());
 }
 
 SIM_API nvmlReturn_t nvmlDeviceGetCount(unsigned int *n)
@@ -151,20 +142,14 @@ SIM_API nvmlReturn_t nvmlDeviceGetHandleByPciBusId(const char *bus,
 
 SIM_API nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t dev, unsigned int *i)
 {
-    DEV_ENTRY("nvmlDeviceGetIndex", dev, node);
-    if (!i)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    *i = (unsigned)node;
-    return NVML_SUCCESS;
+    NVML_GPU_ENTRY("nvmlDeviceGetIndex", dev, node);
+    return sim_nvml_put_uint(i, (unsigned)node);
 }
 
 SIM_API nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t dev, unsigned int *m)
 {
-    DEV_ENTRY("nvmlDeviceGetMinorNumber", dev, node);
-    if (!m)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    *m = (unsigned)node;
-    return NVML_SUCCESS;
+    NVML_GPU_ENTRY("nvmlDeviceGetMinorNumber", dev, node);
+    return sim_nvml_put_uint(m, (unsigned)node);
 }
 
 SIM_API nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t dev, char *buf,
@@ -208,7 +193,7 @@ void sim_nvml_pci_info(int node, nvmlPciInfo_t *p)
 
 SIM_API nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t dev, nvmlPciInfo_t *p)
 {
-    DEV_ENTRY("nvmlDeviceGetPciInfo_v3", dev, node);
+    NVML_GPU_ENTRY("nvmlDeviceGetPciInfo_v3", dev, node);
     if (!p)
         return NVML_ERROR_INVALID_ARGUMENT;
     sim_nvml_pci_info(node, p);
@@ -223,7 +208,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetPciInfo_v2(nvmlDevice_t dev, nvmlPciInfo_t *p)
 /* the original entry point fills the original, 52-byte struct */
 SIM_API nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t dev, nvmlPciInfo_v1_t *p)
 {
-    DEV_ENTRY("nvmlDeviceGetPciInfo", dev, node);
+    NVML_GPU_ENTRY("nvmlDeviceGetPciInfo", dev, node);
     if (!p)
         return NVML_ERROR_INVALID_ARGUMENT;
     nvmlPciInfo_t v;
@@ -241,7 +226,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetPciInfo(nvmlDevice_t dev, nvmlPciInfo_v1_t *p)
 SIM_API nvmlReturn_t nvmlDeviceGetCudaComputeCapability(nvmlDevice_t dev,
                                                         int *major, int *minor)
 {
-    DEV_ENTRY("nvmlDeviceGetCudaComputeCapability", dev, node);
+    NVML_GPU_ENTRY("nvmlDeviceGetCudaComputeCapability", dev, node);
     (void)node;
     if (!major || !minor)
         return NVML_ERROR_INVALID_ARGUMENT;

@@ -182,6 +182,14 @@ nvmlReturn_t sim_nvml_put_str(char *buf, unsigned int len, const char *s)
     return NVML_SUCCESS;
 }
 
+nvmlReturn_t sim_nvml_put_uint(unsigned int *out, unsigned int v)
+{
+    if (!out)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    *out = v;
+    return NVML_SUCCESS;
+}
+
 SIM_API nvmlReturn_t nvmlSystemGetDriverVersion(char *buf, unsigned int len)
 {
     NVML_ENTRY("nvmlSystemGetDriverVersion");

@@ -59,18 +59,12 @@ static const sim_ci *ci_of(nvmlComputeInstance_t h)
     return g && g->ci[h->ci].active ? &g->ci[h->ci] : NULL;
 }
 
-#define GPU_ENTRY(fn, dev, gpu)                  \
-    NVML_ENTRY(fn);                              \
-    int gpu = sim_nvml_node(dev);                \
-    if (gpu < 0)                                 \
-        return NVML_ERROR_INVALID_ARGUMENT
-
 /* ---- mode ------------------------------------------------------------ */
 
 SIM_API nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t dev, unsigned int *current,
                                           unsigned int *pending)
 {
-    GPU_ENTRY("nvmlDeviceGetMigMode", dev, gpu);
+    NVML_GPU_ENTRY("nvmlDeviceGetMigMode", dev, gpu);
     if (!current || !pending)
         return NVML_ERROR_INVALID_ARGUMENT;
     if (!sim_mig_capable(gpu))
@@ -85,7 +79,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t dev, unsigned int *curren
 SIM_API nvmlReturn_t nvmlDeviceSetMigMode(nvmlDevice_t dev, unsigned int mode,
                                           nvmlReturn_t *activation)
 {
-    GPU_ENTRY("nvmlDeviceSetMigMode", dev, gpu);
+    NVML_GPU_ENTRY("nvmlDeviceSetMigMode", dev, gpu);
     if (!activation || mode > NVML_DEVICE_MIG_ENABLE)
         return NVML_ERROR_INVALID_ARGUMENT;
     nvmlReturn_t rc = sim_mig_set_mode(gpu, (int)mode);
@@ -135,7 +129,7 @@ static void fill_v2(const sim_gi_profile *p, nvmlGpuInstanceProfileInfo_v2_t *i)
 SIM_API nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfo(nvmlDevice_t dev, unsigned int profile,
                                                          nvmlGpuInstanceProfileInfo_t *info)
 {
-    GPU_ENTRY("nvmlDeviceGetGpuInstanceProfileInfo", dev, gpu);
+    NVML_GPU_ENTRY("nvmlDeviceGetGpuInstanceProfileInfo", dev, gpu);
     if (!info)
         return NVML_ERROR_INVALID_ARGUMENT;
     const sim_gi_profile *p;
@@ -153,7 +147,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfo(nvmlDevice_t dev, unsig
 SIM_API nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoV(nvmlDevice_t dev, unsigned int profile,
                                                           nvmlGpuInstanceProfileInfo_v2_t *info)
 {
-    GPU_ENTRY("nvmlDeviceGetGpuInstanceProfileInfoV", dev, gpu);
+    NVML_GPU_ENTRY("nvmlDeviceGetGpuInstanceProfileInfoV", dev, gpu);
     if (!info)
         return NVML_ERROR_INVALID_ARGUMENT;
     if (info->version != nvmlGpuInstanceProfileInfo_v2)
@@ -167,7 +161,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoV(nvmlDevice_t dev, unsi
 SIM_API nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoByIdV(
     nvmlDevice_t dev, unsigned int id, nvmlGpuInstanceProfileInfo_v2_t *info)
 {
-    GPU_ENTRY("nvmlDeviceGetGpuInstanceProfileInfoByIdV", dev, gpu);
+    NVML_GPU_ENTRY("nvmlDeviceGetGpuInstanceProfileInfoByIdV", dev, gpu);
     if (!info)
         return NVML_ERROR_INVALID_ARGUMENT;
     if (info->version != nvmlGpuInstanceProfileInfo_v2)
@@ -183,7 +177,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoByIdV(
 SIM_API nvmlReturn_t nvmlDeviceGetGpuInstancePossiblePlacements_v2(
     nvmlDevice_t dev, unsigned int id, nvmlGpuInstancePlacement_t *pl, unsigned int *count)
 {
-    GPU_ENTRY("nvmlDeviceGetGpuInstancePossiblePlacements_v2", dev, gpu);
+    NVML_GPU_ENTRY("nvmlDeviceGetGpuInstancePossiblePlacements_v2", dev, gpu);
     if (!count)
         return NVML_ERROR_INVALID_ARGUMENT;
     const sim_gi_profile *p;
@@ -212,7 +206,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetGpuInstancePossiblePlacements_v2(
 SIM_API nvmlReturn_t nvmlDeviceGetGpuInstanceRemainingCapacity(nvmlDevice_t dev, unsigned int id,
                                                                unsigned int *count)
 {
-    GPU_ENTRY("nvmlDeviceGetGpuInstanceRemainingCapacity", dev, gpu);
+    NVML_GPU_ENTRY("nvmlDeviceGetGpuInstanceRemainingCapacity", dev, gpu);
     if (!count)
         return NVML_ERROR_INVALID_ARGUMENT;
     const sim_gi_profile *p;
@@ -269,7 +263,7 @@ SIM_API nvmlReturn_t nvmlGpuInstanceDestroy(nvmlGpuInstance_t h)
 SIM_API nvmlReturn_t nvmlDeviceGetGpuInstances(nvmlDevice_t dev, unsigned int id,
                                                nvmlGpuInstance_t *out, unsigned int *count)
 {
-    GPU_ENTRY("nvmlDeviceGetGpuInstances", dev, gpu);
+    NVML_GPU_ENTRY("nvmlDeviceGetGpuInstances", dev, gpu);
     if (!out || !count)
         return NVML_ERROR_INVALID_ARGUMENT;
     const sim_gi_profile *p;
@@ -292,7 +286,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetGpuInstances(nvmlDevice_t dev, unsigned int id
 SIM_API nvmlReturn_t nvmlDeviceGetGpuInstanceById(nvmlDevice_t dev, unsigned int id,
                                                   nvmlGpuInstance_t *out)
 {
-    GPU_ENTRY("nvmlDeviceGetGpuInstanceById", dev, gpu);
+    NVML_GPU_ENTRY("nvmlDeviceGetGpuInstanceById", dev, gpu);
     if (!out)
         return NVML_ERROR_INVALID_ARGUMENT;
     if (!sim_mig_capable(gpu) || !sim_mig_mode(gpu))
@@ -570,7 +564,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t dev, unsigned i
 
 SIM_API nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t dev, unsigned int *count)
 {
-    GPU_ENTRY("nvmlDeviceGetMaxMigDeviceCount", dev, gpu);
+    NVML_GPU_ENTRY("nvmlDeviceGetMaxMigDeviceCount", dev, gpu);
     if (!count)
         return NVML_ERROR_INVALID_ARGUMENT;
     if (!sim_mig_capable(gpu))
@@ -582,7 +576,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t dev, unsigned i
 SIM_API nvmlReturn_t nvmlDeviceGetMigDeviceHandleByIndex(nvmlDevice_t dev, unsigned int index,
                                                          nvmlDevice_t *out)
 {
-    GPU_ENTRY("nvmlDeviceGetMigDeviceHandleByIndex", dev, gpu);
+    NVML_GPU_ENTRY("nvmlDeviceGetMigDeviceHandleByIndex", dev, gpu);
     if (!out || !sim_mig_capable(gpu) || index >= sim_gpu_model(gpu)->compute_slices)
         return NVML_ERROR_INVALID_ARGUMENT;
     sim_migdev m[SIM_MIG_SLOTS * SIM_MIG_SLOTS];

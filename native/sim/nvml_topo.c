@@ -54,16 +54,10 @@ static int links_between(int a, int b)
     return direct + (sw_a < sw_b ? sw_a : sw_b);
 }
 
-#define GPU_ENTRY(fn, dev, gpu)                  \
-    NVML_ENTRY(fn);                              \
-    int gpu = sim_nvml_node(dev);                \
-    if (gpu < 0)                                 \
-        return NVML_ERROR_INVALID_ARGUMENT
-
 SIM_API nvmlReturn_t nvmlDeviceGetTopologyCommonAncestor(nvmlDevice_t d1, nvmlDevice_t d2,
                                                          nvmlGpuTopologyLevel_t *out)
 {
-    GPU_ENTRY("nvmlDeviceGetTopologyCommonAncestor", d1, a);
+    NVML_GPU_ENTRY("nvmlDeviceGetTopologyCommonAncestor", d1, a);
     int b = sim_nvml_node(d2);
     if (b < 0 || !out)
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -75,7 +69,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetTopologyNearestGpus(nvmlDevice_t dev,
                                                       nvmlGpuTopologyLevel_t lvl,
                                                       unsigned int *count, nvmlDevice_t *arr)
 {
-    GPU_ENTRY("nvmlDeviceGetTopologyNearestGpus", dev, a);
+    NVML_GPU_ENTRY("nvmlDeviceGetTopologyNearestGpus", dev, a);
     int l = (int)lvl;
     if (!count || l < NVML_TOPOLOGY_INTERNAL || l > NVML_TOPOLOGY_SYSTEM || l % 10)
         return NVML_ERROR_INVALID_ARGUMENT;
@@ -100,11 +94,8 @@ SIM_API nvmlReturn_t nvmlDeviceGetTopologyNearestGpus(nvmlDevice_t dev,
 
 SIM_API nvmlReturn_t nvmlDeviceGetNumaNodeId(nvmlDevice_t dev, unsigned int *node)
 {
-    GPU_ENTRY("nvmlDeviceGetNumaNodeId", dev, a);
-    if (!node)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    *node = (unsigned)topo(a)->numa;
-    return NVML_SUCCESS;
+    NVML_GPU_ENTRY("nvmlDeviceGetNumaNodeId", dev, a);
+    return sim_nvml_put_uint(node, (unsigned)topo(a)->numa);
 }
 
 /* the link of dev: NVML_SUCCESS with *peer, or why not (out: the
@@ -123,7 +114,7 @@ static nvmlReturn_t link_of(int gpu, unsigned int link, const void *out, int *pe
 SIM_API nvmlReturn_t nvmlDeviceGetNvLinkState(nvmlDevice_t dev, unsigned int link,
                                               nvmlEnableState_t *active)
 {
-    GPU_ENTRY("nvmlDeviceGetNvLinkState", dev, a);
+    NVML_GPU_ENTRY("nvmlDeviceGetNvLinkState", dev, a);
     int peer;
     NVML_TRY(link_of(a, link, active, &peer));
     *active = peer == SIM_LINK_NONE ? NVML_FEATURE_DISABLED : NVML_FEATURE_ENABLED;
@@ -143,7 +134,7 @@ static void switch_pci(unsigned sw, nvmlPciInfo_t *p)
 SIM_API nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo_v2(nvmlDevice_t dev, unsigned int link,
                                                          nvmlPciInfo_t *pci)
 {
-    GPU_ENTRY("nvmlDeviceGetNvLinkRemotePciInfo_v2", dev, a);
+    NVML_GPU_ENTRY("nvmlDeviceGetNvLinkRemotePciInfo_v2", dev, a);
     int peer;
     NVML_TRY(link_of(a, link, pci, &peer));
     if (peer == SIM_LINK_NONE)
@@ -164,7 +155,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetNvLinkRemotePciInfo(nvmlDevice_t dev, unsigned
 SIM_API nvmlReturn_t nvmlDeviceGetNvLinkRemoteDeviceType(nvmlDevice_t dev, unsigned int link,
                                                          nvmlIntNvLinkDeviceType_t *type)
 {
-    GPU_ENTRY("nvmlDeviceGetNvLinkRemoteDeviceType", dev, a);
+    NVML_GPU_ENTRY("nvmlDeviceGetNvLinkRemoteDeviceType", dev, a);
     int peer;
     NVML_TRY(link_of(a, link, type, &peer));
     *type = peer == SIM_LINK_SWITCH ? NVML_NVLINK_DEVICE_TYPE_SWITCH
@@ -179,7 +170,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetNvLinkRemoteDeviceType(nvmlDevice_t dev, unsig
 SIM_API nvmlReturn_t nvmlDeviceGetP2PStatus(nvmlDevice_t d1, nvmlDevice_t d2,
                                             nvmlGpuP2PCapsIndex_t idx, nvmlGpuP2PStatus_t *st)
 {
-    GPU_ENTRY("nvmlDeviceGetP2PStatus", d1, a);
+    NVML_GPU_ENTRY("nvmlDeviceGetP2PStatus", d1, a);
     int b = sim_nvml_node(d2);
     if (b < 0 || !st || (int)idx < 0 || (int)idx >= NVML_P2P_CAPS_INDEX_UNKNOWN)
         return NVML_ERROR_INVALID_ARGUMENT;

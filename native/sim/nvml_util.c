@@ -39,21 +39,42 @@
 #define SAMPLE_MS_MIN 10ULL
 #define SAMPLE_MS_MAX 1000ULL
 
-static uint64_t sample_ns_v = SAMPLE_MS_DEFAULT * 1000000ULL;
-static pthread_once_t sample_once = PTHREAD_ONCE_INIT;
+/* Longer than the history kept (HISTORY_NS) publishes nothing, and the
+ * delay's arithmetic in ns would overflow far beyond it. */
+#define PUBLISH_MS_MAX 10000ULL
+#define QUERY_MS_MAX 10000ULL
 
-static void read_sample_ms(void)
+/* The knobs above, read together at the first query that needs one. */
+static struct {
+    uint64_t sample_ns;                 /* GPUVISOR_SIM_NVML_SAMPLE_MS, in ns */
+    unsigned long long publish_ms;      /* GPUVISOR_SIM_NVML_PUBLISH_MS */
+    unsigned long long query_ms;        /* GPUVISOR_SIM_NVML_UTIL_MS */
+    /* GPUVISOR_SIM_NVML_PER_SAMPLE=1: one entry per process and sample
+     * (each with that sample's utilisation and timestamp) instead of one
+     * per process over all the samples asked for. */
+    int per_sample;
+} knobs;
+static pthread_once_t knobs_once = PTHREAD_ONCE_INIT;
+
+static void read_knobs(void)
 {
-    sample_ns_v = sim_knob_range("GPUVISOR_SIM_NVML_SAMPLE_MS", SAMPLE_MS_MIN, SAMPLE_MS_MAX,
-                                 SAMPLE_MS_DEFAULT) * 1000000ULL;
+    knobs.sample_ns = sim_knob_range("GPUVISOR_SIM_NVML_SAMPLE_MS", SAMPLE_MS_MIN,
+                                     SAMPLE_MS_MAX, SAMPLE_MS_DEFAULT) * 1000000ULL;
+    knobs.publish_ms = sim_knob_range("GPUVISOR_SIM_NVML_PUBLISH_MS", 1, PUBLISH_MS_MAX, 0);
+    knobs.query_ms = sim_knob_range("GPUVISOR_SIM_NVML_UTIL_MS", 1, QUERY_MS_MAX, 0);
+    const char *v = getenv("GPUVISOR_SIM_NVML_PER_SAMPLE");
+    if (!v || !*v || !strcmp(v, "0"))
+        return;
+    if (!strcmp(v, "1"))
+        knobs.per_sample = 1;
+    else
+        sim_log("GPUVISOR_SIM_NVML_PER_SAMPLE=%s is not 0 or 1; ignored", v);
 }
+
+#define KNOBS (pthread_once(&knobs_once, read_knobs), &knobs)
 
 /* The per-process sampling period (GPUVISOR_SIM_NVML_SAMPLE_MS; 100 ms). */
-static uint64_t sample_ns(void)
-{
-    pthread_once(&sample_once, read_sample_ms);
-    return sample_ns_v;
-}
+static uint64_t sample_ns(void) { return KNOBS->sample_ns; }
 #define SAMPLE_NS sample_ns()
 #define HISTORY_NS (10ULL * NS_PER_S)
 #define UTIL_WINDOW_NS NS_PER_S
@@ -102,22 +123,10 @@ SIM_API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t dev,
     return NVML_SUCCESS;
 }
 
-static unsigned long long publish_ms;
-static pthread_once_t publish_once = PTHREAD_ONCE_INIT;
-
-/* Longer than the history kept (HISTORY_NS) publishes nothing, and the
- * delay's arithmetic in ns would overflow far beyond it. */
-#define PUBLISH_MS_MAX 10000ULL
-
-static void read_publish(void)
-{
-    publish_ms = sim_knob_range("GPUVISOR_SIM_NVML_PUBLISH_MS", 1, PUBLISH_MS_MAX, 0);
-}
-
 /* How long after its end a sample of pid is published. */
 static uint64_t publish_delay_ns(unsigned pid)
 {
-    pthread_once(&publish_once, read_publish);
+    unsigned long long publish_ms = KNOBS->publish_ms;
     if (!publish_ms)
         return 0;
     uint64_t h = (uint64_t)pid * 0x9e3779b97f4a7c15ULL;
@@ -170,38 +179,12 @@ static uint64_t rt_offset(void)
     return k;
 }
 
-static unsigned long long query_ms;
-static pthread_once_t query_once = PTHREAD_ONCE_INIT;
-#define QUERY_MS_MAX 10000ULL
-
-static void read_query_ms(void)
-{
-    query_ms = sim_knob_range("GPUVISOR_SIM_NVML_UTIL_MS", 1, QUERY_MS_MAX, 0);
-}
-
 /* The time a per-process query takes (GPUVISOR_SIM_NVML_UTIL_MS). */
 static void query_takes_time(void)
 {
-    pthread_once(&query_once, read_query_ms);
+    unsigned long long query_ms = KNOBS->query_ms;
     if (query_ms)
         sim_sleep_until(sim_now_ns() + query_ms * 1000000ULL);
-}
-
-/* GPUVISOR_SIM_NVML_PER_SAMPLE=1: one entry per process and sample (each
- * with that sample's utilisation and timestamp) instead of one per
- * process over all the samples asked for. */
-static int per_sample;
-static pthread_once_t per_sample_once = PTHREAD_ONCE_INIT;
-
-static void read_per_sample(void)
-{
-    const char *v = getenv("GPUVISOR_SIM_NVML_PER_SAMPLE");
-    if (!v || !*v || !strcmp(v, "0"))
-        return;
-    if (!strcmp(v, "1"))
-        per_sample = 1;
-    else
-        sim_log("GPUVISOR_SIM_NVML_PER_SAMPLE=%s is not 0 or 1; ignored", v);
 }
 
 #define MAX_ENTRIES 4096
@@ -307,8 +290,7 @@ static nvmlReturn_t proc_samples(int node, unsigned long long last_seen,
         }
         busy[j] += b;
     }
-    pthread_once(&per_sample_once, read_per_sample);
-    if (per_sample) {
+    if (KNOBS->per_sample) {
         *nout = per_sample_entries(iv, n, pids, until, np, lo, mono_to_rt, out);
         free(iv);
         return NVML_SUCCESS;

@@ -610,6 +610,9 @@ SIM_HIDDEN nvmlDevice_t sim_nvml_mig_handle(int gpu, int slot, int ci);
 /* s into buf of len bytes, as NVML's string getters give it:
  * NVML_ERROR_INSUFFICIENT_SIZE when it does not fit with its NUL */
 SIM_HIDDEN nvmlReturn_t sim_nvml_put_str(char *buf, unsigned int len, const char *s);
+/* v into *out, as NVML's getters of one number give it:
+ * NVML_ERROR_INVALID_ARGUMENT when out is NULL */
+SIM_HIDDEN nvmlReturn_t sim_nvml_put_uint(unsigned int *out, unsigned int v);
 /* the MIG device a handle names now: 0, or -1 if it is not one (or no
  * longer exists) */
 SIM_HIDDEN int sim_nvml_mig(nvmlDevice_t d, sim_migdev *out);
@@ -633,5 +636,14 @@ SIM_HIDDEN int sim_nvml_node(nvmlDevice_t d);         /* -1 if invalid */
         if (!sim_nvml_ready())                      \
             return NVML_ERROR_UNINITIALIZED;        \
     } while (0)
+
+/* ... and one that takes a GPU's handle declares int gpu, its node index,
+ * after NVML_ENTRY: NVML_ERROR_INVALID_ARGUMENT for a handle that names
+ * no GPU. */
+#define NVML_GPU_ENTRY(fn, dev, gpu)                \
+    NVML_ENTRY(fn);                                 \
+    int gpu = sim_nvml_node(dev);                   \
+    if (gpu < 0)                                    \
+        return NVML_ERROR_INVALID_ARGUMENT
 
 #endif /* GV_SIM_H */
