@@ -59,16 +59,23 @@ static const sim_ci *ci_of(nvmlComputeInstance_t h)
     return g && g->ci[h->ci].active ? &g->ci[h->ci] : NULL;
 }
 
+/* A query of a MIG-capable GPU, out where its answer goes:
+ * NVML_ERROR_INVALID_ARGUMENT without out, NVML_ERROR_NOT_SUPPORTED on a
+ * GPU without MIG. */
+static nvmlReturn_t mig_query(int gpu, const void *out)
+{
+    if (!out)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    return sim_mig_capable(gpu) ? NVML_SUCCESS : NVML_ERROR_NOT_SUPPORTED;
+}
+
 /* ---- mode ------------------------------------------------------------ */
 
 SIM_API nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t dev, unsigned int *current,
                                           unsigned int *pending)
 {
     NVML_GPU_ENTRY("nvmlDeviceGetMigMode", dev, gpu);
-    if (!current || !pending)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    if (!sim_mig_capable(gpu))
-        return NVML_ERROR_NOT_SUPPORTED;
+    NVML_TRY(mig_query(gpu, current && pending ? current : NULL));
     *current = *pending = (unsigned)sim_mig_mode(gpu);
     return NVML_SUCCESS;
 }
@@ -126,17 +133,30 @@ static void fill_v2(const sim_gi_profile *p, nvmlGpuInstanceProfileInfo_v2_t *i)
     snprintf(i->name, sizeof i->name, "MIG %s", p->name);
 }
 
+/* A GPU-instance profile's _v2 info, the profile named by its index or
+ * (by_id) by its id. */
+static nvmlReturn_t profile_info_v2(int gpu, unsigned key, int by_id,
+                                    nvmlGpuInstanceProfileInfo_v2_t *info)
+{
+    if (!info)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (info->version != nvmlGpuInstanceProfileInfo_v2)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    const sim_gi_profile *p;
+    NVML_TRY(by_id ? profile_by_id(gpu, key, &p) : profile_by_index(gpu, key, &p));
+    fill_v2(p, info);
+    return NVML_SUCCESS;
+}
+
 SIM_API nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfo(nvmlDevice_t dev, unsigned int profile,
                                                          nvmlGpuInstanceProfileInfo_t *info)
 {
     NVML_GPU_ENTRY("nvmlDeviceGetGpuInstanceProfileInfo", dev, gpu);
     if (!info)
         return NVML_ERROR_INVALID_ARGUMENT;
-    const sim_gi_profile *p;
-    NVML_TRY(profile_by_index(gpu, profile, &p));
     nvmlGpuInstanceProfileInfo_v2_t v;
     v.version = nvmlGpuInstanceProfileInfo_v2;
-    fill_v2(p, &v);
+    NVML_TRY(profile_info_v2(gpu, profile, 0, &v));
     /* v1 is v2's GV_NVML_GI_PROFILE_FIELDS: its unsigned ints lie alike,
      * memorySizeMB sits at another offset (alignment) */
     memcpy(info, &v.id, offsetof(nvmlGpuInstanceProfileInfo_t, memorySizeMB));
@@ -148,28 +168,14 @@ SIM_API nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoV(nvmlDevice_t dev, unsi
                                                           nvmlGpuInstanceProfileInfo_v2_t *info)
 {
     NVML_GPU_ENTRY("nvmlDeviceGetGpuInstanceProfileInfoV", dev, gpu);
-    if (!info)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    if (info->version != nvmlGpuInstanceProfileInfo_v2)
-        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
-    const sim_gi_profile *p;
-    NVML_TRY(profile_by_index(gpu, profile, &p));
-    fill_v2(p, info);
-    return NVML_SUCCESS;
+    return profile_info_v2(gpu, profile, 0, info);
 }
 
 SIM_API nvmlReturn_t nvmlDeviceGetGpuInstanceProfileInfoByIdV(
     nvmlDevice_t dev, unsigned int id, nvmlGpuInstanceProfileInfo_v2_t *info)
 {
     NVML_GPU_ENTRY("nvmlDeviceGetGpuInstanceProfileInfoByIdV", dev, gpu);
-    if (!info)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    if (info->version != nvmlGpuInstanceProfileInfo_v2)
-        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
-    const sim_gi_profile *p;
-    NVML_TRY(profile_by_id(gpu, id, &p));
-    fill_v2(p, info);
-    return NVML_SUCCESS;
+    return profile_info_v2(gpu, id, 1, info);
 }
 
 /* Every legal placement of the profile, whatever exists and whatever the
@@ -287,9 +293,8 @@ SIM_API nvmlReturn_t nvmlDeviceGetGpuInstanceById(nvmlDevice_t dev, unsigned int
                                                   nvmlGpuInstance_t *out)
 {
     NVML_GPU_ENTRY("nvmlDeviceGetGpuInstanceById", dev, gpu);
-    if (!out)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    if (!sim_mig_capable(gpu) || !sim_mig_mode(gpu))
+    NVML_TRY(mig_query(gpu, out));
+    if (!sim_mig_mode(gpu))
         return NVML_ERROR_NOT_SUPPORTED;
     for (int s = 0; s < SIM_MIG_SLOTS; s++) {
         const sim_gi *g = &sim_state()->gi[gpu][s];
@@ -349,17 +354,29 @@ static nvmlReturn_t ci_profile_ok(nvmlGpuInstance_t h, unsigned idx, unsigned en
                                                        : NVML_ERROR_NOT_SUPPORTED;
 }
 
+/* A compute-instance profile's _v2 info. */
+static nvmlReturn_t ci_profile_info_v2(nvmlGpuInstance_t h, unsigned int profile,
+                                       unsigned int eng, nvmlComputeInstanceProfileInfo_v2_t *info)
+{
+    NVML_TRY(ci_profile_ok(h, profile, eng));
+    if (!info)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    if (info->version != nvmlComputeInstanceProfileInfo_v2)
+        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+    fill_ci_v2(h, (int)profile, info);
+    return NVML_SUCCESS;
+}
+
 SIM_API nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfo(
     nvmlGpuInstance_t h, unsigned int profile, unsigned int eng,
     nvmlComputeInstanceProfileInfo_t *info)
 {
     NVML_ENTRY("nvmlGpuInstanceGetComputeInstanceProfileInfo");
-    NVML_TRY(ci_profile_ok(h, profile, eng));
-    if (!info)
-        return NVML_ERROR_INVALID_ARGUMENT;
     nvmlComputeInstanceProfileInfo_v2_t v;
     v.version = nvmlComputeInstanceProfileInfo_v2;
-    fill_ci_v2(h, (int)profile, &v);
+    NVML_TRY(ci_profile_info_v2(h, profile, eng, &v));
+    if (!info)
+        return NVML_ERROR_INVALID_ARGUMENT;
     memcpy(info, &v.id, sizeof *info);  /* v2's GV_NVML_CI_PROFILE_FIELDS */
     return NVML_SUCCESS;
 }
@@ -369,13 +386,7 @@ SIM_API nvmlReturn_t nvmlGpuInstanceGetComputeInstanceProfileInfoV(
     nvmlComputeInstanceProfileInfo_v2_t *info)
 {
     NVML_ENTRY("nvmlGpuInstanceGetComputeInstanceProfileInfoV");
-    NVML_TRY(ci_profile_ok(h, profile, eng));
-    if (!info)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    if (info->version != nvmlComputeInstanceProfileInfo_v2)
-        return NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
-    fill_ci_v2(h, (int)profile, info);
-    return NVML_SUCCESS;
+    return ci_profile_info_v2(h, profile, eng, info);
 }
 
 SIM_API nvmlReturn_t nvmlGpuInstanceGetComputeInstanceRemainingCapacity(
@@ -565,10 +576,7 @@ SIM_API nvmlReturn_t nvmlDeviceGetComputeInstanceId(nvmlDevice_t dev, unsigned i
 SIM_API nvmlReturn_t nvmlDeviceGetMaxMigDeviceCount(nvmlDevice_t dev, unsigned int *count)
 {
     NVML_GPU_ENTRY("nvmlDeviceGetMaxMigDeviceCount", dev, gpu);
-    if (!count)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    if (!sim_mig_capable(gpu))
-        return NVML_ERROR_NOT_SUPPORTED;
+    NVML_TRY(mig_query(gpu, count));
     *count = sim_gpu_model(gpu)->compute_slices;
     return NVML_SUCCESS;
 }
