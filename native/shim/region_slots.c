@@ -143,12 +143,20 @@ static int claim_self_slot(gv_region *r)
     return GV_EFULL;
 }
 
+/* This process's fork generation (*gen) and r's slot cache word: the
+ * generation it was written in << 32 | the slot + 1, SLOT_NONE or
+ * SLOT_CLAIMING.  Inline: the memory path's fast path reads it. */
+static inline __attribute__((always_inline)) uint64_t slot_cache(gv_region *r, uint64_t *gen)
+{
+    *gen = atomic_load_explicit(&rg_fork_gen, memory_order_relaxed);
+    return atomic_load_explicit(&r->slot_cache, memory_order_acquire);
+}
+
 int region_self_slot(gv_region *r)
 {
     if (r == NULL)
         return GV_EINVAL;
-    uint64_t gen = atomic_load_explicit(&rg_fork_gen, memory_order_relaxed);
-    uint64_t c = atomic_load_explicit(&r->slot_cache, memory_order_acquire);
+    uint64_t gen, c = slot_cache(r, &gen);
     for (;;) {
         if ((c >> 32) == gen) {
             uint32_t s = (uint32_t)c;
@@ -172,8 +180,7 @@ int region_own_slot(gv_region *r)
 {
     if (r == NULL)
         return GV_EINVAL;
-    uint64_t gen = atomic_load_explicit(&rg_fork_gen, memory_order_relaxed);
-    uint64_t c = atomic_load_explicit(&r->slot_cache, memory_order_acquire);
+    uint64_t gen, c = slot_cache(r, &gen);
     if ((c >> 32) != gen || (uint32_t)c == SLOT_NONE)
         return GV_ENOENT;
     return region_self_slot(r);     /* registered, or another thread is at it */

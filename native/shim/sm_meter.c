@@ -700,6 +700,21 @@ void gv_sm_stream_destroying(void)
     atomic_fetch_add(&ctx_gen, 1);
 }
 
+/* A gated launch that the meter will not read: the events it has are
+ * destroyed, and the spare record it took goes back without them. */
+static void drop_events(gv_sm_launch *l)
+{
+    if (l->begin)
+        GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->begin);
+    if (l->end)
+        GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->end);
+    if (l->rec) {
+        struct rec *spare = l->rec;
+        spare->begin = spare->end = NULL;
+        rec_free(spare);
+    }
+}
+
 int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
 {
     memset(l, 0, sizeof *l);
@@ -777,16 +792,9 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
     if (!made || record(l->begin, stream) != CUDA_SUCCESS) {
         gv_sm_enqueue_end(sm, l->dev, l->enqueue);
         l->enqueue = 0;
-        if (l->begin)
-            GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->begin);
-        if (l->end)
-            GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->end);
+        drop_events(l);
         l->begin = l->end = NULL;
-        if (spare) {
-            spare->begin = spare->end = NULL;
-            rec_free(spare);
-            l->rec = NULL;
-        }
+        l->rec = NULL;
         if (atomic_load(&started))
             unmeasured();
     }
@@ -805,15 +813,7 @@ void gv_sm_end(gv_sm_launch *l, CUresult rc)
         gv_sm_enqueue_end(l->sm, l->dev, l->enqueue);
         /* Not launched: give the charge back.  Unmeasured: keep it. */
         gv_sm_settle(l->sm, l->dev, l->share, l->est, rc != CUDA_SUCCESS ? 0 : l->est);
-        if (l->begin) {
-            GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->begin);
-            GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->end);
-        }
-        if (l->rec) {
-            struct rec *spare = l->rec;
-            spare->begin = spare->end = NULL;
-            rec_free(spare);
-        }
+        drop_events(l);
         return;
     }
     ev_record_fn record = l->ptsz ? GV_REAL(cuEventRecord_ptsz, ev_record_fn)
@@ -830,13 +830,7 @@ void gv_sm_end(gv_sm_launch *l, CUresult rc)
         r = l->rec ? (struct rec *)l->rec : rec_new();
     if (!r) {
         gv_sm_settle(l->sm, l->dev, l->share, l->est, l->est);
-        GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->begin);
-        GV_REAL(cuEventDestroy_v2, ev_destroy_fn)(l->end);
-        if (l->rec) {
-            struct rec *spare = l->rec;
-            spare->begin = spare->end = NULL;
-            rec_free(spare);
-        }
+        drop_events(l);
         return;
     }
     r->ctx = l->ctx;
