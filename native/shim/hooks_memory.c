@@ -11,6 +11,17 @@ typedef CUresult (*managed_fn)(CUdeviceptr *, size_t, unsigned int);
 typedef CUresult (*free_v2_fn)(CUdeviceptr);
 typedef CUresult (*free_v1_fn)(CUdeviceptr_v1);
 
+/* How an allocation hook starts: outside enforce mode, or when nothing is
+ * asked for (no out pointer, no bytes: the driver's own error), the
+ * driver's answer (passcall); else c charges bytes against the current
+ * context before the driver is called, rc saying how that went. */
+#define ALLOC_BEGIN(c, rc, passcall, nothing_asked, bytes)                    \
+    GV_ENFORCING_OR(passcall);                                                 \
+    if (nothing_asked)                                                         \
+        return passcall;                                                       \
+    gv_charge c;                                                               \
+    CUresult rc = gv_charge_begin_current(&c, bytes)
+
 /* Under CUDA_OVERSUBSCRIBE (oversub.c): the charge is made, then the
  * allocation goes to the device, to host memory, or both. */
 static CUresult settle_spillable(gv_charge *c, CUresult rc, CUdeviceptr *dptr, uint64_t spilled)
@@ -37,11 +48,7 @@ static CUresult plain_alloc(CUdeviceptr *dptr, void *arg)
 GV_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
 {
     alloc_v2_fn real = GV_REAL(cuMemAlloc_v2, alloc_v2_fn);
-    GV_ENFORCING_OR(real(dptr, bytesize));
-    if (!dptr || bytesize == 0)
-        return real(dptr, bytesize);
-    gv_charge c;
-    CUresult rc = gv_charge_begin_current(&c, bytesize);
+    ALLOC_BEGIN(c, rc, real(dptr, bytesize), !dptr || bytesize == 0, bytesize);
     if (rc != CUDA_SUCCESS)
         return rc;
     if (c.active && gv_oversub_on()) {
@@ -57,11 +64,7 @@ GV_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
 GV_EXPORT CUresult cuMemAlloc(CUdeviceptr_v1 *dptr, unsigned int bytesize)
 {
     alloc_v1_fn real = GV_REAL(cuMemAlloc, alloc_v1_fn);
-    GV_ENFORCING_OR(real(dptr, bytesize));
-    if (!dptr || bytesize == 0)
-        return real(dptr, bytesize);
-    gv_charge c;
-    CUresult rc = gv_charge_begin_current(&c, bytesize);
+    ALLOC_BEGIN(c, rc, real(dptr, bytesize), !dptr || bytesize == 0, bytesize);
     if (rc != CUDA_SUCCESS)
         return rc;
     rc = real(dptr, bytesize);
@@ -160,11 +163,8 @@ GV_EXPORT CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pitch, un
                                    unsigned int height, unsigned int elem)
 {
     pitch_v1_fn real = GV_REAL(cuMemAllocPitch, pitch_v1_fn);
-    GV_ENFORCING_OR(real(dptr, pitch, width, height, elem));
-    if (!dptr || !pitch || width == 0 || height == 0)
-        return real(dptr, pitch, width, height, elem);
-    gv_charge c;
-    CUresult rc = gv_charge_begin_current(&c, gv_round_up(width, 512) * height);
+    ALLOC_BEGIN(c, rc, real(dptr, pitch, width, height, elem),
+                !dptr || !pitch || width == 0 || height == 0, gv_round_up(width, 512) * height);
     if (rc != CUDA_SUCCESS)
         return refused(rc, pitch_elem_valid(elem));
     rc = real(dptr, pitch, width, height, elem);
@@ -175,12 +175,8 @@ GV_EXPORT CUresult cuMemAllocPitch(CUdeviceptr_v1 *dptr, unsigned int *pitch, un
 GV_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags)
 {
     managed_fn real = GV_REAL(cuMemAllocManaged, managed_fn);
-    GV_ENFORCING_OR(real(dptr, bytesize, flags));
-    if (!dptr || bytesize == 0)
-        return real(dptr, bytesize, flags);
     /* Managed memory may live on the device: it counts against the quota. */
-    gv_charge c;
-    CUresult rc = gv_charge_begin_current(&c, bytesize);
+    ALLOC_BEGIN(c, rc, real(dptr, bytesize, flags), !dptr || bytesize == 0, bytesize);
     if (rc != CUDA_SUCCESS)
         return refused(rc, flags == CU_MEM_ATTACH_GLOBAL || flags == CU_MEM_ATTACH_HOST);
     if (c.active && gv_oversub_on() && (flags == CU_MEM_ATTACH_GLOBAL || flags == CU_MEM_ATTACH_HOST)) {
