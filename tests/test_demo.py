@@ -166,34 +166,41 @@ def test_demo_without_the_library_says_so_in_one_line(tmp_path: Path) -> None:
     ]
 
 
+NOTEBOOK_AND_TRAINER = [
+    Workload("notebook", 0, "burst-share", 20, "4g", 0.0, "1g"),
+    Workload("trainer", 0, "fixed-share", 60, "8g", 4.0, "6g"),
+]
+
+
+def sampled(sm: Callable[[str, float], float], seconds: float) -> dict[str, Series]:
+    """The notebook's and the trainer's series, sampled every 0.1 s from 0
+    to `seconds`, their SM use given by sm(name, t)."""
+    out = {n: Series(n) for n in ("notebook", "trainer")}
+    for n, series in out.items():
+        series.points.extend(
+            Point(k / 10, sm(n, k / 10), None, None, 0, None, 0)
+            for k in range(round(seconds * 10) + 1)
+        )
+    return out
+
+
 def test_give_back_is_timed_from_the_neighbours_first_gpu_use() -> None:
     """A neighbour that takes 1.5 s to start its processes (a loaded machine)
     does not need the GPU yet: the burst-share container's give-back, and
     the neighbour's own settling, count from the neighbour's first use."""
 
-    def series(name: str, sm_at: Callable[[float], float]) -> Series:
-        s = Series(name)
-        for k in range(121):
-            t = k / 10
-            s.points.append(Point(t, sm_at(t), None, None, 0, None, 0))
-        return s
+    def sm(name: str, t: float) -> float:
+        if name == "trainer":
+            return 0.0 if t < 5.5 else (30.0 if t < 6.2 else 60.0)
+        return 90.0 if t < 6.0 else 40.0
 
-    work = [
-        Workload("notebook", 0, "burst-share", 20, "4g", 0.0, "1g"),
-        Workload("trainer", 0, "fixed-share", 60, "8g", 4.0, "6g"),
-    ]
     # Spawned at 4.0 s, the trainer first runs at 5.5 s; the notebook is
     # down to 40 % at 6.0 s and the trainer at 60 % at 6.2 s.
     got = {
         (v.name, v.phase): v
         for v in verdicts(
-            work,
-            {
-                "notebook": series("notebook", lambda t: 90.0 if t < 6.0 else 40.0),
-                "trainer": series(
-                    "trainer", lambda t: 0.0 if t < 5.5 else (30.0 if t < 6.2 else 60.0)
-                ),
-            },
+            NOTEBOOK_AND_TRAINER,
+            sampled(sm, 12.0),
             end=12.0,
         )
     }
@@ -216,15 +223,7 @@ def test_phases_end_when_their_containers_stop() -> None:
             return 60.0 if t >= 28.0 else 0.0
         return 0.0 if t < 20.0 else (90.0 if t < 28.0 else 40.0)
 
-    s = {n: Series(n) for n in ("notebook", "trainer")}
-    for n, series in s.items():
-        series.points.extend(
-            Point(k / 10, sm(n, k / 10), None, None, 0, None, 0) for k in range(400)
-        )
-    work = [
-        Workload("notebook", 0, "burst-share", 20, "4g", 0.0, "1g"),
-        Workload("trainer", 0, "fixed-share", 60, "8g", 4.0, "6g"),
-    ]
+    s, work = sampled(sm, 39.9), NOTEBOOK_AND_TRAINER
     stopped = {"notebook": 36.0, "trainer": 39.0}
     got = {(v.name, v.phase): v for v in verdicts(work, s, end=12.0, stopped=stopped)}
     assert got["notebook", "alone"].window == (21.5, 28.0)
@@ -247,15 +246,7 @@ def test_containers_compute_their_time_from_their_first_gpu_use() -> None:
             return 60.0 if 15.0 <= t < 23.0 else 0.0
         return 0.0 if t < 8.4 or t >= 20.4 else (90.0 if t < 15.0 else 40.0)
 
-    s = {n: Series(n) for n in ("notebook", "trainer")}
-    for n, series in s.items():
-        series.points.extend(
-            Point(k / 10, sm(n, k / 10), None, None, 0, None, 0) for k in range(300)
-        )
-    work = [
-        Workload("notebook", 0, "burst-share", 20, "4g", 0.0, "1g"),
-        Workload("trainer", 0, "fixed-share", 60, "8g", 4.0, "6g"),
-    ]
+    s, work = sampled(sm, 29.9), NOTEBOOK_AND_TRAINER
     stopped = stops(work, s, {"notebook": 0.0, "trainer": 11.5}, seconds=12.0)
     assert stopped == pytest.approx({"notebook": 20.4, "trainer": 23.0})
     got = {(v.name, v.phase): v for v in verdicts(work, s, end=12.0, stopped=stopped)}
