@@ -122,6 +122,9 @@ class Extender:
         # request shape -> node -> (its state, version, epoch, why it waits
         # or None, for what)
         self._verdicts: dict[PodRequest, dict[str, Verdict]] = {}
+        # the pods prioritize assumed room for, as kube-scheduler sent them:
+        # key -> (uid, resourceVersion, request), for their binds
+        self._sent: OrderedDict[str, tuple[str, str, PodRequest]] = OrderedDict()
 
     @property
     def allocator(self) -> Allocator:
@@ -317,8 +320,14 @@ class Extender:
             out.append({"Host": n, "Score": score})
         # The last verb of kube-scheduler's cycle for this pod: hold the room
         # until its bind (the next pods' filters no longer see it free).
-        if d.node is not None and d.node in names:
-            self.state.assume(req.name, req.uid, d)
+        if d.node is not None and d.node in names and self.state.assume(req.name, req.uid, d):
+            version = (pod.get("metadata") or {}).get("resourceVersion")
+            if req.uid and isinstance(version, str) and version:
+                with self._cache_lock:
+                    self._sent[req.name] = (req.uid, version, req)
+                    self._sent.move_to_end(req.name)
+                    while len(self._sent) > CACHE_SIZE:
+                        self._sent.popitem(last=False)
         return out
 
     # ---- bind -------------------------------------------------------------
@@ -367,8 +376,39 @@ class Extender:
         raise RuntimeError(f"lost {COMMIT_ATTEMPTS} races for node {node} in a row")
 
     def _bind(self, key: str, name: str, namespace: str, uid: str, node: str) -> None:
-        from kubernetes import client
         from kubernetes.client.exceptions import ApiException
+
+        # The room prioritize assumed, bound with the pod as kube-scheduler
+        # sent it there: no read of the pod first.  Its uid and
+        # resourceVersion are the Binding's preconditions, so a pod changed
+        # or bound since gets a 409, and then the bind reads the pod and
+        # goes the long way.  The read (a quorum read, and the client's
+        # request in the extender) doubled the API calls per bind, beside
+        # the next pods' filters (make bench-cluster).
+        with self._cache_lock:
+            sent = self._sent.pop(key, None)
+        if sent is not None and uid and sent[0] == uid:
+            _, version, req = sent
+            allocation = self.state.claim(key, uid, node, req)
+            if allocation is not None:
+                try:
+                    self._create_binding(name, namespace, uid, version, node, allocation)
+                    return
+                except ApiException as exc:
+                    self.state.drop(key, settle=False)  # the pods waiting for it go on waiting
+                    if exc.status != 409:
+                        raise RuntimeError(f"{exc.status} {exc.reason}") from None
+                except Exception:
+                    self.state.drop(key)
+                    raise
+        self._bind_read(key, name, namespace, uid, node)
+
+    def _bind_read(self, key: str, name: str, namespace: str, uid: str, node: str) -> None:
+        """Bind after reading the pod: decided again on node unless the room
+        prioritize assumed is still this request's."""
+        from kubernetes.client.exceptions import ApiException
+
+        from .api_view import view
 
         # Raw JSON, not the client's models: decoding a Pod into them cost
         # milliseconds of the interpreter per bind, which the filters of the
@@ -381,6 +421,9 @@ class Extender:
         if uid and meta.get("uid") != uid:
             raise RuntimeError(f"the pod is now another one (uid {meta.get('uid')}, not {uid})")
         if (pod.get("spec") or {}).get("nodeName"):
+            # what it holds is what its annotation says (a bind of ours
+            # that kube-scheduler gave up waiting for), not what was assumed
+            self.state.pod_event(view(pod))
             raise RuntimeError(f"already bound to {pod['spec']['nodeName']}")
         req = pod_request(pod)
         # the room prioritize assumed for exactly this request on this node
@@ -392,30 +435,9 @@ class Extender:
             self.state.drop(key, settle=False)  # the pods waiting for it go on waiting
             allocation = self._commit(key, meta["uid"], req, node)
         try:
-            # One write: the API server copies a Binding's annotations onto
-            # the pod as it binds it, under the Binding's resourceVersion
-            # precondition (409 if the pod changed since it was read).  A
-            # patch of the annotation before the Binding doubled the
-            # writes per bind, and the binds fell behind (make bench-cluster).
-            binding = client.V1Binding(
-                metadata=client.V1ObjectMeta(
-                    name=name,
-                    uid=meta["uid"],
-                    resource_version=meta["resourceVersion"],
-                    annotations={ANNOTATION: allocation.annotation()},
-                ),
-                target=client.V1ObjectReference(api_version="v1", kind="Node", name=node),
+            self._create_binding(
+                name, namespace, meta["uid"], meta["resourceVersion"], node, allocation
             )
-            # the client cannot decode the Status the server answers with
-            bound = self.core.create_namespaced_pod_binding(
-                name, namespace, binding, _preload_content=False, _request_timeout=API_TIMEOUT
-            )
-            # Unread, a raw response keeps its connection out of the pool:
-            # every bind then opened new TLS connections, whose handshakes
-            # took a tenth of the extender's samples under make
-            # bench-cluster, beside the filters of the next pods.
-            bound.drain_conn()
-            bound.release_conn()
         except ApiException as exc:
             self.state.drop(key)
             what = (
@@ -425,3 +447,33 @@ class Extender:
         except Exception:
             self.state.drop(key)
             raise
+
+    def _create_binding(
+        self, name: str, namespace: str, uid: str, version: str, node: str, allocation: Allocation
+    ) -> None:
+        from kubernetes import client
+
+        # One write: the API server copies a Binding's annotations onto
+        # the pod as it binds it, under the Binding's resourceVersion
+        # precondition (409 if the pod changed since it was read).  A
+        # patch of the annotation before the Binding doubled the
+        # writes per bind, and the binds fell behind (make bench-cluster).
+        binding = client.V1Binding(
+            metadata=client.V1ObjectMeta(
+                name=name,
+                uid=uid,
+                resource_version=version,
+                annotations={ANNOTATION: allocation.annotation()},
+            ),
+            target=client.V1ObjectReference(api_version="v1", kind="Node", name=node),
+        )
+        # the client cannot decode the Status the server answers with
+        bound = self.core.create_namespaced_pod_binding(
+            name, namespace, binding, _preload_content=False, _request_timeout=API_TIMEOUT
+        )
+        # Unread, a raw response keeps its connection out of the pool:
+        # every bind then opened new TLS connections, whose handshakes
+        # took a tenth of the extender's samples under make
+        # bench-cluster, beside the filters of the next pods.
+        bound.drain_conn()
+        bound.release_conn()

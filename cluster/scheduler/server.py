@@ -2,10 +2,15 @@
 GET /healthz (200 once the first sync with the API server is done), and
 the metrics on their own port (GET /metrics).
 
-Handlers run the verbs in a thread pool: a decision is CPU work and bind
-calls the API server, and neither may hold up the event loop, so many
-filters and binds proceed at once (the allocator's per-node optimistic
-commit keeps concurrent binds correct)."""
+filter and prioritize run on the event loop; bind, which waits on the API
+server, runs in a thread pool, so many binds proceed at once (the
+allocator's per-node optimistic commit keeps concurrent binds correct).
+kube-scheduler calls filter and prioritize one pod at a time, inside its
+scheduling cycle, so their latency bounds its rate; a decision is CPU work
+of a millisecond or two that no thread could run beside it (the GIL), and
+handing it to a worker thread and back cost two thread wake-ups per request,
+each also waiting for the GIL that the bind threads and the watches hold
+turn by turn (make bench-cluster)."""
 
 from __future__ import annotations
 
@@ -31,14 +36,13 @@ MAX_BODY = 64 << 20  # a filter for thousands of nodes with full Node objects
 
 def make_app(extender: Extender, metrics: Metrics, workers: int = 32) -> web.Application:
     # Binds wait on the API server; filter and prioritize run inside kube-
-    # scheduler's one-pod-at-a-time cycle.  In one pool the cycle's verbs
-    # queued behind hundreds of binds (filter: 36 ms mean under make
-    # bench-cluster), so each kind has its own.
+    # scheduler's one-pod-at-a-time cycle.  Queued in one pool with the
+    # binds, the cycle's verbs waited behind hundreds of them (filter: 36 ms
+    # mean under make bench-cluster); they now run on the loop.
     binds = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bind")
-    decisions = ThreadPoolExecutor(max_workers=4, thread_name_prefix="decide")
 
     def verb(name: str, fn: Callable[[Any], Any]) -> Any:
-        pool = binds if name == "bind" else decisions
+        pool = binds if name == "bind" else None
 
         async def handle(request: web.Request) -> web.Response:
             start = time.perf_counter()
@@ -49,7 +53,10 @@ def make_app(extender: Extender, metrics: Metrics, workers: int = 32) -> web.App
                 metrics.requests.labels(name, "error").inc()
                 return web.json_response({"Error": f"body: not JSON: {exc}"}, status=400)
             try:
-                out = await asyncio.get_running_loop().run_in_executor(pool, fn, args)
+                if pool is None:
+                    out = fn(args)
+                else:
+                    out = await asyncio.get_running_loop().run_in_executor(pool, fn, args)
             except BadRequest as exc:
                 log.warning("%s: %s", name, exc)
                 metrics.requests.labels(name, "error").inc()
@@ -67,8 +74,7 @@ def make_app(extender: Extender, metrics: Metrics, workers: int = 32) -> web.App
         return web.Response(text="ok\n")
 
     async def shutdown(app: web.Application) -> None:
-        for pool in (binds, decisions):
-            pool.shutdown(wait=False, cancel_futures=True)
+        binds.shutdown(wait=False, cancel_futures=True)
 
     app = web.Application(client_max_size=MAX_BODY)
     app.add_routes(
