@@ -100,6 +100,11 @@ def extinct(cost: Sequence[int], supply: Sequence[int]) -> int:
 def may_extinct(supply: Sequence[int], gpus: int) -> bool:
     """Whether a grant of this many GPUs could take the last place of some kind.
 
-    False on a cluster with room to spare: the rule then costs nothing.
+    False on a cluster with room to spare: the rule then costs nothing.  A
+    kind the cluster has no place for (MIG instances where no GPU is MIG-
+    capable) has no last place to take (`extinct` never counts it); counted,
+    it made every decision depend on the whole cluster's supply, which every
+    bind changes, so the allocator kept no node's plan from one pod to the
+    next (make bench-cluster).
     """
-    return any(s <= b * gpus for s, b in zip(supply, PER_GPU, strict=True))
+    return any(0 < s <= b * gpus for s, b in zip(supply, PER_GPU, strict=True))

@@ -14,7 +14,7 @@ from gpuvisor.cluster.allocator import Allocator, Config, Conflict
 from gpuvisor.cluster.inventory_model import DocumentError, load_inventory
 from gpuvisor.cluster.mig import load_geometries
 from gpuvisor.cluster.request import pod_request
-from gpuvisor.cluster.room import extinct, group_room, mig_room
+from gpuvisor.cluster.room import extinct, group_room, may_extinct, mig_room
 from gpuvisor.supervisor.cli import main
 
 from tests.inventories import (
@@ -137,6 +137,39 @@ def test_room_counts_by_hand():
     assert mig_room(mig, 1 << 6) == (0, 1, 3, 6)
     assert extinct((0, 1, 0), (0, 1, 5)) == 1
     assert extinct((0, 1, 1), (3, 2, 5)) == 0
+
+
+def test_a_kind_the_cluster_has_no_place_for_cannot_go_extinct():
+    # supply: groups of 8, 4, 2, MIG instances of 1/1, 1/2, 1/4, 1/8, single GPUs
+    no_mig = (10, 20, 40, 0, 0, 0, 0, 80)
+    assert not may_extinct(no_mig, 1)
+    assert may_extinct((10, 20, 40, 0, 0, 0, 0, 1), 1)  # the last single GPU
+    assert may_extinct((1, 20, 40, 0, 0, 0, 0, 80), 1)  # the last group of 8
+
+
+def test_plans_are_kept_across_binds_on_a_cluster_without_mig(monkeypatch):
+    """A pod after pod of one shape: only the node the last commit changed
+    is planned again.  The MIG kinds (no place for them on this cluster)
+    made every plan depend on the cluster's supply, which every commit
+    changes, so no plan was kept (make bench-cluster)."""
+    import gpuvisor.cluster.allocator as allocator
+
+    a = Allocator.from_cluster(cluster(*(pcie_box(f"n{i}") for i in range(20))))
+    planned: list[str] = []
+    real = allocator.plan_node
+
+    def counting(node, *args, **kw):
+        planned.append(node.inv.node)
+        return real(node, *args, **kw)
+
+    monkeypatch.setattr(allocator, "plan_node", counting)
+    first = place(a, "p0", ctr(gpu=1, gpumem=1000, gpucores=10))
+    assert len(planned) > 1  # the finalists, planned once
+    for i in range(1, 6):
+        planned.clear()
+        d = place(a, f"p{i}", ctr(gpu=1, gpumem=1000, gpucores=10))
+        assert d.node == first.node  # binpack
+        assert planned == [first.node]
 
 
 def test_binpack_never_takes_the_last_place_of_a_kind_of_request():
