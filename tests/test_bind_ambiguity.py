@@ -19,11 +19,14 @@ import kubernetes.client
 import pytest
 from gpuvisor.cluster.allocation import ANNOTATION
 from gpuvisor.cluster.allocator import Allocator, Config
+from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY
 from gpuvisor.cluster.inventory_model import load_inventory
 from gpuvisor.cluster.request import GPU_POLICY, pod_request
+from gpuvisor.cluster.scheduler.api_view import view
 from gpuvisor.cluster.scheduler.extender import EXPLAINED_NODES, Extender
 from gpuvisor.cluster.scheduler.state import Ambiguous, ClusterState
 from gpuvisor.cluster.scheduler.wake import Wake
+from kubernetes.client.exceptions import ApiException
 
 from tests.inventories import cluster, ctr, pcie_box, pod
 
@@ -57,6 +60,7 @@ class Pods:
         self.docs: dict[str, dict[str, Any]] = {}
         self.version = 0
         self.writes: list[Raw] = []  # the raw answers to bind's writes
+        self.reads = 0
 
     def add(self, doc: dict[str, Any]) -> None:
         self.version += 1
@@ -69,15 +73,24 @@ class Pods:
         self.docs[meta["name"]] = doc
 
     def read_namespaced_pod(self, name: str, namespace: str, **kw: Any) -> Any:
+        self.reads += 1
         if kw.get("_preload_content", True):
             return v1pod(self.docs[name])
         return Raw(json.dumps(self.docs[name]).encode())
 
     def create_namespaced_pod_binding(self, name: str, namespace: str, b: Any, **_: Any) -> Raw:
-        # as the API server does: the Binding's resourceVersion is a
-        # precondition, its annotations are copied onto the pod
+        # as the API server does: the Binding's uid and resourceVersion are
+        # preconditions, a bound pod is not bound again (409 Conflict), its
+        # annotations are copied onto the pod
         meta = self.docs[name]["metadata"]
-        assert b.metadata.resource_version in (None, meta["resourceVersion"])
+        if (
+            b.metadata.uid not in (None, meta["uid"])
+            or b.metadata.resource_version not in (None, meta["resourceVersion"])
+            or self.docs[name]["spec"].get("nodeName")
+        ):
+            raise ApiException(status=409, reason="Conflict")
+        self.version += 1
+        meta["resourceVersion"] = str(self.version)
         meta["annotations"].update(b.metadata.annotations or {})
         self.docs[name]["spec"]["nodeName"] = b.target.name
         self.writes.append(Raw(b"{}"))
@@ -372,3 +385,78 @@ def test_bind_is_one_write_that_gives_its_connection_back(ext: tuple[Extender, P
     assert gpus[0].startswith("GPU-n0-")
     assert len(pods.writes) == 1
     assert all(w.released for w in pods.writes)
+
+
+def scheduled(e: Extender, doc: dict[str, Any]) -> str:
+    """kube-scheduler's cycle for the pod as it sent it: filter, then
+    prioritize on the nodes filter answered; the node ranked first."""
+    out = e.filter({"Pod": doc, "NodeNames": ["n0"]})
+    scores = e.prioritize({"Pod": doc, "NodeNames": out["NodeNames"]})
+    return str(max(scores, key=lambda s: s["Score"])["Host"])
+
+
+def bind_args(name: str, node: str = "n0") -> dict[str, str]:
+    return {"PodName": name, "PodNamespace": "default", "PodUID": f"uid-{name}", "Node": node}
+
+
+def test_bind_after_prioritize_reads_nothing(ext: tuple[Extender, Pods]) -> None:
+    """The pod kube-scheduler sent to prioritize is bound as it was (its uid
+    and resourceVersion the Binding's preconditions): no read of the pod,
+    one write, the room prioritize assumed."""
+    e, pods = ext
+    doc = pod("a", ctr(gpu=1, gpumem=4000))
+    pods.add(doc)
+    assert scheduled(e, json.loads(json.dumps(doc))) == "n0"
+    assumed = e.state.assumed_for["default/a"][1]
+    assert e.bind(bind_args("a")) == {"Error": ""}
+    assert pods.reads == 0
+    assert len(pods.writes) == 1
+    assert pods.writes[0].released
+    assert pods.docs["a"]["spec"]["nodeName"] == "n0"
+    assert gpus_of(pods, "a") == [[g.uuid for g in assumed.containers[0].gpus]]
+    assert e.state.held["default/a"].node == "n0"
+
+
+def test_a_pod_changed_since_prioritize_is_read_and_bound(ext: tuple[Extender, Pods]) -> None:
+    """The Binding of the pod as prioritize saw it gets a 409 (the pod
+    changed since); bind then reads the pod and binds what it reads."""
+    e, pods = ext
+    doc = pod("a", ctr(gpu=1, gpumem=4000))
+    pods.add(doc)
+    assert scheduled(e, json.loads(json.dumps(doc))) == "n0"
+    pods.docs["a"]["metadata"]["labels"] = {"changed": "yes"}  # a new resourceVersion
+    pods.version += 1
+    pods.docs["a"]["metadata"]["resourceVersion"] = str(pods.version)
+    assert e.bind(bind_args("a")) == {"Error": ""}
+    assert pods.reads == 1
+    assert pods.docs["a"]["spec"]["nodeName"] == "n0"
+    assert len(gpus_of(pods, "a")[0]) == 1
+    assert e.state.held["default/a"].node == "n0"
+    assert len(e.allocator.nodes["n0"].pods) == 1  # the room taken once
+
+
+def test_a_pod_bound_since_prioritize_keeps_what_its_annotation_says(
+    ext: tuple[Extender, Pods],
+) -> None:
+    """A pod bound meanwhile (a bind kube-scheduler gave up waiting for) is
+    refused 'already bound', and what the extender holds for it is its
+    annotation's placement, not the room prioritize assumed again."""
+    e, pods = ext
+    # the node as the watch delivers it (the state restores pods there)
+    inventory = json.dumps(pcie_box("n0", n=2))
+    e.state.node_event(
+        view({"metadata": {"name": "n0", "annotations": {NODE_INVENTORY: inventory}}})
+    )
+    doc = pod("a", ctr(gpu=1, gpumem=4000))
+    assert bind(e, pods, doc) == ""
+    placed = gpus_of(pods, "a")
+    sent = json.loads(json.dumps(pods.docs["a"]))
+    del sent["spec"]["nodeName"]  # kube-scheduler's cache has it pending still
+    e.state.drop("default/a")  # as if the extender had not seen the bind
+    assert scheduled(e, sent) == "n0"
+    out = e.bind(bind_args("a"))
+    assert out["Error"].endswith("already bound to n0")
+    assert pods.reads == 2  # the first bind's, and this one's after the 409
+    assert gpus_of(pods, "a") == placed
+    held = e.allocator.nodes["n0"].pods["default/a"][0]
+    assert [[g.uuid for g in c.gpus] for c in held.containers] == placed
