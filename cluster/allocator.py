@@ -45,7 +45,16 @@ from .request import (
     ContainerRequest,
     PodRequest,
 )
-from .room import MIG_CLASSES, ROOM_SIZE, extinct, group_room, loss, may_extinct, mig_room
+from .room import (
+    MIG_CLASSES,
+    ROOM_SIZE,
+    extinct,
+    group_room,
+    loss,
+    may_extinct,
+    mig_room,
+    supply_seen,
+)
 from .topology import Tier, best_tier, ranked_sets, set_tier, set_weight, topology
 
 PLAN_SHAPES = 16  # request shapes whose plans are kept (the oldest dropped)
@@ -974,9 +983,10 @@ class Allocator:
         plans = self._plans_of(pod)
         # a plan depends on the cluster's room only where a grant of this
         # size could take the last place of a kind (plan_node): kept plans
-        # hold for the same supply there, for any supply elsewhere
+        # hold for the same supply there, elsewhere for any supply without
+        # a place for the same kinds (room.supply_seen)
         asked = sum(c.count for c in pod.containers)
-        seen = supply if supply and may_extinct(supply, asked) else ()
+        seen = supply_seen(supply, asked)
         finalists: list[tuple[NodeState, int, NodePlan]] = []
         clean = changing = 0  # finalists without / with a GPU to reconfigure
         for st in states:

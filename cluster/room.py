@@ -100,11 +100,30 @@ def extinct(cost: Sequence[int], supply: Sequence[int]) -> int:
 def may_extinct(supply: Sequence[int], gpus: int) -> bool:
     """Whether a grant of this many GPUs could take the last place of some kind.
 
-    False on a cluster with room to spare: the rule then costs nothing.  A
-    kind the cluster has no place for (MIG instances where no GPU is MIG-
-    capable) has no last place to take (`extinct` never counts it); counted,
-    it made every decision depend on the whole cluster's supply, which every
-    bind changes, so the allocator kept no node's plan from one pod to the
-    next (make bench-cluster).
+    False on a cluster with room to spare: the rule then costs nothing.
+    """
+    return any(s <= b * gpus for s, b in zip(supply, PER_GPU, strict=True))
+
+
+def near_last(supply: Sequence[int], gpus: int) -> bool:
+    """`may_extinct` for the kinds the cluster has places for.
+
+    A kind with no place at all (MIG instances where no GPU is MIG-capable)
+    has no last place to take: `extinct` never counts it.
     """
     return any(0 < s <= b * gpus for s, b in zip(supply, PER_GPU, strict=True))
+
+
+def supply_seen(supply: Sequence[int], gpus: int) -> tuple[int, ...]:
+    """What of the cluster's supply a node's plan for a grant of this many
+    GPUs depends on: all of it near the last place of a kind the cluster
+    has places for; otherwise only which kinds it has no place for (they
+    make `may_extinct` true, and `extinct` counts nothing), marked -1
+    (none) and -2 (some) so that it never equals a supply.  Keyed by the
+    whole supply there too, every bind, which changes the supply, voided
+    every kept plan on a cluster without MIG (make bench-cluster)."""
+    if not supply:
+        return ()
+    if near_last(supply, gpus):
+        return tuple(supply)
+    return tuple(-1 if s == 0 else -2 for s in supply)

@@ -14,7 +14,14 @@ from gpuvisor.cluster.allocator import Allocator, Config, Conflict
 from gpuvisor.cluster.inventory_model import DocumentError, load_inventory
 from gpuvisor.cluster.mig import load_geometries
 from gpuvisor.cluster.request import pod_request
-from gpuvisor.cluster.room import extinct, group_room, may_extinct, mig_room
+from gpuvisor.cluster.room import (
+    extinct,
+    group_room,
+    may_extinct,
+    mig_room,
+    near_last,
+    supply_seen,
+)
 from gpuvisor.supervisor.cli import main
 
 from tests.inventories import (
@@ -139,12 +146,18 @@ def test_room_counts_by_hand():
     assert extinct((0, 1, 1), (3, 2, 5)) == 0
 
 
-def test_a_kind_the_cluster_has_no_place_for_cannot_go_extinct():
+def test_a_kind_the_cluster_has_no_place_for_is_not_near_its_last_place():
     # supply: groups of 8, 4, 2, MIG instances of 1/1, 1/2, 1/4, 1/8, single GPUs
     no_mig = (10, 20, 40, 0, 0, 0, 0, 80)
-    assert not may_extinct(no_mig, 1)
-    assert may_extinct((10, 20, 40, 0, 0, 0, 0, 1), 1)  # the last single GPU
-    assert may_extinct((1, 20, 40, 0, 0, 0, 0, 80), 1)  # the last group of 8
+    assert may_extinct(no_mig, 1)  # what plan_node's rules read: as before
+    assert not near_last(no_mig, 1)
+    assert near_last((10, 20, 40, 0, 0, 0, 0, 1), 1)  # the last single GPU
+    assert near_last((1, 20, 40, 0, 0, 0, 0, 80), 1)  # the last group of 8
+    # what a kept plan depends on: which kinds have no place, not how many
+    # places the others have, unless one is near its last
+    assert supply_seen(no_mig, 1) == supply_seen((9, 19, 38, 0, 0, 0, 0, 75), 1)
+    assert supply_seen(no_mig, 1) != supply_seen((10, 20, 40, 1, 2, 4, 8, 80), 1)
+    assert supply_seen((1, 20, 40, 0, 0, 0, 0, 80), 1) == (1, 20, 40, 0, 0, 0, 0, 80)
 
 
 def test_plans_are_kept_across_binds_on_a_cluster_without_mig(monkeypatch):
