@@ -554,6 +554,37 @@ def gpu_policy(pod: PodRequest, cfg: Config) -> str:
     return "binpack" if pod.topology_aware and cfg.rules != "hami" else cfg.gpu_policy
 
 
+def handed_over(
+    c: ContainerRequest, opts: list[Option], heir: str, heir_gpus: list[int], held: list[int]
+) -> list[Option] | str:
+    """The options of init container c that keep kubelet's hand-over true to
+    the plan, or why there are none.  kubelet gives a container the devices
+    the pod's init containers before it held first (all of them when it
+    asks at least as many, then the best others), and the first app
+    container asking for GPUs (heir) those the init containers held.  So
+    an init container goes on the heir's GPUs, including those of the init
+    containers before it.  One asking more GPUs than the heir has is left
+    free: kubelet then hands the heir an arbitrary part of them."""
+    if c.count > len(heir_gpus):
+        return opts
+    inside = [o for o in opts if o.index in heir_gpus]
+    have = {o.index for o in inside}
+    if held and c.count >= len(held) and not set(held) <= have:
+        gone = sorted(set(held) - have)
+        return (
+            f"container {c.name}: kubelet hands it GPU {', '.join(map(str, gone))} of the "
+            "init containers before it, where it does not fit"
+        )
+    if held and c.count == len(held):
+        inside = [o for o in inside if o.index in held]
+    if len(inside) < c.count:
+        return (
+            f"container {c.name}: kubelet hands its GPUs to container {heir}, placed on GPU "
+            f"{', '.join(map(str, heir_gpus))}: {need_text(c)} there, has {len(inside)}"
+        )
+    return inside
+
+
 def plan_node(
     node: NodeState, pod: PodRequest, cfg: Config, supply: Sequence[int] = ()
 ) -> NodePlan | str:
@@ -585,6 +616,10 @@ def plan_node(
         if node.idle(i):
             idle_mask |= 1 << i
     order = [c for c in pod.containers if not c.init] + [c for c in pod.containers if c.init]
+    # kubelet hands the init containers' devices to the first app container
+    # asking for GPUs (manifest order) without asking the device plugin
+    heir = next((c for c in pod.containers if not c.init and c.count), None)
+    held: list[int] = []  # the GPUs of the init containers placed so far
     init_charges: list[dict[int, GpuCharge]] = []
     app_gpus: set[int] = set()
     for c in order:
@@ -610,6 +645,11 @@ def plan_node(
         if len(opts) < c.count:
             detail = f" ({why.most_common(1)[0][0]})" if why and not opts else ""
             return f"container {c.name}: {need_text(c)}, has {len(opts)}{detail}"
+        if c.init and heir is not None and not hami:
+            handed = handed_over(c, opts, heir.name, [g.index for g in grants[heir.name]], held)
+            if isinstance(handed, str):
+                return handed
+            opts = handed
         live_idle = idle_mask & ~sum(1 << j for j in app_gpus)
         if c.count == 1:
             if hami and pod.topology_aware:
@@ -670,6 +710,7 @@ def plan_node(
         grants[c.name] = out
         if c.init:
             init_charges.append(ch)
+            held += [o.index for o in picked if o.index not in held]
     # the pod's charge, as Kubernetes counts init containers: per GPU and per
     # dimension the larger of the app containers' sum and each init container
     charge = with_init_charges(app_charge, init_charges)

@@ -847,3 +847,44 @@ def test_restore_accounts_a_mig_plan_already_carried_out():
     (g2,) = d2.allocation.containers[0].gpus
     assert g2.mig is not None
     assert not (g2.mig.placement.mask & grant.mig.placement.mask)
+
+
+def two_gpus():
+    gpus = [gpu("n", i, "NVIDIA L40S", 46068) for i in range(2)]
+    return cluster(inventory("n", gpus, links_pcie(2)))
+
+
+def test_app_container_gets_its_init_containers_gpus_as_kubelet_hands_them_over():
+    """kubelet gives the first app container (manifest order) the devices
+    its pod's init containers held, without asking the plugin: the init
+    container must be placed on that app container's GPU, not on the GPU
+    of another app container that merely fits it better."""
+    a = Allocator.from_cluster(two_gpus())
+    assert place(a, "busy", ctr(gpu=1, gpumem=30000)).node == "n"
+    d = place(
+        a,
+        "x",
+        ctr("big", gpu=1, gpumem=20000),  # only GPU 1 has room
+        ctr("small", gpu=1, gpumem=1000),  # binpack: the busier GPU 0
+        init=[ctr("setup", gpu=1, gpumem=1000)],
+    )
+    setup, big, small = d.allocation.containers
+    assert [g.index for g in big.gpus] == [1]
+    assert [g.index for g in small.gpus] == [0]
+    assert [g.index for g in setup.gpus] == [1]
+
+
+def test_init_container_that_fits_no_gpu_of_the_first_app_container_is_refused():
+    """Placed elsewhere, kubelet would still hand its GPU to the app
+    container, whose start would then be refused: the node says why."""
+    a = Allocator.from_cluster(two_gpus())
+    assert place(a, "busy", ctr(gpu=1, gpumem=30000)).node == "n"
+    d = place(
+        a,
+        "x",
+        ctr("small", gpu=1, gpumem=1000),  # binpack: the busier GPU 0
+        init=[ctr("setup", gpu=1, gpumem=20000)],  # fits only GPU 1
+    )
+    assert d.node is None
+    assert "container setup" in d.reasons["n"]
+    assert "kubelet hands" in d.reasons["n"]
