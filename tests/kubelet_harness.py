@@ -239,7 +239,7 @@ class FakeKubelet:
             for c in sorted(pod.containers, key=lambda c: not c.init):
                 if c.gpus == 0:
                     continue
-                ids = reuse[: c.gpus] if not c.init else []
+                ids = reuse[: c.gpus]  # init containers too (devicesToReuse)
                 if len(ids) < c.gpus:
                     ids = self._choose(reg, pod, c, ids)
                 resp = reg.stub.Allocate(

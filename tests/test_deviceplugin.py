@@ -23,13 +23,17 @@ from typing import Any
 
 import grpc
 import pytest
+from gpuvisor.cluster.allocator import Allocator
 from gpuvisor.cluster.deviceplugin.gpus import Gpu
 from gpuvisor.cluster.deviceplugin.grant import PodGrant, parse_grant
 from gpuvisor.cluster.deviceplugin.owners import PodResourcesOwners
+from gpuvisor.cluster.deviceplugin.publish import inventory_document
 from gpuvisor.cluster.deviceplugin.runner import PluginRunner
 from gpuvisor.cluster.deviceplugin.service import DevicePluginService, PluginConfig
+from gpuvisor.cluster.request import pod_request
 
 from tests.helpers import LIBRARY, SimNode, run_py
+from tests.inventories import ctr, pod
 from tests.kubelet_harness import Container, FakeKubelet, Pod, container_base_env, host_env, run
 
 NODE = "node-1"
@@ -301,6 +305,44 @@ def test_an_app_container_reusing_exactly_its_init_containers_devices(cluster: C
     k.start(pod, "main")
     assert cluster.probe(resp["main"])["mib"] == [2000]
     assert cluster.probe(resp["setup"])["mib"] == [500]
+
+
+def test_pod_placed_by_the_allocator_starts_with_kubelets_hand_over(cluster: Cluster) -> None:
+    """The allocator's plan meets kubelet's reuse of init containers'
+    devices: kubelet hands the init container's device to the first app
+    container ("big") without asking the plugin, so the allocator puts the
+    init container on big's GPU, not on the busier GPU of "small" that
+    fits it too; every container then starts with its own limits."""
+    k = cluster.kubelet
+    g0, g1 = cluster.gpus
+    doc = inventory_document(NODE, cluster.gpus, {})
+    alloc = Allocator.from_cluster({"nodes": {NODE: doc}})
+    busy = pod_request(pod("busy", ctr(gpu=1, gpumem=g0.memory_mib * 3 // 4)))
+    assert alloc.place(busy).node == NODE
+    request = pod(
+        "x",
+        ctr("big", gpu=1, gpumem=g1.memory_mib // 2),  # only the other GPU has room
+        ctr("small", gpu=1, gpumem=1000),  # binpack: the busier GPU
+        init=[ctr("setup", gpu=1, gpumem=500)],
+    )
+    d = alloc.place(pod_request(request))
+    assert d.allocation is not None, d.reasons
+    busy_gpu = alloc.allocations(NODE)[0].containers[0].gpus[0].uuid
+    other = g1 if busy_gpu == g0.uuid else g0
+    p = Pod("default", "x", [Container("big", 1), Container("small", 1), Container("setup", 1, True)])
+    cluster.pods.annotations[("default", "x")] = d.allocation.annotation()
+    resp = k.admit(p)
+    assert k.state.assigned[(p.key, "setup")] == k.state.assigned[(p.key, "big")]
+    k.start(p, "setup")
+    assert cluster.probe(resp["setup"]) == {"init": 0, "uuids": [other.uuid], "mib": [500]}
+    for name in ("big", "small"):
+        k.start(p, name)
+    assert cluster.probe(resp["big"]) == {
+        "init": 0,
+        "uuids": [other.uuid],
+        "mib": [other.memory_mib // 2],
+    }
+    assert cluster.probe(resp["small"]) == {"init": 0, "uuids": [busy_gpu], "mib": [1000]}
 
 
 def test_an_init_container_of_its_own_devices(cluster: Cluster) -> None:

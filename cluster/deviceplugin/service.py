@@ -165,8 +165,9 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
     def GetPreferredAllocation(
         self, request: dp.PreferredAllocationRequest, context: Any
     ) -> dp.PreferredAllocationResponse:
+        heirs: dict[str, ContainerGrant] = {}
         try:
-            candidates = self._unrealised()
+            candidates = self._unrealised(heirs)
         except Exception as exc:  # the API may be away: spread instead
             log.warning("GetPreferredAllocation: cannot list this node's pods: %s", exc)
             candidates = []
@@ -184,9 +185,15 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
                     [c for _, c in open_],
                 )
                 if n is not None:
-                    self._claimed[open_[n][0]] = now
-                    self._steered[frozenset(ids)] = open_[n][0]
-                    log.info("GetPreferredAllocation: %s for %s/%s", ids, *open_[n][0])
+                    key, chosen = open_[n]
+                    self._claimed[key] = now
+                    self._steered[frozenset(ids)] = key
+                    log.info("GetPreferredAllocation: %s for %s/%s", ids, *key)
+                    heir = heirs.get(key[0]) if chosen.init else None
+                    if heir is not None and len(heir.gpus) <= len(chosen.gpus):
+                        # kubelet hands it these devices without asking: it
+                        # must not take the preference of another container
+                        self._claimed[(key[0], heir.name)] = now
                 out.append(dp.ContainerPreferredAllocationResponse(deviceIDs=ids))
         return dp.PreferredAllocationResponse(container_responses=out)
 
@@ -615,18 +622,24 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
             log.info("removed %d directories of containers that are gone", len(removed))
         return removed
 
-    def _unrealised(self) -> list[tuple[tuple[str, str], ContainerGrant]]:
-        """The containers of the pods bound here that have not started yet."""
+    def _unrealised(
+        self, heirs: dict[str, ContainerGrant] | None = None
+    ) -> list[tuple[tuple[str, str], ContainerGrant]]:
+        """The containers of the pods bound here that have not started yet;
+        heirs gets, per pod, its first app container with GPUs (manifest
+        order): kubelet hands it the init containers' devices."""
         if not self.config.node_name:
             return []
         with self._lock:
             done = set(self._realised)
-        return [
-            ((pod.pod, c.name), c)
-            for pod in self.pods.bound(self.config.node_name)
-            for c in pod.containers
-            if c.gpus and (pod.pod, c.name) not in done
-        ]
+        out = []
+        for pod in self.pods.bound(self.config.node_name):
+            for c in pod.containers:
+                if c.gpus and not c.init and heirs is not None and pod.pod not in heirs:
+                    heirs[pod.pod] = c
+                if c.gpus and (pod.pod, c.name) not in done:
+                    out.append(((pod.pod, c.name), c))
+        return out
 
 
 class _ApiAway(Exception):
