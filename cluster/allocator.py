@@ -274,7 +274,10 @@ class NodeState:
                         if sign > 0
                         else self.mig_refs[i] - {grant.instance}
                     )
-                if grant.enable and sign > 0:
+                if sign > 0:
+                    # (enable or not: a plan made while the GPU was in MIG
+                    # mode is realised by turning it on again, should the
+                    # device plugin have turned it off in between)
                     self.mig_on[i] = True
         self.version += 1
         self.summarise()

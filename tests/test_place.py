@@ -888,3 +888,22 @@ def test_init_container_that_fits_no_gpu_of_the_first_app_container_is_refused()
     assert d.node is None
     assert "container setup" in d.reasons["n"]
     assert "kubelet hands" in d.reasons["n"]
+
+
+def test_a_mig_grant_keeps_its_gpu_in_mig_mode_when_the_inventory_says_off():
+    """The device plugin turns an idle GPU's MIG mode off; a plan made just
+    before, counting on MIG mode (no enable_mig_mode), is realised by
+    turning it on again.  Until then the GPU takes no shared grant: the
+    allocator counts it in MIG mode while a MIG grant is on it."""
+    a = Allocator.from_cluster(cluster(mig_box("m", n=2)))
+    d = place(a, "x", ctr(gpu=1, gpumem=8000), annotations=MIG)
+    (g,) = d.allocation.containers[0].gpus
+    assert g.mig is not None
+    assert not g.mig.enable
+    a.replace_node(load_inventory(mig_box("m", n=2, enabled=False)))
+    shared = place(
+        a, "y", ctr(gpu=1, gpumem=1000), annotations={"nvidia.com/vgpu-mode": "hami-core"}
+    )
+    assert shared.node == "m"
+    assert indices(shared) != [g.index]
+    assert a.release("default/x")
