@@ -33,7 +33,8 @@ from gpuvisor.cluster.deviceplugin.service import DevicePluginService, PluginCon
 from gpuvisor.cluster.request import pod_request
 
 from tests.helpers import LIBRARY, SimNode, run_py
-from tests.inventories import ctr, pod
+from tests.inventories import ctr
+from tests.inventories import pod as pod_doc
 from tests.kubelet_harness import Container, FakeKubelet, Pod, container_base_env, host_env, run
 
 NODE = "node-1"
@@ -317,9 +318,9 @@ def test_pod_placed_by_the_allocator_starts_with_kubelets_hand_over(cluster: Clu
     g0, g1 = cluster.gpus
     doc = inventory_document(NODE, cluster.gpus, {})
     alloc = Allocator.from_cluster({"nodes": {NODE: doc}})
-    busy = pod_request(pod("busy", ctr(gpu=1, gpumem=g0.memory_mib * 3 // 4)))
+    busy = pod_request(pod_doc("busy", ctr(gpu=1, gpumem=g0.memory_mib * 3 // 4)))
     assert alloc.place(busy).node == NODE
-    request = pod(
+    request = pod_doc(
         "x",
         ctr("big", gpu=1, gpumem=g1.memory_mib // 2),  # only the other GPU has room
         ctr("small", gpu=1, gpumem=1000),  # binpack: the busier GPU
@@ -329,7 +330,9 @@ def test_pod_placed_by_the_allocator_starts_with_kubelets_hand_over(cluster: Clu
     assert d.allocation is not None, d.reasons
     busy_gpu = alloc.allocations(NODE)[0].containers[0].gpus[0].uuid
     other = g1 if busy_gpu == g0.uuid else g0
-    p = Pod("default", "x", [Container("big", 1), Container("small", 1), Container("setup", 1, True)])
+    p = Pod(
+        "default", "x", [Container("big", 1), Container("small", 1), Container("setup", 1, True)]
+    )
     cluster.pods.annotations[("default", "x")] = d.allocation.annotation()
     resp = k.admit(p)
     assert k.state.assigned[(p.key, "setup")] == k.state.assigned[(p.key, "big")]

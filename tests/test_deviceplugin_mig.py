@@ -25,6 +25,7 @@ from typing import Any
 
 import grpc
 import pytest
+from gpuvisor.cluster.deviceplugin.migrealise import MIG_MODE
 
 from tests.helpers import LIBRARY, REPO_ROOT, SimNode, run_py, start_ready, stop_process
 from tests.kubelet_harness import Container, FakeKubelet, Pod, container_base_env, host_env, run
@@ -37,7 +38,8 @@ PROFILE_3G = 9  # 3g.20gb: 4 memory slices, starts 0, 4; 20096 MiB
 # The plugin's process: the service with NVML's GPUs and MIG driver, the
 # allocations from a JSON file ({"ns/name": annotation}), kubelet's
 # PodResources on the harness's socket.  argv: plugin dir, PodResources
-# socket, state dir, lib dir, node dir, allocations file, fault.
+# socket, state dir, lib dir, node dir, allocations file, fault, seconds before
+# an idle GPU of the plugin's leaves MIG mode.
 PLUGIN = """
 import json, logging, signal, sys
 from pathlib import Path
@@ -45,13 +47,13 @@ import pynvml
 from gpuvisor.cluster.deviceplugin.gpus import NvmlGpus
 from gpuvisor.cluster.deviceplugin.grant import GrantError, parse_grant
 from gpuvisor.cluster.deviceplugin.migdriver import NvmlMig
-from gpuvisor.cluster.deviceplugin.migrealise import MIG_MINE, MigRealiser
+from gpuvisor.cluster.deviceplugin.migrealise import MIG_MINE, MIG_MODE, MigRealiser
 from gpuvisor.cluster.deviceplugin.owners import PodResourcesOwners
 from gpuvisor.cluster.deviceplugin.runner import PluginRunner
 from gpuvisor.cluster.deviceplugin.service import DevicePluginService, PluginConfig
 
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-plugin_dir, pr_sock, state, lib, node_dir, allocs, fault = sys.argv[1:]
+plugin_dir, pr_sock, state, lib, node_dir, allocs, fault, off_after = sys.argv[1:]
 
 class FilePods:
     def _all(self):
@@ -79,7 +81,9 @@ driver = NoComputeInstance() if fault == "no-compute-instance" else NvmlMig()
 config = PluginConfig(node_name=NODE_NAME, state_dir=Path(state), lib_dir=Path(lib),
                       node_dir=Path(node_dir))
 service = DevicePluginService(config, gpus, FilePods(), PodResourcesOwners(pr_sock),
-                              MigRealiser(driver, mine=Path(state) / MIG_MINE))
+                              MigRealiser(driver, mine=Path(state) / MIG_MINE,
+                                          mode=Path(state) / MIG_MODE,
+                                          off_after=float(off_after)))
 runner = PluginRunner(service, Path(plugin_dir), health_interval=0.1, watch_interval=0.05)
 signal.signal(signal.SIGTERM, lambda *a: runner.stop())
 runner.run()
@@ -221,6 +225,9 @@ def eventually(predicate: Callable[[], bool], timeout: float = 20.0) -> bool:
     return True
 
 
+OFF_AFTER = 1.5  # seconds an idle GPU of the plugin's stays in MIG mode
+
+
 def start_node(tmp_path: Path, fault: str = "") -> Iterator[MigNode]:
     topo = tmp_path / "topology.json"
     topo.write_text(json.dumps({"gpus": [{"model": A100}, {"model": A100}]}))
@@ -235,7 +242,7 @@ def start_node(tmp_path: Path, fault: str = "") -> Iterator[MigNode]:
     log = tmp_path / "plugin.log"
     argv = [
         *(str(socks / "dp"), str(socks / "pr" / "kubelet.sock"), str(tmp_path / "state")),
-        *(str(LIBRARY.parent), str(tmp_path / "node"), str(allocs), fault),
+        *(str(LIBRARY.parent), str(tmp_path / "node"), str(allocs), fault, str(OFF_AFTER)),
     ]
     base = container_base_env(sim.env)
     node = MigNode(sim, [], kubelet, allocs, base, None, log, argv)  # type: ignore[arg-type]
@@ -285,11 +292,23 @@ def test_a_mig_placement_is_realised_and_undone(mig_node: MigNode) -> None:
     proc = run(resp, MIG_PROBE, n.base_env)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout) == [[f"{A100} MIG 1g.10gb", uuid, 9856]]
-    # the pod is gone: its instance goes; MIG mode stays on
+    # the pod is gone: its instance goes, then, after the grace, MIG mode
+    # (the plugin turned it on): the GPU can be given whole or shared again
     n.gone(pod)
     assert eventually(lambda: n.instances()[g0]["instances"] == []), n.plugin_log()
-    assert n.instances()[g0]["enabled"]
     assert f"destroyed MIG instance {uuid}" in n.plugin_log()
+    assert eventually(lambda: not n.instances()[g0]["enabled"]), n.plugin_log()
+    assert f"GPU {g0}: MIG mode turned off" in n.plugin_log()
+    # a plan made while the GPU was in MIG mode (no enable_mig_mode): the
+    # plugin turned it off itself, so it turns it on again for the plan
+    late = Pod("default", "late", [Container("main", 1)])
+    n.place(late, "main", 0, mig_plan(PROFILE_1G10, 2, 2), 9856)
+    resp = n.kubelet.admit(late)["main"]
+    assert n.instances()[g0]["enabled"]
+    assert resp.envs["CUDA_VISIBLE_DEVICES"].startswith("MIG-")
+    n.kubelet.start(late, "main")
+    n.gone(late)
+    assert eventually(lambda: not n.instances()[g0]["enabled"]), n.plugin_log()
 
 
 def test_an_instance_in_use_is_never_destroyed(mig_node: MigNode) -> None:
@@ -483,3 +502,58 @@ def test_an_app_container_reusing_its_init_containers_devices_gets_its_instance(
         assert json.loads(proc.stdout) == [[f"{A100} MIG 1g.10gb", by_start[start], 9856]]
     n.gone(pod)
     assert eventually(lambda: n.instances()[g0]["instances"] == []), n.plugin_log()
+
+
+def test_mig_mode_stays_on_while_a_bound_pod_plans_on_it(mig_node: MigNode) -> None:
+    """An idle GPU in MIG mode is not turned off while a pod bound to the
+    node (not started yet) has a MIG grant on it, nor while a process runs
+    on it; once neither holds, it goes off after the grace."""
+    n = mig_node
+    g0 = n.gpus[0]
+    first = Pod("default", "first", [Container("main", 1)])
+    n.place(first, "main", 0, mig_plan(PROFILE_1G10, 0, 2, enable=True), 9856)
+    n.kubelet.admit(first)
+    n.kubelet.start(first, "main")
+    waiting = Pod("default", "waiting", [Container("main", 1)])
+    n.place(waiting, "main", 0, mig_plan(PROFILE_1G10, 6, 2), 9856)
+    n.gone(first)
+    assert eventually(lambda: n.instances()[g0]["instances"] == []), n.plugin_log()
+    time.sleep(OFF_AFTER * 2)
+    assert n.instances()[g0]["enabled"], n.plugin_log()
+    resp = n.kubelet.admit(waiting)["main"]
+    n.kubelet.start(waiting, "main")
+    uuid = resp.envs["CUDA_VISIBLE_DEVICES"]
+    assert n.instances()[g0]["instances"] == [[6, 2, uuid, False]]
+    n.gone(waiting)
+    assert eventually(lambda: not n.instances()[g0]["enabled"]), n.plugin_log()
+
+
+def test_a_restarted_plugin_still_turns_off_the_mig_mode_it_turned_on(
+    mig_node: MigNode,
+) -> None:
+    """Which GPUs' MIG mode is the plugin's is remembered in its state
+    directory; a GPU an operator put in MIG mode is never turned off."""
+    n = mig_node
+    g0, g1 = n.gpus
+    operator = run_py(
+        """
+        import pynvml as n
+        n.nvmlInit()
+        n.nvmlDeviceSetMigMode(n.nvmlDeviceGetHandleByIndex(1), n.NVML_DEVICE_MIG_ENABLE)
+        """,
+        n.sim.env,
+    )
+    assert operator.returncode == 0, operator.stderr
+    pod = Pod("default", "kept", [Container("main", 1)])
+    n.place(pod, "main", 0, mig_plan(PROFILE_1G10, 6, 2, enable=True), 9856)
+    n.kubelet.admit(pod)
+    n.kubelet.start(pod, "main")
+    n.kill_plugin()
+    assert json.loads((n.sim.dir / "state" / MIG_MODE).read_text()) == [g0]
+    n.start_plugin()
+    n.kubelet.wait_registered(count=2, timeout=60)
+    n.gone(pod)
+    assert eventually(lambda: not n.instances()[g0]["enabled"]), n.plugin_log()
+    time.sleep(OFF_AFTER * 2)
+    assert n.instances()[g1] == {"enabled": True, "instances": []}
+    assert f"GPU {g1}: MIG mode turned off" not in n.plugin_log()

@@ -72,6 +72,23 @@ from . import defaults
     help="Seconds between NVML health checks.",
 )
 @click.option(
+    "--mig-mode-off-after",
+    type=click.FloatRange(0),
+    default=60.0,
+    show_default=True,
+    help="Seconds a GPU whose MIG mode the plugin turned on waits in MIG mode with no "
+    "instance, no process and no bound pod's MIG grant on it before the plugin turns "
+    "MIG mode off; 0: never turn it off.",
+)
+@click.option(
+    "--manage-mig-mode",
+    "manage_mig_mode",
+    multiple=True,
+    metavar="GPU-UUID",
+    help="A GPU an operator put in MIG mode whose mode the plugin may turn off (and on) "
+    "like those it turned on itself.  Repeatable; remembered in the state directory.",
+)
+@click.option(
     "--publish-inventory/--no-publish-inventory",
     default=True,
     show_default=True,
@@ -89,6 +106,8 @@ def device_plugin(
     lib_dir: Path,
     node_dir: Path,
     health_interval: float,
+    mig_mode_off_after: float,
+    manage_mig_mode: tuple[str, ...],
     publish_inventory: bool,
 ) -> None:
     """Serve kubelet's device plugin API for RESOURCE on this node.
@@ -100,8 +119,10 @@ def device_plugin(
     (its gpuvisor.io/allocation annotation) into the container's limits
     file.  For a MIG placement, Allocate makes the planned MIG instance
     (NVML) and the container sees its MIG device; instances made for a pod
-    are destroyed once it is gone (never while in use), and the node's
-    inventory is republished after each MIG change.  Re-registers whenever
+    are destroyed once it is gone (never while in use), MIG mode the plugin
+    turned on is turned off again once the GPU is idle in MIG mode with
+    nothing planned on it (--mig-mode-off-after), and the node's inventory
+    is republished after each MIG change.  Re-registers whenever
     kubelet restarts.  See docs/kubernetes.md.
     """
     # gRPC, NVML and the Kubernetes client load only when the plugin runs
@@ -132,9 +153,21 @@ def device_plugin(
     except Exception as exc:
         raise click.ClickException(f"cannot configure the Kubernetes client: {exc}") from None
     from .migdriver import NvmlMig
-    from .migrealise import MIG_MINE, MigRealiser
+    from .migrealise import MIG_MINE, MIG_MODE, MigRealiser
 
-    mig = MigRealiser(NvmlMig(), mine=state_dir / MIG_MINE)
+    for uuid in manage_mig_mode:
+        if not uuid.startswith("GPU-"):
+            raise click.BadParameter(
+                f"{uuid!r}: not a GPU UUID (GPU-...)", param_hint="--manage-mig-mode"
+            )
+    state_dir.mkdir(parents=True, exist_ok=True)
+    mig = MigRealiser(
+        NvmlMig(),
+        mine=state_dir / MIG_MINE,
+        mode=state_dir / MIG_MODE,
+        off_after=mig_mode_off_after or None,
+        manage=manage_mig_mode,
+    )
     service = DevicePluginService(
         config, gpus, pods, PodResourcesOwners(str(pod_resources_socket)), mig
     )

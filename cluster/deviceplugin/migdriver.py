@@ -1,5 +1,5 @@
 """MIG instances through NVML, as the device plugin makes and removes them:
-turn a GPU's MIG mode on, create a GPU instance at a placement with one
+turn a GPU's MIG mode on (and off again), create a GPU instance at a placement with one
 compute instance spanning it (one MIG device), list them with whether a
 process uses them, destroy one.  Every call names the GPU by UUID.
 
@@ -44,6 +44,10 @@ class MigDriver(Protocol):
         ...
 
     def enable(self, gpu: str) -> None: ...
+
+    def disable(self, gpu: str) -> None:
+        """MIG mode off (NVML refuses while an instance or a process is left)."""
+        ...
 
     def instances(self, gpu: str) -> list[MigInstance]: ...
 
@@ -110,6 +114,22 @@ class NvmlMig:
                 raise MigDriverError(
                     f"GPU {gpu}: MIG mode is pending ({pending}) and needs a GPU reset; "
                     "not done by the device plugin"
+                )
+
+    def disable(self, gpu: str) -> None:
+        with self._lock:
+            h = self._handle(gpu)
+            try:
+                pynvml.nvmlDeviceSetMigMode(h, pynvml.NVML_DEVICE_MIG_DISABLE)
+                current, pending = pynvml.nvmlDeviceGetMigMode(h)
+            except pynvml.NVMLError as exc:
+                raise MigDriverError(
+                    f"GPU {gpu}: nvmlDeviceSetMigMode(disable): {_why(exc)}"
+                ) from None
+            if current != pynvml.NVML_DEVICE_MIG_DISABLE:
+                raise MigDriverError(
+                    f"GPU {gpu}: turning MIG mode off is pending ({pending}) and needs a GPU "
+                    "reset; not done by the device plugin"
                 )
 
     def _devices(self, h: Any) -> dict[int, tuple[str, bool]]:

@@ -43,6 +43,8 @@ from .migdriver import MigDriver, MigDriverError
 log = logging.getLogger("gpuvisor.device-plugin")
 
 MIG_MINE = ".mig-instances.json"  # in the state directory: the instances the plugin made
+MIG_MODE = ".mig-mode.json"  # in the state directory: the GPUs whose MIG mode is the plugin's
+MIG_OFF_AFTER = 60.0  # seconds a GPU of the plugin's waits idle in MIG mode before it goes off
 
 
 class MigRefused(Exception):
@@ -89,20 +91,37 @@ class MigRealiser:
         driver: MigDriver,
         on_change: Callable[[], object] | None = None,
         mine: Path | None = None,
+        mode: Path | None = None,
+        off_after: float | None = MIG_OFF_AFTER,
+        manage: Collection[str] = (),
     ) -> None:
+        """mine: where the instances made are remembered; mode: where the
+        GPUs whose MIG mode is the plugin's are (those it turned on, and
+        manage: those an operator hands it); off_after: seconds such a GPU
+        stays in MIG mode with nothing on it and nothing planned before
+        settle turns MIG mode off (None: never)."""
         self.driver = driver
         self.on_change = on_change
         self.mine_file = mine
+        self.mode_file = mode
+        self.off_after = off_after
         self._lock = threading.Lock()
-        self._mine: set[str] = set()
-        if mine is not None:
-            try:
-                v = json.loads(mine.read_text())
-                self._mine = {u for u in v if isinstance(u, str)}
-            except FileNotFoundError:
-                pass
-            except (OSError, ValueError, TypeError) as exc:
-                log.error("%s: unreadable (%s): no instance is taken as this plugin's", mine, exc)
+        self._mine = _read_set(mine, "no instance is taken as this plugin's")
+        self._modes = _read_set(mode, "no GPU's MIG mode is taken as this plugin's")
+        self._idle_since: dict[str, float] = {}
+        self._stuck: set[str] = set()  # MIG mode could not be turned off: not tried again
+        if set(manage) - self._modes:
+            self._modes |= set(manage)
+            self._save_modes()
+
+    def modes(self) -> set[str]:
+        """The GPUs whose MIG mode this plugin turns on and off."""
+        with self._lock:
+            return set(self._modes)
+
+    def _save_modes(self) -> None:
+        if self.mode_file is not None:
+            _write_set(self.mode_file, self._modes)
 
     def mine(self) -> set[str]:
         """The MIG UUIDs of the instances this plugin made that still exist (as it knows)."""
@@ -115,9 +134,7 @@ class MigRealiser:
         if drop is not None:
             self._mine.discard(drop)
         if self.mine_file is not None:
-            tmp = self.mine_file.with_name(f".{self.mine_file.name}.tmp")
-            tmp.write_text(json.dumps(sorted(self._mine)))
-            os.replace(tmp, self.mine_file)
+            _write_set(self.mine_file, self._mine)
 
     def _changed(self) -> None:
         if self.on_change is not None:
@@ -170,11 +187,20 @@ class MigRealiser:
         gpu = g.uuid
         changed = False
         if not d.enabled(gpu):
-            if not plan.enable:
+            if not plan.enable and gpu not in self._modes:
                 raise MigRefused(f"GPU {gpu}: MIG mode is off and the plan does not turn it on")
             if d.busy(gpu):
                 raise MigRefused(f"GPU {gpu}: work is running on it: MIG mode not turned on")
+            if not plan.enable:
+                # a plan made before this plugin turned the idle GPU's MIG
+                # mode off, counting on it being on: on again
+                log.info("GPU %s: MIG mode on again for a plan made while it was on", gpu)
             d.enable(gpu)
+            self._idle_since.pop(gpu, None)
+            self._stuck.discard(gpu)
+            if gpu not in self._modes:
+                self._modes.add(gpu)
+                self._save_modes()
             changed = True
         if plan.destroy:
             present = {i.uuid: i for i in d.instances(gpu) if i.uuid is not None}
@@ -252,3 +278,65 @@ class MigRealiser:
             if changed:
                 self._changed()
         return left
+
+    def settle(self, planned: Collection[str], now: float) -> list[str]:
+        """Turn MIG mode off on the GPUs of this plugin's (modes) that have
+        been idle in MIG mode for off_after seconds: no MIG instance on
+        them, no process, and none in planned (the GPUs a bound pod's plan
+        has a MIG grant on).  now: a monotonic clock.  Returns the GPUs
+        turned off; the inventory is republished after."""
+        if self.off_after is None:
+            return []
+        off: list[str] = []
+        with self._lock:
+            for gpu in sorted(self._modes):
+                try:
+                    idle = (
+                        gpu not in planned
+                        and gpu not in self._stuck
+                        and self.driver.enabled(gpu)
+                        and not self.driver.instances(gpu)
+                        and not self.driver.busy(gpu)
+                    )
+                    if not idle:
+                        self._idle_since.pop(gpu, None)
+                        continue
+                    since = self._idle_since.setdefault(gpu, now)
+                    if now - since < self.off_after:
+                        continue
+                    self.driver.disable(gpu)
+                except MigDriverError as exc:
+                    log.warning("GPU %s: MIG mode left on: %s", gpu, exc)
+                    self._stuck.add(gpu)
+                    continue
+                self._idle_since.pop(gpu, None)
+                off.append(gpu)
+                log.info(
+                    "GPU %s: MIG mode turned off (no instance, nothing running, nothing "
+                    "planned for %.0f s)",
+                    gpu,
+                    now - since,
+                )
+            if off:
+                self._changed()
+        return off
+
+
+def _read_set(path: Path | None, otherwise: str) -> set[str]:
+    """A JSON list of strings in path; empty if there is none."""
+    if path is None:
+        return set()
+    try:
+        v = json.loads(path.read_text())
+        return {u for u in v if isinstance(u, str)}
+    except FileNotFoundError:
+        return set()
+    except (OSError, ValueError, TypeError) as exc:
+        log.error("%s: unreadable (%s): %s", path, exc, otherwise)
+        return set()
+
+
+def _write_set(path: Path, items: set[str]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(sorted(items)))
+    os.replace(tmp, path)

@@ -130,6 +130,10 @@ class PluginRunner:
                     self.service.release_mig()
                 except Exception as exc:  # kubelet away: next poll
                     log.warning("cannot release the MIG instances of gone pods: %s", exc)
+                try:
+                    self.service.settle_mig_mode()
+                except Exception as exc:  # the API away: MIG mode stays, next poll
+                    log.warning("cannot tell whether idle GPUs may leave MIG mode: %s", exc)
             if self.publisher is not None:
                 try:
                     self.publisher.publish(self.service.unhealthy(), reread=self.publisher.has_mig)

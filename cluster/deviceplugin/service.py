@@ -557,6 +557,17 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
                 gone += 1
         return gone
 
+    def settle_mig_mode(self) -> list[str]:
+        """Turn MIG mode off on this plugin's GPUs idle in MIG mode for the
+        grace (MigRealiser.settle): never on a GPU that a pod bound to this
+        node (not started yet) has a MIG grant on, nor while the API does
+        not say which those are.  Returns the GPUs turned off."""
+        if self.mig is None or self.mig.off_after is None or not self.config.node_name:
+            return []
+        bound = self.pods.bound(self.config.node_name)  # the API away: raises, nothing done
+        planned = {g.uuid for p in bound for c in p.containers for g in c.gpus if g.mig is not None}
+        return self.mig.settle(planned, time.monotonic())
+
     def _grant(self, namespace: str, pod: str, container: str) -> PodGrant:
         key = f"{namespace}/{pod}"
         try:
