@@ -24,7 +24,13 @@ gone, except one a process still uses (kept, tried again later) and one
 another pod's plan reuses (handed over: destroyed when that pod is gone).
 The plugin's own instances are remembered in a file (`mine`), so an
 instance made by someone else is never destroyed as the plugin's, and
-neither is forgotten across restarts."""
+neither is forgotten across restarts.
+
+`settle` turns MIG mode off again on a GPU whose mode is the plugin's (it
+turned it on, or an operator handed it over), once it has been idle in MIG
+mode for `off_after` seconds: no instance, no process, no bound pod's MIG
+grant on it.  Those GPUs are remembered in a file (`modes`) too; a plan
+made while such a GPU was in MIG mode finds it turned on again."""
 
 from __future__ import annotations
 
