@@ -559,6 +559,7 @@ def start_mig_plugin_node(stack: Stack, name: str) -> MigPluginNode:
     socks = Path(tempfile.mkdtemp(prefix="gvsm", dir="/tmp"))
     kubelet = FakeKubelet(socks / "dp", socks / "pr" / "kubelet.sock", api=stack.k8s.core)
     argv = device_plugin_argv(name, d, socks, health_interval=0.2)
+    argv.append("--mig-mode-off-after=1")
     env = dict(sim.env, KUBECONFIG=str(stack.k8s.cluster.kubeconfig))
     log = d / "plugin.log"
     with open(log, "wb") as out:
@@ -585,8 +586,9 @@ def test_a_mig_pod(stack: Stack) -> None:
     extender onto a MIG-capable node as a MIG instance; the device plugin
     turns MIG mode on and makes the instance, republishes the node's
     inventory with it, and the workload runs on the MIG device (its UUID,
-    its memory).  Once the pod is deleted, the instance is destroyed and the
-    inventory says so."""
+    its memory).  Once the pod is deleted, the instance is destroyed, MIG
+    mode turned off again, the inventory says so, and a shared pod is
+    placed on the GPU."""
     k = stack.k8s
     node = start_mig_plugin_node(stack, "mx-1")
     wait_for(lambda: bool(node_inventory(k, "mx-1")), what="the published inventory")
@@ -631,9 +633,22 @@ def test_a_mig_pod(stack: Stack) -> None:
     k.core.delete_namespaced_pod("mig", k.namespace, grace_period_seconds=0)
     node.kubelet.release(hp)
     wait_for(lambda: node.instances()[gpu["uuid"]]["instances"] == [], what="the destruction")
-    wait_for(lambda: published() == ["enabled", []], what="the inventory without the instance")
-    assert node_inventory(k, "mx-1")["gpus"][0]["mig"]["remaining"]["7g.40gb"] == 1
     assert f"destroyed MIG instance {mig_uuid}" in node.log.read_text()
+    # nothing left on the GPU and nothing planned for it: after the wait the
+    # plugin turns MIG mode off (it turned it on) and republishes; the
+    # extender places a shared pod on the GPU again
+    wait_for(lambda: published() == ["disabled", []], what="the inventory out of MIG mode")
+    assert node.instances()[gpu["uuid"]] == {"enabled": False, "instances": []}
+    assert f"GPU {gpu['uuid']}: MIG mode turned off" in node.log.read_text()
+    k.create_pod(
+        "shared",
+        gpus=1,
+        gpumem=3000,
+        annotations={"nvidia.com/use-gpuuuid": gpu["uuid"], "nvidia.com/vgpu-mode": "hami-core"},
+    )
+    assert k.wait_bound("shared") == "mx-1"
+    (g,) = gpus_of_container(allocation_of(k.read_pod("shared")), "main")
+    assert (g["uuid"], g["memory_mib"], g["mig"]) == (gpu["uuid"], 3000, None)
 
 
 def test_a_mig_pod_with_an_init_container(stack: Stack) -> None:
