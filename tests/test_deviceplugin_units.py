@@ -16,6 +16,8 @@ from gpuvisor.cluster.deviceplugin.grant import (
     parse_grant,
 )
 from gpuvisor.cluster.deviceplugin.limits_file import render
+from gpuvisor.cluster.deviceplugin.migdriver import MigDriverError, MigInstance
+from gpuvisor.cluster.deviceplugin.migrealise import MigRealiser, MigRefused
 from gpuvisor.cluster.deviceplugin.preferred import preferred
 from gpuvisor.cluster.deviceplugin.replicas import Replicas, UnknownDevice
 
@@ -212,3 +214,155 @@ def test_the_command_line_does_not_load_grpc() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
     )
     assert proc.stdout.strip() == "[]"
+
+
+# -- MIG mode off again (MigRealiser.idle / settle), on an in-memory driver --------------------
+class FakeMig:
+    """MigDriver in memory: MIG mode, instances (gi_id -> placement), processes."""
+
+    def __init__(self, *gpus: str) -> None:
+        self.on = dict.fromkeys(gpus, False)
+        self.made: dict[str, dict[int, tuple[int, int]]] = {g: {} for g in gpus}
+        self.busy_gpus: set[str] = set()
+        self.refuse_off: set[str] = set()
+        self.calls: list[tuple[str, str]] = []
+
+    def enabled(self, gpu: str) -> bool:
+        return self.on[gpu]
+
+    def busy(self, gpu: str) -> bool:
+        return gpu in self.busy_gpus
+
+    def enable(self, gpu: str) -> None:
+        self.calls.append(("enable", gpu))
+        self.on[gpu] = True
+
+    def disable(self, gpu: str) -> None:
+        self.calls.append(("disable", gpu))
+        if gpu in self.refuse_off or self.made[gpu]:
+            raise MigDriverError(f"GPU {gpu}: nvmlDeviceSetMigMode(disable): In use")
+        self.on[gpu] = False
+
+    def instances(self, gpu: str) -> list[MigInstance]:
+        return [
+            MigInstance(gpu, gi, 15, start, size, f"MIG-{gpu}-{gi}", 9856, False)
+            for gi, (start, size) in sorted(self.made[gpu].items())
+        ]
+
+    def create(self, gpu: str, profile_id: int, start: int, size: int) -> MigInstance:
+        gi = len(self.made[gpu]) + 1
+        self.made[gpu][gi] = (start, size)
+        return next(i for i in self.instances(gpu) if i.gi_id == gi)
+
+    def destroy(self, gpu: str, gi_id: int) -> None:
+        del self.made[gpu][gi_id]
+
+
+def mig_grant(gpu: str, start: int, enable: bool) -> list[GpuGrant]:
+    plan = {
+        "profile": "1g.10gb",
+        "profile_id": 15,
+        "placement": {"start": start, "size": 2},
+        "instance": None,
+        "destroy": [],
+        "enable_mig_mode": enable,
+    }
+    doc = {
+        "pod": "ns/p",
+        "node": "n",
+        "containers": [
+            {
+                "name": "c",
+                "gpus": [{"uuid": gpu, "index": 0, "memory_mib": 9856, "cores": 15, "mig": plan}],
+            }
+        ],
+    }
+    return list(parse_grant(json.dumps(doc)).containers[0].gpus)
+
+
+def test_mig_mode_goes_off_after_the_wait_only_on_the_plugins_gpus(tmp_path) -> None:
+    d = FakeMig("GPU-a", "GPU-b")
+    d.on["GPU-b"] = True  # an operator's
+    changes: list[int] = []
+    m = MigRealiser(
+        d, lambda: changes.append(1), tmp_path / "mine", tmp_path / "mode", off_after=10.0
+    )
+    (made,) = m.realise("p", mig_grant("GPU-a", 0, True), set())
+    assert json.loads((tmp_path / "mode").read_text()) == ["GPU-a"]
+    assert m.idle() == []  # an instance on it
+    m.release("p", [made], set())
+    assert m.idle() == ["GPU-a"]
+    assert m.settle(set(), 100.0) == []  # the wait starts
+    assert m.settle({"GPU-a"}, 105.0) == []  # a bound pod plans a MIG grant on it
+    assert m.settle(set(), 106.0) == []  # the wait starts over
+    assert m.settle(set(), 115.9) == []
+    n = len(changes)
+    assert m.settle(set(), 116.0) == ["GPU-a"]
+    assert (d.on, len(changes)) == ({"GPU-a": False, "GPU-b": True}, n + 1)
+    assert m.settle(set(), 1000.0) == []  # the operator's GPU stays in MIG mode
+
+
+def test_mig_mode_wait_starts_over_when_the_gpu_was_used(tmp_path) -> None:
+    d = FakeMig("GPU-a")
+    m = MigRealiser(d, mode=tmp_path / "mode", off_after=10.0)
+    m.realise("p", mig_grant("GPU-a", 0, True), set())
+    d.made["GPU-a"].clear()
+    assert m.settle(set(), 0.0) == []  # idle since 0
+    (made,) = m.realise("q", mig_grant("GPU-a", 2, False), set())  # used again
+    assert m.idle() == []
+    m.release("q", [made], set())
+    assert m.settle(set(), 50.0) == []  # idle since 50, not 0
+    d.busy_gpus.add("GPU-a")  # a process: never off
+    assert m.settle(set(), 70.0) == []
+    d.busy_gpus.clear()
+    assert m.settle(set(), 71.0) == []
+    assert m.settle(set(), 81.0) == ["GPU-a"]
+
+
+def test_a_plan_counting_on_mig_mode_turns_it_on_again_only_on_the_plugins_gpus(
+    tmp_path,
+) -> None:
+    d = FakeMig("GPU-a", "GPU-b")
+    m = MigRealiser(d, mode=tmp_path / "mode", off_after=0.0, manage=["GPU-a"])
+    assert json.loads((tmp_path / "mode").read_text()) == ["GPU-a"]
+    (made,) = m.realise("p", mig_grant("GPU-a", 0, False), set())
+    assert d.on["GPU-a"]
+    assert made.created
+    with pytest.raises(MigRefused, match="MIG mode is off and the plan does not turn it on"):
+        m.realise("q", mig_grant("GPU-b", 0, False), set())
+    d.busy_gpus.add("GPU-a")
+    d.on["GPU-a"] = False
+    d.made["GPU-a"].clear()
+    with pytest.raises(MigRefused, match="work is running on it"):
+        m.realise("r", mig_grant("GPU-a", 0, False), set())
+    # remembered: a new realiser (a plugin restart) manages the same GPUs
+    assert MigRealiser(d, mode=tmp_path / "mode").modes() == {"GPU-a"}
+
+
+def test_mig_mode_that_cannot_go_off_is_tried_once(tmp_path, caplog) -> None:
+    d = FakeMig("GPU-a")
+    m = MigRealiser(d, mode=tmp_path / "mode", off_after=0.0)
+    m.realise("p", mig_grant("GPU-a", 0, True), set())
+    d.made["GPU-a"].clear()
+    d.refuse_off.add("GPU-a")
+    assert m.settle(set(), 1.0) == []
+    assert m.settle(set(), 2.0) == []
+    assert m.idle() == []
+    assert d.calls.count(("disable", "GPU-a")) == 1
+    assert "MIG mode left on" in caplog.text
+    # turned on again by a plan: tried again once idle
+    d.refuse_off.clear()
+    d.on["GPU-a"] = False
+    (made,) = m.realise("q", mig_grant("GPU-a", 0, True), set())
+    m.release("q", [made], set())
+    assert m.settle(set(), 3.0) == ["GPU-a"]
+
+
+def test_mig_mode_never_goes_off_without_a_wait(tmp_path) -> None:
+    d = FakeMig("GPU-a")
+    m = MigRealiser(d, mode=tmp_path / "mode", off_after=None)
+    m.realise("p", mig_grant("GPU-a", 0, True), set())
+    d.made["GPU-a"].clear()
+    assert m.idle() == []
+    assert m.settle(set(), 1e9) == []
+    assert d.on["GPU-a"]

@@ -115,7 +115,9 @@ class MigRealiser:
         self._mine = _read_set(mine, "no instance is taken as this plugin's")
         self._modes = _read_set(mode, "no GPU's MIG mode is taken as this plugin's")
         self._idle_since: dict[str, float] = {}
-        self._stuck: set[str] = set()  # MIG mode could not be turned off: not tried again
+        # MIG mode could not be read or turned off: logged once, not tried
+        # again until the plugin turns it on
+        self._stuck: set[str] = set()
         if set(manage) - self._modes:
             self._modes |= set(manage)
             self._save_modes()
@@ -192,6 +194,7 @@ class MigRealiser:
         d = self.driver
         gpu = g.uuid
         changed = False
+        self._idle_since.pop(gpu, None)  # a wait for MIG mode off starts over
         if not d.enabled(gpu):
             if not plan.enable and gpu not in self._modes:
                 raise MigRefused(f"GPU {gpu}: MIG mode is off and the plan does not turn it on")
@@ -202,7 +205,6 @@ class MigRealiser:
                 # mode off, counting on it being on: on again
                 log.info("GPU %s: MIG mode on again for a plan made while it was on", gpu)
             d.enable(gpu)
-            self._idle_since.pop(gpu, None)
             self._stuck.discard(gpu)
             if gpu not in self._modes:
                 self._modes.add(gpu)
@@ -285,6 +287,28 @@ class MigRealiser:
                 self._changed()
         return left
 
+    def idle(self) -> list[str]:
+        """The GPUs of this plugin's in MIG mode with no instance and no
+        process (those settle may turn off); the others' waits start over."""
+        if self.off_after is None:
+            return []
+        out = []
+        with self._lock:
+            for gpu in sorted(self._modes - self._stuck):
+                try:
+                    if self._idle(gpu):
+                        out.append(gpu)
+                        continue
+                except MigDriverError as exc:
+                    log.warning("GPU %s: MIG mode left as it is: %s", gpu, exc)
+                    self._stuck.add(gpu)
+                self._idle_since.pop(gpu, None)
+        return out
+
+    def _idle(self, gpu: str) -> bool:
+        d = self.driver
+        return d.enabled(gpu) and not d.instances(gpu) and not d.busy(gpu)
+
     def settle(self, planned: Collection[str], now: float) -> list[str]:
         """Turn MIG mode off on the GPUs of this plugin's (modes) that have
         been idle in MIG mode for off_after seconds: no MIG instance on
@@ -297,13 +321,7 @@ class MigRealiser:
         with self._lock:
             for gpu in sorted(self._modes):
                 try:
-                    idle = (
-                        gpu not in planned
-                        and gpu not in self._stuck
-                        and self.driver.enabled(gpu)
-                        and not self.driver.instances(gpu)
-                        and not self.driver.busy(gpu)
-                    )
+                    idle = gpu not in planned and gpu not in self._stuck and self._idle(gpu)
                     if not idle:
                         self._idle_since.pop(gpu, None)
                         continue

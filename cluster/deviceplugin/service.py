@@ -562,8 +562,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
         grace (MigRealiser.settle): never on a GPU that a pod bound to this
         node (not started yet) has a MIG grant on, nor while the API does
         not say which those are.  Returns the GPUs turned off."""
-        if self.mig is None or self.mig.off_after is None or not self.config.node_name:
-            return []
+        if self.mig is None or not self.config.node_name or not self.mig.idle():
+            return []  # (the API is asked only when a GPU waits to go off)
         bound = self.pods.bound(self.config.node_name)  # the API away: raises, nothing done
         planned = {g.uuid for p in bound for c in p.containers for g in c.gpus if g.mig is not None}
         return self.mig.settle(planned, time.monotonic())
