@@ -32,6 +32,7 @@ from .mig import (
     GeometryRule,
     MigChoice,
     geometries_for,
+    half_for_cores,
     hami_first_geometry,
     plan_instance,
     profile_cores,
@@ -291,6 +292,9 @@ class Option:
     cores: int
     mig: MigChoice | None
     usage_after: float
+    # a MIG instance of half the GPU or more for a pod without vgpu-mode
+    # whose memory alone a smaller profile would hold (its cores ask for it)
+    half_for_cores: bool = False
 
 
 @dataclass
@@ -392,8 +396,14 @@ def option(
         if choice is not None:
             used = work.mig_used[i] | node.fixed[i] | choice.placement.mask
             after = bin(used).count("1") / mig.memory_slices
+            for_cores = pod.mode is None and not hami and half_for_cores(mig, choice.profile, m)
             return Option(
-                i, choice.profile.memory_mib, profile_cores(mig, choice.profile), choice, after
+                i,
+                choice.profile.memory_mib,
+                profile_cores(mig, choice.profile),
+                choice,
+                after,
+                for_cores,
             )
         why = why or "no MIG placement fits"
     return why or "in MIG mode"
@@ -625,6 +635,7 @@ def plan_node(
     held: list[int] = []  # the GPUs of the init containers placed so far
     init_charges: list[dict[int, GpuCharge]] = []
     app_gpus: set[int] = set()
+    halves = 0  # MIG instances of half a GPU or more that only cores ask for
     for c in order:
         if c.count == 0:
             grants[c.name] = []
@@ -678,12 +689,14 @@ def plan_node(
                     ]
                 elif roomy:
                     # binpack: never take the last place in the cluster for a kind of
-                    # request when another GPU keeps it (cluster/room.py)
+                    # request when another GPU keeps it (cluster/room.py); before
+                    # that, no half-GPU MIG instance that only the cores ask for
                     before = node.room_of(w.slots, w.mig_used, w.mig_on)
                     picked = [
                         min(
                             opts,
                             key=lambda o: (
+                                o.half_for_cores,
                                 extinct(loss(before, room_after(node, w, o)), supply),
                                 single_key(o, binpack, node, live_idle, keep, True),
                             ),
@@ -700,6 +713,7 @@ def plan_node(
         terms.append(t)
         ch: dict[int, GpuCharge] = {} if c.init else app_charge
         out = []
+        halves += sum(1 for o in picked if o.half_for_cores)
         for o in picked:
             grant = take(w, o, ch)
             if o.mig is None:
@@ -760,6 +774,11 @@ def plan_node(
         instances = 0
         if pod.mode is None and near_last:
             instances = sum(len(c6.mig) for c6 in charge.values())
+        # near the last places, before all those: no MIG instance of half a
+        # GPU or more that only the pod's cores ask for (its memory would
+        # fit a smaller one) where a node can take the pod otherwise
+        if not near_last:
+            halves = 0
         last = 0
         if near_last:
             slots = list(node.slots)
@@ -773,6 +792,7 @@ def plan_node(
             last = extinct(loss(node.room, node.room_of(slots, taken, on)), supply)
         key = (
             reconfigures,
+            halves,
             last,
             instances,
             opened,

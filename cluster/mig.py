@@ -135,6 +135,17 @@ def profile_cores(mig: MigState, profile: MigProfile) -> int:
     return min(100, math.ceil(100 * profile.compute_slices / mig.compute_slices))
 
 
+def half_for_cores(mig: MigState, profile: MigProfile, memory_mib: int) -> bool:
+    """An instance of half the GPU's memory or more that only the request's
+    cores ask for: a profile with fewer memory slices would hold its memory
+    (docs/placement.md, "No `vgpu-mode`")."""
+    if 2 * profile.memory_slices < mig.memory_slices:
+        return False
+    return any(
+        q.memory_mib >= memory_mib and q.memory_slices < profile.memory_slices for q in mig.profiles
+    )
+
+
 @dataclass(frozen=True)
 class MigChoice:
     profile: MigProfile

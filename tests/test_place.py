@@ -494,6 +494,58 @@ def test_no_vgpu_mode_shares_a_gpu_before_taking_a_mig_instance():
     assert (d.node, indices(d), mig_grant(d)) == ("h", [1], None)
 
 
+def near_last_with_mig_half_free(wholes: int) -> Allocator:
+    """The small cluster near its last places: MIG box GPU 0 in MIG mode with
+    a 1g.10gb at slice 6 and a 2g.10gb at 4 (slices 0-3 free: its last half),
+    GPU 1 idle; `wholes` whole-GPU pods on the 4-GPU box (then the MIG box)."""
+    a = Allocator.from_cluster(small())
+    place(a, "mig", ctr(gpu=1, gpumem=9000), annotations=MIG)
+    assert mig_grant(place(a, "frac", ctr(gpu=1, gpumem=1000, gpucores=20))).placement.start == 4
+    for i in range(wholes):
+        assert place(a, f"whole{i}", ctr(gpu=1)).node == ("four" if i < 4 else "mig")
+    return a
+
+
+@pytest.mark.parametrize(
+    ("wholes", "memory", "cores", "expected"),
+    [
+        # a half-GPU instance (4g.20gb) only for the cores: shared on the 4-GPU box
+        (2, 6000, 50, ("four", [2], None)),
+        (2, 1000, 50, ("four", [2], None)),
+        # quarter-sized (2g.10gb for 20 % cores): the rule does not apply
+        (2, 6000, 20, ("mig", [0], "2g.10gb")),
+        # the memory alone needs a half: 4g.20gb for 50 % cores, 3g.20gb for 10 %
+        (2, 12000, 50, ("mig", [0], "4g.20gb")),
+        (2, 19000, 10, ("mig", [0], "3g.20gb")),
+        # the 4-GPU box full: the MIG box's idle GPU can still share it
+        (4, 6000, 50, ("mig", [1], None)),
+        # no GPU can share: the half instance it is
+        (5, 6000, 50, ("mig", [0], "4g.20gb")),
+    ],
+)
+def test_no_vgpu_mode_takes_no_half_gpu_instance_only_for_its_cores(
+    wholes, memory, cores, expected
+):
+    """Near the last places, a pod without vgpu-mode takes a MIG instance of
+    half the GPU or more that only its cores ask for (a smaller profile
+    holds its memory) only when no GPU can share with it, before the
+    last-place rule: the half is the last home of 19000 MiB MIG requests."""
+    a = near_last_with_mig_half_free(wholes)
+    d = place(a, "x", ctr(gpu=1, gpumem=memory, gpucores=cores))
+    g = mig_grant(d)
+    assert (d.node, indices(d), g.profile if g else None) == expected
+
+
+def test_a_half_gpu_instance_for_cores_on_a_cluster_with_room_to_spare():
+    """Far from the last places the rule is skipped: a fraction fills a MIG-mode GPU."""
+    a = Allocator.from_cluster(
+        cluster(mig_box("m", n=8, enabled=True), *(pcie_box(f"p{i}") for i in range(4)))
+    )
+    place(a, "mig", ctr(gpu=1, gpumem=9000), annotations=MIG)
+    d = place(a, "x", ctr(gpu=1, gpumem=6000, gpucores=50))
+    assert (d.node, indices(d), mig_grant(d).profile) == ("m", [0], "4g.40gb")
+
+
 HAMI_YAML = """
 nvidia:
   resourceCountName: nvidia.com/gpu
