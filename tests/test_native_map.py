@@ -83,6 +83,7 @@ def test_the_memory_path_reaches_the_sm_path_only_through_the_named_calls() -> N
         "gv_arb_learn_ctx_cost",
         "gv_sm_ctx_destroying",
         "gv_sm_stream_destroying",
+        "gv_sm_syncing",
     }
 
 

@@ -39,6 +39,7 @@ typedef CUresult (*capturing_fn)(CUstream, CUstreamCaptureStatus *);
 static void counted(void)
 {
     atomic_fetch_add(&gv_sm_captures, 1);
+    gv_sm_segments_end();
 }
 
 static void uncounted(void)

@@ -308,10 +308,13 @@ static void synced(void)
     gv_pools_refresh();
 }
 
-/* A synchronisation hook: the driver's call, then synced(). */
+/* A synchronisation hook: the driver's call, then synced().  Before it,
+ * the SM gate's open segment of this thread ends (sm_meter.c): its end
+ * event goes in behind the work waited for, not after it. */
 #define SYNC_HOOK(name, fn_t, params, args)                                    \
     GV_EXPORT CUresult name params                                             \
     {                                                                          \
+        gv_sm_syncing();                                                       \
         CUresult rc = GV_REAL(name, fn_t) args;                                \
         synced();                                                              \
         return rc;                                                             \

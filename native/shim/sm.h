@@ -18,11 +18,23 @@ uint64_t gv_mono_ns(void);
 uint64_t gv_sm_estimate(uintptr_t key);
 /* Record a measured GPU time for key. */
 void gv_sm_learn(uintptr_t key, uint64_t ns);
+/* What an admission tells its launch (a may be NULL): */
+struct gv_sm_admission {
+    void (*waiting)(void);  /* in: called once, before its first wait (or NULL) */
+    uint64_t start;         /* out: the time of its first look */
+    int waited;             /* out: it waited (for the clock, the turn, its launches) */
+    int turn;               /* out: the turn between containers was in play */
+    int alone;              /* out: the policies saw no other process working on the device */
+};
 /* Wait until the container may start cost_ns more of GPU work, and charge
  * it; returns the share (1/100 %) it was charged at. */
-uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_ns);
-/* A launch charged charged_ns at share turned out to take actual_ns. */
+uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_ns,
+                     struct gv_sm_admission *a);
+/* A launch charged charged_ns at share turned out to take actual_ns; _n:
+ * n launches measured together, charged_ns their charges added up. */
 void gv_sm_settle(struct gv_sm *sm, int dev, uint32_t share, uint64_t charged_ns, uint64_t actual_ns);
+void gv_sm_settle_n(struct gv_sm *sm, int dev, uint32_t share, uint64_t charged_ns,
+                    uint64_t actual_ns, uint32_t n);
 
 /* Whether a launch on region device dev waited because the container's
  * clock ran ahead (it used all of its share) since the last call. */
@@ -33,10 +45,13 @@ void gv_sm_overrun(struct gv_sm *sm, int dev, uint32_t share, uint64_t extra_ns)
  * in flight): a mask of other containers' processes, other processes of
  * this container, and whether the device was busy all the time lately;
  * and how many of this container's processes work on it (this one
- * included, at least 1); for region device dev.  GV_SM_KNOWN is added
+ * included, at least 1); for region device dev.  GV_SM_NOBODY: NVML
+ * showed no process running kernels there lately (GV_SM_OTHERS is set
+ * with it: for the in-flight bound that is not known; a launch may still
+ * open a segment, sm_meter.c).  GV_SM_KNOWN is added
  * by gv_sm_set_company (before the meter's first word, the gate assumes
  * other containers). */
-enum { GV_SM_OTHERS = 1, GV_SM_MATES = 2, GV_SM_FULL = 4, GV_SM_KNOWN = 8 };
+enum { GV_SM_OTHERS = 1, GV_SM_MATES = 2, GV_SM_FULL = 4, GV_SM_KNOWN = 8, GV_SM_NOBODY = 16 };
 void gv_sm_set_company(int dev, int company, int procs);
 /* Calibration against NVML (sm_calib.c; the meter and policy threads),
  * per region device:
@@ -124,6 +139,13 @@ void gv_sm_ctx_destroying(CUcontext ctx);
 /* A stream is being destroyed, or was (called around the driver's call):
  * what each thread remembers of streams' contexts is looked up again. */
 void gv_sm_stream_destroying(void);
+/* A stream capture is about to begin (hooks_capture.c, after counting
+ * it): every open segment of launches is ended first (sm_meter.c), so
+ * that no event is recorded later into a stream that captures. */
+void gv_sm_segments_end(void);
+/* The calling thread is about to wait for work (a synchronisation): its
+ * open segment ends first. */
+void gv_sm_syncing(void);
 /* Stream captures this process has begun and not seen end
  * (hooks_capture.c): while 0, no stream captures, and a gated launch does
  * not ask the driver whether its stream does. */
@@ -160,6 +182,11 @@ typedef struct gv_sm_launch {
     uint64_t enqueue;       /* the enqueue word held (sm_enqueue.c); 0: none */
     void *rec;              /* the meter's pooled record begin and end came with
                              * (sm_meter.c); NULL: they were created */
+    void *seg;              /* the slot of the segment this launch joins or
+                             * opens (sm_meter.c); NULL: none */
+    int opens;              /* 1: it opens seg (begin event, no end event) */
+    uint64_t start;         /* its first look at the gate (0: it waited there) */
+    uint64_t seq;           /* the segment it joins: seg's count of segments then */
 } gv_sm_launch;
 
 /* Does anything in the region gate launches now?  A few loads while nothing

@@ -148,6 +148,7 @@ static struct inflight {
     atomic_int company;         /* 0 until the policies first say: see fork_child */
     atomic_int procs;
     atomic_int held;            /* a launch waited for the clock since the policies last asked */
+    _Atomic uint64_t next_no;   /* the region's launch count after this process's last launch */
 } inflight[GV_MAX_DEVICES];
 
 static struct inflight *inflight_of(int dev)
@@ -162,7 +163,21 @@ void gv_sm_set_company(int dev, int company, int procs)
     atomic_store_explicit(&f->procs, procs > 1 ? procs : 1, memory_order_relaxed);
 }
 
-uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_ns)
+/* Before the admission's first wait: said once (a->waiting), so that the
+ * launching thread can end the stream's open segment first (sm_meter.c:
+ * the stream is about to stand idle, and the launches in flight that the
+ * wait may be for are settled only once their segment has ended). */
+static void waits(struct gv_sm_admission *a)
+{
+    if (a && !a->waited) {
+        a->waited = 1;
+        if (a->waiting)
+            a->waiting();
+    }
+}
+
+uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_ns,
+                     struct gv_sm_admission *a)
 {
     uint64_t start = 0, turn_since = 0, now;
     uint32_t share;
@@ -174,8 +189,11 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
          * work queued ahead of the device short, so a lower share takes
          * effect at once instead of after a deep queue drains. */
         now = gv_mono_ns();
-        if (!start)
+        if (!start) {
             start = now;
+            if (a)
+                a->start = now;
+        }
         /* The limit was lifted (and no pause is set) while this launch
          * waited: nothing gates it any more, as nothing gates the
          * container's next launches.  Waiting on would pay out, at the old
@@ -207,6 +225,7 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
              * and the limit lifted at once) sleeps until the next gated
              * launch is posted: this one, which waited here for good; so
              * it is woken (gv_sm_meter_refresh, above). */
+            waits(a);
             sleep_ns(1000000);
             continue;
         }
@@ -216,6 +235,11 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
         uint64_t queued = atomic_load_explicit(&f->ns, memory_order_relaxed);
         uint32_t count = atomic_load_explicit(&f->n, memory_order_relaxed);
         int company = atomic_load_explicit(&f->company, memory_order_relaxed);
+        /* For a segment (sm_meter.c): nobody else seen working, or not
+         * known yet (the policies' first look; a mate's kernel measured in
+         * a segment meanwhile is charged twice, never missed). */
+        int alone = !(company & GV_SM_KNOWN) || (company & GV_SM_NOBODY) ||
+                    !(company & (GV_SM_OTHERS | GV_SM_MATES));
         if (!(company & GV_SM_KNOWN))
             company = GV_SM_OTHERS;         /* not known yet: as if others worked */
         uint32_t min = company & GV_SM_MATES ? 1 : 2;
@@ -266,11 +290,13 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
             if (arb == 0 || arb == 2) {
                 if (arb == 0 && !turn_since)
                     turn_since = now;
+                waits(a);
                 sleep_ns(ARB_POLL_NS);
                 continue;
             }
         }
         if (arb < 0 && count >= min && (queued + cost_ns > cap || count >= MAX_INFLIGHT_LAUNCHES)) {
+            waits(a);
             sleep_ns(50000);
             continue;
         }
@@ -284,11 +310,17 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
             if (!atomic_load_explicit(&h->held, memory_order_relaxed))
                 atomic_store_explicit(&h->held, 1, memory_order_relaxed);
             uint64_t ahead = base - now - TOLERANCE_NS;
+            waits(a);
             sleep_ns(ahead < MAX_SLEEP_NS ? ahead : MAX_SLEEP_NS);
             continue;
         }
-        if (atomic_compare_exchange_weak(&sm->tat, &t, base + inc))
+        if (atomic_compare_exchange_weak(&sm->tat, &t, base + inc)) {
+            if (a) {
+                a->turn = arb >= 0;
+                a->alone = alone;
+            }
             break;
+        }
     }
     atomic_fetch_add_explicit(&inflight_of(dev)->ns, cost_ns, memory_order_relaxed);
     atomic_fetch_add_explicit(&inflight_of(dev)->n, 1, memory_order_relaxed);
@@ -297,7 +329,15 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
     uint64_t waited = now - start;
     if (waited > 1000)
         atomic_fetch_add_explicit(&sm->wait_ns, waited, memory_order_relaxed);
-    atomic_fetch_add_explicit(&sm->launches, 1, memory_order_relaxed);
+    uint64_t no = atomic_fetch_add_explicit(&sm->launches, 1, memory_order_relaxed);
+    /* Another process of the container launched through the gate on the
+     * device since this process last did (the region's count moved in
+     * between): not alone, whatever the policies' last look said (they
+     * see a mate only once NVML has sampled its kernels). */
+    uint64_t mine = atomic_exchange_explicit(&inflight_of(dev)->next_no, no + 1,
+                                             memory_order_relaxed);
+    if (a && mine != no)
+        a->alone = 0;
     return share;
 }
 
@@ -310,9 +350,16 @@ void gv_sm_overrun(struct gv_sm *sm, int dev, uint32_t share, uint64_t extra_ns)
 
 void gv_sm_settle(struct gv_sm *sm, int dev, uint32_t share, uint64_t charged_ns, uint64_t actual_ns)
 {
-    gv_arb_settled(dev);
+    gv_sm_settle_n(sm, dev, share, charged_ns, actual_ns, 1);
+}
+
+void gv_sm_settle_n(struct gv_sm *sm, int dev, uint32_t share, uint64_t charged_ns,
+                    uint64_t actual_ns, uint32_t n)
+{
+    for (uint32_t i = 0; i < n; i++)
+        gv_arb_settled(dev);
     atomic_fetch_sub_explicit(&inflight_of(dev)->ns, charged_ns, memory_order_relaxed);
-    atomic_fetch_sub_explicit(&inflight_of(dev)->n, 1, memory_order_relaxed);
+    atomic_fetch_sub_explicit(&inflight_of(dev)->n, n, memory_order_relaxed);
     atomic_fetch_add_explicit(&sm->busy_ns, actual_ns, memory_order_relaxed);
     /* The charge was made at the share of that moment: settle at it too. */
     if (share == 0 || actual_ns == charged_ns)

@@ -13,6 +13,7 @@
 #include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -43,6 +44,8 @@ struct rec {
     uint64_t stretch;           /* CPU time from the begin event to the launch's
                                  * return, when over STRETCH_NS; else 0 */
     uint32_t share;
+    uint32_t n;                 /* launches it measures: 1, or a segment's (est: their sum) */
+    int segment;                /* a segment's: its end event recorded later, not after it */
     uint32_t idx;               /* 1 + its place in `pool`; 0: malloc'd */
     _Atomic uint32_t free_next; /* the next on a pool stack (idx; 0: none) */
 };
@@ -89,6 +92,7 @@ typedef CUresult (*ev_elapsed_fn)(float *, CUevent, CUevent);
 typedef CUresult (*capturing_fn)(CUstream, int *);
 
 static void pool_reset(void);
+static void segs_reset(void);
 static atomic_uint ctx_gen;     /* contexts and streams destroyed (see launch_device) */
 
 static void fork_child(void)
@@ -102,6 +106,7 @@ static void fork_child(void)
     atomic_store(&forgot, 0);
     atomic_fetch_add(&ctx_gen, 1);
     pool_reset();
+    segs_reset();
     gv_sm_fork_child();
     gv_cal_reset();
     gv_sm_policy_reset();
@@ -298,6 +303,245 @@ static void drop(struct rec *r)
     recycle(r, 0);
 }
 
+/* ---- segments: launches back to back on one stream, measured together ------
+ *
+ * A pair of events per launch costs more than the rest of the gate (two
+ * records, an elapsed time and a settling: about 2,100 of 3,000
+ * instructions added per launch on the simulated driver).  A thread that
+ * launches on one stream back to back (the time since its last gated
+ * launch returned no longer than that launch took inside the hook, or the
+ * stream still busy with the work admitted so far, by the estimates)
+ * opens a segment instead: the begin event is recorded before the launch
+ * as usual, the end event is not; the launches that follow on the stream
+ * join it with no event of their own, each charged its estimate at
+ * admission as before; the segment ends (its end event recorded on the
+ * stream, then handed to the meter, which settles the sum of the charges
+ * against the measured time at once) when
+ *   - a launch of the thread does not join it: another stream, a wait at
+ *     the gate, a share changed, SEG_MAX launches;
+ *   - the thread's admission is about to wait (its launches in flight are
+ *     settled only once their segment ends; the stream is about to stand
+ *     idle), or the thread to synchronise (gv_sm_syncing: the end event
+ *     goes in behind the work waited for);
+ *   - the meter finds no launch in it for SEG_IDLE_NS at two polls;
+ *   - a context or a stream is about to be destroyed, or a stream capture
+ *     to begin (every segment ends: no event is recorded later into a
+ *     destroyed or capturing stream).
+ * Only while no other process is seen working on the device (others'
+ * kernels queued between the launches would be measured in the segment:
+ * sm_gate.c's `alone`), the turn between containers is not in play, no
+ * capture is in progress, and not on a per-thread default stream (the
+ * meter could not end it there).  Another thread launching on the stream
+ * meanwhile (a tag per stream says who launched last) ends the thread's
+ * segment at its next launch.  A segment holds, besides its kernels, the
+ * time the stream stood idle between its launches or before its end event
+ * (the launch loop's own time, the meter's delay at its end, a launching
+ * thread that was not run), as a pair of events holds a launch call's own
+ * time on an idle stream; so segments teach the estimate table nothing:
+ * the estimates would grow, predict streams busy longer, and segments
+ * would hold more idle time. */
+#define SEGS 16u
+#define SEG_MAX 256u                    /* launches in one segment */
+/* The meter ends a segment that saw no launch for SEG_IDLE_NS at two of
+ * its polls in a row (100 us apart): a launching thread that was not run
+ * between two launches (the meter ran instead, on a busy CPU) does not
+ * lose its segment at the first look. */
+#define SEG_IDLE_NS 50000ULL
+/* A thread whose launches were in a segment until a pause shorter than
+ * this (the thread not run: it is no reason to measure the next launch
+ * on its own) opens the next one with its next launch. */
+#define SEG_RESUME_NS (10ULL * 1000 * 1000)
+#define STREAM_TAGS 64u
+
+struct seg {
+    atomic_int lock;                    /* 1: held (briefly: no driver call but a record) */
+    _Atomic uint64_t owner;             /* the thread that opens segments in it; 0: free */
+    _Atomic(struct rec *) open;         /* the open segment; NULL: none */
+    _Atomic uint64_t last;              /* when its last launch returned (gv_mono_ns) */
+    _Atomic uint64_t seq;               /* segments opened in it */
+    atomic_int joining;                 /* launches joining it in the driver's call now */
+    uint64_t idle_seen;                 /* `last` when the meter last found it idle (meter only) */
+    unsigned gen;                       /* ctx_gen when it was opened */
+};
+static struct seg segs[SEGS];
+static atomic_int segs_open;
+/* Per stream (hashed with its context): the thread that launched on it
+ * last, gated. */
+static _Atomic uint64_t stream_tag[STREAM_TAGS];
+
+/* What each launching thread keeps (one thread-local object: each one
+ * costs a call to find on every launch): its last looks at a context's
+ * device and a stream's context (see launch_device), and its segments. */
+static _Thread_local struct mine {
+    struct {
+        CUcontext ctx;
+        unsigned gen;
+        const gv_devinfo *d;
+    } dev;
+    struct {
+        CUstream stream;
+        CUcontext ctx;
+        unsigned gen;
+        const gv_devinfo *d;
+    } stream;
+    struct {
+        struct seg *s;                  /* its slot in segs (owner: this thread) */
+        uint64_t entry, exit;           /* its last gated launch: first look, return (0: waited) */
+        uint64_t in_seg;                /* when its last launch in a segment returned; 0: none */
+        uint64_t busy_until;            /* its stream's work admitted so far, by the estimates */
+        CUstream stream;
+        CUcontext ctx;
+    } seg;
+} t_;
+#define t_seg (t_.seg)
+
+/* The address of its object names the thread. */
+static uint64_t thread_token(void)
+{
+    return (uint64_t)(uintptr_t)&t_;
+}
+
+static _Atomic uint64_t *tag_of(CUcontext ctx, CUstream stream)
+{
+    uint64_t h = ((uint64_t)(uintptr_t)stream ^ ((uint64_t)(uintptr_t)ctx >> 4)) *
+                 0x9e3779b97f4a7c15ULL;
+    return &stream_tag[h >> 58];
+}
+
+static void seg_lock(struct seg *g)
+{
+    for (;;) {
+        int free_ = 0;
+        if (atomic_compare_exchange_weak(&g->lock, &free_, 1))
+            return;
+        sched_yield();
+    }
+}
+
+static int seg_trylock(struct seg *g)
+{
+    int free_ = 0;
+    return atomic_compare_exchange_strong(&g->lock, &free_, 1);
+}
+
+static void seg_unlock(struct seg *g)
+{
+    atomic_store_explicit(&g->lock, 0, memory_order_release);
+}
+
+static void post(struct rec *r);
+static void unmeasured(void);
+static void wake(void);
+
+/* End g's open segment (g locked; its context current): the end event
+ * recorded now on its stream, the record handed to the meter. */
+static void seg_end_locked(struct seg *g)
+{
+    struct rec *r = atomic_load(&g->open);
+    if (!r)
+        return;
+    atomic_store(&g->open, NULL);
+    atomic_fetch_sub(&segs_open, 1);
+    if (GV_REAL(cuEventRecord, ev_record_fn)(r->end, r->stream) != CUDA_SUCCESS) {
+        unmeasured();
+        gv_sm_settle_n(r->sm, r->dev, r->share, r->est, r->est, r->n);
+        drop(r);
+        return;
+    }
+    post(r);
+}
+
+/* The same from a thread other than the meter: the segment's context
+ * pushed for the record if it is not current. */
+static void seg_end_here(struct seg *g)
+{
+    struct rec *r = atomic_load(&g->open);
+    if (!r)
+        return;
+    CUcontext cur = NULL;
+    GV_REAL(cuCtxGetCurrent, CUresult (*)(CUcontext *))(&cur);
+    int pushed = r->ctx != cur &&
+                 GV_REAL(cuCtxPushCurrent_v2, CUresult (*)(CUcontext))(r->ctx) == CUDA_SUCCESS;
+    seg_end_locked(g);
+    if (pushed) {
+        CUcontext popped;
+        GV_REAL(cuCtxPopCurrent_v2, CUresult (*)(CUcontext *))(&popped);
+    }
+}
+
+void gv_sm_segments_end(void)
+{
+    /* Every slot locked in turn, open or not: a launch that found no
+     * capture in progress and is opening a segment holds its slot's lock
+     * until the segment is open (and looks at the capture count again
+     * under it), so it is ended here. */
+    for (unsigned k = 0; k < SEGS; k++) {
+        seg_lock(&segs[k]);
+        seg_end_here(&segs[k]);
+        seg_unlock(&segs[k]);
+    }
+}
+
+void gv_sm_syncing(void)
+{
+    if (!atomic_load_explicit(&segs_open, memory_order_relaxed))
+        return;     /* none open anywhere (and no limit: nothing more) */
+    struct seg *g = t_seg.s;
+    if (g && atomic_load_explicit(&g->open, memory_order_relaxed)) {
+        seg_lock(g);
+        seg_end_here(g);
+        seg_unlock(g);
+    }
+}
+
+/* The admission is about to wait: the thread's open segment ends first. */
+static void seg_waiting(void)
+{
+    struct seg *g = t_seg.s;
+    if (g && atomic_load(&g->open)) {
+        seg_lock(g);
+        seg_end_here(g);
+        seg_unlock(g);
+    }
+}
+
+/* A slot for this thread's segments, or NULL (all taken): a free one, or
+ * one with no segment open and no launch for SEG_STALE_NS (its thread may
+ * be gone, or launch no more). */
+#define SEG_STALE_NS (1000ULL * 1000 * 1000)
+static struct seg *seg_claim(uint64_t tok, uint64_t now)
+{
+    for (unsigned k = 0; k < SEGS; k++) {
+        struct seg *g = &segs[k];
+        uint64_t was = atomic_load_explicit(&g->owner, memory_order_relaxed);
+        if (was && (atomic_load(&g->open) || atomic_load(&g->last) + SEG_STALE_NS > now))
+            continue;
+        if (atomic_compare_exchange_strong(&g->owner, &was, tok)) {
+            atomic_store(&g->last, now);
+            return t_seg.s = g;
+        }
+    }
+    return NULL;
+}
+
+/* The meter: end the segments that saw no launch for SEG_IDLE_NS, and
+ * free their slots (their thread may be gone; it claims one again). */
+static void segs_idle(uint64_t now, CUcontext *current);
+
+/* A forked child: the parent's segments and their events are not its own. */
+static void segs_reset(void)
+{
+    for (unsigned k = 0; k < SEGS; k++) {
+        atomic_store(&segs[k].lock, 0);
+        atomic_store(&segs[k].owner, 0);
+        atomic_store(&segs[k].open, NULL);
+        atomic_store(&segs[k].last, 0);
+    }
+    atomic_store(&segs_open, 0);
+    for (unsigned k = 0; k < STREAM_TAGS; k++)
+        atomic_store(&stream_tag[k], 0);
+}
+
 /* A forked child: the parent's records and events are not its own (CUDA
  * is not usable across fork), and no other thread of the child holds an
  * entry: all of them are free again, their events forgotten. */
@@ -373,12 +617,16 @@ static int try_settle_known(struct rec *r, CUcontext *current, int force, int kn
             raw = unstretched(raw, r->stretch, r->est);
         gv_cal_record(r->dev, gv_mono_ns(), raw);
         uint64_t ns = gv_cal_scale(r->dev, raw);
-        if (!r->stretch)
-            gv_sm_learn(r->key, ns);    /* a stretched one taught nothing new */
-        gv_sm_settle(r->sm, r->dev, r->share, r->est + r->over, ns);
+        /* A stretched one taught nothing new, nor does a segment (it may
+         * hold idle time between its launches, or after its last one: the
+         * estimates would grow, predict the stream busy longer, and make
+         * segments hold more idle time). */
+        if (!r->stretch && !r->segment)
+            gv_sm_learn(r->key, ns);
+        gv_sm_settle_n(r->sm, r->dev, r->share, r->est + r->over, ns, r->n);
     } else {
         uint64_t kept = r->est + r->over;   /* unknown: keep what was charged */
-        gv_sm_settle(r->sm, r->dev, r->share, kept, kept);
+        gv_sm_settle_n(r->sm, r->dev, r->share, kept, kept, r->n);
     }
     recycle(r, !force);
     return 1;
@@ -387,6 +635,27 @@ static int try_settle_known(struct rec *r, CUcontext *current, int force, int kn
 static int try_settle(struct rec *r, CUcontext *current, int force)
 {
     return try_settle_known(r, current, force, QUERY_ASK);
+}
+
+static void segs_idle(uint64_t now, CUcontext *current)
+{
+    for (unsigned k = 0; k < SEGS; k++) {
+        struct seg *g = &segs[k];
+        if (!atomic_load_explicit(&g->open, memory_order_relaxed) ||
+            atomic_load(&g->last) + SEG_IDLE_NS > now || !seg_trylock(g))
+            continue;
+        struct rec *r = atomic_load(&g->open);
+        uint64_t last = atomic_load(&g->last);
+        if (r && last + SEG_IDLE_NS <= now && !atomic_load(&g->joining)) {
+            if (g->idle_seen == last) {
+                make_current(r->ctx, current);
+                seg_end_locked(g);
+                atomic_store(&g->owner, 0);
+            }
+            g->idle_seen = last;
+        }
+        seg_unlock(g);
+    }
 }
 
 /* ctx is about to be destroyed, and its events with it (a real driver
@@ -427,7 +696,8 @@ static void forget(CUcontext ctx, struct rec **head, CUcontext *current)
 static void nap(void)
 {
     atomic_store(&napping, 1);
-    if (!atomic_load(&inbox) && !atomic_load(&refresh) && !atomic_load(&forget_req)) {
+    if (!atomic_load(&inbox) && !atomic_load(&refresh) && !atomic_load(&forget_req) &&
+        !atomic_load(&segs_open)) {
         struct timespec ts = { 0, NAP_NS };
         syscall(SYS_futex, &napping, FUTEX_WAIT_PRIVATE, 1, gv_sm_gating() ? &ts : NULL, NULL, 0);
     }
@@ -453,8 +723,11 @@ static void *meter(void *unused)
         /* Read before the inbox: every launch posted before the request
          * was is in it. */
         CUcontext gone = atomic_load(&forget_req);
+        /* Segments idle for SEG_IDLE_NS ended: handed to the inbox. */
+        if (atomic_load(&segs_open))
+            segs_idle(gv_mono_ns(), &current);
         struct rec *got = atomic_exchange(&inbox, NULL);
-        if (got || head)
+        if (got || head || atomic_load(&segs_open))
             idle = 0;
         struct rec *rev = NULL;
         while (got) {                       /* the inbox is LIFO: restore order */
@@ -567,7 +840,7 @@ static void settle_unmetered(void)
 {
     for (struct rec *r = atomic_exchange(&inbox, NULL), *next; r; r = next) {
         next = r->next;
-        gv_sm_settle(r->sm, r->dev, r->share, r->est, r->est);
+        gv_sm_settle_n(r->sm, r->dev, r->share, r->est, r->est, r->n);
         drop(r);
     }
 }
@@ -639,65 +912,72 @@ static void unmeasured(void)
  * before a context goes, around every stream's destruction, and in a
  * forked child), so a handle reused by a new context or stream is looked
  * up again. */
-static _Thread_local struct {
-    CUcontext ctx;
-    unsigned gen;
-    int ordinal;
-} t_dev;
-static _Thread_local struct {
-    CUstream stream;
-    CUcontext ctx;
-    unsigned gen;
-    int ordinal;
-} t_stream;
+/* (t_dev and t_stream: in the thread's object, above.) */
 
-static CUresult ordinal_of(CUcontext ctx, unsigned gen, int *ordinal)
+static CUresult device_of(struct mine *t, CUcontext ctx, unsigned gen, const gv_devinfo **d)
 {
-    if (t_dev.ctx == ctx && t_dev.gen == gen) {
-        *ordinal = t_dev.ordinal;
+    if (t->dev.ctx == ctx && t->dev.gen == gen) {
+        *d = t->dev.d;
         return CUDA_SUCCESS;
     }
     /* A forked child forgets what its parent's threads looked up: the
      * handler that bumps ctx_gen there is registered before the first. */
     pthread_once(&atfork_once, register_atfork);
-    CUresult rc = gv_ordinal_of_ctx(ctx, ordinal);
+    int ordinal;
+    CUresult rc = gv_ordinal_of_ctx(ctx, &ordinal);
+    if (rc == CUDA_SUCCESS)
+        rc = gv_device(ordinal, d);
     if (rc == CUDA_SUCCESS) {
-        t_dev.ctx = ctx;
-        t_dev.gen = gen;
-        t_dev.ordinal = *ordinal;
+        t->dev.ctx = ctx;
+        t->dev.gen = gen;
+        t->dev.d = *d;
     }
     return rc;
 }
 
-/* The context and device of a launch on stream, cur being current. */
-static int launch_device(CUstream stream, CUcontext cur, CUcontext *ctx, int *ordinal)
+/* The current context (asked once per launch, when needed). */
+static CUcontext current_ctx(CUcontext *cur, int *have)
+{
+    if (!*have) {
+        *cur = NULL;
+        GV_REAL(cuCtxGetCurrent, CUresult (*)(CUcontext *))(cur);
+        *have = 1;
+    }
+    return *cur;
+}
+
+/* The context and device of a launch on stream (the current context's
+ * for a default stream). */
+static int launch_device(struct mine *t, CUstream stream, CUcontext *cur, int *have,
+                         CUcontext *ctx, const gv_devinfo **d)
 {
     unsigned gen = atomic_load_explicit(&ctx_gen, memory_order_acquire);
     if (stream == NULL || stream == GV_CU_STREAM_LEGACY || stream == GV_CU_STREAM_PER_THREAD) {
-        *ctx = cur;     /* the current context's default stream */
-        return cur && ordinal_of(cur, gen, ordinal) == CUDA_SUCCESS;
+        *ctx = current_ctx(cur, have);  /* the current context's default stream */
+        return *ctx && device_of(t, *ctx, gen, d) == CUDA_SUCCESS;
     }
-    if (t_stream.stream == stream && t_stream.gen == gen) {
-        *ctx = t_stream.ctx;
-        *ordinal = t_stream.ordinal;
+    if (t->stream.stream == stream && t->stream.gen == gen) {
+        *ctx = t->stream.ctx;
+        *d = t->stream.d;
         return 1;
     }
     CUcontext c = NULL;
     if (GV_REAL(cuStreamGetCtx, CUresult (*)(CUstream, CUcontext *))(stream, &c) !=
             CUDA_SUCCESS ||
-        !c || ordinal_of(c, gen, ordinal) != CUDA_SUCCESS)
+        !c || device_of(t, c, gen, d) != CUDA_SUCCESS)
         return 0;
     *ctx = c;
-    t_stream.stream = stream;
-    t_stream.ctx = c;
-    t_stream.gen = gen;
-    t_stream.ordinal = *ordinal;
+    t->stream.stream = stream;
+    t->stream.ctx = c;
+    t->stream.gen = gen;
+    t->stream.d = *d;
     return 1;
 }
 
 void gv_sm_stream_destroying(void)
 {
     atomic_fetch_add(&ctx_gen, 1);
+    gv_sm_segments_end();
 }
 
 /* A gated launch that the meter will not read: the events it has are
@@ -718,11 +998,14 @@ static void drop_events(gv_sm_launch *l)
 int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
 {
     memset(l, 0, sizeof *l);
-    int ordinal;
     CUcontext ctx = NULL, cur = NULL;
+    int have_cur = 0;
     const gv_devinfo *d;
-    GV_REAL(cuCtxGetCurrent, CUresult (*)(CUcontext *))(&cur);
-    if (!launch_device(stream, cur, &ctx, &ordinal) || gv_device(ordinal, &d) != CUDA_SUCCESS)
+    struct mine *t = &t_;
+    /* Found once: the compiler would find it again at each use (a call
+     * each, under -fPIC). */
+    __asm__("" : "+r"(t));
+    if (!launch_device(t, stream, &cur, &have_cur, &ctx, &d))
         return 0;
     struct gv_sm *sm = region_sm(gv_core_region(), d->region_dev);
     if (!sm || !region_sm_gates(sm))
@@ -759,13 +1042,70 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
     l->ptsz = ptsz;
     l->key = key;
     l->est = gv_sm_estimate(key);
-    l->share = gv_sm_admit(sm, d->region_dev, d->uuid_str, l->est);
+    struct gv_sm_admission adm = { .waiting = seg_waiting };
+    l->share = gv_sm_admit(sm, d->region_dev, d->uuid_str, l->est, &adm);
+    l->start = adm.waited ? 0 : adm.start;
+    /* Segments (above): back to back on the same stream, alone. */
+    uint64_t tok = (uint64_t)(uintptr_t)t;     /* names the thread */
+    _Atomic uint64_t *tag = tag_of(ctx, stream);
+    int only_mine = atomic_load_explicit(tag, memory_order_relaxed) == tok;
+    if (!only_mine)
+        atomic_store_explicit(tag, tok, memory_order_relaxed);
+    /* Back to back: soon after the thread's last launch on the stream, or
+     * while the stream is still busy with the work admitted so far (by
+     * the estimates). */
+    int b2b = l->start && !adm.turn && adm.alone && ctx && !ptsz &&
+              stream != GV_CU_STREAM_PER_THREAD && t->seg.exit && t->seg.stream == stream &&
+              t->seg.ctx == ctx && l->start >= t->seg.exit &&
+              (l->start - t->seg.exit <= t->seg.exit - t->seg.entry ||
+               t->seg.busy_until > l->start);
+    /* Joining an open segment after a gap (the thread was not run, say)
+     * charges the gap, as ending it here would (its end event recorded
+     * now); a pause longer than SEG_IDLE_NS has ended it (the meter). */
+    int join = l->start && !adm.turn && adm.alone;
+    struct seg *g = t->seg.s;
+    if (g && atomic_load_explicit(&g->owner, memory_order_relaxed) != tok)
+        g = t->seg.s = NULL;
+    unsigned gen = atomic_load_explicit(&ctx_gen, memory_order_acquire);
+    struct rec *r = g ? atomic_load(&g->open) : NULL;
+    if (r) {
+        /* Only this thread opens segments in g and counts launches in
+         * them; others (the meter, a thread destroying a stream) may end
+         * one at any time: r is looked at, then taken as still open if g
+         * still holds it, unchanged, once this launch says it joins (the
+         * meter leaves a segment being joined alone). */
+        uint64_t seq = atomic_load(&g->seq);
+        if (join && only_mine && r->stream == stream && r->ctx == ctx &&
+            r->share == l->share && r->n < SEG_MAX && g->gen == gen &&
+            !atomic_load(&gv_sm_captures)) {
+            atomic_fetch_add(&g->joining, 1);
+            if (atomic_load(&g->open) == r && atomic_load(&g->seq) == seq) {
+                /* Joins it, no event of its own: counted in it once
+                 * launched (gv_sm_end), if it is still open then. */
+                atomic_store_explicit(&g->last, adm.start, memory_order_relaxed);
+                l->seg = g;
+                l->seq = seq;
+                return 1;
+            }
+            atomic_fetch_sub(&g->joining, 1);
+        }
+        seg_lock(g);
+        seg_end_here(g);
+        seg_unlock(g);
+    }
+    int resume = join && t->seg.in_seg && adm.start - t->seg.in_seg <= SEG_RESUME_NS &&
+                 ctx && !ptsz && stream != GV_CU_STREAM_PER_THREAD;
+    if ((b2b || resume) && only_mine && atomic_load(&started) &&
+        (g || (g = seg_claim(tok, adm.start)))) {
+        l->seg = g;     /* opens one once launched (gv_sm_end) */
+        l->opens = 1;
+    }
     /* The events belong to the stream's context, which need not be this
      * thread's current one (a stream may be launched on with another
      * context current, or none): made there, or they could not be made or
      * recorded, and every such launch went unmeasured at an estimate that
      * never learns (a 20 % limit ran 5 ms kernels at 100 %). */
-    int pushed = ctx && ctx != cur &&
+    int pushed = ctx && ctx != current_ctx(&cur, &have_cur) &&
                  GV_REAL(cuCtxPushCurrent_v2, CUresult (*)(CUcontext))(ctx) == CUDA_SUCCESS;
     ev_create_fn create = GV_REAL(cuEventCreate, ev_create_fn);
     ev_record_fn record = ptsz ? GV_REAL(cuEventRecord_ptsz, ev_record_fn)
@@ -805,10 +1145,52 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
     return 1;
 }
 
+/* A launch that joined an open segment has returned.  Ended meanwhile
+ * (another thread ended every segment, a stream destroyed, say): its
+ * kernel may lie after the end event, so it is charged its estimate
+ * alone, as an unmeasured launch. */
+static void seg_joined(gv_sm_launch *l, CUresult rc, uint64_t now)
+{
+    struct seg *g = l->seg;
+    seg_lock(g);
+    struct rec *r = atomic_load(&g->open);
+    int still = r && atomic_load(&g->seq) == l->seq;
+    if (rc == CUDA_SUCCESS && still) {
+        r->n++;
+        r->est += l->est;
+        r->stretch = 0;
+        atomic_store(&g->last, now);
+    }
+    atomic_fetch_sub(&g->joining, 1);
+    seg_unlock(g);
+    if (rc != CUDA_SUCCESS)
+        gv_sm_settle(l->sm, l->dev, l->share, l->est, 0);   /* not launched */
+    else if (!still)
+        gv_sm_settle(l->sm, l->dev, l->share, l->est, l->est);
+}
+
 void gv_sm_end(gv_sm_launch *l, CUresult rc)
 {
     if (!l->gated)
         return;
+    uint64_t now = gv_mono_ns();
+    struct mine *t = &t_;
+    __asm__("" : "+r"(t));      /* found once (gv_sm_begin) */
+    /* The back-to-back test of the thread's next launch (segments). */
+    if (t->seg.stream != l->stream || t->seg.ctx != l->ctx || t->seg.busy_until < now)
+        t->seg.busy_until = now;
+    t->seg.busy_until += rc == CUDA_SUCCESS ? l->est : 0;
+    t->seg.entry = l->start;
+    t->seg.exit = l->start ? now : 0;
+    t->seg.stream = l->stream;
+    t->seg.ctx = l->ctx;
+    t->seg.in_seg = l->seg && rc == CUDA_SUCCESS ? now : 0;
+    if (l->seg && !l->opens) {
+        seg_joined(l, rc, now);
+        return;
+    }
+    if (rc != CUDA_SUCCESS || !l->begin)
+        l->seg = NULL;          /* opens nothing */
     if (rc != CUDA_SUCCESS || !l->begin) {
         gv_sm_enqueue_end(l->sm, l->dev, l->enqueue);
         /* Not launched: give the charge back.  Unmeasured: keep it. */
@@ -821,8 +1203,9 @@ void gv_sm_end(gv_sm_launch *l, CUresult rc)
     struct rec *r = NULL;
     /* The enqueue word holds the time it was taken, just before the begin
      * event was recorded. */
-    uint64_t stretch = l->enqueue ? gv_mono_ns() - (l->enqueue & ~3ULL) : 0;
-    CUresult recorded = record(l->end, l->stream);
+    uint64_t stretch = l->enqueue ? now - (l->enqueue & ~3ULL) : 0;
+    /* One that opens a segment records no end event: a later one does. */
+    CUresult recorded = l->seg ? CUDA_SUCCESS : record(l->end, l->stream);
     gv_sm_enqueue_end(l->sm, l->dev, l->enqueue);
     if (recorded != CUDA_SUCCESS)
         unmeasured();
@@ -845,6 +1228,40 @@ void gv_sm_end(gv_sm_launch *l, CUresult rc)
     r->over = 0;
     r->stretch = stretch > STRETCH_NS ? stretch : 0;
     r->share = l->share;
+    r->n = 1;
+    r->segment = 0;
+    if (l->seg) {
+        /* Opened, unless a capture began meanwhile: its thread waits for
+         * this lock (gv_sm_segments_end) before the capture begins, so the
+         * end event recorded here goes in before it. */
+        struct seg *g = l->seg;
+        seg_lock(g);
+        if (!atomic_load(&gv_sm_captures) && !atomic_load(&g->open) &&
+            atomic_load(&g->owner) == thread_token()) {
+            r->segment = 1;
+            g->gen = atomic_load_explicit(&ctx_gen, memory_order_acquire);
+            atomic_store(&g->last, now);
+            atomic_fetch_add(&g->seq, 1);
+            atomic_fetch_add(&segs_open, 1);
+            atomic_store(&g->open, r);
+            seg_unlock(g);
+            wake();     /* the meter ends it if nothing follows */
+            return;
+        }
+        if (record(l->end, l->stream) != CUDA_SUCCESS) {
+            seg_unlock(g);
+            unmeasured();
+            gv_sm_settle(l->sm, l->dev, l->share, l->est, l->est);
+            drop(r);
+            return;
+        }
+        seg_unlock(g);
+    }
+    post(r);
+}
+
+static void post(struct rec *r)
+{
     r->next = atomic_load(&inbox);
     while (!atomic_compare_exchange_weak(&inbox, &r->next, r))
         ;
@@ -885,6 +1302,7 @@ void gv_sm_ctx_destroying(CUcontext ctx)
     if (!ctx)
         return;
     atomic_fetch_add(&ctx_gen, 1);
+    gv_sm_segments_end();       /* their end events recorded while ctx lives */
     if (!atomic_load(&started)) {
         /* No meter thread (none started yet, it could not start, or a
          * forked child): a launch posted meanwhile is settled here. */

@@ -164,6 +164,8 @@ static uint64_t others_recent(struct watched *w, int *company, int *procs, int *
     if (got < 0) {
         if (got != NO_SAMPLES)
             *error = -got;
+        else
+            *company |= GV_SM_NOBODY;   /* no process ran kernels lately */
         return 0;
     }
     unsigned int n = (unsigned int)got;
