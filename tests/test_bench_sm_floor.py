@@ -1,11 +1,14 @@
 """The ideal-scheduler reference of the SM benchmark (tests/bench/sm_floor.py):
 it keeps each container at its quota, fills the device when the quotas add
-up to 100 %, is reproducible, and counts runs within a goal correctly."""
+up to 100 %, is reproducible, and counts runs within a goal correctly; its
+turn-taking variant keeps the quotas and shows what the turn length does."""
 
 from __future__ import annotations
 
 import random
 import statistics
+
+import pytest
 
 from tests.bench.sm_floor import (
     WINDOW_S,
@@ -14,6 +17,7 @@ from tests.bench.sm_floor import (
     kernel_s,
     queued_windows,
     runs_within,
+    turn_windows,
     windows,
 )
 
@@ -95,3 +99,35 @@ def test_a_queued_scheduler_of_depth_1_without_latency_is_the_ideal_one() -> Non
     sd_queued = statistics.pstdev([v - 30 for v in rows[0][10:]])
     sd_ideal = statistics.pstdev([v - 30 for v in windows([30, 70], [1, 2], 7.0, seed=51)[0][10:]])
     assert sd_queued > sd_ideal
+
+
+def _window_sd(rows: list[list[float]], quotas: list[int], skip: int = 10) -> list[float]:
+    return [
+        statistics.pstdev([v - q for v in row[skip:]], mu=0.0)
+        for q, row in zip(quotas, rows, strict=True)
+    ]
+
+
+def test_turns_keep_the_quotas_and_fill_the_device() -> None:
+    qs = [20, 30, 50]
+    for kw in ({"turn_s": 0.010}, {"cycle_s": 0.010}):
+        rows = turn_windows(qs, [1, 1, 1], 10.0, seed=5, **kw)
+        for q, row in zip(qs, rows, strict=True):
+            assert abs(statistics.mean(row[10:]) - q) < 1.0, (kw, q)
+        totals = [sum(col) for col in zip(*rows, strict=True)][:-1]
+        assert min(totals) > 99.9, kw
+
+
+def test_turns_of_the_quotas_part_of_a_cycle_split_windows_finer() -> None:
+    """Turns of 10 ms for every quota against a quota's part of a 10 ms
+    cycle (sm_arbiter.c's TURN_CYCLE_NS), same launches: the cycle's
+    windows are closer to the quota at every split."""
+    for qs in ([10, 90], [30, 70], [50, 50]):
+        fixed = _window_sd(turn_windows(qs, [1, 1], 6.0, seed=9, turn_s=0.010), qs)
+        cycle = _window_sd(turn_windows(qs, [1, 1], 6.0, seed=9, cycle_s=0.010), qs)
+        assert max(cycle) < min(fixed), (qs, fixed, cycle)
+
+
+def test_turns_need_a_length() -> None:
+    with pytest.raises(ValueError, match="turn_s or cycle_s"):
+        turn_windows([50, 50], [1, 1], 1.0, seed=1)

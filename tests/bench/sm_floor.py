@@ -168,6 +168,54 @@ def windows(
     return [[100 * b / WINDOW_S for b in row] for row in busy]
 
 
+def turn_windows(
+    quotas: Sequence[int],
+    processes: Sequence[int],
+    seconds: float,
+    seed: int,
+    turn_s: float = 0.0,
+    cycle_s: float = 0.0,
+) -> list[list[float]]:
+    """windows() for a perfect scheduler that gives the device in turns, as
+    the turn of sm_arbiter.c does: the container furthest behind its quota
+    takes the device and runs whole units until it has run `turn_s`, or
+    its quota's part of `cycle_s` when `turn_s` is 0, then the next.  It
+    knows each unit's length once it has run, and handovers cost nothing:
+    what is left of the windows' spread is the turns' own."""
+    if turn_s <= 0 and cycle_s <= 0:
+        raise ValueError("turn_windows: turn_s or cycle_s must be > 0")
+    shares = [q / 100 for q in quotas]
+    first = [sum(processes[:i]) for i in range(len(processes))]
+    loads = [
+        Workload([worker_seed(seed, f + k) for k in range(n)])
+        for f, n in zip(first, processes, strict=True)
+    ]
+    used = [0.0] * len(shares)
+    n_win = int(seconds / WINDOW_S + 1e-9)
+    busy = [[0.0] * n_win for _ in shares]
+    t = 0.0
+    while t < seconds:
+        lead = [u / s - t for u, s in zip(used, shares, strict=True)]
+        c = min(range(len(shares)), key=lambda i: lead[i])
+        if lead[c] > 0:
+            t += lead[c]
+            continue
+        length = turn_s if turn_s > 0 else cycle_s * shares[c]
+        ran = 0.0
+        while ran < length and t < seconds:
+            d = loads[c].next_unit()
+            start, end = t, t + d
+            k = int(start / WINDOW_S)
+            while start < end and k < n_win:
+                stop = min(end, (k + 1) * WINDOW_S)
+                busy[c][k] += stop - start
+                start, k = stop, k + 1
+            used[c] += d
+            ran += d
+            t = end
+    return [[100 * b / WINDOW_S for b in row] for row in busy]
+
+
 def queued_windows(
     quotas: Sequence[int],
     processes: Sequence[int],
@@ -313,6 +361,53 @@ def queue_table(args: argparse.Namespace) -> int:
     return 0
 
 
+# The containers-sharing-a-device scenarios of make bench-sm
+# (tests/bench/sm_shared.py): per container (quota, processes).
+SHARED_SCENARIOS: list[tuple[str, list[tuple[int, int]]]] = [
+    ("10:90", [(10, 1), (90, 1)]),
+    ("30:70", [(30, 1), (70, 1)]),
+    ("50:50", [(50, 1), (50, 1)]),
+    ("20:30:50", [(20, 1), (30, 1), (50, 1)]),
+    ("50 x 2 processes : 50", [(50, 2), (50, 1)]),
+]
+
+
+def turns_table(args: argparse.Namespace) -> int:
+    """The --turns table: per shared-device scenario and turn rule, each
+    container's window sd (points) under turn_windows, over --runs runs."""
+    rules = args.turns.split(",")
+    head = " | ".join(f"turns {r}" for r in rules)
+    print(f"| scenario | {head} |")
+    print("|---|" + "---:|" * len(rules))
+    k0 = round(args.allowance / WINDOW_S)
+    for label, sides in SHARED_SCENARIOS:
+        qs = [q for q, _ in sides]
+        ns = [n for _, n in sides]
+        cells = []
+        for rule in rules:
+            cycle = rule.startswith("c")
+            try:
+                ms = float(rule[1:] if cycle else rule)
+            except ValueError:
+                print(f"sm_floor: --turns {rule!r}: not MS or cMS", file=sys.stderr)
+                return 2
+            devs: list[list[float]] = [[] for _ in qs]
+            for r in range(args.runs):
+                rows = turn_windows(
+                    qs,
+                    ns,
+                    args.seconds,
+                    1000 + r,
+                    turn_s=0.0 if cycle else ms / 1000,
+                    cycle_s=ms / 1000 if cycle else 0.0,
+                )
+                for i, (q, row) in enumerate(zip(qs, rows, strict=True)):
+                    devs[i] += [v - q for v in row[k0:]]
+            cells.append(" / ".join(f"{statistics.pstdev(d):.1f}" for d in devs))
+        print(f"| {label} | {' | '.join(cells)} |")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quotas", default=QUOTAS)
@@ -334,7 +429,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "under a scheduler that commits up to DEPTH launches ahead and hears of a "
         "launch's end LATENCY_US after it (queued_windows), e.g. 1:0,3:100,2:50",
     )
+    p.add_argument(
+        "--turns",
+        default="",
+        help="MS or cMS,...: instead, the shared-device scenarios under a perfect "
+        "turn-taker (turn_windows) with turns of MS for every container, or of each "
+        "container's quota's part of a cycle of MS (cMS), e.g. 10,c20,c10",
+    )
     args = p.parse_args(argv)
+    if args.turns:
+        return turns_table(args)
     if args.queue:
         return queue_table(args)
     quotas = [int(q) for q in args.quotas.split(",")]

@@ -25,17 +25,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tests.bench import sm_bench as b
+from tests.bench import sm_floor
 
 SHARED = "## SM quota: containers sharing a device, both simulator modes (make bench-sm)"
 TIMESLICE_US = 2048  # the calibrated slice (docs/simulator.md)
 # (label, [(limit, processes), ...])
-SCENARIOS: list[tuple[str, list[tuple[int, int]]]] = [
-    ("10:90", [(10, 1), (90, 1)]),
-    ("30:70", [(30, 1), (70, 1)]),
-    ("50:50", [(50, 1), (50, 1)]),
-    ("20:30:50", [(20, 1), (30, 1), (50, 1)]),
-    ("50 x 2 processes : 50", [(50, 2), (50, 1)]),
-]
+SCENARIOS = sm_floor.SHARED_SCENARIOS
 # Goals (issue 35): time-sliced: every side within 2 points of its target,
 # window sd <= 3 points, total >= 95 % (the limits add up to 100 in every
 # scenario here); launch order: window sd <= 3 points, worst window <= 8.
