@@ -12,8 +12,9 @@
  * container shares (the directory of the node lock, node_lock.c; HAMi's
  * device plugin mounts the host's /tmp/vgpulock into each container):
  *   - the holder launches by its own clock, with at most TURN_INFLIGHT_NS
- *     of estimates in flight; its turn ends when it has charged TURN_NS
- *     while another process waits, or when its clock runs ahead;
+ *     of estimates in flight; its turn ends when it has charged its
+ *     container's limit's part of TURN_CYCLE_NS (split between its
+ *     processes) while another process waits, or when its clock runs ahead;
  *   - a free turn goes to the waiting process whose container's clock is
  *     furthest behind (within MARGIN_NS), and only once every other
  *     process's launches are measured (the device drained), so that only
@@ -90,7 +91,22 @@
 #define STALE_NS (1000ULL * 1000 * 1000)
 #define WANTS_NS (300ULL * 1000 * 1000)   /* "used all its share" lasts this long */
 /* The turn: */
-#define TURN_NS (10ULL * 1000 * 1000)     /* estimated GPU time a holder charges while others wait */
+/* Estimated GPU time a holder charges while others wait: its container's
+ * limit's part of a cycle of TURN_CYCLE_NS, split between the container's
+ * processes in play (50:50 -> 5 + 5 ms; 10:90 -> 1 + 9; 20:30:50 -> 2 + 3 +
+ * 5), at least TURN_MIN_NS; TURN_NS where the limit is not said.  Turns of
+ * 10 ms for every share made the split of 100 ms windows coarse: a perfect
+ * turn-taker on make bench-sm's workload (kernels of 20 us - 5 ms, whole
+ * kernels per turn, the furthest behind next) has window sd 3.6-4.4 points
+ * with them and 1.5-2.4 with this cycle (tests/bench/sm_floor.py --turns).
+ * The simulator's time-slicing mode, 12 sittings before and after, load
+ * 3-13, split part of the window sd (docs/benchmarks.md): 10:90 2.4 -> 2.1,
+ * 20:30:50 3.2 / 3.4 / 3.9 -> 2.7 / 2.9 / 3.2, 50 x 2 : 50 4.0 -> 3.1,
+ * 30:70 and 50:50 alike (3.4-3.7); twice the handovers cost up to a point
+ * of the total.  A 20 ms cycle helped less (10:90 worse). */
+#define TURN_NS (10ULL * 1000 * 1000)
+#define TURN_CYCLE_NS (10ULL * 1000 * 1000)
+#define TURN_MIN_NS (1ULL * 1000 * 1000)
 /* What a holder keeps in flight (estimates): 4 ms, the model's value, left
  * the device idle while a holder's launching thread waited for a CPU
  * (Python workers on a loaded 2-core machine: 45 / 46 at 50:50, 47 / 47
@@ -392,6 +408,29 @@ static int turn_fits(struct arb_file *f, uint32_t used, uint64_t now)
     return sum <= 100;
 }
 
+/* How long this process's turns are (TURN_NS's note). */
+static uint64_t turn_len(struct arb_file *f, struct arb_slot *me, uint32_t used, uint64_t now)
+{
+    uint32_t t = atomic_load_explicit(&me->terms, memory_order_relaxed);
+    uint64_t limit = t >> 22 & 0x7f;
+    if (!t || !limit)
+        return TURN_NS;
+    uint64_t who = atomic_load_explicit(&me->container, memory_order_relaxed);
+    uint64_t procs = 1;             /* this container's processes in play, itself too */
+    for (uint32_t i = 0; i < used && i < ARB_SLOTS; i++) {
+        struct arb_slot *s = &f->slot[i];
+        if (s == me || atomic_load_explicit(&s->container, memory_order_relaxed) != who ||
+            !atomic_load_explicit(&s->owner, memory_order_relaxed) ||
+            !fresh(atomic_load_explicit(&s->beat, memory_order_relaxed), now))
+            continue;
+        if (atomic_load_explicit(&s->wait_at, memory_order_relaxed) + TURN_WAITING_NS >= now ||
+            atomic_load_explicit(&s->launched_at, memory_order_relaxed) + ACTIVE_NS >= now)
+            procs++;
+    }
+    uint64_t len = TURN_CYCLE_NS * limit / 100 / procs;
+    return len > TURN_MIN_NS ? len : TURN_MIN_NS;
+}
+
 /* The launch order without the turn: wait (2) while DEPTH gated launches
  * are in flight over all containers, or while another container waiting to
  * launch has a clock more than MARGIN_NS behind this one's; not at all
@@ -477,8 +516,8 @@ int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now, uint64_t
         return -1;
     }
     if (t == mine) {
-        if (atomic_load_explicit(&a->charged, memory_order_relaxed) >= TURN_NS &&
-            first != UINT64_MAX) {
+        if (first != UINT64_MAX &&
+            atomic_load_explicit(&a->charged, memory_order_relaxed) >= turn_len(f, me, used, now)) {
             /* The turn is over: given back; the next holder waits until
              * this process's launches are measured (drained). */
             atomic_store_explicit(&a->charged, 0, memory_order_relaxed);

@@ -97,17 +97,21 @@ static void be_container(const char *name)
  * after 2 s, then stays alive), 'k' kill that child; with a clock `arg`
  * ns ahead, as if this process's clock were ahead (a file from before a
  * reboot, or another process's 1 s later): 'F' admitted three times, 'T'
- * check.  'n': its clock ran ahead (a turn it holds is over).  'E' takes the enqueue word and keeps it (answers a struct took:
+ * check.  'n': its clock ran ahead (a turn it holds is over).  'L': its
+ * container's limit is `arg` %.  'E' takes the enqueue word and keeps it (answers a struct took:
  * what it holds and when it asked), 'e' gives it back. */
 struct took {
     uint64_t held, asked;
 };
 
 /* Each child's container is fixed-share at 20 % (at most 4 containers in
- * play at once: the turn fits), said as the policy thread says it. */
+ * play at once: the turn fits) unless told otherwise ('L'), said as the
+ * policy thread says it. */
+static unsigned my_limit = 20;
+
 static void terms(void)
 {
-    gv_arb_set_terms(0, (uint32_t)getpid(), 20, GV_SM_FIXED);
+    gv_arb_set_terms(0, (uint32_t)getpid(), my_limit, GV_SM_FIXED);
 }
 
 /* Before a process's first check, its slot is claimed (by a check) and
@@ -179,6 +183,9 @@ static void child_loop(int in, int out)
             break;
         case 'n':
             gv_arb_not_waiting(0);
+            break;
+        case 'L':
+            my_limit = (unsigned)arg;
             break;
         case 'E': {
             struct took t = { 0, now };
@@ -537,7 +544,7 @@ int main(int argc, char **argv)
     dt = time_to_go(&x, 0, 100 * MS);
     CHECK(dt < 20 * MS, "y idle with nothing in flight held x for %llu us",
           (unsigned long long)(dt / 1000));
-    /* x charges 11 ms (a turn is 10 ms while another waits): at its next
+    /* x charges 11 ms (a turn is at most 10 ms while another waits): at its next
      * check, with y waiting and behind it, it gives the turn back; y takes
      * it only once x's launches are measured (the device drained). */
     for (int i = 0; i < 11; i++)
@@ -652,6 +659,56 @@ int main(int argc, char **argv)
     }
     CHECK(rounds > 0 && kept == 0, "a waiter silent for 1 ms: y gave its turn back in %d of "
           "%d rounds (kept it in %d)", gave, rounds, kept);
+
+    /* A turn is the holder's container's limit's part of a 10 ms cycle
+     * (TURN_CYCLE_NS), so that every container gets a turn each cycle: at
+     * 10:90, 1 ms for x and 9 ms for y.  With y waiting, x gives its turn
+     * back once it charged 2 ms (it kept it up to 10 ms before: a window of
+     * 100 ms then held 0, 1 or 2 of x's turns); y, with x waiting, keeps its
+     * turn after 5 ms.  Rounds where y's claim lapsed (a loaded machine)
+     * are tried again. */
+    ask(&x, 'L', 10);
+    ask(&y, 'L', 90);
+    int xr = -99, yr = -99;
+    for (uint64_t t2 = gv_mono_ns(); xr != 0 && gv_mono_ns() - t2 < 5000 * MS;) {
+        ask(&y, 'n', 0);            /* y holds no turn, and does not wait */
+        if (!expect(&x, &y, 0, 1))  /* x takes the turn, y launched lately */
+            continue;
+        ask(&x, 'a', 0);
+        ask(&x, 'a', 0);
+        ask(&y, 'c', 0);            /* y waits (x has 2 in flight) */
+        xr = ask(&x, 'c', 2 * MS);
+        ask(&x, 's', 0);
+        ask(&x, 's', 0);
+        ask(&x, 'n', 0);            /* a turn x still holds ends: each round a new one */
+    }
+    CHECK(xr == 0, "x at 10 %% gave its turn back after 2 ms with y waiting (got %d)", xr);
+    /* (Rounds count where y then gave its turn back after 10 ms: x's
+     * claim, renewed before each of y's checks, was seen.) */
+    int yrounds = 0;
+    for (uint64_t t2 = gv_mono_ns(); yrounds < 3 && gv_mono_ns() - t2 < 5000 * MS;) {
+        ask(&x, 'n', 0);
+        if (!expect(&y, &x, 0, 1))
+            continue;
+        for (int i = 0; i < 5; i++)
+            ask(&y, 'a', 0);
+        ask(&x, 'c', 0);            /* x waits */
+        int r5 = ask(&y, 'c', 2 * MS);
+        for (int i = 0; i < 5; i++)
+            ask(&y, 'a', 0);
+        ask(&x, 'c', 0);
+        int r10 = ask(&y, 'c', 2 * MS);
+        for (int i = 0; i < 10; i++)
+            ask(&y, 's', 0);
+        ask(&y, 'n', 0);
+        if (r10 != 0)
+            continue;
+        yrounds++;
+        if (r5 != 1)
+            yr = r5;
+    }
+    CHECK(yrounds > 0 && yr == -99, "y at 90 %% kept its turn after 5 ms with x waiting in each "
+          "of %d rounds (got %d once)", yrounds, yr);
 
     finish(&x);
     finish(&y);
