@@ -128,6 +128,7 @@ class BindWatch:
         self.prefix = prefix
         self.count = count
         self.bound: dict[str, float] = {}
+        self.meter: CpuMeter | None = None  # read at each pod's bind, once set
         self.done = threading.Event()
         listed = k8s.core.list_namespaced_pod(k8s.namespace)
         for p in listed.items:
@@ -141,6 +142,8 @@ class BindWatch:
         name = pod.metadata.name
         if name.startswith(self.prefix) and pod.spec.node_name and name not in self.bound:
             self.bound[name] = time.monotonic()
+            if self.meter is not None:
+                self.meter.bound()
             if len(self.bound) >= self.count:
                 self.done.set()
 
@@ -171,11 +174,50 @@ class Run:
     bind_errors: int = 0  # failed binds (the pod went back to the queue)
     bind_failures: dict[str, int] | None = None  # why, from the extender's log
     verbs: dict[str, tuple[int, float]] | None = None  # verb -> (requests, mean seconds)
+    cpu_ms: dict[str, float] | None = None  # process -> CPU ms per pod bound (CpuMeter)
 
     @property
     def per_second(self) -> float:
         # the binds after the first, over the time they took
         return (self.bound - 1) / self.seconds if self.seconds > 0 else 0.0
+
+
+def cpu_seconds(pid: int) -> float:
+    """The CPU time (user + system) process `pid` has used, from /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    # the fields after the command's name in brackets, which may hold spaces
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class CpuMeter:
+    """The CPU time of named processes, read when each pod is first seen
+    bound, so the run's figure spans its first bind to its last."""
+
+    def __init__(self, pids: dict[str, int]) -> None:
+        self.pids = pids
+        self.first: dict[str, float] | None = None
+        self.last: dict[str, float] = {}
+        self.binds = 0  # pods seen bound since the first reading
+
+    def read(self) -> dict[str, float]:
+        return {name: cpu_seconds(pid) for name, pid in self.pids.items()}
+
+    def bound(self) -> None:
+        now = self.read()
+        if self.first is None:
+            self.first = now
+        else:
+            self.binds += 1
+        self.last = now
+
+    def per_pod_ms(self) -> dict[str, float]:
+        """Each process's CPU per pod bound after the first reading (ms)."""
+        first, n = self.first or {}, max(self.binds, 1)
+        return {k: (self.last.get(k, 0.0) - first.get(k, 0.0)) * 1000 / n for k in self.pids}
 
 
 def extender_counters(metrics: str) -> tuple[int, dict[str, tuple[int, float]]]:
@@ -210,16 +252,22 @@ def scheduler_run(
     create_pods(k8s, pods, profile, name)
     watch = BindWatch(k8s, name, pods)
     try:
+        pids = {c.name: c.proc.pid for c in k8s.cluster.components}
+        if extender is not None and extender.proc is not None:
+            pids["extender"] = extender.proc.pid
         began = time.monotonic()
         scheduler = k8s.start_scheduler(config)
+        pids["kube-scheduler"] = scheduler.component.proc.pid
+        watch.meter = CpuMeter(pids)
         watch.done.wait(timeout)
+        cpu = watch.meter.per_pod_ms()
         times = sorted(watch.bound.values())
         scheduler.stop()
     finally:
         watch.stop()
     if not times:
         raise RuntimeError(f"{name}: no pod bound in {timeout:.0f}s; see {scheduler.log}")
-    run = Run(name, nodes, pods, len(times), times[-1] - times[0], times[0] - began)
+    run = Run(name, nodes, pods, len(times), times[-1] - times[0], times[0] - began, cpu_ms=cpu)
     if extender is not None:
         run.bind_errors, run.verbs = extender_counters(extender.metrics())
         run.bind_failures = bind_failures(extender.log.read_text(errors="replace"))
@@ -297,6 +345,12 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} CPUs (load average {load} at the end), Python {python}"
 
 
+def cpu_line(run: Run) -> str:
+    cpu = run.cpu_ms or {}
+    parts = ", ".join(f"{name} {ms:.1f} ms" for name, ms in cpu.items())
+    return f"{parts} ({sum(cpu.values()):.1f} ms in all)"
+
+
 def section(runs: list[Run]) -> str:
     with_ = runs[-1]
     verbs = with_.verbs or {}
@@ -330,6 +384,10 @@ def section(runs: list[Run]) -> str:
                 )
                 or "none"
             )
+            + ".",
+            "",
+            "CPU per pod bound (from /proc, over the binds after the first): "
+            + "; ".join(f"{r.name}: {cpu_line(r)}" for r in runs)
             + ".",
             "",
             verdict(runs),
