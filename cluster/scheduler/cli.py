@@ -133,7 +133,8 @@ def scheduler(
     api_client.rest_client.pool_manager.connection_pool_kw["maxsize"] = 48
     core = client.CoreV1Api(api_client)
     state = ClusterState(core, cfg)
-    state.wake = Waker(core).wake
+    metrics = Metrics(state)
+    state.wake = Waker(core, metrics.wake).wake
     tls = None
     if tls_cert is not None and tls_key is not None:
         try:
@@ -141,7 +142,6 @@ def scheduler(
         except CertificateError as exc:
             raise click.ClickException(str(exc)) from None
     extender = Extender(state, core, api_client)
-    metrics = Metrics(state)
 
     def start_state() -> None:
         while not state.stopping.is_set():

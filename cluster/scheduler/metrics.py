@@ -1,5 +1,6 @@
 """Cluster metrics with HAMi's scheduler names (docs/kubernetes.md), read
-from the allocator at each scrape, plus the extender's own request counts."""
+from the allocator at each scrape, plus the extender's own request counts
+and its waker's (cluster/scheduler/wake.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from .state import ClusterState
+from .wake import WakeCounters
 
 MIB = 1 << 20
 ZONE = "vGPU"
@@ -104,3 +106,4 @@ class Metrics:
             ["verb"],
             registry=self.registry,
         )
+        self.wake = WakeCounters.register(self.registry)

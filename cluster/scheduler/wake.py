@@ -14,7 +14,11 @@ queue.
 Only pods the extender refused are patched, each only while it is the same
 pod (uid), not bound and not being deleted, with its resourceVersion as a
 precondition; at most RATE patches a second, one at a time, in a thread of
-its own (never in a verb)."""
+its own (never in a verb).
+
+What became of each pod handed to it is counted (`WakeCounters`, on the
+extender's metrics port): woken, not patched and why (`SKIPPED`), or
+failed (an API error; kube-scheduler's 5-minute flush still comes)."""
 
 from __future__ import annotations
 
@@ -27,12 +31,56 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
+from prometheus_client import CollectorRegistry, Counter
+
 log = logging.getLogger("gpuvisor.scheduler")
 
 WOKEN = "gpuvisor.io/woken"
 RATE = 20.0  # patches a second at most
 ATTEMPTS = 3  # reads and patches of one pod that lost to another update
 API_TIMEOUT = 10.0
+# why a pod handed to the waker was not patched (the `reason` label)
+SKIPPED = {
+    "gone": "the pod no longer exists",
+    "replaced": "a pod of another uid has its name",
+    "bound": "the pod is bound to a node by now",
+    "deleting": "the pod is being deleted",
+    "changed": f"the pod changed {ATTEMPTS} times while being woken",
+}
+
+
+@dataclass(frozen=True)
+class WakeCounters:
+    """The waker's Prometheus counters."""
+
+    woken: Counter
+    skipped: Counter  # label reason: a key of SKIPPED
+    failed: Counter
+
+    @classmethod
+    def register(cls, registry: CollectorRegistry) -> WakeCounters:
+        counters = cls(
+            woken=Counter(
+                "gpuvisor_scheduler_pods_woken",
+                "Pods filter refused until another pod started, woken (their "
+                f"{WOKEN} annotation patched) when it did",
+                registry=registry,
+            ),
+            skipped=Counter(
+                "gpuvisor_scheduler_wakes_skipped",
+                "Pods to wake left unpatched, by reason (gone, replaced, bound, deleting, changed)",
+                ["reason"],
+                registry=registry,
+            ),
+            failed=Counter(
+                "gpuvisor_scheduler_wakes_failed",
+                "Pods to wake whose read or patch failed (an API error)",
+                registry=registry,
+            ),
+        )
+        for reason in SKIPPED:
+            counters.skipped.labels(reason)  # each reason shows from the start, at 0
+        return counters
 
 
 @dataclass(frozen=True)
@@ -47,8 +95,9 @@ class Wake:
 class Waker:
     """Patches the pods handed to `wake`, in a daemon thread, RATE a second."""
 
-    def __init__(self, core: Any, rate: float = RATE) -> None:
+    def __init__(self, core: Any, counters: WakeCounters | None = None, rate: float = RATE) -> None:
         self.core = core  # kubernetes.client.CoreV1Api
+        self.counters = counters
         self.interval = 1.0 / rate
         self._queue: queue.SimpleQueue[Wake | None] = queue.SimpleQueue()
         self._pending: set[tuple[str, str]] = set()
@@ -82,12 +131,21 @@ class Waker:
                 time.sleep(pause)
             last = time.monotonic()
             try:
-                if self._patch(w):
-                    self.woken += 1
+                skipped = self._patch(w)
             except Exception as exc:  # the 5-minute flush still comes
                 log.warning("pod %s: cannot wake it: %s", w.key, exc)
+                if self.counters is not None:
+                    self.counters.failed.inc()
+                continue
+            if skipped is None:
+                self.woken += 1
+                if self.counters is not None:
+                    self.counters.woken.inc()
+            elif self.counters is not None:
+                self.counters.skipped.labels(skipped).inc()
 
-    def _patch(self, w: Wake) -> bool:
+    def _patch(self, w: Wake) -> str | None:
+        """Patch the pod: None once woken, else why not (a key of SKIPPED)."""
         from kubernetes.client.exceptions import ApiException
 
         namespace, name = w.key.split("/", 1)
@@ -98,12 +156,16 @@ class Waker:
                 )
             except ApiException as exc:
                 if exc.status == 404:
-                    return False
+                    return "gone"
                 raise
             pod = json.loads(raw.data)
             meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
-            if meta.get("uid") != w.uid or spec.get("nodeName") or meta.get("deletionTimestamp"):
-                return False  # another pod by now, bound, or going
+            if meta.get("uid") != w.uid:
+                return "replaced"
+            if spec.get("nodeName"):
+                return "bound"
+            if meta.get("deletionTimestamp"):
+                return "deleting"
             stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
             try:
                 self.core.patch_namespaced_pod(
@@ -123,11 +185,11 @@ class Waker:
                 if exc.status == 409:  # updated meanwhile: read it again
                     continue
                 if exc.status == 404:
-                    return False
+                    return "gone"
                 raise
             log.info("pod %s: woken (%s)", w.key, w.why)
-            return True
+            return None
         log.warning(
             "pod %s: changed %d times while being woken; left to kube-scheduler", w.key, ATTEMPTS
         )
-        return False
+        return "changed"
