@@ -12,6 +12,7 @@ extender's watch delivers it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -23,10 +24,10 @@ from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY
 from gpuvisor.cluster.inventory_model import load_inventory
 from gpuvisor.cluster.request import GPU_POLICY, pod_request
 from gpuvisor.cluster.scheduler.api_view import view
+from gpuvisor.cluster.scheduler.binding import ApiError
 from gpuvisor.cluster.scheduler.extender import EXPLAINED_NODES, Extender
 from gpuvisor.cluster.scheduler.state import Ambiguous, ClusterState
 from gpuvisor.cluster.scheduler.wake import Wake
-from kubernetes.client.exceptions import ApiException
 
 from tests.inventories import cluster, ctr, pcie_box, pod
 
@@ -44,13 +45,6 @@ class Raw:
 
     def __init__(self, data: bytes) -> None:
         self.data = data
-        self.released = False
-
-    def drain_conn(self) -> None:
-        pass
-
-    def release_conn(self) -> None:
-        self.released = True
 
 
 class Pods:
@@ -59,7 +53,7 @@ class Pods:
     def __init__(self) -> None:
         self.docs: dict[str, dict[str, Any]] = {}
         self.version = 0
-        self.writes: list[Raw] = []  # the raw answers to bind's writes
+        self.writes: list[dict[str, Any]] = []  # the Bindings bind wrote
         self.reads = 0
 
     def add(self, doc: dict[str, Any]) -> None:
@@ -78,23 +72,23 @@ class Pods:
             return v1pod(self.docs[name])
         return Raw(json.dumps(self.docs[name]).encode())
 
-    def create_namespaced_pod_binding(self, name: str, namespace: str, b: Any, **_: Any) -> Raw:
-        # as the API server does: the Binding's uid and resourceVersion are
-        # preconditions, a bound pod is not bound again (409 Conflict), its
-        # annotations are copied onto the pod
+    async def bind(self, namespace: str, name: str, b: dict[str, Any]) -> None:
+        """The Binder's write (cluster/scheduler/binding.py), as the API
+        server answers it: the Binding's uid and resourceVersion are
+        preconditions, a bound pod is not bound again (409 Conflict), its
+        annotations are copied onto the pod."""
         meta = self.docs[name]["metadata"]
         if (
-            b.metadata.uid not in (None, meta["uid"])
-            or b.metadata.resource_version not in (None, meta["resourceVersion"])
+            b["metadata"].get("uid") not in (None, meta["uid"])
+            or b["metadata"].get("resourceVersion") not in (None, meta["resourceVersion"])
             or self.docs[name]["spec"].get("nodeName")
         ):
-            raise ApiException(status=409, reason="Conflict")
+            raise ApiError(409, "Conflict", b"{}")
         self.version += 1
         meta["resourceVersion"] = str(self.version)
-        meta["annotations"].update(b.metadata.annotations or {})
-        self.docs[name]["spec"]["nodeName"] = b.target.name
-        self.writes.append(Raw(b"{}"))
-        return self.writes[-1]
+        meta["annotations"].update(b["metadata"].get("annotations") or {})
+        self.docs[name]["spec"]["nodeName"] = b["target"]["name"]
+        self.writes.append(b)
 
 
 @pytest.fixture
@@ -102,7 +96,7 @@ def ext() -> tuple[Extender, Pods]:
     state = ClusterState(core=None)
     state.allocator = Allocator.from_cluster(cluster(pcie_box("n0", n=2)), Config())
     pods = Pods()
-    return Extender(state, core=pods, api_client=API), pods
+    return Extender(state, core=pods, binder=pods), pods
 
 
 def bind(ext: Extender, pods: Pods, doc: dict[str, Any]) -> str:
@@ -110,7 +104,7 @@ def bind(ext: Extender, pods: Pods, doc: dict[str, Any]) -> str:
     pods.add(doc)
     name = doc["metadata"]["name"]
     args = {"PodName": name, "PodNamespace": "default", "PodUID": f"uid-{name}", "Node": "n0"}
-    out = ext.bind(args)
+    out = asyncio.run(ext.bind(args))
     ext.state.pod_event(v1pod(pods.docs[name]))
     return str(out["Error"])
 
@@ -266,7 +260,7 @@ def test_filter_on_many_nodes_looks_past_waiting_finalists() -> None:
     count = EXPLAINED_NODES + 6
     nodes = [pcie_box(f"n{i:03}", n=2) for i in range(count)]
     state.allocator = Allocator.from_cluster(cluster(*nodes), Config())
-    e = Extender(state, core=None, api_client=None)
+    e = Extender(state, core=None, binder=None)
     names = [f"n{i:03}" for i in range(count)]
     busy = names[:20]
     for n in busy:
@@ -372,19 +366,19 @@ def test_a_pod_it_waits_for_that_started_meanwhile_wakes_it_at_once(
     assert e.state.blocked == {}
 
 
-def test_bind_is_one_write_that_gives_its_connection_back(ext: tuple[Extender, Pods]) -> None:
+def test_bind_is_one_write(ext: tuple[Extender, Pods]) -> None:
     """The Binding carries the annotation (the API server copies it onto
-    the pod), and its raw answer is read and released: unread, each bind's
-    connection stayed out of the pool and the next one opened a new TLS
-    connection."""
+    the pod) and the pod's uid and resourceVersion as preconditions."""
     e, pods = ext
     assert bind(e, pods, pod("a", ctr(gpu=1, gpumem=4000))) == ""
     assert pods.docs["a"]["spec"]["nodeName"] == "n0"
     (gpus,) = gpus_of(pods, "a")
     assert len(gpus) == 1
     assert gpus[0].startswith("GPU-n0-")
-    assert len(pods.writes) == 1
-    assert all(w.released for w in pods.writes)
+    (binding,) = pods.writes
+    assert binding["metadata"]["uid"] == "uid-a"
+    assert binding["metadata"]["resourceVersion"] == "1"
+    assert binding["target"] == {"apiVersion": "v1", "kind": "Node", "name": "n0"}
 
 
 def scheduled(e: Extender, doc: dict[str, Any]) -> str:
@@ -408,10 +402,9 @@ def test_bind_after_prioritize_reads_nothing(ext: tuple[Extender, Pods]) -> None
     pods.add(doc)
     assert scheduled(e, json.loads(json.dumps(doc))) == "n0"
     assumed = e.state.assumed_for["default/a"][1]
-    assert e.bind(bind_args("a")) == {"Error": ""}
+    assert asyncio.run(e.bind(bind_args("a"))) == {"Error": ""}
     assert pods.reads == 0
     assert len(pods.writes) == 1
-    assert pods.writes[0].released
     assert pods.docs["a"]["spec"]["nodeName"] == "n0"
     assert gpus_of(pods, "a") == [[g.uuid for g in assumed.containers[0].gpus]]
     assert e.state.held["default/a"].node == "n0"
@@ -427,7 +420,7 @@ def test_a_pod_changed_since_prioritize_is_read_and_bound(ext: tuple[Extender, P
     pods.docs["a"]["metadata"]["labels"] = {"changed": "yes"}  # a new resourceVersion
     pods.version += 1
     pods.docs["a"]["metadata"]["resourceVersion"] = str(pods.version)
-    assert e.bind(bind_args("a")) == {"Error": ""}
+    assert asyncio.run(e.bind(bind_args("a"))) == {"Error": ""}
     assert pods.reads == 1
     assert pods.docs["a"]["spec"]["nodeName"] == "n0"
     assert len(gpus_of(pods, "a")[0]) == 1
@@ -454,7 +447,7 @@ def test_a_pod_bound_since_prioritize_keeps_what_its_annotation_says(
     del sent["spec"]["nodeName"]  # kube-scheduler's cache has it pending still
     e.state.drop("default/a")  # as if the extender had not seen the bind
     assert scheduled(e, sent) == "n0"
-    out = e.bind(bind_args("a"))
+    out = asyncio.run(e.bind(bind_args("a")))
     assert out["Error"].endswith("already bound to n0")
     assert pods.reads == 2  # the first bind's, and this one's after the 409
     assert gpus_of(pods, "a") == placed

@@ -23,7 +23,7 @@ from tests.inventories import cluster, ctr, pcie_box, pod
 def extender(nodes: int) -> Extender:
     state = ClusterState(core=None)
     state.allocator = Allocator.from_cluster(cluster(*(pcie_box(f"n{i:04}") for i in range(nodes))))
-    return Extender(state, core=None, api_client=None)
+    return Extender(state, core=None, binder=None)
 
 
 def body(p: dict[str, Any], nodes: int) -> dict[str, Any]:

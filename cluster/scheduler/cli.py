@@ -95,7 +95,8 @@ def scheduler(
     from kubernetes import client, config
 
     from ..serving_tls import CertificateError, ServingCertificate
-    from .extender import Extender
+    from .binding import Binder
+    from .extender import API_TIMEOUT, Extender
     from .metrics import Metrics
     from .server import serve
     from .state import ClusterState
@@ -129,7 +130,7 @@ def scheduler(
     except Exception as exc:
         raise click.ClickException(f"cannot configure the Kubernetes client: {exc}") from None
     api_client = client.ApiClient()
-    # the verbs' threads and the watches share the client's connection pool
+    # the binds' reads of pods, the waker and the watches share the client's connection pool
     api_client.rest_client.pool_manager.connection_pool_kw["maxsize"] = 48
     core = client.CoreV1Api(api_client)
     state = ClusterState(core, cfg)
@@ -141,7 +142,7 @@ def scheduler(
             tls = ServingCertificate(tls_cert, tls_key, ("--tls-cert", "--tls-key"))
         except CertificateError as exc:
             raise click.ClickException(str(exc)) from None
-    extender = Extender(state, core, api_client)
+    extender = Extender(state, core, Binder(api_client.configuration, API_TIMEOUT))
 
     def start_state() -> None:
         while not state.stopping.is_set():

@@ -17,11 +17,13 @@
   GPUs: `ClusterState.ambiguity`) is decided again on that pod's GPUs, and
   refused if it does not fit there: the pod waits for the other to start.
 
-Each verb is a plain function (run in a worker thread by the server).
+filter and prioritize are plain functions, bind a coroutine; the server
+runs them all on its event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -37,6 +39,7 @@ from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY
 from gpuvisor.cluster.inventory_model import DocumentError
 from gpuvisor.cluster.request import PodRequest, pod_request
 
+from .binding import ApiError
 from .state import Ambiguous, ClusterState
 
 log = logging.getLogger("gpuvisor.scheduler")
@@ -111,10 +114,10 @@ def on_the_same_gpus(req: PodRequest, sets: set[frozenset[str]]) -> PodRequest |
 
 
 class Extender:
-    def __init__(self, state: ClusterState, core: Any, api_client: Any) -> None:
+    def __init__(self, state: ClusterState, core: Any, binder: Any) -> None:
         self.state = state
-        self.core = core  # kubernetes.client.CoreV1Api
-        self.api_client = api_client  # for sanitize_for_serialization
+        self.core = core  # kubernetes.client.CoreV1Api, for the pods bind reads
+        self.binder = binder  # a Binder (binding.py), which writes the Bindings
         self._cache: OrderedDict[tuple[str, tuple[str, ...]], tuple[float, Decision]] = (
             OrderedDict()
         )
@@ -332,7 +335,10 @@ class Extender:
 
     # ---- bind -------------------------------------------------------------
 
-    def bind(self, body: Any) -> dict[str, Any]:
+    async def bind(self, body: Any) -> dict[str, Any]:
+        """Runs on the server's event loop: the Binding is written there
+        (`Binder`); only a bind that must read the pod first does that in
+        a worker thread."""
         args = fields(body)
         missing = [k for k in ("PodName", "PodNamespace", "Node") if not args.get(k.lower())]
         if missing:
@@ -343,7 +349,7 @@ class Extender:
         node = str(args["node"])
         key = f"{namespace}/{name}"
         try:
-            self._bind(key, name, namespace, uid, node)
+            await self._bind(key, name, namespace, uid, node)
         except Exception as exc:  # kube-scheduler retries the pod
             log.warning("bind %s to %s: %s", key, node, exc)
             return {"Error": f"gpuvisor: bind {key} to {node}: {exc}"}
@@ -375,9 +381,7 @@ class Extender:
                 req, narrowed = gpus, True
         raise RuntimeError(f"lost {COMMIT_ATTEMPTS} races for node {node} in a row")
 
-    def _bind(self, key: str, name: str, namespace: str, uid: str, node: str) -> None:
-        from kubernetes.client.exceptions import ApiException
-
+    async def _bind(self, key: str, name: str, namespace: str, uid: str, node: str) -> None:
         # The room prioritize assumed, bound with the pod as kube-scheduler
         # sent it there: no read of the pod first.  Its uid and
         # resourceVersion are the Binding's preconditions, so a pod changed
@@ -392,22 +396,37 @@ class Extender:
             allocation = self.state.claim(key, uid, node, req)
             if allocation is not None:
                 try:
-                    self._create_binding(name, namespace, uid, version, node, allocation)
+                    await self._create_binding(name, namespace, uid, version, node, allocation)
                     return
-                except ApiException as exc:
+                except ApiError as exc:
                     self.state.drop(key, settle=False)  # the pods waiting for it go on waiting
                     if exc.status != 409:
-                        raise RuntimeError(f"{exc.status} {exc.reason}") from None
-                except Exception:
+                        raise RuntimeError(str(exc)) from None
+                except BaseException:
                     self.state.drop(key)
                     raise
-        self._bind_read(key, name, namespace, uid, node)
+        loop = asyncio.get_running_loop()
+        uid, version, allocation = await loop.run_in_executor(
+            None, self._bind_read, key, name, namespace, uid, node
+        )
+        try:
+            await self._create_binding(name, namespace, uid, version, node, allocation)
+        except ApiError as exc:
+            self.state.drop(key)
+            raise RuntimeError(
+                "the pod changed meanwhile" if exc.status == 409 else str(exc)
+            ) from None
+        except BaseException:
+            self.state.drop(key)
+            raise
 
-    def _bind_read(self, key: str, name: str, namespace: str, uid: str, node: str) -> None:
-        """Bind after reading the pod: decided again on node unless the room
-        prioritize assumed is still this request's."""
-        from kubernetes.client.exceptions import ApiException
-
+    def _bind_read(
+        self, key: str, name: str, namespace: str, uid: str, node: str
+    ) -> tuple[str, str, Allocation]:
+        """Read the pod (in a worker thread) and take its room on node:
+        the room prioritize assumed if it is still this request's, else
+        decided again.  Its uid, resourceVersion and allocation, for the
+        Binding."""
         from .api_view import view
 
         # Raw JSON, not the client's models: decoding a Pod into them cost
@@ -434,46 +453,25 @@ class Extender:
         if allocation is None:
             self.state.drop(key, settle=False)  # the pods waiting for it go on waiting
             allocation = self._commit(key, meta["uid"], req, node)
-        try:
-            self._create_binding(
-                name, namespace, meta["uid"], meta["resourceVersion"], node, allocation
-            )
-        except ApiException as exc:
-            self.state.drop(key)
-            what = (
-                "the pod changed meanwhile" if exc.status == 409 else f"{exc.status} {exc.reason}"
-            )
-            raise RuntimeError(what) from None
-        except Exception:
-            self.state.drop(key)
-            raise
+        return str(meta["uid"]), str(meta["resourceVersion"]), allocation
 
-    def _create_binding(
+    async def _create_binding(
         self, name: str, namespace: str, uid: str, version: str, node: str, allocation: Allocation
     ) -> None:
-        from kubernetes import client
-
         # One write: the API server copies a Binding's annotations onto
-        # the pod as it binds it, under the Binding's resourceVersion
-        # precondition (409 if the pod changed since it was read).  A
+        # the pod as it binds it, under the Binding's preconditions (uid,
+        # resourceVersion: 409 if the pod changed since it was read).  A
         # patch of the annotation before the Binding doubled the
         # writes per bind, and the binds fell behind (make bench-cluster).
-        binding = client.V1Binding(
-            metadata=client.V1ObjectMeta(
-                name=name,
-                uid=uid,
-                resource_version=version,
-                annotations={ANNOTATION: allocation.annotation()},
-            ),
-            target=client.V1ObjectReference(api_version="v1", kind="Node", name=node),
-        )
-        # the client cannot decode the Status the server answers with
-        bound = self.core.create_namespaced_pod_binding(
-            name, namespace, binding, _preload_content=False, _request_timeout=API_TIMEOUT
-        )
-        # Unread, a raw response keeps its connection out of the pool:
-        # every bind then opened new TLS connections, whose handshakes
-        # took a tenth of the extender's samples under make
-        # bench-cluster, beside the filters of the next pods.
-        bound.drain_conn()
-        bound.release_conn()
+        body = {
+            "apiVersion": "v1",
+            "kind": "Binding",
+            "metadata": {
+                "name": name,
+                "uid": uid,
+                "resourceVersion": version,
+                "annotations": {ANNOTATION: allocation.annotation()},
+            },
+            "target": {"apiVersion": "v1", "kind": "Node", "name": node},
+        }
+        await self.binder.bind(namespace, name, body)

@@ -2,9 +2,11 @@
 GET /healthz (200 once the first sync with the API server is done), and
 the metrics on their own port (GET /metrics).
 
-filter and prioritize run on the event loop; bind, which waits on the API
-server, runs in a thread pool, so many binds proceed at once (the
-allocator's per-node optimistic commit keeps concurrent binds correct).
+All three verbs run on the event loop; bind awaits its write to the API
+server there (cluster/scheduler/binding.py), so many binds proceed at once
+(the allocator's per-node optimistic commit keeps concurrent binds
+correct), and only a bind that must read the pod first hands that to a
+worker thread.
 kube-scheduler calls filter and prioritize one pod at a time, inside its
 scheduling cycle, so their latency bounds its rate; a decision is CPU work
 of a millisecond or two that no thread could run beside it (the GIL), and
@@ -20,7 +22,6 @@ import logging
 import ssl
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
@@ -34,15 +35,17 @@ log = logging.getLogger("gpuvisor.scheduler")
 MAX_BODY = 64 << 20  # a filter for thousands of nodes with full Node objects
 
 
-def make_app(extender: Extender, metrics: Metrics, workers: int = 32) -> web.Application:
-    # Binds wait on the API server; filter and prioritize run inside kube-
-    # scheduler's one-pod-at-a-time cycle.  Queued in one pool with the
-    # binds, the cycle's verbs waited behind hundreds of them (filter: 36 ms
-    # mean under make bench-cluster); they now run on the loop.
-    binds = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bind")
+def make_app(extender: Extender, metrics: Metrics) -> web.Application:
+    # filter and prioritize run inside kube-scheduler's one-pod-at-a-time
+    # cycle.  Queued in one thread pool with the binds, the cycle's verbs
+    # waited behind hundreds of them (filter: 36 ms mean under make
+    # bench-cluster); they run on the loop, and so do the binds, whose
+    # worker threads' hand-offs of the GIL the verbs waited on too.
 
     def verb(name: str, fn: Callable[[Any], Any]) -> Any:
-        pool = binds if name == "bind" else None
+        ok_count = metrics.requests.labels(name, "ok")
+        error_count = metrics.requests.labels(name, "error")
+        seconds = metrics.seconds.labels(name)
 
         async def handle(request: web.Request) -> web.Response:
             start = time.perf_counter()
@@ -50,20 +53,19 @@ def make_app(extender: Extender, metrics: Metrics, workers: int = 32) -> web.App
                 args = await request.json()
             except json.JSONDecodeError as exc:
                 log.warning("%s: body: not JSON: %s", name, exc)
-                metrics.requests.labels(name, "error").inc()
+                error_count.inc()
                 return web.json_response({"Error": f"body: not JSON: {exc}"}, status=400)
             try:
-                if pool is None:
-                    out = fn(args)
-                else:
-                    out = await asyncio.get_running_loop().run_in_executor(pool, fn, args)
+                out = fn(args)
+                if asyncio.iscoroutine(out):
+                    out = await out
             except BadRequest as exc:
                 log.warning("%s: %s", name, exc)
-                metrics.requests.labels(name, "error").inc()
+                error_count.inc()
                 return web.json_response({"Error": str(exc)}, status=400)
             ok = not (isinstance(out, dict) and out.get("Error"))
-            metrics.requests.labels(name, "ok" if ok else "error").inc()
-            metrics.seconds.labels(name).observe(time.perf_counter() - start)
+            (ok_count if ok else error_count).inc()
+            seconds.observe(time.perf_counter() - start)
             return web.json_response(out)
 
         return handle
@@ -74,7 +76,7 @@ def make_app(extender: Extender, metrics: Metrics, workers: int = 32) -> web.App
         return web.Response(text="ok\n")
 
     async def shutdown(app: web.Application) -> None:
-        binds.shutdown(wait=False, cancel_futures=True)
+        await extender.binder.close()
 
     app = web.Application(client_max_size=MAX_BODY)
     app.add_routes(
