@@ -1037,12 +1037,20 @@ class Allocator:
         binpack = (pod.node_policy or cfg.node_policy) == "binpack"
         if binpack:
             ranked.reverse()
+        # the nodes' states in rank order, looked up as the loop below gets
+        # to them: it usually stops after the first finalists, and listing
+        # every offered node first cost a fifth of a decision over the 420
+        # nodes kube-scheduler offers (make bench-cluster)
+        known = self.nodes
         if nodes is not None:
             wanted = set(nodes)
-            for name in wanted - self.nodes.keys():
+            for name in wanted - known.keys():
                 reasons[name] = "unknown node"
-            ranked = [r for r in ranked if r[1] in wanted]
-        states = [self.nodes[name] for _u, name in ranked]
+            states: Iterable[NodeState] = (
+                st for _u, name in ranked if name in wanted and (st := known.get(name)) is not None
+            )
+        else:
+            states = (st for _u, name in ranked if (st := known.get(name)) is not None)
         needs = needs_of(pod)
         plans = self._plans_of(pod)
         # a plan depends on the cluster's room only where a grant of this
