@@ -100,3 +100,36 @@ def test_prioritize_holds_the_room_until_the_bind(monkeypatch: pytest.MonkeyPatc
     assert sorted(cycle("x")) == ["n0000", "n0001"]
     assert set(ext.state.held) == {"default/x"}
     assert set(ext.state.assumed) == {"default/x"}
+
+
+def test_the_node_the_last_pod_took_is_planned_once_per_filter(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pod after pod of one shape over many nodes, none started: each
+    filter plans only the node the pod before took room on, and that once.
+    Its waiting check (would the pod wait for the not-started pod there?)
+    planned it for the pod narrowed to the other pod's GPUs, and the
+    decision then planned it again for the pod itself; the pod's own plan,
+    on those GPUs already, now answers for both (make bench-cluster)."""
+    import gpuvisor.cluster.allocator as allocator
+
+    ext = extender(EXPLAINED_NODES + 36)
+    planned: list[str] = []
+    real = allocator.plan_node
+
+    def counting(node: Any, *args: Any, **kw: Any) -> Any:
+        planned.append(node.inv.node)
+        return real(node, *args, **kw)
+
+    monkeypatch.setattr(allocator, "plan_node", counting)
+    took: list[str] = []
+    for i in range(6):
+        planned.clear()
+        b = body(pod(f"p{i}", ctr(gpu=1, gpumem=1000, gpucores=10)), EXPLAINED_NODES + 36)
+        names = ext.filter(b)["NodeNames"]
+        scores = ext.prioritize(b | {"NodeNames": names})
+        took.append(max(scores, key=lambda s: s["Score"])["Host"])
+        if i:
+            assert planned == [took[i - 1]], (i, planned)
+    assert len(set(took)) == 1  # binpack: the pods share a GPU, and no pod waits
+    assert len(ext.state.assumed) == 6

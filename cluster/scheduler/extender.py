@@ -280,7 +280,7 @@ class Extender:
         why, blocker = None, None
         others = self.state.unstarted(n, set(counts), req.name)
         narrowed = on_the_same_gpus(req, {g for _, _, g in others}) if others else None
-        if others and (narrowed is None or self._decide(narrowed, [n], False).node != n):
+        if others and (narrowed is None or not self._fits_on(req, narrowed, n)):
             pod, container, gpus = others[0]
             blocker = (pod, container)
             why = (
@@ -292,6 +292,24 @@ class Extender:
             verdicts.clear()  # nodes gone, or more than a cluster's worth
         verdicts[n] = (st, version, epoch, why, blocker)
         return why, blocker
+
+    def _fits_on(self, req: PodRequest, narrowed: PodRequest, n: str) -> bool:
+        """Whether `narrowed` (the pod restricted to the GPUs of the pods it
+        would wait for) fits on node n.  The pod's own plan for n answers
+        when it is on those GPUs already; decide keeps that plan (per
+        request shape and node state) for the decision among the offered
+        nodes that follows, so the node the last bind changed is planned
+        once per filter: planning it for the narrowed pod too cost a
+        second plan per filter (make bench-cluster)."""
+        own = self._decide(req, [n], False)
+        allowed = set(narrowed.use_uuids)
+        if (
+            own.node == n
+            and own.allocation is not None
+            and all({g.uuid for g in c.gpus} <= allowed for c in own.allocation.containers)
+        ):
+            return True
+        return bool(self._decide(narrowed, [n], False).node == n)
 
     # ---- prioritize -------------------------------------------------------
 
