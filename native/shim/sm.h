@@ -102,6 +102,7 @@ int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now, uint64_t
 void gv_arb_set_preemption(int dev, int preempts);
 void gv_arb_admitted(int dev, const char *uuid, uint64_t now, uint64_t cost);
 void gv_arb_settled(int dev);
+void gv_arb_settled_n(int dev, uint32_t n);   /* n launches at once (a segment's) */
 void gv_arb_alive(int dev, uint64_t now);
 void gv_arb_not_waiting(int dev);
 void gv_arb_wants(int dev, uint64_t now);
@@ -187,6 +188,7 @@ typedef struct gv_sm_launch {
     int opens;              /* 1: it opens seg (begin event, no end event) */
     uint64_t start;         /* its first look at the gate (0: it waited there) */
     uint64_t seq;           /* the segment it joins: seg's count of segments then */
+    void *mine;             /* the launching thread's own (sm_meter.c), found once */
 } gv_sm_launch;
 
 /* Does anything in the region gate launches now?  A few loads while nothing

@@ -564,11 +564,16 @@ void gv_arb_admitted(int dev, const char *uuid, uint64_t now, uint64_t cost)
 
 void gv_arb_settled(int dev)
 {
+    gv_arb_settled_n(dev, 1);
+}
+
+void gv_arb_settled_n(int dev, uint32_t k)
+{
     struct arb_slot *s = mine(dev);
-    if (!s)
+    if (!s || !k)
         return;
     uint32_t n = atomic_load(&s->inflight);
-    while (n && !atomic_compare_exchange_weak(&s->inflight, &n, n - 1))
+    while (n && !atomic_compare_exchange_weak(&s->inflight, &n, n > k ? n - k : 0))
         ;
 }
 

@@ -27,6 +27,13 @@
  * start with at most (LAG + TOLERANCE) x share of GPU work. */
 #define LAG_NS (10ULL * 1000 * 1000)
 #define MAX_SLEEP_NS (20ULL * 1000 * 1000)
+/* A launch held by the clock sleeps until the container is this much less
+ * than TOLERANCE_NS ahead, not just back at it: the launches after the wait
+ * then go through in a run (a stream's segment, sm_meter.c, lasts until
+ * the next wait), instead of one or two between waits each a poll of the
+ * meter apart.  The clock is not moved: the credit is spent after the
+ * wait, so the share over time is the same. */
+#define WAKE_CREDIT_NS (1000ULL * 1000)
 #define DEFAULT_ESTIMATE_NS 1000000ULL   /* unknown kernels: 1 ms until measured */
 /* What each process may have in flight (admitted, not yet finished): a
  * short queue, because on a time-sliced device a kernel queued behind
@@ -309,7 +316,7 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
             struct inflight *h = inflight_of(dev);
             if (!atomic_load_explicit(&h->held, memory_order_relaxed))
                 atomic_store_explicit(&h->held, 1, memory_order_relaxed);
-            uint64_t ahead = base - now - TOLERANCE_NS;
+            uint64_t ahead = base - now - TOLERANCE_NS + WAKE_CREDIT_NS;
             waits(a);
             sleep_ns(ahead < MAX_SLEEP_NS ? ahead : MAX_SLEEP_NS);
             continue;
@@ -356,8 +363,7 @@ void gv_sm_settle(struct gv_sm *sm, int dev, uint32_t share, uint64_t charged_ns
 void gv_sm_settle_n(struct gv_sm *sm, int dev, uint32_t share, uint64_t charged_ns,
                     uint64_t actual_ns, uint32_t n)
 {
-    for (uint32_t i = 0; i < n; i++)
-        gv_arb_settled(dev);
+    gv_arb_settled_n(dev, n);
     atomic_fetch_sub_explicit(&inflight_of(dev)->ns, charged_ns, memory_order_relaxed);
     atomic_fetch_sub_explicit(&inflight_of(dev)->n, n, memory_order_relaxed);
     atomic_fetch_add_explicit(&sm->busy_ns, actual_ns, memory_order_relaxed);

@@ -1005,6 +1005,7 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
     /* Found once: the compiler would find it again at each use (a call
      * each, under -fPIC). */
     __asm__("" : "+r"(t));
+    l->mine = t;    /* for gv_sm_end: not found again there */
     if (!launch_device(t, stream, &cur, &have_cur, &ctx, &d))
         return 0;
     struct gv_sm *sm = region_sm(gv_core_region(), d->region_dev);
@@ -1174,8 +1175,7 @@ void gv_sm_end(gv_sm_launch *l, CUresult rc)
     if (!l->gated)
         return;
     uint64_t now = gv_mono_ns();
-    struct mine *t = &t_;
-    __asm__("" : "+r"(t));      /* found once (gv_sm_begin) */
+    struct mine *t = l->mine;   /* this thread's (gv_sm_begin) */
     /* The back-to-back test of the thread's next launch (segments). */
     if (t->seg.stream != l->stream || t->seg.ctx != l->ctx || t->seg.busy_until < now)
         t->seg.busy_until = now;
