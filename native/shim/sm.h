@@ -25,16 +25,20 @@ struct gv_sm_admission {
     int waited;             /* out: it waited (for the clock, the turn, its launches) */
     int turn;               /* out: the turn between containers was in play */
     int alone;              /* out: the policies saw no other process working on the device */
+    int joins;              /* in: it will likely join its thread's open segment (sm_meter.c) */
+    int arb;                /* out: 1: counted by the arbiter (gv_arb_admitted), to settle there */
 };
 /* Wait until the container may start cost_ns more of GPU work, and charge
  * it; returns the share (1/100 %) it was charged at. */
 uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_ns,
                      struct gv_sm_admission *a);
 /* A launch charged charged_ns at share turned out to take actual_ns; _n:
- * n launches measured together, charged_ns their charges added up. */
-void gv_sm_settle(struct gv_sm *sm, int dev, uint32_t share, uint64_t charged_ns, uint64_t actual_ns);
+ * n launches measured together, charged_ns their charges added up;
+ * arb: how many of them the arbiter counted (gv_sm_admission's arb). */
+void gv_sm_settle(struct gv_sm *sm, int dev, uint32_t share, uint64_t charged_ns, uint64_t actual_ns,
+                  uint32_t arb);
 void gv_sm_settle_n(struct gv_sm *sm, int dev, uint32_t share, uint64_t charged_ns,
-                    uint64_t actual_ns, uint32_t n);
+                    uint64_t actual_ns, uint32_t n, uint32_t arb);
 
 /* Whether a launch on region device dev waited because the container's
  * clock ran ahead (it used all of its share) since the last call. */
@@ -102,6 +106,9 @@ int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now, uint64_t
 void gv_arb_set_preemption(int dev, int preempts);
 void gv_arb_admitted(int dev, const char *uuid, uint64_t now, uint64_t cost);
 void gv_arb_settled(int dev);
+/* When gv_arb_check last looked and saw no other container working on the
+ * device (gv_mono_ns); 0: its last look saw one, or none was taken. */
+uint64_t gv_arb_quiet_at(int dev);
 void gv_arb_settled_n(int dev, uint32_t n);   /* n launches at once (a segment's) */
 void gv_arb_alive(int dev, uint64_t now);
 void gv_arb_not_waiting(int dev);
@@ -189,6 +196,7 @@ typedef struct gv_sm_launch {
     uint64_t start;         /* its first look at the gate (0: it waited there) */
     uint64_t seq;           /* the segment it joins: seg's count of segments then */
     void *mine;             /* the launching thread's own (sm_meter.c), found once */
+    uint32_t arb;           /* counted by the arbiter (gv_sm_admission's arb) */
 } gv_sm_launch;
 
 /* Does anything in the region gate launches now?  A few loads while nothing

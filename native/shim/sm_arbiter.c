@@ -169,6 +169,7 @@ static struct arb_dev {
     _Atomic uint64_t bypass_until;  /* leaves the turn alone until then */
     _Atomic uint64_t bypass_len;    /* the last bypass's length */
     _Atomic int in_order;           /* the device runs each kernel to its end: no turn */
+    _Atomic uint64_t quiet_at;      /* when gv_arb_check last saw no other container; 0: it saw one */
 } arbs[GV_MAX_DEVICES];
 
 static _Atomic uint64_t token;
@@ -194,6 +195,7 @@ static void fork_child(void)
         atomic_store(&arbs[i].me, NULL);
         atomic_store(&arbs[i].charged, 0);
         atomic_store(&arbs[i].wait_since, 0);
+        atomic_store(&arbs[i].quiet_at, 0);
         int opening = OPENING;
         atomic_compare_exchange_strong(&arbs[i].state, &opening, UNTRIED);
     }
@@ -470,8 +472,14 @@ int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now, uint64_t
                  uint32_t count, uint64_t cost)
 {
     struct arb_slot *me = slot_for(dev, uuid, now);
-    if (!me)
+    if (!me) {
+        /* No slot (no launch-order file, no container name, all taken):
+         * nobody to see, nobody sees this process. */
+        if (dev >= 0 && dev < GV_MAX_DEVICES &&
+            atomic_load_explicit(&arbs[dev].quiet_at, memory_order_relaxed) != now)
+            atomic_store_explicit(&arbs[dev].quiet_at, now, memory_order_relaxed);
         return -1;
+    }
     struct arb_dev *a = &arbs[dev];
     struct arb_file *f = a->f;
     atomic_store_explicit(&me->beat, now, memory_order_relaxed);
@@ -499,6 +507,10 @@ int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now, uint64_t
     }
     uint64_t mine = turn_word(f, me);
     uint64_t t = atomic_load(&f->turn);
+    /* For gv_arb_quiet_at: a look that saw another container, then one
+     * that saw none. */
+    if (atomic_load_explicit(&a->quiet_at, memory_order_relaxed) != (others ? 0 : now))
+        atomic_store_explicit(&a->quiet_at, others ? 0 : now, memory_order_relaxed);
     if (others && (atomic_load_explicit(&a->in_order, memory_order_relaxed) ||
                    !turn_fits(f, used, now))) {
         /* Not a case for the turn: a turn this process held goes back. */
@@ -560,6 +572,13 @@ void gv_arb_admitted(int dev, const char *uuid, uint64_t now, uint64_t cost)
     atomic_store_explicit(&s->launched_at, now, memory_order_relaxed);
     atomic_store_explicit(&s->beat, now, memory_order_relaxed);
     atomic_fetch_add_explicit(&arbs[dev].charged, cost, memory_order_relaxed);
+}
+
+uint64_t gv_arb_quiet_at(int dev)
+{
+    if (dev < 0 || dev >= GV_MAX_DEVICES)
+        return 0;
+    return atomic_load_explicit(&arbs[dev].quiet_at, memory_order_relaxed);
 }
 
 void gv_arb_settled(int dev)

@@ -64,6 +64,15 @@
 #define BEHIND_NS (LAG_NS / 2)
 #define MAX_INFLIGHT_LAUNCHES 1024u
 #define ARB_POLL_NS 50000ULL             /* a launch held by the launch order */
+/* A launch about to join its thread's open segment (sm_meter.c: no other
+ * process seen working on the device) skips the arbiter (its look at the
+ * other containers, and counting the launch in its slot) for this long
+ * after the arbiter last looked and saw no other container: a container
+ * that starts working on the device meanwhile is seen at most this late,
+ * and sees this process working (its slot was heard from then, and the
+ * segment's first launch stays counted in flight until the segment is
+ * settled), as any process that is not yet its turn's holder. */
+#define ARB_QUIET_NS 1000000ULL
 #define EST_SLOTS 4096u
 
 uint64_t gv_mono_ns(void)
@@ -188,6 +197,7 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
 {
     uint64_t start = 0, turn_since = 0, now;
     uint32_t share;
+    int skip_arb = 0;
     for (;;) {
         share = atomic_load_explicit(&sm->share, memory_order_relaxed);
         if (share > 10000)
@@ -292,7 +302,9 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
         uint64_t ref = turn_since ? turn_since : now;
         uint64_t floor0 = ref > LAG_NS ? ref - LAG_NS : 0;
         uint64_t base0 = tat > floor0 ? tat : floor0;
-        if (base0 <= now + TOLERANCE_NS) {
+        uint64_t quiet = a && a->joins ? gv_arb_quiet_at(dev) : 0;
+        skip_arb = quiet && now >= quiet && now - quiet <= ARB_QUIET_NS;
+        if (base0 <= now + TOLERANCE_NS && !skip_arb) {
             arb = gv_arb_check(dev, uuid, base0, now, queued, count, cost_ns);
             if (arb == 0 || arb == 2) {
                 if (arb == 0 && !turn_since)
@@ -332,7 +344,10 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
     atomic_fetch_add_explicit(&inflight_of(dev)->ns, cost_ns, memory_order_relaxed);
     atomic_fetch_add_explicit(&inflight_of(dev)->n, 1, memory_order_relaxed);
     /* `now`: the clock read of the look that admitted it (a CAS later). */
-    gv_arb_admitted(dev, uuid, now, cost_ns);
+    if (!skip_arb)
+        gv_arb_admitted(dev, uuid, now, cost_ns);
+    if (a)
+        a->arb = !skip_arb;
     uint64_t waited = now - start;
     if (waited > 1000)
         atomic_fetch_add_explicit(&sm->wait_ns, waited, memory_order_relaxed);
@@ -355,15 +370,16 @@ void gv_sm_overrun(struct gv_sm *sm, int dev, uint32_t share, uint64_t extra_ns)
         atomic_fetch_add(&sm->tat, extra_ns * 10000 / share);
 }
 
-void gv_sm_settle(struct gv_sm *sm, int dev, uint32_t share, uint64_t charged_ns, uint64_t actual_ns)
+void gv_sm_settle(struct gv_sm *sm, int dev, uint32_t share, uint64_t charged_ns, uint64_t actual_ns,
+                  uint32_t arb)
 {
-    gv_sm_settle_n(sm, dev, share, charged_ns, actual_ns, 1);
+    gv_sm_settle_n(sm, dev, share, charged_ns, actual_ns, 1, arb);
 }
 
 void gv_sm_settle_n(struct gv_sm *sm, int dev, uint32_t share, uint64_t charged_ns,
-                    uint64_t actual_ns, uint32_t n)
+                    uint64_t actual_ns, uint32_t n, uint32_t arb)
 {
-    gv_arb_settled_n(dev, n);
+    gv_arb_settled_n(dev, arb);
     atomic_fetch_sub_explicit(&inflight_of(dev)->ns, charged_ns, memory_order_relaxed);
     atomic_fetch_sub_explicit(&inflight_of(dev)->n, n, memory_order_relaxed);
     atomic_fetch_add_explicit(&sm->busy_ns, actual_ns, memory_order_relaxed);

@@ -45,6 +45,7 @@ struct rec {
                                  * return, when over STRETCH_NS; else 0 */
     uint32_t share;
     uint32_t n;                 /* launches it measures: 1, or a segment's (est: their sum) */
+    uint32_t arb_n;             /* of those, the ones the arbiter counted (gv_sm_admission) */
     int segment;                /* a segment's: its end event recorded later, not after it */
     uint32_t idx;               /* 1 + its place in `pool`; 0: malloc'd */
     _Atomic uint32_t free_next; /* the next on a pool stack (idx; 0: none) */
@@ -444,7 +445,7 @@ static void seg_end_locked(struct seg *g)
     atomic_fetch_sub(&segs_open, 1);
     if (GV_REAL(cuEventRecord, ev_record_fn)(r->end, r->stream) != CUDA_SUCCESS) {
         unmeasured();
-        gv_sm_settle_n(r->sm, r->dev, r->share, r->est, r->est, r->n);
+        gv_sm_settle_n(r->sm, r->dev, r->share, r->est, r->est, r->n, r->arb_n);
         drop(r);
         return;
     }
@@ -623,10 +624,10 @@ static int try_settle_known(struct rec *r, CUcontext *current, int force, int kn
          * segments hold more idle time). */
         if (!r->stretch && !r->segment)
             gv_sm_learn(r->key, ns);
-        gv_sm_settle_n(r->sm, r->dev, r->share, r->est + r->over, ns, r->n);
+        gv_sm_settle_n(r->sm, r->dev, r->share, r->est + r->over, ns, r->n, r->arb_n);
     } else {
         uint64_t kept = r->est + r->over;   /* unknown: keep what was charged */
-        gv_sm_settle_n(r->sm, r->dev, r->share, kept, kept, r->n);
+        gv_sm_settle_n(r->sm, r->dev, r->share, kept, kept, r->n, r->arb_n);
     }
     recycle(r, !force);
     return 1;
@@ -840,7 +841,7 @@ static void settle_unmetered(void)
 {
     for (struct rec *r = atomic_exchange(&inbox, NULL), *next; r; r = next) {
         next = r->next;
-        gv_sm_settle_n(r->sm, r->dev, r->share, r->est, r->est, r->n);
+        gv_sm_settle_n(r->sm, r->dev, r->share, r->est, r->est, r->n, r->arb_n);
         drop(r);
     }
 }
@@ -1043,8 +1044,15 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
     l->ptsz = ptsz;
     l->key = key;
     l->est = gv_sm_estimate(key);
-    struct gv_sm_admission adm = { .waiting = seg_waiting };
+    /* Likely to join its open segment on this stream (decided below). */
+    struct seg *g0 = t->seg.s;
+    struct gv_sm_admission adm = {
+        .waiting = seg_waiting,
+        .joins = g0 && t->seg.stream == stream && t->seg.ctx == ctx &&
+                 atomic_load_explicit(&g0->open, memory_order_relaxed) != NULL,
+    };
     l->share = gv_sm_admit(sm, d->region_dev, d->uuid_str, l->est, &adm);
+    l->arb = (uint32_t)adm.arb;
     l->start = adm.waited ? 0 : adm.start;
     /* Segments (above): back to back on the same stream, alone. */
     uint64_t tok = (uint64_t)(uintptr_t)t;     /* names the thread */
@@ -1093,6 +1101,12 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
         seg_lock(g);
         seg_end_here(g);
         seg_unlock(g);
+    }
+    if (!l->arb) {
+        /* It skipped the arbiter to join, and does not: counted there now,
+         * so that a segment it opens stays in flight for other containers. */
+        gv_arb_admitted(d->region_dev, d->uuid_str, adm.start, l->est);
+        l->arb = 1;
     }
     int resume = join && t->seg.in_seg && adm.start - t->seg.in_seg <= SEG_RESUME_NS &&
                  ctx && !ptsz && stream != GV_CU_STREAM_PER_THREAD;
@@ -1158,6 +1172,7 @@ static void seg_joined(gv_sm_launch *l, CUresult rc, uint64_t now)
     int still = r && atomic_load(&g->seq) == l->seq;
     if (rc == CUDA_SUCCESS && still) {
         r->n++;
+        r->arb_n += l->arb;
         r->est += l->est;
         r->stretch = 0;
         atomic_store(&g->last, now);
@@ -1165,9 +1180,9 @@ static void seg_joined(gv_sm_launch *l, CUresult rc, uint64_t now)
     atomic_fetch_sub(&g->joining, 1);
     seg_unlock(g);
     if (rc != CUDA_SUCCESS)
-        gv_sm_settle(l->sm, l->dev, l->share, l->est, 0);   /* not launched */
+        gv_sm_settle(l->sm, l->dev, l->share, l->est, 0, l->arb);   /* not launched */
     else if (!still)
-        gv_sm_settle(l->sm, l->dev, l->share, l->est, l->est);
+        gv_sm_settle(l->sm, l->dev, l->share, l->est, l->est, l->arb);
 }
 
 void gv_sm_end(gv_sm_launch *l, CUresult rc)
@@ -1194,7 +1209,7 @@ void gv_sm_end(gv_sm_launch *l, CUresult rc)
     if (rc != CUDA_SUCCESS || !l->begin) {
         gv_sm_enqueue_end(l->sm, l->dev, l->enqueue);
         /* Not launched: give the charge back.  Unmeasured: keep it. */
-        gv_sm_settle(l->sm, l->dev, l->share, l->est, rc != CUDA_SUCCESS ? 0 : l->est);
+        gv_sm_settle(l->sm, l->dev, l->share, l->est, rc != CUDA_SUCCESS ? 0 : l->est, l->arb);
         drop_events(l);
         return;
     }
@@ -1212,7 +1227,7 @@ void gv_sm_end(gv_sm_launch *l, CUresult rc)
     else
         r = l->rec ? (struct rec *)l->rec : rec_new();
     if (!r) {
-        gv_sm_settle(l->sm, l->dev, l->share, l->est, l->est);
+        gv_sm_settle(l->sm, l->dev, l->share, l->est, l->est, l->arb);
         drop_events(l);
         return;
     }
@@ -1229,6 +1244,7 @@ void gv_sm_end(gv_sm_launch *l, CUresult rc)
     r->stretch = stretch > STRETCH_NS ? stretch : 0;
     r->share = l->share;
     r->n = 1;
+    r->arb_n = l->arb;
     r->segment = 0;
     if (l->seg) {
         /* Opened, unless a capture began meanwhile: its thread waits for
@@ -1251,7 +1267,7 @@ void gv_sm_end(gv_sm_launch *l, CUresult rc)
         if (record(l->end, l->stream) != CUDA_SUCCESS) {
             seg_unlock(g);
             unmeasured();
-            gv_sm_settle(l->sm, l->dev, l->share, l->est, l->est);
+            gv_sm_settle(l->sm, l->dev, l->share, l->est, l->est, l->arb);
             drop(r);
             return;
         }
