@@ -33,7 +33,7 @@
  * the next wait), instead of one or two between waits each a poll of the
  * meter apart.  The clock is not moved: the credit is spent after the
  * wait, so the share over time is the same. */
-#define WAKE_CREDIT_NS (1000ULL * 1000)
+#define WAKE_CREDIT_NS (2000ULL * 1000)
 #define DEFAULT_ESTIMATE_NS 1000000ULL   /* unknown kernels: 1 ms until measured */
 /* What each process may have in flight (admitted, not yet finished): a
  * short queue, because on a time-sliced device a kernel queued behind
