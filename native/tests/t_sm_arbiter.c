@@ -181,6 +181,9 @@ static void child_loop(int in, int out)
         case 's':
             gv_arb_settled(0);
             break;
+        case 'q':           /* its last check saw no other container */
+            r = gv_arb_quiet_at(0) != 0;
+            break;
         case 'n':
             gv_arb_not_waiting(0);
             break;
@@ -495,12 +498,14 @@ int main(int argc, char **argv)
     struct child x = spawn("x"), y = spawn("y");
     int r;
     CHECK(ask(&x, 'c', 0) == -1, "a container alone: the launch order is not in play");
+    CHECK(ask(&x, 'q', 0) == 1, "a container alone: its check saw no other (gv_arb_quiet_at)");
     CHECK(ask(&x, 'a', 0) == 0, "admitted");
     CHECK(ask(&x, 's', 0) == 0, "settled");
 
     /* Next to a container that launched lately, with nothing in flight and
      * nobody waiting: go. */
     CHECK(expect(&y, &x, 2 * MS, 1), "nothing in flight: go");
+    CHECK(ask(&y, 'q', 0) == 0, "next to x, which launched lately: not quiet (gv_arb_quiet_at)");
     lately(&y);
 
     /* The process furthest behind its share takes a free turn.  y holds
