@@ -187,6 +187,7 @@ static void waits(struct gv_sm_admission *a)
 {
     if (a && !a->waited) {
         a->waited = 1;
+        a->joins = 0;       /* its segment ends: the arbiter is asked again */
         if (a->waiting)
             a->waiting();
     }
@@ -302,8 +303,10 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
         uint64_t ref = turn_since ? turn_since : now;
         uint64_t floor0 = ref > LAG_NS ? ref - LAG_NS : 0;
         uint64_t base0 = tat > floor0 ? tat : floor0;
-        uint64_t quiet = a && a->joins ? gv_arb_quiet_at(dev) : 0;
-        skip_arb = quiet && now >= quiet && now - quiet <= ARB_QUIET_NS;
+        if (a && a->joins) {
+            uint64_t quiet = gv_arb_quiet_at(dev);      /* 0: saw one; later: another thread's */
+            skip_arb = quiet && now - quiet <= ARB_QUIET_NS;
+        }
         if (base0 <= now + TOLERANCE_NS && !skip_arb) {
             arb = gv_arb_check(dev, uuid, base0, now, queued, count, cost_ns);
             if (arb == 0 || arb == 2) {

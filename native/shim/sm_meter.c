@@ -1060,14 +1060,6 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
     int only_mine = atomic_load_explicit(tag, memory_order_relaxed) == tok;
     if (!only_mine)
         atomic_store_explicit(tag, tok, memory_order_relaxed);
-    /* Back to back: soon after the thread's last launch on the stream, or
-     * while the stream is still busy with the work admitted so far (by
-     * the estimates). */
-    int b2b = l->start && !adm.turn && adm.alone && ctx && !ptsz &&
-              stream != GV_CU_STREAM_PER_THREAD && t->seg.exit && t->seg.stream == stream &&
-              t->seg.ctx == ctx && l->start >= t->seg.exit &&
-              (l->start - t->seg.exit <= t->seg.exit - t->seg.entry ||
-               t->seg.busy_until > l->start);
     /* Joining an open segment after a gap (the thread was not run, say)
      * charges the gap, as ending it here would (its end event recorded
      * now); a pause longer than SEG_IDLE_NS has ended it (the meter). */
@@ -1108,6 +1100,14 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
         gv_arb_admitted(d->region_dev, d->uuid_str, adm.start, l->est);
         l->arb = 1;
     }
+    /* Not joining.  Back to back: soon after the thread's last launch on the stream, or
+     * while the stream is still busy with the work admitted so far (by
+     * the estimates). */
+    int b2b = l->start && !adm.turn && adm.alone && ctx && !ptsz &&
+              stream != GV_CU_STREAM_PER_THREAD && t->seg.exit && t->seg.stream == stream &&
+              t->seg.ctx == ctx && l->start >= t->seg.exit &&
+              (l->start - t->seg.exit <= t->seg.exit - t->seg.entry ||
+               t->seg.busy_until > l->start);
     int resume = join && t->seg.in_seg && adm.start - t->seg.in_seg <= SEG_RESUME_NS &&
                  ctx && !ptsz && stream != GV_CU_STREAM_PER_THREAD;
     if ((b2b || resume) && only_mine && atomic_load(&started) &&
