@@ -101,35 +101,30 @@ class NvmlMig:
                 ) from None
 
     def enable(self, gpu: str) -> None:
-        with self._lock:
-            h = self._handle(gpu)
-            try:
-                pynvml.nvmlDeviceSetMigMode(h, pynvml.NVML_DEVICE_MIG_ENABLE)
-                current, pending = pynvml.nvmlDeviceGetMigMode(h)
-            except pynvml.NVMLError as exc:
-                raise MigDriverError(
-                    f"GPU {gpu}: nvmlDeviceSetMigMode(enable): {_why(exc)}"
-                ) from None
-            if current != pynvml.NVML_DEVICE_MIG_ENABLE:
-                raise MigDriverError(
-                    f"GPU {gpu}: MIG mode is pending ({pending}) and needs a GPU reset; "
-                    "not done by the device plugin"
-                )
+        self._set_mode(gpu, pynvml.NVML_DEVICE_MIG_ENABLE, "enable", "MIG mode is pending")
 
     def disable(self, gpu: str) -> None:
+        self._set_mode(
+            gpu, pynvml.NVML_DEVICE_MIG_DISABLE, "disable", "turning MIG mode off is pending"
+        )
+
+    def _set_mode(self, gpu: str, mode: int, verb: str, pending_says: str) -> None:
+        """Ask NVML for MIG mode `mode`; an error if it is not current at
+        once (a change that waits for a GPU reset, which the device plugin
+        never does)."""
         with self._lock:
             h = self._handle(gpu)
             try:
-                pynvml.nvmlDeviceSetMigMode(h, pynvml.NVML_DEVICE_MIG_DISABLE)
+                pynvml.nvmlDeviceSetMigMode(h, mode)
                 current, pending = pynvml.nvmlDeviceGetMigMode(h)
             except pynvml.NVMLError as exc:
                 raise MigDriverError(
-                    f"GPU {gpu}: nvmlDeviceSetMigMode(disable): {_why(exc)}"
+                    f"GPU {gpu}: nvmlDeviceSetMigMode({verb}): {_why(exc)}"
                 ) from None
-            if current != pynvml.NVML_DEVICE_MIG_DISABLE:
+            if current != mode:
                 raise MigDriverError(
-                    f"GPU {gpu}: turning MIG mode off is pending ({pending}) and needs a GPU "
-                    "reset; not done by the device plugin"
+                    f"GPU {gpu}: {pending_says} ({pending}) and needs a GPU reset; "
+                    "not done by the device plugin"
                 )
 
     def _devices(self, h: Any) -> dict[int, tuple[str, bool]]:

@@ -157,15 +157,20 @@ def windows(
             t += lead[c]
             continue
         d = loads[c].next_unit()
-        start, end = t, t + d
-        k = int(start / WINDOW_S)
-        while start < end and k < n_win:
-            stop = min(end, (k + 1) * WINDOW_S)
-            busy[c][k] += stop - start
-            start, k = stop, k + 1
+        _count_busy(busy[c], t, t + d)
         used[c] += d
-        t = end
+        t += d
     return [[100 * b / WINDOW_S for b in row] for row in busy]
+
+
+def _count_busy(row: list[float], start: float, end: float) -> None:
+    """Add the busy interval [start, end) to the windows of `row` it
+    covers (WINDOW_S each; the part past the last window is dropped)."""
+    k = int(start / WINDOW_S)
+    while start < end and k < len(row):
+        stop = min(end, (k + 1) * WINDOW_S)
+        row[k] += stop - start
+        start, k = stop, k + 1
 
 
 def turn_windows(
@@ -204,15 +209,10 @@ def turn_windows(
         ran = 0.0
         while ran < length and t < seconds:
             d = loads[c].next_unit()
-            start, end = t, t + d
-            k = int(start / WINDOW_S)
-            while start < end and k < n_win:
-                stop = min(end, (k + 1) * WINDOW_S)
-                busy[c][k] += stop - start
-                start, k = stop, k + 1
+            _count_busy(busy[c], t, t + d)
             used[c] += d
             ran += d
-            t = end
+            t += d
     return [[100 * b / WINDOW_S for b in row] for row in busy]
 
 
@@ -263,11 +263,7 @@ def queued_windows(
             idle += start - dev_free
             end = dev_free = start + d
             flying.append((c, d, est, start, end))
-            k = int(start / WINDOW_S)
-            while start < end and k < n_win:
-                stop = min(end, (k + 1) * WINDOW_S)
-                busy[c][k] += stop - start
-                start, k = stop, k + 1
+            _count_busy(busy[c], start, end)
             continue
         ends = [u[4] + latency for u in flying]
         t = min([t + step, *ends]) if ends else t + step
