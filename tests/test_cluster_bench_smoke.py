@@ -1,28 +1,43 @@
 """The scheduling benchmark (make bench-cluster, tests/bench/cluster_bench.py)
 on a few nodes and pods, so it cannot rot: both runs bind every pod through
 the real kube-scheduler, the run with the extender binds through it (its
-counters), and the section has its table and verdict."""
+counters), each of two rounds against a fresh kube-scheduler, and the section
+has its per-round table and its verdict on the median ratio."""
 
 from __future__ import annotations
 
+import statistics
 from pathlib import Path
 
-from tests.bench.cluster_bench import TITLE, bench, section
+from tests.bench.cluster_bench import TITLE, bench, pairs, ratio, section
 from tests.k8s_cluster import KubeTest
 
 
 def test_the_cluster_benchmark_runs_small(k8s: KubeTest, tmp_path: Path) -> None:
-    runs = bench(k8s, nodes=3, pods=8, workdir=tmp_path, timeout=120)
-    assert [r.name for r in runs] == ["without", "with-extender"]
-    assert [r.bound for r in runs] == [8, 8]
+    runs = bench(k8s, nodes=3, pods=8, workdir=tmp_path, timeout=120, rounds=2)
+    assert [(r.round, r.name) for r in runs] == [
+        (1, "without"),
+        (1, "with-extender"),
+        (2, "without"),
+        (2, "with-extender"),
+    ]
+    assert [r.bound for r in runs] == [8, 8, 8, 8]
     assert all(r.per_second > 0 for r in runs)
-    verbs = runs[1].verbs
-    assert verbs is not None
-    assert verbs["bind"][0] >= 8  # every pod was bound by the extender
-    assert verbs["filter"][0] >= 8
+    for r in runs[1::2]:
+        # each round's extender is fresh: its counters are that round's alone
+        verbs = r.verbs
+        assert verbs is not None
+        assert 8 <= verbs["bind"][0] < 16  # every pod was bound by the extender
+        assert verbs["filter"][0] >= 8
     assert runs[0].verbs is None
+    assert runs[2].verbs is None
+    ratios = [ratio(p) for p in pairs(runs)]
+    assert len(ratios) == 2
+    assert all(x > 0 for x in ratios)
     text = section(runs)
     assert text.startswith(TITLE)
-    assert "| without | 3 x 8 | 8 | 8 |" in text
-    assert "| with-extender | 3 x 8 | 8 | 8 |" in text
+    for n in (1, 2):
+        assert f"| {n} | without | 3 x 8 | 8 | 8 |" in text
+        assert f"| {n} | with-extender | 3 x 8 | 8 | 8 |" in text
     assert "Goal: the extender costs kube-scheduler less than half its throughput" in text
+    assert f"{statistics.median(ratios):.0%} of the rate without, median (the 2 rounds:" in text
