@@ -137,6 +137,8 @@ class BindWatch:
         self.bound: dict[str, float] = {}
         self.meter: CpuMeter | None = None  # read at each pod's bind, once set
         self.done = threading.Event()
+        self._stopped = threading.Event()
+        self.rewatches = 0  # watches that ended before every pod was seen bound
         listed = k8s.core.list_namespaced_pod(k8s.namespace)
         for p in listed.items:
             self._see(p)
@@ -155,18 +157,34 @@ class BindWatch:
                 self.done.set()
 
     def _run(self) -> None:
-        stream = self._watch.stream(
-            self.k8s.core.list_namespaced_pod,
-            self.k8s.namespace,
-            resource_version=self._version,
-            timeout_seconds=3600,
-        )
-        for event in stream:
-            self._see(event["object"])
-            if self.done.is_set():
-                break
+        # A watch can end early (the apiserver closes it, or the client ends a
+        # stream it could not resume): list again and watch on until every pod
+        # is seen bound, rather than leave the run waiting out its timeout.
+        while not self.done.is_set() and not self._stopped.is_set():
+            with contextlib.suppress(Exception):
+                stream = self._watch.stream(
+                    self.k8s.core.list_namespaced_pod,
+                    self.k8s.namespace,
+                    resource_version=self._version,
+                    timeout_seconds=3600,
+                )
+                for event in stream:
+                    self._see(event["object"])
+                    if self.done.is_set():
+                        return
+            if self.done.is_set() or self._stopped.is_set():
+                return
+            self.rewatches += 1
+            with contextlib.suppress(Exception):
+                listed = self.k8s.core.list_namespaced_pod(self.k8s.namespace)
+                for p in listed.items:
+                    self._see(p)
+                self._version = listed.metadata.resource_version
+                self._watch = kubernetes.watch.Watch()
+            time.sleep(0.1)
 
     def stop(self) -> None:
+        self._stopped.set()
         self._watch.stop()
 
 
@@ -272,6 +290,8 @@ def scheduler_run(
         cpu = watch.meter.per_pod_ms()
         times = sorted(watch.bound.values())
         scheduler.stop()
+        if watch.rewatches:
+            print(f"{name}: the pod watch ended {watch.rewatches} times early; bind times late")
     finally:
         watch.stop()
     if not times:
