@@ -212,9 +212,11 @@ def test_the_stall_probe_reports_a_stopped_cpu(built: Path) -> None:
     assert len(cpus) == got["cpus"], got  # every CPU's thread saw the stop
     for cpu in cpus:
         # Its wake-up due when the stop began came 40 ms or more late (a
-        # thread already held up by other load may have been due earlier).
+        # thread already held up by other load may have been due earlier;
+        # the stop itself may take hold a few ms after kill() returns on a
+        # loaded machine: CI saw a wake-up due 1.26 ms after it 63 ms late).
         assert any(
-            c == cpu and stop_at - 50_000_000 <= at <= stop_at + 1_000_000 and late >= 40_000_000
+            c == cpu and stop_at - 50_000_000 <= at <= stop_at + 5_000_000 and late >= 40_000_000
             for c, at, late in got["stalls"]
         ), (cpu, stop_at, got["stalls"])
     for _, at, late in got["stalls"]:
