@@ -739,12 +739,20 @@ def test_lenders_side_by_side_split_the_spare_capacity(
     got = [shares.get(str(p.pid), 0) for p in procs]
     total = sum(got)
     print(f"terms {terms}: shares {got}, want {want}")
-    # How the device is split, and that it is not left idle; on a loaded
-    # machine the launchers may not keep it quite full (CPU, not policy: a
-    # loaded CI run read 79).
+    # That the device is not left idle; on a loaded machine the launchers
+    # may not keep it quite full (CPU, not policy: a loaded CI run read 79).
     assert total >= 75
+    # Nobody keeps more than its part of the device (the failures above:
+    # 60 % for a part of 50, 50 % for a part of 33).
     for g, w in zip(got, want, strict=True):
-        assert abs(g * 100 / total - w) <= 5
+        assert g <= w + 5
+    # How the device is split, where the launchers kept it nearly full.  A
+    # launcher short of CPU uses less than its part, and its neighbour,
+    # held to its own, does not make up for it: a loaded CI run read 47 and
+    # 30 for two parts of 50 (total 77), 61 % and 39 % of what was used.
+    if total >= 85:
+        for g, w in zip(got, want, strict=True):
+            assert abs(g * 100 / total - w) <= 5
 
 
 def test_a_killed_lenders_part_comes_back_within_a_second(node: SimNode, tmp_path: Path) -> None:
