@@ -111,6 +111,10 @@ class Decision:
     version: int
     reasons: Mapping[str, str]
     score: Mapping[str, Any]
+    # the node's inventory the plan was made on (None: the pod fits nowhere):
+    # commit's check of a node whose state moved meanwhile counts usage by
+    # GPU index, which holds only on that inventory
+    inventory: Inventory | None = field(compare=False, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"pod": self.pod.name, "node": self.node}
@@ -1084,7 +1088,7 @@ class Allocator:
                 changing += 1
                 finalists.append((st, version, plan))
         if not finalists:
-            return Decision(pod, None, None, {}, 0, reasons, {})
+            return Decision(pod, None, None, {}, 0, reasons, {}, None)
         st, version, plan = min(finalists, key=lambda f: f[2].key)
         alloc = Allocation(pod.name, pod.uid, st.inv.node, tuple(plan.containers))
         score = {
@@ -1093,7 +1097,7 @@ class Allocator:
             "finalists": [f[0].inv.node for f in finalists],
             **plan.terms,
         }
-        return Decision(pod, st.inv.node, alloc, plan.charge, version, reasons, score)
+        return Decision(pod, st.inv.node, alloc, plan.charge, version, reasons, score, st.inv)
 
     def _plans_of(self, pod: PodRequest) -> dict[str, KeptPlan]:
         """The plans kept for pods of this one's shape (all but its name and
@@ -1132,6 +1136,11 @@ class Allocator:
         with node.lock:
             if self.nodes.get(decision.node) is not node:
                 raise Conflict(f"{decision.node}: its inventory changed")
+            planned_on = decision.inventory
+            if planned_on is not None and planned_on is not node.inv and planned_on != node.inv:
+                # a GPU turned unhealthy, gone, or renumbered since: the
+                # usage check below counts by index and would not see it
+                raise Conflict(f"{decision.node}: its inventory changed since the pod was placed")
             if decision.pod.name in node.pods:
                 raise Conflict(f"{decision.pod.name} is already allocated on {decision.node}")
             if node.version != decision.version:

@@ -31,7 +31,7 @@ from typing import Any
 from gpuvisor.cluster.allocation import ANNOTATION, Allocation, ContainerGrant, load_allocation
 from gpuvisor.cluster.allocator import Allocator, Config, Conflict, Decision
 from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY
-from gpuvisor.cluster.inventory_model import DocumentError, load_inventory
+from gpuvisor.cluster.inventory_model import DocumentError, Inventory, load_inventory
 from gpuvisor.cluster.request import PodRequest
 
 from .wake import Wake
@@ -115,7 +115,8 @@ class ClusterState:
         self.held: dict[str, Held] = {}  # pod key -> whose reservation the allocator holds
         # pods held by assume() and not bound yet: pod key -> when (monotonic)
         self.assumed: dict[str, float] = {}
-        self.assumed_for: dict[str, tuple[PodRequest, Allocation]] = {}  # the request, the room
+        # the request, the room, and the node's inventory it was planned on
+        self.assumed_for: dict[str, tuple[PodRequest, Allocation, Inventory | None]] = {}
         self._swept = 0.0
         # allocations of pods whose node has no inventory yet: node -> pod -> allocation
         self.waiting: dict[str, dict[str, Allocation]] = {}
@@ -383,7 +384,9 @@ class ClusterState:
 
     def claim(self, key: str, uid: str, node: str, req: PodRequest) -> Allocation | None:
         """The room prioritize assumed for the pod, now its bind's: if it is
-        this pod's (uid), on node, for the same request, and still not
+        this pod's (uid), on node, for the same request, on the node's
+        inventory as it was then (not on a GPU turned unhealthy since, nor
+        on a MIG slice since in use by something else), and still not
         ambiguous; None otherwise (bind then decides again).  Dropping it
         to decide again let the next pod's filter take its room meanwhile,
         and the bind then failed (make bench-cluster)."""
@@ -393,6 +396,9 @@ class ClusterState:
                 return None
             placed = self.assumed_for.get(key)
             if placed is None or placed[0] != req:
+                return None
+            now = self.allocator.nodes.get(node)
+            if now is None or (now.inv is not placed[2] and now.inv != placed[2]):
                 return None
             allocation = placed[1]
             if self.ambiguity(allocation) is not None:
@@ -432,7 +438,7 @@ class ClusterState:
                 return False
             self.held[key] = Held(uid, decision.allocation.node)
             self.assumed[key] = now
-            self.assumed_for[key] = (decision.pod, decision.allocation)
+            self.assumed_for[key] = (decision.pod, decision.allocation, decision.inventory)
             return True
 
     def unassume(self, key: str) -> None:
