@@ -42,7 +42,7 @@ from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY, InventoryPubli
 from gpuvisor.cluster.deviceplugin.runner import PluginRunner
 from gpuvisor.cluster.deviceplugin.service import DevicePluginService, PluginConfig
 
-from tests.cluster_sim import admit, device_plugin_argv
+from tests.cluster_sim import admit, device_plugin_argv, limits_file
 from tests.helpers import CLI as GPUVISOR
 from tests.helpers import LIBRARY, REPO_ROOT, SimNode, run_py, stop_process
 from tests.k8s_cluster import GPU, GPUCORES, GPUMEM, KubeTest, free_port, gpu_container
@@ -349,6 +349,65 @@ def test_two_containers_and_an_init_container(stack: Stack) -> None:
     for name, mib in (("setup", 2000), ("a", 3000), ("b", 4000)):
         (g,) = gpus_of_container(doc, name)
         assert node.probe(resps[name]) == {"init": 0, "uuids": [g["uuid"]], "mib": [mib]}
+
+
+def sm_limit(resp: Any) -> str:
+    """CUDA_DEVICE_SM_LIMIT of the container's limits file (Allocate's mount)."""
+    for line in limits_file(resp).read_text().splitlines():
+        if line.startswith("CUDA_DEVICE_SM_LIMIT="):
+            return line.split("=", 1)[1]
+    raise AssertionError(f"no CUDA_DEVICE_SM_LIMIT in {limits_file(resp)}")
+
+
+def test_an_init_containers_gpu_is_charged_once_with_the_app_containers(stack: Stack) -> None:
+    """kubelet hands an init container's devices to the first app container,
+    so the allocator places the init container on that container's GPU and
+    charges the GPU as Kubernetes counts init containers: per dimension the
+    larger of the two, never their sum.  Through kube-scheduler, the
+    extender and the device plugin: each container runs with its own
+    limits on the one GPU; a pod that needs the init container's memory
+    counted (9000 MiB, not the app's 6000) does not fit beside it, and one
+    that fits only if the two were not added up (15000 MiB, 70 % cores on
+    a 16384 MiB GPU) does."""
+    k = stack.k8s
+    node = stack.plugin_node("sx-init")
+    assert {g.memory_mib for g in node.gpus} == {16384}
+    k.create_pod(
+        "warm",
+        init_containers=[gpu_container("setup", gpus=1, gpumem=9000, gpucores=20)],
+        containers=[gpu_container("main", gpus=1, gpumem=6000, gpucores=50)],
+    )
+    assert k.wait_bound("warm") == "sx-init"
+    pod = k.read_pod("warm")
+    doc = allocation_of(pod)
+    (setup,) = gpus_of_container(doc, "setup")
+    (main,) = gpus_of_container(doc, "main")
+    assert setup["uuid"] == main["uuid"]
+    (other,) = {g.uuid for g in node.gpus} - {main["uuid"]}
+    _, resps = node.admit(pod)
+    for name, mib, cores in (("setup", 9000, "20"), ("main", 6000, "50")):
+        got = node.probe(resps[name])
+        assert got == {"init": 0, "uuids": [main["uuid"]], "mib": [mib]}, name
+        assert sm_limit(resps[name]) == cores, name
+    # The GPU has 16384 - 9000 = 7384 MiB left: had the init container's
+    # charge been left out (the app's 6000 only), 7500 would fit there.
+    k.create_pod("over", containers=[gpu_container("main", gpus=2, gpumem=7500, gpucores=10)])
+    why = k.wait_unschedulable("over")
+    assert "needs 2 GPUs with 7500 MiB and 10% cores free, has 1" in why, why
+    k.core.delete_namespaced_pod("over", k.namespace, grace_period_seconds=0)
+    # 7000 MiB and 50 % cores fit beside max(9000, 6000) MiB and
+    # max(20, 50) % cores; beside their sum (15000 MiB, 70 %) they would not.
+    k.create_pod("pair", containers=[gpu_container("main", gpus=2, gpumem=7000, gpucores=50)])
+    assert k.wait_bound("pair") == "sx-init"
+    pair = k.read_pod("pair")
+    gpus = gpus_of_container(allocation_of(pair), "main")
+    assert {g["uuid"] for g in gpus} == {main["uuid"], other}
+    _, resps = node.admit(pair)
+    got = node.probe(resps["main"])
+    assert got["init"] == 0
+    assert sorted(got["uuids"]) == sorted([main["uuid"], other])
+    assert got["mib"] == [7000, 7000]
+    assert sm_limit(resps["main"]) == "50"
 
 
 def test_type_and_uuid_selection(stack: Stack) -> None:
