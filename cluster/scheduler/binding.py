@@ -32,13 +32,24 @@ CONNECTIONS = 48  # the client's pool size for the verbs (cli.py)
 
 
 class ApiError(RuntimeError):
-    """The API server answered the write with `status` (not 2xx)."""
+    """The API server answered the write with `status` (not 2xx); the
+    message is one line: the status, and `detail` (why) when known."""
 
-    def __init__(self, status: int, reason: str, body: bytes) -> None:
-        super().__init__(f"{status} {reason}")
+    def __init__(self, status: int, reason: str, body: bytes, detail: str = "") -> None:
+        super().__init__(f"{status} {reason}: {detail}" if detail else f"{status} {reason}")
         self.status = status
         self.reason = reason
         self.body = body
+
+
+def status_message(body: bytes) -> str:
+    """The `message` of the API server's Status answer, on one line ("" if none)."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return ""
+    message = doc.get("message") if isinstance(doc, dict) else None
+    return " ".join(str(message).split()) if message else ""
 
 
 def tls_context(configuration: Any) -> ssl.SSLContext:
@@ -72,6 +83,18 @@ class Binder:
         name = configuration.tls_server_name or (asserted if isinstance(asserted, str) else None)
         self._server_hostname: str | None = name or None
         self._session: aiohttp.ClientSession | None = None
+
+    def credentials(self) -> str:
+        """What the requests authenticate with, named as the kubeconfig's
+        (or a pod's) field holding it, for a 401's message."""
+        if any(k.lower() == "authorization" for k in self._headers()):
+            return (
+                "the bearer token (the kubeconfig user's `token`, or in a pod its "
+                "service account's token file)"
+            )
+        if self.configuration.cert_file:
+            return "the client certificate (the kubeconfig user's `client-certificate`)"
+        return "no credentials (the kubeconfig user has no `token` or `client-certificate`)"
 
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json", "Accept": "application/json"}
@@ -110,7 +133,12 @@ class Binder:
         ) as response:
             data = await response.read()  # read to the end: the connection is kept
             if not 200 <= response.status <= 299:
-                raise ApiError(response.status, str(response.reason or ""), data)
+                if response.status == 401:
+                    # the API server's Status says only "Unauthorized"
+                    detail = f"the API server did not accept {self.credentials()}"
+                else:
+                    detail = status_message(data)
+                raise ApiError(response.status, str(response.reason or ""), data, detail)
 
     async def close(self) -> None:
         if self._session is not None:
