@@ -111,10 +111,16 @@ class Decision:
     version: int
     reasons: Mapping[str, str]
     score: Mapping[str, Any]
-    # the node's inventory the plan was made on (None: the pod fits nowhere):
-    # commit's check of a node whose state moved meanwhile counts usage by
-    # GPU index, which holds only on that inventory
-    inventory: Inventory | None = field(compare=False, repr=False)
+    # the node's state the plan was made on (None: the pod fits nowhere):
+    # `version` counts its changes only, and commit's check of a node whose
+    # state moved meanwhile counts usage by GPU index, which holds only on
+    # its inventory
+    planned_on: NodeState | None = field(compare=False, repr=False)
+
+    @property
+    def inventory(self) -> Inventory | None:
+        """The node's inventory the plan was made on."""
+        return self.planned_on.inv if self.planned_on is not None else None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"pod": self.pod.name, "node": self.node}
@@ -1097,7 +1103,7 @@ class Allocator:
             "finalists": [f[0].inv.node for f in finalists],
             **plan.terms,
         }
-        return Decision(pod, st.inv.node, alloc, plan.charge, version, reasons, score, st.inv)
+        return Decision(pod, st.inv.node, alloc, plan.charge, version, reasons, score, st)
 
     def _plans_of(self, pod: PodRequest) -> dict[str, KeptPlan]:
         """The plans kept for pods of this one's shape (all but its name and
@@ -1136,14 +1142,16 @@ class Allocator:
         with node.lock:
             if self.nodes.get(decision.node) is not node:
                 raise Conflict(f"{decision.node}: its inventory changed")
-            planned_on = decision.inventory
-            if planned_on is not None and planned_on is not node.inv and planned_on != node.inv:
+            planned_on = decision.planned_on
+            if planned_on is not node and (planned_on is None or planned_on.inv != node.inv):
                 # a GPU turned unhealthy, gone, or renumbered since: the
                 # usage check below counts by index and would not see it
                 raise Conflict(f"{decision.node}: its inventory changed since the pod was placed")
             if decision.pod.name in node.pods:
                 raise Conflict(f"{decision.pod.name} is already allocated on {decision.node}")
-            if node.version != decision.version:
+            # another state of the node (its inventory published again, its
+            # Node made again) counts its versions anew: checked whatever it says
+            if planned_on is not node or node.version != decision.version:
                 problem = node.check(decision.charge)
                 if problem:
                     raise Conflict(f"{decision.node}: {problem}")

@@ -143,3 +143,23 @@ def test_a_room_assumed_on_a_gpu_turned_unhealthy_is_decided_again_at_bind() -> 
     assert gpus_of(pods, "x") == [[f"GPU-n0-{1 - bad.index}"]]
     (placed,) = [a for a, _c in e.allocator.nodes["n0"].pods.values()]
     assert [g.uuid for g in placed.containers[0].gpus] == [f"GPU-n0-{1 - bad.index}"]
+
+
+def test_a_decision_on_a_node_deleted_and_made_again_is_checked() -> None:
+    """The node's Node object deleted and made again with the same
+    inventory: a new state whose version counts from 0 again.  A decision
+    kept from the old state, at the version the new one has reached, is
+    still checked against the new state's usage."""
+    a = allocator((True,))
+    big = pod_request(pod("p", ctr(gpu=1, gpumem=30000, gpucores=10)))
+    assert a.place(pod_request(pod("a", ctr(gpu=1, gpumem=1000, gpucores=10)))).node == "n0"
+    d = a.decide(big)
+    assert d.node == "n0"
+    assert a.remove_node("n0")
+    a.add_node(load_inventory(box((True,))))
+    q = a.place(pod_request(pod("q", ctr(gpu=1, gpumem=30000, gpucores=10))))
+    assert q.node == "n0"
+    assert a.nodes["n0"].version == d.version  # what the old check compared alone
+    with pytest.raises(Conflict, match="not enough memory"):
+        a.commit(d)
+    assert a.nodes["n0"].mem == [30000]
