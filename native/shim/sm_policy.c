@@ -42,6 +42,10 @@
 #define FULL_USE 9900                       /* 99 %: the device has no idle time */
 #define WANT_SLACK 500                      /* using "all of its share": within 5 %, */
 #define WANT_SLACK_PART 5                   /* or a fifth of the share if more */
+/* NVML's window of a process's use reaches back RECENT_US and a sample
+ * period more (a real GPU samples about every 200 ms) */
+#define WAS_WINDOW_NS ((RECENT_US + 200000ULL) * 1000ULL)
+#define WAS_KEPT 8                          /* shares kept for it (updates) */
 
 /* Devices this process has gated launches on, for the policy updates. */
 static struct watched {
@@ -51,6 +55,11 @@ static struct watched {
     int have_nvml;
     uint64_t others_before;     /* the others' use at the last update */
     uint64_t lent;              /* the lent share at the last update */
+    int split;                  /* the last update split with other lenders */
+    /* The shares in force until the last updates (ring, newest at
+     * was_next - 1): what NVML's window of this container's use saw. */
+    struct { uint64_t until; uint32_t share; } was[WAS_KEPT];
+    unsigned was_next;
 } watched[GV_MAX_DEVICES];
 
 void gv_sm_watch(const gv_devinfo *d, struct gv_sm *sm)
@@ -66,6 +75,10 @@ void gv_sm_policy_reset(void)
     for (int i = 0; i < GV_MAX_DEVICES; i++) {
         atomic_store(&watched[i].info, NULL);
         watched[i].others_before = watched[i].lent = 0;
+        watched[i].split = 0;
+        watched[i].was_next = 0;
+        for (int k = 0; k < WAS_KEPT; k++)
+            watched[i].was[k].until = 0;
     }
 }
 
@@ -250,6 +263,29 @@ static uint32_t split_share(const struct lenders *l, uint32_t limit, uint32_t po
     return (uint32_t)(share > floor ? share : floor);
 }
 
+/* The lowest share in force over NVML's window of this container's use,
+ * was (in force until now) included, after keeping was for later updates.
+ * Taken as the share the use must reach, a container whose share had just
+ * gone up did not "use all of its share" until the window had passed the
+ * rise: lenders beside it left the split for the rule below, and a best-
+ * effort pair (10 % each) kept 10-20 % of the device idle (measured:
+ * docs/interposer.md, "SM policies"). */
+static uint32_t share_in_window(struct watched *w, uint32_t was, uint64_t now)
+{
+    unsigned at = w->was_next++ % WAS_KEPT;
+    w->was[at].until = now;
+    w->was[at].share = was;
+    uint32_t low = was;
+    for (unsigned k = 1; k < WAS_KEPT; k++) {
+        unsigned i = (at + WAS_KEPT - k) % WAS_KEPT;
+        /* In force until w->was[i].until: in the window if that is in it. */
+        if (!w->was[i].until || w->was[i].until + WAS_WINDOW_NS < now)
+            break;
+        low = w->was[i].share < low ? w->was[i].share : low;
+    }
+    return low;
+}
+
 /* Set w's share; *company, *procs: who else works on its device. */
 static void update_share(struct watched *w, int *company, int *procs)
 {
@@ -261,14 +297,17 @@ static void update_share(struct watched *w, int *company, int *procs)
     struct lenders l = { 0 };
     int dev = (int)(w - watched);
     uint64_t own = 0;
+    int after_split = w->split;
+    w->split = 0;
     gv_arb_set_terms(dev, gv_nvml_self_pid(), limit, policy);
     uint64_t others = w->have_nvml ? others_recent(w, company, procs, &error, &l, &own) : 0;
     /* Does this container use all of its share: its launches waited for
      * its clock lately, and NVML shows it using about the share that was
-     * in force (a busy machine may keep it a little below)?  One whose
+     * in force over NVML's window (the lowest of them, share_in_window; a
+     * busy machine may keep it a little below)?  One whose
      * launches wait now and then in bursts, but which uses less, does
      * not: lenders beside it would keep room for it that it leaves idle. */
-    uint32_t was = atomic_load(&sm->share);
+    uint32_t was = share_in_window(w, atomic_load(&sm->share), gv_mono_ns());
     uint64_t slack = was / WANT_SLACK_PART > WANT_SLACK ? was / WANT_SLACK_PART : WANT_SLACK;
     if (gv_sm_took_held(dev) && w->have_nvml && !error && limit && own + slack >= was)
         gv_arb_wants(dev, gv_mono_ns());
@@ -289,6 +328,7 @@ static void update_share(struct watched *w, int *company, int *procs)
         share = split_share(&l, limit, policy);
         w->others_before = others;
         w->lent = share;
+        w->split = 1;
     } else {
         /* Lend what the others leave: their use over the last 300 ms (NVML
          * per-process samples; every PID not in this container), minus a
@@ -307,9 +347,18 @@ static void update_share(struct watched *w, int *company, int *procs)
          * that was lent at once (their growth shows within one or two NVML
          * samples), and lend again step by step while their use holds;
          * with nobody else working, or their use falling, lend all there
-         * is at once. */
+         * is at once.  Right after a split (the other lenders no longer
+         * said they wanted more, if only for an update), their use then
+         * was theirs growing into the parts the split gave them, not the
+         * others' use this rule goes by: hold what was lent, as far as
+         * there is room.  Read as the others' use rising, it gave all
+         * back, down to the floor: a best-effort pair at 1 % each in turn,
+         * whose use then fell short of its share, so that it stopped
+         * saying it wanted more, and its neighbour left the split too. */
         uint64_t lend;
-        if (others >= OTHERS_ACTIVE && others >= w->others_before + OTHERS_RISE)
+        if (after_split && others >= OTHERS_ACTIVE)
+            lend = w->lent < room ? w->lent : room;
+        else if (others >= OTHERS_ACTIVE && others >= w->others_before + OTHERS_RISE)
             lend = 0;
         else if (others < OTHERS_ACTIVE || others + OTHERS_RISE <= w->others_before)
             lend = room;
