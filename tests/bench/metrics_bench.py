@@ -20,8 +20,9 @@ import argparse
 import asyncio
 import json
 import statistics
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import aiohttp
@@ -33,7 +34,7 @@ from gpuvisor.cluster.scheduler.extender import Extender
 from gpuvisor.cluster.scheduler.metrics import Metrics
 from gpuvisor.cluster.scheduler.server import make_app, metrics_app
 from gpuvisor.cluster.scheduler.state import ClusterState
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, Metric, generate_latest
 
 from tests.bench.cluster_bench import POD_CORES, POD_MIB, inventory
 
@@ -86,55 +87,80 @@ class NoBinder:
         pass
 
 
-async def filter_latency(state: ClusterState, metrics: Metrics) -> tuple[float, float, float]:
-    """Through the extender's own aiohttp apps on loopback: a filter alone
-    (median ms), a filter sent once a scrape has begun (median ms), and the
-    scrape's own wall time then (median ms)."""
-    ext = Extender(state, core=None, binder=NoBinder())
-    runners = []
-    ports = []
-    for app in (make_app(ext, metrics), metrics_app(metrics)):
-        runner = web.AppRunner(app, access_log=None)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        runners.append(runner)
-        ports.append(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+class Server:
+    """The extender's two aiohttp apps on loopback, on their own event loop
+    in a thread, as `gpuvisor scheduler` runs them (the client below is in
+    another thread, so a blocked server loop shows as a slow answer)."""
+
+    def __init__(self, state: ClusterState, metrics: Metrics) -> None:
+        self.ext = Extender(state, core=None, binder=NoBinder())
+        self.metrics = metrics
+        self.ports: list[int] = []
+        self.up = threading.Event()
+        self.loop = asyncio.new_event_loop()
+        self.stop = asyncio.Event()
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._run(),))
+        self.thread.start()
+        self.up.wait()
+
+    async def _run(self) -> None:
+        runners = []
+        for app in (make_app(self.ext, self.metrics), metrics_app(self.metrics)):
+            runner = web.AppRunner(app, access_log=None)
+            await runner.setup()
+            site = web.TCPSite(runner, "127.0.0.1", 0)
+            await site.start()
+            runners.append(runner)
+            self.ports.append(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+        self.up.set()
+        try:
+            await self.stop.wait()
+        finally:
+            for runner in runners:
+                await runner.cleanup()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.stop.set)
+        self.thread.join()
+        self.loop.close()
+
+
+async def filter_latency(server: Server, begun: threading.Event) -> tuple[float, float, float]:
+    """A filter alone (median ms), a filter sent once a scrape's collection
+    has begun (median ms), and that scrape's wall time (median ms)."""
     names = [f"bench-{n:04d}" for n in range(0, NODES, NODES // OFFERED + 1)][:OFFERED]
     body = json.dumps({"Pod": pod_doc(99999), "NodeNames": names})
     alone: list[float] = []
     during: list[float] = []
     scrapes: list[float] = []
-    try:
-        async with aiohttp.ClientSession() as s:
-            ext_url = f"http://127.0.0.1:{ports[0]}/filter"
-            met_url = f"http://127.0.0.1:{ports[1]}/metrics"
+    loop = asyncio.get_running_loop()
+    async with aiohttp.ClientSession() as s:
+        ext_url = f"http://127.0.0.1:{server.ports[0]}/filter"
+        met_url = f"http://127.0.0.1:{server.ports[1]}/metrics"
 
-            async def one_filter() -> float:
-                t = time.perf_counter()
-                async with s.post(ext_url, data=body) as r:
-                    assert r.status == 200, await r.text()
-                    await r.read()
-                return time.perf_counter() - t
+        async def one_filter() -> float:
+            t = time.perf_counter()
+            async with s.post(ext_url, data=body) as r:
+                assert r.status == 200, await r.text()
+                await r.read()
+            return time.perf_counter() - t
 
-            async def one_scrape() -> float:
-                t = time.perf_counter()
-                async with s.get(met_url) as r:
-                    assert r.status == 200
-                    await r.read()
-                return time.perf_counter() - t
+        async def one_scrape() -> float:
+            t = time.perf_counter()
+            async with s.get(met_url) as r:
+                assert r.status == 200
+                await r.read()
+            return time.perf_counter() - t
 
-            await one_filter()  # connections, the allocator's kept plans
-            await one_scrape()
-            for _ in range(REPEAT):
-                alone.append(await one_filter())
-                scrape = asyncio.create_task(one_scrape())
-                await asyncio.sleep(0.002)  # the scrape's request is in
-                during.append(await one_filter())
-                scrapes.append(await scrape)
-    finally:
-        for runner in runners:
-            await runner.cleanup()
+        await one_filter()  # connections, the allocator's kept plans
+        await one_scrape()
+        for _ in range(REPEAT):
+            alone.append(await one_filter())
+            begun.clear()
+            scrape = asyncio.create_task(one_scrape())
+            await loop.run_in_executor(None, begun.wait)
+            during.append(await one_filter())
+            scrapes.append(await scrape)
     ms = 1000.0
     return (
         statistics.median(alone) * ms,
@@ -143,12 +169,29 @@ async def filter_latency(state: ClusterState, metrics: Metrics) -> tuple[float, 
     )
 
 
+def watched(registry: CollectorRegistry, begun: threading.Event) -> None:
+    """Sets `begun` as a scrape starts collecting from the registry."""
+    collect = registry.collect
+
+    def collecting() -> Iterator[Metric]:
+        begun.set()
+        yield from collect()
+
+    registry.collect = collecting  # type: ignore[method-assign]
+
+
 def measure(pods: int) -> dict[str, Any]:
     state = build(pods)
     metrics = Metrics(state)
     wall, cpu, body = timed(lambda: generate_latest(metrics.registry))
     series = sum(1 for line in body.splitlines() if line and not line.startswith(b"#"))
-    alone, during, scrape = asyncio.run(filter_latency(state, metrics))
+    begun = threading.Event()
+    watched(metrics.registry, begun)
+    server = Server(state, metrics)
+    try:
+        alone, during, scrape = asyncio.run(filter_latency(server, begun))
+    finally:
+        server.close()
     return {
         "pods": pods,
         "series": series,
