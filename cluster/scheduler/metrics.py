@@ -1,14 +1,19 @@
 """Cluster metrics with HAMi's scheduler names (docs/kubernetes.md), read
-from the allocator at each scrape, plus the extender's own request counts
-and its waker's (cluster/scheduler/wake.py)."""
+from the allocator at each scrape (a node's samples made again only when
+its state moved), plus the extender's own request counts and its waker's
+(cluster/scheduler/wake.py).  The metrics port formats a scrape in a
+worker thread (server.py), never on the loop the extender's verbs run on."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 
+from gpuvisor.cluster.allocator import NodeState
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
+from prometheus_client.samples import Sample
 
 from .state import ClusterState
 from .wake import WakeCounters
@@ -44,49 +49,83 @@ FAMILIES = (
 )
 
 
+# a node's samples, by family name, as of one of its states (NodeState, version)
+NodeSamples = tuple[NodeState, int, dict[str, list[Sample]]]
+
+
+def node_samples(name: str, st: NodeState) -> NodeSamples:
+    """The node's samples of the cluster families, read under its lock (the
+    state and version they are of with them)."""
+    fam = {
+        fname: GaugeMetricFamily(fname, "", labels=list(labels)) for fname, _t, labels in FAMILIES
+    }
+    with st.lock:
+        version = st.version
+        usage = [(st.mem[i], st.cores[i], st.slots[i]) for i in range(len(st.inv.gpus))]
+        allocations = [a for a, _c in st.pods.values()]
+    allocated_mig: set[tuple[int, int, int]] = set()
+    for a in allocations:
+        for c in a.containers:
+            for g in c.gpus:
+                labels = [a.pod.split("/", 1)[0], a.pod.split("/", 1)[1], c.name, name]
+                labels += [g.uuid, ZONE]
+                fam["vGPUMemoryAllocated"].add_metric(labels, g.memory_mib * MIB)
+                fam["vGPUCoreAllocated"].add_metric(labels, g.cores)
+                fam["vGPUPodsDeviceAllocated"].add_metric(
+                    [*labels, str(g.cores)], g.memory_mib * MIB
+                )
+                if g.mig is not None:
+                    p = g.mig.placement
+                    allocated_mig.add((g.index, p.start, p.size))
+                    where = f"{p.start}:{p.size}"
+                    mig_labels = [name, g.uuid, str(g.index), g.mig.profile, where, ZONE]
+                    fam["nodeGPUMigInstance"].add_metric(mig_labels, 1)
+    for gpu, (mem, cores, slots) in zip(st.inv.gpus, usage, strict=True):
+        labels = [name, gpu.uuid, str(gpu.index), ZONE]
+        fam["GPUDeviceMemoryLimit"].add_metric(labels, gpu.memory_mib * MIB)
+        fam["GPUDeviceCoreLimit"].add_metric(labels, 100)
+        fam["GPUDeviceMemoryAllocated"].add_metric([*labels, str(cores)], mem * MIB)
+        fam["GPUDeviceCoreAllocated"].add_metric(labels, cores)
+        fam["GPUDeviceSharedNum"].add_metric(labels, slots)
+        for inst in gpu.mig.instances if gpu.mig else ():
+            p = inst.placement
+            if (gpu.index, p.start, p.size) not in allocated_mig:
+                where = f"{p.start}:{p.size}"
+                mig_labels = [name, gpu.uuid, str(gpu.index), inst.profile, where, ZONE]
+                fam["nodeGPUMigInstance"].add_metric(mig_labels, 0)
+    return st, version, {fname: f.samples for fname, f in fam.items() if f.samples}
+
+
 class ClusterCollector(Collector):
+    """The cluster families, each node's samples kept from scrape to scrape
+    and made again only for a node whose state moved since (a pod held or
+    released there: its version; its inventory published again: another
+    NodeState).  Rebuilding every node's samples at each scrape cost 230 ms
+    of CPU at 1,000 nodes x 8 GPUs and 8,000 pods (tests/bench/metrics_bench.py)."""
+
     def __init__(self, state: ClusterState) -> None:
         self.state = state
+        self._kept: dict[str, NodeSamples] = {}
+        self._lock = threading.Lock()  # two scrapes at once share `_kept`
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         fam = {
             name: GaugeMetricFamily(name, text, labels=list(labels))
             for name, text, labels in FAMILIES
         }
-        for name, st in list(self.state.allocator.nodes.items()):
-            with st.lock:
-                usage = [(st.mem[i], st.cores[i], st.slots[i]) for i in range(len(st.inv.gpus))]
-                allocations = [a for a, _c in st.pods.values()]
-            allocated_mig: set[tuple[int, int, int]] = set()
-            for a in allocations:
-                for c in a.containers:
-                    for g in c.gpus:
-                        labels = [a.pod.split("/", 1)[0], a.pod.split("/", 1)[1], c.name, name]
-                        labels += [g.uuid, ZONE]
-                        fam["vGPUMemoryAllocated"].add_metric(labels, g.memory_mib * MIB)
-                        fam["vGPUCoreAllocated"].add_metric(labels, g.cores)
-                        fam["vGPUPodsDeviceAllocated"].add_metric(
-                            [*labels, str(g.cores)], g.memory_mib * MIB
-                        )
-                        if g.mig is not None:
-                            p = g.mig.placement
-                            allocated_mig.add((g.index, p.start, p.size))
-                            where = f"{p.start}:{p.size}"
-                            mig_labels = [name, g.uuid, str(g.index), g.mig.profile, where, ZONE]
-                            fam["nodeGPUMigInstance"].add_metric(mig_labels, 1)
-            for gpu, (mem, cores, slots) in zip(st.inv.gpus, usage, strict=True):
-                labels = [name, gpu.uuid, str(gpu.index), ZONE]
-                fam["GPUDeviceMemoryLimit"].add_metric(labels, gpu.memory_mib * MIB)
-                fam["GPUDeviceCoreLimit"].add_metric(labels, 100)
-                fam["GPUDeviceMemoryAllocated"].add_metric([*labels, str(cores)], mem * MIB)
-                fam["GPUDeviceCoreAllocated"].add_metric(labels, cores)
-                fam["GPUDeviceSharedNum"].add_metric(labels, slots)
-                for inst in gpu.mig.instances if gpu.mig else ():
-                    p = inst.placement
-                    if (gpu.index, p.start, p.size) not in allocated_mig:
-                        where = f"{p.start}:{p.size}"
-                        mig_labels = [name, gpu.uuid, str(gpu.index), inst.profile, where, ZONE]
-                        fam["nodeGPUMigInstance"].add_metric(mig_labels, 0)
+        with self._lock:
+            kept: dict[str, NodeSamples] = {}
+            for name, st in list(self.state.allocator.nodes.items()):
+                hit = self._kept.get(name)
+                # a version read without the node's lock: an equal one means
+                # the samples are of the state before any change in progress
+                if hit is None or hit[0] is not st or hit[1] != st.version:
+                    hit = node_samples(name, st)
+                kept[name] = hit
+            self._kept = kept
+        for _st, _v, samples in kept.values():
+            for fname, some in samples.items():
+                fam[fname].samples.extend(some)
         yield from fam.values()
 
 

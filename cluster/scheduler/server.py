@@ -22,6 +22,7 @@ import logging
 import ssl
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
@@ -92,12 +93,23 @@ def make_app(extender: Extender, metrics: Metrics) -> web.Application:
 
 
 def metrics_app(metrics: Metrics) -> web.Application:
+    # A scrape is formatted in a thread of its own, one at a time: on the
+    # loop, a scrape at 1,000 nodes x 8 GPUs (64,000 series with 8,000
+    # pods) held every filter, prioritize and bind for 0.4-0.9 s
+    # (tests/bench/metrics_bench.py); the thread only shares the GIL.
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="metrics")
+
     async def scrape(request: web.Request) -> web.Response:
-        body = generate_latest(metrics.registry)
+        loop = asyncio.get_running_loop()
+        body = await loop.run_in_executor(pool, generate_latest, metrics.registry)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def shutdown(app: web.Application) -> None:
+        pool.shutdown(wait=False, cancel_futures=True)
 
     app = web.Application()
     app.add_routes([web.get("/metrics", scrape)])
+    app.on_cleanup.append(shutdown)
     return app
 
 
