@@ -20,13 +20,12 @@ from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY
 from gpuvisor.cluster.request import pod_request
 from gpuvisor.cluster.scheduler.api_view import view
 from gpuvisor.cluster.scheduler.extender import Extender
-from gpuvisor.cluster.scheduler.metrics import MIB, ClusterCollector, Metrics
+from gpuvisor.cluster.scheduler.metrics import FAMILIES, MIB, Families, Metrics, node_samples
 from gpuvisor.cluster.scheduler.server import make_app, metrics_app
 from gpuvisor.cluster.scheduler.state import ClusterState
 from prometheus_client import generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import CollectorRegistry
 
 from tests.inventories import ctr, mig_box, pcie_box, pod
 
@@ -40,8 +39,7 @@ def publish(state: ClusterState, doc: dict[str, Any]) -> None:
     state.node_event(view({"metadata": meta}))
 
 
-def scraped(registry: CollectorRegistry) -> Series:
-    text = generate_latest(registry).decode()
+def parsed(text: str) -> Series:
     out: Series = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
@@ -93,16 +91,20 @@ def without_mig(series: Series) -> Series:
     return {k: v for k, v in series.items() if k[0] != "nodeGPUMigInstance"}
 
 
-def fresh(state: ClusterState) -> Series:
-    """What a collector with nothing kept says of the state."""
-    registry = CollectorRegistry()
-    registry.register(ClusterCollector(state))
-    return scraped(registry)
+def fresh(state: ClusterState, metrics: Metrics) -> bytes:
+    """prometheus-client's exposition of every node's samples made anew,
+    then the extender's own metrics."""
+    fams = {n: GaugeMetricFamily(n, text, labels=list(ls)) for n, text, ls in FAMILIES}
+    for name, st in state.allocator.nodes.items():
+        for fname, samples in node_samples(name, st)[2].items():
+            fams[fname].samples.extend(samples)
+    return generate_latest(Families(list(fams.values()))) + generate_latest(metrics.registry)
 
 
 def check(state: ClusterState, metrics: Metrics) -> Series:
-    got = cluster_part(scraped(metrics.registry))
-    assert got == fresh(state)
+    text = metrics.exposition()
+    assert text == fresh(state, metrics)
+    got = cluster_part(parsed(text.decode()))
     assert without_mig(got) == said_by_state(state)
     return got
 

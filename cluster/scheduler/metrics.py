@@ -1,8 +1,9 @@
 """Cluster metrics with HAMi's scheduler names (docs/kubernetes.md), read
-from the allocator at each scrape (a node's samples made again only when
-its state moved), plus the extender's own request counts and its waker's
-(cluster/scheduler/wake.py).  The metrics port formats a scrape in a
-worker thread (server.py), never on the loop the extender's verbs run on."""
+from the allocator at each scrape, plus the extender's own request counts
+and its waker's (cluster/scheduler/wake.py).  prometheus-client formats
+every sample; a node's lines are kept until its state moves, and the
+metrics port answers a scrape from a worker thread (server.py), never on
+the loop the extender's verbs run on."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import threading
 from collections.abc import Iterator
 
 from gpuvisor.cluster.allocator import NodeState
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, Metric, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
@@ -96,43 +97,76 @@ def node_samples(name: str, st: NodeState) -> NodeSamples:
     return st, version, {fname: f.samples for fname, f in fam.items() if f.samples}
 
 
-class ClusterCollector(Collector):
-    """The cluster families, each node's samples kept from scrape to scrape
-    and made again only for a node whose state moved since (a pod held or
-    released there: its version; its inventory published again: another
-    NodeState).  Rebuilding every node's samples at each scrape cost 230 ms
-    of CPU at 1,000 nodes x 8 GPUs and 8,000 pods (tests/bench/metrics_bench.py)."""
+class Families(Collector):
+    """Metric families made already, for `generate_latest` to format."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(self.families)
+
+
+# each cluster family's HELP and TYPE lines, as prometheus-client writes them
+HEADERS = [
+    (name, generate_latest(Families([GaugeMetricFamily(name, text, labels=list(labels))])))
+    for name, text, labels in FAMILIES
+]
+
+# a node's sample lines, by family name, as of one of its states (NodeState, version)
+NodeText = tuple[NodeState, int, dict[str, bytes]]
+
+
+def node_text(name: str, st: NodeState) -> NodeText:
+    """The node's sample lines of the cluster families, formatted by
+    prometheus-client (its HELP and TYPE lines left out)."""
+    st, version, samples = node_samples(name, st)
+    lines = {}
+    for fname, some in samples.items():
+        fam = GaugeMetricFamily(fname, "")
+        fam.samples = some
+        # "# HELP ...", "# TYPE ...", then the samples (no value has a raw newline)
+        lines[fname] = generate_latest(Families([fam])).split(b"\n", 2)[2]
+    return st, version, lines
+
+
+class ClusterText:
+    """The cluster families in the text format, each node's lines kept
+    from scrape to scrape and made again only for a node whose state moved
+    since (a pod held or released there: its version; its inventory
+    published again: another NodeState).  Collecting and formatting every
+    node's samples at each scrape cost 0.3-1.3 s of CPU at 1,000 nodes x 8
+    GPUs (tests/bench/metrics_bench.py).  The same bytes as
+    `generate_latest` over a collector yielding every node's samples."""
 
     def __init__(self, state: ClusterState) -> None:
         self.state = state
-        self._kept: dict[str, NodeSamples] = {}
+        self._kept: dict[str, NodeText] = {}
         self._lock = threading.Lock()  # two scrapes at once share `_kept`
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        fam = {
-            name: GaugeMetricFamily(name, text, labels=list(labels))
-            for name, text, labels in FAMILIES
-        }
+    def text(self) -> bytes:
         with self._lock:
-            kept: dict[str, NodeSamples] = {}
+            kept: dict[str, NodeText] = {}
             for name, st in list(self.state.allocator.nodes.items()):
                 hit = self._kept.get(name)
                 # a version read without the node's lock: an equal one means
-                # the samples are of the state before any change in progress
+                # the lines are of the state before any change in progress
                 if hit is None or hit[0] is not st or hit[1] != st.version:
-                    hit = node_samples(name, st)
+                    hit = node_text(name, st)
                 kept[name] = hit
             self._kept = kept
-        for _st, _v, samples in kept.values():
-            for fname, some in samples.items():
-                fam[fname].samples.extend(some)
-        yield from fam.values()
+        parts = []
+        for fname, header in HEADERS:
+            parts.append(header)
+            parts.extend(lines[fname] for _st, _v, lines in kept.values() if fname in lines)
+        return b"".join(parts)
 
 
 class Metrics:
     def __init__(self, state: ClusterState) -> None:
+        self.cluster = ClusterText(state)
+        # the extender's own metrics; the cluster's are `cluster`, before them
         self.registry = CollectorRegistry()
-        self.registry.register(ClusterCollector(state))
         self.requests = Counter(
             "gpuvisor_scheduler_requests",
             "Extender requests by verb and result (ok, error)",
@@ -146,3 +180,7 @@ class Metrics:
             registry=self.registry,
         )
         self.wake = WakeCounters.register(self.registry)
+
+    def exposition(self) -> bytes:
+        """What GET /metrics answers (text format 0.0.4)."""
+        return self.cluster.text() + generate_latest(self.registry)

@@ -26,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from .extender import BadRequest, Extender
 from .metrics import Metrics
@@ -101,7 +101,7 @@ def metrics_app(metrics: Metrics) -> web.Application:
 
     async def scrape(request: web.Request) -> web.Response:
         loop = asyncio.get_running_loop()
-        body = await loop.run_in_executor(pool, generate_latest, metrics.registry)
+        body = await loop.run_in_executor(pool, metrics.exposition)
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def shutdown(app: web.Application) -> None:
