@@ -7,9 +7,10 @@ has its per-round table and its verdict on the median ratio."""
 from __future__ import annotations
 
 import statistics
+import time
 from pathlib import Path
 
-from tests.bench.cluster_bench import TITLE, bench, pairs, ratio, section
+from tests.bench.cluster_bench import TITLE, BindWatch, bench, create_pods, pairs, ratio, section
 from tests.k8s_cluster import KubeTest
 
 
@@ -41,3 +42,35 @@ def test_the_cluster_benchmark_runs_small(k8s: KubeTest, tmp_path: Path) -> None
         assert f"| {n} | with-extender | 3 x 8 | 8 | 8 |" in text
     assert "Goal: the extender costs kube-scheduler less than half its throughput" in text
     assert f"{statistics.median(ratios):.0%} of the rate without, median (the 2 rounds:" in text
+
+
+def test_the_bind_watch_resumes_when_the_apiserver_ends_its_stream(k8s: KubeTest) -> None:
+    # Under make bench-cluster the apiserver's watch cache closes the bench's
+    # pod watch when its buffer stays full (apiserver_terminated_watchers_total,
+    # docs/benchmarks.md): the stream just ends, as it does at timeoutSeconds.
+    # Here timeoutSeconds 1 ends it several times while the pods are bound one
+    # by one: every bind is still counted, when it happened, with no list.
+    k8s.create_node("resume-node", gpus=80)
+    create_pods(k8s, 6, "nobody-schedules-these", "resume")
+    watch = BindWatch(k8s, "resume", 6, watch_seconds=1)
+    bound_at: dict[str, tuple[float, float]] = {}
+    try:
+        for i in range(6):
+            time.sleep(0.7)  # the stream ends between binds
+            name = f"resume-{i:05d}"
+            began = time.monotonic()
+            k8s.bind(name, "resume-node")
+            bound_at[name] = (began, time.monotonic())
+        assert watch.done.wait(30), f"seen bound: {sorted(watch.bound)}; ends: {watch.ends}"
+    finally:
+        watch.stop()
+    assert sorted(watch.bound) == sorted(bound_at)
+    assert len(watch.ends) >= 2, watch.ends  # the stream did end mid-run
+    assert all(e.startswith("closed by the apiserver after") for e in watch.ends), watch.ends
+    assert (watch.relists, watch.late) == (0, 0)
+    names = sorted(bound_at)
+    for name, next_name in zip(names, [*names[1:], None], strict=True):
+        # seen after its bind began, and before the next pod's bind
+        assert watch.bound[name] >= bound_at[name][0], name
+        if next_name is not None:
+            assert watch.bound[name] < bound_at[next_name][0], name

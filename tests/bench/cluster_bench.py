@@ -127,65 +127,122 @@ def create_pods(k8s: KubeTest, count: int, scheduler: str, prefix: str, workers:
         list(pool.map(one, range(count)))
 
 
-class BindWatch:
-    """The moment each pod of `prefix` was first seen bound, from a watch."""
+WATCH_SECONDS = 3600  # each watch request's timeoutSeconds (the apiserver ends it then)
 
-    def __init__(self, k8s: KubeTest, prefix: str, count: int) -> None:
+
+class BindWatch:
+    """The moment each pod of `prefix` was first seen bound, from a watch.
+
+    The watch reads the API's JSON itself: the client's models cost about
+    5 ms of the interpreter per event (see commit 51111d9), which at a few
+    hundred binds a second left the watch behind the apiserver, and the
+    apiserver's watch cache closes a watcher that falls behind (its
+    `apiserver_terminated_watchers_total`; docs/benchmarks.md).  A stream that
+    ends anyway (that, timeoutSeconds, a dropped connection) is resumed from
+    the last resourceVersion seen (bookmarks included), so no event is
+    missed and no bind is timed late.  Only when that version is gone (410)
+    does it list again: the pods first seen bound in that list are counted
+    in `late`, their times those of the list."""
+
+    def __init__(
+        self, k8s: KubeTest, prefix: str, count: int, watch_seconds: int = WATCH_SECONDS
+    ) -> None:
         self.k8s = k8s
         self.prefix = prefix
         self.count = count
+        self.watch_seconds = watch_seconds
         self.bound: dict[str, float] = {}
         self.meter: CpuMeter | None = None  # read at each pod's bind, once set
         self.done = threading.Event()
         self._stopped = threading.Event()
-        self.rewatches = 0  # watches that ended before every pod was seen bound
-        listed = k8s.core.list_namespaced_pod(k8s.namespace)
-        for p in listed.items:
-            self._see(p)
-        self._watch = kubernetes.watch.Watch()
-        self._version = listed.metadata.resource_version
+        self.ends: list[str] = []  # how each stream ended before every pod was seen bound
+        self.relists = 0  # lists after a 410 (the watch's resourceVersion was gone)
+        self.late = 0  # pods first seen bound in such a list (their times late)
+        self._resp: Any = None
+        self._version = self._list()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def _see(self, pod: kubernetes.client.V1Pod) -> None:
-        name = pod.metadata.name
-        if name.startswith(self.prefix) and pod.spec.node_name and name not in self.bound:
-            self.bound[name] = time.monotonic()
-            if self.meter is not None:
-                self.meter.bound()
-            if len(self.bound) >= self.count:
-                self.done.set()
+    def _list(self) -> str:
+        listed = self.k8s.core.list_namespaced_pod(self.k8s.namespace)
+        for p in listed.items:
+            self._see(p.metadata.name, p.spec.node_name)
+        return str(listed.metadata.resource_version)
+
+    def _see(self, name: str, node_name: str | None) -> bool:
+        """Records `name` bound now if it is one of ours, bound and not yet seen."""
+        if not (name.startswith(self.prefix) and node_name and name not in self.bound):
+            return False
+        self.bound[name] = time.monotonic()
+        if self.meter is not None:
+            self.meter.bound()
+        if len(self.bound) >= self.count:
+            self.done.set()
+        return True
+
+    def _stream(self) -> str:
+        """One watch request from the last resourceVersion seen; how it ended."""
+        resp = self.k8s.core.list_namespaced_pod(
+            self.k8s.namespace,
+            watch=True,
+            resource_version=self._version,
+            allow_watch_bookmarks=True,
+            timeout_seconds=self.watch_seconds,
+            # no read outlives the request (bookmarks come about once a minute)
+            _request_timeout=(30, self.watch_seconds + 60),
+            _preload_content=False,
+        )
+        self._resp = resp
+        events = 0
+        try:
+            if resp.status == 410:
+                return "ERROR 410 Gone (at the request)"
+            if not 200 <= resp.status < 300:
+                raise RuntimeError(f"the watch answered HTTP {resp.status}: {resp.read()[:200]!r}")
+            for line in kubernetes.watch.watch.iter_resp_lines(resp):
+                if not line.strip():
+                    continue
+                event = json.loads(line)
+                obj = event.get("object") or {}
+                if event.get("type") == "ERROR":
+                    return f"ERROR {obj.get('code')} {obj.get('reason')}: {obj.get('message')}"
+                events += 1
+                meta = obj.get("metadata") or {}
+                self._version = meta.get("resourceVersion") or self._version
+                if event.get("type") in ("ADDED", "MODIFIED"):
+                    self._see(meta.get("name", ""), (obj.get("spec") or {}).get("nodeName"))
+                if self.done.is_set() or self._stopped.is_set():
+                    return "done"
+        finally:
+            self._resp = None
+            resp.release_conn()
+        return f"closed by the apiserver after {events} events at resourceVersion {self._version}"
 
     def _run(self) -> None:
-        # A watch can end early (the apiserver closes it, or the client ends a
-        # stream it could not resume): list again and watch on until every pod
-        # is seen bound, rather than leave the run waiting out its timeout.
         while not self.done.is_set() and not self._stopped.is_set():
-            with contextlib.suppress(Exception):
-                stream = self._watch.stream(
-                    self.k8s.core.list_namespaced_pod,
-                    self.k8s.namespace,
-                    resource_version=self._version,
-                    timeout_seconds=3600,
-                )
-                for event in stream:
-                    self._see(event["object"])
-                    if self.done.is_set():
-                        return
-            if self.done.is_set() or self._stopped.is_set():
+            try:
+                end = self._stream()
+            except Exception as e:  # a dropped connection, a read timeout: resume
+                end = f"{type(e).__name__}: {e}"
+                time.sleep(0.1)
+            if end == "done" or self.done.is_set() or self._stopped.is_set():
                 return
-            self.rewatches += 1
-            with contextlib.suppress(Exception):
-                listed = self.k8s.core.list_namespaced_pod(self.k8s.namespace)
-                for p in listed.items:
-                    self._see(p)
-                self._version = listed.metadata.resource_version
-                self._watch = kubernetes.watch.Watch()
-            time.sleep(0.1)
+            self.ends.append(end)
+            if end.startswith("ERROR 410"):
+                # the version is gone from the watch cache: only a list tells
+                # what happened meanwhile
+                self.relists += 1
+                before = len(self.bound)
+                with contextlib.suppress(Exception):
+                    self._version = self._list()
+                self.late += len(self.bound) - before
 
     def stop(self) -> None:
         self._stopped.set()
-        self._watch.stop()
+        resp = self._resp
+        if resp is not None:
+            with contextlib.suppress(Exception):
+                resp.shutdown()  # ends a blocked read (urllib3 2.3+)
 
 
 @dataclass
@@ -290,8 +347,13 @@ def scheduler_run(
         cpu = watch.meter.per_pod_ms()
         times = sorted(watch.bound.values())
         scheduler.stop()
-        if watch.rewatches:
-            print(f"{name}: the pod watch ended {watch.rewatches} times early; bind times late")
+        for end in watch.ends:
+            print(f"{name}: the pod watch ended early ({end}); resumed")
+        if watch.relists:
+            print(
+                f"{name}: the pod watch's version was gone {watch.relists} times; listed again, "
+                f"{watch.late} bind times late"
+            )
     finally:
         watch.stop()
     if not times:
