@@ -133,14 +133,15 @@ WATCH_SECONDS = 3600  # each watch request's timeoutSeconds (the apiserver ends 
 class BindWatch:
     """The moment each pod of `prefix` was first seen bound, from a watch.
 
-    The watch reads the API's JSON itself: the client's models cost about
-    5 ms of the interpreter per event (see commit 51111d9), which at a few
-    hundred binds a second left the watch behind the apiserver, and the
-    apiserver's watch cache closes a watcher that falls behind (its
-    `apiserver_terminated_watchers_total`; docs/benchmarks.md).  A stream that
-    ends anyway (that, timeoutSeconds, a dropped connection) is resumed from
-    the last resourceVersion seen (bookmarks included), so no event is
-    missed and no bind is timed late.  Only when that version is gone (410)
+    The apiserver's watch cache closes a watcher whose buffer stays full
+    past its dispatch budget (`apiserver_terminated_watchers_total`), which
+    under this bench's bursts of binds on a busy machine it does: the stream
+    just ends (docs/benchmarks.md).  A stream that ends (that,
+    timeoutSeconds, a dropped connection) is resumed from the last
+    resourceVersion seen (bookmarks included), so no event is missed and no
+    bind is timed late.  The watch reads the API's JSON itself: the
+    client's models cost about 1 ms of the interpreter per event, which
+    would time the binds late whenever they came faster.  Only when that version is gone (410)
     does it list again: the pods first seen bound in that list are counted
     in `late`, their times those of the list."""
 
