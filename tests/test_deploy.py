@@ -141,8 +141,24 @@ def test_core_manifests_validate_strictly():
             except kubernetes_validate.ValidationError as exc:
                 where = ".".join(str(p) for p in exc.path)
                 pytest.fail(f"{path.name}: {doc['kind']} at {where}: {exc.message} (k8s {version})")
-        kinds.add(doc["kind"])
-    assert {"Namespace", "DaemonSet", "Service", "Pod", "ConfigMap"} <= kinds
+        kinds.add((path.name, doc["kind"]))
+    # every manifest issue 34 names is among them: the scheduler Deployment
+    # (with its configuration), RBAC, the webhook configuration, the node
+    # DaemonSets
+    assert {
+        ("node-agent-daemonset.yaml", "Namespace"),
+        ("node-agent-daemonset.yaml", "DaemonSet"),
+        ("node-agent-service.yaml", "Service"),
+        ("example-pod.yaml", "Pod"),
+        ("scheduler.yaml", "Deployment"),
+        ("scheduler.yaml", "ConfigMap"),
+        ("scheduler.yaml", "Service"),
+        ("rbac.yaml", "ServiceAccount"),
+        ("rbac.yaml", "ClusterRole"),
+        ("rbac.yaml", "ClusterRoleBinding"),
+        ("webhook.yaml", "MutatingWebhookConfiguration"),
+        ("device-plugin-daemonset.yaml", "DaemonSet"),
+    } <= kinds
 
 
 def test_strict_validation_rejects_an_unknown_field():
@@ -857,6 +873,13 @@ def test_scheduler_pod_wires_extender_webhook_and_metrics():
     (ext_port,) = ext["ports"]
     assert metrics_port["targetPort"] == ext_port["name"]
     assert ext_port["containerPort"] == 31993
+    # ... where the extender serves its metrics
+    from gpuvisor.cluster.scheduler.cli import scheduler
+
+    ext_params = scheduler.make_context("scheduler", list(ext["args"][1:])).params
+    assert ext_params["metrics_port"] == 31993
+    assert ext_params["metrics_host"] == "0.0.0.0"  # the pod's address, for the Service
+    assert ext_params["port"] == int(extender_port)
     assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "gpuvisor-scheduler"
 
 
