@@ -41,6 +41,7 @@ from gpuvisor.cluster.deviceplugin.owners import PodResourcesOwners
 from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY, InventoryPublisher, KubeNodes
 from gpuvisor.cluster.deviceplugin.runner import PluginRunner
 from gpuvisor.cluster.deviceplugin.service import DevicePluginService, PluginConfig
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.cluster_sim import admit, device_plugin_argv, limits_file
 from tests.helpers import CLI as GPUVISOR
@@ -443,6 +444,32 @@ def test_binpack_against_spread(stack: Stack) -> None:
     assert k.wait_bound("spread") == other
 
 
+def test_gpu_binpack_against_spread(stack: Stack) -> None:
+    """hami.io/gpu-scheduler-policy through kube-scheduler, the extender and
+    the device plugin, each pod started before the next is created: spread
+    puts a pod on the idle GPU, binpack on the fuller one; each workload
+    runs on the GPU its pod was given."""
+    k = stack.k8s
+    node = stack.plugin_node("sx-gp")
+    policy = "hami.io/gpu-scheduler-policy"
+
+    def place(name: str, mib: int, gpu_policy: str) -> str:
+        k.create_pod(name, gpus=1, gpumem=mib, gpucores=10, annotations={policy: gpu_policy})
+        assert k.wait_bound(name) == "sx-gp"
+        pod = k.read_pod(name)
+        (g,) = gpus_of_container(allocation_of(pod), "main")
+        _, resps = node.admit(pod)
+        assert node.probe(resps["main"]) == {"init": 0, "uuids": [g["uuid"]], "mib": [mib]}
+        return str(g["uuid"])
+
+    first = place("first", 6000, "binpack")
+    spread = place("spread", 1000, "spread")
+    assert spread != first
+    assert {first, spread} == {g.uuid for g in node.gpus}
+    assert place("packed", 1000, "binpack") == first
+    assert place("spread-2", 1000, "spread") == spread
+
+
 def test_a_two_gpu_pod_gets_an_nvlink_pair(stack: Stack) -> None:
     """4 GPUs, NVLink pairs (0,1) and (2,3), SYS between the pairs: with
     GPU 0 taken, a 2-GPU pod gets the intact pair (2,3)."""
@@ -640,6 +667,17 @@ def node_inventory(k: KubeTest, name: str) -> dict[str, Any]:
     return doc
 
 
+def mig_instances(metrics: str, node: str) -> list[tuple[dict[str, str], float]]:
+    """The nodeGPUMigInstance samples of `node` in the extender's metrics."""
+    return [
+        (dict(s.labels), s.value)
+        for fam in text_string_to_metric_families(metrics)
+        if fam.name == "nodeGPUMigInstance"
+        for s in fam.samples
+        if s.labels.get("nodeid") == node
+    ]
+
+
 def test_a_mig_pod(stack: Stack) -> None:
     """A pod with vgpu-mode: mig is placed by kube-scheduler through the
     extender onto a MIG-capable node as a MIG instance; the device plugin
@@ -665,6 +703,17 @@ def test_a_mig_pod(stack: Stack) -> None:
     assert plan["profile"] in ("1g.10gb", "2g.10gb")
     assert g["memory_mib"] == 9856
     where = [plan["placement"]["start"], plan["placement"]["size"]]
+    # the cluster metrics (HAMi's nodeGPUMigInstance) show the instance as
+    # allocated from the bind on, before the plugin has made it
+    instance = {
+        "nodeid": "mx-1",
+        "deviceuuid": gpu["uuid"],
+        "deviceidx": "0",
+        "migname": plan["profile"],
+        "placement": f"{where[0]}:{where[1]}",
+        "zone": "vGPU",
+    }
+    assert mig_instances(stack.extender.metrics(), "mx-1") == [(instance, 1.0)]
     hp, resps = admit(node.kubelet, pod)
     (inst,) = node.instances()[gpu["uuid"]]["instances"]
     mig_uuid = inst[2]
@@ -697,6 +746,10 @@ def test_a_mig_pod(stack: Stack) -> None:
     # plugin turns MIG mode off (it turned it on) and republishes; the
     # extender places a shared pod on the GPU again
     wait_for(lambda: published() == ["disabled", []], what="the inventory out of MIG mode")
+    wait_for(
+        lambda: mig_instances(stack.extender.metrics(), "mx-1") == [],
+        what="the metrics without the instance",
+    )
     assert node.instances()[gpu["uuid"]] == {"enabled": False, "instances": []}
     assert f"GPU {gpu['uuid']}: MIG mode turned off" in node.log.read_text()
     k.create_pod(
