@@ -1082,3 +1082,39 @@ def test_the_network_policy_admits_only_the_monitoring_namespace_to_the_agents_p
     # The agent does not hand /status to the pod network.
     args = daemonset["spec"]["template"]["spec"]["containers"][0]["args"]
     assert "--status-public" not in args
+
+
+def test_the_install_guide_applies_every_component_in_an_order_that_works():
+    """docs/kubernetes.md's guide from an empty cluster: its commands apply
+    every manifest of the cluster half (the namespace first, the webhook
+    configuration after the Deployment that serves it) and run both
+    certificate scripts before the scheduler that mounts their Secrets;
+    the kube-scheduler image it names is the manifest's."""
+    text = (REPO_ROOT / "docs" / "kubernetes.md").read_text()
+    guide = text[text.index("## Installing: from an empty cluster") :]
+    guide = guide[: guide.index("\n## ", 1)]
+    (commands,) = re.findall(r"```sh\n(kubectl apply -f deploy/.*?)```", guide, re.S)
+    used = re.findall(r"deploy/[\w.-]+\.(?:yaml|sh)", commands)
+    for path in used:
+        assert (REPO_ROOT / path).is_file(), path
+    order = {p: used.index(p) for p in used}
+    for doc in (
+        "node-agent-daemonset.yaml",  # the gpuvisor namespace
+        "rbac.yaml",
+        "device-plugin-daemonset.yaml",
+        "webhook-certificate.sh",
+        "scheduler-certificate.sh",
+        "scheduler.yaml",
+        "webhook.yaml",
+    ):
+        assert f"deploy/{doc}" in order, doc
+    assert order["deploy/node-agent-daemonset.yaml"] == 0
+    for script in ("webhook-certificate.sh", "scheduler-certificate.sh"):
+        assert order[f"deploy/{script}"] < order["deploy/scheduler.yaml"]
+    assert order["deploy/scheduler.yaml"] < order["deploy/webhook.yaml"]
+    (image,) = [
+        c["image"]
+        for c in one("Deployment", "gpuvisor-scheduler")["spec"]["template"]["spec"]["containers"]
+        if c["name"] == "kube-scheduler"
+    ]
+    assert f"(`{image}` in the manifest)" in guide
