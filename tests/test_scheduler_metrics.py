@@ -4,7 +4,9 @@ scrape to scrape and made again only when its state moved, so a scrape
 after binds, releases, a republished inventory or a node gone must still
 say what the allocator's state says; and a scrape is formatted off the
 extender's event loop (server.py), so a filter sent while one is being
-collected is answered before it ends."""
+collected is answered before it ends.  And (server.py) no verb is answered
+before the first sync: a restarted extender would place pods on GPUs whose
+pods it has not listed yet."""
 
 from __future__ import annotations
 
@@ -166,6 +168,7 @@ class NoBinder:
 def test_a_filter_is_answered_while_a_scrape_is_being_collected() -> None:
     state = ClusterState(core=None)
     publish(state, pcie_box("n0", n=2))
+    state.ready.set()  # synced
     metrics = Metrics(state)
     stalled = Stalled()
     metrics.registry.register(stalled)
@@ -208,5 +211,51 @@ def test_a_filter_is_answered_while_a_scrape_is_being_collected() -> None:
             stalled.release.set()
             for runner in runners:
                 await runner.cleanup()
+
+    asyncio.run(run())
+
+
+def test_the_verbs_wait_for_the_first_sync() -> None:
+    """Started again, the extender serves its port before it has listed the
+    pods that hold GPUs (and, mid-sync, with the Nodes' inventories but not
+    yet their pods' reservations): a filter answered then would pass a GPU
+    those pods hold, and a bind or prioritize would commit room on it.  Until
+    the first sync is done every verb is refused with one line (kube-scheduler
+    retries the pod); after it, the same filter is answered."""
+    state = ClusterState(core=None)
+    publish(state, pcie_box("n0", n=2))  # the Nodes listed, the pods not yet
+    ext = Extender(state, core=None, binder=NoBinder())
+    doc = pod("x", ctr(gpu=1, gpumem=1000, gpucores=20))
+    doc["metadata"]["uid"] = "uid-x"
+    bind = {"PodName": "x", "PodNamespace": "default", "PodUID": "uid-x", "Node": "n0"}
+    not_ready = "gpuvisor: not ready: still listing the cluster's nodes and pods"
+
+    async def run() -> None:
+        runner = web.AppRunner(make_app(ext, Metrics(state)), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        url = f"http://127.0.0.1:{port}"
+        filter_args = {"Pod": doc, "NodeNames": ["n0"]}
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(f"{url}/filter", json=filter_args) as r:
+                    assert r.status == 200
+                    assert (await r.json())["Error"] == not_ready
+                async with s.post(f"{url}/prioritize", json=filter_args) as r:
+                    assert r.status == 503
+                    assert (await r.json())["Error"] == not_ready
+                async with s.post(f"{url}/bind", json=bind) as r:
+                    assert r.status == 200
+                    assert (await r.json())["Error"] == not_ready
+                assert state.allocator.nodes["n0"].pods == {}  # nothing committed
+                state.ready.set()
+                async with s.post(f"{url}/filter", json=filter_args) as r:
+                    assert r.status == 200
+                    got = await r.json()
+                    assert (got["NodeNames"], got["Error"]) == (["n0"], "")
+        finally:
+            await runner.cleanup()
 
     asyncio.run(run())

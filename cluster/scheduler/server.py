@@ -35,6 +35,13 @@ log = logging.getLogger("gpuvisor.scheduler")
 
 MAX_BODY = 64 << 20  # a filter for thousands of nodes with full Node objects
 
+# Until the first list of Nodes and Pods is done (a restarted extender), the
+# allocator knows the Nodes' GPUs before the pods that hold them: a verb
+# answered then could pass or commit room those pods hold.  kube-scheduler
+# retries a pod whose filter or bind answers an error; it ignores a failed
+# prioritize (which would otherwise assume room for the pod).
+NOT_READY = "gpuvisor: not ready: still listing the cluster's nodes and pods"
+
 
 def make_app(extender: Extender, metrics: Metrics) -> web.Application:
     # filter and prioritize run inside kube-scheduler's one-pod-at-a-time
@@ -56,6 +63,10 @@ def make_app(extender: Extender, metrics: Metrics) -> web.Application:
                 log.warning("%s: body: not JSON: %s", name, exc)
                 error_count.inc()
                 return web.json_response({"Error": f"body: not JSON: {exc}"}, status=400)
+            if not extender.state.ready.is_set():
+                error_count.inc()
+                status = 503 if name == "prioritize" else 200  # its answer is a list
+                return web.json_response({"Error": NOT_READY}, status=status)
             try:
                 out = fn(args)
                 if asyncio.iscoroutine(out):

@@ -67,6 +67,7 @@ def build(pods: int) -> ClusterState:
     for i in range(pods):
         d = state.allocator.place(pod_request(pod_doc(i)))
         assert d.allocation is not None, "the cluster is full"
+    state.ready.set()  # as after the first sync: the verbs are answered
     return state
 
 
