@@ -196,8 +196,9 @@ bench-sm: all venv $(BENCH_SM_WORKER) $(BENCH_LAUNCH) $(BENCH_STALL_PROBE)
 	  $(if $(LIBRARY),--launch-args "$(BENCH_PEER)")
 	$(VENV)/bin/python -m tests.bench.sm_shared --write docs/benchmarks.md
 
-# SM quota (tests/bench/torch_sm.py) and memory oversubscription
-# (tests/bench/torch_oversub.py) on a real GPU with PyTorch: needs an
+# SM quota (tests/bench/torch_sm.py), memory oversubscription
+# (tests/bench/torch_oversub.py) and how the GPU time-slices between contexts
+# (tests/bench/torch_slice.py; its probe needs CuPy) on a real GPU with PyTorch: needs an
 # NVIDIA GPU, and PyTorch and nvidia-ml-py in GPU_PYTHON; writes its tables to
 # build/bench-gpu/ (figures from an H200 are in docs/benchmarks.md).
 GPU_PYTHON ?= python3
@@ -205,6 +206,7 @@ GPU_PYTHON ?= python3
 bench-gpu: lib
 	$(GPU_PYTHON) -m tests.bench.torch_sm --lib $(LIB) --out $(BUILD)/bench-gpu
 	$(GPU_PYTHON) -m tests.bench.torch_oversub --lib $(LIB) --out $(BUILD)/bench-gpu
+	$(GPU_PYTHON) -m tests.bench.torch_slice --out $(BUILD)/bench-gpu
 
 # Every real-GPU check in one command, for a machine lent for minutes: the
 # `gpu` tests, then bench-gpu.  GPU_PYTHON needs PyTorch, nvidia-ml-py and
@@ -220,6 +222,7 @@ gpu-check: lib sim
 		tests/test_gpu_torch.py tests/test_visible_devices.py
 	$(GPU_PATH) $(GPU_PYTHON) -m tests.bench.torch_sm --lib $(LIB) --out $(BUILD)/bench-gpu
 	$(GPU_PATH) $(GPU_PYTHON) -m tests.bench.torch_oversub --lib $(LIB) --out $(BUILD)/bench-gpu
+	$(GPU_PATH) $(GPU_PYTHON) -m tests.bench.torch_slice --out $(BUILD)/bench-gpu
 
 # The demo's own environment: the runtime dependencies and matplotlib (the
 # plot extra), not the test set.

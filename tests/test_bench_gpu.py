@@ -1,8 +1,9 @@
-"""The real-GPU SM benchmark's arithmetic (tests/bench/torch_sm.py, make
-bench-gpu): throughput from the completion curve, the NVML samples and the
-interposer's meter taken inside the measured window only, steadiness of the
-100 ms windows, and a one-line refusal where there is no GPU.  The benchmark
-itself needs PyTorch and an NVIDIA GPU; these checks need neither."""
+"""The real-GPU benchmarks' arithmetic (tests/bench/torch_sm.py,
+torch_oversub.py and torch_slice.py, make bench-gpu): throughput from the
+completion curve, the NVML samples and the interposer's meter taken inside
+the measured window only, steadiness of the 100 ms windows, the time-slice
+probe's runs and gaps, and a one-line refusal where there is no GPU.  The
+benchmarks need PyTorch and an NVIDIA GPU; these checks need neither."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from gpuvisor.shim.hardware import real_gpu_present
 
 from tests.bench.torch_oversub import CHUNK, case_env, row, tensor_total
+from tests.bench.torch_slice import quantiles, slices
 from tests.bench.torch_sm import (
     NvmlPoller,
     QueryLog,
@@ -259,3 +261,40 @@ def test_oversub_rows() -> None:
     assert row("native", "x", dict(r, correct=False), 8.0).startswith(
         "| native | x | yes, but wrong sums |"
     )
+
+
+# ---- how the GPU time-slices between contexts (tests/bench/torch_slice.py) ----
+
+
+def test_slice_probe_runs_and_gaps() -> None:
+    # A probe that ran 2 ms, was switched out 2.4 ms, and so on, over 10 ms;
+    # gaps are [last timer read before, first after] in ns from the start.
+    gaps = [[2_000_000, 4_400_000], [6_400_000, 8_800_000]]
+    s = slices(gaps, 10_000_000)
+    assert s["gaps"] == 2
+    assert s["run_us_median"] == pytest.approx(2000)  # 4.4 -> 6.4 ms: one whole run
+    assert s["gap_us_median"] == pytest.approx(2400)
+    assert s["probe_share"] == pytest.approx(52)  # 4.8 ms of 10 switched out
+    alone = slices([], 10_000_000)
+    assert alone["gaps"] == 0
+    assert alone["probe_share"] == pytest.approx(100)
+
+
+def test_slice_quantiles() -> None:
+    assert quantiles([]) == (0.0, 0.0, 0.0)
+    assert quantiles([float(i) for i in range(1, 11)]) == (2.0, 5.5, 10.0)
+
+
+def test_slice_without_a_gpu_it_skips_in_one_line() -> None:
+    if real_gpu_present():
+        pytest.skip("a real GPU is present")
+    proc = run_cmd(
+        [sys.executable, "-m", "tests.bench.torch_slice", "--out", "/nonexistent/never"],
+        clean_env(),
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("torch_slice: skipped: NVML:")
+    assert lines[0].endswith("(needs an NVIDIA GPU)")
