@@ -24,7 +24,9 @@
  *   - time spent waiting for the turn is credited (sm_gate.c).
  * The simulator's time-slicing mode, make bench-sm workload, 3 s pairs,
  * share of the unlimited device: 50:50 38.9 / 37.8 -> 48.6 / 48.6, 30:70
- * 23.2 / 59.1 -> 28.7 / 69.5 (docs/benchmarks.md).
+ * 23.2 / 59.1 -> 28.7 / 69.5 (docs/benchmarks.md).  An H200, PyTorch's
+ * 8192 products, three runs: 50:50 47.8-49.4 / 48.3-49.3, 30:70 28.1-29.8 /
+ * 67.3-69.4 (before the turn, same sitting: 44.2 / 47.4 and 31.1 / 63.8).
  *
  * A container alone keeps its own rules (the turn is in play only while
  * another container launched on the device in the last ACTIVE_NS or waits
