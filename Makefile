@@ -219,7 +219,7 @@ gpu-check: lib sim
 	@ln -sfn $(CURDIR)/supervisor $(BUILD)/gpu-path/gpuvisor/supervisor
 	@ln -sfn $(CURDIR)/cluster $(BUILD)/gpu-path/gpuvisor/cluster
 	-$(GPU_PATH) $(GPU_PYTHON) -m pytest -m gpu -s -o addopts=-ra -p no:cacheprovider \
-		tests/test_gpu_torch.py tests/test_visible_devices.py
+		tests/test_gpu_torch.py tests/test_visible_devices.py tests/test_deviceplugin_gpu.py
 	$(GPU_PATH) $(GPU_PYTHON) -m tests.bench.torch_sm --lib $(LIB) --out $(BUILD)/bench-gpu
 	$(GPU_PATH) $(GPU_PYTHON) -m tests.bench.torch_oversub --lib $(LIB) --out $(BUILD)/bench-gpu
 	$(GPU_PATH) $(GPU_PYTHON) -m tests.bench.torch_slice --out $(BUILD)/bench-gpu
