@@ -298,3 +298,13 @@ def test_slice_without_a_gpu_it_skips_in_one_line() -> None:
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("torch_slice: skipped: NVML:")
     assert lines[0].endswith("(needs an NVIDIA GPU)")
+
+
+def test_slice_unknown_parts_are_named() -> None:
+    proc = run_cmd(
+        [sys.executable, "-m", "tests.bench.torch_slice", "--parts", "probe,x"], clean_env()
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.strip() == (
+        "torch_slice: --parts 'probe,x': name some of probe, sporadic, workers"
+    )

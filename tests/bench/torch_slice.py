@@ -15,6 +15,12 @@ mode (docs/simulator.md, GPUVISOR_SIM_TIMESLICE_US) models.
    and notes every gap longer than --gap-us, alone and then beside each
    worker.  While another context has work, the probe's runs are its
    timeslices and its gaps the other context's slices plus two switches.
+3. Sporadic small products (--sporadic-size, 2048 by default: about 26 us
+   on an H200), one at a time every --every-ms, each timed from its launch
+   to its end on the host clock, alone and beside the second worker: does
+   a context that gets work preempt the busy one at once (its products
+   take a switch longer) or wait for the end of the busy one's slice (up to
+   a slice longer)?
 
 Run as `python3 -m tests.bench.torch_slice [--out DIR]` with a Python that
 has PyTorch, nvidia-ml-py (and CuPy for the probe).  It prints Markdown
@@ -35,7 +41,7 @@ import select
 import statistics
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -128,7 +134,35 @@ gaps = out.get()[: 2 * min(n, cap)].reshape(-1, 2).tolist()
 print(json.dumps({"span_ns": span, "gaps": gaps, "lost": max(0, n - cap)}), flush=True)
 '''
 
+# One small product at a time, now and then: how long from its launch to its
+# end (host clock), alone and while another context keeps the GPU busy.
+SPORADIC = r"""
+import json, sys, time
+import torch
+n, warm, seconds = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+every = float(sys.argv[4])
+a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
+for _ in range(3):
+    torch.matmul(a, b, out=c)
+torch.cuda.synchronize()
+print("READY", flush=True)
+sys.stdin.readline()
+time.sleep(warm)
+us = []
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    t0 = time.perf_counter()
+    torch.matmul(a, b, out=c)
+    torch.cuda.synchronize()
+    us.append((time.perf_counter() - t0) * 1e6)
+    time.sleep(every)
+print(json.dumps({"us": us}), flush=True)
+"""
+
 READY_TIMEOUT_S = 120.0
+PARTS = {"workers", "probe", "sporadic"}
 
 
 def start(code: str, args: Sequence[str]) -> subprocess.Popen[str]:
@@ -203,34 +237,13 @@ def slices(gaps: Sequence[Sequence[int]], span_ns: int) -> dict[str, float]:
     }
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, default=None, help="write torch_slice.json and .md here")
-    ap.add_argument("--sizes", default="16384,8192", help="the two workers' matrix sizes")
-    ap.add_argument("--warm", type=float, default=1.0)
-    ap.add_argument("--seconds", type=float, default=4.0)
-    ap.add_argument("--gap-us", type=float, default=4.0, help="the probe's shortest gap")
-    ap.add_argument("--no-probe", action="store_true", help="skip the probe (no CuPy)")
-    a = ap.parse_args(argv)
-    sizes = [int(s) for s in a.sizes.split(",") if s]
-    if len(sizes) != 2:
-        print(f"torch_slice: --sizes {a.sizes!r}: give two sizes", file=sys.stderr)
-        return 2
-    try:
-        pynvml.nvmlInit()
-        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
-    except pynvml.NVMLError as e:
-        print(f"torch_slice: skipped: NVML: {e} (needs an NVIDIA GPU)", file=sys.stderr)
-        return 0
-    lines: list[str] = []
-    report: dict[str, Any] = {"gpu": name, "sizes": sizes}
+Emit = Callable[[str], None]
 
-    def emit(text: str) -> None:
-        print(text, flush=True)
-        lines.append(text)
 
-    emit(f"GPU: {name}; {a.seconds:g} s measured after {a.warm:g} s warm-up per run")
-    emit("")
+def measure_workers(
+    a: argparse.Namespace, sizes: list[int], emit: Emit, report: dict[str, Any]
+) -> None:
+    """1. The two workers alone, then together."""
     wargs = [str(a.warm), str(a.seconds)]
     timeout = a.warm + a.seconds + 60
     alone = {n: run([(WORKER, [str(n), *wargs])], timeout)[0] for n in sizes}
@@ -253,37 +266,126 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"| {qa[0]:.2f} / {qa[1]:.2f} / {qa[2]:.2f} | {qt[0]:.2f} / {qt[1]:.2f} / {qt[2]:.2f} |"
         )
     emit(f"\ntogether: {shares[0]:.1f} + {shares[1]:.1f} = {sum(shares):.1f} % of the device")
-    if not a.no_probe:
-        gap_ns = str(int(a.gap_us * 1e3))
-        pargs = [str(a.warm), str(a.seconds - 0.5), gap_ns]
-        probes: dict[str, Any] = {}
-        try:
-            probes["alone"] = run([(PROBE, pargs)], timeout)[0]
-            for n in sizes:
-                probes[f"beside {n}"] = run(
-                    [(PROBE, pargs), (WORKER, [str(n), str(a.warm), str(a.seconds + 1)])], timeout
-                )[0]
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            emit(f"\nprobe FAILED: {str(e).splitlines()[-1] if str(e) else repr(e)}")
-            print(e, file=sys.stderr, flush=True)
-        if probes:
-            emit("")
+
+
+def measure_probe(
+    a: argparse.Namespace, sizes: list[int], emit: Emit, report: dict[str, Any]
+) -> None:
+    """2. The probe alone and beside each worker."""
+    timeout = a.warm + a.seconds + 60
+    gap_ns = str(int(a.gap_us * 1e3))
+    pargs = [str(a.warm), str(a.seconds - 0.5), gap_ns]
+    probes: dict[str, Any] = {}
+    try:
+        probes["alone"] = run([(PROBE, pargs)], timeout)[0]
+        for n in sizes:
+            probes[f"beside {n}"] = run(
+                [(PROBE, pargs), (WORKER, [str(n), str(a.warm), str(a.seconds + 1)])], timeout
+            )[0]
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        emit(f"\nprobe FAILED: {str(e).splitlines()[-1] if str(e) else repr(e)}")
+        print(e, file=sys.stderr, flush=True)
+    if probes:
+        emit("")
+        emit(
+            f"| probe (gaps over {a.gap_us:g} us) | gaps "
+            "| probe's runs, us: p10 / median / p90 "
+            "| its gaps, us: p10 / median / p90 | probe ran, % |"
+        )
+        emit("|---|---:|---|---|---:|")
+    report["probe"] = {}
+    for label, p in probes.items():
+        s = slices(p["gaps"], int(p["span_ns"]))
+        s["lost"] = p["lost"]
+        report["probe"][label] = s
+        emit(
+            f"| {label} | {s['gaps']} | {s['run_us_p10']:.0f} / {s['run_us_median']:.0f} / "
+            f"{s['run_us_p90']:.0f} | {s['gap_us_p10']:.0f} / {s['gap_us_median']:.0f} / "
+            f"{s['gap_us_p90']:.0f} | {s['probe_share']:.1f} |"
+        )
+
+
+def measure_sporadic(
+    a: argparse.Namespace, sizes: list[int], emit: Emit, report: dict[str, Any]
+) -> None:
+    """3. Sporadic small products alone and beside the second worker."""
+    timeout = a.warm + a.seconds + 60
+    sargs = [str(a.sporadic_size), str(a.warm), str(a.seconds - 0.5), str(a.every_ms / 1e3)]
+    busy = sizes[1]
+    try:
+        lone = run([(SPORADIC, sargs)], timeout)[0]
+        beside = run(
+            [(SPORADIC, sargs), (WORKER, [str(busy), str(a.warm), str(a.seconds + 1)])],
+            timeout,
+        )[0]
+    except (RuntimeError, subprocess.TimeoutExpired) as e:
+        emit(f"\nsporadic FAILED: {str(e).splitlines()[-1] if str(e) else repr(e)}")
+        print(e, file=sys.stderr, flush=True)
+    else:
+        emit("")
+        emit(
+            f"| one {a.sporadic_size} product every {a.every_ms:g} ms | products "
+            "| launch to end, us: p10 / median / p90 | max |"
+        )
+        emit("|---|---:|---|---:|")
+        report["sporadic"] = {}
+        for label, r in (("alone", lone), (f"beside {busy}", beside)):
+            q = quantiles(r["us"])
+            report["sporadic"][label] = {"us": r["us"]}
             emit(
-                f"| probe (gaps over {a.gap_us:g} us) | gaps "
-                "| probe's runs, us: p10 / median / p90 "
-                "| its gaps, us: p10 / median / p90 | probe ran, % |"
+                f"| {label} | {len(r['us'])} | {q[0]:.0f} / {q[1]:.0f} / {q[2]:.0f} "
+                f"| {max(r['us'], default=0):.0f} |"
             )
-            emit("|---|---:|---|---|---:|")
-        report["probe"] = {}
-        for label, p in probes.items():
-            s = slices(p["gaps"], int(p["span_ns"]))
-            s["lost"] = p["lost"]
-            report["probe"][label] = s
-            emit(
-                f"| {label} | {s['gaps']} | {s['run_us_p10']:.0f} / {s['run_us_median']:.0f} / "
-                f"{s['run_us_p90']:.0f} | {s['gap_us_p10']:.0f} / {s['gap_us_median']:.0f} / "
-                f"{s['gap_us_p90']:.0f} | {s['probe_share']:.1f} |"
-            )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None, help="write torch_slice.json and .md here")
+    ap.add_argument("--sizes", default="16384,8192", help="the two workers' matrix sizes")
+    ap.add_argument("--warm", type=float, default=1.0)
+    ap.add_argument("--seconds", type=float, default=4.0)
+    ap.add_argument("--gap-us", type=float, default=4.0, help="the probe's shortest gap")
+    ap.add_argument(
+        "--parts",
+        default="workers,probe,sporadic",
+        help="which measurements, comma-separated (the probe needs CuPy)",
+    )
+    ap.add_argument("--sporadic-size", type=int, default=2048)
+    ap.add_argument("--every-ms", type=float, default=7.0, help="between sporadic products")
+    a = ap.parse_args(argv)
+    sizes = [int(s) for s in a.sizes.split(",") if s]
+    if len(sizes) != 2:
+        print(f"torch_slice: --sizes {a.sizes!r}: give two sizes", file=sys.stderr)
+        return 2
+    parts = {p for p in a.parts.split(",") if p}
+    if not parts or parts - PARTS:
+        print(
+            f"torch_slice: --parts {a.parts!r}: name some of {', '.join(sorted(PARTS))}",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        pynvml.nvmlInit()
+        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+    except pynvml.NVMLError as e:
+        print(f"torch_slice: skipped: NVML: {e} (needs an NVIDIA GPU)", file=sys.stderr)
+        return 0
+    lines: list[str] = []
+    report: dict[str, Any] = {"gpu": name, "sizes": sizes}
+
+    def emit(text: str) -> None:
+        print(text, flush=True)
+        lines.append(text)
+
+    emit(f"GPU: {name}; {a.seconds:g} s measured after {a.warm:g} s warm-up per run")
+    emit("")
+    for part, measure in (
+        ("workers", measure_workers),
+        ("probe", measure_probe),
+        ("sporadic", measure_sporadic),
+    ):
+        if part in parts:
+            measure(a, sizes, emit, report)
     if a.out:
         a.out.mkdir(parents=True, exist_ok=True)
         (a.out / "torch_slice.json").write_text(json.dumps(report, indent=1))
