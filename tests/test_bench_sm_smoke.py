@@ -262,3 +262,70 @@ def test_misses_name_the_longest_stall_near_them() -> None:
     assert longest_stall(stalls, 12) == 3 * ms  # the stall is in window 12 itself
     assert longest_stall(stalls, 10) == 0
     assert accuracy(series, 50, 1.0).misses == [(11, -7.0, 0), (13, 8.0, 0), (15, -10.0, 0)]
+
+
+def test_batch_workers_table(built: Path, tmp_path: Path) -> None:
+    """sm_shared --kernel-us (the shape of make bench-gpu's PyTorch worker on
+    the simulator): one short 50:50 run in the time-sliced mode prints one
+    row per run, both containers' cells with their throughput, window and
+    split figures.  No timing assertions beyond the throughput being some."""
+    env = clean_env()
+    env["TMPDIR"] = str(tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tests.bench.sm_shared",
+            "--kernel-us",
+            "1650",
+            "--jitter",
+            "5",
+            "--mode",
+            "time-sliced",
+            "--only",
+            "50:50",
+            "--seconds",
+            "1",
+            "--allowance",
+            "0.3",
+        ],
+        env=env,
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("Batch workers (1650 us kernels, +-5 %, 3 per batch,")
+    (table,) = tables(proc.stdout)
+    assert table[0][:3] == ["sitting", "scenario", "device"]
+    (row,) = table[1:]
+    assert row[:3] == ["1", "50:50", "time-sliced 2048 us"]
+    cell = NUM + r" \(" + NUM + r"\) / " + NUM + " / " + NUM + " / " + NUM + " / " + NUM
+    sides = row[3].split(" ; ")
+    assert len(sides) == 2
+    for side in sides:
+        assert re.fullmatch("50: " + cell, side), side
+        assert float(side.split()[1]) > 5  # each side got some of the device
+    assert float(row[4]) > 10
+
+
+@pytest.mark.parametrize(
+    "spec",
+    ["1650:100", "1650x0", "1650:5y", "1650x200000"],
+    ids=["jitter", "batch0", "junk", "big"],
+)
+def test_the_batch_worker_refuses_bad_kernel_specs(built: Path, tmp_path: Path, spec: str) -> None:
+    from tests.bench.sm_bench import node_env
+
+    proc = subprocess.run(
+        [str(built / "bench_sm_worker"), "1", "1", "0", spec],
+        env=node_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=10,
+    )
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert f"KERNEL_US {spec}: not US[:J][xN]" in proc.stderr

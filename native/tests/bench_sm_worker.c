@@ -3,7 +3,7 @@
  * tests/bench/sm_bench.py).  Linked with -lcuda like an ordinary CUDA
  * program; run with libgpuvisor.so preloaded.
  *
- * usage: bench_sm_worker SECONDS SEED [PHASE_MS]
+ * usage: bench_sm_worker SECONDS SEED [PHASE_MS [KERNEL_US]]
  *
  * Sets up (cuInit, primary context, a non-blocking stream, three modules
  * each with a `spin` function, eight CUDA graphs of 1-4 spin kernels),
@@ -23,6 +23,16 @@
  * PHASE_MS > 0: alternate idle and busy phases of PHASE_MS each, idle first
  * (the side of a burst-share pair that is idle half the time).
  *
+ * KERNEL_US > 0 (PHASE_MS 0): instead, the shape of make bench-gpu's
+ * PyTorch worker (tests/bench/torch_sm.py) on the legacy default stream:
+ * batches of 3 kernels of KERNEL_US each, an event recorded after each
+ * batch, and a wait on the batch before last (at most two batches queued).
+ * KERNEL_US:J draws each kernel uniform within +-J % of KERNEL_US (from
+ * SEED); a suffix xN makes batches of N kernels (KERNEL_US[:J]xN).  The
+ * report adds the host time of each wait's end and the kernels done by
+ * then ("marks": [[s, kernels], ...]), from which the driver
+ * (tests/bench/sm_shared.py --kernel-us) computes 100 ms windows.
+ *
  * At the end: synchronize, print one JSON line (pid, t0_ns = CLOCK_MONOTONIC
  * at "go", launch counts, requested GPU time).  Exit 0, or 3 with
  * {"error": ...} on a driver error.
@@ -41,6 +51,9 @@
 #define NGRAPHS 8
 #define MAX_NODES 4
 #define CU_STREAM_NON_BLOCKING_FLAG 0x1
+#define BATCH 3                 /* kernels per batch, unless told */
+#define RING 3                  /* events: the batch before last is waited on */
+#define MAX_MARKS 65536
 
 static void fail(const char *what, CUresult rc)
 {
@@ -93,13 +106,22 @@ static void sleep_until(uint64_t t)
 
 int main(int argc, char **argv)
 {
-    if (argc < 3 || argc > 4) {
-        fprintf(stderr, "usage: bench_sm_worker SECONDS SEED [PHASE_MS]\n");
+    if (argc < 3 || argc > 5) {
+        fprintf(stderr, "usage: bench_sm_worker SECONDS SEED [PHASE_MS [KERNEL_US]]\n");
         return 2;
     }
     double seconds = atof(argv[1]);
     rng_state = (uint64_t)strtoull(argv[2], NULL, 10) * 0x9E3779B97F4A7C15ULL + 88172645463325252ULL;
-    uint64_t phase_ns = argc == 4 ? (uint64_t)(atof(argv[3]) * 1e6) : 0;
+    uint64_t phase_ns = argc >= 4 ? (uint64_t)(atof(argv[3]) * 1e6) : 0;
+    char *jit = NULL;
+    uint32_t kernel_us = argc == 5 ? (uint32_t)strtoul(argv[4], &jit, 10) : 0;
+    double jitter = jit && *jit == ':' ? (double)strtoul(jit + 1, &jit, 10) / 100 : 0;
+    int batch = jit && *jit == 'x' ? atoi(jit + 1) : BATCH;
+    if (batch < 1 || batch > 100000 || jitter >= 1 || (jit && *jit && *jit != 'x')) {
+        fprintf(stderr, "bench_sm_worker: KERNEL_US %s: not US[:J][xN] with J < 100, N 1 to "
+                "100000\n", argv[4]);
+        return 2;
+    }
 
     CUstream s;
     OK(gv_test_primary_ctx(0, NULL));
@@ -158,6 +180,49 @@ int main(int argc, char **argv)
 
     uint64_t t0 = mono_ns(), end = t0 + (uint64_t)(seconds * 1e9);
     uint64_t n_kernel = 0, n_ex = 0, n_graph = 0, gpu_us = 0;
+    if (kernel_us) {
+        /* The PyTorch worker's shape (the header). */
+        static float mark_s[MAX_MARKS];
+        static uint32_t mark_n[MAX_MARKS];
+        CUevent ev[RING];
+        for (int i = 0; i < RING; i++)
+            OK(cuEventCreate(&ev[i], 0));
+        uint64_t k = 0, done = 0;   /* batches launched, kernels known done */
+        size_t marks = 0;
+        uint32_t us;
+        void *params[] = { &us };
+        CUstream bs = NULL;     /* PyTorch's default: the legacy default stream */
+        while (mono_ns() < end) {
+            for (int i = 0; i < batch; i++) {
+                us = (uint32_t)(kernel_us * (1 + jitter * (2 * unit() - 1)) + 0.5);
+                gpu_us += us;
+                OK(cuLaunchKernel(fn[0], 132, 1, 1, 128, 1, 1, 0, bs, params, NULL));
+            }
+            n_kernel += (uint64_t)batch;
+            OK(cuEventRecord(ev[k % RING], bs));
+            if (k >= 2) {
+                OK(cuEventSynchronize(ev[(k - 2) % RING]));
+                done += (uint64_t)batch;
+                if (marks < MAX_MARKS) {
+                    mark_s[marks] = (float)((double)(mono_ns() - t0) / 1e9);
+                    mark_n[marks++] = (uint32_t)done;
+                }
+            }
+            k++;
+        }
+        OK(cuStreamSynchronize(bs));
+        uint64_t t1 = mono_ns();
+        printf("{\"pid\": %d, \"t0_ns\": %llu, \"wall_s\": %.4f, \"launch_kernel\": %llu, "
+               "\"launch_ex\": 0, \"graph_launch\": 0, \"gpu_us\": %llu, \"kernel_us\": %u, "
+               "\"marks\": [",
+               (int)getpid(), (unsigned long long)t0, (double)(t1 - t0) / 1e9,
+               (unsigned long long)n_kernel, (unsigned long long)gpu_us, kernel_us);
+        for (size_t i = 0; i < marks; i++)
+            printf("%s[%.6f, %u]", i ? ", " : "", (double)mark_s[i], mark_n[i]);
+        printf("]}\n");
+        fflush(stdout);
+        return 0;
+    }
     for (;;) {
         uint64_t now = mono_ns();
         if (now >= end)

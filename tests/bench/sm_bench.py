@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import Any
 
 import psutil
 
@@ -135,9 +136,16 @@ class Container:
     procs: int
     policy: str = "fixed-share"
     phase_ms: int = 0  # > 0: idle/busy phases of this length, idle first
+    # > 0: the PyTorch worker's shape instead (fixed kernels of this many us,
+    # batches of 3, an event each, waiting on the batch before last;
+    # bench_sm_worker.c); its report then has the completion marks
+    kernel_us: int = 0
+    jitter: int = 0  # with kernel_us: each kernel uniform within +-jitter % of it
+    batch: int = 3  # with kernel_us: kernels per batch
     pids: list[int] = field(default_factory=list)
     series: list[float] = field(default_factory=list)
-    reports: list[dict[str, float]] = field(default_factory=list)
+    # each process's report (JSON); a batch worker's has its "marks" too
+    reports: list[dict[str, Any]] = field(default_factory=list)
     # the scenario's machine stalls: (start, length) in ns from the common start
     stalls: list[tuple[int, int]] = field(default_factory=list)
 
@@ -145,12 +153,16 @@ class Container:
 # GPUVISOR_SIM_TIMESLICE_US for every scenario (--timeslice-us; 0: the
 # launch-order timeline)
 TIMESLICE_US = 0
+# More simulator settings for every scenario (sm_shared.py --sim-env), e.g.
+# GPUVISOR_SIM_NVML_SAMPLE_MS=200 as an H200 samples
+SIM_ENV: dict[str, str] = {}
 
 
 def node_env(tmp: Path) -> dict[str, str]:
     env = clean_env()
     if TIMESLICE_US:
         env["GPUVISOR_SIM_TIMESLICE_US"] = str(TIMESLICE_US)
+    env.update(SIM_ENV)
     env.update(
         {
             "LD_LIBRARY_PATH": str(SIM_DIR),
@@ -242,8 +254,10 @@ def run_scenario(containers: Sequence[Container], seconds: float, seed: int) -> 
                 )
                 for i in range(c.procs):
                     args = [str(WORKER), f"{seconds + 0.3:.3f}", str(seed * 100 + len(workers))]
-                    if c.phase_ms:
+                    if c.phase_ms or c.kernel_us:
                         args.append(str(c.phase_ms))
+                    if c.kernel_us:
+                        args.append(f"{c.kernel_us}:{c.jitter}x{c.batch}")
                     p = subprocess.Popen(
                         args,
                         env=cenv,
@@ -476,7 +490,7 @@ def throughput(c: Container) -> float:
     """The container's share of the unlimited device, in %: the GPU time of
     the kernels its processes completed over their wall time (the worker
     synchronizes before it reports), whatever NVML or the meters say."""
-    return 100 * sum(r["gpu_us"] / 1e6 / r["wall_s"] for r in c.reports)
+    return 100 * sum(float(r["gpu_us"]) / 1e6 / float(r["wall_s"]) for r in c.reports)
 
 
 def mean(v: Sequence[float]) -> float:

@@ -11,7 +11,16 @@ length of turns) and the *idle* part (the device's idle time that window,
 at the container's part: handovers, launching threads without a CPU).
 `--before LIB` runs every case with another build too, in the same
 sitting, and shows the two side by side.  Driven by
-tests/bench/sm_bench.py."""
+tests/bench/sm_bench.py.
+
+`--kernel-us N` (a quick experiment, not part of make bench-sm's section)
+runs the shape of make bench-gpu's PyTorch worker instead
+(tests/bench/torch_sm.py): fixed kernels of N us (1650: the H200's 8192
+products), batches of 3 with an event after each, waiting on the batch
+before last; and reports what the GPU table does: per container its
+throughput, the sd and worst of its own 100 ms windows of completed work in
+% of its mean, and the sd and worst of its part of all containers' work
+per window, in points (a container's *split*)."""
 
 from __future__ import annotations
 
@@ -20,9 +29,10 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from tests.bench import sm_bench as b
 from tests.bench import sm_floor
@@ -101,6 +111,146 @@ def one(
     spans = b.STALLS[-1].spans if b.STALLS else []
     longest = max((n for _, n in spans), default=0)
     return out, sum(x.throughput for x in out), f"{len(spans)} / {longest / 1e6:.1f}"
+
+
+def completed(rep: Mapping[str, Any], t_go: int, t: float) -> float:
+    """Kernels a batch worker (bench_sm_worker KERNEL_US) had completed by
+    t s after t_go, linear between its marks (as torch_sm.rate_between)."""
+    off = (int(rep["t0_ns"]) - t_go) / 1e9
+    prev_t, prev_n = 0.0, 0.0
+    for m_t, m_n in rep["marks"]:
+        mt, mn = float(m_t) + off, float(m_n)
+        if mt >= t:
+            span = mt - prev_t
+            return prev_n + (mn - prev_n) * ((t - prev_t) / span if span > 0 else 1.0)
+        prev_t, prev_n = mt, mn
+    return prev_n
+
+
+@dataclass
+class BatchSide:
+    """One container's figures in a batch-worker run (--kernel-us)."""
+
+    limit: int
+    throughput: float  # % of the unlimited device
+    win_sd: float  # its 100 ms windows' sd, % of their mean
+    win_worst: float  # the window furthest from the mean, % from it
+    split_sd: float  # sd of its part of all work per window, points
+    split_worst: float
+
+    def cell(self) -> str:
+        return (
+            f"{self.limit}: {self.throughput:.1f} ({self.throughput - self.limit:+.1f}) / "
+            f"{self.win_sd:.1f} / {self.win_worst:+.0f} / {self.split_sd:.1f} / "
+            f"{self.split_worst:+.1f}"
+        )
+
+
+def batch_run(
+    mode_us: int,
+    sides: list[tuple[int, int]],
+    seconds: float,
+    allowance: float,
+    seed: int,
+    kernel_us: int,
+    jitter: int = 0,
+    batch: int = 3,
+) -> list[BatchSide]:
+    """One run of batch workers (bench_sm_worker KERNEL_US:JITTERxBATCH), one
+    process per container's process; each container's figures (BatchSide)."""
+    b.TIMESLICE_US = mode_us
+    cs = [
+        b.Container(chr(ord("a") + i), q, n, kernel_us=kernel_us, jitter=jitter, batch=batch)
+        for i, (q, n) in enumerate(sides)
+    ]
+    b.run_scenario(cs, seconds, seed)
+    t_go = min(int(r["t0_ns"]) for c in cs for r in c.reports)
+    steps = [allowance + 0.1 * k for k in range(round((seconds - allowance) / 0.1))]
+    # per container, per window: kernels completed
+    work = [
+        [sum(completed(r, t_go, t + 0.1) - completed(r, t_go, t) for r in c.reports) for t in steps]
+        for c in cs
+    ]
+    totals = [sum(w[k] for w in work) for k in range(len(steps))]
+    out = []
+    for c, w in zip(cs, work, strict=True):
+        m = statistics.fmean(w)
+        rel = [100 * (x / m - 1) for x in w] if m > 0 else [0.0]
+        part = [100 * x / t for x, t in zip(w, totals, strict=True) if t > 0]
+        pm = statistics.fmean(part) if part else 0.0
+        out.append(
+            BatchSide(
+                limit=c.limit,
+                throughput=b.throughput(c),
+                win_sd=statistics.pstdev(rel),
+                win_worst=max(rel, key=abs),
+                split_sd=statistics.pstdev(part) if len(part) > 1 else 0.0,
+                split_worst=max((x - pm for x in part), key=abs, default=0.0),
+            )
+        )
+    return out
+
+
+def render_batches(
+    seconds: float,
+    allowance: float,
+    kernel_us: int,
+    only: Sequence[str] = (),
+    modes: Sequence[int] = (1,),
+    before: Path | None = None,
+    sittings: int = 1,
+    jitter: int = 0,
+    batch: int = 3,
+) -> str:
+    """The --kernel-us table: every case, each library in turn, `sittings` times."""
+    after = b.LIBRARY
+    libs: list[tuple[str, Path]] = (
+        [("before", before), ("after", after)] if before else [("", after)]
+    )
+    rows = []
+    saved = b.TIMESLICE_US
+    try:
+        for sit in range(sittings):
+            for i, (label, sides) in enumerate(SCENARIOS):
+                if only and label not in only:
+                    continue
+                for mode in [TIMESLICE_US * m for m in modes]:
+                    for name, lib in libs:
+                        b.LIBRARY = lib
+                        got = batch_run(
+                            mode,
+                            sides,
+                            seconds,
+                            allowance,
+                            70 + i + 10 * sit,
+                            kernel_us,
+                            jitter,
+                            batch,
+                        )
+                        mode_s = f"time-sliced {TIMESLICE_US} us" if mode else "launch order"
+                        lib_s = f" {name} |" if before else ""
+                        cells = " ; ".join(x.cell() for x in got)
+                        total = sum(x.throughput for x in got)
+                        rows.append(
+                            f"| {sit + 1} | {label} | {mode_s} |{lib_s} {cells} | {total:.1f} |"
+                        )
+                        print(rows[-1], file=sys.stderr)
+    finally:
+        b.TIMESLICE_US = saved
+        b.LIBRARY = after
+    lib_h, lib_r = (" library |", "---|") if before else ("", "")
+    out = [
+        f"Batch workers ({kernel_us} us kernels, +-{jitter} %, {batch} per batch, an event per "
+        f"batch, waiting on the batch before last), runs of {seconds:g} s, windows from "
+        f"{allowance:g} s. "
+        f"{b.machine()} Load average (1 min) at the end: {os.getloadavg()[0]:.1f}.",
+        "",
+        f"| sitting | scenario | device |{lib_h} per container: limit: throughput (error) / "
+        "window sd % / worst % / split sd / worst (points) | total |",
+        f"|---:|---|---|{lib_r}---|---:|",
+        *rows,
+    ]
+    return "\n".join(out) + "\n"
 
 
 def misses(label: str, mode: int, got: Sequence[Side], total: float) -> list[str]:
@@ -264,7 +414,47 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="another libgpuvisor.so (the build before a change): every case runs with it "
         "too, in the same sitting, and the table shows both",
     )
+    p.add_argument(
+        "--kernel-us",
+        type=int,
+        default=0,
+        help="run make bench-gpu's PyTorch worker shape instead: fixed kernels of this many us "
+        "in batches of 3 (1650: the H200's 8192 products); a table of its own (module docstring)",
+    )
+    p.add_argument(
+        "--jitter",
+        type=int,
+        default=0,
+        help="with --kernel-us: each kernel uniform within +- this many %% of it",
+    )
+    p.add_argument(
+        "--batch", type=int, default=3, help="with --kernel-us: kernels per batch (default 3)"
+    )
+    p.add_argument(
+        "--sittings", type=int, default=1, help="with --kernel-us: repeat everything this often"
+    )
+    p.add_argument(
+        "--sim-env",
+        action="append",
+        default=[],
+        metavar="GPUVISOR_SIM_X=V",
+        help="another simulator setting for every run (repeatable), e.g. "
+        "GPUVISOR_SIM_NVML_SAMPLE_MS=200 as an H200 samples (docs/simulator.md)",
+    )
     args = p.parse_args(argv)
+    for name, value, lo, hi in (
+        ("--kernel-us", args.kernel_us, 0, 10_000_000),
+        ("--jitter", args.jitter, 0, 99),
+        ("--batch", args.batch, 1, 100_000),
+        ("--sittings", args.sittings, 1, 1000),
+    ):
+        if not lo <= value <= hi:
+            p.error(f"{name} {value}: must be {lo} to {hi}")
+    for kv in args.sim_env:
+        k, eq, v = kv.partition("=")
+        if not eq or not k.startswith("GPUVISOR_SIM_"):
+            p.error(f"--sim-env {kv!r}: not GPUVISOR_SIM_NAME=VALUE")
+        b.SIM_ENV[k] = v
     labels = [label for label, _ in SCENARIOS]
     for o in args.only:
         if o not in labels:
@@ -282,6 +472,23 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.kernel_us:
+        if args.write:
+            p.error("--kernel-us is an experiment: no --write")
+        sys.stdout.write(
+            render_batches(
+                args.seconds,
+                args.allowance,
+                args.kernel_us,
+                args.only,
+                modes,
+                before,
+                args.sittings,
+                args.jitter,
+                args.batch,
+            )
+        )
+        return 0
     text = render(args.seconds, args.allowance, args.only, modes, before)
     sys.stdout.write(text)
     if args.write:
