@@ -309,6 +309,7 @@ PUBLISH_QUERY = after_one_kernel(
         ("GPUVISOR_SIM_NVML_UTIL_MS", "10001"),
         ("GPUVISOR_SIM_NVML_SAMPLE_MS", "9"),
         ("GPUVISOR_SIM_NVML_PER_SAMPLE", "2"),
+        ("GPUVISOR_SIM_NVML_NOISE", "101"),
         ("GPUVISOR_SIM_NVML_SAMPLE_MS", "1001"),
         ("GPUVISOR_SIM_MODULE_MIB", str((1 << 20) + 1)),
         ("GPUVISOR_SIM_LAUNCH_US", "1000001"),

@@ -25,6 +25,12 @@
  * GPUVISOR_SIM_NVML_UTIL_MS=N: each per-process query takes N ms (it
  * sleeps, then reads the samples), as the real query can take
  * milliseconds: whatever calls it waits that long.
+ *
+ * GPUVISOR_SIM_NVML_NOISE=N: each per-process sample's smUtil is off by a
+ * whole number from -N to +N (fixed per process and sample, clamped to
+ * 0-100; an answer over several samples takes its newest one's), as an
+ * H200's per-process samples spread by 9-21 points (sd) while two
+ * processes took turns on it.
  */
 #include <pthread.h>
 #include <stdlib.h>
@@ -49,6 +55,7 @@ static struct {
     uint64_t sample_ns;                 /* GPUVISOR_SIM_NVML_SAMPLE_MS, in ns */
     unsigned long long publish_ms;      /* GPUVISOR_SIM_NVML_PUBLISH_MS */
     unsigned long long query_ms;        /* GPUVISOR_SIM_NVML_UTIL_MS */
+    unsigned long long noise;           /* GPUVISOR_SIM_NVML_NOISE, points */
     /* GPUVISOR_SIM_NVML_PER_SAMPLE=1: one entry per process and sample
      * (each with that sample's utilisation and timestamp) instead of one
      * per process over all the samples asked for. */
@@ -62,6 +69,7 @@ static void read_knobs(void)
                                      SAMPLE_MS_MAX, SAMPLE_MS_DEFAULT) * 1000000ULL;
     knobs.publish_ms = sim_knob_range("GPUVISOR_SIM_NVML_PUBLISH_MS", 1, PUBLISH_MS_MAX, 0);
     knobs.query_ms = sim_knob_range("GPUVISOR_SIM_NVML_UTIL_MS", 1, QUERY_MS_MAX, 0);
+    knobs.noise = sim_knob_range("GPUVISOR_SIM_NVML_NOISE", 1, 100, 0);
     const char *v = getenv("GPUVISOR_SIM_NVML_PER_SAMPLE");
     if (!v || !*v || !strcmp(v, "0"))
         return;
@@ -93,6 +101,22 @@ static unsigned pct(uint64_t part, uint64_t whole)
         return 0;
     uint64_t p = (part * 100 + whole / 2) / whole;
     return p > 100 ? 100 : (unsigned)p;
+}
+
+/* A per-process sample's smUtil as the driver reports it: sm, or with
+ * GPUVISOR_SIM_NVML_NOISE off by -N..+N, drawn from the process and the
+ * sample's index k (the same answer every time that sample is read). */
+static unsigned reported(unsigned pid, uint64_t k, unsigned sm)
+{
+    unsigned long long n = KNOBS->noise;
+    if (!n)
+        return sm;
+    uint64_t h = (uint64_t)pid * 0x9E3779B97F4A7C15ULL ^ k * 0xBF58476D1CE4E5B9ULL;
+    h ^= h >> 31;
+    h *= 0x94D049BB133111EBULL;
+    h ^= h >> 29;
+    long long v = (long long)sm + (long long)(h % (2 * n + 1)) - (long long)n;
+    return v < 0 ? 0 : v > 100 ? 100 : (unsigned)v;
 }
 
 SIM_API nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t dev,
@@ -228,7 +252,7 @@ static int per_sample_entries(const sim_interval *iv, int n, const unsigned *pid
             if (!b)
                 continue;
             out[nout].pid = pids[j];
-            out[nout].sm = pct(b, S);
+            out[nout].sm = reported(pids[j], k, pct(b, S));
             out[nout++].ts = ((k + 1) * S + mono_to_rt) / NS_PER_US;
         }
     free(busy);
@@ -298,7 +322,7 @@ static nvmlReturn_t proc_samples(int node, unsigned long long last_seen,
     free(iv);
     for (int j = 0; j < np; j++) {
         out[j].pid = pids[j];
-        out[j].sm = pct(busy[j], until[j] - lo);
+        out[j].sm = reported(pids[j], until[j] / SAMPLE_NS, pct(busy[j], until[j] - lo));
         out[j].ts = (until[j] + mono_to_rt) / NS_PER_US;
     }
     *nout = np;
