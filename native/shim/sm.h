@@ -112,6 +112,9 @@ uint64_t gv_arb_quiet_at(int dev);
 void gv_arb_settled_n(int dev, uint32_t n);   /* n launches at once (a segment's) */
 void gv_arb_alive(int dev, uint64_t now);
 void gv_arb_not_waiting(int dev);
+/* gv_arb_exclusive: this process went by the turn in the last 50 ms, so
+ * its events measure its own kernels only (the others drain first). */
+int gv_arb_exclusive(int dev, uint64_t now);
 void gv_arb_wants(int dev, uint64_t now);
 struct gv_arb_terms {
     uint64_t container;     /* the container's identity on the node */

@@ -21,7 +21,16 @@
  *     one context has work on the device at a time;
  *   - a holder idle for LAPSE_NS with nothing in flight, or not heard from
  *     for FRESH_NS (killed, stopped), holds nobody;
- *   - time spent waiting for the turn is credited (sm_gate.c).
+ *   - time spent waiting for the turn is credited (sm_gate.c);
+ *   - while the turn is in play (gv_arb_exclusive), each process's events
+ *     hold its own kernels only, and its measured times are settled as
+ *     measured, not scaled by NVML's per-process samples (sm_calib.c): on
+ *     an H200 those spread by 9-21 points while processes took turns, the
+ *     scaling charged each container 3-6 points under what it ran, and a
+ *     30 % container's 100 ms windows swung by 18-27 % of its mean (2.6-2.8 %
+ *     without it).  A process that does not take turns (no library, no
+ *     limit) time-slices with the holder whatever the scaling: NVML counts
+ *     a preempted kernel as busy too, so it could not correct that.
  * The simulator's time-slicing mode, make bench-sm workload, 3 s pairs,
  * share of the unlimited device: 50:50 38.9 / 37.8 -> 48.6 / 48.6, 30:70
  * 23.2 / 59.1 -> 28.7 / 69.5 (docs/benchmarks.md).  An H200, PyTorch's
@@ -172,6 +181,7 @@ static struct arb_dev {
     _Atomic uint64_t bypass_len;    /* the last bypass's length */
     _Atomic int in_order;           /* the device runs each kernel to its end: no turn */
     _Atomic uint64_t quiet_at;      /* when gv_arb_check last saw no other container; 0: it saw one */
+    _Atomic uint64_t turn_at;       /* when gv_arb_check last went by the turn */
 } arbs[GV_MAX_DEVICES];
 
 static _Atomic uint64_t token;
@@ -198,6 +208,7 @@ static void fork_child(void)
         atomic_store(&arbs[i].charged, 0);
         atomic_store(&arbs[i].wait_since, 0);
         atomic_store(&arbs[i].quiet_at, 0);
+        atomic_store(&arbs[i].turn_at, 0);
         int opening = OPENING;
         atomic_compare_exchange_strong(&arbs[i].state, &opening, UNTRIED);
     }
@@ -529,6 +540,8 @@ int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now, uint64_t
             atomic_compare_exchange_strong(&f->turn, &t, 0);
         return -1;
     }
+    if (atomic_load_explicit(&a->turn_at, memory_order_relaxed) != now)
+        atomic_store_explicit(&a->turn_at, now, memory_order_relaxed);
     if (t == mine) {
         if (first != UINT64_MAX &&
             atomic_load_explicit(&a->charged, memory_order_relaxed) >= turn_len(f, me, used, now)) {
@@ -556,6 +569,14 @@ int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now, uint64_t
     atomic_store_explicit(&me->wait_at, 0, memory_order_relaxed);
     atomic_store_explicit(&a->wait_since, 0, memory_order_relaxed);
     return count >= 2 && queued + cost > TURN_INFLIGHT_NS ? 2 : 1;
+}
+
+int gv_arb_exclusive(int dev, uint64_t now)
+{
+    if (dev < 0 || dev >= GV_MAX_DEVICES)
+        return 0;
+    uint64_t turn = atomic_load_explicit(&arbs[dev].turn_at, memory_order_relaxed);
+    return turn && turn <= now + STALE_NS && turn + ACTIVE_NS >= now;
 }
 
 void gv_arb_set_preemption(int dev, int preempts)

@@ -30,6 +30,13 @@
  *    as NVML's samples, so that a long kernel or graph at the window's
  *    edge is split as NVML splits it instead of counted whole on one side.
  *
+ * Under the turn between containers (sm_arbiter.c, gv_arb_exclusive) the
+ * meter settles what it measured, unscaled: the others drain before a
+ * process holds the device, so its events are its own, and NVML's
+ * per-process samples only add their noise there (on an H200 they spread
+ * by 9-21 points while processes took turns, and the scaling charged each
+ * container 3-6 points under what it ran).
+ *
  * The meter thread (sm_meter.c) records measured kernels and scales
  * settlements; the policy thread (sm_policy_thread.c) asks NVML and hands
  * the answer over.  A process-private spinlock keeps the two apart, held

@@ -616,8 +616,12 @@ static int try_settle_known(struct rec *r, CUcontext *current, int force, int kn
         uint64_t raw = (uint64_t)((double)ms * 1e6);
         if (r->stretch)
             raw = unstretched(raw, r->stretch, r->est);
-        gv_cal_record(r->dev, gv_mono_ns(), raw);
-        uint64_t ns = gv_cal_scale(r->dev, raw);
+        uint64_t at = gv_mono_ns();
+        gv_cal_record(r->dev, at, raw);
+        /* Under the turn the events hold this process's kernels only
+         * (sm_arbiter.c): NVML's noisy per-process samples would only
+         * charge it less than it ran. */
+        uint64_t ns = gv_arb_exclusive(r->dev, at) ? raw : gv_cal_scale(r->dev, raw);
         /* A stretched one taught nothing new, nor does a segment (it may
          * hold idle time between its launches, or after its last one: the
          * estimates would grow, predict the stream busy longer, and make
