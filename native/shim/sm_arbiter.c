@@ -15,6 +15,9 @@
  *     of estimates in flight; its turn ends when it has charged its
  *     container's limit's part of TURN_CYCLE_NS (split between its
  *     processes) while another process waits, or when its clock runs ahead;
+ *     what a turn charged beyond that length is charged at the start of the
+ *     process's next turn (the carry, below), so its turns average their
+ *     length however long its kernels are;
  *   - a free turn goes to the waiting process whose container's clock is
  *     furthest behind (within MARGIN_NS), and only once every other
  *     process's launches are measured (the device drained), so that only
@@ -118,6 +121,22 @@
 #define TURN_NS (10ULL * 1000 * 1000)
 #define TURN_CYCLE_NS (10ULL * 1000 * 1000)
 #define TURN_MIN_NS (1ULL * 1000 * 1000)
+/* The carry: a turn ends at the first launch after the holder charged its
+ * length, so whole kernels round every turn up (1.65 ms kernels at 30:70:
+ * 3.3 ms turns for 3, 8.25 for 7, the 30 % container got 28.6 % of the
+ * work).  What a turn that ended so (others waiting) charged beyond its
+ * length, at most one length, is charged at the start of the process's
+ * next turn, which then ends that much sooner; every turn still admits at
+ * least one launch.  What a holder charges past its length while nobody
+ * waits is not carried (it took nobody's time; its own clock counts it),
+ * and a turn that ends otherwise carries nothing: the holder lapsed idle
+ * or its clock ran ahead (gv_arb_not_waiting; its clock holds it back
+ * already) before it charged its length with others waiting; the carry it
+ * opened with was spent in that turn.  The turn going out of play (a
+ * container alone, or not a case for the turn) drops a carry, and one not
+ * used within ACTIVE_NS of its turn's end is forgotten (the turn was not
+ * in play for a while, the neighbours may be others).  Process-private,
+ * per device; a forked child starts without. */
 /* What a holder keeps in flight (estimates): 4 ms, the model's value, left
  * the device idle while a holder's launching thread waited for a CPU
  * (Python workers on a loaded 2-core machine: 45 / 46 at 50:50, 47 / 47
@@ -176,6 +195,8 @@ static struct arb_dev {
     _Atomic(struct arb_slot *) me;  /* NULL: no slot (yet) */
     /* This process's side of the turn (process-private): */
     _Atomic uint64_t charged;       /* estimated GPU time charged in its turn */
+    _Atomic uint64_t carry;         /* its last turn's overshoot, for its next (TURN_MIN_NS's note) */
+    _Atomic uint64_t carry_at;      /* when that turn ended */
     _Atomic uint64_t wait_since;    /* when its launches began to wait for the turn; 0: not */
     _Atomic uint64_t bypass_until;  /* leaves the turn alone until then */
     _Atomic uint64_t bypass_len;    /* the last bypass's length */
@@ -206,6 +227,7 @@ static void fork_child(void)
     for (int i = 0; i < GV_MAX_DEVICES; i++) {
         atomic_store(&arbs[i].me, NULL);
         atomic_store(&arbs[i].charged, 0);
+        atomic_store(&arbs[i].carry, 0);
         atomic_store(&arbs[i].wait_since, 0);
         atomic_store(&arbs[i].quiet_at, 0);
         atomic_store(&arbs[i].turn_at, 0);
@@ -481,6 +503,13 @@ static int order_check(struct arb_file *f, struct arb_slot *me, uint64_t tat, ui
     return first == UINT64_MAX || tat <= first + MARGIN_NS ? 1 : 2;
 }
 
+/* This process's turns on a device leave nothing to carry. */
+static void no_carry(struct arb_dev *a)
+{
+    if (atomic_load_explicit(&a->carry, memory_order_relaxed))
+        atomic_store_explicit(&a->carry, 0, memory_order_relaxed);
+}
+
 int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now, uint64_t queued,
                  uint32_t count, uint64_t cost)
 {
@@ -528,6 +557,7 @@ int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now, uint64_t
                    !turn_fits(f, used, now))) {
         /* Not a case for the turn: a turn this process held goes back. */
         atomic_store_explicit(&a->wait_since, 0, memory_order_relaxed);
+        no_carry(a);
         if (t == mine)
             atomic_compare_exchange_strong(&f->turn, &t, 0);
         return order_check(f, me, tat, now);
@@ -536,6 +566,7 @@ int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now, uint64_t
         /* A container alone: its own rules.  A turn it held goes back. */
         atomic_store_explicit(&me->wait_at, 0, memory_order_relaxed);
         atomic_store_explicit(&a->wait_since, 0, memory_order_relaxed);
+        no_carry(a);
         if (t == mine)
             atomic_compare_exchange_strong(&f->turn, &t, 0);
         return -1;
@@ -543,14 +574,22 @@ int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now, uint64_t
     if (atomic_load_explicit(&a->turn_at, memory_order_relaxed) != now)
         atomic_store_explicit(&a->turn_at, now, memory_order_relaxed);
     if (t == mine) {
-        if (first != UINT64_MAX &&
-            atomic_load_explicit(&a->charged, memory_order_relaxed) >= turn_len(f, me, used, now)) {
+        uint64_t charged = atomic_load_explicit(&a->charged, memory_order_relaxed);
+        uint64_t len = charged >= TURN_MIN_NS ? turn_len(f, me, used, now) : TURN_MIN_NS;
+        if (first != UINT64_MAX && charged >= len) {
             /* The turn is over: given back; the next holder waits until
-             * this process's launches are measured (drained). */
+             * this process's launches are measured (drained).  What it
+             * charged beyond its length opens its next turn (the carry). */
+            uint64_t over = charged - len;
+            atomic_store_explicit(&a->carry, over < len ? over : len, memory_order_relaxed);
+            atomic_store_explicit(&a->carry_at, now, memory_order_relaxed);
             atomic_store_explicit(&a->charged, 0, memory_order_relaxed);
             atomic_compare_exchange_strong(&f->turn, &t, 0);
             t = 0;
         } else {
+            /* Past its length with nobody waiting: not carried. */
+            if (charged > len)
+                atomic_store_explicit(&a->charged, len, memory_order_relaxed);
             atomic_store_explicit(&me->wait_at, 0, memory_order_relaxed);
             atomic_store_explicit(&a->wait_since, 0, memory_order_relaxed);
             return count >= 2 && queued + cost > TURN_INFLIGHT_NS ? 2 : 1;
@@ -565,7 +604,11 @@ int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now, uint64_t
     atomic_store_explicit(&me->launched_at, now, memory_order_relaxed);
     if (!atomic_compare_exchange_strong(&f->turn, &t, mine))
         return wait_turn(a, me, tat, now);
-    atomic_store_explicit(&a->charged, 0, memory_order_relaxed);
+    /* The turn opens with its last one's overshoot, if that ended lately. */
+    uint64_t carry = atomic_exchange_explicit(&a->carry, 0, memory_order_relaxed);
+    if (carry && atomic_load_explicit(&a->carry_at, memory_order_relaxed) + ACTIVE_NS < now)
+        carry = 0;
+    atomic_store_explicit(&a->charged, carry, memory_order_relaxed);
     atomic_store_explicit(&me->wait_at, 0, memory_order_relaxed);
     atomic_store_explicit(&a->wait_since, 0, memory_order_relaxed);
     return count >= 2 && queued + cost > TURN_INFLIGHT_NS ? 2 : 1;

@@ -92,7 +92,7 @@ static void be_container(const char *name)
 
 /* Commands: 'c' check with a clock `arg` ns ahead of now (answers the
  * result), 'w' keep waiting with that clock (answers once, then loops
- * until killed), 'a' admitted, 's' settled, 'f' fork a child that is
+ * until killed), 'a' admitted, 'A' admitted with an estimate of `arg` ns, 's' settled, 'f' fork a child that is
  * admitted three times (it answers its own check's result, once held or
  * after 2 s, then stays alive), 'k' kill that child; with a clock `arg`
  * ns ahead, as if this process's clock were ahead (a file from before a
@@ -169,6 +169,9 @@ static void child_loop(int in, int out)
             }
         case 'a':
             gv_arb_admitted(0, UUID, now, MS);
+            break;
+        case 'A':
+            gv_arb_admitted(0, UUID, now, (uint64_t)arg);
             break;
         case 'F':
             for (int i = 0; i < 3; i++)
@@ -460,6 +463,52 @@ static void lately(struct child *c)
     ask(c, 's', 0);
 }
 
+/* One turn of `holder` with `waiter` waiting, as the gate drives it: the
+ * holder takes the turn (its clock 10 ms behind the waiter's), launches
+ * kernels estimated at `cost` until its check says the turn is over, and
+ * its launches are measured.  Before each of the holder's checks the
+ * waiter renews its claim; a check more than 1.5 ms after it (a loaded
+ * machine: the claim lasts 2 ms) launches nothing and is asked again.
+ * What the holder charged, or 0 when the turn did not go so within 2 s or
+ * the holder's last turn ended over `fresh` ns ago (then the carry is
+ * forgotten by design: the caller runs again). */
+static uint64_t one_turn(struct child *holder, struct child *waiter, long long cost,
+                         uint64_t *ended, uint64_t fresh)
+{
+    uint64_t t0 = gv_mono_ns(), charged = 0;
+    int r;
+    do
+        r = ask(holder, 'c', -30 * (long long)MS);
+    while (r != 1 && gv_mono_ns() - t0 < 2000 * MS);
+    if (r != 1)
+        return 0;
+    int valid = !*ended || gv_mono_ns() - *ended < fresh;
+    int n = 0;
+    ask(holder, 'A', cost);
+    charged += (uint64_t)cost;
+    n++;
+    for (;;) {
+        uint64_t claimed = gv_mono_ns();
+        ask(waiter, 'c', -20 * (long long)MS);
+        r = ask(holder, 'c', 0);
+        if (r == 0)
+            break;
+        if (r != 1 || gv_mono_ns() - t0 > 2000 * MS) {
+            valid = 0;
+            break;
+        }
+        if (gv_mono_ns() - claimed > 1500 * 1000ULL)
+            continue;
+        ask(holder, 'A', cost);
+        charged += (uint64_t)cost;
+        n++;
+    }
+    *ended = gv_mono_ns();
+    for (int i = 0; i < n; i++)
+        ask(holder, 's', 0);
+    return valid ? charged : 0;
+}
+
 /* Whether c, with a clock `ahead` ns ahead of now, gets `want` from its
  * check within 2 s, next to peer's container, which launches lately before
  * each try.  What the checks see is fixed by the steps before them, except
@@ -692,6 +741,9 @@ int main(int argc, char **argv)
      * claim, renewed before each of y's checks, was seen.) */
     int yrounds = 0;
     for (uint64_t t2 = gv_mono_ns(); yrounds < 3 && gv_mono_ns() - t2 < 5000 * MS;) {
+        /* Its last round charged 1 ms beyond its turn: forgotten after
+         * 50 ms (ACTIVE_NS), so that this checks the length alone. */
+        usleep(60 * 1000);
         ask(&x, 'n', 0);
         if (!expect(&y, &x, 0, 1))
             continue;
@@ -714,6 +766,44 @@ int main(int argc, char **argv)
     }
     CHECK(yrounds > 0 && yr == -99, "y at 90 %% kept its turn after 5 ms with x waiting in each "
           "of %d rounds (got %d once)", yrounds, yr);
+
+    /* Turns average their length: what a turn charged beyond it is
+     * charged at the start of the holder's next turn.  At 30:70 with
+     * kernels of 1.65 ms (an H200's 8192 products), x's turns of 3 ms held
+     * 2 kernels and y's of 7 ms 5 (3.3 and 8.25 ms): x got 28.6 % of the
+     * work.  Now over 30 cycles x's part of what both charged is within
+     * 0.75 points of 30 %.  Runs where a cycle took over 40 ms (a loaded
+     * machine; a carry is forgotten after 50 ms) or a turn did not go as
+     * it should are run again. */
+    ask(&x, 'L', 30);
+    ask(&y, 'L', 70);
+    double part = -1;
+    for (uint64_t t2 = gv_mono_ns(); part < 0 && gv_mono_ns() - t2 < 10000 * MS;) {
+        /* The processes of x killed above no longer count as in play
+         * (FRESH_NS, 20 ms; x's turns would be half as long), nor do
+         * carries from the rounds above (ACTIVE_NS, 50 ms). */
+        usleep(60 * 1000);
+        ask(&x, 'n', 0);
+        ask(&y, 'n', 0);
+        lately(&x);
+        lately(&y);
+        uint64_t xe = 0, ye = 0, xs = 0, ys = 0;
+        int ok = 1;
+        for (int cycle = 0; ok && cycle < 32; cycle++) {
+            uint64_t cx = one_turn(&x, &y, 1650 * 1000LL, &xe, 40 * MS);
+            uint64_t cy = cx ? one_turn(&y, &x, 1650 * 1000LL, &ye, 40 * MS) : 0;
+            ok = cx && cy;
+            if (cycle >= 2) {       /* from the first turns' carries on */
+                xs += cx;
+                ys += cy;
+            }
+        }
+        if (ok)
+            part = 100.0 * (double)xs / (double)(xs + ys);
+    }
+    printf("t_sm_arbiter: 30:70, 1.65 ms kernels: x charged %.2f %% of both's turns\n", part);
+    CHECK(part > 29.25 && part < 30.75, "30:70 with 1.65 ms kernels: x's part of the charged work "
+          "%.2f %% (30 within 0.75 points; whole kernels per turn gave 28.6)", part);
 
     finish(&x);
     finish(&y);
