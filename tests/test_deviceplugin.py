@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import grpc
 import pytest
 from gpuvisor.cluster.allocator import Allocator
-from gpuvisor.cluster.deviceplugin.gpus import Gpu
+from gpuvisor.cluster.deviceplugin.gpus import Gpu, GpuSource
 from gpuvisor.cluster.deviceplugin.grant import PodGrant, parse_grant
 from gpuvisor.cluster.deviceplugin.owners import PodResourcesOwners
 from gpuvisor.cluster.deviceplugin.publish import inventory_document
@@ -150,12 +151,15 @@ def sim_gpus(tmp_path_factory, build_dir) -> list[Gpu]:
     return [Gpu(u, i, m) for u, i, m in json.loads(proc.stdout)]
 
 
-@pytest.fixture
-def cluster(node: SimNode, tmp_path: Path, sim_gpus: list[Gpu]) -> Iterator[Cluster]:
+@contextmanager
+def serving(
+    tmp_path: Path, source: GpuSource, pods: DictPods, health_interval: float
+) -> Iterator[tuple[FakeKubelet, PluginRunner, DevicePluginService]]:
+    """The plugin for source's GPUs and pods' allocations, serving kubelet's
+    side of the API (registered) in a thread, with its state and node
+    directories under tmp_path."""
     socks = Path(tempfile.mkdtemp(prefix="gvdp", dir="/tmp"))  # unix socket paths stay short
     (tmp_path / "node").mkdir()
-    source = StaticGpus(sim_gpus)
-    pods = DictPods()
     config = PluginConfig(
         node_name=NODE,
         state_dir=tmp_path / "state",
@@ -166,18 +170,28 @@ def cluster(node: SimNode, tmp_path: Path, sim_gpus: list[Gpu]) -> Iterator[Clus
     service = DevicePluginService(
         config, source, pods, PodResourcesOwners(str(socks / "pr" / "kubelet.sock"))
     )
-    runner = PluginRunner(service, socks / "dp", health_interval=0.05, watch_interval=0.05)
+    runner = PluginRunner(
+        service, socks / "dp", health_interval=health_interval, watch_interval=0.05
+    )
     thread = threading.Thread(target=runner.run, daemon=True)
     thread.start()
-    base = container_base_env(node.env)
     try:
         kubelet.wait_registered()
-        yield Cluster(node, sim_gpus, source, pods, kubelet, runner, service, base)
+        yield kubelet, runner, service
     finally:
         runner.stop()
         thread.join(timeout=10)
         kubelet.stop()
         shutil.rmtree(socks, ignore_errors=True)
+
+
+@pytest.fixture
+def cluster(node: SimNode, tmp_path: Path, sim_gpus: list[Gpu]) -> Iterator[Cluster]:
+    source = StaticGpus(sim_gpus)
+    pods = DictPods()
+    with serving(tmp_path, source, pods, health_interval=0.05) as (kubelet, runner, service):
+        base = container_base_env(node.env)
+        yield Cluster(node, sim_gpus, source, pods, kubelet, runner, service, base)
 
 
 def test_registers_with_options_and_lists_replicas(cluster: Cluster) -> None:

@@ -20,10 +20,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
-import tempfile
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,15 +28,13 @@ from pathlib import Path
 import pynvml
 import pytest
 from gpuvisor.cluster.deviceplugin.gpus import NvmlGpus
-from gpuvisor.cluster.deviceplugin.owners import PodResourcesOwners
 from gpuvisor.cluster.deviceplugin.publish import inventory_document
-from gpuvisor.cluster.deviceplugin.runner import PluginRunner
-from gpuvisor.cluster.deviceplugin.service import DevicePluginService, PluginConfig
+from gpuvisor.cluster.deviceplugin.service import DevicePluginService
 from gpuvisor.cluster.inventory_model import load_inventory
 
-from tests.helpers import LIBRARY, clean_env, run_cmd
+from tests.helpers import clean_env, run_cmd
 from tests.kubelet_harness import Container, FakeKubelet, Pod, run
-from tests.test_deviceplugin import NODE, DictPods, annotation
+from tests.test_deviceplugin import NODE, DictPods, annotation, serving
 
 pytestmark = pytest.mark.gpu
 
@@ -100,31 +95,10 @@ class Plugin:
 
 @pytest.fixture
 def plugin(tmp_path: Path) -> Iterator[Plugin]:
-    socks = Path(tempfile.mkdtemp(prefix="gvdp", dir="/tmp"))  # unix socket paths stay short
-    (tmp_path / "node").mkdir()
     gpus = NvmlGpus()
     pods = DictPods()
-    config = PluginConfig(
-        node_name=NODE,
-        state_dir=tmp_path / "state",
-        lib_dir=LIBRARY.parent,
-        node_dir=tmp_path / "node",
-    )
-    kubelet = FakeKubelet(socks / "dp", socks / "pr" / "kubelet.sock")
-    service = DevicePluginService(
-        config, gpus, pods, PodResourcesOwners(str(socks / "pr" / "kubelet.sock"))
-    )
-    runner = PluginRunner(service, socks / "dp", health_interval=0.2, watch_interval=0.05)
-    thread = threading.Thread(target=runner.run, daemon=True)
-    thread.start()
-    try:
-        kubelet.wait_registered()
+    with serving(tmp_path, gpus, pods, health_interval=0.2) as (kubelet, _, service):
         yield Plugin(gpus, pods, kubelet, service)
-    finally:
-        runner.stop()
-        thread.join(timeout=10)
-        kubelet.stop()
-        shutil.rmtree(socks, ignore_errors=True)
 
 
 def test_the_inventories_agree_with_nvml() -> None:

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import select
 import statistics
 import subprocess
 import sys
@@ -47,7 +46,11 @@ from typing import Any
 
 import pynvml
 
-WORKER = r"""
+from tests.bench.torch_sm import release, wait_ready
+
+# Both workers' start: n x n bf16 matrices, three products to warm up, READY,
+# then a line on stdin to begin.
+SETUP = r"""
 import json, sys, time
 import torch
 n, warm, seconds = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
@@ -59,6 +62,11 @@ for _ in range(3):
 torch.cuda.synchronize()
 print("READY", flush=True)
 sys.stdin.readline()
+"""
+
+WORKER = (
+    SETUP
+    + r"""
 pending = []
 ms = []
 done = 0
@@ -88,6 +96,7 @@ torch.cuda.synchronize()
 rate = (last[1] - first[1]) / (last[0] - first[0])
 print(json.dumps({"rate": rate, "ms": ms}), flush=True)
 """
+)
 
 PROBE = r'''
 import json, sys, time
@@ -136,19 +145,10 @@ print(json.dumps({"span_ns": span, "gaps": gaps, "lost": max(0, n - cap)}), flus
 
 # One small product at a time, now and then: how long from its launch to its
 # end (host clock), alone and while another context keeps the GPU busy.
-SPORADIC = r"""
-import json, sys, time
-import torch
-n, warm, seconds = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+SPORADIC = (
+    SETUP
+    + r"""
 every = float(sys.argv[4])
-a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
-for _ in range(3):
-    torch.matmul(a, b, out=c)
-torch.cuda.synchronize()
-print("READY", flush=True)
-sys.stdin.readline()
 time.sleep(warm)
 us = []
 end = time.monotonic() + seconds
@@ -160,8 +160,8 @@ while time.monotonic() < end:
     time.sleep(every)
 print(json.dumps({"us": us}), flush=True)
 """
+)
 
-READY_TIMEOUT_S = 120.0
 PARTS = {"workers", "probe", "sporadic"}
 
 
@@ -179,18 +179,8 @@ def run(jobs: Sequence[tuple[str, Sequence[str]]], timeout: float) -> list[dict[
     """Start each job, wait until all are READY, release them at once, collect their JSON."""
     procs = [start(code, args) for code, args in jobs]
     try:
-        for p in procs:
-            assert p.stdout is not None
-            ready, _, _ = select.select([p.stdout], [], [], READY_TIMEOUT_S)
-            line = p.stdout.readline().strip() if ready else "(no answer)"
-            if line != "READY":
-                p.kill()
-                _, err = p.communicate(timeout=30)
-                raise RuntimeError(f"job did not start ({line!r}): {err[-2000:]}")
-        for p in procs:
-            assert p.stdin is not None
-            p.stdin.write("go\n")
-            p.stdin.flush()
+        wait_ready(procs)
+        release(procs)
         out = []
         for p in procs:
             stdout, err = p.communicate(timeout=timeout)

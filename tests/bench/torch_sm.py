@@ -316,20 +316,10 @@ def run_together(
             )
         out: list[dict[str, object]] = []
         try:
-            for p in procs:
-                assert p.stdout is not None
-                ready, _, _ = select.select([p.stdout], [], [], READY_TIMEOUT_S)
-                line = p.stdout.readline().strip() if ready else "(no answer)"
-                if line != "READY":
-                    p.kill()
-                    _, err = p.communicate(timeout=30)
-                    raise RuntimeError(f"worker did not start ({line!r}): {err[-3000:]}")
+            wait_ready(procs)
             poller = NvmlPoller(handle)
             poller.start()
-            for p in procs:
-                assert p.stdin is not None
-                p.stdin.write("go\n")
-                p.stdin.flush()
+            release(procs)
             for p, limit in zip(procs, limits, strict=True):
                 stdout, err = p.communicate(timeout=warm + seconds + 30)
                 if p.returncode != 0:
@@ -349,6 +339,27 @@ def run_together(
         if together is not None:
             out[0]["together"] = together
         return out
+
+
+def wait_ready(procs: Sequence[subprocess.Popen[str]]) -> None:
+    """Wait until each worker says READY; a worker that says otherwise, or
+    nothing for READY_TIMEOUT_S, is killed and its stderr raised."""
+    for p in procs:
+        assert p.stdout is not None
+        ready, _, _ = select.select([p.stdout], [], [], READY_TIMEOUT_S)
+        line = p.stdout.readline().strip() if ready else "(no answer)"
+        if line != "READY":
+            p.kill()
+            _, err = p.communicate(timeout=30)
+            raise RuntimeError(f"worker did not start ({line!r}): {err[-3000:]}")
+
+
+def release(procs: Sequence[subprocess.Popen[str]]) -> None:
+    """Let every worker start at once (each waits for a line on stdin)."""
+    for p in procs:
+        assert p.stdin is not None
+        p.stdin.write("go\n")
+        p.stdin.flush()
 
 
 def rate_between(marks: list[list[float]], t0: float, t1: float) -> float:
