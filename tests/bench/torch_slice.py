@@ -46,7 +46,7 @@ from typing import Any
 
 import pynvml
 
-from tests.bench.torch_sm import release, wait_ready
+from tests.bench.torch_sm import release, wait_ready, write_report
 
 # Both workers' start: n x n bf16 matrices, three products to warm up, READY,
 # then a line on stdin to begin.
@@ -377,9 +377,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if part in parts:
             measure(a, sizes, emit, report)
     if a.out:
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "torch_slice.json").write_text(json.dumps(report, indent=1))
-        (a.out / "torch_slice.md").write_text("\n".join(lines) + "\n")
+        write_report(a.out, "torch_slice", report, lines)
     return 0
 
 

@@ -341,6 +341,13 @@ def run_together(
         return out
 
 
+def write_report(out: Path, name: str, report: object, lines: Sequence[str]) -> None:
+    """NAME.json (every figure) and NAME.md (the tables as printed) in out."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(report, indent=1))
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+
+
 def wait_ready(procs: Sequence[subprocess.Popen[str]]) -> None:
     """Wait until each worker says READY; a worker that says otherwise, or
     nothing for READY_TIMEOUT_S, is killed and its stderr raised."""
@@ -648,9 +655,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "steps_us": QUERIES.steps_us,
     }
     if a.out:
-        a.out.mkdir(parents=True, exist_ok=True)
-        (a.out / "torch_sm.json").write_text(json.dumps(report, indent=1))
-        (a.out / "torch_sm.md").write_text("\n".join(lines) + "\n")
+        write_report(a.out, "torch_sm", report, lines)
     return 0
 
 
