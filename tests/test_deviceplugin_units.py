@@ -7,8 +7,9 @@ import json
 import subprocess
 import sys
 
+import pynvml
 import pytest
-from gpuvisor.cluster.deviceplugin.gpus import Gpu
+from gpuvisor.cluster.deviceplugin.gpus import Gpu, NvmlGpus
 from gpuvisor.cluster.deviceplugin.grant import (
     ContainerGrant,
     GpuGrant,
@@ -19,6 +20,7 @@ from gpuvisor.cluster.deviceplugin.limits_file import render
 from gpuvisor.cluster.deviceplugin.migdriver import MigDriverError, MigInstance
 from gpuvisor.cluster.deviceplugin.migrealise import MigRealiser, MigRefused
 from gpuvisor.cluster.deviceplugin.preferred import preferred
+from gpuvisor.cluster.deviceplugin.publish import inventory_document
 from gpuvisor.cluster.deviceplugin.replicas import Replicas, UnknownDevice
 
 GPUS = tuple(Gpu(f"GPU-0000000{i}-0000-4000-8000-00000000000{i}", i, 16384) for i in range(4))
@@ -366,3 +368,22 @@ def test_mig_mode_never_goes_off_without_a_wait(tmp_path) -> None:
     assert m.idle() == []
     assert m.settle(set(), 1e9) == []
     assert d.on["GPU-a"]
+
+
+def test_a_gpu_without_a_numa_node_gets_no_topology(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NVML's -1 for "no NUMA node" (an H200 in a VM) is not a node: kubelet
+    gets no topology for the GPU's devices, and the published inventory says
+    -1, as docs/inventory.md has it (before: NUMA node -1 to kubelet, and 0
+    published)."""
+    mem = pynvml.c_nvmlMemory_t()
+    mem.total = 16 << 30
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda i: i)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetNumaNodeId", lambda h: -1)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo", lambda h: mem)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetUUID", lambda h: f"GPU-{h}")
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetName", lambda h: "NVIDIA H200")
+    gpu = NvmlGpus._read(0)
+    assert gpu.numa_node is None
+    assert inventory_document("n", [gpu], {})["gpus"][0]["numa"] == -1
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetNumaNodeId", lambda h: 1)
+    assert NvmlGpus._read(0).numa_node == 1

@@ -56,6 +56,8 @@ class NvmlGpus:
             numa: int | None = int(pynvml.nvmlDeviceGetNumaNodeId(h))
         except (pynvml.NVMLError, AttributeError):
             numa = None
+        if numa is not None and numa < 0:
+            numa = None  # NVML's -1: it knows none (an H200 in a VM said so)
         mem = pynvml.nvmlDeviceGetMemoryInfo(h)
         return Gpu(
             _text(pynvml.nvmlDeviceGetUUID(h)),

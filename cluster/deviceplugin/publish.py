@@ -42,7 +42,7 @@ def inventory_document(
                 "uuid": g.uuid,
                 "model": g.model or "unknown",
                 "memory_mib": g.memory_mib,
-                "numa": g.numa_node if g.numa_node is not None else 0,
+                "numa": g.numa_node if g.numa_node is not None else -1,
                 "healthy": g.uuid not in unhealthy,
                 "mig": None,
             }
