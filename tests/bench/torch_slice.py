@@ -46,23 +46,18 @@ from typing import Any
 
 import pynvml
 
-from tests.bench.torch_sm import release, wait_ready, write_report
+from tests.bench.torch_sm import MATRICES, release, wait_ready, write_report
 
 # Both workers' start: n x n bf16 matrices, three products to warm up, READY,
-# then a line on stdin to begin.
-SETUP = r"""
+# then a line on stdin to begin (torch_sm's MATRICES).
+SETUP = (
+    r"""
 import json, sys, time
 import torch
 n, warm, seconds = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
-a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
-c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
-for _ in range(3):
-    torch.matmul(a, b, out=c)
-torch.cuda.synchronize()
-print("READY", flush=True)
-sys.stdin.readline()
 """
+    + MATRICES
+)
 
 WORKER = (
     SETUP

@@ -74,10 +74,11 @@ from typing import Any
 
 import pynvml
 
-WORKER = r"""
-import ctypes, json, os, sys, time
-import torch
-n, batch, warm, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+# A PyTorch worker's start, given n: n x n bf16 matrices a, b, c, three
+# products to warm up, READY, then a line on stdin to begin (the parent
+# starts every worker of a run at once).  tests/bench/torch_slice.py's
+# workers start the same way.
+MATRICES = r"""
 a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
 b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
 c = torch.empty(n, n, device="cuda", dtype=torch.bfloat16)
@@ -85,8 +86,17 @@ for _ in range(3):
     torch.matmul(a, b, out=c)
 torch.cuda.synchronize()
 print("READY", flush=True)
-sys.stdin.readline()          # the parent starts every worker of a run at once
-def meter():  # the container's GPU time as the interposer measured it (ns), or None
+sys.stdin.readline()
+"""
+
+WORKER = (
+    r"""
+import ctypes, json, os, sys, time
+import torch
+n, batch, warm, seconds = int(sys.argv[1]), int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4])
+"""
+    + MATRICES
+    + r"""def meter():  # the container's GPU time as the interposer measured it (ns), or None
     try:
         f = ctypes.CDLL(None).gv_device_get_sm_usage
     except AttributeError:
@@ -120,6 +130,7 @@ while True:
 torch.cuda.synchronize()
 print(json.dumps({"marks": marks, "wall0": w0, "pid": os.getpid(), "metered": metered}), flush=True)
 """
+)
 
 
 READY_TIMEOUT_S = 60.0
