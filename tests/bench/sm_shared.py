@@ -36,6 +36,7 @@ from typing import Any
 
 from tests.bench import sm_bench as b
 from tests.bench import sm_floor
+from tests.bench.torch_sm import done_by
 
 SHARED = "## SM quota: containers sharing a device, both simulator modes (make bench-sm)"
 TIMESLICE_US = 2048  # the calibrated slice (docs/simulator.md)
@@ -115,16 +116,9 @@ def one(
 
 def completed(rep: Mapping[str, Any], t_go: int, t: float) -> float:
     """Kernels a batch worker (bench_sm_worker KERNEL_US) had completed by
-    t s after t_go, linear between its marks (as torch_sm.rate_between)."""
+    t s after t_go, linear between its marks (torch_sm.done_by)."""
     off = (int(rep["t0_ns"]) - t_go) / 1e9
-    prev_t, prev_n = 0.0, 0.0
-    for m_t, m_n in rep["marks"]:
-        mt, mn = float(m_t) + off, float(m_n)
-        if mt >= t:
-            span = mt - prev_t
-            return prev_n + (mn - prev_n) * ((t - prev_t) / span if span > 0 else 1.0)
-        prev_t, prev_n = mt, mn
-    return prev_n
+    return done_by([(float(mt) + off, float(mn)) for mt, mn in rep["marks"]], t)
 
 
 @dataclass

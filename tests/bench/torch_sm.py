@@ -380,19 +380,21 @@ def release(procs: Sequence[subprocess.Popen[str]]) -> None:
         p.stdin.flush()
 
 
+def done_by(marks: Sequence[Sequence[float]], t: float) -> float:
+    """Products done by t on the completion curve [(time, done), ...] from
+    (0, 0), linear between marks."""
+    prev_t, prev_n = 0.0, 0.0
+    for mt, mn in marks:
+        if mt >= t:
+            span = mt - prev_t
+            return prev_n + (mn - prev_n) * ((t - prev_t) / span if span > 0 else 1.0)
+        prev_t, prev_n = mt, mn
+    return prev_n
+
+
 def rate_between(marks: list[list[float]], t0: float, t1: float) -> float:
     """Products per second between t0 and t1 on the completion curve (linear between marks)."""
-
-    def done_at(t: float) -> float:
-        prev_t, prev_n = 0.0, 0.0
-        for mt, mn in marks:
-            if mt >= t:
-                span = mt - prev_t
-                return prev_n + (mn - prev_n) * ((t - prev_t) / span if span > 0 else 1.0)
-            prev_t, prev_n = mt, mn
-        return prev_n
-
-    return (done_at(t1) - done_at(t0)) / (t1 - t0)
+    return (done_by(marks, t1) - done_by(marks, t0)) / (t1 - t0)
 
 
 def summarise(r: dict[str, object], poller: NvmlPoller, warm: float) -> None:
