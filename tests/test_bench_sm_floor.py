@@ -120,7 +120,7 @@ def test_turns_keep_the_quotas_and_fill_the_device() -> None:
 
 def test_turns_of_the_quotas_part_of_a_cycle_split_windows_finer() -> None:
     """Turns of 10 ms for every quota against a quota's part of a 10 ms
-    cycle (sm_arbiter.c's TURN_CYCLE_NS), same launches: the cycle's
+    cycle (the rule of sm_arbiter.c's TURN_CYCLE_NS), same launches: the cycle's
     windows are closer to the quota at every split."""
     for qs in ([10, 90], [30, 70], [50, 50]):
         fixed = _window_sd(turn_windows(qs, [1, 1], 6.0, seed=9, turn_s=0.010), qs)

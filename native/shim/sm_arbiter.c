@@ -107,8 +107,26 @@
 /* The turn: */
 /* Estimated GPU time a holder charges while others wait: its container's
  * limit's part of a cycle of TURN_CYCLE_NS, split between the container's
- * processes in play (50:50 -> 5 + 5 ms; 10:90 -> 1 + 9; 20:30:50 -> 2 + 3 +
- * 5), at least TURN_MIN_NS; TURN_NS where the limit is not said.  Turns of
+ * processes in play (50:50 -> 10 + 10 ms; 10:90 -> 2 + 18; 20:30:50 -> 4 +
+ * 6 + 10), at least TURN_MIN_NS; TURN_NS where the limit is not said.
+ *
+ * Why 20 ms: every turn costs the device a context switch and the drain of
+ * the last holder's kernels, about 0.3 ms on an H200 (the meters' total
+ * fell 3-6 points short of the wall time), and the side that fills the
+ * device loses it.  With a 10 ms cycle an H200 (PyTorch's 8192 products,
+ * 1.65 ms each) gave 30:70 29.5-30.0 / 66.2-66.6 and 10:90 10.1-10.2 /
+ * 86.9-87.4 (share of one unlimited process's throughput); with 20 ms,
+ * 29.3-29.5 / 68.1-68.5 and 10.0-10.1 / 88.4-88.8, 50:50 48.7-48.8 each
+ * (48.0-48.2): every side within 2 points.  The price: a small container's
+ * 100 ms windows are coarser (a 10 % one's sd 9.3-9.9 % of its mean
+ * instead of 3.4-4.6, a 30 % one's 5.6-6.4 instead of 4.8-5.2; 50:50 3.5-4.4
+ * either way), a launch may wait up to 18 ms for its turn next to a 90 %
+ * container (9 before), and the simulator's make bench-sm pairs' window sd
+ * rose by 0.2-1.5 points (docs/benchmarks.md, "Fourth sitting").  A
+ * 15 ms cycle was worse than either (a 30 % container's windows 7.2-8.0 %,
+ * 10:90's 90 at 87.3).
+ *
+ * Before that (the simulator, where a handover costs less):  Turns of
  * 10 ms for every share made the split of 100 ms windows coarse: a perfect
  * turn-taker on make bench-sm's workload (kernels of 20 us - 5 ms, whole
  * kernels per turn, the furthest behind next) has window sd 3.6-4.4 points
@@ -117,9 +135,9 @@
  * 3-13, split part of the window sd (docs/benchmarks.md): 10:90 2.4 -> 2.1,
  * 20:30:50 3.2 / 3.4 / 3.9 -> 2.7 / 2.9 / 3.2, 50 x 2 : 50 4.0 -> 3.1,
  * 30:70 and 50:50 alike (3.4-3.7); twice the handovers cost up to a point
- * of the total.  A 20 ms cycle helped less (10:90 worse). */
+ * of the total.  A 20 ms cycle helped less there (10:90 worse). */
 #define TURN_NS (10ULL * 1000 * 1000)
-#define TURN_CYCLE_NS (10ULL * 1000 * 1000)
+#define TURN_CYCLE_NS (20ULL * 1000 * 1000)
 #define TURN_MIN_NS (1ULL * 1000 * 1000)
 /* The carry: a turn ends at the first launch after the holder charged its
  * length, so whole kernels round every turn up (1.65 ms kernels at 30:70:

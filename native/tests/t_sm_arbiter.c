@@ -714,13 +714,13 @@ int main(int argc, char **argv)
     CHECK(rounds > 0 && kept == 0, "a waiter silent for 1 ms: y gave its turn back in %d of "
           "%d rounds (kept it in %d)", gave, rounds, kept);
 
-    /* A turn is the holder's container's limit's part of a 10 ms cycle
+    /* A turn is the holder's container's limit's part of a 20 ms cycle
      * (TURN_CYCLE_NS), so that every container gets a turn each cycle: at
-     * 10:90, 1 ms for x and 9 ms for y.  With y waiting, x gives its turn
-     * back once it charged 2 ms (it kept it up to 10 ms before: a window of
-     * 100 ms then held 0, 1 or 2 of x's turns); y, with x waiting, keeps its
-     * turn after 5 ms.  Rounds where y's claim lapsed (a loaded machine)
-     * are tried again. */
+     * 10:90, 2 ms for x and 18 ms for y.  With y waiting, x gives its turn
+     * back once it charged 2 ms (it kept it up to 10 ms before the cycle: a
+     * window of 100 ms then held 0, 1 or 2 of x's turns); y, with x
+     * waiting, keeps its turn after 10 ms and gives it back after 20.
+     * Rounds where y's claim lapsed (a loaded machine) are tried again. */
     ask(&x, 'L', 10);
     ask(&y, 'L', 90);
     int xr = -99, yr = -99;
@@ -737,7 +737,7 @@ int main(int argc, char **argv)
         ask(&x, 'n', 0);            /* a turn x still holds ends: each round a new one */
     }
     CHECK(xr == 0, "x at 10 %% gave its turn back after 2 ms with y waiting (got %d)", xr);
-    /* (Rounds count where y then gave its turn back after 10 ms: x's
+    /* (Rounds count where y then gave its turn back after 20 ms: x's
      * claim, renewed before each of y's checks, was seen.) */
     int yrounds = 0;
     for (uint64_t t2 = gv_mono_ns(); yrounds < 3 && gv_mono_ns() - t2 < 5000 * MS;) {
@@ -747,24 +747,24 @@ int main(int argc, char **argv)
         ask(&x, 'n', 0);
         if (!expect(&y, &x, 0, 1))
             continue;
-        for (int i = 0; i < 5; i++)
+        for (int i = 0; i < 10; i++)
             ask(&y, 'a', 0);
         ask(&x, 'c', 0);            /* x waits */
-        int r5 = ask(&y, 'c', 2 * MS);
-        for (int i = 0; i < 5; i++)
-            ask(&y, 'a', 0);
-        ask(&x, 'c', 0);
         int r10 = ask(&y, 'c', 2 * MS);
         for (int i = 0; i < 10; i++)
+            ask(&y, 'a', 0);
+        ask(&x, 'c', 0);
+        int r20 = ask(&y, 'c', 2 * MS);
+        for (int i = 0; i < 20; i++)
             ask(&y, 's', 0);
         ask(&y, 'n', 0);
-        if (r10 != 0)
+        if (r20 != 0)
             continue;
         yrounds++;
-        if (r5 != 1)
-            yr = r5;
+        if (r10 != 1)
+            yr = r10;
     }
-    CHECK(yrounds > 0 && yr == -99, "y at 90 %% kept its turn after 5 ms with x waiting in each "
+    CHECK(yrounds > 0 && yr == -99, "y at 90 %% kept its turn after 10 ms with x waiting in each "
           "of %d rounds (got %d once)", yrounds, yr);
 
     /* Turns average their length: what a turn charged beyond it is
