@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -201,7 +202,48 @@ def run_py(
 # A process a test drives dies with the test's process (PR_SET_PDEATHSIG):
 # an interrupted run leaves no helper behind (one paused by its yield flag
 # would poll its gate for good).
-DIE_WITH_PARENT = "import ctypes, signal; ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"
+# Every piped child dies with the test, and dumps its Python threads'
+# stacks to stderr on SIGUSR2 (hung_report).
+DIE_WITH_PARENT = (
+    "import ctypes, faulthandler, signal; ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"
+    "faulthandler.register(signal.SIGUSR2, all_threads=True)\n"
+)
+
+
+def hung_report(procs: Mapping[str, subprocess.Popen[str]]) -> str:
+    """What processes that did not finish in time were doing, for the
+    failure message: each one's state, each thread's kernel wait channel and
+    system call (/proc), then, for a child started by start_piped that can
+    still run, its Python stacks (SIGUSR2; a stopped one cannot answer).
+    Kills them all."""
+    lines = []
+    for name, proc in procs.items():
+        task = Path(f"/proc/{proc.pid}")
+        try:
+            state = next(
+                (ln for ln in (task / "status").read_text().splitlines() if ln.startswith("State")),
+                "State: ?",
+            )
+            lines.append(f"{name} (pid {proc.pid}): {state}")
+            for t in sorted((task / "task").iterdir(), key=lambda p: int(p.name)):
+                wchan = (t / "wchan").read_text().strip() or "-"
+                call = (t / "syscall").read_text().split()[:1]
+                lines.append(f"  thread {t.name}: wchan {wchan}, syscall {' '.join(call)}")
+        except OSError as e:
+            lines.append(f"{name} (pid {proc.pid}): gone ({e})")
+            continue
+        if "stopped" not in state and proc.poll() is None:
+            proc.send_signal(signal.SIGUSR2)
+    time.sleep(1.0)
+    for name, proc in procs.items():
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            _, err = proc.communicate(timeout=30)
+        except (subprocess.TimeoutExpired, ValueError):
+            err = ""
+        lines.append(f"--- {name}'s stderr (tail):\n{(err or '')[-3000:]}")
+    return "\n".join(lines)
 
 
 def start_piped(code: str, env: Mapping[str, str], *args: str) -> subprocess.Popen[str]:
