@@ -201,9 +201,8 @@ def run_py(
 
 # A process a test drives dies with the test's process (PR_SET_PDEATHSIG):
 # an interrupted run leaves no helper behind (one paused by its yield flag
-# would poll its gate for good).
-# Every piped child dies with the test, and dumps its Python threads'
-# stacks to stderr on SIGUSR2 (hung_report).
+# would poll its gate for good).  It also writes its Python threads' stacks
+# to stderr on SIGUSR2 (hung_report).
 DIE_WITH_PARENT = (
     "import ctypes, faulthandler, signal; ctypes.CDLL(None).prctl(1, signal.SIGKILL)\n"
     "faulthandler.register(signal.SIGUSR2, all_threads=True)\n"

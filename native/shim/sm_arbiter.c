@@ -126,7 +126,7 @@
  * 15 ms cycle was worse than either (a 30 % container's windows 7.2-8.0 %,
  * 10:90's 90 at 87.3).
  *
- * Before that (the simulator, where a handover costs less):  Turns of
+ * Before that (the simulator, where a handover costs less): turns of
  * 10 ms for every share made the split of 100 ms windows coarse: a perfect
  * turn-taker on make bench-sm's workload (kernels of 20 us - 5 ms, whole
  * kernels per turn, the furthest behind next) has window sd 3.6-4.4 points
