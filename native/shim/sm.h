@@ -25,6 +25,7 @@ struct gv_sm_admission {
     int waited;             /* out: it waited (for the clock, the turn, its launches) */
     int turn;               /* out: the turn between containers was in play */
     int alone;              /* out: the policies saw no other process working on the device */
+    int holds;              /* out: it went as the holder of the turn (the device is its own) */
     int joins;              /* in: it will likely join its thread's open segment (sm_meter.c) */
     int arb;                /* out: 1: counted by the arbiter (gv_arb_admitted), to settle there */
 };
@@ -112,6 +113,8 @@ uint64_t gv_arb_quiet_at(int dev);
 void gv_arb_settled_n(int dev, uint32_t n);   /* n launches at once (a segment's) */
 void gv_arb_alive(int dev, uint64_t now);
 void gv_arb_not_waiting(int dev);
+/* gv_arb_holds: this process holds the turn on region device dev now. */
+int gv_arb_holds(int dev);
 /* gv_arb_exclusive: this process went by the turn in the last 50 ms, so
  * its events measure its own kernels only (the others drain first). */
 int gv_arb_exclusive(int dev, uint64_t now);

@@ -632,6 +632,15 @@ int gv_arb_check(int dev, const char *uuid, uint64_t tat, uint64_t now, uint64_t
     return count >= 2 && queued + cost > TURN_INFLIGHT_NS ? 2 : 1;
 }
 
+int gv_arb_holds(int dev)
+{
+    struct arb_slot *s = mine(dev);
+    if (!s)
+        return 0;
+    struct arb_file *f = arbs[dev].f;
+    return atomic_load_explicit(&f->turn, memory_order_relaxed) == turn_word(f, s);
+}
+
 int gv_arb_exclusive(int dev, uint64_t now)
 {
     if (dev < 0 || dev >= GV_MAX_DEVICES)

@@ -346,6 +346,7 @@ uint32_t gv_sm_admit(struct gv_sm *sm, int dev, const char *uuid, uint64_t cost_
         if (atomic_compare_exchange_weak(&sm->tat, &t, base + inc)) {
             if (a) {
                 a->turn = arb >= 0;
+                a->holds = arb == 1 && gv_arb_holds(dev);
                 a->alone = alone;
             }
             break;

@@ -26,6 +26,12 @@
 #include "sm.h"
 
 #define POLICY_PERIOD_NS (100ULL * 1000 * 1000)
+/* A segment of the turn's holder (gv_sm_begin) takes launches only while
+ * it holds less than this of estimates: a segment is settled in one lump
+ * at its end, and longer ones moved the pacing clock, and so the turns, in
+ * lumps (make bench-sm's time-sliced windows 0.2-2.0 points coarser in 14
+ * of 18 sides without the bound, alike with it; docs/benchmarks.md). */
+#define SEG_TURN_NS 1000000ULL
 #define POLL_NS 100000L                     /* events of kernels in flight: every 100 us */
 #define IDLE_POLLS 10u                      /* then nothing in flight for 1 ms: */
 #define NAP_NS 10000000L                    /* nap, at most 10 ms at a time */
@@ -1058,7 +1064,10 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
     l->share = gv_sm_admit(sm, d->region_dev, d->uuid_str, l->est, &adm);
     l->arb = (uint32_t)adm.arb;
     l->start = adm.waited ? 0 : adm.start;
-    /* Segments (above): back to back on the same stream, alone. */
+    /* Segments (above): back to back on the same stream, alone, or as the
+     * holder of the turn (the others drained before it took it, and wait
+     * for its launches, a segment's too, to be measured), then up to
+     * SEG_TURN_NS of estimates a segment. */
     uint64_t tok = (uint64_t)(uintptr_t)t;     /* names the thread */
     _Atomic uint64_t *tag = tag_of(ctx, stream);
     int only_mine = atomic_load_explicit(tag, memory_order_relaxed) == tok;
@@ -1067,7 +1076,7 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
     /* Joining an open segment after a gap (the thread was not run, say)
      * charges the gap, as ending it here would (its end event recorded
      * now); a pause longer than SEG_IDLE_NS has ended it (the meter). */
-    int join = l->start && !adm.turn && adm.alone;
+    int join = l->start && (adm.holds || (!adm.turn && adm.alone));
     struct seg *g = t->seg.s;
     if (g && atomic_load_explicit(&g->owner, memory_order_relaxed) != tok)
         g = t->seg.s = NULL;
@@ -1082,6 +1091,7 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
         uint64_t seq = atomic_load(&g->seq);
         if (join && only_mine && r->stream == stream && r->ctx == ctx &&
             r->share == l->share && r->n < SEG_MAX && g->gen == gen &&
+            (!adm.holds || r->est < SEG_TURN_NS) &&
             !atomic_load(&gv_sm_captures)) {
             atomic_fetch_add(&g->joining, 1);
             if (atomic_load(&g->open) == r && atomic_load(&g->seq) == seq) {
@@ -1107,7 +1117,7 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
     /* Not joining.  Back to back: soon after the thread's last launch on the stream, or
      * while the stream is still busy with the work admitted so far (by
      * the estimates). */
-    int b2b = l->start && !adm.turn && adm.alone && ctx && !ptsz &&
+    int b2b = l->start && (adm.holds || (!adm.turn && adm.alone)) && ctx && !ptsz &&
               stream != GV_CU_STREAM_PER_THREAD && t->seg.exit && t->seg.stream == stream &&
               t->seg.ctx == ctx && l->start >= t->seg.exit &&
               (l->start - t->seg.exit <= t->seg.exit - t->seg.entry ||

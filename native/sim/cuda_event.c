@@ -133,6 +133,7 @@ static CUresult record(CUevent e, CUstream hs, unsigned flags, int ptsz)
     sim_sref r;
     SIM_TRY(sim_stream_call(!(flags & ~(unsigned)CU_EVENT_RECORD_EXTERNAL), hs, ptsz,
                                   &r));
+    sim_record_delay();
     pthread_mutex_lock(&sim_mu);
     /* As CUDA documents: the event and the stream must be from the same
      * context, else CUDA_ERROR_INVALID_HANDLE. */

@@ -50,6 +50,7 @@ static void list_candidates(void)
 }
 static unsigned long long g_fail_at, g_fail_every, g_ctx_ms, g_alloc_ms, g_free_ms, g_module_mib;
 static unsigned long long g_launch_us;
+static unsigned long long g_record_us;         /* GPUVISOR_SIM_RECORD_US */
 static unsigned long long g_event_query_ms;      /* GPUVISOR_SIM_EVENT_QUERY_MS */
 static unsigned long long g_launch_every = 1;   /* GPUVISOR_SIM_LAUNCH_EVERY */
 static _Atomic unsigned long long g_launches;
@@ -168,6 +169,7 @@ static void do_init(void)
         g_free_ms = 0;
     g_launch_us = sim_knob_range("GPUVISOR_SIM_LAUNCH_US", 1, 1000000, 0);
     g_launch_every = sim_knob_range("GPUVISOR_SIM_LAUNCH_EVERY", 1, 1000000, 1);
+    g_record_us = sim_knob_range("GPUVISOR_SIM_RECORD_US", 1, 1000000, 0);
     g_module_mib = sim_knob_range("GPUVISOR_SIM_MODULE_MIB", 1, 1ULL << 20, 0);
     g_event_query_ms = sim_knob_range("GPUVISOR_SIM_EVENT_QUERY_MS", 1, 10000, 0);
     const char *f = getenv("GPUVISOR_SIM_CUDA_FAIL");
@@ -292,6 +294,17 @@ void sim_launch_delay(void)
 {
     if (g_launch_us && (atomic_fetch_add(&g_launches, 1) + 1) % g_launch_every == 0) {
         uint64_t until = sim_now_ns() + g_launch_us * 1000;
+        while (sim_now_ns() < until)
+            ;
+    }
+}
+
+/* GPUVISOR_SIM_RECORD_US: an event record's own CPU time, spent likewise
+ * (a real driver's costs microseconds, more than the simulator's). */
+void sim_record_delay(void)
+{
+    if (g_record_us) {
+        uint64_t until = sim_now_ns() + g_record_us * 1000;
         while (sim_now_ns() < until)
             ;
     }

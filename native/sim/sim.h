@@ -502,6 +502,7 @@ SIM_HIDDEN void sim_ctx_create_delay(void);
 SIM_HIDDEN void sim_alloc_delay(void);       /* GPUVISOR_SIM_ALLOC_MS */
 SIM_HIDDEN void sim_event_query_delay(void); /* GPUVISOR_SIM_EVENT_QUERY_MS */
 SIM_HIDDEN void sim_launch_delay(void);      /* GPUVISOR_SIM_LAUNCH_US */
+SIM_HIDDEN void sim_record_delay(void);      /* GPUVISOR_SIM_RECORD_US */
 /* A call that gave device memory back takes GPUVISOR_SIM_FREE_MS more,
  * after the memory is given back (NVML shows it gone meanwhile). */
 SIM_HIDDEN void sim_free_delay(void);
