@@ -64,6 +64,24 @@ def run_together(node: SimNode, limits: list[int], procs: list[int]) -> list[flo
 TRIES = 3
 
 
+def reports(procs: list[subprocess.Popen[str]]) -> list[dict[str, float]]:
+    """Starts ready workers together and returns the JSON object each
+    prints last; a worker still running when this fails is killed."""
+    try:
+        go(*procs)
+        got = []
+        for p in procs:
+            out, err = p.communicate(timeout=120)
+            assert p.returncode == 0, out + err
+            got.append(json.loads(out.strip().splitlines()[-1]))
+        return got
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate(timeout=30)
+
+
 def holds_split(node: SimNode, limits: list[int], procs: list[int]) -> None:
     """Some run of up to TRIES gives every container its limit within
     BOUND.  A CPU-heavy test on CI's other core can starve the workers'
@@ -183,18 +201,7 @@ def test_the_turns_holder_measures_small_kernels_in_segments(node: SimNode) -> N
             start_ready(SMALL, container(node, name, 50) | env, str(RUN_S), "200")
             for name in ("a", "b")
         ]
-        try:
-            go(*procs)
-            shares = []
-            for p in procs:
-                out, err = p.communicate(timeout=120)
-                assert p.returncode == 0, out + err
-                shares.append(json.loads(out.strip().splitlines()[-1])["share"])
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    p.kill()
-                    p.communicate(timeout=30)
+        shares = [r["share"] for r in reports(procs)]
         runs.append([round(x, 1) for x in shares])
         if all(x >= 50 - 2 * BOUND for x in shares):
             return
@@ -248,18 +255,7 @@ def test_the_meter_counts_what_ran_under_the_turn_whatever_nvml_says(node: SimNo
         start_ready(METERED, container(node, name, limit) | env, str(RUN_S + 1))
         for name, limit in (("a", 30), ("b", 70))
     ]
-    try:
-        go(*procs)
-        got = []
-        for p in procs:
-            out, err = p.communicate(timeout=120)
-            assert p.returncode == 0, out + err
-            got.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate(timeout=30)
+    got = reports(procs)
     for r in got:
         assert abs(r["metered"] - r["ran"]) <= 1.5, got
     assert abs(got[0]["ran"] - 30) <= BOUND, got
