@@ -1076,7 +1076,8 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
     /* Joining an open segment after a gap (the thread was not run, say)
      * charges the gap, as ending it here would (its end event recorded
      * now); a pause longer than SEG_IDLE_NS has ended it (the meter). */
-    int join = l->start && (adm.holds || (!adm.turn && adm.alone));
+    int solo = adm.holds || (!adm.turn && adm.alone);     /* nobody else's kernels on the device */
+    int join = l->start && solo;
     struct seg *g = t->seg.s;
     if (g && atomic_load_explicit(&g->owner, memory_order_relaxed) != tok)
         g = t->seg.s = NULL;
@@ -1117,7 +1118,7 @@ int gv_sm_begin(gv_sm_launch *l, CUstream stream, int ptsz, uintptr_t key)
     /* Not joining.  Back to back: soon after the thread's last launch on the stream, or
      * while the stream is still busy with the work admitted so far (by
      * the estimates). */
-    int b2b = l->start && (adm.holds || (!adm.turn && adm.alone)) && ctx && !ptsz &&
+    int b2b = l->start && solo && ctx && !ptsz &&
               stream != GV_CU_STREAM_PER_THREAD && t->seg.exit && t->seg.stream == stream &&
               t->seg.ctx == ctx && l->start >= t->seg.exit &&
               (l->start - t->seg.exit <= t->seg.exit - t->seg.entry ||
