@@ -90,17 +90,25 @@ runner.run()
 """.replace("NODE_NAME", repr(NODE))
 
 # The node's MIG state as NVML shows it to another process.
+# (The plugin may turn a GPU's MIG mode off between the two reads: its
+# instances then cannot be listed, and it has none; a CI run failed so.)
 INSTANCES = """
 import json, pynvml
-from gpuvisor.cluster.deviceplugin.migdriver import NvmlMig
+from gpuvisor.cluster.deviceplugin.migdriver import MigDriverError, NvmlMig
 pynvml.nvmlInit()
 d = NvmlMig()
 out = {}
 for i in range(pynvml.nvmlDeviceGetCount()):
     u = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(i))
     u = u.decode() if isinstance(u, bytes) else u
-    out[u] = {"enabled": d.enabled(u),
-              "instances": [[x.start, x.size, x.uuid, x.in_use] for x in d.instances(u)]}
+    enabled = d.enabled(u)
+    try:
+        listed = [[x.start, x.size, x.uuid, x.in_use] for x in d.instances(u)]
+    except MigDriverError:
+        if d.enabled(u):
+            raise
+        enabled, listed = False, []
+    out[u] = {"enabled": enabled, "instances": listed}
 print(json.dumps(out))
 """
 
