@@ -4,10 +4,11 @@ etcd, kube-apiserver and kube-scheduler are the upstream programs, built by
 `make k8s` from their published Go modules (tests/k8s/, one multi-call binary
 with a link per component in build/k8s/).  Nothing here imitates the API.
 
-- `KubeCluster.start(workdir)`: etcd + kube-apiserver on 127.0.0.1 (secure
-  port, a throwaway CA, an admin client certificate in group system:masters,
-  the default admission plugins with both admission webhooks), ready when
-  /readyz answers 200; `stop()` ends both.
+- `KubeCluster.start(workdir, apiserver_args=())`: etcd + kube-apiserver on
+  127.0.0.1 (secure port, a throwaway CA, an admin client certificate in
+  group system:masters, the default admission plugins with both admission
+  webhooks, then `apiserver_args`), ready when /readyz answers 200; `stop()`
+  ends both.
 - `KubeCluster.start_scheduler(config)`: a kube-scheduler with the given
   KubeSchedulerConfiguration (our kubeconfig and no leader election filled in),
   ready when its /readyz answers 200 (caches synced).
@@ -257,7 +258,7 @@ class KubeCluster:
     _schedulers: list[KubeScheduler] = field(default_factory=list)
 
     @classmethod
-    def start(cls, workdir: Path) -> KubeCluster:
+    def start(cls, workdir: Path, apiserver_args: Sequence[str] = ()) -> KubeCluster:
         bins = binaries()
         workdir.mkdir(parents=True, exist_ok=True)
         began = time.monotonic()
@@ -329,6 +330,7 @@ class KubeCluster:
                     # addresses, and nothing here needs them.
                     "--endpoint-reconciler-type=none",
                     "--profiling=false",
+                    *apiserver_args,
                 ]
 
             probe_ctx = ssl.create_default_context(cafile=str(ca_file))

@@ -5,7 +5,8 @@ the device plugin); reservations from pods' `gpuvisor.io/allocation`
 annotations (`Allocator.restore`), so a restarted extender rebuilds them.  A
 pod's reservation is released when the pod is deleted or has finished.
 Two watches (Nodes, Pods) keep this current; a watch that expires (410
-Gone) is replaced by a fresh list that reconciles everything.
+Gone) is replaced by a fresh list of its kind that reconciles what it
+missed, in the watch's own thread.
 
 The pods' status tells which containers kubelet has started; `took` uses it
 to refuse a placement that the device plugin could confuse with another
@@ -142,11 +143,7 @@ class ClusterState:
         text = (node.metadata.annotations or {}).get(NODE_INVENTORY)
         with self.lock:
             if deleted or text is None:
-                if self.allocator.remove_node(name):
-                    log.info("node %s: gone or without an inventory; forgotten", name)
-                self.inventories.pop(name, None)
-                for key in [k for k, h in self.held.items() if h.node == name]:
-                    del self.held[key]
+                self._forget_node(name)
                 return
             if self.inventories.get(name) == text:
                 return
@@ -165,6 +162,28 @@ class ClusterState:
             for key, allocation in self.waiting.pop(name, {}).items():
                 self._restore(key, allocation)
             log.info("node %s: inventory of %d GPUs", name, len(inv.gpus))
+
+    def _forget_node(self, name: str) -> None:
+        """Node `name` was deleted or lost its inventory (with `lock` held):
+        its reservations leave the allocator, and those of its pods wait for
+        its inventory again (`waiting`, as a pod bound to a node not seen
+        yet does).  A node that comes back (kubelet registers it again, its
+        device plugin publishes again) then holds its pods' GPUs before it
+        takes another pod; forgotten, they would be taken again only at
+        their pods' next event, and a pod that changes no more would have
+        its GPUs handed out twice."""
+        if name in self.allocator.nodes:
+            pods = self.waiting.setdefault(name, {})
+            for allocation in self.allocator.allocations(name):
+                if allocation.pod in self.held:
+                    pods[allocation.pod] = allocation
+            if not pods:
+                del self.waiting[name]
+        if self.allocator.remove_node(name):
+            log.info("node %s: gone or without an inventory; forgotten", name)
+        self.inventories.pop(name, None)
+        for key in [k for k, h in self.held.items() if h.node == name]:
+            del self.held[key]
 
     # ---- pods -----------------------------------------------------------
 
@@ -467,6 +486,11 @@ class ClusterState:
 
     def sync(self) -> tuple[str, str]:
         """List Nodes and Pods and reconcile; returns their resourceVersions."""
+        return self.sync_nodes(), self.sync_pods()
+
+    def sync_nodes(self) -> str:
+        """List Nodes and reconcile (a node not listed is gone); returns the
+        list's resourceVersion."""
         from .api_view import listed
 
         nodes = listed(self.core.list_node)
@@ -476,19 +500,43 @@ class ClusterState:
             self.node_event(node)
         for gone in set(self.inventories) - names:
             with self.lock:
-                self.allocator.remove_node(gone)
-                self.inventories.pop(gone, None)
+                self._forget_node(gone)
+        return str(nodes.metadata.resource_version)
+
+    def sync_pods(self) -> str:
+        """List Pods and reconcile (a pod not listed is gone); returns the
+        list's resourceVersion.  Only the pods' watch calls it once watching
+        began: applied beside that watch's events, the list (older than
+        they are) could take back a pod deleted meanwhile, or the end of its
+        reconciling release one bound meanwhile."""
+        from .api_view import listed
+
+        # What was known before the list: only that can be missing from it
+        # because it is gone (a pod bound by the extender while the list
+        # was read is not in it, and is no less alive).
+        with self.lock:
+            held = dict(self.held)
+            waiting = {n: dict(pods) for n, pods in self.waiting.items()}
         pods = listed(self.core.list_pod_for_all_namespaces)
         live = set()
         for pod in pods.items:
             live.add(f"{pod.metadata.namespace}/{pod.metadata.name}")
             self.pod_event(pod)
         with self.lock:
-            for key in set(self.held) - live:
-                self._release(key)
-            for key in set(self.pods) - live:
+            for key in set(held) - live:
+                if self.held.get(key) is held[key]:
+                    self._release(key)
+            for key in set(self.pods) - live - set(self.held):
                 del self.pods[key]
-        return nodes.metadata.resource_version, pods.metadata.resource_version
+            # Bound to a node without an inventory, and gone meanwhile.
+            for node, was in waiting.items():
+                now = self.waiting.get(node, {})
+                for key in set(was) - live:
+                    if now.get(key) is was[key]:
+                        del now[key]
+                if not now:
+                    self.waiting.pop(node, None)
+        return str(pods.metadata.resource_version)
 
     def start(self) -> list[threading.Thread]:
         """Sync once (ready after), then keep watching in two daemon threads."""
@@ -499,6 +547,12 @@ class ClusterState:
             len(self.inventories),
             len(self.held),
         )
+        return self.watch(node_rv, pod_rv)
+
+    def watch(self, node_rv: str, pod_rv: str) -> list[threading.Thread]:
+        """Watch Nodes and Pods from these resourceVersions (what `sync`
+        returned) in two daemon threads, until `stopping` is set (a watch
+        ends within WATCH_SECONDS of it)."""
         threads = [
             threading.Thread(
                 target=self._watch,
@@ -547,5 +601,6 @@ class ClusterState:
                 w.stop()
 
     def _relist(self, lister: Any) -> str:
-        node_rv, pod_rv = self.sync()
-        return node_rv if lister == self.core.list_node else pod_rv
+        """The watch of `lister`'s kind expired: that kind is listed again
+        (by its own watch's thread, so that list and events come in order)."""
+        return self.sync_nodes() if lister == self.core.list_node else self.sync_pods()
