@@ -33,6 +33,7 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import aiohttp
 from gpuvisor.cluster.allocation import ANNOTATION, Allocation
 from gpuvisor.cluster.allocator import Allocator, Conflict, Decision, NodeState
 from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY
@@ -40,7 +41,7 @@ from gpuvisor.cluster.inventory_model import DocumentError
 from gpuvisor.cluster.request import PodRequest, pod_request
 
 from .binding import ApiError
-from .state import Ambiguous, ClusterState
+from .state import ASSUME_SECONDS, Ambiguous, ClusterState
 
 log = logging.getLogger("gpuvisor.scheduler")
 
@@ -70,6 +71,10 @@ NO_INVENTORY = f"no GPU inventory (the node has no {NODE_INVENTORY} annotation)"
 # and epoch it holds for, why the pod would wait (None: it would not) and
 # the (pod, container) it would wait for
 Verdict = tuple[NodeState, int, int, str | None, tuple[str, str] | None]
+
+
+class Unanswered(RuntimeError):
+    """A Binding sent that got no answer; the pod's room is kept (`_send`)."""
 
 
 class BadRequest(ValueError):
@@ -414,8 +419,10 @@ class Extender:
             allocation = self.state.claim(key, uid, node, req)
             if allocation is not None:
                 try:
-                    await self._create_binding(name, namespace, uid, version, node, allocation)
+                    await self._send(key, name, namespace, uid, version, node, req, allocation)
                     return
+                except Unanswered:
+                    raise
                 except ApiError as exc:
                     self.state.drop(key, settle=False)  # the pods waiting for it go on waiting
                     if exc.status != 409:
@@ -424,11 +431,13 @@ class Extender:
                     self.state.drop(key)
                     raise
         loop = asyncio.get_running_loop()
-        uid, version, allocation = await loop.run_in_executor(
+        uid, version, req, allocation = await loop.run_in_executor(
             None, self._bind_read, key, name, namespace, uid, node
         )
         try:
-            await self._create_binding(name, namespace, uid, version, node, allocation)
+            await self._send(key, name, namespace, uid, version, node, req, allocation)
+        except Unanswered:
+            raise
         except ApiError as exc:
             self.state.drop(key)
             raise RuntimeError(
@@ -440,7 +449,7 @@ class Extender:
 
     def _bind_read(
         self, key: str, name: str, namespace: str, uid: str, node: str
-    ) -> tuple[str, str, Allocation]:
+    ) -> tuple[str, str, PodRequest, Allocation]:
         """Read the pod (in a worker thread) and take its room on node:
         the room prioritize assumed if it is still this request's, else
         decided again.  Its uid, resourceVersion and allocation, for the
@@ -471,7 +480,42 @@ class Extender:
         if allocation is None:
             self.state.drop(key, settle=False)  # the pods waiting for it go on waiting
             allocation = self._commit(key, meta["uid"], req, node)
-        return str(meta["uid"]), str(meta["resourceVersion"]), allocation
+        return str(meta["uid"]), str(meta["resourceVersion"]), req, allocation
+
+    async def _send(
+        self,
+        key: str,
+        name: str,
+        namespace: str,
+        uid: str,
+        version: str,
+        node: str,
+        req: PodRequest,
+        allocation: Allocation,
+    ) -> None:
+        """Create the Binding.  When no answer comes (a timeout, a
+        connection lost, the API server's 504 "may still be processing"),
+        the pod may be bound all the same: done if its watch showed it bound
+        to node already, else Unanswered with its room kept
+        (`ClusterState.unsure`).  Releasing it there left a pod that was
+        bound after all on GPUs the allocator then gave to the next pod."""
+        try:
+            await self._create_binding(name, namespace, uid, version, node, allocation)
+            return
+        except ApiError as exc:
+            if exc.status != 504:
+                raise
+            why = str(exc)
+        except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+            why = str(exc) or type(exc).__name__
+        if self.state.unsure(key, uid, node, req, allocation):
+            log.info("bind %s to %s: no answer (%s), but the pod is bound there", key, node, why)
+            return
+        raise Unanswered(
+            f"no answer from the API server ({why}); the pod may be bound all the same: its "
+            "room stays held until its watch says so, its next scheduling cycle, or "
+            f"{ASSUME_SECONDS:.0f} s"
+        )
 
     async def _create_binding(
         self, name: str, namespace: str, uid: str, version: str, node: str, allocation: Allocation

@@ -72,6 +72,7 @@ class Seen:
     uid: str
     pending: bool  # phase Pending: the device plugin steers by its placement
     started: frozenset[str]  # the containers kubelet reports started
+    node: str = ""  # spec.nodeName: "" while not bound
 
 
 class Ambiguous(RuntimeError):
@@ -210,8 +211,16 @@ class ClusterState:
         if held is not None and held.uid != meta.uid:
             self._release(key)  # a pod of the same name replaced one we missed the end of
             held = None
+        spec = pod.spec
+        node = str((spec.node_name if spec is not None else None) or "")
         if held is not None or text is not None:
-            self._see(key, Seen(meta.uid, phase in (None, "Pending"), started_containers(pod)))
+            pending = phase in (None, "Pending")
+            self._see(key, Seen(meta.uid, pending, started_containers(pod), node))
+        if held is not None and node and node == held.node and key in self.assumed:
+            # bound where its room is, by a bind whose answer never came
+            # (`unsure`): the room is the pod's now, not an assumption
+            del self.assumed[key]
+            self.assumed_for.pop(key, None)
         if held is not None or text is None:
             return
         try:
@@ -425,6 +434,32 @@ class ClusterState:
             del self.assumed[key]
             del self.assumed_for[key]
             return allocation
+
+    def unsure(
+        self, key: str, uid: str, node: str, req: PodRequest, allocation: Allocation
+    ) -> bool:
+        """The pod's Binding to node was sent and no answer came (a timeout,
+        a connection lost, the API server's 504): it may have been written.
+        True if the pod's watch showed it bound there already; else its room
+        stays held as if prioritize had assumed it (`assume`): the pod's
+        watch showing it bound makes the room the pod's, and its next
+        scheduling cycle (filter), its end or ASSUME_SECONDS release it.
+        Released at once, a Binding written after all left the pod on its
+        GPUs with nothing reserved: its event, come before the answer's
+        timeout, had found the room held and changed nothing."""
+        with self.lock:
+            held = self.held.get(key)
+            if held is None or held.uid != uid or held.node != node:
+                return False  # not this bind's room any more: nothing to keep
+            seen = self.pods.get(key)
+            if seen is not None and seen.uid == uid and seen.node == node:
+                self.assumed.pop(key, None)
+                self.assumed_for.pop(key, None)
+                return True
+            now = self.allocator.nodes.get(node)
+            self.assumed[key] = time.monotonic()
+            self.assumed_for[key] = (req, allocation, now.inv if now is not None else None)
+            return False
 
     def drop(self, key: str, settle: bool = True) -> None:
         """Forget a pod's reservation (its bind failed, or is done again:
