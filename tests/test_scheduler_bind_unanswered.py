@@ -27,17 +27,16 @@ import pytest
 from gpuvisor.cluster.allocation import ANNOTATION
 from gpuvisor.cluster.allocator import Allocator, Config
 from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY
-from gpuvisor.cluster.request import pod_request
 from gpuvisor.cluster.scheduler import state as state_mod
 from gpuvisor.cluster.scheduler.binding import ApiError, Binder
 from gpuvisor.cluster.scheduler.extender import Extender
 from gpuvisor.cluster.scheduler.state import ClusterState
 
 from tests.inventories import cluster, ctr, pcie_box, pod
-from tests.k8s_cluster import KubeTest, gpu_pod
+from tests.k8s_cluster import KubeTest
+from tests.scheduler_views import WHOLE_MIB, fits_on, held_on, wait_for
 from tests.test_bind_ambiguity import Pods, v1pod
 
-WHOLE_MIB = 46068  # pcie_box's L40S: a pod of this much memory takes the GPU
 TIMEOUT = 1.0  # the extender's client waits this long for the Binding's answer
 
 
@@ -85,39 +84,21 @@ class SlowProxy:
                 s.close()
 
 
-def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "it") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"no {what} after {timeout:.0f} s", pytrace=False)
-        time.sleep(0.05)
-
-
-def held_on(state: ClusterState, node: str) -> list[str]:
-    return sorted(a.pod for a in state.allocator.allocations(node))
-
-
-def whole_gpu_pod(k: KubeTest, name: str) -> dict[str, Any]:
-    doc = gpu_pod(name, gpus=1, gpumem=WHOLE_MIB)
-    doc["metadata"]["namespace"] = k.namespace
-    return doc
-
-
-def fits_on(state: ClusterState, k: KubeTest, node: str) -> bool:
-    probe = pod_request(whole_gpu_pod(k, "probe"))
-    return bool(state.allocator.decide(probe, nodes=[node]).node == node)
+# slow(pod): (extender, proxy, node)
+Slow = Callable[[str], tuple[Extender, SlowProxy, str]]
 
 
 @pytest.fixture
-def slow(
-    k8s: KubeTest, monkeypatch: pytest.MonkeyPatch
-) -> Iterator[Callable[[], tuple[Extender, SlowProxy]]]:
-    """Makes an extender on `k8s` whose Bindings go through a SlowProxy,
-    with its state watching the API server directly; stopped after the test."""
+def slow(k8s: KubeTest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Slow]:
+    """Makes a one-GPU node, an extender on `k8s` whose Bindings go through
+    a SlowProxy (its state watching the API server directly, stopped after
+    the test) and a pending pod of the whole GPU: (extender, proxy, node)."""
     monkeypatch.setattr(state_mod, "WATCH_SECONDS", 2)
     made: list[tuple[ClusterState, list[threading.Thread], SlowProxy]] = []
 
-    def make() -> tuple[Extender, SlowProxy]:
+    def make(pod: str) -> tuple[Extender, SlowProxy, str]:
+        node = f"{pod}-{k8s.namespace}"
+        k8s.create_node(node, annotations={NODE_INVENTORY: json.dumps(pcie_box(node, n=1))})
         config = k8s.core.api_client.configuration
         url = urlsplit(config.host)
         proxy = SlowProxy((url.hostname or "127.0.0.1", url.port or 443))
@@ -125,7 +106,10 @@ def slow(
         through.host = f"https://127.0.0.1:{proxy.port}"
         state = ClusterState(k8s.core)
         made.append((state, state.start(), proxy))
-        return Extender(state, core=k8s.core, binder=Binder(through, TIMEOUT)), proxy
+        ext = Extender(state, core=k8s.core, binder=Binder(through, TIMEOUT))
+        wait_for(lambda: node in state.inventories, what=f"{node}'s inventory")
+        k8s.create_pod(pod, gpus=1, gpumem=WHOLE_MIB)
+        return ext, proxy, node
 
     yield make
     for state, threads, proxy in made:
@@ -160,15 +144,9 @@ def bind(ext: Extender, proxy: SlowProxy, k: KubeTest, name: str, node: str, los
     return str(asyncio.run(once())["Error"])
 
 
-def test_a_binding_written_but_not_answered_keeps_its_room(
-    k8s: KubeTest, slow: Callable[[], tuple[Extender, SlowProxy]]
-) -> None:
+def test_a_binding_written_but_not_answered_keeps_its_room(k8s: KubeTest, slow: Slow) -> None:
     k = k8s
-    node = f"slow-{k.namespace}"
-    k.create_node(node, annotations={NODE_INVENTORY: json.dumps(pcie_box(node, n=1))})
-    ext, proxy = slow()
-    wait_for(lambda: node in ext.state.inventories, what=f"{node}'s inventory")
-    k.create_pod("first", gpus=1, gpumem=WHOLE_MIB)
+    ext, proxy, node = slow("first")
 
     error = bind(ext, proxy, k, "first", node, lose=False)
     pod = k.read_pod("first")
@@ -182,25 +160,17 @@ def test_a_binding_written_but_not_answered_keeps_its_room(
     assert key not in ext.state.assumed
 
 
-def test_a_binding_lost_keeps_its_room_until_the_pods_next_cycle(
-    k8s: KubeTest, slow: Callable[[], tuple[Extender, SlowProxy]]
-) -> None:
-    k = k8s
-    node = f"lost-{k.namespace}"
-    k.create_node(node, annotations={NODE_INVENTORY: json.dumps(pcie_box(node, n=1))})
-    ext, proxy = slow()
-    wait_for(lambda: node in ext.state.inventories, what=f"{node}'s inventory")
-    k.create_pod("lost", gpus=1, gpumem=WHOLE_MIB)
-
-    error = bind(ext, proxy, k, "lost", node, lose=True)
-    assert not k.read_pod("lost").spec.node_name
+def test_a_binding_lost_keeps_its_room_until_the_pods_next_cycle(k8s: KubeTest, slow: Slow) -> None:
+    ext, proxy, node = slow("lost")
+    error = bind(ext, proxy, k8s, "lost", node, lose=True)
+    assert not k8s.read_pod("lost").spec.node_name
     assert "may be bound all the same" in error, error
-    key = f"{k.namespace}/lost"
+    key = f"{k8s.namespace}/lost"
     assert held_on(ext.state, node) == [key]
-    assert not fits_on(ext.state, k, node)
+    assert not fits_on(ext.state, k8s, node)
 
     # kube-scheduler tries the pod again: its filter decides it afresh.
-    doc = kubernetes.client.ApiClient().sanitize_for_serialization(k.read_pod("lost"))
+    doc = kubernetes.client.ApiClient().sanitize_for_serialization(k8s.read_pod("lost"))
     out = ext.filter({"Pod": doc, "NodeNames": [node]})
     assert out["NodeNames"] == [node], out
     assert held_on(ext.state, node) == []

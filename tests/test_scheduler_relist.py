@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,23 +28,8 @@ from gpuvisor.cluster.scheduler.state import ClusterState
 from kubernetes.client.exceptions import ApiException
 
 from tests.inventories import cluster, pcie_box
-from tests.k8s_cluster import KubeCluster, KubeTest, gpu_pod
-
-WHOLE_MIB = 46068  # pcie_box's L40S: a pod of this much memory takes the GPU
-
-
-def wait_for(predicate: Callable[[], bool], timeout: float = 20.0, what: str = "it") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            pytest.fail(f"no {what} after {timeout:.0f} s", pytrace=False)
-        time.sleep(0.05)
-
-
-def whole_gpu_pod(k: KubeTest, name: str) -> dict[str, Any]:
-    doc = gpu_pod(name, gpus=1, gpumem=WHOLE_MIB)
-    doc["metadata"]["namespace"] = k.namespace
-    return doc
+from tests.k8s_cluster import KubeCluster, KubeTest
+from tests.scheduler_views import fits_on, held_on, wait_for, whole_gpu_pod
 
 
 def holding_pod(k: KubeTest, name: str, node: str, inventories: list[dict[str, Any]]) -> str:
@@ -65,18 +49,6 @@ def holding_pod(k: KubeTest, name: str, node: str, inventories: list[dict[str, A
     )
     k.bind(name, node)
     return f"{k.namespace}/{name}"
-
-
-def fits_on(state: ClusterState, k: KubeTest, node: str) -> bool:
-    """Whether the allocator would place another whole-GPU pod on `node`."""
-    probe = pod_request(whole_gpu_pod(k, "probe"))
-    return bool(state.allocator.decide(probe, nodes=[node]).node == node)
-
-
-def held_on(state: ClusterState, node: str) -> list[str]:
-    if node not in state.allocator.nodes:
-        return []
-    return sorted(a.pod for a in state.allocator.allocations(node))
 
 
 @pytest.fixture
