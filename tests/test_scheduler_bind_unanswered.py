@@ -30,7 +30,9 @@ from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY
 from gpuvisor.cluster.scheduler import state as state_mod
 from gpuvisor.cluster.scheduler.binding import ApiError, Binder
 from gpuvisor.cluster.scheduler.extender import Extender
+from gpuvisor.cluster.scheduler.metrics import unanswered_counter
 from gpuvisor.cluster.scheduler.state import ClusterState
+from prometheus_client import CollectorRegistry
 
 from tests.inventories import cluster, ctr, pcie_box, pod
 from tests.k8s_cluster import KubeTest
@@ -106,7 +108,8 @@ def slow(k8s: KubeTest, monkeypatch: pytest.MonkeyPatch) -> Iterator[Slow]:
         through.host = f"https://127.0.0.1:{proxy.port}"
         state = ClusterState(k8s.core)
         made.append((state, state.start(), proxy))
-        ext = Extender(state, core=k8s.core, binder=Binder(through, TIMEOUT))
+        counter = unanswered_counter(CollectorRegistry())
+        ext = Extender(state, core=k8s.core, binder=Binder(through, TIMEOUT), unanswered=counter)
         wait_for(lambda: node in state.inventories, what=f"{node}'s inventory")
         k8s.create_pod(pod, gpus=1, gpumem=WHOLE_MIB)
         return ext, proxy, node
@@ -144,6 +147,17 @@ def bind(ext: Extender, proxy: SlowProxy, k: KubeTest, name: str, node: str, los
     return str(asyncio.run(once())["Error"])
 
 
+def counted(ext: Extender) -> dict[str, int]:
+    """gpuvisor_scheduler_binds_unanswered_total by outcome."""
+    assert ext.unanswered is not None
+    return {
+        s.labels["outcome"]: int(s.value)
+        for m in ext.unanswered.collect()
+        for s in m.samples
+        if s.name.endswith("_total")
+    }
+
+
 def test_a_binding_written_but_not_answered_keeps_its_room(k8s: KubeTest, slow: Slow) -> None:
     k = k8s
     ext, proxy, node = slow("first")
@@ -156,6 +170,7 @@ def test_a_binding_written_but_not_answered_keeps_its_room(k8s: KubeTest, slow: 
     assert held_on(ext.state, node) == [key], "the bound pod's GPU was free for the next pod"
     assert not fits_on(ext.state, k, node)
     assert error == "", f"a pod bound as asked was answered {error!r}"
+    assert counted(ext) == {"bound": 1, "kept": 0}
     # No longer an assumption that times out: still held after ASSUME_SECONDS.
     assert key not in ext.state.assumed
 
@@ -165,6 +180,7 @@ def test_a_binding_lost_keeps_its_room_until_the_pods_next_cycle(k8s: KubeTest, 
     error = bind(ext, proxy, k8s, "lost", node, lose=True)
     assert not k8s.read_pod("lost").spec.node_name
     assert "may be bound all the same" in error, error
+    assert counted(ext) == {"bound": 0, "kept": 1}
     key = f"{k8s.namespace}/lost"
     assert held_on(ext.state, node) == [key]
     assert not fits_on(ext.state, k8s, node)

@@ -142,7 +142,9 @@ def scheduler(
             tls = ServingCertificate(tls_cert, tls_key, ("--tls-cert", "--tls-key"))
         except CertificateError as exc:
             raise click.ClickException(str(exc)) from None
-    extender = Extender(state, core, Binder(api_client.configuration, API_TIMEOUT))
+    extender = Extender(
+        state, core, Binder(api_client.configuration, API_TIMEOUT), metrics.unanswered
+    )
 
     def start_state() -> None:
         while not state.stopping.is_set():

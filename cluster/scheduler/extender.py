@@ -39,6 +39,7 @@ from gpuvisor.cluster.allocator import Allocator, Conflict, Decision, NodeState
 from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY
 from gpuvisor.cluster.inventory_model import DocumentError
 from gpuvisor.cluster.request import PodRequest, pod_request
+from prometheus_client import Counter
 
 from .binding import ApiError
 from .state import ASSUME_SECONDS, Ambiguous, ClusterState
@@ -119,8 +120,12 @@ def on_the_same_gpus(req: PodRequest, sets: set[frozenset[str]]) -> PodRequest |
 
 
 class Extender:
-    def __init__(self, state: ClusterState, core: Any, binder: Any) -> None:
+    def __init__(
+        self, state: ClusterState, core: Any, binder: Any, unanswered: Counter | None = None
+    ) -> None:
         self.state = state
+        # binds whose Binding got no answer, by outcome (metrics.py)
+        self.unanswered = unanswered
         self.core = core  # kubernetes.client.CoreV1Api, for the pods bind reads
         self.binder = binder  # a Binder (binding.py), which writes the Bindings
         self._cache: OrderedDict[tuple[str, tuple[str, ...]], tuple[float, Decision]] = (
@@ -508,7 +513,10 @@ class Extender:
             why = str(exc)
         except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
             why = str(exc) or type(exc).__name__
-        if self.state.unsure(key, uid, node, req, allocation):
+        bound = self.state.unsure(key, uid, node, req, allocation)
+        if self.unanswered is not None:
+            self.unanswered.labels("bound" if bound else "kept").inc()
+        if bound:
             log.info("bind %s to %s: no answer (%s), but the pod is bound there", key, node, why)
             return
         raise Unanswered(

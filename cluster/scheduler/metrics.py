@@ -162,6 +162,24 @@ class ClusterText:
         return b"".join(parts)
 
 
+def unanswered_counter(registry: CollectorRegistry) -> Counter:
+    """Binds whose Binding got no answer (extender.py `_send`), by what
+    became of the pod's room: `bound` (its watch showed it bound: the bind
+    answered done) or `kept` (held as an assumption; the bind answered an
+    error)."""
+    counter = Counter(
+        "gpuvisor_scheduler_binds_unanswered",
+        "Binds whose Binding got no answer from the API server (a timeout, a connection "
+        "lost, a 504), by outcome (bound: seen bound, answered done; kept: room kept, "
+        "answered an error)",
+        ["outcome"],
+        registry=registry,
+    )
+    for outcome in ("bound", "kept"):
+        counter.labels(outcome)  # each shows from the start, at 0
+    return counter
+
+
 class Metrics:
     def __init__(self, state: ClusterState) -> None:
         self.cluster = ClusterText(state)
@@ -180,6 +198,7 @@ class Metrics:
             registry=self.registry,
         )
         self.wake = WakeCounters.register(self.registry)
+        self.unanswered = unanswered_counter(self.registry)
 
     def exposition(self) -> bytes:
         """What GET /metrics answers (text format 0.0.4)."""
