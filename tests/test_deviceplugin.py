@@ -33,6 +33,7 @@ from gpuvisor.cluster.deviceplugin.runner import PluginRunner
 from gpuvisor.cluster.deviceplugin.service import DevicePluginService, PluginConfig
 from gpuvisor.cluster.request import pod_request
 
+from tests.granted_pods import pod_asking_for
 from tests.helpers import LIBRARY, SimNode, run_py
 from tests.inventories import ctr
 from tests.inventories import pod as pod_doc
@@ -93,8 +94,11 @@ class DictPods:
     def __init__(self) -> None:
         self.annotations: dict[tuple[str, str], str] = {}
 
-    def allocation(self, namespace: str, pod: str) -> str | None:
-        return self.annotations.get((namespace, pod))
+    def pod(self, namespace: str, pod: str) -> dict[str, Any]:
+        text = self.annotations.get((namespace, pod))
+        if text is None:
+            return {"metadata": {"name": pod, "namespace": namespace}, "spec": {}}
+        return pod_asking_for(namespace, pod, text)
 
     def bound(self, node: str) -> list[PodGrant]:
         grants = [parse_grant(t) for t in self.annotations.values()]

@@ -51,6 +51,7 @@ from gpuvisor.cluster.deviceplugin.migrealise import MIG_MINE, MIG_MODE, MigReal
 from gpuvisor.cluster.deviceplugin.owners import PodResourcesOwners
 from gpuvisor.cluster.deviceplugin.runner import PluginRunner
 from gpuvisor.cluster.deviceplugin.service import DevicePluginService, PluginConfig
+from tests.granted_pods import pod_asking_for
 
 logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 plugin_dir, pr_sock, state, lib, node_dir, allocs, fault, off_after = sys.argv[1:]
@@ -58,8 +59,11 @@ plugin_dir, pr_sock, state, lib, node_dir, allocs, fault, off_after = sys.argv[1
 class FilePods:
     def _all(self):
         return json.loads(Path(allocs).read_text())
-    def allocation(self, namespace, pod):
-        return self._all().get(f"{namespace}/{pod}")
+    def pod(self, namespace, pod):
+        text = self._all().get(f"{namespace}/{pod}")
+        if text is None:
+            return {"metadata": {"name": pod, "namespace": namespace}, "spec": {}}
+        return pod_asking_for(namespace, pod, text)
     def bound(self, node):
         out = []
         for text in self._all().values():

@@ -7,6 +7,8 @@ client; tests pass their own."""
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 from .grant import ANNOTATION, GrantError, PodGrant, parse_grant
@@ -15,13 +17,23 @@ API_TIMEOUT = 10.0  # seconds; kubelet gives PreStartContainer 30
 
 
 class PodSource(Protocol):
-    def allocation(self, namespace: str, pod: str) -> str | None:
-        """The pod's `gpuvisor.io/allocation` annotation; None if it has none."""
+    def pod(self, namespace: str, pod: str) -> Mapping[str, Any]:
+        """The pod as the API server has it (JSON: its metadata, with the
+        `gpuvisor.io/allocation` annotation, and its spec, with the
+        containers' resource requests)."""
         ...
 
     def bound(self, node: str) -> list[PodGrant]:
         """The grants of the pods bound to node, oldest bind first."""
         ...
+
+
+def allocation_of(pod: Mapping[str, Any]) -> str | None:
+    """The pod's `gpuvisor.io/allocation` annotation; None if it has none."""
+    meta = pod.get("metadata")
+    annotations = meta.get("annotations") if isinstance(meta, Mapping) else None
+    value = annotations.get(ANNOTATION) if isinstance(annotations, Mapping) else None
+    return value if isinstance(value, str) else None
 
 
 class KubePods:
@@ -38,11 +50,14 @@ class KubePods:
             api = client.CoreV1Api()
         self.api = api
 
-    def allocation(self, namespace: str, pod: str) -> str | None:
-        p = self.api.read_namespaced_pod(pod, namespace, _request_timeout=API_TIMEOUT)
-        annotations = p.metadata.annotations or {}
-        value = annotations.get(ANNOTATION)
-        return value if isinstance(value, str) else None
+    def pod(self, namespace: str, pod: str) -> Mapping[str, Any]:
+        raw = self.api.read_namespaced_pod(
+            pod, namespace, _preload_content=False, _request_timeout=API_TIMEOUT
+        )
+        doc = json.loads(raw.data)
+        if not isinstance(doc, Mapping):
+            raise ValueError(f"pod {namespace}/{pod}: the API answered {type(doc).__name__}")
+        return doc
 
     def bound(self, node: str) -> list[PodGrant]:
         pods = self.api.list_pod_for_all_namespaces(

@@ -26,16 +26,19 @@ from typing import Any
 
 import grpc
 from gpuvisor.cluster.deviceplugin.api import deviceplugin_v1beta1_pb2_grpc as dp_grpc
+from gpuvisor.cluster.inventory_model import DocumentError
+from gpuvisor.cluster.request import pod_request
 
 from . import defaults, limits_file
 from .api import deviceplugin_v1beta1_pb2 as dp
 from .gpus import Gpu, GpuSource
-from .grant import ContainerGrant, GrantError, PodGrant, parse_grant
-from .kube import PodSource
+from .grant import ANNOTATION, ContainerGrant, GrantError, PodGrant, parse_grant
+from .kube import PodSource, allocation_of
 from .migrealise import Made, MigRealiser, MigRefused
 from .owners import OwnerLookup
 from .preferred import preferred
 from .replicas import Replicas, UnknownDevice
+from .within import beyond_request
 
 log = logging.getLogger("gpuvisor.device-plugin")
 
@@ -569,22 +572,39 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
         return self.mig.settle(planned, time.monotonic())
 
     def _grant(self, namespace: str, pod: str, container: str) -> PodGrant:
+        """The pod's allocation record, checked against the pod's own
+        requests: the annotation is writable by whoever may edit the pod,
+        its requests are not (`within.beyond_request`)."""
         key = f"{namespace}/{pod}"
         try:
-            text = self.pods.allocation(namespace, pod)
+            doc = self.pods.pod(namespace, pod)
         except Exception as exc:
             raise PreStartRefused(
                 f"pod {key}: cannot read its allocation from the API: {exc}"
             ) from None
+        text = allocation_of(doc)
         if text is None:
             raise PreStartRefused(
                 f"pod {key} has no gpuvisor.io/allocation annotation (it was not placed by "
                 f"gpuvisor's scheduler): container {container} is not started without limits"
             )
         try:
-            return parse_grant(text)
+            grant = parse_grant(text)
         except GrantError as exc:
             raise PreStartRefused(f"pod {key}: {exc}") from None
+        if grant.pod != key:
+            raise PreStartRefused(
+                f"pod {key}: {ANNOTATION}: pod={json.dumps(grant.pod)}: the record of another pod"
+            )
+        try:
+            request = pod_request(doc)
+        except DocumentError as exc:
+            raise PreStartRefused(f"pod {key}: {exc}") from None
+        memory = {g.uuid: g.memory_mib for g in self.replicas.gpus}
+        why = beyond_request(grant.containers, request, memory.get)
+        if why is not None:
+            raise PreStartRefused(f"pod {key}: {why}: container {container} is not started")
+        return grant
 
     def _limits_text(self, namespace: str, pod: str, container: str, gpus: list[Gpu]) -> str:
         grant = self._grant(namespace, pod, container)
