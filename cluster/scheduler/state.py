@@ -32,8 +32,9 @@ from typing import Any
 from gpuvisor.cluster.allocation import ANNOTATION, Allocation, ContainerGrant, load_allocation
 from gpuvisor.cluster.allocator import Allocator, Config, Conflict, Decision
 from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY
+from gpuvisor.cluster.deviceplugin.within import beyond_request
 from gpuvisor.cluster.inventory_model import DocumentError, Inventory, load_inventory
-from gpuvisor.cluster.request import PodRequest
+from gpuvisor.cluster.request import PodRequest, pod_request
 
 from .wake import Wake
 
@@ -231,6 +232,24 @@ class ClusterState:
         if allocation.pod != key or (allocation.uid and allocation.uid != meta.uid):
             log.warning("pod %s: %s belongs to %s; ignored", key, ANNOTATION, allocation.pod)
             return
+        # The annotation is writable by whoever may edit the pod: only a
+        # bound pod's record on its own node, within its own requests, is
+        # a reservation (the Binding writes the record and the node at once)
+        bound = pod.spec.node_name if pod.spec is not None else None
+        if bound != allocation.node:
+            if bound:
+                log.warning(
+                    "pod %s: %s places it on %s, but it is bound to %s; ignored",
+                    key,
+                    ANNOTATION,
+                    allocation.node,
+                    bound,
+                )
+            return
+        why = self._beyond(pod, key, allocation)
+        if why is not None:
+            log.warning("pod %s: %s; not taken as a reservation", key, why)
+            return
         if allocation.node not in self.inventories:
             self.waiting.setdefault(allocation.node, {})[key] = allocation
             return
@@ -251,6 +270,27 @@ class ClusterState:
     def epoch(self, node: str) -> int:
         """`epochs[node]`: moves when a pod held there starts a container."""
         return self.epochs.get(node, 0)
+
+    def _beyond(self, pod: Any, key: str, allocation: Allocation) -> str | None:
+        """Why the pod's record grants more than the pod asks for, or None
+        (`within.beyond_request`).  With `lock` held."""
+        from kubernetes.client import ApiClient
+
+        from .api_view import ApiView
+
+        manifest: Any = (
+            pod.raw if isinstance(pod, ApiView) else ApiClient().sanitize_for_serialization(pod)
+        )
+        try:
+            request = pod_request(manifest)
+        except DocumentError as exc:
+            return str(exc)
+        node = self.allocator.nodes.get(allocation.node)
+        memory = {g.uuid: g.memory_mib for g in node.inv.gpus} if node is not None else {}
+        why: str | None = beyond_request(
+            allocation.containers, request, memory.get, node is not None
+        )
+        return why
 
     def _restore(self, key: str, allocation: Allocation) -> None:
         try:
