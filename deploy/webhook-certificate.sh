@@ -5,7 +5,8 @@
 #
 #   deploy/webhook-certificate.sh              make the pair and apply the Secret
 #   deploy/webhook-certificate.sh --ca-bundle  also put the CA into webhook.yaml's
-#                                              MutatingWebhookConfiguration (applied)
+#                                              Mutating- and ValidatingWebhookConfiguration
+#                                              (applied)
 #   deploy/webhook-certificate.sh --out DIR    only write ca.crt, tls.crt, tls.key to DIR
 #
 # Run it again to renew (valid DAYS, default 825): the Secret is replaced,
@@ -21,6 +22,7 @@ NAMESPACE=${NAMESPACE:-gpuvisor}
 SERVICE=${SERVICE:-gpuvisor-webhook}
 SECRET=${SECRET:-gpuvisor-webhook-tls}
 WEBHOOK_CONFIG=${WEBHOOK_CONFIG:-gpuvisor-webhook}
+GUARD_CONFIG=${GUARD_CONFIG:-gpuvisor-allocation-guard}
 DAYS=${DAYS:-825}
 KUBECTL=${KUBECTL:-kubectl}
 
@@ -42,5 +44,7 @@ issue_pair "$out" "gpuvisor-webhook-ca" "$SERVICE.$NAMESPACE.svc" \
 if [ "$ca_bundle" = 1 ]; then
     bundle=$(base64 < "$dir/ca.crt" | tr -d '\n')
     "$KUBECTL" patch mutatingwebhookconfiguration "$WEBHOOK_CONFIG" --type=json \
+        -p "[{\"op\":\"add\",\"path\":\"/webhooks/0/clientConfig/caBundle\",\"value\":\"$bundle\"}]"
+    "$KUBECTL" patch validatingwebhookconfiguration "$GUARD_CONFIG" --type=json \
         -p "[{\"op\":\"add\",\"path\":\"/webhooks/0/clientConfig/caBundle\",\"value\":\"$bundle\"}]"
 fi

@@ -566,6 +566,7 @@ class KubeTest:
         self.namespace = f"t-{secrets.token_hex(4)}"
         self._nodes: list[str] = []
         self._webhooks: list[str] = []
+        self._validating: list[str] = []
         self._schedulers: list[KubeScheduler] = []
         meta = kubernetes.client.V1ObjectMeta
         self.core.create_namespace(
@@ -669,12 +670,24 @@ class KubeTest:
         self._webhooks.append(must(must(created.metadata, "metadata").name, "name"))
         return created
 
+    def create_validating_webhook(
+        self, body: Mapping[str, Any]
+    ) -> kubernetes.client.V1ValidatingWebhookConfiguration:
+        """Creates a ValidatingWebhookConfiguration, deleted at teardown."""
+        config = kubernetes.client.V1ValidatingWebhookConfiguration.from_dict(dict(body))
+        created = self.admission.create_validating_webhook_configuration(must(config, "body"))
+        self._validating.append(must(must(created.metadata, "metadata").name, "name"))
+        return created
+
     def teardown(self) -> None:
         for scheduler in self._schedulers:
             scheduler.stop()
         for name in self._webhooks:
             with contextlib.suppress(ApiException):
                 self.admission.delete_mutating_webhook_configuration(name)
+        for name in self._validating:
+            with contextlib.suppress(ApiException):
+                self.admission.delete_validating_webhook_configuration(name)
         # No kubelet confirms a deletion here: delete at once.
         with contextlib.suppress(ApiException):
             self.core.delete_collection_namespaced_pod(self.namespace, grace_period_seconds=0)

@@ -20,8 +20,10 @@ from typing import Any
 
 import pytest
 import trustme
+from gpuvisor.cluster.allocation import ANNOTATION
 from gpuvisor.cluster.inventory_model import DocumentError
-from gpuvisor.cluster.request import pod_request
+from gpuvisor.cluster.request import GPU, pod_request
+from gpuvisor.cluster.webhook.guard import guard
 from gpuvisor.cluster.webhook.review import (
     API_VERSION,
     ReviewError,
@@ -481,3 +483,65 @@ def test_a_missing_certificate_is_one_line(tmp_path: Path) -> None:
     assert (
         err.strip().splitlines()[-1] == f"Error: {tmp_path / 'none.crt'}: No such file or directory"
     )
+
+
+# ---- /validate: who may write gpuvisor.io/allocation (guard.py) ----
+
+RECORD = '{"version":1,"pod":"ml/train","node":"n1","containers":[]}'
+
+
+def guarded(
+    new: dict[str, Any],
+    old: dict[str, Any] | None = None,
+    user: str = "alice",
+    sub: str = "",
+    config: WebhookConfig = CONFIG,
+) -> dict[str, Any]:
+    """guard's response to `user` creating `new` (or updating `old` to it)."""
+    r = review(new, operation="CREATE" if old is None else "UPDATE")
+    r["request"]["userInfo"] = {"username": user, "groups": ["system:authenticated"]}
+    if old is not None:
+        r["request"]["oldObject"] = old
+    if sub:
+        r["request"]["subResource"] = sub
+    out: dict[str, Any] = guard(r, config)
+    assert out["response"]["uid"] == "7c3e-uid"
+    return dict(out["response"])
+
+
+def test_the_guard_refuses_the_record_to_anyone_but_its_writers() -> None:
+    mine = pod({GPU: "1"}, annotations={ANNOTATION: RECORD})
+    bare = pod({GPU: "1"})
+    raised = pod({GPU: "1"}, annotations={ANNOTATION: RECORD.replace("[]", '[{"name":"main"}]')})
+    extender = "system:serviceaccount:gpuvisor:gpuvisor-scheduler"
+    for new, old, done in (
+        (mine, None, "set at creation"),
+        (mine, bare, "set"),
+        (raised, mine, "changed"),
+        (bare, mine, "removed"),
+    ):
+        for sub in ("", "status"):
+            got = guarded(new, old, sub=sub)
+            assert not got["allowed"]
+            assert got["status"] == {
+                "code": 403,
+                "reason": "Forbidden",
+                "message": f"metadata.annotations[{ANNOTATION}]: {done} by alice; only the "
+                f"scheduler extender ({extender}) writes it, in the pod's Binding",
+            }
+            assert guarded(new, old, user=extender, sub=sub)["allowed"]
+    # untouched: allowed, whoever writes and whatever else changes
+    labelled = pod({GPU: "1"}, annotations={ANNOTATION: RECORD, "note": "x"})
+    assert guarded(labelled, mine)["allowed"]
+    assert guarded(bare)["allowed"]
+    # configured writers replace the default
+    config = WebhookConfig(allocation_writers=("ops", "bot"))
+    assert guarded(raised, mine, user="ops", config=config)["allowed"]
+    got = guarded(raised, mine, user=extender, config=config)
+    assert "only the scheduler extender (ops, bot) writes it" in got["status"]["message"]
+    # subresources that carry no metadata, and other kinds, are not its business
+    assert guarded(raised, mine, sub="ephemeralcontainers")["allowed"]
+    r = review(mine, kind="ConfigMap")
+    assert guard(r, CONFIG)["response"]["allowed"]
+    with pytest.raises(ReviewError):
+        guard({"kind": "AdmissionReview"}, CONFIG)

@@ -27,7 +27,7 @@ from kubernetes.client.rest import ApiException
 from kubernetes.utils import parse_quantity
 
 from tests.helpers import REPO_ROOT
-from tests.k8s_cluster import GPU, GPUCORES, GPUMEM, KubeTest, gpu_container
+from tests.k8s_cluster import GPU, GPUCORES, GPUMEM, KubeTest, gpu_container, gpu_pod
 from tests.test_webhook import issue, start_webhook, wait_serving
 
 DEPLOY = REPO_ROOT / "deploy"
@@ -37,14 +37,17 @@ def documents(name: str) -> list[dict[str, Any]]:
     return [d for d in yaml.safe_load_all((DEPLOY / name).read_text()) if d]
 
 
-def webhook_config(port: int, ca_file: Path, name: str) -> dict[str, Any]:
-    """deploy/webhook.yaml's configuration, calling https://127.0.0.1:port/mutate."""
-    (config,) = documents("webhook.yaml")
+def webhook_config(
+    port: int, ca_file: Path, name: str, kind: str = "MutatingWebhookConfiguration"
+) -> dict[str, Any]:
+    """deploy/webhook.yaml's configuration of `kind`, calling
+    https://127.0.0.1:port at its service path (/mutate, /validate)."""
+    (config,) = [d for d in documents("webhook.yaml") if d["kind"] == kind]
     config = copy.deepcopy(config)
     config["metadata"]["name"] = name
     (hook,) = config["webhooks"]
     hook["clientConfig"] = {
-        "url": f"https://127.0.0.1:{port}/mutate",
+        "url": f"https://127.0.0.1:{port}{hook['clientConfig']['service']['path']}",
         "caBundle": base64.b64encode(ca_file.read_bytes()).decode(),
     }
     return config
@@ -59,6 +62,14 @@ def webhook(k8s: KubeTest, tmp_path: Path) -> Iterator[Any]:
         port = wait_serving(proc)
         k8s.create_mutating_webhook(
             webhook_config(port, k8s.cluster.ca_file, f"gpuvisor-{k8s.namespace}")
+        )
+        k8s.create_validating_webhook(
+            webhook_config(
+                port,
+                k8s.cluster.ca_file,
+                f"gpuvisor-guard-{k8s.namespace}",
+                "ValidatingWebhookConfiguration",
+            )
         )
         yield proc
     finally:
@@ -272,3 +283,130 @@ def test_every_manifest_passes_the_api_servers_validation(k8s: KubeTest) -> None
     assert {"Deployment", "DaemonSet", "MutatingWebhookConfiguration", "ClusterRole"} <= set(
         checked
     )
+
+
+# ---- who may write gpuvisor.io/allocation (the ValidatingWebhookConfiguration) ----
+
+ANNOTATION = "gpuvisor.io/allocation"
+EXTENDER = "system:serviceaccount:gpuvisor:gpuvisor-scheduler"  # --allocation-writer's default
+GUARD = 'admission webhook "allocation.gpuvisor.io" denied the request: '
+
+
+def as_user(k8s: KubeTest, user: str) -> kubernetes.client.CoreV1Api:
+    """The API as `user` (the admin impersonating it), who may create,
+    update and delete pods of the test's namespace and update their status
+    (a Role of its own: the built-in `edit` is aggregated by the
+    controller-manager, which the test cluster does not run)."""
+    rbac = kubernetes.client.RbacAuthorizationV1Api(k8s.cluster.api)
+    name = "pod-editor-" + "".join(c if c.isalnum() else "-" for c in user)
+    group = "rbac.authorization.k8s.io"
+    with contextlib.suppress(ApiException):
+        rbac.create_namespaced_role(
+            k8s.namespace,
+            {
+                "metadata": {"name": "pod-editor"},
+                "rules": [
+                    {
+                        "apiGroups": [""],
+                        "resources": ["pods", "pods/status"],
+                        "verbs": ["get", "list", "create", "update", "patch", "delete"],
+                    }
+                ],
+            },
+        )
+    rbac.create_namespaced_role_binding(
+        k8s.namespace,
+        {
+            "metadata": {"name": name},
+            "roleRef": {"apiGroup": group, "kind": "Role", "name": "pod-editor"},
+            "subjects": [{"apiGroup": group, "kind": "User", "name": user}],
+        },
+    )
+    client = kubernetes.client.ApiClient(k8s.cluster.api.configuration)
+    client.set_default_header("Impersonate-User", user)
+    return kubernetes.client.CoreV1Api(client)
+
+
+def refused(call: Any, *args: Any, **kwargs: Any) -> tuple[int, str]:
+    """The status code and message of the API server's refusal of the call."""
+    with pytest.raises(ApiException) as error:
+        call(*args, **kwargs)
+    return int(error.value.status), str(json.loads(error.value.body)["message"])
+
+
+def record_of(k8s: KubeTest, name: str) -> str | None:
+    annotations = k8s.read_pod(name).metadata.annotations or {}
+    value = annotations.get(ANNOTATION)
+    return str(value) if value is not None else None
+
+
+def test_only_the_extender_writes_the_allocation_record(k8s: KubeTest, webhook: Any) -> None:
+    """A tenant can neither create a pod with the record nor set, change
+    or remove it afterwards (through the pod or its status); the Binding
+    writes it as before; the extender's identity may write it; the
+    tenant's other annotations and labels are theirs."""
+    alice = as_user(k8s, "alice")
+    record = '{"version":1,"pod":"x/y","node":"gx-1","containers":[]}'
+    raised = record.replace("[]", '[{"name":"main","gpus":[]}]')
+    ns = k8s.namespace
+
+    def create(name: str, **kwargs: Any) -> Any:
+        pod = kubernetes.client.V1Pod.from_dict(gpu_pod(name, **kwargs))
+        return alice.create_namespaced_pod(ns, pod)
+
+    # at creation: a GPU pod, and a pod that asks for none and opts out of
+    # the mutating webhook (the guard has no selector to opt out of)
+    for name, kwargs in (
+        ("gpu", {"gpus": 1, "gpumem": 3000}),
+        ("plain", {"labels": {"gpuvisor.io/webhook": "ignore"}}),
+    ):
+        status, message = refused(create, name, annotations={ANNOTATION: record}, **kwargs)
+        assert (status, message) == (
+            403,
+            f"{GUARD}metadata.annotations[{ANNOTATION}]: set at creation by alice; only the "
+            f"scheduler extender ({EXTENDER}) writes it, in the pod's Binding",
+        )
+    assert not k8s.core.list_namespaced_pod(ns).items
+
+    # the Binding carries the record onto the pod (pods/binding: not a pod write)
+    create("mine", gpus=1, gpumem=3000)
+    assert record_of(k8s, "mine") is None
+    binding = kubernetes.client.V1Binding(
+        metadata=kubernetes.client.V1ObjectMeta(name="mine", annotations={ANNOTATION: record}),
+        target=kubernetes.client.V1ObjectReference(kind="Node", name="gx-1"),
+    )
+    k8s.core.create_namespaced_pod_binding("mine", ns, binding, _preload_content=False)
+    assert record_of(k8s, "mine") == record
+
+    # changed or removed by the tenant: through the pod and through its status
+    for value, done in ((raised, "changed"), (None, "removed")):
+        body = {"metadata": {"annotations": {ANNOTATION: value}}}
+        for patch in (alice.patch_namespaced_pod, alice.patch_namespaced_pod_status):
+            status, message = refused(patch, "mine", ns, body)
+            assert status == 403, message
+            assert message.startswith(
+                f"{GUARD}metadata.annotations[{ANNOTATION}]: {done} by alice; "
+            ), message
+    assert record_of(k8s, "mine") == record
+
+    # the tenant's other metadata is theirs
+    alice.patch_namespaced_pod(
+        "mine", ns, {"metadata": {"labels": {"team": "a"}, "annotations": {"note": "x"}}}
+    )
+    assert k8s.read_pod("mine").metadata.labels["team"] == "a"
+    # the extender's identity may write it
+    as_user(k8s, EXTENDER).patch_namespaced_pod(
+        "mine", ns, {"metadata": {"annotations": {ANNOTATION: raised}}}
+    )
+    assert record_of(k8s, "mine") == raised
+
+    # the webhook down: a write of the record fails closed, any other goes through
+    webhook.terminate()
+    webhook.wait(10)
+    alice.patch_namespaced_pod("mine", ns, {"metadata": {"annotations": {"note": "y"}}})
+    status, message = refused(
+        alice.patch_namespaced_pod, "mine", ns, {"metadata": {"annotations": {ANNOTATION: None}}}
+    )
+    assert status == 500
+    assert 'failed calling webhook "allocation.gpuvisor.io"' in message, message
+    assert record_of(k8s, "mine") == raised

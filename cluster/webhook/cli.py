@@ -11,6 +11,7 @@ from types import FrameType
 import click
 
 from ..cli_options import host_option, log_server_lines, port_option
+from .review import DEFAULT_ALLOCATION_WRITER
 
 DEFAULT_PORT = 9443
 
@@ -36,16 +37,34 @@ DEFAULT_PORT = 9443
     show_default=True,
     help="The scheduler GPU pods are given (the kube-scheduler running the extender).",
 )
+@click.option(
+    "--allocation-writer",
+    "allocation_writers",
+    multiple=True,
+    default=(DEFAULT_ALLOCATION_WRITER,),
+    show_default=True,
+    help="A user (as the API server names it) who may write a pod's gpuvisor.io/allocation "
+    "annotation: the scheduler extender's identity.  Repeat for several.",
+)
 def webhook(
-    tls_cert_file: Path, tls_key_file: Path, bind_address: str, port: int, scheduler_name: str
+    tls_cert_file: Path,
+    tls_key_file: Path,
+    bind_address: str,
+    port: int,
+    scheduler_name: str,
+    allocation_writers: tuple[str, ...],
 ) -> None:
-    """Serve the mutating admission webhook for GPU pods over HTTPS (POST /mutate).
+    """Serve the admission webhooks for GPU pods over HTTPS.
 
-    A pod asking for nvidia.com/gpu, gpumem, gpumem-percentage or gpucores
-    gets --scheduler-name and HAMi's defaults (one GPU when only memory or
-    cores are asked; gpucores 100 for a whole GPU), or is refused with one
-    line naming the field and the value, by the same parser the scheduler
-    extender uses.  Other pods pass unchanged.  See docs/kubernetes.md.
+    POST /mutate: a pod asking for nvidia.com/gpu, gpumem, gpumem-percentage
+    or gpucores gets --scheduler-name and HAMi's defaults (one GPU when only
+    memory or cores are asked; gpucores 100 for a whole GPU), or is refused
+    with one line naming the field and the value, by the same parser the
+    scheduler extender uses.  Other pods pass unchanged.
+
+    POST /validate: a pod created with the gpuvisor.io/allocation
+    annotation, or an update that sets, changes or removes it, is refused
+    unless it comes from an --allocation-writer.  See docs/kubernetes.md.
     """
     from .review import WebhookConfig
     from .server import CertificateError, ServingCertificate, WebhookServer
@@ -53,17 +72,27 @@ def webhook(
     log_server_lines()
     if not scheduler_name:
         raise click.BadParameter("must not be empty", param_hint="--scheduler-name")
+    for writer in allocation_writers:
+        if not writer.strip():
+            raise click.BadParameter(
+                f"{writer!r}: must not be empty", param_hint="--allocation-writer"
+            )
     try:
         certificate = ServingCertificate(tls_cert_file, tls_key_file)
     except CertificateError as exc:
         raise click.ClickException(str(exc)) from None
     try:
-        server = WebhookServer((bind_address, port), certificate, WebhookConfig(scheduler_name))
+        config = WebhookConfig(scheduler_name, tuple(allocation_writers))
+        server = WebhookServer((bind_address, port), certificate, config)
     except OSError as exc:
         raise click.ClickException(f"--port {port}: {exc.strerror}") from None
     host, bound = server.server_address[:2]
     logging.getLogger("gpuvisor.webhook").info(
-        "serving https://%s:%d/mutate for scheduler %s", host, bound, scheduler_name
+        "serving https://%s:%d/mutate for scheduler %s, /validate for allocation writers %s",
+        host,
+        bound,
+        scheduler_name,
+        ", ".join(allocation_writers),
     )
 
     def stop(signum: int, frame: FrameType | None) -> None:

@@ -33,9 +33,15 @@ class ReviewError(ValueError):
     """The AdmissionReview itself is malformed (answered with HTTP 400)."""
 
 
+# Who may write a pod's gpuvisor.io/allocation (guard.py): the scheduler
+# extender, which runs as this service account (deploy/rbac.yaml).
+DEFAULT_ALLOCATION_WRITER = "system:serviceaccount:gpuvisor:gpuvisor-scheduler"
+
+
 @dataclass(frozen=True)
 class WebhookConfig:
     scheduler_name: str = DEFAULT_SCHEDULER
+    allocation_writers: tuple[str, ...] = (DEFAULT_ALLOCATION_WRITER,)
 
 
 def _pointer(*parts: str | int) -> str:
@@ -166,7 +172,7 @@ def decide(pod: Any, namespace: str, config: WebhookConfig) -> Decision:
     return Decision(True, patch=tuple(patch))
 
 
-def _request(review: Any) -> Mapping[str, Any]:
+def review_request(review: Any) -> Mapping[str, Any]:
     if not isinstance(review, Mapping):
         raise ReviewError("the body is not a JSON object")
     if review.get("apiVersion") != API_VERSION or review.get("kind") != "AdmissionReview":
@@ -182,7 +188,7 @@ def _request(review: Any) -> Mapping[str, Any]:
 
 def admit(review: Any, config: WebhookConfig) -> dict[str, Any]:
     """The AdmissionReview response to an AdmissionReview request; raises ReviewError."""
-    request = _request(review)
+    request = review_request(review)
     kind = request.get("kind") if isinstance(request.get("kind"), Mapping) else {}
     assert isinstance(kind, Mapping)
     is_pod_create = (kind.get("group", "") == "" and kind.get("kind") == "Pod") and request.get(

@@ -1,4 +1,5 @@
-"""The webhook's HTTPS server: POST /mutate answers AdmissionReviews, GET /healthz.
+"""The webhook's HTTPS server: POST /mutate (review.py) and POST /validate
+(guard.py) answer AdmissionReviews, GET /healthz.
 
 The serving certificate and key are files (a Secret mounted into the pod);
 when either changes on disk (cert-manager or the script renewing it), the
@@ -16,6 +17,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from ..serving_tls import CertificateError, ServingCertificate
+from .guard import guard
 from .review import ReviewError, WebhookConfig, admit
 
 __all__ = ["CertificateError", "ServingCertificate", "WebhookServer"]
@@ -49,7 +51,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(HTTPStatus.NOT_FOUND, f"no such path {self.path}")
 
     def do_POST(self) -> None:
-        if self.path.split("?", 1)[0] != "/mutate":
+        answer_with = {"/mutate": admit, "/validate": guard}.get(self.path.split("?", 1)[0])
+        if answer_with is None:
             self._reply(HTTPStatus.NOT_FOUND, f"no such path {self.path}")
             return
         try:
@@ -61,7 +64,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(HTTPStatus.BAD_REQUEST, f"Content-Length: {length} out of 1..{MAX_BODY}")
             return
         try:
-            answer = admit(json.loads(self.rfile.read(length)), self.server.config)
+            answer = answer_with(json.loads(self.rfile.read(length)), self.server.config)
         except (ValueError, ReviewError) as exc:
             self._reply(HTTPStatus.BAD_REQUEST, f"not an AdmissionReview: {exc}")
             return
