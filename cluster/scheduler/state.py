@@ -235,15 +235,14 @@ class ClusterState:
         # The annotation is writable by whoever may edit the pod: only a
         # bound pod's record on its own node, within its own requests, is
         # a reservation (the Binding writes the record and the node at once)
-        bound = pod.spec.node_name if pod.spec is not None else None
-        if bound != allocation.node:
-            if bound:
+        if node != allocation.node:
+            if node:
                 log.warning(
                     "pod %s: %s places it on %s, but it is bound to %s; ignored",
                     key,
                     ANNOTATION,
                     allocation.node,
-                    bound,
+                    node,
                 )
             return
         why = self._beyond(pod, key, allocation)
