@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from gpuvisor.cluster.deviceplugin.grant import ANNOTATION
+from gpuvisor.cluster.allocation import ANNOTATION
 
 
 def pod_asking_for(namespace: str, name: str, text: str) -> dict[str, Any]:

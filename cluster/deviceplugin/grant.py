@@ -17,10 +17,8 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from gpuvisor.cluster.allocation import MigGrant, load_mig_grant
+from gpuvisor.cluster.allocation import ANNOTATION, MigGrant, load_mig_grant
 from gpuvisor.cluster.inventory_model import DocumentError
-
-ANNOTATION = "gpuvisor.io/allocation"
 
 
 class GrantError(ValueError):

@@ -11,7 +11,9 @@ import json
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from .grant import ANNOTATION, GrantError, PodGrant, parse_grant
+from gpuvisor.cluster.allocation import ANNOTATION
+
+from .grant import GrantError, PodGrant, parse_grant
 
 API_TIMEOUT = 10.0  # seconds; kubelet gives PreStartContainer 30
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from gpuvisor.cluster.allocation import ANNOTATION
 from gpuvisor.cluster.deviceplugin.api import deviceplugin_v1beta1_pb2_grpc as dp_grpc
 from gpuvisor.cluster.inventory_model import DocumentError
 from gpuvisor.cluster.request import pod_request
@@ -32,7 +33,7 @@ from gpuvisor.cluster.request import pod_request
 from . import defaults, limits_file
 from .api import deviceplugin_v1beta1_pb2 as dp
 from .gpus import Gpu, GpuSource
-from .grant import ANNOTATION, ContainerGrant, GrantError, PodGrant, parse_grant
+from .grant import ContainerGrant, GrantError, PodGrant, parse_grant
 from .kube import PodSource, allocation_of
 from .migrealise import Made, MigRealiser, MigRefused
 from .owners import OwnerLookup

@@ -23,9 +23,8 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
+from gpuvisor.cluster.allocation import ANNOTATION
 from gpuvisor.cluster.request import GPU, GPUCORES, GPUMEM, PRIORITY, VGPU_MODE, PodRequest
-
-ANNOTATION = "gpuvisor.io/allocation"
 
 
 class _Gpu(Protocol):
