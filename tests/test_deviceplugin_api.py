@@ -54,7 +54,7 @@ class Api:
 @pytest.fixture
 def api(k8s: KubeTest, tmp_path: Path, sim_gpus: list[Gpu]) -> Iterator[Api]:
     k8s.create_node(NODE)
-    pods = KubePods(k8s.core)
+    pods = KubePods(k8s.core, node=NODE)
     with serving(tmp_path, StaticGpus(sim_gpus), pods, health_interval=1.0) as (kubelet, _, _):
         yield Api(k8s, kubelet, sim_gpus)
 

@@ -218,7 +218,7 @@ class Stack:
         service = DevicePluginService(
             config,
             StaticGpus(self.sim_gpus),
-            KubePods(core),
+            KubePods(core, node=name),
             PodResourcesOwners(str(socks / "pr" / "kubelet.sock")),
         )
         proc = subprocess.run(

@@ -149,7 +149,7 @@ def device_plugin(
     except Exception as exc:
         raise click.ClickException(f"cannot read the GPUs through NVML: {exc}") from None
     try:
-        pods = KubePods()
+        pods = KubePods(node=node_name)
     except Exception as exc:
         raise click.ClickException(f"cannot configure the Kubernetes client: {exc}") from None
     from .migdriver import NvmlMig

@@ -34,7 +34,7 @@ from . import defaults, limits_file
 from .api import deviceplugin_v1beta1_pb2 as dp
 from .gpus import Gpu, GpuSource
 from .grant import ContainerGrant, GrantError, PodGrant, parse_grant
-from .kube import PodSource, allocation_of
+from .kube import PodNotHere, PodSource, allocation_of, api_error
 from .migrealise import Made, MigRealiser, MigRefused
 from .owners import OwnerLookup
 from .preferred import preferred
@@ -579,9 +579,11 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
         key = f"{namespace}/{pod}"
         try:
             doc = self.pods.pod(namespace, pod)
+        except PodNotHere as exc:
+            raise PreStartRefused(f"pod {key}{exc}: container {container} is not started") from None
         except Exception as exc:
             raise PreStartRefused(
-                f"pod {key}: cannot read its allocation from the API: {exc}"
+                f"pod {key}: cannot read its allocation from the API: {api_error(exc)}"
             ) from None
         text = allocation_of(doc)
         if text is None:
@@ -596,6 +598,14 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
         if grant.pod != key:
             raise PreStartRefused(
                 f"pod {key}: {ANNOTATION}: pod={json.dumps(grant.pod)}: the record of another pod"
+            )
+        node = self.config.node_name
+        if node and grant.node != node:
+            # a placement made for another node (a stale or copied one):
+            # its GPUs are not these, whatever their UUIDs say
+            raise PreStartRefused(
+                f"pod {key}: {ANNOTATION}: allocation.node={json.dumps(grant.node)}: not this "
+                f"node ({node}): container {container} is not started with it"
             )
         try:
             request = pod_request(doc)
