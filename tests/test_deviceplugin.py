@@ -379,6 +379,25 @@ def test_an_init_container_of_its_own_devices(cluster: Cluster) -> None:
     assert cluster.probe(resp["fetch"]) == {"init": 0, "uuids": [g1.uuid], "mib": [700]}
 
 
+def test_an_init_containers_directory_is_kept_until_it_starts(cluster: Cluster) -> None:
+    """An init container of its own devices whose start comes late (a long
+    image pull): PodResources lists none of its IDs, yet its directory is
+    not collected while its pod is listed, and it starts with its limits;
+    once the pod is gone the directory goes."""
+    k = cluster.kubelet
+    g1 = cluster.gpus[1]
+    pod = Pod("ml", "slow", [Container("main", 0), Container("fetch", 1, init=True)])
+    cluster.place(pod, {"fetch": [(g1, 800, 0)], "main": []})
+    resp = k.admit(pod)["fetch"]
+    top = Path(host_env(resp, {})["GPUVISOR_LIMITS_FILE"]).parent.parent
+    assert cluster.service.collect_garbage(grace=-1) == []  # any age
+    assert top.is_dir()
+    k.start(pod, "fetch")
+    assert cluster.probe(resp) == {"init": 0, "uuids": [g1.uuid], "mib": [800]}
+    k.release(pod)
+    assert cluster.service.collect_garbage(grace=-1) == [top]
+
+
 def test_pods_on_one_gpu_admitted_newest_first_both_start(cluster: Cluster) -> None:
     """kubelet may admit pods in another order than the plugin's (oldest
     first): the newer pod is steered to the older one's placement, the same
