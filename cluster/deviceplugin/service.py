@@ -639,8 +639,9 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
     def collect_garbage(self, grace: float = GC_GRACE_SECONDS) -> list[Path]:
         """Remove the directories of containers that are gone: of a pod
         kubelet no longer lists, or (never started) of IDs no listed
-        container holds; only those older than grace seconds, so a
-        container between Allocate and its start keeps its own."""
+        container holds and no preference for a listed pod chose (an init
+        container's); only those older than grace seconds, so a container
+        between Allocate and its start keeps its own."""
         holders = self.owners.holders(self.config.resource, [])
         now = time.time()
         removed = []
@@ -657,7 +658,14 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
             if stamp is not None:
                 gone = json.loads(stamp) not in holders.pods
             else:
-                gone = not (key & holders.devices)
+                # not started: gone when no listed container holds its IDs,
+                # unless a preference named a listed pod for them (PodResources
+                # lists no plain init container's IDs: one whose image pull
+                # outlasts the grace still starts in its directory)
+                steer = _read_steer(top)
+                gone = not (key & holders.devices) and (
+                    steer is None or steer[0] not in holders.pods
+                )
             if gone and self._drop_dir(top):
                 removed.append(top)
         if removed:
