@@ -326,6 +326,56 @@ def test_an_app_container_reusing_exactly_its_init_containers_devices(cluster: C
     assert cluster.probe(resp["setup"])["mib"] == [500]
 
 
+def test_two_init_containers_and_an_app_container_on_one_device(cluster: Cluster) -> None:
+    """kubelet hands the first init container's device to the second init
+    container and then to the app container (three Allocate calls of the
+    same IDs, only the first after GetPreferredAllocation); each starts with
+    its own limits, the second init container's not the app container's."""
+    k = cluster.kubelet
+    g0 = cluster.gpus[0]
+    pod = Pod(
+        "ml",
+        "chain",
+        [Container("main", 1), Container("fetch", 1, init=True), Container("warm", 1, init=True)],
+    )
+    cluster.place(pod, {"fetch": [(g0, 700, 0)], "warm": [(g0, 3000, 0)], "main": [(g0, 900, 0)]})
+    resp = k.admit(pod)
+    ids = k.state.assigned[(pod.key, "fetch")]
+    assert k.state.assigned[(pod.key, "warm")] == ids == k.state.assigned[(pod.key, "main")]
+    for name, mib in (("fetch", 700), ("warm", 3000), ("main", 900)):
+        k.start(pod, name)
+        assert cluster.probe(resp[name])["mib"] == [mib], name
+    # a restart of the app container keeps every directory right
+    k.start(pod, "main")
+    assert [cluster.probe(resp[n])["mib"] for n in ("fetch", "warm", "main")] == [
+        [700],
+        [3000],
+        [900],
+    ]
+
+
+def test_pods_with_init_containers_admitted_newest_first(cluster: Cluster) -> None:
+    """Two pods, each an init container and an app container on GPU 0, the
+    same sizes: kubelet admits the newer first, so GetPreferredAllocation
+    names the older pod for the newer one's init container (and the newer
+    pod for the older one's).  Each init container still starts with its
+    own pod's init limits, not its app container's."""
+    k = cluster.kubelet
+    g0 = cluster.gpus[0]
+    older, newer = (
+        Pod("team", n, [Container("main", 1), Container("setup", 1, init=True)])
+        for n in ("older", "newer")
+    )
+    cluster.place(older, {"setup": [(g0, 2100, 0)], "main": [(g0, 600, 0)]})
+    cluster.place(newer, {"setup": [(g0, 2400, 0)], "main": [(g0, 800, 0)]})
+    for pod, setup, main in ((newer, 2400, 800), (older, 2100, 600)):
+        resp = k.admit(pod)
+        k.start(pod, "setup")
+        assert cluster.probe(resp["setup"])["mib"] == [setup], pod.name
+        k.start(pod, "main")
+        assert cluster.probe(resp["main"])["mib"] == [main], pod.name
+
+
 def test_pod_placed_by_the_allocator_starts_with_kubelets_hand_over(cluster: Cluster) -> None:
     """The allocator's plan meets kubelet's reuse of init containers'
     devices: kubelet hands the init container's device to the first app
