@@ -34,9 +34,10 @@ from . import defaults, limits_file
 from .api import deviceplugin_v1beta1_pb2 as dp
 from .gpus import Gpu, GpuSource
 from .grant import ContainerGrant, GrantError, PodGrant, parse_grant
+from .handover import sharing
 from .kube import PodNotHere, PodSource, allocation_of, api_error
 from .migrealise import Made, MigRealiser, MigRefused
-from .owners import OwnerLookup
+from .owners import Owner, OwnerLookup
 from .preferred import preferred
 from .replicas import Replicas, UnknownDevice
 from .within import beyond_request
@@ -57,6 +58,7 @@ DEVICES_FILE = "devices.json"  # the replica IDs a directory was allocated for
 OWNER_FILE = "owner.json"  # the pod/container whose limits it holds
 STEERED_FILE = "steered.json"  # the container GetPreferredAllocation chose these IDs for
 MIG_FILE = "mig.json"  # the MIG instances Allocate made or reused, and for which container
+ORDER_FILE = "allocated.ns"  # when Allocate made it (ns since the epoch): kubelet's order
 GC_GRACE_SECONDS = 600.0  # a directory younger than this is never collected
 CLAIM_SECONDS = 120.0  # a preference not followed by a container start by then lapses
 
@@ -278,6 +280,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
         os.chmod(top / "region", 0o1777)
         os.chmod(top / "limits", 0o755)
         (top / DEVICES_FILE).write_text(json.dumps(sorted(ids)))
+        (top / ORDER_FILE).write_text(str(time.time_ns()))
         if steer is not None:
             (top / STEERED_FILE).write_text(json.dumps(list(steer)))
         if made:
@@ -443,6 +446,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
                     f"devices {sorted(ids)}: held by {who}, whose allocations give different limits"
                 )
             app = (owners[0].pod_key, texts.pop())
+        handed = self._handed_over(owners, dirs) if app is not None else {}
         written: list[str] = []
         for top in dirs:
             if not top.is_dir():
@@ -450,7 +454,12 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
             steer = _read_steer(top)
             target: tuple[str, str] | None = app
             who = "/".join(o.container for o in owners)
-            if steer is not None and (
+            if app is not None and top in handed:
+                # the container kubelet allocated this directory for
+                ns, _, name = app[0].partition("/")
+                who = handed[top]
+                target = (app[0], self._limits_text(ns, name, who, gpus))
+            elif steer is not None and (
                 steer[0] == (app[0] if app else None) or (app is None and steer[0] in holders.pods)
             ):
                 ns, _, name = steer[0].partition("/")
@@ -486,6 +495,30 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
                 "that holds exactly these devices"
             )
         log.info("PreStartContainer %s: limits of %s", sorted(ids), ", ".join(written))
+
+    def _handed_over(self, owners: list[Owner], dirs: list[Path]) -> dict[Path, str]:
+        """The container each of dirs was allocated for, where kubelet
+        handed the same IDs from init containers to the app container
+        PodResources names (handover.sharing): its pod's containers of
+        these IDs, in kubelet's order, took the newest of these directories,
+        in the order Allocate made them.  Empty when that is not known (the
+        owner a restartable init container, an order left open, fewer
+        directories, or one without its Allocate time)."""
+        if len(owners) != 1:
+            return {}
+        o = owners[0]
+        grant = self._grant(o.namespace, o.pod, o.container)
+        c = grant.container(o.container)
+        if c is None or c.init:
+            return {}
+        group = sharing(grant, o.container)
+        if group is None or len(group) < 2:
+            return {}
+        made = {top: _read_order(top) for top in dirs}
+        if len(dirs) < len(group) or any(t is None for t in made.values()):
+            return {}
+        newest = sorted(dirs, key=lambda top: made[top] or 0)[-len(group) :]
+        return dict(zip(newest, group, strict=True))
 
     def _check_mig(self, top: Path, pod: str, container: str) -> None:
         """The MIG instances Allocate made in top are those the container's
@@ -715,6 +748,13 @@ def _write_mig(top: Path, who: tuple[str, str], made: list[Made]) -> None:
     tmp = top / f".{MIG_FILE}.tmp"
     tmp.write_text(json.dumps({"for": list(who), "instances": [m.to_json() for m in made]}))
     os.replace(tmp, top / MIG_FILE)
+
+
+def _read_order(top: Path) -> int | None:
+    try:
+        return int((top / ORDER_FILE).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def _read_steer(top: Path) -> tuple[str, str] | None:
