@@ -376,6 +376,32 @@ def test_pods_with_init_containers_admitted_newest_first(cluster: Cluster) -> No
         assert cluster.probe(resp["main"])["mib"] == [main], pod.name
 
 
+def test_init_only_pods_admitted_newest_first_never_take_each_others_limits(
+    cluster: Cluster,
+) -> None:
+    """Two pods whose only GPU container is an init container, on GPU 0,
+    the same size: kubelet admits the newer first, then the older, then
+    starts them.  PodResources lists neither init container's IDs and the
+    preferences named the pods the other way round: no init container may
+    start with the other pod's limits."""
+    k = cluster.kubelet
+    g0 = cluster.gpus[0]
+    older, newer = (
+        Pod("team", n, [Container("main", 0), Container("setup", 1, init=True)])
+        for n in ("older", "newer")
+    )
+    cluster.place(older, {"setup": [(g0, 2100, 0)], "main": []})
+    cluster.place(newer, {"setup": [(g0, 2400, 0)], "main": []})
+    resp = {pod.name: k.admit(pod)["setup"] for pod in (newer, older)}
+    for pod, mib in ((newer, 2400), (older, 2100)):
+        try:
+            k.start(pod, "setup")
+        except grpc.RpcError as exc:  # refused: it does not start at all
+            assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION
+            continue
+        assert cluster.probe(resp[pod.name])["mib"] == [mib], pod.name
+
+
 def test_pod_placed_by_the_allocator_starts_with_kubelets_hand_over(cluster: Cluster) -> None:
     """The allocator's plan meets kubelet's reuse of init containers'
     devices: kubelet hands the init container's device to the first app
