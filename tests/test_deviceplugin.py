@@ -393,13 +393,32 @@ def test_init_only_pods_admitted_newest_first_never_take_each_others_limits(
     cluster.place(older, {"setup": [(g0, 2100, 0)], "main": []})
     cluster.place(newer, {"setup": [(g0, 2400, 0)], "main": []})
     resp = {pod.name: k.admit(pod)["setup"] for pod in (newer, older)}
-    for pod, mib in ((newer, 2400), (older, 2100)):
-        try:
+    for pod in (newer, older):
+        with pytest.raises(grpc.RpcError) as err:
             k.start(pod, "setup")
-        except grpc.RpcError as exc:  # refused: it does not start at all
-            assert exc.code() == grpc.StatusCode.FAILED_PRECONDITION
-            continue
-        assert cluster.probe(resp[pod.name])["mib"] == [mib], pod.name
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        why = err.value.details()
+        assert "the init container setup of pod team/" in why, why
+        assert "whose limits differ: not started" in why, why
+        assert not (Path(host_env(resp[pod.name], {})["GPUVISOR_LIMITS_FILE"])).exists()
+
+
+def test_init_only_pods_of_equal_limits_admitted_newest_first_start(cluster: Cluster) -> None:
+    """As above, with the same limits (two replicas of one workload): which
+    pod's init container the devices are for does not change the limits,
+    and both start."""
+    k = cluster.kubelet
+    g0 = cluster.gpus[0]
+    older, newer = (
+        Pod("team", n, [Container("main", 0), Container("setup", 1, init=True)])
+        for n in ("r1", "r2")
+    )
+    for pod in (older, newer):
+        cluster.place(pod, {"setup": [(g0, 1300, 0)], "main": []})
+    resp = {pod.name: k.admit(pod)["setup"] for pod in (newer, older)}
+    for pod in (newer, older):
+        k.start(pod, "setup")
+        assert cluster.probe(resp[pod.name])["mib"] == [1300], pod.name
 
 
 def test_pod_placed_by_the_allocator_starts_with_kubelets_hand_over(cluster: Cluster) -> None:

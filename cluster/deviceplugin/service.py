@@ -464,6 +464,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
             ):
                 ns, _, name = steer[0].partition("/")
                 init = self._init_limits(ns, name, steer[1], gpus)
+                if init is not None and app is None:
+                    self._no_rival(steer, init, holders.pods, ids, gpus)
                 if init is not None:
                     target, who = (steer[0], init), steer[1]
             if target is None:
@@ -495,6 +497,43 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
                 "that holds exactly these devices"
             )
         log.info("PreStartContainer %s: limits of %s", sorted(ids), ", ".join(written))
+
+    def _no_rival(
+        self, steer: tuple[str, str], text: str, listed: set[str], ids: list[str], gpus: list[Gpu]
+    ) -> None:
+        """PreStartRefused unless the init container steer names is the only
+        one these devices can be for.  Only the preference names it (kubelet
+        lists no init container's IDs), and kubelet may admit pods in
+        another order than preferred: another pod kubelet lists, bound here,
+        with an init container not started yet on these GPUs, as many, and
+        other limits, may be the one kubelet gave them."""
+        want = sorted(g.uuid for g in gpus)
+        try:
+            bound = self.pods.bound(self.config.node_name) if self.config.node_name else []
+        except Exception as exc:
+            raise PreStartRefused(
+                f"devices {sorted(ids)}: cannot list this node's pods from the API to tell "
+                f"whose init container they are for: {api_error(exc)}"
+            ) from None
+        with self._lock:
+            done = set(self._realised)
+        mine = _limit_lines(text)
+        for p in bound:
+            if p.pod == steer[0] or p.pod not in listed:
+                continue
+            for c in p.containers:
+                if not c.init or (p.pod, c.name) in done:
+                    continue
+                if sorted(g.uuid for g in c.gpus) != want:
+                    continue
+                ns, _, name = p.pod.partition("/")
+                if _limit_lines(self._limits_text(ns, name, c.name, gpus)) != mine:
+                    raise PreStartRefused(
+                        f"devices {sorted(ids)}: the init container {c.name} of pod {p.pod} or "
+                        f"{steer[1]} of pod {steer[0]} (kubelet lists neither, and may have "
+                        "admitted the pods in another order than preferred), whose limits "
+                        "differ: not started"
+                    )
 
     def _handed_over(self, owners: list[Owner], dirs: list[Path]) -> dict[Path, str]:
         """The container each of dirs was allocated for, where kubelet
@@ -748,6 +787,11 @@ def _write_mig(top: Path, who: tuple[str, str], made: list[Made]) -> None:
     tmp = top / f".{MIG_FILE}.tmp"
     tmp.write_text(json.dumps({"for": list(who), "instances": [m.to_json() for m in made]}))
     os.replace(tmp, top / MIG_FILE)
+
+
+def _limit_lines(text: str) -> list[str]:
+    """A limits file's settings, without its comment naming the pod."""
+    return [line for line in text.splitlines() if not line.startswith("#")]
 
 
 def _read_order(top: Path) -> int | None:
