@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from gpuvisor.cluster.deviceplugin.api import deviceplugin_v1beta1_pb2 as dp
 from gpuvisor.cluster.deviceplugin.gpus import Gpu
 from gpuvisor.cluster.deviceplugin.grant import ANNOTATION
 from gpuvisor.cluster.deviceplugin.kube import KubePods
@@ -137,3 +138,42 @@ def test_an_allocation_for_another_node_on_a_pod_bound_here(api: Api) -> None:
         f'gpuvisor: pod {pod.key}: {ANNOTATION}: allocation.node="node-9": not this node '
         f"({NODE}): container main is not started with it"
     ), why
+
+
+def test_a_pod_created_again_on_this_node_while_the_old_one_is_listed(api: Api) -> None:
+    """Pod p (uid 1) admitted here, deleted, created again (uid 2) and bound
+    here too, with more memory on the same GPU; kubelet admits uid 2 while
+    uid 1 is still terminating, so PodResources lists p twice (it names pods
+    by name, not UID).  uid 1's container must not start with uid 2's
+    limits; uid 2's starts once uid 1 is gone."""
+    k = api.kubelet
+    pod = Pod(api.k8s.namespace, "again", [Container("main", 1)])
+    api.create(pod, annotation(pod, {"main": [(api.gpus[0], 1000, 0)]}))
+    old_resp = k.admit(pod)["main"]
+    old_ids = list(k.state.assigned[(pod.key, "main")])
+    old_entry = k.pod_resources()
+    api.delete(pod)
+    api.create(pod, annotation(pod, {"main": [(api.gpus[0], 5000, 0)]}))
+    k.release(pod)  # kubelet's record of uid 1 kept aside: old_entry
+    k.state.assigned[("uid-1", "main")] = old_ids  # still held while uid 1 terminates
+    new_resp = k.admit(pod)["main"]
+    del k.state.assigned[("uid-1", "main")]
+    assert k.state.assigned[(pod.key, "main")] != old_ids
+    listed = k.pod_resources
+    k.pod_resources = lambda: listed() + old_entry  # type: ignore[method-assign]
+    with pytest.raises(grpc.RpcError) as err:
+        assert k.registered is not None
+        k.registered.stub.PreStartContainer(
+            dp.PreStartContainerRequest(devices_ids=old_ids), timeout=30
+        )
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    why = str(err.value.details())
+    assert why.startswith(f"gpuvisor: pod {pod.key}: kubelet lists two pods of this name"), why
+    assert "\n" not in why
+    assert not (Path(next(iter(old_resp.mounts)).host_path) / "limits.env").exists()
+    # the new one waits until the old one is gone, then starts with its own
+    with pytest.raises(grpc.RpcError):
+        k.start(pod, "main")
+    k.pod_resources = listed  # type: ignore[method-assign]
+    k.start(pod, "main")
+    assert "CUDA_DEVICE_MEMORY_LIMIT=5000m\n" in limits_text(new_resp)
