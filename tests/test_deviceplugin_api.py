@@ -177,3 +177,24 @@ def test_a_pod_created_again_on_this_node_while_the_old_one_is_listed(api: Api) 
     k.pod_resources = listed  # type: ignore[method-assign]
     k.start(pod, "main")
     assert "CUDA_DEVICE_MEMORY_LIMIT=5000m\n" in limits_text(new_resp)
+
+
+def test_a_pod_created_again_on_this_node_after_it_ran(api: Api) -> None:
+    """A StatefulSet's pod: p ran here (its container started), was
+    deleted, and is created again under its name (new UID), placed on the
+    other GPU of this node.  kubelet asks GetPreferredAllocation for it: the
+    new pod's placement is not taken for the old one's, already started,
+    and it starts with its limits on the GPU placed."""
+    k = api.kubelet
+    g0, g1 = api.gpus
+    pod = Pod(api.k8s.namespace, "web-0", [Container("main", 1)])
+    api.create(pod, annotation(pod, {"main": [(g0, 1000, 0)]}))
+    k.admit(pod)
+    k.start(pod, "main")
+    api.delete(pod)
+    k.release(pod)
+    api.create(pod, annotation(pod, {"main": [(g1, 3000, 0)]}))
+    resp = k.admit(pod)["main"]
+    assert k.state.assigned[(pod.key, "main")][0].startswith(g1.uuid)
+    k.start(pod, "main")
+    assert "CUDA_DEVICE_MEMORY_LIMIT=3000m\n" in limits_text(resp)
