@@ -48,6 +48,7 @@ class PodGrant:
     pod: str
     node: str
     containers: tuple[ContainerGrant, ...]
+    uid: str = ""  # the pod's UID, where the reader knows it (not in the annotation)
 
     def container(self, name: str) -> ContainerGrant | None:
         for c in self.containers:

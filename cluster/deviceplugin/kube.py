@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any, Protocol
 
 from gpuvisor.cluster.allocation import ANNOTATION
@@ -56,7 +57,8 @@ class PodSource(Protocol):
         ...
 
     def bound(self, node: str) -> list[PodGrant]:
-        """The grants of the pods bound to node, oldest bind first."""
+        """The grants of the pods bound to node and not started (Pending),
+        oldest first, with their UIDs where known."""
         ...
 
 
@@ -127,7 +129,7 @@ class KubePods:
             if not isinstance(text, str):
                 continue
             try:
-                out.append(parse_grant(text))
+                out.append(replace(parse_grant(text), uid=p.metadata.uid or ""))
             except GrantError:
                 continue  # PreStartContainer reports it, for the pod concerned
         return out

@@ -6,7 +6,7 @@ devices, so the owner is a fact kubelet states, not a guess."""
 from __future__ import annotations
 
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
@@ -34,6 +34,9 @@ class Holders:
     owners: list[Owner]  # the containers whose devices are exactly the IDs
     pods: set[str]  # every pod kubelet lists ("namespace/name")
     devices: set[str]  # every ID of the resource a listed container holds
+    # pods listed more than once: one deleted (terminating) and one created
+    # again under its name (PodResources names pods, not UIDs)
+    twice: set[str] = field(default_factory=set)
 
 
 class OwnerLookup(Protocol):
@@ -56,12 +59,16 @@ class PodResourcesOwners:
             )
         found = []
         pods = set()
+        twice = set()
         held: set[str] = set()
         for pod in reply.pod_resources:
-            pods.add(f"{pod.namespace}/{pod.name}")
+            key = f"{pod.namespace}/{pod.name}"
+            if key in pods:
+                twice.add(key)
+            pods.add(key)
             for c in pod.containers:
                 ids = {d for cd in c.devices if cd.resource_name == resource for d in cd.device_ids}
                 held |= ids
                 if ids and ids == want:
                     found.append(Owner(pod.namespace, pod.name, c.name))
-        return Holders(found, pods, held)
+        return Holders(found, pods, held, twice)

@@ -101,6 +101,9 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
         self._lock = threading.Lock()  # _dirs, _realised
         self._dirs: dict[frozenset[str], list[Path]] = {}
         self._realised: set[tuple[str, str]] = set()
+        # the UID of the pod of each name last seen bound here: a pod created
+        # again under a name (new UID) starts with nothing realised or claimed
+        self._uids: dict[str, str] = {}
         # placements GetPreferredAllocation steered a request to, until
         # their container starts: (pod, container) -> when
         self._claimed: dict[tuple[str, str], float] = {}
@@ -437,6 +440,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
                 f"({exc.code().name}: {exc.details()})"
             ) from None
         owners = holders.owners
+        for key_ in sorted({o.pod_key for o in owners} & holders.twice):
+            raise PreStartRefused(_twice(key_))
         app: tuple[str, str] | None = None  # (pod key, limits text)
         if owners:
             texts = {self._limits_text(o.namespace, o.pod, o.container, gpus) for o in owners}
@@ -462,6 +467,8 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
             elif steer is not None and (
                 steer[0] == (app[0] if app else None) or (app is None and steer[0] in holders.pods)
             ):
+                if steer[0] in holders.twice:
+                    raise PreStartRefused(_twice(steer[0]))
                 ns, _, name = steer[0].partition("/")
                 init = self._init_limits(ns, name, steer[1], gpus)
                 if init is not None and app is None:
@@ -719,6 +726,9 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
         removed = []
         with self._lock:
             tops = [(key, top) for key, dirs in self._dirs.items() for top in dirs]
+            # pods kubelet no longer lists: what they realised goes
+            for pod in {k[0] for k in self._realised} - holders.pods:
+                self._forget(pod)
         for key, top in tops:
             try:
                 age = now - top.stat().st_mtime
@@ -744,6 +754,13 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
             log.info("removed %d directories of containers that are gone", len(removed))
         return removed
 
+    def _forget(self, pod: str) -> None:
+        """What was realised and claimed for an earlier pod of this name
+        (under _lock)."""
+        self._realised = {k for k in self._realised if k[0] != pod}
+        self._claimed = {k: t for k, t in self._claimed.items() if k[0] != pod}
+        self._uids.pop(pod, None)
+
     def _unrealised(
         self, heirs: dict[str, ContainerGrant] | None = None
     ) -> list[tuple[tuple[str, str], ContainerGrant]]:
@@ -752,10 +769,16 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
         order): kubelet hands it the init containers' devices."""
         if not self.config.node_name:
             return []
+        bound = self.pods.bound(self.config.node_name)
         with self._lock:
+            for pod in bound:
+                if pod.uid and self._uids.get(pod.pod, pod.uid) != pod.uid:
+                    self._forget(pod.pod)
+                if pod.uid:
+                    self._uids[pod.pod] = pod.uid
             done = set(self._realised)
         out = []
-        for pod in self.pods.bound(self.config.node_name):
+        for pod in bound:
             for c in pod.containers:
                 if c.gpus and not c.init and heirs is not None and pod.pod not in heirs:
                     heirs[pod.pod] = c
@@ -787,6 +810,13 @@ def _write_mig(top: Path, who: tuple[str, str], made: list[Made]) -> None:
     tmp = top / f".{MIG_FILE}.tmp"
     tmp.write_text(json.dumps({"for": list(who), "instances": [m.to_json() for m in made]}))
     os.replace(tmp, top / MIG_FILE)
+
+
+def _twice(pod: str) -> str:
+    return (
+        f"pod {pod}: kubelet lists two pods of this name (one deleted and created again): "
+        "the API's is not known to be the one starting; not started until the old one is gone"
+    )
 
 
 def _limit_lines(text: str) -> list[str]:
