@@ -161,11 +161,10 @@ def test_a_pod_created_again_on_this_node_while_the_old_one_is_listed(api: Api) 
     assert k.state.assigned[(pod.key, "main")] != old_ids
     listed = k.pod_resources
     k.pod_resources = lambda: listed() + old_entry  # type: ignore[method-assign]
+    assert k.registered is not None
+    stub = k.registered.stub
     with pytest.raises(grpc.RpcError) as err:
-        assert k.registered is not None
-        k.registered.stub.PreStartContainer(
-            dp.PreStartContainerRequest(devices_ids=old_ids), timeout=30
-        )
+        stub.PreStartContainer(dp.PreStartContainerRequest(devices_ids=old_ids), timeout=30)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     why = str(err.value.details())
     assert why.startswith(f"gpuvisor: pod {pod.key}: kubelet lists two pods of this name"), why
