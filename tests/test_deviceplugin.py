@@ -619,6 +619,42 @@ def test_a_plugin_restart_between_allocate_and_prestart(cluster: Cluster) -> Non
     assert cluster.probe(resp)["mib"] == [1234]
 
 
+def test_a_plugin_restart_in_the_middle_of_a_hand_over(cluster: Cluster) -> None:
+    """Two init containers and the app container on one device, the plugin
+    restarted after kubelet allocated them and before any started: the new
+    plugin still tells the three directories apart (Allocate's order is kept
+    in each), and each container gets its own limits."""
+    k = cluster.kubelet
+    g0 = cluster.gpus[0]
+    pod = Pod(
+        "ml",
+        "span2",
+        [Container("main", 1), Container("fetch", 1, init=True), Container("warm", 1, init=True)],
+    )
+    cluster.place(pod, {"fetch": [(g0, 600, 0)], "warm": [(g0, 2600, 0)], "main": [(g0, 1100, 0)]})
+    resp = k.admit(pod)
+    fresh = DevicePluginService(
+        cluster.service.config, cluster.source, cluster.pods, cluster.service.owners
+    )
+    fresh.prestart(k.state.assigned[(pod.key, "fetch")])
+    for name, mib in (("fetch", 600), ("warm", 2600), ("main", 1100)):
+        assert cluster.probe(resp[name])["mib"] == [mib], name
+
+
+def test_a_kubelet_restart_between_allocate_and_start(cluster: Cluster) -> None:
+    """kubelet restarts after admitting a pod and before starting it (it
+    keeps its allocations in its checkpoint): the plugin registers again,
+    and the container starts with its own limits in its own directory."""
+    k = cluster.kubelet
+    pod = Pod("default", "across", [Container("main", 1)])
+    cluster.place(pod, {"main": [(cluster.gpus[1], 1700, 0)]})
+    resp = k.admit(pod)["main"]
+    k.restart()
+    k.wait_registered(count=2, timeout=15)
+    k.start(pod, "main")
+    assert cluster.probe(resp) == {"init": 0, "uuids": [cluster.gpus[1].uuid], "mib": [1700]}
+
+
 def test_nvml_inventory_on_the_simulated_node(node: SimNode) -> None:
     proc = run_py(LIST_GPUS, node.env)
     assert proc.returncode == 0, proc.stderr
