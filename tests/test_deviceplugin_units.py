@@ -14,8 +14,10 @@ from gpuvisor.cluster.deviceplugin.grant import (
     ContainerGrant,
     GpuGrant,
     GrantError,
+    PodGrant,
     parse_grant,
 )
+from gpuvisor.cluster.deviceplugin.handover import sharing
 from gpuvisor.cluster.deviceplugin.limits_file import render
 from gpuvisor.cluster.deviceplugin.migdriver import MigDriverError, MigInstance
 from gpuvisor.cluster.deviceplugin.migrealise import MigRealiser, MigRefused
@@ -42,6 +44,42 @@ def test_replica_ids_map_to_their_gpu() -> None:
     for bad in ["GPU-x-1", f"{GPUS[0].uuid}-4", f"{GPUS[0].uuid}-01", GPUS[0].uuid, "", "-1"]:
         with pytest.raises(UnknownDevice):
             R.gpu_of(bad)
+
+
+def pod_of(*containers: tuple[str, int, bool]) -> PodGrant:
+    """A pod's grant: (name, GPU count, init) per container, manifest order."""
+    cs = []
+    for name, n, init in containers:
+        c = grant(*range(n), name=name)
+        cs.append(ContainerGrant(c.name, c.gpus, init))
+    return PodGrant("ns/p", "n", tuple(cs))
+
+
+def test_hand_over_follows_kubelets_reuse_of_init_containers_devices() -> None:
+    # init containers first whatever the manifest order; each takes the pool
+    chain = pod_of(("main", 1, False), ("fetch", 1, True), ("warm", 1, True))
+    assert sharing(chain, "main") == ["fetch", "warm", "main"]
+    assert sharing(chain, "warm") == ["fetch", "warm", "main"]
+    # the first app container takes the pool; the next one new devices
+    two = pod_of(("setup", 1, True), ("a", 1, False), ("b", 1, False))
+    assert sharing(two, "a") == ["setup", "a"]
+    assert sharing(two, "b") == ["b"]
+    # an app container asking more than the pool: pool + new, IDs of its own
+    wider = pod_of(("setup", 1, True), ("a", 2, False))
+    assert sharing(wider, "a") == ["a"]
+    assert sharing(wider, "setup") == ["setup"]
+    # a growing pool: the second init container takes the first's and more
+    grow = pod_of(("i1", 1, True), ("i2", 2, True), ("main", 2, False))
+    assert sharing(grow, "main") == ["i2", "main"]
+    # a container with no GPUs is not allocated
+    assert sharing(pod_of(("setup", 1, True), ("main", 0, False)), "main") is None
+
+
+def test_hand_over_is_unknown_when_kubelet_picks_from_a_larger_pool() -> None:
+    # kubelet takes an arbitrary one of the pool's two devices for "a"
+    pod = pod_of(("setup", 2, True), ("a", 1, False), ("b", 1, False))
+    assert sharing(pod, "a") is None
+    assert sharing(pod, "setup") is None
 
 
 def test_preferred_follows_a_bound_placement_of_the_right_size() -> None:
