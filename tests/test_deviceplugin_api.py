@@ -148,12 +148,12 @@ def test_a_pod_created_again_on_this_node_while_the_old_one_is_listed(api: Api) 
     limits; uid 2's starts once uid 1 is gone."""
     k = api.kubelet
     pod = Pod(api.k8s.namespace, "again", [Container("main", 1)])
-    api.create(pod, annotation(pod, {"main": [(api.gpus[0], 1000, 0)]}))
+    api.create(pod, annotation(pod, {"main": [(api.gpus[0], 1000, 100)]}))
     old_resp = k.admit(pod)["main"]
     old_ids = list(k.state.assigned[(pod.key, "main")])
     old_entry = k.pod_resources()
     api.delete(pod)
-    api.create(pod, annotation(pod, {"main": [(api.gpus[0], 5000, 0)]}))
+    api.create(pod, annotation(pod, {"main": [(api.gpus[0], 5000, 100)]}))
     k.release(pod)  # kubelet's record of uid 1 kept aside: old_entry
     k.state.assigned[("uid-1", "main")] = old_ids  # still held while uid 1 terminates
     new_resp = k.admit(pod)["main"]
@@ -187,12 +187,12 @@ def test_a_pod_created_again_on_this_node_after_it_ran(api: Api) -> None:
     k = api.kubelet
     g0, g1 = api.gpus
     pod = Pod(api.k8s.namespace, "web-0", [Container("main", 1)])
-    api.create(pod, annotation(pod, {"main": [(g0, 1000, 0)]}))
+    api.create(pod, annotation(pod, {"main": [(g0, 1000, 100)]}))
     k.admit(pod)
     k.start(pod, "main")
     api.delete(pod)
     k.release(pod)
-    api.create(pod, annotation(pod, {"main": [(g1, 3000, 0)]}))
+    api.create(pod, annotation(pod, {"main": [(g1, 3000, 100)]}))
     resp = k.admit(pod)["main"]
     assert k.state.assigned[(pod.key, "main")][0].startswith(g1.uuid)
     k.start(pod, "main")
