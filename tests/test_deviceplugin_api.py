@@ -15,9 +15,9 @@ from pathlib import Path
 
 import grpc
 import pytest
+from gpuvisor.cluster.allocation import ANNOTATION
 from gpuvisor.cluster.deviceplugin.api import deviceplugin_v1beta1_pb2 as dp
 from gpuvisor.cluster.deviceplugin.gpus import Gpu
-from gpuvisor.cluster.deviceplugin.grant import ANNOTATION
 from gpuvisor.cluster.deviceplugin.kube import KubePods
 
 from tests.k8s_cluster import KubeTest, gpu_container
