@@ -326,19 +326,28 @@ def test_an_app_container_reusing_exactly_its_init_containers_devices(cluster: C
     assert cluster.probe(resp["setup"])["mib"] == [500]
 
 
+def init_chain(cluster: Cluster, name: str, fetch: int, warm: int, main: int) -> Pod:
+    """Pod ml/name placed on GPU 0: init containers fetch and warm, then the
+    app container main, one GPU each, with these MiB (kubelet hands the one
+    device from each to the next)."""
+    g0 = cluster.gpus[0]
+    pod = Pod(
+        "ml",
+        name,
+        [Container("main", 1), Container("fetch", 1, init=True), Container("warm", 1, init=True)],
+    )
+    mib = {"fetch": fetch, "warm": warm, "main": main}
+    cluster.place(pod, {c: [(g0, m, 0)] for c, m in mib.items()})
+    return pod
+
+
 def test_two_init_containers_and_an_app_container_on_one_device(cluster: Cluster) -> None:
     """kubelet hands the first init container's device to the second init
     container and then to the app container (three Allocate calls of the
     same IDs, only the first after GetPreferredAllocation); each starts with
     its own limits, the second init container's not the app container's."""
     k = cluster.kubelet
-    g0 = cluster.gpus[0]
-    pod = Pod(
-        "ml",
-        "chain",
-        [Container("main", 1), Container("fetch", 1, init=True), Container("warm", 1, init=True)],
-    )
-    cluster.place(pod, {"fetch": [(g0, 700, 0)], "warm": [(g0, 3000, 0)], "main": [(g0, 900, 0)]})
+    pod = init_chain(cluster, "chain", 700, 3000, 900)
     resp = k.admit(pod)
     ids = k.state.assigned[(pod.key, "fetch")]
     assert k.state.assigned[(pod.key, "warm")] == ids == k.state.assigned[(pod.key, "main")]
@@ -625,13 +634,7 @@ def test_a_plugin_restart_in_the_middle_of_a_hand_over(cluster: Cluster) -> None
     plugin still tells the three directories apart (Allocate's order is kept
     in each), and each container gets its own limits."""
     k = cluster.kubelet
-    g0 = cluster.gpus[0]
-    pod = Pod(
-        "ml",
-        "span2",
-        [Container("main", 1), Container("fetch", 1, init=True), Container("warm", 1, init=True)],
-    )
-    cluster.place(pod, {"fetch": [(g0, 600, 0)], "warm": [(g0, 2600, 0)], "main": [(g0, 1100, 0)]})
+    pod = init_chain(cluster, "span2", 600, 2600, 1100)
     resp = k.admit(pod)
     fresh = DevicePluginService(
         cluster.service.config, cluster.source, cluster.pods, cluster.service.owners
