@@ -64,15 +64,19 @@ class ContainerGrant:
     gpus: tuple[GpuGrant, ...]
     sm_policy: str | None = None
     priority: int | None = None
+    sidecar: bool = False  # an init container that runs on (restartPolicy: Always)
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out: dict[str, Any] = {
             "name": self.name,
             "init": self.init,
             "gpus": [g.to_json() for g in self.gpus],
             "sm_policy": self.sm_policy,
             "priority": self.priority,
         }
+        if self.sidecar:
+            out["sidecar"] = True
+        return out
 
 
 @dataclass(frozen=True)
@@ -149,13 +153,18 @@ def load_allocation(doc: Any, path: str = "allocation", node: str | None = None)
                 )
             )
         prio = cm.get("priority")
+        init = boolean(cm.get("init", False), f"{cp}.init")
+        sidecar = boolean(cm.get("sidecar", False), f"{cp}.sidecar")
+        if sidecar and not init:
+            raise fail(f"{cp}.sidecar", "a sidecar is an init container (init: true)", sidecar)
         containers.append(
             ContainerGrant(
                 name=string(cm.get("name"), f"{cp}.name"),
-                init=boolean(cm.get("init", False), f"{cp}.init"),
+                init=init,
                 gpus=tuple(gpus),
                 sm_policy=cm.get("sm_policy") if isinstance(cm.get("sm_policy"), str) else None,
                 priority=None if prio is None else integer(prio, f"{cp}.priority"),
+                sidecar=sidecar,
             )
         )
     return Allocation(

@@ -43,6 +43,7 @@ from .request import (
     USE_TYPE,
     USE_UUID,
     VGPU_MODE,
+    ContainerKind,
     ContainerRequest,
     PodRequest,
 )
@@ -86,12 +87,41 @@ class GpuCharge:
     mig: list[MigGrant] = field(default_factory=list)
 
 
-def with_init_charges(
-    app: dict[int, GpuCharge], inits: list[dict[int, GpuCharge]]
+def shared_part(ch: Mapping[int, GpuCharge]) -> dict[int, GpuCharge]:
+    """The slots, memory and cores of a charge, without its MIG instances."""
+    return {i: GpuCharge(c.slots, c.memory_mib, c.cores) for i, c in ch.items()}
+
+
+def add_charge(into: dict[int, GpuCharge], ch: Mapping[int, GpuCharge]) -> dict[int, GpuCharge]:
+    """`into` (updated in place and returned) plus `ch`, per GPU."""
+    for i, c in ch.items():
+        cur = into.setdefault(i, GpuCharge())
+        cur.slots += c.slots
+        cur.memory_mib += c.memory_mib
+        cur.cores += c.cores
+        cur.mig.extend(c.mig)
+    return into
+
+
+def pod_charge(
+    parts: Sequence[tuple[ContainerKind, Mapping[int, GpuCharge]]],
 ) -> dict[int, GpuCharge]:
-    """A pod's charge as Kubernetes counts init containers: per GPU and per
-    dimension the larger of the app containers' sum (`app`, updated in
-    place and returned) and each init container's; MIG instances add up."""
+    """A pod's charge as Kubernetes counts its containers, from each
+    container's own charge in manifest order (init containers first): per
+    GPU and per dimension the larger of
+      - the app containers and the sidecars together (they all run at once),
+      - each plain init container with the sidecars started before it;
+    MIG instances add up (an instance is not shared in time)."""
+    app: dict[int, GpuCharge] = {}
+    running: dict[int, GpuCharge] = {}  # the sidecars started so far, without MIG
+    inits: list[dict[int, GpuCharge]] = []
+    for kind, ch in parts:
+        if kind is ContainerKind.INIT:
+            inits.append(add_charge(shared_part(running), ch))
+            continue
+        add_charge(app, ch)
+        if kind is ContainerKind.SIDECAR:
+            add_charge(running, shared_part(ch))
     for ic in inits:
         for i, c2 in ic.items():
             cur = app.setdefault(i, GpuCharge())
@@ -577,6 +607,33 @@ def gpu_policy(pod: PodRequest, cfg: Config) -> str:
     return "binpack" if pod.topology_aware and cfg.rules != "hami" else cfg.gpu_policy
 
 
+def kubelet_pools(
+    containers: Sequence[ContainerRequest],
+) -> tuple[dict[str, ContainerRequest | None], dict[str, list[str]]]:
+    """For each plain init container asking for GPUs: the container kubelet
+    hands its devices to (its heir: the next one asking for GPUs, in
+    kubelet's order, that is not a plain init container: a sidecar or an
+    app container; None if none follows), and the plain init containers
+    before it whose devices kubelet gives it first (its pool).  kubelet
+    allocates init containers (plain and sidecars) in manifest order, then
+    app containers; a plain init container's devices go to a pool, which
+    the next sidecar or app container takes (devicesToReuse)."""
+    order = [c for c in containers if c.init] + [c for c in containers if not c.init]
+    heirs: dict[str, ContainerRequest | None] = {}
+    pools: dict[str, list[str]] = {}
+    pool: list[str] = []
+    for k, c in enumerate(order):
+        if not c.count:
+            continue
+        if not c.plain_init:
+            pool = []
+            continue
+        heirs[c.name] = next((d for d in order[k + 1 :] if d.count and not d.plain_init), None)
+        pools[c.name] = list(pool)
+        pool.append(c.name)
+    return heirs, pools
+
+
 def handed_over(
     c: ContainerRequest, opts: list[Option], heir: str, heir_gpus: list[int], held: list[int]
 ) -> list[Option] | str:
@@ -631,33 +688,43 @@ def plan_node(
     asked = sum(c.count for c in pod.containers)
     roomy = binpack and bool(supply) and not hami and may_extinct(supply, asked)
     work = Work.of(node)
-    app_charge: dict[int, GpuCharge] = {}
+    own: dict[str, dict[int, GpuCharge]] = {}  # each container's own charge
     grants: dict[str, list[GpuGrant]] = {}
     terms: list[dict[str, Any]] = []
     idle_mask = 0
     for i in range(len(inv.gpus)):
         if node.idle(i):
             idle_mask |= 1 << i
-    order = [c for c in pod.containers if not c.init] + [c for c in pod.containers if c.init]
-    # kubelet hands the init containers' devices to the first app container
-    # asking for GPUs (manifest order) without asking the device plugin
-    heir = next((c for c in pod.containers if not c.init and c.count), None)
-    held: list[int] = []  # the GPUs of the init containers placed so far
-    init_charges: list[dict[int, GpuCharge]] = []
-    app_gpus: set[int] = set()
+    # planned: the app containers, then the sidecars (which run beside them),
+    # then the plain init containers (each alone, with the sidecars before it)
+    apps = [c for c in pod.containers if not c.init]
+    order = apps + [c for c in pod.containers if c.sidecar]
+    order += [c for c in pod.containers if c.plain_init]
+    heirs, pools = kubelet_pools(pod.containers)
+    app_gpus: set[int] = set()  # the GPUs of the app containers and sidecars
     halves = 0  # MIG instances of half a GPU or more that only cores ask for
     for c in order:
         if c.count == 0:
             grants[c.name] = []
             continue
-        w = work if not c.init else Work.of(node)
-        if c.init:
-            # an init container runs alone: it sees the node without this pod, and
-            # MIG slices the app containers hold (those cannot be shared in time)
+        w = work
+        if c.plain_init:
+            # a plain init container runs alone, beside the sidecars started
+            # before it: it sees the node without this pod but those, and the
+            # MIG slices the app containers and sidecars hold (those cannot
+            # be shared in time)
+            w = Work.of(node)
             w.mig_used = list(work.mig_used)
             w.mig_refs = list(work.mig_refs)
             w.mig_profiles = list(work.mig_profiles)
             w.mig_on = list(work.mig_on)
+            k = pod.containers.index(c)
+            for d in (d for d in pod.containers[:k] if d.sidecar):
+                for i, dc in own.get(d.name, {}).items():
+                    if dc.slots:
+                        w.slots[i] += dc.slots
+                        w.mem[i] += dc.memory_mib
+                        w.cores[i] += dc.cores
         opts: list[Option] = []
         why: Counter[str] = Counter()
         for i in allowed:
@@ -669,7 +736,10 @@ def plan_node(
         if len(opts) < c.count:
             detail = f" ({why.most_common(1)[0][0]})" if why and not opts else ""
             return f"container {c.name}: {need_text(c)}, has {len(opts)}{detail}"
-        if c.init and heir is not None and not hami:
+        heir = heirs.get(c.name)
+        if heir is not None and not hami:
+            held = [g.index for d in pools[c.name] for g in grants.get(d, [])]
+            held = list(dict.fromkeys(held))
             handed = handed_over(c, opts, heir.name, [g.index for g in grants[heir.name]], held)
             if isinstance(handed, str):
                 return handed
@@ -686,7 +756,7 @@ def plan_node(
                 sign = -1.0 if binpack else 1.0
                 picked = [min(opts, key=lambda o: (sign * o.usage_after, o.index))]
             else:
-                if c.init:
+                if c.plain_init:
                     # prefer the GPUs the app containers already hold: no extra charge
                     picked = [
                         min(
@@ -721,7 +791,7 @@ def plan_node(
             picked, t = choose(node, opts, c.count, live_idle, binpack, pod, hami)
         t["container"] = c.name
         terms.append(t)
-        ch: dict[int, GpuCharge] = {} if c.init else app_charge
+        ch = own.setdefault(c.name, {})
         out = []
         halves += sum(1 for o in picked if o.half_for_cores)
         for o in picked:
@@ -732,15 +802,11 @@ def plan_node(
                 g.memory_mib += o.memory_mib
                 g.cores += o.cores
             out.append(GpuGrant(inv.gpus[o.index].uuid, o.index, o.memory_mib, o.cores, grant))
-            if not c.init:
+            if not c.plain_init:
                 app_gpus.add(o.index)
         grants[c.name] = out
-        if c.init:
-            init_charges.append(ch)
-            held += [o.index for o in picked if o.index not in held]
-    # the pod's charge, as Kubernetes counts init containers: per GPU and per
-    # dimension the larger of the app containers' sum and each init container
-    charge = with_init_charges(app_charge, init_charges)
+    # the pod's charge, as Kubernetes counts its containers (pod_charge)
+    charge = pod_charge([(c.kind, own.get(c.name, {})) for c in pod.containers])
     split = cfg.split_count
     n = len(inv.gpus)
     after = 0.0
@@ -1180,12 +1246,11 @@ class Allocator:
 
 
 def charge_of(allocation: Allocation, node: NodeState, path: str) -> dict[int, GpuCharge]:
-    """The per-GPU charge of an allocation, init containers counted as Kubernetes does."""
+    """The per-GPU charge of an allocation, its containers counted as Kubernetes does."""
     gpus = node.inv.gpus
-    app: dict[int, GpuCharge] = {}
-    inits: list[dict[int, GpuCharge]] = []
+    parts: list[tuple[ContainerKind, dict[int, GpuCharge]]] = []
     for ci, c in enumerate(allocation.containers):
-        ch: dict[int, GpuCharge] = {} if c.init else app
+        ch: dict[int, GpuCharge] = {}
         for gi, g in enumerate(c.gpus):
             gp = f"{path}.containers[{ci}].gpus[{gi}]"
             if g.index >= len(gpus) or gpus[g.index].uuid != g.uuid:
@@ -1208,6 +1273,7 @@ def charge_of(allocation: Allocation, node: NodeState, path: str) -> dict[int, G
                 cur.slots += 1
                 cur.memory_mib += g.memory_mib
                 cur.cores += g.cores
-        if c.init:
-            inits.append(ch)
-    return with_init_charges(app, inits)
+        parts.append((ContainerKind.of(c.init, c.sidecar), ch))
+    # init containers first (the record lists them so), in their order
+    parts.sort(key=lambda p: p[0] is ContainerKind.APP)
+    return pod_charge(parts)

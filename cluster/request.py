@@ -7,6 +7,7 @@ into a `PodRequest`, applying HAMi's webhook defaults, or raises
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +35,20 @@ GPU_POLICIES = ("binpack", "spread", "topology-aware")
 MODES = ("hami-core", "mig")
 
 
+class ContainerKind(enum.Enum):
+    """How a container runs beside the pod's others (Kubernetes' rules)."""
+
+    APP = "app"
+    INIT = "init"  # a plain init container: alone, to its end, before the next
+    SIDECAR = "sidecar"  # an init container with restartPolicy: Always: on to the pod's end
+
+    @staticmethod
+    def of(init: bool, sidecar: bool) -> ContainerKind:
+        if not init:
+            return ContainerKind.APP
+        return ContainerKind.SIDECAR if sidecar else ContainerKind.INIT
+
+
 @dataclass(frozen=True)
 class ContainerRequest:
     name: str
@@ -43,6 +58,18 @@ class ContainerRequest:
     memory_pct: int | None  # per vGPU, 1..100
     cores: int  # percent of a GPU; 100 = exclusive
     priority: int | None
+    # an init container with restartPolicy: Always (a sidecar): it starts in
+    # the init order and runs on beside the later init and the app containers
+    sidecar: bool = False
+
+    @property
+    def plain_init(self) -> bool:
+        """An init container that ends before the next container starts."""
+        return self.init and not self.sidecar
+
+    @property
+    def kind(self) -> ContainerKind:
+        return ContainerKind.of(self.init, self.sidecar)
 
     @property
     def exclusive(self) -> bool:
@@ -123,12 +150,20 @@ def csv(annotations: Mapping[str, str], key: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in raw.split(",") if p.strip())
 
 
+RESTART_POLICIES = ("Always", "OnFailure", "Never")
+
+
 def container_request(c: Any, path: str, init: bool) -> ContainerRequest:
     if not isinstance(c, Mapping):
         raise fail(path, "expected an object", c)
     name = c.get("name")
     if not isinstance(name, str) or not name:
         raise fail(f"{path}.name", "expected a non-empty string", name)
+    restart = c.get("restartPolicy")
+    if restart is not None and restart not in RESTART_POLICIES:
+        raise fail(f"{path}.restartPolicy", "expected " + ", ".join(RESTART_POLICIES), restart)
+    # Kubernetes' sidecar containers: an init container that restarts always
+    sidecar = init and restart == "Always"
     res = c.get("resources") or {}
     if not isinstance(res, Mapping):
         raise fail(f"{path}.resources", "expected an object", res)
@@ -164,7 +199,7 @@ def container_request(c: Any, path: str, init: bool) -> ContainerRequest:
     if core_pct is None:
         # HAMi's webhook: a whole-memory request with no cores is exclusive
         core_pct = 100 if memory_pct == 100 else 0
-    return ContainerRequest(name, init, count, memory_mib, memory_pct, core_pct, priority)
+    return ContainerRequest(name, init, count, memory_mib, memory_pct, core_pct, priority, sidecar)
 
 
 def policy(annotations: Mapping[str, str], key: str, allowed: tuple[str, ...]) -> tuple[str, ...]:

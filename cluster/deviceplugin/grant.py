@@ -41,6 +41,14 @@ class ContainerGrant:
     init: bool = False
     sm_policy: str | None = None
     priority: int | None = None
+    # an init container with restartPolicy: Always: it runs on beside the
+    # app containers, and kubelet hands its devices to no other container
+    sidecar: bool = False
+
+    @property
+    def plain_init(self) -> bool:
+        """An init container that ends before the next one starts."""
+        return self.init and not self.sidecar
 
 
 @dataclass(frozen=True)
@@ -123,5 +131,12 @@ def parse_grant(text: str) -> PodGrant:
         init = cm.get("init", False)
         if not isinstance(init, bool):
             raise _bad(f"{cp}.init", "must be true or false", init)
-        containers.append(ContainerGrant(_str(cm, "name", cp), tuple(gpus), init, policy, priority))
+        sidecar = cm.get("sidecar", False)
+        if not isinstance(sidecar, bool):
+            raise _bad(f"{cp}.sidecar", "must be true or false", sidecar)
+        if sidecar and not init:
+            raise _bad(f"{cp}.sidecar", "a sidecar is an init container (init: true)", sidecar)
+        containers.append(
+            ContainerGrant(_str(cm, "name", cp), tuple(gpus), init, policy, priority, sidecar)
+        )
     return PodGrant(_str(m, "pod", "allocation"), _str(m, "node", "allocation"), tuple(containers))
