@@ -637,14 +637,15 @@ def kubelet_pools(
 def handed_over(
     c: ContainerRequest, opts: list[Option], heir: str, heir_gpus: list[int], held: list[int]
 ) -> list[Option] | str:
-    """The options of init container c that keep kubelet's hand-over true to
-    the plan, or why there are none.  kubelet gives a container the devices
-    the pod's init containers before it held first (all of them when it
-    asks at least as many, then the best others), and the first app
-    container asking for GPUs (heir) those the init containers held.  So
-    an init container goes on the heir's GPUs, including those of the init
-    containers before it.  One asking more GPUs than the heir has is left
-    free: kubelet then hands the heir an arbitrary part of them."""
+    """The options of plain init container c that keep kubelet's hand-over
+    true to the plan, or why there are none.  kubelet gives a container the
+    devices the pod's plain init containers before it held (`held`, its
+    pool: all of them when it asks at least as many, then the best others),
+    and the next sidecar or app container asking for GPUs (heir,
+    kubelet_pools) those the pool holds.  So a plain init container goes on
+    the heir's GPUs, including those of its pool.  One asking more GPUs
+    than the heir has is left free: kubelet then hands the heir an arbitrary
+    part of them."""
     if c.count > len(heir_gpus):
         return opts
     inside = [o for o in opts if o.index in heir_gpus]
@@ -796,6 +797,11 @@ def plan_node(
         halves += sum(1 for o in picked if o.half_for_cores)
         for o in picked:
             grant = take(w, o, ch)
+            if c.plain_init and o.mig is not None:
+                # kubelet allocates every container at admission: the MIG
+                # instances of all of them exist at once, so the next plain
+                # init container plans around this one's too
+                take(work, o, None)
             if o.mig is None:
                 g = ch.setdefault(o.index, GpuCharge())
                 g.slots += 1
@@ -878,7 +884,9 @@ def plan_node(
             inv.node,
         )
     containers = [
-        ContainerGrant(c.name, c.init, tuple(grants.get(c.name, [])), pod.sm_policy, c.priority)
+        ContainerGrant(
+            c.name, c.init, tuple(grants.get(c.name, [])), pod.sm_policy, c.priority, c.sidecar
+        )
         for c in first_reconfigures(pod.containers, grants)
     ]
     return NodePlan(

@@ -40,10 +40,11 @@ pod_annotations = st.fixed_dictionaries(
         "hami.io/node-scheduler-policy": st.sampled_from(["binpack", "spread"]),
     },
 )
+# init containers: (container, whether it is a sidecar: restartPolicy Always)
 pods = st.lists(
     st.tuples(
         st.lists(containers, min_size=1, max_size=2),
-        st.lists(containers, max_size=1),
+        st.lists(st.tuples(containers, st.booleans()), max_size=2),
         pod_annotations,
     ),
     min_size=1,
@@ -51,13 +52,18 @@ pods = st.lists(
 )
 
 
-def manifest(k: int, spec: tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, str]]):
+def manifest(
+    k: int,
+    spec: tuple[list[dict[str, Any]], list[tuple[dict[str, Any], bool]], dict[str, str]],
+):
     apps, inits, ann = spec
     for i, c in enumerate(apps):
         c["name"] = f"c{i}"
-    for i, c in enumerate(inits):
+    for i, (c, sidecar) in enumerate(inits):
         c["name"] = f"i{i}"
-    return pod(f"p{k}", *apps, annotations=ann, init=inits)
+        if sidecar:
+            c["restartPolicy"] = "Always"
+    return pod(f"p{k}", *apps, annotations=ann, init=[c for c, _ in inits])
 
 
 def check_invariants(a: Allocator) -> None:
@@ -69,8 +75,13 @@ def check_invariants(a: Allocator) -> None:
         cores: Counter[int] = Counter()
         masks: dict[int, list[int]] = {}
         for alloc, _charge in st_.pods.values():
-            per_gpu: dict[int, list[tuple[int, int, int]]] = {}
-            inits: list[dict[int, tuple[int, int, int]]] = []
+            # Kubernetes' count, per GPU and dimension: what runs at once at
+            # each step of the pod's start (each plain init container beside
+            # the sidecars before it), and at the end (the sidecars and the
+            # app containers), whichever is most
+            steps: list[dict[int, tuple[int, int, int]]] = []
+            up: dict[int, tuple[int, int, int]] = {}  # the sidecars started so far
+            last: dict[int, list[tuple[int, int, int]]] = {}
             for c in alloc.containers:
                 mine: dict[int, tuple[int, int, int]] = {}
                 for g in c.gpus:
@@ -81,14 +92,22 @@ def check_invariants(a: Allocator) -> None:
                     mine[g.index] = (s0 + 1, m0 + g.memory_mib, c0 + g.cores)
                     # one container's vGPUs are on distinct GPUs
                     assert s0 == 0
-                if c.init:
-                    inits.append(mine)
-                else:
+                if c.init and not c.sidecar:
+                    step = dict(up)
                     for i, v in mine.items():
-                        per_gpu.setdefault(i, []).append(v)
-            for i in set(per_gpu) | {i for m in inits for i in m}:
-                app = [sum(x) for x in zip(*per_gpu.get(i, [(0, 0, 0)]), strict=True)]
-                top = [max([app[d]] + [m[i][d] for m in inits if i in m]) for d in range(3)]
+                        step[i] = tuple(
+                            a + b for a, b in zip(step.get(i, (0, 0, 0)), v, strict=True)
+                        )
+                    steps.append(step)
+                    continue
+                if c.sidecar:
+                    for i, v in mine.items():
+                        up[i] = tuple(a + b for a, b in zip(up.get(i, (0, 0, 0)), v, strict=True))
+                for i, v in mine.items():
+                    last.setdefault(i, []).append(v)
+            for i in set(last) | {i for m in steps for i in m}:
+                app = [sum(x) for x in zip(*last.get(i, [(0, 0, 0)]), strict=True)]
+                top = [max([app[d]] + [m[i][d] for m in steps if i in m]) for d in range(3)]
                 slots[i] += top[0]
                 mem[i] += top[1]
                 cores[i] += top[2]
