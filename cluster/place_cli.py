@@ -63,7 +63,7 @@ def describe(d: Decision) -> str:
     lines = [f"pod {d.pod.name} -> {d.node or 'nowhere'}"]
     if d.allocation is not None:
         for c in d.allocation.containers:
-            kind = " (init)" if c.init else ""
+            kind = " (sidecar)" if c.sidecar else " (init)" if c.init else ""
             if not c.gpus:
                 lines.append(f"  container {c.name}{kind}: no GPU")
             for g in c.gpus:

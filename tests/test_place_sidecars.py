@@ -12,10 +12,13 @@ import operator
 from typing import Any
 
 import pytest
+import yaml
+from click.testing import CliRunner
 from gpuvisor.cluster.allocation import load_allocation
 from gpuvisor.cluster.allocator import Allocator
 from gpuvisor.cluster.inventory_model import DocumentError
 from gpuvisor.cluster.request import ContainerKind, pod_request
+from gpuvisor.supervisor.cli import main
 
 from tests.inventories import cluster, ctr, gpu, inventory, links_pcie, mig_box, pod
 
@@ -223,3 +226,27 @@ def test_two_plain_init_containers_never_plan_one_mig_placement():
     for i in {i for i, _ in grants}:
         masks = [m.placement.mask for j, m in grants if j == i]
         assert sum(masks) == functools.reduce(operator.or_, masks), masks
+
+
+def test_gpuvisor_place_shows_the_sidecar(tmp_path):
+    c = tmp_path / "cluster.json"
+    c.write_text(json.dumps(one_gpu()))
+    p = tmp_path / "pod.yaml"
+    manifest = pod(
+        "x",
+        ctr("main", gpu=1, gpumem=20000),
+        init=[ctr("setup", gpu=1, gpumem=1000), sidecar("proxy", gpu=1, gpumem=15000)],
+    )
+    p.write_text(yaml.safe_dump(manifest))
+    r = CliRunner().invoke(main, ["place", "--cluster", str(c), str(p)])
+    assert r.exit_code == 0, r.output
+    assert "container setup (init): GPU 0" in r.output
+    assert "container proxy (sidecar): GPU 0" in r.output
+    assert "container main: GPU 0" in r.output
+    r = CliRunner().invoke(main, ["place", "--cluster", str(c), str(p), "--json"])
+    (out,) = json.loads(r.output)
+    assert [(x["name"], x["init"], x.get("sidecar", False)) for x in out["containers"]] == [
+        ("setup", True, False),
+        ("proxy", True, True),
+        ("main", False, False),
+    ]
