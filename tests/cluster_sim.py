@@ -82,18 +82,18 @@ def gpus_of(c: kubernetes.client.V1Container) -> int:
 
 def admit(kubelet: FakeKubelet, pod: kubernetes.client.V1Pod) -> tuple[Pod, dict[str, Any]]:
     """kubelet admits the pod (GetPreferredAllocation, Allocate), then
-    starts each container (PreStartContainer for those with GPUs) and
-    reports it in the pod's status; the Allocate answers by container
-    name."""
+    starts each container in kubelet's order (PreStartContainer for those
+    with GPUs; a sidecar, an init container with restartPolicy Always, runs
+    on) and reports it in the pod's status; the Allocate answers by
+    container name."""
     containers = [
-        Container(c.name, gpus_of(c), init=init)
+        Container(c.name, gpus_of(c), init=init, sidecar=init and c.restart_policy == "Always")
         for cs, init in ((pod.spec.init_containers or [], True), (pod.spec.containers, False))
         for c in cs
     ]
     hp = Pod(pod.metadata.namespace, pod.metadata.name, containers)
     resps = kubelet.admit(hp)
-    for c in containers:
-        kubelet.start(hp, c.name)
+    kubelet.start_all(hp)
     return hp, resps
 
 

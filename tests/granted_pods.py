@@ -35,7 +35,10 @@ def pod_asking_for(namespace: str, name: str, text: str) -> dict[str, Any]:
         if c.get("priority") in (0, 1):
             limits["nvidia.com/priority"] = c["priority"]
         key = "initContainers" if c.get("init") is True else "containers"
-        spec[key].append({"name": str(c.get("name")), "resources": {"limits": limits}})
+        item: dict[str, Any] = {"name": str(c.get("name")), "resources": {"limits": limits}}
+        if key == "initContainers" and c.get("sidecar") is True:
+            item["restartPolicy"] = "Always"  # a sidecar (KEP-753)
+        spec[key].append(item)
     if not spec["containers"]:
         spec["containers"] = [{"name": "main"}]
     return {

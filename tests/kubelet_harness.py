@@ -5,17 +5,22 @@ protocol over unix sockets, as kubelet's device manager speaks it.
   Register (version v1beta1, a bare endpoint file name in the same
   directory, a domain/name resource) and then dials the plugin back:
   GetDevicePluginOptions, and a ListAndWatch stream kept in a health map;
-- admit(pod): per container, in order (init containers first), reuse
-  the init containers' IDs, choose healthy free IDs for the rest, asking
+- admit(pod): per container, in order (init containers first, plain ones
+  and sidecars as the manifest has them), reuse the pod's pool of devices
+  (devicesToReuse: what plain init containers held; a sidecar's and an
+  app container's leave it), choose healthy free IDs for the rest, asking
   GetPreferredAllocation when the plugin offers it (its answer is used
   only if it is a valid subset of the right size with must_include),
   call Allocate with one container request and record pod/container -> IDs;
-- a PodResources server (v1 List and Get) that serves those records;
+- a PodResources server (v1 List and Get) that serves those records, for
+  app containers and sidecars (not plain init containers);
 - start(pod, container): PreStartContainer when the plugin requires it
   and the container has devices; then, given the API (`api`), the pod's
-  status as kubelet reports it: the started containers running (init
-  ones terminated once an app container started), phase Running once every
-  app container started; the device plugin and the extender read it;
+  status as kubelet reports it: the started containers running (a plain
+  init container terminated once a later container started, a sidecar
+  running on), phase Running once every app container started; the device
+  plugin and the extender read it; start_all(pod) starts them in kubelet's
+  order (start_order);
 - serve(node, namespace, admit): kubelet's sync loop for a node: the pods
   bound to it, as their bindings arrive (each batch in creation order, as
   kubelet's HandlePodAdditions sorts it), admitted and started by `admit`;
@@ -27,8 +32,9 @@ protocol over unix sockets, as kubelet's device manager speaks it.
   environment to its host path (a read-only mount is not enforced).
 
 As in kubelet, admission is serial (one pod at a time) while container
-starts run concurrently, app containers reuse their init containers'
-devices first, and PodResources lists app containers, not init ones.
+starts run concurrently, a sidecar or app container reuses the devices of
+the plain init containers before it first, and PodResources lists app
+containers and sidecars, not plain init containers.
 """
 
 from __future__ import annotations
@@ -61,6 +67,16 @@ class Container:
     name: str
     gpus: int  # replicas of the resource asked
     init: bool = False
+    # an init container with restartPolicy: Always (KEP-753): it starts in the
+    # init order and runs on beside the later init and the app containers
+    sidecar: bool = False
+
+    def __post_init__(self) -> None:
+        assert self.init or not self.sidecar, f"{self.name}: a sidecar is an init container"
+
+    @property
+    def plain_init(self) -> bool:
+        return self.init and not self.sidecar
 
 
 @dataclass
@@ -227,10 +243,12 @@ class FakeKubelet:
         """Allocate devices for every container of pod, as kubelet's device
         manager does at admission; AdmissionError if they cannot be had.
 
-        Init containers first; their devices may be reused by the pod's app
-        containers (kubelet's devicesToReuse): an app container takes them
-        first, without asking GetPreferredAllocation, and asks it for the
-        rest with the reused ones as must_include."""
+        Init containers first (plain ones and sidecars in manifest order),
+        then app containers.  Each takes from the pod's pool (kubelet's
+        devicesToReuse) first, without asking GetPreferredAllocation, and
+        asks it for the rest with the reused ones as must_include.  A plain
+        init container's devices are added to the pool; a sidecar's and an
+        app container's are removed from it (they keep them)."""
         reg = self.registered
         assert reg is not None, "no plugin registered"
         out = {}
@@ -251,7 +269,7 @@ class FakeKubelet:
                 with self.cond:
                     self.state.assigned[(pod.key, c.name)] = ids
                     self.state.pods[(pod.namespace, pod.name)] = pod
-                if c.init:
+                if c.plain_init:
                     reuse = list(dict.fromkeys(reuse + ids))
                 else:
                     reuse = [d for d in reuse if d not in ids]
@@ -310,6 +328,13 @@ class FakeKubelet:
                 pod.name, pod.namespace, {"status": pod_status(pod, started)}
             )
 
+    def start_all(self, pod: Pod) -> None:
+        """Start pod's containers as kubelet does (start_order): each plain
+        init container run to completion before the next container starts,
+        each sidecar started and left running, then the app containers."""
+        for c in start_order(pod):
+            self.start(pod, c.name)
+
     def serve(self, node: str, namespace: str, admit: Callable[[Any], object]) -> Serving:
         """kubelet's sync loop for `node` (needs `api`): each pod of
         `namespace` bound to it is handed to `admit` (which admits and starts
@@ -330,7 +355,7 @@ class FakeKubelet:
                 # kubelet lists app containers (and restartable init ones), not
                 # plain init containers
                 for c in pod.containers:
-                    if c.init:
+                    if c.plain_init:
                         continue
                     ids = self.state.assigned.get((pod.key, c.name), [])
                     devs = [pr.ContainerDevices(resource_name=resource, device_ids=ids)]
@@ -349,19 +374,28 @@ class FakeKubelet:
             self.state.started.pop(pod.key, None)
 
 
+def start_order(pod: Pod) -> list[Container]:
+    """pod's containers in the order kubelet starts them: the init
+    containers in manifest order (a plain one runs to completion before the
+    next starts, a sidecar starts and runs on), then the app containers."""
+    return [c for c in pod.containers if c.init] + [c for c in pod.containers if not c.init]
+
+
 def pod_status(pod: Pod, started: Sequence[str]) -> dict[str, Any]:
     """The status kubelet reports for pod with the `started` containers up:
-    those running (init containers terminated, Completed, once an app
-    container started), phase Running once every app container did."""
+    those running (a plain init container terminated, Completed, once a
+    container after it in start_order started; a sidecar running on), phase
+    Running once every app container did."""
     now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     apps = [c.name for c in pod.containers if not c.init]
-    app_up = any(c in started for c in apps)
+    order = [c.name for c in start_order(pod)]
 
     def status(c: Container) -> dict[str, Any]:
         state: dict[str, Any]
+        later = order[order.index(c.name) + 1 :]
         if c.name not in started:
             state = {"waiting": {"reason": "ContainerCreating"}}
-        elif c.init and app_up:
+        elif c.plain_init and any(d in started for d in later):
             state = {"terminated": {"exitCode": 0, "reason": "Completed", "finishedAt": now}}
         else:
             state = {"running": {"startedAt": now}}
@@ -369,7 +403,7 @@ def pod_status(pod: Pod, started: Sequence[str]) -> dict[str, Any]:
             "name": c.name,
             "image": "harness",
             "imageID": "",
-            "ready": c.name in started and not c.init,
+            "ready": c.name in started and not c.plain_init,
             "restartCount": 0,
             "state": state,
         }

@@ -89,16 +89,22 @@ class StaticGpus:
 
 
 class DictPods:
-    """The pods' allocation annotations, as a test sets them."""
+    """The pods' allocation annotations, as a test sets them; each pod asks
+    for what its annotation grants, or has the spec in `specs` (a forged
+    record: not what the pod asks for)."""
 
     def __init__(self) -> None:
         self.annotations: dict[tuple[str, str], str] = {}
+        self.specs: dict[tuple[str, str], dict[str, Any]] = {}
 
     def pod(self, namespace: str, pod: str) -> dict[str, Any]:
         text = self.annotations.get((namespace, pod))
         if text is None:
             return {"metadata": {"name": pod, "namespace": namespace}, "spec": {}}
-        return pod_asking_for(namespace, pod, text)
+        doc = pod_asking_for(namespace, pod, text)
+        if (namespace, pod) in self.specs:
+            doc["spec"] = self.specs[(namespace, pod)]
+        return doc
 
     def bound(self, node: str) -> list[PodGrant]:
         grants = [parse_grant(t) for t in self.annotations.values()]
@@ -107,6 +113,7 @@ class DictPods:
 
 def annotation(pod: Pod, containers: dict[str, list[tuple[Gpu, int, int]]]) -> str:
     init = {c.name for c in pod.containers if c.init}
+    sidecars = {c.name for c in pod.containers if c.sidecar}
     return json.dumps(
         {
             "pod": pod.key,
@@ -115,6 +122,7 @@ def annotation(pod: Pod, containers: dict[str, list[tuple[Gpu, int, int]]]) -> s
                 {
                     "name": name,
                     "init": name in init,
+                    **({"sidecar": True} if name in sidecars else {}),
                     "gpus": [
                         {"uuid": g.uuid, "index": g.index, "memory_mib": m, "cores": c, "mig": None}
                         for g, m, c in gpus
