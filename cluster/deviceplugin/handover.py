@@ -1,17 +1,24 @@
 """Which containers of a pod kubelet gives the same device IDs.
 
 kubelet's device manager allocates a pod's containers at admission, init
-containers first, then app containers, each in manifest order.  The
-devices of (plain) init containers go to a pool: the next init container
-takes from the pool first (the pool grows by what it takes anew), and so
-does the next app container (the pool shrinks by what it takes).  When the
-pool holds exactly as many devices as a container asks, that container
-gets exactly the pool's IDs, so several containers hold the same IDs, and
-Allocate is called once for each, in that order.  When the pool holds more,
-kubelet takes an arbitrary subset: which IDs is not known here.
+containers first (plain ones and sidecars, restartPolicy: Always, as the
+manifest interleaves them), then app containers, each in manifest order.
+A container takes from the pod's pool of reusable devices first
+(devicesToReuse), then new ones.  The devices of a plain init container
+go to the pool (it ends before the next container starts); a sidecar's
+and an app container's leave it (they run on, and keep theirs).  So a
+plain init container's devices go to the next container asking for them:
+a plain init container (the pool grows by what it takes anew), or a
+sidecar or an app container (the pool is then empty); a sidecar's go to
+nobody.  When the pool holds exactly as many devices as a container asks,
+that container gets exactly the pool's IDs, so several containers hold
+the same IDs, and Allocate is called once for each, in that order.  When
+the pool holds more, kubelet takes an arbitrary subset: which IDs is not
+known here.
 
-PodResources names only the app container among them; this tells the
-device plugin which container each of those Allocate calls was for."""
+PodResources names only the sidecar or app container among them (it does
+not list plain init containers); this tells the device plugin which
+container each of those Allocate calls was for."""
 
 from __future__ import annotations
 
@@ -19,9 +26,26 @@ from .grant import ContainerGrant, PodGrant
 
 
 def kubelet_order(grant: PodGrant) -> list[ContainerGrant]:
-    """The pod's containers with GPUs, in the order kubelet allocates them."""
+    """The pod's containers with GPUs, in the order kubelet allocates them
+    (the record lists init containers in the pod's order: within.py)."""
     cs = [c for c in grant.containers if c.gpus]
     return [c for c in cs if c.init] + [c for c in cs if not c.init]
+
+
+def heirs(grant: PodGrant) -> dict[str, ContainerGrant]:
+    """Each plain init container with GPUs -> the container kubelet hands
+    its devices to: the next sidecar or app container with GPUs in
+    kubelet's order (the plain init containers between take the pool and
+    put it back); absent when none follows."""
+    out: dict[str, ContainerGrant] = {}
+    waiting: list[str] = []  # plain init containers whose devices are in the pool
+    for c in kubelet_order(grant):
+        if c.plain_init:
+            waiting.append(c.name)
+            continue
+        out.update((name, c) for name in waiting)
+        waiting = []
+    return out
 
 
 def sharing(grant: PodGrant, container: str) -> list[str] | None:
@@ -40,7 +64,9 @@ def sharing(grant: PodGrant, container: str) -> list[str] | None:
         take = pool | frozenset(range(fresh, fresh + n - len(pool)))
         fresh += n - len(pool)
         ids[c.name] = take
-        pool = take if c.init else frozenset()
+        # a plain init container's devices go (back) to the pool; a
+        # sidecar's and an app container's leave it (take holds the pool)
+        pool = take if c.plain_init else frozenset()
     mine = ids.get(container)
     if mine is None:
         return None

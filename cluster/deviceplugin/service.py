@@ -34,7 +34,8 @@ from . import defaults, limits_file
 from .api import deviceplugin_v1beta1_pb2 as dp
 from .gpus import Gpu, GpuSource
 from .grant import ContainerGrant, GrantError, PodGrant, parse_grant
-from .handover import sharing
+from .handover import heirs as heirs_of
+from .handover import kubelet_order, sharing
 from .kube import PodNotHere, PodSource, allocation_of, api_error
 from .migrealise import Made, MigRealiser, MigRefused
 from .owners import Owner, OwnerLookup
@@ -174,7 +175,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
     def GetPreferredAllocation(
         self, request: dp.PreferredAllocationRequest, context: Any
     ) -> dp.PreferredAllocationResponse:
-        heirs: dict[str, ContainerGrant] = {}
+        heirs: dict[tuple[str, str], ContainerGrant] = {}
         try:
             candidates = self._unrealised(heirs)
         except Exception as exc:  # the API may be away: spread instead
@@ -198,7 +199,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
                     self._claimed[key] = now
                     self._steered[frozenset(ids)] = key
                     log.info("GetPreferredAllocation: %s for %s/%s", ids, *key)
-                    heir = heirs.get(key[0]) if chosen.init else None
+                    heir = heirs.get(key)  # none for a sidecar or an app container
                     if heir is not None and len(heir.gpus) <= len(chosen.gpus):
                         # kubelet hands it these devices without asking: it
                         # must not take the preference of another container
@@ -318,14 +319,16 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
         return dp.ContainerAllocateResponse(envs=envs, mounts=mounts), top
 
     def _reused_for_mig(self, ids: list[str], gpus: list[Gpu]) -> tuple[str, str] | None:
-        """The app container that kubelet gives exactly the devices of its
-        pod's init container, when its placement is MIG: kubelet reuses an
-        init container's devices for the pod's app containers (in manifest
-        order) without asking GetPreferredAllocation, so the preference
-        that chose these IDs for the init container names the pod.  Its
-        first app container on exactly these GPUs, with a MIG placement and
-        no directory of these IDs yet, is the one (PreStartContainer then
-        checks it against kubelet's PodResources API, as for any other)."""
+        """The sidecar or app container that kubelet gives exactly the
+        devices of its pod's plain init container, when its placement is
+        MIG: kubelet reuses a plain init container's devices for the next
+        sidecar or app container (handover.py) without asking
+        GetPreferredAllocation, so the preference that chose these IDs for
+        the init container names the pod.  Its first sidecar or app
+        container after it in kubelet's order on exactly these GPUs, with a
+        MIG placement and no directory of these IDs yet, is the one
+        (PreStartContainer then checks it against kubelet's PodResources
+        API, as for any other)."""
         if self.mig is None:
             return None
         with self._lock:
@@ -338,11 +341,13 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
             except PreStartRefused:
                 continue
             first = grant.container(init)
-            if first is None or not first.init:
-                continue
+            if first is None or not first.plain_init:
+                continue  # a sidecar's devices go to no other container
             want = sorted(g.uuid for g in gpus)
-            for c in grant.containers:
-                if c.init or (pod, c.name) in steers:
+            order = kubelet_order(grant)
+            later = order[order.index(first) + 1 :] if first in order else []
+            for c in later:
+                if c.plain_init or (pod, c.name) in steers:
                     continue
                 if sorted(g.uuid for g in c.gpus) == want:
                     if any(g.mig is not None for g in c.gpus):
@@ -418,10 +423,12 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
         The owner is the container kubelet's PodResources API names (app
         and sidecar containers).  PodResources does not list plain init
         containers: a directory whose Allocate followed this plugin's
-        preference for an init container (GetPreferredAllocation answered
-        exactly these IDs for it) gets that init container's limits, when
-        its pod is the one kubelet lists (with these IDs reused by an app
-        container, or holding none listed)."""
+        preference for a plain init container (GetPreferredAllocation
+        answered exactly these IDs for it) gets that init container's
+        limits, when its pod is the one kubelet lists (with these IDs reused
+        by a sidecar or an app container, or holding none listed).  A
+        preference naming a sidecar or an app container never overrides
+        the owner PodResources names."""
         cfg = self.config
         key = frozenset(ids)
         try:
@@ -508,12 +515,13 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
     def _no_rival(
         self, steer: tuple[str, str], text: str, listed: set[str], ids: list[str], gpus: list[Gpu]
     ) -> None:
-        """PreStartRefused unless the init container steer names is the only
-        one these devices can be for.  Only the preference names it (kubelet
-        lists no init container's IDs), and kubelet may admit pods in
-        another order than preferred: another pod kubelet lists, bound here,
-        with an init container not started yet on these GPUs, as many, and
-        other limits, may be the one kubelet gave them."""
+        """PreStartRefused unless the plain init container steer names is the
+        only one these devices can be for.  Only the preference names it
+        (kubelet lists no plain init container's IDs), and kubelet may admit
+        pods in another order than preferred: another pod kubelet lists,
+        bound here, with a plain init container not started yet on these
+        GPUs, as many, and other limits, may be the one kubelet gave them
+        (a sidecar is no rival: PodResources would name it)."""
         want = sorted(g.uuid for g in gpus)
         try:
             bound = self.pods.bound(self.config.node_name) if self.config.node_name else []
@@ -529,7 +537,7 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
             if p.pod == steer[0] or p.pod not in listed:
                 continue
             for c in p.containers:
-                if not c.init or (p.pod, c.name) in done:
+                if not c.plain_init or (p.pod, c.name) in done:
                     continue
                 if sorted(g.uuid for g in c.gpus) != want:
                     continue
@@ -544,19 +552,19 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
 
     def _handed_over(self, owners: list[Owner], dirs: list[Path]) -> dict[Path, str]:
         """The container each of dirs was allocated for, where kubelet
-        handed the same IDs from init containers to the app container
-        PodResources names (handover.sharing): its pod's containers of
-        these IDs, in kubelet's order, took the newest of these directories,
-        in the order Allocate made them.  Empty when that is not known (the
-        owner a restartable init container, an order left open, fewer
-        directories, or one without its Allocate time)."""
+        handed the same IDs from plain init containers to the sidecar or app
+        container PodResources names (handover.sharing): its pod's containers
+        of these IDs, in kubelet's order, took the newest of these
+        directories, in the order Allocate made them.  Empty when that is
+        not known (an order left open, fewer directories, or one without
+        its Allocate time)."""
         if len(owners) != 1:
             return {}
         o = owners[0]
         grant = self._grant(o.namespace, o.pod, o.container)
         c = grant.container(o.container)
-        if c is None or c.init:
-            return {}
+        if c is None or c.plain_init:
+            return {}  # (PodResources lists no plain init container)
         group = sharing(grant, o.container)
         if group is None or len(group) < 2:
             return {}
@@ -709,9 +717,10 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
             raise PreStartRefused(str(exc)) from None
 
     def _init_limits(self, namespace: str, pod: str, container: str, gpus: list[Gpu]) -> str | None:
-        """The limits of init container container; None if it is not one."""
+        """The limits of plain init container container; None if it is not
+        one (PodResources names a sidecar or an app container itself)."""
         c = self._grant(namespace, pod, container).container(container)
-        if c is None or not c.init:
+        if c is None or not c.plain_init:
             return None
         return self._limits_text(namespace, pod, container, gpus)
 
@@ -762,11 +771,12 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
         self._uids.pop(pod, None)
 
     def _unrealised(
-        self, heirs: dict[str, ContainerGrant] | None = None
+        self, heirs: dict[tuple[str, str], ContainerGrant] | None = None
     ) -> list[tuple[tuple[str, str], ContainerGrant]]:
         """The containers of the pods bound here that have not started yet;
-        heirs gets, per pod, its first app container with GPUs (manifest
-        order): kubelet hands it the init containers' devices."""
+        heirs gets, per plain init container with GPUs ((pod, container)),
+        the container kubelet hands its devices to: the next sidecar or app
+        container with GPUs (handover.heirs)."""
         if not self.config.node_name:
             return []
         bound = self.pods.bound(self.config.node_name)
@@ -779,9 +789,9 @@ class DevicePluginService(dp_grpc.DevicePluginServicer):  # type: ignore[misc]
             done = set(self._realised)
         out = []
         for pod in bound:
+            if heirs is not None:
+                heirs.update(((pod.pod, k), c) for k, c in heirs_of(pod).items())
             for c in pod.containers:
-                if c.gpus and not c.init and heirs is not None and pod.pod not in heirs:
-                    heirs[pod.pod] = c
                 if c.gpus and (pod.pod, c.name) not in done:
                     out.append(((pod.pod, c.name), c))
         return out
