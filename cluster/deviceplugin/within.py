@@ -6,9 +6,13 @@ once it exists.  So before the device plugin turns a record into a
 container's limits, and before the scheduler extender takes one as a
 reservation, both check it against the pod's own requests: a record that
 grants a container more GPUs, more memory or more SM time than it asks
-for (or a higher priority, or a container it does not have) is refused
-with one line naming the field and the value.  The admission webhook
-keeps tenants from writing the record at all (docs/security.md, "The
+for (or a higher priority, a container it does not have or lists
+twice, or a container of another kind: init, sidecar, app) is refused
+with one line naming the field and the value.  The record's init
+containers must also come in the pod's order: the device plugin reads
+kubelet's hand-over of devices between them from it
+(cluster/deviceplugin/handover.py).  The admission webhook keeps tenants
+from writing the record at all (docs/security.md, "The
 cluster half"); this check holds where the webhook is not installed.
 
 A MIG grant's memory and cores are the instance's, larger than the
@@ -44,6 +48,8 @@ class _Container(Protocol):
     @property
     def init(self) -> bool: ...
     @property
+    def sidecar(self) -> bool: ...
+    @property
     def priority(self) -> int | None: ...
     @property
     def gpus(self) -> Sequence[_Gpu]: ...
@@ -61,6 +67,10 @@ def beyond_request(
     requests in percent of it.  With `gpus_known` False (the node's GPUs
     are not known yet), memory is checked only against requests in MiB."""
     asked = {c.name: c for c in request.containers}
+    # the pod's init containers (plain and sidecars) by their manifest place
+    init_place = {c.name: k for k, c in enumerate(x for x in request.containers if x.init)}
+    last_init: tuple[int, str] | None = None  # the record's previous init container
+    seen: set[str] = set()
 
     def bad(path: str, value: Any, why: str) -> str:
         return f"{ANNOTATION}: {path}={json.dumps(value)}: {why}"
@@ -70,9 +80,29 @@ def beyond_request(
         r = asked.get(c.name)
         if r is None:
             return bad(f"{path}.name", c.name, f"pod {request.name} has no such container")
+        if c.name in seen:
+            return bad(f"{path}.name", c.name, f"container {c.name} is listed twice")
+        seen.add(c.name)
         if c.init != r.init:
             kind = "an init container" if r.init else "not an init container"
             return bad(f"{path}.init", c.init, f"container {c.name} is {kind}")
+        if c.sidecar != r.sidecar:
+            kind = "a sidecar" if r.sidecar else "not a sidecar"
+            return bad(
+                f"{path}.sidecar",
+                c.sidecar,
+                f"container {c.name} is {kind} (an init container with restartPolicy: Always)",
+            )
+        if c.init:
+            place = init_place[c.name]
+            if last_init is not None and place < last_init[0]:
+                return bad(
+                    f"{path}.name",
+                    c.name,
+                    f"init container {c.name} comes before {last_init[1]} in pod "
+                    f"{request.name}, not after it",
+                )
+            last_init = (place, c.name)
         if len(c.gpus) > r.count:
             return bad(
                 f"{path}.gpus",
