@@ -104,6 +104,7 @@ def sidecar_pod() -> dict[str, Any]:
             f'{ANNOTATION}: containers[2].name="proxy": container proxy is listed twice',
         ),
     ],
+    ids=["sidecar-as-plain", "plain-as-sidecar", "out-of-order", "twice"],
 )
 def test_a_record_of_other_kinds_or_order_is_refused(
     kinds: tuple[tuple[str, str], ...], message: str
