@@ -66,6 +66,10 @@ def manifest(
     return pod(f"p{k}", *apps, annotations=ann, init=[c for c, _ in inits])
 
 
+def plus(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, int]:
+    return a[0] + b[0], a[1] + b[1], a[2] + b[2]
+
+
 def check_invariants(a: Allocator) -> None:
     split = a.config.split_count
     for st_ in a.nodes.values():
@@ -95,14 +99,12 @@ def check_invariants(a: Allocator) -> None:
                 if c.init and not c.sidecar:
                     step = dict(up)
                     for i, v in mine.items():
-                        step[i] = tuple(
-                            a + b for a, b in zip(step.get(i, (0, 0, 0)), v, strict=True)
-                        )
+                        step[i] = plus(step.get(i, (0, 0, 0)), v)
                     steps.append(step)
                     continue
                 if c.sidecar:
                     for i, v in mine.items():
-                        up[i] = tuple(a + b for a, b in zip(up.get(i, (0, 0, 0)), v, strict=True))
+                        up[i] = plus(up.get(i, (0, 0, 0)), v)
                 for i, v in mine.items():
                     last.setdefault(i, []).append(v)
             for i in set(last) | {i for m in steps for i in m}:
