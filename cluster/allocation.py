@@ -66,6 +66,11 @@ class ContainerGrant:
     priority: int | None = None
     sidecar: bool = False  # an init container that runs on (restartPolicy: Always)
 
+    @property
+    def plain_init(self) -> bool:
+        """An init container that ends before the next one starts."""
+        return self.init and not self.sidecar
+
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "name": self.name,

@@ -20,7 +20,7 @@ import kubernetes.client
 from gpuvisor.cluster.scheduler.wake import WOKEN
 
 from tests.cluster_sim import limits_file
-from tests.k8s_cluster import KubeTest
+from tests.k8s_cluster import KubeTest, gpu_container
 from tests.test_cluster_sim_nodes import A100_40, Cluster, allocation_of, cluster, main_gpus
 
 __all__ = ["cluster"]  # the fixture
@@ -117,3 +117,44 @@ def test_a_kubelet_loop_starts_pods_bound_in_a_burst(cluster: Cluster, k8s: Kube
         text = limits_file(resps["main"]).read_text()
         assert f"pod {k8s.namespace}/{n}, container main" in text
     assert len(used) == 2
+
+
+def test_two_pods_init_containers_on_one_gpu_with_other_limits_both_start(
+    cluster: Cluster,
+) -> None:
+    """Two pods whose only GPU container is a plain init container (their
+    app containers run without a GPU), on the node's one GPU with other
+    limits.  kubelet's PodResources lists no plain init container, so while
+    both are bound and neither started the device plugin cannot tell whose
+    limits a start is for and refuses both, for good: neither pod ever
+    started.  The extender binds the second only once the first's init
+    container has started; then each starts with its own limits."""
+    k = cluster.k8s
+    node = cluster.node("amb-4", [A100_40])
+    k.create_pod(
+        "first",
+        init_containers=[gpu_container("warm", gpus=1, gpumem=3000, gpucores=30)],
+        containers=[gpu_container("main")],
+    )
+    assert k.wait_bound("first") == "amb-4"
+    k.create_pod(
+        "second",
+        init_containers=[gpu_container("warm", gpus=1, gpumem=2000, gpucores=20)],
+        containers=[gpu_container("main")],
+    )
+    waiting = k.wait_pod(
+        "second",
+        lambda p: "waits for pod" in (scheduling_message(p) or "") or bool(p.spec.node_name),
+        timeout=150,
+        what="the extender's reason or a binding",
+    )
+    assert not waiting.spec.node_name, "bound beside the first pod's unstarted init container"
+    message = scheduling_message(waiting) or ""
+    assert f"waits for pod {k.namespace}/first on amb-4 to start its container warm" in message
+    _, resps = node.admit(k.read_pod("first"))
+    assert "CUDA_DEVICE_MEMORY_LIMIT=3000m\n" in limits_file(resps["warm"]).read_text()
+    assert k.wait_bound("second", timeout=120) == "amb-4"
+    _, resps = node.admit(k.read_pod("second"))
+    text = limits_file(resps["warm"]).read_text()
+    assert f"pod {k.namespace}/second, container warm" in text
+    assert "CUDA_DEVICE_MEMORY_LIMIT=2000m\n" in text

@@ -215,6 +215,52 @@ def test_an_init_container_not_started_counts(ext: tuple[Extender, Pods]) -> Non
     assert "waits for pod default/a on n0 to start its container main" in error, error
 
 
+def warm_pod(name: str, gpumem: int, app_gpu: bool = False) -> dict[str, Any]:
+    """A pod whose plain init container has a GPU; its app container too
+    (the same count: kubelet hands it the init container's devices) only
+    with app_gpu."""
+    main = ctr("main", gpu=1, gpumem=1000, gpucores=10) if app_gpu else ctr("main")
+    return pod(name, main, init=[ctr("warm", gpu=1, gpumem=gpumem, gpucores=20)])
+
+
+def test_init_containers_on_one_gpu_with_other_limits_wait(ext: tuple[Extender, Pods]) -> None:
+    """PodResources lists no plain init container: the device plugin knows
+    one whose devices go to no listed container only by its preference, so
+    two of different pods, on one GPU, with other limits, both not started,
+    would have both starts refused at every retry.  The second waits for
+    the first's to start; filter leaves the node out naming it."""
+    e, pods = ext
+    assert bind(e, pods, warm_pod("a", 3000)) == ""
+    error = bind(e, pods, warm_pod("b", 2000))
+    assert error.startswith(
+        "gpuvisor: bind default/b to n0: waits for pod default/a on n0 to start its container "
+        "warm: both pods have an init container on "
+    ), error
+    assert "\n" not in error
+    assert "nodeName" not in pods.docs["b"]["spec"]
+    assert "default/b" not in e.state.held
+    b = warm_pod("b", 2000)
+    b["metadata"]["uid"] = "uid-b"
+    out = e.filter({"Pod": b, "NodeNames": ["n0"]})
+    assert out["NodeNames"] == []
+    assert "waits for pod default/a on n0 to start its container warm" in out["FailedNodes"]["n0"]
+    start(e, pods, "a", "warm", phase="Pending")
+    assert e.filter({"Pod": b, "NodeNames": ["n0"]})["NodeNames"] == ["n0"]
+    assert bind(e, pods, warm_pod("b", 2000)) == ""
+    assert gpus_of(pods, "a") == gpus_of(pods, "b")
+
+
+def test_init_containers_the_plugin_tells_apart_do_not_wait(ext: tuple[Extender, Pods]) -> None:
+    """The same limits (whichever pod the plugin takes a start for, it
+    writes the right limits), or an init container whose devices kubelet
+    hands to an app container PodResources lists: no wait."""
+    e, pods = ext
+    assert bind(e, pods, warm_pod("a", 3000)) == ""
+    assert bind(e, pods, warm_pod("twin", 3000)) == ""
+    assert bind(e, pods, warm_pod("listed", 2000, app_gpu=True)) == ""
+    assert gpus_of(pods, "a")[0] == gpus_of(pods, "twin")[0] == gpus_of(pods, "listed")[0]
+
+
 def test_took_checks_under_its_lock(ext: tuple[Extender, Pods]) -> None:
     """Two decisions made before either commits (concurrent binds): the
     second to commit is refused, as the check and the commit are one step."""

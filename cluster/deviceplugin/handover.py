@@ -22,22 +22,47 @@ container each of those Allocate calls was for."""
 
 from __future__ import annotations
 
-from .grant import ContainerGrant, PodGrant
+from collections.abc import Sequence, Sized
+from typing import Protocol, TypeVar
 
 
-def kubelet_order(grant: PodGrant) -> list[ContainerGrant]:
+class KubeletContainer(Protocol):
+    """What kubelet's hand-over depends on: a record's container as the
+    device plugin reads it (grant.ContainerGrant) or as the allocator
+    writes it (gpuvisor.cluster.allocation.ContainerGrant)."""
+
+    @property
+    def name(self) -> str: ...
+    @property
+    def init(self) -> bool: ...
+    @property
+    def plain_init(self) -> bool: ...
+    @property
+    def gpus(self) -> Sized: ...
+
+
+C = TypeVar("C", bound=KubeletContainer)
+C_co = TypeVar("C_co", bound=KubeletContainer, covariant=True)
+
+
+class KubeletPod(Protocol[C_co]):
+    @property
+    def containers(self) -> Sequence[C_co]: ...
+
+
+def kubelet_order(grant: KubeletPod[C]) -> list[C]:
     """The pod's containers with GPUs, in the order kubelet allocates them
     (the record lists init containers in the pod's order: within.py)."""
     cs = [c for c in grant.containers if c.gpus]
     return [c for c in cs if c.init] + [c for c in cs if not c.init]
 
 
-def heirs(grant: PodGrant) -> dict[str, ContainerGrant]:
+def heirs(grant: KubeletPod[C]) -> dict[str, C]:
     """Each plain init container with GPUs -> the container kubelet hands
     its devices to: the next sidecar or app container with GPUs in
     kubelet's order (the plain init containers between take the pool and
     put it back); absent when none follows."""
-    out: dict[str, ContainerGrant] = {}
+    out: dict[str, C] = {}
     waiting: list[str] = []  # plain init containers whose devices are in the pool
     for c in kubelet_order(grant):
         if c.plain_init:
@@ -48,7 +73,7 @@ def heirs(grant: PodGrant) -> dict[str, ContainerGrant]:
     return out
 
 
-def sharing(grant: PodGrant, container: str) -> list[str] | None:
+def sharing(grant: KubeletPod[C], container: str) -> list[str] | None:
     """The containers kubelet gives exactly the device IDs it gives
     container (container among them), in kubelet's order; None when the
     counts alone do not determine which IDs kubelet gives each container
@@ -71,3 +96,15 @@ def sharing(grant: PodGrant, container: str) -> list[str] | None:
     if mine is None:
         return None
     return [c.name for c in order if ids[c.name] == mine]
+
+
+def unlisted(grant: KubeletPod[C], container: str) -> bool:
+    """Whether the plain init container's devices are those of no container
+    kubelet's PodResources lists (no sidecar or app container after it gets
+    exactly its device IDs, or which IDs is not known): the device plugin
+    then knows it only by its own preference."""
+    group = sharing(grant, container)
+    if group is None:
+        return True
+    kinds = {c.name: c for c in grant.containers}
+    return all(kinds[name].plain_init for name in group)

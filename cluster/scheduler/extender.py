@@ -298,6 +298,14 @@ class Extender:
                 f"{len(gpus)}-GPU container on GPUs this pod cannot get, and the device "
                 "plugin cannot tell which of the two kubelet admits first"
             )
+        if why is None and any(c.plain_init and c.count for c in req.containers):
+            # an init container the device plugin could not tell from
+            # another pod's (ClusterState._init_rival)
+            own = self._decide(req, [n], False)
+            if own.node == n and own.allocation is not None:
+                rival = self.state.init_rival(own.allocation)
+                if rival is not None:
+                    why, blocker = str(rival), rival.blocker
         if len(verdicts) >= VERDICTS_PER_SHAPE:
             verdicts.clear()  # nodes gone, or more than a cluster's worth
         verdicts[n] = (st, version, epoch, why, blocker)

@@ -31,6 +31,7 @@ from typing import Any
 
 from gpuvisor.cluster.allocation import ANNOTATION, Allocation, ContainerGrant, load_allocation
 from gpuvisor.cluster.allocator import Allocator, Config, Conflict, Decision
+from gpuvisor.cluster.deviceplugin.handover import unlisted
 from gpuvisor.cluster.deviceplugin.publish import NODE_INVENTORY
 from gpuvisor.cluster.deviceplugin.within import beyond_request
 from gpuvisor.cluster.inventory_model import DocumentError, Inventory, load_inventory
@@ -82,9 +83,12 @@ class Ambiguous(RuntimeError):
     `gpus`: the GPU sets (UUIDs) of the other pods' containers it clashes
     with, so that bind may try again on exactly those."""
 
-    def __init__(self, message: str, gpus: set[frozenset[str]]) -> None:
+    def __init__(
+        self, message: str, gpus: set[frozenset[str]], blocker: tuple[str, str] | None = None
+    ) -> None:
         super().__init__(message)
         self.gpus = gpus
+        self.blocker = blocker  # the (pod, container) it waits for, where one
 
 
 def started_containers(pod: Any) -> frozenset[str]:
@@ -107,6 +111,21 @@ def started_containers(pod: Any) -> frozenset[str]:
 
 def _signature(c: ContainerGrant) -> tuple[int, frozenset[str]]:
     return len(c.gpus), frozenset(g.uuid for g in c.gpus)
+
+
+def _limits(c: ContainerGrant) -> tuple[object, ...]:
+    """What the device plugin writes into the limits file of a container
+    on these GPUs, beside its pod's and its own name."""
+    gpus = sorted(((g.uuid, g.memory_mib, g.cores, g.mig) for g in c.gpus), key=lambda t: t[0])
+    return tuple(gpus), c.sm_policy, c.priority
+
+
+def _unlisted_inits(allocation: Allocation) -> list[ContainerGrant]:
+    """The plain init containers with GPUs whose devices kubelet lists for
+    no container in PodResources (handover.unlisted)."""
+    return [
+        c for c in allocation.containers if c.gpus and c.plain_init and unlisted(allocation, c.name)
+    ]
 
 
 class ClusterState:
@@ -378,7 +397,15 @@ class ClusterState:
         refused.  The placement is ambiguous if one of its containers has as
         many GPUs as a container of another pod held on the node whose
         containers kubelet has not started (phase Pending, that container
-        not running), but not the same GPUs.  Call with `lock` held."""
+        not running), but not the same GPUs.  Call with `lock` held.
+
+        It is also ambiguous if it has a plain init container that kubelet
+        lists for no container (`_init_rival`) on the GPUs of such an init
+        container of another pod, not started, with other limits: that is
+        not decided again elsewhere (the pod waits)."""
+        rival = self._init_rival(allocation)
+        if rival is not None:
+            return rival
         mine = {_signature(c) for c in allocation.containers if c.gpus}
         counts = {n for n, _ in mine}
         clashes = [
@@ -398,6 +425,41 @@ class ClusterState:
             "and the device plugin cannot tell which of the two kubelet admits first"
         )
         return Ambiguous(message, {_signature(c)[1] for _, c in clashes})
+
+    def _init_rival(self, allocation: Allocation) -> Ambiguous | None:
+        """kubelet's PodResources lists no plain init container, so the
+        device plugin knows one whose devices go to no listed container
+        only by its own preference, and kubelet may admit pods in another
+        order than it preferred.  With two such init containers of
+        different pods bound to the node, on the same GPUs, with other
+        limits, and neither started, it cannot tell whose limits a start is
+        for and refuses both starts, again at every retry: neither pod ever
+        started.  So such a placement waits for the other pod's init
+        container to start.  With `lock` held."""
+        mine = _unlisted_inits(allocation)
+        if not mine:
+            return None
+        counts = {len(c.gpus) for c in mine}
+        for other, c in self._unstarted(allocation.node, counts, allocation.pod):
+            if not c.plain_init or not unlisted(other, c.name):
+                continue
+            for m in mine:
+                if _signature(m) != _signature(c) or _limits(m) == _limits(c):
+                    continue
+                gpus = ",".join(sorted(_signature(c)[1]))
+                message = (
+                    f"waits for pod {other.pod} on {allocation.node} to start its container "
+                    f"{c.name}: both pods have an init container on {gpus} with other limits "
+                    "that kubelet's PodResources lists for neither, so the device plugin "
+                    "cannot tell whose start kubelet asks for"
+                )
+                return Ambiguous(message, set(), (other.pod, c.name))
+        return None
+
+    def init_rival(self, allocation: Allocation) -> Ambiguous | None:
+        """`_init_rival`, taking `lock`."""
+        with self.lock:
+            return self._init_rival(allocation)
 
     def _unstarted(
         self, node: str, counts: set[int], pod: str
