@@ -52,24 +52,13 @@ def test_an_init_container_after_a_sidecar_runs_beside_it(stack: Stack) -> None:
     container; declared the other way round, the pod fits."""
     k = stack.k8s
     stack.inventory_node("sc-2", ["NVIDIA A100-SXM4-40GB"])
-    k.create_pod(
-        "after",
-        init_containers=[
-            sidecar("proxy", gpus=1, gpumem=15000),
-            gpu_container("setup", gpus=1, gpumem=30000),
-        ],
-        containers=[gpu_container("main", gpus=1, gpumem=1000)],
-    )
+    setup = gpu_container("setup", gpus=1, gpumem=30000)
+    proxy = sidecar("proxy", gpus=1, gpumem=15000)
+    main = gpu_container("main", gpus=1, gpumem=1000)
+    k.create_pod("after", init_containers=[proxy, setup], containers=[main])
     why = k.wait_unschedulable("after")
     assert "container setup" in why, why
-    k.create_pod(
-        "before",
-        init_containers=[
-            gpu_container("setup", gpus=1, gpumem=30000),
-            sidecar("proxy", gpus=1, gpumem=15000),
-        ],
-        containers=[gpu_container("main", gpus=1, gpumem=1000)],
-    )
+    k.create_pod("before", init_containers=[setup, proxy], containers=[main])
     assert k.wait_bound("before") == "sc-2"
     doc = allocation_of(k.read_pod("before"))
     assert [c.get("sidecar", False) for c in doc["containers"]] == [False, True, False]
