@@ -298,7 +298,8 @@ class Extender:
                 f"{len(gpus)}-GPU container on GPUs this pod cannot get, and the device "
                 "plugin cannot tell which of the two kubelet admits first"
             )
-        if why is None and any(c.plain_init and c.count for c in req.containers):
+        inits = {c.count for c in req.containers if c.plain_init and c.count}
+        if why is None and inits and self.state.unlisted_inits_on(n, inits, req.name):
             # an init container the device plugin could not tell from
             # another pod's (ClusterState._init_rival)
             own = self._decide(req, [n], False)

@@ -461,6 +461,16 @@ class ClusterState:
         with self.lock:
             return self._init_rival(allocation)
 
+    def unlisted_inits_on(self, node: str, counts: set[int], pod: str) -> bool:
+        """Whether a pod other than `pod` held on node has a plain init
+        container with a GPU count in `counts`, not started, that
+        `_init_rival` could clash with (a look without a decision)."""
+        with self.lock:
+            return any(
+                c.plain_init and unlisted(other, c.name)
+                for other, c in self._unstarted(node, counts, pod)
+            )
+
     def _unstarted(
         self, node: str, counts: set[int], pod: str
     ) -> list[tuple[Allocation, ContainerGrant]]:
