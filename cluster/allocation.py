@@ -140,10 +140,13 @@ def load_allocation(doc: Any, path: str = "allocation", node: str | None = None)
     where = m.get("node", node)
     if node is not None and where != node:
         raise fail(f"{path}.node", f"expected {node!r} (the node it is listed under)", where)
-    containers = []
+    containers: list[ContainerGrant] = []
     for i, c in enumerate(seq(m.get("containers"), f"{path}.containers")):
         cp = f"{path}.containers[{i}]"
         cm: Mapping[str, Any] = obj(c, cp)
+        name = string(cm.get("name"), f"{cp}.name")
+        if any(other.name == name for other in containers):
+            raise fail(f"{cp}.name", "listed twice (a pod's container names are unique)", name)
         gpus = []
         for j, g in enumerate(seq(cm.get("gpus", []), f"{cp}.gpus")):
             gp = f"{cp}.gpus[{j}]"
@@ -164,7 +167,7 @@ def load_allocation(doc: Any, path: str = "allocation", node: str | None = None)
             raise fail(f"{cp}.sidecar", "a sidecar is an init container (init: true)", sidecar)
         containers.append(
             ContainerGrant(
-                name=string(cm.get("name"), f"{cp}.name"),
+                name=name,
                 init=init,
                 gpus=tuple(gpus),
                 sm_policy=cm.get("sm_policy") if isinstance(cm.get("sm_policy"), str) else None,

@@ -16,6 +16,7 @@ import yaml
 from click.testing import CliRunner
 from gpuvisor.cluster.allocation import load_allocation
 from gpuvisor.cluster.allocator import Allocator
+from gpuvisor.cluster.deviceplugin.grant import GrantError, parse_grant
 from gpuvisor.cluster.inventory_model import DocumentError
 from gpuvisor.cluster.request import ContainerKind, pod_request
 from gpuvisor.supervisor.cli import main
@@ -250,3 +251,19 @@ def test_gpuvisor_place_shows_the_sidecar(tmp_path):
         ("proxy", True, True),
         ("main", False, False),
     ]
+
+
+def test_a_record_that_lists_a_container_twice_is_refused():
+    """Container names are unique in a pod; a record listing one twice (a
+    forged one) could give it two grants: both readers refuse it."""
+    a = Allocator.from_cluster(one_gpu())
+    d = place(a, "x", ctr("app", gpu=1, gpumem=1000))
+    record = d.allocation.to_json()
+    record["containers"].append(dict(record["containers"][0]))
+    with pytest.raises(DocumentError) as e:
+        load_allocation(record)
+    assert "containers[1].name: listed twice" in str(e.value)
+    with pytest.raises(GrantError) as g:
+        parse_grant(json.dumps(record))
+    assert "containers[1].name=" in str(g.value)
+    assert "listed twice" in str(g.value)

@@ -103,7 +103,7 @@ def parse_grant(text: str) -> PodGrant:
     except json.JSONDecodeError as exc:
         raise GrantError(f"{ANNOTATION}: not JSON ({exc.msg} at {exc.pos})") from None
     m = _obj(doc, "allocation")
-    containers = []
+    containers: list[ContainerGrant] = []
     for i, c in enumerate(_list(m.get("containers"), "containers")):
         cp = f"containers[{i}]"
         cm = _obj(c, cp)
@@ -136,7 +136,8 @@ def parse_grant(text: str) -> PodGrant:
             raise _bad(f"{cp}.sidecar", "must be true or false", sidecar)
         if sidecar and not init:
             raise _bad(f"{cp}.sidecar", "a sidecar is an init container (init: true)", sidecar)
-        containers.append(
-            ContainerGrant(_str(cm, "name", cp), tuple(gpus), init, policy, priority, sidecar)
-        )
+        name = _str(cm, "name", cp)
+        if any(other.name == name for other in containers):
+            raise _bad(f"{cp}.name", "listed twice (a pod's container names are unique)", name)
+        containers.append(ContainerGrant(name, tuple(gpus), init, policy, priority, sidecar))
     return PodGrant(_str(m, "pod", "allocation"), _str(m, "node", "allocation"), tuple(containers))
