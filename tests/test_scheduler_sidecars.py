@@ -62,3 +62,32 @@ def test_an_init_container_after_a_sidecar_runs_beside_it(stack: Stack) -> None:
     assert k.wait_bound("before") == "sc-2"
     doc = allocation_of(k.read_pod("before"))
     assert [c.get("sidecar", False) for c in doc["containers"]] == [False, True, False]
+
+
+def test_a_sidecar_pod_starts_each_container_with_its_own_limits(stack: Stack) -> None:
+    """From kube-scheduler through the extender to the device plugin and
+    kubelet's side (the harness, handing devices on as kubelet does): a
+    plain init container, then a sidecar (which takes the init container's
+    devices), then the app container; each runs with its own memory and
+    SM limit."""
+    k = stack.k8s
+    node = stack.plugin_node("sc-3")
+    k.create_pod(
+        "mesh",
+        init_containers=[
+            gpu_container("fetch", gpus=1, gpumem=1000, gpucores=10),
+            sidecar("proxy", gpus=1, gpumem=2000, gpucores=20),
+        ],
+        containers=[gpu_container("main", gpus=1, gpumem=3000, gpucores=30)],
+    )
+    assert k.wait_bound("mesh") == "sc-3"
+    pod = k.read_pod("mesh")
+    doc = allocation_of(pod)
+    (fetch,) = gpus_of_container(doc, "fetch")
+    (proxy,) = gpus_of_container(doc, "proxy")
+    assert fetch["uuid"] == proxy["uuid"]  # kubelet hands fetch's devices to proxy
+    _, resps = node.admit(pod)
+    for name, mib, cores in (("fetch", 1000, "10"), ("proxy", 2000, "20"), ("main", 3000, "30")):
+        (g,) = gpus_of_container(doc, name)
+        assert node.probe(resps[name]) == {"init": 0, "uuids": [g["uuid"]], "mib": [mib]}, name
+        assert e2e.sm_limit(resps[name]) == cores, name
