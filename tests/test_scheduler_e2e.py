@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import ssl
 import subprocess
 import tempfile
@@ -53,6 +54,7 @@ from tests.test_deviceplugin_mig import INSTANCES as MIG_INSTANCES
 from tests.test_deviceplugin_mig import MIG_PROBE
 
 EXTENDER_START = 60.0  # seconds: the Kubernetes client's import on a loaded machine
+PORT_TRIES = 5  # starts of the extender on new ports when one was taken meanwhile
 
 LIST_GPUS = """
 import json
@@ -110,12 +112,27 @@ class Extender:
         self.port = free_port()
         self.metrics_port = free_port()
         self.proc: subprocess.Popen[bytes] | None = None
+        self.served = False  # it answered once: kube-scheduler may know its port
 
     @property
     def url(self) -> str:
         return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
 
     def start(self) -> None:
+        """Starts it and waits until it answers.  free_port's ports may be
+        taken by another process before the extender binds them (a CI run
+        lost a test to `address already in use` on the metrics port): until
+        it has served once, it starts again on new ports, up to PORT_TRIES
+        times; a restart keeps its ports (kube-scheduler knows them)."""
+        for _ in range(PORT_TRIES):
+            if self._start():
+                self.served = True
+                return
+            self.port, self.metrics_port = free_port(), free_port()
+        pytest.fail(f"gpuvisor scheduler: its ports were taken {PORT_TRIES} times in a row")
+
+    def _start(self) -> bool:
+        """One start: True once it answers, False if a port was taken."""
         argv = [
             *GPUVISOR,
             "scheduler",
@@ -131,19 +148,23 @@ class Extender:
             env["GPUVISOR_SCHEDULER_TLS_KEY"] = str(self.tls.key)
             context = self.tls.client_context()
         with open(self.log, "ab") as out:
+            before = out.tell()  # what earlier starts wrote
             self.proc = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env
             )
         deadline = time.monotonic() + EXTENDER_START
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                pytest.fail(f"gpuvisor scheduler exited: {self.log.read_text()[-3000:]}")
+                tail = self.log.read_bytes()[before:].decode(errors="replace")[-3000:]
+                if "address already in use" in tail and not self.served:
+                    return False
+                pytest.fail(f"gpuvisor scheduler exited: {tail}")
             url = f"{self.url}/healthz"
             with (
                 contextlib.suppress(OSError),
                 urllib.request.urlopen(url, timeout=2, context=context),
             ):
-                return
+                return True
             time.sleep(0.1)
         pytest.fail(f"gpuvisor scheduler not ready: {self.log.read_text()[-3000:]}")
 
@@ -795,3 +816,23 @@ def test_a_mig_pod_with_an_init_container(stack: Stack) -> None:
         name = f"NVIDIA A100-SXM4-40GB MIG {g['mig']['profile']}"
         assert json.loads(proc.stdout) == [[name, mig_uuid, g["memory_mib"]]]
     assert len(made) == 2
+
+
+def test_the_extender_moves_to_other_ports_when_one_was_taken(
+    k8s: KubeTest, tmp_path: Path
+) -> None:
+    """The harness itself: free_port's port can be taken before the
+    extender binds it (a CI run lost a test to `address already in use`).
+    A first start moves to other ports; the extender then serves there."""
+    ext = Extender(k8s.cluster.kubeconfig, tmp_path / "extender.log")
+    taken = ext.metrics_port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("0.0.0.0", taken))
+        s.listen()
+        try:
+            ext.start()
+            assert ext.metrics_port != taken
+            assert "address already in use" in (tmp_path / "extender.log").read_text()
+            assert "gpuvisor_scheduler" in ext.metrics()
+        finally:
+            ext.stop()
