@@ -265,6 +265,16 @@ class Stack:
         wait_for(lambda: NODE_INVENTORY in (core.read_node(name).metadata.annotations or {}))
         return node
 
+    def placed(
+        self, name: str, node: str, **kwargs: Any
+    ) -> tuple[kubernetes.client.V1Pod, dict[str, Any]]:
+        """Creates the pod (`KubeTest.create_pod`'s arguments), waits until it
+        is bound to node; the pod and its allocation record."""
+        self.k8s.create_pod(name, **kwargs)
+        assert self.k8s.wait_bound(name) == node
+        pod = self.k8s.read_pod(name)
+        return pod, allocation_of(pod)
+
     def inventory_node(
         self, name: str, models: Sequence[str], links: Sequence[Sequence[str]] | None = None
     ) -> list[str]:
@@ -394,14 +404,12 @@ def test_an_init_containers_gpu_is_charged_once_with_the_app_containers(stack: S
     k = stack.k8s
     node = stack.plugin_node("sx-init")
     assert {g.memory_mib for g in node.gpus} == {16384}
-    k.create_pod(
+    pod, doc = stack.placed(
         "warm",
+        "sx-init",
         init_containers=[gpu_container("setup", gpus=1, gpumem=9000, gpucores=20)],
         containers=[gpu_container("main", gpus=1, gpumem=6000, gpucores=50)],
     )
-    assert k.wait_bound("warm") == "sx-init"
-    pod = k.read_pod("warm")
-    doc = allocation_of(pod)
     (setup,) = gpus_of_container(doc, "setup")
     (main,) = gpus_of_container(doc, "main")
     assert setup["uuid"] == main["uuid"]

@@ -70,19 +70,16 @@ def test_a_sidecar_pod_starts_each_container_with_its_own_limits(stack: Stack) -
     plain init container, then a sidecar (which takes the init container's
     devices), then the app container; each runs with its own memory and
     SM limit."""
-    k = stack.k8s
     node = stack.plugin_node("sc-3")
-    k.create_pod(
+    pod, doc = stack.placed(
         "mesh",
+        "sc-3",
         init_containers=[
             gpu_container("fetch", gpus=1, gpumem=1000, gpucores=10),
             sidecar("proxy", gpus=1, gpumem=2000, gpucores=20),
         ],
         containers=[gpu_container("main", gpus=1, gpumem=3000, gpucores=30)],
     )
-    assert k.wait_bound("mesh") == "sc-3"
-    pod = k.read_pod("mesh")
-    doc = allocation_of(pod)
     (fetch,) = gpus_of_container(doc, "fetch")
     (proxy,) = gpus_of_container(doc, "proxy")
     assert fetch["uuid"] == proxy["uuid"]  # kubelet hands fetch's devices to proxy
